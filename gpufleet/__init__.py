@@ -1,0 +1,1 @@
+"""gpufleet: vLLM serving fleets on bare-metal NVIDIA GPU servers, built with pyinfra."""
