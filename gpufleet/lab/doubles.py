@@ -1,0 +1,79 @@
+"""Call points for the lab's doubles that live in their own modules, imported only when used.
+
+- ``gpufleet.lab.nvml_sim.build_library(out_dir) -> Path``: the simulated ``libnvidia-ml.so.1``;
+- ``gpufleet.lab.sim_profile.write_sim_profile(path, profile_name, faults=())``: the node's hardware;
+- ``gpufleet.lab.mirror.start(bridge_address)`` / ``stop()``: the apt and wheel mirror on the bridge.
+
+When a module is missing, its step is skipped with a warning and the lab still comes up.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+from types import ModuleType
+
+log = logging.getLogger(__name__)
+
+NVML_LIBRARY = "libnvidia-ml.so.1"
+SIM_PROFILE_PATH = "etc/gpufleet/nvml-sim-profile"
+
+
+def _optional(name: str) -> ModuleType | None:
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name != name:
+            raise
+        log.warning("%s is not available; skipping that lab step", name)
+        return None
+
+
+def multiarch_libdir() -> str:
+    """Debian's library directory for this machine, e.g. ``usr/lib/x86_64-linux-gnu``."""
+    machine = platform.machine()
+    triplet = {"x86_64": "x86_64-linux-gnu", "aarch64": "aarch64-linux-gnu"}.get(machine, f"{machine}-linux-gnu")
+    return f"usr/lib/{triplet}"
+
+
+def build_nvml_library(out_dir: Path) -> Path | None:
+    """Build the simulated NVML library once for all nodes; None when the simulator is absent."""
+    sim = _optional("gpufleet.lab.nvml_sim")
+    if sim is None:
+        return None
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return Path(sim.build_library(out_dir))
+
+
+def install_nvml(root: Path, library: Path | None, profile: str) -> None:
+    """Put the node's hardware profile and the simulated ``libnvidia-ml.so.1`` into its rootfs."""
+    profiles = _optional("gpufleet.lab.sim_profile")
+    if profiles is not None:
+        path = root / SIM_PROFILE_PATH
+        path.parent.mkdir(parents=True, exist_ok=True)
+        profiles.write_sim_profile(path, profile)
+    if library is not None:
+        dest = root / multiarch_libdir() / NVML_LIBRARY
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(library, dest)
+        dest.chmod(0o755)
+        subprocess.run(["ldconfig", "-r", str(root)], capture_output=True, check=False)
+
+
+def start_mirror(bridge_address: str) -> bool:
+    """Start the lab mirror on the bridge address; False when there is no mirror module."""
+    mirror = _optional("gpufleet.lab.mirror")
+    if mirror is None:
+        return False
+    mirror.start(bridge_address)
+    return True
+
+
+def stop_mirror() -> None:
+    mirror = _optional("gpufleet.lab.mirror")
+    if mirror is not None:
+        mirror.stop()

@@ -1,0 +1,254 @@
+"""Bring the lab's nodes up, report on them, take them down.
+
+``up`` builds (or reuses) the cached base rootfs, creates the bridge, gives every node an overlay
+of the base with its own identity, boots each with ``systemd-nspawn -b`` and waits until systemd
+reports ``running`` (or ``degraded``) over SSH. ``down`` stops only the processes ``up`` recorded,
+unmounts and deletes what it created and removes the bridge. A failed ``up`` takes down what it
+had started before raising.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import paramiko
+
+from gpufleet.hardware_profiles import ProfileError, parse_profile
+from gpufleet.lab import container, doubles, network, preflight, rootfs, ssh
+from gpufleet.lab.errors import LabError
+from gpufleet.lab.node_files import write_node_files
+from gpufleet.lab.state import (
+    LabState,
+    NodeRecord,
+    cache_dir,
+    lab_dir,
+    load_state,
+    locked,
+    remove_state,
+    save_state,
+    ssh_key_path,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PROFILE = "8xH100-SXM"
+READY_STATES = ("running", "degraded")
+BOOT_TIMEOUT_S = 120.0
+STOP_TIMEOUT_S = 30.0
+
+
+def node_names(count: int) -> list[str]:
+    return [f"lab{i}" for i in range(1, count + 1)]
+
+
+def resolve_profiles(count: int, profiles: list[str] | None) -> list[str]:
+    """One profile per node: none given means the default for all, one means that one for all."""
+    chosen = list(profiles or [DEFAULT_PROFILE])
+    if len(chosen) == 1:
+        chosen *= count
+    if len(chosen) != count:
+        raise LabError(f"give one --profile for all nodes or one per node: {count} nodes, {len(chosen)} profiles")
+    for name in chosen:
+        try:
+            parse_profile(name)
+        except ProfileError as exc:
+            raise LabError(str(exc)) from None
+    return chosen
+
+
+def up(
+    nodes: int = 3,
+    profiles: list[str] | None = None,
+    subnet: str = network.DEFAULT_SUBNET,
+    *,
+    bridge: str = network.DEFAULT_BRIDGE,
+    base: Path | None = None,
+    root_mode: rootfs.RootMode = "overlay",
+    start_mirror: bool = True,
+    timeout: float = BOOT_TIMEOUT_S,
+) -> LabState:
+    """Boot ``nodes`` lab nodes and return the lab's state once every node answers over SSH."""
+    preflight.require()
+    if nodes < 1:
+        raise LabError(f"--nodes must be at least 1, found {nodes}")
+    chosen = resolve_profiles(nodes, profiles)
+    net = network.parse_subnet(subnet)
+    addresses = network.node_addresses(net, nodes)
+    directory = base or lab_dir()
+    with locked(directory):
+        previous = load_state(directory)
+        if previous is not None:
+            if any(container.alive(n.nspawn) for n in previous.nodes):
+                raise LabError(f"a lab of {len(previous.nodes)} nodes is already up; run `gpufleet lab down` first")
+            log.warning("cleaning up a lab that is no longer running")
+            _teardown(previous, directory)
+        network.check_subnet_free(net, bridge)
+        base_root = rootfs.ensure_base(cache_dir())
+        key = ssh.ensure_key(ssh_key_path(directory))
+        state = LabState(
+            subnet=str(net), bridge=bridge, bridge_address=str(network.bridge_address(net)),
+            ssh_key=str(key), base_rootfs=str(base_root),
+        )
+        save_state(state, directory)
+        try:
+            _start(state, directory, chosen, addresses, net, root_mode, start_mirror, timeout)
+        except BaseException:
+            _teardown(state, directory)
+            raise
+        return state
+
+
+def _start(
+    state: LabState,
+    directory: Path,
+    profiles: list[str],
+    addresses: list[ipaddress.IPv4Address],
+    net: ipaddress.IPv4Network,
+    root_mode: rootfs.RootMode,
+    start_mirror: bool,
+    timeout: float,
+) -> None:
+    network.create_bridge(state.bridge, net)
+    state.bridge_created = True
+    save_state(state, directory)
+    if start_mirror:
+        # The apt/wheel mirror listens on the bridge address; nodes reach nothing else.
+        state.mirror_started = doubles.start_mirror(state.bridge_address)
+        save_state(state, directory)
+    library = doubles.build_nvml_library(directory / "nvml-sim")
+    names = node_names(len(profiles))
+    lab_nodes = dict(zip(names, addresses, strict=True))
+    public_key = Path(state.ssh_key).with_suffix(".pub").read_text()
+    for name, address, profile in zip(names, addresses, profiles, strict=True):
+        node_dir = directory / "nodes" / name
+        node = NodeRecord(name=name, machine=f"{state.bridge}-{name}", address=str(address), profile=profile,
+                          node_dir=str(node_dir), root=str(node_dir / "root"))
+        state.nodes.append(node)
+        prepared = rootfs.prepare_node_root(Path(state.base_rootfs), node_dir, root_mode)
+        node.mounted = prepared.mounted
+        save_state(state, directory)
+        write_node_files(prepared.root, name, address, net, lab_nodes, public_key)
+        doubles.install_nvml(prepared.root, library, profile)
+        node.nspawn = container.start(prepared.root, node.machine, name, state.bridge, node_dir / "console.log")
+        save_state(state, directory)
+    for node in state.nodes:
+        assert node.nspawn is not None
+        node.leader = container.find_leader(node.nspawn)
+    save_state(state, directory)
+    key = Path(state.ssh_key)
+    with ThreadPoolExecutor(max_workers=len(state.nodes)) as pool:
+        list(pool.map(lambda n: _wait_ready(n, key, timeout), state.nodes))
+
+
+def _wait_ready(node: NodeRecord, key: Path, timeout: float) -> None:
+    """Wait until the node's systemd says running/degraded over SSH; raise with the console's tail if not."""
+    deadline = time.monotonic() + timeout
+    last = "no answer on port 22"
+    while time.monotonic() < deadline:
+        if not container.alive(node.nspawn):
+            raise LabError(f"{node.name} stopped while booting: {_console_tail(node)}")
+        if ssh.port_answers(node.address):
+            try:
+                _, out = ssh.run(node.address, key, "systemctl is-system-running")
+                last = out.strip() or last
+                if last in READY_STATES:
+                    if last == "degraded":
+                        _, failed = ssh.run(node.address, key, "systemctl --failed --plain --no-legend")
+                        log.warning("%s booted degraded; failed units: %s", node.name, failed.strip())
+                    return
+            except (OSError, paramiko.SSHException) as exc:
+                last = f"ssh: {exc}"
+        time.sleep(0.25)
+    raise LabError(f"{node.name} ({node.address}) not ready after {timeout:.0f} s ({last}): {_console_tail(node)}")
+
+
+def _console_tail(node: NodeRecord, lines: int = 3) -> str:
+    try:
+        text = (Path(node.node_dir) / "console.log").read_text(errors="replace")
+    except FileNotFoundError:
+        return "no console log"
+    tail = [line.strip() for line in text.splitlines() if line.strip()][-lines:]
+    return " | ".join(tail) or "console empty"
+
+
+@dataclass(frozen=True)
+class NodeStatus:
+    """What ``status`` reports per node."""
+
+    name: str
+    address: str
+    profile: str
+    process_alive: bool
+    ssh_answers: bool
+
+    @property
+    def up(self) -> bool:
+        return self.process_alive and self.ssh_answers
+
+
+@dataclass(frozen=True)
+class LabStatus:
+    subnet: str
+    bridge: str
+    bridge_address: str
+    ssh_key: str
+    nodes: list[NodeStatus]
+
+
+def status(base: Path | None = None) -> LabStatus | None:
+    """The running lab's nodes and whether each is up; None when no lab is up."""
+    state = load_state(base or lab_dir())
+    if state is None:
+        return None
+    return LabStatus(
+        subnet=state.subnet, bridge=state.bridge, bridge_address=state.bridge_address, ssh_key=state.ssh_key,
+        nodes=[
+            NodeStatus(n.name, n.address, n.profile, container.alive(n.nspawn),
+                       container.alive(n.nspawn) and ssh.port_answers(n.address))
+            for n in state.nodes
+        ],
+    )
+
+
+def down(base: Path | None = None) -> LabState | None:
+    """Stop every node the lab started and remove its network and files; the state it took down, or None."""
+    preflight.require()
+    directory = base or lab_dir()
+    with locked(directory):
+        state = load_state(directory)
+        if state is None:
+            return None
+        _teardown(state, directory)
+        return state
+
+
+def _teardown(state: LabState, directory: Path) -> None:
+    """Undo ``up`` in reverse, from whatever the state recorded; safe to call on a half-built lab."""
+    running = [n for n in state.nodes if container.signal_process(n.nspawn, signal.SIGTERM)]
+    stuck = container.wait_gone([n.nspawn for n in running if n.nspawn], STOP_TIMEOUT_S)
+    if stuck:
+        log.warning("%d node(s) did not shut down in %.0f s; killing them", len(stuck), STOP_TIMEOUT_S)
+    for node in state.nodes:
+        if node.nspawn in stuck or container.alive(node.leader):
+            container.signal_process(node.leader, signal.SIGKILL)
+            container.signal_process(node.nspawn, signal.SIGKILL)
+    leftover = container.wait_gone([p for n in state.nodes for p in (n.nspawn, n.leader) if p], 10.0)
+    if leftover:
+        raise LabError(f"processes {', '.join(str(p.pid) for p in leftover)} survived SIGKILL; the lab is not down")
+    for node in state.nodes:
+        rootfs.release_node_root(Path(node.node_dir), Path(node.root), node.mounted)
+    if state.mirror_started:
+        doubles.stop_mirror()
+    if state.bridge_created:
+        network.delete_bridge(state.bridge)
+    remove_state(directory)
+    for name in ("nodes", "nvml-sim"):
+        path = directory / name
+        if path.is_dir() and not any(path.iterdir()):
+            path.rmdir()
