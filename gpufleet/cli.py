@@ -1,0 +1,157 @@
+"""The ``gpufleet`` command: check, plan and inspect a fleet before any host is touched."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import NoReturn
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from gpufleet.config.problems import EXIT_BAD_INPUT, ConfigError, exit_with
+from gpufleet.fleet import Fleet, load_fleet
+from gpufleet.gpu_facts import FactsError, NodeFacts, load_facts
+from gpufleet.hardware_profiles import ProfileError, profile_facts
+from gpufleet.model_arch import ModelConfigError, load_arch
+from gpufleet.model_memory import GIB, model_info
+from gpufleet.plan.planner import FleetPlan, plan_fleet
+
+
+def _fail(lines: list[str]) -> NoReturn:
+    for line in lines:
+        click.echo(line, err=True)
+    raise SystemExit(EXIT_BAD_INPUT)
+
+
+def _fleet(inventory: str) -> Fleet:
+    try:
+        return load_fleet(inventory)
+    except ConfigError as error:
+        exit_with(error)
+
+
+def fleet_facts(fleet: Fleet, facts_dir: Path | None) -> dict[str, NodeFacts]:
+    """Each host's GPU facts: probed JSON from ``facts_dir``, else its declared ``gpu_profile``."""
+    facts: dict[str, NodeFacts] = {}
+    problems: list[str] = []
+    for host in fleet.hosts:
+        cfg = fleet.configs[host]
+        try:
+            if facts_dir is not None:
+                facts[host] = load_facts(facts_dir / f"{host}.json")
+            elif cfg.gpu_profile:
+                facts[host] = profile_facts(cfg.gpu_profile, host)
+            else:
+                problems.append(f"{fleet.inventory}: gpu_profile: expected a hardware profile for {host}"
+                                " (or gpufleet plan --facts DIR), found null")
+        except (FactsError, ProfileError) as exc:
+            where = "" if facts_dir is not None else f"{fleet.inventory}: gpu_profile: "
+            problems.append(f"{where}{exc}")
+    if problems:
+        _fail(problems)
+    for host, node in facts.items():
+        if not node.nvml.available:
+            problems.append(f"{host}: no NVML on this node: {node.nvml.error}")
+    if problems:
+        _fail(problems)
+    return facts
+
+
+@click.group()
+@click.version_option(package_name="gpufleet")
+def main() -> None:
+    """Plan, provision and check vLLM serving fleets on NVIDIA GPU servers."""
+
+
+@main.command()
+@click.argument("inventory")
+def check(inventory: str) -> None:
+    """Validate an inventory and its group_vars; exit 0, or 2 with one line per problem."""
+    fleet = _fleet(inventory)
+    click.echo(f"{inventory}: {len(fleet.hosts)} hosts in {len(fleet.pools)} pools: configuration valid")
+
+
+def _print_table(plan: FleetPlan) -> None:
+    console = Console(width=160)
+    table = Table(title="gpufleet plan", show_lines=True)
+    for col in ("replica", "model", "nodes (role: GPUs)", "TP", "PP", "DP", "port", "weights/GPU",
+                "KV pool/GPU", "KV B/token/GPU", "seqs @ max len"):
+        table.add_column(col)
+    for r in plan.replicas:
+        nodes = "\n".join(f"{x.host} ({x.role}): {','.join(map(str, x.gpus))}" for x in r.roles)
+        table.add_row(r.name, f"{r.model}\nmax_model_len {r.max_model_len:,}", nodes, str(r.tp), str(r.pp),
+                      str(r.dp), str(r.port), f"{r.budget.weights_bytes_per_gpu / GIB:,.1f} GiB",
+                      f"{r.budget.kv_pool_bytes / GIB:,.1f} GiB", f"{r.kv_bytes_per_token:,}",
+                      f"{r.budget.max_concurrency * r.dp:,.1f}")
+    console.print(table)
+    for r in plan.replicas:
+        for role in r.roles:
+            for proc in role.processes:
+                env = " ".join(f"{k}={v}" for k, v in proc.env.items())
+                secrets = (f"  (+ {', '.join(r.secret_env)} from the 0600 EnvironmentFile)"
+                           if r.secret_env and proc.unit == "vllm" else "")
+                console.print(f"[bold]{r.name}[/bold] {role.host} {proc.unit}: {env} {' '.join(proc.argv)}{secrets}",
+                              soft_wrap=True, highlight=False)
+
+
+@main.command()
+@click.argument("inventory")
+@click.option("--facts", "facts_dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Directory of probed facts (<host>.json from `gpufleet probe`); default: declared gpu_profile.")
+@click.option("--json", "as_json", is_flag=True, help="Print the replicas as JSON.")
+def plan(inventory: str, facts_dir: Path | None, as_json: bool) -> None:
+    """Compute replicas: nodes, TP/PP/DP, GPU sets, ports, argv and env per node."""
+    fleet = _fleet(inventory)
+    result = plan_fleet(fleet, fleet_facts(fleet, facts_dir))
+    for warning in result.warnings:
+        click.echo(f"warning: {warning}", err=True)
+    if result.problems:
+        _fail(result.problems)
+    if as_json:
+        click.echo(json.dumps([r.to_json() for r in result.replicas], indent=2))
+    else:
+        _print_table(result)
+
+
+@main.command("model-info")
+@click.argument("config")
+@click.option("--kv-dtype", type=click.Choice(["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]), default="auto")
+@click.option("--dtype", "model_dtype", default="bfloat16", show_default=True, help="Model dtype for auto KV.")
+@click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--pp", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def model_info_command(config: str, kv_dtype: str, model_dtype: str, tp: int, pp: int, as_json: bool) -> None:
+    """Architecture and KV-cache size of a model (config.json, model directory or bundled name)."""
+    try:
+        info = model_info(load_arch(config), kv_dtype=kv_dtype, model_dtype=model_dtype, tp=tp, pp=pp)
+    except (ModelConfigError, ValueError) as exc:
+        _fail([str(exc)])
+    if as_json:
+        click.echo(json.dumps(info, indent=2))
+    else:
+        for key, value in info.items():
+            click.echo(f"{key}: {value:,}" if isinstance(value, int) and not isinstance(value, bool)
+                       else f"{key}: {value}")
+
+
+def _register_optional() -> None:
+    """Commands whose modules live beside this one."""
+    from gpufleet.cli_gpu import gate_command, probe_command
+    from gpufleet.cli_lab import lab_group
+
+    main.add_command(probe_command, "probe")
+    main.add_command(gate_command, "gate")
+    main.add_command(lab_group, "lab")
+
+
+try:
+    _register_optional()
+except ImportError:  # pragma: no cover - TEMPORARY during development
+    pass
+
+
+if __name__ == "__main__":
+    main()

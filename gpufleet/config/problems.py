@@ -1,0 +1,48 @@
+"""Configuration problems: one line each, ``file: key.path: what was expected, what was found``."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import NoReturn
+
+EXIT_BAD_INPUT = 2
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One bad value, where it came from, and the hosts it affects."""
+
+    source: str
+    key: str
+    message: str
+    hosts: tuple[str, ...] = field(default=(), compare=False)
+
+    def line(self) -> str:
+        where = f"{self.source}: {self.key}: " if self.key else f"{self.source}: "
+        suffix = f" (host{'s' if len(self.hosts) > 1 else ''} {', '.join(self.hosts)})" if self.hosts else ""
+        return f"{where}{self.message}{suffix}"
+
+
+class ConfigError(Exception):
+    """Raised with every problem found; the CLI and the deploys print them and exit 2."""
+
+    def __init__(self, problems: list[Problem]) -> None:
+        self.problems = merge_problems(problems)
+        super().__init__("\n".join(p.line() for p in self.problems))
+
+
+def merge_problems(problems: list[Problem]) -> list[Problem]:
+    """Fold identical problems of several hosts into one line, keeping first-seen order."""
+    merged: dict[tuple[str, str, str], list[str]] = {}
+    for p in problems:
+        hosts = merged.setdefault((p.source, p.key, p.message), [])
+        hosts.extend(h for h in p.hosts if h not in hosts)
+    return [Problem(s, k, m, tuple(h)) for (s, k, m), h in merged.items()]
+
+
+def exit_with(error: ConfigError) -> NoReturn:
+    """Print each problem on its own line to stderr and exit 2 (no traceback)."""
+    for p in error.problems:
+        print(p.line(), file=sys.stderr)
+    raise SystemExit(EXIT_BAD_INPUT)

@@ -1,0 +1,296 @@
+"""From validated config and GPU facts to replicas: nodes, TP/PP/DP, GPU sets, ports, argv and env.
+
+Pure: touches no host. Problems carry the arithmetic that rules a layout out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gpufleet.config.schema import HostConfig
+from gpufleet.fleet import Fleet
+from gpufleet.gpu_facts import NodeFacts
+from gpufleet.model_arch import ModelArch, ModelConfigError, load_arch
+from gpufleet.model_memory import GIB, KvBudget, safetensors_total_size, weight_bytes
+from gpufleet.plan import layout
+from gpufleet.plan.commands import NodeRole, replica_roles, secret_env_names
+from gpufleet.vllm_flags import load_catalog
+
+# Settings every host of one pool must share (one model, one layout).
+POOL_WIDE = (
+    "vllm_version", "vllm_model", "vllm_model_revision", "vllm_served_model_name", "vllm_model_config",
+    "vllm_dtype", "vllm_quantization", "vllm_max_model_len", "vllm_gpu_memory_utilization",
+    "vllm_kv_cache_dtype", "vllm_tensor_parallel_size", "vllm_pipeline_parallel_size",
+    "vllm_data_parallel_size", "vllm_nodes_per_replica", "vllm_distributed_backend", "vllm_extra_args",
+)
+
+
+@dataclass(frozen=True)
+class Replica:
+    """One vLLM server: on one node, or on several with pipeline parallel across them."""
+
+    name: str
+    pool: str
+    model: str
+    tp: int
+    pp: int
+    dp: int
+    port: int
+    backend: str
+    max_model_len: int
+    kv_bytes_per_token: int
+    budget: KvBudget
+    roles: list[NodeRole]
+    secret_env: list[str]
+
+    @property
+    def nodes(self) -> list[str]:
+        return [r.host for r in self.roles]
+
+    def to_json(self) -> dict[str, Any]:
+        """The plan's JSON form (keys other tools rely on)."""
+        main = {r.host: r.processes[-1] for r in self.roles}
+        return {
+            "name": self.name, "pool": self.pool, "model": self.model, "nodes": self.nodes,
+            "tp": self.tp, "pp": self.pp, "dp": self.dp, "port": self.port, "backend": self.backend,
+            "max_model_len": self.max_model_len,
+            "gpus": {r.host: r.gpus for r in self.roles},
+            "roles": {r.host: r.role for r in self.roles},
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "weights_bytes_per_gpu": self.budget.weights_bytes_per_gpu,
+            "kv_pool_bytes_per_gpu": self.budget.kv_pool_bytes,
+            "kv_tokens_per_gpu": self.budget.kv_tokens,
+            "max_concurrency": round(self.budget.max_concurrency * self.dp, 2),
+            "argv": {h: p.argv for h, p in main.items()},
+            "env": {h: p.env for h, p in main.items()},
+            "processes": {r.host: [{"unit": p.unit, "argv": p.argv, "env": p.env} for p in r.processes]
+                          for r in self.roles},
+            "secret_env": self.secret_env,
+            "budget": self.budget.lines(),
+        }
+
+
+@dataclass
+class FleetPlan:
+    """Replicas, warnings and problems for a whole fleet."""
+
+    replicas: list[Replica] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    idle: list[str] = field(default_factory=list)
+
+
+class PoolError(Exception):
+    """A pool that cannot be planned; the message shows why, with numbers."""
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:,.1f} GiB"
+
+
+def _arch_and_weights(cfg: HostConfig) -> tuple[ModelArch, int, str]:
+    source = cfg.vllm_model_config or cfg.vllm_model
+    try:
+        arch = load_arch(source)
+    except ModelConfigError as exc:
+        key = "vllm_model_config" if cfg.vllm_model_config else "vllm_model"
+        raise PoolError(f"{key}: cannot read the model's config.json: {exc}") from None
+    path = Path(source)
+    exact = safetensors_total_size(path if path.is_dir() else path.parent) if path.exists() else None
+    total = weight_bytes(arch, cfg.vllm_dtype, cfg.vllm_quantization, exact)
+    how = "model.safetensors.index.json total_size" if exact else "estimated from config.json"
+    return arch, total, how
+
+
+def _pool_config(pool: str, hosts: list[str], configs: dict[str, HostConfig]) -> HostConfig:
+    first = configs[hosts[0]]
+    for key in POOL_WIDE:
+        values = {h: getattr(configs[h], key) for h in hosts}
+        if len({repr(v) for v in values.values()}) > 1:
+            shown = ", ".join(f"{h}={v!r}" for h, v in values.items())
+            raise PoolError(f"{key} differs across the hosts of one pool: {shown}")
+    return first
+
+
+def _check_same_gpus(shapes: list[layout.NodeShape]) -> None:
+    names = {s.host: set(s.gpu_names) for s in shapes}
+    seen = {n for v in names.values() for n in v}
+    if len(seen) > 1:
+        shown = "; ".join(f"{h}: {', '.join(sorted(v))}" for h, v in names.items())
+        raise PoolError(f"different GPU models in one replica: {shown}")
+
+
+def _fit_single_node(cfg: HostConfig, s: layout.Sizing, node: layout.NodeShape,
+                     warnings: list[str]) -> tuple[int, int, layout.KvBudget, int] | None:
+    """(tp, pp, budget, kv per token) on one node, or None when no layout on one node fits."""
+    arch, dp = s.arch, cfg.vllm_data_parallel_size
+    pp = 1 if cfg.vllm_pipeline_parallel_size == "auto" else cfg.vllm_pipeline_parallel_size
+    if cfg.vllm_tensor_parallel_size != "auto":
+        tp = cfg.vllm_tensor_parallel_size
+        b, per_token = layout.budget(s, node.memory_bytes, tp, pp)
+        return (tp, pp, b, per_token) if b.fits else None
+    within = layout.tp_candidates(arch, max(1, node.largest_island) // pp)
+    anywhere = [tp for tp in layout.tp_candidates(arch, node.count // (pp * dp)) if tp not in within]
+    best_one_seq = None
+    for tp in within:
+        b, per_token = layout.budget(s, node.memory_bytes, tp, pp)
+        if layout.replica_concurrency(b, dp) >= cfg.vllm_min_concurrency:
+            return tp, pp, b, per_token
+        if b.fits and best_one_seq is None:
+            best_one_seq = (tp, pp, b, per_token)
+    if best_one_seq:
+        warnings.append(
+            f"{node.host}: TP {best_one_seq[0]} holds {best_one_seq[2].max_concurrency:.1f} sequences at"
+            f" max_model_len, below vllm_min_concurrency {cfg.vllm_min_concurrency}")
+        return best_one_seq
+    for tp in anywhere:
+        b, per_token = layout.budget(s, node.memory_bytes, tp, pp)
+        if b.fits:
+            return tp, pp, b, per_token
+    return None
+
+
+def _no_fit_message(cfg: HostConfig, s: layout.Sizing, node: layout.NodeShape, how: str) -> str:
+    tp = cfg.vllm_tensor_parallel_size if cfg.vllm_tensor_parallel_size != "auto" else max(
+        layout.tp_candidates(s.arch, node.count) or [1])
+    pp = 1 if cfg.vllm_pipeline_parallel_size == "auto" else cfg.vllm_pipeline_parallel_size
+    b, _ = layout.budget(s, node.memory_bytes, tp, pp)
+    head = (f"{s.arch.name}: weights {_gib(s.weights_total)} ({how}) / (TP {tp} x PP {pp})"
+            f" = {_gib(b.weights_bytes_per_gpu)} per GPU; ")
+    if b.kv_pool_bytes <= 0:
+        return head + "weights do not fit: " + "; ".join(b.lines())
+    return (head + f"the KV pool cannot hold one sequence of {s.max_model_len:,} tokens (max_model_len): "
+            + "; ".join(b.lines()))
+
+
+def _plan_pool(pool: str, hosts: list[str], fleet: Fleet, facts: dict[str, NodeFacts], plan: FleetPlan) -> None:
+    cfg = _pool_config(pool, hosts, fleet.configs)
+    arch, weights_total, how = _arch_and_weights(cfg)
+    limit = arch.max_position_embeddings
+    max_len = cfg.vllm_max_model_len or limit or 4096
+    if limit and max_len > limit:
+        raise PoolError(f"vllm_max_model_len {max_len:,} is beyond {arch.name}'s limit of {limit:,} tokens"
+                        " (max_position_embeddings)")
+    shapes = [layout.node_shape(h, facts[h]) for h in hosts]
+    for shape in shapes:
+        if shape.count == 0:
+            raise PoolError(f"{shape.host}: no GPUs in its facts")
+    s = layout.Sizing(arch, weights_total, cfg.vllm_dtype if cfg.vllm_dtype != "auto" else (arch.torch_dtype or "bfloat16"),
+                      cfg.vllm_kv_cache_dtype, cfg.vllm_gpu_memory_utilization,
+                      int(cfg.vllm_memory_reserve_gib * GIB), max_len)
+    tp_fixed = cfg.vllm_tensor_parallel_size
+    if tp_fixed != "auto" and not layout.valid_tp(arch, tp_fixed):
+        raise PoolError(
+            f"vllm_tensor_parallel_size {tp_fixed} does not divide {arch.name}'s {arch.num_attention_heads} attention"
+            f" heads ({arch.num_attention_heads} / {tp_fixed} = {arch.num_attention_heads / tp_fixed:g})"
+            f" with {arch.num_kv_heads} KV heads; valid: {', '.join(map(str, layout.tp_candidates(arch, 64)))}")
+    npr = cfg.vllm_nodes_per_replica
+    smallest = min(shapes, key=lambda x: x.memory_bytes)
+    dp = cfg.vllm_data_parallel_size
+
+    single = None if npr not in ("auto", 1) else _fit_single_node(cfg, s, smallest, plan.warnings)
+    if single is not None:
+        tp, pp, b, per_token = single
+        if tp * pp * dp > smallest.count:
+            raise PoolError(f"TP {tp} x PP {pp} x DP {dp} = {tp * pp * dp} GPUs > {smallest.count} GPUs on"
+                            f" {smallest.host}; for more, set vllm_nodes_per_replica")
+        _single_node_replicas(pool, hosts, fleet, shapes, cfg, tp, pp, b, per_token, max_len, plan)
+        return
+    if npr == 1 or (npr == "auto" and len(hosts) == 1):
+        raise PoolError(_no_fit_message(cfg, s, smallest, how))
+    _check_same_gpus(shapes)
+    tp = tp_fixed if tp_fixed != "auto" else max(layout.tp_candidates(arch, smallest.largest_island or 1))
+    counts = [npr] if npr != "auto" else list(range(2, len(hosts) + 1))
+    for nodes in counts:
+        b, per_token = layout.budget(s, smallest.memory_bytes, tp, nodes)
+        if b.fits:
+            _multi_node_replicas(pool, hosts, fleet, shapes, cfg, tp, nodes, b, per_token, max_len, plan)
+            return
+    nodes = counts[-1]
+    b, _ = layout.budget(s, smallest.memory_bytes, tp, nodes)
+    raise PoolError(
+        f"{arch.name} does not fit on {nodes} node(s) of {smallest.count} x {smallest.gpu_names[0]} at TP {tp}"
+        f" x PP {nodes}: weights {_gib(weights_total)} ({how}); " + "; ".join(b.lines()))
+
+
+def _single_node_replicas(pool: str, hosts: list[str], fleet: Fleet, shapes: list[layout.NodeShape],
+                          cfg: HostConfig, tp: int, pp: int, b: KvBudget, per_token: int, max_len: int,
+                          plan: FleetPlan) -> None:
+    size = tp * pp * cfg.vllm_data_parallel_size
+    for shape in shapes:
+        if size > shape.largest_island and shape.count > 1:
+            plan.warnings.append(
+                f"{shape.host}: TP {tp} spans GPUs without NVLink between them (largest NVLink island:"
+                f" {shape.largest_island} GPUs); expect slow all-reduce over PCIe")
+        sets = layout.gpu_sets(shape, size)
+        want = cfg.vllm_replicas_per_node
+        if want != "auto":
+            if want > len(sets):
+                raise PoolError(f"vllm_replicas_per_node {want} x {size} GPUs > {len(sets) * size} usable GPUs"
+                                f" on {shape.host}")
+            sets = sets[:want]
+        host_cfg = fleet.configs[shape.host]
+        address = host_cfg.fleet_address or shape.host
+        for k, gpus in enumerate(sets):
+            short = shape.host.split(".")[0]
+            name = f"{pool}-{short}-{k}" if len(sets) > 1 else f"{pool}-{short}"
+            roles = replica_roles([host_cfg], [shape.host], [address], [gpus], host_cfg.vllm_port + k,
+                                  tp, pp, cfg.vllm_data_parallel_size, max_len)
+            plan.replicas.append(Replica(name, pool, cfg.vllm_model, tp, pp, cfg.vllm_data_parallel_size,
+                                         host_cfg.vllm_port + k, "single-node", max_len, per_token, b, roles,
+                                         secret_env_names(host_cfg)))
+
+
+def _multi_node_replicas(pool: str, hosts: list[str], fleet: Fleet, shapes: list[layout.NodeShape],
+                         cfg: HostConfig, tp: int, nodes: int, b: KvBudget, per_token: int, max_len: int,
+                         plan: FleetPlan) -> None:
+    if nodes > len(hosts):
+        raise PoolError(f"vllm_nodes_per_replica {nodes} > {len(hosts)} hosts in pool {pool}")
+    if cfg.fleet_interface is None:
+        raise PoolError(f"fleet_interface: expected an interface name for {nodes}-node replicas"
+                        " (NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME), found null")
+    for k in range(len(hosts) // nodes):
+        group = shapes[k * nodes:(k + 1) * nodes]
+        cfgs = [fleet.configs[g.host] for g in group]
+        gpus = []
+        for g in group:
+            sets = layout.gpu_sets(g, tp)
+            if not sets:
+                raise PoolError(f"{g.host}: no set of {tp} GPUs for TP {tp}")
+            gpus.append(sets[0])
+        addresses = [c.fleet_address or g.host for c, g in zip(cfgs, group)]
+        roles = replica_roles(cfgs, [g.host for g in group], addresses, gpus, cfgs[0].vllm_port,
+                              tp, nodes, 1, max_len)
+        plan.replicas.append(Replica(f"{pool}-{k}", pool, cfg.vllm_model, tp, nodes, 1, cfgs[0].vllm_port,
+                                     cfg.vllm_distributed_backend, max_len, per_token, b, roles,
+                                     secret_env_names(cfgs[0])))
+    spare = hosts[(len(hosts) // nodes) * nodes:]
+    if spare:
+        plan.idle += spare
+        plan.warnings.append(f"pool {pool}: {', '.join(spare)} left idle: a replica needs {nodes} nodes")
+
+
+def _check_flags(plan: FleetPlan, fleet: Fleet) -> None:
+    for replica in plan.replicas:
+        version = fleet.configs[replica.nodes[0]].vllm_version
+        catalog = load_catalog(version)
+        for role in replica.roles:
+            for proc in role.processes:
+                if proc.unit != "vllm":
+                    continue
+                for problem in catalog.check_argv(proc.argv[2:]):
+                    plan.problems.append(f"{replica.name} on {role.host}: vLLM {version}: {problem}")
+
+
+def plan_fleet(fleet: Fleet, facts: dict[str, NodeFacts]) -> FleetPlan:
+    """Plan every pool; a pool that cannot be planned adds a problem and no replicas."""
+    plan = FleetPlan()
+    for pool, hosts in fleet.pools.items():
+        try:
+            _plan_pool(pool, hosts, fleet, facts, plan)
+        except PoolError as exc:
+            plan.problems.append(f"pool {pool}: {exc}")
+    _check_flags(plan, fleet)
+    return plan

@@ -1,0 +1,141 @@
+"""Fleet configuration: precedence of the layers and one clear line per bad value (exit 2)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, Project, run_cli
+
+BASE = """\
+vllm_model: meta-llama/Llama-3.1-8B-Instruct
+gpu_profile: 8xH100-SXM
+vllm_max_model_len: 8192
+"""
+
+
+def _two_groups(project: Project) -> Path:
+    project.group_vars("all", BASE + "vllm_port: 8200\nvllm_gpu_memory_utilization: 0.8\nvllm_master_port: 29600\n")
+    project.group_vars("small", "vllm_gpu_memory_utilization: 0.85\nvllm_master_port: 29700\n")
+    project.group_vars("special", "vllm_master_port: 29800\n")
+    return project.inventory("""
+        small = [("n1", {"vllm_port": 8100}), "n2"]
+        special = ["n2"]
+    """)
+
+
+def test_precedence_host_over_group_over_all_over_defaults(project: Project) -> None:
+    from gpufleet.fleet import load_fleet
+
+    fleet = load_fleet(str(_two_groups(project)))
+    n1, n2 = fleet.configs["n1"], fleet.configs["n2"]
+    assert n1.vllm_port == 8100 and n2.vllm_port == 8200  # host data > all.yml
+    assert n1.vllm_gpu_memory_utilization == 0.85  # group > all
+    assert n1.vllm_master_port == 29700 and n2.vllm_master_port == 29800  # the later group wins
+    assert n1.vllm_kv_cache_dtype == "auto" and n1.ray_port == 6379  # role defaults
+    assert fleet.pools == {"small": ["n1", "n2"]}
+
+
+def test_pyinfra_data_overrides_everything(project: Project) -> None:
+    inventory = _two_groups(project)
+    deploy = project.root / "show.py"
+    deploy.write_text(
+        "from pyinfra import host, state\n"
+        "from gpufleet.fleet import fleet_from_state\n"
+        "cfg = fleet_from_state(state).configs[host.name]\n"
+        "print(f'PORT {host.name} {cfg.vllm_port} UTIL {cfg.vllm_gpu_memory_utilization}')\n"
+    )
+    # The host is reached through pyinfra's local connector: no network, the deploy adds no operation.
+    inventory = project.inventory('small = [("@local", {"vllm_port": 8100})]')
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    pyinfra = str(Path(sys.executable).parent / "pyinfra")
+    plain = subprocess.run([pyinfra, "-y", str(inventory), str(deploy)], capture_output=True, text=True,
+                           cwd=project.root, env=env, timeout=120)
+    assert "PORT @local 8100 UTIL 0.85" in plain.stdout + plain.stderr, plain.stderr
+    over = subprocess.run([pyinfra, "-y", "--data", "vllm_port=8500", str(inventory), str(deploy)],
+                          capture_output=True, text=True, cwd=project.root, env=env, timeout=120)
+    assert "PORT @local 8500 UTIL 0.85" in over.stdout + over.stderr, over.stderr
+
+
+@pytest.mark.parametrize(
+    ("all_yml", "expected"),
+    [
+        ("vllm_model: [unclosed\n", "group_vars/all.yml:2:1: YAML syntax error: expected ',' or ']'"),
+        (BASE + "vllm_max_modl_len: 4096\n",
+         "group_vars/all.yml: vllm_max_modl_len: expected a known variable, found an unknown key; did you mean vllm_max_model_len?"),
+        (BASE + "vllm_port: eighty\n", "group_vars/all.yml: vllm_port: expected an integer, found 'eighty'"),
+        (BASE + "vllm_gpu_memory_utilization: 1.5\n",
+         "group_vars/all.yml: vllm_gpu_memory_utilization: expected a number <= 1, found 1.5"),
+        (BASE + "vllm_tensor_parallel_size: lots\n",
+         "group_vars/all.yml: vllm_tensor_parallel_size: expected an integer >= 1 or auto, found 'lots'"),
+        (BASE + "vllm_distributed_backend: mpi\n",
+         "group_vars/all.yml: vllm_distributed_backend: expected one of mp, ray, found 'mpi'"),
+        (BASE + "vllm_version: 0.6.3\n",
+         "group_vars/all.yml: vllm_version: expected one of 0.33.0, 0.32.0, found '0.6.3'"),
+        (BASE + "vllm_api_key: sk-live-1234\n",
+         "group_vars/all.yml: vllm_api_key: expected a reference {env: NAME} or {file: PATH}, found a literal string"),
+        (BASE + "vllm_api_key: {env: A, file: /b}\n",
+         "group_vars/all.yml: vllm_api_key: expected exactly one of env or file"),
+        (BASE + "dcgm_exporter_port: 9100\n",
+         "group_vars/all.yml: dcgm_exporter_port: expected a port of its own, found 9100 for both dcgm_exporter_port and node_exporter_port"),
+        (BASE + "vllm_nodes_per_replica: 2\n",
+         "roles/fleet/defaults.yml: fleet_interface: expected an interface name for multi-node replicas"),
+        ("gpu_profile: 8xH100-SXM\n", "inventories/fleet.py: vllm_model: expected a value, found nothing (required)"),
+        ("- just\n- a list\n", "group_vars/all.yml: expected a mapping of variables, found list"),
+    ],
+)
+def test_bad_input_one_line_exit_2_no_traceback(project: Project, all_yml: str, expected: str) -> None:
+    project.group_vars("all", all_yml)
+    project.inventory('servers = ["gpu-1.invalid", "gpu-2.invalid"]')
+    result = run_cli("check", "inventories/fleet.py", cwd=project.root)
+    assert result.rc == 2, result
+    assert "Traceback" not in result.err
+    lines = result.err.strip().splitlines()
+    assert any(line.startswith(expected) or expected in line for line in lines), lines
+    # Identical problems of several hosts fold into one line.
+    assert len(lines) == len(set(lines)) and len(lines) <= 2
+
+
+def test_several_problems_one_line_each(project: Project) -> None:
+    project.group_vars("all", BASE + "vllm_port: 0\nvllm_dtype: fp4\nray_dashbord: true\n")
+    project.inventory('servers = [("gpu-1.invalid", {"vllm_min_concurrency": -1})]')
+    result = run_cli("check", "inventories/fleet.py", cwd=project.root)
+    assert result.rc == 2
+    lines = sorted(result.err.strip().splitlines())
+    assert lines == sorted([
+        "group_vars/all.yml: ray_dashbord: expected a known variable, found an unknown key; did you mean ray_dashboard?"
+        " (host gpu-1.invalid)",
+        "group_vars/all.yml: vllm_port: expected a number >= 1, found 0 (host gpu-1.invalid)",
+        "group_vars/all.yml: vllm_dtype: expected one of auto, bfloat16, float16, float32, found 'fp4' (host gpu-1.invalid)",
+        "inventories/fleet.py: vllm_min_concurrency: expected a number >= 1, found -1 (host gpu-1.invalid)",
+    ])
+
+
+def test_bad_input_stops_pyinfra_before_any_host(project: Project) -> None:
+    """The same check runs when pyinfra reads the inventory: exit 2, no connection attempted."""
+    project.group_vars("all", BASE + "vllm_port: eighty\n")
+    inventory = project.inventory('servers = ["gpu-1.invalid"]')
+    deploy = project.root / "noop.py"
+    deploy.write_text("")
+    pyinfra = str(Path(sys.executable).parent / "pyinfra")
+    proc = subprocess.run([pyinfra, "-y", str(inventory), str(deploy)], capture_output=True, text=True,
+                          cwd=project.root, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    assert proc.returncode == 2
+    assert "group_vars/all.yml: vllm_port: expected an integer, found 'eighty'" in proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert "Connecting" not in proc.stdout + proc.stderr and "gpu-1.invalid" not in proc.stdout
+
+
+def test_example_inventory_is_valid() -> None:
+    result = run_cli("check", "inventories/prod.py")
+    assert result.rc == 0, result.err
+    assert "6 hosts in 2 pools" in result.out
+
+
+def test_missing_inventory_file() -> None:
+    result = run_cli("check", "inventories/nope.py")
+    assert result.rc == 2 and result.err.strip() == "inventories/nope.py: expected an inventory file, found no such file"
