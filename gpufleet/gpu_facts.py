@@ -30,6 +30,9 @@ One JSON document per node. Example (abridged)::
 
 A query the GPU does not support leaves its field ``null`` and its name in ``unsupported``.
 ``nvml.available`` is false (and ``gpus`` empty) on a node without a usable NVIDIA driver.
+A query that fails for another reason (``GPU is lost``, ``Unknown Error``) leaves its field ``null``
+and adds an entry to ``errors`` (``{"gpu": 3, "query": "nvmlDeviceGetHandleByIndex", "error": "GPU is
+lost"}``); a GPU whose identity cannot be read is left out of ``gpus`` and named there.
 The topology matrix uses the labels of ``nvidia-smi topo -m``: ``X`` (self), ``NV<n>`` (n direct
 NVLinks, or NVSwitch fabric), ``PIX``, ``PXB``, ``PHB``, ``NODE``, ``SYS``.
 """
@@ -102,6 +105,14 @@ class Fabric(_Facts):
     cluster_uuid: str | None = None
 
 
+class QueryError(_Facts):
+    """An NVML query that failed with something other than NOT_SUPPORTED."""
+
+    gpu: int | None = None
+    query: str
+    error: str
+
+
 class Gpu(_Facts):
     index: int
     uuid: str
@@ -131,6 +142,7 @@ class NodeFacts(_Facts):
     nvml_version: str | None = None
     gpus: list[Gpu] = []
     topology: list[list[str]] = []
+    errors: list[QueryError] = []
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 

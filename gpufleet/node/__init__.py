@@ -1,0 +1,6 @@
+"""Code shipped to GPU nodes and run there by ``python3`` with nvidia-ml-py only.
+
+Files here use the standard library and ``pynvml``, never pydantic or other gpufleet modules:
+a file needing a sibling loads it by path. ``nvml_probe.py`` prints the node's GPU facts and,
+with ``--gate``, judges them with ``health_rules.py``.
+"""

@@ -1,0 +1,208 @@
+"""GPU health rules: go / no-go for a node from its GPU facts, each failure with its evidence.
+
+Standard library only: this file runs on GPU nodes (``nvml_probe.py --gate``) as well as on the
+controller (``gpufleet gate``). Facts come in as the plain JSON dict of ``gpufleet.gpu-facts/1``.
+
+Rules (``Failure.rule``) and the policy fields that shape them:
+
+- ``nvml``: the node has a working NVML (always checked);
+- ``nvml_errors``: no NVML query failed other than with NOT_SUPPORTED (always checked);
+- ``gpu_count``: ``expected_gpu_count`` GPUs enumerated;
+- ``gpu_model``: every GPU's NVML name contains ``expected_gpu_model``;
+- ``driver_branch``: driver branch >= ``min_driver_branch`` (580: CUDA 13, which vLLM 0.33 is built for);
+- ``persistence_mode``: on (``require_persistence_mode``); an unreported mode fails too;
+- ``nvlinks_active``: every NVLink the GPU has is active (``require_all_nvlinks_active``);
+- ``fabric_completed``: NVSwitch fabric registration completed with success where the GPU reports
+  fabric state (``require_fabric_completed``; ``not_supported`` passes);
+- ``uncorrected_ecc``: volatile (since driver load) uncorrected ECC errors <= ``max_uncorrected_ecc``.
+  The aggregate (lifetime) count is shown as evidence but not judged: once rows are remapped an old
+  error no longer makes the GPU unsafe, and a pending remap is judged by ``row_remap``;
+- ``row_remap``: no row remap pending (unless ``allow_pending_row_remap``): the GPU needs a reset first;
+- ``row_remap_failure``: no failed row remap (always checked: the GPU needs service);
+- ``pcie_width``: the link runs at its maximum width (``require_pcie_max_width``);
+- ``pcie_gen``: the link runs at its maximum generation (``require_pcie_max_gen``). GPUs drop the
+  PCIe generation to save power when idle, so the check applies only when the clock event reasons
+  say the GPU is not idle (no ``gpu_idle`` bit); an idle GPU, or one that does not report its clock
+  event reasons, passes. A gate that runs before vLLM starts (``ExecStartPre``) normally sees idle
+  GPUs: a link that trains below its maximum under load is caught by a probe taken while serving.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+Facts = dict[str, Any]
+
+
+@dataclass
+class HealthPolicy:
+    """Thresholds for the GPU health gate (fleet config key ``gpu_health``).
+
+    A plain dataclass so nodes can use it without pydantic; pydantic validates it as a config field
+    and, through ``__pydantic_config__``, rejects unknown keys there too.
+    """
+
+    __pydantic_config__ = {"extra": "forbid"}
+
+    expected_gpu_count: int | None = None
+    expected_gpu_model: str | None = None  # a substring of the NVML name, e.g. "H100"
+    require_all_nvlinks_active: bool = True
+    require_fabric_completed: bool = True
+    max_uncorrected_ecc: int = 0
+    allow_pending_row_remap: bool = False
+    require_pcie_max_width: bool = True
+    require_pcie_max_gen: bool = True  # judged only while the GPU is not idle: see the module docstring
+    require_persistence_mode: bool = True
+    min_driver_branch: int = 580
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One failed rule: which, on which GPU (``None``: the node), and the evidence in one line."""
+
+    rule: str
+    gpu: int | None
+    evidence: str
+
+    def line(self) -> str:
+        where = f"gpu {self.gpu}" if self.gpu is not None else "node"
+        return f"{self.rule} ({where}): {self.evidence}"
+
+
+class PolicyError(ValueError):
+    """A health policy file or mapping that cannot be used; the message names the field."""
+
+
+def policy_from_dict(data: dict[str, Any], source: str = "<policy>") -> HealthPolicy:
+    """Build a :class:`HealthPolicy`, rejecting unknown keys and values of the wrong type."""
+    if not isinstance(data, dict):
+        raise PolicyError(f"{source}: expected a JSON object, found {type(data).__name__}")
+    known = {f.name: f for f in fields(HealthPolicy)}
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise PolicyError(f"{source}: unknown key {unknown[0]!r}; known: {', '.join(known)}")
+    defaults = HealthPolicy()
+    for key, value in data.items():
+        expected = type(getattr(defaults, key))
+        if key == "expected_gpu_count":
+            ok = value is None or (isinstance(value, int) and not isinstance(value, bool) and value > 0)
+        elif key == "expected_gpu_model":
+            ok = value is None or (isinstance(value, str) and value != "")
+        elif expected is bool:
+            ok = isinstance(value, bool)
+        else:
+            ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+        if not ok:
+            raise PolicyError(f"{source}: {key}: invalid value {value!r}")
+    return HealthPolicy(**data)
+
+
+def load_policy(path: Path) -> HealthPolicy:
+    """Read a policy JSON file (the ``gpu_health`` mapping as written by the deploy)."""
+    try:
+        data = json.loads(path.read_text())
+    except OSError as exc:
+        raise PolicyError(f"{path}: cannot read: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise PolicyError(f"{path}:{exc.lineno}:{exc.colno}: invalid JSON: {exc.msg}") from None
+    return policy_from_dict(data, str(path))
+
+
+def policy_json(policy: HealthPolicy) -> str:
+    """The policy as the JSON file ``load_policy`` reads."""
+    return json.dumps(asdict(policy), indent=2) + "\n"
+
+
+def _node_rules(facts: Facts, policy: HealthPolicy) -> list[Failure]:
+    failures = []
+    for err in facts.get("errors") or []:
+        failures.append(Failure("nvml_errors", err.get("gpu"), f"{err['query']} failed: {err['error']}"))
+    gpus = facts.get("gpus") or []
+    if policy.expected_gpu_count is not None and len(gpus) != policy.expected_gpu_count:
+        indices = ", ".join(str(g["index"]) for g in gpus) or "none"
+        failures.append(Failure("gpu_count", None,
+                                f"found {len(gpus)} GPUs (indices {indices}), expected {policy.expected_gpu_count}"))
+    driver = facts.get("driver_version")
+    try:
+        branch: int | None = int(str(driver).split(".")[0])
+    except ValueError:
+        branch = None
+    if branch is None:
+        failures.append(Failure("driver_branch", None, f"cannot read driver version {driver!r}"))
+    elif branch < policy.min_driver_branch:
+        failures.append(Failure("driver_branch", None, f"driver {driver} is branch {branch}, "
+                                                       f"need >= {policy.min_driver_branch}"))
+    return failures
+
+
+def _gpu_rules(gpu: Facts, policy: HealthPolicy) -> list[Failure]:
+    i, failures = gpu["index"], []
+
+    def fail(rule: str, evidence: str) -> None:
+        failures.append(Failure(rule, i, evidence))
+
+    if policy.expected_gpu_model and policy.expected_gpu_model.lower() not in gpu["name"].lower():
+        fail("gpu_model", f"{gpu['name']!r} does not contain {policy.expected_gpu_model!r}")
+    if policy.require_persistence_mode and gpu.get("persistence_mode") is not True:
+        fail("persistence_mode", "persistence mode is off" if gpu.get("persistence_mode") is False
+             else "persistence mode not reported")
+    links = gpu.get("nvlinks") or []
+    down = [link["link"] for link in links if not link["active"]]
+    if policy.require_all_nvlinks_active and down:
+        fail("nvlinks_active", f"{len(down)} of {len(links)} NVLinks inactive (links {', '.join(map(str, down))}); "
+                               f"{len(links) - len(down)} active")
+    fabric = gpu.get("fabric")
+    if policy.require_fabric_completed and fabric and fabric["state"] != "not_supported" and (
+            fabric["state"] != "completed" or fabric.get("status") != "success"):
+        fail("fabric_completed", f"fabric state {fabric['state']}, status {fabric.get('status')}; "
+                                 "expected completed with success")
+    ecc = gpu.get("ecc")
+    volatile = ecc.get("uncorrected_volatile") if ecc else None
+    if volatile is not None and volatile > policy.max_uncorrected_ecc:
+        fail("uncorrected_ecc", f"{volatile} uncorrected ECC errors since driver load, max "
+                                f"{policy.max_uncorrected_ecc} ({ecc.get('uncorrected_aggregate')} lifetime)")
+    rows = gpu.get("remapped_rows")
+    if rows and rows["pending"] and not policy.allow_pending_row_remap:
+        fail("row_remap", f"row remap pending ({rows['correctable']} correctable, {rows['uncorrectable']} "
+                          "uncorrectable rows remapped): reset the GPU")
+    if rows and rows["failure"]:
+        fail("row_remap_failure", f"row remapping failed ({rows['uncorrectable']} uncorrectable rows): "
+                                  "the GPU needs service")
+    pcie = gpu.get("pcie")
+    if pcie and policy.require_pcie_max_width and pcie["width_current"] < pcie["width_max"]:
+        fail("pcie_width", f"PCIe link x{pcie['width_current']}, max x{pcie['width_max']}")
+    reasons = gpu.get("clock_event_reasons")
+    busy = reasons is not None and "gpu_idle" not in reasons["active"]
+    if pcie and policy.require_pcie_max_gen and busy and pcie["gen_current"] < pcie["gen_max"]:
+        fail("pcie_gen", f"PCIe gen {pcie['gen_current']} while busy (clock events: "
+                         f"{', '.join(reasons['active']) or 'none'}), max gen {pcie['gen_max']}")
+    return failures
+
+
+def evaluate(facts: Facts, policy: HealthPolicy) -> list[Failure]:
+    """Every rule the node fails; empty when it may serve."""
+    nvml = facts.get("nvml") or {}
+    if not nvml.get("available"):
+        return [Failure("nvml", None, nvml.get("error") or "NVML not available")]
+    failures = _node_rules(facts, policy)
+    for gpu in facts.get("gpus") or []:
+        failures += _gpu_rules(gpu, policy)
+    return failures
+
+
+def verdict(facts: Facts, failures: list[Failure]) -> dict[str, Any]:
+    """The gate's answer for one node, as JSON-ready data."""
+    gpus = facts.get("gpus") or []
+    names = sorted({g["name"] for g in gpus})
+    return {"hostname": facts.get("hostname"), "passed": not failures, "gpus": len(gpus), "gpu_names": names,
+            "driver_version": facts.get("driver_version"), "failures": [asdict(f) for f in failures]}
+
+
+def format_verdict(result: dict[str, Any]) -> str:
+    """Human lines for one node's verdict."""
+    gpus = f"{result['gpus']} x {', '.join(result['gpu_names'])}" if result["gpus"] else "no GPUs"
+    head = f"{result['hostname']}: {'PASS' if result['passed'] else 'FAIL'} ({gpus}, driver {result['driver_version']})"
+    return "\n".join([head] + ["  " + Failure(**f).line() for f in result["failures"]])
