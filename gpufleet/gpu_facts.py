@@ -160,7 +160,7 @@ def parse_facts(doc: dict[str, object], source: str = "<facts>") -> NodeFacts:
     if doc.get("schema") != SCHEMA:
         raise FactsError(f"{source}: schema: expected {SCHEMA!r}, found {doc.get('schema')!r}")
     try:
-        return NodeFacts(**doc)
+        return NodeFacts.model_validate(doc)
     except ValidationError as exc:
         first = exc.errors()[0]
         loc = ".".join(str(p) for p in first["loc"])

@@ -95,7 +95,8 @@ def validate_host(layers: HostLayers, fallback_source: str) -> tuple[HostConfig 
         config = HostConfig(**known)
     except ValidationError as exc:
         seen: set[str] = set()
-        for err in exc.errors():
+        for details in exc.errors():
+            err: dict[str, Any] = dict(details)
             key = _key_path(err["loc"])
             top = key.split(".")[0].split("[")[0]
             if key in seen:
