@@ -193,16 +193,18 @@ def evaluate(facts: Facts, policy: HealthPolicy) -> list[Failure]:
     return failures
 
 
-def verdict(facts: Facts, failures: list[Failure]) -> dict[str, Any]:
-    """The gate's answer for one node, as JSON-ready data."""
+def verdict(facts: Facts, failures: list[Failure], host: str | None = None) -> dict[str, Any]:
+    """The gate's answer for one node, as JSON-ready data; ``host`` is the name the caller knows the
+    node by (default: the hostname in its facts)."""
     gpus = facts.get("gpus") or []
     names = sorted({g["name"] for g in gpus})
-    return {"hostname": facts.get("hostname"), "passed": not failures, "gpus": len(gpus), "gpu_names": names,
-            "driver_version": facts.get("driver_version"), "failures": [asdict(f) for f in failures]}
+    return {"host": host or facts.get("hostname"), "hostname": facts.get("hostname"), "passed": not failures,
+            "gpus": len(gpus), "gpu_names": names, "driver_version": facts.get("driver_version"),
+            "failures": [asdict(f) for f in failures]}
 
 
 def format_verdict(result: dict[str, Any]) -> str:
     """Human lines for one node's verdict."""
     gpus = f"{result['gpus']} x {', '.join(result['gpu_names'])}" if result["gpus"] else "no GPUs"
-    head = f"{result['hostname']}: {'PASS' if result['passed'] else 'FAIL'} ({gpus}, driver {result['driver_version']})"
+    head = f"{result['host']}: {'PASS' if result['passed'] else 'FAIL'} ({gpus}, driver {result['driver_version']})"
     return "\n".join([head] + ["  " + Failure(**f).line() for f in result["failures"]])

@@ -1,0 +1,245 @@
+"""GPU health rules: pure evaluation over facts dicts, and the node gate (``nvml_probe.py --gate``) on the simulator."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import BaseModel, Field, ValidationError
+
+from gpufleet.hardware_profiles import profile_facts
+from gpufleet.lab.nvml_sim import build_library, sim_environ
+from gpufleet.lab.sim_profile import write_sim_profile
+from gpufleet.node.health_rules import (
+    Failure,
+    HealthPolicy,
+    PolicyError,
+    evaluate,
+    load_policy,
+    policy_from_dict,
+    policy_json,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+PROBE = ROOT / "gpufleet" / "node" / "nvml_probe.py"
+
+
+@pytest.fixture(scope="session")
+def sim_lib(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_library(tmp_path_factory.getbasetemp() / "nvml-sim")
+
+
+def facts(name: str = "8xH100-SXM") -> dict[str, Any]:
+    return profile_facts(name, "gpu-a01").model_dump(mode="json", by_alias=True)
+
+
+def rules(failures: list[Failure]) -> list[tuple[str, int | None]]:
+    return [(f.rule, f.gpu) for f in failures]
+
+
+# ---- pure rules ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("name", "count", "model"), [
+    ("8xH100-SXM", 8, "H100"), ("8xA100-SXM", 8, "A100"), ("8xL40S-PCIe", 8, "L40S"),
+    ("4xA100-PCIe-pairs", 4, "A100"), ("2xRTX4090", 2, "RTX 4090"),
+])
+def test_healthy_profiles_pass_the_strictest_policy(name: str, count: int, model: str) -> None:
+    assert evaluate(facts(name), HealthPolicy(expected_gpu_count=count, expected_gpu_model=model)) == []
+
+
+def test_no_nvml_fails_with_its_reason() -> None:
+    doc = {"schema": "gpufleet.gpu-facts/1", "hostname": "x",
+           "nvml": {"available": False, "error": "no NVML on this node: nvmlInit: Driver Not Loaded"}}
+    assert evaluate(doc, HealthPolicy()) == [Failure("nvml", None, "no NVML on this node: nvmlInit: Driver Not Loaded")]
+
+
+def test_gpu_count_and_model() -> None:
+    doc = facts()
+    del doc["gpus"][5]
+    failures = evaluate(doc, HealthPolicy(expected_gpu_count=8, expected_gpu_model="A100"))
+    assert rules(failures)[0] == ("gpu_count", None)
+    assert failures[0].evidence == "found 7 GPUs (indices 0, 1, 2, 3, 4, 6, 7), expected 8"
+    assert rules(failures)[1:] == [("gpu_model", i) for i in (0, 1, 2, 3, 4, 6, 7)]
+    assert failures[1].evidence == "'NVIDIA H100 80GB HBM3' does not contain 'A100'"
+
+
+@pytest.mark.parametrize(("driver", "failed"), [("580.95.05", False), ("590.10", False), ("570.172.08", True),
+                                                 ("garbage", True)])
+def test_driver_branch(driver: str, failed: bool) -> None:
+    doc = facts()
+    doc["driver_version"] = driver
+    failures = evaluate(doc, HealthPolicy())
+    assert rules(failures) == ([("driver_branch", None)] if failed else [])
+    if driver == "570.172.08":
+        assert failures[0].evidence == "driver 570.172.08 is branch 570, need >= 580"
+
+
+def test_pcie_gen_is_judged_only_while_busy() -> None:
+    doc = facts()
+    doc["gpus"][1]["pcie"]["gen_current"] = 1  # idle GPUs drop to gen 1 to save power
+    assert evaluate(doc, HealthPolicy()) == []
+    doc["gpus"][1]["clock_event_reasons"] = {"mask": 4, "active": ["sw_power_cap"]}
+    failures = evaluate(doc, HealthPolicy())
+    assert failures == [Failure("pcie_gen", 1, "PCIe gen 1 while busy (clock events: sw_power_cap), max gen 5")]
+    assert evaluate(doc, HealthPolicy(require_pcie_max_gen=False)) == []
+    doc["gpus"][1]["clock_event_reasons"] = None  # unknown: not judged
+    assert evaluate(doc, HealthPolicy()) == []
+
+
+def test_uncorrected_ecc_judges_volatile_counts() -> None:
+    doc = facts()
+    doc["gpus"][3]["ecc"]["uncorrected_aggregate"] = 4  # lifetime errors, rows since remapped: not judged
+    assert evaluate(doc, HealthPolicy()) == []
+    doc["gpus"][3]["ecc"]["uncorrected_volatile"] = 2
+    assert evaluate(doc, HealthPolicy()) == [
+        Failure("uncorrected_ecc", 3, "2 uncorrected ECC errors since driver load, max 0 (4 lifetime)")]
+    assert evaluate(doc, HealthPolicy(max_uncorrected_ecc=2)) == []
+
+
+def test_row_remap_pending_and_failure() -> None:
+    doc = facts("8xA100-SXM")
+    doc["gpus"][0]["remapped_rows"].update(pending=True, uncorrectable=1)
+    assert rules(evaluate(doc, HealthPolicy())) == [("row_remap", 0)]
+    assert evaluate(doc, HealthPolicy(allow_pending_row_remap=True)) == []
+    doc["gpus"][0]["remapped_rows"]["failure"] = True
+    assert rules(evaluate(doc, HealthPolicy(allow_pending_row_remap=True))) == [("row_remap_failure", 0)]
+
+
+def test_persistence_unreported_fails_when_required() -> None:
+    doc = facts("2xRTX4090")
+    doc["gpus"][1]["persistence_mode"] = None
+    assert evaluate(doc, HealthPolicy()) == [Failure("persistence_mode", 1, "persistence mode not reported")]
+    assert evaluate(doc, HealthPolicy(require_persistence_mode=False)) == []
+
+
+def test_fabric_states() -> None:
+    doc = facts()
+    doc["gpus"][4]["fabric"] = {"state": "not_supported", "status": None, "clique_id": None, "cluster_uuid": None}
+    assert evaluate(doc, HealthPolicy()) == []
+    doc["gpus"][4]["fabric"] = {"state": "completed", "status": "Unknown Error", "clique_id": 0, "cluster_uuid": None}
+    assert evaluate(doc, HealthPolicy()) == [
+        Failure("fabric_completed", 4, "fabric state completed, status Unknown Error; expected completed with success")]
+    assert evaluate(doc, HealthPolicy(require_fabric_completed=False)) == []
+
+
+def test_nvml_errors_fail_with_the_query() -> None:
+    doc = facts()
+    doc["errors"] = [{"gpu": 6, "query": "nvmlDeviceGetEccMode", "error": "Unknown Error"}]
+    assert evaluate(doc, HealthPolicy()) == [Failure("nvml_errors", 6, "nvmlDeviceGetEccMode failed: Unknown Error")]
+
+
+def test_switches_turn_rules_off() -> None:
+    doc = facts()
+    g = doc["gpus"][0]
+    g["nvlinks"][0]["active"] = False
+    g["pcie"]["width_current"] = 4
+    relaxed = HealthPolicy(require_all_nvlinks_active=False, require_pcie_max_width=False)
+    assert rules(evaluate(doc, HealthPolicy())) == [("nvlinks_active", 0), ("pcie_width", 0)]
+    assert evaluate(copy.deepcopy(doc), relaxed) == []
+
+
+# ---- the policy ------------------------------------------------------------------------------
+
+
+def test_policy_file_round_trip(tmp_path: Path) -> None:
+    policy = HealthPolicy(expected_gpu_count=4, expected_gpu_model="A100", max_uncorrected_ecc=1)
+    path = tmp_path / "gpu-health.json"
+    path.write_text(policy_json(policy))
+    assert load_policy(path) == policy
+
+
+@pytest.mark.parametrize(("data", "message"), [
+    ({"expected_gpu_cnt": 8}, "unknown key 'expected_gpu_cnt'"),
+    ({"expected_gpu_count": 0}, "expected_gpu_count: invalid value 0"),
+    ({"require_fabric_completed": "yes"}, "require_fabric_completed: invalid value 'yes'"),
+    ({"min_driver_branch": True}, "min_driver_branch: invalid value True"),
+    ([], "expected a JSON object, found list"),
+])
+def test_bad_policies_are_refused(data: Any, message: str) -> None:
+    with pytest.raises(PolicyError, match=message):
+        policy_from_dict(data)
+
+
+def test_policy_embeds_in_a_pydantic_config() -> None:
+    class Config(BaseModel):
+        gpu_health: HealthPolicy = Field(default_factory=HealthPolicy)
+
+    assert Config(gpu_health={"expected_gpu_count": 8}).gpu_health == HealthPolicy(expected_gpu_count=8)
+    assert Config().gpu_health == HealthPolicy()
+    with pytest.raises(ValidationError, match="bogus"):
+        Config(gpu_health={"bogus": 1})
+    with pytest.raises(ValidationError, match="max_uncorrected_ecc"):
+        Config(gpu_health={"max_uncorrected_ecc": "many"})
+
+
+# ---- the node gate on the simulator ----------------------------------------------------------
+
+
+def gate(sim_lib: Path, tmp_path: Path, name: str, faults: list[tuple[str, int]] = [], *args: str,
+         policy: HealthPolicy | None = None) -> subprocess.CompletedProcess[str]:
+    profile = tmp_path / "nvml-sim-profile"
+    declared = write_sim_profile(profile, name, faults)
+    policy_file = tmp_path / "gpu-health.json"
+    count = len(profile_facts(name, "x").gpus)
+    policy_file.write_text(policy_json(policy or HealthPolicy(expected_gpu_count=count,
+                                                              expected_gpu_model=declared.gpus[0].name)))
+    return subprocess.run([sys.executable, str(PROBE), "--gate", str(policy_file), *args],
+                          env=sim_environ(sim_lib, profile), capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("name", ["8xH100-SXM", "8xA100-SXM", "8xL40S-PCIe", "4xA100-PCIe-pairs", "2xRTX4090"])
+def test_gate_passes_every_healthy_profile(sim_lib: Path, tmp_path: Path, name: str) -> None:
+    result = gate(sim_lib, tmp_path, name)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert ": PASS (" in result.stdout.splitlines()[0]
+
+
+FAULT_VERDICTS = {
+    "link_down": ("nvlinks_active", 1, "1 of 18 NVLinks inactive (links 17); 17 active"),
+    "fabric_in_progress": ("fabric_completed", 1, "fabric state in_progress, status None; expected completed with success"),
+    "pending_row_remap": ("row_remap", 1, "row remap pending (1 correctable, 0 uncorrectable rows remapped): reset the GPU"),
+    "pcie_x8": ("pcie_width", 1, "PCIe link x8, max x16"),
+    "persistence_off": ("persistence_mode", 1, "persistence mode is off"),
+    "gpu_missing": ("gpu_count", None, "found 7 GPUs (indices 0, 1, 2, 3, 4, 5, 6), expected 8"),
+    "gpu_lost": ("nvml_errors", 1, "nvmlDeviceGetHandleByIndex failed: GPU is lost"),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(FAULT_VERDICTS))
+def test_gate_names_the_failed_rule_with_evidence(sim_lib: Path, tmp_path: Path, fault: str) -> None:
+    rule, gpu, evidence = FAULT_VERDICTS[fault]
+    result = gate(sim_lib, tmp_path, "8xH100-SXM", [(fault, 1)], "--json")
+    assert result.returncode == 1, result.stdout + result.stderr
+    verdict = json.loads(result.stdout)
+    assert verdict["passed"] is False
+    assert {"rule": rule, "gpu": gpu, "evidence": evidence} in verdict["failures"]
+    text = gate(sim_lib, tmp_path, "8xH100-SXM", [(fault, 1)])
+    where = f"gpu {gpu}" if gpu is not None else "node"
+    assert text.returncode == 1 and f"  {rule} ({where}): {evidence}" in text.stdout.splitlines()
+
+
+def test_gate_fails_clearly_without_nvml(tmp_path: Path) -> None:
+    (tmp_path / "libnvidia-ml.so.1").write_bytes(b"")
+    policy = tmp_path / "gpu-health.json"
+    policy.write_text(policy_json(HealthPolicy()))
+    result = subprocess.run([sys.executable, str(PROBE), "--gate", str(policy)], capture_output=True, text=True,
+                            env=sim_environ(tmp_path / "libnvidia-ml.so.1", tmp_path / "none"), timeout=60)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert ": FAIL (no GPUs, driver None)" in result.stdout
+    assert "  nvml (node): no NVML on this node: nvmlInit: NVML Shared Library Not Found" in result.stdout
+
+
+def test_gate_with_a_bad_policy_exits_2(sim_lib: Path, tmp_path: Path) -> None:
+    policy = tmp_path / "gpu-health.json"
+    policy.write_text(json.dumps({**asdict(HealthPolicy()), "max_ecc": 3}))
+    result = subprocess.run([sys.executable, str(PROBE), "--gate", str(policy)], capture_output=True, text=True,
+                            env=sim_environ(sim_lib, tmp_path / "none"), timeout=60)
+    assert result.returncode == 2
+    assert f"gpu gate: {policy}: unknown key 'max_ecc'" in result.stderr
