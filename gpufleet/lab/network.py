@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -19,6 +20,13 @@ from gpufleet.lab.errors import LabError
 DEFAULT_BRIDGE = "gflab0"
 DEFAULT_SUBNET = "10.213.0.0/24"
 FIRST_NODE_HOST = 11  # node addresses start at .11
+_IFNAME = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,14}$")
+
+
+def check_bridge_name(name: str) -> str:
+    if not _IFNAME.match(name):
+        raise LabError(f"--bridge {name!r} is not an interface name (a letter, then up to 14 of A-Z a-z 0-9 _ -)")
+    return name
 
 
 def parse_subnet(cidr: str) -> ipaddress.IPv4Network:

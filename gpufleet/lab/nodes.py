@@ -20,7 +20,7 @@ from pathlib import Path
 import paramiko
 
 from gpufleet.hardware_profiles import ProfileError, parse_profile
-from gpufleet.lab import container, doubles, network, preflight, rootfs, ssh
+from gpufleet.lab import container, hooks, network, preflight, rootfs, ssh
 from gpufleet.lab.errors import LabError
 from gpufleet.lab.node_files import write_node_files
 from gpufleet.lab.state import (
@@ -31,7 +31,9 @@ from gpufleet.lab.state import (
     load_state,
     locked,
     remove_state,
+    known_hosts_path,
     save_state,
+    ssh_config_path,
     ssh_key_path,
 )
 
@@ -78,6 +80,7 @@ def up(
     if nodes < 1:
         raise LabError(f"--nodes must be at least 1, found {nodes}")
     chosen = resolve_profiles(nodes, profiles)
+    network.check_bridge_name(bridge)
     net = network.parse_subnet(subnet)
     addresses = network.node_addresses(net, nodes)
     directory = base or lab_dir()
@@ -93,7 +96,8 @@ def up(
         key = ssh.ensure_key(ssh_key_path(directory))
         state = LabState(
             subnet=str(net), bridge=bridge, bridge_address=str(network.bridge_address(net)),
-            ssh_key=str(key), base_rootfs=str(base_root),
+            ssh_key=str(key), known_hosts=str(known_hosts_path(directory)),
+            ssh_config=str(ssh_config_path(directory)), base_rootfs=str(base_root),
         )
         save_state(state, directory)
         try:
@@ -119,12 +123,13 @@ def _start(
     save_state(state, directory)
     if start_mirror:
         # The apt/wheel mirror listens on the bridge address; nodes reach nothing else.
-        state.mirror_started = doubles.start_mirror(state.bridge_address)
+        state.mirror_started = hooks.start_mirror(state.bridge_address)
         save_state(state, directory)
-    library = doubles.build_nvml_library(directory / "nvml-sim")
+    library = hooks.build_nvml_library(cache_dir() / "nvml-sim")
     names = node_names(len(profiles))
     lab_nodes = dict(zip(names, addresses, strict=True))
     public_key = Path(state.ssh_key).with_suffix(".pub").read_text()
+    host_keys: dict[tuple[str, str], str] = {}
     for name, address, profile in zip(names, addresses, profiles, strict=True):
         node_dir = directory / "nodes" / name
         node = NodeRecord(name=name, machine=f"{state.bridge}-{name}", address=str(address), profile=profile,
@@ -133,20 +138,24 @@ def _start(
         prepared = rootfs.prepare_node_root(Path(state.base_rootfs), node_dir, root_mode)
         node.mounted = prepared.mounted
         save_state(state, directory)
-        write_node_files(prepared.root, name, address, net, lab_nodes, public_key)
-        doubles.install_nvml(prepared.root, library, profile)
-        node.nspawn = container.start(prepared.root, node.machine, name, state.bridge, node_dir / "console.log")
+        host_keys[(name, node.address)] = write_node_files(prepared.root, name, address, net, lab_nodes, public_key)
+        hooks.install_nvml(prepared.root, library, profile, name)
+    known_hosts, key = Path(state.known_hosts), Path(state.ssh_key)
+    ssh.write_known_hosts(known_hosts, host_keys)
+    ssh.write_client_config(Path(state.ssh_config), {n.name: n.address for n in state.nodes}, key, known_hosts)
+    for node in state.nodes:
+        node.nspawn = container.start(Path(node.root), node.machine, node.name, state.bridge,
+                                      Path(node.node_dir) / "console.log")
         save_state(state, directory)
     for node in state.nodes:
         assert node.nspawn is not None
         node.leader = container.find_leader(node.nspawn)
     save_state(state, directory)
-    key = Path(state.ssh_key)
     with ThreadPoolExecutor(max_workers=len(state.nodes)) as pool:
-        list(pool.map(lambda n: _wait_ready(n, key, timeout), state.nodes))
+        list(pool.map(lambda n: _wait_ready(n, key, known_hosts, timeout), state.nodes))
 
 
-def _wait_ready(node: NodeRecord, key: Path, timeout: float) -> None:
+def _wait_ready(node: NodeRecord, key: Path, known_hosts: Path, timeout: float) -> None:
     """Wait until the node's systemd says running/degraded over SSH; raise with the console's tail if not."""
     deadline = time.monotonic() + timeout
     last = "no answer on port 22"
@@ -155,11 +164,11 @@ def _wait_ready(node: NodeRecord, key: Path, timeout: float) -> None:
             raise LabError(f"{node.name} stopped while booting: {_console_tail(node)}")
         if ssh.port_answers(node.address):
             try:
-                _, out = ssh.run(node.address, key, "systemctl is-system-running")
+                _, out = ssh.run(node.address, key, known_hosts, "systemctl is-system-running")
                 last = out.strip() or last
                 if last in READY_STATES:
                     if last == "degraded":
-                        _, failed = ssh.run(node.address, key, "systemctl --failed --plain --no-legend")
+                        _, failed = ssh.run(node.address, key, known_hosts, "systemctl --failed --plain --no-legend")
                         log.warning("%s booted degraded; failed units: %s", node.name, failed.strip())
                     return
             except (OSError, paramiko.SSHException) as exc:
@@ -198,6 +207,7 @@ class LabStatus:
     bridge: str
     bridge_address: str
     ssh_key: str
+    ssh_config: str
     nodes: list[NodeStatus]
 
 
@@ -208,6 +218,7 @@ def status(base: Path | None = None) -> LabStatus | None:
         return None
     return LabStatus(
         subnet=state.subnet, bridge=state.bridge, bridge_address=state.bridge_address, ssh_key=state.ssh_key,
+        ssh_config=state.ssh_config,
         nodes=[
             NodeStatus(n.name, n.address, n.profile, container.alive(n.nspawn),
                        container.alive(n.nspawn) and ssh.port_answers(n.address))
@@ -244,11 +255,12 @@ def _teardown(state: LabState, directory: Path) -> None:
     for node in state.nodes:
         rootfs.release_node_root(Path(node.node_dir), Path(node.root), node.mounted)
     if state.mirror_started:
-        doubles.stop_mirror()
+        hooks.stop_mirror()
     if state.bridge_created:
         network.delete_bridge(state.bridge)
+    Path(state.known_hosts).unlink(missing_ok=True)
+    Path(state.ssh_config).unlink(missing_ok=True)
     remove_state(directory)
-    for name in ("nodes", "nvml-sim"):
-        path = directory / name
-        if path.is_dir() and not any(path.iterdir()):
-            path.rmdir()
+    nodes_dir = directory / "nodes"
+    if nodes_dir.is_dir() and not any(nodes_dir.iterdir()):
+        nodes_dir.rmdir()

@@ -26,12 +26,38 @@ def ensure_key(path: Path) -> Path:
     return path
 
 
-def host_key(path: Path, comment: str) -> None:
-    """Generate a node's own ed25519 host key at ``path`` (sshd reads only that one)."""
+def host_key(path: Path, comment: str) -> str:
+    """Generate a node's own ed25519 host key at ``path`` (sshd reads only that one); its public line."""
     path.unlink(missing_ok=True)
     path.with_suffix(".pub").unlink(missing_ok=True)
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(path)],
                    check=True, capture_output=True)
+    return path.with_suffix(".pub").read_text().strip()
+
+
+def write_known_hosts(path: Path, host_keys: dict[tuple[str, str], str]) -> None:
+    """known_hosts lines for every node, under its address and its name: ``{(name, address): public key}``."""
+    lines = []
+    for (name, address), public in host_keys.items():
+        key_type, key_data = public.split()[:2]
+        lines.append(f"{address},{name} {key_type} {key_data}")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def write_client_config(path: Path, nodes: dict[str, str], key: Path, known_hosts: Path) -> None:
+    """An OpenSSH client config naming every node (``ssh -F PATH lab1``), checking host keys strictly."""
+    blocks = []
+    for name, address in nodes.items():
+        blocks.append(
+            f"Host {name} {address}\n"
+            f"    HostName {address}\n"
+            "    User root\n"
+            f"    IdentityFile {key}\n"
+            "    IdentitiesOnly yes\n"
+            f"    UserKnownHostsFile {known_hosts}\n"
+            "    StrictHostKeyChecking yes\n"
+        )
+    path.write_text("# The running gpufleet lab's nodes.\n\n" + "\n".join(blocks))
 
 
 def port_answers(address: str, port: int = 22, timeout: float = 1.0) -> bool:
@@ -44,10 +70,14 @@ def port_answers(address: str, port: int = 22, timeout: float = 1.0) -> bool:
         return False
 
 
-def run(address: str, key: Path, command: str, timeout: float = 5.0) -> tuple[int, str]:
-    """Run ``command`` as root on a node; the exit status and stdout. Raises OSError/SSHException if unreachable."""
+def run(address: str, key: Path, known_hosts: Path, command: str, timeout: float = 5.0) -> tuple[int, str]:
+    """Run ``command`` as root on a node; the exit status and stdout. Raises OSError/SSHException if unreachable.
+
+    The node must present the host key the lab generated for it (``known_hosts``).
+    """
     client = paramiko.SSHClient()
-    client.set_missing_host_key_policy(paramiko.AutoAddPolicy())  # lab nodes get fresh host keys each up
+    client.load_host_keys(str(known_hosts))
+    client.set_missing_host_key_policy(paramiko.RejectPolicy())
     try:
         client.connect(address, username="root", key_filename=str(key), look_for_keys=False,
                        allow_agent=False, timeout=timeout, banner_timeout=timeout, auth_timeout=timeout)

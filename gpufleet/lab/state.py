@@ -43,6 +43,16 @@ def ssh_key_path(base: Path | None = None) -> Path:
     return (base or lab_dir()) / "ssh" / "id_ed25519"
 
 
+def known_hosts_path(base: Path | None = None) -> Path:
+    """The running lab's nodes' host keys, by address and by name (for strict host key checking)."""
+    return (base or lab_dir()) / "ssh" / "known_hosts"
+
+
+def ssh_config_path(base: Path | None = None) -> Path:
+    """An OpenSSH client config for the running lab: ``ssh -F <this> lab1``."""
+    return (base or lab_dir()) / "ssh" / "config"
+
+
 @dataclass
 class ProcessRecord:
     """A process the lab started (or found as the child of one), identified by PID and start time."""
@@ -74,6 +84,8 @@ class LabState:
     bridge: str
     bridge_address: str
     ssh_key: str
+    known_hosts: str
+    ssh_config: str
     base_rootfs: str
     bridge_created: bool = False
     mirror_started: bool = False

@@ -1,7 +1,8 @@
-"""Call points for the lab's doubles that live in their own modules, imported only when used.
+"""Call points for the lab's doubles built in their own modules, each imported only when used.
 
 - ``gpufleet.lab.nvml_sim.build_library(out_dir) -> Path``: the simulated ``libnvidia-ml.so.1``;
-- ``gpufleet.lab.sim_profile.write_sim_profile(path, profile_name, faults=())``: the node's hardware;
+- ``gpufleet.lab.sim_profile.write_sim_profile(path, profile_name, faults=(), hostname=None)``: the node's
+  simulated hardware;
 - ``gpufleet.lab.mirror.start(bridge_address)`` / ``stop()``: the apt and wheel mirror on the bridge.
 
 When a module is missing, its step is skipped with a warning and the lab still comes up.
@@ -10,12 +11,15 @@ When a module is missing, its step is skipped with a warning and the lab still c
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
 import platform
 import shutil
 import subprocess
 from pathlib import Path
 from types import ModuleType
+
+from gpufleet.lab.errors import LabError
 
 log = logging.getLogger(__name__)
 
@@ -41,21 +45,27 @@ def multiarch_libdir() -> str:
 
 
 def build_nvml_library(out_dir: Path) -> Path | None:
-    """Build the simulated NVML library once for all nodes; None when the simulator is absent."""
+    """Build the simulated NVML library for all nodes (the builder skips an up-to-date one); None if absent."""
     sim = _optional("gpufleet.lab.nvml_sim")
     if sim is None:
         return None
-    out_dir.mkdir(parents=True, exist_ok=True)
-    return Path(sim.build_library(out_dir))
+    try:
+        return Path(sim.build_library(out_dir))
+    except Exception as exc:  # the simulator's own errors carry the compiler's message
+        first = str(exc).strip().splitlines()[:1] or [type(exc).__name__]
+        raise LabError(f"cannot build the simulated NVML library: {first[0]}") from exc
 
 
-def install_nvml(root: Path, library: Path | None, profile: str) -> None:
+def install_nvml(root: Path, library: Path | None, profile: str, hostname: str) -> None:
     """Put the node's hardware profile and the simulated ``libnvidia-ml.so.1`` into its rootfs."""
     profiles = _optional("gpufleet.lab.sim_profile")
     if profiles is not None:
         path = root / SIM_PROFILE_PATH
         path.parent.mkdir(parents=True, exist_ok=True)
-        profiles.write_sim_profile(path, profile)
+        if "hostname" in inspect.signature(profiles.write_sim_profile).parameters:
+            profiles.write_sim_profile(path, profile, hostname=hostname)
+        else:
+            profiles.write_sim_profile(path, profile)
     if library is not None:
         dest = root / multiarch_libdir() / NVML_LIBRARY
         dest.parent.mkdir(parents=True, exist_ok=True)

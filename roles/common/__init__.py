@@ -1,0 +1,47 @@
+"""Role ``common``: what every gpufleet node has before any other role runs.
+
+After it, the node has ``/etc/gpufleet/`` (root, 0755) holding ``node.env`` (root, 0644) with the node's
+name and its declared hardware profile, and the base tools the other roles call (``ps``, CA
+certificates). It reads one variable, ``gpu_profile`` (see roles/fleet/defaults.yml); the node's
+name is its hostname as the node reports it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pyinfra import host
+from pyinfra.api import deploy
+from pyinfra.facts.server import Hostname
+from pyinfra.operations import apt, files
+
+CONFIG_DIR = "/etc/gpufleet"
+BASE_PACKAGES = ["procps", "ca-certificates"]
+TEMPLATES = Path(__file__).resolve().parents[2] / "templates" / "common"
+
+
+@deploy("Common node setup")
+def common() -> None:
+    """Converge the node's gpufleet directory, identity file and base tools."""
+    files.directory(
+        name="Create gpufleet's configuration directory /etc/gpufleet",
+        path=CONFIG_DIR,
+        user="root",
+        group="root",
+        mode="0755",
+    )
+    files.template(
+        name="Write the node's name and hardware profile to /etc/gpufleet/node.env",
+        src=str(TEMPLATES / "node.env.j2"),
+        dest=f"{CONFIG_DIR}/node.env",
+        user="root",
+        group="root",
+        mode="0644",
+        node_name=host.get_fact(Hostname),
+        gpu_profile=host.data.get("gpu_profile") or "",
+    )
+    apt.packages(
+        name="Ensure the base tools are installed",
+        packages=BASE_PACKAGES,
+        update=False,  # they come with the image; nothing to fetch
+    )

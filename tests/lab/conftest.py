@@ -1,0 +1,126 @@
+"""The lab fleet for integration tests: one 3-node lab per test session, taken down at the end.
+
+The lab under test is its own: its own lab directory, bridge and subnet (10.213.200.0/24 and up, the first
+free one), so it never touches a lab an operator has up. Tests that need the lab use the ``lab``
+fixture; where this machine cannot run a lab they skip, unless ``GPUFLEET_LAB_REQUIRED=1`` (CI), where
+that skip is a failure.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from gpufleet.lab import network, preflight
+from gpufleet.lab.state import LAB_DIR_ENV, LabState, NodeRecord, load_state
+
+ROOT = Path(__file__).resolve().parents[2]
+PYINFRA = Path(sys.executable).parent / "pyinfra"
+LAB_CLI = [sys.executable, "-m", "gpufleet.cli_lab"]
+LAB_NODES = 3
+REQUIRED_ENV = "GPUFLEET_LAB_REQUIRED"
+
+
+def cannot_run_lab() -> str | None:
+    """Why this machine cannot run the lab, or None."""
+    found = preflight.problems()
+    return "; ".join(found) if found else None
+
+
+def skip_or_fail(reason: str) -> None:
+    """Skip, or fail when the lab is required here (CI)."""
+    if os.environ.get(REQUIRED_ENV) == "1":
+        pytest.fail(f"{REQUIRED_ENV}=1 but the lab cannot run: {reason}", pytrace=False)
+    pytest.skip(f"lab unavailable: {reason}")
+
+
+@dataclass
+class Completed:
+    rc: int
+    out: str
+    err: str
+
+    @property
+    def output(self) -> str:
+        """stdout and stderr together (pyinfra prints its progress and results on stderr)."""
+        return self.out + self.err
+
+
+@dataclass
+class Lab:
+    """The running test lab, and how to drive its CLI and pyinfra against it."""
+
+    directory: Path
+    bridge: str
+    state: LabState
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {**os.environ, LAB_DIR_ENV: str(self.directory)}
+
+    @property
+    def nodes(self) -> list[NodeRecord]:
+        return self.state.nodes
+
+    def cli(self, *args: str, timeout: float = 180) -> Completed:
+        return _run([*LAB_CLI, *args], self.env, timeout)
+
+    def pyinfra(self, inventory: str, deploy: str, timeout: float = 300) -> Completed:
+        return _run([str(PYINFRA), inventory, deploy, "-y"], self.env, timeout)
+
+    def host(self, node: NodeRecord):  # -> testinfra.host.Host
+        import testinfra
+
+        return testinfra.get_host(f"paramiko://root@{node.address}", ssh_identity_file=self.state.ssh_key)
+
+
+def _run(argv: list[str], env: dict[str, str], timeout: float) -> Completed:
+    done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return Completed(done.returncode, done.stdout, done.stderr)
+
+
+def _candidates() -> Iterator[tuple[str, str]]:
+    """(subnet, bridge) pairs to try: the one from the environment, else free ones from 10.213.200.0/24."""
+    subnet = os.environ.get("GPUFLEET_TEST_LAB_SUBNET")
+    if subnet:
+        yield subnet, os.environ.get("GPUFLEET_TEST_LAB_BRIDGE", "gflabt0")
+        return
+    for third in range(200 + os.getpid() % 40, 250):
+        bridge = f"gflabt{third}"
+        if not network.link_exists(bridge):
+            yield f"10.213.{third}.0/24", bridge
+
+
+@pytest.fixture(scope="session")
+def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
+    """A 3-node lab booted through ``gpufleet lab up`` (warm rootfs cache: seconds)."""
+    reason = cannot_run_lab()
+    if reason:
+        skip_or_fail(reason)
+    directory = tmp_path_factory.mktemp("lab")
+    env = {**os.environ, LAB_DIR_ENV: str(directory)}
+    last = ""
+    for subnet, bridge in _candidates():
+        done = _run([*LAB_CLI, "up", "--nodes", str(LAB_NODES), "--subnet", subnet, "--bridge", bridge], env, 600)
+        if done.rc == 0:
+            break
+        last = (done.err.strip().splitlines() or ["no output"])[-1]
+        if "already exists" not in last and "overlaps" not in last:
+            pytest.fail(f"gpufleet lab up failed: {last}", pytrace=False)
+    else:
+        pytest.fail(f"no free lab subnet for the test lab: {last}", pytrace=False)
+    state = load_state(directory)
+    assert state is not None
+    running = Lab(directory, bridge, state)
+    try:
+        yield running
+    finally:
+        if load_state(directory) is not None:
+            done = running.cli("down")
+            assert done.rc == 0, done.err
