@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import click
-from pyinfra.api import Inventory
+from pyinfra.api.inventory import Inventory
 
 from gpufleet.gpu_facts import FactsError, NodeFacts, load_facts, parse_facts
 from gpufleet.gpu_probe import default_policy, gate_report, load_inventory, probe_hosts

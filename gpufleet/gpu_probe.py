@@ -9,17 +9,19 @@ from __future__ import annotations
 
 import base64
 import json
+import runpy
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pyinfra.api import Config, FactBase, Inventory, QuoteString, State, StringCommand
+from pyinfra.api.command import QuoteString, StringCommand
+from pyinfra.api.config import Config
 from pyinfra.api.connect import connect_all, disconnect_all
 from pyinfra.api.exceptions import FactProcessError, PyinfraError
-from pyinfra.api.facts import get_facts
-from pyinfra.context import ctx_state
-from pyinfra_cli.inventory import make_inventory
+from pyinfra.api.facts import FactBase, get_facts
+from pyinfra.api.inventory import Inventory
+from pyinfra.api.state import State
 
 from gpufleet.gpu_facts import FactsError, NodeFacts, parse_facts
 from gpufleet.node import health_rules
@@ -125,10 +127,32 @@ def probe_hosts(inventory: Inventory, python: str = "python3") -> ProbeRun:
     return run
 
 
+def _group(value: Any) -> tuple[list[Any], dict[str, Any]] | None:
+    """``hosts`` or ``(hosts, data)`` where each host is a name or ``(name, data)``; else ``None``."""
+    hosts, data = value if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], dict) else (value, {})
+    if not isinstance(hosts, list) or not all(
+            isinstance(h, str) or (isinstance(h, tuple) and len(h) == 2 and isinstance(h[0], str)) for h in hosts):
+        return None
+    return hosts, dict(data)
+
+
 def load_inventory(inventory_path: str | Path) -> Inventory:
-    """A new pyinfra ``Inventory`` from an inventory file (pyinfra cannot reuse one across runs)."""
-    with ctx_state.use(State()):  # pyinfra's loader notes the file it executes on the current state
-        return make_inventory(str(inventory_path))
+    """A new pyinfra ``Inventory`` from an inventory file, grouped as pyinfra's CLI groups it.
+
+    Module-level lists of hosts (or ``(hosts, data)``) are groups, ``all`` (when absent, every host)
+    holds the hosts, and the file's own name is a group of them all. Read without ``pyinfra_cli``,
+    whose import monkey-patches the whole process for gevent.
+    """
+    path = Path(inventory_path)
+    namespace = runpy.run_path(str(path), run_name="gpufleet_inventory")
+    groups = {name: group for name, value in namespace.items()
+              if not name.startswith("_") and (group := _group(value)) is not None}
+    hosts, data = groups.pop("all", ([], {}))
+    if not hosts:
+        names = [h if isinstance(h, str) else h[0] for group_hosts, _ in groups.values() for h in group_hosts]
+        hosts = list(dict.fromkeys(names))
+    groups.setdefault(path.stem, (list(hosts), {}))
+    return Inventory((hosts, data), **groups)
 
 
 def probe_inventory(inventory_path: str | Path, python: str = "python3") -> dict[str, NodeFacts]:

@@ -159,8 +159,8 @@ def _gpu_rules(gpu: Facts, policy: HealthPolicy) -> list[Failure]:
             fabric["state"] != "completed" or fabric.get("status") != "success"):
         fail("fabric_completed", f"fabric state {fabric['state']}, status {fabric.get('status')}; "
                                  "expected completed with success")
-    ecc = gpu.get("ecc")
-    volatile = ecc.get("uncorrected_volatile") if ecc else None
+    ecc = gpu.get("ecc") or {}
+    volatile = ecc.get("uncorrected_volatile")
     if volatile is not None and volatile > policy.max_uncorrected_ecc:
         fail("uncorrected_ecc", f"{volatile} uncorrected ECC errors since driver load, max "
                                 f"{policy.max_uncorrected_ecc} ({ecc.get('uncorrected_aggregate')} lifetime)")
@@ -174,11 +174,11 @@ def _gpu_rules(gpu: Facts, policy: HealthPolicy) -> list[Failure]:
     pcie = gpu.get("pcie")
     if pcie and policy.require_pcie_max_width and pcie["width_current"] < pcie["width_max"]:
         fail("pcie_width", f"PCIe link x{pcie['width_current']}, max x{pcie['width_max']}")
-    reasons = gpu.get("clock_event_reasons")
-    busy = reasons is not None and "gpu_idle" not in reasons["active"]
+    active_events: list[str] | None = (gpu.get("clock_event_reasons") or {}).get("active")
+    busy = active_events is not None and "gpu_idle" not in active_events
     if pcie and policy.require_pcie_max_gen and busy and pcie["gen_current"] < pcie["gen_max"]:
         fail("pcie_gen", f"PCIe gen {pcie['gen_current']} while busy (clock events: "
-                         f"{', '.join(reasons['active']) or 'none'}), max gen {pcie['gen_max']}")
+                         f"{', '.join(active_events or []) or 'none'}), max gen {pcie['gen_max']}")
     return failures
 
 

@@ -140,9 +140,9 @@ def _clock_events(mask: int) -> dict[str, Any]:
 def clock_event_reasons(handle: Any) -> int:
     """The clock event (throttle) reason mask, through the older name on drivers before 535."""
     try:
-        return nvml.nvmlDeviceGetCurrentClocksEventReasons(handle)
+        return int(nvml.nvmlDeviceGetCurrentClocksEventReasons(handle))
     except (AttributeError, nvml.NVMLError_FunctionNotFound):
-        return nvml.nvmlDeviceGetCurrentClocksThrottleReasons(handle)
+        return int(nvml.nvmlDeviceGetCurrentClocksThrottleReasons(handle))
 
 
 def gpu_fabric_info(handle: Any) -> Any:
