@@ -1,8 +1,10 @@
 """GPU facts from live hosts: a pyinfra fact that runs the NVML probe, and the fleet's health gate.
 
-pyinfra does not cache facts: every ``host.get_fact(NvmlGpuFacts)`` runs the probe again (about a
-second on an 8-GPU node). Probe each host once per deploy and keep the result, as
-:func:`probe_hosts` does.
+pyinfra does not cache facts: every ``host.get_fact(NvmlGpuFacts)`` runs the probe again. Probe each
+host once per deploy and keep the result, as :func:`probe_hosts` does.
+
+Hosts are probed through pyinfra's gevent pool; SSH hosts run in parallel only in a process that
+gevent has monkey-patched at start (pyinfra's CLI does; ``gpufleet`` leaves that to its entry point).
 """
 
 from __future__ import annotations

@@ -99,7 +99,9 @@ class _Queries:
                     unsupported.append(field)
             else:
                 self.error(gpu, name, exc)
-            return None
+        except Exception as exc:  # e.g. an nvidia-ml-py too old for a query: note it, keep probing
+            self.error(gpu, name, RuntimeError(f"{type(exc).__name__}: {exc}"))
+        return None
 
 
 def _text(value: Any) -> str:
@@ -372,7 +374,7 @@ def _load_sibling(name: str) -> ModuleType:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="nvml_probe.py", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="nvml_probe.py", description="Probe NVIDIA GPUs through NVML.")
     parser.add_argument("--compact", action="store_true", help="print the facts on one line")
     parser.add_argument("--gate", metavar="POLICY.json",
                         help="judge the facts against this health policy: exit 0 pass, 1 fail, 2 bad policy")
