@@ -56,7 +56,8 @@ def _ip_json(*args: str) -> list[dict[str, object]]:
     done = subprocess.run(["ip", "-json", *args], capture_output=True, text=True, check=False)
     if done.returncode != 0:
         return []
-    return json.loads(done.stdout or "[]")
+    parsed: list[dict[str, object]] = json.loads(done.stdout or "[]")
+    return parsed
 
 
 def _ip(*args: str) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import re
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -43,6 +44,7 @@ DEFAULT_PROFILE = "8xH100-SXM"
 READY_STATES = ("running", "degraded")
 BOOT_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 30.0
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
 def node_names(count: int) -> list[str]:
@@ -182,7 +184,7 @@ def _console_tail(node: NodeRecord, lines: int = 3) -> str:
         text = (Path(node.node_dir) / "console.log").read_text(errors="replace")
     except FileNotFoundError:
         return "no console log"
-    tail = [line.strip() for line in text.splitlines() if line.strip()][-lines:]
+    tail = [line.strip() for line in _ANSI.sub("", text).splitlines() if line.strip()][-lines:]
     return " | ".join(tail) or "console empty"
 
 

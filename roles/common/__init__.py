@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pyinfra import host
-from pyinfra.api import deploy
+from pyinfra.api.deploy import deploy
+from pyinfra.context import host
 from pyinfra.facts.server import Hostname
 from pyinfra.operations import apt, files
 

@@ -75,7 +75,7 @@ class Lab:
         return _run([str(PYINFRA), inventory, deploy, "-y"], self.env, timeout)
 
     def host(self, node: NodeRecord):  # -> testinfra.host.Host
-        import testinfra
+        import testinfra  # type: ignore[import-untyped]
 
         return testinfra.get_host(f"paramiko://root@{node.address}", ssh_identity_file=self.state.ssh_key)
 
