@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import NoReturn
 
@@ -11,6 +10,8 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from gpufleet.cli_gpu import gate_command, probe_command
+from gpufleet.cli_lab import lab_group
 from gpufleet.config.problems import EXIT_BAD_INPUT, ConfigError, exit_with
 from gpufleet.fleet import Fleet, load_fleet
 from gpufleet.gpu_facts import FactsError, NodeFacts, load_facts
@@ -137,20 +138,9 @@ def model_info_command(config: str, kv_dtype: str, model_dtype: str, tp: int, pp
                        else f"{key}: {value}")
 
 
-def _register_optional() -> None:
-    """Commands whose modules live beside this one."""
-    from gpufleet.cli_gpu import gate_command, probe_command
-    from gpufleet.cli_lab import lab_group
-
-    main.add_command(probe_command, "probe")
-    main.add_command(gate_command, "gate")
-    main.add_command(lab_group, "lab")
-
-
-try:
-    _register_optional()
-except ImportError:  # pragma: no cover - TEMPORARY during development
-    pass
+main.add_command(probe_command, "probe")
+main.add_command(gate_command, "gate")
+main.add_command(lab_group, "lab")
 
 
 if __name__ == "__main__":
