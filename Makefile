@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup test plan check catalogs clean
+.PHONY: setup deps test plan check catalogs clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -14,7 +14,13 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-test: $(STAMP)
+# Debian packages the lab and its mirror need (debootstrap, systemd-nspawn, dpkg-dev, gnupg, ...);
+# installed when running as root, which the lab needs anyway.
+deps:
+	@if [ "$$(id -u)" = 0 ]; then bash scripts/install-lab-deps.sh && bash scripts/install-mirror-deps.sh; \
+	else echo "not root: lab packages not installed (the lab tests will say why they cannot run)"; fi
+
+test: $(STAMP) deps
 	$(BIN)/pytest -q
 
 plan: $(STAMP)
