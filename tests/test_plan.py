@@ -235,3 +235,37 @@ def test_model_info_json() -> None:
     assert ds["kv_bytes_per_token"] == 1152 * 61
     bad = run_cli("model-info", "/nonexistent/config.json", "--json")
     assert bad.rc == 2 and "Traceback" not in bad.err and "no such file" in bad.err
+
+
+@pytest.mark.parametrize(
+    ("profile", "tp", "expected_sets"),
+    [("4xA100-PCIe-pairs", 2, [[0, 1], [2, 3]]), ("8xH100-SXM", 8, [[0, 1, 2, 3, 4, 5, 6, 7]])],
+)
+def test_plan_from_probe_output_of_the_simulator(
+    project: Project, tmp_path_factory: pytest.TempPathFactory, profile: str, tp: int, expected_sets: list[list[int]]
+) -> None:
+    """Real probe (real nvidia-ml-py, simulated driver library) -> saved facts -> plan --facts."""
+    import subprocess
+    import sys
+
+    from gpufleet.lab.nvml_sim import build_library, sim_environ
+    from gpufleet.lab.sim_profile import write_sim_profile
+    from tests.conftest import ROOT
+
+    lib = build_library(tmp_path_factory.getbasetemp() / "nvml-sim")
+    sim_profile = project.root / "sim-profile"
+    write_sim_profile(sim_profile, profile, hostname="h1")
+    probe = subprocess.run([sys.executable, str(ROOT / "gpufleet/node/nvml_probe.py")], capture_output=True,
+                           text=True, env=sim_environ(lib, sim_profile), timeout=60)
+    assert probe.returncode == 0, probe.stderr
+    facts = project.root / "facts"
+    facts.mkdir()
+    (facts / "h1.json").write_text(probe.stdout)
+    rc, replicas, err = _plan(project, f"""
+        vllm_model: meta-llama/Llama-3.1-70B-Instruct
+        vllm_tensor_parallel_size: {tp}
+        vllm_max_model_len: 4096
+    """, 'a = ["h1"]', "--facts", str(facts))
+    assert rc == 0, err
+    assert [r["gpus"]["h1"] for r in replicas] == expected_sets
+    assert "without NVLink" not in err
