@@ -1,23 +1,31 @@
-"""One node's container: a ``systemd-nspawn -b`` process started in its own session, and how to stop it.
+"""One node's container: ``systemd-nspawn -b`` under a small supervisor, and how to stop it.
 
-The host's PID 1 is not systemd, so nothing supervises the containers: the lab starts nspawn with
-``setsid`` semantics, records its PID and the PID of the container's systemd (nspawn's child in a new
-PID namespace), each with its start time, and stops them by those records only. SIGTERM to nspawn makes
-the container's systemd shut down cleanly; if that takes too long, SIGKILL to the container's PID 1 ends
-its whole PID namespace.
+The host's PID 1 is not systemd, so nothing else supervises the containers. The lab starts
+:mod:`gpufleet.lab.supervise` in its own session (``setsid``); it runs nspawn and starts it again when
+the node reboots. The lab records the supervisor's PID with its start time (a PID alone may be reused)
+and finds the rest when it needs them: the node's nspawn by its ``--directory=<node root>`` argument,
+the node's PID 1 (systemd) as nspawn's child in another PID namespace.
+
+Stopping: SIGTERM to the supervisor, which passes it to nspawn, which has the node's systemd shut down
+cleanly. Whatever still runs after the grace period gets SIGKILL, the node's PID 1 first (that ends its
+whole PID namespace).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 from gpufleet.lab.state import ProcessRecord
 
-# Popen objects of the nspawn processes this Python process started (reaped when they exit).
+log = logging.getLogger(__name__)
+
+# Popen objects of the supervisors this Python process started (reaped when they exit).
 _children: dict[int, subprocess.Popen[bytes]] = {}
 
 
@@ -31,29 +39,29 @@ def _stat(pid: int) -> tuple[str, int, int] | None:
     return fields[0], int(fields[1]), int(fields[19])
 
 
+def _pids() -> list[int]:
+    return [int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit()]
+
+
 def record(pid: int) -> ProcessRecord | None:
     found = _stat(pid)
     return ProcessRecord(pid, found[2]) if found else None
-
-
-def _reap(pid: int) -> None:
-    child = _children.get(pid)
-    if child is not None and child.poll() is not None:
-        del _children[pid]
 
 
 def alive(proc: ProcessRecord | None) -> bool:
     """True while the recorded process runs (same PID and start time, not a zombie)."""
     if proc is None:
         return False
-    _reap(proc.pid)
+    child = _children.get(proc.pid)
+    if child is not None and child.poll() is not None:
+        del _children[proc.pid]
     found = _stat(proc.pid)
     return found is not None and found[2] == proc.start_ticks and found[0] != "Z"
 
 
-def start(root: Path, machine: str, hostname: str, bridge: str, console_log: Path) -> ProcessRecord:
-    """Boot ``root`` with systemd as PID 1 on ``bridge``; the console goes to ``console_log``."""
-    argv = [
+def nspawn_argv(root: Path, machine: str, hostname: str, bridge: str) -> list[str]:
+    """How a node boots: systemd as PID 1 in its own namespaces, one veth on the lab bridge."""
+    return [
         "systemd-nspawn",
         f"--directory={root}",
         f"--machine={machine}",
@@ -67,52 +75,86 @@ def start(root: Path, machine: str, hostname: str, bridge: str, console_log: Pat
         "--timezone=off",
         "--console=read-only",
     ]
+
+
+def start(root: Path, machine: str, hostname: str, bridge: str, console_log: Path) -> ProcessRecord:
+    """Boot ``root`` under the supervisor; the node's console goes to ``console_log``."""
+    argv = [sys.executable, "-m", "gpufleet.lab.supervise", "--", *nspawn_argv(root, machine, hostname, bridge)]
     with open(console_log, "ab") as log:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     _children[proc.pid] = proc
-    found = record(proc.pid)
-    if found is None:  # exited at once: the caller reads the console log
-        return ProcessRecord(proc.pid, -1)
+    return record(proc.pid) or ProcessRecord(proc.pid, -1)  # -1: exited at once; the console log says why
+
+
+def nspawns_for(root: Path) -> list[ProcessRecord]:
+    """Running systemd-nspawn processes booting ``root`` (found by their ``--directory=`` argument)."""
+    wanted = f"--directory={root}".encode()
+    found = []
+    for pid in _pids():
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv and argv[0].endswith(b"systemd-nspawn") and wanted in argv:
+            proc = record(pid)
+            if proc is not None and alive(proc):
+                found.append(proc)
     return found
 
 
-def find_leader(nspawn: ProcessRecord, timeout: float = 10.0) -> ProcessRecord | None:
-    """The container's PID 1 as the host sees it: nspawn's child in another PID namespace."""
+def leaders_of(nspawn: ProcessRecord) -> list[ProcessRecord]:
+    """The node's PID 1 as the host sees it: nspawn's child in another PID namespace."""
     own_ns = os.readlink("/proc/self/ns/pid")
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and alive(nspawn):
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            found = _stat(int(entry.name))
-            if found is None or found[1] != nspawn.pid:
-                continue
-            try:
-                if os.readlink(entry / "ns" / "pid") != own_ns:
-                    return ProcessRecord(int(entry.name), found[2])
-            except OSError:
-                continue
-        time.sleep(0.05)
-    return None
+    found = []
+    for pid in _pids():
+        stat = _stat(pid)
+        if stat is None or stat[1] != nspawn.pid:
+            continue
+        try:
+            if os.readlink(f"/proc/{pid}/ns/pid") != own_ns:
+                found.append(ProcessRecord(pid, stat[2]))
+        except OSError:
+            continue
+    return found
 
 
-def signal_process(proc: ProcessRecord | None, sig: signal.Signals) -> bool:
-    """Send ``sig`` if the recorded process still runs; False when it does not."""
-    if proc is None or not alive(proc):
-        return False
-    try:
-        os.kill(proc.pid, sig)
-    except ProcessLookupError:
-        return False
-    return True
+def _signal(proc: ProcessRecord, sig: signal.Signals) -> None:
+    if alive(proc):
+        try:
+            os.kill(proc.pid, sig)
+        except ProcessLookupError:
+            pass
 
 
-def wait_gone(procs: list[ProcessRecord], timeout: float) -> list[ProcessRecord]:
-    """Wait until every process has exited; those still running at the deadline."""
-    deadline = time.monotonic() + timeout
-    remaining = [p for p in procs if alive(p)]
-    while remaining and time.monotonic() < deadline:
+def _running(supervisor: ProcessRecord | None, root: Path) -> list[ProcessRecord]:
+    return ([supervisor] if supervisor is not None and alive(supervisor) else []) + nspawns_for(root)
+
+
+def stop(nodes: list[tuple[ProcessRecord | None, Path]], grace: float, kill_wait: float = 10.0) -> list[int]:
+    """Stop every node (its supervisor and the nspawn booting its root); PIDs that outlived SIGKILL."""
+    for supervisor, root in nodes:
+        if supervisor is not None and alive(supervisor):
+            _signal(supervisor, signal.SIGTERM)  # passed on to nspawn
+        else:
+            for nspawn in nspawns_for(root):  # a node whose supervisor is gone
+                _signal(nspawn, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    left = [n for n in nodes if _running(*n)]
+    while left and time.monotonic() < deadline:
         time.sleep(0.1)
-        remaining = [p for p in remaining if alive(p)]
-    return remaining
+        left = [n for n in left if _running(*n)]
+    if left:
+        log.warning("%d node(s) did not shut down in %.0f s; killing them", len(left), grace)
+    for supervisor, root in left:
+        for nspawn in nspawns_for(root):
+            for leader in leaders_of(nspawn):
+                _signal(leader, signal.SIGKILL)
+            _signal(nspawn, signal.SIGKILL)
+        if supervisor is not None:
+            _signal(supervisor, signal.SIGKILL)
+    deadline = time.monotonic() + kill_wait
+    while left and time.monotonic() < deadline:
+        time.sleep(0.1)
+        left = [n for n in left if _running(*n)]
+    return [p.pid for n in left for p in _running(*n)]

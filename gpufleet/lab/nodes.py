@@ -12,7 +12,6 @@ from __future__ import annotations
 import ipaddress
 import logging
 import re
-import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -89,7 +88,7 @@ def up(
     with locked(directory):
         previous = load_state(directory)
         if previous is not None:
-            if any(container.alive(n.nspawn) for n in previous.nodes):
+            if any(container.alive(n.process) for n in previous.nodes):
                 raise LabError(f"a lab of {len(previous.nodes)} nodes is already up; run `gpufleet lab down` first")
             log.warning("cleaning up a lab that is no longer running")
             _teardown(previous, directory)
@@ -146,13 +145,9 @@ def _start(
     ssh.write_known_hosts(known_hosts, host_keys)
     ssh.write_client_config(Path(state.ssh_config), {n.name: n.address for n in state.nodes}, key, known_hosts)
     for node in state.nodes:
-        node.nspawn = container.start(Path(node.root), node.machine, node.name, state.bridge,
-                                      Path(node.node_dir) / "console.log")
+        node.process = container.start(Path(node.root), node.machine, node.name, state.bridge,
+                                       Path(node.node_dir) / "console.log")
         save_state(state, directory)
-    for node in state.nodes:
-        assert node.nspawn is not None
-        node.leader = container.find_leader(node.nspawn)
-    save_state(state, directory)
     with ThreadPoolExecutor(max_workers=len(state.nodes)) as pool:
         list(pool.map(lambda n: _wait_ready(n, key, known_hosts, timeout), state.nodes))
 
@@ -162,7 +157,7 @@ def _wait_ready(node: NodeRecord, key: Path, known_hosts: Path, timeout: float) 
     deadline = time.monotonic() + timeout
     last = "no answer on port 22"
     while time.monotonic() < deadline:
-        if not container.alive(node.nspawn):
+        if not container.alive(node.process):
             raise LabError(f"{node.name} stopped while booting: {_console_tail(node)}")
         if ssh.port_answers(node.address):
             try:
@@ -222,8 +217,8 @@ def status(base: Path | None = None) -> LabStatus | None:
         subnet=state.subnet, bridge=state.bridge, bridge_address=state.bridge_address, ssh_key=state.ssh_key,
         ssh_config=state.ssh_config,
         nodes=[
-            NodeStatus(n.name, n.address, n.profile, container.alive(n.nspawn),
-                       container.alive(n.nspawn) and ssh.port_answers(n.address))
+            NodeStatus(n.name, n.address, n.profile, container.alive(n.process),
+                       container.alive(n.process) and ssh.port_answers(n.address))
             for n in state.nodes
         ],
     )
@@ -243,17 +238,9 @@ def down(base: Path | None = None) -> LabState | None:
 
 def _teardown(state: LabState, directory: Path) -> None:
     """Undo ``up`` in reverse, from whatever the state recorded; safe to call on a half-built lab."""
-    running = [n for n in state.nodes if container.signal_process(n.nspawn, signal.SIGTERM)]
-    stuck = container.wait_gone([n.nspawn for n in running if n.nspawn], STOP_TIMEOUT_S)
-    if stuck:
-        log.warning("%d node(s) did not shut down in %.0f s; killing them", len(stuck), STOP_TIMEOUT_S)
-    for node in state.nodes:
-        if node.nspawn in stuck or container.alive(node.leader):
-            container.signal_process(node.leader, signal.SIGKILL)
-            container.signal_process(node.nspawn, signal.SIGKILL)
-    leftover = container.wait_gone([p for n in state.nodes for p in (n.nspawn, n.leader) if p], 10.0)
-    if leftover:
-        raise LabError(f"processes {', '.join(str(p.pid) for p in leftover)} survived SIGKILL; the lab is not down")
+    survivors = container.stop([(n.process, Path(n.root)) for n in state.nodes], STOP_TIMEOUT_S)
+    if survivors:
+        raise LabError(f"processes {', '.join(map(str, survivors))} survived SIGKILL; the lab is not down")
     for node in state.nodes:
         rootfs.release_node_root(Path(node.node_dir), Path(node.root), node.mounted)
     if state.mirror_started:

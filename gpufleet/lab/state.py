@@ -21,7 +21,7 @@ DEFAULT_LAB_DIR = Path("/var/lib/gpufleet-lab")
 DEFAULT_CACHE_DIR = Path("/var/cache/gpufleet-lab")
 LAB_DIR_ENV = "GPUFLEET_LAB_DIR"
 CACHE_DIR_ENV = "GPUFLEET_LAB_CACHE"
-STATE_VERSION = 1
+STATE_VERSION = 2
 
 
 def lab_dir() -> Path:
@@ -72,8 +72,7 @@ class NodeRecord:
     node_dir: str  # holds the rootfs (or overlay layers) and the console log
     root: str  # the directory the container boots from
     mounted: bool = False  # root is an overlay mount the lab must unmount
-    nspawn: ProcessRecord | None = None
-    leader: ProcessRecord | None = None  # the container's PID 1 (systemd), seen from the host
+    process: ProcessRecord | None = None  # the supervisor that runs (and reruns) the node's systemd-nspawn
 
 
 @dataclass
@@ -102,9 +101,8 @@ class LabState:
             raise LabError(f"lab state has version {raw.get('version')!r}, this gpufleet reads {STATE_VERSION}")
         nodes = []
         for n in raw.pop("nodes", []):
-            for key in ("nspawn", "leader"):
-                if n.get(key) is not None:
-                    n[key] = ProcessRecord(**n[key])
+            if n.get("process") is not None:
+                n["process"] = ProcessRecord(**n["process"])
             nodes.append(NodeRecord(**n))
         return cls(nodes=nodes, **raw)
 

@@ -12,9 +12,10 @@ import re
 import time
 from pathlib import Path
 
+import paramiko
 import pytest
 
-from gpufleet.lab import container, rootfs
+from gpufleet.lab import container, rootfs, ssh
 from tests.lab.conftest import Lab
 
 pytestmark = [
@@ -121,9 +122,31 @@ def test_deploy_converges_and_a_second_run_changes_nothing(lab: Lab) -> None:
     assert len(unchanged) == len(operations) * len(lab.nodes), second.output
 
 
+def test_a_node_that_reboots_comes_back(lab: Lab) -> None:
+    node = lab.nodes[-1]
+    host = lab.host(node)
+    host.run("touch /run/gpufleet-before-reboot")  # /run is a fresh tmpfs on every boot
+    host.run("systemctl reboot")
+    key, known_hosts = Path(lab.state.ssh_key), Path(lab.state.known_hosts)
+    check = "test ! -e /run/gpufleet-before-reboot && systemctl is-system-running"
+    deadline = time.monotonic() + 60
+    answer = ""
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        try:  # a new connection each time: the reboot dropped the old ones
+            _, answer = ssh.run(node.address, key, known_hosts, check)
+        except (OSError, paramiko.SSHException):
+            continue
+        if answer.strip() in ("running", "degraded"):
+            break
+    else:
+        pytest.fail(f"{node.name} did not come back after a reboot (last answer {answer!r})")
+    assert container.alive(node.process)  # the same supervisor started it again
+
+
 def test_down_leaves_nothing_behind(lab: Lab) -> None:
     """Last: takes the session's lab down and looks for anything left."""
-    recorded = [p for n in lab.nodes for p in (n.nspawn, n.leader) if p is not None]
+    recorded = [n.process for n in lab.nodes if n.process is not None]
     done = lab.cli("down")
     assert done.rc == 0, done.err
     assert "stopped" in done.out

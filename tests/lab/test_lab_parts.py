@@ -74,7 +74,7 @@ def _state(tmp_path: Path) -> LabState:
         ssh_config=str(tmp_path / "ssh" / "config"), base_rootfs="/var/cache/gpufleet-lab/bookworm-x",
         nodes=[
             NodeRecord("lab1", "gflab0-lab1", "10.213.0.11", "8xH100-SXM", "/n/lab1", "/n/lab1/root", True,
-                       ProcessRecord(100, 5), ProcessRecord(101, 6)),
+                       ProcessRecord(100, 5)),
             NodeRecord("lab2", "gflab0-lab2", "10.213.0.12", "2xRTX4090", "/n/lab2", "/n/lab2/root"),
         ],
     )
