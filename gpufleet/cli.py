@@ -10,10 +10,10 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from gpufleet.cli_gpu import gate_command, probe_command
+from gpufleet.cli_gpu import make_gate_command, probe_command
 from gpufleet.cli_lab import lab_group
 from gpufleet.config.problems import EXIT_BAD_INPUT, ConfigError, exit_with
-from gpufleet.fleet import Fleet, load_fleet
+from gpufleet.fleet import Fleet, configured_health_policy, load_fleet
 from gpufleet.gpu_facts import FactsError, NodeFacts, load_facts
 from gpufleet.hardware_profiles import ProfileError, profile_facts
 from gpufleet.model_arch import ModelConfigError, load_arch
@@ -139,7 +139,7 @@ def model_info_command(config: str, kv_dtype: str, model_dtype: str, tp: int, pp
 
 
 main.add_command(probe_command, "probe")
-main.add_command(gate_command, "gate")
+main.add_command(make_gate_command(configured_health_policy), "gate")
 main.add_command(lab_group, "lab")
 
 

@@ -9,6 +9,7 @@ from typing import Any
 from gpufleet.config.inventory import InventoryLayers, loaded_inventory, read_inventory, validate_layers
 from gpufleet.config.problems import ConfigError, Problem, exit_with
 from gpufleet.config.schema import HostConfig
+from gpufleet.node.health_rules import HealthPolicy
 
 
 @dataclass(frozen=True)
@@ -66,5 +67,16 @@ def fleet_from_state(state: Any) -> Fleet:
     inventory = state.inventory
     try:
         return _fleet_from_layers("inventory", [h.name for h in inventory], inventory.get_override_data())
+    except ConfigError as error:
+        exit_with(error)
+
+
+def configured_health_policy(host: str) -> HealthPolicy:
+    """A host's ``gpu_health`` from the inventory read last (defaults when it has none)."""
+    loaded = loaded_inventory(host)
+    if loaded is None:
+        return HealthPolicy()
+    try:
+        return validate_layers(loaded)[host].gpu_health
     except ConfigError as error:
         exit_with(error)

@@ -139,3 +139,15 @@ def test_example_inventory_is_valid() -> None:
 def test_missing_inventory_file() -> None:
     result = run_cli("check", "inventories/nope.py")
     assert result.rc == 2 and result.err.strip() == "inventories/nope.py: expected an inventory file, found no such file"
+
+
+def test_gpu_health_thresholds_are_typed(project: Project) -> None:
+    from gpufleet.fleet import load_fleet
+
+    project.group_vars("all", BASE + "gpu_health: {expected_gpu_count: 4, min_driver_branch: 570}\n")
+    fleet = load_fleet(str(project.inventory('a = ["h1"]')))
+    policy = fleet.configs["h1"].gpu_health
+    assert (policy.expected_gpu_count, policy.min_driver_branch, policy.require_persistence_mode) == (4, 570, True)
+    project.group_vars("all", BASE + "gpu_health: {expected_gpu_cnt: 4}\n")
+    result = run_cli("check", "inventories/fleet.py", cwd=project.root)
+    assert result.rc == 2 and "group_vars/all.yml: gpu_health.expected_gpu_cnt: expected no such key here" in result.err

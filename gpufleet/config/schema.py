@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from gpufleet.node.health_rules import HealthPolicy
 from gpufleet.vllm_flags import SUPPORTED_VLLM_VERSIONS
 
 Auto = Literal["auto"]
@@ -54,7 +55,7 @@ class HostConfig(BaseModel):
     fleet_address: str | None
     fleet_interface: str | None
     gpu_profile: str | None
-    gpu_health: dict[str, Any]
+    gpu_health: HealthPolicy
 
     # vllm
     vllm_version: str

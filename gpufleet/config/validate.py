@@ -38,7 +38,7 @@ def _expected(err: dict[str, Any]) -> str:
         "bool_type": "true or false", "bool_parsing": "true or false",
         "string_type": "text", "dict_type": "a mapping", "list_type": "a list",
         "model_type": "a mapping", "model_attributes_type": "a mapping",
-        "extra_forbidden": "no such key here",
+        "extra_forbidden": "no such key here", "unexpected_keyword_argument": "no such key here",
     }
     if kind in simple:
         return simple[kind]
