@@ -89,6 +89,14 @@ def check_subnet_free(net: ipaddress.IPv4Network, bridge: str) -> None:
             raise LabError(f"subnet {net} overlaps {dst} on {dev}; pick another with --subnet")
 
 
+def host_forwards_ipv4() -> bool:
+    """True when the host routes between its interfaces (then only the nodes' lack of a gateway keeps them in)."""
+    try:
+        return Path("/proc/sys/net/ipv4/ip_forward").read_text().strip() == "1"
+    except OSError:
+        return False
+
+
 def create_bridge(bridge: str, net: ipaddress.IPv4Network) -> None:
     """Create the bridge with the host's lab address; IPv6 off so the lab link stays quiet."""
     if link_exists(bridge):

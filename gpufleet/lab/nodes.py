@@ -119,6 +119,9 @@ def _start(
     start_mirror: bool,
     timeout: float,
 ) -> None:
+    if network.host_forwards_ipv4():
+        log.warning("this host forwards IPv4 (net.ipv4.ip_forward=1): lab nodes get no gateway, but a node's"
+                    " root could add one through %s", state.bridge_address)
     network.create_bridge(state.bridge, net)
     state.bridge_created = True
     save_state(state, directory)
