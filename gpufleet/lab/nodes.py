@@ -245,7 +245,7 @@ def _teardown(state: LabState, directory: Path) -> None:
     if survivors:
         raise LabError(f"processes {', '.join(map(str, survivors))} survived SIGKILL; the lab is not down")
     for node in state.nodes:
-        rootfs.release_node_root(Path(node.node_dir), Path(node.root), node.mounted)
+        rootfs.release_node_root(Path(node.node_dir), Path(node.root))
     if state.mirror_started:
         hooks.stop_mirror()
     if state.bridge_created:

@@ -165,9 +165,9 @@ def prepare_node_root(base: Path, node_dir: Path, mode: RootMode = "overlay") ->
     return NodeRoot(root, mounted=False)
 
 
-def release_node_root(node_dir: Path, root: Path, mounted: bool) -> None:
-    """Unmount the node's overlay (if the lab mounted one) and delete everything the node wrote."""
-    if mounted and is_mountpoint(root):
+def release_node_root(node_dir: Path, root: Path) -> None:
+    """Unmount the node's overlay (if it is mounted) and delete everything the node wrote."""
+    if is_mountpoint(root):
         done = subprocess.run(["umount", str(root)], capture_output=True, text=True, check=False)
         if done.returncode != 0:
             # Busy (a shell still inside?): detach it so it goes away when the last user leaves.
