@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -441,3 +442,14 @@ def test_prepare_lays_out_the_cache_dir(cache: Path) -> None:
     assert (contents.model / "config.json").exists()
     assert contents.wheelhouse is None
     assert contents.apt.packages == EXPECTED
+
+
+def test_a_new_signing_key_gets_the_index_signed_again(tmp_path: Path) -> None:
+    debs = standin_debs.build_debs(tmp_path / "debs", standin_debs.lab_doubles()[:1])
+    first = mirror.build_apt_repo(tmp_path / "www/apt", debs=debs, gnupg_home=tmp_path / "gnupg")
+    shutil.rmtree(tmp_path / "gnupg")  # the key is lost: a new one is generated
+    second = mirror.build_apt_repo(tmp_path / "www/apt", debs=debs, gnupg_home=tmp_path / "gnupg")
+    assert first.keyring == second.keyring
+    subprocess.run(["gpgv", "--keyring", str(second.keyring), str(tmp_path / "www/apt/InRelease")],
+                   check=True, capture_output=True)
+    assert second.packages == {"nvidia-driver-580-open": DRIVER}

@@ -18,6 +18,7 @@ shape as NVIDIA's flat CUDA repository.
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import signal
@@ -142,8 +143,8 @@ def build_apt_repo(
 
     Packages are copied or built into ``out_dir/pool``; the index is signed (InRelease and Release.gpg) with the
     lab's key in ``gnupg_home`` (default ``<cache>/gnupg``, generated on first use) and the public keyring is
-    exported to ``keyring`` (default ``out_dir/../keys/gpufleet-lab.gpg``). An index whose content did not change
-    is not signed again.
+    exported to ``keyring`` (default ``out_dir/../keys/gpufleet-lab.gpg``). An unchanged index that verifies with
+    that keyring is not signed again.
     """
     out = Path(out_dir)
     pool = out / "pool"
@@ -163,15 +164,22 @@ def build_apt_repo(
     try:
         fingerprint = signing_key(home)
         export_keyring(home, keyring_path, fingerprint)
-        if changed or not (out / "InRelease").exists():
+        if changed or not _verifies(out / "InRelease", keyring_path):
             _sign_index(out, home, fingerprint)
     finally:
         _stop_agent(home)
     return AptRepo(out, keyring_path, _package_versions(packages))
 
 
+def _verifies(signed: Path, keyring: Path) -> bool:
+    """True when ``signed`` exists and its signature verifies with ``keyring`` (what apt will check)."""
+    if not signed.exists():
+        return False
+    return subprocess.run(["gpgv", "--keyring", str(keyring), str(signed)], capture_output=True).returncode == 0
+
+
 def _sign_index(out: Path, home: Path, fingerprint: str) -> None:
-    subprocess.run(["gzip", "-9nkf", "Packages"], cwd=out, check=True)
+    _write_if_changed(out / "Packages.gz", gzip.compress((out / "Packages").read_bytes(), 9, mtime=0))
     options = [a for k, v in RELEASE_FIELDS.items() for a in ("-o", f"APT::FTPArchive::Release::{k}={v}")]
     release = _run(["apt-ftparchive", *options, "release", "."], cwd=out)
     _write_if_changed(out / "Release", release.encode())
