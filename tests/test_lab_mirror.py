@@ -453,3 +453,13 @@ def test_a_new_signing_key_gets_the_index_signed_again(tmp_path: Path) -> None:
     subprocess.run(["gpgv", "--keyring", str(second.keyring), str(tmp_path / "www/apt/InRelease")],
                    check=True, capture_output=True)
     assert second.packages == {"nvidia-driver-580-open": DRIVER}
+
+
+def test_planner_reads_the_tiny_model_as_written(model: Path) -> None:
+    from gpufleet.model_arch import load_arch
+    from gpufleet.model_memory import param_count
+
+    arch = load_arch(model)
+    assert (arch.head_dim, arch.num_kv_heads, arch.num_layers) == (64, 1, 2)
+    written = tiny_model.read_bf16_safetensors(model / "model.safetensors")
+    assert param_count(arch) == sum(t.size for t in written.values())
