@@ -211,6 +211,13 @@ _TYPE_WORDS = {
 }
 
 
+
+def _dotted_problem(flag: str, key: str, spec: FlagSpec, negated: bool) -> FlagProblem | None:
+    """A dotted sub-key (``--compilation-config.mode``) is only accepted on a flag that takes JSON."""
+    if negated or not spec.takes_json:
+        return FlagProblem(flag, f"{spec.name} does not take JSON, so {key} is not accepted")
+    return None
+
 class FlagCatalog:
     """All ``vllm serve`` options of one vLLM version, and the flag checker."""
 
@@ -366,9 +373,8 @@ class FlagCatalog:
                 continue
             spec, negated = found
             if dot:
-                if negated or not spec.takes_json:
-                    problems.append(FlagProblem(
-                        flag, f"{spec.name} does not take JSON, so {key} is not accepted"))
+                if (dotted := _dotted_problem(flag, key, spec, negated)) is not None:
+                    problems.append(dotted)
                 elif not eq and i >= len(args):
                     problems.append(FlagProblem(key, "expects a value"))
                 if not eq:
@@ -467,9 +473,8 @@ class FlagCatalog:
                 continue
             spec, negated = found
             if dot:
-                if negated or not spec.takes_json:
-                    problems.append(FlagProblem(
-                        flag, f"{spec.name} does not take JSON, so {key} is not accepted"))
+                if (dotted := _dotted_problem(flag, key, spec, negated)) is not None:
+                    problems.append(dotted)
                 continue
             problems.extend(self._config_value(key, flag, spec, negated, value))
         return problems
