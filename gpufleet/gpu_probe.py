@@ -10,8 +10,10 @@ gevent has monkey-patched at start (pyinfra's CLI does; ``gpufleet`` leaves that
 from __future__ import annotations
 
 import base64
+import importlib.util
 import json
 import runpy
+import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,11 +34,30 @@ from gpufleet.node.health_rules import Failure, HealthPolicy
 PROBE_SOURCE = Path(__file__).with_name("node") / "nvml_probe.py"
 
 
+def _packed(source: bytes) -> str:
+    return base64.b64encode(zlib.compress(source, 9)).decode()
+
+
+def _controller_pynvml() -> bytes:
+    spec = importlib.util.find_spec("pynvml")
+    if spec is None or spec.origin is None:
+        raise PyinfraError("nvidia-ml-py (module pynvml) is not installed on the controller")
+    return Path(spec.origin).read_bytes()
+
+
 def probe_command_line(python: str = "python3") -> StringCommand:
-    """``python -c <probe source> --compact``: the probe travels inside the command (base64), since a
-    fact cannot upload files."""
-    encoded = base64.b64encode(PROBE_SOURCE.read_bytes()).decode()
-    code = f'import base64;exec(compile(base64.b64decode("{encoded}"),"nvml_probe.py","exec"))'
+    """``python -c <probe source> --compact``: the probe travels inside the command (compressed), since a
+    fact cannot upload files. So does the controller's pure-Python ``pynvml``, used only where the node's
+    Python has none (a bare node, before any virtualenv exists): about 75 KB in all."""
+    code = (
+        "import base64,sys,types,zlib\n"
+        "def _unpack(s): return zlib.decompress(base64.b64decode(s))\n"
+        "try:\n import pynvml\n"
+        "except ImportError:\n"
+        " _m = sys.modules['pynvml'] = types.ModuleType('pynvml'); _m.__file__ = 'pynvml.py'\n"
+        f" exec(compile(_unpack('{_packed(_controller_pynvml())}'), 'pynvml.py', 'exec'), _m.__dict__)\n"
+        f"exec(compile(_unpack('{_packed(PROBE_SOURCE.read_bytes())}'), 'nvml_probe.py', 'exec'))\n"
+    )
     return StringCommand(QuoteString(python), "-c", QuoteString(code), "--compact")
 
 

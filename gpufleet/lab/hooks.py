@@ -3,7 +3,7 @@
 - ``gpufleet.lab.nvml_sim.build_library(out_dir) -> Path``: the simulated ``libnvidia-ml.so.1``;
 - ``gpufleet.lab.sim_profile.write_sim_profile(path, profile_name, faults=(), hostname=None)``: the node's
   simulated hardware;
-- ``gpufleet.lab.mirror.start(bridge_address)`` / ``stop()``: the apt and wheel mirror on the bridge.
+- ``gpufleet.lab.mirror.prepare()``, ``start(bridge_address, port)`` / ``stop(...)``: the apt and wheel mirror on the bridge.
 
 When a module is missing, its step is skipped with a warning and the lab still comes up.
 """
@@ -74,16 +74,27 @@ def install_nvml(root: Path, library: Path | None, profile: str, hostname: str) 
         subprocess.run(["ldconfig", "-r", str(root)], capture_output=True, check=False)
 
 
+MIRROR_PORT = 8080
+
+
+def mirror_base_url(bridge_address: str) -> str:
+    """Where the lab's nodes find its mirror (apt/, wheels/, keys/ below it)."""
+    return f"http://{bridge_address}:{MIRROR_PORT}/"
+
+
 def start_mirror(bridge_address: str) -> bool:
-    """Start the lab mirror on the bridge address; False when there is no mirror module."""
+    """Build what the mirror serves (up-to-date parts are kept), then serve it on the bridge address;
+    False when there is no mirror module."""
     mirror = _optional("gpufleet.lab.mirror")
     if mirror is None:
         return False
-    mirror.start(bridge_address)
+    mirror.prepare()
+    mirror.start(bridge_address, MIRROR_PORT)
     return True
 
 
-def stop_mirror() -> None:
+def stop_mirror(bridge_address: str) -> None:
+    """Stop this lab's mirror only: other labs on the same cache keep theirs."""
     mirror = _optional("gpufleet.lab.mirror")
     if mirror is not None:
-        mirror.stop()
+        mirror.stop(bind_address=bridge_address, port=MIRROR_PORT)

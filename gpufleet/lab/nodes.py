@@ -247,7 +247,7 @@ def _teardown(state: LabState, directory: Path) -> None:
     for node in state.nodes:
         rootfs.release_node_root(Path(node.node_dir), Path(node.root))
     if state.mirror_started:
-        hooks.stop_mirror()
+        hooks.stop_mirror(state.bridge_address)
     if state.bridge_created:
         network.delete_bridge(state.bridge)
     Path(state.known_hosts).unlink(missing_ok=True)
