@@ -180,7 +180,20 @@ def test_fact_ships_the_probe_inside_its_command() -> None:
     command = str(NvmlGpuFacts().command(python="/opt/gpufleet/bin/python3"))
     assert command.startswith("/opt/gpufleet/bin/python3 -c ")
     assert command.endswith(" --compact")
-    assert base64.b64encode(PROBE_SOURCE.read_bytes()).decode() in command
+    assert len(command) < 128 * 1024  # one argument of `sh -c` on the node (MAX_ARG_STRLEN)
+
+
+def test_fact_command_probes_a_node_whose_python_has_no_pynvml(tmp_path: Path) -> None:
+    library = build_library(tmp_path / "sim")
+    write_sim_profile(tmp_path / "profile", "2xRTX4090")
+    code = NvmlGpuFacts().command(python=sys.executable).bits[2].obj
+    # -S: no site-packages, so no pynvml: the copy inside the command answers
+    done = subprocess.run([sys.executable, "-S", "-c", code, "--compact"], capture_output=True, text=True,
+                          env=sim_environ(library, tmp_path / "profile"), timeout=60)
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(done.stdout.splitlines()[-1])
+    assert doc["nvml"]["available"] is True
+    assert [g["name"] for g in doc["gpus"]] == ["NVIDIA GeForce RTX 4090"] * 2
 
 
 def test_fact_parses_the_probe_output() -> None:
