@@ -37,7 +37,7 @@ def test_precedence_host_over_group_over_all_over_defaults(project: Project) -> 
     assert n1.vllm_gpu_memory_utilization == 0.85  # group > all
     assert n1.vllm_master_port == 29700 and n2.vllm_master_port == 29800  # the later group wins
     assert n1.vllm_kv_cache_dtype == "auto" and n1.ray_port == 6379  # role defaults
-    assert fleet.pools == {"small": ["n1", "n2"]}
+    assert fleet.pools == {"small": ["n1"], "special": ["n2"]}  # a host serves in the last group listing it
 
 
 def test_pyinfra_data_overrides_everything(project: Project) -> None:

@@ -28,8 +28,8 @@ class InventoryLayers:
     hosts: dict[str, HostLayers]
 
     def pool_of(self, host: str) -> str:
-        """A host's serving pool: the first group that lists it ("all" when none does)."""
-        return next((name for name, members in self.groups if host in members), "all")
+        """A host's serving pool: the last group that lists it, the one whose values win ("all" when none does)."""
+        return next((name for name, members in reversed(self.groups) if host in members), "all")
 
 
 # Filled by apply_group_vars when an inventory file is executed: by host name, and by file.
