@@ -82,6 +82,14 @@ class HostConfig(BaseModel):
     vllm_api_key: SecretRef | None
     vllm_hf_token: SecretRef | None
     vllm_extra_args: dict[str, Any]
+    vllm_env: dict[str, str]
+    vllm_package: str
+    vllm_pip_index_url: str | None
+    vllm_wheelhouse_url: str | None
+    vllm_requirements_url: str | None
+    vllm_model_source: str | None
+    vllm_start: bool
+    vllm_ready_timeout: PositiveInt
 
     # ray
     ray_version: str
