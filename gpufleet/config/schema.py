@@ -100,6 +100,8 @@ class HostConfig(BaseModel):
     nvidia_driver_branch: Annotated[int, Field(ge=450, le=999)]
     nvidia_driver_kernel_modules: Literal["open", "proprietary"]
     nvidia_driver_reboot: Literal["never", "if-needed", "allowed"]
+    nvidia_repo_url: Annotated[str, Field(pattern=r"^(https?|file)://\S+$")]
+    nvidia_repo_keyring_url: Annotated[str, Field(pattern=r"^(https?|file)://\S+$")]
     cuda_version: Annotated[str, Field(pattern=r"^\d+\.\d+$")]
 
     # dcgm, exporters
