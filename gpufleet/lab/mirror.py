@@ -9,6 +9,9 @@ uses (repository URL, keyring, pip find-links are configuration). Layout of the 
     models/tiny-llama/        the tiny model (pushed to nodes by the deployment, not served)
     www/                      the only directory served:
       apt/                    flat repository: Packages, Release, InRelease, Release.gpg, pool/*.deb
+      debian/                 flat repository of Debian's own packages the nodes need (prometheus-node-exporter)
+      node_exporter/v<ver>/   node_exporter-<ver>.linux-<arch>.tar.gz and sha256sums.txt: a lab repackaging of
+                              Debian's node_exporter binary in the upstream release layout (gpufleet.lab.debian_extras)
       wheels/                 wheels, index.html (flat find-links page), requirements.lock
       keys/gpufleet-lab.gpg   the binary keyring for ``signed-by=``
 
@@ -31,7 +34,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpufleet.lab import state
+from gpufleet.lab import rootfs, state
+from gpufleet.lab.debian_extras import (
+    NODE_EXPORTER_DIR,
+    NODE_EXPORTER_PACKAGE,
+    Tarball,
+    build_node_exporter_tarball,
+    built_tarball,
+    fetch_debs,
+)
 from gpufleet.lab.errors import LabError
 from gpufleet.lab.standin_debs import build_debs
 from gpufleet.lab.tiny_model import make_tiny_model
@@ -47,6 +58,11 @@ RELEASE_FIELDS = {
     "Codename": "lab",
     "Architectures": "amd64 all",
     "Description": "gpufleet lab: lab doubles of NVIDIA's CUDA repository packages",
+}
+DEBIAN_RELEASE_FIELDS = {
+    **RELEASE_FIELDS,
+    "Label": "gpufleet lab copy of Debian packages",
+    "Description": "gpufleet lab: Debian's own packages (unchanged) that lab nodes install",
 }
 
 
@@ -66,6 +82,10 @@ class MirrorUrls:
         return self.base + "apt/"
 
     @property
+    def debian(self) -> str:
+        return self.base + "debian/"
+
+    @property
     def wheels(self) -> str:
         return self.base + "wheels/"
 
@@ -80,6 +100,10 @@ class MirrorUrls:
     def apt_source(self, keyring_path: str = f"/usr/share/keyrings/{KEYRING_NAME}") -> str:
         """The one-line apt source of the repository, trusting only the given keyring."""
         return f"deb [signed-by={keyring_path}] {self.apt} /"
+
+    def debian_source(self, keyring_path: str = f"/usr/share/keyrings/{KEYRING_NAME}") -> str:
+        """The one-line apt source of the repository of Debian's packages, trusting only the given keyring."""
+        return f"deb [signed-by={keyring_path}] {self.debian} /"
 
     @classmethod
     def at(cls, address: str, port: int) -> MirrorUrls:
@@ -106,6 +130,8 @@ class MirrorContents:
     wheelhouse: Path | None
     wheel_lock: Path | None
     model: Path
+    debian: AptRepo | None = None
+    node_exporter: Tarball | None = None
 
     @property
     def keyring(self) -> Path:
@@ -116,20 +142,56 @@ def prepare(
     cache_dir: Path | str | None = None,
     *,
     wheels: bool = True,
+    debian: bool = True,
     find_links: Sequence[str] = (),
     extra_index_urls: Sequence[str] = (),
 ) -> MirrorContents:
-    """Build, or reuse what is already built: the lab doubles, the signed repository, the wheelhouse, the model.
+    """Build, or reuse what is already built: the lab doubles, the signed repositories, the wheelhouse, the model,
+    and node_exporter's release tarball repackaged from Debian's binary.
 
     The wheelhouse (about 1 GB of downloads) is fetched once; ``wheels=False`` skips it. ``find_links`` and
-    ``extra_index_urls`` say where pip finds ``torch==2.13.0+cpu`` (see :mod:`gpufleet.lab.wheelhouse`).
+    ``extra_index_urls`` say where pip finds ``torch==2.13.0+cpu`` (see :mod:`gpufleet.lab.wheelhouse`). Debian's
+    packages (about 4 MB) are downloaded with this machine's apt once and kept; ``debian=False`` skips them.
     """
     cache = _cache(cache_dir)
     www = cache / WWW
     repo = build_apt_repo(www / "apt", gnupg_home=cache / "gnupg")
+    debian_repo, tarball = _build_debian(cache) if debian else (None, None)
     house = build_wheelhouse(www / "wheels", find_links=find_links, extra_index_urls=extra_index_urls) if wheels else None
     model = make_tiny_model(cache / "models" / "tiny-llama")
-    return MirrorContents(cache, www, repo, house.path if house else None, house.lock if house else None, model)
+    return MirrorContents(cache, www, repo, house.path if house else None, house.lock if house else None, model,
+                          debian_repo, tarball)
+
+
+def _build_debian(cache: Path) -> tuple[AptRepo, Tarball]:
+    """Debian's packages the nodes need (and the dependencies the lab's base rootfs lacks) in ``www/debian/``;
+    node_exporter's release tarball rebuilt from Debian's package in ``www/node_exporter/``."""
+    base = next((p for p in (rootfs.base_path(cache), rootfs.base_path(default_cache_dir())) if p.is_dir()), None)
+    debs = fetch_debs(cache / "debian-debs", base)
+    repo = build_apt_repo(cache / WWW / "debian", debs=debs, gnupg_home=cache / "gnupg",
+                          release_fields=DEBIAN_RELEASE_FIELDS)
+    exporter = next(d for d in debs if d.name.startswith(f"{NODE_EXPORTER_PACKAGE}_"))
+    return repo, build_node_exporter_tarball(exporter, cache / WWW / NODE_EXPORTER_DIR)
+
+
+def node_exporter_sources(base_url: str, cache_dir: Path | str | None = None) -> dict[str, str]:
+    """Role node_exporter's variables that point a lab node at this mirror, for the lab's inventory.
+
+    The tarball's URL (``{version}`` left for the role to fill in) and the sha256 read from the built
+    ``sha256sums.txt`` (both absent until :func:`prepare` built the tarball); the Debian repository's apt source and
+    the keyring it is signed with (a path on this machine, which the role copies to the nodes).
+    """
+    cache = _cache(cache_dir)
+    urls = MirrorUrls(base_url)
+    found: dict[str, str] = {
+        "node_exporter_apt_source": urls.debian_source(),
+        "node_exporter_apt_keyring": str(cache / WWW / "keys" / KEYRING_NAME),
+    }
+    tarball = built_tarball(cache / WWW / NODE_EXPORTER_DIR)
+    if tarball is not None:
+        found["node_exporter_tarball_url"] = urls.base + tarball.relative_url.replace(tarball.version, "{version}")
+        found["node_exporter_tarball_sha256"] = tarball.sha256
+    return found
 
 
 def build_apt_repo(
@@ -138,13 +200,15 @@ def build_apt_repo(
     debs: Sequence[Path] | None = None,
     gnupg_home: Path | str | None = None,
     keyring: Path | str | None = None,
+    release_fields: dict[str, str] | None = None,
 ) -> AptRepo:
     """Write a signed flat apt repository of ``debs`` (default: the lab doubles) into ``out_dir``.
 
     Packages are copied or built into ``out_dir/pool``; the index is signed (InRelease and Release.gpg) with the
     lab's key in ``gnupg_home`` (default ``<cache>/gnupg``, generated on first use) and the public keyring is
     exported to ``keyring`` (default ``out_dir/../keys/gpufleet-lab.gpg``). An unchanged index that verifies with
-    that keyring is not signed again.
+    that keyring is not signed again. ``release_fields`` replace the Release file's fields (default: the lab
+    doubles' ones).
     """
     out = Path(out_dir)
     pool = out / "pool"
@@ -165,7 +229,7 @@ def build_apt_repo(
         fingerprint = signing_key(home)
         export_keyring(home, keyring_path, fingerprint)
         if changed or not _verifies(out / "InRelease", keyring_path):
-            _sign_index(out, home, fingerprint)
+            _sign_index(out, home, fingerprint, release_fields or RELEASE_FIELDS)
     finally:
         _stop_agent(home)
     return AptRepo(out, keyring_path, _package_versions(packages))
@@ -178,9 +242,9 @@ def _verifies(signed: Path, keyring: Path) -> bool:
     return subprocess.run(["gpgv", "--keyring", str(keyring), str(signed)], capture_output=True).returncode == 0
 
 
-def _sign_index(out: Path, home: Path, fingerprint: str) -> None:
+def _sign_index(out: Path, home: Path, fingerprint: str, fields: dict[str, str]) -> None:
     _write_if_changed(out / "Packages.gz", gzip.compress((out / "Packages").read_bytes(), 9, mtime=0))
-    options = [a for k, v in RELEASE_FIELDS.items() for a in ("-o", f"APT::FTPArchive::Release::{k}={v}")]
+    options = [a for k, v in fields.items() for a in ("-o", f"APT::FTPArchive::Release::{k}={v}")]
     release = _run(["apt-ftparchive", *options, "release", "."], cwd=out)
     _write_if_changed(out / "Release", release.encode())
     gpg = [*_gpg(home), "--yes", "--local-user", fingerprint, "--digest-algo", "SHA512"]
