@@ -4,8 +4,11 @@
 Command line like NVIDIA's dcgm-exporter: ``-f/--collectors CSV`` (the fields to export, ``FIELD, type, help``
 per line, ``#`` comments), ``-a/--address [HOST]:PORT`` (default ``:9400``), ``-r/--remote-hostengine-info
 HOST:PORT`` (the running nv-hostengine must accept a connection there), ``-c/--collect-interval MS`` (accepted;
-the double reads NVML at every scrape). Serves ``/metrics`` and ``/health``. Fields it cannot read through NVML
-are reported once on stderr and left out, as are values the GPU does not support.
+the double reads NVML at every scrape). Serves ``/metrics`` and ``/health``. Fields the double does not know
+are reported once on stderr and left out, as are values the GPU answers NOT_SUPPORTED for (DCGM leaves those
+blank). A known field whose NVML entry point the node's library lacks is served as 0: the lab's simulated NVML
+implements only what gpufleet's probe calls, and every counter a deployment turns on should still appear. The
+same holds for ``DCGM_FI_DEV_XID_ERRORS`` when NVML events are missing: 0, no XID seen.
 """
 
 from __future__ import annotations
@@ -27,6 +30,11 @@ if os.path.isdir(BUNDLED_PYNVML):
 import pynvml as nv  # noqa: E402
 
 MIB = 1024 * 1024
+
+
+def _no_answer(exc: Exception) -> bool:
+    """True when the NVML library lacks the entry point (the simulated NVML answers only the probe's calls)."""
+    return isinstance(exc, nv.NVMLError) and exc.value == nv.NVML_ERROR_FUNCTION_NOT_FOUND
 
 
 def _field_value(handle: Any, field_id: int) -> float:
@@ -51,10 +59,13 @@ def _nvlink(counter: int) -> Callable[[Any], float]:
             try:
                 if nv.nvmlDeviceGetNvLinkState(h, link) != nv.NVML_FEATURE_ENABLED:
                     continue
+            except nv.NVMLError:
+                continue  # no such link
+            try:
                 errors += nv.nvmlDeviceGetNvLinkErrorCounter(h, link, counter)
                 found = True
-            except nv.NVMLError:
-                continue
+            except nv.NVMLError as exc:
+                found = found or _no_answer(exc)  # an active link whose counter the library cannot read: 0
         if not found:
             raise nv.NVMLError(nv.NVML_ERROR_NOT_SUPPORTED)
         return errors
@@ -113,6 +124,16 @@ LABEL_FIELDS: dict[str, Callable[[Any], str]] = {
 }
 
 
+def _read(field: str, handle: Any) -> float:
+    """One field of one GPU; 0 when the NVML library lacks the entry point (see the module docstring)."""
+    try:
+        return FIELDS[field](handle)
+    except nv.NVMLError as exc:
+        if _no_answer(exc):
+            return 0
+        raise
+
+
 def _text(value: str | bytes) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
@@ -157,6 +178,10 @@ class Collector:
                 self.last_xid[uuid] = 0
             return event_set
         except nv.NVMLError as exc:
+            if _no_answer(exc):
+                print(f"dcgm-exporter (lab double): NVML has no events here; {XID_FIELD} stays 0", file=sys.stderr)
+                self.last_xid = dict.fromkeys(self.uuids, 0)
+                return None
             print(f"dcgm-exporter (lab double): XID events unavailable ({exc}); {XID_FIELD} left out", file=sys.stderr)
             self.last_xid.clear()
             return None
@@ -198,7 +223,7 @@ class Collector:
                 samples = []
                 for i, h in enumerate(self.handles):
                     try:
-                        value = self.last_xid[self.uuids[i]] if field == XID_FIELD else FIELDS[field](h)
+                        value = self.last_xid[self.uuids[i]] if field == XID_FIELD else _read(field, h)
                     except (nv.NVMLError, KeyError):
                         continue
                     samples.append(f"{field}{{{labels[i]}}} {_number(value)}")

@@ -1,0 +1,96 @@
+"""Role ``dcgm_exporter``: NVIDIA's DCGM exporter as a hardened service, with counters tuned for serving.
+
+After it, the node has:
+
+- the package ``datacenter-gpu-manager-exporter`` (at ``dcgm_exporter_version`` when set);
+- the system user and group ``dcgm-exporter`` (no login, no home);
+- ``/etc/dcgm-exporter/gpufleet-counters.csv`` (root, 0644): the fields it exports. Beyond NVIDIA's
+  defaults it turns on ECC, remapped rows, XID, clock-event reasons and throttle time, and NVLink error
+  counters on nodes whose GPUs have NVLink (from the probed facts);
+- ``/etc/systemd/system/dcgm-exporter.service`` (the package ships no unit): ``dcgm-exporter -f COUNTERS
+  -a :dcgm_exporter_port -r localhost:5555`` as ``dcgm-exporter``, reading through the running host engine
+  (role ``dcgm``), sandboxed by systemd; enabled and running, serving ``/metrics`` on every address.
+
+A change of the counters file, the unit or the package restarts the exporter and nothing else.
+Variables (roles/dcgm_exporter/defaults.yml): ``dcgm_exporter_version``, ``dcgm_exporter_port``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pyinfra.api.deploy import deploy
+from pyinfra.operations import apt, files, server, systemd
+from pyinfra.operations.util import any_changed
+
+from gpufleet.deploy.context import gpu_facts, host_config
+from gpufleet.gpu_facts import NodeFacts
+
+TEMPLATES = Path(__file__).resolve().parents[2] / "templates" / "dcgm_exporter"
+PACKAGE = "datacenter-gpu-manager-exporter"
+USER = "dcgm-exporter"
+SERVICE = "dcgm-exporter.service"
+UNIT_FILE = f"/etc/systemd/system/{SERVICE}"
+COUNTERS_FILE = "/etc/dcgm-exporter/gpufleet-counters.csv"
+HOSTENGINE = "nvidia-dcgm.service"
+HOSTENGINE_ADDRESS = "localhost:5555"
+
+
+def has_nvlink(facts: NodeFacts | None) -> bool:
+    """Whether any GPU reports NVLinks (True when the node could not be probed: the fields cost nothing)."""
+    if facts is None or not facts.nvml.available:
+        return True
+    return any(gpu.nvlinks for gpu in facts.gpus)
+
+
+def unit_values(port: int) -> dict[str, Any]:
+    """What templates/dcgm_exporter/dcgm-exporter.service.j2 is rendered with."""
+    return {
+        "port": port,
+        "run_as": USER,
+        "counters": COUNTERS_FILE,
+        "hostengine": HOSTENGINE,
+        "hostengine_address": HOSTENGINE_ADDRESS,
+    }
+
+
+@deploy("DCGM exporter")
+def dcgm_exporter() -> None:
+    """Converge the exporter's package, user, counters and hardened unit; restart it only on a change."""
+    cfg = host_config()
+    version = cfg.dcgm_exporter_version
+    package = apt.packages(
+        name=f"Install {PACKAGE}" + (f" {version}" if version else ""),
+        packages=[f"{PACKAGE}={version}" if version else PACKAGE],
+        latest=False,
+        allow_downgrades=bool(version),
+    )
+    server.group(name=f"Create the system group {USER}", group=USER, system=True)
+    server.user(
+        name=f"Create the system user {USER} the exporter runs as",
+        user=USER, group=USER, system=True, shell="/usr/sbin/nologin", home="/nonexistent",
+        create_home=False, ensure_home=False, comment="NVIDIA DCGM exporter",
+    )
+    counters = files.template(
+        name=f"Write the counters the exporter serves to {COUNTERS_FILE}",
+        src=str(TEMPLATES / "counters.csv.j2"), dest=COUNTERS_FILE,
+        user="root", group="root", mode="0644",
+        nvlink=has_nvlink(gpu_facts()),
+    )
+    unit = files.template(
+        name=f"Write the exporter's unit {UNIT_FILE}",
+        src=str(TEMPLATES / "dcgm-exporter.service.j2"), dest=UNIT_FILE,
+        user="root", group="root", mode="0644",
+        **unit_values(cfg.dcgm_exporter_port),
+    )
+    systemd.daemon_reload(name="Reload systemd: the exporter's unit changed", _if=unit.did_change)
+    systemd.service(
+        name="Restart the exporter: its package, counters or unit changed",
+        service=SERVICE, running=True, restarted=True,
+        _if=any_changed(package, counters, unit),
+    )
+    systemd.service(
+        name="Enable and start the exporter",
+        service=SERVICE, running=True, enabled=True,
+    )

@@ -1,0 +1,309 @@
+"""Roles nvidia_driver, dcgm and dcgm_exporter without a node: their templates, pins, counters and decisions.
+
+Templates are rendered with pyinfra's own renderer (what ``files.template`` uses) from the values the
+roles pass; the counters file is served by the exporter double against the NVML simulator.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from pyinfra.api.util import get_template
+
+from gpufleet.gpu_facts import SCHEMA, NodeFacts, NvmlStatus
+from gpufleet.hardware_profiles import profile_facts
+from gpufleet.lab import nvml_sim, sim_profile, standin_debs
+from gpufleet.lab.double_programs import dcgm_exporter as exporter_double
+from gpufleet.lab.sim_profile import apply_fault
+from roles.dcgm import dcgm_package
+from roles.dcgm_exporter import COUNTERS_FILE, has_nvlink, unit_values
+from roles.nvidia_driver import (
+    AptCandidate,
+    driver_package,
+    fabricmanager_package,
+    has_nvswitch,
+    keyring_path,
+    reboot_action,
+    reboot_required_message,
+    upstream_version,
+)
+from tests.conftest import ROOT, Project, run_cli
+from tests.test_lab_mirror import _free_port, _get, _wait_for_port
+
+TEMPLATES = ROOT / "templates"
+DEFAULTS = yaml.safe_load((ROOT / "roles" / "nvidia_driver" / "defaults.yml").read_text())
+
+
+def render(template: str, **values: Any) -> str:
+    return get_template(str(TEMPLATES / template)).render(values)
+
+
+# --- nvidia_driver: repository, pin, unattended-upgrades ---------------------------------------------------
+
+def test_repository_line_is_flat_and_trusts_only_its_own_keyring() -> None:
+    keyring = keyring_path(DEFAULTS["nvidia_repo_keyring_url"])
+    text = render("nvidia_driver/gpufleet-nvidia.list.j2", repo_url=DEFAULTS["nvidia_repo_url"], keyring=keyring)
+    lines = [line for line in text.splitlines() if line and not line.startswith("#")]
+    assert lines == [
+        "deb [signed-by=/etc/apt/keyrings/gpufleet-nvidia.asc]"
+        " https://developer.download.nvidia.com/compute/cuda/repos/debian12/x86_64/ /"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("url", "path"),
+    [
+        ("https://developer.download.nvidia.com/compute/cuda/repos/debian12/x86_64/3bf863cc.pub",
+         "/etc/apt/keyrings/gpufleet-nvidia.asc"),
+        ("http://10.213.0.1:8080/keys/gpufleet-lab.gpg", "/etc/apt/keyrings/gpufleet-nvidia.gpg"),
+        ("https://mirror.example/keys/nvidia.asc", "/etc/apt/keyrings/gpufleet-nvidia.asc"),
+    ],
+)
+def test_keyring_format_follows_the_url(url: str, path: str) -> None:
+    assert keyring_path(url) == path
+
+
+def _pin_stanza(text: str) -> dict[str, str]:
+    fields = [line.split(":", 1) for line in text.splitlines() if line and not line.startswith("#")]
+    return {key.strip(): value.strip() for key, value in fields}
+
+
+def test_pin_holds_every_driver_package_on_its_branch() -> None:
+    stanza = _pin_stanza(render("nvidia_driver/gpufleet-nvidia-driver.pref.j2", branch=580))
+    assert stanza["Pin"] == "version 580.*"
+    assert int(stanza["Pin-Priority"]) >= 1000  # outranks any other version, downgrades included
+    patterns = stanza["Package"].split()
+    pinned = [driver_package(580, "open"), driver_package(580, "proprietary"), fabricmanager_package(580),
+              "nvidia-persistenced", "cuda-drivers-580", "nvidia-driver-pinning-580", "libnvidia-compute-580"]
+    for package in pinned:
+        assert any(re.fullmatch(p.replace("*", ".*"), package) for p in patterns), package
+    for other in ("datacenter-gpu-manager-4-cuda13", "datacenter-gpu-manager-exporter", "python3"):
+        assert not any(re.fullmatch(p.replace("*", ".*"), other) for p in patterns), other
+
+
+def test_pin_follows_the_configured_branch() -> None:
+    assert _pin_stanza(render("nvidia_driver/gpufleet-nvidia-driver.pref.j2", branch=590))["Pin"] == "version 590.*"
+
+
+def test_unattended_upgrades_skip_driver_packages_and_nothing_else() -> None:
+    text = render("nvidia_driver/51gpufleet-nvidia-driver.conf.j2")
+    assert "Unattended-Upgrade::Package-Blacklist {" in text
+    patterns = re.findall(r'^\s*"([^"]+)";', text, re.MULTILINE)
+    skipped = lambda name: any(re.match(p, name) for p in patterns)  # noqa: E731 (unattended-upgrades uses re.match)
+    assert all(skipped(p) for p in ("nvidia-driver-580-open", "nvidia-fabricmanager-580", "nvidia-persistenced",
+                                    "libnvidia-compute-580", "cuda-drivers-580"))
+    assert not any(skipped(p) for p in ("datacenter-gpu-manager-4-cuda13", "openssh-server", "libc6"))
+
+
+def test_package_names() -> None:
+    assert driver_package(580, "open") == "nvidia-driver-580-open"
+    assert driver_package(580, "proprietary") == "nvidia-driver-580"
+    assert fabricmanager_package(580) == "nvidia-fabricmanager-580"
+    assert dcgm_package("4", "13.0") == "datacenter-gpu-manager-4-cuda13"
+    assert dcgm_package("4", "12.8") == "datacenter-gpu-manager-4-cuda12"
+    lab_packages = {d.name for d in standin_debs.lab_doubles()}
+    assert {driver_package(580, "open"), driver_package(580, "proprietary"), fabricmanager_package(580),
+            "nvidia-persistenced", dcgm_package("4", "13.0"), "datacenter-gpu-manager-exporter"} <= lab_packages
+
+
+def test_apt_candidate_fact_reads_apt_cache_policy() -> None:
+    fact = AptCandidate()
+    assert fact.process(["580.95.05-1"]) == "580.95.05-1"
+    assert fact.process(["(none)"]) is None
+    assert fact.process([]) is None
+    assert fact.command("nvidia-driver-580-open").startswith("apt-cache policy nvidia-driver-580-open ")
+    assert fact.command("a b; c").startswith("apt-cache policy 'a b; c' ")
+
+
+# --- nvidia_driver: fabric manager only on NVSwitch systems ------------------------------------------------
+
+@pytest.mark.parametrize(
+    ("profile", "expected"),
+    [("8xH100-SXM", True), ("8xH200-SXM", True), ("8xA100-SXM", True), ("8xL40S-PCIe", False),
+     ("8xH100NVL-PCIe", False), ("4xA100-PCIe-pairs", False), ("2xRTX4090", False)],
+)
+def test_nvswitch_is_read_from_the_probed_facts(profile: str, expected: bool) -> None:
+    # a declared profile that says otherwise is ignored when NVML answered
+    declared = "8xL40S-PCIe" if expected else "8xH100-SXM"
+    assert has_nvswitch(profile_facts(profile, "n1"), declared) is expected
+
+
+def test_nvswitch_counts_a_fabric_that_is_still_registering() -> None:
+    facts = apply_fault(profile_facts("8xH100-SXM", "n1"), "fabric_in_progress")
+    assert facts.gpus[0].fabric is not None and facts.gpus[0].fabric.state == "in_progress"
+    assert has_nvswitch(facts, None)
+
+
+def test_without_nvml_the_declared_profile_decides() -> None:
+    bare = NodeFacts(schema=SCHEMA, hostname="n1", nvml=NvmlStatus(available=False, error="Driver Not Loaded"))
+    assert has_nvswitch(bare, "8xH100-SXM") is True
+    assert has_nvswitch(bare, "8xL40S-PCIe") is False
+    assert has_nvswitch(None, "8xA100-SXM") is True
+    assert has_nvswitch(None, None) is False
+    assert has_nvswitch(None, "not-a-profile") is False
+
+
+# --- nvidia_driver: the reboot decision --------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    ("installed", "loaded", "policy", "changed_now", "action"),
+    [
+        ("580.95.05-1", "580.95.05", "never", False, "none"),
+        ("580.95.05-1", "580.95.05", "allowed", True, "none"),
+        ("1:580.95.05-1", "580.95.05", "never", False, "none"),  # an epoch is not part of the driver version
+        ("580.95.05-1", "580.65.06", "never", True, "stop"),
+        ("580.95.05-1", "580.65.06", "never", False, "stop"),
+        ("580.95.05-1", "580.65.06", "if-needed", True, "reboot"),
+        ("580.95.05-1", "580.65.06", "if-needed", False, "stop"),  # a difference this deploy did not cause
+        ("580.95.05-1", "580.65.06", "allowed", False, "reboot"),
+        ("580.95.05-1", None, "never", True, "stop"),  # fresh install: no module loaded yet
+        ("580.95.05-1", None, "if-needed", True, "reboot"),
+        ("580.95.05-1", None, "allowed", False, "reboot"),
+        ("580.95.05-1", "580.95.0", "never", False, "stop"),  # no prefix matching
+    ],
+)
+def test_reboot_action(installed: str, loaded: str | None, policy: Any, changed_now: bool, action: str) -> None:
+    assert reboot_action(installed, loaded, policy, changed_now) == action
+
+
+def test_upstream_version() -> None:
+    assert upstream_version("580.95.05-1") == "580.95.05"
+    assert upstream_version("1:580.95.05-0ubuntu1") == "580.95.05"
+    assert upstream_version("580.95.05") == "580.95.05"
+
+
+def test_reboot_required_message_names_package_and_module() -> None:
+    assert reboot_required_message("nvidia-driver-580-open", "580.95.05-1", "580.65.06", "never") == (
+        "reboot required: driver package nvidia-driver-580-open 580.95.05-1 installed,"
+        " kernel module 580.65.06 loaded (nvidia_driver_reboot: never)"
+    )
+    assert "no kernel module loaded" in reboot_required_message("nvidia-driver-580", "580.95.05-1", None, "never")
+
+
+# --- dcgm_exporter: counters and unit ----------------------------------------------------------------------
+
+def _counters(nvlink: bool, tmp_path: Path) -> list[tuple[str, str, str]]:
+    path = tmp_path / f"counters-{nvlink}.csv"
+    path.write_text(render("dcgm_exporter/counters.csv.j2", nvlink=nvlink))
+    return exporter_double.read_counters(str(path))
+
+
+SERVING_FIELDS = {
+    "DCGM_FI_DEV_XID_ERRORS", "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL", "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL",
+    "DCGM_FI_DEV_ECC_DBE_AGG_TOTAL", "DCGM_FI_DEV_CLOCKS_EVENT_REASONS", "DCGM_FI_DEV_POWER_VIOLATION",
+    "DCGM_FI_DEV_THERMAL_VIOLATION", "DCGM_FI_DEV_ROW_REMAP_PENDING", "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS",
+    "DCGM_FI_DEV_FB_USED", "DCGM_FI_DEV_GPU_UTIL", "DCGM_FI_DEV_POWER_USAGE",
+}
+NVLINK_FIELDS = {
+    "DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL", "DCGM_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL",
+    "DCGM_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL", "DCGM_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL",
+}
+
+
+def test_counters_turn_on_what_the_defaults_leave_off(tmp_path: Path) -> None:
+    rows = _counters(True, tmp_path)
+    fields = [field for field, _, _ in rows]
+    assert len(fields) == len(set(fields))
+    assert SERVING_FIELDS | NVLINK_FIELDS <= set(fields)
+    assert {kind for _, kind, _ in rows} <= {"gauge", "counter", "label"}
+    assert all(help_text for _, _, help_text in rows)
+    commented_in_defaults = set(re.findall(r"^# (DCGM_FI_\w+),", standin_debs.DEFAULT_COUNTERS, re.MULTILINE))
+    assert {"DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", "DCGM_FI_DEV_POWER_VIOLATION"} <= commented_in_defaults
+    assert commented_in_defaults - set(fields) == set()  # every counter NVIDIA leaves off is on here
+
+
+def test_counters_leave_nvlink_out_where_gpus_have_none(tmp_path: Path) -> None:
+    fields = {field for field, _, _ in _counters(False, tmp_path)}
+    assert SERVING_FIELDS <= fields and not fields & NVLINK_FIELDS
+    assert has_nvlink(profile_facts("8xH100-SXM", "n1")) and has_nvlink(profile_facts("4xA100-PCIe-pairs", "n1"))
+    assert not has_nvlink(profile_facts("8xL40S-PCIe", "n1"))
+    assert has_nvlink(None)  # not probed: the fields cost nothing where there is no NVLink
+
+
+def test_counters_name_only_fields_the_exporter_double_serves(tmp_path: Path) -> None:
+    served = set(exporter_double.FIELDS) | set(exporter_double.LABEL_FIELDS) | {exporter_double.XID_FIELD}
+    assert {field for field, _, _ in _counters(True, tmp_path)} <= served
+
+
+def _unit(port: int = 9400) -> dict[str, list[str]]:
+    text = render("dcgm_exporter/dcgm-exporter.service.j2", **unit_values(port))
+    entries: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        if "=" in line and not line.startswith("#"):
+            key, value = line.split("=", 1)
+            entries.setdefault(key, []).append(value)
+    return entries
+
+
+def test_unit_runs_the_exporter_against_the_host_engine_as_its_own_user() -> None:
+    unit = _unit(9555)
+    assert unit["ExecStart"] == [f"/usr/bin/dcgm-exporter -f {COUNTERS_FILE} -a :9555 -r localhost:5555"]
+    assert unit["User"] == unit["Group"] == ["dcgm-exporter"]
+    assert unit["Requires"] == unit["After"] == ["nvidia-dcgm.service"]
+    assert unit["WantedBy"] == ["multi-user.target"]
+
+
+def test_unit_is_sandboxed() -> None:
+    unit = _unit()
+    for key in ("NoNewPrivileges", "ProtectHome", "PrivateTmp", "ProtectKernelTunables", "ProtectKernelModules",
+                "ProtectControlGroups", "RestrictNamespaces", "RestrictSUIDSGID", "LockPersonality",
+                "MemoryDenyWriteExecute", "RestrictRealtime"):
+        assert unit[key] == ["yes"], key
+    assert unit["ProtectSystem"] == ["strict"]
+    assert unit["CapabilityBoundingSet"] == [""] and unit["AmbientCapabilities"] == [""]
+    assert unit["DevicePolicy"] == ["closed"]
+    assert set(unit["RestrictAddressFamilies"][0].split()) == {"AF_INET", "AF_INET6", "AF_UNIX"}
+
+
+def test_exporter_double_serves_every_counter_from_the_simulator(tmp_path: Path) -> None:
+    """The rendered counters, served by the exporter double on a simulated HGX H100: every field appears, the
+    ones the simulator has no entry point for (XID events, violations, NVLink counters) as 0."""
+    library = nvml_sim.build_library(tmp_path / "lib")
+    facts = sim_profile.write_sim_profile(tmp_path / "profile", "8xH100-SXM", ["pending_row_remap"], hostname="n1")
+    counters = tmp_path / "counters.csv"
+    counters.write_text(render("dcgm_exporter/counters.csv.j2", nvlink=True))
+    engine_port, port = _free_port(), _free_port()
+    programs = Path(exporter_double.__file__).parent
+    engine = subprocess.Popen([sys.executable, str(programs / "nv_hostengine.py"), "-n", "-p", str(engine_port)])
+    exporter = subprocess.Popen(
+        [sys.executable, str(programs / "dcgm_exporter.py"), "-f", str(counters), "-a", f"127.0.0.1:{port}",
+         "-r", f"127.0.0.1:{engine_port}"],
+        env=nvml_sim.sim_environ(library, tmp_path / "profile"), stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        _wait_for_port(port)
+        text = _get(f"http://127.0.0.1:{port}/metrics").decode()
+    finally:
+        exporter.terminate()
+        engine.terminate()
+        _, stderr = exporter.communicate(timeout=10)
+        engine.wait(timeout=10)
+    values: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        if line.startswith("DCGM_FI_"):
+            values.setdefault(line.split("{", 1)[0], []).append(line.rsplit(" ", 1)[1])
+    metrics = {field for field, kind, _ in exporter_double.read_counters(str(counters)) if kind != "label"}
+    assert set(values) == metrics, stderr
+    assert all(len(v) == len(facts.gpus) for v in values.values())
+    for zero in ("DCGM_FI_DEV_XID_ERRORS", "DCGM_FI_DEV_POWER_VIOLATION", "DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL"):
+        assert values[zero] == ["0"] * len(facts.gpus), zero
+    assert values["DCGM_FI_DEV_ROW_REMAP_PENDING"][0] == "1"  # what the simulator does answer comes through
+    assert values["DCGM_FI_DEV_CLOCKS_EVENT_REASONS"] == ["1"] * len(facts.gpus)  # gpu_idle
+    assert f'Hostname="{socket.gethostname()}",DCGM_FI_DRIVER_VERSION="{facts.driver_version}"' in text
+
+
+# --- configuration ------------------------------------------------------------------------------------------
+
+def test_repository_urls_are_checked(project: Project) -> None:
+    project.group_vars("all", "vllm_model: meta-llama/Llama-3.1-8B-Instruct\ngpu_profile: 8xH100-SXM\n"
+                              "vllm_max_model_len: 8192\nnvidia_repo_url: developer.download.nvidia.com/repo\n")
+    done = run_cli("check", str(project.inventory('fleet = ["n1"]')))
+    assert done.rc == 2, done.err
+    assert re.search(r"group_vars/all\.yml: nvidia_repo_url: .*developer\.download\.nvidia\.com/repo", done.err), done.err
