@@ -110,6 +110,12 @@ class HostConfig(BaseModel):
     dcgm_exporter_port: Port
     node_exporter_version: Annotated[str, Field(pattern=r"^\d+\.\d+\.\d+$")]
     node_exporter_port: Port
+    node_exporter_install: Literal["tarball", "package"]
+    node_exporter_tarball_url: Annotated[str, Field(pattern=r"^(https?|file)://\S+$")]
+    node_exporter_tarball_sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+    node_exporter_listen_address: Annotated[str, Field(pattern=r"^[0-9A-Fa-f.:]+$")] | None
+    node_exporter_apt_source: Annotated[str, Field(pattern=r"^deb \[([^\]]* )?signed-by=/\S+( [^\]]*)?\] \S+ \S+( \S+)*$")] | None
+    node_exporter_apt_keyring: str | None
 
     _check_secret = field_validator("vllm_api_key", "vllm_hf_token", mode="before")(_secret_ref)
 

@@ -1,0 +1,325 @@
+"""Role ``node_exporter``: Prometheus node_exporter on every node, under its own user, in a systemd sandbox.
+
+After it, the node has:
+
+- the system user and group ``node_exporter`` (no login, no home);
+- ``/var/lib/node_exporter/textfile_collector/`` (root, 0755): every ``*.prom`` file a root job writes there
+  is served with the node's metrics (textfile collector);
+- node_exporter running and enabled, with the systemd collector on (unit states, read from systemd over
+  D-Bus), listening on ``node_exporter_listen_address`` (default: the fleet address) port
+  ``node_exporter_port``. Where it comes from is ``node_exporter_install``:
+
+  - ``tarball``: ``/usr/local/bin/node_exporter`` (root, 0755) from the release tarball, which the controller
+    fetched once and checked against ``node_exporter_tarball_sha256`` before pushing it to
+    ``/var/cache/gpufleet/node_exporter/``; gpufleet's own ``/etc/systemd/system/node_exporter.service``;
+  - ``package``: Debian's ``prometheus-node-exporter`` (without its recommended extra collectors), from the
+    node's apt sources or ``node_exporter_apt_source``; Debian's ``prometheus-node-exporter.service`` with
+    the drop-in ``prometheus-node-exporter.service.d/gpufleet.conf``, which sets the user, the flags and
+    the sandbox. The drop-in is in place before the package is installed, so the service never runs
+    with Debian's defaults (every interface, user prometheus).
+
+  What the other method left (binary, unit, package, drop-in, apt source) is removed.
+
+node_exporter restarts only when its binary, its unit or drop-in (flags included) or its package changed.
+Variables: roles/node_exporter/defaults.yml.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import re
+import tarfile
+from pathlib import Path
+from typing import Any
+
+from jinja2 import Environment, FileSystemLoader, StrictUndefined
+from pyinfra.api.deploy import deploy
+from pyinfra.api.operation import OperationMeta
+from pyinfra.context import host
+from pyinfra.facts.deb import DebPackages
+from pyinfra.facts.files import Directory, File, FindFiles, Sha256File
+from pyinfra.operations import apt, files, server, systemd
+from pyinfra.operations.util import any_changed
+
+from gpufleet.config.schema import HostConfig
+from gpufleet.deploy.context import host_config
+from gpufleet.deploy.download import DownloadError, fetch_verified
+
+USER = "node_exporter"
+TEXTFILE_DIR = "/var/lib/node_exporter/textfile_collector"
+# tarball
+BINARY = "/usr/local/bin/node_exporter"
+UNIT = "node_exporter.service"
+UNIT_PATH = f"/etc/systemd/system/{UNIT}"
+TARBALL_DIR = "/var/cache/gpufleet/node_exporter"
+# package
+PACKAGE = "prometheus-node-exporter"
+PACKAGE_BINARY = "/usr/bin/prometheus-node-exporter"
+PACKAGE_UNIT = "prometheus-node-exporter.service"
+DROP_IN_DIR = f"/etc/systemd/system/{PACKAGE_UNIT}.d"
+DROP_IN = f"{DROP_IN_DIR}/gpufleet.conf"
+APT_LIST = "/etc/apt/sources.list.d/gpufleet-node-exporter.list"
+
+TEMPLATES = Path(__file__).resolve().parents[2] / "templates" / "node_exporter"
+_SIGNED_BY = re.compile(r"signed-by=(/\S+?)[\s\]]")
+
+
+# --- what the node gets, as plain data (tested without a node) ---------------------------------------------------
+
+def listen_address(cfg: HostConfig, host_name: str) -> str:
+    """``ADDRESS:PORT`` for ``--web.listen-address``: the configured address, else the fleet address."""
+    address = cfg.node_exporter_listen_address or cfg.fleet_address or host_name
+    if ":" in address:
+        address = f"[{address}]"
+    return f"{address}:{cfg.node_exporter_port}"
+
+
+def exporter_flags(cfg: HostConfig, host_name: str) -> list[str]:
+    """node_exporter's command-line flags: where it listens, the systemd and textfile collectors."""
+    return [
+        f"--web.listen-address={listen_address(cfg, host_name)}",
+        "--collector.systemd",
+        f"--collector.textfile.directory={TEXTFILE_DIR}",
+    ]
+
+
+def tarball_url(cfg: HostConfig) -> str:
+    """``node_exporter_tarball_url`` with ``{version}`` filled in."""
+    return cfg.node_exporter_tarball_url.replace("{version}", cfg.node_exporter_version)
+
+
+def unit_context(cfg: HostConfig, host_name: str) -> dict[str, Any]:
+    """The variables of both templates: our unit (tarball) and the drop-in for Debian's unit (package)."""
+    package = cfg.node_exporter_install == "package"
+    return {
+        "unit": PACKAGE_UNIT if package else UNIT,
+        "binary": PACKAGE_BINARY if package else BINARY,
+        "account": USER,
+        "version": cfg.node_exporter_version,
+        "flags": exporter_flags(cfg, host_name),
+    }
+
+
+def template_name(cfg: HostConfig) -> str:
+    return "package-override.conf.j2" if cfg.node_exporter_install == "package" else "node_exporter.service.j2"
+
+
+def _jinja_env() -> dict[str, Any]:
+    """The Jinja settings of pyinfra's files.template, loading includes from templates/node_exporter/."""
+    return {"loader": FileSystemLoader(str(TEMPLATES))}
+
+
+def render(cfg: HostConfig, host_name: str) -> str:
+    """The unit (tarball) or drop-in (package) text exactly as the deploy writes it."""
+    env = Environment(undefined=StrictUndefined, keep_trailing_newline=True, **_jinja_env())
+    return env.from_string((TEMPLATES / template_name(cfg)).read_text()).render(**unit_context(cfg, host_name))
+
+
+def signed_by(apt_source: str) -> str | None:
+    """The keyring path an apt source line names with ``signed-by=``."""
+    match = _SIGNED_BY.search(apt_source + " ")
+    return match[1] if match else None
+
+
+_binary_digests: dict[Path, str] = {}
+
+
+def binary_sha256(tarball: Path) -> str:
+    """SHA-256 of ``<dir>/node_exporter`` inside a release tarball (what the installed binary must match)."""
+    if tarball not in _binary_digests:
+        with tarfile.open(tarball, "r:gz") as tar:
+            member = next((m for m in tar if m.isfile() and re.fullmatch(r"[^/]+/node_exporter", m.name)), None)
+            handle = tar.extractfile(member) if member is not None else None
+            if handle is None:
+                raise DownloadError(f"{tarball.name}: expected node_exporter-<version>.<os>-<arch>/node_exporter"
+                                    " inside, found no such file")
+            _binary_digests[tarball] = hashlib.sha256(handle.read()).hexdigest()
+    return _binary_digests[tarball]
+
+
+# --- the deploy ----------------------------------------------------------------------------------------------------
+
+@deploy("Prometheus node_exporter")
+def node_exporter() -> None:
+    """Converge node_exporter: its user, textfile directory, binary, unit and running service."""
+    cfg = host_config()
+    tarball = None
+    if cfg.node_exporter_install == "tarball":
+        # Fetched and checked before any operation: a bad digest stops the deploy with nothing changed.
+        tarball = fetch_verified(tarball_url(cfg), cfg.node_exporter_tarball_sha256)
+    _account_and_textfile_dir()
+    if tarball is not None:
+        _retire_package()
+        changed = _install_from_tarball(cfg, tarball)
+        service = UNIT
+    else:
+        _retire_tarball()
+        changed = _install_from_package(cfg)
+        service = PACKAGE_UNIT
+    systemd.service(
+        name=f"Restart {service} because its binary, unit or flags changed",
+        service=service,
+        running=True,
+        restarted=True,
+        _if=any_changed(*changed),
+    )
+    systemd.service(
+        name=f"Ensure {service} runs and starts at boot",
+        service=service,
+        running=True,
+        enabled=True,
+    )
+
+
+def _account_and_textfile_dir() -> None:
+    server.group(name=f"Create the system group {USER}", group=USER, system=True)
+    server.user(
+        name=f"Create the system user {USER}, without login or home",
+        user=USER,
+        group=USER,
+        system=True,
+        home="/nonexistent",
+        shell="/usr/sbin/nologin",
+        ensure_home=False,
+    )
+    files.directory(
+        name="Create /var/lib/node_exporter",
+        path=str(Path(TEXTFILE_DIR).parent),
+        user="root",
+        group="root",
+        mode="0755",
+    )
+    files.directory(
+        name=f"Create the textfile collector directory {TEXTFILE_DIR}",
+        path=TEXTFILE_DIR,
+        user="root",
+        group="root",
+        mode="0755",
+    )
+
+
+def _install_from_tarball(cfg: HostConfig, tarball: Path) -> list[OperationMeta]:
+    """Push the checked tarball, install its binary when the node's differs, write our unit."""
+    changed = []
+    files.directory(name=f"Create {TARBALL_DIR}", path=TARBALL_DIR, user="root", group="root", mode="0755")
+    pushed = f"{TARBALL_DIR}/{tarball.name}"
+    files.put(
+        name=f"Push {tarball.name} (sha256 checked on the controller)",
+        src=str(tarball),
+        dest=pushed,
+        user="root",
+        group="root",
+        mode="0644",
+    )
+    for stale in host.get_fact(FindFiles, path=TARBALL_DIR, maxdepth=1) or []:
+        if stale != pushed:
+            files.file(name=f"Remove the superseded {stale}", path=stale, present=False)
+    wanted = binary_sha256(tarball)
+    if host.get_fact(Sha256File, path=BINARY) != wanted:
+        changed.append(server.shell(
+            name=f"Install node_exporter {cfg.node_exporter_version} from {tarball.name} to {BINARY}",
+            commands=[
+                'set -e; tmp="$(mktemp -d)"; trap \'rm -rf "$tmp"\' EXIT; '
+                f'tar -xzf {pushed} -C "$tmp" --strip-components=1 --no-same-owner --wildcards "*/node_exporter"; '
+                f'echo "{wanted}  $tmp/node_exporter" | sha256sum --check --quiet; '
+                f'install -o root -g root -m 0755 "$tmp/node_exporter" {BINARY}.new; '
+                f"mv -f {BINARY}.new {BINARY}",
+            ],
+        ))
+    unit = files.template(
+        name=f"Write the unit {UNIT_PATH} (user, flags, sandbox)",
+        src=str(TEMPLATES / template_name(cfg)),
+        dest=UNIT_PATH,
+        user="root",
+        group="root",
+        mode="0644",
+        jinja_env_kwargs=_jinja_env(),
+        **unit_context(cfg, host.name),
+    )
+    systemd.daemon_reload(name="Reload systemd: the node_exporter unit changed", _if=unit.did_change)
+    return [*changed, unit]
+
+
+def _install_from_package(cfg: HostConfig) -> list[OperationMeta]:
+    """Write the drop-in, then configure the apt source and install Debian's package."""
+    files.directory(name=f"Create {DROP_IN_DIR}", path=DROP_IN_DIR, user="root", group="root", mode="0755")
+    drop_in = files.template(
+        name=f"Write the drop-in {DROP_IN} (user, flags, sandbox)",
+        src=str(TEMPLATES / template_name(cfg)),
+        dest=DROP_IN,
+        user="root",
+        group="root",
+        mode="0644",
+        jinja_env_kwargs=_jinja_env(),
+        **unit_context(cfg, host.name),
+    )
+    systemd.daemon_reload(name="Reload systemd: the node_exporter drop-in changed", _if=drop_in.did_change)
+    missing = PACKAGE not in (host.get_fact(DebPackages) or {})
+    source = cfg.node_exporter_apt_source
+    if source:
+        source_changes = []
+        keyring_path = signed_by(source)
+        if cfg.node_exporter_apt_keyring and keyring_path:
+            source_changes.append(files.put(
+                name=f"Copy the keyring of node_exporter's apt source to {keyring_path}",
+                src=str(Path(cfg.node_exporter_apt_keyring).expanduser()),
+                dest=keyring_path,
+                user="root",
+                group="root",
+                mode="0644",
+            ))
+        source_changes.append(files.put(
+            name=f"Write node_exporter's apt source {APT_LIST}",
+            src=io.StringIO(source + "\n"),
+            dest=APT_LIST,
+            user="root",
+            group="root",
+            mode="0644",
+        ))
+        server.shell(
+            name="Update apt's index of node_exporter's source (that source only)",
+            commands=[
+                f"apt-get update -o Dir::Etc::sourcelist={APT_LIST} -o Dir::Etc::sourceparts=-"
+                " -o APT::Get::List-Cleanup=0",
+            ],
+            _if=lambda: missing or any(op.did_change() for op in source_changes),
+        )
+    else:
+        _remove_apt_source()
+        if missing:
+            apt.update(name="Update apt's index before installing node_exporter")
+    package = apt.packages(
+        name=f"Install {PACKAGE} (without its recommended extra collectors)",
+        packages=[PACKAGE],
+        no_recommends=True,
+    )
+    return [drop_in, package]
+
+
+def _retire_tarball() -> None:
+    """Remove what the tarball method installed (the package method is in use)."""
+    if host.get_fact(File, path=UNIT_PATH):
+        systemd.service(name=f"Stop and disable {UNIT}", service=UNIT, running=False, enabled=False)
+        files.file(name=f"Remove {UNIT_PATH}", path=UNIT_PATH, present=False)
+        systemd.daemon_reload(name=f"Reload systemd: {UNIT} is gone")
+    if host.get_fact(File, path=BINARY):
+        files.file(name=f"Remove {BINARY}", path=BINARY, present=False)
+    if host.get_fact(Directory, path=TARBALL_DIR):
+        files.directory(name=f"Remove {TARBALL_DIR}", path=TARBALL_DIR, present=False)
+
+
+def _retire_package() -> None:
+    """Remove what the package method installed (the tarball method is in use)."""
+    if PACKAGE in (host.get_fact(DebPackages) or {}):
+        systemd.service(name=f"Stop and disable {PACKAGE_UNIT}", service=PACKAGE_UNIT, running=False, enabled=False)
+        apt.packages(name=f"Purge {PACKAGE}", packages=[PACKAGE], present=False, purge=True)
+    if host.get_fact(File, path=DROP_IN):
+        files.directory(name=f"Remove {DROP_IN_DIR}", path=DROP_IN_DIR, present=False)
+        systemd.daemon_reload(name=f"Reload systemd: the {PACKAGE_UNIT} drop-in is gone")
+    _remove_apt_source()
+
+
+def _remove_apt_source() -> None:
+    if host.get_fact(File, path=APT_LIST):
+        files.file(name=f"Remove node_exporter's apt source {APT_LIST}", path=APT_LIST, present=False)
