@@ -1,10 +1,14 @@
 """Converge the monitoring roles on every host: ``pyinfra inventories/lab.py deploys/monitoring.py``.
 
-The base node (role common), then Prometheus node_exporter (host and systemd metrics, textfile collector).
+The base node (role common), then Prometheus node_exporter (host and systemd metrics, textfile collector),
+then NVIDIA's DCGM exporter (GPU metrics; it reads through DCGM's host engine and installs from NVIDIA's
+repository, both set up by deploys/provision.py).
 """
 
 from roles.common import common
+from roles.dcgm_exporter import dcgm_exporter
 from roles.node_exporter import node_exporter
 
 common()
 node_exporter()
+dcgm_exporter()
