@@ -1,9 +1,10 @@
 """The lab fleet for integration tests: one 3-node lab per test session, taken down at the end.
 
 The lab under test is its own: its own lab directory, bridge and subnet (10.213.200.0/24 and up, the first
-free one), so it never touches a lab an operator has up. Tests that need the lab use the ``lab``
-fixture; where this machine cannot run a lab they skip, unless ``GPUFLEET_LAB_REQUIRED=1`` (CI), where
-that skip is a failure.
+free one), so it never touches a lab an operator has up. Its nodes mix hardware: lab1 is a PCIe H100
+NVL box (no NVLink, no NVSwitch), lab2 and lab3 HGX H100 boards (NVSwitch). Tests that need the lab use
+the ``lab`` fixture; where this machine cannot run a lab they skip, unless ``GPUFLEET_LAB_REQUIRED=1``
+(CI), where that skip is a failure. The test that takes the lab down runs last, whatever its file.
 """
 
 from __future__ import annotations
@@ -24,7 +25,14 @@ ROOT = Path(__file__).resolve().parents[2]
 PYINFRA = Path(sys.executable).parent / "pyinfra"
 LAB_CLI = [sys.executable, "-m", "gpufleet.cli_lab"]
 LAB_NODES = 3
+LAB_PROFILES = ("8xH100NVL-PCIe", "8xH100-SXM", "8xH100-SXM")  # one per node
+LAB_TEARDOWN_TESTS = {"test_down_leaves_nothing_behind"}
 REQUIRED_ENV = "GPUFLEET_LAB_REQUIRED"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The session has one lab: the test that takes it down goes after every test that uses it."""
+    items.sort(key=lambda item: getattr(item, "originalname", item.name) in LAB_TEARDOWN_TESTS)
 
 
 def cannot_run_lab() -> str | None:
@@ -71,8 +79,8 @@ class Lab:
     def cli(self, *args: str, timeout: float = 180) -> Completed:
         return _run([*LAB_CLI, *args], self.env, timeout)
 
-    def pyinfra(self, inventory: str, deploy: str, timeout: float = 300) -> Completed:
-        return _run([str(PYINFRA), inventory, deploy, "-y"], self.env, timeout)
+    def pyinfra(self, inventory: str, deploy: str, *options: str, timeout: float = 300) -> Completed:
+        return _run([str(PYINFRA), inventory, deploy, "-y", *options], self.env, timeout)
 
     def host(self, node: NodeRecord):  # -> testinfra.host.Host
         import testinfra  # type: ignore[import-untyped]
@@ -107,7 +115,9 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
     env = {**os.environ, LAB_DIR_ENV: str(directory)}
     last = ""
     for subnet, bridge in _candidates():
-        done = _run([*LAB_CLI, "up", "--nodes", str(LAB_NODES), "--subnet", subnet, "--bridge", bridge], env, 600)
+        profiles = [arg for profile in LAB_PROFILES for arg in ("--profile", profile)]
+        done = _run([*LAB_CLI, "up", "--nodes", str(LAB_NODES), *profiles, "--subnet", subnet, "--bridge", bridge],
+                    env, 600)
         if done.rc == 0:
             break
         last = (done.err.strip().splitlines() or ["no output"])[-1]

@@ -1,0 +1,206 @@
+"""Provisioning on the lab: deploys/provision.py (common, nvidia_driver, dcgm) and role dcgm_exporter.
+
+lab1 is a PCIe box (8xH100NVL-PCIe: no NVLink, no NVSwitch), lab2 and lab3 HGX boards (8xH100-SXM), so
+the fabric manager and the NVLink counters must follow the probed hardware. A kernel module that does not
+match the driver package is simulated by bind-mounting, over the node's NVML simulator profile, a copy
+that reports another driver version; a reboot drops the mount, as it would load the installed module.
+Traffic goes only to the lab nodes' addresses.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+
+from gpufleet.hardware_profiles import parse_profile
+from gpufleet.lab.hooks import SIM_PROFILE_PATH
+from gpufleet.lab.state import NodeRecord
+from tests.lab.conftest import Completed, Lab
+from tests.lab.test_lab_nodes import _results
+
+pytestmark = [
+    pytest.mark.lab,
+    pytest.mark.filterwarnings("ignore:Unknown ssh-ed25519 host key:UserWarning"),
+]
+
+INVENTORY = "inventories/lab.py"
+PROVISION = "deploys/provision.py"
+EXPORTER = "tests/lab/deploys/dcgm_exporter.py"
+DRIVER, DRIVER_VERSION = "nvidia-driver-580-open", "580.95.05-1"
+OLD_MODULE = "580.65.06"
+SIM_PROFILE = "/" + SIM_PROFILE_PATH
+EXPORTER_PORT = 9400
+
+
+def _nvswitch(node: NodeRecord) -> bool:
+    return parse_profile(node.profile).interconnect == "SXM"
+
+
+def _assert_no_errors(done: Completed) -> dict[str, tuple[str, str, str]]:
+    assert done.rc == 0, done.output
+    rows = _results(done.output)
+    assert rows["Grand total"][1] == "-", done.output
+    return rows
+
+
+def _assert_nothing_changed(done: Completed) -> None:
+    rows = _assert_no_errors(done)
+    changed = {name: row for name, row in rows.items() if row[0] != "-"}
+    assert changed == {}, done.output
+
+
+@pytest.fixture(scope="module")
+def provisioned(lab: Lab) -> Completed:
+    """The lab after its first deploys/provision.py run."""
+    return lab.pyinfra(INVENTORY, PROVISION)
+
+
+def test_provision_converges_every_node(lab: Lab, provisioned: Completed) -> None:
+    _assert_no_errors(provisioned)
+    for node in lab.nodes:
+        host = lab.host(node)
+        for package in (DRIVER, "nvidia-persistenced"):
+            assert host.package(package).version == DRIVER_VERSION, (node.name, package)
+        assert host.package("datacenter-gpu-manager-4-cuda13").is_installed, node.name
+        assert not host.package("nvidia-driver-580").is_installed  # the proprietary flavour
+
+        source = host.file("/etc/apt/sources.list.d/gpufleet-nvidia.list")
+        assert source.contains(rf"^deb \[signed-by=/etc/apt/keyrings/gpufleet-nvidia.gpg\] "
+                               rf"http://{lab.state.bridge_address}:8080/apt/ /$")
+        assert host.file("/etc/apt/keyrings/gpufleet-nvidia.gpg").mode == 0o644
+        assert host.file("/etc/apt/preferences.d/gpufleet-nvidia-driver").contains("^Pin: version 580\\.\\*$")
+        policy = host.check_output(f"apt-cache policy {DRIVER}")
+        assert re.search(rf"\*\*\* {re.escape(DRIVER_VERSION)} 1000$", policy, re.MULTILINE), policy  # pinned
+        assert host.file("/etc/apt/apt.conf.d/51gpufleet-nvidia-driver").contains('"nvidia-";')
+
+        for unit in ("nvidia-persistenced", "nvidia-dcgm"):
+            assert host.service(unit).is_running and host.service(unit).is_enabled, (node.name, unit)
+        assert host.socket("tcp://127.0.0.1:5555").is_listening  # the host engine
+
+        fabric = host.package("nvidia-fabricmanager-580")
+        if _nvswitch(node):
+            assert fabric.version == DRIVER_VERSION, node.name
+            service = host.service("nvidia-fabricmanager")
+            assert service.is_running and service.is_enabled, node.name
+        else:
+            assert not fabric.is_installed, node.name
+            assert host.run("systemctl cat nvidia-fabricmanager.service").rc != 0, node.name
+
+
+def test_second_provision_changes_nothing(lab: Lab, provisioned: Completed) -> None:
+    _assert_no_errors(provisioned)
+    again = lab.pyinfra(INVENTORY, PROVISION)
+    _assert_nothing_changed(again)
+    rows = _results(again.output)
+    assert int(rows["Grand total"][2]) == again.output.count("] No changes"), again.output
+
+
+def _metrics(node: NodeRecord, timeout: float = 20.0) -> str:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://{node.address}:{EXPORTER_PORT}/metrics", timeout=5) as answer:
+                return answer.read().decode()
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
+def _main_pid(lab: Lab, node: NodeRecord, unit: str) -> int:
+    return int(lab.host(node).check_output(f"systemctl show -p MainPID --value {unit}"))
+
+
+def test_exporter_serves_the_serving_counters(lab: Lab, provisioned: Completed) -> None:
+    _assert_no_errors(provisioned)
+    _assert_no_errors(lab.pyinfra(INVENTORY, EXPORTER))
+    for node in lab.nodes:
+        host = lab.host(node)
+        service = host.service("dcgm-exporter")
+        assert service.is_running and service.is_enabled, node.name
+        assert host.check_output(f"ps -o user= -p {_main_pid(lab, node, 'dcgm-exporter')}") == "dcgm-exporter"
+        assert host.user("dcgm-exporter").shell == "/usr/sbin/nologin"
+        assert host.socket(f"tcp://0.0.0.0:{EXPORTER_PORT}").is_listening
+        exposure = host.check_output("systemd-analyze security dcgm-exporter.service | tail -1")
+        level = float(re.search(r"exposure level for dcgm-exporter\.service: ([\d.]+)", exposure)[1])  # type: ignore[index]
+        assert level <= 2.0, exposure
+
+        text = _metrics(node)
+        series = {line.split("{", 1)[0] for line in text.splitlines() if line.startswith("DCGM_FI_")}
+        for field in ("DCGM_FI_DEV_XID_ERRORS", "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL",
+                      "DCGM_FI_DEV_POWER_VIOLATION", "DCGM_FI_DEV_THERMAL_VIOLATION",
+                      "DCGM_FI_DEV_CLOCKS_EVENT_REASONS", "DCGM_FI_DEV_ROW_REMAP_PENDING"):
+            assert field in series, (node.name, field)
+        nvlink = "DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL" in series
+        assert nvlink == _nvswitch(node), node.name  # lab1's PCIe GPUs have no NVLink
+        assert f'Hostname="{node.name}"' in text and 'DCGM_FI_DRIVER_VERSION="580.95.05"' in text
+        assert text.count("DCGM_FI_DEV_XID_ERRORS{") == 8
+
+
+def test_a_changed_counters_file_restarts_only_the_exporter(lab: Lab, provisioned: Completed) -> None:
+    _assert_no_errors(lab.pyinfra(INVENTORY, EXPORTER))
+    _assert_nothing_changed(lab.pyinfra(INVENTORY, EXPORTER))
+    node = lab.nodes[0]
+    before = {unit: _main_pid(lab, node, unit) for unit in ("dcgm-exporter", "nvidia-dcgm")}
+    lab.host(node).run("echo 'DCGM_FI_DEV_GPU_TEMP, gauge, edited by hand' >> /etc/dcgm-exporter/gpufleet-counters.csv")
+    done = lab.pyinfra(INVENTORY, EXPORTER)
+    rows = _assert_no_errors(done)
+    changed = {name.split(" | ", 1)[1] for name, row in rows.items() if row[0] != "-" and name != "Grand total"}
+    assert changed == {
+        "Write the counters the exporter serves to /etc/dcgm-exporter/gpufleet-counters.csv",
+        "Restart the exporter: its package, counters or unit changed",
+    }, done.output
+    assert rows["Grand total"][0] == "2", done.output  # on that one node only
+    assert _main_pid(lab, node, "dcgm-exporter") != before["dcgm-exporter"]
+    assert _main_pid(lab, node, "nvidia-dcgm") == before["nvidia-dcgm"]
+    assert "edited by hand" not in lab.host(node).file("/etc/dcgm-exporter/gpufleet-counters.csv").content_string
+    assert "DCGM_FI_DEV_XID_ERRORS{" in _metrics(node)
+
+
+@pytest.fixture
+def old_module_loaded(lab: Lab) -> Iterator[NodeRecord]:
+    """lab3's NVML reports driver OLD_MODULE (the module of an older driver is loaded) until it reboots."""
+    node = lab.nodes[-1]
+    host = lab.host(node)
+    host.run_expect([0], f"sed 's/^driver_version .*/driver_version {OLD_MODULE}/' {SIM_PROFILE} > /run/old-module"
+                         f" && mount --bind /run/old-module {SIM_PROFILE}")
+    try:
+        yield node
+    finally:
+        host.run(f"mountpoint -q {SIM_PROFILE} && umount {SIM_PROFILE}")
+
+
+def test_a_mismatched_kernel_module_stops_only_that_node(lab: Lab, provisioned: Completed,
+                                                         old_module_loaded: NodeRecord) -> None:
+    _assert_no_errors(provisioned)
+    done = lab.pyinfra(INVENTORY, PROVISION)
+    assert done.rc != 0, done.output
+    stopped = old_module_loaded.address
+    expected = (f"[{stopped}] reboot required: driver package {DRIVER} {DRIVER_VERSION} installed,"
+                f" kernel module {OLD_MODULE} loaded")
+    assert expected in done.output, done.output
+    errors = {line.split("]", 1)[0].strip(" [") for line in done.output.splitlines() if "] Error" in line}
+    assert errors == {stopped}, done.output
+    rows = _results(done.output)
+    assert rows["Grand total"][1] != "-"
+    # nothing after the check ran on the stopped node: the others' DCGM step ran, its own did not
+    dcgm_row = rows["DCGM | Enable and start the DCGM host engine nvidia-dcgm.service"]
+    assert dcgm_row[1] == "1" and dcgm_row[2] == str(len(lab.nodes) - 1), done.output
+
+
+def test_reboot_allowed_loads_the_installed_driver(lab: Lab, provisioned: Completed,
+                                                   old_module_loaded: NodeRecord) -> None:
+    _assert_no_errors(provisioned)
+    host = lab.host(old_module_loaded)
+    boot = host.check_output("cat /proc/sys/kernel/random/boot_id")
+    done = lab.pyinfra(INVENTORY, PROVISION, "--data", "nvidia_driver_reboot=allowed")
+    rows = _assert_no_errors(done)
+    assert rows["NVIDIA driver | Check that the loaded kernel module is the installed driver's"][0] == "1"
+    assert host.check_output("cat /proc/sys/kernel/random/boot_id") != boot
+    assert host.run(f"mountpoint -q {SIM_PROFILE}").rc != 0
+    for unit in ("nvidia-persistenced", "nvidia-fabricmanager", "nvidia-dcgm"):
+        assert host.service(unit).is_running, unit
