@@ -10,6 +10,7 @@ import sys
 
 from gpufleet.config.inventory import apply_group_vars
 from gpufleet.lab.errors import LabError
+from gpufleet.lab.hooks import mirror_base_url
 from gpufleet.lab.state import lab_dir, load_state
 
 try:
@@ -19,6 +20,7 @@ except LabError as _error:
 if _state is None or not _state.nodes:
     sys.exit(f"inventories/lab.py: no lab is up in {lab_dir()}; run `gpufleet lab up` first")
 
+_mirror = mirror_base_url(_state.bridge_address)
 lab = [
     (
         node.address,
@@ -30,6 +32,9 @@ lab = [
             "ssh_look_for_keys": False,
             "ssh_allow_agent": False,
             "gpu_profile": node.profile,
+            # NVIDIA's repository: the mirror's signed repository of lab doubles, and the key it is signed with
+            "nvidia_repo_url": _mirror + "apt/",
+            "nvidia_repo_keyring_url": _mirror + "keys/gpufleet-lab.gpg",
         },
     )
     for node in _state.nodes
