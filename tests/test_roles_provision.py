@@ -26,6 +26,7 @@ from roles.dcgm import dcgm_package
 from roles.dcgm_exporter import COUNTERS_FILE, has_nvlink, unit_values
 from roles.nvidia_driver import (
     AptCandidate,
+    LoadedModule,
     driver_package,
     fabricmanager_package,
     has_nvswitch,
@@ -180,11 +181,20 @@ def test_upstream_version() -> None:
 
 
 def test_reboot_required_message_names_package_and_module() -> None:
-    assert reboot_required_message("nvidia-driver-580-open", "580.95.05-1", "580.65.06", "never") == (
+    loaded = LoadedModule.of(profile_facts("8xH100-SXM", "n1", driver_version="580.65.06"))
+    assert loaded.version == "580.65.06"
+    assert reboot_required_message("nvidia-driver-580-open", "580.95.05-1", loaded, "never") == (
         "reboot required: driver package nvidia-driver-580-open 580.95.05-1 installed,"
         " kernel module 580.65.06 loaded (nvidia_driver_reboot: never)"
     )
-    assert "no kernel module loaded" in reboot_required_message("nvidia-driver-580", "580.95.05-1", None, "never")
+
+
+def test_a_module_nvml_cannot_reach_says_why() -> None:
+    mismatch = NodeFacts(schema=SCHEMA, hostname="n1",
+                         nvml=NvmlStatus(available=False, error="Driver/library version mismatch"))
+    assert str(LoadedModule.of(mismatch)) == "no kernel module loaded (NVML: Driver/library version mismatch)"
+    assert LoadedModule.of(mismatch).version is None
+    assert str(LoadedModule.of(None)) == "no kernel module loaded (the node could not be probed)"
 
 
 # --- dcgm_exporter: counters and unit ----------------------------------------------------------------------

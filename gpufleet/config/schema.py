@@ -99,6 +99,7 @@ class HostConfig(BaseModel):
     # nvidia_driver
     nvidia_driver_branch: Annotated[int, Field(ge=450, le=999)]
     nvidia_driver_kernel_modules: Literal["open", "proprietary"]
+    nvidia_driver_version: Annotated[str, Field(pattern=r"^[0-9][A-Za-z0-9.+~:-]*$")] | None
     nvidia_driver_reboot: Literal["never", "if-needed", "allowed"]
     nvidia_repo_url: Annotated[str, Field(pattern=r"^(https?|file)://\S+$")]
     nvidia_repo_keyring_url: Annotated[str, Field(pattern=r"^(https?|file)://\S+$")]

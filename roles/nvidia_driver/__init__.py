@@ -10,7 +10,8 @@ After it, the node has:
   upgrade can leave the branch, and ``/etc/apt/apt.conf.d/51gpufleet-nvidia-driver``: unattended-upgrades
   leaves those packages alone altogether (a driver upgrade needs a reboot; it happens in a deploy);
 - the driver package ``nvidia-driver-<branch>-open`` (``nvidia_driver_kernel_modules: open``) or
-  ``nvidia-driver-<branch>`` (``proprietary``), installed once and then kept at its version;
+  ``nvidia-driver-<branch>`` (``proprietary``) at ``nvidia_driver_version``, or, when that is null, the
+  branch's newest at the first install, then kept;
 - ``nvidia-persistenced`` at the driver's exact version, enabled and running;
 - on NVSwitch systems only, ``nvidia-fabricmanager-<branch>`` at the driver's exact version, enabled and
   running. NVSwitch is read from the probed facts (a GPU reports fabric state, or an NVLink ends at a
@@ -21,7 +22,7 @@ After it, the node has:
   operation of the deploy, so it never serves on a mismatched driver.
 
 Variables (roles/nvidia_driver/defaults.yml): ``nvidia_driver_branch``, ``nvidia_driver_kernel_modules``,
-``nvidia_driver_reboot``, ``nvidia_repo_url``, ``nvidia_repo_keyring_url``; ``gpu_profile`` (roles/fleet).
+``nvidia_driver_version``, ``nvidia_driver_reboot``, ``nvidia_repo_url``, ``nvidia_repo_keyring_url``; ``gpu_profile`` (roles/fleet).
 
 apt work is idempotent: the package index is refreshed (for this repository only) when the source or
 the key changed or when apt does not know the driver package yet, packages are installed without
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import shlex
 from collections.abc import Generator
+from dataclasses import dataclass
 from pathlib import Path
 from time import sleep
 from typing import Any, Literal
@@ -112,6 +114,11 @@ def has_nvswitch(facts: NodeFacts | None, declared_profile: str | None) -> bool:
     return False
 
 
+def module_matches(installed: str, loaded: str | None) -> bool:
+    """Whether the loaded kernel module (NVML's driver version) is the installed driver package's."""
+    return loaded is not None and upstream_version(installed) == loaded
+
+
 def reboot_action(installed: str, loaded: str | None, policy: RebootPolicy, changed_now: bool) -> Action:
     """What to do about the kernel module, given the installed driver package and the loaded module.
 
@@ -120,23 +127,36 @@ def reboot_action(installed: str, loaded: str | None, policy: RebootPolicy, chan
     deploy installed or upgraded the driver package. ``none``: they match; ``reboot``: reboot and probe
     again; ``stop``: fail the node with "reboot required".
     """
-    if loaded is not None and upstream_version(installed) == loaded:
+    if module_matches(installed, loaded):
         return "none"
     if policy == "allowed" or (policy == "if-needed" and changed_now):
         return "reboot"
     return "stop"
 
 
-def reboot_required_message(package: str, installed: str, loaded: str | None, policy: str) -> str:
-    module = f"kernel module {loaded} loaded" if loaded else "no kernel module loaded"
-    return f"reboot required: driver package {package} {installed} installed, {module} (nvidia_driver_reboot: {policy})"
+@dataclass(frozen=True)
+class LoadedModule:
+    """The driver version NVML reports (the loaded kernel module's), or why NVML could not say."""
+
+    version: str | None
+    why_unknown: str | None = None
+
+    @classmethod
+    def of(cls, facts: NodeFacts | None) -> LoadedModule:
+        if facts is None:
+            return cls(None, "the node could not be probed")
+        if not facts.nvml.available:
+            return cls(None, f"NVML: {facts.nvml.error or 'unavailable'}")
+        return cls(facts.driver_version, None if facts.driver_version else "NVML reported no driver version")
+
+    def __str__(self) -> str:
+        if self.version:
+            return f"kernel module {self.version} loaded"
+        return f"no kernel module loaded ({self.why_unknown})" if self.why_unknown else "no kernel module loaded"
 
 
-def loaded_driver(facts: NodeFacts | None) -> str | None:
-    """The driver version of the loaded kernel module, as NVML reports it (None: NVML cannot answer)."""
-    if facts is None or not facts.nvml.available:
-        return None
-    return facts.driver_version
+def reboot_required_message(package: str, installed: str, loaded: LoadedModule, policy: str) -> str:
+    return f"reboot required: driver package {package} {installed} installed, {loaded} (nvidia_driver_reboot: {policy})"
 
 
 class AptCandidate(FactBase[str | None]):
@@ -226,14 +246,14 @@ def reboot(timeout: int = REBOOT_TIMEOUT_S) -> Generator[Any, None, None]:
 
 @operation()
 def kernel_module_matches(
-    driver: str, loaded: str | None, policy: RebootPolicy, driver_install: OperationMeta
+    driver: str, loaded: LoadedModule, policy: RebootPolicy, driver_install: OperationMeta
 ) -> Generator[Any, None, None]:
     """
     Make sure the loaded kernel module is the installed driver's: nothing to do, reboot and probe
     again, or stop the node with "reboot required" (see :func:`reboot_action`).
 
     + driver: the driver package
-    + loaded: the driver version NVML reported when the deploy started (None: NVML could not answer)
+    + loaded: what NVML reported when the deploy started
     + policy: ``nvidia_driver_reboot``
     + driver_install: the operation that installs the driver package (did it change the package?)
     """
@@ -243,25 +263,24 @@ def kernel_module_matches(
             yield _fail(f"driver package {driver} is not installed")
         return
     changed_now = driver_install.did_change() if driver_install.is_complete() else bool(driver_install.will_change)
-    action = reboot_action(installed, loaded, policy, changed_now)
+    action = reboot_action(installed, loaded.version, policy, changed_now)
     if action == "none":
-        host.noop(f"kernel module {loaded} matches driver package {driver} {installed}")
+        host.noop(f"{loaded}, driver package {driver} {installed}")
         return
     if action == "stop":
         yield _fail(reboot_required_message(driver, installed, loaded, policy))
         return
     yield from reboot._inner()
-    after = loaded_driver(_probe_again())
-    if reboot_action(installed, after, "never", changed_now) != "none":
-        module = f"kernel module {after} loaded" if after else "no kernel module loaded"
-        yield _fail(f"reboot did not help: driver package {driver} {installed} installed, {module} after the reboot")
+    after = LoadedModule.of(_probe_again())
+    if not module_matches(installed, after.version):
+        yield _fail(f"reboot did not help: driver package {driver} {installed} installed, {after} after the reboot")
 
 
 def _probe_again() -> NodeFacts | None:
-    """The node's facts probed again (None when the probe cannot answer)."""
+    """The node's facts probed again (None when the probe fails or its facts do not parse)."""
     try:
         return parse_facts(host.get_fact(NvmlGpuFacts), f"{host.name}: probe after the reboot")
-    except Exception:  # a failed probe, or facts that do not parse: no loaded driver can be shown
+    except Exception:
         return None
 
 
@@ -307,10 +326,12 @@ def nvidia_driver() -> None:
         _if=[any_changed(key, source)] if known else [],
     )
 
+    version = cfg.nvidia_driver_version
     installed = apt.packages(
-        name=f"Install the driver package {driver}",
-        packages=[driver],
+        name=f"Install the driver package {driver}" + (f" {version}" if version else ""),
+        packages=[f"{driver}={version}" if version else driver],
         latest=False,
+        allow_downgrades=bool(version),
     )
     persistenced = packages_at_driver_version(
         name=f"Install {PERSISTENCED} at the driver's version",
@@ -325,7 +346,7 @@ def nvidia_driver() -> None:
 
     kernel_module_matches(
         name="Check that the loaded kernel module is the installed driver's",
-        driver=driver, loaded=loaded_driver(facts), policy=cfg.nvidia_driver_reboot, driver_install=installed,
+        driver=driver, loaded=LoadedModule.of(facts), policy=cfg.nvidia_driver_reboot, driver_install=installed,
     )
 
     _service(PERSISTENCED, changed=persistenced)

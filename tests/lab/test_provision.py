@@ -97,6 +97,8 @@ def test_second_provision_changes_nothing(lab: Lab, provisioned: Completed) -> N
     _assert_nothing_changed(again)
     rows = _results(again.output)
     assert int(rows["Grand total"][2]) == again.output.count("] No changes"), again.output
+    # naming the installed version exactly changes nothing either
+    _assert_nothing_changed(lab.pyinfra(INVENTORY, PROVISION, "--data", f"nvidia_driver_version={DRIVER_VERSION}"))
 
 
 def _metrics(node: NodeRecord, timeout: float = 20.0) -> str:
