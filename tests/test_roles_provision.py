@@ -269,6 +269,8 @@ def test_unit_is_sandboxed() -> None:
     assert unit["ProtectSystem"] == ["strict"]
     assert unit["CapabilityBoundingSet"] == [""] and unit["AmbientCapabilities"] == [""]
     assert unit["DevicePolicy"] == ["closed"]
+    assert unit["SystemCallFilter"] == ["@system-service", "~@privileged @resources"]
+    assert unit["SystemCallErrorNumber"] == ["EPERM"]
     assert set(unit["RestrictAddressFamilies"][0].split()) == {"AF_INET", "AF_INET6", "AF_UNIX"}
 
 
