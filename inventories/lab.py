@@ -11,6 +11,7 @@ import sys
 from gpufleet.config.inventory import apply_group_vars
 from gpufleet.lab.errors import LabError
 from gpufleet.lab.hooks import mirror_base_url
+from gpufleet.lab.mirror import node_exporter_sources
 from gpufleet.lab.state import lab_dir, load_state
 
 try:
@@ -35,6 +36,9 @@ lab = [
             # NVIDIA's repository: the mirror's signed repository of lab doubles, and the key it is signed with
             "nvidia_repo_url": _mirror + "apt/",
             "nvidia_repo_keyring_url": _mirror + "keys/gpufleet-lab.gpg",
+            # node_exporter from the mirror: its release-layout tarball (sha256 read from the mirror's
+            # sha256sums.txt) and, for node_exporter_install=package, its repository of Debian's package
+            **node_exporter_sources(_mirror),
         },
     )
     for node in _state.nodes
