@@ -374,3 +374,15 @@ def test_node_report_rates_present_units_and_names_absent_ones() -> None:
         "dcgm-exporter.service": {"present": False},
     }
     assert not any("vllm@1" in command for command in asked if command.startswith("systemd-analyze"))
+
+
+def test_debs_already_kept_are_used_when_apt_knows_nothing(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    kept = tmp_path / "prometheus-node-exporter_1.5.0-1+b6_amd64.deb"
+    kept.write_bytes(b"deb")
+    monkeypatch.setattr(debian_extras, "_apt_records", lambda names, found: found)  # no package lists
+
+    def no_apt(argv, cwd=None):  # noqa: ANN001, ANN202
+        raise AssertionError(f"ran {argv}")
+
+    monkeypatch.setattr(debian_extras, "_run", no_apt)
+    assert debian_extras.fetch_debs(tmp_path, None) == [kept]

@@ -130,12 +130,16 @@ def fetch_debs(dest: Path, base_root: Path | None, packages: tuple[str, ...] = D
     """Download Debian's ``packages`` and the dependencies ``base_root`` lacks into ``dest``; the .deb files.
 
     Uses this machine's apt sources (``apt-get update`` runs once when apt does not know a package yet). A .deb
-    already in ``dest`` with the candidate's sha256 is reused without a download. Without a base rootfs to
-    compare with, only ``packages`` themselves are fetched.
+    already in ``dest`` with the candidate's sha256 is reused without a download; when apt knows none of them
+    (no package lists) and ``dest`` already holds a .deb of each package, those are used as they are. Without
+    a base rootfs to compare with, only ``packages`` themselves are fetched.
     """
     dest.mkdir(parents=True, exist_ok=True)
     records: dict[str, dict[str, str]] = {}
     if len(_apt_records(packages, records)) < len(packages):
+        kept = sorted(dest.glob("*.deb"))
+        if kept and all(any(deb.name.startswith(f"{p}_") for deb in kept) for p in packages):
+            return kept
         _run(["apt-get", *_APT_QUIET, "update"])
         records.clear()
     installed = installed_packages(base_root) if base_root is not None else None
