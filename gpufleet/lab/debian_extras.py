@@ -184,11 +184,11 @@ def _satisfied(name: str, constraint: str, installed: dict[str, str]) -> bool:
     version = installed[name]
     if not version:
         return False
-    op, _, wanted = constraint.partition(" ")
-    op = {"<<": "lt", "<=": "le", "=": "eq", ">=": "ge", ">>": "gt", "<": "le", ">": "ge"}.get(op)
-    if op is None:
+    match = re.fullmatch(r"(<<|<=|>=|>>|=|<|>)\s*(\S+)", constraint)
+    if match is None:
         return False
-    return subprocess.run(["dpkg", "--compare-versions", version, op, wanted.strip()]).returncode == 0
+    relation = {"<<": "lt", "<=": "le", "=": "eq", ">=": "ge", ">>": "gt", "<": "le", ">": "ge"}[match[1]]
+    return subprocess.run(["dpkg", "--compare-versions", version, relation, match[2]]).returncode == 0
 
 
 def _apt_records(names: list[str] | tuple[str, ...], records: dict[str, dict[str, str]]) -> dict[str, dict[str, str]]:
