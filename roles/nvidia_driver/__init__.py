@@ -178,8 +178,9 @@ class AptCandidate(FactBase[str | None]):
 
 
 def _installed_version(package: str) -> str | None:
+    """The version dpkg has installed of ``package`` (read now, not when the deploy started)."""
     versions = host.get_fact(DebPackages).get(package)
-    return max(versions) if versions else None
+    return next(iter(versions)) if versions else None  # dpkg installs one version of a package
 
 
 def _fail(message: str) -> StringCommand:
