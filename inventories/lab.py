@@ -2,8 +2,13 @@
 
 Hosts are the nodes' addresses on the lab bridge, reached as root with the lab's key and checked against
 the host keys the lab generated (``<lab dir>/ssh/known_hosts``). Each node's hardware profile is its
-``gpu_profile``: the simulated NVML on the node answers from the same profile. Lab-wide values live in
-``group_vars/lab.yml``. ``GPUFLEET_LAB_DIR`` selects a lab other than the default one.
+``gpu_profile``: the simulated NVML on the node answers from the same profile.
+
+Groups: ``lab`` (every node; ``group_vars/lab.yml``), then the serving pools, whose values win:
+``lab_single`` serves one replica per node, and with three nodes or more the last two form
+``lab_pipeline``, one replica with pipeline parallel 2 across both nodes (vLLM's mp backend).
+Values that depend on the running lab (its mirror's address, its cache, its API key) are host data.
+``GPUFLEET_LAB_DIR`` selects a lab other than the default one.
 """
 
 import sys
@@ -12,7 +17,8 @@ from gpufleet.config.inventory import apply_group_vars
 from gpufleet.lab.errors import LabError
 from gpufleet.lab.hooks import mirror_base_url
 from gpufleet.lab.mirror import node_exporter_sources
-from gpufleet.lab.state import lab_dir, load_state
+from gpufleet.lab.nodes import API_KEY_FILE
+from gpufleet.lab.state import cache_dir, lab_dir, load_state
 
 try:
     _state = load_state()
@@ -22,7 +28,8 @@ if _state is None or not _state.nodes:
     sys.exit(f"inventories/lab.py: no lab is up in {lab_dir()}; run `gpufleet lab up` first")
 
 _mirror = mirror_base_url(_state.bridge_address)
-lab = [
+_model = str(cache_dir() / "models" / "tiny-llama")
+_hosts = [
     (
         node.address,
         {
@@ -36,6 +43,13 @@ lab = [
             # NVIDIA's repository: the mirror's signed repository of lab doubles, and the key it is signed with
             "nvidia_repo_url": _mirror + "apt/",
             "nvidia_repo_keyring_url": _mirror + "keys/gpufleet-lab.gpg",
+            # the lab's mirror stands in for a site's wheelhouse
+            "vllm_wheelhouse_url": _mirror + "wheels/",
+            "vllm_requirements_url": _mirror + "wheels/requirements.lock",
+            # the tiny model the mirror built: planned from here, pushed from here
+            "vllm_model_config": _model,
+            "vllm_model_source": _model,
+            "vllm_api_key": {"file": str(lab_dir() / API_KEY_FILE)},
             # node_exporter from the mirror: its release-layout tarball (sha256 read from the mirror's
             # sha256sums.txt) and, for node_exporter_install=package, its repository of Debian's package
             **node_exporter_sources(_mirror),
@@ -43,5 +57,11 @@ lab = [
     )
     for node in _state.nodes
 ]
+
+lab = [address for address, _ in _hosts]
+_pipeline = _hosts[-2:] if len(_hosts) >= 3 else []
+lab_single = [h for h in _hosts if h not in _pipeline]
+if _pipeline:
+    lab_pipeline = _pipeline
 
 apply_group_vars(globals())

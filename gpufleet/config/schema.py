@@ -84,6 +84,7 @@ class HostConfig(BaseModel):
     vllm_extra_args: dict[str, Any]
     vllm_env: dict[str, str]
     vllm_package: str
+    vllm_system_packages: list[str]
     vllm_pip_index_url: str | None
     vllm_wheelhouse_url: str | None
     vllm_requirements_url: str | None
@@ -95,6 +96,8 @@ class HostConfig(BaseModel):
     ray_version: str
     ray_port: Port
     ray_dashboard: bool
+    ray_worker_ports: tuple[Port, Port]
+    ray_ready_timeout: PositiveInt
 
     # nvidia_driver
     nvidia_driver_branch: Annotated[int, Field(ge=450, le=999)]

@@ -1,14 +1,15 @@
 """What a running deploy knows about the fleet: configs, probed GPU facts, gate verdicts and the plan.
 
 Every role reads its variables through :func:`host_config` and every node's part in the serving plan
-through :func:`assignments`. The first call in a deploy validates the whole fleet (exit 2 on bad input,
-before any operation runs), probes every host's GPUs once, judges each with its ``gpu_health`` policy
-and plans the fleet from the hosts that pass; the result is kept for the rest of the deploy.
+through :func:`assignments`. :func:`fleet` validates the whole fleet (exit 2 on bad input, before any
+operation runs); :func:`context` probes every host's GPUs once, judges each with its ``gpu_health``
+policy and plans the fleet from the hosts that pass; both are kept for the rest of the deploy.
 """
 
 from __future__ import annotations
 
 import sys
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +38,7 @@ class DeployContext:
 
 
 _KEY = "_gpufleet_deploy_context"
+_LOCK = threading.Lock()  # a gevent lock once pyinfra has patched threading
 
 
 def _state() -> Any:
@@ -73,11 +75,21 @@ def _probe(target: Host) -> tuple[NodeFacts | None, str | None]:
 
 
 def context() -> DeployContext:
-    """Probe, gate and plan the fleet once per deploy; exits 2 when the plan has problems."""
+    """Probe and gate every host once per deploy, and plan the fleet from the hosts that pass.
+
+    Problems the plan finds with the probed hardware do not stop the deploy: the hosts of that pool
+    are still provisioned, then stop at the gate with the problem as the reason (:func:`serve_blockers`).
+    """
     st = _state()
-    found: DeployContext | None = getattr(st, _KEY, None)
-    if found is not None:
-        return found
+    with _LOCK:  # pyinfra loads the deploy file for every host at once (gevent): probe once for all
+        found: DeployContext | None = getattr(st, _KEY, None)
+        if found is None:
+            found = _build(st)
+            setattr(st, _KEY, found)
+    return found
+
+
+def _build(st: Any) -> DeployContext:
     ctx = DeployContext(fleet())
     for target in st.inventory:
         facts, error = _probe(target)
@@ -97,12 +109,22 @@ def context() -> DeployContext:
         {pool: kept for pool, hosts in ctx.fleet.pools.items() if (kept := [h for h in hosts if h in passing])},
     )
     ctx.plan = plan_fleet(serving, passing)
-    if ctx.plan.problems:
-        for line in ctx.plan.problems:
-            print(f"gpufleet: {line}", file=sys.stderr)
-        sys.exit(2)
-    setattr(st, _KEY, ctx)
+    for line in ctx.plan.problems:
+        print(f"gpufleet: plan: {line}", file=sys.stderr)
     return ctx
+
+
+def _pool_problems(ctx: DeployContext, name: str) -> list[str]:
+    pool = next((p for p, hosts in ctx.fleet.pools.items() if name in hosts), None)
+    return [line for line in ctx.plan.problems
+            if line.startswith(f"pool {pool}:") or f" on {name}:" in line]
+
+
+def serve_blockers(host: Host | None = None) -> list[str]:
+    """Why ``host`` must not serve: its gate failures, or the plan's problems with its pool."""
+    ctx = context()
+    name = (host or current_host).name
+    return ctx.gate_failures.get(name, []) + [f"plan: {p}" for p in _pool_problems(ctx, name)]
 
 
 def gpu_facts(host: Host | None = None) -> NodeFacts | None:

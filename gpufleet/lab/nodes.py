@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import os
 import re
+import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -65,6 +67,20 @@ def resolve_profiles(count: int, profiles: list[str] | None) -> list[str]:
     return chosen
 
 
+API_KEY_FILE = "vllm-api-key"
+
+
+def ensure_api_key(directory: Path) -> Path:
+    """The lab's vLLM API key (0600, made once): the inventory refers to it as ``{file: ...}``."""
+    path = directory / API_KEY_FILE
+    if not path.exists():
+        directory.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as handle:
+            handle.write(secrets.token_urlsafe(32) + "\n")
+    return path
+
+
 def up(
     nodes: int = 3,
     profiles: list[str] | None = None,
@@ -95,6 +111,7 @@ def up(
         network.check_subnet_free(net, bridge)
         base_root = rootfs.ensure_base(cache_dir())
         key = ssh.ensure_key(ssh_key_path(directory))
+        ensure_api_key(directory)
         state = LabState(
             subnet=str(net), bridge=bridge, bridge_address=str(network.bridge_address(net)),
             ssh_key=str(key), known_hosts=str(known_hosts_path(directory)),

@@ -44,6 +44,7 @@ BASE_PACKAGES: tuple[str, ...] = (
     "sudo",
     "python3",
     "python3-venv",
+    "libnuma1",  # the CPU build of vLLM links it (vllm._C)
     "iproute2",
     "iputils-ping",
     "procps",

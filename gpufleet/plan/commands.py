@@ -97,14 +97,25 @@ def secret_env_names(cfg: HostConfig) -> list[str]:
     return names
 
 
+RAY_TEMP_DIR = "/var/lib/vllm/ray"  # outside vLLM's PrivateTmp, so vLLM's driver reaches the local raylet
+
+
 def ray_start_argv(cfg: HostConfig, address: str, head: str | None) -> list[str]:
-    """``ray start`` for a head (head None) or a worker joining ``head``; every address explicit."""
+    """``ray start`` for a head (head None) or a worker joining ``head``; every address explicit and every
+    port fixed (ray_port + 1 ... ray_port + 4, workers ray_worker_ports), so a firewall can name them."""
     ray = f"{VLLM_ROOT}/{cfg.vllm_version}/bin/ray"
+    base = cfg.ray_port
+    ports = [f"--node-manager-port={base + 1}", f"--object-manager-port={base + 2}",
+             f"--metrics-export-port={base + 3}", f"--dashboard-agent-listen-port={base + 4}",
+             f"--dashboard-agent-grpc-port={base + 5}", f"--runtime-env-agent-port={base + 6}",
+             f"--min-worker-port={cfg.ray_worker_ports[0]}", f"--max-worker-port={cfg.ray_worker_ports[1]}",
+             f"--temp-dir={RAY_TEMP_DIR}", "--disable-usage-stats", "--block"]
     if head is None:
-        return [ray, "start", "--head", f"--port={cfg.ray_port}", f"--node-ip-address={address}",
-                f"--include-dashboard={'true' if cfg.ray_dashboard else 'false'}", "--disable-usage-stats", "--block"]
-    return [ray, "start", f"--address={head}:{cfg.ray_port}", f"--node-ip-address={address}",
-            "--disable-usage-stats", "--block"]
+        dashboard = ["--include-dashboard=true", f"--dashboard-host={address}", f"--dashboard-port={base + 7}"] \
+            if cfg.ray_dashboard else ["--include-dashboard=false"]
+        return [ray, "start", "--head", f"--port={base}", f"--node-ip-address={address}",
+                f"--ray-client-server-port={base + 8}", *dashboard, *ports]
+    return [ray, "start", f"--address={head}:{base}", f"--node-ip-address={address}", *ports]
 
 
 def replica_roles(
@@ -121,6 +132,7 @@ def replica_roles(
     for rank, (cfg, host, address, node_gpus) in enumerate(zip(cfgs, hosts, addresses, gpus)):
         env = node_env(cfg, address, node_gpus)
         if cfg.vllm_distributed_backend == "ray":
+            env["RAY_ADDRESS"] = f"{head}:{cfg.ray_port}"
             if rank == 0:
                 procs = [Process("ray-head", ray_start_argv(cfg, address, None), env),
                          Process("vllm", base + ["--distributed-executor-backend", "ray"], env)]

@@ -5,6 +5,7 @@ Pure: touches no host. Problems carry the arithmetic that rules a layout out.
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -84,6 +85,15 @@ class FleetPlan:
 
 class PoolError(Exception):
     """A pool that cannot be planned; the message shows why, with numbers."""
+
+
+def _short_name(host: str) -> str:
+    """A host's part of a replica name: its first DNS label, or its whole address with dashes."""
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return host.split(".")[0]
+    return host.replace(".", "-").replace(":", "-")
 
 
 def _gib(n: float) -> str:
@@ -234,7 +244,7 @@ def _single_node_replicas(pool: str, hosts: list[str], fleet: Fleet, shapes: lis
         host_cfg = fleet.configs[shape.host]
         address = host_cfg.fleet_address or shape.host
         for k, gpus in enumerate(sets):
-            short = shape.host.split(".")[0]
+            short = _short_name(shape.host)
             name = f"{pool}-{short}-{k}" if len(sets) > 1 else f"{pool}-{short}"
             roles = replica_roles([host_cfg], [shape.host], [address], [gpus], host_cfg.vllm_port + k,
                                   tp, pp, cfg.vllm_data_parallel_size, max_len)

@@ -1,8 +1,9 @@
 """Role ``common``: what every gpufleet node has before any other role runs.
 
 After it, the node has ``/etc/gpufleet/`` (root, 0755) holding ``node.env`` (root, 0644) with the node's
-name and its declared hardware profile, and the base tools the other roles call (``ps``, CA
-certificates). It reads one variable, ``gpu_profile`` (see roles/fleet/defaults.yml); the node's
+name and its declared hardware profile; gpufleet's node tools in ``/opt/gpufleet/node/`` (the NVML probe
+and health gate, which units run as ``ExecStartPre``, and the vLLM readiness check); and the base tools
+the other roles call (``ps``, CA certificates). It reads one variable, ``gpu_profile`` (see roles/fleet/defaults.yml); the node's
 name is its hostname as the node reports it.
 """
 
@@ -16,6 +17,9 @@ from pyinfra.facts.server import Hostname
 from pyinfra.operations import apt, files
 
 CONFIG_DIR = "/etc/gpufleet"
+NODE_TOOLS_DIR = "/opt/gpufleet/node"
+NODE_TOOLS = ("nvml_probe.py", "health_rules.py", "vllm_ready.py")  # standard library (+ pynvml) only
+NODE_SOURCES = Path(__file__).resolve().parents[2] / "gpufleet" / "node"
 BASE_PACKAGES = ["procps", "ca-certificates"]
 TEMPLATES = Path(__file__).resolve().parents[2] / "templates" / "common"
 
@@ -40,6 +44,22 @@ def common() -> None:
         node_name=host.get_fact(Hostname),
         gpu_profile=host.data.get("gpu_profile") or "",
     )
+    files.directory(
+        name=f"Create {NODE_TOOLS_DIR}",
+        path=NODE_TOOLS_DIR,
+        user="root",
+        group="root",
+        mode="0755",
+    )
+    for tool in NODE_TOOLS:
+        files.put(
+            name=f"Install node tool {tool}",
+            src=str(NODE_SOURCES / tool),
+            dest=f"{NODE_TOOLS_DIR}/{tool}",
+            user="root",
+            group="root",
+            mode="0755",
+        )
     apt.packages(
         name="Ensure the base tools are installed",
         packages=BASE_PACKAGES,

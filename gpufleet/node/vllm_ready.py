@@ -1,0 +1,97 @@
+#!/usr/bin/env python3
+"""Is a vLLM replica ready? ``/health`` answers 200 and one real completion returns tokens.
+
+Runs on the node (standard library only) as root, after the deploy started the replica::
+
+    python3 vllm_ready.py --url http://10.0.0.5:8000 --model NAME [--unit vllm@r.service]
+                          [--env-file SECRETS.env] [--timeout 900]
+
+The API key, when the replica has one, is read from its 0600 environment file, never from argv.
+Prints one JSON line; exit 0 when ready, 1 when not within the timeout or as soon as ``--unit`` has
+failed (systemd gave up restarting it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+
+def read_env_file(path: str) -> dict[str, str]:
+    """``NAME="value"`` lines of a systemd EnvironmentFile."""
+    found: dict[str, str] = {}
+    with open(path, encoding="utf-8") as handle:
+        for line in handle:
+            line = line.strip()
+            if not line or line.startswith("#") or "=" not in line:
+                continue
+            name, value = line.split("=", 1)
+            if len(value) >= 2 and value[0] == value[-1] == '"':
+                value = value[1:-1].replace('\\"', '"').replace("\\\\", "\\")
+            found[name.strip()] = value
+    return found
+
+
+def _request(url: str, body: dict[str, object] | None, key: str | None, timeout: float) -> tuple[int, bytes]:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method="GET" if body is None else "POST")
+    request.add_header("Content-Type", "application/json")
+    if key:
+        request.add_header("Authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def check_once(url: str, model: str, key: str | None) -> tuple[bool, str]:
+    """One readiness attempt: (ready, what was seen)."""
+    try:
+        status, _ = _request(f"{url}/health", None, None, 10)
+        if status != 200:
+            return False, f"/health answered {status}"
+        status, body = _request(f"{url}/v1/completions",
+                                {"model": model, "prompt": "The fleet is", "max_tokens": 4, "temperature": 0},
+                                key, 120)
+    except (OSError, urllib.error.URLError) as exc:
+        return False, f"not answering: {exc}"
+    if status != 200:
+        return False, f"/v1/completions answered {status}: {body[:200]!r}"
+    tokens = json.loads(body).get("usage", {}).get("completion_tokens", 0)
+    return (tokens > 0), f"/v1/completions returned {tokens} tokens"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--url", required=True)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--unit", help="the replica's systemd unit: stop waiting once it has failed")
+    parser.add_argument("--env-file")
+    parser.add_argument("--timeout", type=float, default=900)
+    args = parser.parse_args(argv)
+    key = read_env_file(args.env_file).get("VLLM_API_KEY") if args.env_file else None
+    started = time.monotonic()
+    seen = "not tried"
+    while True:
+        ready, seen = check_once(args.url.rstrip("/"), args.model, key)
+        waited = round(time.monotonic() - started, 1)
+        if ready:
+            print(json.dumps({"ready": True, "url": args.url, "seconds": waited, "seen": seen}))
+            return 0
+        failed = args.unit and subprocess.run(["systemctl", "is-failed", "--quiet", args.unit]).returncode == 0
+        if failed or waited > args.timeout:
+            if failed:
+                seen = f"{args.unit} failed ({seen}); see journalctl -u {args.unit}"
+            print(json.dumps({"ready": False, "url": args.url, "seconds": waited, "seen": seen}))
+            return 1
+        time.sleep(2)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,257 @@
+"""The full stack on the lab: ``pyinfra inventories/lab.py deploys/vllm.py`` from bare nodes to serving.
+
+lab1 (pool lab_single) serves the tiny model on its own; lab2 and lab3 (pool lab_pipeline) serve one
+replica with pipeline parallel 2 over vLLM's multiprocessing backend. The real CPU build of vLLM runs
+everywhere. Tests run in file order and build on each other; traffic goes only to the lab nodes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gpufleet.lab.nodes import API_KEY_FILE
+from gpufleet.lab.state import NodeRecord
+from gpufleet.unit_security import exposure_score
+from tests.lab.conftest import PYINFRA, ROOT, Completed, Lab, _run
+from tests.lab.test_lab_nodes import _results
+
+pytestmark = [
+    pytest.mark.lab,
+    pytest.mark.filterwarnings("ignore:Unknown ssh-ed25519 host key:UserWarning"),
+]
+
+INVENTORY = "inventories/lab.py"
+DEPLOY = "deploys/vllm.py"
+PORT = 8000
+MODEL = "tiny-llama"
+SINGLE = "lab_single-{}"
+PIPELINE = "lab_pipeline-0"
+# The vLLM unit's exposure on the lab's systemd 252; what is left is what PyTorch and GPU access need
+# (W+X memory for kernels, the network, /dev/nvidia*, /proc).
+VLLM_EXPOSURE_BOUND = 5.0
+
+
+def _deploy(lab: Lab, *options: str, inventory: str = INVENTORY, timeout: float = 1800) -> Completed:
+    return _run([str(PYINFRA), inventory, DEPLOY, "-y", *options], lab.env, timeout)
+
+
+def _single(lab: Lab) -> str:
+    return SINGLE.format(lab.nodes[0].address.replace(".", "-"))
+
+
+def _api_key(lab: Lab) -> str:
+    return (lab.directory / API_KEY_FILE).read_text().strip()
+
+
+def _http(url: str, body: dict | None = None, key: str | None = None, timeout: float = 120) -> tuple[int, str]:
+    request = urllib.request.Request(url, data=None if body is None else json.dumps(body).encode(),
+                                     method="GET" if body is None else "POST")
+    request.add_header("Content-Type", "application/json")
+    if key:
+        request.add_header("Authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def _completion_tokens(lab: Lab, node: NodeRecord) -> int:
+    status, body = _http(f"http://{node.address}:{PORT}/v1/completions",
+                         {"model": MODEL, "prompt": "The fleet is", "max_tokens": 8, "temperature": 0},
+                         _api_key(lab))
+    assert status == 200, body
+    return json.loads(body)["usage"]["completion_tokens"]
+
+
+def _main_pid(lab: Lab, node: NodeRecord, unit: str) -> int:
+    out = lab.host(node).check_output(f"systemctl show -p MainPID --value {unit}")
+    return int(out.strip())
+
+
+def _wait_serving(lab: Lab, node: NodeRecord, timeout: float = 600) -> None:
+    end = time.monotonic() + timeout
+    last = ""
+    while time.monotonic() < end:
+        try:
+            if _completion_tokens(lab, node) > 0:
+                return
+        except (OSError, AssertionError) as exc:
+            last = str(exc)
+        time.sleep(3)
+    pytest.fail(f"{node.name} did not serve again within {timeout} s: {last}")
+
+
+def _assert_clean(done: Completed) -> dict[str, tuple[str, str, str]]:
+    assert done.rc == 0, done.output[-6000:]
+    rows = _results(done.output)
+    assert rows["Grand total"][1] == "-", done.output[-6000:]
+    return rows
+
+
+def test_deploy_converges_bare_nodes_to_serving(lab: Lab) -> None:
+    done = _deploy(lab)
+    _assert_clean(done)
+    key = _api_key(lab)
+    for node in (lab.nodes[0], lab.nodes[1]):  # lab1's replica; lab2 is rank 0 of the pipeline replica
+        base = f"http://{node.address}:{PORT}"
+        assert _http(f"{base}/health")[0] == 200
+        assert _completion_tokens(lab, node) > 0
+        status, metrics = _http(f"{base}/metrics")
+        assert status == 200 and re.search(r"^vllm:\w+", metrics, re.M), metrics[:500]
+        assert _http(f"{base}/v1/models")[0] == 401  # the API key guards /v1
+        assert _http(f"{base}/v1/models", key=key)[0] == 200
+    for node in lab.nodes:
+        status, metrics = _http(f"http://{node.address}:9100/metrics")
+        assert status == 200 and "node_systemd_unit_state" in metrics
+        status, metrics = _http(f"http://{node.address}:9400/metrics")
+        assert status == 200 and "DCGM_FI_DEV_GPU_TEMP" in metrics
+
+
+def test_a_second_run_changes_nothing(lab: Lab) -> None:
+    rows = _assert_clean(_deploy(lab))
+    operations = [name for name in rows if name != "Grand total"]
+    changed = {name: row for name, row in rows.items() if name != "Grand total" and row[0] != "-"}
+    assert operations and not changed, changed
+
+
+def test_the_pipeline_replica_spans_two_nodes(lab: Lab) -> None:
+    rank0, rank1 = lab.nodes[1], lab.nodes[2]
+    configs = [yaml.safe_load(lab.host(n).file(f"/etc/gpufleet/vllm/{PIPELINE}/config.yaml").content_string)
+               for n in (rank0, rank1)]
+    for rank, config in enumerate(configs):
+        assert config["pipeline-parallel-size"] == 2 and config["nnodes"] == 2
+        assert config["node-rank"] == rank and config["master-addr"] == rank0.address
+        assert config["distributed-executor-backend"] == "mp"
+    assert "headless" not in configs[0] and configs[1]["headless"] is True
+    for node in (rank0, rank1):
+        assert lab.host(node).service(f"vllm@{PIPELINE}").is_running
+        env = lab.host(node).file(f"/etc/gpufleet/vllm/{PIPELINE}/vllm.env").content_string
+        assert f'VLLM_HOST_IP="{node.address}"' in env and 'NCCL_SOCKET_IFNAME="host0"' in env
+        assert 'GLOO_SOCKET_IFNAME="host0"' in env
+    # rank 1 holds half the layers: rank 0 cannot answer without it
+    assert _completion_tokens(lab, rank0) > 0
+
+
+def test_vllm_runs_as_its_own_user_and_secrets_stay_out_of_sight(lab: Lab) -> None:
+    key = _api_key(lab)
+    replicas = {lab.nodes[0]: _single(lab), lab.nodes[1]: PIPELINE, lab.nodes[2]: PIPELINE}
+    for node, replica in replicas.items():
+        host = lab.host(node)
+        pid = _main_pid(lab, node, f"vllm@{replica}")
+        assert host.check_output(f"ps -o user= -p {pid}").strip() == "vllm"
+        secret = host.file(f"/etc/gpufleet/secrets/{replica}.env")
+        assert (secret.user, secret.group, secret.mode) == ("root", "root", 0o600)
+        assert host.file("/etc/gpufleet/secrets").mode == 0o700
+        assert key in host.check_output(f"cat /etc/gpufleet/secrets/{replica}.env")
+        listing = host.check_output("ps -eo args")
+        assert key not in listing and "VLLM_API_KEY" not in listing
+        visible = host.run(f"grep -rl -- {key} /etc/systemd /etc/gpufleet/vllm /opt/gpufleet /var/log 2>/dev/null")
+        assert visible.stdout.strip() == "", visible.stdout
+        journal = host.run(f"journalctl --no-pager -u vllm@{replica} | grep -c -- {key}")
+        assert journal.stdout.strip() == "0"
+        unreadable = host.run(f"runuser -u vllm -- cat /etc/gpufleet/secrets/{replica}.env")
+        assert unreadable.rc != 0
+
+
+def test_the_vllm_unit_is_sandboxed(lab: Lab) -> None:
+    node = lab.nodes[0]
+    out = lab.host(node).check_output(f"systemd-analyze security --no-pager vllm@{_single(lab)}.service")
+    score = exposure_score(out)
+    print(json.dumps({"unit": f"vllm@{_single(lab)}.service", "exposure": score}))
+    assert score <= VLLM_EXPOSURE_BOUND, out[-2000:]
+
+
+def test_kill_9_of_vllm_is_restarted_and_serves_again(lab: Lab) -> None:
+    node, unit = lab.nodes[0], f"vllm@{_single(lab)}"
+    before = _main_pid(lab, node, unit)
+    lab.host(node).check_output(f"kill -{int(signal.SIGKILL)} {before}")
+    end = time.monotonic() + 120
+    after = 0
+    while time.monotonic() < end:
+        after = _main_pid(lab, node, unit)
+        if after and after != before:
+            break
+        time.sleep(2)
+    assert after and after != before, f"systemd did not restart {unit}"
+    _wait_serving(lab, node)
+
+
+def _lab_copy(tmp_path: Path, lab_single_extra: str) -> str:
+    """The lab inventory and group_vars in a directory of their own, with lab_single.yml changed."""
+    (tmp_path / "inventories").mkdir()
+    shutil.copy(ROOT / INVENTORY, tmp_path / INVENTORY)
+    shutil.copytree(ROOT / "group_vars", tmp_path / "group_vars")
+    with (tmp_path / "group_vars" / "lab_single.yml").open("a") as handle:
+        handle.write(lab_single_extra)
+    return str(tmp_path / INVENTORY)
+
+
+def test_changing_one_groups_setting_restarts_only_that_groups_replicas(lab: Lab, tmp_path: Path) -> None:
+    pipeline = {n.name: _main_pid(lab, n, f"vllm@{PIPELINE}") for n in lab.nodes[1:]}
+    single = _main_pid(lab, lab.nodes[0], f"vllm@{_single(lab)}")
+    inventory = _lab_copy(tmp_path, "vllm_extra_args:\n  enforce-eager: true\n  max-num-seqs: 16\n")
+    _assert_clean(_deploy(lab, inventory=inventory))
+    assert _main_pid(lab, lab.nodes[0], f"vllm@{_single(lab)}") != single
+    assert {n.name: _main_pid(lab, n, f"vllm@{PIPELINE}") for n in lab.nodes[1:]} == pipeline
+    config = lab.host(lab.nodes[0]).file(f"/etc/gpufleet/vllm/{_single(lab)}/config.yaml").content_string
+    assert "max-num-seqs: 16" in config
+    _assert_clean(_deploy(lab))  # back to the repository's values (lab1 restarts once more)
+
+
+def test_a_node_failing_the_gpu_gate_is_not_started_and_is_named(lab: Lab) -> None:
+    node, unit = lab.nodes[0], f"vllm@{_single(lab)}"
+    host = lab.host(node)
+    host.check_output(f"systemctl stop {unit}")
+    profile = "/etc/gpufleet/nvml-sim-profile"
+    host.check_output(f"cp {profile} {profile}.saved")
+    try:
+        host.check_output(f"python3 - <<'EOF'\nimport json\np = '{profile}'\nd = json.load(open(p))\n"
+                          "d['gpus'] = d['gpus'][:7]\njson.dump(d, open(p, 'w'))\nEOF")
+        done = _deploy(lab)
+        assert done.rc != 0
+        assert re.search(rf"\[{re.escape(node.address)}\].*GPU health gate failed", done.output), done.output[-4000:]
+        assert not host.service(unit).is_running
+        # the unit's own gate (ExecStartPre) refuses too
+        assert host.run(f"systemctl start {unit}").rc != 0
+        assert not host.service(unit).is_running
+        for other in lab.nodes[1:]:
+            assert lab.host(other).service(f"vllm@{PIPELINE}").is_running
+    finally:
+        host.check_output(f"mv {profile}.saved {profile}")
+        host.run(f"systemctl reset-failed {unit}")
+    _assert_clean(_deploy(lab))
+    _wait_serving(lab, node)
+
+
+def test_a_deploy_interrupted_halfway_converges_on_rerun(lab: Lab) -> None:
+    node = lab.nodes[0]
+    host = lab.host(node)
+    host.check_output(f"systemctl stop vllm@{_single(lab)} && rm -rf /opt/vllm/0.32.0")
+    process = subprocess.Popen([str(PYINFRA), INVENTORY, DEPLOY, "-y"], cwd=ROOT, env=lab.env,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    end = time.monotonic() + 600
+    while time.monotonic() < end and host.run("test -x /opt/vllm/0.32.0/bin/pip").rc != 0:
+        time.sleep(2)
+    time.sleep(15)  # pip is now installing into the version's virtualenv
+    process.send_signal(signal.SIGINT)
+    try:
+        process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+    assert not host.file("/opt/vllm/0.32.0/.gpufleet-installed").exists
+    _assert_clean(_deploy(lab))
+    assert host.file("/opt/vllm/0.32.0/.gpufleet-installed").exists
+    _wait_serving(lab, node)
