@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup deps test plan check catalogs clean
+.PHONY: setup deps test lab lab-down plan check catalogs clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,16 @@ deps:
 
 test: $(STAMP) deps
 	$(BIN)/pytest -q
+
+# The main job on the embedded default fleet: a 3-node lab on this machine (booted unless one is up),
+# then the full stack deployed to it. Needs root (the lab's containers and network).
+lab: $(STAMP) deps
+	@if $(BIN)/gpufleet lab status | grep -q "no lab is up"; then $(BIN)/gpufleet lab up --nodes 3; fi
+	$(BIN)/gpufleet lab status
+	$(BIN)/pyinfra -y inventories/lab.py deploys/vllm.py
+
+lab-down: $(STAMP)
+	$(BIN)/gpufleet lab down
 
 plan: $(STAMP)
 	$(BIN)/gpufleet plan inventories/prod.py
