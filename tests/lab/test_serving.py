@@ -126,6 +126,24 @@ def test_a_second_run_changes_nothing(lab: Lab) -> None:
     assert operations and not changed, changed
 
 
+def test_check_reports_no_drift_then_names_a_drifted_node(lab: Lab) -> None:
+    clean = _run([str(PYINFRA), INVENTORY, "deploys/check.py", "-y"], lab.env, 600)
+    assert clean.rc == 0, clean.output[-4000:]
+    for node in lab.nodes:
+        assert f"[{node.address}] gate: pass; drift: 0 operation(s)" in clean.output
+    node = lab.nodes[2]
+    policy = "/etc/gpufleet/gpu-health.json"
+    lab.host(node).check_output(f"cp {policy} {policy}.saved && echo '# edited' >> {policy}")
+    try:
+        drifted = _run([str(PYINFRA), INVENTORY, "deploys/check.py", "-y"], lab.env, 600)
+        assert "# edited" in lab.host(node).file(policy).content_string  # check changes nothing
+    finally:
+        lab.host(node).check_output(f"mv {policy}.saved {policy}")
+    assert drifted.rc != 0
+    assert f"[{node.address}] drift: vLLM: install and configure the replicas | Write the GPU health gate policy" \
+        in drifted.output, drifted.output[-4000:]
+
+
 def test_the_pipeline_replica_spans_two_nodes(lab: Lab) -> None:
     rank0, rank1 = lab.nodes[1], lab.nodes[2]
     configs = [yaml.safe_load(lab.host(n).file(f"/etc/gpufleet/vllm/{PIPELINE}/config.yaml").content_string)
@@ -255,3 +273,29 @@ def test_a_deploy_interrupted_halfway_converges_on_rerun(lab: Lab) -> None:
     _assert_clean(_deploy(lab))
     assert host.file("/opt/vllm/0.32.0/.gpufleet-installed").exists
     _wait_serving(lab, node)
+
+
+def test_ray_units_form_a_cluster_across_two_nodes(lab: Lab) -> None:
+    # The CPU build refuses vLLM's Ray executor, so on the lab the Ray replica is staged, not started.
+    done = _deploy(lab, "--data", "vllm_distributed_backend=ray", "--data", "vllm_start=false")
+    _assert_clean(done)
+    head, worker = lab.nodes[1], lab.nodes[2]
+    unit = f"gpufleet-ray-{PIPELINE}"
+    assert lab.host(head).service(unit).is_running and lab.host(worker).service(unit).is_running
+    status = lab.host(head).check_output(f"/opt/vllm/0.32.0/bin/ray status --address={head.address}:6379")
+    active = status.split("Active:")[1].split("Pending:")[0]
+    assert active.count(" node_") == 2, status
+    for node in (head, worker):
+        unit_text = lab.host(node).file(f"/etc/systemd/system/{unit}.service").content_string
+        assert f"--node-ip-address={node.address}" in unit_text
+        env = lab.host(node).file(f"/etc/gpufleet/ray/{PIPELINE}.env").content_string
+        assert 'NCCL_SOCKET_IFNAME="host0"' in env and f'RAY_ADDRESS="{head.address}:6379"' in env
+    head_unit = lab.host(head).file(f"/etc/systemd/system/{unit}.service").content_string
+    assert "--include-dashboard=false" in head_unit
+    listening = lab.host(head).check_output("ss -ltnH")
+    assert ":8265 " not in listening and ":6386 " not in listening  # no dashboard
+    # vLLM is staged on the head with the Ray executor; the worker node runs no vLLM of its own
+    config = yaml.safe_load(lab.host(head).file(f"/etc/gpufleet/vllm/{PIPELINE}/config.yaml").content_string)
+    assert config["distributed-executor-backend"] == "ray" and "nnodes" not in config
+    assert not lab.host(head).service(f"vllm@{PIPELINE}").is_running
+    assert not lab.host(worker).file(f"/etc/gpufleet/vllm/{PIPELINE}").exists
