@@ -164,10 +164,16 @@ def install_script(cfg: HostConfig) -> str:
     venv = venv_dir(cfg)
     pip = shlex.join([f"{venv}/bin/pip", *pip_install_args(cfg)])
     marker = shlex.quote(f"{venv}/{INSTALLED_MARKER}")
+    wanted = shlex.quote(install_marker(cfg))
+    # One install at a time per version: a rerun waits for one still running from an interrupted deploy,
+    # then finds it finished (or redoes it).
     return " && ".join([
+        f"exec 9>{shlex.quote(venv + '.lock')}",
+        "flock 9",
+        f"{{ [ \"$(cat {marker} 2>/dev/null)\" = {wanted} ] && exit 0 || true; }}",
         f"rm -rf {shlex.quote(venv)}",
         f"python3 -m venv {shlex.quote(venv)}",
         pip,
-        f"printf '%s\\n' {shlex.quote(install_marker(cfg))} > {marker}.tmp",
+        f"printf '%s\\n' {wanted} > {marker}.tmp",
         f"mv {marker}.tmp {marker}",
     ])

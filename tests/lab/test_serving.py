@@ -21,6 +21,7 @@ import pytest
 import yaml
 
 from gpufleet.lab.nodes import API_KEY_FILE
+from gpufleet.lab.sim_profile import write_sim_profile
 from gpufleet.lab.state import NodeRecord
 from gpufleet.unit_security import exposure_score
 from tests.lab.conftest import PYINFRA, ROOT, Completed, Lab, _run
@@ -228,15 +229,16 @@ def test_changing_one_groups_setting_restarts_only_that_groups_replicas(lab: Lab
     _assert_clean(_deploy(lab))  # back to the repository's values (lab1 restarts once more)
 
 
-def test_a_node_failing_the_gpu_gate_is_not_started_and_is_named(lab: Lab) -> None:
+def test_a_node_failing_the_gpu_gate_is_not_started_and_is_named(lab: Lab, tmp_path: Path) -> None:
     node, unit = lab.nodes[0], f"vllm@{_single(lab)}"
     host = lab.host(node)
     host.check_output(f"systemctl stop {unit}")
     profile = "/etc/gpufleet/nvml-sim-profile"
     host.check_output(f"cp {profile} {profile}.saved")
     try:
-        host.check_output(f"python3 - <<'EOF'\nimport json\np = '{profile}'\nd = json.load(open(p))\n"
-                          "d['gpus'] = d['gpus'][:7]\njson.dump(d, open(p, 'w'))\nEOF")
+        faulty = tmp_path / "profile"
+        write_sim_profile(faulty, node.profile, ["gpu_missing"], hostname=node.name)  # 7 GPUs left
+        host.check_output(f"cat > {profile} <<'EOF'\n{faulty.read_text()}EOF")
         done = _deploy(lab)
         assert done.rc != 0
         assert re.search(rf"\[{re.escape(node.address)}\].*GPU health gate failed", done.output), done.output[-4000:]
