@@ -50,8 +50,11 @@ def model_dir(cfg: HostConfig) -> str:
 
 
 def _value(token: str) -> Any:
+    """A number where it reads back as the same text (``0.92``, ``8``); the text otherwise (``1.10``, ``0123``)."""
     if _NUMBER.match(token):
-        return float(token) if "." in token else int(token)
+        number = float(token) if "." in token else int(token)
+        if str(number) == token:
+            return number
     return token
 
 
@@ -104,18 +107,18 @@ def replica_env(cfg: HostConfig, plan_env: dict[str, str]) -> dict[str, str]:
     env = {"VLLM_MODEL": model_dir(cfg), "HOME": HOME, "HF_HOME": f"{HOME}/hf"}
     if cfg.vllm_model_source or cfg.vllm_model.startswith("/"):
         env["HF_HUB_OFFLINE"] = "1"  # staged weights: nothing to fetch at start
-    env.update(plan_env)
     env.update(cfg.vllm_env)
+    env.update(plan_env)  # the plan's GPU set, address and interfaces are not the operator's to override
     return env
 
 
 def _read_secret(ref: SecretRef, key: str) -> str:
     if ref.env is not None:
-        value = os.environ.get(ref.env)
+        value = (os.environ.get(ref.env) or "").strip()
         if not value:
             raise ConfigError([Problem("controller", key, f"expected environment variable {ref.env} to be set,"
                                                        " found it unset or empty")])
-        return value.strip()
+        return value
     path = Path(os.path.expanduser(str(ref.file)))
     try:
         value = path.read_text().strip()

@@ -14,6 +14,7 @@ failed (systemd gave up restarting it).
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import subprocess
 import sys
@@ -59,11 +60,14 @@ def check_once(url: str, model: str, key: str | None) -> tuple[bool, str]:
         status, body = _request(f"{url}/v1/completions",
                                 {"model": model, "prompt": "The fleet is", "max_tokens": 4, "temperature": 0},
                                 key, 120)
-    except (OSError, urllib.error.URLError) as exc:
+    except (OSError, urllib.error.URLError, http.client.HTTPException) as exc:
         return False, f"not answering: {exc}"
     if status != 200:
         return False, f"/v1/completions answered {status}: {body[:200]!r}"
-    tokens = json.loads(body).get("usage", {}).get("completion_tokens", 0)
+    try:
+        tokens = int((json.loads(body).get("usage") or {}).get("completion_tokens") or 0)
+    except (ValueError, TypeError, AttributeError):
+        return False, f"/v1/completions answered 200 without a usage count: {body[:200]!r}"
     return (tokens > 0), f"/v1/completions returned {tokens} tokens"
 
 

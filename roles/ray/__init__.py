@@ -62,7 +62,7 @@ def ray() -> None:
         kind = "head" if proc.unit == "ray-head" else "worker"
         env = files.put(
             name=f"{replica.name}: Ray {kind} environment", dest=f"{ENV_DIR}/{replica.name}.env",
-            src=StringIO(vf.env_file({"HOME": vf.HOME, **proc.env, **cfg.vllm_env},
+            src=StringIO(vf.env_file({"HOME": vf.HOME, **cfg.vllm_env, **proc.env},
                                      f"Written by gpufleet: environment of the Ray {kind} of {replica.name}")),
             user="root", group="root", mode="0644")
         unit = files.template(

@@ -91,8 +91,10 @@ def test_lab_inventory_lists_the_running_nodes(tmp_path: Path, monkeypatch: pyte
     save_state(_state(tmp_path), tmp_path)
     monkeypatch.setenv("GPUFLEET_LAB_DIR", str(tmp_path))
     inventory = runpy.run_path(str(ROOT / "inventories" / "lab.py"))
-    hosts, group_data = inventory["lab"]
-    assert [h for h, _ in hosts] == ["10.213.0.11", "10.213.0.12"]
+    everyone, group_data = inventory["lab"]
+    assert everyone == ["10.213.0.11", "10.213.0.12"]
+    hosts, _ = inventory["lab_single"]  # two nodes: no pipeline pair
+    assert [h for h, _ in hosts] == ["10.213.0.11", "10.213.0.12"] and "lab_pipeline" not in inventory
     data = dict(hosts[1][1])
     assert data["ssh_user"] == "root" and data["ssh_key"].endswith("id_ed25519")
     assert data["ssh_known_hosts_file"].endswith("known_hosts") and data["gpu_profile"] == "2xRTX4090"
