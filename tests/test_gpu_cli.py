@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import base64
 import json
 import subprocess
 import sys
@@ -14,7 +13,7 @@ from pyinfra.api.exceptions import FactProcessError
 
 from gpufleet.cli_gpu import make_gate_command
 from gpufleet.gpu_facts import NodeFacts, load_facts, parse_facts
-from gpufleet.gpu_probe import NvmlGpuFacts, PROBE_SOURCE, gate_report
+from gpufleet.gpu_probe import NvmlGpuFacts, gate_report
 from gpufleet.hardware_profiles import profile_facts
 from gpufleet.lab.nvml_sim import build_library, sim_environ
 from gpufleet.lab.sim_profile import apply_fault, write_sim_profile

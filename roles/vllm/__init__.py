@@ -32,7 +32,7 @@ from gpufleet.deploy import vllm_files as vf
 from gpufleet.deploy.context import assignments, host_config
 from gpufleet.deploy.secret_ops import secret_file
 from gpufleet.node.health_rules import policy_json
-from gpufleet.plan.commands import VLLM_ROOT
+from gpufleet.plan.commands import VLLM_ROOT, NodeRole, Process
 
 ROOT = Path(__file__).resolve().parents[2]
 TEMPLATES = ROOT / "templates" / "vllm"
@@ -56,6 +56,11 @@ def _changed(metas: list[OperationMeta]) -> Callable[[], bool]:
     def check() -> bool:
         return any(m.is_complete() and m.did_change() for m in metas)
     return check
+
+
+def _vllm_process(role: NodeRole) -> Process | None:
+    """The node's vLLM process in a replica; None on a Ray worker, which runs none of its own."""
+    return next((p for p in role.processes if p.unit == "vllm"), None)
 
 
 def _secret_path(replica: str) -> str:
@@ -141,10 +146,9 @@ def vllm_install() -> None:
     changes = _replica_changes()
     shared = [m for m in (venv, model, unit, gate) if m is not None]
     for replica, role in mine:
-        process = next(p for p in role.processes if p.unit == "vllm") if any(
-            p.unit == "vllm" for p in role.processes) else None
+        process = _vllm_process(role)
         if process is None:
-            continue  # a Ray worker runs no vLLM process of its own
+            continue
         model_arg, config = vf.serve_config(process.argv)
         directory = vf.replica_dir(replica.name)
         ops = [files.directory(name=f"{replica.name}: create {directory}", path=directory,
@@ -168,7 +172,7 @@ def vllm_install() -> None:
                                   present=False))
         changes.setdefault(replica.name, []).extend(ops + shared)
 
-    planned = {replica.name for replica, role in mine if any(p.unit == "vllm" for p in role.processes)}
+    planned = {replica.name for replica, role in mine if _vllm_process(role)}
     present = host.get_fact(FindDirectories, path=vf.ETC, maxdepth=1) or []
     for stale in sorted(Path(p).name for p in present if p.rstrip("/") != vf.ETC):
         if stale in planned:
@@ -186,7 +190,7 @@ def vllm_serve() -> None:
     cfg = host_config()
     changes = _replica_changes()
     for replica, role in assignments():
-        if not any(p.unit == "vllm" for p in role.processes):
+        if _vllm_process(role) is None:
             continue
         unit = vf.unit_name(replica.name)
         if not cfg.vllm_start:
@@ -195,7 +199,7 @@ def vllm_serve() -> None:
             continue
         # Stop every node's process of a changed replica before any starts again: an mp rank that
         # joined the old rank 0 would wait for it forever. Operations run on all hosts before the next.
-        stopped = systemd.service(
+        systemd.service(
             name=f"{replica.name}: stop {unit} (its configuration changed on one of its nodes)", service=unit,
             running=False, _if=_changed(changes.get(replica.name, [])))
         started = systemd.service(name=f"{replica.name}: start {unit}", service=unit, running=True, enabled=True)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import time
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import paramiko
 import pytest
 
 from gpufleet.lab import container, rootfs, ssh
+from tests.lab.checks import results
 from tests.lab.conftest import Lab
 
 pytestmark = [
@@ -90,20 +90,11 @@ def test_status_lists_every_node_up(lab: Lab) -> None:
     ]
 
 
-def _results(output: str) -> dict[str, tuple[str, str, str]]:
-    """pyinfra's results table: operation -> (success, error, no change) columns."""
-    rows = {}
-    for line in output.splitlines():
-        match = re.match(r"^\s+(.+?)\s{2,}(\d+)\s+(\S+)\s+(\S+)\s+(\S+)\s*$", line)
-        if match:
-            rows[match[1]] = (match[3], match[4], match[5])
-    return rows
-
 
 def test_deploy_converges_and_a_second_run_changes_nothing(lab: Lab) -> None:
     first = lab.pyinfra("inventories/lab.py", "deploys/common.py")
     assert first.rc == 0, first.output
-    totals = _results(first.output)["Grand total"]
+    totals = results(first.output)["Grand total"]
     assert totals[1] == "-", first.output  # no errors
     for node in lab.nodes:
         env_file = lab.host(node).file("/etc/gpufleet/node.env")
@@ -114,7 +105,7 @@ def test_deploy_converges_and_a_second_run_changes_nothing(lab: Lab) -> None:
 
     second = lab.pyinfra("inventories/lab.py", "deploys/common.py")
     assert second.rc == 0, second.output
-    rows = _results(second.output)
+    rows = results(second.output)
     assert rows["Grand total"][0] == "-" and rows["Grand total"][1] == "-", second.output
     operations = [name for name in rows if name != "Grand total"]
     assert operations and all(rows[name][2] == str(len(lab.nodes)) for name in operations), second.output

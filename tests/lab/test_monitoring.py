@@ -13,20 +13,17 @@ import json
 import re
 import subprocess
 import sys
-import time
-import urllib.request
 import uuid
 from pathlib import Path
 
 import pytest
 
-from gpufleet.deploy.download import sha256_of
 from gpufleet.lab import debian_extras
 from gpufleet.lab.state import NodeRecord, cache_dir
 from gpufleet.unit_security import exposure_score
 from roles import node_exporter as role
 from tests.lab.conftest import PYINFRA, ROOT, Completed, Lab, _run
-from tests.lab.test_lab_nodes import _results
+from tests.lab.checks import assert_no_errors, assert_nothing_changed, metrics
 
 pytestmark = [
     pytest.mark.lab,
@@ -49,29 +46,7 @@ def _deploy(lab: Lab, deploy: str, *options: str) -> Completed:
     return _run([str(PYINFRA), INVENTORY, deploy, "-y", *options], lab.env, 600)
 
 
-def _assert_no_errors(done: Completed) -> dict[str, tuple[str, str, str]]:
-    assert done.rc == 0, done.output
-    rows = _results(done.output)
-    assert rows["Grand total"][1] == "-", done.output
-    return rows
 
-
-def _assert_nothing_changed(done: Completed) -> None:
-    rows = _assert_no_errors(done)
-    assert {name: row for name, row in rows.items() if row[0] != "-"} == {}, done.output
-
-
-def _metrics(node: NodeRecord, timeout: float = 20) -> str:
-    """node_exporter's /metrics on the node's lab address (retried while the exporter (re)starts)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            with urllib.request.urlopen(f"http://{node.address}:{PORT}/metrics", timeout=5) as response:
-                return response.read().decode()
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.5)
 
 
 def _exposures(lab: Lab) -> dict[str, dict[str, dict[str, object]]]:
@@ -84,7 +59,7 @@ def _exposures(lab: Lab) -> dict[str, dict[str, dict[str, object]]]:
 
 
 def _serves_node_metrics(node: NodeRecord) -> None:
-    text = _metrics(node)
+    text = metrics(node, PORT)
     assert re.search(r"^node_load1 ", text, re.MULTILINE), node.name
     assert re.search(r"^node_cpu_seconds_total\{", text, re.MULTILINE), node.name
     active = re.compile(r'^node_systemd_unit_state\{name="ssh.service",state="active",type="\w+"\} 1$', re.MULTILINE)
@@ -94,7 +69,7 @@ def _serves_node_metrics(node: NodeRecord) -> None:
 @pytest.fixture(scope="module")
 def monitored(lab: Lab) -> Completed:
     """The lab after deploys/provision.py and a first deploys/monitoring.py run (tarball, the lab's default)."""
-    _assert_no_errors(_deploy(lab, PROVISION))
+    assert_no_errors(_deploy(lab, PROVISION))
     return _deploy(lab, MONITORING)
 
 
@@ -108,7 +83,7 @@ def lab_tarball() -> debian_extras.Tarball:
 def test_monitoring_converges_with_the_release_tarball(
     lab: Lab, monitored: Completed, lab_tarball: debian_extras.Tarball
 ) -> None:
-    _assert_no_errors(monitored)
+    assert_no_errors(monitored)
     binary = role.binary_sha256(lab_tarball.path)
     for node in lab.nodes:
         host = lab.host(node)
@@ -129,7 +104,7 @@ def test_monitoring_converges_with_the_release_tarball(
 
 
 def test_a_textfile_metric_shows_up(lab: Lab, monitored: Completed) -> None:
-    _assert_no_errors(monitored)
+    assert_no_errors(monitored)
     token = uuid.uuid4().hex[:12]
     prom = f"{role.TEXTFILE_DIR}/gpufleet_lab_test.prom"
     for node in lab.nodes:
@@ -137,19 +112,19 @@ def test_a_textfile_metric_shows_up(lab: Lab, monitored: Completed) -> None:
         wrote = host.run(f"printf 'gpufleet_lab_test{{token=\"{token}\"}} 42\\n' > {prom}.tmp && mv {prom}.tmp {prom}")
         assert wrote.rc == 0, wrote.stderr
         try:
-            assert f'gpufleet_lab_test{{token="{token}"}} 42' in _metrics(node).splitlines(), node.name
+            assert f'gpufleet_lab_test{{token="{token}"}} 42' in metrics(node, PORT).splitlines(), node.name
         finally:
             host.run(f"rm -f {prom}")
-        assert "gpufleet_lab_test" not in _metrics(node)
+        assert "gpufleet_lab_test" not in metrics(node, PORT)
 
 
 def test_a_second_run_changes_nothing(lab: Lab, monitored: Completed) -> None:
-    _assert_no_errors(monitored)
-    _assert_nothing_changed(_deploy(lab, MONITORING))
+    assert_no_errors(monitored)
+    assert_nothing_changed(_deploy(lab, MONITORING))
 
 
 def test_the_exporters_are_sandboxed(lab: Lab, monitored: Completed, tmp_path: Path) -> None:
-    _assert_no_errors(monitored)
+    assert_no_errors(monitored)
     for name, units in _exposures(lab).items():
         rated = units["node_exporter.service"]
         assert rated["present"] and float(rated["exposure"]) <= EXPOSURE_BOUND, (name, rated)  # type: ignore[arg-type]
@@ -167,7 +142,7 @@ def test_the_exporters_are_sandboxed(lab: Lab, monitored: Completed, tmp_path: P
 def test_a_wrong_sha256_stops_the_deploy_before_any_change(
     lab: Lab, monitored: Completed, lab_tarball: debian_extras.Tarball
 ) -> None:
-    _assert_no_errors(monitored)
+    assert_no_errors(monitored)
     started = {n.name: lab.host(n).check_output("systemctl show -p ActiveEnterTimestampMonotonic --value node_exporter")
                for n in lab.nodes}
     wrong = "deadbeef" * 8
@@ -185,8 +160,8 @@ def test_a_wrong_sha256_stops_the_deploy_before_any_change(
 
 
 def test_the_package_method_converges_and_hands_back_to_the_tarball(lab: Lab, monitored: Completed) -> None:
-    _assert_no_errors(monitored)
-    _assert_no_errors(_deploy(lab, MONITORING, *PACKAGE))
+    assert_no_errors(monitored)
+    assert_no_errors(_deploy(lab, MONITORING, *PACKAGE))
     for node in lab.nodes:
         host = lab.host(node)
         assert host.package(role.PACKAGE).is_installed, node.name
@@ -203,9 +178,9 @@ def test_the_package_method_converges_and_hands_back_to_the_tarball(lab: Lab, mo
         rated = units["prometheus-node-exporter.service"]
         assert rated["present"] and float(rated["exposure"]) <= EXPOSURE_BOUND, (name, rated)  # type: ignore[arg-type]
         assert units["node_exporter.service"] == {"present": False}, name
-    _assert_nothing_changed(_deploy(lab, MONITORING, *PACKAGE))
+    assert_nothing_changed(_deploy(lab, MONITORING, *PACKAGE))
 
-    _assert_no_errors(_deploy(lab, MONITORING))  # back to the lab's default
+    assert_no_errors(_deploy(lab, MONITORING))  # back to the lab's default
     for node in lab.nodes:
         host = lab.host(node)
         assert not host.package(role.PACKAGE).is_installed, node.name

@@ -10,8 +10,6 @@ Traffic goes only to the lab nodes' addresses.
 from __future__ import annotations
 
 import re
-import time
-import urllib.request
 from collections.abc import Iterator
 
 import pytest
@@ -20,7 +18,7 @@ from gpufleet.hardware_profiles import parse_profile
 from gpufleet.lab.hooks import SIM_PROFILE_PATH
 from gpufleet.lab.state import NodeRecord
 from tests.lab.conftest import Completed, Lab
-from tests.lab.test_lab_nodes import _results
+from tests.lab.checks import assert_no_errors, assert_nothing_changed, main_pid, metrics, results
 
 pytestmark = [
     pytest.mark.lab,
@@ -40,17 +38,6 @@ def _nvswitch(node: NodeRecord) -> bool:
     return parse_profile(node.profile).interconnect == "SXM"
 
 
-def _assert_no_errors(done: Completed) -> dict[str, tuple[str, str, str]]:
-    assert done.rc == 0, done.output
-    rows = _results(done.output)
-    assert rows["Grand total"][1] == "-", done.output
-    return rows
-
-
-def _assert_nothing_changed(done: Completed) -> None:
-    rows = _assert_no_errors(done)
-    changed = {name: row for name, row in rows.items() if row[0] != "-"}
-    assert changed == {}, done.output
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +47,7 @@ def provisioned(lab: Lab) -> Completed:
 
 
 def test_provision_converges_every_node(lab: Lab, provisioned: Completed) -> None:
-    _assert_no_errors(provisioned)
+    assert_no_errors(provisioned)
     for node in lab.nodes:
         host = lab.host(node)
         for package in (DRIVER, "nvidia-persistenced"):
@@ -92,46 +79,32 @@ def test_provision_converges_every_node(lab: Lab, provisioned: Completed) -> Non
 
 
 def test_second_provision_changes_nothing(lab: Lab, provisioned: Completed) -> None:
-    _assert_no_errors(provisioned)
+    assert_no_errors(provisioned)
     again = lab.pyinfra(INVENTORY, PROVISION)
-    _assert_nothing_changed(again)
-    rows = _results(again.output)
+    assert_nothing_changed(again)
+    rows = results(again.output)
     assert int(rows["Grand total"][2]) == again.output.count("] No changes"), again.output
     # naming the installed version exactly changes nothing either
-    _assert_nothing_changed(lab.pyinfra(INVENTORY, PROVISION, "--data", f"nvidia_driver_version={DRIVER_VERSION}"))
+    assert_nothing_changed(lab.pyinfra(INVENTORY, PROVISION, "--data", f"nvidia_driver_version={DRIVER_VERSION}"))
 
 
-def _metrics(node: NodeRecord, timeout: float = 20.0) -> str:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            with urllib.request.urlopen(f"http://{node.address}:{EXPORTER_PORT}/metrics", timeout=5) as answer:
-                return answer.read().decode()
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.5)
-
-
-def _main_pid(lab: Lab, node: NodeRecord, unit: str) -> int:
-    return int(lab.host(node).check_output(f"systemctl show -p MainPID --value {unit}"))
 
 
 def test_exporter_serves_the_serving_counters(lab: Lab, provisioned: Completed) -> None:
-    _assert_no_errors(provisioned)
-    _assert_no_errors(lab.pyinfra(INVENTORY, EXPORTER))
+    assert_no_errors(provisioned)
+    assert_no_errors(lab.pyinfra(INVENTORY, EXPORTER))
     for node in lab.nodes:
         host = lab.host(node)
         service = host.service("dcgm-exporter")
         assert service.is_running and service.is_enabled, node.name
-        assert host.check_output(f"ps -o user= -p {_main_pid(lab, node, 'dcgm-exporter')}") == "dcgm-exporter"
+        assert host.check_output(f"ps -o user= -p {main_pid(lab, node, 'dcgm-exporter')}") == "dcgm-exporter"
         assert host.user("dcgm-exporter").shell == "/usr/sbin/nologin"
         assert host.socket(f"tcp://0.0.0.0:{EXPORTER_PORT}").is_listening
         exposure = host.check_output("systemd-analyze security dcgm-exporter.service | tail -1")
         level = float(re.search(r"exposure level for dcgm-exporter\.service: ([\d.]+)", exposure)[1])  # type: ignore[index]
         assert level <= 2.0, exposure
 
-        text = _metrics(node)
+        text = metrics(node, EXPORTER_PORT)
         series = {line.split("{", 1)[0] for line in text.splitlines() if line.startswith("DCGM_FI_")}
         for field in ("DCGM_FI_DEV_XID_ERRORS", "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL",
                       "DCGM_FI_DEV_POWER_VIOLATION", "DCGM_FI_DEV_THERMAL_VIOLATION",
@@ -144,23 +117,23 @@ def test_exporter_serves_the_serving_counters(lab: Lab, provisioned: Completed) 
 
 
 def test_a_changed_counters_file_restarts_only_the_exporter(lab: Lab, provisioned: Completed) -> None:
-    _assert_no_errors(lab.pyinfra(INVENTORY, EXPORTER))
-    _assert_nothing_changed(lab.pyinfra(INVENTORY, EXPORTER))
+    assert_no_errors(lab.pyinfra(INVENTORY, EXPORTER))
+    assert_nothing_changed(lab.pyinfra(INVENTORY, EXPORTER))
     node = lab.nodes[0]
-    before = {unit: _main_pid(lab, node, unit) for unit in ("dcgm-exporter", "nvidia-dcgm")}
+    before = {unit: main_pid(lab, node, unit) for unit in ("dcgm-exporter", "nvidia-dcgm")}
     lab.host(node).run("echo 'DCGM_FI_DEV_GPU_TEMP, gauge, edited by hand' >> /etc/dcgm-exporter/gpufleet-counters.csv")
     done = lab.pyinfra(INVENTORY, EXPORTER)
-    rows = _assert_no_errors(done)
+    rows = assert_no_errors(done)
     changed = {name.split(" | ", 1)[1] for name, row in rows.items() if row[0] != "-" and name != "Grand total"}
     assert changed == {
         "Write the counters the exporter serves to /etc/dcgm-exporter/gpufleet-counters.csv",
         "Restart the exporter: its package, counters or unit changed",
     }, done.output
     assert rows["Grand total"][0] == "2", done.output  # on that one node only
-    assert _main_pid(lab, node, "dcgm-exporter") != before["dcgm-exporter"]
-    assert _main_pid(lab, node, "nvidia-dcgm") == before["nvidia-dcgm"]
+    assert main_pid(lab, node, "dcgm-exporter") != before["dcgm-exporter"]
+    assert main_pid(lab, node, "nvidia-dcgm") == before["nvidia-dcgm"]
     assert "edited by hand" not in lab.host(node).file("/etc/dcgm-exporter/gpufleet-counters.csv").content_string
-    assert "DCGM_FI_DEV_XID_ERRORS{" in _metrics(node)
+    assert "DCGM_FI_DEV_XID_ERRORS{" in metrics(node, EXPORTER_PORT)
 
 
 @pytest.fixture
@@ -178,7 +151,7 @@ def old_module_loaded(lab: Lab) -> Iterator[NodeRecord]:
 
 def test_a_mismatched_kernel_module_stops_only_that_node(lab: Lab, provisioned: Completed,
                                                          old_module_loaded: NodeRecord) -> None:
-    _assert_no_errors(provisioned)
+    assert_no_errors(provisioned)
     done = lab.pyinfra(INVENTORY, PROVISION)
     assert done.rc != 0, done.output
     stopped = old_module_loaded.address
@@ -187,7 +160,7 @@ def test_a_mismatched_kernel_module_stops_only_that_node(lab: Lab, provisioned: 
     assert expected in done.output, done.output
     errors = {line.split("]", 1)[0].strip(" [") for line in done.output.splitlines() if "] Error" in line}
     assert errors == {stopped}, done.output
-    rows = _results(done.output)
+    rows = results(done.output)
     assert rows["Grand total"][1] != "-"
     # nothing after the check ran on the stopped node: the others' DCGM step ran, its own did not
     dcgm_row = rows["DCGM | Enable and start the DCGM host engine nvidia-dcgm.service"]
@@ -196,11 +169,11 @@ def test_a_mismatched_kernel_module_stops_only_that_node(lab: Lab, provisioned: 
 
 def test_reboot_allowed_loads_the_installed_driver(lab: Lab, provisioned: Completed,
                                                    old_module_loaded: NodeRecord) -> None:
-    _assert_no_errors(provisioned)
+    assert_no_errors(provisioned)
     host = lab.host(old_module_loaded)
     boot = host.check_output("cat /proc/sys/kernel/random/boot_id")
     done = lab.pyinfra(INVENTORY, PROVISION, "--data", "nvidia_driver_reboot=allowed")
-    rows = _assert_no_errors(done)
+    rows = assert_no_errors(done)
     assert rows["NVIDIA driver | Check that the loaded kernel module is the installed driver's"][0] == "1"
     assert host.check_output("cat /proc/sys/kernel/random/boot_id") != boot
     assert host.run(f"mountpoint -q {SIM_PROFILE}").rc != 0

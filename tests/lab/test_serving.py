@@ -25,7 +25,7 @@ from gpufleet.lab.sim_profile import write_sim_profile
 from gpufleet.lab.state import NodeRecord
 from gpufleet.unit_security import exposure_score
 from tests.lab.conftest import PYINFRA, ROOT, Completed, Lab, _run
-from tests.lab.test_lab_nodes import _results
+from tests.lab.checks import assert_no_errors, main_pid
 
 pytestmark = [
     pytest.mark.lab,
@@ -76,10 +76,6 @@ def _completion_tokens(lab: Lab, node: NodeRecord) -> int:
     return json.loads(body)["usage"]["completion_tokens"]
 
 
-def _main_pid(lab: Lab, node: NodeRecord, unit: str) -> int:
-    out = lab.host(node).check_output(f"systemctl show -p MainPID --value {unit}")
-    return int(out.strip())
-
 
 def _wait_serving(lab: Lab, node: NodeRecord, timeout: float = 600) -> None:
     end = time.monotonic() + timeout
@@ -94,16 +90,10 @@ def _wait_serving(lab: Lab, node: NodeRecord, timeout: float = 600) -> None:
     pytest.fail(f"{node.name} did not serve again within {timeout} s: {last}")
 
 
-def _assert_clean(done: Completed) -> dict[str, tuple[str, str, str]]:
-    assert done.rc == 0, done.output[-6000:]
-    rows = _results(done.output)
-    assert rows["Grand total"][1] == "-", done.output[-6000:]
-    return rows
-
 
 def test_deploy_converges_bare_nodes_to_serving(lab: Lab) -> None:
     done = _deploy(lab)
-    _assert_clean(done)
+    assert_no_errors(done)
     key = _api_key(lab)
     for node in (lab.nodes[0], lab.nodes[1]):  # lab1's replica; lab2 is rank 0 of the pipeline replica
         base = f"http://{node.address}:{PORT}"
@@ -121,7 +111,7 @@ def test_deploy_converges_bare_nodes_to_serving(lab: Lab) -> None:
 
 
 def test_a_second_run_changes_nothing(lab: Lab) -> None:
-    rows = _assert_clean(_deploy(lab))
+    rows = assert_no_errors(_deploy(lab))
     operations = [name for name in rows if name != "Grand total"]
     changed = {name: row for name, row in rows.items() if name != "Grand total" and row[0] != "-"}
     assert operations and not changed, changed
@@ -168,7 +158,7 @@ def test_vllm_runs_as_its_own_user_and_secrets_stay_out_of_sight(lab: Lab) -> No
     replicas = [(lab.nodes[0], _single(lab)), (lab.nodes[1], PIPELINE), (lab.nodes[2], PIPELINE)]
     for node, replica in replicas:
         host = lab.host(node)
-        pid = _main_pid(lab, node, f"vllm@{replica}")
+        pid = main_pid(lab, node, f"vllm@{replica}")
         assert host.check_output(f"ps -o user= -p {pid}").strip() == "vllm"
         secret = host.file(f"/etc/gpufleet/secrets/{replica}.env")
         assert (secret.user, secret.group, secret.mode) == ("root", "root", 0o600)
@@ -194,12 +184,12 @@ def test_the_vllm_unit_is_sandboxed(lab: Lab) -> None:
 
 def test_kill_9_of_vllm_is_restarted_and_serves_again(lab: Lab) -> None:
     node, unit = lab.nodes[0], f"vllm@{_single(lab)}"
-    before = _main_pid(lab, node, unit)
+    before = main_pid(lab, node, unit)
     lab.host(node).check_output(f"kill -{int(signal.SIGKILL)} {before}")
     end = time.monotonic() + 120
     after = 0
     while time.monotonic() < end:
-        after = _main_pid(lab, node, unit)
+        after = main_pid(lab, node, unit)
         if after and after != before:
             break
         time.sleep(2)
@@ -218,15 +208,15 @@ def _lab_copy(tmp_path: Path, lab_single_extra: str) -> str:
 
 
 def test_changing_one_groups_setting_restarts_only_that_groups_replicas(lab: Lab, tmp_path: Path) -> None:
-    pipeline = {n.name: _main_pid(lab, n, f"vllm@{PIPELINE}") for n in lab.nodes[1:]}
-    single = _main_pid(lab, lab.nodes[0], f"vllm@{_single(lab)}")
+    pipeline = {n.name: main_pid(lab, n, f"vllm@{PIPELINE}") for n in lab.nodes[1:]}
+    single = main_pid(lab, lab.nodes[0], f"vllm@{_single(lab)}")
     inventory = _lab_copy(tmp_path, "vllm_extra_args:\n  enforce-eager: true\n  max-num-seqs: 16\n")
-    _assert_clean(_deploy(lab, inventory=inventory))
-    assert _main_pid(lab, lab.nodes[0], f"vllm@{_single(lab)}") != single
-    assert {n.name: _main_pid(lab, n, f"vllm@{PIPELINE}") for n in lab.nodes[1:]} == pipeline
+    assert_no_errors(_deploy(lab, inventory=inventory))
+    assert main_pid(lab, lab.nodes[0], f"vllm@{_single(lab)}") != single
+    assert {n.name: main_pid(lab, n, f"vllm@{PIPELINE}") for n in lab.nodes[1:]} == pipeline
     config = lab.host(lab.nodes[0]).file(f"/etc/gpufleet/vllm/{_single(lab)}/config.yaml").content_string
     assert "max-num-seqs: 16" in config
-    _assert_clean(_deploy(lab))  # back to the repository's values (lab1 restarts once more)
+    assert_no_errors(_deploy(lab))  # back to the repository's values (lab1 restarts once more)
 
 
 def test_a_node_failing_the_gpu_gate_is_not_started_and_is_named(lab: Lab, tmp_path: Path) -> None:
@@ -251,7 +241,7 @@ def test_a_node_failing_the_gpu_gate_is_not_started_and_is_named(lab: Lab, tmp_p
     finally:
         host.check_output(f"mv {profile}.saved {profile}")
         host.run(f"systemctl reset-failed {unit}")
-    _assert_clean(_deploy(lab))
+    assert_no_errors(_deploy(lab))
     _wait_serving(lab, node)
 
 
@@ -272,7 +262,7 @@ def test_a_deploy_interrupted_halfway_converges_on_rerun(lab: Lab) -> None:
         process.kill()
         process.wait()
     assert not host.file("/opt/vllm/0.32.0/.gpufleet-installed").exists
-    _assert_clean(_deploy(lab))
+    assert_no_errors(_deploy(lab))
     assert host.file("/opt/vllm/0.32.0/.gpufleet-installed").exists
     _wait_serving(lab, node)
 
@@ -280,7 +270,7 @@ def test_a_deploy_interrupted_halfway_converges_on_rerun(lab: Lab) -> None:
 def test_ray_units_form_a_cluster_across_two_nodes(lab: Lab) -> None:
     # The CPU build refuses vLLM's Ray executor, so on the lab the Ray replica is staged, not started.
     done = _deploy(lab, "--data", "vllm_distributed_backend=ray", "--data", "vllm_start=false")
-    _assert_clean(done)
+    assert_no_errors(done)
     head, worker = lab.nodes[1], lab.nodes[2]
     unit = f"gpufleet-ray-{PIPELINE}"
     assert lab.host(head).service(unit).is_running and lab.host(worker).service(unit).is_running
