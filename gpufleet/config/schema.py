@@ -55,6 +55,8 @@ class HostConfig(BaseModel):
     fleet_address: str | None
     fleet_interface: str | None
     gpu_profile: str | None
+    allow_plain_http: bool
+    monitoring_addresses: list[str]
     gpu_health: HealthPolicy
 
     # vllm
@@ -91,6 +93,7 @@ class HostConfig(BaseModel):
     vllm_model_source: str | None
     vllm_start: bool
     vllm_ready_timeout: PositiveInt
+    vllm_api_allowed_from: list[str] | None
 
     # ray
     ray_version: str
@@ -98,6 +101,7 @@ class HostConfig(BaseModel):
     ray_dashboard: bool
     ray_worker_ports: tuple[Port, Port]
     ray_ready_timeout: PositiveInt
+    ray_auth_token: SecretRef | None
 
     # nvidia_driver
     nvidia_driver_branch: Annotated[int, Field(ge=450, le=999)]
@@ -106,6 +110,7 @@ class HostConfig(BaseModel):
     nvidia_driver_reboot: Literal["never", "if-needed", "allowed"]
     nvidia_repo_url: Annotated[str, Field(pattern=r"^(https?|file)://\S+$")]
     nvidia_repo_keyring_url: Annotated[str, Field(pattern=r"^(https?|file)://\S+$")]
+    nvidia_repo_key_fingerprint: Annotated[str, Field(pattern=r"^[0-9A-F]{40}$")]
     cuda_version: Annotated[str, Field(pattern=r"^\d+\.\d+$")]
 
     # dcgm, exporters
@@ -121,7 +126,7 @@ class HostConfig(BaseModel):
     node_exporter_apt_source: Annotated[str, Field(pattern=r"^deb \[([^\]]* )?signed-by=/\S+( [^\]]*)?\] \S+ \S+( \S+)*$")] | None
     node_exporter_apt_keyring: str | None
 
-    _check_secret = field_validator("vllm_api_key", "vllm_hf_token", mode="before")(_secret_ref)
+    _check_secret = field_validator("vllm_api_key", "vllm_hf_token", "ray_auth_token", mode="before")(_secret_ref)
 
     @field_validator("vllm_version")
     @classmethod
