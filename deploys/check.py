@@ -5,7 +5,9 @@
 The same operations as deploys/vllm.py are worked out against each node's current state, and none
 runs: an operation that would change something is drift. Each host's verdict is one operation, which
 fails on a host whose gate fails or that drifted, listing why, so the run exits non-zero and names it.
-Operations that only follow another's change (restarts, reloads, readiness waits) are not counted.
+Operations that only follow another's change (restarts, reloads, readiness waits) are not counted; a
+replica restart that a deploy decided on and did not complete (its ``restart-pending`` record is on the
+node) is drift naming the replica.
 """
 
 import sys
@@ -20,7 +22,7 @@ from roles.dcgm_exporter import dcgm_exporter
 from roles.node_exporter import node_exporter
 from roles.nvidia_driver import nvidia_driver
 from roles.ray import ray
-from roles.vllm import vllm_install, vllm_serve
+from roles.vllm import pending_restarts, vllm_install, vllm_serve
 
 context()
 common()
@@ -33,7 +35,8 @@ ray()
 vllm_serve()
 
 verdict = serve_blockers()
-drift = drift_of(state, host)
+drift = drift_of(state, host) + [f"vLLM: replica {name} must still restart (restart-pending)"
+                                 for name in pending_restarts()]
 take_operations(state, host)  # nothing above runs: this deploy only reads
 failures = [f"gate: {line}" for line in verdict] + [f"drift: {name}" for name in drift]
 print(f"[{host.name}] gate: {'fail' if verdict else 'pass'}; drift: {len(drift)} operation(s)", file=sys.stderr)

@@ -10,8 +10,8 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from gpufleet.cli_gpu import make_gate_command, probe_command
-from gpufleet.cli_lab import lab_group
+import importlib
+from gpufleet.config.inventory import parse_data_args, set_data_override
 from gpufleet.config.problems import EXIT_BAD_INPUT, ConfigError, exit_with
 from gpufleet.fleet import Fleet, configured_health_policy, load_fleet
 from gpufleet.gpu_facts import FactsError, NodeFacts, load_facts
@@ -27,11 +27,17 @@ def _fail(lines: list[str]) -> NoReturn:
     raise SystemExit(EXIT_BAD_INPUT)
 
 
-def _fleet(inventory: str) -> Fleet:
+def _fleet(inventory: str, data: tuple[str, ...] = ()) -> Fleet:
     try:
-        return load_fleet(inventory)
+        override = parse_data_args(list(data)) if data else None
+        set_data_override(override)
+        return load_fleet(inventory, override)
     except ConfigError as error:
         exit_with(error)
+
+
+_DATA_OPTION = click.option("--data", "data", multiple=True, metavar="KEY=VALUE",
+                            help="Override a variable as `pyinfra --data` does (validated the same way).")
 
 
 def fleet_facts(fleet: Fleet, facts_dir: Path | None) -> dict[str, NodeFacts]:
@@ -61,7 +67,24 @@ def fleet_facts(fleet: Fleet, facts_dir: Path | None) -> dict[str, NodeFacts]:
     return facts
 
 
-@click.group()
+class _Commands(click.Group):
+    """Commands whose modules load only when called (they import pyinfra's SSH stack): check stays fast."""
+
+    LAZY = {"probe": "gpufleet.cli_gpu:probe_command", "gate": "gpufleet.cli_gpu:make_gate_command",
+            "lab": "gpufleet.cli_lab:lab_group"}
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted([*super().list_commands(ctx), *self.LAZY])
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in self.LAZY:
+            return super().get_command(ctx, cmd_name)
+        module, name = self.LAZY[cmd_name].split(":")
+        found = getattr(importlib.import_module(module), name)
+        return found(configured_health_policy) if name == "make_gate_command" else found
+
+
+@click.group(cls=_Commands)
 @click.version_option(package_name="gpufleet")
 def main() -> None:
     """Plan, provision and check vLLM serving fleets on NVIDIA GPU servers."""
@@ -69,9 +92,11 @@ def main() -> None:
 
 @main.command()
 @click.argument("inventory")
-def check(inventory: str) -> None:
-    """Validate an inventory and its group_vars; exit 0, or 2 with one line per problem."""
-    fleet = _fleet(inventory)
+@_DATA_OPTION
+def check(inventory: str, data: tuple[str, ...]) -> None:
+    """Validate an inventory, its group_vars and the plan on declared gpu_profiles; exit 0, or 2 with one
+    line per problem."""
+    fleet = _fleet(inventory, data)
     click.echo(f"{inventory}: {len(fleet.hosts)} hosts in {len(fleet.pools)} pools: configuration valid")
 
 
@@ -103,9 +128,10 @@ def _print_table(plan: FleetPlan) -> None:
 @click.option("--facts", "facts_dir", type=click.Path(file_okay=False, path_type=Path),
               help="Directory of probed facts (<host>.json from `gpufleet probe`); default: declared gpu_profile.")
 @click.option("--json", "as_json", is_flag=True, help="Print the replicas as JSON.")
-def plan(inventory: str, facts_dir: Path | None, as_json: bool) -> None:
+@_DATA_OPTION
+def plan(inventory: str, facts_dir: Path | None, as_json: bool, data: tuple[str, ...]) -> None:
     """Compute replicas: nodes, TP/PP/DP, GPU sets, ports, argv and env per node."""
-    fleet = _fleet(inventory)
+    fleet = _fleet(inventory, data)
     result = plan_fleet(fleet, fleet_facts(fleet, facts_dir))
     for warning in result.warnings:
         click.echo(f"warning: {warning}", err=True)
@@ -137,10 +163,6 @@ def model_info_command(config: str, kv_dtype: str, model_dtype: str, tp: int, pp
             click.echo(f"{key}: {value:,}" if isinstance(value, int) and not isinstance(value, bool)
                        else f"{key}: {value}")
 
-
-main.add_command(probe_command, "probe")
-main.add_command(make_gate_command(configured_health_policy), "gate")
-main.add_command(lab_group, "lab")
 
 
 if __name__ == "__main__":

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from gpufleet.config.inventory import InventoryLayers, loaded_inventory, read_inventory, validate_layers
+from gpufleet.config.layers import HostLayers, Layer, is_role_default
 from gpufleet.config.problems import ConfigError, Problem, exit_with
-from gpufleet.config.schema import HostConfig
+from gpufleet.config.schema import SCHEMA_KEYS, HostConfig
 from gpufleet.node.health_rules import HealthPolicy
 
 
@@ -47,11 +49,68 @@ def _fleet_from_layers(inventory: str, hosts: list[str], override: dict[str, Any
     return Fleet(inventory, hosts, configs, pools)
 
 
+_ABBREVIATED = {"TP": "vllm_tensor_parallel_size", "PP": "vllm_pipeline_parallel_size",
+                "DP": "vllm_data_parallel_size", "quantization": "vllm_quantization"}
+_POOL_PROBLEM = re.compile(r"^pool (?P<pool>\S+): (?P<text>.*)$", re.DOTALL)
+_FLAG_PROBLEM = re.compile(r"^\S+ on (?P<host>\S+): (?P<text>vLLM .*)$", re.DOTALL)
+
+
+def _plan_problem(text: str, loaded: InventoryLayers, override: dict[str, Any] | None,
+                  pools: dict[str, list[str]]) -> Problem:
+    """A planner's problem as a config problem: the file that set the key to blame, where one is named."""
+
+    def source(host: str, key: str) -> str:
+        layers = loaded.hosts[host].layers + ([Layer("--data", override)] if override else [])
+        return HostLayers(host, layers).merged()[1].get(key, loaded.path)
+
+    if found := _FLAG_PROBLEM.match(text):
+        return Problem(source(found["host"], "vllm_extra_args"), "vllm_extra_args", found["text"])
+    if found := _POOL_PROBLEM.match(text):
+        pool, rest = found["pool"], found["text"]
+        words = [_ABBREVIATED.get(word, word) for word in re.findall(r"[A-Za-z_]+", rest)]
+        keys = list(dict.fromkeys(word for word in words if word in SCHEMA_KEYS))
+        if not keys:
+            return Problem(loaded.path, f"pool {pool}", rest)
+        host = pools[pool][0]
+        key = next((k for k in keys if not is_role_default(source(host, k))), keys[0])
+        return Problem(source(host, key), key, f"{rest.removeprefix(key).lstrip(': ')} (pool {pool})")
+    return Problem(loaded.path, "", text)
+
+
+def declared_plan_problems(loaded: InventoryLayers, configs: dict[str, HostConfig],
+                           override: dict[str, Any] | None = None) -> list[Problem]:
+    """The plan's problems on the declared ``gpu_profile``s, for every pool whose hosts all declare one.
+
+    The same planner ``gpufleet plan`` runs, so what the plan refuses, ``gpufleet check`` and pyinfra
+    reading the inventory refuse too.
+    """
+    from gpufleet.hardware_profiles import ProfileError, profile_facts
+    from gpufleet.plan.planner import plan_fleet
+
+    pools: dict[str, list[str]] = {}
+    for host in loaded.hosts:
+        pools.setdefault(loaded.pool_of(host), []).append(host)
+    declared = {pool: hosts for pool, hosts in pools.items() if all(configs[h].gpu_profile for h in hosts)}
+    hosts = [h for members in declared.values() for h in members]
+    if not hosts:
+        return []
+    try:
+        facts = {h: profile_facts(str(configs[h].gpu_profile), h) for h in hosts}
+    except ProfileError as exc:
+        return [Problem(loaded.path, "gpu_profile", str(exc))]
+    try:
+        plan = plan_fleet(Fleet(loaded.path, hosts, {h: configs[h] for h in hosts}, declared), facts)
+    except ValueError as exc:  # a value the planner cannot size (e.g. a quantization it has no weight size for)
+        return [_plan_problem(f"pool {next(iter(declared))}: {exc}", loaded, override, declared)]
+    return [_plan_problem(text, loaded, override, declared) for text in plan.problems]
+
+
 def load_fleet(inventory_path: str, override: dict[str, Any] | None = None) -> Fleet:
     """Read an inventory file as pyinfra does; raises ConfigError (or exits 2 from the inventory)."""
     path = Path(inventory_path)
     if not path.is_file():
-        raise ConfigError([Problem(inventory_path, "", "expected an inventory file, found no such file")])
+        found = "a directory" if path.is_dir() else "no such file"
+        raise ConfigError([Problem(inventory_path, "", f"expected an inventory file, found {found}")])
     loaded = read_inventory(path)
     if loaded is None:
         raise ConfigError([Problem(inventory_path, "", "expected the inventory to end with"

@@ -14,14 +14,20 @@ import shlex
 from collections.abc import Callable
 from dataclasses import dataclass
 
-# gpufleet's services: vLLM's instances (a pattern), node_exporter (tarball: our unit; package: Debian's unit
-# with our drop-in) and NVIDIA's DCGM exporter.
+# Every service gpufleet writes a unit (or drop-in) for: vLLM's instances and the Ray head/worker units of
+# Ray replicas (patterns), node_exporter (tarball: our unit; package: Debian's unit with our drop-in) and
+# NVIDIA's DCGM exporter. Each must rate at most EXPOSURE_BOUND.
 UNITS: tuple[str, ...] = (
     "vllm@*.service",
+    "gpufleet-ray-*.service",
     "node_exporter.service",
     "prometheus-node-exporter.service",
     "dcgm-exporter.service",
 )
+
+# The most exposure a gpufleet unit may have on Debian 12's systemd 252: what is left is what the service
+# needs (the network, D-Bus, /proc, GPU devices, W+X memory for PyTorch's kernels).
+EXPOSURE_BOUND = 2.0
 
 _OVERALL = re.compile(r"Overall exposure level for (?P<unit>\S+?):\s*(?P<score>\d+(?:\.\d+)?)\s+(?P<level>[A-Z]+)")
 

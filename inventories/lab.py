@@ -7,7 +7,8 @@ the host keys the lab generated (``<lab dir>/ssh/known_hosts``). Each node's har
 Groups: ``lab`` (every node; ``group_vars/lab.yml``), then the serving pools, whose values win:
 ``lab_single`` serves one replica per node, and with three nodes or more the last two form
 ``lab_pipeline``, one replica with pipeline parallel 2 across both nodes (vLLM's mp backend).
-Values that depend on the running lab (its mirror's address, its cache, its API key) are host data.
+Values that depend on the running lab (its mirror's address and signing key, its cache, its API key and Ray
+token, its bridge address as the monitoring host and API client) are host data.
 ``GPUFLEET_LAB_DIR`` selects a lab other than the default one.
 """
 
@@ -16,8 +17,8 @@ import sys
 from gpufleet.config.inventory import apply_group_vars
 from gpufleet.lab.errors import LabError
 from gpufleet.lab.hooks import mirror_base_url
-from gpufleet.lab.mirror import node_exporter_sources
-from gpufleet.lab.nodes import API_KEY_FILE
+from gpufleet.lab.mirror import keyring_fingerprint, node_exporter_sources
+from gpufleet.lab.nodes import API_KEY_FILE, RAY_TOKEN_FILE, ensure_api_key
 from gpufleet.lab.state import cache_dir, lab_dir, load_state
 
 try:
@@ -28,6 +29,9 @@ if _state is None or not _state.nodes:
     sys.exit(f"inventories/lab.py: no lab is up in {lab_dir()}; run `gpufleet lab up` first")
 
 _mirror = mirror_base_url(_state.bridge_address)
+# the key the mirror signs with (None before the mirror is built: NVIDIA's default then stops every node)
+_mirror_key = {"nvidia_repo_key_fingerprint": _key} if (_key := keyring_fingerprint()) else {}
+_ray_token = ensure_api_key(lab_dir(), RAY_TOKEN_FILE)  # a lab made before Ray tokens gets one here
 _model = str(cache_dir() / "models" / "tiny-llama")
 _hosts = [
     (
@@ -43,6 +47,7 @@ _hosts = [
             # NVIDIA's repository: the mirror's signed repository of lab doubles, and the key it is signed with
             "nvidia_repo_url": _mirror + "apt/",
             "nvidia_repo_keyring_url": _mirror + "keys/gpufleet-lab.gpg",
+            **_mirror_key,
             # the lab's mirror stands in for a site's wheelhouse
             "vllm_wheelhouse_url": _mirror + "wheels/",
             "vllm_requirements_url": _mirror + "wheels/requirements.lock",
@@ -50,6 +55,11 @@ _hosts = [
             "vllm_model_config": _model,
             "vllm_model_source": _model,
             "vllm_api_key": {"file": str(lab_dir() / API_KEY_FILE)},
+            "ray_auth_token": {"file": str(_ray_token)},
+            # the controller's side of the lab (the bridge) scrapes the exporters and calls the APIs; any
+            # other address, a lab node outside a replica included, is refused by the units' IP filters
+            "monitoring_addresses": [_state.bridge_address],
+            "vllm_api_allowed_from": [_state.bridge_address],
             # node_exporter from the mirror: its release-layout tarball (sha256 read from the mirror's
             # sha256sums.txt) and, for node_exporter_install=package, its repository of Debian's package
             **node_exporter_sources(_mirror),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -85,7 +86,7 @@ def test_pyinfra_data_overrides_everything(project: Project) -> None:
         (BASE + "vllm_nodes_per_replica: 2\n",
          "roles/fleet/defaults.yml: fleet_interface: expected an interface name for multi-node replicas"),
         ("gpu_profile: 8xH100-SXM\n", "inventories/fleet.py: vllm_model: expected a value, found nothing (required)"),
-        ("- just\n- a list\n", "group_vars/all.yml: expected a mapping of variables, found list"),
+        ("- just\n- a list\n", "group_vars/all.yml: expected a mapping of variables, found a list"),
     ],
 )
 def test_bad_input_one_line_exit_2_no_traceback(project: Project, all_yml: str, expected: str) -> None:
@@ -150,4 +151,98 @@ def test_gpu_health_thresholds_are_typed(project: Project) -> None:
     assert (policy.expected_gpu_count, policy.min_driver_branch, policy.require_persistence_mode) == (4, 570, True)
     project.group_vars("all", BASE + "gpu_health: {expected_gpu_cnt: 4}\n")
     result = run_cli("check", "inventories/fleet.py", cwd=project.root)
-    assert result.rc == 2 and "group_vars/all.yml: gpu_health.expected_gpu_cnt: expected no such key here" in result.err
+    assert result.rc == 2 and "group_vars/all.yml: gpu_health.expected_gpu_cnt: expected one of expected_gpu_count" in result.err
+
+
+def test_check_refuses_what_plan_refuses(project: Project) -> None:
+    """One validation path: the plan's rules run in `check` (and when pyinfra reads the inventory)."""
+    project.group_vars("all", BASE + "vllm_tensor_parallel_size: 3\n")
+    project.inventory('servers = ["gpu-1.invalid"]')
+    check = run_cli("check", "inventories/fleet.py", cwd=project.root)
+    plan = run_cli("plan", "inventories/fleet.py", cwd=project.root)
+    assert check.rc == plan.rc == 2
+    assert check.err.splitlines()[0] == plan.err.splitlines()[0]
+    assert check.err.startswith("group_vars/all.yml: vllm_tensor_parallel_size: 3 does not divide Llama-3.1-8B's 32")
+
+
+def test_example_inventory_plans() -> None:
+    assert run_cli("plan", "inventories/prod.py", "--json").rc == 0
+
+
+@pytest.mark.parametrize("count", [None, 1, 8, 0, -1, True, "8", 8.0])
+def test_health_policy_has_one_schema(project: Project, count: object) -> None:
+    """What config validation accepts for gpu_health, the node's gate accepts, and the other way round."""
+    from gpufleet.config.validate import validate_host
+    from gpufleet.config.layers import HostLayers, Layer, role_default_layers
+    from gpufleet.node.health_rules import PolicyError, policy_from_dict
+
+    try:
+        policy_from_dict({"expected_gpu_count": count})
+        gate_ok = True
+    except PolicyError:
+        gate_ok = False
+    defaults, _ = role_default_layers()
+    layers = HostLayers("h", defaults + [Layer("all.yml", {"vllm_model": "meta-llama/Llama-3.1-8B-Instruct",
+                                                           "gpu_health": {"expected_gpu_count": count}})])
+    config, problems = validate_host(layers, "inventory")
+    assert (config is not None) == gate_ok == (count is None or (type(count) is int and count >= 1)), problems
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    (b"a: 1\na: 2\n", ":2", ),
+    (b"a: \xff\n", "byte 0xff at byte offset 3"),
+    (b"a: &a [x, x, x, x, x, x, x, x, x, x]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a, *a]\n"
+     b"c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b, *b]\nd: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c, *c]\n"
+     b"e: &e [*d, *d, *d, *d, *d, *d, *d, *d, *d, *d]\nf: [*e, *e, *e, *e, *e, *e, *e, *e, *e, *e]\n", "alias"),
+])
+def test_strict_yaml(text: bytes, expected: str) -> None:
+    from gpufleet.config.yaml_strict import YamlProblem, load_yaml
+
+    with pytest.raises(YamlProblem) as caught:
+        load_yaml(text)
+    assert expected in caught.value.where + caught.value.message
+
+
+def test_small_aliases_still_load() -> None:
+    from gpufleet.config.yaml_strict import load_yaml
+
+    assert load_yaml(b"base: &b {x: 1}\nother: {<<: *b, y: 2}\n") == {"base": {"x": 1}, "other": {"x": 1, "y": 2}}
+
+
+SECRET = "sk-live-s3cr3t-value"
+
+
+@pytest.mark.parametrize("edit", [
+    f"vllm_api_key: {SECRET}\n", f"vllm_api_key: [{SECRET}]\n", f"vllm_hf_token: {{env: {SECRET}}}\n",
+    f"ray_auth_token: {{path: {SECRET}}}\n", f"vllm_extra_args: {{api-key: {SECRET}}}\n",
+    f"vllm_env: {{OPENAI_API_KEY: {SECRET}}}\n", f"vllm_env: {{HF_TOKEN: {SECRET}}}\n",
+])
+def test_secret_values_are_never_shown(project: Project, edit: str) -> None:
+    project.group_vars("all", BASE + edit)
+    project.inventory('servers = ["gpu-1.invalid"]')
+    result = run_cli("check", "inventories/fleet.py", cwd=project.root)
+    assert result.rc == 2 and SECRET not in result.err + result.out, result.err
+
+
+def test_data_arguments_read_as_pyinfra_reads_them() -> None:
+    from gpufleet.config.inventory import cli_data_override
+
+    argv = ["-y", "--data", "vllm_port=8001", "--data=vllm_start=FALSE", "--data", 'vllm_env={"A": "1"}',
+            "inv.py", "deploy.py"]
+    assert cli_data_override(argv) == {"vllm_port": 8001, "vllm_start": False, "vllm_env": {"A": "1"}}
+    samples = ["true", "False", "8000", "-3", "8000.5", "[1, 2]", '{"a": 1}', "null", "main; touch /tmp/x", "", "0x10"]
+    # pyinfra's own parser, in a child process (importing pyinfra's CLI monkey-patches the process with gevent)
+    code = ("import json, sys; from pyinfra_cli.util import parse_cli_arg;"
+            "print(json.dumps([parse_cli_arg(a) for a in json.loads(sys.argv[1])]))")
+    theirs = subprocess.run([sys.executable, "-c", code, json.dumps(samples)], capture_output=True, text=True,
+                            check=True).stdout
+    from gpufleet.config.inventory import data_value
+
+    assert json.loads(theirs) == [data_value(s) for s in samples]
+
+
+def test_broken_inventory_file_is_one_line(project: Project) -> None:
+    project.group_vars("all", BASE)
+    project.inventory('servers = ["gpu-1.invalid"]\nraise RuntimeError("no\\nsecond line")')
+    result = run_cli("check", "inventories/fleet.py", cwd=project.root)
+    assert result.rc == 2 and result.err == "inventories/fleet.py:3: RuntimeError: no\n"

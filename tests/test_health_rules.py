@@ -156,11 +156,12 @@ def test_policy_file_round_trip(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("data", "message"), [
-    ({"expected_gpu_cnt": 8}, "unknown key 'expected_gpu_cnt'"),
-    ({"expected_gpu_count": 0}, "expected_gpu_count: invalid value 0"),
-    ({"require_fabric_completed": "yes"}, "require_fabric_completed: invalid value 'yes'"),
-    ({"min_driver_branch": True}, "min_driver_branch: invalid value True"),
-    ([], "expected a JSON object, found list"),
+    ({"expected_gpu_cnt": 8}, "expected_gpu_cnt: expected one of expected_gpu_count, .*, found an unknown key"),
+    ({"expected_gpu_count": 0}, "expected_gpu_count: expected an integer >= 1 or null, found 0"),
+    ({"expected_gpu_count": -1}, "expected_gpu_count: expected an integer >= 1 or null, found -1"),
+    ({"require_fabric_completed": "yes"}, "require_fabric_completed: expected true or false, found 'yes'"),
+    ({"min_driver_branch": True}, "min_driver_branch: expected an integer >= 0, found True"),
+    ([], "expected a mapping, found a list"),
 ])
 def test_bad_policies_are_refused(data: Any, message: str) -> None:
     with pytest.raises(PolicyError, match=message):
@@ -242,4 +243,4 @@ def test_gate_with_a_bad_policy_exits_2(sim_lib: Path, tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, str(PROBE), "--gate", str(policy)], capture_output=True, text=True,
                             env=sim_environ(sim_lib, tmp_path / "none"), timeout=60)
     assert result.returncode == 2
-    assert f"gpu gate: {policy}: unknown key 'max_ecc'" in result.stderr
+    assert f"gpu gate: {policy}: max_ecc: expected one of expected_gpu_count" in result.stderr

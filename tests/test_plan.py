@@ -110,6 +110,7 @@ def test_ray_backend_head_and_worker_processes(project: Project) -> None:
         fleet_interface: ib0
         vllm_nodes_per_replica: 2
         vllm_distributed_backend: ray
+        ray_auth_token: {env: RAY_AUTH_TOKEN}
         vllm_max_model_len: 32768
     """, 'ds = [("d1", {"fleet_address": "10.9.0.1"}), ("d2", {"fleet_address": "10.9.0.2"})]')
     assert rc == 0, err
@@ -128,7 +129,7 @@ def test_ray_backend_head_and_worker_processes(project: Project) -> None:
     ("all_yml", "inventory", "expected"),
     [
         ("vllm_model: meta-llama/Llama-3.1-70B-Instruct\ngpu_profile: 8xH100-SXM\nvllm_tensor_parallel_size: 3\n",
-         'a = ["h1"]', "vllm_tensor_parallel_size 3 does not divide Llama-3.1-70B's 64 attention heads (64 / 3 = 21.3333)"),
+         'a = ["h1"]', "vllm_tensor_parallel_size: 3 does not divide Llama-3.1-70B's 64 attention heads (64 / 3 = 21.3333)"),
         ("vllm_model: meta-llama/Llama-3.1-70B-Instruct\ngpu_profile: 8xH100-SXM\nvllm_tensor_parallel_size: 8\n"
          "vllm_pipeline_parallel_size: 2\nvllm_max_model_len: 8192\n",
          'a = ["h1"]', "TP 8 x PP 2 x DP 1 = 16 GPUs > 8 GPUs on h1"),
@@ -137,14 +138,14 @@ def test_ray_backend_head_and_worker_processes(project: Project) -> None:
         ("vllm_model: meta-llama/Llama-3.1-70B-Instruct\ngpu_profile: 8xL40S-PCIe\nvllm_tensor_parallel_size: 4\n",
          'a = ["h1"]', "the KV pool cannot hold one sequence of 131,072 tokens (max_model_len)"),
         ("vllm_model: meta-llama/Llama-3.1-8B-Instruct\ngpu_profile: 8xH100-SXM\nvllm_max_model_len: 200000\n",
-         'a = ["h1"]', "vllm_max_model_len 200,000 is beyond Llama-3.1-8B's limit of 131,072 tokens"),
+         'a = ["h1"]', "vllm_max_model_len: 200,000 is beyond Llama-3.1-8B's limit of 131,072 tokens"),
         ("vllm_model: deepseek-ai/DeepSeek-V3\nfleet_interface: eth0\nvllm_nodes_per_replica: 2\n"
          "vllm_max_model_len: 8192\n",
          'a = [("h1", {"gpu_profile": "8xH100-SXM"}), ("h2", {"gpu_profile": "8xH200-SXM"})]',
          "different GPU models in one replica: h1: NVIDIA H100 80GB HBM3; h2: NVIDIA H200"),
         ("vllm_model: meta-llama/Llama-3.1-8B-Instruct\ngpu_profile: 8xH100-SXM\nvllm_max_model_len: 8192\n"
          "vllm_extra_args: {swap-space: 4}\n",
-         'a = ["h1"]', "--swap-space"),
+         'a = ["h1"]', "vllm_extra_args.swap-space: vLLM 0.33.0: removed from vLLM"),
         ("vllm_model: meta-llama/Llama-3.1-8B-Instruct\ngpu_profile: 8xB300-SXM\n",
          'a = ["h1"]', "gpu_profile: unknown GPU 'B300'"),
         ("vllm_model: acme/secret-model\ngpu_profile: 8xH100-SXM\n",

@@ -26,9 +26,11 @@ from roles.dcgm import dcgm_package
 from roles.dcgm_exporter import COUNTERS_FILE, has_nvlink, unit_values
 from roles.nvidia_driver import (
     AptCandidate,
+    KeyFingerprints,
     LoadedModule,
     driver_package,
     fabricmanager_package,
+    fetch_key_script,
     has_nvswitch,
     keyring_path,
     reboot_action,
@@ -242,8 +244,9 @@ def test_counters_name_only_fields_the_exporter_double_serves(tmp_path: Path) ->
     assert {field for field, _, _ in _counters(True, tmp_path)} <= served
 
 
-def _unit(port: int = 9400) -> dict[str, list[str]]:
-    text = render("dcgm_exporter/dcgm-exporter.service.j2", **unit_values(port))
+def _unit(port: int = 9400, address: str = "10.40.0.11",
+          allowed: list[str] | None = ["10.40.0.11", "10.40.9.0/24"]) -> dict[str, list[str]]:  # noqa: B006
+    text = render("dcgm_exporter/dcgm-exporter.service.j2", **unit_values(port, address, allowed))
     entries: dict[str, list[str]] = {}
     for line in text.splitlines():
         if "=" in line and not line.startswith("#"):
@@ -254,7 +257,8 @@ def _unit(port: int = 9400) -> dict[str, list[str]]:
 
 def test_unit_runs_the_exporter_against_the_host_engine_as_its_own_user() -> None:
     unit = _unit(9555)
-    assert unit["ExecStart"] == [f"/usr/bin/dcgm-exporter -f {COUNTERS_FILE} -a :9555 -r localhost:5555"]
+    assert unit["ExecStart"] == [f"/usr/bin/dcgm-exporter -f {COUNTERS_FILE} -a 10.40.0.11:9555 -r localhost:5555"]
+    assert _unit(address="fd00::5")["ExecStart"][0].split()[4] == "[fd00::5]:9400"
     assert unit["User"] == unit["Group"] == ["dcgm-exporter"]
     assert unit["Requires"] == unit["After"] == ["nvidia-dcgm.service"]
     assert unit["WantedBy"] == ["multi-user.target"]
@@ -272,6 +276,12 @@ def test_unit_is_sandboxed() -> None:
     assert unit["SystemCallFilter"] == ["@system-service", "~@privileged @resources"]
     assert unit["SystemCallErrorNumber"] == ["EPERM"]
     assert set(unit["RestrictAddressFamilies"][0].split()) == {"AF_INET", "AF_INET6", "AF_UNIX"}
+
+
+def test_unit_is_reachable_from_the_node_and_the_monitoring_hosts_only() -> None:
+    unit = _unit()
+    assert unit["IPAddressDeny"] == ["any"]
+    assert unit["IPAddressAllow"] == ["localhost 10.40.0.11 10.40.9.0/24"]
 
 
 def test_exporter_double_serves_every_counter_from_the_simulator(tmp_path: Path) -> None:
@@ -319,3 +329,57 @@ def test_repository_urls_are_checked(project: Project) -> None:
     done = run_cli("check", str(project.inventory('fleet = ["n1"]')))
     assert done.rc == 2, done.err
     assert re.search(r"group_vars/all\.yml: nvidia_repo_url: .*developer\.download\.nvidia\.com/repo", done.err), done.err
+
+
+# --- nvidia_driver: the repository key is pinned by fingerprint ----------------------------------------------
+
+def _gpg_key(home: Path, uid: str) -> tuple[Path, str]:
+    """A fresh ed25519 signing key in ``home``: its exported public keyring and its fingerprint."""
+    home.mkdir(mode=0o700)
+    gpg = ["gpg", "--homedir", str(home), "--batch", "--pinentry-mode", "loopback", "--passphrase", ""]
+    subprocess.run([*gpg, "--quick-generate-key", uid, "ed25519", "sign", "never"], check=True, capture_output=True)
+    listing = subprocess.run([*gpg, "--with-colons", "--list-keys"], check=True, capture_output=True, text=True)
+    fingerprint = next(line.split(":")[9] for line in listing.stdout.splitlines() if line.startswith("fpr:"))
+    keyring = home.parent / f"{home.name}.gpg"
+    keyring.write_bytes(subprocess.run([*gpg, "--export", fingerprint], check=True, capture_output=True).stdout)
+    subprocess.run(["gpgconf", "--homedir", str(home), "--kill", "gpg-agent"], capture_output=True)
+    return keyring, fingerprint
+
+
+@pytest.fixture(scope="module")
+def two_keys(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[Path, str]]:
+    base = tmp_path_factory.mktemp("keys")
+    return [_gpg_key(base / "good", "good <good@gpufleet.invalid>"), _gpg_key(base / "bad", "bad <bad@gpufleet.invalid>")]
+
+
+def _sh(script: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=60)
+
+
+def test_a_key_with_the_pinned_fingerprint_is_installed(two_keys: list[tuple[Path, str]], tmp_path: Path) -> None:
+    (keyring, fingerprint), _ = two_keys
+    dest = tmp_path / "gpufleet-nvidia.gpg"
+    done = _sh(fetch_key_script(keyring.as_uri(), str(dest), fingerprint))
+    assert done.returncode == 0, done.stderr
+    assert dest.read_bytes() == keyring.read_bytes()
+    # the fact reads the installed keyring back: the operation has nothing left to do
+    assert KeyFingerprints().process(_sh(KeyFingerprints().command(str(dest))).stdout.splitlines()) == [fingerprint]
+    assert KeyFingerprints().process(_sh(KeyFingerprints().command(str(tmp_path / "absent"))).stdout.splitlines()) == []
+
+
+def test_a_key_with_another_fingerprint_stops_the_node_and_is_not_trusted(
+    two_keys: list[tuple[Path, str]], tmp_path: Path
+) -> None:
+    (good, fingerprint), (bad, other) = two_keys
+    dest = tmp_path / "gpufleet-nvidia.gpg"
+    dest.write_bytes(good.read_bytes())  # trusted before: a wrong key replaces nothing, and goes
+    done = _sh(fetch_key_script(bad.as_uri(), str(dest), fingerprint))
+    assert done.returncode != 0
+    assert f"has fingerprint(s) {other}, expected {fingerprint} (nvidia_repo_key_fingerprint): not trusted" \
+        in done.stderr, done.stderr
+    assert not dest.exists()
+    # NVIDIA's published fingerprint is the default; a keyring of two keys is not "the" key either
+    assert DEFAULTS["nvidia_repo_key_fingerprint"] == "EB693B3035CD5710E231E123A4B469963BF863CC"
+    both = tmp_path / "both.gpg"
+    both.write_bytes(good.read_bytes() + bad.read_bytes())
+    assert _sh(fetch_key_script(both.as_uri(), str(dest), fingerprint)).returncode != 0 and not dest.exists()

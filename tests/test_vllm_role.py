@@ -7,6 +7,7 @@ No network beyond 127.0.0.1: the readiness check talks to a small HTTP server in
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -30,10 +31,18 @@ from gpufleet.config.layers import HostLayers, Layer, role_default_layers
 from gpufleet.config.problems import ConfigError
 from gpufleet.config.schema import SCHEMA_KEYS, HostConfig
 from gpufleet.config.validate import validate_host
+from gpufleet.deploy import access
 from gpufleet.deploy import vllm_files as vf
 from gpufleet.fleet import load_fleet
 from gpufleet.node import vllm_ready
-from gpufleet.plan.commands import RAY_TEMP_DIR, ray_start_argv, replica_roles
+from gpufleet.plan.commands import (
+    RAY_START_WITHOUT_CLIENT_SERVER,
+    RAY_TEMP_DIR,
+    NodeRole,
+    ray_start_argv,
+    replica_roles,
+    secret_env_names,
+)
 from gpufleet.plan.planner import plan_fleet
 from gpufleet.vllm_flags import load_catalog
 from tests.conftest import ROOT
@@ -46,7 +55,9 @@ def _config(**values: object) -> HostConfig:
     layers, problems = role_default_layers()
     assert problems == []
     config, found = validate_host(
-        HostLayers("10.0.0.5", [*layers, Layer("test", {"vllm_model": "org/model", **values})]), "test")
+        HostLayers("10.0.0.5", [*layers, Layer("test", {
+            "vllm_model": "org/model", "allow_plain_http": True,  # the tests' mirrors are plain http
+            **values})]), "test")
     assert found == [], [p.line() for p in found]
     assert config is not None
     return config
@@ -125,35 +136,58 @@ def test_planned_argv_and_its_config_yaml_pass_the_catalog() -> None:
 
 # --- vllm.env / secrets.env: written here, read back on the node ----------------------------------------------
 
+HOSTILE_ENV = {
+    "PLAIN": "value",
+    "QUOTES": 'say "hi"',
+    "BACKSLASH": "C:\\dir\\",
+    "BOTH": 'a\\"b\\\\"c',
+    "EQUALS": "a=b==c",
+    "SPACES": "  padded  ",
+    "HASH": "#not-a-comment",
+    "DOLLAR": "$HOME ${X} $(id) `id`",
+    "PERCENT": "100% %i %n",
+    "SINGLE": "it's",
+    "UNICODE": "modèle ✓ 模型",
+    "BACKSLASH_N": "a\\nb\\tc",
+    "EMPTY": "",
+}
+
+
 def test_env_file_quotes_and_vllm_ready_reads_it_back(tmp_path: Path) -> None:
-    env = {
-        "PLAIN": "value",
-        "QUOTES": 'say "hi"',
-        "BACKSLASH": "C:\\dir\\",
-        "BOTH": 'a\\"b\\\\"c',
-        "EQUALS": "a=b==c",
-        "SPACES": "  padded  ",
-        "HASH": "#not-a-comment",
-        "DOLLAR": "$HOME ${X}",
-        "EMPTY": "",
-    }
-    text = vf.env_file(env, "header line")
+    text = vf.env_file(HOSTILE_ENV, "header line")
     lines = text.splitlines()
     assert lines[0] == "# header line" and text.endswith("\n")
-    assert lines[1:] == [f'{name}="{value.replace(chr(92), chr(92) * 2).replace(chr(34), chr(92) + chr(34))}"'
-                         for name, value in env.items()]
+    assert len(lines) == 1 + len(HOSTILE_ENV)
     path = tmp_path / "vllm.env"
     path.write_text(text)
-    assert vllm_ready.read_env_file(str(path)) == env
+    assert vllm_ready.read_env_file(str(path)) == HOSTILE_ENV
+
+
+def test_env_file_reads_back_literally_in_a_shell_that_sources_it(tmp_path: Path) -> None:
+    """The hub token and pip files are sourced by root's shell: no expansion, no command runs."""
+    path = tmp_path / "secrets.env"
+    path.write_text(vf.env_file(HOSTILE_ENV, "secrets"))
+    script = f"set -a; . {shlex.quote(str(path))}; set +a; " + "; ".join(
+        f'printf "%s\\0" "${name}"' for name in HOSTILE_ENV)
+    done = subprocess.run(["sh", "-c", script], capture_output=True, timeout=30,
+                          env={"PATH": os.environ["PATH"], "HOME": "/nowhere"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.decode().split("\0")[:-1] == list(HOSTILE_ENV.values())
+
+
+@pytest.mark.parametrize("value", ["two\nlines", "carriage\rreturn", "nul\0byte"])
+def test_env_file_refuses_a_line_break(value: str) -> None:
+    with pytest.raises(ValueError, match="one line"):
+        vf.env_file({"NAME": value}, "header")
 
 
 def test_replica_env_defaults_then_plan_then_vllm_env() -> None:
-    cfg = _config(vllm_env={"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HOME": "/srv/hf"})
+    cfg = _config(vllm_env={"VLLM_CPU_KVCACHE_SPACE": "1"})
     env = vf.replica_env(cfg, {"CUDA_VISIBLE_DEVICES": "0,1", "VLLM_HOST_IP": "10.0.0.5", "HOME": "/plan/home"})
     assert env == {
-        "VLLM_MODEL": "/var/lib/vllm/models/org--model",
+        "VLLM_MODEL": "/var/lib/gpufleet/models/org--model",
         "HOME": "/plan/home",  # the plan's env over the role's defaults
-        "HF_HOME": "/srv/hf",  # vllm_env over the role's defaults
+        "HF_HOME": "/var/lib/vllm/hf",
         "CUDA_VISIBLE_DEVICES": "0,1",
         "VLLM_HOST_IP": "10.0.0.5",
         "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -163,11 +197,12 @@ def test_replica_env_defaults_then_plan_then_vllm_env() -> None:
 
 @pytest.mark.parametrize(("values", "offline"), [
     ({}, False),
-    ({"vllm_model": "/srv/models/m"}, True),
-    ({"vllm_model": "/srv/models/m", "vllm_model_source": "/controller/m"}, True),
-    ({"vllm_model_source": "/controller/m"}, True),
+    ({"vllm_model": "/var/lib/gpufleet/models/m"}, True),
+    ({"vllm_model": "/var/lib/gpufleet/models/m", "vllm_model_source": "{tmp}"}, True),
+    ({"vllm_model_source": "{tmp}"}, True),
 ])
-def test_replica_env_is_offline_for_staged_weights(values: dict[str, str], offline: bool) -> None:
+def test_replica_env_is_offline_for_staged_weights(values: dict[str, str], offline: bool, tmp_path: Path) -> None:
+    values = {key: value.format(tmp=tmp_path) for key, value in values.items()}
     env = vf.replica_env(_config(**values), {})
     assert (env.get("HF_HUB_OFFLINE") == "1") is offline
     assert env["VLLM_MODEL"] == vf.model_dir(_config(**values))
@@ -175,7 +210,7 @@ def test_replica_env_is_offline_for_staged_weights(values: dict[str, str], offli
 
 def test_model_dir_for_hub_ids_and_paths() -> None:
     assert vf.model_dir(_config(vllm_model="meta-llama/Llama-3.1-70B-Instruct")) == \
-        "/var/lib/vllm/models/meta-llama--Llama-3.1-70B-Instruct"
+        "/var/lib/gpufleet/models/meta-llama--Llama-3.1-70B-Instruct"
     assert vf.model_dir(_config(vllm_model="/var/lib/gpufleet/models/tiny-llama")) == \
         "/var/lib/gpufleet/models/tiny-llama"
     assert vf.venv_dir(_config(vllm_version="0.32.0")) == "/opt/vllm/0.32.0"
@@ -276,10 +311,13 @@ def test_install_marker_changes_with_the_source() -> None:
 
 
 def _fake_python(bin_dir: Path, log: Path) -> None:
-    """``python3 -m venv DIR`` that makes ``DIR/bin/pip``, which logs its arguments and exits $FAKE_PIP_RC."""
+    """``python3 -m venv DIR`` that makes ``DIR/bin/pip``, which logs its arguments (and PIP_INDEX_URL, when
+    set) and exits $FAKE_PIP_RC."""
     bin_dir.mkdir()
     pip = bin_dir / "pip-template"
-    pip.write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > {log}\nexit "${{FAKE_PIP_RC:-0}}"\n')
+    pip.write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > {log}\n'
+                   f'[ -z "${{PIP_INDEX_URL:-}}" ] || printf "PIP_INDEX_URL=%s\\n" "$PIP_INDEX_URL" >> {log}\n'
+                   'exit "${FAKE_PIP_RC:-0}"\n')
     python = bin_dir / "python3"
     python.write_text('#!/bin/sh\n[ "$1" = -m ] && [ "$2" = venv ] || exit 9\n'
                       f'mkdir -p "$3/bin" && cp {pip} "$3/bin/pip" && chmod +x "$3/bin/pip"\n')
@@ -292,49 +330,321 @@ def _run_install(cfg: HostConfig, tmp_path: Path, pip_rc: int = 0) -> subprocess
                           timeout=60)
 
 
-@pytest.mark.parametrize("pip_rc", [0, 1])
-def test_install_script_writes_the_marker_last(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pip_rc: int) -> None:
-    monkeypatch.setattr(vf, "VLLM_ROOT", str(tmp_path / "opt-vllm"))
-    cfg = _config(vllm_wheelhouse_url="http://10.0.0.1/wheels/", vllm_requirements_url="http://10.0.0.1/r.lock")
-    venv = Path(vf.venv_dir(cfg))
-    marker = venv / vf.INSTALLED_MARKER
-    venv.mkdir(parents=True)
-    (venv / "left-over").write_text("from an interrupted install")
-    steps = vf.install_script(cfg).split(" && ")
-    (pip_step,) = [i for i, step in enumerate(steps) if step.startswith(f"{venv}/bin/pip ")]
-    assert shlex.split(steps[pip_step]) == [f"{venv}/bin/pip", *vf.pip_install_args(cfg)]
-    assert steps[-1] == f"mv {marker}.tmp {marker}"
-    assert all(str(marker) not in step or ".tmp" in step or "cat " in step for step in steps[:-1])
+@pytest.fixture
+def opt_vllm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """/opt/vllm in a temporary directory (role vllm creates it before it installs), a fake python3 and pip."""
+    root = tmp_path / "opt-vllm"
+    root.mkdir()
+    monkeypatch.setattr(vf, "VLLM_ROOT", str(root))
+    monkeypatch.setattr(vf, "PIP_SECRET", str(tmp_path / "pip.env"))
+    _fake_python(tmp_path / "bin", tmp_path / "pip-args")
+    return root
 
-    log = tmp_path / "pip-args"
-    _fake_python(tmp_path / "bin", log)
+
+LOCKED = dict(vllm_wheelhouse_url="http://10.0.0.1/wheels/", vllm_requirements_url="http://10.0.0.1/r.lock")
+
+
+@pytest.mark.parametrize("pip_rc", [0, 1])
+def test_install_builds_aside_and_never_breaks_the_working_virtualenv(opt_vllm: Path, tmp_path: Path,
+                                                                      pip_rc: int) -> None:
+    cfg = _config(**LOCKED)
+    venv, prefix = Path(vf.venv_dir(cfg)), vf.build_prefix(cfg)
+    assert venv.parent == Path(prefix).parent == opt_vllm and Path(prefix).name.startswith(".build-0.33.0-")
+    (venv / "bin").mkdir(parents=True)  # a working install of another source, from before builds were aside
+    (venv / "bin" / "vllm").write_text("working")
+    (venv / vf.INSTALLED_MARKER).write_text("another source\n")
     done = _run_install(cfg, tmp_path, pip_rc)
-    assert not (venv / "left-over").exists()  # every install starts from an empty virtualenv
-    assert log.read_text().splitlines() == vf.pip_install_args(cfg)
+    assert (tmp_path / "pip-args").read_text().splitlines() == vf.pip_install_args(cfg)
     if pip_rc:
-        assert done.returncode != 0 and not marker.exists()  # an unfinished install is never taken as done
+        assert done.returncode != 0
+        assert (venv / "bin" / "vllm").read_text() == "working" and not venv.is_symlink()  # still in use
+        assert (venv / vf.INSTALLED_MARKER).read_text() == "another source\n"
+        # the next attempt builds afresh beside it, removing the unfinished build only after its own swap
+        assert _run_install(cfg, tmp_path).returncode == 0
+        assert [p.name for p in opt_vllm.iterdir() if p.name.startswith(".build-")] == \
+            [Path(os.readlink(venv)).name]
         return
     assert done.returncode == 0, done.stderr
-    # what role vllm compares with the node's marker (FileContents lines, joined and stripped)
-    assert marker.read_text().strip() == vf.install_marker(cfg)
-    assert not Path(f"{marker}.tmp").exists()
+    build = Path(os.readlink(venv))  # swapped in with one rename
+    assert venv.is_symlink() and build.name.startswith(Path(prefix).name + "-") and build.parent == opt_vllm
+    assert (venv / vf.INSTALLED_MARKER).read_text().strip() == vf.install_marker(cfg)  # what role vllm compares
+    assert sorted(p.name for p in opt_vllm.iterdir()) == sorted([venv.name, build.name, ".0.33.0.lock"])
+    assert build.stat().st_mode & 0o777 == 0o755
 
 
-def test_install_script_reinstalls_only_when_the_marker_differs(tmp_path: Path,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(vf, "VLLM_ROOT", str(tmp_path / "opt-vllm"))
-    (tmp_path / "opt-vllm").mkdir()  # role vllm creates /opt/vllm before it installs
-    cfg = _config(vllm_wheelhouse_url="http://10.0.0.1/wheels/", vllm_requirements_url="http://10.0.0.1/r.lock")
+def test_install_reinstalls_only_when_the_marker_differs_and_keeps_one_previous_build(opt_vllm: Path,
+                                                                                  tmp_path: Path) -> None:
+    cfg = _config(**LOCKED)
     log = tmp_path / "pip-args"
-    _fake_python(tmp_path / "bin", log)
     assert _run_install(cfg, tmp_path).returncode == 0 and log.exists()
     log.unlink()
     assert _run_install(cfg, tmp_path).returncode == 0
     assert not log.exists()  # finished with the same source: nothing to redo
+    first = os.readlink(vf.venv_dir(cfg))
     moved = _config(vllm_wheelhouse_url="http://10.0.0.2/wheels/", vllm_requirements_url="http://10.0.0.2/r.lock")
-    assert _run_install(moved, tmp_path).returncode == 0
+    assert vf.build_prefix(moved) != vf.build_prefix(cfg)
+    done = _run_install(moved, tmp_path)
+    assert done.returncode == 0, done.stderr
     assert log.read_text().splitlines() == vf.pip_install_args(moved)
+    second = os.readlink(vf.venv_dir(moved))
+    assert second.startswith(vf.build_prefix(moved) + "-")
     assert (Path(vf.venv_dir(moved)) / vf.INSTALLED_MARKER).read_text().strip() == vf.install_marker(moved)
+    assert Path(first).is_dir()  # kept while replicas may still run from it, and to roll back to
+    assert _run_install(cfg, tmp_path).returncode == 0  # back to the first source: a fresh build
+    third = os.readlink(vf.venv_dir(cfg))
+    assert third not in (first, second)
+    assert sorted(str(p) for p in opt_vllm.glob(".build-*")) == sorted([second, third])  # the first is gone
+
+
+def test_install_waits_for_the_lock_with_a_timeout_and_says_why(opt_vllm: Path, tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    import fcntl
+
+    monkeypatch.setattr(vf, "INSTALL_LOCK_TIMEOUT", 1)
+    cfg = _config(**LOCKED)
+    with open(opt_vllm / ".0.33.0.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        done = _run_install(cfg, tmp_path)
+    assert done.returncode != 0
+    assert "another install of vLLM 0.33.0 still holds" in done.stderr and "after 1 s" in done.stderr
+    assert not (tmp_path / "pip-args").exists() and not Path(vf.venv_dir(cfg)).exists()
+
+
+def test_pip_index_credentials_never_in_argv_the_script_or_the_marker(opt_vllm: Path, tmp_path: Path) -> None:
+    url = "https://deploy:s3cr%40t@pypi.example:8443/simple"
+    cfg = _config(vllm_pip_index_url=url)
+    assert vf.pip_secret_env(cfg) == {"PIP_INDEX_URL": url}
+    script, marker = vf.install_script(cfg), vf.install_marker(cfg)
+    for text in (" ".join(vf.pip_install_args(cfg)), script, marker):
+        assert "s3cr" not in text and "deploy:" not in text
+    assert json.loads(marker)["index"] == "https://pypi.example:8443/simple"
+    assert marker != vf.install_marker(_config(vllm_pip_index_url="https://pypi.example:8443/simple"))
+    # the install reads it from the 0600 file the role writes
+    Path(vf.PIP_SECRET).write_text(vf.env_file(vf.pip_secret_env(cfg), "pip"))
+    assert _run_install(cfg, tmp_path).returncode == 0
+    assert f"PIP_INDEX_URL={url}" in (tmp_path / "pip-args").read_text().splitlines()
+    # without credentials the URL stays an argument and there is no secret
+    plain = _config(vllm_pip_index_url="https://pypi.example/simple")
+    assert vf.pip_secret_env(plain) == {} and "https://pypi.example/simple" in vf.pip_install_args(plain)
+
+
+# --- the model: downloaded by root into gpufleet's root-owned prefix ------------------------------------------
+
+def _fake_hf(venv: Path, log: Path) -> None:
+    """``VENV/bin/hf download MODEL --revision R --local-dir DIR``: logs its argv and HF_TOKEN, writes a weight
+    file, and fails when $FAKE_HF_RC says so (after writing part of it)."""
+    (venv / "bin").mkdir(parents=True)
+    hf = venv / "bin" / "hf"
+    hf.write_text(f'#!/bin/sh\nprintf "%s\\0" "$@" "HF_TOKEN=${{HF_TOKEN:-}}" > {log}\n'
+                  'echo weights > "$6/model.safetensors"\nexit "${FAKE_HF_RC:-0}"\n')
+    hf.chmod(0o755)
+
+
+@pytest.fixture
+def models(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    prefix = tmp_path / "var-lib-gpufleet-models"
+    prefix.mkdir()
+    monkeypatch.setattr(vf, "MODELS", str(prefix))
+    monkeypatch.setattr(vf, "VLLM_ROOT", str(tmp_path / "opt-vllm"))
+    return prefix
+
+
+def _download(cfg: HostConfig, token_file: Path, rc: int = 0) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["sh", "-c", vf.download_script(cfg, str(token_file))], capture_output=True, text=True,
+                          env={**os.environ, "FAKE_HF_RC": str(rc)}, timeout=60)
+
+
+@pytest.mark.parametrize("rc", [0, 1])
+def test_download_goes_to_a_temporary_directory_then_into_place(models: Path, tmp_path: Path, rc: int) -> None:
+    # Hostile values that validation would refuse still reach hf as one literal argument each (defence in depth).
+    cfg = _config(vllm_model_revision="v1.0").model_copy(
+        update={"vllm_model_revision": "main; touch pwned $(touch pwned2)"})
+    target = Path(vf.model_dir(cfg))
+    assert target == models / "org--model"
+    log = tmp_path / "hf-args"
+    _fake_hf(Path(vf.venv_dir(cfg)), log)
+    token = tmp_path / "hub.env"
+    token.write_text(vf.env_file({"HF_TOKEN": "hf_$HOME`id`\"x"}, "hub token"))
+    target.mkdir()
+    (target / "old-weights").write_text("previous")
+    done = _download(cfg, token, rc)
+    args = log.read_text().split("\0")[:-1]
+    assert args[:3] == ["download", "org/model", "--revision"]
+    assert args[3] == "main; touch pwned $(touch pwned2)" and args[-1] == 'HF_TOKEN=hf_$HOME`id`"x'
+    assert not list(Path.cwd().glob("pwned*")) and not list(tmp_path.glob("pwned*"))
+    assert [p.name for p in models.iterdir()] == ["org--model"]  # no temporary directory left either way
+    if rc:
+        assert done.returncode != 0
+        assert [p.name for p in target.iterdir()] == ["old-weights"]  # the previous copy is untouched
+        return
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in target.iterdir()) == [vf.REVISION_MARKER, "model.safetensors"]
+    assert (target / vf.REVISION_MARKER).read_text() == "main; touch pwned $(touch pwned2)\n"
+    assert target.stat().st_mode & 0o777 == 0o755
+
+
+@pytest.mark.parametrize("path", ["/var/lib/gpufleet/models", "/var/lib/gpufleet/models/", "/var/lib/gpufleet",
+                                  "/var/lib/gpufleet/models/../x", "/var/lib/gpufleet/models/a/../../x",
+                                  "/var/lib/gpufleet/modelsx/m", "/srv/m", "relative/m"])
+def test_only_paths_strictly_below_the_model_prefix_are_the_roles_to_delete_in(path: str) -> None:
+    assert not vf.below_models(path)
+
+
+def test_paths_below_the_model_prefix() -> None:
+    assert vf.MODELS == "/var/lib/gpufleet/models"
+    assert vf.below_models("/var/lib/gpufleet/models/tiny-llama") and vf.below_models("/var/lib/gpufleet/models/a/b")
+    with pytest.raises(ValueError, match="below"):
+        vf.download_script(_config().model_copy(update={"vllm_model": "/etc"}), "/x")
+
+
+# --- the readiness command, the restart record and secret files, as data ------------------------------------
+
+@pytest.mark.parametrize("served", ["tiny-llama", "tiny llama $HOME 100%", "it's \"quoted\" `id` $(id) \\ ✓"])
+def test_ready_command_passes_the_served_name_literally_through_the_shell(tmp_path: Path, served: str) -> None:
+    command = vllm_role.ready_command(served, "http://10.0.0.5:8000", "vllm@r.service",
+                                      "/etc/gpufleet/secrets/r.env", 900)
+    (tmp_path / "python3").write_text('#!/bin/sh\nprintf "%s\\0" "$@"\n')
+    (tmp_path / "python3").chmod(0o755)
+    done = subprocess.run(["sh", "-c", command], capture_output=True, timeout=30,
+                          env={"PATH": f"{tmp_path}:/usr/bin:/bin", "HOME": "/nowhere"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.decode().split("\0")[:-1] == [
+        f"{vllm_role.NODE_TOOLS}/vllm_ready.py", "--url", "http://10.0.0.5:8000", "--model", served,
+        "--unit", "vllm@r.service", "--env-file", "/etc/gpufleet/secrets/r.env", "--timeout", "900"]
+
+
+def test_restart_marker_lives_in_the_replicas_root_directory() -> None:
+    assert vllm_role.restart_marker("pool-0") == "/etc/gpufleet/vllm/pool-0/restart-pending"
+
+
+@dataclass
+class _Meta:
+    """An operation's outcome as the role's ``_if`` checks read it."""
+
+    complete: bool = True
+    changed: bool = False
+    ran: bool = True
+    succeeded: bool = True
+
+    def is_complete(self) -> bool:
+        return self.complete
+
+    def did_change(self) -> bool:
+        return self.changed
+
+    @property
+    def executed(self) -> bool:
+        return self.ran
+
+    def did_succeed(self) -> bool:
+        return self.succeeded
+
+
+def test_a_restart_is_due_on_a_change_or_a_record_left_by_an_earlier_run() -> None:
+    from types import SimpleNamespace
+
+    from pyinfra.context import ctx_state
+
+    with ctx_state.use(SimpleNamespace()):
+        files_op = _Meta()
+        vllm_role._replica_changes()["pool-0"] = [files_op]
+        due = vllm_role._restart_due("pool-0")
+        assert not due()
+        files_op.changed = True
+        assert due()  # this run changed its files
+        files_op.changed = False
+        vllm_role._registry(vllm_role._PENDING_KEY)["pool-0"] = True
+        assert due()  # an earlier run decided on it and was interrupted
+        assert not vllm_role._restart_due("pool-1")()
+
+
+@pytest.mark.parametrize(("wait", "cleared"), [
+    (None, False),  # no readiness wait in this run (nothing restarted)
+    (_Meta(complete=False), False),  # its first node stopped before the wait
+    (_Meta(ran=False), False),  # the wait was skipped
+    (_Meta(succeeded=False), False),  # it did not become ready
+    (_Meta(), True),
+])
+def test_the_restart_record_is_cleared_only_once_the_replica_serves(wait: _Meta | None, cleared: bool) -> None:
+    from types import SimpleNamespace
+
+    from pyinfra.context import ctx_state
+
+    with ctx_state.use(SimpleNamespace()):
+        if wait is not None:
+            vllm_role._registry(vllm_role._READY_KEY)["pool-0"] = wait
+        assert vllm_role._served("pool-0")() is cleared
+
+
+class _FakeHost:
+    """Just enough of a pyinfra host for an operation's generator: facts by (class name, path)."""
+
+    name = "10.0.0.5"
+
+    def __init__(self, facts: dict[tuple[str, str], object]) -> None:
+        self.facts = facts
+
+    def get_fact(self, fact: type, **kwargs: str) -> object:
+        return self.facts.get((fact.__name__, kwargs.get("path", "")))
+
+    def get_temp_filename(self, key: str) -> str:
+        return f"/tmp/pyinfra-{hashlib.sha1(key.encode()).hexdigest()}"
+
+
+def _secret_commands(facts: dict[tuple[str, str], object], content: str = "VLLM_API_KEY=\"sk-1\"\n") -> list:
+    from pyinfra.context import ctx_host
+
+    from gpufleet.deploy.secret_ops import secret_file
+
+    with ctx_host.use(_FakeHost(facts)):
+        return list(secret_file._inner(dest="/etc/gpufleet/secrets/r.env", content=content))
+
+
+def test_secret_upload_goes_through_a_fresh_private_directory_into_a_0600_file() -> None:
+    from pyinfra.api import FileUploadCommand, StringCommand
+
+    commands = _secret_commands({})
+    mkdir, touch, chown, chmod, upload, remove = commands
+    assert isinstance(upload, FileUploadCommand) and upload.dest == "/etc/gpufleet/secrets/r.env"
+    staging = str(mkdir).split()[-1]
+    assert str(mkdir) == f"mkdir -m 700 {staging}" and staging.startswith("/tmp/pyinfra-")
+    assert mkdir.connector_arguments["_sudo"] is False  # the SSH user's own directory, content-free
+    assert upload.remote_temp_filename == f"{staging}/upload"  # where pyinfra's sudo upload lands, not /tmp
+    assert [str(c) for c in (touch, chown, chmod)] == ["touch /etc/gpufleet/secrets/r.env",
+                                                       "chown root:root /etc/gpufleet/secrets/r.env",
+                                                       "chmod 600 /etc/gpufleet/secrets/r.env"]
+    assert str(remove) == f"rm -rf {staging}" and remove.connector_arguments["_sudo"] is False
+    assert all("sk-1" not in str(c) for c in commands if isinstance(c, StringCommand))
+    assert upload.src.read() == "VLLM_API_KEY=\"sk-1\"\n"
+    assert str(_secret_commands({})[0]) != str(mkdir)  # a new random directory every time
+
+
+def test_pyinfras_sudo_upload_lands_where_secret_file_says() -> None:
+    """What secret_file relies on in pyinfra's SSH connector: with ``_sudo`` the SFTP upload goes to the
+    ``remote_temp_filename`` given (the private directory), and is copied into place from there with sudo."""
+    from unittest import mock
+
+    from pyinfra.connectors.ssh import SSHConnector
+
+    upload = _secret_commands({})[4]
+    connector = mock.Mock()
+    connector.run_shell_command.return_value = (True, mock.Mock(stderr=""))
+    assert SSHConnector.put_file(connector, upload.src, upload.dest, remote_temp_filename=upload.remote_temp_filename,
+                                 _sudo=True)
+    connector._put_file.assert_called_once_with(upload.src, upload.remote_temp_filename)
+    connector.host.get_temp_filename.assert_not_called()
+    copy = connector.run_shell_command.call_args_list[0]
+    assert str(copy.args[0]) == f"cp {upload.remote_temp_filename} {upload.dest}" and copy.kwargs["_sudo"] is True
+
+
+def test_secret_file_unchanged_is_no_command_and_a_wrong_mode_is_fixed() -> None:
+    content = "VLLM_API_KEY=\"sk-1\"\n"
+    digest = hashlib.sha256(content.encode()).hexdigest()
+    dest = "/etc/gpufleet/secrets/r.env"
+    same = {("Sha256File", dest): digest, ("File", dest): {"user": "root", "group": "root", "mode": 600}}
+    assert _secret_commands(same, content) == []
+    loose = {**same, ("File", dest): {"user": "root", "group": "root", "mode": 644}}
+    assert [str(c) for c in _secret_commands(loose, content)] == [f"chmod 600 {dest}"]
 
 
 # --- readiness on the node: /health and one real completion ---------------------------------------------------
@@ -508,11 +818,12 @@ def test_vllm_unit_holds_no_secret_only_the_optional_root_file() -> None:
 
 @pytest.mark.parametrize("kind", ["head", "worker"])
 def test_ray_unit_renders(kind: str) -> None:
-    cfg = _config(fleet_interface="bond0", vllm_distributed_backend="ray")
+    cfg = _config(fleet_interface="bond0", vllm_distributed_backend="ray", ray_auth_token={"env": "GPUFLEET_TEST_RAY"})
     argv = ray_start_argv(cfg, "10.0.0.6", None if kind == "head" else "10.0.0.5")
     text = _render(TEMPLATES / "ray" / "ray.service.j2", kind=kind, replica="pool-0",
                    env_file=f"{ray_role.ENV_DIR}/pool-0.env", exec_start=shlex.join(argv),
-                   ray=f"{vf.venv_dir(cfg)}/bin/ray")
+                   ray=f"{vf.venv_dir(cfg)}/bin/ray", token_file=ray_role.token_file("pool-0"),
+                   ip_access=access.unit_lines(["10.0.0.5", "10.0.0.6"]))
     lines = _directives(text)
     assert f"Description=Ray {kind} for vLLM replica pool-0 (gpufleet)" in lines
     assert f"ExecStart={shlex.join(argv)}" in lines
@@ -537,7 +848,7 @@ def test_ray_start_binds_the_node_address_dashboard_off() -> None:
     cfg = _config()
     head = ray_start_argv(cfg, "10.0.0.5", None)
     worker = ray_start_argv(cfg, "10.0.0.6", "10.0.0.5")
-    assert head[:3] == ["/opt/vllm/0.33.0/bin/ray", "start", "--head"]
+    assert head[:2] == ["/opt/vllm/0.33.0/bin/python", "-c"] and head[3:5] == ["start", "--head"]
     assert worker[:2] == ["/opt/vllm/0.33.0/bin/ray", "start"] and "--head" not in worker
     h, w = _flag_values(head), _flag_values(worker)
     assert h["node-ip-address"] == "10.0.0.5" and w["node-ip-address"] == "10.0.0.6"
@@ -565,14 +876,15 @@ def test_ray_ports_are_fixed_and_distinct() -> None:
     assert ports == {
         "port": 7000, "node-manager-port": 7001, "object-manager-port": 7002, "metrics-export-port": 7003,
         "dashboard-agent-listen-port": 7004, "dashboard-agent-grpc-port": 7005, "runtime-env-agent-port": 7006,
-        "dashboard-port": 7007, "ray-client-server-port": 7008,
+        "dashboard-port": 7007,
         "min-worker-port": 21000, "max-worker-port": 21099,
     }
     assert len(set(ports.values())) == len(ports)
 
 
 def test_ray_backend_replica_argv_passes_the_0_33_0_catalog() -> None:
-    cfg = _config(vllm_distributed_backend="ray", fleet_interface="bond0", vllm_trust_remote_code=True,
+    cfg = _config(vllm_distributed_backend="ray", ray_auth_token={"env": "GPUFLEET_TEST_RAY"},
+                  fleet_interface="bond0", vllm_trust_remote_code=True,
                   vllm_extra_args={"enable-prefix-caching": True})
     head, worker = replica_roles([cfg, cfg], ["b1", "b2"], ["10.0.0.5", "10.0.0.6"],
                                  [list(range(8)), list(range(8))], 8000, 8, 2, 1, 65536)
@@ -631,3 +943,56 @@ def test_readme_documents_every_variable() -> None:
         if line.startswith("| `"):
             documented |= set(re.findall(r"`([a-z][a-z0-9_]*)`", line.split("|")[1]))
     assert sorted(SCHEMA_KEYS - documented) == []
+
+
+# --- role ray: the token, the Ray Client server, who may connect ----------------------------------------------
+
+def _ray_pair(**values: object) -> tuple[NodeRole, NodeRole]:
+    cfg = _config(vllm_distributed_backend="ray", ray_auth_token={"env": "GPUFLEET_TEST_RAY"}, fleet_interface="bond0",
+                  **values)
+    head, worker = replica_roles([cfg, cfg], ["b1", "b2"], ["10.0.0.5", "10.0.0.6"],
+                                 [list(range(8)), list(range(8))], 8000, 8, 2, 1, 65536)
+    return head, worker
+
+
+def test_ray_processes_run_in_token_mode_and_vllm_gets_the_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    head, worker = _ray_pair()
+    for process in head.processes + worker.processes:
+        assert process.env["RAY_AUTH_MODE"] == "token" and "RAY_AUTH_TOKEN" not in process.env
+    cfg = _config(vllm_distributed_backend="ray", ray_auth_token={"env": "GPUFLEET_TEST_RAY"})
+    monkeypatch.setenv("GPUFLEET_TEST_RAY", "t0ken-of-the-cluster")
+    assert vf.secret_env(cfg)["RAY_AUTH_TOKEN"] == "t0ken-of-the-cluster"  # the head's vLLM joins as a driver
+    assert "RAY_AUTH_TOKEN" in secret_env_names(cfg)
+    assert "RAY_AUTH_TOKEN" not in vf.secret_env(_config(ray_auth_token={"env": "GPUFLEET_TEST_RAY"}))  # mp
+
+
+def test_ray_head_starts_without_the_client_server() -> None:
+    head, worker = _ray_pair()
+    argv = head.processes[0].argv
+    assert argv[:4] == ["/opt/vllm/0.33.0/bin/python", "-c", RAY_START_WITHOUT_CLIENT_SERVER, "start"]
+    assert "--head" in argv and not any("client-server" in token for token in argv + worker.processes[0].argv)
+    # the launcher stands in for the `ray` console script: same entry point, Ray's client dependency check off
+    assert "ray.scripts.scripts" in RAY_START_WITHOUT_CLIENT_SERVER and "s.main()" in RAY_START_WITHOUT_CLIENT_SERVER
+    assert "get_ray_client_dependency_error" in RAY_START_WITHOUT_CLIENT_SERVER
+
+
+def test_ray_unit_reads_its_token_as_root_and_filters_ip() -> None:
+    allowed = access.ray_sources(_config(monitoring_addresses=["10.9.0.1"]), ["10.0.0.5", "10.0.0.6"])
+    text = _render(TEMPLATES / "ray" / "ray.service.j2", kind="worker", replica="pool-0",
+                   env_file=f"{ray_role.ENV_DIR}/pool-0.env", exec_start="/opt/vllm/0.33.0/bin/ray start --block",
+                   ray="/opt/vllm/0.33.0/bin/ray", token_file=ray_role.token_file("pool-0"),
+                   ip_access=access.unit_lines(allowed))
+    lines = _directives(text)
+    assert "EnvironmentFile=/etc/gpufleet/secrets/pool-0.ray.env" in lines  # read by systemd before User=
+    assert "IPAddressDeny=any" in lines
+    assert "IPAddressAllow=localhost 10.0.0.5/32 10.0.0.6/32 10.9.0.1/32" in lines
+    for wanted in ("DevicePolicy=closed", "ProtectProc=invisible", "SystemCallFilter=@system-service",
+                   "CapabilityBoundingSet=", "RemoveIPC=yes"):
+        assert wanted in lines, wanted
+
+
+def test_ray_wait_scripts_are_shell_and_read_the_token_from_its_file() -> None:
+    token_path = ray_role.token_file("pool-0")
+    script = ray_role._wait_script("/opt/vllm/0.33.0/bin/ray", "10.0.0.5:6379", 2, 300, token_path)
+    assert subprocess.run(["sh", "-n", "-c", script], capture_output=True).returncode == 0, script
+    assert f". {token_path};" in script and "RAY_AUTH_MODE=token" in script

@@ -1,18 +1,23 @@
 """YAML group_vars for pyinfra inventories, validated as the inventory is read.
 
 An inventory file ends with ``apply_group_vars(globals())``: every group gets the values of
-``group_vars/<group>.yml``, every host those of ``group_vars/all.yml``, each host is validated, and
-bad input stops the run with exit 2 before pyinfra connects to any host. ``pyinfra --data`` still
-overrides everything; deploys re-validate with it (``fleet_configs``).
+``group_vars/<group>.yml``, every host those of ``group_vars/all.yml``, each host is validated, the
+plan's rules run on the declared ``gpu_profile``s, and bad input stops the run with exit 2 before
+pyinfra connects to any host. ``pyinfra --data`` still overrides everything: under pyinfra's CLI its
+``--data`` arguments are validated here too, and deploys re-validate with them (``fleet_from_state``).
 """
 
 from __future__ import annotations
 
+import json
 import runpy
+import sys
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gpufleet.config import grammar
 from gpufleet.config.layers import HostLayers, Layer, display_path, read_yaml_mapping, role_default_layers
 from gpufleet.config.problems import ConfigError, Problem, exit_with
 from gpufleet.config.schema import HostConfig
@@ -44,14 +49,20 @@ def _is_group(name: str, value: Any) -> bool:
     return isinstance(hosts, list) and all(isinstance(h, (str, tuple)) for h in hosts)
 
 
-def _split(value: Any) -> tuple[list[Any], dict[str, Any]]:
+def _split(value: Any) -> tuple[list[Any], dict[Any, Any]]:
     if isinstance(value, tuple):
-        return list(value[0]), dict(value[1])
+        return list(value[0]), dict(value[1]) if isinstance(value[1], dict) else {None: value[1]}
     return list(value), {}
 
 
-def _host_name(entry: str | tuple[str, dict[str, Any]]) -> tuple[str, dict[str, Any]]:
-    return (entry, {}) if isinstance(entry, str) else (entry[0], dict(entry[1]))
+def _host_name(entry: Any) -> tuple[str, dict[str, Any]] | None:
+    """A group entry as (host, data): ``"name"`` or ``("name", {data})``; None when it is neither."""
+    if isinstance(entry, str):
+        return entry, {}
+    if (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], str) and isinstance(entry[1], dict)
+            and all(isinstance(k, str) for k in entry[1])):
+        return entry[0], dict(entry[1])
+    return None
 
 
 def group_vars_dir(inventory_file: Path) -> Path:
@@ -69,7 +80,7 @@ def collect_layers(namespace: dict[str, Any]) -> tuple[InventoryLayers, dict[str
 
     def yaml_layer(name: str) -> Layer | None:
         path = gv_dir / f"{name}.yml"
-        if not path.is_file():
+        if not path.exists():
             return None
         values, found = read_yaml_mapping(path)
         problems.extend(found)
@@ -90,10 +101,18 @@ def collect_layers(namespace: dict[str, Any]) -> tuple[InventoryLayers, dict[str
         if not _is_group(name, value):
             continue
         entries, inline = _split(value)
+        if not all(isinstance(k, str) for k in inline):
+            problems.append(Problem(inv_shown, name, "expected group data with text keys, found another key"))
+            continue
         group_layer = yaml_layer(name)
         members = []
         for entry in entries:
-            host, data = _host_name(entry)
+            named = _host_name(entry)
+            if named is None:
+                problems.append(Problem(inv_shown, name, "expected hosts as \"name\" or (\"name\", {data}),"
+                                        f" found {grammar.show(entry)}"))
+                continue
+            host, data = named
             members.append(host)
             layers = host_layers(host).layers
             if group_layer:
@@ -113,6 +132,25 @@ def collect_layers(namespace: dict[str, Any]) -> tuple[InventoryLayers, dict[str
     return InventoryLayers(inv_shown, groups, hosts), new_values, problems
 
 
+def _host_problems(loaded: InventoryLayers, configs: dict[str, HostConfig],
+                   override: dict[str, Any] | None) -> list[Problem]:
+    """What no single host shows: bad host names, one fleet_address on two hosts."""
+    problems = [Problem(loaded.path, "hosts", message) for host in loaded.hosts
+                if (message := grammar.host_name(host))]
+    owner: dict[str, str] = {}
+    for host, config in configs.items():
+        address = config.fleet_address
+        if address is None:
+            continue
+        if address in owner:
+            layers = loaded.hosts[host].layers + ([Layer("--data", override)] if override else [])
+            source = HostLayers(host, layers).merged()[1].get("fleet_address", loaded.path)
+            problems.append(Problem(source, "fleet_address", f"expected an address of its own per host,"
+                                    f" found {address} for both {owner[address]} and {host}"))
+        owner.setdefault(address, host)
+    return problems
+
+
 def validate_layers(loaded: InventoryLayers, override: dict[str, Any] | None = None) -> dict[str, HostConfig]:
     """Validate every host; raises ConfigError with every problem found."""
     problems: list[Problem] = []
@@ -124,18 +162,83 @@ def validate_layers(loaded: InventoryLayers, override: dict[str, Any] | None = N
         problems += found
         if config is not None:
             configs[name] = config
+    problems += _host_problems(loaded, configs, override)
     if problems:
         raise ConfigError(problems)
     return configs
 
 
+def data_value(text: str) -> Any:
+    """One ``--data`` value read as pyinfra's CLI reads it (``pyinfra_cli.util.parse_cli_arg``): true/false
+    in any case, then an integer, then JSON, else the text itself. Kept here so that ``gpufleet check`` does
+    not import pyinfra's CLI (which monkey-patches the process with gevent)."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def parse_data_args(items: list[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` strings as pyinfra's ``--data`` reads them."""
+    data: dict[str, Any] = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ConfigError([Problem("--data", key, "expected KEY=VALUE, found no '='")])
+        data[key] = data_value(value)
+    return data
+
+
+def set_data_override(data: dict[str, Any] | None) -> None:
+    """``--data`` given to ``gpufleet check`` / ``plan``: validated as the inventory is read, as under pyinfra."""
+    global _DATA_OVERRIDE
+    _DATA_OVERRIDE = data or None
+
+
+_DATA_OVERRIDE: dict[str, Any] | None = None
+
+
+def cli_data_override(argv: list[str] | None = None) -> dict[str, Any] | None:
+    """The ``--data KEY=VALUE`` arguments of the running command: gpufleet's (``set_data_override``), else
+    those of the ``pyinfra`` command line (``argv``, default ``sys.argv`` under pyinfra's CLI), so bad
+    ``--data`` stops the run as the inventory is read."""
+    if _DATA_OVERRIDE is not None:
+        return _DATA_OVERRIDE
+    if argv is None:
+        if "pyinfra_cli" not in sys.modules:
+            return None
+        argv = sys.argv[1:]
+    items: list[str] = []
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            break
+        if arg == "--data" and i + 1 < len(argv):
+            items.append(argv[i + 1])
+        elif arg.startswith("--data="):
+            items.append(arg.removeprefix("--data="))
+    data = {key: data_value(value) for key, eq, value in (item.partition("=") for item in items) if eq}
+    return data or None
+
+
 def apply_group_vars(namespace: dict[str, Any]) -> None:
-    """Attach group_vars to the inventory's groups and validate; exit 2 on bad input."""
+    """Attach group_vars to the inventory's groups and validate (with the plan's rules); exit 2 on bad input."""
+    from gpufleet.fleet import declared_plan_problems
+
     loaded, new_values, problems = collect_layers(namespace)
     if problems:
         exit_with(ConfigError(problems))
+    override = cli_data_override()
     try:
-        validate_layers(loaded)
+        configs = validate_layers(loaded, override)
+        plan_problems = declared_plan_problems(loaded, configs, override)
+        if plan_problems:
+            raise ConfigError(plan_problems)
     except ConfigError as error:
         exit_with(error)
     namespace.update(new_values)
@@ -149,9 +252,30 @@ def loaded_inventory(host: str) -> InventoryLayers | None:
     return _LOADED.get(host)
 
 
+def _error_line(path: Path, exc: BaseException) -> int | None:
+    """The line of ``path`` an exception went through last."""
+    if isinstance(exc, SyntaxError) and exc.filename and Path(exc.filename).resolve() == path:
+        return exc.lineno
+    lines = [frame.lineno for frame in traceback.extract_tb(exc.__traceback__)
+             if Path(frame.filename).resolve() == path]
+    return lines[-1] if lines else None
+
+
 def read_inventory(path: Path) -> InventoryLayers | None:
-    """Execute an inventory file (as pyinfra does) and return what apply_group_vars recorded."""
+    """Execute an inventory file (as pyinfra does) and return what apply_group_vars recorded.
+
+    An inventory that fails to compile, import or run raises ConfigError: one line, ``file:line: Error: …``.
+    """
     resolved = path.resolve()
     _BY_FILE.pop(resolved, None)
-    runpy.run_path(str(resolved), run_name="gpufleet_inventory")
+    try:
+        runpy.run_path(str(resolved), run_name="gpufleet_inventory")
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException as exc:  # noqa: BLE001 - any failure of the user's file is bad input
+        line = _error_line(resolved, exc)
+        where = display_path(resolved) + (f":{line}" if line else "")
+        text = exc.msg if isinstance(exc, SyntaxError) else str(exc)
+        first = (text.strip().splitlines() or [""])[0]
+        raise ConfigError([Problem(where, "", f"{type(exc).__name__}: {first}".rstrip(": "))]) from None
     return _BY_FILE.get(resolved)

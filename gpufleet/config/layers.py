@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from gpufleet.config.grammar import show
 from gpufleet.config.problems import Problem
+from gpufleet.config.yaml_strict import YamlProblem, load_yaml
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 ROLES_DIR = PROJECT_ROOT / "roles"
@@ -63,22 +63,22 @@ def is_role_default(source: str) -> bool:
 def read_yaml_mapping(path: Path) -> tuple[dict[str, Any], list[Problem]]:
     """Read a YAML file whose top level must be a mapping (an empty file is an empty mapping)."""
     shown = display_path(path)
+    if path.is_dir():
+        return {}, [Problem(shown, "", "expected a YAML file, found a directory")]
     try:
-        doc = yaml.safe_load(path.read_text())
+        doc = load_yaml(path.read_bytes())
     except OSError as exc:
-        return {}, [Problem(shown, "", f"cannot read: {exc.strerror}")]
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"{shown}:{mark.line + 1}:{mark.column + 1}" if mark else shown
-        what = getattr(exc, "problem", None) or str(exc)
-        return {}, [Problem(where, "", f"YAML syntax error: {what}")]
+        return {}, [Problem(shown, "", f"expected a readable file, found {exc.strerror}")]
+    except YamlProblem as exc:
+        return {}, [Problem(shown + exc.where, "", exc.message)]
     if doc is None:
         return {}, []
     if not isinstance(doc, dict):
-        return {}, [Problem(shown, "", f"expected a mapping of variables, found {type(doc).__name__}")]
+        kind = {"list": "a list", "str": "a scalar (text)"}.get(type(doc).__name__, f"a scalar ({type(doc).__name__})")
+        return {}, [Problem(shown, "", f"expected a mapping of variables, found {kind}")]
     bad = [k for k in doc if not isinstance(k, str)]
     if bad:
-        return {}, [Problem(shown, str(bad[0]), "expected a variable name, found a non-text key")]
+        return {}, [Problem(shown, show(bad[0]), "expected a variable name, found a non-text key")]
     return doc, []
 
 

@@ -24,6 +24,14 @@ class Problem:
         return f"{where}{self.message}{suffix}"
 
 
+class KeyedError(ValueError):
+    """A validator's complaint about a key below the field it checks (``gpu_health.expected_gpu_count``)."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(message)
+        self.key, self.message = key, message
+
+
 class ConfigError(Exception):
     """Raised with every problem found; the CLI and the deploys print them and exit 2."""
 

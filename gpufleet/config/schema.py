@@ -1,40 +1,127 @@
 """The typed schema of one host's fleet configuration (every variable the roles and the planner read).
 
 Defaults live in ``roles/<role>/defaults.yml``; this module holds types, ranges and the rules that
-tie several values together.
+tie several values together. Types are strict: ``true`` is not 1 and ``"8000"`` is not 8000; a
+float accepts an integer. What a well-formed name, address, URL or path is lives in ``grammar``.
 """
 
 from __future__ import annotations
 
-import re
-from typing import Annotated, Any, Literal
+from pathlib import Path
+from typing import Annotated, Any, Callable, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
-from gpufleet.node.health_rules import HealthPolicy
-from gpufleet.vllm_flags import SUPPORTED_VLLM_VERSIONS
+from gpufleet.config import grammar
+from gpufleet.config.problems import KeyedError
+from gpufleet.hardware_profiles import ProfileError, parse_profile
+from gpufleet.node.health_rules import HealthPolicy, policy_problems
+from gpufleet.vllm_flags import SUPPORTED_VLLM_VERSIONS, load_catalog
 
 Auto = Literal["auto"]
 Port = Annotated[int, Field(ge=1, le=65535)]
 PositiveInt = Annotated[int, Field(ge=1)]
 
-_HF_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-_IFNAME = re.compile(r"^[A-Za-z0-9_.:@-]{1,15}$")
+API_PORTS_WHEN_AUTO = 16
+"""API ports kept free above ``vllm_port`` when ``vllm_replicas_per_node`` is auto (one per replica; a node
+has at most 16 GPUs, so at most 16 single-GPU replicas)."""
+
+SECRET_KEYS = frozenset({"vllm_api_key", "vllm_hf_token", "ray_auth_token"})
+"""Variables whose values are secret references; a value found there is never shown."""
+
+# vllm_extra_args flags whose value gpufleet writes itself, and the variable that sets each.
+OWNED_FLAGS = {
+    "--host": "fleet_address", "--port": "vllm_port", "--model": "vllm_model",
+    "--served-model-name": "vllm_served_model_name", "--revision": "vllm_model_revision",
+    "--tensor-parallel-size": "vllm_tensor_parallel_size", "--pipeline-parallel-size": "vllm_pipeline_parallel_size",
+    "--data-parallel-size": "vllm_data_parallel_size", "--max-model-len": "vllm_max_model_len",
+    "--gpu-memory-utilization": "vllm_gpu_memory_utilization", "--dtype": "vllm_dtype",
+    "--kv-cache-dtype": "vllm_kv_cache_dtype", "--quantization": "vllm_quantization",
+    "--trust-remote-code": "vllm_trust_remote_code", "--api-key": "vllm_api_key", "--hf-token": "vllm_hf_token",
+    "--config": "vllm_extra_args keys", "--distributed-executor-backend": "vllm_distributed_backend",
+    "--nnodes": "vllm_nodes_per_replica", "--node-rank": "vllm_nodes_per_replica",
+    "--headless": "vllm_nodes_per_replica", "--master-addr": "fleet_address", "--master-port": "vllm_master_port",
+    "--data-parallel-address": "fleet_address", "--data-parallel-rpc-port": "vllm_master_port",
+    "--download-dir": "vllm_model", "--tokenizer": "vllm_model",
+}
+
+# Environment variables gpufleet sets itself on vLLM and Ray processes.
+OWNED_ENV = {
+    "CUDA_VISIBLE_DEVICES": "the plan's GPU sets", "VLLM_HOST_IP": "fleet_address",
+    "NCCL_SOCKET_IFNAME": "fleet_interface", "GLOO_SOCKET_IFNAME": "fleet_interface",
+    "RAY_ADDRESS": "ray_port", "VLLM_MODEL": "vllm_model", "HF_HOME": "vllm_model", "HOME": "nothing (gpufleet's)",
+    "HF_HUB_OFFLINE": "vllm_model_source", "VLLM_API_KEY": "vllm_api_key", "HF_TOKEN": "vllm_hf_token",
+    "VLLM_PORT": "vllm_port",
+}
 
 
-class SecretRef(BaseModel):
-    """Where a secret is read on the controller: an environment variable or a file."""
+def _grammar(check: Callable[[str], str | None]) -> Callable[[Any], Any]:
+    """A before-validator from a grammar check (non-text values are left to the type check)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    def validate(value: Any) -> Any:
+        if isinstance(value, str) and (problem := check(value)):
+            raise ValueError(problem)
+        return value
 
-    env: str | None = None
-    file: str | None = None
+    return validate
 
-    @model_validator(mode="after")
-    def _exactly_one(self) -> SecretRef:
-        if (self.env is None) == (self.file is None):
-            raise ValueError("expected exactly one of env or file")
-        return self
+
+def _each(check: Callable[[str], str | None]) -> Callable[[Any], Any]:
+    """A before-validator that applies a grammar check to every text item of a list."""
+
+    def validate(value: Any) -> Any:
+        if isinstance(value, list):
+            for i, item in enumerate(value):
+                if isinstance(item, str) and (problem := check(item)):
+                    raise KeyedError(f"[{i}]", problem)
+        return value
+
+    return validate
+
+
+def _profile(value: str) -> str | None:
+    try:
+        parse_profile(value)
+    except ProfileError as exc:
+        return str(exc)
+    return None
+
+
+def _model(value: str) -> str | None:
+    return grammar.model_path(value) if value.startswith("/") else grammar.hf_repo_id(value)
+
+
+def _controller_dir(value: str) -> str | None:
+    if grammar.controller_path(value) or not Path(value).expanduser().is_dir():
+        return f"expected an existing directory on the controller, found {grammar.show(value)}"
+    return None
+
+
+def _served_name(value: str) -> str | None:
+    if grammar.SERVED_NAME.match(value):
+        return None
+    return ("expected a model name (up to 128 characters, starting with a letter or digit, no control"
+            f" character, no trailing blank), found {grammar.show(value)}")
+
+
+def _version(value: str) -> str | None:
+    if value[:1].isdigit() and all(c.isalnum() or c in ".+~-" for c in value):
+        return None
+    return f"expected a version (e.g. 4.4.1-1), found {grammar.show(value)}"
+
+
+def _worker_ports(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _health(value: Any) -> Any:
+    if isinstance(value, HealthPolicy):
+        return value
+    problems = policy_problems(value)
+    if problems:
+        key, message = problems[0]
+        raise KeyedError(key, message)
+    return HealthPolicy(**value)
 
 
 def _secret_ref(value: Any) -> Any:
@@ -46,27 +133,46 @@ def _secret_ref(value: Any) -> Any:
     return value
 
 
+def _text(check: Callable[[str], str | None]) -> Any:
+    return Annotated[str, BeforeValidator(_grammar(check))]
+
+
+class SecretRef(BaseModel):
+    """Where a secret is read on the controller: an environment variable or a file."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    env: _text(grammar.env_name) | None = None  # type: ignore[valid-type]
+    file: _text(grammar.controller_path) | None = None  # type: ignore[valid-type]
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> SecretRef:
+        if (self.env is None) == (self.file is None):
+            raise ValueError("expected exactly one of env or file")
+        return self
+
+
 class HostConfig(BaseModel):
     """One host's merged configuration: role defaults < all.yml < group_vars < host data < --data."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     # fleet
-    fleet_address: str | None
-    fleet_interface: str | None
-    gpu_profile: str | None
+    fleet_address: _text(grammar.ip_address) | None  # type: ignore[valid-type]
+    fleet_interface: _text(grammar.ifname) | None  # type: ignore[valid-type]
+    gpu_profile: _text(_profile) | None  # type: ignore[valid-type]
     allow_plain_http: bool
-    monitoring_addresses: list[str]
-    gpu_health: HealthPolicy
+    monitoring_addresses: Annotated[list[str], BeforeValidator(_each(grammar.ip_network))]
+    gpu_health: Annotated[HealthPolicy, BeforeValidator(_health)]
 
     # vllm
     vllm_version: str
-    vllm_model: str
-    vllm_model_revision: str | None
-    vllm_served_model_name: str | None
-    vllm_model_config: str | None
+    vllm_model: _text(_model)  # type: ignore[valid-type]
+    vllm_model_revision: _text(grammar.hf_revision) | None  # type: ignore[valid-type]
+    vllm_served_model_name: _text(_served_name) | None  # type: ignore[valid-type]
+    vllm_model_config: _text(grammar.controller_path) | None  # type: ignore[valid-type]
     vllm_dtype: Literal["auto", "bfloat16", "float16", "float32"]
-    vllm_quantization: str | None
+    vllm_quantization: Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9_-]{0,63}$")] | None
     vllm_trust_remote_code: bool
     vllm_max_model_len: PositiveInt | None
     vllm_gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)]
@@ -85,46 +191,46 @@ class HostConfig(BaseModel):
     vllm_hf_token: SecretRef | None
     vllm_extra_args: dict[str, Any]
     vllm_env: dict[str, str]
-    vllm_package: str
-    vllm_system_packages: list[str]
+    vllm_package: _text(grammar.pip_name)  # type: ignore[valid-type]
+    vllm_system_packages: Annotated[list[str], BeforeValidator(_each(grammar.deb_package))]
     vllm_pip_index_url: str | None
     vllm_wheelhouse_url: str | None
     vllm_requirements_url: str | None
-    vllm_model_source: str | None
+    vllm_model_source: _text(_controller_dir) | None  # type: ignore[valid-type]
     vllm_start: bool
     vllm_ready_timeout: PositiveInt
-    vllm_api_allowed_from: list[str] | None
+    vllm_api_allowed_from: Annotated[list[str], BeforeValidator(_each(grammar.ip_network))] | None
 
     # ray
-    ray_version: str
+    ray_version: _text(grammar.pip_version)  # type: ignore[valid-type]
     ray_port: Port
     ray_dashboard: bool
-    ray_worker_ports: tuple[Port, Port]
+    ray_worker_ports: Annotated[tuple[Port, Port], BeforeValidator(_worker_ports)]
     ray_ready_timeout: PositiveInt
     ray_auth_token: SecretRef | None
 
     # nvidia_driver
     nvidia_driver_branch: Annotated[int, Field(ge=450, le=999)]
     nvidia_driver_kernel_modules: Literal["open", "proprietary"]
-    nvidia_driver_version: Annotated[str, Field(pattern=r"^[0-9][A-Za-z0-9.+~:-]*$")] | None
+    nvidia_driver_version: _text(grammar.deb_version) | None  # type: ignore[valid-type]
     nvidia_driver_reboot: Literal["never", "if-needed", "allowed"]
-    nvidia_repo_url: Annotated[str, Field(pattern=r"^(https?|file)://\S+$")]
-    nvidia_repo_keyring_url: Annotated[str, Field(pattern=r"^(https?|file)://\S+$")]
+    nvidia_repo_url: str
+    nvidia_repo_keyring_url: str
     nvidia_repo_key_fingerprint: Annotated[str, Field(pattern=r"^[0-9A-F]{40}$")]
     cuda_version: Annotated[str, Field(pattern=r"^\d+\.\d+$")]
 
     # dcgm, exporters
     dcgm_version: Annotated[str, Field(pattern=r"^\d+$")]
-    dcgm_exporter_version: str | None
+    dcgm_exporter_version: _text(_version) | None  # type: ignore[valid-type]
     dcgm_exporter_port: Port
     node_exporter_version: Annotated[str, Field(pattern=r"^\d+\.\d+\.\d+$")]
     node_exporter_port: Port
     node_exporter_install: Literal["tarball", "package"]
-    node_exporter_tarball_url: Annotated[str, Field(pattern=r"^(https?|file)://\S+$")]
+    node_exporter_tarball_url: str
     node_exporter_tarball_sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
-    node_exporter_listen_address: Annotated[str, Field(pattern=r"^[0-9A-Fa-f.:]+$")] | None
+    node_exporter_listen_address: _text(grammar.ip_address) | None  # type: ignore[valid-type]
     node_exporter_apt_source: Annotated[str, Field(pattern=r"^deb \[([^\]]* )?signed-by=/\S+( [^\]]*)?\] \S+ \S+( \S+)*$")] | None
-    node_exporter_apt_keyring: str | None
+    node_exporter_apt_keyring: _text(grammar.controller_path) | None  # type: ignore[valid-type]
 
     _check_secret = field_validator("vllm_api_key", "vllm_hf_token", "ray_auth_token", mode="before")(_secret_ref)
 
@@ -132,25 +238,32 @@ class HostConfig(BaseModel):
     @classmethod
     def _supported_version(cls, value: str) -> str:
         if value not in SUPPORTED_VLLM_VERSIONS:
-            raise ValueError(f"expected one of {', '.join(SUPPORTED_VLLM_VERSIONS)}, found {value!r}")
+            raise ValueError(f"expected one of {', '.join(SUPPORTED_VLLM_VERSIONS)}, found {grammar.show(value)}")
         return value
 
-    @field_validator("vllm_model")
+    @field_validator("vllm_env")
     @classmethod
-    def _model_ref(cls, value: str) -> str:
-        if not (value.startswith("/") or _HF_ID.match(value)):
-            raise ValueError(f"expected a Hugging Face id (org/name) or an absolute path, found {value!r}")
+    def _env_names(cls, value: dict[str, str]) -> dict[str, str]:
+        for name in value:
+            if problem := grammar.env_name(name):
+                raise KeyedError(name, problem)
+            if name in OWNED_ENV or name.startswith(("NCCL_SOCKET_", "GLOO_SOCKET_")):
+                raise KeyedError(name, f"expected a variable gpufleet does not set, found {name}"
+                                       f" (set {OWNED_ENV.get(name, 'fleet_interface')} instead)")
+            if grammar.looks_secret(name):
+                raise KeyedError(name, "expected no secret in vllm_env, found a secret-looking name"
+                                       " (use a secret reference: vllm_api_key, vllm_hf_token)")
         return value
 
-    @field_validator("fleet_interface")
-    @classmethod
-    def _ifname(cls, value: str | None) -> str | None:
-        if value is not None and not _IFNAME.match(value):
-            raise ValueError(f"expected a network interface name, found {value!r}")
-        return value
+    def api_ports(self) -> int:
+        """How many API ports above ``vllm_port`` one node may use (one per replica)."""
+        return API_PORTS_WHEN_AUTO if self.vllm_replicas_per_node == "auto" else self.vllm_replicas_per_node
 
-    def contradictions(self) -> list[tuple[tuple[str, ...], str]]:
-        """Values that each pass alone but not together: (keys involved, what is wrong)."""
+    def contradictions(self, api_ports: int | None = None) -> list[tuple[tuple[str, ...], str]]:
+        """Values that each pass alone but not together: (keys involved, what is wrong).
+
+        ``api_ports``: the replicas the plan puts on this node, when known (else ``api_ports()``).
+        """
         found: list[tuple[tuple[str, ...], str]] = []
         multi_node = self.vllm_nodes_per_replica != "auto" and self.vllm_nodes_per_replica > 1
         if multi_node and self.vllm_replicas_per_node not in ("auto", 1):
@@ -170,25 +283,92 @@ class HostConfig(BaseModel):
                 ("fleet_interface",),
                 "expected an interface name for multi-node replicas (NCCL_SOCKET_IFNAME), found null",
             ))
-        ports = {
-            "dcgm_exporter_port": self.dcgm_exporter_port,
-            "node_exporter_port": self.node_exporter_port,
-            "vllm_master_port": self.vllm_master_port,
-            "ray_port": self.ray_port,
+        if self.vllm_distributed_backend == "ray" and self.ray_auth_token is None:
+            found.append((("ray_auth_token", "vllm_distributed_backend"),
+                          "expected ray_auth_token ({env: NAME} or {file: PATH}) with vllm_distributed_backend ray"
+                          " (Ray's cluster token), found null"))
+        found += self._port_problems(api_ports or self.api_ports())
+        found += self._url_problems()
+        found += self._extra_args_problems()
+        return found
+
+    def _port_problems(self, api_ports: int) -> list[tuple[tuple[str, ...], str]]:
+        found: list[tuple[tuple[str, ...], str]] = []
+        first, last = self.ray_worker_ports
+        if first > last:
+            found.append((("ray_worker_ports",), f"expected [first, last] with first <= last, found [{first}, {last}]"))
+        ranges = {
+            "vllm_port": (self.vllm_port, self.vllm_port + api_ports - 1),
+            "ray_port": (self.ray_port, self.ray_port + 8),
+            "ray_worker_ports": (min(first, last), max(first, last)),
+            "vllm_master_port": (self.vllm_master_port,) * 2,
+            "node_exporter_port": (self.node_exporter_port,) * 2,
+            "dcgm_exporter_port": (self.dcgm_exporter_port,) * 2,
         }
-        taken: dict[int, str] = {}
-        for key, port in ports.items():
-            if port in taken:
-                found.append(((key, taken[port]), f"expected a port of its own, found {port} for both {taken[port]} and {key}"))
-            taken[port] = key
-        api_last = self.vllm_port + 15
-        for key, port in ports.items():
-            if self.vllm_port <= port <= api_last:
-                found.append((
-                    ("vllm_port", key),
-                    f"expected API ports {self.vllm_port}..{api_last} (one per replica) clear of"
-                    f" {key} {port}, found an overlap",
-                ))
+        why = {"vllm_port": f"one API port per replica, {api_ports} on this node",
+               "ray_port": "Ray listens on ray_port .. ray_port + 8"}
+        for key, (low, high) in ranges.items():
+            if high > 65535:
+                found.append(((key,), f"expected ports up to 65535 ({why[key]}), found {low}..{high}"))
+
+        def shown(key: str) -> str:
+            low, high = ranges[key]
+            return f"{key} {low}" if low == high else f"{key} {low}..{high}"
+
+        keys = list(ranges)
+        for i, a in enumerate(keys):
+            for b in keys[i + 1:]:
+                (a_low, a_high), (b_low, b_high) = ranges[a], ranges[b]
+                if a_low <= b_high and b_low <= a_high:
+                    if a_low == a_high == b_low == b_high:
+                        message = f"expected a port of its own, found {a_low} for both {' and '.join(sorted((a, b)))}"
+                        found.append(((b, a), message))
+                    else:
+                        found.append(((a, b), f"expected {shown(a)} clear of {shown(b)}, found an overlap"))
+        return found
+
+    def _url_problems(self) -> list[tuple[tuple[str, ...], str]]:
+        found: list[tuple[tuple[str, ...], str]] = []
+        plain = self.allow_plain_http
+        urls = {"vllm_pip_index_url": self.vllm_pip_index_url, "vllm_wheelhouse_url": self.vllm_wheelhouse_url,
+                "vllm_requirements_url": self.vllm_requirements_url, "nvidia_repo_url": self.nvidia_repo_url,
+                "nvidia_repo_keyring_url": self.nvidia_repo_keyring_url,
+                "node_exporter_tarball_url": self.node_exporter_tarball_url}
+        for key, value in urls.items():
+            if value is not None and (problem := grammar.url(value, plain)):
+                found.append(((key,), problem))
+        source = self.node_exporter_apt_source
+        if source is not None:
+            options, _, rest = source.partition("] ")
+            if "trusted=yes" in options.replace("[", " ").split():
+                found.append((("node_exporter_apt_source",),
+                               "expected a signed-by= source, found trusted=yes (it turns off apt's signature check)"))
+            elif problem := grammar.url(rest.split(" ")[0], plain, ("https", "http")):
+                found.append((("node_exporter_apt_source",), problem))
+        return found
+
+    def _extra_args_problems(self) -> list[tuple[tuple[str, ...], str]]:
+        found: list[tuple[tuple[str, ...], str]] = []
+        catalog = load_catalog(self.vllm_version)
+        if self.vllm_quantization is not None:
+            for problem in catalog.check_config({"quantization": self.vllm_quantization}):
+                found.append((("vllm_quantization",), f"vLLM {self.vllm_version}: {problem.message}"))
+        for key, value in self.vllm_extra_args.items():
+            where = (f"vllm_extra_args.{key}",)
+            base = key.lstrip("-").partition(".")[0]
+            spec = catalog.spec("--" + base)
+            flag = spec.name if spec else "--" + base.replace("_", "-")
+            if key.startswith("-"):
+                found.append((where, f"expected a flag name without dashes, found {grammar.show(key)}"))
+            elif flag in OWNED_FLAGS:
+                found.append((where, f"expected a flag gpufleet does not own, found {flag}; set {OWNED_FLAGS[flag]} instead"))
+            elif grammar.looks_secret(base):
+                found.append((where, "expected no secret in vllm_extra_args (config.yaml is 0644), found a"
+                                     " secret-looking flag; use a secret reference"))
+            else:
+                for problem in catalog.check_config({key: value}):
+                    message = problem.message.replace("expects ", "expected ", 1).replace(", got ", ", found ", 1)
+                    found.append((where, f"vLLM {self.vllm_version}: {message}"))
         return found
 
 

@@ -7,9 +7,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from gpufleet.config import grammar
 from gpufleet.config.layers import HostLayers, is_role_default
-from gpufleet.config.problems import Problem
-from gpufleet.config.schema import SCHEMA_KEYS, HostConfig
+from gpufleet.config.problems import KeyedError, Problem
+from gpufleet.config.schema import SCHEMA_KEYS, SECRET_KEYS, HostConfig
 
 # Data keys that belong to pyinfra itself (connectors and global operation arguments).
 PYINFRA_KEY_PREFIXES = ("ssh_", "winrm_", "docker_", "podman_", "chroot_", "local_", "_")
@@ -24,10 +25,33 @@ _UNION_EXPECTED = {
 
 
 def _found(value: Any) -> str:
-    if value is None:
-        return "null"
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+    return grammar.show(value)
+
+
+def is_secret_path(key: str) -> bool:
+    """Whether the value at a key path may be a secret, and must never be shown."""
+    parts = key.replace("[", ".").split(".")
+    return parts[0] in SECRET_KEYS or any(grammar.looks_secret(p) for p in parts[1:])
+
+
+def _control_problems(key: str, value: Any, depth: int = 0) -> list[tuple[str, str]]:
+    """(key path, problem) for every text, key included, holding a control character."""
+    if depth > 50:
+        return [(key, "expected values nested at most 50 levels deep, found deeper")]
+    found: list[tuple[str, str]] = []
+    if isinstance(value, str):
+        if ch := grammar.control_char(value):
+            found.append((key, f"expected text without control characters, found {ch} in it"))
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            if isinstance(k, str) and (ch := grammar.control_char(k)):
+                found.append((key, f"expected keys without control characters, found {ch} in one"))
+            else:
+                found += _control_problems(f"{key}.{k}", v, depth + 1)
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            found += _control_problems(f"{key}[{i}]", item, depth + 1)
+    return found
 
 
 def _expected(err: dict[str, Any]) -> str:
@@ -37,7 +61,7 @@ def _expected(err: dict[str, Any]) -> str:
         "float_type": "a number", "float_parsing": "a number",
         "bool_type": "true or false", "bool_parsing": "true or false",
         "string_type": "text", "dict_type": "a mapping", "list_type": "a list",
-        "model_type": "a mapping", "model_attributes_type": "a mapping",
+        "model_type": "a mapping", "model_attributes_type": "a mapping", "tuple_type": "a list of two ports",
         "extra_forbidden": "no such key here", "unexpected_keyword_argument": "no such key here",
     }
     if kind in simple:
@@ -53,12 +77,24 @@ def _expected(err: dict[str, Any]) -> str:
     return err["msg"]
 
 
-def _message(err: dict[str, Any]) -> str:
+def _message(err: dict[str, Any], secret: bool) -> str:
     if err["type"] == "missing" or (err.get("input", "") is None and err["type"].endswith("_type")):
         return "expected a value, found nothing (required)"
+    hidden = "a value (not shown: it may be a secret)"
     if err["type"] == "value_error":
-        return str(err.get("ctx", {}).get("error", err["msg"]))
-    return f"expected {_expected(err)}, found {_found(err.get('input'))}"
+        error = err.get("ctx", {}).get("error", err["msg"])
+        text = error.message if isinstance(error, KeyedError) else str(error)
+        return text.replace(f"found {_found(err.get('input'))}", f"found {hidden}") if secret else text
+    found = hidden if secret else _found(err.get("input"))
+    return f"expected {_expected(err)}, found {found}"
+
+
+def _sub_key(err: dict[str, Any]) -> str:
+    """The key below the field that a validator blamed (``KeyedError``), if any."""
+    error = err.get("ctx", {}).get("error") if err["type"] == "value_error" else None
+    if not isinstance(error, KeyedError) or not error.key:
+        return ""
+    return error.key if error.key.startswith("[") else "." + error.key
 
 
 def _key_path(loc: tuple[Any, ...]) -> str:
@@ -73,10 +109,18 @@ def _key_path(loc: tuple[Any, ...]) -> str:
     return ".".join(parts)
 
 
+def _top(key: str) -> str:
+    """The variable a key path starts with."""
+    return key.split(".")[0].split("[")[0]
+
+
 def unknown_key_problems(values: dict[str, Any], sources: dict[str, str], host: str) -> list[Problem]:
     """Keys neither the schema nor pyinfra knows, with the nearest known key."""
     problems = []
     for key in values:
+        if grammar.control_char(key):
+            problems.append(Problem(sources[key], grammar.show(key), "expected a variable name, found this key", (host,)))
+            continue
         if key in SCHEMA_KEYS or key.startswith(PYINFRA_KEY_PREFIXES):
             continue
         near = difflib.get_close_matches(key, sorted(SCHEMA_KEYS), n=1, cutoff=0.6)
@@ -85,19 +129,27 @@ def unknown_key_problems(values: dict[str, Any], sources: dict[str, str], host: 
     return problems
 
 
-def validate_host(layers: HostLayers, fallback_source: str) -> tuple[HostConfig | None, list[Problem]]:
-    """Validate one host; problems name the file each bad value came from."""
+def validate_host(layers: HostLayers, fallback_source: str,
+                  api_ports: int | None = None) -> tuple[HostConfig | None, list[Problem]]:
+    """Validate one host; problems name the file each bad value came from.
+
+    ``api_ports``: how many replicas the plan puts on the host, when it is known.
+    """
     values, sources = layers.merged()
     host = layers.name
     problems = unknown_key_problems(values, sources, host)
     known = {k: v for k, v in values.items() if k in SCHEMA_KEYS}
+    control = [Problem(sources[key], path, message, (host,))
+               for key, value in known.items() for path, message in _control_problems(key, value)]
+    if control:
+        return None, problems + control
     try:
         config = HostConfig(**known)
     except ValidationError as exc:
         seen: set[str] = set()
         for details in exc.errors():
             err: dict[str, Any] = dict(details)
-            key = _key_path(err["loc"])
+            key = _key_path(err["loc"]) + _sub_key(err)
             top = key.split(".")[0].split("[")[0]
             if key in seen:
                 continue
@@ -105,13 +157,13 @@ def validate_host(layers: HostLayers, fallback_source: str) -> tuple[HostConfig 
             if top in _UNION_EXPECTED and err["type"] != "missing":
                 message = f"expected {_UNION_EXPECTED[top]}, found {_found(values.get(top))}"
             else:
-                message = _message(err)
+                message = _message(err, is_secret_path(key))
             source = sources.get(top, fallback_source)
             if values.get(top) is None and is_role_default(source):
                 source = fallback_source  # a required value nobody set: the inventory must set it
             problems.append(Problem(source, key, message, (host,)))
         return None, problems
-    for keys, message in config.contradictions():
-        chosen = next((k for k in keys if not is_role_default(sources.get(k, ""))), keys[0])
-        problems.append(Problem(sources.get(chosen, fallback_source), chosen, message, (host,)))
+    for keys, message in config.contradictions(api_ports):
+        chosen = next((k for k in keys if not is_role_default(sources.get(_top(k), ""))), keys[0])
+        problems.append(Problem(sources.get(_top(chosen), fallback_source), chosen, message, (host,)))
     return (config if not problems else None), problems

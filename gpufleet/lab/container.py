@@ -74,6 +74,9 @@ def nspawn_argv(root: Path, machine: str, hostname: str, bridge: str) -> list[st
         "--resolv-conf=off",  # the node's own /etc/resolv.conf: no DNS in the lab
         "--timezone=off",
         "--console=read-only",
+        # nspawn's seccomp filter refuses bpf(2) by default, and without it the node's systemd silently
+        # ignores IPAddressAllow=/IPAddressDeny= (cgroup BPF): allowed, the units' IP filters are enforced.
+        "--system-call-filter=bpf",
     ]
 
 

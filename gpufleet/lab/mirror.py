@@ -194,6 +194,21 @@ def node_exporter_sources(base_url: str, cache_dir: Path | str | None = None) ->
     return found
 
 
+def keyring_fingerprint(cache_dir: Path | str | None = None) -> str | None:
+    """The fingerprint of the key in the mirror's published keyring (``keys/gpufleet-lab.gpg``), as
+    ``nvidia_repo_key_fingerprint`` names it; None until :func:`prepare` exported it. Read with a throwaway
+    gpg home: nothing is generated or imported."""
+    keyring = _cache(cache_dir) / WWW / "keys" / KEYRING_NAME
+    if not keyring.is_file():
+        return None
+    with tempfile.TemporaryDirectory() as home:
+        listing = _run(["gpg", "--homedir", home, "--batch", "--with-colons", "--show-keys", str(keyring)])
+    lines = listing.splitlines()
+    found = [line.split(":")[9] for prev, line in zip(lines, lines[1:]) if prev.startswith("pub:")
+             and line.startswith("fpr:")]
+    return found[0] if len(found) == 1 else None
+
+
 def build_apt_repo(
     out_dir: Path | str,
     *,

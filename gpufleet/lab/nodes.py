@@ -68,11 +68,13 @@ def resolve_profiles(count: int, profiles: list[str] | None) -> list[str]:
 
 
 API_KEY_FILE = "vllm-api-key"
+RAY_TOKEN_FILE = "ray-auth-token"
 
 
-def ensure_api_key(directory: Path) -> Path:
-    """The lab's vLLM API key (0600, made once): the inventory refers to it as ``{file: ...}``."""
-    path = directory / API_KEY_FILE
+def ensure_api_key(directory: Path, name: str = API_KEY_FILE) -> Path:
+    """A lab secret (0600, made once): the vLLM API key, or with ``name=RAY_TOKEN_FILE`` the Ray cluster token;
+    the inventory refers to it as ``{file: ...}``."""
+    path = directory / name
     if not path.exists():
         directory.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -112,6 +114,7 @@ def up(
         base_root = rootfs.ensure_base(cache_dir())
         key = ssh.ensure_key(ssh_key_path(directory))
         ensure_api_key(directory)
+        ensure_api_key(directory, RAY_TOKEN_FILE)
         state = LabState(
             subnet=str(net), bridge=bridge, bridge_address=str(network.bridge_address(net)),
             ssh_key=str(key), known_hosts=str(known_hosts_path(directory)),

@@ -76,27 +76,47 @@ class PolicyError(ValueError):
     """A health policy file or mapping that cannot be used; the message names the field."""
 
 
+_POLICY_EXPECTED = {
+    "expected_gpu_count": "an integer >= 1 or null",
+    "expected_gpu_model": "non-empty text (a part of the NVML name) or null",
+    "max_uncorrected_ecc": "an integer >= 0",
+    "min_driver_branch": "an integer >= 0",
+}
+
+
+def _policy_value_ok(key: str, value: Any) -> bool:
+    if key == "expected_gpu_count":
+        return value is None or (type(value) is int and value >= 1)
+    if key == "expected_gpu_model":
+        return value is None or (isinstance(value, str) and value.strip() != "" and value.isprintable())
+    if key in ("max_uncorrected_ecc", "min_driver_branch"):
+        return type(value) is int and value >= 0
+    return isinstance(value, bool)
+
+
+def policy_problems(data: Any) -> list[tuple[str, str]]:
+    """Every bad key of a policy mapping as (key, "expected …, found …"); the one schema of ``gpu_health``,
+    used alike by config validation on the controller and by ``nvml_probe.py --gate`` on the node."""
+    if not isinstance(data, dict):
+        found = "null" if data is None else {"list": "a list", "str": "text"}.get(type(data).__name__, repr(data))
+        return [("", f"expected a mapping, found {found}")]
+    known = [f.name for f in fields(HealthPolicy)]
+    problems = []
+    for key, value in data.items():
+        if key not in known:
+            problems.append((str(key), f"expected one of {', '.join(known)}, found an unknown key"))
+        elif not _policy_value_ok(key, value):
+            shown = "null" if value is None else repr(value)
+            problems.append((key, f"expected {_POLICY_EXPECTED.get(key, 'true or false')}, found {shown[:60]}"))
+    return problems
+
+
 def policy_from_dict(data: dict[str, Any], source: str = "<policy>") -> HealthPolicy:
     """Build a :class:`HealthPolicy`, rejecting unknown keys and values of the wrong type."""
-    if not isinstance(data, dict):
-        raise PolicyError(f"{source}: expected a JSON object, found {type(data).__name__}")
-    known = {f.name: f for f in fields(HealthPolicy)}
-    unknown = sorted(set(data) - set(known))
-    if unknown:
-        raise PolicyError(f"{source}: unknown key {unknown[0]!r}; known: {', '.join(known)}")
-    defaults = HealthPolicy()
-    for key, value in data.items():
-        expected = type(getattr(defaults, key))
-        if key == "expected_gpu_count":
-            ok = value is None or (isinstance(value, int) and not isinstance(value, bool) and value > 0)
-        elif key == "expected_gpu_model":
-            ok = value is None or (isinstance(value, str) and value != "")
-        elif expected is bool:
-            ok = isinstance(value, bool)
-        else:
-            ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
-        if not ok:
-            raise PolicyError(f"{source}: {key}: invalid value {value!r}")
+    problems = policy_problems(data)
+    if problems:
+        key, message = problems[0]
+        raise PolicyError(f"{source}: {key}: {message}" if key else f"{source}: {message}")
     return HealthPolicy(**data)
 
 

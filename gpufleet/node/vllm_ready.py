@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import re
 import subprocess
 import sys
 import time
@@ -24,7 +25,8 @@ import urllib.request
 
 
 def read_env_file(path: str) -> dict[str, str]:
-    """``NAME="value"`` lines of a systemd EnvironmentFile."""
+    """``NAME="value"`` lines of a systemd EnvironmentFile, as gpufleet writes them: inside the quotes a
+    backslash escapes ``"``, ``\\``, a backquote or ``$`` and stays before any other character (systemd's rule)."""
     found: dict[str, str] = {}
     with open(path, encoding="utf-8") as handle:
         for line in handle:
@@ -33,7 +35,7 @@ def read_env_file(path: str) -> dict[str, str]:
                 continue
             name, value = line.split("=", 1)
             if len(value) >= 2 and value[0] == value[-1] == '"':
-                value = value[1:-1].replace('\\"', '"').replace("\\\\", "\\")
+                value = re.sub(r'\\([\\"`$])', r"\1", value[1:-1])
             found[name.strip()] = value
     return found
 

@@ -94,15 +94,28 @@ def secret_env_names(cfg: HostConfig) -> list[str]:
         names.append("VLLM_API_KEY")
     if cfg.vllm_hf_token:
         names.append("HF_TOKEN")
+    if cfg.vllm_distributed_backend == "ray" and cfg.ray_auth_token:
+        names.append("RAY_AUTH_TOKEN")  # vLLM joins the replica's Ray cluster as a driver
     return names
 
 
 RAY_TEMP_DIR = "/var/lib/vllm/ray"  # outside vLLM's PrivateTmp, so vLLM's driver reaches the local raylet
 
 
+# ``ray start`` as the ``ray`` command runs it, with the Ray Client server off: it runs code for whoever reaches
+# its port and checks no token, and Ray 2.60 starts it on every head (``--ray-client-server-port`` takes
+# 1024-65535 only) unless Ray believes its client dependencies missing.
+RAY_START_WITHOUT_CLIENT_SERVER = (
+    "import sys, ray.scripts.scripts as s; "
+    "s.get_ray_client_dependency_error = lambda: ImportError('Ray Client server off (gpufleet)'); "
+    "sys.exit(s.main())"
+)
+
+
 def ray_start_argv(cfg: HostConfig, address: str, head: str | None) -> list[str]:
-    """``ray start`` for a head (head None) or a worker joining ``head``; every address explicit and every
-    port fixed (ray_port + 1 ... ray_port + 4, workers ray_worker_ports), so a firewall can name them."""
+    """``ray start`` for a head (head None; without the Ray Client server) or a worker joining ``head``; every
+    address explicit and every port fixed (ray_port + 1 ... ray_port + 7, workers ray_worker_ports), so a
+    firewall can name them."""
     ray = f"{VLLM_ROOT}/{cfg.vllm_version}/bin/ray"
     base = cfg.ray_port
     ports = [f"--node-manager-port={base + 1}", f"--object-manager-port={base + 2}",
@@ -113,8 +126,8 @@ def ray_start_argv(cfg: HostConfig, address: str, head: str | None) -> list[str]
     if head is None:
         dashboard = ["--include-dashboard=true", f"--dashboard-host={address}", f"--dashboard-port={base + 7}"] \
             if cfg.ray_dashboard else ["--include-dashboard=false"]
-        return [ray, "start", "--head", f"--port={base}", f"--node-ip-address={address}",
-                f"--ray-client-server-port={base + 8}", *dashboard, *ports]
+        return [f"{VLLM_ROOT}/{cfg.vllm_version}/bin/python", "-c", RAY_START_WITHOUT_CLIENT_SERVER, "start",
+                "--head", f"--port={base}", f"--node-ip-address={address}", *dashboard, *ports]
     return [ray, "start", f"--address={head}:{base}", f"--node-ip-address={address}", *ports]
 
 
@@ -133,6 +146,7 @@ def replica_roles(
         env = node_env(cfg, address, node_gpus)
         if cfg.vllm_distributed_backend == "ray":
             env["RAY_ADDRESS"] = f"{head}:{cfg.ray_port}"
+            env["RAY_AUTH_MODE"] = "token"  # the token itself: RAY_AUTH_TOKEN from a 0600 EnvironmentFile
             if rank == 0:
                 procs = [Process("ray-head", ray_start_argv(cfg, address, None), env),
                          Process("vllm", base + ["--distributed-executor-backend", "ray"], env)]

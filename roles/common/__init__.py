@@ -16,12 +16,19 @@ from pyinfra.context import host
 from pyinfra.facts.server import Hostname
 from pyinfra.operations import apt, files
 
+from gpufleet.systemd_text import env_value
+
 CONFIG_DIR = "/etc/gpufleet"
 NODE_TOOLS_DIR = "/opt/gpufleet/node"
 NODE_TOOLS = ("nvml_probe.py", "health_rules.py", "vllm_ready.py")  # standard library (+ pynvml) only
 NODE_SOURCES = Path(__file__).resolve().parents[2] / "gpufleet" / "node"
 BASE_PACKAGES = ["procps", "ca-certificates"]
 TEMPLATES = Path(__file__).resolve().parents[2] / "templates" / "common"
+
+
+def node_env_values(node_name: str, gpu_profile: str) -> dict[str, str]:
+    """What templates/common/node.env.j2 is rendered with: each value quoted for an EnvironmentFile."""
+    return {"node_name": env_value(node_name), "gpu_profile": env_value(gpu_profile)}
 
 
 @deploy("Common node setup")
@@ -41,8 +48,7 @@ def common() -> None:
         user="root",
         group="root",
         mode="0644",
-        node_name=host.get_fact(Hostname),
-        gpu_profile=host.data.get("gpu_profile") or "",
+        **node_env_values(host.get_fact(Hostname), host.data.get("gpu_profile") or ""),
     )
     files.directory(
         name=f"Create {NODE_TOOLS_DIR}",

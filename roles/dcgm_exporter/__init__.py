@@ -8,8 +8,10 @@ After it, the node has:
   defaults it turns on ECC, remapped rows, XID, clock-event reasons and throttle time, and NVLink error
   counters on nodes whose GPUs have NVLink (from the probed facts);
 - ``/etc/systemd/system/dcgm-exporter.service`` (the package ships no unit): ``dcgm-exporter -f COUNTERS
-  -a :dcgm_exporter_port -r localhost:5555`` as ``dcgm-exporter``, reading through the running host engine
-  (role ``dcgm``), sandboxed by systemd; enabled and running, serving ``/metrics`` on every address.
+  -a FLEET_ADDRESS:dcgm_exporter_port -r localhost:5555`` as ``dcgm-exporter``, reading through the running
+  host engine (role ``dcgm``), sandboxed by systemd; enabled and running, serving ``/metrics`` on the node's
+  fleet address to the node itself and the monitoring hosts only (``IPAddressAllow=``,
+  :mod:`gpufleet.deploy.access`).
 
 A change of the counters file, the unit or the package restarts the exporter and nothing else.
 Variables (roles/dcgm_exporter/defaults.yml): ``dcgm_exporter_version``, ``dcgm_exporter_port``.
@@ -20,10 +22,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from pyinfra import host
 from pyinfra.api.deploy import deploy
 from pyinfra.operations import apt, files, server, systemd
 from pyinfra.operations.util import any_changed
 
+from gpufleet.config.problems import ConfigError, exit_with
+from gpufleet.deploy import access
 from gpufleet.deploy.context import gpu_facts, host_config
 from gpufleet.gpu_facts import NodeFacts
 
@@ -44,10 +49,13 @@ def has_nvlink(facts: NodeFacts | None) -> bool:
     return any(gpu.nvlinks for gpu in facts.gpus)
 
 
-def unit_values(port: int) -> dict[str, Any]:
-    """What templates/dcgm_exporter/dcgm-exporter.service.j2 is rendered with."""
+def unit_values(port: int, address: str, allowed: list[str] | None) -> dict[str, Any]:
+    """What templates/dcgm_exporter/dcgm-exporter.service.j2 is rendered with: it listens on ``address``
+    (the fleet address) and accepts connections from ``allowed`` and localhost only."""
     return {
         "port": port,
+        "address": f"[{address}]" if ":" in address else address,
+        "ip_access": access.unit_lines(allowed),
         "run_as": USER,
         "counters": COUNTERS_FILE,
         "hostengine": HOSTENGINE,
@@ -59,6 +67,11 @@ def unit_values(port: int) -> dict[str, Any]:
 def dcgm_exporter() -> None:
     """Converge the exporter's package, user, counters and hardened unit; restart it only on a change."""
     cfg = host_config()
+    address = cfg.fleet_address or host.name
+    try:
+        allowed = access.exporter_sources(cfg, address, access.monitoring_group())
+    except ConfigError as error:
+        exit_with(error)
     version = cfg.dcgm_exporter_version
     package = apt.packages(
         name=f"Install {PACKAGE}" + (f" {version}" if version else ""),
@@ -82,7 +95,7 @@ def dcgm_exporter() -> None:
         name=f"Write the exporter's unit {UNIT_FILE}",
         src=str(TEMPLATES / "dcgm-exporter.service.j2"), dest=UNIT_FILE,
         user="root", group="root", mode="0644",
-        **unit_values(cfg.dcgm_exporter_port),
+        **unit_values(cfg.dcgm_exporter_port, address, allowed),
     )
     systemd.daemon_reload(name="Reload systemd: the exporter's unit changed", _if=unit.did_change)
     systemd.service(

@@ -7,7 +7,8 @@ After it, the node has:
   is served with the node's metrics (textfile collector);
 - node_exporter running and enabled, with the systemd collector on (unit states, read from systemd over
   D-Bus), listening on ``node_exporter_listen_address`` (default: the fleet address) port
-  ``node_exporter_port``. Where it comes from is ``node_exporter_install``:
+  ``node_exporter_port``, reachable from the node itself and the monitoring hosts only (``IPAddressAllow=``,
+  :mod:`gpufleet.deploy.access`). Where it comes from is ``node_exporter_install``:
 
   - ``tarball``: ``/usr/local/bin/node_exporter`` (root, 0755) from the release tarball, which the controller
     fetched once and checked against ``node_exporter_tarball_sha256`` before pushing it to
@@ -29,7 +30,9 @@ from __future__ import annotations
 import hashlib
 import io
 import re
+import shlex
 import tarfile
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +46,11 @@ from pyinfra.operations import apt, files, server, systemd
 from pyinfra.operations.util import any_changed
 
 from gpufleet.config.schema import HostConfig
+from gpufleet.config.problems import ConfigError, exit_with
+from gpufleet.deploy import access
 from gpufleet.deploy.context import host_config
 from gpufleet.deploy.download import DownloadError, fetch_verified
+from gpufleet.systemd_text import exec_arg, unit_value
 
 USER = "node_exporter"
 TEXTFILE_DIR = "/var/lib/node_exporter/textfile_collector"
@@ -89,15 +95,18 @@ def tarball_url(cfg: HostConfig) -> str:
     return cfg.node_exporter_tarball_url.replace("{version}", cfg.node_exporter_version)
 
 
-def unit_context(cfg: HostConfig, host_name: str) -> dict[str, Any]:
-    """The variables of both templates: our unit (tarball) and the drop-in for Debian's unit (package)."""
+def unit_context(cfg: HostConfig, host_name: str, monitoring: Iterable[str] = ()) -> dict[str, Any]:
+    """The variables of both templates: our unit (tarball) and the drop-in for Debian's unit (package), every
+    value escaped for systemd (a value with a line break raises :class:`~gpufleet.systemd_text.UnitValueError`)."""
     package = cfg.node_exporter_install == "package"
     return {
         "unit": PACKAGE_UNIT if package else UNIT,
         "binary": PACKAGE_BINARY if package else BINARY,
         "account": USER,
-        "version": cfg.node_exporter_version,
-        "flags": exporter_flags(cfg, host_name),
+        "version": unit_value(cfg.node_exporter_version),
+        "flags": [exec_arg(flag) for flag in exporter_flags(cfg, host_name)],  # each escaped for ExecStart=
+        # reachable from the node itself and the monitoring hosts only (``monitoring``: the group's addresses)
+        "ip_access": access.unit_lines(access.exporter_sources(cfg, cfg.fleet_address or host_name, monitoring)),
     }
 
 
@@ -144,6 +153,10 @@ def binary_sha256(tarball: Path) -> str:
 def node_exporter() -> None:
     """Converge node_exporter: its user, textfile directory, binary, unit and running service."""
     cfg = host_config()
+    try:  # every address of the unit's allow list must be an IP address
+        access.exporter_sources(cfg, cfg.fleet_address or host.name, access.monitoring_group())
+    except ConfigError as error:
+        exit_with(error)
     tarball = None
     if cfg.node_exporter_install == "tarball":
         # Fetched and checked before any operation: a bad digest stops the deploy with nothing changed.
@@ -221,7 +234,8 @@ def _install_from_tarball(cfg: HostConfig, tarball: Path) -> list[OperationMeta]
             name=f"Install node_exporter {cfg.node_exporter_version} from {tarball.name} to {BINARY}",
             commands=[
                 'set -e; tmp="$(mktemp -d)"; trap \'rm -rf "$tmp"\' EXIT; '
-                f'tar -xzf {pushed} -C "$tmp" --strip-components=1 --no-same-owner --wildcards "*/node_exporter"; '
+                f'tar -xzf {shlex.quote(pushed)} -C "$tmp" --strip-components=1 --no-same-owner'
+                ' --wildcards "*/node_exporter"; '
                 f'echo "{wanted}  $tmp/node_exporter" | sha256sum --check --quiet; '
                 f'install -o root -g root -m 0755 "$tmp/node_exporter" {BINARY}.new; '
                 f"mv -f {BINARY}.new {BINARY}",
@@ -235,7 +249,7 @@ def _install_from_tarball(cfg: HostConfig, tarball: Path) -> list[OperationMeta]
         group="root",
         mode="0644",
         jinja_env_kwargs=_jinja_env(),
-        **unit_context(cfg, host.name),
+        **unit_context(cfg, host.name, access.monitoring_group()),
     )
     systemd.daemon_reload(name="Reload systemd: the node_exporter unit changed", _if=unit.did_change)
     return [*changed, unit]
@@ -252,7 +266,7 @@ def _install_from_package(cfg: HostConfig) -> list[OperationMeta]:
         group="root",
         mode="0644",
         jinja_env_kwargs=_jinja_env(),
-        **unit_context(cfg, host.name),
+        **unit_context(cfg, host.name, access.monitoring_group()),
     )
     systemd.daemon_reload(name="Reload systemd: the node_exporter drop-in changed", _if=drop_in.did_change)
     missing = PACKAGE not in (host.get_fact(DebPackages) or {})

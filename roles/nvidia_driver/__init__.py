@@ -2,9 +2,12 @@
 
 After it, the node has:
 
-- ``/etc/apt/keyrings/gpufleet-nvidia.gpg`` (or ``.asc``): the repository's key, fetched once from
-  ``nvidia_repo_keyring_url``, and ``/etc/apt/sources.list.d/gpufleet-nvidia.list``:
-  ``deb [signed-by=THAT KEYRING] nvidia_repo_url /``; apt trusts that key for that repository only;
+- ``/etc/apt/keyrings/gpufleet-nvidia.gpg`` (or ``.asc``): the repository's key, fetched from
+  ``nvidia_repo_keyring_url`` when the keyring there is missing or not exactly the key
+  ``nvidia_repo_key_fingerprint`` names (``gpg --show-keys`` on the node, before apt sees it; another key
+  stops the node and leaves no keyring behind), and ``/etc/apt/sources.list.d/gpufleet-nvidia.list``:
+  ``deb [signed-by=THAT KEYRING] nvidia_repo_url /``; apt trusts that key for that repository only.
+  (plain-http URLs pass the config's validation only with ``allow_plain_http``);
 - ``/etc/apt/preferences.d/gpufleet-nvidia-driver``: every ``<branch>.*`` version of NVIDIA's driver
   packages (``nvidia-*``, ``libnvidia-*``, ``cuda-drivers*``) is preferred over any other version, so no
   upgrade can leave the branch, and ``/etc/apt/apt.conf.d/51gpufleet-nvidia-driver``: unattended-upgrades
@@ -22,7 +25,8 @@ After it, the node has:
   operation of the deploy, so it never serves on a mismatched driver.
 
 Variables (roles/nvidia_driver/defaults.yml): ``nvidia_driver_branch``, ``nvidia_driver_kernel_modules``,
-``nvidia_driver_version``, ``nvidia_driver_reboot``, ``nvidia_repo_url``, ``nvidia_repo_keyring_url``; ``gpu_profile`` (roles/fleet).
+``nvidia_driver_version``, ``nvidia_driver_reboot``, ``nvidia_repo_url``, ``nvidia_repo_keyring_url``,
+``nvidia_repo_key_fingerprint``; ``gpu_profile`` and ``allow_plain_http`` (roles/fleet).
 
 apt work is idempotent: the package index is refreshed (for this repository only) when the source or
 the key changed or when apt does not know the driver package yet, packages are installed without
@@ -31,6 +35,7 @@ the key changed or when apt does not know the driver package yet, packages are i
 
 from __future__ import annotations
 
+import re
 import shlex
 from collections.abc import Generator
 from dataclasses import dataclass
@@ -84,6 +89,71 @@ def keyring_path(url: str) -> str:
     """Where the repository's key goes: ``.gpg`` for a binary keyring, ``.asc`` for an armored key."""
     suffix = ".gpg" if url.rstrip("/").endswith(".gpg") else ".asc"
     return f"{KEYRING_DIR}/gpufleet-nvidia{suffix}"
+
+
+def key_fingerprints_command(path_word: str) -> str:
+    """Shell printing the fingerprint of each primary key in an OpenPGP key file (armored or binary), one a
+    line, from ``gpg --show-keys`` in a throwaway home (nothing is imported anywhere). ``path_word``: the
+    file as a shell word (already quoted)."""
+    return ('{ home="$(mktemp -d)"; GNUPGHOME="$home" gpg --batch --show-keys --with-colons'
+            f" {path_word} 2>/dev/null | awk -F: '/^pub:/{{p=1; next}} /^fpr:/{{if (p) print $10; p=0}}';"
+            ' rm -rf "$home"; }')
+
+
+class KeyFingerprints(FactBase[list[str]]):
+    """
+    Returns the fingerprints of the primary keys in an OpenPGP key file, armored or binary; [] when the file
+    is missing or holds no key:
+
+    .. code:: python
+
+        ["EB693B3035CD5710E231E123A4B469963BF863CC"]
+    """
+
+    def command(self, path: str) -> str:
+        return f"if [ -f {shlex.quote(path)} ]; then {key_fingerprints_command(shlex.quote(path))}; fi"
+
+    def process(self, output: list[str]) -> list[str]:
+        return [line.strip().upper() for line in output if re.fullmatch(r"[0-9A-Fa-f]{40}", line.strip())]
+
+
+def fetch_key_script(url: str, dest: str, fingerprint: str) -> str:
+    """Shell that fetches the key at ``url`` and installs it as ``dest`` only when it holds exactly the key
+    ``fingerprint`` names; otherwise it removes ``dest`` (apt must not trust it) and fails, saying why."""
+    q = shlex.quote
+    before = f"NVIDIA's repository key from {url} has fingerprint(s) "
+    after = f", expected {fingerprint} (nvidia_repo_key_fingerprint): not trusted, {dest} removed"
+    return "\n".join([
+        "set -eu",
+        "command -v gpg >/dev/null || { echo 'gpg is needed to check the repository key (install gnupg)' >&2;"
+        " exit 1; }",
+        'tmp="$(mktemp)"',
+        """trap 'rm -f "$tmp"' EXIT""",
+        f'curl -fsSL --retry 3 -o "$tmp" {q(url)}',
+        f'found="$({key_fingerprints_command(chr(34) + "$tmp" + chr(34))} | paste -sd " " -)"',
+        f'if [ "$found" != {q(fingerprint)} ]; then',
+        f"  rm -f {q(dest)}",
+        f'  printf "%s%s%s\\n" {q(before)} "${{found:-none}}" {q(after)} >&2',
+        "  exit 1",
+        "fi",
+        f'install -m 0644 "$tmp" {q(dest)}',  # as root on the node: root-owned
+    ])
+
+
+@operation()
+def repository_key(url: str, dest: str, fingerprint: str) -> Generator[Any, None, None]:
+    """
+    Keep ``dest`` holding exactly the key ``fingerprint`` names, fetched from ``url`` when it does not; a key
+    with another fingerprint stops the node (and ``dest`` is removed, so apt trusts nothing from it).
+
+    + url: where the key is published (https, or http with allow_plain_http, or file)
+    + dest: the keyring apt's source names with ``signed-by=``
+    + fingerprint: 40 hex digits, upper case
+    """
+    if host.get_fact(KeyFingerprints, path=dest) == [fingerprint]:
+        host.noop(f"{dest} holds the key {fingerprint}")
+        return
+    yield StringCommand(fetch_key_script(url, dest, fingerprint))
 
 
 def upstream_version(deb_version: str) -> str:
@@ -293,14 +363,13 @@ def nvidia_driver() -> None:
     branch = cfg.nvidia_driver_branch
     driver = driver_package(branch, cfg.nvidia_driver_kernel_modules)
     keyring = keyring_path(cfg.nvidia_repo_keyring_url)
-
     files.directory(
         name=f"Create apt's keyring directory {KEYRING_DIR}",
         path=KEYRING_DIR, user="root", group="root", mode="0755",
     )
-    key = files.download(
-        name=f"Fetch the NVIDIA repository's key to {keyring}",
-        src=cfg.nvidia_repo_keyring_url, dest=keyring, user="root", group="root", mode="0644",
+    key = repository_key(
+        name=f"Fetch the NVIDIA repository's key to {keyring}, checked against its fingerprint",
+        url=cfg.nvidia_repo_keyring_url, dest=keyring, fingerprint=cfg.nvidia_repo_key_fingerprint,
     )
     source = files.template(
         name=f"Add NVIDIA's repository, trusted through {keyring} only",

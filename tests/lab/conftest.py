@@ -27,12 +27,15 @@ LAB_CLI = [sys.executable, "-m", "gpufleet.cli_lab"]
 LAB_NODES = 3
 LAB_PROFILES = ("8xH100NVL-PCIe", "8xH100-SXM", "8xH100-SXM")  # one per node
 LAB_TEARDOWN_TESTS = {"test_down_leaves_nothing_behind"}
+LAB_LAST_MODULES = {"test_access.py"}  # builds on the Ray deployment test_serving.py leaves
 REQUIRED_ENV = "GPUFLEET_LAB_REQUIRED"
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The session has one lab: the test that takes it down goes after every test that uses it."""
-    items.sort(key=lambda item: getattr(item, "originalname", item.name) in LAB_TEARDOWN_TESTS)
+    """The session has one lab: the test that takes it down goes after every test that uses it, and the modules
+    of LAB_LAST_MODULES after the others (pytest's order stays within a module)."""
+    items.sort(key=lambda item: (getattr(item, "originalname", item.name) in LAB_TEARDOWN_TESTS,
+                                 item.path.name in LAB_LAST_MODULES))
 
 
 def cannot_run_lab() -> str | None:

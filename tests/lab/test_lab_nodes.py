@@ -99,8 +99,8 @@ def test_deploy_converges_and_a_second_run_changes_nothing(lab: Lab) -> None:
     for node in lab.nodes:
         env_file = lab.host(node).file("/etc/gpufleet/node.env")
         assert (env_file.user, env_file.group, env_file.mode) == ("root", "root", 0o644)
-        assert env_file.contains(f"^GPUFLEET_NODE={node.name}$")
-        assert env_file.contains(f"^GPUFLEET_GPU_PROFILE={node.profile}$")
+        assert env_file.contains(f'^GPUFLEET_NODE="{node.name}"$')
+        assert env_file.contains(f'^GPUFLEET_GPU_PROFILE="{node.profile}"$')
         assert lab.host(node).file("/etc/gpufleet").mode == 0o755
 
     second = lab.pyinfra("inventories/lab.py", "deploys/common.py")

@@ -99,7 +99,8 @@ def test_exporter_serves_the_serving_counters(lab: Lab, provisioned: Completed) 
         assert service.is_running and service.is_enabled, node.name
         assert host.check_output(f"ps -o user= -p {main_pid(lab, node, 'dcgm-exporter')}") == "dcgm-exporter"
         assert host.user("dcgm-exporter").shell == "/usr/sbin/nologin"
-        assert host.socket(f"tcp://0.0.0.0:{EXPORTER_PORT}").is_listening
+        assert host.socket(f"tcp://{node.address}:{EXPORTER_PORT}").is_listening  # the fleet address only
+        assert not host.socket(f"tcp://0.0.0.0:{EXPORTER_PORT}").is_listening
         exposure = host.check_output("systemd-analyze security dcgm-exporter.service | tail -1")
         level = float(re.search(r"exposure level for dcgm-exporter\.service: ([\d.]+)", exposure)[1])  # type: ignore[index]
         assert level <= 2.0, exposure

@@ -35,12 +35,21 @@ pytestmark = [
 INVENTORY = "inventories/lab.py"
 DEPLOY = "deploys/vllm.py"
 PORT = 8000
-MODEL = "tiny-llama"
+MODEL_DIR = "/var/lib/gpufleet/models/tiny-llama"
 SINGLE = "lab_single-{}"
 PIPELINE = "lab_pipeline-0"
 # The vLLM unit's exposure on the lab's systemd 252; what is left is what PyTorch and GPU access need
 # (W+X memory for kernels, the network, /dev/nvidia*, /proc).
 VLLM_EXPOSURE_BOUND = 5.0
+
+
+def _served_name(group: str) -> str:
+    """The model name a pool serves under, as its group_vars give it (lab_single's may be hostile text)."""
+    for name in (group, "lab"):
+        data = yaml.safe_load((ROOT / "group_vars" / f"{name}.yml").read_text()) or {}
+        if data.get("vllm_served_model_name"):
+            return data["vllm_served_model_name"]
+    raise AssertionError(f"no vllm_served_model_name for {group}")
 
 
 def _deploy(lab: Lab, *options: str, inventory: str = INVENTORY, timeout: float = 1800) -> Completed:
@@ -68,9 +77,14 @@ def _http(url: str, body: dict | None = None, key: str | None = None, timeout: f
         return exc.code, exc.read().decode()
 
 
+def _model(lab: Lab, node: NodeRecord) -> str:
+    """The name the replica on ``node`` serves under: lab1 is in lab_single, the others in lab_pipeline."""
+    return _served_name("lab_single" if node == lab.nodes[0] else "lab_pipeline")
+
+
 def _completion_tokens(lab: Lab, node: NodeRecord) -> int:
     status, body = _http(f"http://{node.address}:{PORT}/v1/completions",
-                         {"model": MODEL, "prompt": "The fleet is", "max_tokens": 8, "temperature": 0},
+                         {"model": _model(lab, node), "prompt": "The fleet is", "max_tokens": 8, "temperature": 0},
                          _api_key(lab))
     assert status == 200, body
     return json.loads(body)["usage"]["completion_tokens"]
@@ -174,6 +188,49 @@ def test_vllm_runs_as_its_own_user_and_secrets_stay_out_of_sight(lab: Lab) -> No
         assert unreadable.rc != 0
 
 
+def test_the_served_model_name_is_served_literally(lab: Lab) -> None:
+    """lab_single's served name may hold spaces, ``$`` and ``%``: vLLM lists it and answers under it verbatim."""
+    node = lab.nodes[0]
+    status, body = _http(f"http://{node.address}:{PORT}/v1/models", key=_api_key(lab))
+    assert status == 200, body
+    assert [m["id"] for m in json.loads(body)["data"]] == [_model(lab, node)]
+    assert _completion_tokens(lab, node) > 0
+
+
+def test_vllm_env_reaches_the_process_literally(lab: Lab) -> None:
+    """Every vllm_env value (lab_single's may hold quotes, ``$``, ``%``, backslashes) is what systemd hands vLLM."""
+    node = lab.nodes[0]
+    wanted = {}
+    for group in ("lab", "lab_single"):  # the later group's mapping replaces the earlier one
+        data = yaml.safe_load((ROOT / "group_vars" / f"{group}.yml").read_text()) or {}
+        wanted = data.get("vllm_env", wanted)
+    assert wanted
+    pid = main_pid(lab, node, f"vllm@{_single(lab)}")
+    raw = lab.host(node).check_output(f"tr '\\0' '\\n' < /proc/{pid}/environ")
+    environ = dict(line.split("=", 1) for line in raw.splitlines() if "=" in line)
+    assert {name: environ.get(name) for name in wanted} == wanted
+
+
+def test_the_vllm_user_can_write_nothing_root_runs_or_trusts(lab: Lab) -> None:
+    """Models, gpufleet's configuration and the virtualenvs are root's: the vllm user writes only its home."""
+    for node in lab.nodes:
+        host = lab.host(node)
+        probe = host.run("runuser -u vllm -- touch /var/lib/vllm/.gpufleet-probe && rm /var/lib/vllm/.gpufleet-probe")
+        assert probe.rc == 0, probe.stderr  # the check below can fail: vllm can write where it should
+        venv = host.check_output("readlink -f /opt/vllm/0.32.0").strip()
+        assert venv.startswith("/opt/vllm/.build-0.32.0-"), venv
+        for directory in (MODEL_DIR, "/var/lib/gpufleet/models", "/etc/gpufleet", "/etc/gpufleet/vllm",
+                          "/opt/vllm", venv, f"{venv}/bin", "/opt/gpufleet/node"):
+            target = f"{directory}/.written-by-vllm"
+            done = host.run(f"runuser -u vllm -- touch {target}")
+            assert done.rc != 0 and not host.file(target).exists, f"{node.name}: vllm wrote {target}"
+        for existing in (f"{MODEL_DIR}/config.json", "/etc/gpufleet/gpu-health.json", f"{venv}/bin/vllm"):
+            assert host.run(f"runuser -u vllm -- sh -c ': >> {existing}'").rc != 0, f"{node.name}: {existing}"
+        owned = host.run("find /var/lib/gpufleet /etc/gpufleet /opt/vllm /opt/gpufleet"
+                         " \\( -user vllm -o -group vllm -o \\( -perm -o+w ! -type l \\) \\) -print")
+        assert owned.stdout.strip() == "", f"{node.name}: {owned.stdout[:2000]}"
+
+
 def test_the_vllm_unit_is_sandboxed(lab: Lab) -> None:
     node = lab.nodes[0]
     out = lab.host(node).check_output(f"systemd-analyze security --no-pager vllm@{_single(lab)}.service")
@@ -246,25 +303,56 @@ def test_a_node_failing_the_gpu_gate_is_not_started_and_is_named(lab: Lab, tmp_p
 
 
 def test_a_deploy_interrupted_halfway_converges_on_rerun(lab: Lab) -> None:
+    """An install interrupted mid-pip leaves the working virtualenv in place and serving; the rerun finishes it."""
     node = lab.nodes[0]
-    host = lab.host(node)
-    host.check_output(f"systemctl stop vllm@{_single(lab)} && rm -rf /opt/vllm/0.32.0")
+    host, unit = lab.host(node), f"vllm@{_single(lab)}"
+    marker = "/opt/vllm/0.32.0/.gpufleet-installed"
+    working = host.check_output("readlink -f /opt/vllm/0.32.0").strip()
+    host.check_output(f"echo stale > {marker}")  # the next run reinstalls
     process = subprocess.Popen([str(PYINFRA), INVENTORY, DEPLOY, "-y"], cwd=ROOT, env=lab.env,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    new_pip = f"find /opt/vllm -maxdepth 3 -path '/opt/vllm/.build-0.32.0-*/bin/pip' ! -path '{working}/*'"
     end = time.monotonic() + 600
-    while time.monotonic() < end and host.run("test -x /opt/vllm/0.32.0/bin/pip").rc != 0:
+    while time.monotonic() < end and not host.run(new_pip).stdout.strip():
         time.sleep(2)
-    time.sleep(15)  # pip is now installing into the version's virtualenv
+    time.sleep(15)  # pip is now installing into the new build, beside the one in use
     process.send_signal(signal.SIGINT)
     try:
         process.wait(timeout=60)
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
-    assert not host.file("/opt/vllm/0.32.0/.gpufleet-installed").exists
+    assert host.check_output("readlink -f /opt/vllm/0.32.0").strip() == working  # never swapped half-built
+    assert host.file(marker).content_string.strip() == "stale"
+    assert host.run("/opt/vllm/0.32.0/bin/python -c 'import vllm'").rc == 0  # the working one is intact
+    assert host.service(unit).is_running
     assert_no_errors(_deploy(lab))
-    assert host.file("/opt/vllm/0.32.0/.gpufleet-installed").exists
+    rebuilt = host.check_output("readlink -f /opt/vllm/0.32.0").strip()
+    assert rebuilt != working
+    # the replaced build stays (until the next install), the half-built one is gone
+    assert sorted(host.check_output("ls -d /opt/vllm/.build-0.32.0-*").split()) == sorted([rebuilt, working])
+    assert host.file(marker).content_string.strip() != "stale"
     _wait_serving(lab, node)
+
+
+def test_an_interrupted_restart_is_drift_and_the_next_run_performs_it(lab: Lab) -> None:
+    """A restart a deploy decided on and did not perform (its record left on the node) is drift for
+    deploys/check.py, and the next deploy performs it and clears the record once the replica serves."""
+    node = lab.nodes[0]
+    host, replica = lab.host(node), _single(lab)
+    pending = f"/etc/gpufleet/vllm/{replica}/restart-pending"
+    before = main_pid(lab, node, f"vllm@{replica}")
+    host.check_output(f"touch {pending}")  # what a run interrupted between deciding and restarting leaves
+    checked = _run([str(PYINFRA), INVENTORY, "deploys/check.py", "-y"], lab.env, 600)
+    assert checked.rc != 0
+    assert f"[{node.address}] gate: pass; drift: 1 operation(s)" in checked.output, checked.output[-4000:]
+    assert f"replica {replica} must still restart" in checked.output
+    assert_no_errors(_deploy(lab))
+    assert main_pid(lab, node, f"vllm@{replica}") != before
+    assert not host.file(pending).exists
+    _wait_serving(lab, node)
+    clean = _run([str(PYINFRA), INVENTORY, "deploys/check.py", "-y"], lab.env, 600)
+    assert clean.rc == 0, clean.output[-4000:]
 
 
 def test_ray_units_form_a_cluster_across_two_nodes(lab: Lab) -> None:
@@ -274,7 +362,9 @@ def test_ray_units_form_a_cluster_across_two_nodes(lab: Lab) -> None:
     head, worker = lab.nodes[1], lab.nodes[2]
     unit = f"gpufleet-ray-{PIPELINE}"
     assert lab.host(head).service(unit).is_running and lab.host(worker).service(unit).is_running
-    status = lab.host(head).check_output(f"/opt/vllm/0.32.0/bin/ray status --address={head.address}:6379")
+    status = lab.host(head).check_output(  # Ray asks for its token (tests/lab/test_access.py: refused without)
+        f"set -a; . /etc/gpufleet/secrets/{PIPELINE}.ray.env; set +a; RAY_AUTH_MODE=token"
+        f" /opt/vllm/0.32.0/bin/ray status --address={head.address}:6379")
     active = status.split("Active:")[1].split("Pending:")[0]
     assert active.count(" node_") == 2, status
     for node in (head, worker):

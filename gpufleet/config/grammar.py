@@ -1,0 +1,178 @@
+"""What a well-formed value looks like: names, ids, addresses, URLs, paths, package specs.
+
+Each check returns ``None`` when the value is fine, else the text of the problem in the form
+``expected …, found …``. The schema's validators call them; nothing here reads the config.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import posixpath
+import re
+import unicodedata
+from typing import Any
+from urllib.parse import urlsplit
+
+MODELS_PREFIX = "/var/lib/gpufleet/models"
+"""Where model weights live on a node; gpufleet owns everything below it."""
+
+# Hugging Face: an optional org, a name of word characters, "-" and "." (no "--" or ".."), at most 96 each.
+_HF_PART = r"(?!.*(--|\.\.))[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?"
+HF_REPO_ID = re.compile(rf"^(?:{_HF_PART}/)?{_HF_PART}$")
+# A revision: a full commit hash, or a branch or tag name (git's ref rules, restricted to safe characters).
+HF_REVISION = re.compile(r"^(?![./-])(?!.*(\.\.|//|@\{|/\.|\.lock$|[./]$))[A-Za-z0-9._/-]{1,128}$")
+# What clients send as "model": free text (spaces, $, % and quotes reach vLLM literally), starting with a
+# letter or digit, no control character, no surrounding blanks.
+SERVED_NAME = re.compile(r"^[A-Za-z0-9](?:[^\x00-\x1f\x7f]{0,126}[^\x00-\x1f\x7f\s])?$")
+IFNAME = re.compile(r"^(?!\.{1,2}$)[A-Za-z0-9_.-]{1,15}$")
+HOST_LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$")
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+DEB_NAME = re.compile(r"^[a-z0-9][a-z0-9+.-]+$")
+DEB_VERSION = re.compile(r"^(?:[0-9]+:)?[0-9][A-Za-z0-9.+~]*(?:-[A-Za-z0-9.+~]+)?$")
+PIP_NAME = re.compile(r"^(?:[A-Za-z0-9]|[A-Za-z0-9][A-Za-z0-9._-]*[A-Za-z0-9])$")
+PIP_VERSION = re.compile(r"^[0-9]+(?:\.[0-9]+)*(?:(?:a|b|rc)[0-9]+)?(?:\.post[0-9]+)?(?:\.dev[0-9]+)?(?:\+[a-z0-9.]+)?$")
+SECRET_NAME = re.compile(r"(_KEY|_TOKEN|_SECRET)$|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
+
+
+def show(value: Any, limit: int = 60) -> str:
+    """A value as a message shows it: ``repr``, cut short."""
+    if value is None:
+        return "null"
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def control_char(text: str) -> str | None:
+    """The first control, format (bidi), line or paragraph separator character in ``text``, escaped."""
+    for ch in text:
+        if unicodedata.category(ch) in ("Cc", "Cf", "Zl", "Zp"):
+            return repr(ch)[1:-1]
+    return None
+
+
+def hf_repo_id(value: str) -> str | None:
+    if HF_REPO_ID.match(value):
+        return None
+    return (f"expected a Hugging Face id ([org/]name: letters, digits, '-', '_', '.') or an absolute path,"
+            f" found {show(value)}")
+
+
+def hf_revision(value: str) -> str | None:
+    if HF_REVISION.match(value):
+        return None
+    return f"expected a commit hash, branch or tag name, found {show(value)}"
+
+
+def model_path(value: str) -> str | None:
+    """An absolute model path on the node: normalised and strictly below MODELS_PREFIX."""
+    if posixpath.normpath(value) != value or value.startswith("//"):
+        return f"expected a normalised absolute path, found {show(value)}"
+    if not value.startswith(MODELS_PREFIX + "/"):
+        return f"expected a path below {MODELS_PREFIX}/ (gpufleet's model directory), found {show(value)}"
+    return None
+
+
+def absolute_path(value: str) -> str | None:
+    if not value.startswith("/") or posixpath.normpath(value) != value or value.startswith("//"):
+        return f"expected a normalised absolute path, found {show(value)}"
+    return None
+
+
+def controller_path(value: str) -> str | None:
+    """A path on the controller: absolute, ``~/…`` or relative; no empty text."""
+    if not value.strip() or value != value.strip():
+        return f"expected a file path, found {show(value)}"
+    return None
+
+
+def ifname(value: str) -> str | None:
+    if IFNAME.match(value):
+        return None
+    return f"expected a network interface name (1-15 of letters, digits, '_', '.', '-'), found {show(value)}"
+
+
+def host_name(value: str) -> str | None:
+    """An inventory host: an IP address, an RFC 1123 host name, or a pyinfra connector (``@local``…)."""
+    if value.startswith("@"):
+        return None
+    try:
+        ipaddress.ip_address(value)
+        return None
+    except ValueError:
+        pass
+    labels = value.removesuffix(".").split(".")
+    if len(value) <= 253 and all(HOST_LABEL.match(label) for label in labels):
+        return None
+    return f"expected an IP address or an RFC 1123 host name, found {show(value)}"
+
+
+def ip_address(value: str) -> str | None:
+    try:
+        ipaddress.ip_address(value)
+        return None
+    except ValueError:
+        return f"expected an IP address, found {show(value)}"
+
+
+def ip_network(value: str) -> str | None:
+    try:
+        ipaddress.ip_network(value, strict=True)
+        return None
+    except ValueError:
+        return f"expected an IP address or a CIDR network (host bits zero), found {show(value)}"
+
+
+def url(value: str, plain_http: bool, schemes: tuple[str, ...] = ("https", "http", "file")) -> str | None:
+    """A URL with an allowed scheme (http only when ``plain_http``), a host unless file://, no spaces."""
+    allowed = [s for s in schemes if s != "http" or plain_http]
+    try:
+        parts = urlsplit(value)
+        parts.port  # noqa: B018 - raises on a bad port
+    except ValueError:
+        return f"expected a URL, found {show(value)}"
+    if parts.scheme == "http" and "http" in schemes and not plain_http:
+        return f"expected an https:// URL (plain http only with allow_plain_http: true), found {show(value)}"
+    if parts.scheme not in allowed:
+        return f"expected a URL starting {', '.join(s + '://' for s in allowed)}, found {show(value)}"
+    if any(ch.isspace() for ch in value) or (parts.scheme != "file" and not parts.hostname):
+        return f"expected a URL, found {show(value)}"
+    if parts.scheme == "file" and (parts.netloc or not parts.path.startswith("/")):
+        return f"expected file:///absolute/path, found {show(value)}"
+    return None
+
+
+def deb_package(value: str) -> str | None:
+    """A Debian package name, optionally pinned: ``name`` or ``name=version``."""
+    name, eq, version = value.partition("=")
+    if DEB_NAME.match(name) and (not eq or DEB_VERSION.match(version)):
+        return None
+    return f"expected a Debian package name (optionally name=version), found {show(value)}"
+
+
+def deb_version(value: str) -> str | None:
+    if DEB_VERSION.match(value):
+        return None
+    return f"expected a Debian version (e.g. 580.95.05-1), found {show(value)}"
+
+
+def pip_name(value: str) -> str | None:
+    if PIP_NAME.match(value):
+        return None
+    return f"expected a pip project name (letters, digits, '.', '_', '-'), found {show(value)}"
+
+
+def pip_version(value: str) -> str | None:
+    if PIP_VERSION.match(value):
+        return None
+    return f"expected a release version (e.g. 2.60.0), found {show(value)}"
+
+
+def env_name(value: str) -> str | None:
+    if ENV_NAME.match(value):
+        return None
+    return f"expected an environment variable name (letters, digits, '_'), found {show(value)}"
+
+
+def looks_secret(name: str) -> bool:
+    """Whether a variable or flag name says it holds a secret (``*_KEY``, ``*_TOKEN``, ``*PASSWORD*``…)."""
+    return bool(SECRET_NAME.search(name.replace("-", "_")))

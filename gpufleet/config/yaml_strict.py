@@ -1,0 +1,86 @@
+"""Reading YAML variable files strictly: UTF-8 only, each key once, aliases that cannot blow up.
+
+PyYAML's ``safe_load`` keeps the last of two equal keys, decodes with a traceback on a bad byte, and
+lets a few lines of anchors expand into billions of values when anything walks the result.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+from yaml.nodes import MappingNode, Node, SequenceNode
+
+MAX_VALUES = 10_000
+"""The most values (scalars, lists, mappings) a file may hold once its aliases are expanded."""
+
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
+class YamlProblem(ValueError):
+    """Bad YAML; ``where`` is ``:line`` or ``:line:column``, empty when the whole file is to blame."""
+
+    def __init__(self, message: str, where: str = "") -> None:
+        super().__init__(message)
+        self.message, self.where = message, where
+
+
+def _expanded_size(node: Node, memo: dict[int, int]) -> int:
+    """How many values ``node`` stands for once every alias is expanded (stops counting past MAX_VALUES)."""
+    if id(node) in memo:
+        return memo[id(node)]
+    memo[id(node)] = MAX_VALUES + 1  # a node that contains itself expands forever
+    if isinstance(node, SequenceNode):
+        size = 1 + sum(_expanded_size(child, memo) for child in node.value)
+    elif isinstance(node, MappingNode):
+        size = 1 + sum(_expanded_size(k, memo) + _expanded_size(v, memo) for k, v in node.value)
+    else:
+        size = 1
+    memo[id(node)] = min(size, MAX_VALUES + 1)
+    return memo[id(node)]
+
+
+class _StrictLoader(yaml.SafeLoader):
+    def construct_mapping(self, node: MappingNode, deep: bool = False) -> dict[Any, Any]:  # type: ignore[override]
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == _MERGE_TAG:
+                continue
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            try:
+                first = seen.get(key)
+            except TypeError:
+                continue  # an unhashable key: the constructor reports it
+            if first is not None:
+                raise YamlProblem(f"{key}: expected each key once, found it again (first on line {first})",
+                                  f":{line}")
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_yaml(data: bytes) -> Any:
+    """Parse one YAML document from raw bytes; raises YamlProblem with a line where there is one."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise YamlProblem(f"expected UTF-8 text, found byte 0x{data[exc.start]:02x} at byte offset {exc.start}") from None
+    loader = None
+    try:
+        loader = _StrictLoader(text)
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        if _expanded_size(node, {}) > MAX_VALUES:
+            raise YamlProblem(f"expected at most {MAX_VALUES:,} values with anchors and aliases expanded,"
+                              " found more (an alias bomb?)")
+        return loader.construct_document(node)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        what = getattr(exc, "problem", None) or str(exc)
+        raise YamlProblem(f"YAML syntax error: {what}", f":{mark.line + 1}:{mark.column + 1}" if mark else "") from None
+    except RecursionError:
+        raise YamlProblem("expected YAML nested at most a few hundred levels deep, found deeper") from None
+    finally:
+        if loader is not None:
+            loader.dispose()

@@ -1,0 +1,356 @@
+"""Every systemd unit and environment file gpufleet writes, rendered with hostile values that pass validation
+(spaces, ``$``, ``%``, quotes, backslashes, unicode), checked two ways:
+
+- ``systemd-analyze verify`` accepts each unit, loaded from a throwaway root with stub programs at the paths the
+  units run (systemd checks that they are executable) and stub targets for their dependencies;
+- each value reads back literally: ``ExecStart=`` words by a strict parser of systemd's rules (specifiers, then
+  quotes and escapes, then ``$`` expansion; anything gpufleet never writes is an error), environment files by a
+  POSIX shell that sources them and by the node's own reader (``vllm_ready.read_env_file``).
+
+Templates are rendered the way ``files.template`` renders them, from the values each role passes.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import yaml
+from pyinfra.api.util import get_template
+
+import roles.common as common_role
+import roles.dcgm_exporter as dcgm_exporter_role
+import roles.node_exporter as node_exporter_role
+import roles.ray as ray_role
+import roles.vllm as vllm_role
+from gpufleet import systemd_text
+from gpufleet.config.problems import ConfigError
+from gpufleet.deploy import access
+from gpufleet.deploy import vllm_files as vf
+from gpufleet.node import vllm_ready
+from gpufleet.plan.commands import ray_start_argv, serve_argv
+from tests.conftest import ROOT
+from tests.test_vllm_role import _config
+
+TEMPLATES = ROOT / "templates"
+SYSTEMD_ANALYZE = shutil.which("systemd-analyze")
+
+# Text that passes validation wherever free text is allowed (vllm_env values, secrets, host names).
+HOSTILE = [
+    "tiny llama $HOME 100%",
+    'say "hi" and \'bye\'',
+    "back\\slash \\n not a newline\\",
+    "${PATH} $$ %i %% %n",
+    "`id` $(id) ; rm -rf / #",
+    "modèle ✓ 模型",
+    " leading and trailing ",
+    "",
+]
+
+
+# --- systemd's reading of what we write (strict: what gpufleet never writes is an error) ------------------------
+
+def unit_settings(text: str) -> list[tuple[str, str, str]]:
+    """(section, key, value) of a unit file: comments dropped, backslash-continued lines joined."""
+    found, section, pending = [], "", ""
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not pending and (not line or line[0] in "#;"):
+            continue
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        line, pending = pending + line, ""
+        if line.startswith("[") and line.endswith("]"):
+            section = line[1:-1]
+            continue
+        key, sep, value = line.partition("=")
+        assert sep, f"not a key=value line: {line!r}"
+        found.append((section, key.strip(), value.strip()))
+    assert not pending, "a continuation at the end of the file"
+    return found
+
+
+def _specifiers(text: str, instance: str) -> str:
+    def one(match: re.Match[str]) -> str:
+        if match[1] == "%":
+            return "%"
+        if match[1] == "i":
+            return instance
+        raise AssertionError(f"unexpected specifier %{match[1]} in {text!r}")
+    return re.sub(r"%(.)", one, text)
+
+
+def _words(text: str) -> list[str]:
+    """systemd's word splitting of a command line: "..." with \\\\ and \\" escapes; bare words without quotes."""
+    words, i = [], 0
+    while i < len(text):
+        if text[i] in " \t":
+            i += 1
+            continue
+        if text[i] == '"':
+            word, i = "", i + 1
+            while text[i] != '"':
+                if text[i] == "\\":
+                    assert text[i + 1] in '\\"', f"an escape gpufleet never writes in {text!r}"
+                    i += 1
+                word += text[i]
+                i += 1
+            i += 1
+            assert i == len(text) or text[i] in " \t", f"a quote inside a word in {text!r}"
+        else:
+            end = i
+            while end < len(text) and text[end] not in " \t":
+                end += 1
+            word = text[i:end]
+            assert not set(word) & set("\"'\\"), f"quote or backslash in a bare word in {text!r}"
+            i = end
+        words.append(word)
+    return words
+
+
+def _expand(word: str, env: dict[str, str]) -> str:
+    def one(match: re.Match[str]) -> str:
+        if match[0] == "$$":
+            return "$"
+        assert match[1], f"a bare $ in {word!r}"
+        return env[match[1]]
+    return re.sub(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)\}|\$", one, word)
+
+
+def exec_argv(line: str, instance: str = "", env: dict[str, str] | None = None) -> list[str]:
+    """The argv systemd runs for an ``ExecStart=`` value."""
+    return [_expand(word, env or {}) for word in _words(_specifiers(line, instance))]
+
+
+def shell_reads(path: Path, names: list[str]) -> list[str]:
+    """The values a POSIX shell gets from ``set -a; . FILE``."""
+    script = f"set -a; . '{path}'; set +a; " + "; ".join(f'printf "%s\\0" "${name}"' for name in names)
+    done = subprocess.run(["sh", "-c", script], capture_output=True, timeout=30,
+                          env={"PATH": os.environ["PATH"], "HOME": "/home/someone-else"})
+    assert done.returncode == 0, done.stderr
+    return done.stdout.decode().split("\0")[:-1]
+
+
+# --- what every rendered unit must pass --------------------------------------------------------------------------
+
+@dataclass
+class Unit:
+    """A unit file as a role writes it: its name on the node, text, what it runs, and the argv systemd must run."""
+
+    name: str
+    text: str
+    programs: list[str]
+    argv: list[str] | None = None  # the ExecStart= argv expected back, literally
+    instance: str = ""
+    env: dict[str, str] = field(default_factory=dict)
+    drop_in_for: str | None = None
+
+
+def _render(template: str, **values: object) -> str:
+    return get_template(str(TEMPLATES / template)).render(values)
+
+
+def _render_ne(cfg_values: dict[str, object]) -> tuple[str, list[str]]:
+    cfg = _config(**cfg_values)
+    return node_exporter_role.render(cfg, "ignored"), node_exporter_role.exporter_flags(cfg, "ignored")
+
+
+def _node_exporter_tarball(address: str) -> Unit:
+    text, flags = _render_ne({"fleet_address": address})
+    return Unit(node_exporter_role.UNIT, text, [node_exporter_role.BINARY], [node_exporter_role.BINARY, *flags])
+
+
+def _node_exporter_package(address: str) -> Unit:
+    text, flags = _render_ne({"fleet_address": address, "node_exporter_install": "package"})
+    return Unit(f"{node_exporter_role.PACKAGE_UNIT}.d/gpufleet.conf", text, [node_exporter_role.PACKAGE_BINARY],
+                [node_exporter_role.PACKAGE_BINARY, *flags], drop_in_for=node_exporter_role.PACKAGE_UNIT)
+
+
+def _vllm(_: str) -> Unit:
+    replica = "pool-0"
+    values = vllm_role.unit_values()
+    etc = f"{vf.ETC}/{replica}"
+    return Unit("vllm@.service", _render("vllm/vllm@.service.j2", **values),
+                [f"{etc}/venv/bin/python", f"{etc}/venv/bin/vllm"],
+                [f"{etc}/venv/bin/vllm", "serve", "/var/lib/gpufleet/models/m $HOME", "--config", f"{etc}/config.yaml"],
+                instance=replica, env={"VLLM_MODEL": "/var/lib/gpufleet/models/m $HOME"})
+
+
+def _dcgm_exporter(address: str) -> Unit:
+    values = dcgm_exporter_role.unit_values(9400, address, ["10.0.0.0/24"])
+    listen = f"[{address}]:9400" if ":" in address else f"{address}:9400"
+    return Unit(dcgm_exporter_role.SERVICE, _render("dcgm_exporter/dcgm-exporter.service.j2", **values),
+                ["/usr/bin/dcgm-exporter"], ["/usr/bin/dcgm-exporter", "-f", dcgm_exporter_role.COUNTERS_FILE,
+                                             "-a", listen, "-r", dcgm_exporter_role.HOSTENGINE_ADDRESS])
+
+
+def _ray(address: str) -> Unit:
+    replica = "pool-0"
+    cfg = _config(fleet_interface="bond0")
+    argv = ray_start_argv(cfg, address, None)
+    values: dict[str, object] = {
+        "kind": "head", "replica": replica, "env_file": f"{ray_role.ENV_DIR}/{replica}.env",
+        "exec_start": systemd_text.exec_line(argv), "ray": f"{vf.venv_dir(cfg)}/bin/ray",
+        "token_file": ray_role.token_file(replica), "ip_access": access.unit_lines(["10.0.0.0/24"]),
+    }
+    return Unit(ray_role.unit_name(replica), _render("ray/ray.service.j2", **values),
+                [argv[0], f"{vf.venv_dir(cfg)}/bin/ray"], argv)
+
+
+# Each case: a name, and the unit as its role renders it for a node at a (validated) fleet address. The free
+# text of the inventory never reaches a unit: addresses are IPs, replica names the planner's, paths gpufleet's.
+UNIT_CASES: list[tuple[str, Callable[[str], Unit]]] = [
+    ("node_exporter tarball unit", _node_exporter_tarball),
+    ("node_exporter package drop-in", _node_exporter_package),
+    ("vllm@.service", _vllm),
+    ("dcgm-exporter.service", _dcgm_exporter),
+    ("ray unit of a head", _ray),
+]
+# Templates that are not systemd units or environment files (apt sources and preferences, DCGM's CSV).
+NOT_SYSTEMD = {"nvidia_driver/51gpufleet-nvidia-driver.conf.j2", "nvidia_driver/gpufleet-nvidia-driver.pref.j2",
+               "nvidia_driver/gpufleet-nvidia.list.j2", "dcgm_exporter/counters.csv.j2"}
+COVERED = {"node_exporter/node_exporter.service.j2", "node_exporter/package-override.conf.j2",
+           "node_exporter/sandbox.conf.j2", "vllm/vllm@.service.j2", "dcgm_exporter/dcgm-exporter.service.j2",
+           "ray/ray.service.j2", "common/node.env.j2"}
+
+
+def test_every_template_is_covered_here_or_named_as_not_systemd() -> None:
+    found = {str(p.relative_to(TEMPLATES)) for p in TEMPLATES.rglob("*.j2")}
+    assert found == COVERED | NOT_SYSTEMD, "a new template: add it to UNIT_CASES (or NOT_SYSTEMD with a reason)"
+
+
+def _stub_root(root: Path, units: list[Unit]) -> None:
+    """A root where systemd-analyze finds our units, stub programs, and stub units for their dependencies."""
+    system = root / "etc" / "systemd" / "system"
+    system.mkdir(parents=True)
+    for stub in ("sysinit.target", "basic.target", "shutdown.target", "multi-user.target", "network-online.target",
+                 "sockets.target", "paths.target", "timers.target", "system.slice", "-.slice",
+                 "nvidia-dcgm.service"):
+        (system / stub).write_text("[Unit]\nDescription=stub\n" +
+                                   ("[Service]\nExecStart=/bin/true\n" if stub.endswith(".service") else ""))
+    (root / "bin").mkdir()
+    shutil.copy("/bin/true", root / "bin" / "true")
+    for unit in units:
+        for program in unit.programs:
+            path = root / program.lstrip("/")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("#!/bin/sh\n")
+            path.chmod(0o755)
+        if unit.drop_in_for:
+            (system / unit.drop_in_for).write_text(
+                f"[Unit]\nDescription=Debian's unit\n[Service]\nExecStart={unit.programs[0]}\n")
+        (system / unit.name).parent.mkdir(parents=True, exist_ok=True)
+        (system / unit.name).write_text(unit.text)
+
+
+def _verify(root: Path, name: str) -> None:
+    assert SYSTEMD_ANALYZE, "systemd-analyze is needed for this test (Debian: systemd)"
+    done = subprocess.run([SYSTEMD_ANALYZE, "verify", "--man=no", f"--root={root}", name],
+                          capture_output=True, text=True, timeout=120)
+    complaints = [line for line in (done.stdout + done.stderr).splitlines()
+                  if re.search(r"Unknown|ignoring|Unbalanced|Invalid|Failed|not executable|bad", line, re.I)]
+    assert done.returncode == 0 and not complaints, done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("address", ["10.0.0.5", "fd00::5"])
+@pytest.mark.parametrize(("case", "make"), UNIT_CASES, ids=[c for c, _ in UNIT_CASES])
+def test_units_pass_systemd_analyze_and_run_the_literal_argv(tmp_path: Path, case: str,
+                                                             make: Callable[[str], Unit], address: str) -> None:
+    unit = make(address)
+    _stub_root(tmp_path, [unit])
+    instance_name = unit.name.replace("@.", f"@{unit.instance}.") if unit.instance else unit.name
+    _verify(tmp_path, unit.drop_in_for or instance_name)
+    exec_starts = [value for section, key, value in unit_settings(unit.text) if key == "ExecStart" and value]
+    assert len(exec_starts) == 1, exec_starts
+    assert exec_argv(exec_starts[0], unit.instance, unit.env) == unit.argv
+
+
+def test_hostile_words_pass_systemd_analyze_and_read_back_literally(tmp_path: Path) -> None:
+    """exec_line, where any free text would go: systemd accepts the line, and it splits into the same words."""
+    argv = ["/usr/local/bin/program", *HOSTILE, "--flag=a b", "%i", ";", "rm", "-rf", "/"]  # no 2nd command
+    line = systemd_text.exec_line(argv)
+    unit = Unit("hostile@.service", f"[Unit]\nDescription={systemd_text.unit_value('100% $HOME')}\n"
+                                    f"[Service]\nExecStart={line}\n", [argv[0]], instance="x")
+    _stub_root(tmp_path, [unit])
+    _verify(tmp_path, "hostile@x.service")
+    assert exec_argv(line, "x") == argv
+
+
+@pytest.mark.parametrize("bad", ["10.0.0.5\nExecStartPre=/bin/sh -c 'id'", "a\rb", "nul\0"])
+def test_a_line_break_never_reaches_a_unit(bad: str) -> None:
+    with pytest.raises(systemd_text.UnitValueError, match="one line"):
+        systemd_text.exec_line(["/usr/bin/x", bad])
+    with pytest.raises(systemd_text.UnitValueError, match="one line"):
+        systemd_text.unit_value(bad)
+    with pytest.raises(systemd_text.UnitValueError, match="one line"):
+        systemd_text.env_file({"NAME": bad}, "header")
+
+
+def test_a_host_without_an_address_never_reaches_node_exporters_unit() -> None:
+    with pytest.raises(ConfigError, match="expected IP addresses"):
+        node_exporter_role.render(_config(fleet_address=None), "tiny llama $HOME 100%")
+
+
+@pytest.mark.parametrize("word", HOSTILE)
+def test_exec_arg_round_trips_every_hostile_word(word: str) -> None:
+    assert exec_argv(systemd_text.exec_line(["/usr/bin/x", word, "plain"])) == ["/usr/bin/x", word, "plain"]
+
+
+def test_exec_arg_leaves_safe_words_bare() -> None:
+    assert systemd_text.exec_line(["/usr/local/bin/node_exporter", "--web.listen-address=[fd00::1]:9100"]) == \
+        "/usr/local/bin/node_exporter --web.listen-address=[fd00::1]:9100"
+    with pytest.raises(systemd_text.UnitValueError, match="absolute"):
+        systemd_text.exec_line(["node_exporter"])
+
+
+# --- environment files -------------------------------------------------------------------------------------------
+
+def _vllm_env(tmp_path: Path) -> tuple[str, dict[str, str]]:
+    hostile = {f"GPUFLEET_TEST_{i}": text for i, text in enumerate(HOSTILE)}
+    cfg = _config(vllm_env=hostile, vllm_model="/var/lib/gpufleet/models/m")
+    env = vf.replica_env(cfg, {"CUDA_VISIBLE_DEVICES": "0,1", "VLLM_HOST_IP": "fd00::5"})
+    assert {k: env[k] for k in hostile} == hostile
+    return systemd_text.env_file(env, "Written by gpufleet: environment of replica pool-0 (no secrets)"), env
+
+
+def _node_env(tmp_path: Path) -> tuple[str, dict[str, str]]:
+    name, profile = "nöde $HOME 100% \"x\"", "8xH100-SXM `id`"
+    text = _render("common/node.env.j2", **common_role.node_env_values(name, profile))
+    return text, {"GPUFLEET_NODE": name, "GPUFLEET_GPU_PROFILE": profile}
+
+
+def _secrets_env(tmp_path: Path) -> tuple[str, dict[str, str]]:
+    secrets = {"VLLM_API_KEY": 'sk-$HOME-"q"-`id`-\\-100%', "HF_TOKEN": "hf_$(id)"}
+    return systemd_text.env_file(secrets, "secrets of replica pool-0"), secrets
+
+
+ENV_CASES = [("vllm.env with hostile vllm_env values", _vllm_env), ("node.env", _node_env),
+             ("secrets.env", _secrets_env)]
+
+
+@pytest.mark.parametrize(("case", "make"), ENV_CASES, ids=[c for c, _ in ENV_CASES])
+def test_env_files_read_back_literally(tmp_path: Path, case: str,
+                                       make: Callable[[Path], tuple[str, dict[str, str]]]) -> None:
+    text, expected = make(tmp_path)
+    path = tmp_path / "file.env"
+    path.write_text(text)
+    assert vllm_ready.read_env_file(str(path)) == expected
+    assert shell_reads(path, list(expected)) == list(expected.values())
+    for line in text.splitlines():  # one NAME="..." a line, as systemd.exec(5) reads EnvironmentFile=
+        assert line.startswith("#") or re.fullmatch(r'[A-Za-z_][A-Za-z0-9_]*="([^"\\]|\\.)*"', line), line
+
+
+# --- config.yaml: the served name and every flag value as YAML reads them back -----------------------------------
+
+@pytest.mark.parametrize("name", HOSTILE[:6])
+def test_config_yaml_keeps_a_hostile_served_name(name: str) -> None:
+    cfg = _config().model_copy(update={"vllm_served_model_name": name})  # past validation: defence in depth
+    _, config = vf.serve_config(serve_argv(cfg, "10.0.0.5", 8000, 1, 1, 1, 4096))
+    assert yaml.safe_load(vf.config_yaml(config))["served-model-name"] == name
