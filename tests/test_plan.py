@@ -125,6 +125,25 @@ def test_ray_backend_head_and_worker_processes(project: Project) -> None:
     assert procs["d2"][0]["env"]["GLOO_SOCKET_IFNAME"] == "ib0"
 
 
+def test_ipv6_fleet_addresses_are_bracketed_where_a_port_follows(project: Project) -> None:
+    rc, replicas, err = _plan(project, """
+        vllm_model: deepseek-ai/DeepSeek-V3
+        gpu_profile: 8xH100-SXM
+        fleet_interface: ib0
+        vllm_nodes_per_replica: 2
+        vllm_distributed_backend: ray
+        ray_auth_token: {env: RAY_AUTH_TOKEN}
+        vllm_max_model_len: 32768
+    """, 'ds = [("d1", {"fleet_address": "fd00:9::1"}), ("d2", {"fleet_address": "fd00:9::2"})]')
+    assert rc == 0, err
+    procs = replicas[0]["processes"]
+    assert "--node-ip-address=fd00:9::1" in procs["d1"][0]["argv"]  # an address alone stays bare
+    assert "--address=[fd00:9::1]:6379" in procs["d2"][0]["argv"]
+    assert procs["d2"][0]["env"]["RAY_ADDRESS"] == "[fd00:9::1]:6379"
+    vllm = procs["d1"][1]["argv"]
+    assert vllm[vllm.index("--host") + 1] == "fd00:9::1"
+
+
 @pytest.mark.parametrize(
     ("all_yml", "inventory", "expected"),
     [

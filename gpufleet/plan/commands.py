@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpufleet.config.schema import HostConfig
+from gpufleet.netaddr import host_port
 
 VLLM_ROOT = "/opt/vllm"
 
@@ -128,7 +129,7 @@ def ray_start_argv(cfg: HostConfig, address: str, head: str | None) -> list[str]
             if cfg.ray_dashboard else ["--include-dashboard=false"]
         return [f"{VLLM_ROOT}/{cfg.vllm_version}/bin/python", "-c", RAY_START_WITHOUT_CLIENT_SERVER, "start",
                 "--head", f"--port={base}", f"--node-ip-address={address}", *dashboard, *ports]
-    return [ray, "start", f"--address={head}:{base}", f"--node-ip-address={address}", *ports]
+    return [ray, "start", f"--address={host_port(head, base)}", f"--node-ip-address={address}", *ports]
 
 
 def replica_roles(
@@ -145,7 +146,7 @@ def replica_roles(
     for rank, (cfg, host, address, node_gpus) in enumerate(zip(cfgs, hosts, addresses, gpus)):
         env = node_env(cfg, address, node_gpus)
         if cfg.vllm_distributed_backend == "ray":
-            env["RAY_ADDRESS"] = f"{head}:{cfg.ray_port}"
+            env["RAY_ADDRESS"] = host_port(head, cfg.ray_port)
             env["RAY_AUTH_MODE"] = "token"  # the token itself: RAY_AUTH_TOKEN from a 0600 EnvironmentFile
             if rank == 0:
                 procs = [Process("ray-head", ray_start_argv(cfg, address, None), env),

@@ -31,6 +31,7 @@ from gpufleet.config.problems import ConfigError, exit_with
 from gpufleet.deploy import access
 from gpufleet.deploy.context import gpu_facts, host_config
 from gpufleet.gpu_facts import NodeFacts
+from gpufleet.netaddr import bracketed
 
 TEMPLATES = Path(__file__).resolve().parents[2] / "templates" / "dcgm_exporter"
 PACKAGE = "datacenter-gpu-manager-exporter"
@@ -54,7 +55,7 @@ def unit_values(port: int, address: str, allowed: list[str] | None) -> dict[str,
     (the fleet address) and accepts connections from ``allowed`` and localhost only."""
     return {
         "port": port,
-        "address": f"[{address}]" if ":" in address else address,
+        "address": bracketed(address),
         "ip_access": access.unit_lines(allowed),
         "run_as": USER,
         "counters": COUNTERS_FILE,

@@ -50,6 +50,7 @@ from gpufleet.config.problems import ConfigError, exit_with
 from gpufleet.deploy import access
 from gpufleet.deploy.context import host_config
 from gpufleet.deploy.download import DownloadError, fetch_verified
+from gpufleet.netaddr import host_port
 from gpufleet.systemd_text import exec_arg, unit_value
 
 USER = "node_exporter"
@@ -76,9 +77,7 @@ _SIGNED_BY = re.compile(r"signed-by=(/\S+?)[\s\]]")
 def listen_address(cfg: HostConfig, host_name: str) -> str:
     """``ADDRESS:PORT`` for ``--web.listen-address``: the configured address, else the fleet address."""
     address = cfg.node_exporter_listen_address or cfg.fleet_address or host_name
-    if ":" in address:
-        address = f"[{address}]"
-    return f"{address}:{cfg.node_exporter_port}"
+    return host_port(address, cfg.node_exporter_port)
 
 
 def exporter_flags(cfg: HostConfig, host_name: str) -> list[str]:

@@ -30,6 +30,7 @@ from gpufleet.deploy import access
 from gpufleet.deploy import vllm_files as vf
 from gpufleet.deploy.context import assignments, host_config
 from gpufleet.deploy.secret_ops import secret_file
+from gpufleet.netaddr import host_port
 from gpufleet.systemd_text import exec_line
 
 TEMPLATES = Path(__file__).resolve().parents[2] / "templates" / "ray"
@@ -112,7 +113,7 @@ def ray() -> None:
             exec_start=exec_line(proc.argv), ray=ray_bin)
         systemd.daemon_reload(name=f"{replica.name}: reload systemd", _if=unit.did_change)
         written[replica.name] = (env, unit, secret)
-        gcs = f"{replica.roles[0].address}:{cfg.ray_port}"
+        gcs = host_port(replica.roles[0].address, cfg.ray_port)
         if kind == "head":
             started = systemd.service(name=f"{replica.name}: start the Ray head", service=unit_name(replica.name),
                                       running=True, enabled=True)
@@ -140,7 +141,7 @@ def ray() -> None:
     for replica, role, proc in mine:
         if proc.unit != "ray-head":
             continue
-        gcs = f"{role.address}:{cfg.ray_port}"
+        gcs = host_port(role.address, cfg.ray_port)
         nodes = len(replica.roles)
         if _joined_check_needed(ray_bin, gcs, nodes, token_file(replica.name)):
             server.shell(

@@ -38,6 +38,7 @@ from gpufleet.deploy import access
 from gpufleet.deploy import vllm_files as vf
 from gpufleet.deploy.context import assignments, host_config
 from gpufleet.deploy.secret_ops import secret_file
+from gpufleet.netaddr import host_port
 from gpufleet.node.health_rules import policy_json
 from gpufleet.plan.commands import VLLM_ROOT, NodeRole, Process
 from gpufleet.systemd_text import env_file
@@ -269,7 +270,7 @@ def vllm_serve() -> None:
             running=False, _if=_restart_due(replica.name))
         started = systemd.service(name=f"{replica.name}: start {unit}", service=unit, running=True, enabled=True)
         if role.host == replica.nodes[0]:  # the first node serves the API; the others are ranks or Ray workers
-            url = f"http://{role.address}:{replica.port}"
+            url = f"http://{host_port(role.address, replica.port)}"
             _registry(_READY_KEY)[replica.name] = server.shell(
                 name=f"{replica.name}: wait for /health and one real completion on {url}",
                 commands=[ready_command(cfg.vllm_served_model_name or cfg.vllm_model, url, unit,
