@@ -5,6 +5,11 @@ option the ``vllm serve`` parser registers; ``removed.json`` names flags vLLM
 dropped and what replaces them. Regenerate the catalogs with
 ``scripts/gen_vllm_catalog.py``.
 
+Options whose value is a vLLM config class (``--compilation-config`` ...) name it
+in the catalog, which also lists each class's fields: a JSON object given to such
+an option is checked key by key (nested classes included), as vLLM's pydantic
+validation would; fields the catalog types as ``any`` accept anything.
+
 The checker is stricter than vLLM in one way on purpose: vLLM's argparse takes
 any unambiguous prefix of a flag (``--reasoning-effort`` silently becomes
 ``--reasoning-effort-map``), so only exact names are accepted here.
@@ -58,6 +63,8 @@ class FlagProblem:
 
     flag: str
     message: str
+    #: The dotted path below the flag's JSON value (``pass_config.fuse_norm_quant``), if any.
+    subkey: str = ""
 
     def __str__(self) -> str:
         return f"{self.flag}: {self.message}"
@@ -79,6 +86,8 @@ class FlagSpec:
     normalize: str | None
     default: Any
     help: str
+    config_class: str | None = None
+    config_keys_dashes: bool = False
 
     @property
     def takes_value(self) -> bool:
@@ -107,6 +116,8 @@ class FlagSpec:
             normalize=data.get("normalize"),
             default=data.get("default"),
             help=data.get("help", ""),
+            config_class=data.get("config_class"),
+            config_keys_dashes=bool(data.get("config_keys_dashes")),
         )
 
 
@@ -218,13 +229,77 @@ def _dotted_problem(flag: str, key: str, spec: FlagSpec, negated: bool) -> FlagP
         return FlagProblem(flag, f"{spec.name} does not take JSON, so {key} is not accepted")
     return None
 
+
+_FIELD_WORDS = {
+    "bool": "a boolean", "int": "an integer", "float": "a number", "str": "a string",
+    "list": "a list", "dict": "an object",
+}
+_BOOL_STRINGS = frozenset({"0", "off", "f", "false", "n", "no", "1", "on", "t", "true", "y", "yes"})
+_MAX_NESTING = 32
+
+
+def _number(value: object) -> float | None:
+    """``value`` as pydantic's lax mode reads a number (bools and numeric strings too), or None."""
+    if isinstance(value, (bool, int, float)):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value.strip().replace("_", ""))
+        except ValueError:
+            return None
+    return None
+
+
+def _scalar_ok(kind: str, value: object) -> bool:
+    """Whether pydantic (lax mode) takes ``value`` for a field of this scalar kind."""
+    if kind == "str":
+        return isinstance(value, str)
+    if kind == "bool":
+        if isinstance(value, str):
+            return value.strip().lower() in _BOOL_STRINGS
+        return isinstance(value, (bool, int, float)) and value in (0, 1)
+    number = _number(value)
+    if kind == "float":
+        return number is not None
+    return number is not None and number.is_integer()  # int
+
+
+def _shown(value: object) -> str:
+    """A found value as the messages show it."""
+    if value is None:
+        return "null"
+    if isinstance(value, Mapping):
+        return "an object"
+    if isinstance(value, (list, tuple)):
+        return "a list"
+    return repr(value)
+
+
+def _expected(field: Mapping[str, Any]) -> str:
+    """What a catalog field descriptor accepts, in words."""
+    kind = field["type"]
+    if kind == "enum":
+        return "one of " + ", ".join(str(c) for c in field["choices"])
+    if kind == "class":
+        return f"an object ({field['class']})"
+    if kind == "union":
+        return " or ".join(_expected(f) for f in field["of"])
+    return _FIELD_WORDS.get(kind, kind)
+
+
 class FlagCatalog:
     """All ``vllm serve`` options of one vLLM version, and the flag checker."""
 
     def __init__(
-        self, version: str, specs: list[FlagSpec], removed: Mapping[str, RemovedFlag]
+        self,
+        version: str,
+        specs: list[FlagSpec],
+        removed: Mapping[str, RemovedFlag],
+        config_classes: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> None:
         self.version = version
+        #: Config class name -> {"extra": ..., "fields": {name: descriptor}} (see the generator).
+        self.config_classes = dict(config_classes or {})
         self._specs = {spec.name: spec for spec in specs}
         self._lookup: dict[str, tuple[FlagSpec, bool]] = {}
         for spec in specs:
@@ -304,6 +379,8 @@ class FlagCatalog:
             if spec.action == "LoRAParserAction":
                 detail = "NAME=PATH or a JSON object with name and path"
             return FlagProblem(flag, f"expects {detail}, got {raw!r}{extra}")
+        if isinstance(value, dict) and spec.config_class:
+            return next(iter(self.config_problems(flag, spec, value)), None)
         if spec.choices is not None and value not in spec.choices:
             return FlagProblem(flag, self._choice_text(value, spec.choices, "invalid choice", ""))
         if (
@@ -317,6 +394,81 @@ class FlagCatalog:
                 flag, self._choice_text(value, spec.known_values, "unknown value", note)
             )
         return None
+
+    # -- nested config objects ----------------------------------------------
+
+    def config_problems(
+        self, flag: str, spec: FlagSpec, value: Mapping[Any, Any]
+    ) -> list[FlagProblem]:
+        """Check a JSON object given to an option whose value is a vLLM config class."""
+        if spec.config_class not in self.config_classes:
+            return []
+        return self._object_problems(flag, spec.config_class, value, "", spec.config_keys_dashes, 0)
+
+    def _object_problems(
+        self, flag: str, cls: str, value: Mapping[Any, Any], path: str, dashes: bool, depth: int
+    ) -> list[FlagProblem]:
+        entry = self.config_classes.get(cls)
+        if entry is None or depth > _MAX_NESTING:
+            return []
+        fields = {f.get("key", name): f for name, f in entry["fields"].items()}
+        problems: list[FlagProblem] = []
+        for key, sub in value.items():
+            name = str(key)
+            where = f"{path}.{name}" if path else name
+            field = fields.get(name.replace("-", "_") if dashes else name)
+            if field is not None:
+                problems.extend(self._field_problems(flag, field, sub, where, depth + 1))
+            elif entry.get("extra") == "forbid":
+                close = difflib.get_close_matches(name, list(fields), n=1)
+                hint = f"; did you mean {close[0]}?" if close else ""
+                problems.append(FlagProblem(
+                    f"{flag}.{where}", f"expected a key of {cls}, found {name!r}{hint}", where))
+        return problems
+
+    def _field_problems(
+        self, flag: str, field: Mapping[str, Any], value: object, where: str, depth: int
+    ) -> list[FlagProblem]:
+        """Check one value against a field descriptor of the catalog."""
+        kind = field["type"]
+        if kind == "any" or (value is None and field.get("optional")):
+            return []
+        ok = True
+        if value is None:
+            ok = False
+        elif kind == "class":
+            if isinstance(value, Mapping):
+                return self._object_problems(flag, field["class"], value, where, False, depth)
+            ok = bool(field.get("loose"))  # a validator converts non-objects first
+        elif kind == "union":
+            found = [self._field_problems(flag, f, value, where, depth) for f in field["of"]]
+            if any(not p for p in found):
+                return []
+            nested = [p for f, p in zip(field["of"], found, strict=True) if f["type"] == "class"]
+            if nested and isinstance(value, Mapping):
+                return nested[0]
+            ok = False
+        elif kind == "list":
+            if isinstance(value, (list, tuple)):
+                return [p for i, item in enumerate(value)
+                        for p in self._field_problems(flag, field["items"], item, f"{where}[{i}]",
+                                                      depth + 1)]
+            ok = False
+        elif kind == "dict":
+            if isinstance(value, Mapping):
+                return [p for k, item in value.items()
+                        for p in self._field_problems(flag, field["values"], item, f"{where}.{k}",
+                                                      depth + 1)]
+            ok = False
+        elif kind == "enum":
+            ok = not isinstance(value, (Mapping, list, tuple)) and (
+                value in field["choices"] or str(value) in {str(c) for c in field["choices"]})
+        elif kind in ("bool", "int", "float", "str"):
+            ok = _scalar_ok(kind, value)
+        if ok:
+            return []
+        return [FlagProblem(f"{flag}.{where}",
+                            f"expected {_expected(field)}, found {_shown(value)}", where)]
 
     @staticmethod
     def _choice_text(value: Any, options: tuple[Any, ...], what: str, note: str) -> str:
@@ -501,7 +653,7 @@ class FlagCatalog:
             return [FlagProblem(flag, "is a boolean switch: use true or false")]
         if isinstance(value, dict):
             if spec.takes_json:
-                return []
+                return self.config_problems(flag, spec, value)
             return [FlagProblem(flag, "a mapping becomes JSON, but the flag does not take JSON")]
         if isinstance(value, (list, tuple)):
             values = [str(v) for v in value]
@@ -539,4 +691,4 @@ def load_catalog(version: str = DEFAULT_VLLM_VERSION) -> FlagCatalog:
         )
     data = _read_json(f"vllm-{version}.json")
     specs = [FlagSpec.from_json(entry) for entry in data["options"]]
-    return FlagCatalog(data["vllm_version"], specs, _removed_flags())
+    return FlagCatalog(data["vllm_version"], specs, _removed_flags(), data.get("config_classes"))

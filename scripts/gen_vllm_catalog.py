@@ -10,6 +10,11 @@ triton, the compiled extensions and any other missing dependency replaced by
 inert stubs. Every registered option is then written to
 ``gpufleet/data/vllm_catalogs/vllm-<version>.json``, sorted by name.
 
+Options whose value is a vLLM config class (``--compilation-config`` and the
+like) name it in ``config_class``; ``config_classes`` then lists the fields of
+each such class (nested classes included, to ``CONFIG_DEPTH`` levels) with a
+simple type, so that keys and scalar values below the top level can be checked.
+
 Run it with the project's virtualenv: vLLM's config classes need the real
 pydantic and PyYAML. The platform is pinned (CUDA, or CPU for CPU builds) so
 that the output does not depend on the machine that generates it.
@@ -57,15 +62,22 @@ STUBBED_VLLM_PACKAGES = ("vllm.ir",)
 
 _EXTRACT = "--extract-from-unpacked-wheel"
 
+#: How deep nested config classes are described; deeper ones are recorded as "any".
+CONFIG_DEPTH = 4
+
 
 # --------------------------------------------------------------------------
 # Parent process: download, unpack, run the extractor, write the catalog.
 # --------------------------------------------------------------------------
 
 
-def download_wheel(version: str, dest: Path) -> Path:
-    """Download the wheel for ``version`` into ``dest`` and return its path."""
+def download_wheel(version: str, dest: Path, wheels: Path | None = None) -> Path:
+    """Download the wheel for ``version`` into ``dest`` (or take it from ``wheels``)."""
     dist = DISTRIBUTIONS.get(version, "vllm")
+    if wheels is not None:
+        found = sorted(wheels.glob(f"{dist.replace('-', '_')}-{version}-*.whl"))
+        if found:
+            return found[0]
     cmd = [
         sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
         "--dest", str(dest), f"{dist}=={version}",
@@ -88,9 +100,9 @@ def unpack_sources(wheel: Path, dest: Path) -> list[str]:
     )
 
 
-def build_catalog(version: str, workdir: Path) -> dict[str, Any]:
+def build_catalog(version: str, workdir: Path, wheels: Path | None = None) -> dict[str, Any]:
     """Download, unpack and extract the catalog for one vLLM version."""
-    wheel = download_wheel(version, workdir / "wheel")
+    wheel = download_wheel(version, workdir / "wheel", wheels)
     src = workdir / "src"
     extensions = workdir / "extensions.json"
     extensions.write_text(json.dumps(unpack_sources(wheel, src)))
@@ -124,10 +136,11 @@ def main(argv: list[str] | None = None) -> int:
     """Command-line entry point."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("versions", nargs="+", help="vLLM versions, e.g. 0.33.0")
+    parser.add_argument("--wheels", type=Path, help="use the wheels already in this directory")
     args = parser.parse_args(argv)
     for version in args.versions:
         with tempfile.TemporaryDirectory(prefix=f"vllm-catalog-{version}-") as tmp:
-            catalog = build_catalog(version, Path(tmp))
+            catalog = build_catalog(version, Path(tmp), args.wheels)
         path = write_catalog(catalog)
         print(f"{path.relative_to(REPO_ROOT)}: {len(catalog['options'])} options")
     return 0
@@ -318,6 +331,190 @@ def _classify_type(fn: Any, arg_utils: Any, argparse_utils: Any) -> dict[str, An
     return info
 
 
+def _config_class(fn: Any) -> type | None:
+    """The config class a ``parse_dataclass`` converter validates against (its default argument)."""
+    import dataclasses
+
+    while getattr(fn, "__name__", "") in ("_optional_type", "_parse_type"):
+        cells = dict(zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=True))
+        fn = cells["return_type"].cell_contents
+    if getattr(fn, "__name__", "") != "parse_dataclass":
+        return None
+    found = [*(fn.__defaults__ or ()), *(fn.__kwdefaults__ or {}).values()]
+    return next((c for c in found if isinstance(c, type) and dataclasses.is_dataclass(c)), None)
+
+
+def _skips_validation(marker: Any) -> bool:
+    """Whether an ``Annotated`` marker is pydantic's ``SkipValidation``."""
+    return type(marker).__name__ == "SkipValidation"
+
+
+class _ConfigDescriber:
+    """Describes vLLM config classes as ``{name: {"extra": ..., "fields": {...}}}``.
+
+    A field is ``{"type": T, "optional": bool}`` plus ``choices`` (enum),
+    ``items`` (list), ``values`` (dict), ``class`` (a nested config class) or
+    ``of`` (union); ``key`` is the JSON key where pydantic reads an alias;
+    ``loose`` marks a class field that also takes non-objects (a validator
+    converts them first). T is bool, int, float, str, enum, list, dict, class,
+    union or any (anything goes).
+    Fields under ``SkipValidation`` or behind a ``before``/``plain`` validator,
+    and classes behind a ``before``/``wrap`` model validator, are recorded as
+    any: they may take or rewrite anything.
+    """
+
+    def __init__(self) -> None:
+        self.classes: dict[str, dict[str, Any]] = {}
+        self._seen: dict[str, type] = {}
+
+    def describe_class(self, cls: Any, depth: int = 0) -> dict[str, Any]:
+        """The descriptor of a config class (recording it), or any."""
+        import dataclasses
+
+        if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)
+                and cls.__module__.startswith("vllm.")) or depth > CONFIG_DEPTH:
+            return {"type": "any"}
+        decorators = getattr(cls, "__pydantic_decorators__", None)
+        if decorators is not None and any(
+            d.info.mode in ("before", "wrap") for d in decorators.model_validators.values()
+        ):
+            return {"type": "any"}
+        name = cls.__name__
+        if name in self._seen:
+            if self._seen[name] is not cls:
+                raise RuntimeError(f"two config classes named {name}")
+            return {"type": "class", "class": name}
+        self._seen[name] = cls
+        validated: dict[str, str] = {}  # field -> mode of its field validator(s)
+        for dec in (decorators.field_validators.values() if decorators else ()):
+            for fname in dec.info.fields:
+                if validated.get(fname) not in ("before", "plain"):
+                    validated[fname] = dec.info.mode
+        config = getattr(cls, "__pydantic_config__", None)
+        entry: dict[str, Any] = {
+            "module": cls.__module__,
+            "extra": (config or {}).get("extra") or "ignore",
+            "fields": {},
+        }
+        self.classes[name] = entry
+        pydantic_fields = getattr(cls, "__pydantic_fields__", None)
+        if pydantic_fields is not None:  # InitVars included, ClassVars not
+            found = {n: (f.annotation, f.default, f) for n, f in pydantic_fields.items()
+                     if f.init is not False}
+        else:
+            hints = self._hints(cls)
+            found = {f.name: (hints.get(f.name, Any), f.default, None)
+                     for f in dataclasses.fields(cls) if f.init}
+        for fname, (tp, default, info) in found.items():
+            mode = validated.get(fname, validated.get("*"))
+            skipped = any(_skips_validation(m) for m in getattr(info, "metadata", ()))
+            desc = {"type": "any"} if skipped else self.describe(tp, depth + 1)
+            if mode in ("before", "plain"):  # an object still has to fit a class
+                desc = {**desc, "loose": True} if desc["type"] == "class" else {"type": "any"}
+            if mode or default is None:
+                desc["optional"] = True
+            alias = getattr(info, "validation_alias", None) or getattr(info, "alias", None)
+            if isinstance(alias, str) and alias != fname:
+                desc["key"] = alias
+            desc.setdefault("optional", False)
+            entry["fields"][fname] = desc
+        return {"type": "class", "class": name}
+
+    @staticmethod
+    def _hints(cls: type) -> dict[str, Any]:
+        import typing
+
+        try:
+            return typing.get_type_hints(cls)
+        except Exception:  # noqa: BLE001 - stubbed names: fields default to any
+            return {}
+
+    def describe(self, tp: Any, depth: int) -> dict[str, Any]:
+        """Describe one annotation (``optional`` set where None is allowed)."""
+        import collections.abc
+        import dataclasses
+        import enum
+        import pathlib
+        import typing
+
+        origin, args = typing.get_origin(tp), typing.get_args(tp)
+        if isinstance(tp, dataclasses.InitVar):
+            return self.describe(tp.type, depth)
+        if origin is typing.Annotated:
+            if any(_skips_validation(m) for m in tp.__metadata__):
+                return {"type": "any"}
+            return self.describe(args[0], depth)
+        if origin in (typing.Union, types.UnionType):
+            members = [a for a in args if a is not type(None)]
+            descs = [self.describe(a, depth) for a in members]
+            optional = len(members) < len(args) or any(d.get("optional") for d in descs)
+            for d in descs:
+                d.pop("optional", None)
+            if any(d["type"] == "any" for d in descs):
+                desc: dict[str, Any] = {"type": "any"}
+            elif len(descs) == 1:
+                desc = descs[0]
+            else:
+                desc = {"type": "union", "of": descs}
+            return {**desc, "optional": optional}
+        if origin is typing.Literal:
+            if all(isinstance(a, (bool, int, float, str)) for a in args):
+                return {"type": "enum", "choices": list(args)}
+            return {"type": "any"}
+        if tp in (bool, int, float, str):
+            return {"type": tp.__name__}
+        if tp is pathlib.Path:
+            return {"type": "str"}
+        if isinstance(tp, type) and issubclass(tp, enum.Enum):
+            values = [m.value for m in tp]
+            if all(isinstance(v, (bool, int, float, str)) for v in values):
+                return {"type": "enum", "choices": values}
+            return {"type": "any"}
+        base = origin or tp
+        if isinstance(base, type) and issubclass(base, collections.abc.Mapping):
+            values = self.describe(args[1], depth) if len(args) == 2 else {"type": "any"}
+            values.pop("optional", None)
+            return {"type": "dict", "values": values}
+        if isinstance(base, type) and issubclass(base, (list, set, frozenset, tuple,
+                                                        collections.abc.Sequence,
+                                                        collections.abc.Set)) \
+                and not issubclass(base, (str, bytes)):
+            if base is tuple and not (len(args) == 2 and args[1] is Ellipsis):
+                return {"type": "any"}
+            items = self.describe(args[0], depth) if args else {"type": "any"}
+            items.pop("optional", None)
+            return {"type": "list", "items": items}
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+            return self.describe_class(tp, depth)
+        return {"type": "any"}
+
+
+def _json_config_classes(engine_args: type) -> dict[str, tuple[type, bool]]:
+    """Plain-JSON options (``json.loads``) that vLLM unpacks into a config class.
+
+    Maps the dest to the class and whether dashes in its keys become underscores:
+    ``EngineArgs.create_<dest>`` builds it as ``Class(**...)``, its class being the
+    type of the ``VllmConfig`` field of that name.
+    """
+    import dataclasses
+    import inspect
+    import typing
+
+    from vllm.config import VllmConfig
+
+    found: dict[str, tuple[type, bool]] = {}
+    for name, field in VllmConfig.__pydantic_fields__.items():
+        create = getattr(engine_args, f"create_{name}", None)
+        if create is None:
+            continue
+        source = inspect.getsource(create)
+        for cls in typing.get_args(field.annotation) or (field.annotation,):
+            if (isinstance(cls, type) and dataclasses.is_dataclass(cls)
+                    and re.search(rf"\b{cls.__name__}\(\*\*", source)):
+                found[name] = (cls, 'replace("-", "_")' in source)
+    return found
+
+
 def _jsonable(value: Any) -> Any:
     """Turn an argparse default into stable JSON (repr for anything exotic)."""
     import dataclasses
@@ -359,9 +556,8 @@ def _parser_module(src: Path) -> str:
     raise RuntimeError(f"no make_arg_parser found under {src}")
 
 
-def extract(src: str, extensions: str, out: str) -> None:
-    """Build the ``vllm serve`` parser from unpacked sources and dump its options."""
-    sys.argv = ["vllm", "--help"]  # help texts are only computed under --help
+def import_vllm(src: str, extensions: str) -> tuple[_StubFinder, _StubFinder]:
+    """Import vllm from unpacked sources with stubs, platform pinned; returns the stub finders."""
     sys.path.insert(0, src)
     forced = _StubFinder(frozenset(json.loads(Path(extensions).read_text())))
     fallback = _StubFinder(None)
@@ -373,7 +569,6 @@ def extract(src: str, extensions: str, out: str) -> None:
     sys.meta_path.append(fallback)
 
     import vllm.platforms
-    import vllm.version
 
     # No GPU here and the build host's CPU must not matter: pin the platform.
     if os.environ.get("VLLM_TARGET_DEVICE") == "cpu":
@@ -381,7 +576,14 @@ def extract(src: str, extensions: str, out: str) -> None:
     else:
         from vllm.platforms.cuda import CudaPlatform as platform_cls
     vllm.platforms._current_platform = platform_cls()
+    return forced, fallback
 
+
+def extract(src: str, extensions: str, out: str) -> None:
+    """Build the ``vllm serve`` parser from unpacked sources and dump its options."""
+    sys.argv = ["vllm", "--help"]  # help texts are only computed under --help
+    forced, fallback = import_vllm(src, extensions)
+    import vllm.version
     from vllm.engine import arg_utils
     from vllm.utils import argparse_utils
 
@@ -400,6 +602,8 @@ def extract(src: str, extensions: str, out: str) -> None:
         id(a): g.title or "" for g in parser._action_groups for a in g._group_actions
     }
 
+    json_classes = _json_config_classes(arg_utils.EngineArgs)
+    describer = _ConfigDescriber()
     options = []
     for action in parser._actions:
         strings = by_action.get(id(action))
@@ -440,6 +644,13 @@ def extract(src: str, extensions: str, out: str) -> None:
             "group": groups.get(id(action), ""),
             "help": _help_text(action),
         })
+        cls, dashes = (_config_class(action.type), False) if kind["type"] == "json_config" \
+            else json_classes.get(action.dest, (None, False)) if kind["type"] == "json" \
+            else (None, False)
+        if cls is not None and describer.describe_class(cls)["type"] == "class":
+            options[-1]["config_class"] = cls.__name__
+            if dashes:
+                options[-1]["config_keys_dashes"] = True
     options.sort(key=lambda o: o["name"])
     catalog = {
         "vllm_version": vllm.version.__version__,
@@ -447,6 +658,7 @@ def extract(src: str, extensions: str, out: str) -> None:
         "parser_module": module.__name__,
         "stubbed_modules": sorted(forced.stubbed | fallback.stubbed),
         "options": options,
+        "config_classes": describer.classes,
     }
     Path(out).write_text(json.dumps(catalog))
 

@@ -534,3 +534,95 @@ def test_config_lists_are_checked_item_by_item(cat: FlagCatalog) -> None:
     assert cat.check_config({"cudagraph-capture-sizes": [1, 2, 4, 8]}) == []
     [problem] = cat.check_config({"cudagraph-capture-sizes": [1, "two"]})
     assert "'two'" in problem.message
+
+
+# -- nested config objects (--compilation-config and the like) ------------------------------
+
+LAB_COMPILATION = {"mode": 1, "backend": "eager"}  # group_vars/lab.yml, on vLLM 0.32.0
+
+
+@pytest.mark.parametrize("version", SUPPORTED_VLLM_VERSIONS)
+def test_config_classes_are_recorded(version: str) -> None:
+    catalog = load_catalog(version)
+    for flag, cls in [("--compilation-config", "CompilationConfig"),
+                      ("--kv-transfer-config", "KVTransferConfig"),
+                      ("--speculative-config", "SpeculativeConfig"),
+                      ("--structured-outputs-config", "StructuredOutputsConfig")]:
+        spec = catalog.spec(flag)
+        assert spec is not None and spec.config_class == cls
+        assert catalog.config_classes[cls]["extra"] == "forbid"
+    pass_config = catalog.config_classes["CompilationConfig"]["fields"]["pass_config"]
+    assert pass_config["type"] == "class" and pass_config["class"] == "PassConfig"
+    # Free-form: not a config class, so not checked below the top level.
+    assert catalog.spec("--additional-config").config_class is None  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("version", SUPPORTED_VLLM_VERSIONS)
+@pytest.mark.parametrize("mapping", [
+    {"compilation-config": LAB_COMPILATION},
+    {"compilation-config": json.dumps(LAB_COMPILATION)},
+    {"compilation-config": {"mode": "VLLM_COMPILE", "cudagraph_mode": "FULL_AND_PIECEWISE",
+                            "cudagraph_capture_sizes": [1, 2, 4, "8"],
+                            "pass_config": {"eliminate_noops": "true"}, "backend": "inductor",
+                            "inductor_compile_config": {"anything": [1, {"x": None}]}}},
+    {"compilation-config": {"max_cudagraph_capture_size": None, "debug_dump_path": None}},
+    {"speculative-config": {"method": "ngram", "num-speculative-tokens": 3,
+                            "prompt_lookup_max": 4}},
+    {"kv-transfer-config": {"kv_connector": "NixlConnector", "kv_role": "kv_both"}},
+    {"kv-events-config": {"enable_kv_cache_events": True, "publisher": "zmq"}},
+    {"structured-outputs-config": {"backend": "xgrammar"}},
+    {"additional-config": {"whatever": {"goes": 1}}},
+    {"compilation-config.backendd": "eager"},  # dotted keys: only the flag is checked
+    {"enable-prefix-caching": True, "max-num-seqs": 256},  # group_vars/llama_70b.yml
+])
+def test_good_nested_values(version: str, mapping: dict[str, object]) -> None:
+    assert load_catalog(version).check_config(mapping) == []
+
+
+@pytest.mark.parametrize("version", SUPPORTED_VLLM_VERSIONS)
+@pytest.mark.parametrize(("mapping", "flag", "message"), [
+    ({"compilation-config": {"backendd": "eager"}}, "--compilation-config.backendd",
+     "expected a key of CompilationConfig, found 'backendd'; did you mean backend?"),
+    ({"compilation-config": '{"mode": 1, "backendd": "eager"}'}, "--compilation-config.backendd",
+     "expected a key of CompilationConfig, found 'backendd'; did you mean backend?"),
+    ({"compilation-config": {"pass_config": {"eliminate_noop": True}}},
+     "--compilation-config.pass_config.eliminate_noop",
+     "expected a key of PassConfig, found 'eliminate_noop'; did you mean eliminate_noops?"),
+    ({"compilation-config": {"pass_config": {"eliminate_noops": "maybe"}}},
+     "--compilation-config.pass_config.eliminate_noops", "expected a boolean, found 'maybe'"),
+    ({"compilation-config": {"cudagraph_capture_sizes": [1, "two"]}},
+     "--compilation-config.cudagraph_capture_sizes[1]", "expected an integer, found 'two'"),
+    ({"compilation-config": {"cudagraph_capture_sizes": 8}},
+     "--compilation-config.cudagraph_capture_sizes", "expected a list, found 8"),
+    ({"compilation-config": {"backend": 3}}, "--compilation-config.backend",
+     "expected a string, found 3"),
+    ({"compilation-config": {"backend": None}}, "--compilation-config.backend",
+     "expected a string, found null"),
+    ({"compilation-config": {"dynamic_shapes_config": [1]}},
+     "--compilation-config.dynamic_shapes_config",
+     "expected an object (DynamicShapesConfig), found a list"),
+    ({"compilation-config": {"dynamic_shapes_config": {"typ": "backed"}}},
+     "--compilation-config.dynamic_shapes_config.typ",
+     "expected a key of DynamicShapesConfig, found 'typ'; did you mean type?"),
+    ({"compilation-config": {"compile_cache_save_format": "zip"}},
+     "--compilation-config.compile_cache_save_format",
+     "expected one of binary, unpacked, found 'zip'"),
+    ({"speculative-config": {"num-speculative-tokens": "three"}},
+     "--speculative-config.num-speculative-tokens", "expected an integer, found 'three'"),
+    ({"kv-transfer-config": {"kv_conector": "NixlConnector"}}, "--kv-transfer-config.kv_conector",
+     "expected a key of KVTransferConfig, found 'kv_conector'; did you mean kv_connector?"),
+])
+def test_bad_nested_values(version: str, mapping: dict[str, object], flag: str, message: str) -> None:
+    [problem] = load_catalog(version).check_config(mapping)
+    assert (problem.flag, problem.message) == (flag, message)
+    assert problem.subkey == flag.partition(".")[2]
+
+
+def test_nested_values_in_argv(cat: FlagCatalog, cat32: FlagCatalog) -> None:
+    assert messages(cat32, "--compilation-config", json.dumps(LAB_COMPILATION)) == []
+    assert messages(cat, "--compilation-config", '{"backendd": "eager"}') == [
+        "--compilation-config.backendd: expected a key of CompilationConfig, found 'backendd'; "
+        "did you mean backend?"]
+    # vLLM expands bare human-readable numbers in JSON arguments before validating.
+    assert messages(cat, "--compilation-config", '{"decoder_replay_trim_threshold": 1k}') == []
+

@@ -410,15 +410,18 @@ def test_install_waits_for_the_lock_with_a_timeout_and_says_why(opt_vllm: Path, 
     assert not (tmp_path / "pip-args").exists() and not Path(vf.venv_dir(cfg)).exists()
 
 
-def test_pip_index_credentials_never_in_argv_the_script_or_the_marker(opt_vllm: Path, tmp_path: Path) -> None:
+def test_pip_index_credentials_never_in_argv_the_script_or_the_marker(opt_vllm: Path, tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PIP_CREDS", "deploy:s3cr@t")
+    index = "https://pypi.example:8443/simple"
+    cfg = _config(vllm_pip_index_url=index, vllm_pip_index_credentials={"env": "PIP_CREDS"})
     url = "https://deploy:s3cr%40t@pypi.example:8443/simple"
-    cfg = _config(vllm_pip_index_url=url)
     assert vf.pip_secret_env(cfg) == {"PIP_INDEX_URL": url}
     script, marker = vf.install_script(cfg), vf.install_marker(cfg)
     for text in (" ".join(vf.pip_install_args(cfg)), script, marker):
         assert "s3cr" not in text and "deploy:" not in text
-    assert json.loads(marker)["index"] == "https://pypi.example:8443/simple"
-    assert marker != vf.install_marker(_config(vllm_pip_index_url="https://pypi.example:8443/simple"))
+    assert json.loads(marker)["index"] == index
+    assert marker != vf.install_marker(_config(vllm_pip_index_url=index))
     # the install reads it from the 0600 file the role writes
     Path(vf.PIP_SECRET).write_text(vf.env_file(vf.pip_secret_env(cfg), "pip"))
     assert _run_install(cfg, tmp_path).returncode == 0
@@ -426,6 +429,15 @@ def test_pip_index_credentials_never_in_argv_the_script_or_the_marker(opt_vllm: 
     # without credentials the URL stays an argument and there is no secret
     plain = _config(vllm_pip_index_url="https://pypi.example/simple")
     assert vf.pip_secret_env(plain) == {} and "https://pypi.example/simple" in vf.pip_install_args(plain)
+
+
+def test_credentials_in_an_index_url_are_refused_without_showing_them() -> None:
+    layers, _ = role_default_layers()
+    config, found = validate_host(HostLayers("10.0.0.5", [*layers, Layer("test", {
+        "vllm_model": "org/model", "vllm_pip_index_url": "https://deploy:s3cret@pypi.example/simple"})]), "test")
+    assert config is None and len(found) == 1
+    assert found[0].key == "vllm_pip_index_url" and "s3cret" not in found[0].line()
+    assert "without user:password" in found[0].line()
 
 
 # --- the model: downloaded by root into gpufleet's root-owned prefix ------------------------------------------

@@ -122,22 +122,32 @@ def ip_network(value: str) -> str | None:
         return f"expected an IP address or a CIDR network (host bits zero), found {show(value)}"
 
 
+_USERINFO = re.compile(r"//[^/?#]*@")
+
+
 def url(value: str, plain_http: bool, schemes: tuple[str, ...] = ("https", "http", "file")) -> str | None:
-    """A URL with an allowed scheme (http only when ``plain_http``), a host unless file://, no spaces."""
+    """A URL with an allowed scheme (http only when ``plain_http``), a host unless file://, no spaces, no
+    credentials (a message never shows them), and a normalised path for file://."""
     allowed = [s for s in schemes if s != "http" or plain_http]
+    shown = show(_USERINFO.sub("//(credentials not shown)@", value))
     try:
         parts = urlsplit(value)
         parts.port  # noqa: B018 - raises on a bad port
     except ValueError:
-        return f"expected a URL, found {show(value)}"
+        return f"expected a URL, found {shown}"
+    if parts.username is not None or parts.password is not None or _USERINFO.search(value):
+        return ("expected a URL without user:password (give vllm_pip_index_credentials, a secret reference),"
+                f" found {shown}")
     if parts.scheme == "http" and "http" in schemes and not plain_http:
-        return f"expected an https:// URL (plain http only with allow_plain_http: true), found {show(value)}"
+        return f"expected an https:// URL (plain http only with allow_plain_http: true), found {shown}"
     if parts.scheme not in allowed:
-        return f"expected a URL starting {', '.join(s + '://' for s in allowed)}, found {show(value)}"
+        return f"expected a URL starting {', '.join(s + '://' for s in allowed)}, found {shown}"
     if any(ch.isspace() for ch in value) or (parts.scheme != "file" and not parts.hostname):
-        return f"expected a URL, found {show(value)}"
-    if parts.scheme == "file" and (parts.netloc or not parts.path.startswith("/")):
-        return f"expected file:///absolute/path, found {show(value)}"
+        return f"expected a URL, found {shown}"
+    if parts.scheme == "file":
+        path = parts.path.rstrip("/") or "/"
+        if parts.netloc or not path.startswith("/") or posixpath.normpath(path) != path or path.startswith("//"):
+            return f"expected file:///absolute/normalised/path, found {shown}"
     return None
 
 
@@ -171,6 +181,16 @@ def env_name(value: str) -> str | None:
     if ENV_NAME.match(value):
         return None
     return f"expected an environment variable name (letters, digits, '_'), found {show(value)}"
+
+
+# Variables that make a process load other code than the unit names: the dynamic loader's, Python's
+# import path and start-up hooks, the shell's start-up files, the program search path.
+_CODE_CHOOSING = re.compile(r"^(LD_\w+|PYTHONPATH|PYTHONHOME|PYTHONSTARTUP|PYTHONUSERBASE|PYTHONINSPECT|PATH|BASH_ENV|ENV)$")
+
+
+def chooses_code(name: str) -> bool:
+    """Whether an environment variable decides which code a process loads (``LD_PRELOAD``, ``PYTHONPATH``…)."""
+    return bool(_CODE_CHOOSING.match(name))
 
 
 def looks_secret(name: str) -> bool:

@@ -194,6 +194,7 @@ class HostConfig(BaseModel):
     vllm_package: _text(grammar.pip_name)  # type: ignore[valid-type]
     vllm_system_packages: Annotated[list[str], BeforeValidator(_each(grammar.deb_package))]
     vllm_pip_index_url: str | None
+    vllm_pip_index_credentials: SecretRef | None
     vllm_wheelhouse_url: str | None
     vllm_requirements_url: str | None
     vllm_model_source: _text(_controller_dir) | None  # type: ignore[valid-type]
@@ -232,7 +233,7 @@ class HostConfig(BaseModel):
     node_exporter_apt_source: Annotated[str, Field(pattern=r"^deb \[([^\]]* )?signed-by=/\S+( [^\]]*)?\] \S+ \S+( \S+)*$")] | None
     node_exporter_apt_keyring: _text(grammar.controller_path) | None  # type: ignore[valid-type]
 
-    _check_secret = field_validator("vllm_api_key", "vllm_hf_token", "ray_auth_token", mode="before")(_secret_ref)
+    _check_secret = field_validator("vllm_api_key", "vllm_hf_token", "ray_auth_token", "vllm_pip_index_credentials", mode="before")(_secret_ref)
 
     @field_validator("vllm_version")
     @classmethod
@@ -250,6 +251,9 @@ class HostConfig(BaseModel):
             if name in OWNED_ENV or name.startswith(("NCCL_SOCKET_", "GLOO_SOCKET_")):
                 raise KeyedError(name, f"expected a variable gpufleet does not set, found {name}"
                                        f" (set {OWNED_ENV.get(name, 'fleet_interface')} instead)")
+            if grammar.chooses_code(name):
+                raise KeyedError(name, f"expected a variable that does not choose which code runs, found {name}"
+                                       " (the unit names its programs and libraries itself)")
             if grammar.looks_secret(name):
                 raise KeyedError(name, "expected no secret in vllm_env, found a secret-looking name"
                                        " (use a secret reference: vllm_api_key, vllm_hf_token)")
@@ -368,7 +372,8 @@ class HostConfig(BaseModel):
             else:
                 for problem in catalog.check_config({key: value}):
                     message = problem.message.replace("expects ", "expected ", 1).replace(", got ", ", found ", 1)
-                    found.append((where, f"vLLM {self.vllm_version}: {message}"))
+                    at = (f"{where[0]}.{problem.subkey}",) if problem.subkey else where
+                    found.append((at, f"vLLM {self.vllm_version}: {message}"))
         return found
 
 

@@ -18,7 +18,7 @@ import re
 import shlex
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import quote, urlsplit, urlunsplit
 
 import yaml
 
@@ -173,24 +173,16 @@ def secret_env(cfg: HostConfig) -> dict[str, str]:
     return found
 
 
-def _without_credentials(url: str) -> str:
-    parts = urlsplit(url)
-    if parts.username is None and parts.password is None:
-        return url
-    netloc = parts.hostname or ""
-    if ":" in netloc:
-        netloc = f"[{netloc}]"
-    if parts.port is not None:
-        netloc += f":{parts.port}"
-    return urlunsplit(parts._replace(netloc=netloc))
-
-
 def pip_secret_env(cfg: HostConfig) -> dict[str, str]:
-    """``PIP_INDEX_URL`` for the install's 0600 environment file when the index URL carries credentials."""
+    """``PIP_INDEX_URL`` with ``vllm_pip_index_credentials`` (``user:password`` or a token) in it, for the
+    install's 0600 environment file; empty when the index needs none (or a wheelhouse replaces it)."""
     url = cfg.vllm_pip_index_url
-    if cfg.vllm_wheelhouse_url or not url or _without_credentials(url) == url:
+    if cfg.vllm_wheelhouse_url or not url or cfg.vllm_pip_index_credentials is None:
         return {}
-    return {"PIP_INDEX_URL": url}
+    user, sep, password = _read_secret(cfg.vllm_pip_index_credentials, "vllm_pip_index_credentials").partition(":")
+    userinfo = quote(user, safe="") + (":" + quote(password, safe="") if sep else "")
+    parts = urlsplit(url)
+    return {"PIP_INDEX_URL": urlunsplit(parts._replace(netloc=f"{userinfo}@{parts.netloc}"))}
 
 
 def pip_install_args(cfg: HostConfig) -> list[str]:
@@ -201,7 +193,7 @@ def pip_install_args(cfg: HostConfig) -> list[str]:
     args = ["install", "--quiet", "--disable-pip-version-check", "--no-input"]
     if cfg.vllm_wheelhouse_url:
         args += ["--no-index", "--find-links", cfg.vllm_wheelhouse_url]
-    elif cfg.vllm_pip_index_url and not pip_secret_env(cfg):
+    elif cfg.vllm_pip_index_url and cfg.vllm_pip_index_credentials is None:
         args += ["--index-url", cfg.vllm_pip_index_url]
     for url in (cfg.vllm_wheelhouse_url, cfg.vllm_pip_index_url, cfg.vllm_requirements_url):
         parsed = urlsplit(url or "")
@@ -215,8 +207,8 @@ def pip_install_args(cfg: HostConfig) -> list[str]:
 def install_marker(cfg: HostConfig) -> str:
     """What a finished install records (no credentials); a different one (or none) means install again."""
     found: dict[str, Any] = {"vllm_version": cfg.vllm_version, "pip": pip_install_args(cfg)}
-    if pip_secret_env(cfg):
-        found["index"] = _without_credentials(cfg.vllm_pip_index_url or "")
+    if cfg.vllm_pip_index_credentials is not None and not cfg.vllm_wheelhouse_url:
+        found["index"] = cfg.vllm_pip_index_url
     return json.dumps(found, sort_keys=True)
 
 

@@ -119,7 +119,10 @@ def unit_values(allowed: list[str] | None = None) -> dict[str, str]:
 
 def _install_venv() -> OperationMeta:
     cfg = host_config()
-    pip_secret = vf.pip_secret_env(cfg)
+    try:
+        pip_secret = vf.pip_secret_env(cfg)
+    except ConfigError as error:
+        exit_with(error)
     if pip_secret:
         secret_file(name="Write the pip index credentials (0600)", dest=vf.PIP_SECRET,
                     content=env_file(pip_secret, "pip index with credentials, read by the vLLM install"))
