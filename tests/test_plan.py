@@ -103,16 +103,19 @@ def test_pp_across_nodes_only_when_one_node_cannot_hold(project: Project) -> Non
     assert r["kv_bytes_per_token"] == 1152 * 31
 
 
+RAY_POOL = """
+    vllm_model: deepseek-ai/DeepSeek-V3
+    gpu_profile: 8xH100-SXM
+    fleet_interface: ib0
+    vllm_nodes_per_replica: 2
+    vllm_distributed_backend: ray
+    ray_auth_token: {env: RAY_AUTH_TOKEN}
+    vllm_max_model_len: 32768
+"""
+
+
 def test_ray_backend_head_and_worker_processes(project: Project) -> None:
-    rc, replicas, err = _plan(project, """
-        vllm_model: deepseek-ai/DeepSeek-V3
-        gpu_profile: 8xH100-SXM
-        fleet_interface: ib0
-        vllm_nodes_per_replica: 2
-        vllm_distributed_backend: ray
-        ray_auth_token: {env: RAY_AUTH_TOKEN}
-        vllm_max_model_len: 32768
-    """, 'ds = [("d1", {"fleet_address": "10.9.0.1"}), ("d2", {"fleet_address": "10.9.0.2"})]')
+    rc, replicas, err = _plan(project, RAY_POOL, 'ds = [("d1", {"fleet_address": "10.9.0.1"}), ("d2", {"fleet_address": "10.9.0.2"})]')
     assert rc == 0, err
     procs = replicas[0]["processes"]
     assert [p["unit"] for p in procs["d1"]] == ["ray-head", "vllm"]
@@ -126,15 +129,7 @@ def test_ray_backend_head_and_worker_processes(project: Project) -> None:
 
 
 def test_ipv6_fleet_addresses_are_bracketed_where_a_port_follows(project: Project) -> None:
-    rc, replicas, err = _plan(project, """
-        vllm_model: deepseek-ai/DeepSeek-V3
-        gpu_profile: 8xH100-SXM
-        fleet_interface: ib0
-        vllm_nodes_per_replica: 2
-        vllm_distributed_backend: ray
-        ray_auth_token: {env: RAY_AUTH_TOKEN}
-        vllm_max_model_len: 32768
-    """, 'ds = [("d1", {"fleet_address": "fd00:9::1"}), ("d2", {"fleet_address": "fd00:9::2"})]')
+    rc, replicas, err = _plan(project, RAY_POOL, 'ds = [("d1", {"fleet_address": "fd00:9::1"}), ("d2", {"fleet_address": "fd00:9::2"})]')
     assert rc == 0, err
     procs = replicas[0]["processes"]
     assert "--node-ip-address=fd00:9::1" in procs["d1"][0]["argv"]  # an address alone stays bare
