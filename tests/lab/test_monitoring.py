@@ -20,7 +20,7 @@ import pytest
 
 from gpufleet.lab import debian_extras
 from gpufleet.lab.state import NodeRecord, cache_dir
-from gpufleet.unit_security import exposure_score
+from gpufleet.unit_security import EXPOSURE_BOUND, exposure_score
 from roles import node_exporter as role
 from tests.lab.conftest import PYINFRA, ROOT, Completed, Lab, _run
 from tests.lab.checks import assert_no_errors, assert_nothing_changed, metrics
@@ -39,7 +39,6 @@ PACKAGE = ("--data", "node_exporter_install=package")
 # measures 1.7 on the lab's systemd 252 (what is left: it must listen on the network, talk to D-Bus and
 # netlink, read all of /proc, and the timex collector's adjtimex). 2.0 leaves room for a scoring change of
 # systemd's, not for dropping a directive of weight: Debian's own unit (User= only) rates 9.2.
-EXPOSURE_BOUND = 2.0
 
 
 def _deploy(lab: Lab, deploy: str, *options: str) -> Completed:

@@ -23,7 +23,7 @@ import yaml
 from gpufleet.lab.nodes import API_KEY_FILE
 from gpufleet.lab.sim_profile import write_sim_profile
 from gpufleet.lab.state import NodeRecord
-from gpufleet.unit_security import exposure_score
+from gpufleet.unit_security import EXPOSURE_BOUND, exposure_score
 from tests.lab.conftest import PYINFRA, ROOT, Completed, Lab, _run
 from tests.lab.checks import assert_no_errors, main_pid
 
@@ -38,9 +38,6 @@ PORT = 8000
 MODEL_DIR = "/var/lib/gpufleet/models/tiny-llama"
 SINGLE = "lab_single-{}"
 PIPELINE = "lab_pipeline-0"
-# The vLLM unit's exposure on the lab's systemd 252; what is left is what PyTorch and GPU access need
-# (W+X memory for kernels, the network, /dev/nvidia*, /proc).
-VLLM_EXPOSURE_BOUND = 5.0
 
 
 def _served_name(group: str) -> str:
@@ -236,7 +233,7 @@ def test_the_vllm_unit_is_sandboxed(lab: Lab) -> None:
     out = lab.host(node).check_output(f"systemd-analyze security --no-pager vllm@{_single(lab)}.service")
     score = exposure_score(out)
     print(json.dumps({"unit": f"vllm@{_single(lab)}.service", "exposure": score}))
-    assert score <= VLLM_EXPOSURE_BOUND, out[-2000:]
+    assert score <= EXPOSURE_BOUND, out[-2000:]
 
 
 def test_kill_9_of_vllm_is_restarted_and_serves_again(lab: Lab) -> None:
