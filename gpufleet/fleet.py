@@ -72,7 +72,8 @@ def _plan_problem(text: str, loaded: InventoryLayers, override: dict[str, Any] |
         if not keys:
             return Problem(loaded.path, f"pool {pool}", rest)
         host = pools[pool][0]
-        key = next((k for k in keys if not is_role_default(source(host, k))), keys[0])
+        # the key someone set; when the planner names only defaults, the model that does not fit them
+        key = next((k for k in [*keys, "vllm_model"] if not is_role_default(source(host, k))), keys[0])
         return Problem(source(host, key), key, f"{rest.removeprefix(key).lstrip(': ')} (pool {pool})")
     return Problem(loaded.path, "", text)
 

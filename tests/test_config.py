@@ -246,3 +246,17 @@ def test_broken_inventory_file_is_one_line(project: Project) -> None:
     project.inventory('servers = ["gpu-1.invalid"]\nraise RuntimeError("no\\nsecond line")')
     result = run_cli("check", "inventories/fleet.py", cwd=project.root)
     assert result.rc == 2 and result.err == "inventories/fleet.py:3: RuntimeError: no\n"
+
+
+@pytest.mark.parametrize(("body", "expected"), [
+    ("import sys\nsys.exit(0)", "inventories/fleet.py: expected the inventory to end with apply_group_vars(globals())"
+                                " (gpufleet.config.inventory), found no call\n"),
+    ("import sys\nsys.exit(5)", "inventories/fleet.py: expected the inventory to run through, found it exited with"
+                                " status 5\n"),
+    ("import sys\nsys.exit('inventories/fleet.py: no lab is up')", "inventories/fleet.py: no lab is up\n"),
+])
+def test_an_inventory_that_exits_early_is_one_line_and_exit_2(project: Project, body: str, expected: str) -> None:
+    project.group_vars("all", BASE)
+    project.inventory(body)
+    result = run_cli("check", "inventories/fleet.py", cwd=project.root)
+    assert (result.rc, result.err) == (2, expected)

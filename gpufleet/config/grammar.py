@@ -114,6 +114,16 @@ def ip_address(value: str) -> str | None:
         return f"expected an IP address, found {show(value)}"
 
 
+def node_address(value: str) -> str | None:
+    """A node's own address: one unicast IP (no zone index, not 0.0.0.0 or ::, not multicast or broadcast)."""
+    if problem := ip_address(value):
+        return problem
+    address = ipaddress.ip_address(value)
+    if "%" in value or address.is_unspecified or address.is_multicast or value == "255.255.255.255":
+        return f"expected a node's own unicast address (no zone, not a wildcard or group address), found {show(value)}"
+    return None
+
+
 def ip_network(value: str) -> str | None:
     try:
         ipaddress.ip_network(value, strict=True)

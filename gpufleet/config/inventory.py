@@ -19,7 +19,7 @@ from typing import Any
 
 from gpufleet.config import grammar
 from gpufleet.config.layers import HostLayers, Layer, display_path, read_yaml_mapping, role_default_layers
-from gpufleet.config.problems import ConfigError, Problem, exit_with
+from gpufleet.config.problems import EXIT_BAD_INPUT, ConfigError, Problem, exit_with
 from gpufleet.config.schema import HostConfig
 from gpufleet.config.validate import validate_host
 
@@ -270,7 +270,16 @@ def read_inventory(path: Path) -> InventoryLayers | None:
     _BY_FILE.pop(resolved, None)
     try:
         runpy.run_path(str(resolved), run_name="gpufleet_inventory")
-    except (SystemExit, KeyboardInterrupt):
+    except SystemExit as exc:
+        if exc.code in (None, 0):  # left before apply_group_vars: said below
+            return _BY_FILE.get(resolved)
+        if exc.code == EXIT_BAD_INPUT:
+            raise  # apply_group_vars' exit 2 after printing the problems
+        where = display_path(resolved)
+        text = exc.code if isinstance(exc.code, str) else (  # a str: the file's own reason (lab.py: no lab up)
+            f"expected the inventory to run through, found it exited with status {exc.code}")
+        raise ConfigError([Problem(where, "", text.removeprefix(f"{where}: "))]) from None
+    except KeyboardInterrupt:
         raise
     except BaseException as exc:  # noqa: BLE001 - any failure of the user's file is bad input
         line = _error_line(resolved, exc)

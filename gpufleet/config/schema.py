@@ -111,6 +111,8 @@ def _version(value: str) -> str | None:
 
 
 def _worker_ports(value: Any) -> Any:
+    if isinstance(value, list) and len(value) != 2:
+        raise ValueError(f"expected a list of two ports [first, last], found {len(value)} items")
     return tuple(value) if isinstance(value, list) else value
 
 
@@ -158,7 +160,7 @@ class HostConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     # fleet
-    fleet_address: _text(grammar.ip_address) | None  # type: ignore[valid-type]
+    fleet_address: _text(grammar.node_address) | None  # type: ignore[valid-type]
     fleet_interface: _text(grammar.ifname) | None  # type: ignore[valid-type]
     gpu_profile: _text(_profile) | None  # type: ignore[valid-type]
     allow_plain_http: bool

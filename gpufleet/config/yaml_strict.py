@@ -14,7 +14,26 @@ from yaml.nodes import MappingNode, Node, SequenceNode
 MAX_VALUES = 10_000
 """The most values (scalars, lists, mappings) a file may hold once its aliases are expanded."""
 
+MAX_DEPTH = 64
+"""The deepest nesting of lists and mappings a file may have (gpufleet's own values nest a few levels)."""
+
 _MERGE_TAG = "tag:yaml.org,2002:merge"
+_OPEN = (yaml.SequenceStartEvent, yaml.MappingStartEvent)
+_CLOSE = (yaml.SequenceEndEvent, yaml.MappingEndEvent)
+
+
+def _check_depth(text: str) -> None:
+    """Refuse nesting deeper than MAX_DEPTH from the event stream, before anything recurses over it."""
+    depth = 0
+    for event in yaml.parse(text, Loader=yaml.SafeLoader):
+        if isinstance(event, _OPEN):
+            depth += 1
+            if depth > MAX_DEPTH:
+                mark = event.start_mark
+                raise YamlProblem(f"expected lists and mappings nested at most {MAX_DEPTH} levels deep, found deeper",
+                                  f":{mark.line + 1}:{mark.column + 1}")
+        elif isinstance(event, _CLOSE):
+            depth -= 1
 
 
 class YamlProblem(ValueError):
@@ -67,6 +86,7 @@ def load_yaml(data: bytes) -> Any:
         raise YamlProblem(f"expected UTF-8 text, found byte 0x{data[exc.start]:02x} at byte offset {exc.start}") from None
     loader = None
     try:
+        _check_depth(text)
         loader = _StrictLoader(text)
         node = loader.get_single_node()
         if node is None:

@@ -375,12 +375,14 @@ def stop(cache_dir: Path | str | None = None, *, bind_address: str | None = None
             continue
         os.kill(handle.pid, signal.SIGTERM)
         deadline = time.monotonic() + 10
-        while _is_our_server(handle) and time.monotonic() < deadline:
+        while not _exited(handle) and time.monotonic() < deadline:
             _reap(handle.pid)
             time.sleep(0.05)
         if _is_our_server(handle):
             os.kill(handle.pid, signal.SIGKILL)
+        while not _exited(handle) and time.monotonic() < deadline + 5:
             _reap(handle.pid)
+            time.sleep(0.05)
         _state_file(handle.cache_dir, handle.bind_address, handle.port).unlink(missing_ok=True)
 
 
@@ -392,17 +394,31 @@ def _state_file(cache: Path, bind_address: str, port: int) -> Path:
     return cache / "mirror" / f"{bind_address}_{port}.json"
 
 
+def _process(pid: int) -> tuple[list[str], str] | None:
+    """A PID's argv and state letter (``R``, ``S``, ``Z``…); None once it is gone."""
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return [a for a in raw.decode(errors="replace").split("\0") if a], stat.rsplit(")", 1)[1].split()[0]
+
+
+def _serves(handle: MirrorHandle, argv: list[str]) -> bool:
+    return "http.server" in argv and str(handle.cache_dir / WWW) in argv
+
+
 def _is_our_server(handle: MirrorHandle) -> bool:
     """True while the PID still runs our http.server for this cache dir (PIDs are reused)."""
-    try:
-        raw = Path(f"/proc/{handle.pid}/cmdline").read_bytes()
-        stat = Path(f"/proc/{handle.pid}/stat").read_text()
-    except OSError:
-        return False
-    if stat.rsplit(")", 1)[1].split()[0] == "Z":
-        return False
-    argv = raw.decode(errors="replace").split("\0")
-    return "http.server" in argv and str(handle.cache_dir / WWW) in argv
+    found = _process(handle.pid)
+    return found is not None and found[1] != "Z" and _serves(handle, found[0])
+
+
+def _exited(handle: MirrorHandle) -> bool:
+    """True once the server's PID is gone, a zombie, or another program's; an exiting process, whose
+    command line already reads empty, is not gone yet."""
+    found = _process(handle.pid)
+    return found is None or found[1] == "Z" or (bool(found[0]) and not _serves(handle, found[0]))
 
 
 def _reap(pid: int) -> None:
