@@ -282,9 +282,40 @@ def read_inventory(path: Path) -> InventoryLayers | None:
     except KeyboardInterrupt:
         raise
     except BaseException as exc:  # noqa: BLE001 - any failure of the user's file is bad input
-        line = _error_line(resolved, exc)
-        where = display_path(resolved) + (f":{line}" if line else "")
-        text = exc.msg if isinstance(exc, SyntaxError) else str(exc)
-        first = (text.strip().splitlines() or [""])[0]
-        raise ConfigError([Problem(where, "", f"{type(exc).__name__}: {first}".rstrip(": "))]) from None
+        raise ConfigError([_failure(resolved, exc)]) from None
     return _BY_FILE.get(resolved)
+
+
+def _failure(path: Path, exc: BaseException) -> Problem:
+    """An inventory file that failed to compile, import or run: ``file:line: Error: first line``."""
+    line = _error_line(path, exc)
+    where = display_path(path) + (f":{line}" if line else "")
+    text = exc.msg if isinstance(exc, SyntaxError) else str(exc)
+    first = (text.strip().splitlines() or [""])[0]
+    return Problem(where, "", f"{type(exc).__name__}: {first}".rstrip(": "))
+
+
+def report_inventory_errors() -> None:
+    """Under pyinfra's CLI, an inventory file that fails to compile or run says so in one line and exits 2.
+
+    Called from the project's ``config.py``, which pyinfra executes before it reads the inventory; pyinfra
+    itself would print the traceback and exit 1. Only the inventory file is covered: deploy files keep
+    pyinfra's own report.
+    """
+    import pyinfra_cli.inventory as cli_inventory
+
+    original = cli_inventory.exec_file
+    if getattr(original, "_gpufleet", False):
+        return
+
+    def exec_inventory(filename: str, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(filename, *args, **kwargs)
+        except SystemExit:
+            raise
+        except Exception as exc:  # noqa: BLE001 - pyinfra wraps the file's own error; report the original
+            cause = getattr(exc, "exception", None) or exc
+            exit_with(ConfigError([_failure(Path(filename).resolve(), cause)]))
+
+    exec_inventory._gpufleet = True  # type: ignore[attr-defined]
+    cli_inventory.exec_file = exec_inventory
