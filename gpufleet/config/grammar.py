@@ -10,6 +10,7 @@ import ipaddress
 import posixpath
 import re
 import unicodedata
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -42,6 +43,13 @@ def show(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def _matching(pattern: re.Pattern[str], expected: str) -> Callable[[str], str | None]:
+    """A check that ``pattern`` matches the whole value, else ``expected <expected>, found <value>``."""
+    def check(value: str) -> str | None:
+        return None if pattern.match(value) else f"expected {expected}, found {show(value)}"
+    return check
+
+
 def control_char(text: str) -> str | None:
     """The first control, format (bidi), line or paragraph separator character in ``text``, escaped."""
     for ch in text:
@@ -50,17 +58,8 @@ def control_char(text: str) -> str | None:
     return None
 
 
-def hf_repo_id(value: str) -> str | None:
-    if HF_REPO_ID.match(value):
-        return None
-    return (f"expected a Hugging Face id ([org/]name: letters, digits, '-', '_', '.') or an absolute path,"
-            f" found {show(value)}")
-
-
-def hf_revision(value: str) -> str | None:
-    if HF_REVISION.match(value):
-        return None
-    return f"expected a commit hash, branch or tag name, found {show(value)}"
+hf_repo_id = _matching(HF_REPO_ID, "a Hugging Face id ([org/]name: letters, digits, '-', '_', '.') or an absolute path")
+hf_revision = _matching(HF_REVISION, "a commit hash, branch or tag name")
 
 
 def model_path(value: str) -> str | None:
@@ -85,10 +84,7 @@ def controller_path(value: str) -> str | None:
     return None
 
 
-def ifname(value: str) -> str | None:
-    if IFNAME.match(value):
-        return None
-    return f"expected a network interface name (1-15 of letters, digits, '_', '.', '-'), found {show(value)}"
+ifname = _matching(IFNAME, "a network interface name (1-15 of letters, digits, '_', '.', '-')")
 
 
 def host_name(value: str) -> str | None:
@@ -169,28 +165,10 @@ def deb_package(value: str) -> str | None:
     return f"expected a Debian package name (optionally name=version), found {show(value)}"
 
 
-def deb_version(value: str) -> str | None:
-    if DEB_VERSION.match(value):
-        return None
-    return f"expected a Debian version (e.g. 580.95.05-1), found {show(value)}"
-
-
-def pip_name(value: str) -> str | None:
-    if PIP_NAME.match(value):
-        return None
-    return f"expected a pip project name (letters, digits, '.', '_', '-'), found {show(value)}"
-
-
-def pip_version(value: str) -> str | None:
-    if PIP_VERSION.match(value):
-        return None
-    return f"expected a release version (e.g. 2.60.0), found {show(value)}"
-
-
-def env_name(value: str) -> str | None:
-    if ENV_NAME.match(value):
-        return None
-    return f"expected an environment variable name (letters, digits, '_'), found {show(value)}"
+deb_version = _matching(DEB_VERSION, "a Debian version (e.g. 580.95.05-1)")
+pip_name = _matching(PIP_NAME, "a pip project name (letters, digits, '.', '_', '-')")
+pip_version = _matching(PIP_VERSION, "a release version (e.g. 2.60.0)")
+env_name = _matching(ENV_NAME, "an environment variable name (letters, digits, '_')")
 
 
 # Variables that make a process load other code than the unit names: the dynamic loader's, Python's
