@@ -1,18 +1,27 @@
-# Everything installs from nothing: `make test` and `make plan` create .venv themselves.
-PYTHON ?= python3
-VENV   := .venv
-BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.installed
+# Everything installs from nothing: `make test` and `make plan` create .venv themselves. `plan` and `check`
+# need the product only; the tests, the lab and the benchmarks also install the `test` and `lab` extras.
+PYTHON    ?= python3
+VENV      := .venv
+BIN       := $(VENV)/bin
+STAMP     := $(VENV)/.installed
+LAB_STAMP := $(VENV)/.installed-lab
+NODES     ?= 1
 
-.PHONY: setup deps test lab lab-down plan check catalogs clean
+.PHONY: setup setup-lab deps test lab lab-down bench plan check catalogs clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e .
 	touch $(STAMP)
 
+$(LAB_STAMP): $(STAMP) pyproject.toml
+	$(BIN)/pip install -q -e '.[test,lab]'
+	touch $(LAB_STAMP)
+
 setup: $(STAMP)
+
+setup-lab: $(LAB_STAMP)
 
 # Debian packages the lab and its mirror need (debootstrap, systemd-nspawn, dpkg-dev, gnupg, ...);
 # installed when running as root, which the lab needs anyway.
@@ -20,18 +29,26 @@ deps:
 	@if [ "$$(id -u)" = 0 ]; then bash scripts/install-lab-deps.sh && bash scripts/install-mirror-deps.sh; \
 	else echo "not root: lab packages not installed (the lab tests will say why they cannot run)"; fi
 
-test: $(STAMP) deps
+# Lint and types first (seconds), then every test, the lab's included.
+test: $(LAB_STAMP) deps
+	$(BIN)/ruff check .
+	$(BIN)/mypy
 	$(BIN)/pytest -q
 
 # The main job on the embedded default fleet: a 3-node lab on this machine (booted unless one is up),
 # then the full stack deployed to it. Needs root (the lab's containers and network).
-lab: $(STAMP) deps
+lab: $(LAB_STAMP) deps
 	@if $(BIN)/gpufleet lab status | grep -q "no lab is up"; then $(BIN)/gpufleet lab up --nodes 3; fi
 	$(BIN)/gpufleet lab status
 	$(BIN)/pyinfra -y inventories/lab.py deploys/vllm.py
 
-lab-down: $(STAMP)
+lab-down: $(LAB_STAMP)
 	$(BIN)/gpufleet lab down
+
+# Timings on private labs of $(NODES) nodes (needs root): lab boot, then a first and a second converge.
+bench: $(LAB_STAMP) deps
+	$(BIN)/python bench/lab_boot.py --nodes $(NODES)
+	$(BIN)/python bench/converge.py --nodes $(NODES)
 
 plan: $(STAMP)
 	$(BIN)/gpufleet plan inventories/prod.py

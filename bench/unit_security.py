@@ -61,13 +61,13 @@ class NodeShell:
 def rendered_units() -> dict[str, str]:
     """Every unit file (and drop-in) gpufleet writes, path below / -> text, rendered by the roles' own functions
     for a sample node 10.0.0.5 of a Ray replica with 10.0.0.6, monitored from 10.0.9.0/24."""
-    from jinja2 import Environment, FileSystemLoader, StrictUndefined
-
     from gpufleet.config.layers import HostLayers, Layer, role_default_layers
     from gpufleet.config.validate import validate_host
     from gpufleet.deploy import access
+    from gpufleet.node_paths import ray_env_file, ray_token_file
     from gpufleet.plan.commands import ray_start_argv
     from gpufleet.systemd_text import exec_line
+    from gpufleet.templates import render
     from roles import dcgm_exporter, node_exporter, ray, vllm
 
     layers, _ = role_default_layers()
@@ -76,12 +76,6 @@ def rendered_units() -> dict[str, str]:
         "vllm_api_allowed_from": ["10.0.8.0/24"], "ray_auth_token": {"env": "RAY_AUTH_TOKEN"}})]), "bench")
     if cfg is None:
         raise SystemExit("unit_security: " + "; ".join(p.line() for p in problems))
-    templates = ROOT / "templates"
-
-    def render(template: str, **values: Any) -> str:
-        env = Environment(undefined=StrictUndefined, keep_trailing_newline=True,
-                          loader=FileSystemLoader(str((templates / template).parent)))
-        return env.from_string((templates / template).read_text()).render(**values)
 
     nodes = ["10.0.0.5", "10.0.0.6"]
     system = "etc/systemd/system"
@@ -89,8 +83,8 @@ def rendered_units() -> dict[str, str]:
         "vllm/vllm@.service.j2", **vllm.unit_values(access.vllm_sources(cfg, nodes[0], nodes)))}
     for kind, head in (("head", None), ("worker", nodes[0])):
         found[f"{system}/{ray.unit_name(f'{kind}-0')}"] = render(
-            "ray/ray.service.j2", kind=kind, replica=f"{kind}-0", env_file=f"{ray.ENV_DIR}/{kind}-0.env",
-            token_file=ray.token_file(f"{kind}-0"), ray=f"/opt/vllm/{cfg.vllm_version}/bin/ray",
+            "ray/ray.service.j2", kind=kind, replica=f"{kind}-0", env_file=ray_env_file(f"{kind}-0"),
+            token_file=ray_token_file(f"{kind}-0"), ray=f"/opt/vllm/{cfg.vllm_version}/bin/ray",
             exec_start=exec_line(ray_start_argv(cfg, nodes[0] if head is None else nodes[1], head)),
             ip_access=access.unit_lines(access.ray_sources(cfg, nodes)))
     found[f"{system}/{node_exporter.UNIT}"] = render(
@@ -169,7 +163,8 @@ def summary(report: list[dict[str, Any]]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("nodes", nargs="*", help="node names or addresses (default: every node of the lab)")
-    parser.add_argument("--lab-dir", type=Path, help="the lab's directory (default: $GPUFLEET_LAB_DIR or the default lab)")
+    parser.add_argument("--lab-dir", type=Path,
+                        help="the lab's directory (default: $GPUFLEET_LAB_DIR or the default lab)")
     parser.add_argument("--unit", action="append", default=[], help="another unit or pattern to rate (repeatable)")
     parser.add_argument("--offline", action="store_true", help="rate the rendered templates here, without a lab")
     args = parser.parse_args(argv)

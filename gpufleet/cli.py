@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 from pathlib import Path
-from typing import NoReturn
+from typing import ClassVar, NoReturn
 
 import click
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
-import importlib
 from gpufleet.config.inventory import parse_data_args, set_data_override
 from gpufleet.config.problems import EXIT_BAD_INPUT, ConfigError, exit_with
 from gpufleet.fleet import Fleet, configured_health_policy, load_fleet
@@ -70,8 +71,10 @@ def fleet_facts(fleet: Fleet, facts_dir: Path | None) -> dict[str, NodeFacts]:
 class _Commands(click.Group):
     """Commands whose modules load only when called (they import pyinfra's SSH stack): check stays fast."""
 
-    LAZY = {"probe": "gpufleet.cli_gpu:probe_command", "gate": "gpufleet.cli_gpu:make_gate_command",
-            "lab": "gpufleet.cli_lab:lab_group"}
+    LAZY: ClassVar[dict[str, str]] = {
+        "probe": "gpufleet.cli_gpu:probe_command", "gate": "gpufleet.cli_gpu:make_gate_command",
+        "lab": "gpufleet.cli_lab:lab_group",
+    }
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted([*super().list_commands(ctx), *self.LAZY])
@@ -81,7 +84,8 @@ class _Commands(click.Group):
             return super().get_command(ctx, cmd_name)
         module, name = self.LAZY[cmd_name].split(":")
         found = getattr(importlib.import_module(module), name)
-        return found(configured_health_policy) if name == "make_gate_command" else found
+        command: click.Command = found(configured_health_policy) if name == "make_gate_command" else found
+        return command
 
 
 @click.group(cls=_Commands)
@@ -116,11 +120,9 @@ def _print_table(plan: FleetPlan) -> None:
     for r in plan.replicas:
         for role in r.roles:
             for proc in role.processes:
-                env = " ".join(f"{k}={v}" for k, v in proc.env.items())
-                secrets = (f"  (+ {', '.join(r.secret_env)} from the 0600 EnvironmentFile)"
-                           if r.secret_env and proc.unit == "vllm" else "")
-                console.print(f"[bold]{r.name}[/bold] {role.host} {proc.unit}: {env} {' '.join(proc.argv)}{secrets}",
-                              soft_wrap=True, highlight=False)
+                line = Text(r.process_line(role, proc))  # plain text: an address in brackets is no markup
+                line.stylize("bold", 0, len(r.name))
+                console.print(line, soft_wrap=True, highlight=False)
 
 
 @main.command()
@@ -136,7 +138,7 @@ def plan(inventory: str, facts_dir: Path | None, as_json: bool, data: tuple[str,
     for warning in result.warnings:
         click.echo(f"warning: {warning}", err=True)
     if result.problems:
-        _fail(result.problems)
+        _fail([problem.line() for problem in result.problems])
     if as_json:
         click.echo(json.dumps([r.to_json() for r in result.replicas], indent=2))
     else:

@@ -1,7 +1,7 @@
 """``gpufleet probe`` and ``gpufleet gate``: what each node's GPUs really are, and whether they may serve.
 
-The main CLI registers :data:`probe_command` and :data:`gate_command`; :func:`make_gate_command`
-builds a gate whose health policy comes from elsewhere (the fleet config's ``gpu_health``).
+The main CLI registers :data:`probe_command`, and the gate that :func:`make_gate_command` builds with the
+health policy of the fleet config's ``gpu_health``.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def describe(facts: NodeFacts) -> str:
 def _inventory(inventory: str) -> Inventory:
     try:
         return load_inventory(inventory)
-    except Exception as exc:  # pyinfra raises assorted errors for unreadable inventories
+    except Exception as exc:  # noqa: BLE001 - pyinfra raises assorted errors for unreadable inventories
         raise click.ClickException(f"{inventory}: cannot read the inventory: {exc}") from None
 
 
@@ -116,5 +116,3 @@ def make_gate_command(policy_for_host: Callable[[str], HealthPolicy] = default_p
 
     return gate
 
-
-gate_command = make_gate_command()

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpufleet.config.inventory import InventoryLayers, loaded_inventory, read_inventory, validate_layers
 from gpufleet.config.layers import HostLayers, Layer, is_role_default
 from gpufleet.config.problems import ConfigError, Problem, exit_with
-from gpufleet.config.schema import SCHEMA_KEYS, HostConfig
+from gpufleet.config.schema import HostConfig
 from gpufleet.node.health_rules import HealthPolicy
+
+if TYPE_CHECKING:
+    from gpufleet.plan.planner import PlanProblem
 
 
 @dataclass(frozen=True)
@@ -49,13 +51,7 @@ def _fleet_from_layers(inventory: str, hosts: list[str], override: dict[str, Any
     return Fleet(inventory, hosts, configs, pools)
 
 
-_ABBREVIATED = {"TP": "vllm_tensor_parallel_size", "PP": "vllm_pipeline_parallel_size",
-                "DP": "vllm_data_parallel_size", "quantization": "vllm_quantization"}
-_POOL_PROBLEM = re.compile(r"^pool (?P<pool>\S+): (?P<text>.*)$", re.DOTALL)
-_FLAG_PROBLEM = re.compile(r"^\S+ on (?P<host>\S+): (?P<text>vLLM .*)$", re.DOTALL)
-
-
-def _plan_problem(text: str, loaded: InventoryLayers, override: dict[str, Any] | None,
+def _plan_problem(problem: PlanProblem, loaded: InventoryLayers, override: dict[str, Any] | None,
                   pools: dict[str, list[str]]) -> Problem:
     """A planner's problem as a config problem: the file that set the key to blame, where one is named."""
 
@@ -63,19 +59,15 @@ def _plan_problem(text: str, loaded: InventoryLayers, override: dict[str, Any] |
         layers = loaded.hosts[host].layers + ([Layer("--data", override)] if override else [])
         return HostLayers(host, layers).merged()[1].get(key, loaded.path)
 
-    if found := _FLAG_PROBLEM.match(text):
-        return Problem(source(found["host"], "vllm_extra_args"), "vllm_extra_args", found["text"])
-    if found := _POOL_PROBLEM.match(text):
-        pool, rest = found["pool"], found["text"]
-        words = [_ABBREVIATED.get(word, word) for word in re.findall(r"[A-Za-z_]+", rest)]
-        keys = list(dict.fromkeys(word for word in words if word in SCHEMA_KEYS))
-        if not keys:
-            return Problem(loaded.path, f"pool {pool}", rest)
-        host = pools[pool][0]
-        # the key someone set; when the planner names only defaults, the model that does not fit them
-        key = next((k for k in [*keys, "vllm_model"] if not is_role_default(source(host, k))), keys[0])
-        return Problem(source(host, key), key, f"{rest.removeprefix(key).lstrip(': ')} (pool {pool})")
-    return Problem(loaded.path, "", text)
+    if problem.host is not None and problem.keys:  # one process's flags
+        key = problem.keys[0]
+        return Problem(source(problem.host, key), key, problem.text)
+    if not problem.keys:
+        return Problem(loaded.path, f"pool {problem.pool}", problem.text)
+    host = pools[problem.pool][0]
+    # the key someone set; when the planner names only defaults, the model that does not fit them
+    key = next((k for k in [*problem.keys, "vllm_model"] if not is_role_default(source(host, k))), problem.keys[0])
+    return Problem(source(host, key), key, f"{problem.said_of(key)} (pool {problem.pool})")
 
 
 def declared_plan_problems(loaded: InventoryLayers, configs: dict[str, HostConfig],
@@ -99,11 +91,8 @@ def declared_plan_problems(loaded: InventoryLayers, configs: dict[str, HostConfi
         facts = {h: profile_facts(str(configs[h].gpu_profile), h) for h in hosts}
     except ProfileError as exc:
         return [Problem(loaded.path, "gpu_profile", str(exc))]
-    try:
-        plan = plan_fleet(Fleet(loaded.path, hosts, {h: configs[h] for h in hosts}, declared), facts)
-    except ValueError as exc:  # a value the planner cannot size (e.g. a quantization it has no weight size for)
-        return [_plan_problem(f"pool {next(iter(declared))}: {exc}", loaded, override, declared)]
-    return [_plan_problem(text, loaded, override, declared) for text in plan.problems]
+    plan = plan_fleet(Fleet(loaded.path, hosts, {h: configs[h] for h in hosts}, declared), facts)
+    return [_plan_problem(problem, loaded, override, declared) for problem in plan.problems]
 
 
 def load_fleet(inventory_path: str, override: dict[str, Any] | None = None) -> Fleet:

@@ -1,7 +1,7 @@
 """GPU facts from live hosts: a pyinfra fact that runs the NVML probe, and the fleet's health gate.
 
-pyinfra does not cache facts: every ``host.get_fact(NvmlGpuFacts)`` runs the probe again. Probe each
-host once per deploy and keep the result, as :func:`probe_hosts` does.
+The fact itself is :class:`gpufleet.facts.NvmlGpuFacts`; pyinfra does not cache facts, so each host is
+probed once per command and the result kept, as :func:`probe_hosts` does.
 
 Hosts are probed through pyinfra's gevent pool; SSH hosts run in parallel only in a process that
 gevent has monkey-patched at start (pyinfra's CLI does; ``gpufleet`` leaves that to its entry point).
@@ -9,102 +9,24 @@ gevent has monkey-patched at start (pyinfra's CLI does; ``gpufleet`` leaves that
 
 from __future__ import annotations
 
-import base64
-import importlib.util
-import json
+import contextlib
 import runpy
-import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pyinfra.api.command import QuoteString, StringCommand
 from pyinfra.api.config import Config
 from pyinfra.api.connect import connect_all, disconnect_all
-from pyinfra.api.exceptions import FactProcessError, PyinfraError
-from pyinfra.api.facts import FactBase, get_facts
+from pyinfra.api.exceptions import PyinfraError
+from pyinfra.api.facts import get_facts
 from pyinfra.api.inventory import Inventory
 from pyinfra.api.state import State
 
+from gpufleet.facts import NvmlGpuFacts
 from gpufleet.gpu_facts import FactsError, NodeFacts, parse_facts
 from gpufleet.node import health_rules
 from gpufleet.node.health_rules import Failure, HealthPolicy
-
-PROBE_SOURCE = Path(__file__).with_name("node") / "nvml_probe.py"
-
-
-def _packed(source: bytes) -> str:
-    return base64.b64encode(zlib.compress(source, 9)).decode()
-
-
-def _controller_pynvml() -> bytes:
-    spec = importlib.util.find_spec("pynvml")
-    if spec is None or spec.origin is None:
-        raise PyinfraError("nvidia-ml-py (module pynvml) is not installed on the controller")
-    return Path(spec.origin).read_bytes()
-
-
-def probe_command_line(python: str = "python3") -> StringCommand:
-    """``python -c <probe source> --compact``: the probe travels inside the command (compressed), since a
-    fact cannot upload files. So does the controller's pure-Python ``pynvml``, used only where the node's
-    Python has none (a bare node, before any virtualenv exists): about 75 KB in all."""
-    code = (
-        "import base64,sys,types,zlib\n"
-        "def _unpack(s): return zlib.decompress(base64.b64decode(s))\n"
-        "try:\n import pynvml\n"
-        "except ImportError:\n"
-        " _m = sys.modules['pynvml'] = types.ModuleType('pynvml'); _m.__file__ = 'pynvml.py'\n"
-        f" exec(compile(_unpack('{_packed(_controller_pynvml())}'), 'pynvml.py', 'exec'), _m.__dict__)\n"
-        f"exec(compile(_unpack('{_packed(PROBE_SOURCE.read_bytes())}'), 'nvml_probe.py', 'exec'))\n"
-    )
-    return StringCommand(QuoteString(python), "-c", QuoteString(code), "--compact")
-
-
-class NvmlGpuFacts(FactBase[dict[str, Any]]):
-    """
-    Returns the host's GPU facts document (``gpufleet.gpu-facts/1``, see ``gpufleet.gpu_facts``) as
-    printed by the NVML probe. A host without a usable NVIDIA driver answers with
-    ``nvml.available`` false; a host without ``python`` fails the fact, loudly.
-
-    + python: interpreter on the host that has nvidia-ml-py (``pynvml``)
-
-    Not cached by pyinfra: probe once per host per deploy and keep the result.
-
-    .. code:: python
-
-        {
-            "schema": "gpufleet.gpu-facts/1",
-            "hostname": "gpu-a01",
-            "nvml": {"available": True, "error": None},
-            "driver_version": "580.95.05",
-            "cuda_driver_version": "13.0",
-            "nvml_version": "13.580.95.05",
-            "gpus": [
-                {"index": 0, "name": "NVIDIA H100 80GB HBM3", "pci_bus_id": "00000000:18:00.0",
-                 "persistence_mode": True, "nvlinks": [{"link": 0, "active": True, ...}, ...],
-                 "fabric": {"state": "completed", "status": "success", ...}, "unsupported": [], ...},
-            ],
-            "topology": [["X", "NV18"], ["NV18", "X"]],
-            "errors": [],
-        }
-    """
-
-    # No requires_command: pyinfra would quietly return the default when python is missing, and a
-    # node that cannot be probed must fail the gate, not vanish from it.
-
-    def command(self, python: str = "python3") -> StringCommand:
-        return probe_command_line(python)
-
-    def process(self, output: list[str]) -> dict[str, Any]:
-        text = "\n".join(output).strip()
-        try:
-            doc = json.loads(text.splitlines()[-1] if text else "")
-        except json.JSONDecodeError:
-            raise FactProcessError(f"the NVML probe printed no facts JSON: {text[-300:]!r}") from None
-        if not isinstance(doc, dict):
-            raise FactProcessError(f"the NVML probe printed {type(doc).__name__}, expected a JSON object")
-        return doc
 
 
 @dataclass
@@ -115,22 +37,12 @@ class ProbeRun:
     failures: dict[str, str] = field(default_factory=dict)
 
 
-class ProbeError(Exception):
-    """Some hosts could not be probed; ``run`` holds what was learnt."""
-
-    def __init__(self, run: ProbeRun) -> None:
-        super().__init__("; ".join(f"{host}: {why}" for host, why in run.failures.items()))
-        self.run = run
-
-
 def probe_hosts(inventory: Inventory, python: str = "python3") -> ProbeRun:
     """Probe every host of a fresh ``Inventory`` once, in parallel (a new ``State`` per call)."""
     state = State(inventory, Config())
     run = ProbeRun()
-    try:
+    with contextlib.suppress(PyinfraError):  # every host failed to connect: reported below
         connect_all(state)
-    except PyinfraError:
-        pass  # every host failed to connect: reported below
     try:
         results = get_facts(state, NvmlGpuFacts, kwargs={"python": python, "_ignore_errors": True}) \
             if state.active_hosts else {}
@@ -176,14 +88,6 @@ def load_inventory(inventory_path: str | Path) -> Inventory:
         hosts = list(dict.fromkeys(names))
     groups.setdefault(path.stem, (list(hosts), {}))
     return Inventory((hosts, data), **groups)
-
-
-def probe_inventory(inventory_path: str | Path, python: str = "python3") -> dict[str, NodeFacts]:
-    """Facts of every host of an inventory file, by inventory host name; ``ProbeError`` if any has none."""
-    run = probe_hosts(load_inventory(inventory_path), python)
-    if run.failures:
-        raise ProbeError(run)
-    return run.facts
 
 
 def default_policy(host: str) -> HealthPolicy:

@@ -60,7 +60,8 @@ GPU_MODELS: dict[str, GpuModel] = {
         GpuModel("H200", "NVIDIA H200", 143771 * MIB, "9.0", 5, 18, True, True, True, ("SXM",)),
         GpuModel("H100NVL", "NVIDIA H100 NVL", 95830 * MIB, "9.0", 5, 18, True, False, True, ("PCIe-pairs", "PCIe")),
         GpuModel("A100", "NVIDIA A100-SXM4-80GB", 81920 * MIB, "8.0", 4, 12, True, False, True, ("SXM",)),
-        GpuModel("A100PCIe", "NVIDIA A100 80GB PCIe", 81920 * MIB, "8.0", 4, 12, True, False, True, ("PCIe-pairs", "PCIe")),
+        GpuModel("A100PCIe", "NVIDIA A100 80GB PCIe", 81920 * MIB, "8.0", 4, 12, True, False, True,
+                 ("PCIe-pairs", "PCIe")),
         GpuModel("L40S", "NVIDIA L40S", 46068 * MIB, "8.9", 4, 0, True, False, False, ("PCIe",)),
         GpuModel("RTX4090", "NVIDIA GeForce RTX 4090", 24564 * MIB, "8.9", 4, 0, False, False, False, ("PCIe",)),
     )
@@ -172,7 +173,8 @@ def profile_facts(name: str, hostname: str, driver_version: str = "580.95.05") -
                 compute_capability=p.gpu.compute_capability,
                 persistence_mode=True,
                 mig=Mig(current=False, pending=False) if p.gpu.mig else None,
-                ecc=Ecc(current=True, pending=True, uncorrected_volatile=0, uncorrected_aggregate=0) if p.gpu.ecc else None,
+                ecc=(Ecc(current=True, pending=True, uncorrected_volatile=0, uncorrected_aggregate=0)
+                     if p.gpu.ecc else None),
                 remapped_rows=RemappedRows(correctable=0, uncorrectable=0, pending=False, failure=False)
                 if p.gpu.ecc
                 else None,

@@ -70,10 +70,8 @@ def _attention_params(arch: ModelArch) -> int:
         v_dim = arch.v_head_dim or nope
         kv_rank = arch.kv_lora_rank or 0
         q_head = heads * (nope + rope)
-        if arch.q_lora_rank:  # q = up(norm(down(x)))
-            q = h * arch.q_lora_rank + arch.q_lora_rank + arch.q_lora_rank * q_head
-        else:
-            q = h * q_head
+        # A low-rank q: up(norm(down(x))); else one projection.
+        q = h * arch.q_lora_rank + arch.q_lora_rank + arch.q_lora_rank * q_head if arch.q_lora_rank else h * q_head
         kv_down = h * (kv_rank + rope) + kv_rank  # latent + shared rope key, then the latent norm
         kv_up = kv_rank * heads * (nope + v_dim)
         return q + kv_down + kv_up + heads * v_dim * h

@@ -8,6 +8,8 @@ of one.
 
 from __future__ import annotations
 
+import itertools
+
 from gpufleet.gpu_facts import Gpu, NodeFacts
 
 
@@ -39,7 +41,7 @@ def nvlink_islands(facts: NodeFacts) -> list[list[int]]:
         parent[find(a)] = find(b)
 
     switch_members = [g.index for g in facts.gpus if _on_switch_fabric(g)]
-    for a, b in zip(switch_members, switch_members[1:]):
+    for a, b in itertools.pairwise(switch_members):
         union(a, b)
     for g in facts.gpus:
         for link in g.nvlinks or []:
@@ -53,14 +55,3 @@ def nvlink_islands(facts: NodeFacts) -> list[list[int]]:
         groups.setdefault(find(g.index), []).append(g.index)
     return sorted((sorted(v) for v in groups.values()), key=lambda island: island[0])
 
-
-def active_links_between(facts: NodeFacts, a: int, b: int) -> int:
-    """Direct active NVLinks from GPU ``a`` to GPU ``b`` (switch paths not counted)."""
-    gpus = {g.index: g for g in facts.gpus}
-    target = _norm_bus(gpus[b].pci_bus_id)
-    return sum(
-        1
-        for link in gpus[a].nvlinks or []
-        if link.active and link.remote_device_type == "gpu" and link.remote_pci_bus_id
-        and _norm_bus(link.remote_pci_bus_id) == target
-    )

@@ -277,7 +277,7 @@ def _shown(value: object) -> str:
 
 def _expected(field: Mapping[str, Any]) -> str:
     """What a catalog field descriptor accepts, in words."""
-    kind = field["type"]
+    kind: str = field["type"]
     if kind == "enum":
         return "one of " + ", ".join(str(c) for c in field["choices"])
     if kind == "class":

@@ -572,10 +572,10 @@ def import_vllm(src: str, extensions: str) -> tuple[_StubFinder, _StubFinder]:
 
     # No GPU here and the build host's CPU must not matter: pin the platform.
     if os.environ.get("VLLM_TARGET_DEVICE") == "cpu":
-        from vllm.platforms.cpu import CpuPlatform as platform_cls
+        from vllm.platforms.cpu import CpuPlatform as Platform
     else:
-        from vllm.platforms.cuda import CudaPlatform as platform_cls
-    vllm.platforms._current_platform = platform_cls()
+        from vllm.platforms.cuda import CudaPlatform as Platform
+    vllm.platforms._current_platform = Platform()
     return forced, fallback
 
 

@@ -26,7 +26,7 @@ LOG = """\
     [10.213.150.12] Loaded fact server.Hostname
 
 --> Beginning operation run...
---> Starting operation: ok op 
+--> Starting operation: ok op\x20
 \x1b[0m[\x1b[1m10.213.150.11\x1b[0m] >>> sh -c true
 [10.213.150.11] >>> sh -c 'echo a
 echo b'
@@ -34,13 +34,13 @@ echo b'
 [10.213.150.12] >>> sh -c true
     [10.213.150.12] Success on retry 1
 
---> Starting operation: dir 
+--> Starting operation: dir\x20
 [10.213.150.11] >>> sh -c 'test -d /x'
     [10.213.150.11] Loaded fact files.Directory (path=/x)
     [10.213.150.11] No changes
     [10.213.150.12] No changes
 
---> Starting operation: bad op 
+--> Starting operation: bad op\x20
 [10.213.150.12] >>> sh -c 'echo boom >&2; false'
     [10.213.150.12] boom
     [10.213.150.12] Error: executed 0 commands

@@ -67,7 +67,8 @@ def test_pyinfra_data_overrides_everything(project: Project) -> None:
     [
         ("vllm_model: [unclosed\n", "group_vars/all.yml:2:1: YAML syntax error: expected ',' or ']'"),
         (BASE + "vllm_max_modl_len: 4096\n",
-         "group_vars/all.yml: vllm_max_modl_len: expected a known variable, found an unknown key; did you mean vllm_max_model_len?"),
+         "group_vars/all.yml: vllm_max_modl_len: expected a known variable, found an unknown key;"
+         " did you mean vllm_max_model_len?"),
         (BASE + "vllm_port: eighty\n", "group_vars/all.yml: vllm_port: expected an integer, found 'eighty'"),
         (BASE + "vllm_gpu_memory_utilization: 1.5\n",
          "group_vars/all.yml: vllm_gpu_memory_utilization: expected a number <= 1, found 1.5"),
@@ -82,7 +83,8 @@ def test_pyinfra_data_overrides_everything(project: Project) -> None:
         (BASE + "vllm_api_key: {env: A, file: /b}\n",
          "group_vars/all.yml: vllm_api_key: expected exactly one of env or file"),
         (BASE + "dcgm_exporter_port: 9100\n",
-         "group_vars/all.yml: dcgm_exporter_port: expected a port of its own, found 9100 for both dcgm_exporter_port and node_exporter_port"),
+         "group_vars/all.yml: dcgm_exporter_port: expected a port of its own, found 9100 for both dcgm_exporter_port"
+         " and node_exporter_port"),
         (BASE + "vllm_nodes_per_replica: 2\n",
          "roles/fleet/defaults.yml: fleet_interface: expected an interface name for multi-node replicas"),
         ("gpu_profile: 8xH100-SXM\n", "inventories/fleet.py: vllm_model: expected a value, found nothing (required)"),
@@ -111,7 +113,8 @@ def test_several_problems_one_line_each(project: Project) -> None:
         "group_vars/all.yml: ray_dashbord: expected a known variable, found an unknown key; did you mean ray_dashboard?"
         " (host gpu-1.invalid)",
         "group_vars/all.yml: vllm_port: expected a number >= 1, found 0 (host gpu-1.invalid)",
-        "group_vars/all.yml: vllm_dtype: expected one of auto, bfloat16, float16, float32, found 'fp4' (host gpu-1.invalid)",
+        "group_vars/all.yml: vllm_dtype: expected one of auto, bfloat16, float16, float32, found 'fp4'"
+        " (host gpu-1.invalid)",
         "inventories/fleet.py: vllm_min_concurrency: expected a number >= 1, found -1 (host gpu-1.invalid)",
     ])
 
@@ -139,7 +142,8 @@ def test_example_inventory_is_valid() -> None:
 
 def test_missing_inventory_file() -> None:
     result = run_cli("check", "inventories/nope.py")
-    assert result.rc == 2 and result.err.strip() == "inventories/nope.py: expected an inventory file, found no such file"
+    assert result.rc == 2
+    assert result.err.strip() == "inventories/nope.py: expected an inventory file, found no such file"
 
 
 def test_gpu_health_thresholds_are_typed(project: Project) -> None:
@@ -151,7 +155,8 @@ def test_gpu_health_thresholds_are_typed(project: Project) -> None:
     assert (policy.expected_gpu_count, policy.min_driver_branch, policy.require_persistence_mode) == (4, 570, True)
     project.group_vars("all", BASE + "gpu_health: {expected_gpu_cnt: 4}\n")
     result = run_cli("check", "inventories/fleet.py", cwd=project.root)
-    assert result.rc == 2 and "group_vars/all.yml: gpu_health.expected_gpu_cnt: expected one of expected_gpu_count" in result.err
+    assert result.rc == 2
+    assert "group_vars/all.yml: gpu_health.expected_gpu_cnt: expected one of expected_gpu_count" in result.err
 
 
 def test_check_refuses_what_plan_refuses(project: Project) -> None:
@@ -172,8 +177,8 @@ def test_example_inventory_plans() -> None:
 @pytest.mark.parametrize("count", [None, 1, 8, 0, -1, True, "8", 8.0])
 def test_health_policy_has_one_schema(project: Project, count: object) -> None:
     """What config validation accepts for gpu_health, the node's gate accepts, and the other way round."""
-    from gpufleet.config.validate import validate_host
     from gpufleet.config.layers import HostLayers, Layer, role_default_layers
+    from gpufleet.config.validate import validate_host
     from gpufleet.node.health_rules import PolicyError, policy_from_dict
 
     try:
@@ -182,7 +187,7 @@ def test_health_policy_has_one_schema(project: Project, count: object) -> None:
     except PolicyError:
         gate_ok = False
     defaults, _ = role_default_layers()
-    layers = HostLayers("h", defaults + [Layer("all.yml", {"vllm_model": "meta-llama/Llama-3.1-8B-Instruct",
+    layers = HostLayers("h", [*defaults, Layer("all.yml", {"vllm_model": "meta-llama/Llama-3.1-8B-Instruct",
                                                            "gpu_health": {"expected_gpu_count": count}})])
     config, problems = validate_host(layers, "inventory")
     assert (config is not None) == gate_ok == (count is None or (type(count) is int and count >= 1)), problems

@@ -1,10 +1,12 @@
-"""``gpufleet probe`` and ``gpufleet gate`` for real: pyinfra's @local connector, the NVML simulator on LD_LIBRARY_PATH."""
+"""``gpufleet probe`` and ``gpufleet gate`` for real: pyinfra's @local connector, the NVML simulator on
+LD_LIBRARY_PATH."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -12,8 +14,9 @@ from click.testing import CliRunner
 from pyinfra.api.exceptions import FactProcessError
 
 from gpufleet.cli_gpu import make_gate_command
+from gpufleet.facts import NvmlGpuFacts
 from gpufleet.gpu_facts import NodeFacts, load_facts, parse_facts
-from gpufleet.gpu_probe import NvmlGpuFacts, gate_report
+from gpufleet.gpu_probe import gate_report
 from gpufleet.hardware_profiles import profile_facts
 from gpufleet.lab.nvml_sim import build_library, sim_environ
 from gpufleet.lab.sim_profile import apply_fault, write_sim_profile
@@ -42,7 +45,8 @@ def gpufleet(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str
                           capture_output=True, text=True, timeout=120)
 
 
-def simulated(sim_lib: Path, tmp_path: Path, name: str, faults: list[tuple[str, int]] = []) -> tuple[dict[str, str], NodeFacts]:
+def simulated(sim_lib: Path, tmp_path: Path, name: str,
+              faults: Sequence[tuple[str, int]] = ()) -> tuple[dict[str, str], NodeFacts]:
     profile = tmp_path / "nvml-sim-profile"
     return sim_environ(sim_lib, profile), write_sim_profile(profile, name, faults)
 

@@ -6,6 +6,7 @@ import copy
 import json
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -183,7 +184,7 @@ def test_policy_embeds_in_a_pydantic_config() -> None:
 # ---- the node gate on the simulator ----------------------------------------------------------
 
 
-def gate(sim_lib: Path, tmp_path: Path, name: str, faults: list[tuple[str, int]] = [], *args: str,
+def gate(sim_lib: Path, tmp_path: Path, name: str, faults: Sequence[tuple[str, int]] = (), *args: str,
          policy: HealthPolicy | None = None) -> subprocess.CompletedProcess[str]:
     profile = tmp_path / "nvml-sim-profile"
     declared = write_sim_profile(profile, name, faults)
@@ -204,8 +205,10 @@ def test_gate_passes_every_healthy_profile(sim_lib: Path, tmp_path: Path, name: 
 
 FAULT_VERDICTS = {
     "link_down": ("nvlinks_active", 1, "1 of 18 NVLinks inactive (links 17); 17 active"),
-    "fabric_in_progress": ("fabric_completed", 1, "fabric state in_progress, status None; expected completed with success"),
-    "pending_row_remap": ("row_remap", 1, "row remap pending (1 correctable, 0 uncorrectable rows remapped): reset the GPU"),
+    "fabric_in_progress": ("fabric_completed", 1,
+                           "fabric state in_progress, status None; expected completed with success"),
+    "pending_row_remap": ("row_remap", 1,
+                          "row remap pending (1 correctable, 0 uncorrectable rows remapped): reset the GPU"),
     "pcie_x8": ("pcie_width", 1, "PCIe link x8, max x16"),
     "persistence_off": ("persistence_mode", 1, "persistence mode is off"),
     "gpu_missing": ("gpu_count", None, "found 7 GPUs (indices 0, 1, 2, 3, 4, 5, 6), expected 8"),

@@ -7,7 +7,7 @@
   quotes and escapes, then ``$`` expansion; anything gpufleet never writes is an error), environment files by a
   POSIX shell that sources them and by the node's own reader (``vllm_ready.read_env_file``).
 
-Templates are rendered the way ``files.template`` renders them, from the values each role passes.
+Templates are rendered by :func:`gpufleet.templates.render` (what the roles write), from the values each role passes.
 """
 
 from __future__ import annotations
@@ -22,19 +22,18 @@ from pathlib import Path
 
 import pytest
 import yaml
-from pyinfra.api.util import get_template
 
 import roles.common as common_role
 import roles.dcgm_exporter as dcgm_exporter_role
 import roles.node_exporter as node_exporter_role
 import roles.ray as ray_role
 import roles.vllm as vllm_role
-from gpufleet import systemd_text
+from gpufleet import node_paths, systemd_text, templates
 from gpufleet.config.problems import ConfigError
 from gpufleet.deploy import access
 from gpufleet.deploy import vllm_files as vf
 from gpufleet.node import vllm_ready
-from gpufleet.plan.commands import ray_start_argv, serve_argv
+from gpufleet.plan.commands import ray_start_argv, serve_flags, serve_process
 from tests.conftest import ROOT
 from tests.test_vllm_role import _config
 
@@ -154,7 +153,7 @@ class Unit:
 
 
 def _render(template: str, **values: object) -> str:
-    return get_template(str(TEMPLATES / template)).render(values)
+    return templates.render(template, **values)
 
 
 def _render_ne(cfg_values: dict[str, object]) -> tuple[str, list[str]]:
@@ -176,7 +175,7 @@ def _node_exporter_package(address: str) -> Unit:
 def _vllm(_: str) -> Unit:
     replica = "pool-0"
     values = vllm_role.unit_values()
-    etc = f"{vf.ETC}/{replica}"
+    etc = f"{node_paths.VLLM_ETC}/{replica}"
     return Unit("vllm@.service", _render("vllm/vllm@.service.j2", **values),
                 [f"{etc}/venv/bin/python", f"{etc}/venv/bin/vllm"],
                 [f"{etc}/venv/bin/vllm", "serve", "/var/lib/gpufleet/models/m $HOME", "--config", f"{etc}/config.yaml"],
@@ -196,9 +195,9 @@ def _ray(address: str) -> Unit:
     cfg = _config(fleet_interface="bond0")
     argv = ray_start_argv(cfg, address, None)
     values: dict[str, object] = {
-        "kind": "head", "replica": replica, "env_file": f"{ray_role.ENV_DIR}/{replica}.env",
+        "kind": "head", "replica": replica, "env_file": node_paths.ray_env_file(replica),
         "exec_start": systemd_text.exec_line(argv), "ray": f"{vf.venv_dir(cfg)}/bin/ray",
-        "token_file": ray_role.token_file(replica), "ip_access": access.unit_lines(["10.0.0.0/24"]),
+        "token_file": node_paths.ray_token_file(replica), "ip_access": access.unit_lines(["10.0.0.0/24"]),
     }
     return Unit(ray_role.unit_name(replica), _render("ray/ray.service.j2", **values),
                 [argv[0], f"{vf.venv_dir(cfg)}/bin/ray"], argv)
@@ -218,7 +217,7 @@ NOT_SYSTEMD = {"nvidia_driver/51gpufleet-nvidia-driver.conf.j2", "nvidia_driver/
                "nvidia_driver/gpufleet-nvidia.list.j2", "dcgm_exporter/counters.csv.j2"}
 COVERED = {"node_exporter/node_exporter.service.j2", "node_exporter/package-override.conf.j2",
            "node_exporter/sandbox.conf.j2", "vllm/vllm@.service.j2", "dcgm_exporter/dcgm-exporter.service.j2",
-           "ray/ray.service.j2", "common/node.env.j2"}
+           "ray/ray.service.j2", "common/node.env.j2", "_sandbox.conf.j2"}  # the sandbox: in every unit
 
 
 def test_every_template_is_covered_here_or_named_as_not_systemd() -> None:
@@ -352,5 +351,5 @@ def test_env_files_read_back_literally(tmp_path: Path, case: str,
 @pytest.mark.parametrize("name", HOSTILE[:6])
 def test_config_yaml_keeps_a_hostile_served_name(name: str) -> None:
     cfg = _config().model_copy(update={"vllm_served_model_name": name})  # past validation: defence in depth
-    _, config = vf.serve_config(serve_argv(cfg, "10.0.0.5", 8000, 1, 1, 1, 4096))
-    assert yaml.safe_load(vf.config_yaml(config))["served-model-name"] == name
+    config = serve_process(cfg, serve_flags(cfg, "10.0.0.5", 8000, 1, 1, 1, 4096), {}).config_yaml()
+    assert yaml.safe_load(config)["served-model-name"] == name

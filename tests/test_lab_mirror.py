@@ -216,7 +216,7 @@ def test_start_reuses_a_running_mirror_and_stop_ends_it(cache: Path) -> None:
 def test_start_refuses_every_interface_and_reports_a_foreign_address(cache: Path) -> None:
     with pytest.raises(LabError, match="not every interface"):
         mirror.start("0.0.0.0", _free_port(), cache_dir=cache)
-    with pytest.raises(LabError, match="could not serve on 192.0.2.254"):  # TEST-NET-1: not on this host
+    with pytest.raises(LabError, match=r"could not serve on 192\.0\.2\.254"):  # TEST-NET-1: not on this host
         mirror.start("192.0.2.254", _free_port(), cache_dir=cache)
     assert mirror.running(cache) == []
 
@@ -276,7 +276,7 @@ def test_default_counters_only_name_fields_the_exporter_double_reads(tmp_path: P
 def test_counters_file_rejects_malformed_lines(tmp_path: Path) -> None:
     csv = tmp_path / "counters.csv"
     csv.write_text("# comment\nDCGM_FI_DEV_GPU_TEMP, gauge, GPU temperature (in C).\nnot a field\n")
-    with pytest.raises(ValueError, match="counters.csv:3"):
+    with pytest.raises(ValueError, match=r"counters\.csv:3"):
         dcgm_exporter.read_counters(str(csv))
 
 
@@ -398,7 +398,7 @@ def test_tiny_model_weights_are_bf16_with_llama_shapes(model: Path) -> None:
     expected = tiny_model.TinyLlama().tensor_shapes()
     with safe_open(str(model / "model.safetensors"), framework="numpy") as f:
         assert set(f.keys()) == set(expected)
-        for name in f.keys():
+        for name in f.keys():  # noqa: SIM118 - a safetensors handle, not a dict
             piece = f.get_slice(name)
             assert piece.get_dtype() == "BF16", name
             assert tuple(piece.get_shape()) == expected[name], name

@@ -176,7 +176,7 @@ def test_safetensors_index_without_total_and_broken(tmp_path: Path) -> None:
     path.write_text(json.dumps({"weight_map": {}}), encoding="utf-8")
     assert safetensors_total_size(tmp_path) is None
     path.write_text("{not json", encoding="utf-8")
-    with pytest.raises(ModelConfigError, match="model.safetensors.index.json: cannot read"):
+    with pytest.raises(ModelConfigError, match=r"model\.safetensors\.index\.json: cannot read"):
         safetensors_total_size(tmp_path)
 
 

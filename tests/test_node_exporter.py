@@ -34,7 +34,8 @@ def _config(**values: object) -> HostConfig:
     """A host's config from every role's defaults, a model, and ``values``; fails on any problem."""
     layers, problems = role_default_layers()
     assert problems == []
-    config, found = validate_host(HostLayers("10.0.0.5", [*layers, Layer("test", {"vllm_model": "org/model", **values})]), "test")
+    test_layer = Layer("test", {"vllm_model": "org/model", **values})
+    config, found = validate_host(HostLayers("10.0.0.5", [*layers, test_layer]), "test")
     assert found == [], [p.line() for p in found]
     assert config is not None
     return config
@@ -49,7 +50,8 @@ def _problems(**values: object) -> list[str]:
 def _service_lines(text: str) -> list[str]:
     """The directives of a unit file (comments and blank lines dropped, continuation lines joined)."""
     joined = text.replace("\\\n", " ")
-    return [" ".join(line.split()) for line in joined.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    return [" ".join(line.split()) for line in joined.splitlines()
+            if line.strip() and not line.lstrip().startswith("#")]
 
 
 # --- variables ---------------------------------------------------------------------------------------------------
@@ -67,10 +69,12 @@ def test_defaults_install_the_pinned_upstream_tarball() -> None:
 @pytest.mark.parametrize(
     ("values", "expected"),
     [
-        ({"node_exporter_install": "docker"}, "node_exporter_install: expected one of tarball, package, found 'docker'"),
+        ({"node_exporter_install": "docker"},
+         "node_exporter_install: expected one of tarball, package, found 'docker'"),
         ({"node_exporter_tarball_sha256": "abc"}, "node_exporter_tarball_sha256: expected text matching"),
         ({"node_exporter_tarball_url": "ftp://x/y.tgz"}, "node_exporter_tarball_url: expected a URL"),
-        ({"node_exporter_apt_source": "deb http://mirror/debian bookworm main"}, "node_exporter_apt_source: expected text"),
+        ({"node_exporter_apt_source": "deb http://mirror/debian bookworm main"},
+         "node_exporter_apt_source: expected text"),
         ({"node_exporter_listen_address": "node1.example"}, "node_exporter_listen_address: expected an IP address"),
     ],
 )
@@ -91,7 +95,8 @@ def test_an_apt_source_must_name_its_keyring() -> None:
 def test_listens_on_the_fleet_address_unless_told_otherwise() -> None:
     assert role.listen_address(_config(), "10.0.0.5") == "10.0.0.5:9100"
     assert role.listen_address(_config(fleet_address="10.40.0.11"), "gpu-a01") == "10.40.0.11:9100"
-    assert role.listen_address(_config(node_exporter_listen_address="0.0.0.0", node_exporter_port=9200), "h") == "0.0.0.0:9200"
+    told = _config(node_exporter_listen_address="0.0.0.0", node_exporter_port=9200)
+    assert role.listen_address(told, "h") == "0.0.0.0:9200"
     assert role.listen_address(_config(fleet_address="fd00::11"), "h") == "[fd00::11]:9100"
 
 
@@ -318,7 +323,9 @@ def test_only_what_the_base_lacks_is_downloaded(monkeypatch: pytest.MonkeyPatch)
 
     monkeypatch.setattr(debian_extras, "_apt_records", records)
     base = {"adduser": "3.134", "libc6": "2.36-9"}
-    assert debian_extras.missing_dependencies("prometheus-node-exporter", base) == ["prometheus-node-exporter", "newlib"]
+    assert debian_extras.missing_dependencies("prometheus-node-exporter", base) == [
+        "prometheus-node-exporter", "newlib"
+    ]
     assert debian_extras.missing_dependencies("prometheus-node-exporter", {**base, "altlib": "1"}) == [
         "prometheus-node-exporter"
     ]
@@ -326,13 +333,16 @@ def test_only_what_the_base_lacks_is_downloaded(monkeypatch: pytest.MonkeyPatch)
 
 # --- systemd-analyze security's exposure score ---------------------------------------------------------------------
 
-ANALYZE_UTF8 = """\
-  NAME                                                        DESCRIPTION                                                EXPOSURE
-✗ PrivateNetwork=                                             Service has access to the host's network                        0.5
-✓ UMask=                                                      Files created by service are accessible only by service's own user by default
-
-→ Overall exposure level for node_exporter.service: 1.7 OK 🙂
-"""
+ANALYZE_UTF8 = (  # each table row split at the DESCRIPTION column
+    "  NAME                                                        "
+    "DESCRIPTION                                                EXPOSURE\n"
+    "✗ PrivateNetwork=                                             "
+    "Service has access to the host's network                        0.5\n"
+    "✓ UMask=                                                      "
+    "Files created by service are accessible only by service's own user by default\n"
+    "\n"
+    "→ Overall exposure level for node_exporter.service: 1.7 OK 🙂\n"
+)
 ANALYZE_ASCII = "-> Overall exposure level for vllm@0.service: 9.6 UNSAFE :-{\n"
 
 
@@ -381,7 +391,7 @@ def test_debs_already_kept_are_used_when_apt_knows_nothing(monkeypatch: pytest.M
     kept.write_bytes(b"deb")
     monkeypatch.setattr(debian_extras, "_apt_records", lambda names, found: found)  # no package lists
 
-    def no_apt(argv, cwd=None):  # noqa: ANN001, ANN202
+    def no_apt(argv, cwd=None):
         raise AssertionError(f"ran {argv}")
 
     monkeypatch.setattr(debian_extras, "_run", no_apt)

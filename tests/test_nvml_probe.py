@@ -6,6 +6,7 @@ import ast
 import json
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -26,11 +27,13 @@ def sim_lib(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_library(tmp_path_factory.getbasetemp() / "nvml-sim")
 
 
-def run_probe(env: dict[str, str], *args: str, python: tuple[str, ...] = (sys.executable,)) -> subprocess.CompletedProcess[str]:
+def run_probe(env: dict[str, str], *args: str,
+              python: tuple[str, ...] = (sys.executable,)) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*python, str(PROBE), *args], env=env, capture_output=True, text=True, timeout=60)
 
 
-def probe_profile(sim_lib: Path, tmp_path: Path, name: str, faults: list[tuple[str, int]] = []) -> tuple[NodeFacts, NodeFacts]:
+def probe_profile(sim_lib: Path, tmp_path: Path, name: str,
+                  faults: Sequence[tuple[str, int]] = ()) -> tuple[NodeFacts, NodeFacts]:
     """(what the probe printed, what the profile says) for a simulated node."""
     profile = tmp_path / "nvml-sim-profile"
     expected = write_sim_profile(profile, name, faults)
@@ -65,10 +68,12 @@ def test_hgx_h100_shape(sim_lib: Path, tmp_path: Path) -> None:
     assert (got.driver_version, got.cuda_driver_version, got.nvml_version) == ("580.95.05", "13.0", "13.580.95.05")
     assert gpu.name == "NVIDIA H100 80GB HBM3" and gpu.compute_capability == "9.0"
     assert gpu.memory_total_bytes == 85520809984
-    assert len(gpu.nvlinks or []) == 18 and all(l.active and l.remote_device_type == "switch" for l in gpu.nvlinks or [])
+    assert len(gpu.nvlinks or []) == 18
+    assert all(link.active and link.remote_device_type == "switch" for link in gpu.nvlinks or [])
     assert gpu.fabric is not None and (gpu.fabric.state, gpu.fabric.status) == ("completed", "success")
     assert gpu.clock_event_reasons is not None and gpu.clock_event_reasons.active == ["gpu_idle"]
-    assert (gpu.numa_node, gpu.cpu_affinity, got.gpus[7].numa_node, got.gpus[7].cpu_affinity) == (0, "0-63", 1, "64-127")
+    numa = (gpu.numa_node, gpu.cpu_affinity, got.gpus[7].numa_node, got.gpus[7].cpu_affinity)
+    assert numa == (0, "0-63", 1, "64-127")
     assert got.topology[0] == ["X"] + ["NV18"] * 7
     assert gpu.unsupported == [] and got.errors == []
 
@@ -95,7 +100,7 @@ def test_bridged_pairs_topology(sim_lib: Path, tmp_path: Path) -> None:
 
 def _link_down(f: NodeFacts) -> None:
     links = f.gpus[2].nvlinks or []
-    assert [l.link for l in links if not l.active] == [17]
+    assert [link.link for link in links if not link.active] == [17]
     assert f.topology[2] == ["NV17", "NV17", "X"] + ["NV17"] * 5
 
 
@@ -149,7 +154,7 @@ def test_probe_shows_each_fault(sim_lib: Path, tmp_path: Path, fault: str) -> No
 def test_link_down_on_a_bridged_pair_downs_both_ends(sim_lib: Path, tmp_path: Path) -> None:
     got, expected = probe_profile(sim_lib, tmp_path, "4xA100-PCIe-pairs", [("link_down", 1)])
     assert got == expected
-    assert [l.active for l in got.gpus[0].nvlinks or []].count(False) == 1
+    assert [link.active for link in got.gpus[0].nvlinks or []].count(False) == 1
     assert got.topology[0][1] == got.topology[1][0] == "NV11"
     assert nvlink_islands(got) == [[0, 1], [2, 3]]
 
@@ -227,7 +232,8 @@ def test_library_is_cached_by_source_hash(sim_lib: Path) -> None:
 @pytest.mark.parametrize("name", ["nvml_probe.py", "health_rules.py", "__init__.py"])
 def test_node_files_import_only_stdlib_and_pynvml(name: str) -> None:
     tree = ast.parse((ROOT / "gpufleet" / "node" / name).read_text())
-    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    imported = {alias.name.split(".")[0]
+                for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
     imported |= {node.module.split(".")[0] for node in ast.walk(tree)
                  if isinstance(node, ast.ImportFrom) and node.module and node.level == 0}
     assert imported - set(sys.stdlib_module_names) <= {"pynvml"}

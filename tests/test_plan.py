@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
+import yaml
 
+from gpufleet.fleet import load_fleet
 from gpufleet.gpu_facts import NodeFacts
 from gpufleet.hardware_profiles import profile_facts
 from gpufleet.plan.layout import gpu_sets, node_shape
+from gpufleet.plan.planner import FleetPlan, PlanProblem, plan_fleet
 from tests.conftest import Project, run_cli
 
 
-def _plan(project: Project, all_yml: str, inventory: str, *extra: str) -> tuple[int, list[dict], str]:
+def _plan(project: Project, all_yml: str, inventory: str, *extra: str) -> tuple[int, list[dict[str, Any]], str]:
     project.group_vars("all", all_yml)
     project.inventory(inventory)
     result = run_cli("plan", "inventories/fleet.py", "--json", *extra, cwd=project.root)
@@ -103,6 +107,7 @@ def test_pp_across_nodes_only_when_one_node_cannot_hold(project: Project) -> Non
     assert r["kv_bytes_per_token"] == 1152 * 31
 
 
+RAY_HOSTS = 'ds = [("d1", {"fleet_address": "10.9.0.1"}), ("d2", {"fleet_address": "10.9.0.2"})]'
 RAY_POOL = """
     vllm_model: deepseek-ai/DeepSeek-V3
     gpu_profile: 8xH100-SXM
@@ -115,7 +120,7 @@ RAY_POOL = """
 
 
 def test_ray_backend_head_and_worker_processes(project: Project) -> None:
-    rc, replicas, err = _plan(project, RAY_POOL, 'ds = [("d1", {"fleet_address": "10.9.0.1"}), ("d2", {"fleet_address": "10.9.0.2"})]')
+    rc, replicas, err = _plan(project, RAY_POOL, RAY_HOSTS)
     assert rc == 0, err
     procs = replicas[0]["processes"]
     assert [p["unit"] for p in procs["d1"]] == ["ray-head", "vllm"]
@@ -129,7 +134,7 @@ def test_ray_backend_head_and_worker_processes(project: Project) -> None:
 
 
 def test_ipv6_fleet_addresses_are_bracketed_where_a_port_follows(project: Project) -> None:
-    rc, replicas, err = _plan(project, RAY_POOL, 'ds = [("d1", {"fleet_address": "fd00:9::1"}), ("d2", {"fleet_address": "fd00:9::2"})]')
+    rc, replicas, err = _plan(project, RAY_POOL, RAY_HOSTS.replace("10.9.0.", "fd00:9::"))
     assert rc == 0, err
     procs = replicas[0]["processes"]
     assert "--node-ip-address=fd00:9::1" in procs["d1"][0]["argv"]  # an address alone stays bare
@@ -143,7 +148,8 @@ def test_ipv6_fleet_addresses_are_bracketed_where_a_port_follows(project: Projec
     ("all_yml", "inventory", "expected"),
     [
         ("vllm_model: meta-llama/Llama-3.1-70B-Instruct\ngpu_profile: 8xH100-SXM\nvllm_tensor_parallel_size: 3\n",
-         'a = ["h1"]', "vllm_tensor_parallel_size: 3 does not divide Llama-3.1-70B's 64 attention heads (64 / 3 = 21.3333)"),
+         'a = ["h1"]',
+         "vllm_tensor_parallel_size: 3 does not divide Llama-3.1-70B's 64 attention heads (64 / 3 = 21.3333)"),
         ("vllm_model: meta-llama/Llama-3.1-70B-Instruct\ngpu_profile: 8xH100-SXM\nvllm_tensor_parallel_size: 8\n"
          "vllm_pipeline_parallel_size: 2\nvllm_max_model_len: 8192\n",
          'a = ["h1"]', "TP 8 x PP 2 x DP 1 = 16 GPUs > 8 GPUs on h1"),
@@ -284,3 +290,86 @@ def test_plan_from_probe_output_of_the_simulator(
     assert rc == 0, err
     assert [r["gpus"]["h1"] for r in replicas] == expected_sets
     assert "without NVLink" not in err
+
+
+def test_plan_problems_are_objects_printed_as_lines(project: Project) -> None:
+    """Without declared profiles the plan itself refuses (check cannot): each problem one line, by pool."""
+    facts = project.root / "facts"
+    facts.mkdir()
+    (facts / "h1.json").write_text(profile_facts("8xH100-SXM", "h1").to_json())
+    rc, _, err = _plan(project, """
+        vllm_model: meta-llama/Llama-3.1-70B-Instruct
+        vllm_tensor_parallel_size: 3
+    """, 'a = ["h1"]', "--facts", str(facts))
+    assert rc == 2
+    assert err.splitlines() == [
+        "pool a: vllm_tensor_parallel_size 3 does not divide Llama-3.1-70B's 64 attention heads (64 / 3 = 21.3333)"
+        " with 8 KV heads; valid: 1, 2, 4, 8, 16, 32, 64"]
+
+
+def _fleet_plan(project: Project, all_yml: str, inventory: str) -> FleetPlan:
+    project.group_vars("all", all_yml)
+    fleet = load_fleet(str(project.inventory(inventory)))
+    return plan_fleet(fleet, {h: profile_facts("8xH100-SXM", h) for h in fleet.hosts})
+
+
+def test_plan_problem_says_where_and_whom_it_stops() -> None:
+    pool = PlanProblem("big", "vllm_nodes_per_replica 3 > 2 hosts in pool big", keys=("vllm_nodes_per_replica",),
+                       detail="3 > 2 hosts in pool big")
+    flag = PlanProblem("big", "vLLM 0.33.0: --x: unknown", "h2", "big-0", ("vllm_extra_args",))
+    assert pool.line() == "pool big: vllm_nodes_per_replica 3 > 2 hosts in pool big"
+    assert flag.line() == "big-0 on h2: vLLM 0.33.0: --x: unknown"
+    assert pool.said_of("vllm_nodes_per_replica") == "3 > 2 hosts in pool big"
+    assert pool.said_of("vllm_model") == pool.text
+    plan = FleetPlan(problems=[pool, flag])
+    assert plan.problems_of("h1", "big") == [pool] and plan.problems_of("h2", "big") == [pool, flag]
+    assert plan.problems_of("h3", "small") == []
+
+
+def test_an_unknown_quantization_is_a_problem_of_its_pool_only(project: Project) -> None:
+    plan = _fleet_plan(project, "vllm_max_model_len: 8192\n", """
+        good = [("h1", {"vllm_model": "meta-llama/Llama-3.1-8B-Instruct"})]
+        odd = [("h2", {"vllm_model": "meta-llama/Llama-3.1-8B-Instruct", "vllm_quantization": "notamethod"})]
+    """)
+    assert {r.pool for r in plan.replicas} == {"good"}
+    (problem,) = plan.problems
+    assert (problem.pool, problem.host, problem.keys) == ("odd", None, ("vllm_quantization",))
+    assert problem.line().startswith("pool odd: unknown quantization 'notamethod'; accepted: ")
+
+
+def test_planned_config_yaml_is_typed_from_the_config(project: Project) -> None:
+    """Numbers stay numbers, a name that looks like a number stays text, false, lists and mappings as argv has
+    them; the model is the unit's VLLM_MODEL, not a flag."""
+    plan = _fleet_plan(project, """
+        vllm_model: meta-llama/Llama-3.1-8B-Instruct
+        vllm_served_model_name: "8"
+        vllm_max_model_len: 8192
+        vllm_tensor_parallel_size: 8
+        vllm_extra_args:
+          enable-prefix-caching: false
+          max-num-seqs: 64
+          logits-processors: [a.B, c.D]
+          override-generation-config: {temperature: 0.5}
+    """, 'a = ["h1"]')
+    assert plan.problems == []
+    (process,) = plan.replicas[0].roles[0].processes
+    config = yaml.safe_load(process.config_yaml())
+    assert config == {
+        "served-model-name": "8", "host": "h1", "port": 8000, "tensor-parallel-size": 8,
+        "pipeline-parallel-size": 1, "max-model-len": 8192, "gpu-memory-utilization": 0.92,
+        "enable-prefix-caching": False, "max-num-seqs": 64, "logits-processors": ["a.B", "c.D"],
+        "override-generation-config": '{"temperature":0.5}'}
+    assert process.argv[3:] == [
+        "--served-model-name", "8", "--host", "h1", "--port", "8000", "--tensor-parallel-size", "8",
+        "--pipeline-parallel-size", "1", "--max-model-len", "8192", "--gpu-memory-utilization", "0.92",
+        "--no-enable-prefix-caching", "--max-num-seqs", "64",
+        "--logits-processors", "a.B", "--logits-processors", "c.D",
+        "--override-generation-config", '{"temperature":0.5}']
+
+
+def test_the_printed_plan_keeps_bracketed_addresses(project: Project) -> None:
+    project.group_vars("all", RAY_POOL)
+    project.inventory(RAY_HOSTS.replace("10.9.0.", "fd00:9::"))
+    result = run_cli("plan", "inventories/fleet.py", cwd=project.root)
+    assert result.rc == 0, result.err
+    assert "RAY_ADDRESS=[fd00:9::1]:6379" in result.out and "--address=[fd00:9::1]:6379" in result.out

@@ -1,6 +1,6 @@
 """Roles nvidia_driver, dcgm and dcgm_exporter without a node: their templates, pins, counters and decisions.
 
-Templates are rendered with pyinfra's own renderer (what ``files.template`` uses) from the values the
+Templates are rendered by :func:`gpufleet.templates.render` (what the roles write) from the values the
 roles pass; the counters file is served by the exporter double against the NVML simulator.
 """
 
@@ -15,28 +15,24 @@ from typing import Any
 
 import pytest
 import yaml
-from pyinfra.api.util import get_template
 
+from gpufleet import templates
+from gpufleet.facts import AptCandidate, KeyFingerprints
 from gpufleet.gpu_facts import SCHEMA, NodeFacts, NvmlStatus
 from gpufleet.hardware_profiles import profile_facts
 from gpufleet.lab import nvml_sim, sim_profile, standin_debs
 from gpufleet.lab.double_programs import dcgm_exporter as exporter_double
 from gpufleet.lab.sim_profile import apply_fault
-from roles.dcgm import dcgm_package
-from roles.dcgm_exporter import COUNTERS_FILE, has_nvlink, unit_values
-from roles.nvidia_driver import (
-    AptCandidate,
-    KeyFingerprints,
+from gpufleet.operations.nvidia import (
     LoadedModule,
-    driver_package,
-    fabricmanager_package,
     fetch_key_script,
-    has_nvswitch,
-    keyring_path,
     reboot_action,
     reboot_required_message,
     upstream_version,
 )
+from roles.dcgm import dcgm_package
+from roles.dcgm_exporter import COUNTERS_FILE, has_nvlink, unit_values
+from roles.nvidia_driver import driver_package, fabricmanager_package, has_nvswitch, keyring_path
 from tests.conftest import ROOT, Project, run_cli
 from tests.test_lab_mirror import _free_port, _get, _wait_for_port
 
@@ -45,7 +41,7 @@ DEFAULTS = yaml.safe_load((ROOT / "roles" / "nvidia_driver" / "defaults.yml").re
 
 
 def render(template: str, **values: Any) -> str:
-    return get_template(str(TEMPLATES / template)).render(values)
+    return templates.render(template, **values)
 
 
 # --- nvidia_driver: repository, pin, unattended-upgrades ---------------------------------------------------
@@ -223,7 +219,7 @@ def test_counters_turn_on_what_the_defaults_leave_off(tmp_path: Path) -> None:
     rows = _counters(True, tmp_path)
     fields = [field for field, _, _ in rows]
     assert len(fields) == len(set(fields))
-    assert SERVING_FIELDS | NVLINK_FIELDS <= set(fields)
+    assert set(fields) >= SERVING_FIELDS | NVLINK_FIELDS
     assert {kind for _, kind, _ in rows} <= {"gauge", "counter", "label"}
     assert all(help_text for _, _, help_text in rows)
     commented_in_defaults = set(re.findall(r"^# (DCGM_FI_\w+),", standin_debs.DEFAULT_COUNTERS, re.MULTILINE))
@@ -233,7 +229,7 @@ def test_counters_turn_on_what_the_defaults_leave_off(tmp_path: Path) -> None:
 
 def test_counters_leave_nvlink_out_where_gpus_have_none(tmp_path: Path) -> None:
     fields = {field for field, _, _ in _counters(False, tmp_path)}
-    assert SERVING_FIELDS <= fields and not fields & NVLINK_FIELDS
+    assert fields >= SERVING_FIELDS and not fields & NVLINK_FIELDS
     assert has_nvlink(profile_facts("8xH100-SXM", "n1")) and has_nvlink(profile_facts("4xA100-PCIe-pairs", "n1"))
     assert not has_nvlink(profile_facts("8xL40S-PCIe", "n1"))
     assert has_nvlink(None)  # not probed: the fields cost nothing where there is no NVLink
@@ -273,7 +269,9 @@ def test_unit_is_sandboxed() -> None:
     assert unit["ProtectSystem"] == ["strict"]
     assert unit["CapabilityBoundingSet"] == [""] and unit["AmbientCapabilities"] == [""]
     assert unit["DevicePolicy"] == ["closed"]
-    assert unit["SystemCallFilter"] == ["@system-service", "~@privileged @resources"]
+    allowed, denied = unit["SystemCallFilter"]
+    assert allowed == "@system-service" and denied.startswith("~")
+    assert {"@privileged", "@resources"} <= set(denied[1:].split())
     assert unit["SystemCallErrorNumber"] == ["EPERM"]
     assert set(unit["RestrictAddressFamilies"][0].split()) == {"AF_INET", "AF_INET6", "AF_UNIX"}
 
@@ -314,7 +312,8 @@ def test_exporter_double_serves_every_counter_from_the_simulator(tmp_path: Path)
     metrics = {field for field, kind, _ in exporter_double.read_counters(str(counters)) if kind != "label"}
     assert set(values) == metrics, stderr
     assert all(len(v) == len(facts.gpus) for v in values.values())
-    for zero in ("DCGM_FI_DEV_XID_ERRORS", "DCGM_FI_DEV_POWER_VIOLATION", "DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL"):
+    for zero in ("DCGM_FI_DEV_XID_ERRORS", "DCGM_FI_DEV_POWER_VIOLATION",
+                 "DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL"):
         assert values[zero] == ["0"] * len(facts.gpus), zero
     assert values["DCGM_FI_DEV_ROW_REMAP_PENDING"][0] == "1"  # what the simulator does answer comes through
     assert values["DCGM_FI_DEV_CLOCKS_EVENT_REASONS"] == ["1"] * len(facts.gpus)  # gpu_idle
@@ -328,7 +327,8 @@ def test_repository_urls_are_checked(project: Project) -> None:
                               "vllm_max_model_len: 8192\nnvidia_repo_url: developer.download.nvidia.com/repo\n")
     done = run_cli("check", str(project.inventory('fleet = ["n1"]')))
     assert done.rc == 2, done.err
-    assert re.search(r"group_vars/all\.yml: nvidia_repo_url: .*developer\.download\.nvidia\.com/repo", done.err), done.err
+    assert re.search(r"group_vars/all\.yml: nvidia_repo_url: .*developer\.download\.nvidia\.com/repo",
+                     done.err), done.err
 
 
 # --- nvidia_driver: the repository key is pinned by fingerprint ----------------------------------------------
@@ -349,7 +349,8 @@ def _gpg_key(home: Path, uid: str) -> tuple[Path, str]:
 @pytest.fixture(scope="module")
 def two_keys(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[Path, str]]:
     base = tmp_path_factory.mktemp("keys")
-    return [_gpg_key(base / "good", "good <good@gpufleet.invalid>"), _gpg_key(base / "bad", "bad <bad@gpufleet.invalid>")]
+    return [_gpg_key(base / "good", "good <good@gpufleet.invalid>"),
+            _gpg_key(base / "bad", "bad <bad@gpufleet.invalid>")]
 
 
 def _sh(script: str) -> subprocess.CompletedProcess[str]:

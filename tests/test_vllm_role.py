@@ -13,6 +13,7 @@ import os
 import re
 import shlex
 import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -21,11 +22,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from jinja2 import Environment, StrictUndefined
 
-import roles.common as common_role
 import roles.ray as ray_role
 import roles.vllm as vllm_role
+from gpufleet import node_paths, templates
 from gpufleet.cli import fleet_facts
 from gpufleet.config.layers import HostLayers, Layer, role_default_layers
 from gpufleet.config.problems import ConfigError
@@ -33,15 +33,22 @@ from gpufleet.config.schema import SCHEMA_KEYS, HostConfig
 from gpufleet.config.validate import validate_host
 from gpufleet.deploy import access
 from gpufleet.deploy import vllm_files as vf
-from gpufleet.fleet import load_fleet
+from gpufleet.deploy.context import DeployContext
+from gpufleet.fleet import Fleet, load_fleet
+from gpufleet.lab import wheelhouse
 from gpufleet.node import vllm_ready
+from gpufleet.operations import ray as ray_ops
 from gpufleet.plan.commands import (
     RAY_START_WITHOUT_CLIENT_SERVER,
     RAY_TEMP_DIR,
+    FlagValue,
     NodeRole,
+    Process,
     ray_start_argv,
     replica_roles,
     secret_env_names,
+    serve_argv,
+    serve_flags,
 )
 from gpufleet.plan.planner import plan_fleet
 from gpufleet.vllm_flags import load_catalog
@@ -69,56 +76,81 @@ def _directives(text: str) -> list[str]:
 
 
 def _render(template: Path, **values: object) -> str:
-    """A template rendered as pyinfra's files.template renders it (undefined names are errors)."""
-    env = Environment(undefined=StrictUndefined, keep_trailing_newline=True)
-    return env.from_string(template.read_text()).render(**values)
+    """A template rendered as the roles render it (undefined names are errors)."""
+    return templates.render(template.relative_to(TEMPLATES).as_posix(), **values)
 
 
-# --- serve_config: the planner's argv -> the model and config.yaml ------------------------------------------
+# --- a process's flags: one typed mapping -> its argv and its config.yaml ------------------------------------
 
-def test_serve_config_splits_model_values_switches_and_numbers() -> None:
-    model, config = vf.serve_config([
+def _serve(flags: dict[str, FlagValue]) -> Process:
+    return Process("vllm", "/opt/vllm/0.33.0/bin/vllm", ["serve", "org/model"], flags, {})
+
+
+def test_argv_and_config_yaml_render_the_same_typed_flags() -> None:
+    process = _serve({
+        "served-model-name": "m", "port": 8001, "gpu-memory-utilization": 0.92, "enable-prefix-caching": True,
+        "enable-chunked-prefill": False, "seed": -1, "headless": True,
+    })
+    assert process.argv == [
         "/opt/vllm/0.33.0/bin/vllm", "serve", "org/model",
         "--served-model-name", "m", "--port", "8001", "--gpu-memory-utilization", "0.92",
-        "--enable-prefix-caching", "--no-enable-chunked-prefill", "--seed", "-1",
-        "--headless",
-    ])
-    assert model == "org/model"
-    assert config == {
-        "served-model-name": "m", "port": 8001, "gpu-memory-utilization": 0.92,
-        "enable-prefix-caching": True, "enable-chunked-prefill": False, "seed": -1, "headless": True,
-    }
-    assert isinstance(config["port"], int) and isinstance(config["gpu-memory-utilization"], float)
-    assert list(config) == ["served-model-name", "port", "gpu-memory-utilization", "enable-prefix-caching",
-                            "enable-chunked-prefill", "seed", "headless"]  # argv order kept
+        "--enable-prefix-caching", "--no-enable-chunked-prefill", "--seed", "-1", "--headless",
+    ]
+    text = process.config_yaml()
+    assert text.startswith("# Written by gpufleet (role vllm): `vllm serve --config` of this replica.\n")
+    loaded = yaml.safe_load(text)
+    assert loaded == process.flags and list(loaded) == list(process.flags)  # order kept, the model left out
+    assert isinstance(loaded["port"], int) and isinstance(loaded["gpu-memory-utilization"], float)
+    assert loaded["enable-chunked-prefill"] is False
 
 
-def test_serve_config_repeated_flag_becomes_a_list_and_json_stays_text() -> None:
-    _, config = vf.serve_config(["vllm", "serve", "/models/m", "--middleware", "a.B", "--middleware", "c.D",
-                                 "--middleware", "e.F", "--override-generation-config", '{"temperature":0.5}'])
-    assert config == {"middleware": ["a.B", "c.D", "e.F"], "override-generation-config": '{"temperature":0.5}'}
+def test_a_string_that_looks_like_a_number_stays_a_string() -> None:
+    process = _serve({"served-model-name": "12", "revision": "0123", "code-revision": "1.10", "port": 8000})
+    assert process.argv[3:] == ["--served-model-name", "12", "--revision", "0123", "--code-revision", "1.10",
+                                "--port", "8000"]
+    assert yaml.safe_load(process.config_yaml()) == {"served-model-name": "12", "revision": "0123",
+                                                     "code-revision": "1.10", "port": 8000}
 
 
-@pytest.mark.parametrize("argv", [
-    ["vllm"],
-    ["vllm", "serve"],
-    ["vllm", "bench", "org/model"],
-    ["vllm", "serve", "org/model", "stray"],
-    ["vllm", "serve", "org/model", "--port", "8000", "extra"],
-])
-def test_serve_config_rejects_what_is_not_vllm_serve(argv: list[str]) -> None:
-    with pytest.raises(ValueError, match="expected"):
-        vf.serve_config(argv)
+def test_a_list_repeats_its_flag_and_a_mapping_is_its_json_text() -> None:
+    process = _serve({"middleware": ["a.B", "c.D"], "cudagraph-capture-sizes": [1, 2], "logits-processors": ["x.Y"],
+                      "override-generation-config": {"temperature": 0.5, "top_k": 4}})
+    assert process.argv[3:] == ["--middleware", "a.B", "--middleware", "c.D", "--cudagraph-capture-sizes", "1",
+                                "--cudagraph-capture-sizes", "2", "--logits-processors", "x.Y",
+                                "--override-generation-config", '{"temperature":0.5,"top_k":4}']
+    assert yaml.safe_load(process.config_yaml()) == {
+        "middleware": ["a.B", "c.D"], "cudagraph-capture-sizes": [1, 2], "logits-processors": ["x.Y"],
+        "override-generation-config": '{"temperature":0.5,"top_k":4}'}
+
+
+def test_ray_start_flags_are_joined_to_their_values() -> None:
+    process = Process("ray-worker", "/opt/vllm/0.33.0/bin/ray", ["start"],
+                      {"address": "10.0.0.5:6379", "min-worker-port": 20000, "block": True}, {}, joined=True)
+    assert process.argv == ["/opt/vllm/0.33.0/bin/ray", "start", "--address=10.0.0.5:6379",
+                            "--min-worker-port=20000", "--block"]
+
+
+def test_extra_args_become_typed_flags() -> None:
+    cfg = _config(vllm_served_model_name="70", vllm_gpu_memory_utilization=1.0, vllm_extra_args={
+        "enable-prefix-caching": False, "max-num-seqs": 256, "no-enable-chunked-prefill": True,
+        "middleware": ["a.B"], "compilation-config": {"mode": 1}, "max-log-len": None})
+    flags = serve_flags(cfg, "10.0.0.5", 8000, 1, 1, 1, 4096)
+    assert flags["served-model-name"] == "70" and flags["gpu-memory-utilization"] == 1  # argv "1", as always
+    extras = {"enable-prefix-caching": False, "max-num-seqs": 256, "enable-chunked-prefill": False,
+              "middleware": ["a.B"], "compilation-config": {"mode": 1}}  # null left out; no-x: true is x: false
+    assert list(flags.items())[-5:] == list(extras.items())
+    assert serve_argv(cfg, "10.0.0.5", 8000, 1, 1, 1, 4096)[-8:] == [
+        "--no-enable-prefix-caching", "--max-num-seqs", "256", "--no-enable-chunked-prefill",
+        "--middleware", "a.B", "--compilation-config", '{"mode":1}']
 
 
 def test_config_yaml_round_trips_through_safe_load() -> None:
-    config = {"served-model-name": "llama: 70b # not a comment", "port": 8000, "gpu-memory-utilization": 0.92,
-              "enable-prefix-caching": True, "enable-chunked-prefill": False, "middleware": ["a", "b"],
-              "revision": "1605565b47bb9346c5515c34102e054115b4f98b", "host": "fd00::1", "dtype": "null"}
-    text = vf.config_yaml(config)
-    assert text.startswith("# Written by gpufleet")
-    loaded = yaml.safe_load(text)
-    assert loaded == config and list(loaded) == list(config)
+    flags: dict[str, FlagValue] = {
+        "served-model-name": "llama: 70b # not a comment", "port": 8000, "gpu-memory-utilization": 0.92,
+        "enable-prefix-caching": True, "enable-chunked-prefill": False, "middleware": ["a", "b"],
+        "revision": "1605565b47bb9346c5515c34102e054115b4f98b", "host": "fd00::1", "dtype": "null"}
+    loaded = yaml.safe_load(_serve(flags).config_yaml())
+    assert loaded == flags and list(loaded) == list(flags)
 
 
 def test_planned_argv_and_its_config_yaml_pass_the_catalog() -> None:
@@ -126,12 +158,14 @@ def test_planned_argv_and_its_config_yaml_pass_the_catalog() -> None:
     cfg = _config(vllm_extra_args={"enable-prefix-caching": True, "max-num-seqs": 256},
                   vllm_model_revision="1605565b47bb9346c5515c34102e054115b4f98b", vllm_dtype="bfloat16")
     (role,) = replica_roles([cfg], ["n1"], ["10.0.0.5"], [[0, 1, 2, 3]], 8000, 4, 1, 1, 32768)
-    argv = role.processes[0].argv
-    model, config = vf.serve_config(argv)
+    process = role.processes[0]
+    argv = process.argv
+    config = yaml.safe_load(process.config_yaml())
     catalog = load_catalog("0.33.0")
     assert catalog.check_argv(argv[2:]) == []
-    assert [str(p) for p in catalog.check_config(yaml.safe_load(vf.config_yaml(config)))] == []
-    assert model == "org/model" and config["tensor-parallel-size"] == 4 and config["max-num-seqs"] == 256
+    assert [str(p) for p in catalog.check_config(config)] == []
+    assert process.args == ["serve", "org/model"] and "model" not in config  # the unit passes VLLM_MODEL
+    assert config["tensor-parallel-size"] == 4 and config["max-num-seqs"] == 256
 
 
 # --- vllm.env / secrets.env: written here, read back on the node ----------------------------------------------
@@ -187,12 +221,15 @@ def test_replica_env_defaults_then_plan_then_vllm_env() -> None:
     assert env == {
         "VLLM_MODEL": "/var/lib/gpufleet/models/org--model",
         "HOME": "/plan/home",  # the plan's env over the role's defaults
+        "PYTHONPYCACHEPREFIX": "/var/lib/vllm/pycache",  # no bytecode compiled at install: the first start does
         "HF_HOME": "/var/lib/vllm/hf",
         "CUDA_VISIBLE_DEVICES": "0,1",
         "VLLM_HOST_IP": "10.0.0.5",
         "VLLM_CPU_KVCACHE_SPACE": "1",
     }
     assert "HF_HUB_OFFLINE" not in env  # a hub id the node downloads itself
+    # bytecode compiled at install: the processes read the virtualenv's own (a cache prefix would ignore it)
+    assert "PYTHONPYCACHEPREFIX" not in vf.replica_env(_config(vllm_compile_bytecode=True), {})
 
 
 @pytest.mark.parametrize(("values", "offline"), [
@@ -233,10 +270,9 @@ def test_secret_values_never_reach_the_plan_or_the_plain_env(tmp_path: Path,
     cfg = _config(vllm_api_key={"env": "GPUFLEET_TEST_KEY"})
     (role,) = replica_roles([cfg], ["n1"], ["10.0.0.5"], [[0]], 8000, 1, 1, 1, 4096)
     process = role.processes[0]
-    _, config = vf.serve_config(process.argv)
-    plain = vf.env_file(vf.replica_env(cfg, process.env), "plain") + vf.config_yaml(config)
+    plain = vf.env_file(vf.replica_env(cfg, process.env), "plain") + process.config_yaml()
     assert "sk-do-not-leak" not in plain + " ".join(process.argv)
-    assert "api-key" not in config and "VLLM_API_KEY" not in plain
+    assert "api-key" not in process.flags and "VLLM_API_KEY" not in plain
 
 
 @pytest.mark.parametrize(("key", "ref", "setup", "expected"), [
@@ -265,7 +301,7 @@ def test_secret_env_errors_name_the_key(tmp_path: Path, monkeypatch: pytest.Monk
 # --- installing vLLM ------------------------------------------------------------------------------------------
 
 def test_pip_args_wheelhouse_and_lock_install_offline_exact_pins() -> None:
-    cfg = _config(vllm_wheelhouse_url="http://10.0.0.1:8080/wheels/",
+    cfg = _config(vllm_compile_bytecode=True, vllm_wheelhouse_url="http://10.0.0.1:8080/wheels/",
                   vllm_requirements_url="http://10.0.0.1:8080/wheels/requirements.lock")
     args = vf.pip_install_args(cfg)
     assert args == ["install", "--quiet", "--disable-pip-version-check", "--no-input",
@@ -295,8 +331,29 @@ def test_pip_args_index_install_pins_vllm_and_ray() -> None:
     assert "--index-url" not in default and default[-3:] == ["vllm==0.33.0", "ray==2.60.0", "nvidia-ml-py"]
 
 
+def test_uv_args_are_the_pip_args_in_uvs_words() -> None:
+    cfg = _config(vllm_compile_bytecode=True, vllm_wheelhouse_url="http://10.0.0.1:8080/wheels/",
+                  vllm_requirements_url="http://10.0.0.1:8080/wheels/requirements.lock")
+    assert vf.uv_install_args(cfg) == [
+        "--quiet", "--no-progress", "--system-certs", "--compile-bytecode", "--cache-dir", vf.UV_CACHE_DIR,
+        "--no-index", "--find-links", "http://10.0.0.1:8080/wheels/", "--allow-insecure-host", "10.0.0.1",
+        "--no-deps", "--require-hashes", "-r", "http://10.0.0.1:8080/wheels/requirements.lock"]
+    index = vf.uv_install_args(_config(vllm_pip_index_url="https://pypi.example/simple"))
+    assert index[index.index("--default-index") + 1] == "https://pypi.example/simple"
+    assert index[-3:] == ["vllm==0.33.0", "ray==2.60.0", "nvidia-ml-py"] and "--allow-insecure-host" not in index
+    default = vf.uv_install_args(_config())
+    assert "--default-index" not in default and "--no-index" not in default
+
+
+def test_bytecode_off_is_asked_of_either_installer_and_is_another_install() -> None:
+    on, off = _config(vllm_compile_bytecode=True), _config()  # off by default
+    assert "--no-compile" not in vf.pip_install_args(on) and "--no-compile" in vf.pip_install_args(off)
+    assert "--compile-bytecode" not in vf.uv_install_args(off)
+    assert vf.install_marker(off) != vf.install_marker(on) and vf.build_prefix(off) != vf.build_prefix(on)
+
+
 def test_install_marker_changes_with_the_source() -> None:
-    base = dict(vllm_wheelhouse_url="http://10.0.0.1/wheels/", vllm_requirements_url="http://10.0.0.1/r.lock")
+    base = {"vllm_wheelhouse_url": "http://10.0.0.1/wheels/", "vllm_requirements_url": "http://10.0.0.1/r.lock"}
     marker = vf.install_marker(_config(**base))
     assert marker == vf.install_marker(_config(**base))
     assert json.loads(marker)["vllm_version"] == "0.33.0"
@@ -308,57 +365,101 @@ def test_install_marker_changes_with_the_source() -> None:
         assert vf.install_marker(_config(**{**base, **change})) != marker, change
     index = {"vllm_wheelhouse_url": None, "vllm_requirements_url": None}
     assert vf.install_marker(_config(**index)) != vf.install_marker(_config(**index, ray_version="2.61.0"))
+    # the installer is not the source: the same pins from the same place install the same virtualenv
+    assert vf.install_marker(_config(**base, vllm_uv_version=None)) == marker
 
 
-def _fake_python(bin_dir: Path, log: Path) -> None:
-    """``python3 -m venv DIR`` that makes ``DIR/bin/pip``, which logs its arguments (and PIP_INDEX_URL, when
-    set) and exits $FAKE_PIP_RC."""
+def _fake_python(bin_dir: Path, logs: Path, uv_root: Path) -> None:
+    """``python3 -m venv [--without-pip] DIR`` that makes ``DIR/bin/pip`` (unless --without-pip), and
+    ``python3 -c`` that runs the real one. The fake pip logs its arguments, PIP_INDEX_URL and the lines of a
+    local ``-r`` file to ``uv-pip-args`` in a virtualenv below ``uv_root`` (where it also makes ``bin/uv``), to
+    ``pip-args`` elsewhere; it exits $FAKE_PIP_RC. The fake uv logs its arguments and UV_DEFAULT_INDEX to
+    ``uv-args`` and exits $FAKE_UV_RC."""
     bin_dir.mkdir()
+    uv = bin_dir / "uv-template"
+    uv.write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > {logs}/uv-args\n'
+                  f'[ -z "${{UV_DEFAULT_INDEX:-}}" ] || printf "UV_DEFAULT_INDEX=%s\\n" "$UV_DEFAULT_INDEX"'
+                  f' >> {logs}/uv-args\n'
+                  'exit "${FAKE_UV_RC:-0}"\n')
     pip = bin_dir / "pip-template"
-    pip.write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > {log}\n'
-                   f'[ -z "${{PIP_INDEX_URL:-}}" ] || printf "PIP_INDEX_URL=%s\\n" "$PIP_INDEX_URL" >> {log}\n'
-                   'exit "${FAKE_PIP_RC:-0}"\n')
+    pip.write_text('#!/bin/sh\n'
+                   f'case "$0" in {uv_root}/*) log={logs}/uv-pip-args;; *) log={logs}/pip-args;; esac\n'
+                   'printf "%s\\n" "$@" > "$log"\n'
+                   '[ -z "${PIP_INDEX_URL:-}" ] || printf "PIP_INDEX_URL=%s\\n" "$PIP_INDEX_URL" >> "$log"\n'
+                   'prev=; for a in "$@"; do if [ "$prev" = -r ] && [ -f "$a" ]; then'
+                   ' sed "s/^/PIN=/" "$a" >> "$log"; fi; prev=$a; done\n'
+                   '[ "${FAKE_PIP_RC:-0}" = 0 ] || exit "$FAKE_PIP_RC"\n'
+                   f'case "$0" in {uv_root}/*) cp {uv} "$(dirname "$0")/uv";; esac\n')
     python = bin_dir / "python3"
-    python.write_text('#!/bin/sh\n[ "$1" = -m ] && [ "$2" = venv ] || exit 9\n'
-                      f'mkdir -p "$3/bin" && cp {pip} "$3/bin/pip" && chmod +x "$3/bin/pip"\n')
-    python.chmod(0o755)
+    python.write_text(f'#!/bin/sh\n[ "$1" != -c ] || exec {sys.executable} "$@"\n'
+                      '[ "$1" = -m ] && [ "$2" = venv ] || exit 9\n'
+                      'shift 2; if [ "$1" = --without-pip ]; then shift; mkdir -p "$1/bin"; exit; fi\n'
+                      f'mkdir -p "$1/bin" && cp {pip} "$1/bin/pip" && chmod +x "$1/bin/pip"\n')
+    for script in (uv, pip, python):
+        script.chmod(0o755)
 
 
-def _run_install(cfg: HostConfig, tmp_path: Path, pip_rc: int = 0) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "FAKE_PIP_RC": str(pip_rc)}
+def _run_install(cfg: HostConfig, tmp_path: Path, rc: int = 0, pip_rc: int = 0) -> subprocess.CompletedProcess[str]:
+    """The install script with the fakes; ``rc``: the exit status of what fills the virtualenv (uv, or pip
+    without uv); ``pip_rc``: that of pip installing uv."""
+    installer = "FAKE_UV_RC" if cfg.vllm_uv_version else "FAKE_PIP_RC"
+    env = {**os.environ, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "FAKE_PIP_RC": str(pip_rc),
+           installer: str(rc)}
     return subprocess.run(["sh", "-c", vf.install_script(cfg)], env=env, capture_output=True, text=True,
                           timeout=60)
 
 
 @pytest.fixture
 def opt_vllm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """/opt/vllm in a temporary directory (role vllm creates it before it installs), a fake python3 and pip."""
+    """/opt/vllm in a temporary directory (role vllm creates it before it installs), uv's directories beside
+    it, a fake python3, pip and uv."""
     root = tmp_path / "opt-vllm"
     root.mkdir()
     monkeypatch.setattr(vf, "VLLM_ROOT", str(root))
+    monkeypatch.setattr(vf, "UV_ROOT", str(tmp_path / "opt-uv"))
+    monkeypatch.setattr(vf, "UV_CACHE_DIR", str(tmp_path / "uv-cache"))
     monkeypatch.setattr(vf, "PIP_SECRET", str(tmp_path / "pip.env"))
-    _fake_python(tmp_path / "bin", tmp_path / "pip-args")
+    _fake_python(tmp_path / "bin", tmp_path, tmp_path / "opt-uv")
     return root
 
 
-LOCKED = dict(vllm_wheelhouse_url="http://10.0.0.1/wheels/", vllm_requirements_url="http://10.0.0.1/r.lock")
+UV_PIN = "uv==0.13.8 \\\n    --hash=sha256:" + "ab" * 32 + "  # via gpufleet"
 
 
-@pytest.mark.parametrize("pip_rc", [0, 1])
+def _lock(tmp_path: Path, name: str = "r.lock", uv: str = UV_PIN) -> str:
+    """A hash lock on the node (``file://``) pinning uv as pip-compile writes it, among other pins."""
+    lock = tmp_path / name
+    lock.write_text(f"# a site's lock\nuvicorn==0.54.0 --hash=sha256:{'cd' * 32}\n{uv}\nray==2.60.0 \\\n"
+                    f"    --hash=sha256:{'ef' * 32}\n")
+    return f"file://{lock}"
+
+
+def _locked(tmp_path: Path, host: str = "10.0.0.1", name: str = "r.lock") -> dict[str, object]:
+    return {"vllm_wheelhouse_url": f"http://{host}/wheels/", "vllm_requirements_url": _lock(tmp_path, name)}
+
+
+def _logged(tmp_path: Path, log: str) -> list[str]:
+    return (tmp_path / log).read_text().splitlines()
+
+
+@pytest.mark.parametrize("rc", [0, 1])
 def test_install_builds_aside_and_never_breaks_the_working_virtualenv(opt_vllm: Path, tmp_path: Path,
-                                                                      pip_rc: int) -> None:
-    cfg = _config(**LOCKED)
+                                                                      rc: int) -> None:
+    cfg = _config(**_locked(tmp_path))
     venv, prefix = Path(vf.venv_dir(cfg)), vf.build_prefix(cfg)
     assert venv.parent == Path(prefix).parent == opt_vllm and Path(prefix).name.startswith(".build-0.33.0-")
     (venv / "bin").mkdir(parents=True)  # a working install of another source, from before builds were aside
     (venv / "bin" / "vllm").write_text("working")
-    (venv / vf.INSTALLED_MARKER).write_text("another source\n")
-    done = _run_install(cfg, tmp_path, pip_rc)
-    assert (tmp_path / "pip-args").read_text().splitlines() == vf.pip_install_args(cfg)
-    if pip_rc:
+    (venv / node_paths.INSTALLED_MARKER).write_text("another source\n")
+    done = _run_install(cfg, tmp_path, rc)
+    argv = _logged(tmp_path, "uv-args")  # uv fills a virtualenv that python3 made without pip
+    assert argv[:3] == ["pip", "install", "--python"] and argv[4:] == vf.uv_install_args(cfg)
+    assert argv[3].startswith(prefix + "-") and argv[3].endswith("/bin/python")
+    assert not (Path(argv[3]).parent / "pip").exists() and not (tmp_path / "pip-args").exists()
+    if rc:
         assert done.returncode != 0
         assert (venv / "bin" / "vllm").read_text() == "working" and not venv.is_symlink()  # still in use
-        assert (venv / vf.INSTALLED_MARKER).read_text() == "another source\n"
+        assert (venv / node_paths.INSTALLED_MARKER).read_text() == "another source\n"
         # the next attempt builds afresh beside it, removing the unfinished build only after its own swap
         assert _run_install(cfg, tmp_path).returncode == 0
         assert [p.name for p in opt_vllm.iterdir() if p.name.startswith(".build-")] == \
@@ -367,28 +468,97 @@ def test_install_builds_aside_and_never_breaks_the_working_virtualenv(opt_vllm: 
     assert done.returncode == 0, done.stderr
     build = Path(os.readlink(venv))  # swapped in with one rename
     assert venv.is_symlink() and build.name.startswith(Path(prefix).name + "-") and build.parent == opt_vllm
-    assert (venv / vf.INSTALLED_MARKER).read_text().strip() == vf.install_marker(cfg)  # what role vllm compares
+    assert (venv / node_paths.INSTALLED_MARKER).read_text().strip() == vf.install_marker(cfg)  # what role vllm compares
     assert sorted(p.name for p in opt_vllm.iterdir()) == sorted([venv.name, build.name, ".0.33.0.lock"])
     assert build.stat().st_mode & 0o777 == 0o755
 
 
+def test_install_with_pip_when_uv_is_off(opt_vllm: Path, tmp_path: Path) -> None:
+    cfg = _config(**_locked(tmp_path), vllm_uv_version=None)
+    done = _run_install(cfg, tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert _logged(tmp_path, "pip-args") == vf.pip_install_args(cfg)
+    assert not (tmp_path / "uv-args").exists() and not Path(vf.UV_ROOT).exists()
+    assert (Path(vf.venv_dir(cfg)) / node_paths.INSTALLED_MARKER).read_text().strip() == vf.install_marker(cfg)
+
+
+def test_uv_is_installed_once_by_pip_by_the_hash_the_lock_pins(opt_vllm: Path, tmp_path: Path) -> None:
+    cfg = _config(**_locked(tmp_path))
+    assert _run_install(cfg, tmp_path).returncode == 0
+    home = Path(vf.UV_ROOT) / "0.13.8"
+    assert home.is_symlink() and Path(os.readlink(home)).name.startswith(".build-0.13.8-")
+    assert vf.uv_bin(cfg) == f"{home}/bin/uv" and os.access(vf.uv_bin(cfg), os.X_OK)
+    pin = f"{os.readlink(home)}/uv-pin.txt"
+    assert _logged(tmp_path, "uv-pip-args") == [
+        *(a for a in vf.pip_install_args(cfg)[:-4] if a != "--no-compile"), "--no-deps", "--require-hashes", "-r", pin,
+        f"PIN={UV_PIN.replace(chr(92) + chr(10), ' ')}"]  # the lock's one logical line, continuation joined
+    assert Path(vf.UV_CACHE_DIR).stat().st_mode & 0o777 == 0o700
+    # another source, same uv: no second bootstrap
+    (tmp_path / "uv-pip-args").unlink()
+    moved = _config(**_locked(tmp_path, "10.0.0.2", "r2.lock"))
+    assert _run_install(moved, tmp_path).returncode == 0
+    assert not (tmp_path / "uv-pip-args").exists() and _logged(tmp_path, "uv-args")[4:] == vf.uv_install_args(moved)
+    assert [p.name for p in Path(vf.UV_ROOT).iterdir() if p.name.startswith(".build-")] == \
+        [Path(os.readlink(home)).name]
+
+
+def test_uv_from_a_wheelhouse_without_a_lock_is_named_by_version(opt_vllm: Path, tmp_path: Path) -> None:
+    cfg = _config(vllm_wheelhouse_url="https://mirror.example/wheels/")
+    assert _run_install(cfg, tmp_path).returncode == 0
+    assert _logged(tmp_path, "uv-pip-args") == [*(a for a in vf.pip_install_args(cfg)[:-3] if a != "--no-compile"),
+                                                 "uv==0.13.8"]
+
+
+def test_an_interrupted_uv_install_is_redone_and_a_lock_without_uv_stops_the_install(opt_vllm: Path,
+                                                                                   tmp_path: Path) -> None:
+    cfg = _config(**_locked(tmp_path))
+    failed = _run_install(cfg, tmp_path, pip_rc=1)
+    assert failed.returncode != 0 and not (Path(vf.UV_ROOT) / "0.13.8").exists()
+    assert not Path(vf.venv_dir(cfg)).exists() and not (tmp_path / "uv-args").exists()
+    assert _run_install(cfg, tmp_path).returncode == 0  # the half-made one goes
+    assert len(list(Path(vf.UV_ROOT).glob(".build-*"))) == 1
+    other = _config(vllm_requirements_url=_lock(tmp_path, "no-uv.lock", uv="uv==0.12.0 --hash=sha256:" + "0" * 64),
+                    vllm_uv_version="0.13.9")
+    done = _run_install(other, tmp_path)
+    assert done.returncode != 0 and not (Path(vf.UV_ROOT) / "0.13.9").exists()
+    assert f"{other.vllm_requirements_url} pins no uv==0.13.9 (with its hash)" in done.stderr
+    assert "vllm_uv_version" in done.stderr
+    assert os.readlink(vf.venv_dir(other)).startswith(vf.build_prefix(cfg))  # the working build stays
+
+
+@pytest.mark.parametrize("text", ["uv==0.13.8 --hash=sha256:" + "ab" * 32,
+                                  "UV == 0.13.8 ; sys_platform == 'linux' \\\r\n --hash=sha256:" + "ab" * 32])
+def test_uv_pin_script_prints_the_logical_line(tmp_path: Path, text: str) -> None:
+    lock = tmp_path / "r.lock"
+    lock.write_text(f"# uv==0.13.8 in a comment\nuvicorn==0.13.8\nuv-extra==0.13.8\n{text}\n")
+    found = subprocess.run([sys.executable, "-c", vf.UV_PIN_SCRIPT, str(lock), "0.13.8"], capture_output=True,
+                           text=True, check=True)
+    assert found.stdout.strip() == re.sub(r"\\\r?\n", " ", text)
+    assert subprocess.run([sys.executable, "-c", vf.UV_PIN_SCRIPT, f"file://{lock}", "0.13.8"],
+                          capture_output=True, text=True).stdout == found.stdout
+
+
+def test_the_lab_wheelhouse_pins_the_uv_nodes_install_with() -> None:
+    assert f"uv=={_config().vllm_uv_version}" == wheelhouse.UV and wheelhouse.UV in wheelhouse.EXTRA_REQUIREMENTS
+
+
 def test_install_reinstalls_only_when_the_marker_differs_and_keeps_one_previous_build(opt_vllm: Path,
                                                                                   tmp_path: Path) -> None:
-    cfg = _config(**LOCKED)
-    log = tmp_path / "pip-args"
+    cfg = _config(**_locked(tmp_path))
+    log = tmp_path / "uv-args"
     assert _run_install(cfg, tmp_path).returncode == 0 and log.exists()
     log.unlink()
     assert _run_install(cfg, tmp_path).returncode == 0
     assert not log.exists()  # finished with the same source: nothing to redo
     first = os.readlink(vf.venv_dir(cfg))
-    moved = _config(vllm_wheelhouse_url="http://10.0.0.2/wheels/", vllm_requirements_url="http://10.0.0.2/r.lock")
+    moved = _config(**_locked(tmp_path, "10.0.0.2", "r2.lock"))
     assert vf.build_prefix(moved) != vf.build_prefix(cfg)
     done = _run_install(moved, tmp_path)
     assert done.returncode == 0, done.stderr
-    assert log.read_text().splitlines() == vf.pip_install_args(moved)
+    assert log.read_text().splitlines()[4:] == vf.uv_install_args(moved)
     second = os.readlink(vf.venv_dir(moved))
     assert second.startswith(vf.build_prefix(moved) + "-")
-    assert (Path(vf.venv_dir(moved)) / vf.INSTALLED_MARKER).read_text().strip() == vf.install_marker(moved)
+    assert (Path(vf.venv_dir(moved)) / node_paths.INSTALLED_MARKER).read_text().strip() == vf.install_marker(moved)
     assert Path(first).is_dir()  # kept while replicas may still run from it, and to roll back to
     assert _run_install(cfg, tmp_path).returncode == 0  # back to the first source: a fresh build
     third = os.readlink(vf.venv_dir(cfg))
@@ -396,18 +566,23 @@ def test_install_reinstalls_only_when_the_marker_differs_and_keeps_one_previous_
     assert sorted(str(p) for p in opt_vllm.glob(".build-*")) == sorted([second, third])  # the first is gone
 
 
+@pytest.mark.parametrize("held", ["vllm", "uv"])
 def test_install_waits_for_the_lock_with_a_timeout_and_says_why(opt_vllm: Path, tmp_path: Path,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                monkeypatch: pytest.MonkeyPatch, held: str) -> None:
     import fcntl
 
     monkeypatch.setattr(vf, "INSTALL_LOCK_TIMEOUT", 1)
-    cfg = _config(**LOCKED)
-    with open(opt_vllm / ".0.33.0.lock", "w") as held:
-        fcntl.flock(held, fcntl.LOCK_EX)
+    cfg = _config(**_locked(tmp_path))
+    lock = opt_vllm / ".0.33.0.lock" if held == "vllm" else Path(vf.UV_ROOT) / ".lock"
+    lock.parent.mkdir(exist_ok=True)
+    with open(lock, "w") as holder:
+        fcntl.flock(holder, fcntl.LOCK_EX)
         done = _run_install(cfg, tmp_path)
     assert done.returncode != 0
-    assert "another install of vLLM 0.33.0 still holds" in done.stderr and "after 1 s" in done.stderr
-    assert not (tmp_path / "pip-args").exists() and not Path(vf.venv_dir(cfg)).exists()
+    what = "vLLM 0.33.0" if held == "vllm" else "uv 0.13.8"
+    assert f"another install of {what} still holds {lock} after 1 s" in done.stderr
+    assert not (tmp_path / "uv-pip-args").exists() and not (tmp_path / "uv-args").exists()
+    assert not Path(vf.venv_dir(cfg)).exists()
 
 
 def test_pip_index_credentials_never_in_argv_the_script_or_the_marker(opt_vllm: Path, tmp_path: Path,
@@ -416,16 +591,18 @@ def test_pip_index_credentials_never_in_argv_the_script_or_the_marker(opt_vllm: 
     index = "https://pypi.example:8443/simple"
     cfg = _config(vllm_pip_index_url=index, vllm_pip_index_credentials={"env": "PIP_CREDS"})
     url = "https://deploy:s3cr%40t@pypi.example:8443/simple"
-    assert vf.pip_secret_env(cfg) == {"PIP_INDEX_URL": url}
+    assert vf.pip_secret_env(cfg) == {"PIP_INDEX_URL": url, "UV_DEFAULT_INDEX": url}
     script, marker = vf.install_script(cfg), vf.install_marker(cfg)
-    for text in (" ".join(vf.pip_install_args(cfg)), script, marker):
+    for text in (" ".join(vf.pip_install_args(cfg)), " ".join(vf.uv_install_args(cfg)), script, marker):
         assert "s3cr" not in text and "deploy:" not in text
     assert json.loads(marker)["index"] == index
     assert marker != vf.install_marker(_config(vllm_pip_index_url=index))
-    # the install reads it from the 0600 file the role writes
+    # the install reads it from the 0600 file the role writes: pip (installing uv) and uv each by its own name
     Path(vf.PIP_SECRET).write_text(vf.env_file(vf.pip_secret_env(cfg), "pip"))
     assert _run_install(cfg, tmp_path).returncode == 0
-    assert f"PIP_INDEX_URL={url}" in (tmp_path / "pip-args").read_text().splitlines()
+    assert f"PIP_INDEX_URL={url}" in _logged(tmp_path, "uv-pip-args")
+    assert f"UV_DEFAULT_INDEX={url}" in _logged(tmp_path, "uv-args")
+    assert index not in _logged(tmp_path, "uv-args")  # no --default-index argument either
     # without credentials the URL stays an argument and there is no secret
     plain = _config(vllm_pip_index_url="https://pypi.example/simple")
     assert vf.pip_secret_env(plain) == {} and "https://pypi.example/simple" in vf.pip_install_args(plain)
@@ -456,7 +633,7 @@ def _fake_hf(venv: Path, log: Path) -> None:
 def models(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     prefix = tmp_path / "var-lib-gpufleet-models"
     prefix.mkdir()
-    monkeypatch.setattr(vf, "MODELS", str(prefix))
+    monkeypatch.setattr(vf, "MODELS_DIR", str(prefix))
     monkeypatch.setattr(vf, "VLLM_ROOT", str(tmp_path / "opt-vllm"))
     return prefix
 
@@ -490,8 +667,8 @@ def test_download_goes_to_a_temporary_directory_then_into_place(models: Path, tm
         assert [p.name for p in target.iterdir()] == ["old-weights"]  # the previous copy is untouched
         return
     assert done.returncode == 0, done.stderr
-    assert sorted(p.name for p in target.iterdir()) == [vf.REVISION_MARKER, "model.safetensors"]
-    assert (target / vf.REVISION_MARKER).read_text() == "main; touch pwned $(touch pwned2)\n"
+    assert sorted(p.name for p in target.iterdir()) == [node_paths.REVISION_MARKER, "model.safetensors"]
+    assert (target / node_paths.REVISION_MARKER).read_text() == "main; touch pwned $(touch pwned2)\n"
     assert target.stat().st_mode & 0o777 == 0o755
 
 
@@ -503,7 +680,7 @@ def test_only_paths_strictly_below_the_model_prefix_are_the_roles_to_delete_in(p
 
 
 def test_paths_below_the_model_prefix() -> None:
-    assert vf.MODELS == "/var/lib/gpufleet/models"
+    assert node_paths.MODELS_DIR == "/var/lib/gpufleet/models"
     assert vf.below_models("/var/lib/gpufleet/models/tiny-llama") and vf.below_models("/var/lib/gpufleet/models/a/b")
     with pytest.raises(ValueError, match="below"):
         vf.download_script(_config().model_copy(update={"vllm_model": "/etc"}), "/x")
@@ -521,12 +698,12 @@ def test_ready_command_passes_the_served_name_literally_through_the_shell(tmp_pa
                           env={"PATH": f"{tmp_path}:/usr/bin:/bin", "HOME": "/nowhere"})
     assert done.returncode == 0, done.stderr
     assert done.stdout.decode().split("\0")[:-1] == [
-        f"{vllm_role.NODE_TOOLS}/vllm_ready.py", "--url", "http://10.0.0.5:8000", "--model", served,
+        node_paths.node_tool("vllm_ready.py"), "--url", "http://10.0.0.5:8000", "--model", served,
         "--unit", "vllm@r.service", "--env-file", "/etc/gpufleet/secrets/r.env", "--timeout", "900"]
 
 
 def test_restart_marker_lives_in_the_replicas_root_directory() -> None:
-    assert vllm_role.restart_marker("pool-0") == "/etc/gpufleet/vllm/pool-0/restart-pending"
+    assert node_paths.restart_marker("pool-0") == "/etc/gpufleet/vllm/pool-0/restart-pending"
 
 
 @dataclass
@@ -552,22 +729,21 @@ class _Meta:
         return self.succeeded
 
 
+def _context() -> DeployContext:
+    return DeployContext(Fleet("inventory.py", [], {}, {}))
+
+
 def test_a_restart_is_due_on_a_change_or_a_record_left_by_an_earlier_run() -> None:
-    from types import SimpleNamespace
-
-    from pyinfra.context import ctx_state
-
-    with ctx_state.use(SimpleNamespace()):
-        files_op = _Meta()
-        vllm_role._replica_changes()["pool-0"] = [files_op]
-        due = vllm_role._restart_due("pool-0")
-        assert not due()
-        files_op.changed = True
-        assert due()  # this run changed its files
-        files_op.changed = False
-        vllm_role._registry(vllm_role._PENDING_KEY)["pool-0"] = True
-        assert due()  # an earlier run decided on it and was interrupted
-        assert not vllm_role._restart_due("pool-1")()
+    ctx = _context()
+    files_op = _Meta()
+    due = vllm_role._changed([files_op])
+    assert not due()
+    files_op.changed = True
+    assert due()  # this run changed its files
+    files_op.complete = False
+    assert not due()  # an operation that has not run yet changed nothing
+    ctx.pending_restarts.add("pool-0")  # an earlier run decided on it and was interrupted
+    assert "pool-0" in ctx.pending_restarts and "pool-1" not in ctx.pending_restarts
 
 
 @pytest.mark.parametrize(("wait", "cleared"), [
@@ -578,67 +754,40 @@ def test_a_restart_is_due_on_a_change_or_a_record_left_by_an_earlier_run() -> No
     (_Meta(), True),
 ])
 def test_the_restart_record_is_cleared_only_once_the_replica_serves(wait: _Meta | None, cleared: bool) -> None:
-    from types import SimpleNamespace
-
-    from pyinfra.context import ctx_state
-
-    with ctx_state.use(SimpleNamespace()):
-        if wait is not None:
-            vllm_role._registry(vllm_role._READY_KEY)["pool-0"] = wait
-        assert vllm_role._served("pool-0")() is cleared
-
-
-class _FakeHost:
-    """Just enough of a pyinfra host for an operation's generator: facts by (class name, path)."""
-
-    name = "10.0.0.5"
-
-    def __init__(self, facts: dict[tuple[str, str], object]) -> None:
-        self.facts = facts
-
-    def get_fact(self, fact: type, **kwargs: str) -> object:
-        return self.facts.get((fact.__name__, kwargs.get("path", "")))
-
-    def get_temp_filename(self, key: str) -> str:
-        return f"/tmp/pyinfra-{hashlib.sha1(key.encode()).hexdigest()}"
-
-
-def _secret_commands(facts: dict[tuple[str, str], object], content: str = "VLLM_API_KEY=\"sk-1\"\n") -> list:
-    from pyinfra.context import ctx_host
-
-    from gpufleet.deploy.secret_ops import secret_file
-
-    with ctx_host.use(_FakeHost(facts)):
-        return list(secret_file._inner(dest="/etc/gpufleet/secrets/r.env", content=content))
-
-
-def test_secret_upload_goes_through_a_fresh_private_directory_into_a_0600_file() -> None:
-    from pyinfra.api import FileUploadCommand, StringCommand
-
-    commands = _secret_commands({})
-    mkdir, touch, chown, chmod, upload, remove = commands
-    assert isinstance(upload, FileUploadCommand) and upload.dest == "/etc/gpufleet/secrets/r.env"
-    staging = str(mkdir).split()[-1]
-    assert str(mkdir) == f"mkdir -m 700 {staging}" and staging.startswith("/tmp/pyinfra-")
-    assert mkdir.connector_arguments["_sudo"] is False  # the SSH user's own directory, content-free
-    assert upload.remote_temp_filename == f"{staging}/upload"  # where pyinfra's sudo upload lands, not /tmp
-    assert [str(c) for c in (touch, chown, chmod)] == ["touch /etc/gpufleet/secrets/r.env",
-                                                       "chown root:root /etc/gpufleet/secrets/r.env",
-                                                       "chmod 600 /etc/gpufleet/secrets/r.env"]
-    assert str(remove) == f"rm -rf {staging}" and remove.connector_arguments["_sudo"] is False
-    assert all("sk-1" not in str(c) for c in commands if isinstance(c, StringCommand))
-    assert upload.src.read() == "VLLM_API_KEY=\"sk-1\"\n"
-    assert str(_secret_commands({})[0]) != str(mkdir)  # a new random directory every time
+    ctx = _context()
+    if wait is not None:
+        ctx.readiness["pool-0"] = wait  # type: ignore[assignment]
+    assert ctx.served("pool-0") is cleared
 
 
 def test_pyinfras_sudo_upload_lands_where_secret_file_says() -> None:
-    """What secret_file relies on in pyinfra's SSH connector: with ``_sudo`` the SFTP upload goes to the
-    ``remote_temp_filename`` given (the private directory), and is copied into place from there with sudo."""
+    """What files.secret_file relies on in pyinfra's SSH connector: with ``_sudo`` the SFTP upload goes to the
+    ``remote_temp_filename`` given (inside the fresh 0700 directory the operation makes as the SSH user, a new
+    random one every time), and is copied into place from there with sudo. The commands themselves are data
+    cases: tests/operations/files.secret_file/."""
     from unittest import mock
 
+    from pyinfra.api import FileUploadCommand
     from pyinfra.connectors.ssh import SSHConnector
+    from pyinfra.context import ctx_host, ctx_state
 
-    upload = _secret_commands({})[4]
+    from gpufleet.operations import files
+    from tests.test_facts_and_operations import FakeHost, FakeState
+
+    class _Host(FakeHost):
+        def get_temp_filename(self, key: str) -> str:  # as pyinfra names it: /tmp/pyinfra-<sha1 of the key>
+            return f"/tmp/pyinfra-{hashlib.sha1(key.encode()).hexdigest()}"
+
+    def secret_upload() -> FileUploadCommand:
+        with ctx_host.use(_Host({})), ctx_state.use(FakeState()):
+            commands = list(files.secret_file._inner(dest="/etc/gpufleet/secrets/r.env",
+                                                     content="VLLM_API_KEY=\"sk-1\"\n"))
+        (upload,) = [c for c in commands if isinstance(c, FileUploadCommand)]
+        assert upload.remote_temp_filename == f"{str(commands[0]).split()[-1]}/upload"  # in the mkdir'd directory
+        return upload
+
+    upload = secret_upload()
+    assert upload.remote_temp_filename != secret_upload().remote_temp_filename
     connector = mock.Mock()
     connector.run_shell_command.return_value = (True, mock.Mock(stderr=""))
     assert SSHConnector.put_file(connector, upload.src, upload.dest, remote_temp_filename=upload.remote_temp_filename,
@@ -647,16 +796,6 @@ def test_pyinfras_sudo_upload_lands_where_secret_file_says() -> None:
     connector.host.get_temp_filename.assert_not_called()
     copy = connector.run_shell_command.call_args_list[0]
     assert str(copy.args[0]) == f"cp {upload.remote_temp_filename} {upload.dest}" and copy.kwargs["_sudo"] is True
-
-
-def test_secret_file_unchanged_is_no_command_and_a_wrong_mode_is_fixed() -> None:
-    content = "VLLM_API_KEY=\"sk-1\"\n"
-    digest = hashlib.sha256(content.encode()).hexdigest()
-    dest = "/etc/gpufleet/secrets/r.env"
-    same = {("Sha256File", dest): digest, ("File", dest): {"user": "root", "group": "root", "mode": 600}}
-    assert _secret_commands(same, content) == []
-    loose = {**same, ("File", dest): {"user": "root", "group": "root", "mode": 644}}
-    assert [str(c) for c in _secret_commands(loose, content)] == [f"chmod 600 {dest}"]
 
 
 # --- readiness on the node: /health and one real completion ---------------------------------------------------
@@ -685,7 +824,7 @@ def fake_vllm() -> Iterator[tuple[str, FakeVllm]]:
             self.end_headers()
             self.wfile.write(body)
 
-        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        def do_GET(self) -> None:
             state.seen.append((self.path, self.headers.get("Authorization")))
             if self.path == "/health":
                 self.send_response(state.health)
@@ -694,7 +833,7 @@ def fake_vllm() -> Iterator[tuple[str, FakeVllm]]:
             else:
                 self._answer(404, {"error": "not found"})
 
-        def do_POST(self) -> None:  # noqa: N802
+        def do_POST(self) -> None:
             state.seen.append((self.path, self.headers.get("Authorization")))
             request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             if self.path != "/v1/completions":
@@ -786,15 +925,16 @@ def test_main_not_ready_within_the_timeout(fake_vllm: tuple[str, FakeVllm],
 # --- the units ------------------------------------------------------------------------------------------------
 
 def _vllm_unit() -> str:
-    return _render(TEMPLATES / "vllm" / "vllm@.service.j2", etc=vf.ETC, node_tools=vllm_role.NODE_TOOLS,
-                   gate_policy=vllm_role.GATE_POLICY, home=vf.HOME, secrets_dir=vllm_role.SECRETS_DIR)
+    return _render(TEMPLATES / "vllm" / "vllm@.service.j2", etc=node_paths.VLLM_ETC,
+                   node_tools=node_paths.NODE_TOOLS_DIR, gate_policy=node_paths.GATE_POLICY,
+                   home=node_paths.VLLM_HOME, secrets_dir=node_paths.SECRETS_DIR)
 
 
 def test_vllm_unit_is_hardened_and_runs_as_vllm() -> None:
     lines = _directives(_vllm_unit())
     for wanted in ("User=vllm", "Group=vllm", "NoNewPrivileges=yes", "ProtectSystem=strict", "PrivateTmp=yes",
                    "ProtectHome=yes", "Restart=on-failure", "CapabilityBoundingSet=", "DevicePolicy=closed",
-                   "StateDirectory=vllm", f"WorkingDirectory={vf.HOME}"):
+                   "StateDirectory=vllm", f"WorkingDirectory={node_paths.VLLM_HOME}"):
         assert wanted in lines, wanted
     assert not any(line.startswith(("User=root", "PermissionsStartOnly", "ExecStart=+", "ExecStartPre=+",
                                     "ExecStartPre=!", "ExecStart=!")) for line in lines)
@@ -803,20 +943,21 @@ def test_vllm_unit_is_hardened_and_runs_as_vllm() -> None:
 def test_vllm_unit_gates_on_the_gpus_before_starting() -> None:
     lines = _directives(_vllm_unit())
     (pre,) = [line.removeprefix("ExecStartPre=") for line in lines if line.startswith("ExecStartPre=")]
-    assert shlex.split(pre) == [f"{vf.ETC}/%i/venv/bin/python", f"{vllm_role.NODE_TOOLS}/nvml_probe.py",
-                                "--gate", vllm_role.GATE_POLICY]
+    assert shlex.split(pre) == [f"{node_paths.VLLM_ETC}/%i/venv/bin/python",
+                                f"{node_paths.NODE_TOOLS_DIR}/nvml_probe.py",
+                                "--gate", node_paths.GATE_POLICY]
     # the gate is one of the node tools role common installs where the unit looks for it
-    assert common_role.NODE_TOOLS_DIR == vllm_role.NODE_TOOLS and "nvml_probe.py" in common_role.NODE_TOOLS
+    assert "nvml_probe.py" in node_paths.NODE_TOOL_FILES
 
 
 def test_vllm_unit_serves_the_config_file_in_two_tokens() -> None:
     lines = _directives(_vllm_unit())
     (start,) = [line.removeprefix("ExecStart=") for line in lines if line.startswith("ExecStart=")]
     argv = shlex.split(start)
-    assert argv[:3] == [f"{vf.ETC}/%i/venv/bin/vllm", "serve", "${VLLM_MODEL}"]
-    assert argv[3:] == ["--config", f"{vf.ETC}/%i/config.yaml"]
+    assert argv[:3] == [f"{node_paths.VLLM_ETC}/%i/venv/bin/vllm", "serve", "${VLLM_MODEL}"]
+    assert argv[3:] == ["--config", f"{node_paths.VLLM_ETC}/%i/config.yaml"]
     assert load_catalog("0.33.0").check_argv(argv[2:]) == []
-    assert f"EnvironmentFile={vf.ETC}/%i/vllm.env" in lines
+    assert f"EnvironmentFile={node_paths.VLLM_ETC}/%i/vllm.env" in lines
 
 
 def test_vllm_unit_holds_no_secret_only_the_optional_root_file() -> None:
@@ -824,8 +965,8 @@ def test_vllm_unit_holds_no_secret_only_the_optional_root_file() -> None:
     for secret in ("VLLM_API_KEY", "HF_TOKEN", "api-key", "api_key", "token"):
         assert secret.lower() not in text.lower(), secret
     env_files = [line for line in _directives(text) if line.startswith("EnvironmentFile=")]
-    assert env_files == [f"EnvironmentFile={vf.ETC}/%i/vllm.env",
-                         f"EnvironmentFile=-{vllm_role.SECRETS_DIR}/%i.env"]
+    assert env_files == [f"EnvironmentFile={node_paths.VLLM_ETC}/%i/vllm.env",
+                         f"EnvironmentFile=-{node_paths.SECRETS_DIR}/%i.env"]
 
 
 @pytest.mark.parametrize("kind", ["head", "worker"])
@@ -833,20 +974,20 @@ def test_ray_unit_renders(kind: str) -> None:
     cfg = _config(fleet_interface="bond0", vllm_distributed_backend="ray", ray_auth_token={"env": "GPUFLEET_TEST_RAY"})
     argv = ray_start_argv(cfg, "10.0.0.6", None if kind == "head" else "10.0.0.5")
     text = _render(TEMPLATES / "ray" / "ray.service.j2", kind=kind, replica="pool-0",
-                   env_file=f"{ray_role.ENV_DIR}/pool-0.env", exec_start=shlex.join(argv),
-                   ray=f"{vf.venv_dir(cfg)}/bin/ray", token_file=ray_role.token_file("pool-0"),
+                   env_file=f"{node_paths.RAY_ENV_DIR}/pool-0.env", exec_start=shlex.join(argv),
+                   ray=f"{vf.venv_dir(cfg)}/bin/ray", token_file=node_paths.ray_token_file("pool-0"),
                    ip_access=access.unit_lines(["10.0.0.5", "10.0.0.6"]))
     lines = _directives(text)
     assert f"Description=Ray {kind} for vLLM replica pool-0 (gpufleet)" in lines
     assert f"ExecStart={shlex.join(argv)}" in lines
     assert f"ExecStop={vf.venv_dir(cfg)}/bin/ray stop" in lines
-    assert f"EnvironmentFile={ray_role.ENV_DIR}/pool-0.env" in lines
+    assert f"EnvironmentFile={node_paths.RAY_ENV_DIR}/pool-0.env" in lines
     for wanted in ("User=vllm", "NoNewPrivileges=yes", "ProtectSystem=strict", "PrivateTmp=yes",
                    "Restart=on-failure", "StateDirectory=vllm", "WantedBy=multi-user.target"):
         assert wanted in lines, wanted
     # ProtectSystem=strict leaves only the state directory writable: Ray's temp dir must be inside it,
     # and outside PrivateTmp so vLLM's driver reaches the local raylet.
-    assert RAY_TEMP_DIR.startswith(vf.HOME + "/") and f"--temp-dir={RAY_TEMP_DIR}" in argv
+    assert RAY_TEMP_DIR.startswith(node_paths.VLLM_HOME + "/") and f"--temp-dir={RAY_TEMP_DIR}" in argv
     assert ray_role.unit_name("pool-0") == "gpufleet-ray-pool-0.service"
 
 
@@ -926,8 +1067,7 @@ def test_mp_backend_replica_argv_passes_the_0_33_0_catalog() -> None:
         assert argv[argv.index("--host") + 1] == role.address
         assert ("--headless" in argv) is (rank > 0)
         assert catalog.check_argv(argv[2:]) == []
-        _, config = vf.serve_config(argv)
-        assert catalog.check_config(config) == []
+        assert catalog.check_config(yaml.safe_load(process.config_yaml())) == []
 
 
 def test_example_fleet_plans_clean_flags() -> None:
@@ -943,7 +1083,7 @@ def test_example_fleet_plans_clean_flags() -> None:
             for process in role.processes:
                 if process.unit == "vllm":
                     assert catalog.check_argv(process.argv[2:]) == [], (replica.name, role.host)
-                    assert catalog.check_config(vf.serve_config(process.argv)[1]) == []
+                    assert catalog.check_config(yaml.safe_load(process.config_yaml())) == []
     assert backends == {"single-node", "ray"}
 
 
@@ -991,8 +1131,8 @@ def test_ray_head_starts_without_the_client_server() -> None:
 def test_ray_unit_reads_its_token_as_root_and_filters_ip() -> None:
     allowed = access.ray_sources(_config(monitoring_addresses=["10.9.0.1"]), ["10.0.0.5", "10.0.0.6"])
     text = _render(TEMPLATES / "ray" / "ray.service.j2", kind="worker", replica="pool-0",
-                   env_file=f"{ray_role.ENV_DIR}/pool-0.env", exec_start="/opt/vllm/0.33.0/bin/ray start --block",
-                   ray="/opt/vllm/0.33.0/bin/ray", token_file=ray_role.token_file("pool-0"),
+                   env_file=f"{node_paths.RAY_ENV_DIR}/pool-0.env", exec_start="/opt/vllm/0.33.0/bin/ray start --block",
+                   ray="/opt/vllm/0.33.0/bin/ray", token_file=node_paths.ray_token_file("pool-0"),
                    ip_access=access.unit_lines(allowed))
     lines = _directives(text)
     assert "EnvironmentFile=/etc/gpufleet/secrets/pool-0.ray.env" in lines  # read by systemd before User=
@@ -1004,7 +1144,7 @@ def test_ray_unit_reads_its_token_as_root_and_filters_ip() -> None:
 
 
 def test_ray_wait_scripts_are_shell_and_read_the_token_from_its_file() -> None:
-    token_path = ray_role.token_file("pool-0")
-    script = ray_role._wait_script("/opt/vllm/0.33.0/bin/ray", "10.0.0.5:6379", 2, 300, token_path)
+    token_path = node_paths.ray_token_file("pool-0")
+    script = ray_ops.wait_script("/opt/vllm/0.33.0/bin/ray", "10.0.0.5:6379", 2, 300, token_path)
     assert subprocess.run(["sh", "-n", "-c", script], capture_output=True).returncode == 0, script
     assert f". {token_path};" in script and "RAY_AUTH_MODE=token" in script

@@ -14,8 +14,7 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
-MODELS_PREFIX = "/var/lib/gpufleet/models"
-"""Where model weights live on a node; gpufleet owns everything below it."""
+from gpufleet.node_paths import MODELS_DIR
 
 # Hugging Face: an optional org, a name of word characters, "-" and "." (no "--" or ".."), at most 96 each.
 _HF_PART = r"(?!.*(--|\.\.))[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?"
@@ -31,7 +30,9 @@ ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 DEB_NAME = re.compile(r"^[a-z0-9][a-z0-9+.-]+$")
 DEB_VERSION = re.compile(r"^(?:[0-9]+:)?[0-9][A-Za-z0-9.+~]*(?:-[A-Za-z0-9.+~]+)?$")
 PIP_NAME = re.compile(r"^(?:[A-Za-z0-9]|[A-Za-z0-9][A-Za-z0-9._-]*[A-Za-z0-9])$")
-PIP_VERSION = re.compile(r"^[0-9]+(?:\.[0-9]+)*(?:(?:a|b|rc)[0-9]+)?(?:\.post[0-9]+)?(?:\.dev[0-9]+)?(?:\+[a-z0-9.]+)?$")
+PIP_VERSION = re.compile(
+    r"^[0-9]+(?:\.[0-9]+)*(?:(?:a|b|rc)[0-9]+)?(?:\.post[0-9]+)?(?:\.dev[0-9]+)?(?:\+[a-z0-9.]+)?$"
+)
 SECRET_NAME = re.compile(r"(_KEY|_TOKEN|_SECRET)$|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
 
 
@@ -63,17 +64,11 @@ hf_revision = _matching(HF_REVISION, "a commit hash, branch or tag name")
 
 
 def model_path(value: str) -> str | None:
-    """An absolute model path on the node: normalised and strictly below MODELS_PREFIX."""
+    """An absolute model path on the node: normalised and strictly below MODELS_DIR."""
     if posixpath.normpath(value) != value or value.startswith("//"):
         return f"expected a normalised absolute path, found {show(value)}"
-    if not value.startswith(MODELS_PREFIX + "/"):
-        return f"expected a path below {MODELS_PREFIX}/ (gpufleet's model directory), found {show(value)}"
-    return None
-
-
-def absolute_path(value: str) -> str | None:
-    if not value.startswith("/") or posixpath.normpath(value) != value or value.startswith("//"):
-        return f"expected a normalised absolute path, found {show(value)}"
+    if not value.startswith(MODELS_DIR + "/"):
+        return f"expected a path below {MODELS_DIR}/ (gpufleet's model directory), found {show(value)}"
     return None
 
 
@@ -173,7 +168,9 @@ env_name = _matching(ENV_NAME, "an environment variable name (letters, digits, '
 
 # Variables that make a process load other code than the unit names: the dynamic loader's, Python's
 # import path and start-up hooks, the shell's start-up files, the program search path.
-_CODE_CHOOSING = re.compile(r"^(LD_\w+|PYTHONPATH|PYTHONHOME|PYTHONSTARTUP|PYTHONUSERBASE|PYTHONINSPECT|PATH|BASH_ENV|ENV)$")
+_CODE_CHOOSING = re.compile(
+    r"^(LD_\w+|PYTHONPATH|PYTHONHOME|PYTHONSTARTUP|PYTHONUSERBASE|PYTHONINSPECT|PATH|BASH_ENV|ENV)$"
+)
 
 
 def chooses_code(name: str) -> bool:

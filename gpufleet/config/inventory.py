@@ -127,7 +127,7 @@ def collect_layers(namespace: dict[str, Any]) -> tuple[InventoryLayers, dict[str
         if data:
             hosts[host].layers.append(Layer(inv_shown, data))
 
-    all_hosts = [h for h in hosts]
+    all_hosts = list(hosts)
     new_values["all"] = (all_hosts, dict(all_layer.values) if all_layer else {})
     return InventoryLayers(inv_shown, groups, hosts), new_values, problems
 
@@ -157,7 +157,7 @@ def validate_layers(loaded: InventoryLayers, override: dict[str, Any] | None = N
     configs: dict[str, HostConfig] = {}
     for name, layers in loaded.hosts.items():
         if override:
-            layers = HostLayers(name, layers.layers + [Layer("--data", override)])
+            layers = HostLayers(name, [*layers.layers, Layer("--data", override)])
         config, found = validate_host(layers, loaded.path)
         problems += found
         if config is not None:

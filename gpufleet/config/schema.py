@@ -7,8 +7,9 @@ float accepts an integer. What a well-formed name, address, URL or path is lives
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, Callable, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
@@ -51,7 +52,7 @@ OWNED_ENV = {
     "NCCL_SOCKET_IFNAME": "fleet_interface", "GLOO_SOCKET_IFNAME": "fleet_interface",
     "RAY_ADDRESS": "ray_port", "VLLM_MODEL": "vllm_model", "HF_HOME": "vllm_model", "HOME": "nothing (gpufleet's)",
     "HF_HUB_OFFLINE": "vllm_model_source", "VLLM_API_KEY": "vllm_api_key", "HF_TOKEN": "vllm_hf_token",
-    "VLLM_PORT": "vllm_port",
+    "VLLM_PORT": "vllm_port", "PYTHONPYCACHEPREFIX": "vllm_compile_bytecode",
 }
 
 
@@ -199,6 +200,8 @@ class HostConfig(BaseModel):
     vllm_pip_index_credentials: SecretRef | None
     vllm_wheelhouse_url: str | None
     vllm_requirements_url: str | None
+    vllm_uv_version: _text(grammar.pip_version) | None  # type: ignore[valid-type]
+    vllm_compile_bytecode: bool
     vllm_model_source: _text(_controller_dir) | None  # type: ignore[valid-type]
     vllm_start: bool
     vllm_ready_timeout: PositiveInt
@@ -232,10 +235,12 @@ class HostConfig(BaseModel):
     node_exporter_tarball_url: str
     node_exporter_tarball_sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
     node_exporter_listen_address: _text(grammar.ip_address) | None  # type: ignore[valid-type]
-    node_exporter_apt_source: Annotated[str, Field(pattern=r"^deb \[([^\]]* )?signed-by=/\S+( [^\]]*)?\] \S+ \S+( \S+)*$")] | None
+    node_exporter_apt_source: Annotated[
+        str, Field(pattern=r"^deb \[([^\]]* )?signed-by=/\S+( [^\]]*)?\] \S+ \S+( \S+)*$")] | None
     node_exporter_apt_keyring: _text(grammar.controller_path) | None  # type: ignore[valid-type]
 
-    _check_secret = field_validator("vllm_api_key", "vllm_hf_token", "ray_auth_token", "vllm_pip_index_credentials", mode="before")(_secret_ref)
+    _check_secret = field_validator("vllm_api_key", "vllm_hf_token", "ray_auth_token", "vllm_pip_index_credentials",
+                                    mode="before")(_secret_ref)
 
     @field_validator("vllm_version")
     @classmethod
@@ -367,7 +372,8 @@ class HostConfig(BaseModel):
             if key.startswith("-"):
                 found.append((where, f"expected a flag name without dashes, found {grammar.show(key)}"))
             elif flag in OWNED_FLAGS:
-                found.append((where, f"expected a flag gpufleet does not own, found {flag}; set {OWNED_FLAGS[flag]} instead"))
+                found.append((where, f"expected a flag gpufleet does not own, found {flag};"
+                                     f" set {OWNED_FLAGS[flag]} instead"))
             elif grammar.looks_secret(base):
                 found.append((where, "expected no secret in vllm_extra_args (config.yaml is 0644), found a"
                                      " secret-looking flag; use a secret reference"))

@@ -71,10 +71,12 @@ def _expected(err: dict[str, Any]) -> str:
     bounds = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
     if kind in bounds:
         limit = next(iter(ctx.values()))
-        return f"a number {bounds[kind]} {limit:g}" if isinstance(limit, (int, float)) else f"a value {bounds[kind]} {limit}"
+        if isinstance(limit, (int, float)):
+            return f"a number {bounds[kind]} {limit:g}"
+        return f"a value {bounds[kind]} {limit}"
     if kind == "string_pattern_mismatch":
         return f"text matching {ctx.get('pattern')}"
-    return err["msg"]
+    return str(err["msg"])
 
 
 def _message(err: dict[str, Any], secret: bool) -> str:
@@ -119,7 +121,9 @@ def unknown_key_problems(values: dict[str, Any], sources: dict[str, str], host: 
     problems = []
     for key in values:
         if grammar.control_char(key):
-            problems.append(Problem(sources[key], grammar.show(key), "expected a variable name, found this key", (host,)))
+            problems.append(
+                Problem(sources[key], grammar.show(key), "expected a variable name, found this key", (host,))
+            )
             continue
         if key in SCHEMA_KEYS or key.startswith(PYINFRA_KEY_PREFIXES):
             continue

@@ -31,7 +31,7 @@ def _check_depth(text: str) -> None:
             if depth > MAX_DEPTH:
                 mark = event.start_mark
                 raise YamlProblem(f"expected lists and mappings nested at most {MAX_DEPTH} levels deep, found deeper",
-                                  f":{mark.line + 1}:{mark.column + 1}")
+                                  f":{mark.line + 1}:{mark.column + 1}" if mark is not None else "")
         elif isinstance(event, _CLOSE):
             depth -= 1
 
@@ -60,7 +60,7 @@ def _expanded_size(node: Node, memo: dict[int, int]) -> int:
 
 
 class _StrictLoader(yaml.SafeLoader):
-    def construct_mapping(self, node: MappingNode, deep: bool = False) -> dict[Any, Any]:  # type: ignore[override]
+    def construct_mapping(self, node: MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: dict[Any, int] = {}
         for key_node, _ in node.value:
             if key_node.tag == _MERGE_TAG:
@@ -83,7 +83,9 @@ def load_yaml(data: bytes) -> Any:
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise YamlProblem(f"expected UTF-8 text, found byte 0x{data[exc.start]:02x} at byte offset {exc.start}") from None
+        raise YamlProblem(
+            f"expected UTF-8 text, found byte 0x{data[exc.start]:02x} at byte offset {exc.start}"
+        ) from None
     loader = None
     try:
         _check_depth(text)

@@ -80,7 +80,7 @@ def group_addresses(inventory: Any, group: str = MONITORING_GROUP) -> list[str]:
     """The addresses of an inventory group's hosts (``fleet_address``, else the host's name); [] without one."""
     try:
         hosts = inventory.get_group(group)
-    except Exception:  # pyinfra raises NoGroupError for a group the inventory does not define
+    except Exception:  # noqa: BLE001 - pyinfra raises NoGroupError for a group the inventory does not define
         return []
     found = []
     for member in hosts:

@@ -1,9 +1,10 @@
-"""What a running deploy knows about the fleet: configs, probed GPU facts, gate verdicts and the plan.
+"""What a running deploy knows about the fleet: configs, probed GPU facts, gate verdicts, the plan, and what its
+operations tell each other across hosts.
 
-Every role reads its variables through :func:`host_config` and every node's part in the serving plan
-through :func:`assignments`. :func:`fleet` validates the whole fleet (exit 2 on bad input, before any
-operation runs); :func:`context` probes every host's GPUs once, judges each with its ``gpu_health``
-policy and plans the fleet from the hosts that pass; both are kept for the rest of the deploy.
+Every role reads its variables through :func:`host_config` and every node's part in the serving plan through
+:func:`assignments`. :func:`fleet` validates the whole fleet (exit 2 on bad input, before any operation runs);
+:func:`context` probes every host's GPUs once, all hosts at the same time, judges each with its ``gpu_health``
+policy and plans the fleet from the hosts that pass; all of it is kept for the rest of the deploy.
 """
 
 from __future__ import annotations
@@ -12,47 +13,57 @@ import sys
 import threading
 from dataclasses import dataclass, field
 from typing import Any
+from weakref import WeakKeyDictionary
 
+import gevent
 from pyinfra.api.host import Host
+from pyinfra.api.operation import OperationMeta
 from pyinfra.context import host as current_host
-from pyinfra.context import state as current_state
 
 from gpufleet.config.schema import HostConfig
+from gpufleet.facts import NvmlGpuFacts
 from gpufleet.fleet import Fleet, fleet_from_state
 from gpufleet.gpu_facts import FactsError, NodeFacts, parse_facts
-from gpufleet.gpu_probe import NvmlGpuFacts
 from gpufleet.node import health_rules
+from gpufleet.operations.node import current_state, set_read_only
 from gpufleet.plan.commands import NodeRole
 from gpufleet.plan.planner import FleetPlan, Replica, plan_fleet
 
 
 @dataclass
 class DeployContext:
-    """One deploy's view of the fleet (kept on pyinfra's state object)."""
+    """One deploy's view of the fleet (one per pyinfra state)."""
 
     fleet: Fleet
     facts: dict[str, NodeFacts] = field(default_factory=dict)
     # host -> lines saying why its GPUs fail the gate (or could not be probed); absent: passed
     gate_failures: dict[str, list[str]] = field(default_factory=dict)
     plan: FleetPlan = field(default_factory=FleetPlan)
+    read_only: bool = False
+    # replica -> the operations on any of its nodes whose change means "restart it"
+    replica_changes: dict[str, list[OperationMeta]] = field(default_factory=dict)
+    # replicas with a restart record left by an earlier, interrupted run on any of their nodes
+    pending_restarts: set[str] = field(default_factory=set)
+    # replica -> the readiness wait on its first node
+    readiness: dict[str, OperationMeta] = field(default_factory=dict)
+
+    def served(self, replica: str) -> bool:
+        """Whether the replica's readiness wait ran in this deploy and succeeded."""
+        wait = self.readiness.get(replica)
+        return wait is not None and wait.is_complete() and wait.executed and wait.did_succeed()
 
 
-_KEY = "_gpufleet_deploy_context"
+_contexts: WeakKeyDictionary[Any, DeployContext] = WeakKeyDictionary()  # pyinfra state -> its deploy's context
+_fleets: WeakKeyDictionary[Any, Fleet] = WeakKeyDictionary()
 _LOCK = threading.Lock()  # a gevent lock once pyinfra has patched threading
-
-
-def _state() -> Any:
-    return current_state._get_module() if hasattr(current_state, "_get_module") else current_state
 
 
 def fleet() -> Fleet:
     """The fleet's validated configuration (``--data`` included); exits 2 on bad input."""
-    st = _state()
-    cached: Fleet | None = getattr(st, "_gpufleet_fleet", None)
-    if cached is None:
-        cached = fleet_from_state(st)
-        setattr(st, "_gpufleet_fleet", cached)
-    return cached
+    st = current_state()
+    if st not in _fleets:
+        _fleets[st] = fleet_from_state(st)
+    return _fleets[st]
 
 
 def host_config(host: Host | None = None) -> HostConfig:
@@ -61,43 +72,49 @@ def host_config(host: Host | None = None) -> HostConfig:
     return fleet().configs[name]
 
 
-def _probe(target: Host) -> tuple[NodeFacts | None, str | None]:
+def _probe(target: Host) -> tuple[dict[str, Any] | None, NodeFacts | None, str | None]:
+    """The host's facts document as the probe printed it, the same parsed, or why there is none."""
     try:
         doc = target.get_fact(NvmlGpuFacts)
-    except Exception as exc:  # a host that cannot be probed fails its gate; the others go on
-        return None, f"the NVML probe failed: {exc}"
+    except Exception as exc:  # noqa: BLE001 - a host that cannot be probed fails its gate; the others go on
+        return None, None, f"the NVML probe failed: {exc}"
     if doc is None:
-        return None, "the NVML probe gave no facts"
+        return None, None, "the NVML probe gave no facts"
     try:
-        return parse_facts(doc, f"{target.name}: probe output"), None
+        return doc, parse_facts(doc, f"{target.name}: probe output"), None
     except FactsError as exc:
-        return None, str(exc)
+        return None, None, str(exc)
 
 
-def context() -> DeployContext:
-    """Probe and gate every host once per deploy, and plan the fleet from the hosts that pass.
+def context(read_only: bool = False) -> DeployContext:
+    """Probe and gate every host once per deploy, and plan the fleet from the hosts that pass; ``read_only``
+    (deploys/check.py) makes every gpufleet operation of this deploy run nothing and record drift instead.
 
-    Problems the plan finds with the probed hardware do not stop the deploy: the hosts of that pool
-    are still provisioned, then stop at the gate with the problem as the reason (:func:`serve_blockers`).
+    Problems the plan finds with the probed hardware do not stop the deploy: the hosts of that pool are still
+    provisioned, then stop at the gate with the problem as the reason (:func:`serve_blockers`).
     """
-    st = _state()
-    with _LOCK:  # pyinfra loads the deploy file for every host at once (gevent): probe once for all
-        found: DeployContext | None = getattr(st, _KEY, None)
+    st = current_state()
+    with _LOCK:  # pyinfra loads the deploy file for every host at once: the first builds, the others wait
+        found = _contexts.get(st)
         if found is None:
-            found = _build(st)
-            setattr(st, _KEY, found)
+            found = _contexts[st] = _build(st, read_only)
     return found
 
 
-def _build(st: Any) -> DeployContext:
-    ctx = DeployContext(fleet())
-    for target in st.inventory:
-        facts, error = _probe(target)
-        if facts is None:
+def _build(st: Any, read_only: bool) -> DeployContext:
+    ctx = DeployContext(fleet(), read_only=read_only)
+    if read_only:
+        set_read_only(st)
+    targets = list(st.inventory)
+    probes = [gevent.spawn(_probe, target) for target in targets]  # every host at once
+    gevent.joinall(probes)
+    for target, probe in zip(targets, probes, strict=True):
+        result = probe.value if probe.successful() else None
+        doc, facts, error = result or (None, None, f"the NVML probe failed: {probe.exception}")
+        if doc is None or facts is None:
             ctx.gate_failures[target.name] = [f"probe: {error}"]
             continue
         ctx.facts[target.name] = facts
-        doc = facts.model_dump(mode="json", by_alias=True)
         failures = health_rules.evaluate(doc, ctx.fleet.configs[target.name].gpu_health)
         if failures:
             ctx.gate_failures[target.name] = [f.line() for f in failures]
@@ -109,19 +126,18 @@ def _build(st: Any) -> DeployContext:
         {pool: kept for pool, hosts in ctx.fleet.pools.items() if (kept := [h for h in hosts if h in passing])},
     )
     ctx.plan = plan_fleet(serving, passing)
-    for line in ctx.plan.problems:
-        print(f"gpufleet: plan: {line}", file=sys.stderr)
+    for problem in ctx.plan.problems:
+        print(f"gpufleet: plan: {problem.line()}", file=sys.stderr)
     return ctx
 
 
 def _pool_problems(ctx: DeployContext, name: str) -> list[str]:
     pool = next((p for p, hosts in ctx.fleet.pools.items() if name in hosts), None)
-    return [line for line in ctx.plan.problems
-            if line.startswith(f"pool {pool}:") or f" on {name}:" in line]
+    return [problem.line() for problem in ctx.plan.problems_of(name, pool)]
 
 
 def serve_blockers(host: Host | None = None) -> list[str]:
-    """Why ``host`` must not serve: its gate failures, or the plan's problems with its pool."""
+    """Why ``host`` must not serve: its gate failures, or the plan's problems with its pool or its processes."""
     ctx = context()
     name = (host or current_host).name
     return ctx.gate_failures.get(name, []) + [f"plan: {p}" for p in _pool_problems(ctx, name)]
@@ -130,11 +146,6 @@ def serve_blockers(host: Host | None = None) -> list[str]:
 def gpu_facts(host: Host | None = None) -> NodeFacts | None:
     """The probed facts of ``host`` (None when it could not be probed)."""
     return context().facts.get((host or current_host).name)
-
-
-def gate_failures(host: Host | None = None) -> list[str]:
-    """Why ``host`` fails the GPU health gate; empty when it passes."""
-    return context().gate_failures.get((host or current_host).name, [])
 
 
 def assignments(host: Host | None = None) -> list[tuple[Replica, NodeRole]]:

@@ -20,6 +20,8 @@ from pathlib import Path
 
 from pyinfra.api.exceptions import DeployError
 
+from gpufleet.digest import file_sha256
+
 DOWNLOADS_ENV = "GPUFLEET_DOWNLOADS"
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _checked: dict[tuple[str, str, Path], Path] = {}  # (url, sha256, cache) -> checked file, for this process
@@ -35,14 +37,6 @@ def downloads_dir() -> Path:
         return Path(os.environ[DOWNLOADS_ENV])
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "gpufleet" / "downloads"
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def fetch_verified(url: str, sha256: str, cache: Path | None = None, timeout: float = 60) -> Path:
@@ -61,7 +55,7 @@ def fetch_verified(url: str, sha256: str, cache: Path | None = None, timeout: fl
     name = Path(urllib.parse.unquote(urllib.parse.urlsplit(url).path)).name or "download"
     target = cache / expected / name
     if target.is_file():
-        if sha256_of(target) == expected:
+        if file_sha256(target) == expected:
             _checked[key] = target
             return target
         target.unlink()  # damaged since it was checked: fetch it again

@@ -1,6 +1,7 @@
 """What the vllm role writes on a node for each replica, computed on the controller from the plan.
 
-- ``config.yaml``: every ``vllm serve`` flag of the replica's process, passed as ``--config PATH``;
+- ``config.yaml``: every ``vllm serve`` flag of the replica's process (``Process.config_yaml``), passed as
+  ``--config PATH``;
 - ``vllm.env``: its plain environment (the model's path, VLLM_HOST_IP, the GPU set, NCCL/GLOO interface);
 - ``secrets.env``: VLLM_API_KEY and HF_TOKEN, read here from the controller's references, 0600 root;
 
@@ -14,54 +15,44 @@ import hashlib
 import json
 import os
 import posixpath
-import re
 import shlex
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlsplit, urlunsplit
 
-import yaml
-
-from gpufleet.config.grammar import MODELS_PREFIX
 from gpufleet.config.problems import ConfigError, Problem
 from gpufleet.config.schema import HostConfig, SecretRef
-from gpufleet.plan.commands import VLLM_ROOT
+from gpufleet.node_paths import (
+    INSTALLED_MARKER,
+    MODELS_DIR,
+    PIP_SECRET,
+    PYCACHE_DIR,
+    REVISION_MARKER,
+    UV_CACHE_DIR,
+    UV_ROOT,
+    VLLM_HOME,
+    VLLM_ROOT,
+)
 from gpufleet.systemd_text import env_file  # noqa: F401  (re-exported: what roles write with vf.env_file)
 
-ETC = "/etc/gpufleet/vllm"
-HOME = "/var/lib/vllm"  # the vllm user's home and caches (StateDirectory=vllm): nothing root runs or trusts
-MODELS = MODELS_PREFIX  # root-owned: hub ids are downloaded to <MODELS>/<org>--<name>
-REVISION_MARKER = ".gpufleet-revision"
-PIP_SECRET = "/etc/gpufleet/secrets/pip.env"  # PIP_INDEX_URL with credentials, 0600 root
 INSTALL_LOCK_TIMEOUT = 1800  # seconds a second install of one version waits for the first
-UNIT_TEMPLATE = "vllm@.service"
-INSTALLED_MARKER = ".gpufleet-installed"
-_NUMBER = re.compile(r"^-?\d+(\.\d+)?$")
-
-
-def replica_dir(replica: str) -> str:
-    return f"{ETC}/{replica}"
-
-
-def unit_name(replica: str) -> str:
-    return f"vllm@{replica}.service"
 
 
 def venv_dir(cfg: HostConfig) -> str:
     """One virtualenv per vLLM version, so an upgrade can switch and roll back."""
-    return f"{VLLM_ROOT}/{cfg.vllm_version}"
+    return f"{VLLM_ROOT}/{cfg.vllm_version}"  # node_paths.venv_dir, by a name the tests can point elsewhere
 
 
 def model_dir(cfg: HostConfig) -> str:
-    """Where the model lives on the node: ``vllm_model`` itself when it is a path, else below MODELS."""
+    """Where the model lives on the node: ``vllm_model`` itself when it is a path, else below MODELS_DIR."""
     if cfg.vllm_model.startswith("/"):
-        return cfg.vllm_model
-    return f"{MODELS}/{cfg.vllm_model.replace('/', '--')}"
+        return str(cfg.vllm_model)
+    return f"{MODELS_DIR}/{str(cfg.vllm_model).replace('/', '--')}"
 
 
 def below_models(path: str) -> bool:
-    """Whether ``path`` lies strictly below MODELS (normalised, no ``..``): the only place the role deletes in."""
-    return posixpath.normpath(path) == path and path.startswith(MODELS + "/") and ".." not in path.split("/")
+    """Whether ``path`` lies strictly below MODELS_DIR (normalised, no ``..``): the only place the role deletes in."""
+    return posixpath.normpath(path) == path and path.startswith(MODELS_DIR + "/") and ".." not in path.split("/")
 
 
 def download_script(cfg: HostConfig, token_file: str) -> str:
@@ -70,7 +61,7 @@ def download_script(cfg: HostConfig, token_file: str) -> str:
     file, never from this text. An interrupted download leaves the previous copy and no marker change."""
     target = model_dir(cfg)
     if not below_models(target):
-        raise ValueError(f"expected the model directory below {MODELS}/, found {target!r}")
+        raise ValueError(f"expected the model directory below {MODELS_DIR}/, found {target!r}")
     revision = cfg.vllm_model_revision or "main"
     q = shlex.quote
     hf = q(f"{venv_dir(cfg)}/bin/hf")
@@ -88,53 +79,19 @@ def download_script(cfg: HostConfig, token_file: str) -> str:
     ])
 
 
-def _value(token: str) -> Any:
-    """A number where it reads back as the same text (``0.92``, ``8``); the text otherwise (``1.10``, ``0123``)."""
-    if _NUMBER.match(token):
-        number = float(token) if "." in token else int(token)
-        if str(number) == token:
-            return number
-    return token
-
-
-def serve_config(argv: list[str]) -> tuple[str, dict[str, Any]]:
-    """Split ``[vllm, serve, MODEL, --flag, value, --switch, ...]`` into the model and the ``--config`` mapping.
-
-    ``--x v`` -> ``x: v``, ``--x`` -> ``x: true``, ``--no-x`` -> ``x: false``, a repeated flag -> a list.
-    """
-    if len(argv) < 3 or argv[1] != "serve":
-        raise ValueError(f"expected `vllm serve MODEL ...`, found {argv[:3]}")
-    model, rest = argv[2], argv[3:]
-    config: dict[str, Any] = {}
-    i = 0
-    while i < len(rest):
-        token = rest[i]
-        if not token.startswith("--"):
-            raise ValueError(f"expected a flag, found {token!r}")
-        name = token[2:]
-        if i + 1 < len(rest) and not rest[i + 1].startswith("--"):
-            value: Any = _value(rest[i + 1])
-            i += 2
-        else:
-            value = not name.startswith("no-")
-            name = name[3:] if name.startswith("no-") else name
-            i += 1
-        if name in config:
-            previous = config[name]
-            config[name] = (previous if isinstance(previous, list) else [previous]) + [value]
-        else:
-            config[name] = value
-    return model, config
-
-
-def config_yaml(config: dict[str, Any]) -> str:
-    return "# Written by gpufleet (role vllm): `vllm serve --config` of this replica.\n" + yaml.safe_dump(
-        config, sort_keys=False, default_flow_style=False)
+def process_env(cfg: HostConfig) -> dict[str, str]:
+    """What every process run as the vllm user from the virtualenv gets (vLLM, Ray): its home and, when the
+    install compiled no bytecode, a bytecode cache of its own (``PYTHONPYCACHEPREFIX``): the first start on a
+    node compiles what it imports there, later starts read it (the virtualenv stays read-only to that user)."""
+    env = {"HOME": VLLM_HOME}
+    if not cfg.vllm_compile_bytecode:
+        env["PYTHONPYCACHEPREFIX"] = PYCACHE_DIR
+    return env
 
 
 def replica_env(cfg: HostConfig, plan_env: dict[str, str]) -> dict[str, str]:
     """The plain environment of a replica's vLLM process on one node."""
-    env = {"VLLM_MODEL": model_dir(cfg), "HOME": HOME, "HF_HOME": f"{HOME}/hf"}
+    env = {"VLLM_MODEL": model_dir(cfg), **process_env(cfg), "HF_HOME": f"{VLLM_HOME}/hf"}
     if cfg.vllm_model_source or cfg.vllm_model.startswith("/"):
         env["HF_HUB_OFFLINE"] = "1"  # staged weights: nothing to fetch at start
     env.update(cfg.vllm_env)
@@ -174,34 +131,118 @@ def secret_env(cfg: HostConfig) -> dict[str, str]:
 
 
 def pip_secret_env(cfg: HostConfig) -> dict[str, str]:
-    """``PIP_INDEX_URL`` with ``vllm_pip_index_credentials`` (``user:password`` or a token) in it, for the
-    install's 0600 environment file; empty when the index needs none (or a wheelhouse replaces it)."""
+    """The index URL with ``vllm_pip_index_credentials`` (``user:password`` or a token) in it, for the install's
+    0600 environment file: ``PIP_INDEX_URL`` for pip, ``UV_DEFAULT_INDEX`` for uv; empty when the index needs
+    none (or a wheelhouse replaces it)."""
     url = cfg.vllm_pip_index_url
     if cfg.vllm_wheelhouse_url or not url or cfg.vllm_pip_index_credentials is None:
         return {}
     user, sep, password = _read_secret(cfg.vllm_pip_index_credentials, "vllm_pip_index_credentials").partition(":")
     userinfo = quote(user, safe="") + (":" + quote(password, safe="") if sep else "")
     parts = urlsplit(url)
-    return {"PIP_INDEX_URL": urlunsplit(parts._replace(netloc=f"{userinfo}@{parts.netloc}"))}
+    secret_url = urlunsplit(parts._replace(netloc=f"{userinfo}@{parts.netloc}"))
+    return {"PIP_INDEX_URL": secret_url, "UV_DEFAULT_INDEX": secret_url}
 
 
-def pip_install_args(cfg: HostConfig) -> list[str]:
-    """``pip install`` arguments for the node's virtualenv: from a wheelhouse, an index, and/or a hash lock.
-
-    An index URL with credentials is not among them: pip reads it from PIP_INDEX_URL (:func:`pip_secret_env`).
-    """
-    args = ["install", "--quiet", "--disable-pip-version-check", "--no-input"]
+def _sources(cfg: HostConfig, index_flag: str, insecure_flag: str) -> list[str]:
+    """Where the installer finds packages: a wheelhouse alone, or an index named here when it needs no
+    credentials; each plain-HTTP host of the wheelhouse, index and lock (a site's mirror; pins carry the hashes)
+    marked as such."""
+    args: list[str] = []
     if cfg.vllm_wheelhouse_url:
         args += ["--no-index", "--find-links", cfg.vllm_wheelhouse_url]
     elif cfg.vllm_pip_index_url and cfg.vllm_pip_index_credentials is None:
-        args += ["--index-url", cfg.vllm_pip_index_url]
+        args += [index_flag, cfg.vllm_pip_index_url]
+    hosts: list[str] = []
     for url in (cfg.vllm_wheelhouse_url, cfg.vllm_pip_index_url, cfg.vllm_requirements_url):
         parsed = urlsplit(url or "")
-        if parsed.scheme == "http" and parsed.hostname and parsed.hostname not in args:
-            args += ["--trusted-host", parsed.hostname]  # a site's plain-HTTP mirror; pins carry the hashes
+        if parsed.scheme == "http" and parsed.hostname and parsed.hostname not in hosts:
+            hosts.append(parsed.hostname)
+    return args + [a for host in hosts for a in (insecure_flag, host)]
+
+
+def _requirements(cfg: HostConfig) -> list[str]:
     if cfg.vllm_requirements_url:
-        return args + ["--no-deps", "--require-hashes", "-r", cfg.vllm_requirements_url]
-    return args + [f"{cfg.vllm_package}=={cfg.vllm_version}", f"ray=={cfg.ray_version}", "nvidia-ml-py"]
+        return ["--no-deps", "--require-hashes", "-r", cfg.vllm_requirements_url]
+    return [f"{cfg.vllm_package}=={cfg.vllm_version}", f"ray=={cfg.ray_version}", "nvidia-ml-py"]
+
+
+_PIP_INSTALL = ["install", "--quiet", "--disable-pip-version-check", "--no-input"]
+
+
+def pip_install_args(cfg: HostConfig) -> list[str]:
+    """``pip install`` arguments for the node's virtualenv: from a wheelhouse, an index, and/or a hash lock. The
+    install marker records them whichever installer runs (the same sources and pins install the same packages).
+
+    An index URL with credentials is not among them: pip reads it from PIP_INDEX_URL (:func:`pip_secret_env`).
+    """
+    no_compile = [] if cfg.vllm_compile_bytecode else ["--no-compile"]
+    return [*_PIP_INSTALL, *no_compile, *_sources(cfg, "--index-url", "--trusted-host"), *_requirements(cfg)]
+
+
+def uv_install_args(cfg: HostConfig) -> list[str]:
+    """``uv pip install --python BUILD/bin/python`` arguments: :func:`pip_install_args` in uv's words, with uv's
+    cache on the node (builds hardlink from it), bytecode compiled as pip does unless ``vllm_compile_bytecode``
+    is false (the virtualenv is read-only to the vllm user, which would otherwise compile every module it
+    imports at each start) and TLS checked against the system's certificates as Debian's pip does. An index
+    with credentials comes from UV_DEFAULT_INDEX."""
+    compile_bytecode = ["--compile-bytecode"] if cfg.vllm_compile_bytecode else []
+    return ["--quiet", "--no-progress", "--system-certs", *compile_bytecode, "--cache-dir", UV_CACHE_DIR,
+            *_sources(cfg, "--default-index", "--allow-insecure-host"), *_requirements(cfg)]
+
+
+# Prints the line of a hash lock (a URL or a path; continued lines joined) that pins uv==VERSION, for pip to
+# install uv by its hash; fails naming the lock when there is none.
+UV_PIN_SCRIPT = r"""
+import re, sys, urllib.request
+lock, version = sys.argv[1:]
+text = urllib.request.urlopen(lock, timeout=300).read().decode() if "://" in lock else open(lock).read()
+for line in re.sub(r"\\\r?\n", " ", text).splitlines():
+    pinned = re.match(r"\s*uv\s*==\s*([^\s;#]+)", line, re.IGNORECASE)
+    if pinned and pinned[1] == version:
+        print(line)
+        sys.exit(0)
+sys.exit(f"gpufleet: {lock} pins no uv=={version} (with its hash): add it, or set vllm_uv_version to null")
+"""
+
+
+def uv_bin(cfg: HostConfig) -> str:
+    """The uv that installs this host's virtualenv: ``<UV_ROOT>/<vllm_uv_version>/bin/uv``."""
+    return f"{UV_ROOT}/{cfg.vllm_uv_version}/bin/uv"
+
+
+def _uv_bootstrap(cfg: HostConfig, version: str) -> list[str]:
+    """Shell that installs uv once per node and version: pip puts it in a virtualenv of its own, from the same
+    wheelhouse or index as vLLM (by the hash the lock pins, when there is a lock), built aside and swapped in
+    with one rename, under a lock of its own (installs of several vLLM versions share it)."""
+    q = shlex.quote
+    home, lock = f"{UV_ROOT}/{version}", f"{UV_ROOT}/.lock"
+    busy = (f"gpufleet: another install of uv {version} still holds {lock} after {INSTALL_LOCK_TIMEOUT} s;"
+            " let it finish or end it, then run the deploy again")
+    pip = '  "$uvbuild/bin/pip" ' + shlex.join([*_PIP_INSTALL, *_sources(cfg, "--index-url", "--trusted-host")])
+    if cfg.vllm_requirements_url:
+        pin = ['  python3 -c ' + q(UV_PIN_SCRIPT) + f' {q(cfg.vllm_requirements_url)} {q(version)}'
+               ' > "$uvbuild/uv-pin.txt"']
+        pip += ' --no-deps --require-hashes -r "$uvbuild/uv-pin.txt"'
+    else:
+        pin, pip = [], pip + " " + q(f"uv=={version}")
+    return [
+        f"mkdir -p {q(UV_ROOT)}",
+        f"mkdir -p -m 0700 {q(UV_CACHE_DIR)}",  # the cache: root's alone
+        f"exec 8>{q(lock)}",
+        f"flock -w {INSTALL_LOCK_TIMEOUT} 8 || {{ echo {q(busy)} >&2; exit 1; }}",
+        f"if [ ! -x {q(home + '/bin/uv')} ]; then",
+        f"  rm -rf {q(UV_ROOT)}/.build-{q(version)}-*",  # unfinished attempts: none runs while we hold the lock
+        f"  uvbuild=\"$(mktemp -d {q(f'{UV_ROOT}/.build-{version}-XXXXXX')})\"",
+        "  chmod 0755 \"$uvbuild\"",
+        "  python3 -m venv \"$uvbuild\"",
+        *pin,
+        pip,
+        f"  ln -sfn \"$uvbuild\" {q(home + '.new')}",
+        f"  mv -T {q(home + '.new')} {q(home)}",
+        "fi",
+        "exec 8>&-",
+    ]
 
 
 def install_marker(cfg: HostConfig) -> str:
@@ -224,7 +265,8 @@ def install_script(cfg: HostConfig) -> str:
     ``/opt/vllm/<version>`` at it with one rename: a working virtualenv stays in use until the new one is
     complete, an interrupted install is redone from scratch by the next run, and of the earlier builds of the
     version only the one just replaced is kept (until the next install). One install at a time per version
-    (``flock``, with a timeout and a message saying what holds it)."""
+    (``flock``, with a timeout and a message saying what holds it). uv fills the virtualenv (installed first,
+    once per node: :func:`_uv_bootstrap`); with ``vllm_uv_version`` null, pip does."""
     q = shlex.quote
     venv = venv_dir(cfg)
     marker = f"{venv}/{INSTALLED_MARKER}"
@@ -232,6 +274,12 @@ def install_script(cfg: HostConfig) -> str:
     wanted = q(install_marker(cfg))
     busy = (f"gpufleet: another install of vLLM {cfg.vllm_version} still holds {lock} after"
             f" {INSTALL_LOCK_TIMEOUT} s; let it finish or end it, then run the deploy again")
+    if cfg.vllm_uv_version:
+        bootstrap, make_venv = _uv_bootstrap(cfg, cfg.vllm_uv_version), "python3 -m venv --without-pip \"$build\""
+        fill = f"{q(uv_bin(cfg))} pip install --python \"$build/bin/python\" " + shlex.join(uv_install_args(cfg))
+    else:
+        bootstrap, make_venv = [], "python3 -m venv \"$build\""
+        fill = '"$build/bin/pip" ' + shlex.join(pip_install_args(cfg))
     return "\n".join([
         "set -eu",
         "umask 022",
@@ -239,10 +287,12 @@ def install_script(cfg: HostConfig) -> str:
         f"flock -w {INSTALL_LOCK_TIMEOUT} 9 || {{ echo {q(busy)} >&2; exit 1; }}",
         f"if [ \"$(cat {q(marker)} 2>/dev/null)\" = {wanted} ]; then exit 0; fi",
         f"if [ -f {q(PIP_SECRET)} ]; then set -a; . {q(PIP_SECRET)}; set +a; fi",
+        *bootstrap,
         f"build=\"$(mktemp -d {q(build_prefix(cfg) + '-XXXXXX')})\"",
         "chmod 0755 \"$build\"",
-        "python3 -m venv \"$build\"",
-        '"$build/bin/pip" ' + shlex.join(pip_install_args(cfg)),
+        make_venv,
+        fill,
+        "rm -f \"$build/.lock\"",  # uv's lock file, world-writable: nothing in the build may be writable by others
         f"printf '%s\\n' {wanted} > \"$build/{INSTALLED_MARKER}\"",
         f"ln -sfn \"$build\" {q(venv + '.new')}",
         f"previous=\"$(readlink {q(venv)} || true)\"",

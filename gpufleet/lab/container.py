@@ -13,6 +13,7 @@ whole PID namespace).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -124,10 +125,8 @@ def leaders_of(nspawn: ProcessRecord) -> list[ProcessRecord]:
 
 def _signal(proc: ProcessRecord, sig: signal.Signals) -> None:
     if alive(proc):
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(proc.pid, sig)
-        except ProcessLookupError:
-            pass
 
 
 def _running(supervisor: ProcessRecord | None, root: Path) -> list[ProcessRecord]:

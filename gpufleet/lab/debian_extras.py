@@ -29,6 +29,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpufleet.digest import file_sha256
 from gpufleet.lab.errors import LabError
 
 NODE_EXPORTER_PACKAGE = "prometheus-node-exporter"
@@ -161,14 +162,14 @@ def fetch_debs(dest: Path, base_root: Path | None, packages: tuple[str, ...] = D
 def _download(fields: dict[str, str], dest: Path) -> Path:
     name = fields["Package"]
     target = dest / Path(fields["Filename"]).name
-    if target.is_file() and _sha256(target) == fields.get("SHA256"):
+    if target.is_file() and file_sha256(target) == fields.get("SHA256"):
         return target
     with tempfile.TemporaryDirectory(dir=dest, prefix=".download.") as tmp:
         _run(["apt-get", *_APT_QUIET, "download", f"{name}={fields['Version']}"], cwd=Path(tmp))
         got = list(Path(tmp).glob("*.deb"))
         if len(got) != 1:
             raise LabError(f"apt-get download {name} gave {len(got)} files, expected one .deb")
-        digest = _sha256(got[0])
+        digest = file_sha256(got[0])
         if fields.get("SHA256") and digest != fields["SHA256"]:
             raise LabError(f"{got[0].name}: expected sha256 {fields['SHA256']} from apt's index, found {digest}")
         os.replace(got[0], target)
@@ -242,7 +243,7 @@ def build_node_exporter_tarball(deb: Path, out_dir: Path) -> Tarball:
     version = upstream_version(control["Version"])
     stem = f"node_exporter-{version}.linux-{control['Architecture']}"
     release = out_dir / f"v{version}"
-    source = f"{_sha256(deb)} {BUILD_LAYOUT}\n"
+    source = f"{file_sha256(deb)} {BUILD_LAYOUT}\n"
     built = built_tarball(out_dir)
     stamp = release / STAMP_NAME
     if built is not None and built.path.name == f"{stem}.tar.gz" and stamp.is_file() and stamp.read_text() == source:
@@ -323,14 +324,6 @@ def _package_members(deb: Path) -> dict[str, bytes]:
 
 def _deb_field(deb: Path, name: str) -> str:
     return _run(["dpkg-deb", "-f", str(deb), name]).strip()
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _write_if_changed(path: Path, data: bytes) -> None:

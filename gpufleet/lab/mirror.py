@@ -21,7 +21,9 @@ shape as NVIDIA's flat CUDA repository.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
+import itertools
 import json
 import os
 import signal
@@ -157,7 +159,8 @@ def prepare(
     www = cache / WWW
     repo = build_apt_repo(www / "apt", gnupg_home=cache / "gnupg")
     debian_repo, tarball = _build_debian(cache) if debian else (None, None)
-    house = build_wheelhouse(www / "wheels", find_links=find_links, extra_index_urls=extra_index_urls) if wheels else None
+    house = (build_wheelhouse(www / "wheels", find_links=find_links, extra_index_urls=extra_index_urls)
+             if wheels else None)
     model = make_tiny_model(cache / "models" / "tiny-llama")
     return MirrorContents(cache, www, repo, house.path if house else None, house.lock if house else None, model,
                           debian_repo, tarball)
@@ -204,7 +207,7 @@ def keyring_fingerprint(cache_dir: Path | str | None = None) -> str | None:
     with tempfile.TemporaryDirectory() as home:
         listing = _run(["gpg", "--homedir", home, "--batch", "--with-colons", "--show-keys", str(keyring)])
     lines = listing.splitlines()
-    found = [line.split(":")[9] for prev, line in zip(lines, lines[1:]) if prev.startswith("pub:")
+    found = [line.split(":")[9] for prev, line in itertools.pairwise(lines) if prev.startswith("pub:")
              and line.startswith("fpr:")]
     return found[0] if len(found) == 1 else None
 
@@ -278,7 +281,9 @@ def signing_key(gnupg_home: Path) -> str:
         _run([*_gpg(gnupg_home), "--passphrase", "", "--quick-generate-key", KEY_UID, "ed25519", "sign", "never"])
         found = _fingerprints(gnupg_home)
     if len(found) != 1:
-        raise LabError(f"expected one secret key in {gnupg_home}, found {len(found)}: remove the directory to start over")
+        raise LabError(
+            f"expected one secret key in {gnupg_home}, found {len(found)}: remove the directory to start over"
+        )
     return found[0]
 
 
@@ -422,10 +427,8 @@ def _exited(handle: MirrorHandle) -> bool:
 
 
 def _reap(pid: int) -> None:
-    try:
+    with contextlib.suppress(ChildProcessError):
         os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        pass
 
 
 def _gpg(home: Path) -> list[str]:
@@ -439,9 +442,8 @@ def _stop_agent(home: Path) -> None:
 def _fingerprints(home: Path) -> list[str]:
     listing = _run([*_gpg(home), "--with-colons", "--list-secret-keys"])
     lines = listing.splitlines()
-    return [
-        line.split(":")[9] for prev, line in zip(lines, lines[1:]) if prev.startswith("sec:") and line.startswith("fpr:")
-    ]
+    return [line.split(":")[9] for prev, line in itertools.pairwise(lines)
+            if prev.startswith("sec:") and line.startswith("fpr:")]
 
 
 def _package_versions(packages_index: str) -> dict[str, str]:

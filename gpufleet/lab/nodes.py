@@ -29,11 +29,11 @@ from gpufleet.lab.state import (
     LabState,
     NodeRecord,
     cache_dir,
+    known_hosts_path,
     lab_dir,
     load_state,
     locked,
     remove_state,
-    known_hosts_path,
     save_state,
     ssh_config_path,
     ssh_key_path,
@@ -147,7 +147,8 @@ def _start(
     save_state(state, directory)
     if start_mirror:
         # The apt/wheel mirror listens on the bridge address; nodes reach nothing else.
-        state.mirror_started = hooks.start_mirror(state.bridge_address)
+        hooks.start_mirror(state.bridge_address)
+        state.mirror_started = True
         save_state(state, directory)
     library = hooks.build_nvml_library(cache_dir() / "nvml-sim")
     names = node_names(len(profiles))

@@ -104,7 +104,8 @@ def _build(target: Path, packages: tuple[str, ...]) -> None:
     tmp = target.with_name(f"{target.name}.build-{os.getpid()}")
     logfile = target.with_name(f"{target.name}.log")
     shutil.rmtree(tmp, ignore_errors=True)
-    argv = ["debootstrap", f"--variant={VARIANT}", f"--include={','.join(sorted(set(packages)))}", SUITE, str(tmp), mirror]
+    include = ",".join(sorted(set(packages)))
+    argv = ["debootstrap", f"--variant={VARIANT}", f"--include={include}", SUITE, str(tmp), mirror]
     log.info("building the lab rootfs %s with debootstrap from %s (about a minute)", target.name, mirror)
     started = time.monotonic()
     with open(logfile, "w") as out:

@@ -42,7 +42,8 @@ class FaultError(ValueError):
 
 
 def _gpu(doc: Doc, index: int) -> Doc:
-    for gpu in doc["gpus"]:
+    gpus: list[Doc] = doc["gpus"]
+    for gpu in gpus:
         if gpu["index"] == index:
             return gpu
     raise FaultError(f"no GPU {index} on {doc['hostname']} (GPUs: {[g['index'] for g in doc['gpus']]})")
@@ -51,8 +52,9 @@ def _gpu(doc: Doc, index: int) -> Doc:
 def _pcie_paths(doc: Doc) -> dict[tuple[str, str], str]:
     """The PCIe label between each pair of GPUs (by UUID), ``NV<n>`` cells taken from NUMA nodes."""
     gpus, paths = doc["gpus"], {}
-    for a, row in zip(gpus, doc["topology"]):
-        for b, label in zip(gpus, row):
+    # Facts from elsewhere may carry a short or empty topology: pairs it does not cover get no label.
+    for a, row in zip(gpus, doc["topology"], strict=False):
+        for b, label in zip(gpus, row, strict=False):
             if a is not b:
                 same_node = a["numa_node"] == b["numa_node"]
                 paths[a["uuid"], b["uuid"]] = label if label in _PCIE_LABELS else ("NODE" if same_node else "SYS")

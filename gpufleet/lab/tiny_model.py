@@ -4,6 +4,8 @@ Deterministic (fixed seed, fixed corpus): the same call writes the same bytes, s
 revision like a real one. No torch needed: bf16 weights are written in the safetensors format directly, the
 tokenizer is a byte-level BPE trained locally with ``tokenizers``. The shape follows the lab findings: head_dim 64
 (the CPU attention kernels reject 16), one KV head, 2 layers, about 0.4 M parameters.
+
+numpy and tokenizers (the ``lab`` extra) are imported only when a model is made or read.
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ import struct
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+if TYPE_CHECKING:
+    import numpy as np
 
 SEED = 20251121
 BOS, EOS, PAD = "<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"
@@ -85,6 +88,8 @@ class TinyLlama:
 
 def make_tiny_model(out_dir: Path | str, arch: TinyLlama = TinyLlama()) -> Path:
     """Write the tiny model (config, bf16 safetensors, tokenizer) into ``out_dir`` and return it."""
+    import numpy as np
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(SEED)
@@ -93,7 +98,7 @@ def make_tiny_model(out_dir: Path | str, arch: TinyLlama = TinyLlama()) -> Path:
         for name, shape in arch.tensor_shapes().items()
     }
     total = write_bf16_safetensors(out / WEIGHTS_FILE, tensors)
-    index = {"metadata": {"total_size": total}, "weight_map": {name: WEIGHTS_FILE for name in sorted(tensors)}}
+    index = {"metadata": {"total_size": total}, "weight_map": dict.fromkeys(sorted(tensors), WEIGHTS_FILE)}
     _write_json(out / "model.safetensors.index.json", index)
     _write_json(out / "config.json", arch.config())
     _write_json(out / "generation_config.json", {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2})
@@ -103,6 +108,8 @@ def make_tiny_model(out_dir: Path | str, arch: TinyLlama = TinyLlama()) -> Path:
 
 def to_bf16_bits(values: np.ndarray) -> np.ndarray:
     """bfloat16 bit patterns (uint16) of float values, rounded to nearest even."""
+    import numpy as np
+
     bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
     rounded = bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
     return (rounded >> np.uint32(16)).astype(np.uint16)
@@ -110,6 +117,8 @@ def to_bf16_bits(values: np.ndarray) -> np.ndarray:
 
 def from_bf16_bits(bits: np.ndarray) -> np.ndarray:
     """float32 values of bfloat16 bit patterns."""
+    import numpy as np
+
     return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
 
 
@@ -119,7 +128,8 @@ def write_bf16_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> int:
     blobs, offset = [], 0
     for name in sorted(tensors):
         blob = to_bf16_bits(tensors[name]).astype("<u2").tobytes()
-        header[name] = {"dtype": "BF16", "shape": list(tensors[name].shape), "data_offsets": [offset, offset + len(blob)]}
+        shape, offsets = list(tensors[name].shape), [offset, offset + len(blob)]
+        header[name] = {"dtype": "BF16", "shape": shape, "data_offsets": offsets}
         blobs.append(blob)
         offset += len(blob)
     encoded = json.dumps(header, separators=(",", ":")).encode()
@@ -134,6 +144,8 @@ def write_bf16_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> int:
 
 def read_bf16_safetensors(path: Path) -> dict[str, np.ndarray]:
     """float32 values of every BF16 tensor of a safetensors file (the inverse of :func:`write_bf16_safetensors`)."""
+    import numpy as np
+
     data = path.read_bytes()
     (size,) = struct.unpack("<Q", data[:8])
     header = json.loads(data[8 : 8 + size])
@@ -170,6 +182,8 @@ CHAT_TEMPLATE = (
 
 
 def _write_tokenizer(out: Path, vocab: int) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()

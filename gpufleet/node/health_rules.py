@@ -32,7 +32,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 Facts = dict[str, Any]
 
@@ -45,7 +45,7 @@ class HealthPolicy:
     and, through ``__pydantic_config__``, rejects unknown keys there too.
     """
 
-    __pydantic_config__ = {"extra": "forbid"}
+    __pydantic_config__: ClassVar[dict[str, str]] = {"extra": "forbid"}
 
     expected_gpu_count: int | None = None
     expected_gpu_model: str | None = None  # a substring of the NVML name, e.g. "H100"

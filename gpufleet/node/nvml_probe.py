@@ -19,6 +19,7 @@ the PCIe common ancestor (``PIX``, ``PXB``, ``PHB``, ``NODE``, ``SYS``; ``N/A`` 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import importlib.util
 import json
@@ -99,7 +100,7 @@ class _Queries:
                     unsupported.append(field)
             else:
                 self.error(gpu, name, exc)
-        except Exception as exc:  # e.g. an nvidia-ml-py too old for a query: note it, keep probing
+        except Exception as exc:  # noqa: BLE001 - e.g. an nvidia-ml-py too old for a query: note it, keep probing
             self.error(gpu, name, RuntimeError(f"{type(exc).__name__}: {exc}"))
         return None
 
@@ -355,10 +356,8 @@ def probe() -> dict[str, Any]:
         doc["errors"] = q.errors
         return doc
     finally:
-        try:
+        with contextlib.suppress(nvml.NVMLError):
             nvml.nvmlShutdown()
-        except nvml.NVMLError:
-            pass
 
 
 def _load_sibling(name: str) -> ModuleType:

@@ -1,6 +1,7 @@
-"""From validated config and GPU facts to replicas: nodes, TP/PP/DP, GPU sets, ports, argv and env.
+"""From validated config and GPU facts to replicas: nodes, TP/PP/DP, GPU sets, ports, processes and env.
 
-Pure: touches no host. Problems carry the arithmetic that rules a layout out.
+Pure: touches no host. Problems (:class:`PlanProblem`) carry the arithmetic that rules a layout out and the
+variables it names.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ from gpufleet.config.schema import HostConfig
 from gpufleet.fleet import Fleet
 from gpufleet.gpu_facts import NodeFacts
 from gpufleet.model_arch import ModelArch, ModelConfigError, load_arch
-from gpufleet.model_memory import GIB, KvBudget, safetensors_total_size, weight_bytes
+from gpufleet.model_memory import GIB, KvBudget, bytes_per_param, safetensors_total_size, weight_bytes
 from gpufleet.plan import layout
-from gpufleet.plan.commands import NodeRole, replica_roles, secret_env_names
+from gpufleet.plan.commands import NodeRole, Process, replica_roles, secret_env_names
 from gpufleet.vllm_flags import load_catalog
 
 # Settings every host of one pool must share (one model, one layout).
@@ -72,6 +73,42 @@ class Replica:
             "budget": self.budget.lines(),
         }
 
+    def process_line(self, role: NodeRole, process: Process) -> str:
+        """One process as ``gpufleet plan`` prints it: replica, host, unit, environment, command line."""
+        env = " ".join(f"{k}={v}" for k, v in process.env.items())
+        secrets = (f"  (+ {', '.join(self.secret_env)} from the 0600 EnvironmentFile)"
+                   if self.secret_env and process.unit == "vllm" else "")
+        return f"{self.name} {role.host} {process.unit}: {env} {' '.join(process.argv)}{secrets}"
+
+
+@dataclass(frozen=True)
+class PlanProblem:
+    """Why the plan refuses a pool, or one replica's process on one host.
+
+    ``keys`` are the variables the text names, the one it is about first; when the text starts with that
+    variable, ``detail`` is the text after it (what a config problem about the variable says).
+    """
+
+    pool: str
+    text: str
+    host: str | None = None  # the host whose process it is about; None: the whole pool
+    replica: str | None = None
+    keys: tuple[str, ...] = ()
+    detail: str | None = None
+
+    def line(self) -> str:
+        """As ``gpufleet plan`` and a deploy print it."""
+        where = f"{self.replica} on {self.host}" if self.host is not None else f"pool {self.pool}"
+        return f"{where}: {self.text}"
+
+    def said_of(self, key: str) -> str:
+        """The text for a problem reported against ``key``: without the key where the text starts with it."""
+        return self.detail if self.detail is not None and self.keys and key == self.keys[0] else self.text
+
+    def stops(self, host: str, pool: str | None) -> bool:
+        """Whether it keeps ``host`` (of ``pool``) from serving: a problem of its pool, or of its own process."""
+        return self.host == host if self.host is not None else self.pool == pool
+
 
 @dataclass
 class FleetPlan:
@@ -79,12 +116,31 @@ class FleetPlan:
 
     replicas: list[Replica] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
-    problems: list[str] = field(default_factory=list)
+    problems: list[PlanProblem] = field(default_factory=list)
     idle: list[str] = field(default_factory=list)
+
+    def problems_of(self, host: str, pool: str | None) -> list[PlanProblem]:
+        """The problems that keep ``host`` (of ``pool``) from serving."""
+        return [p for p in self.problems if p.stops(host, pool)]
 
 
 class PoolError(Exception):
-    """A pool that cannot be planned; the message shows why, with numbers."""
+    """A pool that cannot be planned; the message shows why, with numbers, and ``keys`` what it names."""
+
+    def __init__(self, text: str, keys: tuple[str, ...] = (), detail: str | None = None) -> None:
+        super().__init__(text)
+        self.text, self.keys, self.detail = text, keys, detail
+
+    def problem(self, pool: str) -> PlanProblem:
+        return PlanProblem(pool, self.text, keys=self.keys, detail=self.detail)
+
+
+def _about(key: str, sep: str, detail: str) -> PoolError:
+    """A pool error whose text starts with the variable it is about: ``key``, ``sep``, ``detail``."""
+    return PoolError(f"{key}{sep}{detail}", (key,), detail)
+
+
+_TP, _PP, _DP = "vllm_tensor_parallel_size", "vllm_pipeline_parallel_size", "vllm_data_parallel_size"
 
 
 def _short_name(host: str) -> str:
@@ -106,7 +162,12 @@ def _arch_and_weights(cfg: HostConfig) -> tuple[ModelArch, int, str]:
         arch = load_arch(source)
     except ModelConfigError as exc:
         key = "vllm_model_config" if cfg.vllm_model_config else "vllm_model"
-        raise PoolError(f"{key}: cannot read the model's config.json: {exc}") from None
+        raise _about(key, ": ", f"cannot read the model's config.json: {exc}") from None
+    if cfg.vllm_quantization:
+        try:
+            bytes_per_param("bfloat16", cfg.vllm_quantization)
+        except ValueError as exc:  # a quantization the planner has no weight size for
+            raise PoolError(str(exc), ("vllm_quantization",)) from None
     path = Path(source)
     exact = safetensors_total_size(path if path.is_dir() else path.parent) if path.exists() else None
     total = weight_bytes(arch, cfg.vllm_dtype, cfg.vllm_quantization, exact)
@@ -120,7 +181,7 @@ def _pool_config(pool: str, hosts: list[str], configs: dict[str, HostConfig]) ->
         values = {h: getattr(configs[h], key) for h in hosts}
         if len({repr(v) for v in values.values()}) > 1:
             shown = ", ".join(f"{h}={v!r}" for h, v in values.items())
-            raise PoolError(f"{key} differs across the hosts of one pool: {shown}")
+            raise _about(key, " ", f"differs across the hosts of one pool: {shown}")
     return first
 
 
@@ -133,7 +194,7 @@ def _check_same_gpus(shapes: list[layout.NodeShape]) -> None:
 
 
 def _fit_single_node(cfg: HostConfig, s: layout.Sizing, node: layout.NodeShape,
-                     warnings: list[str]) -> tuple[int, int, layout.KvBudget, int] | None:
+                     warnings: list[str]) -> tuple[int, int, KvBudget, int] | None:
     """(tp, pp, budget, kv per token) on one node, or None when no layout on one node fits."""
     arch, dp = s.arch, cfg.vllm_data_parallel_size
     pp = 1 if cfg.vllm_pipeline_parallel_size == "auto" else cfg.vllm_pipeline_parallel_size
@@ -181,19 +242,19 @@ def _plan_pool(pool: str, hosts: list[str], fleet: Fleet, facts: dict[str, NodeF
     limit = arch.max_position_embeddings
     max_len = cfg.vllm_max_model_len or limit or 4096
     if limit and max_len > limit:
-        raise PoolError(f"vllm_max_model_len {max_len:,} is beyond {arch.name}'s limit of {limit:,} tokens"
-                        " (max_position_embeddings)")
+        raise _about("vllm_max_model_len", " ", f"{max_len:,} is beyond {arch.name}'s limit of {limit:,} tokens"
+                     " (max_position_embeddings)")
     shapes = [layout.node_shape(h, facts[h]) for h in hosts]
     for shape in shapes:
         if shape.count == 0:
             raise PoolError(f"{shape.host}: no GPUs in its facts")
-    s = layout.Sizing(arch, weights_total, cfg.vllm_dtype if cfg.vllm_dtype != "auto" else (arch.torch_dtype or "bfloat16"),
-                      cfg.vllm_kv_cache_dtype, cfg.vllm_gpu_memory_utilization,
+    model_dtype = cfg.vllm_dtype if cfg.vllm_dtype != "auto" else (arch.torch_dtype or "bfloat16")
+    s = layout.Sizing(arch, weights_total, model_dtype, cfg.vllm_kv_cache_dtype, cfg.vllm_gpu_memory_utilization,
                       int(cfg.vllm_memory_reserve_gib * GIB), max_len)
     tp_fixed = cfg.vllm_tensor_parallel_size
     if tp_fixed != "auto" and not layout.valid_tp(arch, tp_fixed):
-        raise PoolError(
-            f"vllm_tensor_parallel_size {tp_fixed} does not divide {arch.name}'s {arch.num_attention_heads} attention"
+        raise _about(
+            _TP, " ", f"{tp_fixed} does not divide {arch.name}'s {arch.num_attention_heads} attention"
             f" heads ({arch.num_attention_heads} / {tp_fixed} = {arch.num_attention_heads / tp_fixed:g})"
             f" with {arch.num_kv_heads} KV heads; valid: {', '.join(map(str, layout.tp_candidates(arch, 64)))}")
     npr = cfg.vllm_nodes_per_replica
@@ -205,11 +266,12 @@ def _plan_pool(pool: str, hosts: list[str], fleet: Fleet, facts: dict[str, NodeF
         tp, pp, b, per_token = single
         if tp * pp * dp > smallest.count:
             raise PoolError(f"TP {tp} x PP {pp} x DP {dp} = {tp * pp * dp} GPUs > {smallest.count} GPUs on"
-                            f" {smallest.host}; for more, set vllm_nodes_per_replica")
+                            f" {smallest.host}; for more, set vllm_nodes_per_replica",
+                            (_TP, _PP, _DP, "vllm_nodes_per_replica"))
         _single_node_replicas(pool, hosts, fleet, shapes, cfg, tp, pp, b, per_token, max_len, plan)
         return
     if npr == 1 or (npr == "auto" and len(hosts) == 1):
-        raise PoolError(_no_fit_message(cfg, s, smallest, how))
+        raise PoolError(_no_fit_message(cfg, s, smallest, how), (_TP, _PP))
     _check_same_gpus(shapes)
     tp = tp_fixed if tp_fixed != "auto" else max(layout.tp_candidates(arch, smallest.largest_island or 1))
     counts = [npr] if npr != "auto" else list(range(2, len(hosts) + 1))
@@ -222,7 +284,7 @@ def _plan_pool(pool: str, hosts: list[str], fleet: Fleet, facts: dict[str, NodeF
     b, _ = layout.budget(s, smallest.memory_bytes, tp, nodes)
     raise PoolError(
         f"{arch.name} does not fit on {nodes} node(s) of {smallest.count} x {smallest.gpu_names[0]} at TP {tp}"
-        f" x PP {nodes}: weights {_gib(weights_total)} ({how}); " + "; ".join(b.lines()))
+        f" x PP {nodes}: weights {_gib(weights_total)} ({how}); " + "; ".join(b.lines()), (_TP, _PP))
 
 
 def _single_node_replicas(pool: str, hosts: list[str], fleet: Fleet, shapes: list[layout.NodeShape],
@@ -238,8 +300,8 @@ def _single_node_replicas(pool: str, hosts: list[str], fleet: Fleet, shapes: lis
         want = cfg.vllm_replicas_per_node
         if want != "auto":
             if want > len(sets):
-                raise PoolError(f"vllm_replicas_per_node {want} x {size} GPUs > {len(sets) * size} usable GPUs"
-                                f" on {shape.host}")
+                raise _about("vllm_replicas_per_node", " ", f"{want} x {size} GPUs > {len(sets) * size} usable"
+                             f" GPUs on {shape.host}")
             sets = sets[:want]
         host_cfg = fleet.configs[shape.host]
         address = host_cfg.fleet_address or shape.host
@@ -257,10 +319,10 @@ def _multi_node_replicas(pool: str, hosts: list[str], fleet: Fleet, shapes: list
                          cfg: HostConfig, tp: int, nodes: int, b: KvBudget, per_token: int, max_len: int,
                          plan: FleetPlan) -> None:
     if nodes > len(hosts):
-        raise PoolError(f"vllm_nodes_per_replica {nodes} > {len(hosts)} hosts in pool {pool}")
+        raise _about("vllm_nodes_per_replica", " ", f"{nodes} > {len(hosts)} hosts in pool {pool}")
     if cfg.fleet_interface is None:
-        raise PoolError(f"fleet_interface: expected an interface name for {nodes}-node replicas"
-                        " (NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME), found null")
+        raise _about("fleet_interface", ": ", f"expected an interface name for {nodes}-node replicas"
+                     " (NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME), found null")
     for k in range(len(hosts) // nodes):
         group = shapes[k * nodes:(k + 1) * nodes]
         cfgs = [fleet.configs[g.host] for g in group]
@@ -268,9 +330,9 @@ def _multi_node_replicas(pool: str, hosts: list[str], fleet: Fleet, shapes: list
         for g in group:
             sets = layout.gpu_sets(g, tp)
             if not sets:
-                raise PoolError(f"{g.host}: no set of {tp} GPUs for TP {tp}")
+                raise PoolError(f"{g.host}: no set of {tp} GPUs for TP {tp}", (_TP,))
             gpus.append(sets[0])
-        addresses = [c.fleet_address or g.host for c, g in zip(cfgs, group)]
+        addresses = [c.fleet_address or g.host for c, g in zip(cfgs, group, strict=True)]
         roles = replica_roles(cfgs, [g.host for g in group], addresses, gpus, cfgs[0].vllm_port,
                               tp, nodes, 1, max_len)
         plan.replicas.append(Replica(f"{pool}-{k}", pool, cfg.vllm_model, tp, nodes, 1, cfgs[0].vllm_port,
@@ -291,7 +353,8 @@ def _check_flags(plan: FleetPlan, fleet: Fleet) -> None:
                 if proc.unit != "vllm":
                     continue
                 for problem in catalog.check_argv(proc.argv[2:]):
-                    plan.problems.append(f"{replica.name} on {role.host}: vLLM {version}: {problem}")
+                    plan.problems.append(PlanProblem(replica.pool, f"vLLM {version}: {problem}", role.host,
+                                                     replica.name, ("vllm_extra_args",)))
 
 
 def plan_fleet(fleet: Fleet, facts: dict[str, NodeFacts]) -> FleetPlan:
@@ -301,6 +364,8 @@ def plan_fleet(fleet: Fleet, facts: dict[str, NodeFacts]) -> FleetPlan:
         try:
             _plan_pool(pool, hosts, fleet, facts, plan)
         except PoolError as exc:
-            plan.problems.append(f"pool {pool}: {exc}")
+            plan.problems.append(exc.problem(pool))
+        except ValueError as exc:  # a value the planner cannot size
+            plan.problems.append(PlanProblem(pool, str(exc)))
     _check_flags(plan, fleet)
     return plan

@@ -3,8 +3,8 @@
 After it, the node has ``/etc/gpufleet/`` (root, 0755) holding ``node.env`` (root, 0644) with the node's
 name and its declared hardware profile; gpufleet's node tools in ``/opt/gpufleet/node/`` (the NVML probe
 and health gate, which units run as ``ExecStartPre``, and the vLLM readiness check); and the base tools
-the other roles call (``ps``, CA certificates). It reads one variable, ``gpu_profile`` (see roles/fleet/defaults.yml); the node's
-name is its hostname as the node reports it.
+the other roles call (``ps``, CA certificates). It reads one variable, ``gpu_profile`` (see
+roles/fleet/defaults.yml); the node's name is its hostname as the node reports it (in its GPU facts).
 """
 
 from __future__ import annotations
@@ -14,16 +14,15 @@ from pathlib import Path
 from pyinfra.api.deploy import deploy
 from pyinfra.context import host
 from pyinfra.facts.server import Hostname
-from pyinfra.operations import apt, files
 
+from gpufleet.deploy.context import gpu_facts, host_config
+from gpufleet.node_paths import CONFIG_DIR, NODE_ENV, NODE_TOOL_FILES, NODE_TOOLS_DIR, node_tool
+from gpufleet.operations import apt, files, node
 from gpufleet.systemd_text import env_value
+from gpufleet.templates import render
 
-CONFIG_DIR = "/etc/gpufleet"
-NODE_TOOLS_DIR = "/opt/gpufleet/node"
-NODE_TOOLS = ("nvml_probe.py", "health_rules.py", "vllm_ready.py")  # standard library (+ pynvml) only
 NODE_SOURCES = Path(__file__).resolve().parents[2] / "gpufleet" / "node"
 BASE_PACKAGES = ["procps", "ca-certificates"]
-TEMPLATES = Path(__file__).resolve().parents[2] / "templates" / "common"
 
 
 def node_env_values(node_name: str, gpu_profile: str) -> dict[str, str]:
@@ -34,40 +33,19 @@ def node_env_values(node_name: str, gpu_profile: str) -> dict[str, str]:
 @deploy("Common node setup")
 def common() -> None:
     """Converge the node's gpufleet directory, identity file and base tools."""
-    files.directory(
-        name="Create gpufleet's configuration directory /etc/gpufleet",
-        path=CONFIG_DIR,
-        user="root",
-        group="root",
-        mode="0755",
-    )
-    files.template(
-        name="Write the node's name and hardware profile to /etc/gpufleet/node.env",
-        src=str(TEMPLATES / "node.env.j2"),
-        dest=f"{CONFIG_DIR}/node.env",
-        user="root",
-        group="root",
-        mode="0644",
-        **node_env_values(host.get_fact(Hostname), host.data.get("gpu_profile") or ""),
-    )
-    files.directory(
-        name=f"Create {NODE_TOOLS_DIR}",
-        path=NODE_TOOLS_DIR,
-        user="root",
-        group="root",
-        mode="0755",
-    )
-    for tool in NODE_TOOLS:
-        files.put(
-            name=f"Install node tool {tool}",
-            src=str(NODE_SOURCES / tool),
-            dest=f"{NODE_TOOLS_DIR}/{tool}",
-            user="root",
-            group="root",
-            mode="0755",
-        )
-    apt.packages(
-        name="Ensure the base tools are installed",
+    facts = gpu_facts()
+    name = facts.hostname if facts is not None and facts.hostname else host.get_fact(Hostname)
+    node.observe(
+        name="Read gpufleet's base files and tools",
+        paths=[CONFIG_DIR, NODE_ENV, NODE_TOOLS_DIR, *(node_tool(t) for t in NODE_TOOL_FILES)],
         packages=BASE_PACKAGES,
-        update=False,  # they come with the image; nothing to fetch
     )
+    files.directory(name=f"Create gpufleet's configuration directory {CONFIG_DIR}", path=CONFIG_DIR)
+    files.file(
+        name=f"Write the node's name and hardware profile to {NODE_ENV}", dest=NODE_ENV,
+        content=render("common/node.env.j2", **node_env_values(name, host_config().gpu_profile or "")),
+    )
+    files.directory(name=f"Create {NODE_TOOLS_DIR}", path=NODE_TOOLS_DIR)
+    for tool in NODE_TOOL_FILES:
+        files.file(name=f"Install node tool {tool}", src=str(NODE_SOURCES / tool), dest=node_tool(tool), mode="0755")
+    apt.packages(name="Ensure the base tools are installed", packages=BASE_PACKAGES)

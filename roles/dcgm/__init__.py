@@ -12,9 +12,9 @@ Variables: ``dcgm_version`` (roles/dcgm/defaults.yml), ``cuda_version`` (roles/n
 from __future__ import annotations
 
 from pyinfra.api.deploy import deploy
-from pyinfra.operations import apt, systemd
 
 from gpufleet.deploy.context import host_config
+from gpufleet.operations import apt, node, systemd
 
 HOSTENGINE = "nvidia-dcgm.service"
 
@@ -29,17 +29,8 @@ def dcgm() -> None:
     """Converge DCGM for the fleet's CUDA major and its running host engine."""
     cfg = host_config()
     package = dcgm_package(cfg.dcgm_version, cfg.cuda_version)
-    installed = apt.packages(
-        name=f"Install {package}",
-        packages=[package],
-        latest=False,
-    )
-    systemd.service(
-        name=f"Restart {HOSTENGINE}: its package changed",
-        service=HOSTENGINE, running=True, restarted=True,
-        _if=installed.did_change,
-    )
-    systemd.service(
-        name=f"Enable and start the DCGM host engine {HOSTENGINE}",
-        service=HOSTENGINE, running=True, enabled=True,
-    )
+    node.observe(name="Read DCGM's package and host engine", packages=[package], units=[HOSTENGINE])
+    installed = apt.packages(name=f"Install {package}", packages=[package])
+    systemd.restart(name=f"Restart {HOSTENGINE}: its package changed", unit=HOSTENGINE, _if=installed.did_change)
+    systemd.service(name=f"Enable and start the DCGM host engine {HOSTENGINE}", unit=HOSTENGINE,
+                    running=True, enabled=True)

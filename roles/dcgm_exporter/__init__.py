@@ -19,12 +19,10 @@ Variables (roles/dcgm_exporter/defaults.yml): ``dcgm_exporter_version``, ``dcgm_
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
-from pyinfra import host
 from pyinfra.api.deploy import deploy
-from pyinfra.operations import apt, files, server, systemd
+from pyinfra.context import host
 from pyinfra.operations.util import any_changed
 
 from gpufleet.config.problems import ConfigError, exit_with
@@ -32,13 +30,15 @@ from gpufleet.deploy import access
 from gpufleet.deploy.context import gpu_facts, host_config
 from gpufleet.gpu_facts import NodeFacts
 from gpufleet.netaddr import bracketed
+from gpufleet.node_paths import DCGM_EXPORTER_COUNTERS, unit_path
+from gpufleet.operations import apt, files, node, server, systemd
+from gpufleet.templates import render
 
-TEMPLATES = Path(__file__).resolve().parents[2] / "templates" / "dcgm_exporter"
 PACKAGE = "datacenter-gpu-manager-exporter"
 USER = "dcgm-exporter"
 SERVICE = "dcgm-exporter.service"
-UNIT_FILE = f"/etc/systemd/system/{SERVICE}"
-COUNTERS_FILE = "/etc/dcgm-exporter/gpufleet-counters.csv"
+UNIT_FILE = unit_path(SERVICE)
+COUNTERS_FILE = DCGM_EXPORTER_COUNTERS
 HOSTENGINE = "nvidia-dcgm.service"
 HOSTENGINE_ADDRESS = "localhost:5555"
 
@@ -74,37 +74,24 @@ def dcgm_exporter() -> None:
     except ConfigError as error:
         exit_with(error)
     version = cfg.dcgm_exporter_version
+    node.observe(name="Read the DCGM exporter's package, account, files and unit", packages=[PACKAGE],
+                 users=[USER], groups=[USER], paths=[COUNTERS_FILE, UNIT_FILE], units=[SERVICE])
     package = apt.packages(
         name=f"Install {PACKAGE}" + (f" {version}" if version else ""),
-        packages=[f"{PACKAGE}={version}" if version else PACKAGE],
-        latest=False,
-        allow_downgrades=bool(version),
+        packages=[f"{PACKAGE}={version}" if version else PACKAGE], allow_downgrades=bool(version),
     )
-    server.group(name=f"Create the system group {USER}", group=USER, system=True)
-    server.user(
-        name=f"Create the system user {USER} the exporter runs as",
-        user=USER, group=USER, system=True, shell="/usr/sbin/nologin", home="/nonexistent",
-        create_home=False, ensure_home=False, comment="NVIDIA DCGM exporter",
+    server.system_account(name=f"Create the system user and group {USER} the exporter runs as", user=USER,
+                          comment="NVIDIA DCGM exporter")
+    counters = files.file(
+        name=f"Write the counters the exporter serves to {COUNTERS_FILE}", dest=COUNTERS_FILE,
+        content=render("dcgm_exporter/counters.csv.j2", nvlink=has_nvlink(gpu_facts())),
     )
-    counters = files.template(
-        name=f"Write the counters the exporter serves to {COUNTERS_FILE}",
-        src=str(TEMPLATES / "counters.csv.j2"), dest=COUNTERS_FILE,
-        user="root", group="root", mode="0644",
-        nvlink=has_nvlink(gpu_facts()),
-    )
-    unit = files.template(
-        name=f"Write the exporter's unit {UNIT_FILE}",
-        src=str(TEMPLATES / "dcgm-exporter.service.j2"), dest=UNIT_FILE,
-        user="root", group="root", mode="0644",
-        **unit_values(cfg.dcgm_exporter_port, address, allowed),
+    unit = files.file(
+        name=f"Write the exporter's unit {UNIT_FILE}", dest=UNIT_FILE,
+        content=render("dcgm_exporter/dcgm-exporter.service.j2", **unit_values(cfg.dcgm_exporter_port, address,
+                                                                               allowed)),
     )
     systemd.daemon_reload(name="Reload systemd: the exporter's unit changed", _if=unit.did_change)
-    systemd.service(
-        name="Restart the exporter: its package, counters or unit changed",
-        service=SERVICE, running=True, restarted=True,
-        _if=any_changed(package, counters, unit),
-    )
-    systemd.service(
-        name="Enable and start the exporter",
-        service=SERVICE, running=True, enabled=True,
-    )
+    systemd.restart(name="Restart the exporter: its package, counters or unit changed", unit=SERVICE,
+                    _if=any_changed(package, counters, unit))
+    systemd.service(name="Enable and start the exporter", unit=SERVICE, running=True, enabled=True)

@@ -28,7 +28,6 @@ Variables: roles/node_exporter/defaults.yml.
 from __future__ import annotations
 
 import hashlib
-import io
 import re
 import shlex
 import tarfile
@@ -36,39 +35,36 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from pyinfra.api.deploy import deploy
 from pyinfra.api.operation import OperationMeta
 from pyinfra.context import host
-from pyinfra.facts.deb import DebPackages
-from pyinfra.facts.files import Directory, File, FindFiles, Sha256File
-from pyinfra.operations import apt, files, server, systemd
 from pyinfra.operations.util import any_changed
 
-from gpufleet.config.schema import HostConfig
+from gpufleet import templates
 from gpufleet.config.problems import ConfigError, exit_with
+from gpufleet.config.schema import HostConfig
 from gpufleet.deploy import access
 from gpufleet.deploy.context import host_config
 from gpufleet.deploy.download import DownloadError, fetch_verified
 from gpufleet.netaddr import host_port
+from gpufleet.node_paths import NODE_EXPORTER_CACHE, TEXTFILE_DIR, unit_path
+from gpufleet.operations import apt, files, node, server, systemd
 from gpufleet.systemd_text import exec_arg, unit_value
 
 USER = "node_exporter"
-TEXTFILE_DIR = "/var/lib/node_exporter/textfile_collector"
 # tarball
 BINARY = "/usr/local/bin/node_exporter"
 UNIT = "node_exporter.service"
-UNIT_PATH = f"/etc/systemd/system/{UNIT}"
-TARBALL_DIR = "/var/cache/gpufleet/node_exporter"
+UNIT_PATH = unit_path(UNIT)
+TARBALL_DIR = NODE_EXPORTER_CACHE
 # package
 PACKAGE = "prometheus-node-exporter"
 PACKAGE_BINARY = "/usr/bin/prometheus-node-exporter"
 PACKAGE_UNIT = "prometheus-node-exporter.service"
-DROP_IN_DIR = f"/etc/systemd/system/{PACKAGE_UNIT}.d"
+DROP_IN_DIR = f"{unit_path(PACKAGE_UNIT)}.d"
 DROP_IN = f"{DROP_IN_DIR}/gpufleet.conf"
 APT_LIST = "/etc/apt/sources.list.d/gpufleet-node-exporter.list"
 
-TEMPLATES = Path(__file__).resolve().parents[2] / "templates" / "node_exporter"
 _SIGNED_BY = re.compile(r"signed-by=(/\S+?)[\s\]]")
 
 
@@ -113,15 +109,9 @@ def template_name(cfg: HostConfig) -> str:
     return "package-override.conf.j2" if cfg.node_exporter_install == "package" else "node_exporter.service.j2"
 
 
-def _jinja_env() -> dict[str, Any]:
-    """The Jinja settings of pyinfra's files.template, loading includes from templates/node_exporter/."""
-    return {"loader": FileSystemLoader(str(TEMPLATES))}
-
-
-def render(cfg: HostConfig, host_name: str) -> str:
+def render(cfg: HostConfig, host_name: str, monitoring: Iterable[str] = ()) -> str:
     """The unit (tarball) or drop-in (package) text exactly as the deploy writes it."""
-    env = Environment(undefined=StrictUndefined, keep_trailing_newline=True, **_jinja_env())
-    return env.from_string((TEMPLATES / template_name(cfg)).read_text()).render(**unit_context(cfg, host_name))
+    return templates.render(f"node_exporter/{template_name(cfg)}", **unit_context(cfg, host_name, monitoring))
 
 
 def signed_by(apt_source: str) -> str | None:
@@ -153,186 +143,103 @@ def node_exporter() -> None:
     """Converge node_exporter: its user, textfile directory, binary, unit and running service."""
     cfg = host_config()
     try:  # every address of the unit's allow list must be an IP address
-        access.exporter_sources(cfg, cfg.fleet_address or host.name, access.monitoring_group())
+        monitoring = access.monitoring_group()
+        access.exporter_sources(cfg, cfg.fleet_address or host.name, monitoring)
     except ConfigError as error:
         exit_with(error)
     tarball = None
     if cfg.node_exporter_install == "tarball":
         # Fetched and checked before any operation: a bad digest stops the deploy with nothing changed.
         tarball = fetch_verified(tarball_url(cfg), cfg.node_exporter_tarball_sha256)
-    _account_and_textfile_dir()
+    node.observe(
+        name="Read node_exporter's account, files, package and units",
+        users=[USER], groups=[USER], packages=[PACKAGE], units=[UNIT, PACKAGE_UNIT],
+        paths=[str(Path(TEXTFILE_DIR).parent), TEXTFILE_DIR, BINARY, UNIT_PATH, TARBALL_DIR, DROP_IN_DIR, DROP_IN,
+               APT_LIST, *([f"{TARBALL_DIR}/{tarball.name}"] if tarball else [])],
+        listings=[f"{TARBALL_DIR}/*"],
+    )
+    server.system_account(name=f"Create the system user and group {USER}, without login or home", user=USER)
+    files.directory(name="Create /var/lib/node_exporter", path=str(Path(TEXTFILE_DIR).parent))
+    files.directory(name=f"Create the textfile collector directory {TEXTFILE_DIR}", path=TEXTFILE_DIR)
+    content = render(cfg, host.name, monitoring)
     if tarball is not None:
         _retire_package()
-        changed = _install_from_tarball(cfg, tarball)
+        changed = _install_from_tarball(cfg, tarball, content)
         service = UNIT
     else:
         _retire_tarball()
-        changed = _install_from_package(cfg)
+        changed = _install_from_package(cfg, content)
         service = PACKAGE_UNIT
-    systemd.service(
-        name=f"Restart {service} because its binary, unit or flags changed",
-        service=service,
-        running=True,
-        restarted=True,
-        _if=any_changed(*changed),
-    )
-    systemd.service(
-        name=f"Ensure {service} runs and starts at boot",
-        service=service,
-        running=True,
-        enabled=True,
-    )
+    systemd.restart(name=f"Restart {service} because its binary, unit or flags changed", unit=service,
+                    _if=any_changed(*changed))
+    systemd.service(name=f"Ensure {service} runs and starts at boot", unit=service, running=True, enabled=True)
 
 
-def _account_and_textfile_dir() -> None:
-    server.group(name=f"Create the system group {USER}", group=USER, system=True)
-    server.user(
-        name=f"Create the system user {USER}, without login or home",
-        user=USER,
-        group=USER,
-        system=True,
-        home="/nonexistent",
-        shell="/usr/sbin/nologin",
-        ensure_home=False,
-    )
-    files.directory(
-        name="Create /var/lib/node_exporter",
-        path=str(Path(TEXTFILE_DIR).parent),
-        user="root",
-        group="root",
-        mode="0755",
-    )
-    files.directory(
-        name=f"Create the textfile collector directory {TEXTFILE_DIR}",
-        path=TEXTFILE_DIR,
-        user="root",
-        group="root",
-        mode="0755",
-    )
-
-
-def _install_from_tarball(cfg: HostConfig, tarball: Path) -> list[OperationMeta]:
+def _install_from_tarball(cfg: HostConfig, tarball: Path, unit_text: str) -> list[OperationMeta]:
     """Push the checked tarball, install its binary when the node's differs, write our unit."""
-    changed = []
-    files.directory(name=f"Create {TARBALL_DIR}", path=TARBALL_DIR, user="root", group="root", mode="0755")
+    files.directory(name=f"Create {TARBALL_DIR}", path=TARBALL_DIR)
     pushed = f"{TARBALL_DIR}/{tarball.name}"
-    files.put(
-        name=f"Push {tarball.name} (sha256 checked on the controller)",
-        src=str(tarball),
-        dest=pushed,
-        user="root",
-        group="root",
-        mode="0644",
-    )
-    for stale in host.get_fact(FindFiles, path=TARBALL_DIR, maxdepth=1) or []:
-        if stale != pushed:
-            files.file(name=f"Remove the superseded {stale}", path=stale, present=False)
+    files.file(name=f"Push {tarball.name} (sha256 checked on the controller)", src=str(tarball), dest=pushed)
+    files.pruned(name=f"Remove superseded tarballs from {TARBALL_DIR}", pattern=f"{TARBALL_DIR}/*", keep=[pushed])
     wanted = binary_sha256(tarball)
-    if host.get_fact(Sha256File, path=BINARY) != wanted:
-        changed.append(server.shell(
-            name=f"Install node_exporter {cfg.node_exporter_version} from {tarball.name} to {BINARY}",
-            commands=[
-                'set -e; tmp="$(mktemp -d)"; trap \'rm -rf "$tmp"\' EXIT; '
-                f'tar -xzf {shlex.quote(pushed)} -C "$tmp" --strip-components=1 --no-same-owner'
-                ' --wildcards "*/node_exporter"; '
-                f'echo "{wanted}  $tmp/node_exporter" | sha256sum --check --quiet; '
-                f'install -o root -g root -m 0755 "$tmp/node_exporter" {BINARY}.new; '
-                f"mv -f {BINARY}.new {BINARY}",
-            ],
-        ))
-    unit = files.template(
-        name=f"Write the unit {UNIT_PATH} (user, flags, sandbox)",
-        src=str(TEMPLATES / template_name(cfg)),
-        dest=UNIT_PATH,
-        user="root",
-        group="root",
-        mode="0644",
-        jinja_env_kwargs=_jinja_env(),
-        **unit_context(cfg, host.name, access.monitoring_group()),
+    binary = server.script(
+        name=f"Install node_exporter {cfg.node_exporter_version} from {tarball.name} to {BINARY}",
+        script='set -e; tmp="$(mktemp -d)"; trap \'rm -rf "$tmp"\' EXIT; '
+               f'tar -xzf {shlex.quote(pushed)} -C "$tmp" --strip-components=1 --no-same-owner'
+               ' --wildcards "*/node_exporter"; '
+               f'echo "{wanted}  $tmp/node_exporter" | sha256sum --check --quiet; '
+               f'install -o root -g root -m 0755 "$tmp/node_exporter" {BINARY}.new; '
+               f"mv -f {BINARY}.new {BINARY}",
+        done_file=BINARY, done_sha256=wanted,
     )
+    unit = files.file(name=f"Write the unit {UNIT_PATH} (user, flags, sandbox)", dest=UNIT_PATH, content=unit_text)
     systemd.daemon_reload(name="Reload systemd: the node_exporter unit changed", _if=unit.did_change)
-    return [*changed, unit]
+    return [binary, unit]
 
 
-def _install_from_package(cfg: HostConfig) -> list[OperationMeta]:
+def _install_from_package(cfg: HostConfig, drop_in_text: str) -> list[OperationMeta]:
     """Write the drop-in, then configure the apt source and install Debian's package."""
-    files.directory(name=f"Create {DROP_IN_DIR}", path=DROP_IN_DIR, user="root", group="root", mode="0755")
-    drop_in = files.template(
-        name=f"Write the drop-in {DROP_IN} (user, flags, sandbox)",
-        src=str(TEMPLATES / template_name(cfg)),
-        dest=DROP_IN,
-        user="root",
-        group="root",
-        mode="0644",
-        jinja_env_kwargs=_jinja_env(),
-        **unit_context(cfg, host.name, access.monitoring_group()),
-    )
+    files.directory(name=f"Create {DROP_IN_DIR}", path=DROP_IN_DIR)
+    drop_in = files.file(name=f"Write the drop-in {DROP_IN} (user, flags, sandbox)", dest=DROP_IN,
+                         content=drop_in_text)
     systemd.daemon_reload(name="Reload systemd: the node_exporter drop-in changed", _if=drop_in.did_change)
-    missing = PACKAGE not in (host.get_fact(DebPackages) or {})
     source = cfg.node_exporter_apt_source
     if source:
         source_changes = []
         keyring_path = signed_by(source)
         if cfg.node_exporter_apt_keyring and keyring_path:
-            source_changes.append(files.put(
+            source_changes.append(files.file(
                 name=f"Copy the keyring of node_exporter's apt source to {keyring_path}",
-                src=str(Path(cfg.node_exporter_apt_keyring).expanduser()),
-                dest=keyring_path,
-                user="root",
-                group="root",
-                mode="0644",
+                src=str(Path(cfg.node_exporter_apt_keyring).expanduser()), dest=keyring_path,
             ))
-        source_changes.append(files.put(
-            name=f"Write node_exporter's apt source {APT_LIST}",
-            src=io.StringIO(source + "\n"),
-            dest=APT_LIST,
-            user="root",
-            group="root",
-            mode="0644",
-        ))
-        server.shell(
-            name="Update apt's index of node_exporter's source (that source only)",
-            commands=[
-                f"apt-get update -o Dir::Etc::sourcelist={APT_LIST} -o Dir::Etc::sourceparts=-"
-                " -o APT::Get::List-Cleanup=0",
-            ],
-            _if=lambda: missing or any(op.did_change() for op in source_changes),
+        source_changes.append(files.file(name=f"Write node_exporter's apt source {APT_LIST}", dest=APT_LIST,
+                                         content=source + "\n"))
+        apt.update(
+            name="Update apt's index of node_exporter's source (that source only)", sources_file=APT_LIST,
+            _if=lambda: PACKAGE not in node.packages([PACKAGE]) or any(op.did_change() for op in source_changes),
         )
     else:
-        _remove_apt_source()
-        if missing:
-            apt.update(name="Update apt's index before installing node_exporter")
-    package = apt.packages(
-        name=f"Install {PACKAGE} (without its recommended extra collectors)",
-        packages=[PACKAGE],
-        no_recommends=True,
-    )
+        files.absent(name=f"No apt source of node_exporter's own ({APT_LIST})", path=APT_LIST)
+    package = apt.packages(name=f"Install {PACKAGE} (without its recommended extra collectors)", packages=[PACKAGE],
+                           no_recommends=True, update_first=not source)
     return [drop_in, package]
 
 
 def _retire_tarball() -> None:
     """Remove what the tarball method installed (the package method is in use)."""
-    if host.get_fact(File, path=UNIT_PATH):
-        systemd.service(name=f"Stop and disable {UNIT}", service=UNIT, running=False, enabled=False)
-        files.file(name=f"Remove {UNIT_PATH}", path=UNIT_PATH, present=False)
-        systemd.daemon_reload(name=f"Reload systemd: {UNIT} is gone")
-    if host.get_fact(File, path=BINARY):
-        files.file(name=f"Remove {BINARY}", path=BINARY, present=False)
-    if host.get_fact(Directory, path=TARBALL_DIR):
-        files.directory(name=f"Remove {TARBALL_DIR}", path=TARBALL_DIR, present=False)
+    systemd.service(name=f"Stop and disable {UNIT} (the package method is in use)", unit=UNIT, running=False,
+                    enabled=False)
+    unit = files.absent(name=f"Remove {UNIT_PATH}", path=UNIT_PATH)
+    systemd.daemon_reload(name=f"Reload systemd: {UNIT} is gone", _if=unit.did_change)
+    files.absent(name=f"Remove {BINARY}", path=BINARY)
+    files.absent(name=f"Remove {TARBALL_DIR}", path=TARBALL_DIR)
 
 
 def _retire_package() -> None:
     """Remove what the package method installed (the tarball method is in use)."""
-    if PACKAGE in (host.get_fact(DebPackages) or {}):
-        systemd.service(name=f"Stop and disable {PACKAGE_UNIT}", service=PACKAGE_UNIT, running=False, enabled=False)
-        apt.packages(name=f"Purge {PACKAGE}", packages=[PACKAGE], present=False, purge=True)
-    if host.get_fact(File, path=DROP_IN):
-        files.directory(name=f"Remove {DROP_IN_DIR}", path=DROP_IN_DIR, present=False)
-        systemd.daemon_reload(name=f"Reload systemd: the {PACKAGE_UNIT} drop-in is gone")
-    _remove_apt_source()
-
-
-def _remove_apt_source() -> None:
-    if host.get_fact(File, path=APT_LIST):
-        files.file(name=f"Remove node_exporter's apt source {APT_LIST}", path=APT_LIST, present=False)
+    systemd.service(name=f"Stop and disable {PACKAGE_UNIT} (the tarball method is in use)", unit=PACKAGE_UNIT,
+                    running=False, enabled=False)
+    apt.removed(name=f"Purge {PACKAGE}", packages=[PACKAGE])
+    drop_in = files.absent(name=f"Remove {DROP_IN_DIR}", path=DROP_IN_DIR)
+    systemd.daemon_reload(name=f"Reload systemd: the {PACKAGE_UNIT} drop-in is gone", _if=drop_in.did_change)
+    files.absent(name=f"Remove node_exporter's apt source {APT_LIST}", path=APT_LIST)

@@ -16,50 +16,43 @@ replica's nodes and the monitoring hosts (``IPAddressAllow=``, :mod:`gpufleet.de
 
 from __future__ import annotations
 
-import shlex
-from io import StringIO
-from pathlib import Path
+from collections.abc import Callable
+from functools import partial
 
-from pyinfra import host
 from pyinfra.api.deploy import deploy
-from pyinfra.facts.files import FindFiles
-from pyinfra.operations import files, server, systemd
+from pyinfra.api.operation import OperationMeta
+from pyinfra.context import host
+from pyinfra.operations.util import any_changed
 
 from gpufleet.config.problems import ConfigError, Problem, exit_with
 from gpufleet.deploy import access
 from gpufleet.deploy import vllm_files as vf
 from gpufleet.deploy.context import assignments, host_config
-from gpufleet.deploy.secret_ops import secret_file
 from gpufleet.netaddr import host_port
-from gpufleet.systemd_text import exec_line
+from gpufleet.node_paths import (
+    RAY_ENV_DIR,
+    SECRETS_DIR,
+    SYSTEMD_DIR,
+    ray_env_file,
+    ray_token_file,
+    unit_path,
+    venv_bin,
+)
+from gpufleet.operations import files, node, systemd
+from gpufleet.operations import ray as ray_ops
+from gpufleet.systemd_text import env_file, exec_line
+from gpufleet.templates import render
 
-TEMPLATES = Path(__file__).resolve().parents[2] / "templates" / "ray"
-ENV_DIR = "/etc/gpufleet/ray"
 UNIT_PREFIX = "gpufleet-ray-"
-SECRETS_DIR = "/etc/gpufleet/secrets"  # root, 0700 (role vllm creates it too)
 
 
 def unit_name(replica: str) -> str:
     return f"{UNIT_PREFIX}{replica}.service"
 
 
-def token_file(replica: str) -> str:
-    """The replica's Ray token as an EnvironmentFile (``RAY_AUTH_TOKEN=...``), root 0600."""
-    return f"{SECRETS_DIR}/{replica}.ray.env"
-
-
-def _count_nodes(ray: str, gcs: str, token: str) -> str:
-    """Shell printing how many nodes ``ray status`` at ``gcs`` lists active (the token read from its file)."""
-    return (f"(set -a; . {shlex.quote(token)}; set +a; RAY_AUTH_MODE=token {shlex.quote(ray)} status"
-            f" --address={gcs} 2>/dev/null) | sed -n '/^Active:/,/^Pending:/p' | grep -c ' node_'")
-
-
-def _wait_script(ray: str, gcs: str, nodes: int, timeout: int, token: str) -> str:
-    """Shell that waits until ``ray status`` at ``gcs`` lists ``nodes`` active nodes."""
-    count = _count_nodes(ray, gcs, token)
-    return (f"end=$(($(date +%s)+{timeout})); while :; do n=$( {count} ); [ \"$n\" -ge {nodes} ] && break;"
-            f" if [ $(date +%s) -gt $end ]; then echo \"Ray at {gcs}: $n of {nodes} nodes joined"
-            f" after {timeout} s\" >&2; exit 1; fi; sleep 2; done; echo \"Ray at {gcs}: $n nodes\"")
+def _restart_due(changed: Callable[[], bool], started: OperationMeta) -> bool:
+    """Whether a Ray unit restarts: its files changed, and starting it in this run did not already load them."""
+    return changed() and not started.did_change()
 
 
 @deploy("Ray: head and worker units of Ray replicas")
@@ -68,94 +61,71 @@ def ray() -> None:
     cfg = host_config()
     mine = [(replica, role, proc) for replica, role in assignments()
             for proc in role.processes if proc.unit in ("ray-head", "ray-worker")]
-    present = host.get_fact(FindFiles, path="/etc/systemd/system", fname=f"{UNIT_PREFIX}*.service",
-                            maxdepth=1) or []
-    planned = {unit_name(replica.name) for replica, _, _ in mine}
-    for stale in sorted(Path(p).name for p in present if Path(p).name not in planned):
-        systemd.service(name=f"Stop {stale}, no longer planned here", service=stale, running=False, enabled=False)
-        files.file(name=f"Remove {stale}", path=f"/etc/systemd/system/{stale}", present=False)
-        gone = stale.removeprefix(UNIT_PREFIX).removesuffix(".service")
-        files.file(name=f"Remove the Ray environment of {gone}", path=f"{ENV_DIR}/{gone}.env", present=False)
-        files.file(name=f"Remove the Ray token of {gone}", path=token_file(gone), present=False)
+    names = [replica.name for replica, _, _ in mine]
+    node.observe(
+        name="Read the Ray units and their files",
+        listings=[f"{SYSTEMD_DIR}/{UNIT_PREFIX}*.service"], units=[unit_name(n) for n in names],
+        paths=[RAY_ENV_DIR, SECRETS_DIR, *(p for n in names for p in (ray_env_file(n), ray_token_file(n),
+                                                                        unit_path(unit_name(n))))],
+    )
+    retired = systemd.retired(
+        name="Stop and remove Ray units no longer planned here", pattern=f"{SYSTEMD_DIR}/{UNIT_PREFIX}*.service",
+        keep=names, unit=unit_name("{name}"), suffix=".service",
+        paths=[unit_path(unit_name("{name}")), ray_env_file("{name}"), ray_token_file("{name}")],
+    )
     if not mine:
         return
     try:
         token = vf.secret_env(cfg).get("RAY_AUTH_TOKEN")
+        monitoring = access.monitoring_group()
+        allowed = {replica.name: access.ray_sources(cfg, [r.address for r in replica.roles], monitoring)
+                   for replica, _, _ in mine}
     except ConfigError as error:
         exit_with(error)
     if not token:
         exit_with(ConfigError([Problem(host.name, "ray_auth_token", "expected a secret reference ({env: NAME} or"
                                                                    " {file: PATH}) for a Ray replica, found null")]))
-    monitoring = access.monitoring_group()
-    files.directory(name=f"Create {ENV_DIR}", path=ENV_DIR, user="root", group="root", mode="0755")
-    files.directory(name=f"Create {SECRETS_DIR} (root only)", path=SECRETS_DIR, user="root", group="root",
-                    mode="0700")
-    ray_bin = f"{vf.venv_dir(cfg)}/bin/ray"
+    files.directory(name=f"Create {RAY_ENV_DIR}", path=RAY_ENV_DIR)
+    files.directory(name=f"Create {SECRETS_DIR} (root only)", path=SECRETS_DIR, mode="0700")
+    ray_bin = venv_bin(cfg.vllm_version, "ray")
     written = {}
     for replica, role, proc in mine:
         kind = "head" if proc.unit == "ray-head" else "worker"
-        env = files.put(
-            name=f"{replica.name}: Ray {kind} environment", dest=f"{ENV_DIR}/{replica.name}.env",
-            src=StringIO(vf.env_file({"HOME": vf.HOME, **cfg.vllm_env, **proc.env},
-                                     f"Written by gpufleet: environment of the Ray {kind} of {replica.name}")),
-            user="root", group="root", mode="0644")
-        secret = secret_file(name=f"{replica.name}: Ray token (0600)", dest=token_file(replica.name),
-                             content=vf.env_file({"RAY_AUTH_TOKEN": token}, f"Ray token of {replica.name}"))
-        try:
-            allowed = access.ray_sources(cfg, [r.address for r in replica.roles], monitoring)
-        except ConfigError as error:
-            exit_with(error)
-        unit = files.template(
-            name=f"{replica.name}: Ray {kind} unit", src=str(TEMPLATES / "ray.service.j2"),
-            dest=f"/etc/systemd/system/{unit_name(replica.name)}", user="root", group="root", mode="0644",
-            kind=kind, replica=replica.name, env_file=f"{ENV_DIR}/{replica.name}.env",
-            token_file=token_file(replica.name), ip_access=access.unit_lines(allowed),
-            exec_start=exec_line(proc.argv), ray=ray_bin)
-        systemd.daemon_reload(name=f"{replica.name}: reload systemd", _if=unit.did_change)
-        written[replica.name] = (env, unit, secret)
-        gcs = host_port(replica.roles[0].address, cfg.ray_port)
+        env = files.file(
+            name=f"{replica.name}: Ray {kind} environment", dest=ray_env_file(replica.name),
+            content=env_file({**vf.process_env(cfg), **cfg.vllm_env, **proc.env},
+                             f"Written by gpufleet: environment of the Ray {kind} of {replica.name}"))
+        secret = files.secret_file(name=f"{replica.name}: Ray token (0600)", dest=ray_token_file(replica.name),
+                                   content=env_file({"RAY_AUTH_TOKEN": token}, f"Ray token of {replica.name}"))
+        unit = files.file(
+            name=f"{replica.name}: Ray {kind} unit", dest=unit_path(unit_name(replica.name)),
+            content=render("ray/ray.service.j2", kind=kind, replica=replica.name, env_file=ray_env_file(replica.name),
+                           token_file=ray_token_file(replica.name), ip_access=access.unit_lines(allowed[replica.name]),
+                           exec_start=exec_line(proc.argv), ray=ray_bin))
+        systemd.daemon_reload(name=f"{replica.name}: reload systemd", _if=any_changed(unit, retired))
+        written[replica.name] = any_changed(env, unit, secret)
         if kind == "head":
-            started = systemd.service(name=f"{replica.name}: start the Ray head", service=unit_name(replica.name),
+            gcs = host_port(role.address, cfg.ray_port)
+            started = systemd.service(name=f"{replica.name}: start the Ray head", unit=unit_name(replica.name),
                                       running=True, enabled=True)
-            restarted = systemd.service(
-                name=f"{replica.name}: restart the Ray head (its unit changed)", service=unit_name(replica.name),
-                restarted=True,
-                _if=lambda env=env, unit=unit, secret=secret, started=started:
-                (env.did_change() or unit.did_change() or secret.did_change()) and not started.did_change())
-            server.shell(
-                name=f"{replica.name}: wait for the Ray head at {gcs}",
-                commands=[_wait_script(ray_bin, gcs, 1, cfg.ray_ready_timeout, token_file(replica.name))],
-                _if=lambda started=started, restarted=restarted: started.did_change() or restarted.did_change())
+            restarted = systemd.restart(
+                name=f"{replica.name}: restart the Ray head (its unit changed)", unit=unit_name(replica.name),
+                _if=partial(_restart_due, written[replica.name], started))
+            ray_ops.joined(name=f"{replica.name}: wait for the Ray head at {gcs}", ray=ray_bin, gcs=gcs, nodes=1,
+                           timeout=cfg.ray_ready_timeout, token_file=ray_token_file(replica.name), always_wait=True,
+                           _if=any_changed(started, restarted))
     # Workers join only once every head answers (operations run in this order on all hosts).
-    for replica, role, proc in mine:
+    for replica, _, proc in mine:
         if proc.unit != "ray-worker":
             continue
-        env, unit, secret = written[replica.name]
-        started = systemd.service(name=f"{replica.name}: start the Ray worker", service=unit_name(replica.name),
+        started = systemd.service(name=f"{replica.name}: start the Ray worker", unit=unit_name(replica.name),
                                   running=True, enabled=True)
-        systemd.service(
-            name=f"{replica.name}: restart the Ray worker (its unit changed)", service=unit_name(replica.name),
-            restarted=True,
-            _if=lambda env=env, unit=unit, secret=secret, started=started:
-            (env.did_change() or unit.did_change() or secret.did_change()) and not started.did_change())
+        systemd.restart(
+            name=f"{replica.name}: restart the Ray worker (its unit changed)", unit=unit_name(replica.name),
+            _if=partial(_restart_due, written[replica.name], started))
     for replica, role, proc in mine:
-        if proc.unit != "ray-head":
-            continue
-        gcs = host_port(role.address, cfg.ray_port)
-        nodes = len(replica.roles)
-        if _joined_check_needed(ray_bin, gcs, nodes, token_file(replica.name)):
-            server.shell(
-                name=f"{replica.name}: wait until all {nodes} nodes joined Ray at {gcs}",
-                commands=[_wait_script(ray_bin, gcs, nodes, cfg.ray_ready_timeout, token_file(replica.name))],
-            )
-
-
-def _joined_check_needed(ray_bin: str, gcs: str, nodes: int, token: str) -> bool:
-    """Whether the head must wait for its workers: not when it already counts them all (no change)."""
-    from pyinfra.facts.server import Command
-
-    count = host.get_fact(Command, command=f"{_count_nodes(ray_bin, gcs, token)} || true")
-    try:
-        return int(str(count).strip() or 0) < nodes
-    except ValueError:
-        return True
+        if proc.unit == "ray-head":
+            gcs = host_port(role.address, cfg.ray_port)
+            ray_ops.joined(name=f"{replica.name}: wait until all {len(replica.roles)} nodes joined Ray at {gcs}",
+                           ray=ray_bin, gcs=gcs, nodes=len(replica.roles), timeout=cfg.ray_ready_timeout,
+                           token_file=ray_token_file(replica.name))

@@ -23,51 +23,49 @@ from __future__ import annotations
 
 import shlex
 from collections.abc import Callable
-from io import StringIO
+from functools import partial
 from pathlib import Path
 
-from pyinfra import host
 from pyinfra.api.deploy import deploy
 from pyinfra.api.operation import OperationMeta
-from pyinfra.context import state
-from pyinfra.facts.files import File, FileContents, FindDirectories
-from pyinfra.operations import apt, files, server, systemd
+from pyinfra.context import host
 
 from gpufleet.config.problems import ConfigError, Problem, exit_with
 from gpufleet.deploy import access
 from gpufleet.deploy import vllm_files as vf
-from gpufleet.deploy.context import assignments, host_config
-from gpufleet.deploy.secret_ops import secret_file
+from gpufleet.deploy.context import DeployContext, assignments, context, host_config
 from gpufleet.netaddr import host_port
 from gpufleet.node.health_rules import policy_json
-from gpufleet.plan.commands import VLLM_ROOT, NodeRole, Process
+from gpufleet.node_paths import (
+    GATE_POLICY,
+    INSTALLED_MARKER,
+    MODELS_DIR,
+    NODE_TOOLS_DIR,
+    PIP_SECRET,
+    REVISION_MARKER,
+    SECRETS_DIR,
+    VLLM_ETC,
+    VLLM_HOME,
+    VLLM_ROOT,
+    VLLM_UNIT_TEMPLATE,
+    node_tool,
+    replica_dir,
+    replica_secrets,
+    restart_marker,
+    unit_path,
+    venv_dir,
+)
+from gpufleet.operations import apt, files, node, server, systemd, vllm
+from gpufleet.plan.commands import NodeRole, Process
 from gpufleet.systemd_text import env_file
+from gpufleet.templates import render
 
-ROOT = Path(__file__).resolve().parents[2]
-TEMPLATES = ROOT / "templates" / "vllm"
-NODE_TOOLS = "/opt/gpufleet/node"
-GATE_POLICY = "/etc/gpufleet/gpu-health.json"
-SECRETS_DIR = "/etc/gpufleet/secrets"
-
-# Per deploy: replica name -> the operations on any of its nodes whose change means "restart it".
-_CHANGES_KEY = "_gpufleet_vllm_changes"
-# Per deploy: replica name -> True when any of its nodes held a restart-pending marker before this run.
-_PENDING_KEY = "_gpufleet_vllm_pending"
-# Per deploy: replica name -> the readiness wait on its first node.
-_READY_KEY = "_gpufleet_vllm_ready"
+HUB_SECRET = replica_secrets("hub")
 
 
-def _registry(key: str) -> dict:
-    """A mapping kept on pyinfra's state for this deploy, shared by every host's operations."""
-    registry = getattr(state, key, None)
-    if registry is None:
-        registry = {}
-        setattr(state, key, registry)
-    return registry
-
-
-def _replica_changes() -> dict[str, list[OperationMeta]]:
-    return _registry(_CHANGES_KEY)
+def _vllm_process(role: NodeRole) -> Process | None:
+    """The node's vLLM process in a replica; None on a Ray worker, which runs none of its own."""
+    return next((p for p in role.processes if p.unit == "vllm"), None)
 
 
 def _changed(metas: list[OperationMeta]) -> Callable[[], bool]:
@@ -76,64 +74,22 @@ def _changed(metas: list[OperationMeta]) -> Callable[[], bool]:
     return check
 
 
-def restart_marker(replica: str) -> str:
-    """Present on a node while a restart of ``replica`` that a deploy decided on has not been completed."""
-    return f"{vf.replica_dir(replica)}/restart-pending"
+def _restart_due(ctx: DeployContext, replica: str, changed: Callable[[], bool]) -> bool:
+    """Whether a replica restarts: a restart record an interrupted run left, or its files changed in this one."""
+    return replica in ctx.pending_restarts or changed()
 
 
-def pending_restarts() -> list[str]:
-    """This node's replicas whose restart-pending marker is present (drift: an interrupted restart)."""
-    return [replica.name for replica, role in assignments()
-            if _vllm_process(role) is not None and host.get_fact(File, path=restart_marker(replica.name))]
-
-
-def _restart_due(replica: str) -> Callable[[], bool]:
-    changed = _changed(_replica_changes().get(replica, []))
-    pending = _registry(_PENDING_KEY)
-    return lambda: bool(pending.get(replica)) or changed()
-
-
-def _served(replica: str) -> Callable[[], bool]:
-    """Whether the replica's readiness wait ran in this deploy and succeeded."""
-    def check() -> bool:
-        wait = _registry(_READY_KEY).get(replica)
-        return wait is not None and wait.is_complete() and wait.executed and wait.did_succeed()
-    return check
-
-
-def _vllm_process(role: NodeRole) -> Process | None:
-    """The node's vLLM process in a replica; None on a Ray worker, which runs none of its own."""
-    return next((p for p in role.processes if p.unit == "vllm"), None)
-
-
-def _secret_path(replica: str) -> str:
-    return f"{SECRETS_DIR}/{replica}.env"
-
-
-def unit_values(allowed: list[str] | None = None) -> dict[str, str]:
+def unit_values(allowed: list[str] | None = None) -> dict[str, object]:
     """What templates/vllm/vllm@.service.j2 is rendered with: fixed paths, and who may connect (``allowed``,
     from :func:`gpufleet.deploy.access.vllm_sources`; None: anyone)."""
-    return {"etc": vf.ETC, "node_tools": NODE_TOOLS, "gate_policy": GATE_POLICY, "home": vf.HOME,
+    return {"etc": VLLM_ETC, "node_tools": NODE_TOOLS_DIR, "gate_policy": GATE_POLICY, "home": VLLM_HOME,
             "secrets_dir": SECRETS_DIR, "ip_access": access.unit_lines(allowed)}
 
 
-def _install_venv() -> OperationMeta:
-    cfg = host_config()
-    try:
-        pip_secret = vf.pip_secret_env(cfg)
-    except ConfigError as error:
-        exit_with(error)
-    if pip_secret:
-        secret_file(name="Write the pip index credentials (0600)", dest=vf.PIP_SECRET,
-                    content=env_file(pip_secret, "pip index with credentials, read by the vLLM install"))
-    else:
-        files.file(name="No pip index credentials", path=vf.PIP_SECRET, present=False)
-    marker = host.get_fact(FileContents, path=f"{vf.venv_dir(cfg)}/{vf.INSTALLED_MARKER}")
-    installed = "\n".join(marker or []).strip() == vf.install_marker(cfg)
-    return server.shell(
-        name=f"Install vLLM {cfg.vllm_version} into {vf.venv_dir(cfg)}",
-        commands=[] if installed else [vf.install_script(cfg)],
-    )
+def _replica_paths(replica: str) -> list[str]:
+    directory = replica_dir(replica)
+    return [directory, f"{directory}/config.yaml", f"{directory}/vllm.env", f"{directory}/venv",
+            replica_secrets(replica), restart_marker(replica)]
 
 
 def _stage_model() -> OperationMeta | None:
@@ -141,114 +97,99 @@ def _stage_model() -> OperationMeta | None:
     target = vf.model_dir(cfg)
     if cfg.vllm_model_source:
         if not vf.below_models(target):  # validation checks it too; never delete elsewhere
-            exit_with(ConfigError([Problem(host.name, "vllm_model", f"expected a path strictly below {vf.MODELS}/"
-                                                                    f" to push vllm_model_source to, found {target!r}")]))
-        files.directory(name=f"Create {Path(target).parent}", path=str(Path(target).parent),
-                        user="root", group="root", mode="0755")
-        return files.sync(
-            name=f"Push the model from the controller to {target}",
-            src=cfg.vllm_model_source, dest=target, user="root", group="root", mode="0644", dir_mode="0755",
-            delete=True,
-        )
+            exit_with(ConfigError([Problem(host.name, "vllm_model",
+                                           f"expected a path strictly below {MODELS_DIR}/ to push vllm_model_source"
+                                           f" to, found {target!r}")]))
+        files.directory(name=f"Create {Path(target).parent}", path=str(Path(target).parent))
+        return files.tree(name=f"Push the model from the controller to {target}", src=cfg.vllm_model_source,
+                          dest=target)
     if cfg.vllm_model.startswith("/"):
         return None  # an absolute path the site provides: nothing to stage
     revision = cfg.vllm_model_revision or "main"
-    done = host.get_fact(FileContents, path=f"{target}/{vf.REVISION_MARKER}")
-    if "\n".join(done or []).strip() == revision:
-        return None
-    return server.shell(
-        name=f"Download {cfg.vllm_model} at {revision} into {target}",
-        commands=[vf.download_script(cfg, _secret_path("hub"))],
-    )
+    return server.script(name=f"Download {cfg.vllm_model} at {revision} into {target}",
+                         script=vf.download_script(cfg, HUB_SECRET),
+                         done_file=f"{target}/{REVISION_MARKER}", done_text=revision)
 
 
 @deploy("vLLM: install and configure the replicas")
 def vllm_install() -> None:
     """Everything a replica needs on this node, without starting or restarting anything."""
     cfg = host_config()
-    mine = assignments()
+    ctx = context()
+    mine = [(replica, role, process) for replica, role in assignments()
+            if (process := _vllm_process(role)) is not None]
     try:
         secrets = vf.secret_env(cfg)
-    except ConfigError as error:
-        exit_with(error)
-
-    apt.packages(name="Ensure the system packages vLLM needs", update=False,  # pyinfra pastes names unquoted
-                 packages=[shlex.quote(package) for package in cfg.vllm_system_packages])
-    server.group(name="Create group vllm", group="vllm", system=True)
-    server.user(name="Create system user vllm", user="vllm", group="vllm", system=True,
-                home=vf.HOME, shell="/usr/sbin/nologin", create_home=False)
-    files.directory(name=f"Create {VLLM_ROOT}", path=VLLM_ROOT, user="root", group="root", mode="0755")
-    files.directory(name=f"Create {SECRETS_DIR} (root only)", path=SECRETS_DIR,
-                    user="root", group="root", mode="0700")
-    venv = _install_venv()
-    if not cfg.vllm_model.startswith("/") and cfg.vllm_hf_token:
-        secret_file(name="Write the hub token (0600)", dest=_secret_path("hub"),
-                    content=env_file({"HF_TOKEN": secrets["HF_TOKEN"]}, "hub token for model downloads"))
-    files.directory(name=f"Create {vf.MODELS} (root only writes)", path=vf.MODELS,
-                    user="root", group="root", mode="0755")
-    model = _stage_model()
-
-    try:  # the API and the mp rendezvous: this node, its replicas' nodes, monitoring, vllm_api_allowed_from
+        pip_secret = vf.pip_secret_env(cfg)
+        # the API and the mp rendezvous: this node, its replicas' nodes, monitoring, vllm_api_allowed_from
         allowed = access.vllm_sources(cfg, cfg.fleet_address or host.name,
-                                      [node.address for replica, _ in mine for node in replica.roles],
+                                      [n.address for replica, _ in assignments() for n in replica.roles],
                                       access.monitoring_group())
     except ConfigError as error:
         exit_with(error)
-    unit = files.template(
-        name="Install the vllm@.service template unit",
-        src=str(TEMPLATES / "vllm@.service.j2"), dest=f"/etc/systemd/system/{vf.UNIT_TEMPLATE}",
-        user="root", group="root", mode="0644", **unit_values(allowed),
+    model_paths: list[str] = []
+    model_listings: list[str] = []
+    if cfg.vllm_model_source:
+        model_paths, model_listings = files.tree_paths(cfg.vllm_model_source, vf.model_dir(cfg))
+    node.observe(
+        name="Read vLLM's account, packages, virtualenv, model and replica files",
+        users=["vllm"], groups=["vllm"], packages=cfg.vllm_system_packages,
+        paths=[VLLM_ROOT, SECRETS_DIR, PIP_SECRET, HUB_SECRET, MODELS_DIR, str(Path(vf.model_dir(cfg)).parent),
+               unit_path(VLLM_UNIT_TEMPLATE), GATE_POLICY, VLLM_ETC, *model_paths,
+               *(p for replica, _, _ in mine for p in _replica_paths(replica.name))],
+        texts=[f"{venv_dir(cfg.vllm_version)}/{INSTALLED_MARKER}", f"{vf.model_dir(cfg)}/{REVISION_MARKER}"],
+        listings=[f"{VLLM_ETC}/*", *model_listings],
     )
-    gate = files.put(
-        name=f"Write the GPU health gate policy {GATE_POLICY}",
-        src=StringIO(policy_json(cfg.gpu_health)), dest=GATE_POLICY, user="root", group="root", mode="0644",
-    )
-    files.directory(name=f"Create {vf.ETC}", path=vf.ETC, user="root", group="root", mode="0755")
+    apt.packages(name="Ensure the system packages vLLM needs", packages=cfg.vllm_system_packages)
+    server.system_account(name="Create the system user and group vllm", user="vllm", home=VLLM_HOME)
+    files.directory(name=f"Create {VLLM_ROOT}", path=VLLM_ROOT)
+    files.directory(name=f"Create {SECRETS_DIR} (root only)", path=SECRETS_DIR, mode="0700")
+    if pip_secret:
+        files.secret_file(name="Write the pip index credentials (0600)", dest=PIP_SECRET,
+                          content=env_file(pip_secret, "pip index with credentials, read by the vLLM install"))
+    else:
+        files.absent(name="No pip index credentials", path=PIP_SECRET)
+    venv = server.script(name=f"Install vLLM {cfg.vllm_version} into {venv_dir(cfg.vllm_version)}",
+                         script=vf.install_script(cfg),
+                         done_file=f"{venv_dir(cfg.vllm_version)}/{INSTALLED_MARKER}",
+                         done_text=vf.install_marker(cfg))
+    if not cfg.vllm_model.startswith("/") and cfg.vllm_hf_token:
+        files.secret_file(name="Write the hub token (0600)", dest=HUB_SECRET,
+                          content=env_file({"HF_TOKEN": secrets["HF_TOKEN"]}, "hub token for model downloads"))
+    files.directory(name=f"Create {MODELS_DIR} (root only writes)", path=MODELS_DIR)
+    model = _stage_model()
+    unit = files.file(name="Install the vllm@.service template unit", dest=unit_path(VLLM_UNIT_TEMPLATE),
+                      content=render("vllm/vllm@.service.j2", **unit_values(allowed)))
+    gate = files.file(name=f"Write the GPU health gate policy {GATE_POLICY}", dest=GATE_POLICY,
+                      content=policy_json(cfg.gpu_health))
+    files.directory(name=f"Create {VLLM_ETC}", path=VLLM_ETC)
 
-    changes = _replica_changes()
-    pending = _registry(_PENDING_KEY)
     shared = [m for m in (venv, model, unit, gate) if m is not None]
-    for replica, role in mine:
-        process = _vllm_process(role)
-        if process is None:
-            continue
-        model_arg, config = vf.serve_config(process.argv)
-        directory = vf.replica_dir(replica.name)
-        ops = [files.directory(name=f"{replica.name}: create {directory}", path=directory,
-                               user="root", group="root", mode="0755")]
-        ops.append(files.put(
-            name=f"{replica.name}: write config.yaml", src=StringIO(vf.config_yaml(config)),
-            dest=f"{directory}/config.yaml", user="root", group="root", mode="0644"))
-        ops.append(files.put(
-            name=f"{replica.name}: write vllm.env",
-            src=StringIO(env_file(vf.replica_env(cfg, process.env),
-                                     f"Written by gpufleet: environment of replica {replica.name} (no secrets)")),
-            dest=f"{directory}/vllm.env", user="root", group="root", mode="0644"))
-        ops.append(files.link(
-            name=f"{replica.name}: point its venv at vLLM {cfg.vllm_version}", path=f"{directory}/venv",
-            target=vf.venv_dir(cfg), user="root", group="root"))
-        if secrets:
-            ops.append(secret_file(name=f"{replica.name}: write its secrets (0600)", dest=_secret_path(replica.name),
-                                   content=env_file(secrets, f"secrets of replica {replica.name}")))
-        else:
-            ops.append(files.file(name=f"{replica.name}: no secrets file", path=_secret_path(replica.name),
-                                  present=False))
-        changes.setdefault(replica.name, []).extend(ops + shared)
-        if host.get_fact(File, path=restart_marker(replica.name)):
-            pending[replica.name] = True
+    for replica, _, process in mine:
+        directory = replica_dir(replica.name)
+        ops = [
+            files.directory(name=f"{replica.name}: create {directory}", path=directory),
+            files.file(name=f"{replica.name}: write config.yaml", dest=f"{directory}/config.yaml",
+                       content=process.config_yaml()),
+            files.file(name=f"{replica.name}: write vllm.env", dest=f"{directory}/vllm.env",
+                       content=env_file(vf.replica_env(cfg, process.env),
+                                        f"Written by gpufleet: environment of replica {replica.name} (no secrets)")),
+            files.link(name=f"{replica.name}: point its venv at vLLM {cfg.vllm_version}", path=f"{directory}/venv",
+                       target=venv_dir(cfg.vllm_version)),
+            files.secret_file(name=f"{replica.name}: write its secrets (0600)", dest=replica_secrets(replica.name),
+                              content=env_file(secrets, f"secrets of replica {replica.name}"))
+            if secrets else
+            files.absent(name=f"{replica.name}: no secrets file", path=replica_secrets(replica.name)),
+        ]
+        changes = ctx.replica_changes.setdefault(replica.name, [])
+        changes.extend(ops + shared)
         # Recorded before any node stops it: a run interrupted from here on still restarts it next time.
-        files.file(name=f"{replica.name}: record that it must restart", path=restart_marker(replica.name),
-                   user="root", group="root", mode="0644", _if=_changed(changes[replica.name]))
-
-    planned = {replica.name for replica, role in mine if _vllm_process(role)}
-    present = host.get_fact(FindDirectories, path=vf.ETC, maxdepth=1) or []
-    for stale in sorted(Path(p).name for p in present if p.rstrip("/") != vf.ETC):
-        if stale in planned:
-            continue
-        systemd.service(name=f"Stop replica {stale}, no longer planned here", service=vf.unit_name(stale),
-                        running=False, enabled=False)
-        files.directory(name=f"Remove {vf.replica_dir(stale)}", path=vf.replica_dir(stale), present=False)
-        files.file(name=f"Remove the secrets of {stale}", path=_secret_path(stale), present=False)
+        vllm.restart_record(name=f"{replica.name}: record that it must restart", marker=restart_marker(replica.name),
+                            changed=_changed(changes),
+                            pending=partial(ctx.pending_restarts.add, replica.name))
+    systemd.retired(name="Stop and remove replicas no longer planned here", pattern=f"{VLLM_ETC}/*",
+                    keep=[replica.name for replica, _, _ in mine], unit="vllm@{name}.service",
+                    paths=[replica_dir("{name}"), replica_secrets("{name}")])
     systemd.daemon_reload(name="Reload systemd after the unit changed", _if=unit.did_change)
 
 
@@ -256,44 +197,39 @@ def vllm_install() -> None:
 def vllm_serve() -> None:
     """Start this node's replicas; restart one (all its nodes) only when its files changed on any of them."""
     cfg = host_config()
+    ctx = context()
     for replica, role in assignments():
         if _vllm_process(role) is None:
             continue
-        unit = vf.unit_name(replica.name)
+        unit = f"vllm@{replica.name}.service"
+        marker = restart_marker(replica.name)
         if not cfg.vllm_start:
-            systemd.service(name=f"{replica.name}: leave stopped (vllm_start false)", service=unit,
+            systemd.service(name=f"{replica.name}: leave stopped (vllm_start false)", unit=unit,
                             running=False, enabled=False)
-            files.file(name=f"{replica.name}: stopped, so no restart is due", path=restart_marker(replica.name),
-                       present=False)
+            files.absent(name=f"{replica.name}: stopped, so no restart is due", path=marker)
             continue
+        changed = _changed(ctx.replica_changes.get(replica.name, []))
         # Stop every node's process of a changed replica before any starts again: an mp rank that
         # joined the old rank 0 would wait for it forever. Operations run on all hosts before the next.
-        systemd.service(
-            name=f"{replica.name}: stop {unit} (its configuration changed on one of its nodes)", service=unit,
-            running=False, _if=_restart_due(replica.name))
-        started = systemd.service(name=f"{replica.name}: start {unit}", service=unit, running=True, enabled=True)
+        systemd.stop(name=f"{replica.name}: stop {unit} (its configuration changed on one of its nodes)", unit=unit,
+                     _if=partial(_restart_due, ctx, replica.name, changed))
+        started = systemd.service(name=f"{replica.name}: start {unit}", unit=unit, running=True, enabled=True)
         if role.host == replica.nodes[0]:  # the first node serves the API; the others are ranks or Ray workers
             url = f"http://{host_port(role.address, replica.port)}"
-            _registry(_READY_KEY)[replica.name] = server.shell(
+            ctx.readiness[replica.name] = server.script(
                 name=f"{replica.name}: wait for /health and one real completion on {url}",
-                commands=[ready_command(cfg.vllm_served_model_name or cfg.vllm_model, url, unit,
-                                        _secret_path(replica.name) if replica.secret_env else None,
-                                        cfg.vllm_ready_timeout)],
+                script=ready_command(cfg.vllm_served_model_name or cfg.vllm_model, url, unit,
+                                     replica_secrets(replica.name) if replica.secret_env else None,
+                                     cfg.vllm_ready_timeout),
                 _if=started.did_change,
             )
-        files.file(name=f"{replica.name}: restarted and serving, clear its restart record",
-                   path=restart_marker(replica.name), present=False, _if=_served(replica.name))
+        files.absent(name=f"{replica.name}: restarted and serving, clear its restart record", path=marker,
+                     _if=partial(ctx.served, replica.name))
 
 
 def ready_command(served: str, url: str, unit: str, secrets: str | None, timeout: int) -> str:
     """The readiness check's shell line on the first node, every argument quoted for the shell."""
-    argv = ["python3", f"{NODE_TOOLS}/vllm_ready.py", "--url", url, "--model", served, "--unit", unit]
+    argv = ["python3", node_tool("vllm_ready.py"), "--url", url, "--model", served, "--unit", unit]
     if secrets:
         argv += ["--env-file", secrets]
     return shlex.join([*argv, "--timeout", str(timeout)])
-
-
-def vllm() -> None:
-    """Install, configure and serve."""
-    vllm_install()
-    vllm_serve()

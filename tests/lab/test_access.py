@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from gpufleet import node_paths
 from gpufleet.lab.nodes import RAY_TOKEN_FILE
 from gpufleet.lab.state import NodeRecord
 from gpufleet.unit_security import EXPOSURE_BOUND
@@ -84,7 +85,7 @@ def _exposures(lab: Lab) -> dict[str, float]:
 
 def _as_vllm(script: str, with_token: bool) -> str:
     """A Ray driver run as user vllm on the head, with the replica's token in its environment or without."""
-    token = (f"set -a; . {ray_role.token_file(PIPELINE)}; set +a; export RAY_AUTH_MODE=token; " if with_token
+    token = (f"set -a; . {node_paths.ray_token_file(PIPELINE)}; set +a; export RAY_AUTH_MODE=token; " if with_token
              else "unset RAY_AUTH_TOKEN RAY_AUTH_TOKEN_PATH RAY_AUTH_MODE; ")
     return f"{token}cd /tmp && runuser -u vllm -- timeout 120 {VENV}/bin/python -c {shlex.quote(script)} 2>&1"
 
@@ -114,7 +115,7 @@ def test_ray_refuses_a_driver_and_a_node_without_the_token(lab: Lab, ray_cluster
     assert "rc=0" not in joined.stdout and "InvalidAuthToken" in joined.stdout, joined.stdout[-2000:]
     # still the two nodes of the replica, and no Ray process left behind by the refused one
     status = lab.host(head).check_output(
-        f"set -a; . {ray_role.token_file(PIPELINE)}; set +a; RAY_AUTH_MODE=token {VENV}/bin/ray status"
+        f"set -a; . {node_paths.ray_token_file(PIPELINE)}; set +a; RAY_AUTH_MODE=token {VENV}/bin/ray status"
         f" --address={gcs}")
     assert status.split("Active:")[1].split("Pending:")[0].count(" node_") == 2, status
     assert "gpufleet-no-token" not in lab.host(worker).check_output("ps -eo args")
@@ -133,9 +134,9 @@ def test_the_ray_token_is_root_only_and_the_client_server_off(lab: Lab, ray_clus
     token = (lab.directory / RAY_TOKEN_FILE).read_text().strip()
     for node in ray_cluster:
         host = lab.host(node)
-        secret = host.file(ray_role.token_file(PIPELINE))
+        secret = host.file(node_paths.ray_token_file(PIPELINE))
         assert (secret.user, secret.group, secret.mode) == ("root", "root", 0o600)
-        assert host.run(f"runuser -u vllm -- cat {ray_role.token_file(PIPELINE)}").rc != 0
+        assert host.run(f"runuser -u vllm -- cat {node_paths.ray_token_file(PIPELINE)}").rc != 0
         assert token not in host.check_output("ps -eo args")
         unit = f"/etc/systemd/system/{ray_role.unit_name(PIPELINE)}"
         visible = host.run(f"grep -rl -- {shlex.quote(token)} {unit} /etc/gpufleet/ray /var/log 2>/dev/null")

@@ -68,7 +68,8 @@ def test_nodes_have_no_route_beyond_the_lab(lab: Lab) -> None:
         assert lookup.rc != 0 and "unreachable" in lookup.stderr.lower()
         assert host.run(f"ip -6 route get {NON_LAB_V6}").rc != 0
         routes = host.check_output("ip -4 route show")
-        assert [line.strip() for line in routes.splitlines()] == [f"{lab.state.subnet} dev host0 proto kernel scope link src {node.address}"]
+        assert [line.strip() for line in routes.splitlines()] == [
+            f"{lab.state.subnet} dev host0 proto kernel scope link src {node.address}"]
 
 
 def test_nodes_carry_their_simulated_nvml(lab: Lab) -> None:

@@ -119,7 +119,7 @@ def test_lab_inventory_without_a_lab_says_so(tmp_path: Path, monkeypatch: pytest
 def test_cli_errors_are_one_line_without_traceback(
     args: list[str], message: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(preflight, "problems", lambda: [])
+    monkeypatch.setattr(preflight, "problems", list)
     result = CliRunner().invoke(lab_group, args)
     assert result.exit_code == 1
     lines = result.output.strip().splitlines()

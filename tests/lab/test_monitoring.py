@@ -22,8 +22,8 @@ from gpufleet.lab import debian_extras
 from gpufleet.lab.state import NodeRecord, cache_dir
 from gpufleet.unit_security import EXPOSURE_BOUND, exposure_score
 from roles import node_exporter as role
-from tests.lab.conftest import PYINFRA, ROOT, Completed, Lab, _run
 from tests.lab.checks import assert_no_errors, assert_nothing_changed, metrics
+from tests.lab.conftest import PYINFRA, ROOT, Completed, Lab, _run
 
 pytestmark = [
     pytest.mark.lab,

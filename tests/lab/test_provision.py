@@ -17,8 +17,8 @@ import pytest
 from gpufleet.hardware_profiles import parse_profile
 from gpufleet.lab.hooks import SIM_PROFILE_PATH
 from gpufleet.lab.state import NodeRecord
-from tests.lab.conftest import Completed, Lab
 from tests.lab.checks import assert_no_errors, assert_nothing_changed, main_pid, metrics, results
+from tests.lab.conftest import Completed, Lab
 
 pytestmark = [
     pytest.mark.lab,

@@ -41,7 +41,8 @@ def _field_value(handle: Any, field_id: int) -> float:
     (value,) = nv.nvmlDeviceGetFieldValues(handle, [field_id])
     if value.nvmlReturn != nv.NVML_SUCCESS:
         raise nv.NVMLError(value.nvmlReturn)
-    return value.value.uiVal
+    reading: float = value.value.uiVal
+    return reading
 
 
 def _ecc(kind: int, counter: int) -> Callable[[Any], float]:
@@ -173,7 +174,7 @@ class Collector:
     def _register_xid_events(self) -> Any:
         try:
             event_set = nv.nvmlEventSetCreate()
-            for h, uuid in zip(self.handles, self.uuids):
+            for h, uuid in zip(self.handles, self.uuids, strict=True):
                 nv.nvmlDeviceRegisterEvents(h, nv.nvmlEventTypeXidCriticalError, event_set)
                 self.last_xid[uuid] = 0
             return event_set
@@ -254,13 +255,15 @@ def _wait_for_hostengine(address: str, timeout: float = 10.0) -> None:
             return
         except OSError as exc:
             if time.monotonic() > deadline:
-                raise SystemExit(f"dcgm-exporter (lab double): cannot connect to the host engine at {address}: {exc}")
+                raise SystemExit(
+                    f"dcgm-exporter (lab double): cannot connect to the host engine at {address}: {exc}"
+                ) from None
             time.sleep(0.5)
 
 
 def serve(collector: Collector, address: str) -> None:
     class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        def do_GET(self) -> None:
             if self.path.split("?")[0] == "/metrics":
                 body, ctype = collector.render().encode(), "text/plain; version=0.0.4; charset=utf-8"
             elif self.path == "/health":

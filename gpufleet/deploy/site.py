@@ -1,0 +1,31 @@
+"""The site sequence: every role in the order a deploy converges them, shared by deploys/vllm.py (which runs it)
+and deploys/check.py (which works it out read-only and reports the gate and the drift)."""
+
+from __future__ import annotations
+
+from pyinfra.api.deploy import deploy
+
+from gpufleet.deploy.context import serve_blockers
+from gpufleet.operations import gates
+from roles.common import common
+from roles.dcgm import dcgm
+from roles.dcgm_exporter import dcgm_exporter
+from roles.node_exporter import node_exporter
+from roles.nvidia_driver import nvidia_driver
+from roles.ray import ray
+from roles.vllm import vllm_install, vllm_serve
+
+
+@deploy("GPU health gate")
+def gpu_gate() -> None:
+    """Stop a host whose GPUs fail its ``gpu_health`` policy (or that the plan cannot use) before it serves."""
+    gates.gpu_gate(name="GPU health gate", failures=serve_blockers())
+
+
+SITE = (common, nvidia_driver, dcgm, gpu_gate, node_exporter, dcgm_exporter, vllm_install, ray, vllm_serve)
+
+
+def site() -> None:
+    """Add every role's operations, in order, for the current host."""
+    for role in SITE:
+        role()

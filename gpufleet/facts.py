@@ -1,0 +1,368 @@
+"""gpufleet's pyinfra facts: what a node reports about itself, each read with one remote command.
+
+Each fact documents its arguments and an example of what it returns, as pyinfra's own facts do; tests as data
+live in ``tests/facts/<Fact>/*.json`` (arguments, the command, the node's output, the parsed value).
+"""
+
+from __future__ import annotations
+
+import base64
+import importlib.util
+import json
+import re
+import shlex
+import zlib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TypedDict
+
+from pyinfra.api.command import QuoteString, StringCommand
+from pyinfra.api.exceptions import FactProcessError, PyinfraError
+from pyinfra.api.facts import FactBase
+
+
+class PathState(TypedDict, total=False):
+    type: str  # file, directory, link, other, missing
+    mode: str  # octal without leading zeros, as stat prints it ("644")
+    user: str
+    group: str
+    sha256: str  # regular files only
+    target: str  # links only
+
+
+class UnitState(TypedDict):
+    active: str  # systemd's ActiveState: active, inactive, failed, activating, ...
+    enabled: str  # systemd's UnitFileState: enabled, disabled, static, "" when no unit file
+
+
+class AccountState(TypedDict):
+    uid: int
+    group: str  # primary group's id, as getent prints it
+    home: str
+    shell: str
+
+
+class NodeStateValue(TypedDict):
+    paths: dict[str, PathState]
+    texts: dict[str, str | None]
+    units: dict[str, UnitState]
+    packages: dict[str, str]
+    users: dict[str, AccountState]
+    groups: dict[str, int]
+    listings: dict[str, list[str]]
+
+
+_FUNCTIONS = (
+    'p() { if [ -L "$1" ]; then printf "P\\t%s\\tlink\\t\\t\\t\\t\\t%s\\n" "$1" "$(readlink -- "$1")";'
+    ' elif [ -d "$1" ]; then printf "P\\t%s\\tdirectory\\t%s\\t\\t\\n" "$1" "$(stat --printf "%a\\t%U\\t%G" -- "$1")";'
+    ' elif [ -f "$1" ]; then printf "P\\t%s\\tfile\\t%s\\t%s\\t\\n" "$1" "$(stat --printf "%a\\t%U\\t%G" -- "$1")"'
+    ' "$(sha256sum -- "$1" | cut -c1-64)";'
+    ' elif [ -e "$1" ]; then printf "P\\t%s\\tother\\n" "$1"; else printf "P\\t%s\\tmissing\\n" "$1"; fi; };'
+    ' t() { if [ -f "$1" ]; then printf "T\\t%s\\t%s\\n" "$1" "$(head -c 4096 -- "$1" | base64 -w0)";'
+    ' else printf "T\\t%s\\t-\\n" "$1"; fi; };'
+    ' l() { pattern="$1"; shift; printf "L\\t%s\\t\\n" "$pattern";'
+    ' for f in "$@"; do if [ -e "$f" ] || [ -L "$f" ]; then printf "L\\t%s\\t%s\\n" "$pattern" "$f"; fi; done; };'
+)
+_GLOB = re.compile(r"/[A-Za-z0-9_./@*?+:=-]+")
+
+
+class NodeState(FactBase[NodeStateValue]):
+    """
+    Returns, in one command, the state of everything an operation compares against: paths (type, mode, owner,
+    the sha256 of a regular file, the target of a link), the first 4 KiB of small text files, systemd units
+    (active and unit-file state), installed Debian packages (version), accounts and groups, and the paths that
+    match a glob. A path that does not exist is ``missing``; an absent unit, package, account or group has no
+    key (a unit systemd does not know is ``inactive`` with no unit-file state).
+
+    + paths: paths to stat (and hash, when regular files)
+    + texts: small files whose text to read (markers); None when the file is missing
+    + units: systemd unit names
+    + packages: Debian package names
+    + users: account names
+    + groups: group names
+    + listings: absolute glob patterns (letters, digits, ``_./@*?+:=-`` only) whose matches to list
+
+    .. code:: python
+
+        {
+            "paths": {"/etc/gpufleet": {"type": "directory", "mode": "755", "user": "root", "group": "root"}},
+            "texts": {"/opt/vllm/0.33.0/.gpufleet-installed": "{...}"},
+            "units": {"vllm@lab.service": {"active": "active", "enabled": "enabled"}},
+            "packages": {"procps": "2:4.0.2-3"},
+            "users": {"vllm": {"uid": 998, "group": "996", "home": "/var/lib/vllm", "shell": "/usr/sbin/nologin"}},
+            "groups": {"vllm": 996},
+            "listings": {"/etc/gpufleet/vllm/*": ["/etc/gpufleet/vllm/lab"]},
+        }
+    """
+
+    def command(
+        self, paths: Sequence[str] = (), texts: Sequence[str] = (), units: Sequence[str] = (),
+        packages: Sequence[str] = (), users: Sequence[str] = (), groups: Sequence[str] = (),
+        listings: Sequence[str] = (),
+    ) -> StringCommand:
+        parts: list[Any] = [_FUNCTIONS]
+        for path in paths:
+            parts += ["p", QuoteString(path), ";"]
+        for path in texts:
+            parts += ["t", QuoteString(path), ";"]
+        for pattern in listings:
+            if not _GLOB.fullmatch(pattern):
+                raise ValueError(f"expected an absolute glob of letters, digits and _./@*?+:=-, found {pattern!r}")
+            parts += ["l", QuoteString(pattern), pattern, ";"]  # the second copy unquoted: the shell expands it
+        if units:
+            parts += ["systemctl", "show", "--property=Id,ActiveState,UnitFileState", "--",
+                      *(QuoteString(u) for u in units), "2>/dev/null", "|", "sed", "'s/^/S\\t/'", ";"]
+        if packages:
+            parts += ["dpkg-query", "-W", "-f='D\\t${Package}\\t${Version}\\t${db:Status-Abbrev}\\n'", "--",
+                      *(QuoteString(p) for p in packages), "2>/dev/null", ";"]
+        if users:
+            parts += ["getent", "passwd", *(QuoteString(u) for u in users), "|", "sed", "'s/^/W\\t/'", ";"]
+        if groups:
+            parts += ["getent", "group", *(QuoteString(g) for g in groups), "|", "sed", "'s/^/G\\t/'", ";"]
+        parts.append("true")
+        return StringCommand(*parts)
+
+    @staticmethod
+    def default() -> NodeStateValue:  # pyinfra's value when the command prints nothing
+        return empty_node_state()
+
+    def process(self, output: list[str]) -> NodeStateValue:
+        return parse_node_state(output)
+
+
+def empty_node_state() -> NodeStateValue:
+    return {"paths": {}, "texts": {}, "units": {}, "packages": {}, "users": {}, "groups": {}, "listings": {}}
+
+
+def parse_node_state(output: list[str]) -> NodeStateValue:
+    """The lines :class:`NodeState`'s command prints, as its value."""
+    found = empty_node_state()
+    unit: dict[str, str] = {}
+
+    def end_unit() -> None:
+        if unit.get("Id"):
+            found["units"][unit["Id"]] = {"active": unit.get("ActiveState", ""),
+                                          "enabled": unit.get("UnitFileState", "")}
+        unit.clear()
+
+    for line in output:
+        kind, _, rest = line.partition("\t")
+        fields = rest.split("\t")
+        if kind == "P":
+            path, what = fields[0], fields[1]
+            entry: PathState = {"type": what}
+            if what in ("file", "directory"):
+                entry.update({"mode": fields[2], "user": fields[3], "group": fields[4]})
+            if what == "file":
+                entry["sha256"] = fields[5]
+            if what == "link":
+                entry["target"] = fields[6]
+            found["paths"][path] = entry
+        elif kind == "T":
+            found["texts"][fields[0]] = None if fields[1] == "-" else base64.b64decode(fields[1]).decode(
+                "utf-8", "replace")
+        elif kind == "L":
+            matches = found["listings"].setdefault(fields[0], [])
+            if fields[1]:
+                matches.append(fields[1])
+        elif kind == "S":
+            if not rest:
+                end_unit()
+            else:
+                key, _, value = rest.partition("=")
+                unit[key] = value
+        elif kind == "D":
+            if len(fields) >= 3 and fields[2][1:2] == "i":  # status installed: "ii ", held "hi ", "ri "...
+                found["packages"][fields[0]] = fields[1]
+        elif kind == "W":
+            name, _, uid, gid, _, home, shell = (rest.split(":") + [""] * 7)[:7]
+            found["users"][name] = {"uid": int(uid or -1), "group": gid, "home": home, "shell": shell}
+        elif kind == "G":
+            name, _, gid = (rest.split(":") + [""] * 3)[:3]
+            found["groups"][name] = int(gid or -1)
+    end_unit()
+    return found
+
+
+def key_fingerprints_command(path_word: str) -> str:
+    """Shell printing the fingerprint of each primary key in an OpenPGP key file (armored or binary), one a
+    line, from ``gpg --show-keys`` in a throwaway home (nothing is imported anywhere). ``path_word``: the
+    file as a shell word (already quoted)."""
+    return ('{ home="$(mktemp -d)"; GNUPGHOME="$home" gpg --batch --show-keys --with-colons'
+            f" {path_word} 2>/dev/null | awk -F: '/^pub:/{{p=1; next}} /^fpr:/{{if (p) print $10; p=0}}';"
+            ' rm -rf "$home"; }')
+
+
+class KeyFingerprints(FactBase[list[str]]):
+    """
+    Returns the fingerprints of the primary keys in an OpenPGP key file, armored or binary; [] when the file
+    is missing or holds no key.
+
+    + path: the key file
+
+    .. code:: python
+
+        ["EB693B3035CD5710E231E123A4B469963BF863CC"]
+    """
+
+    def command(self, path: str) -> str:
+        return f"if [ -f {shlex.quote(path)} ]; then {key_fingerprints_command(shlex.quote(path))}; fi"
+
+    @staticmethod
+    def default() -> list[str]:  # pyinfra's value when the command prints nothing (no file, no key)
+        return []
+
+    def process(self, output: list[str]) -> list[str]:
+        return [line.strip().upper() for line in output if re.fullmatch(r"[0-9A-Fa-f]{40}", line.strip())]
+
+
+class AptCandidate(FactBase[str | None]):
+    """
+    Returns the version apt would install for a package, or None when apt knows no version of it
+    (its repository's lists were never fetched).
+
+    + package: the package name
+
+    .. code:: python
+
+        "580.95.05-1"
+    """
+
+    def command(self, package: str) -> str:
+        return f"apt-cache policy {shlex.quote(package)} 2>/dev/null | sed -n 's/^ *Candidate: //p'"
+
+    def process(self, output: list[str]) -> str | None:
+        version = output[0].strip() if output else ""
+        return None if version in ("", "(none)") else version
+
+
+class BootId(FactBase[str]):
+    """
+    Returns the kernel's boot id: a new one after every boot (systemd-nspawn sets one per container boot too).
+
+    .. code:: python
+
+        "1b4e28ba-2fa1-11d2-883f-0016d3cca427"
+    """
+
+    def command(self) -> str:
+        return "cat /proc/sys/kernel/random/boot_id"
+
+    @staticmethod
+    def default() -> str:  # pyinfra's value when the command prints nothing
+        return ""
+
+    def process(self, output: list[str]) -> str:
+        return output[0].strip() if output else ""
+
+
+def ray_status_command(ray: str, gcs: str, token_file: str) -> str:
+    """Shell running ``ray status`` against ``gcs`` with the replica's token (read from its 0600 file)."""
+    return (f"(set -a; . {shlex.quote(token_file)}; set +a; RAY_AUTH_MODE=token {shlex.quote(ray)} status"
+            f" --address={shlex.quote(gcs)} 2>/dev/null)")
+
+
+def ray_count_command(ray: str, gcs: str, token_file: str) -> str:
+    """Shell printing how many nodes ``ray status`` at ``gcs`` lists as active."""
+    return f"{ray_status_command(ray, gcs, token_file)} | sed -n '/^Active:/,/^Pending:/p' | grep -c ' node_'"
+
+
+class RayActiveNodes(FactBase[int]):
+    """
+    Returns how many nodes the Ray cluster at ``gcs`` lists as active (0 when it does not answer).
+
+    + ray: the ``ray`` program of the replica's virtualenv
+    + gcs: the head's ``address:port``
+    + token_file: the EnvironmentFile holding ``RAY_AUTH_TOKEN`` (read on the node)
+
+    .. code:: python
+
+        2
+    """
+
+    def command(self, ray: str, gcs: str, token_file: str) -> str:
+        return f"{ray_count_command(ray, gcs, token_file)} || true"
+
+    @staticmethod
+    def default() -> int:  # pyinfra's value when the command prints nothing
+        return 0
+
+    def process(self, output: list[str]) -> int:
+        text = output[0].strip() if output else ""
+        return int(text) if text.isdigit() else 0
+
+
+PROBE_SOURCE = Path(__file__).with_name("node") / "nvml_probe.py"
+
+
+def _packed(source: bytes) -> str:
+    return base64.b64encode(zlib.compress(source, 9)).decode()
+
+
+def _controller_pynvml() -> bytes:
+    spec = importlib.util.find_spec("pynvml")
+    if spec is None or spec.origin is None:
+        raise PyinfraError("nvidia-ml-py (module pynvml) is not installed on the controller")
+    return Path(spec.origin).read_bytes()
+
+
+def probe_command_line(python: str = "python3") -> StringCommand:
+    """``python -c <probe source> --compact``: the probe travels inside the command (compressed), since a
+    fact cannot upload files. So does the controller's pure-Python ``pynvml``, used only where the node's
+    Python has none (a bare node, before any virtualenv exists): about 75 KB in all."""
+    code = (
+        "import base64,sys,types,zlib\n"
+        "def _unpack(s): return zlib.decompress(base64.b64decode(s))\n"
+        "try:\n import pynvml\n"
+        "except ImportError:\n"
+        " _m = sys.modules['pynvml'] = types.ModuleType('pynvml'); _m.__file__ = 'pynvml.py'\n"
+        f" exec(compile(_unpack('{_packed(_controller_pynvml())}'), 'pynvml.py', 'exec'), _m.__dict__)\n"
+        f"exec(compile(_unpack('{_packed(PROBE_SOURCE.read_bytes())}'), 'nvml_probe.py', 'exec'))\n"
+    )
+    return StringCommand(QuoteString(python), "-c", QuoteString(code), "--compact")
+
+
+class NvmlGpuFacts(FactBase[dict[str, Any] | None]):  # None: the probe printed nothing (pyinfra's default)
+    """
+    Returns the host's GPU facts document (``gpufleet.gpu-facts/1``, see ``gpufleet.gpu_facts``) as
+    printed by the NVML probe. A host without a usable NVIDIA driver answers with
+    ``nvml.available`` false; a host without ``python`` fails the fact, loudly.
+
+    + python: interpreter on the host that has nvidia-ml-py (``pynvml``)
+
+    Not cached by pyinfra: probe once per host per deploy and keep the result.
+
+    .. code:: python
+
+        {
+            "schema": "gpufleet.gpu-facts/1",
+            "hostname": "gpu-a01",
+            "nvml": {"available": True, "error": None},
+            "driver_version": "580.95.05",
+            "cuda_driver_version": "13.0",
+            "nvml_version": "13.580.95.05",
+            "gpus": [
+                {"index": 0, "name": "NVIDIA H100 80GB HBM3", "pci_bus_id": "00000000:18:00.0",
+                 "persistence_mode": True, "nvlinks": [{"link": 0, "active": True, ...}, ...],
+                 "fabric": {"state": "completed", "status": "success", ...}, "unsupported": [], ...},
+            ],
+            "topology": [["X", "NV18"], ["NV18", "X"]],
+            "errors": [],
+        }
+    """
+
+    # No requires_command: pyinfra would quietly return the default when python is missing, and a
+    # node that cannot be probed must fail the gate, not vanish from it.
+
+    def command(self, python: str = "python3") -> StringCommand:
+        return probe_command_line(python)
+
+    def process(self, output: list[str]) -> dict[str, Any]:
+        text = "\n".join(output).strip()
+        try:
+            doc = json.loads(text.splitlines()[-1] if text else "")
+        except json.JSONDecodeError:
+            raise FactProcessError(f"the NVML probe printed no facts JSON: {text[-300:]!r}") from None
+        if not isinstance(doc, dict):
+            raise FactProcessError(f"the NVML probe printed {type(doc).__name__}, expected a JSON object")
+        return doc

@@ -1,0 +1,201 @@
+"""What the operations know of a node: one reading per role, kept per host and forgotten where they change it.
+
+:func:`observe` reads every path, unit, package and account a role manages with one
+:class:`~gpufleet.facts.NodeState` command. An operation asking about something not read (or forgotten, because
+an earlier operation of this run changed it) reads it live. :func:`gpufleet_operation` makes a pyinfra operation
+that, in read-only mode (``deploys/check.py``), runs nothing and records itself as drift when it would change
+something.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Iterable
+from functools import wraps
+from typing import Any, ParamSpec
+from weakref import WeakKeyDictionary, WeakSet
+
+from pyinfra.api.arguments_typed import PyinfraOperation
+from pyinfra.api.command import QuoteString, StringCommand
+from pyinfra.api.host import Host
+from pyinfra.api.operation import operation
+from pyinfra.api.state import State
+from pyinfra.context import host, state
+
+from gpufleet.facts import AccountState, NodeState, NodeStateValue, PathState, UnitState, empty_node_state
+
+_readings: WeakKeyDictionary[Host, NodeStateValue] = WeakKeyDictionary()
+_read_only: WeakSet[State] = WeakSet()
+_drift: WeakKeyDictionary[Host, dict[str, str]] = WeakKeyDictionary()  # host -> operation hash -> name
+
+Commands = Generator[Any, None, None]
+P = ParamSpec("P")
+
+
+def current_host() -> Host:
+    """The host pyinfra works on now: the object behind its ``host`` context proxy, the same key for the whole
+    deploy (the proxy itself stands for a different host in each greenlet)."""
+    found: Host = host._get_module() if hasattr(host, "_get_module") else host
+    return found
+
+
+def current_state() -> State:
+    """The state of the running deploy: the object behind pyinfra's ``state`` context proxy."""
+    found: State = state._get_module() if hasattr(state, "_get_module") else state
+    return found
+
+
+def set_read_only(target: State) -> None:
+    """Operations of this state run nothing; each that would change something is recorded as drift."""
+    _read_only.add(target)
+
+
+def read_only() -> bool:
+    return current_state() in _read_only if hasattr(state, "_get_module") else False
+
+
+def drift(target: Host) -> list[str]:
+    """The names of ``target``'s operations that would have changed something, in order (read-only mode)."""
+    return list(_drift.get(target, {}).values())
+
+
+def gpufleet_operation(counts_as_drift: bool = True, runs_when_read_only: bool = False,
+                       idempotent: bool = True) -> Callable[[Callable[P, Commands]], PyinfraOperation[P]]:
+    """A pyinfra operation that honours read-only mode: it runs nothing there and, when it would have yielded a
+    command, records its name as drift (unless ``counts_as_drift`` is false)."""
+
+    def decorate(func: Callable[P, Commands]) -> PyinfraOperation[P]:
+        @wraps(func)
+        def body(*args: P.args, **kwargs: P.kwargs) -> Commands:
+            commands = func(*args, **kwargs)
+            if runs_when_read_only or not read_only():
+                yield from commands
+                return
+            for _ in commands:
+                if counts_as_drift:
+                    op_hash = host.current_op_hash
+                    assert op_hash is not None, "pyinfra sets the operation's hash while its commands are made"
+                    meta = state.get_op_meta(op_hash)
+                    _drift.setdefault(current_host(), {})[op_hash] = ", ".join(sorted(meta.names))
+                break
+        return operation(is_idempotent=idempotent)(body)
+
+    return decorate
+
+
+def _reading() -> NodeStateValue:
+    current = current_host()
+    found = _readings.get(current)
+    if found is None:
+        found = _readings[current] = empty_node_state()
+    return found
+
+
+def _merge(value: NodeStateValue) -> None:
+    reading = _reading()
+    for kind in reading:
+        reading[kind].update(value[kind])  # type: ignore[literal-required]
+
+
+@gpufleet_operation(counts_as_drift=False, runs_when_read_only=True)
+def observe(paths: Iterable[str] = (), texts: Iterable[str] = (), units: Iterable[str] = (),
+            packages: Iterable[str] = (), users: Iterable[str] = (), groups: Iterable[str] = (),
+            listings: Iterable[str] = ()) -> Commands:
+    """
+    Read, with one command, the state of everything the following operations manage; changes nothing.
+
+    + paths, texts, units, packages, users, groups, listings: see :class:`gpufleet.facts.NodeState`
+    """
+    what = {"paths": sorted(set(paths)), "texts": sorted(set(texts)), "units": sorted(set(units)),
+            "packages": sorted(set(packages)), "users": sorted(set(users)), "groups": sorted(set(groups)),
+            "listings": sorted(set(listings))}
+    _live(**what)
+    host.noop(f"read {sum(len(v) for v in what.values())} items of the node's state")
+    yield from ()
+
+
+def _live(**what: list[str]) -> NodeStateValue:
+    """Read ``what`` now, remember it, and return the whole reading."""
+    asked = {kind: items for kind, items in what.items() if items}
+    if asked:
+        value = host.get_fact(NodeState, **asked)  # never None: the fact's default is an empty reading
+        for path in asked.get("paths", []):
+            value["paths"].setdefault(path, {"type": "missing"})
+        for path in asked.get("texts", []):
+            value["texts"].setdefault(path, None)
+        for unit in asked.get("units", []):
+            value["units"].setdefault(unit, {"active": "inactive", "enabled": ""})
+        for pattern in asked.get("listings", []):
+            value["listings"].setdefault(pattern, [])
+        _merge(value)
+        for kind in ("packages", "users", "groups"):
+            _absent_items().update((kind, n) for n in asked.get(kind, []) if n not in value[kind])
+    return _reading()
+
+
+def path(name: str) -> PathState:
+    reading = _reading()
+    return reading["paths"][name] if name in reading["paths"] else _live(paths=[name])["paths"][name]
+
+
+def text(name: str) -> str | None:
+    reading = _reading()
+    return reading["texts"][name] if name in reading["texts"] else _live(texts=[name])["texts"][name]
+
+
+def unit(name: str) -> UnitState:
+    reading = _reading()
+    return reading["units"][name] if name in reading["units"] else _live(units=[name])["units"][name]
+
+
+def listing(pattern: str) -> list[str]:
+    reading = _reading()
+    return reading["listings"][pattern] if pattern in reading["listings"] else _live(
+        listings=[pattern])["listings"][pattern]
+
+
+def packages(names: Iterable[str]) -> dict[str, str]:
+    """Installed versions of ``names`` (a package that is not installed has no key)."""
+    wanted = list(names)
+    return {n: v for n, v in zip(wanted, (_keyed("packages", n) for n in wanted), strict=True) if v is not None}
+
+
+def account(name: str) -> AccountState | None:
+    found: AccountState | None = _keyed("users", name)
+    return found
+
+
+def group_id(name: str) -> int | None:
+    found: int | None = _keyed("groups", name)
+    return found
+
+
+_absent: WeakKeyDictionary[Host, set[tuple[str, str]]] = WeakKeyDictionary()
+
+
+def _absent_items() -> set[tuple[str, str]]:
+    """Packages, users and groups read and found absent (an absent one has no key in a reading)."""
+    return _absent.setdefault(current_host(), set())
+
+
+def _keyed(kind: str, name: str) -> Any:
+    reading: dict[str, Any] = _reading()[kind]  # type: ignore[literal-required]
+    if name in reading:
+        return reading[name]
+    if (kind, name) in _absent_items():
+        return None
+    found = _live(**{kind: [name]})[kind].get(name)  # type: ignore[literal-required]
+    if found is None:
+        _absent_items().add((kind, name))
+    return found
+
+
+def forget(kind: str, name: str) -> None:
+    """Drop what is known of ``name`` (it is being changed): the next question reads it live."""
+    _reading()[kind].pop(name, None)  # type: ignore[literal-required]
+    _absent_items().discard((kind, name))
+
+
+def fail(message: str) -> StringCommand:
+    """The one way gpufleet fails a host: a command that prints ``message`` on stderr and exits 1, so pyinfra
+    shows it, stops every later operation on that host and names it in the run's report."""
+    return StringCommand("echo", QuoteString(message), ">&2;", "exit", "1")

@@ -1,0 +1,9 @@
+"""Deploy shape (b) of the README: one replica over 2 x 8xH100, Llama 3.1 405B, TP 8 x PP 2, the ray backend."""
+
+from gpufleet.config.inventory import apply_group_vars
+
+llama_405b = [
+    ("gpu-c01.dc1.example.net", {"fleet_address": "10.40.2.11"}),
+    ("gpu-c02.dc1.example.net", {"fleet_address": "10.40.2.12"}),
+]
+apply_group_vars(globals())
