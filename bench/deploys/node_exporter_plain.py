@@ -8,6 +8,7 @@ from pathlib import Path
 
 from pyinfra.context import host
 from pyinfra.operations import files, server, systemd
+from pyinfra.operations.util import any_changed
 
 from gpufleet.deploy import access
 from gpufleet.deploy.context import host_config
@@ -32,4 +33,5 @@ installed = files.put(name=BINARY, src=str(binary), dest=BINARY, user="root", gr
 unit = files.put(name=UNIT_PATH, src=io.StringIO(render(cfg, host.name, access.monitoring_group())), dest=UNIT_PATH,
                  user="root", group="root", mode="0644")
 systemd.daemon_reload(name="daemon-reload", _if=unit.did_change)
-systemd.service(name=UNIT, service=UNIT, running=True, enabled=True, restarted=installed.did_change or unit.did_change)
+systemd.service(name=f"restart {UNIT}", service=UNIT, running=True, restarted=True, _if=any_changed(installed, unit))
+systemd.service(name=UNIT, service=UNIT, running=True, enabled=True)
