@@ -306,6 +306,8 @@ def test_a_deploy_interrupted_halfway_converges_on_rerun(lab: Lab) -> None:
     marker = "/opt/vllm/0.32.0/.gpufleet-installed"
     working = host.check_output("readlink -f /opt/vllm/0.32.0").strip()
     host.check_output(f"echo stale > {marker}")  # the next run reinstalls
+    # from an empty cache: with uv's cache warm, the install is a few seconds of hardlinks, too quick to interrupt
+    host.check_output("rm -rf /var/cache/gpufleet/uv")
     process = subprocess.Popen([str(PYINFRA), INVENTORY, DEPLOY, "-y"], cwd=ROOT, env=lab.env,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     # the new build's interpreter exists once its virtualenv is made, before any package goes in
