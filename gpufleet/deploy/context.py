@@ -21,6 +21,7 @@ from pyinfra.api.operation import OperationMeta
 from pyinfra.context import host as current_host
 
 from gpufleet.config.schema import HostConfig
+from gpufleet.deploy import op_order
 from gpufleet.facts import NvmlGpuFacts
 from gpufleet.fleet import Fleet, fleet_from_state
 from gpufleet.gpu_facts import FactsError, NodeFacts, parse_facts
@@ -94,6 +95,7 @@ def context(read_only: bool = False) -> DeployContext:
     provisioned, then stop at the gate with the problem as the reason (:func:`serve_blockers`).
     """
     st = current_state()
+    op_order.install()  # before the deploy file adds its first operation
     with _LOCK:  # pyinfra loads the deploy file for every host at once: the first builds, the others wait
         found = _contexts.get(st)
         if found is None:

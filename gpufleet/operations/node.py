@@ -1,8 +1,11 @@
-"""What the operations know of a node: one reading per role, kept per host and forgotten where they change it.
+"""What the operations know of a node: one reading per role at most, kept per host and forgotten where they change it.
 
 :func:`observe` reads every path, unit, package and account a role manages with one
-:class:`~gpufleet.facts.NodeState` command. An operation asking about something not read (or forgotten, because
-an earlier operation of this run changed it) reads it live. :func:`gpufleet_operation` makes a pyinfra operation
+:class:`~gpufleet.facts.NodeState` command. The first reading on a host covers what every role of the deploy
+will observe there; while no operation has run a command on the host, a later role finds its items already read
+and reads nothing. Once one has, every later role reads all its items again (a package's install changes more than
+its own files). An operation asking about something not read (or forgotten, because an earlier operation of this
+run changed it) reads it live. :func:`gpufleet_operation` makes a pyinfra operation
 that, in read-only mode (``deploys/check.py``), runs nothing and records itself as drift when it would change
 something.
 """
@@ -17,13 +20,16 @@ from weakref import WeakKeyDictionary, WeakSet
 from pyinfra.api.arguments_typed import PyinfraOperation
 from pyinfra.api.command import QuoteString, StringCommand
 from pyinfra.api.host import Host
-from pyinfra.api.operation import operation
+from pyinfra.api.operation import OperationMeta, operation
 from pyinfra.api.state import State
 from pyinfra.context import host, state
 
 from gpufleet.facts import AccountState, NodeState, NodeStateValue, PathState, UnitState, empty_node_state
 
 _readings: WeakKeyDictionary[Host, NodeStateValue] = WeakKeyDictionary()
+_observed: WeakKeyDictionary[Host, dict[str, set[str]]] = WeakKeyDictionary()  # every role's observe, per host
+_first_read: WeakSet[Host] = WeakSet()  # hosts whose first reading (everything observed) is done
+_ran_commands: WeakSet[Host] = WeakSet()  # hosts where an operation of this deploy ran a command
 _read_only: WeakSet[State] = WeakSet()
 _drift: WeakKeyDictionary[Host, dict[str, str]] = WeakKeyDictionary()  # host -> operation hash -> name
 
@@ -68,7 +74,10 @@ def gpufleet_operation(counts_as_drift: bool = True, runs_when_read_only: bool =
         def body(*args: P.args, **kwargs: P.kwargs) -> Commands:
             commands = func(*args, **kwargs)
             if runs_when_read_only or not read_only():
-                yield from commands
+                for command in commands:
+                    if state.is_executing:
+                        _ran_commands.add(current_host())
+                    yield command
                 return
             for _ in commands:
                 if counts_as_drift:
@@ -96,21 +105,62 @@ def _merge(value: NodeStateValue) -> None:
         reading[kind].update(value[kind])  # type: ignore[literal-required]
 
 
-@gpufleet_operation(counts_as_drift=False, runs_when_read_only=True)
-def observe(paths: Iterable[str] = (), texts: Iterable[str] = (), units: Iterable[str] = (),
+_KINDS = ("paths", "texts", "units", "packages", "users", "groups", "listings")
+
+
+def observe(name: str, paths: Iterable[str] = (), texts: Iterable[str] = (), units: Iterable[str] = (),
             packages: Iterable[str] = (), users: Iterable[str] = (), groups: Iterable[str] = (),
-            listings: Iterable[str] = ()) -> Commands:
-    """
-    Read, with one command, the state of everything the following operations manage; changes nothing.
+            listings: Iterable[str] = ()) -> OperationMeta:
+    """Add :func:`read_state` for a role's items, and count them into the host's first reading.
 
     + paths, texts, units, packages, users, groups, listings: see :class:`gpufleet.facts.NodeState`
     """
-    what = {"paths": sorted(set(paths)), "texts": sorted(set(texts)), "units": sorted(set(units)),
-            "packages": sorted(set(packages)), "users": sorted(set(users)), "groups": sorted(set(groups)),
-            "listings": sorted(set(listings))}
-    _live(**what)
-    host.noop(f"read {sum(len(v) for v in what.values())} items of the node's state")
+    what = {"paths": paths, "texts": texts, "units": units, "packages": packages, "users": users,
+            "groups": groups, "listings": listings}
+    wanted = {kind: sorted(set(items)) for kind, items in what.items()}
+    planned = _observed.setdefault(current_host(), {})
+    for kind, items in wanted.items():
+        planned.setdefault(kind, set()).update(items)
+    return read_state(name=name, paths=wanted["paths"], texts=wanted["texts"], units=wanted["units"],
+                      packages=wanted["packages"], users=wanted["users"], groups=wanted["groups"],
+                      listings=wanted["listings"])
+
+
+@gpufleet_operation(counts_as_drift=False, runs_when_read_only=True)
+def read_state(paths: Iterable[str] = (), texts: Iterable[str] = (), units: Iterable[str] = (),
+               packages: Iterable[str] = (), users: Iterable[str] = (), groups: Iterable[str] = (),
+               listings: Iterable[str] = ()) -> Commands:
+    """
+    Read the state of everything the following operations manage, with at most one command; changes nothing.
+    The host's first reading also takes in what every later :func:`observe` on it asks for; a later one reads
+    what is not known yet, or all its items again once an operation of this deploy ran a command on the host.
+
+    + paths, texts, units, packages, users, groups, listings: see :class:`gpufleet.facts.NodeState`
+    """
+    what = {"paths": paths, "texts": texts, "units": units, "packages": packages, "users": users,
+            "groups": groups, "listings": listings}
+    wanted = {kind: sorted(set(items)) for kind, items in what.items()}
+    current = current_host()
+    if current in _ran_commands:
+        asked = wanted
+    elif current not in _first_read:
+        _first_read.add(current)
+        planned = _observed.get(current, {})
+        asked = {kind: sorted(set(wanted[kind]) | planned.get(kind, set())) for kind in _KINDS}
+    else:
+        asked = {kind: [item for item in items if not _known(kind, item)] for kind, items in wanted.items()}
+    count = sum(len(items) for items in asked.values())
+    if count == 0:
+        host.noop("nothing it asks for is unknown: read earlier in this deploy, and nothing has run on the node since")
+    else:
+        _live(**asked)
+        host.noop(f"read {count} items of the node's state")
     yield from ()
+
+
+def _known(kind: str, item: str) -> bool:
+    reading: dict[str, Any] = _reading()[kind]  # type: ignore[literal-required]
+    return item in reading or (kind, item) in _absent_items()
 
 
 def _live(**what: list[str]) -> NodeStateValue:

@@ -119,15 +119,20 @@ def reboot_required_message(package: str, installed: str, loaded: LoadedModule, 
 def refresh_lists(sources_file: str, package: str, changed: Callable[[], bool]) -> Commands:
     """
     Refresh the lists of one repository when its source or key changed, or when apt knows no version of
-    ``package`` yet (the lists were never fetched).
+    ``package`` yet (the lists were never fetched). An installed ``package`` is one apt knows: the node state
+    says so without asking apt.
 
     + sources_file: the repository's ``sources.list`` file
-    + package: a package that repository must provide
+    + package: a package that repository must provide (in the role's ``node.observe`` packages)
     + changed: whether its source or key changed in this run
     """
-    if host.get_fact(AptCandidate, package=package) is not None and not changed():
-        host.noop(f"apt knows {package}; the repository's source and key are unchanged")
-        return
+    if not changed():
+        if package in node.packages([package]):
+            host.noop(f"{package} is installed; the repository's source and key are unchanged")
+            return
+        if host.get_fact(AptCandidate, package=package) is not None:
+            host.noop(f"apt knows {package}; the repository's source and key are unchanged")
+            return
     yield from apt.update._inner(sources_file=sources_file)
 
 
