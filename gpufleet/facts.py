@@ -7,6 +7,7 @@ live in ``tests/facts/<Fact>/*.json`` (arguments, the command, the node's output
 from __future__ import annotations
 
 import base64
+import hashlib
 import importlib.util
 import json
 import re
@@ -19,6 +20,8 @@ from typing import Any, TypedDict
 from pyinfra.api.command import QuoteString, StringCommand
 from pyinfra.api.exceptions import FactProcessError, PyinfraError
 from pyinfra.api.facts import FactBase
+
+from gpufleet.node_paths import NODE_PYNVML
 
 
 class PathState(TypedDict, total=False):
@@ -53,16 +56,14 @@ class NodeStateValue(TypedDict):
 
 
 _FUNCTIONS = (
-    'p() { if [ -L "$1" ]; then printf "P\\t%s\\tlink\\t\\t\\t\\t\\t%s\\n" "$1" "$(readlink -- "$1")";'
-    ' elif [ -d "$1" ]; then printf "P\\t%s\\tdirectory\\t%s\\t\\t\\n" "$1" "$(stat --printf "%a\\t%U\\t%G" -- "$1")";'
-    ' elif [ -f "$1" ]; then printf "P\\t%s\\tfile\\t%s\\t%s\\t\\n" "$1" "$(stat --printf "%a\\t%U\\t%G" -- "$1")"'
-    ' "$(sha256sum -- "$1" | cut -c1-64)";'
-    ' elif [ -e "$1" ]; then printf "P\\t%s\\tother\\n" "$1"; else printf "P\\t%s\\tmissing\\n" "$1"; fi; };'
-    ' t() { if [ -f "$1" ]; then printf "T\\t%s\\t%s\\n" "$1" "$(head -c 4096 -- "$1" | base64 -w0)";'
+    't() { if [ -f "$1" ]; then printf "T\\t%s\\t%s\\n" "$1" "$(head -c 4096 -- "$1" | base64 -w0)";'
     ' else printf "T\\t%s\\t-\\n" "$1"; fi; };'
     ' l() { pattern="$1"; shift; printf "L\\t%s\\t\\n" "$pattern";'
     ' for f in "$@"; do if [ -e "$f" ] || [ -L "$f" ]; then printf "L\\t%s\\t%s\\n" "$pattern" "$f"; fi; done; };'
 )
+# One find for every path (type, mode, owner, group, link target), one sha256sum for every regular file among them.
+_PATH_LINE = "-printf 'P\\t%p\\t%y\\t%m\\t%u\\t%g\\t%l\\n'"
+_PATH_TYPES = {"f": "file", "d": "directory", "l": "link"}
 _GLOB = re.compile(r"/[A-Za-z0-9_./@*?+:=-]+")
 
 
@@ -71,10 +72,11 @@ class NodeState(FactBase[NodeStateValue]):
     Returns, in one command, the state of everything an operation compares against: paths (type, mode, owner,
     the sha256 of a regular file, the target of a link), the first 4 KiB of small text files, systemd units
     (active and unit-file state), installed Debian packages (version), accounts and groups, and the paths that
-    match a glob. A path that does not exist is ``missing``; an absent unit, package, account or group has no
-    key (a unit systemd does not know is ``inactive`` with no unit-file state).
+    match a glob. Paths cost one ``find`` and one ``sha256sum`` for all of them. A path that does not exist, an
+    absent unit, package, account or group has no key (a unit systemd does not know is ``inactive`` with no
+    unit-file state).
 
-    + paths: paths to stat (and hash, when regular files)
+    + paths: absolute paths to stat (and hash, when regular files)
     + texts: small files whose text to read (markers); None when the file is missing
     + units: systemd unit names
     + packages: Debian package names
@@ -101,8 +103,14 @@ class NodeState(FactBase[NodeStateValue]):
         listings: Sequence[str] = (),
     ) -> StringCommand:
         parts: list[Any] = [_FUNCTIONS]
-        for path in paths:
-            parts += ["p", QuoteString(path), ";"]
+        if paths:
+            for path in paths:
+                if not path.startswith("/"):
+                    raise ValueError(f"expected an absolute path, found {path!r}")
+            quoted = [QuoteString(path) for path in paths]
+            parts += ["find", *quoted, "-maxdepth", "0", _PATH_LINE, "2>/dev/null", ";",
+                      "find", *quoted, "-maxdepth", "0", "-type", "f", "-exec", "sha256sum", "--", "{}", "+",
+                      "2>/dev/null", "|", "sed", "'s/^/H\\t/'", ";"]
         for path in texts:
             parts += ["t", QuoteString(path), ";"]
         for pattern in listings:
@@ -138,6 +146,7 @@ def parse_node_state(output: list[str]) -> NodeStateValue:
     """The lines :class:`NodeState`'s command prints, as its value."""
     found = empty_node_state()
     unit: dict[str, str] = {}
+    digests: dict[str, str] = {}
 
     def end_unit() -> None:
         if unit.get("Id"):
@@ -148,16 +157,16 @@ def parse_node_state(output: list[str]) -> NodeStateValue:
     for line in output:
         kind, _, rest = line.partition("\t")
         fields = rest.split("\t")
-        if kind == "P":
-            path, what = fields[0], fields[1]
+        if kind == "P" and len(fields) >= 6:
+            path, what = fields[0], _PATH_TYPES.get(fields[1], "other")
             entry: PathState = {"type": what}
             if what in ("file", "directory"):
                 entry.update({"mode": fields[2], "user": fields[3], "group": fields[4]})
-            if what == "file":
-                entry["sha256"] = fields[5]
             if what == "link":
-                entry["target"] = fields[6]
+                entry["target"] = fields[5]
             found["paths"][path] = entry
+        elif kind == "H" and len(rest) > 66 and rest[64:66] == "  ":  # sha256sum: "<digest>  <path>"
+            digests[rest[66:]] = rest[:64]
         elif kind == "T":
             found["texts"][fields[0]] = None if fields[1] == "-" else base64.b64decode(fields[1]).decode(
                 "utf-8", "replace")
@@ -181,6 +190,9 @@ def parse_node_state(output: list[str]) -> NodeStateValue:
             name, _, gid = (rest.split(":") + [""] * 3)[:3]
             found["groups"][name] = int(gid or -1)
     end_unit()
+    for path, entry in found["paths"].items():
+        if entry["type"] == "file" and path in digests:
+            entry["sha256"] = digests[path]
     return found
 
 
@@ -299,24 +311,37 @@ def _packed(source: bytes) -> str:
     return base64.b64encode(zlib.compress(source, 9)).decode()
 
 
-def _controller_pynvml() -> bytes:
+def controller_pynvml() -> Path:
+    """The controller's ``pynvml.py`` (nvidia-ml-py), which the common role copies to the node's tools."""
     spec = importlib.util.find_spec("pynvml")
     if spec is None or spec.origin is None:
         raise PyinfraError("nvidia-ml-py (module pynvml) is not installed on the controller")
-    return Path(spec.origin).read_bytes()
+    return Path(spec.origin)
 
 
 def probe_command_line(python: str = "python3") -> StringCommand:
     """``python -c <probe source> --compact``: the probe travels inside the command (compressed), since a
-    fact cannot upload files. So does the controller's pure-Python ``pynvml``, used only where the node's
-    Python has none (a bare node, before any virtualenv exists): about 75 KB in all."""
+    fact cannot upload files. The NVML bindings it imports: the node Python's own ``pynvml``; else the copy
+    of the controller's in the node's tools (``NODE_PYNVML``, imported from its cached bytecode) when it is
+    byte for byte the controller's; else the controller's, also inside the command (a bare node): about 75 KB
+    in all."""
+    bindings = controller_pynvml().read_bytes()
     code = (
-        "import base64,sys,types,zlib\n"
+        "import base64,hashlib,sys,types,zlib\n"
         "def _unpack(s): return zlib.decompress(base64.b64decode(s))\n"
+        "def _ours():\n"
+        f" sys.path.insert(0, {str(Path(NODE_PYNVML).parent)!r})\n"
+        " try:\n  import pynvml\n  ok = hashlib.sha256(open(pynvml.__file__, 'rb').read()).hexdigest() == "
+        f"{hashlib.sha256(bindings).hexdigest()!r}\n"
+        " except (ImportError, OSError):\n  ok = False\n"
+        " sys.path.pop(0)\n"
+        " if not ok:\n  sys.modules.pop('pynvml', None)\n"
+        " return ok\n"
         "try:\n import pynvml\n"
         "except ImportError:\n"
-        " _m = sys.modules['pynvml'] = types.ModuleType('pynvml'); _m.__file__ = 'pynvml.py'\n"
-        f" exec(compile(_unpack('{_packed(_controller_pynvml())}'), 'pynvml.py', 'exec'), _m.__dict__)\n"
+        " if not _ours():\n"
+        "  _m = sys.modules['pynvml'] = types.ModuleType('pynvml'); _m.__file__ = 'pynvml.py'\n"
+        f"  exec(compile(_unpack('{_packed(bindings)}'), 'pynvml.py', 'exec'), _m.__dict__)\n"
         f"exec(compile(_unpack('{_packed(PROBE_SOURCE.read_bytes())}'), 'nvml_probe.py', 'exec'))\n"
     )
     return StringCommand(QuoteString(python), "-c", QuoteString(code), "--compact")

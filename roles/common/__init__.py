@@ -2,7 +2,8 @@
 
 After it, the node has ``/etc/gpufleet/`` (root, 0755) holding ``node.env`` (root, 0644) with the node's
 name and its declared hardware profile; gpufleet's node tools in ``/opt/gpufleet/node/`` (the NVML probe
-and health gate, which units run as ``ExecStartPre``, and the vLLM readiness check); and the base tools
+and health gate, which units run as ``ExecStartPre``, and the vLLM readiness check) with the controller's NVML
+bindings, which the deploy's GPU probe imports when the node's Python has none; and the base tools
 the other roles call (``ps``, CA certificates). It reads one variable, ``gpu_profile`` (see
 roles/fleet/defaults.yml); the node's name is its hostname as the node reports it (in its GPU facts).
 """
@@ -16,7 +17,8 @@ from pyinfra.context import host
 from pyinfra.facts.server import Hostname
 
 from gpufleet.deploy.context import gpu_facts, host_config
-from gpufleet.node_paths import CONFIG_DIR, NODE_ENV, NODE_TOOL_FILES, NODE_TOOLS_DIR, node_tool
+from gpufleet.facts import controller_pynvml
+from gpufleet.node_paths import CONFIG_DIR, NODE_ENV, NODE_PYNVML, NODE_TOOL_FILES, NODE_TOOLS_DIR, node_tool
 from gpufleet.operations import apt, files, node
 from gpufleet.systemd_text import env_value
 from gpufleet.templates import render
@@ -37,7 +39,7 @@ def common() -> None:
     name = facts.hostname if facts is not None and facts.hostname else host.get_fact(Hostname)
     node.observe(
         name="Read gpufleet's base files and tools",
-        paths=[CONFIG_DIR, NODE_ENV, NODE_TOOLS_DIR, *(node_tool(t) for t in NODE_TOOL_FILES)],
+        paths=[CONFIG_DIR, NODE_ENV, NODE_TOOLS_DIR, *(node_tool(t) for t in NODE_TOOL_FILES), NODE_PYNVML],
         packages=BASE_PACKAGES,
     )
     files.directory(name=f"Create gpufleet's configuration directory {CONFIG_DIR}", path=CONFIG_DIR)
@@ -48,4 +50,6 @@ def common() -> None:
     files.directory(name=f"Create {NODE_TOOLS_DIR}", path=NODE_TOOLS_DIR)
     for tool in NODE_TOOL_FILES:
         files.file(name=f"Install node tool {tool}", src=str(NODE_SOURCES / tool), dest=node_tool(tool), mode="0755")
+    files.file(name=f"Install the controller's NVML bindings (nvidia-ml-py) for the GPU probe to {NODE_PYNVML}",
+               src=str(controller_pynvml()), dest=NODE_PYNVML, mode="0644")
     apt.packages(name="Ensure the base tools are installed", packages=BASE_PACKAGES)
