@@ -333,7 +333,7 @@ def probe_command_line(python: str = "python3") -> StringCommand:
         f" sys.path.insert(0, {str(Path(NODE_PYNVML).parent)!r})\n"
         " try:\n  import pynvml\n  ok = hashlib.sha256(open(pynvml.__file__, 'rb').read()).hexdigest() == "
         f"{hashlib.sha256(bindings).hexdigest()!r}\n"
-        " except (ImportError, OSError):\n  ok = False\n"
+        " except Exception:\n  ok = False\n"
         " sys.path.pop(0)\n"
         " if not ok:\n  sys.modules.pop('pynvml', None)\n"
         " return ok\n"

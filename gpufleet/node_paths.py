@@ -19,7 +19,7 @@ RAY_ENV_DIR = f"{CONFIG_DIR}/ray"  # one environment file per Ray replica
 
 # gpufleet's node tools (standard library + pynvml only), copied from gpufleet/node/
 NODE_TOOLS_DIR = "/opt/gpufleet/node"
-NODE_TOOL_FILES = ("nvml_probe.py", "health_rules.py", "vllm_ready.py")
+NODE_TOOL_FILES = ("nvml_probe.py", "health_rules.py", "vllm_ready.py", "replica_rank.py")
 NODE_PYNVML = f"{NODE_TOOLS_DIR}/pynvml.py"  # the controller's nvidia-ml-py bindings, for a Python without them
 
 # vLLM

@@ -237,3 +237,35 @@ def test_node_files_import_only_stdlib_and_pynvml(name: str) -> None:
     imported |= {node.module.split(".")[0] for node in ast.walk(tree)
                  if isinstance(node, ast.ImportFrom) and node.module and node.level == 0}
     assert imported - set(sys.stdlib_module_names) <= {"pynvml"}
+
+
+def _bindings_used(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, node_copy: bytes | None) -> str:
+    """Which ``pynvml`` the deploy's probe command imports on a node whose Python has none (``-S``: no
+    site-packages), with ``node_copy`` (or nothing) at the node tools' pynvml.py."""
+    from gpufleet import facts
+
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    if node_copy is not None:
+        (tools / "pynvml.py").write_bytes(node_copy)
+    monkeypatch.setattr(facts, "NODE_PYNVML", str(tools / "pynvml.py"))
+    code = facts.probe_command_line().bits[2].obj
+    head = code.rsplit("exec(compile(_unpack(", 1)[0]  # everything before the probe itself runs
+    done = subprocess.run([sys.executable, "-S", "-c", head + "print(sys.modules['pynvml'].__file__)\n"],
+                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def test_the_probe_imports_the_node_copy_of_the_controllers_bindings(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpufleet.facts import controller_pynvml
+
+    ours = controller_pynvml().read_bytes()
+    assert _bindings_used(tmp_path, monkeypatch, ours) == str(tmp_path / "tools" / "pynvml.py")
+
+
+@pytest.mark.parametrize("copy", [None, b"raise SystemError('a damaged copy')\n", b"# another version\n"])
+def test_without_a_faithful_node_copy_the_probe_brings_its_own(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               copy: bytes | None) -> None:
+    assert _bindings_used(tmp_path, monkeypatch, copy) == "pynvml.py"  # the copy inside the command

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -953,7 +954,9 @@ def test_vllm_unit_gates_on_the_gpus_before_starting() -> None:
 def test_vllm_unit_serves_the_config_file_in_two_tokens() -> None:
     lines = _directives(_vllm_unit())
     (start,) = [line.removeprefix("ExecStart=") for line in lines if line.startswith("ExecStart=")]
-    argv = shlex.split(start)
+    rank_tool, argv = shlex.split(start)[:4], shlex.split(start)[4:]  # vLLM runs under the replica's rank tool
+    assert rank_tool == [f"{node_paths.VLLM_ETC}/%i/venv/bin/python", node_paths.node_tool("replica_rank.py"),
+                         f"{node_paths.VLLM_ETC}/%i/ranks.json", "--"]
     assert argv[:3] == [f"{node_paths.VLLM_ETC}/%i/venv/bin/vllm", "serve", "${VLLM_MODEL}"]
     assert argv[3:] == ["--config", f"{node_paths.VLLM_ETC}/%i/config.yaml"]
     assert load_catalog("0.33.0").check_argv(argv[2:]) == []
@@ -1068,6 +1071,26 @@ def test_mp_backend_replica_argv_passes_the_0_33_0_catalog() -> None:
         assert ("--headless" in argv) is (rank > 0)
         assert catalog.check_argv(argv[2:]) == []
         assert catalog.check_config(yaml.safe_load(process.config_yaml())) == []
+
+
+def test_ranks_json_binds_the_mp_ranks_through_rank_0() -> None:
+    """Each node of an mp replica gets its rank, the leader's address and the rank port; single-node and Ray
+    replicas run vLLM alone."""
+    cfg = _config(fleet_interface="bond0")
+    ranks = replica_roles([cfg, cfg], ["c1", "c2"], ["10.0.0.5", "10.0.0.6"],
+                          [list(range(8)), list(range(8))], 8000, 8, 2, 1, 16384)
+    replica = SimpleNamespace(roles=ranks)
+    for rank, role in enumerate(ranks):
+        assert json.loads(vllm_role._ranks_json(replica, role, 29590)) == {  # type: ignore[arg-type]
+            "rank": rank, "nodes": 2, "leader": "10.0.0.5", "port": 29590, "bind": role.address}
+    ray_cfg = _config(fleet_interface="bond0", vllm_distributed_backend="ray",
+                      ray_auth_token={"env": "GPUFLEET_TEST_RAY"})
+    head, worker = replica_roles([ray_cfg, ray_cfg], ["b1", "b2"], ["10.0.0.5", "10.0.0.6"],
+                                 [list(range(8)), list(range(8))], 8000, 8, 2, 1, 16384)
+    alone = {"rank": 0, "nodes": 1}
+    assert json.loads(vllm_role._ranks_json(SimpleNamespace(roles=[head, worker]), head, 29590)) == alone  # type: ignore[arg-type]
+    (single,) = replica_roles([cfg], ["n1"], ["10.0.0.5"], [[0]], 8000, 1, 1, 1, 4096)
+    assert json.loads(vllm_role._ranks_json(SimpleNamespace(roles=[single]), single, 29590)) == alone  # type: ignore[arg-type]
 
 
 def test_example_fleet_plans_clean_flags() -> None:

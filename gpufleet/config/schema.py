@@ -190,6 +190,7 @@ class HostConfig(BaseModel):
     vllm_distributed_backend: Literal["mp", "ray"]
     vllm_port: Port
     vllm_master_port: Port
+    vllm_rank_port: Port
     vllm_api_key: SecretRef | None
     vllm_hf_token: SecretRef | None
     vllm_extra_args: dict[str, Any]
@@ -313,6 +314,7 @@ class HostConfig(BaseModel):
             "ray_port": (self.ray_port, self.ray_port + 8),
             "ray_worker_ports": (min(first, last), max(first, last)),
             "vllm_master_port": (self.vllm_master_port,) * 2,
+            "vllm_rank_port": (self.vllm_rank_port,) * 2,
             "node_exporter_port": (self.node_exporter_port,) * 2,
             "dcgm_exporter_port": (self.dcgm_exporter_port,) * 2,
         }

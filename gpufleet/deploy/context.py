@@ -43,6 +43,8 @@ class DeployContext:
     read_only: bool = False
     # replica -> the operations on any of its nodes whose change means "restart it"
     replica_changes: dict[str, list[OperationMeta]] = field(default_factory=dict)
+    # replica -> the start of its unit on each of its nodes (one that started a rank means: wait until it serves)
+    replica_starts: dict[str, list[OperationMeta]] = field(default_factory=dict)
     # replicas with a restart record left by an earlier, interrupted run on any of their nodes
     pending_restarts: set[str] = field(default_factory=set)
     # replica -> the readiness wait on its first node

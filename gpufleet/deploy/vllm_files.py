@@ -99,6 +99,16 @@ def replica_env(cfg: HostConfig, plan_env: dict[str, str]) -> dict[str, str]:
     return env
 
 
+def ranks_json(rank: int, addresses: list[str], port: int) -> str:
+    """``ranks.json`` of a replica's rank on the node at ``addresses[rank]`` (the replica's nodes in rank order),
+    what replica_rank.py reads: one node runs vLLM alone; several are bound together through rank 0 at
+    ``port``."""
+    if len(addresses) == 1:
+        return json.dumps({"rank": 0, "nodes": 1}) + "\n"
+    return json.dumps({"rank": rank, "nodes": len(addresses), "leader": addresses[0], "port": port,
+                       "bind": addresses[rank]}) + "\n"
+
+
 def _read_secret(ref: SecretRef, key: str) -> str:
     if ref.env is not None:
         value = (os.environ.get(ref.env) or "").strip()

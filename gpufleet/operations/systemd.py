@@ -15,7 +15,8 @@ ENABLED = ("enabled", "enabled-runtime", "static", "alias", "indirect", "generat
 @gpufleet_operation()
 def service(unit: str, running: bool | None = True, enabled: bool | None = None) -> Commands:
     """
-    Keep a unit running (or stopped) and enabled (or disabled) at boot; None leaves that side alone.
+    Keep a unit running (or stopped) and enabled (or disabled) at boot; None leaves that side alone. A failed
+    unit that must run is reset first, so one that hit its start limit starts again.
 
     + unit: the unit's full name (``node_exporter.service``)
     + running: whether it must run
@@ -23,6 +24,8 @@ def service(unit: str, running: bool | None = True, enabled: bool | None = None)
     """
     found = node.unit(unit)
     changes = []
+    if running is True and found["active"] == "failed":  # its start limit may be hit: clear it first
+        changes.append(StringCommand("systemctl", "reset-failed", QuoteString(unit)))
     if running is True and found["active"] not in RUNNING:
         changes.append(StringCommand("systemctl", "start", QuoteString(unit)))
     if running is False and found["active"] in RUNNING:

@@ -57,6 +57,7 @@ from gpufleet.node_paths import (
 )
 from gpufleet.operations import apt, files, node, server, systemd, vllm
 from gpufleet.plan.commands import NodeRole, Process
+from gpufleet.plan.planner import Replica
 from gpufleet.systemd_text import env_file
 from gpufleet.templates import render
 
@@ -88,8 +89,17 @@ def unit_values(allowed: list[str] | None = None) -> dict[str, object]:
 
 def _replica_paths(replica: str) -> list[str]:
     directory = replica_dir(replica)
-    return [directory, f"{directory}/config.yaml", f"{directory}/vllm.env", f"{directory}/venv",
-            replica_secrets(replica), restart_marker(replica)]
+    return [directory, f"{directory}/config.yaml", f"{directory}/vllm.env", f"{directory}/ranks.json",
+            f"{directory}/venv", replica_secrets(replica), restart_marker(replica)]
+
+
+def _ranks_json(replica: Replica, role: NodeRole, port: int) -> str:
+    """The node's ranks.json: on a multi-node mp replica its rank among the replica's nodes; else alone (a Ray
+    replica's one vLLM process drives its workers through Ray)."""
+    if not role.role.startswith("mp-rank-"):
+        return vf.ranks_json(0, [role.address], port)
+    addresses = [r.address for r in replica.roles]
+    return vf.ranks_json(addresses.index(role.address), addresses, port)
 
 
 def _stage_model() -> OperationMeta | None:
@@ -165,7 +175,7 @@ def vllm_install() -> None:
     files.directory(name=f"Create {VLLM_ETC}", path=VLLM_ETC)
 
     shared = [m for m in (venv, model, unit, gate) if m is not None]
-    for replica, _, process in mine:
+    for replica, role, process in mine:
         directory = replica_dir(replica.name)
         ops = [
             files.directory(name=f"{replica.name}: create {directory}", path=directory),
@@ -174,6 +184,8 @@ def vllm_install() -> None:
             files.file(name=f"{replica.name}: write vllm.env", dest=f"{directory}/vllm.env",
                        content=env_file(vf.replica_env(cfg, process.env),
                                         f"Written by gpufleet: environment of replica {replica.name} (no secrets)")),
+            files.file(name=f"{replica.name}: write ranks.json (how its ranks find each other)",
+                       dest=f"{directory}/ranks.json", content=_ranks_json(replica, role, cfg.vllm_rank_port)),
             files.link(name=f"{replica.name}: point its venv at vLLM {cfg.vllm_version}", path=f"{directory}/venv",
                        target=venv_dir(cfg.vllm_version)),
             files.secret_file(name=f"{replica.name}: write its secrets (0600)", dest=replica_secrets(replica.name),
@@ -198,6 +210,9 @@ def vllm_serve() -> None:
     """Start this node's replicas; restart one (all its nodes) only when its files changed on any of them."""
     cfg = host_config()
     ctx = context()
+    serving = [replica for replica, role in assignments() if _vllm_process(role) is not None]
+    node.observe(name="Read the replicas' units", units=[f"vllm@{replica.name}.service" for replica in serving],
+                 paths=[restart_marker(replica.name) for replica in serving])
     for replica, role in assignments():
         if _vllm_process(role) is None:
             continue
@@ -214,6 +229,8 @@ def vllm_serve() -> None:
         systemd.stop(name=f"{replica.name}: stop {unit} (its configuration changed on one of its nodes)", unit=unit,
                      _if=partial(_restart_due, ctx, replica.name, changed))
         started = systemd.service(name=f"{replica.name}: start {unit}", unit=unit, running=True, enabled=True)
+        starts = ctx.replica_starts.setdefault(replica.name, [])
+        starts.append(started)
         if role.host == replica.nodes[0]:  # the first node serves the API; the others are ranks or Ray workers
             url = f"http://{host_port(role.address, replica.port)}"
             ctx.readiness[replica.name] = server.script(
@@ -221,7 +238,7 @@ def vllm_serve() -> None:
                 script=ready_command(cfg.vllm_served_model_name or cfg.vllm_model, url, unit,
                                      replica_secrets(replica.name) if replica.secret_env else None,
                                      cfg.vllm_ready_timeout),
-                _if=started.did_change,
+                _if=_changed(starts),  # a rank (re)started on any of its nodes
             )
         files.absent(name=f"{replica.name}: restarted and serving, clear its restart record", path=marker,
                      _if=partial(ctx.served, replica.name))

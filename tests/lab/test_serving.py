@@ -12,10 +12,12 @@ import re
 import shutil
 import signal
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -249,6 +251,70 @@ def test_kill_9_of_vllm_is_restarted_and_serves_again(lab: Lab) -> None:
         time.sleep(2)
     assert after and after != before, f"systemd did not restart {unit}"
     _wait_serving(lab, node)
+
+
+def _vllm_child(lab: Lab, node: NodeRecord, unit: str) -> int:
+    """The vLLM process replica_rank.py runs for ``unit`` on ``node`` (0: none yet)."""
+    supervisor = main_pid(lab, node, unit)
+    found = lab.host(node).run(f"pgrep -P {supervisor} -f 'vllm serve'").stdout.split()
+    return int(found[0]) if supervisor and found else 0
+
+
+class RequestLoop(threading.Thread):
+    """Completions against one replica, one at a time, until stopped or ``limit_s`` passed (at most ``limit``
+    requests): what must keep answering while another replica fails."""
+
+    def __init__(self, lab: Lab, node: NodeRecord, limit_s: float = 900, limit: int = 2000) -> None:
+        super().__init__(daemon=True)
+        self.lab, self.node, self.limit_s, self.limit = lab, node, limit_s, limit
+        self.done = threading.Event()
+        self.sent = 0
+        self.failures: list[str] = []
+
+    def run(self) -> None:
+        end = time.monotonic() + self.limit_s
+        while not self.done.is_set() and time.monotonic() < end and self.sent < self.limit:
+            self.sent += 1
+            try:
+                _completion_tokens(self.lab, self.node)
+            except (OSError, AssertionError) as exc:
+                self.failures.append(str(exc)[:200])
+            self.done.wait(0.5)
+
+    def stop(self) -> None:
+        self.done.set()
+        self.join(60)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_kill_9_of_any_rank_restarts_the_whole_pipeline_replica_once(lab: Lab, rank: int,
+                                                                     record_property: Any) -> None:
+    """Killing either rank's vLLM stops the other rank too; both start again as one new generation and the
+    replica serves, without an operator; lab1's replica answers throughout."""
+    unit = f"vllm@{PIPELINE}"
+    ranks = lab.nodes[1:]  # lab2 is rank 0 (the API), lab3 rank 1
+    _wait_serving(lab, ranks[0])
+    before = {n.name: _vllm_child(lab, n, unit) for n in ranks}
+    assert all(before.values()), before
+    restarts = {n.name: lab.host(n).check_output(f"systemctl show -p NRestarts --value {unit}") for n in ranks}
+    loop = RequestLoop(lab, lab.nodes[0])
+    loop.start()
+    try:
+        killed = time.monotonic()
+        lab.host(ranks[rank]).check_output(f"kill -{int(signal.SIGKILL)} {before[ranks[rank].name]}")
+        _wait_serving(lab, ranks[0], timeout=600)
+        recovered = time.monotonic() - killed
+    finally:
+        loop.stop()
+    after = {n.name: _vllm_child(lab, n, unit) for n in ranks}
+    assert all(after.values()) and set(after.values()).isdisjoint(before.values()), (before, after)
+    for n in ranks:  # one restart of each rank's unit: no storm
+        count = int(lab.host(n).check_output(f"systemctl show -p NRestarts --value {unit}"))
+        assert count == int(restarts[n.name]) + 1, (n.name, restarts[n.name], count)
+    assert loop.sent > 0 and loop.failures == [], loop.failures[:3]
+    record_property(f"recovered_after_kill_of_rank_{rank}_s", round(recovered, 1))
+    print(f"kill -9 of rank {rank}: the pipeline replica served again after {recovered:.1f} s;"
+          f" lab1 answered {loop.sent} requests meanwhile, none failed")
 
 
 def _lab_copy(tmp_path: Path, lab_single_extra: str) -> str:

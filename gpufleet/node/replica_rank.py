@@ -1,0 +1,285 @@
+#!/usr/bin/env python3
+"""Run one node's rank of a vLLM replica so that the replica lives and dies as one (gpufleet node tool).
+
+    replica_rank.py RANKS_JSON -- VLLM_ARGV...
+
+``RANKS_JSON`` (written by the vllm role next to the replica's config.yaml)::
+
+    {"rank": 1, "nodes": 2, "leader": "10.0.0.2", "port": 29590, "bind": "10.0.0.3"}
+
+A single-node replica (``nodes`` 1) simply becomes vLLM. In a multi-node replica (the mp backend) rank 0, the
+leader, listens on ``port``; each other rank connects to it and says its rank. When every rank is connected the
+leader starts a generation: it tells each follower to start vLLM and starts its own. From then on the ranks send
+each other a heartbeat every 2 s. Whatever ends first on a rank, its own vLLM, the connection to a peer, or a
+peer's heartbeat (silent for 15 s: a node that died or was cut off), the rank stops its vLLM (the whole process
+group) and exits 75, and systemd starts it again: a follower then waits for the leader, the leader for every
+follower. A crash of any rank therefore restarts the whole replica once, and no rank keeps an engine that
+belongs to a generation that is gone. SIGTERM (systemctl stop) stops vLLM and exits 0.
+
+Standard library only; every line it logs goes to stderr (the journal).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+HEARTBEAT_S = 2.0
+SILENT_LIMIT_S = 15.0  # a peer silent this long is gone
+CONNECT_RETRY_S = 1.0
+STOP_GRACE_S = 20.0  # SIGTERM, then SIGKILL: within the unit's TimeoutStopSec
+REPORT_EVERY_S = 30.0
+PEER_LOST = 75  # the exit status that asks systemd for a restart (Restart=on-failure)
+
+
+class Stopped(Exception):
+    """SIGTERM or SIGINT: stop vLLM and exit 0."""
+
+
+def log(message: str) -> None:
+    print(f"replica_rank: {message}", file=sys.stderr, flush=True)
+
+
+def _on_signal(signum: int, frame: Any) -> None:
+    raise Stopped(signal.Signals(signum).name)
+
+
+def _keepalive(sock: socket.socket) -> None:
+    """Let the kernel notice a peer whose node vanished (no FIN) even between heartbeats."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", 5), ("TCP_KEEPINTVL", 2), ("TCP_KEEPCNT", 3)):
+        if hasattr(socket, name):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+
+
+class Peer:
+    """One connection to another rank: lines in, lines out, when it was last heard from."""
+
+    def __init__(self, sock: socket.socket, rank: int | None = None) -> None:
+        self.sock = sock
+        self.rank = rank
+        self.buffer = b""
+        self.heard = time.monotonic()
+        _keepalive(sock)
+
+    def send(self, line: str) -> None:
+        self.sock.sendall(line.encode() + b"\n")
+
+    def lines(self) -> list[str]:
+        """The complete lines that have arrived (call when readable); raises ConnectionError when it closed."""
+        data = self.sock.recv(4096)
+        if not data:
+            raise ConnectionError("closed")
+        self.heard = time.monotonic()
+        self.buffer += data
+        *complete, self.buffer = self.buffer.split(b"\n")
+        return [line.decode(errors="replace").strip() for line in complete]
+
+    def read_line(self, timeout: float | None) -> str:
+        """The next line, waiting at most ``timeout`` seconds (None: as long as it takes)."""
+        self.sock.settimeout(timeout)
+        try:
+            while b"\n" not in self.buffer:
+                data = self.sock.recv(4096)
+                if not data:
+                    raise ConnectionError("closed")
+                self.buffer += data
+        finally:
+            self.sock.settimeout(None)
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        self.heard = time.monotonic()
+        return line.decode(errors="replace").strip()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+
+def gather_followers(bind: str, port: int, nodes: int) -> dict[int, Peer]:
+    """Rank 0: accept one connection per follower rank (a rank that connects again replaces its old one)."""
+    server = socket.create_server((bind, port))
+    server.settimeout(1.0)
+    peers: dict[int, Peer] = {}
+    last_report = time.monotonic()
+    try:
+        while len(peers) < nodes - 1:
+            for rank, peer in list(peers.items()):  # a follower that left while the others were awaited
+                if _closed(peer):
+                    log(f"rank {rank} left before the generation started")
+                    peer.close()
+                    del peers[rank]
+            if time.monotonic() - last_report > REPORT_EVERY_S:
+                missing = sorted(set(range(1, nodes)) - set(peers))
+                log(f"waiting for rank(s) {', '.join(map(str, missing))} to connect to {bind}:{port}")
+                last_report = time.monotonic()
+            try:
+                sock, (address, _) = server.accept()
+            except TimeoutError:
+                continue
+            peer = Peer(sock)
+            try:
+                word, _, value = peer.read_line(5.0).partition(" ")
+                rank = int(value) if word == "rank" and value.isdigit() else -1
+            except (OSError, ConnectionError):
+                peer.close()
+                continue
+            if not 1 <= rank < nodes:
+                log(f"{address} said it is rank {value!r}; expected 1..{nodes - 1}")
+                peer.close()
+                continue
+            if rank in peers:
+                peers[rank].close()
+            peer.rank = rank
+            peers[rank] = peer
+            log(f"rank {rank} connected from {address}")
+    finally:
+        server.close()
+    return peers
+
+
+def _closed(peer: Peer) -> bool:
+    peer.sock.setblocking(False)
+    try:
+        return peer.sock.recv(1, socket.MSG_PEEK) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+    finally:
+        peer.sock.setblocking(True)
+
+
+def join_leader(leader: str, port: int, rank: int) -> tuple[Peer, str]:
+    """Rank > 0: connect to the leader (retrying until it listens), say the rank, wait for its generation."""
+    last_report = 0.0
+    while True:
+        try:
+            sock = socket.create_connection((leader, port), timeout=3.0)
+        except OSError as exc:
+            if time.monotonic() - last_report > REPORT_EVERY_S:
+                log(f"waiting for the leader at {leader}:{port} ({exc})")
+                last_report = time.monotonic()
+            time.sleep(CONNECT_RETRY_S)
+            continue
+        sock.settimeout(None)
+        peer = Peer(sock, 0)
+        try:
+            peer.send(f"rank {rank}")
+            word, _, generation = peer.read_line(None).partition(" ")
+        except (OSError, ConnectionError):
+            peer.close()
+            time.sleep(CONNECT_RETRY_S)
+            continue
+        if word == "go" and generation:
+            return peer, generation
+        peer.close()
+
+
+def start_vllm(argv: list[str]) -> subprocess.Popen[bytes]:
+    """vLLM in its own process group, so stopping it stops its engine and workers too."""
+    return subprocess.Popen(argv, start_new_session=True)
+
+
+def stop_vllm(child: subprocess.Popen[bytes]) -> None:
+    """SIGTERM to vLLM's process group, SIGKILL after STOP_GRACE_S."""
+    for sig, wait in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, 5.0)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.pid, sig)
+        try:
+            child.wait(wait)
+        except subprocess.TimeoutExpired:
+            continue
+        with contextlib.suppress(ProcessLookupError):  # workers may outlive vLLM's main process: none is left
+            os.killpg(child.pid, signal.SIGKILL)
+        return
+
+
+def watch(child: subprocess.Popen[bytes], peers: list[Peer]) -> str:
+    """Heartbeat the peers until vLLM exits or a peer is lost; why it ended."""
+    selector = selectors.DefaultSelector()
+    for peer in peers:
+        selector.register(peer.sock, selectors.EVENT_READ, peer)
+    next_beat = 0.0
+    while True:
+        code = child.poll()
+        if code is not None:
+            return f"vLLM exited with status {code}"
+        now = time.monotonic()
+        if now >= next_beat:
+            for peer in peers:
+                try:
+                    peer.send("hb")
+                except OSError as exc:
+                    return f"rank {peer.rank} is unreachable ({exc})"
+            next_beat = now + HEARTBEAT_S
+        for key, _ in selector.select(timeout=0.5):
+            peer = key.data
+            try:
+                peer.lines()
+            except (OSError, ConnectionError) as exc:
+                return f"rank {peer.rank}'s connection ended ({exc})"
+        for peer in peers:
+            if time.monotonic() - peer.heard > SILENT_LIMIT_S:
+                return f"rank {peer.rank} has been silent for {SILENT_LIMIT_S:.0f} s"
+
+
+def run(config: dict[str, Any], argv: list[str]) -> int:
+    nodes, rank = int(config["nodes"]), int(config["rank"])
+    if nodes <= 1:
+        os.execv(argv[0], argv)
+    port = int(config["port"])
+    peers: list[Peer] = []
+    child: subprocess.Popen[bytes] | None = None
+    try:
+        if rank == 0:
+            followers = gather_followers(str(config["bind"]), port, nodes)
+            generation = secrets.token_hex(4)
+            for peer in followers.values():
+                peer.send(f"go {generation}")
+            peers = list(followers.values())
+        else:
+            leader, generation = join_leader(str(config["leader"]), port, rank)
+            peers = [leader]
+        log(f"rank {rank} of {nodes}: generation {generation}, starting vLLM")
+        child = start_vllm(argv)
+        why = watch(child, peers)
+        log(f"rank {rank}: {why}; stopping vLLM so the whole replica starts again")
+        stop_vllm(child)
+        return PEER_LOST
+    except Stopped as stop:
+        log(f"rank {rank}: {stop}, stopping vLLM")
+        if child is not None:
+            stop_vllm(child)
+        return 0
+    except OSError as exc:  # the leader cannot listen (address or port taken)
+        log(f"rank {rank}: {exc}")
+        if child is not None:
+            stop_vllm(child)
+        return PEER_LOST
+    finally:
+        for peer in peers:
+            peer.close()
+
+
+def main(args: list[str]) -> int:
+    if len(args) < 3 or args[1] != "--":
+        log("usage: replica_rank.py RANKS_JSON -- VLLM_ARGV...")
+        return 2
+    with open(args[0]) as handle:
+        config = json.load(handle)
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    return run(config, args[2:])
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
