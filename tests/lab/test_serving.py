@@ -261,12 +261,14 @@ def _vllm_child(lab: Lab, node: NodeRecord, unit: str) -> int:
 
 
 class RequestLoop(threading.Thread):
-    """Completions against one replica, one at a time, until stopped or ``limit_s`` passed (at most ``limit``
-    requests): what must keep answering while another replica fails."""
+    """Completions against one replica, one every ``pause_s``, until stopped or ``limit_s`` passed (at most
+    ``limit`` requests): what must keep answering while another replica fails. Spaced out because the lab's
+    CPU vLLMs share this machine's two cores: a replica kept busy starves the one restarting."""
 
-    def __init__(self, lab: Lab, node: NodeRecord, limit_s: float = 900, limit: int = 2000) -> None:
+    def __init__(self, lab: Lab, node: NodeRecord, limit_s: float = 900, limit: int = 400,
+                 pause_s: float = 3.0) -> None:
         super().__init__(daemon=True)
-        self.lab, self.node, self.limit_s, self.limit = lab, node, limit_s, limit
+        self.lab, self.node, self.limit_s, self.limit, self.pause_s = lab, node, limit_s, limit, pause_s
         self.done = threading.Event()
         self.sent = 0
         self.failures: list[str] = []
@@ -279,7 +281,7 @@ class RequestLoop(threading.Thread):
                 _completion_tokens(self.lab, self.node)
             except (OSError, AssertionError) as exc:
                 self.failures.append(str(exc)[:200])
-            self.done.wait(0.5)
+            self.done.wait(self.pause_s)
 
     def stop(self) -> None:
         self.done.set()
