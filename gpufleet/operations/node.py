@@ -105,7 +105,12 @@ def _merge(value: NodeStateValue) -> None:
         reading[kind].update(value[kind])  # type: ignore[literal-required]
 
 
-_KINDS = ("paths", "texts", "units", "packages", "users", "groups", "listings")
+def _wanted(paths: Iterable[str], texts: Iterable[str], units: Iterable[str], packages: Iterable[str],
+            users: Iterable[str], groups: Iterable[str], listings: Iterable[str]) -> dict[str, list[str]]:
+    """Each kind's items, sorted, once each."""
+    what = {"paths": paths, "texts": texts, "units": units, "packages": packages, "users": users,
+            "groups": groups, "listings": listings}
+    return {kind: sorted(set(items)) for kind, items in what.items()}
 
 
 def observe(name: str, paths: Iterable[str] = (), texts: Iterable[str] = (), units: Iterable[str] = (),
@@ -115,9 +120,7 @@ def observe(name: str, paths: Iterable[str] = (), texts: Iterable[str] = (), uni
 
     + paths, texts, units, packages, users, groups, listings: see :class:`gpufleet.facts.NodeState`
     """
-    what = {"paths": paths, "texts": texts, "units": units, "packages": packages, "users": users,
-            "groups": groups, "listings": listings}
-    wanted = {kind: sorted(set(items)) for kind, items in what.items()}
+    wanted = _wanted(paths, texts, units, packages, users, groups, listings)
     planned = _observed.setdefault(current_host(), {})
     for kind, items in wanted.items():
         planned.setdefault(kind, set()).update(items)
@@ -137,16 +140,14 @@ def read_state(paths: Iterable[str] = (), texts: Iterable[str] = (), units: Iter
 
     + paths, texts, units, packages, users, groups, listings: see :class:`gpufleet.facts.NodeState`
     """
-    what = {"paths": paths, "texts": texts, "units": units, "packages": packages, "users": users,
-            "groups": groups, "listings": listings}
-    wanted = {kind: sorted(set(items)) for kind, items in what.items()}
+    wanted = _wanted(paths, texts, units, packages, users, groups, listings)
     current = current_host()
     if current in _ran_commands:
         asked = wanted
     elif current not in _first_read:
         _first_read.add(current)
         planned = _observed.get(current, {})
-        asked = {kind: sorted(set(wanted[kind]) | planned.get(kind, set())) for kind in _KINDS}
+        asked = {kind: sorted(set(items) | planned.get(kind, set())) for kind, items in wanted.items()}
     else:
         asked = {kind: [item for item in items if not _known(kind, item)] for kind, items in wanted.items()}
     count = sum(len(items) for items in asked.values())
