@@ -17,7 +17,6 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
@@ -290,7 +289,7 @@ class RequestLoop(threading.Thread):
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_kill_9_of_any_rank_restarts_the_whole_pipeline_replica_once(lab: Lab, rank: int,
-                                                                     record_property: Any) -> None:
+                                                                     tmp_path_factory: pytest.TempPathFactory) -> None:
     """Killing either rank's vLLM stops the other rank too; both start again as one new generation and the
     replica serves, without an operator; lab1's replica answers throughout."""
     unit = f"vllm@{PIPELINE}"
@@ -314,9 +313,10 @@ def test_kill_9_of_any_rank_restarts_the_whole_pipeline_replica_once(lab: Lab, r
         count = int(lab.host(n).check_output(f"systemctl show -p NRestarts --value {unit}"))
         assert count == int(restarts[n.name]) + 1, (n.name, restarts[n.name], count)
     assert loop.sent > 0 and loop.failures == [], loop.failures[:3]
-    record_property(f"recovered_after_kill_of_rank_{rank}_s", round(recovered, 1))
-    print(f"kill -9 of rank {rank}: the pipeline replica served again after {recovered:.1f} s;"
-          f" lab1 answered {loop.sent} requests meanwhile, none failed")
+    figure = {"fault": f"kill -9 of rank {rank}'s vLLM", "replica": PIPELINE, "serving_again_s": round(recovered, 1),
+              "other_replica_requests": loop.sent, "other_replica_failures": 0}
+    with (tmp_path_factory.getbasetemp() / "lab-fault-figures.jsonl").open("a") as figures:
+        figures.write(json.dumps(figure) + "\n")  # the session's figures, beside its temporary files
 
 
 def _lab_copy(tmp_path: Path, lab_single_extra: str) -> str:
