@@ -178,7 +178,8 @@ def _vllm(_: str) -> Unit:
     etc = f"{node_paths.VLLM_ETC}/{replica}"
     return Unit("vllm@.service", _render("vllm/vllm@.service.j2", **values),
                 [f"{etc}/venv/bin/python", f"{etc}/venv/bin/vllm"],
-                [f"{etc}/venv/bin/vllm", "serve", "/var/lib/gpufleet/models/m $HOME", "--config", f"{etc}/config.yaml"],
+                [f"{etc}/venv/bin/python", node_paths.node_tool("replica_rank.py"), f"{etc}/ranks.json", "--",
+                 f"{etc}/venv/bin/vllm", "serve", "/var/lib/gpufleet/models/m $HOME", "--config", f"{etc}/config.yaml"],
                 instance=replica, env={"VLLM_MODEL": "/var/lib/gpufleet/models/m $HOME"})
 
 
