@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from io import BytesIO
 from pathlib import Path
 from uuid import uuid4
@@ -11,6 +12,7 @@ from pyinfra.api.arguments import ConnectorArguments
 from pyinfra.api.command import FileUploadCommand, QuoteString, StringCommand
 from pyinfra.context import host
 
+from gpufleet.digest import file_sha256
 from gpufleet.operations import node
 from gpufleet.operations.node import Commands, fail, gpufleet_operation
 
@@ -59,12 +61,14 @@ def _directory(path: str, user: str, group: str, mode: str) -> Commands:
     yield from _owner_and_mode(path, user, group, mode)
 
 
-def _content(content: str | bytes | None, src: str | None) -> bytes:
+def _content(content: str | bytes | None, src: str | None) -> tuple[str, Callable[[], bytes]]:
+    """The wanted digest, and how to get the bytes (read from ``src`` only when they must be uploaded)."""
     if (content is None) == (src is None):
         raise ValueError("expected exactly one of content and src")
     if src is not None:
-        return Path(src).read_bytes()
-    return content.encode() if isinstance(content, str) else bytes(content or b"")
+        return file_sha256(src), Path(src).read_bytes
+    data = content.encode() if isinstance(content, str) else bytes(content or b"")
+    return hashlib.sha256(data).hexdigest(), lambda: data
 
 
 @gpufleet_operation()
@@ -80,24 +84,24 @@ def file(dest: str, content: str | bytes | None = None, src: str | None = None, 
     + user, group: owner
     + mode: octal mode
     """
-    changes = list(_file(dest, _content(content, src), user, group, mode))
+    changes = list(_file(dest, *_content(content, src), user, group, mode))
     if not changes:
         host.noop(f"{dest} is up to date")
     yield from changes
 
 
-def _file(dest: str, data: bytes, user: str, group: str, mode: str) -> Commands:
+def _file(dest: str, digest: str, data: Callable[[], bytes], user: str, group: str, mode: str) -> Commands:
     """What :func:`file` yields (without its noop: :func:`tree` reports once for all)."""
     found = node.path(dest)
     if found["type"] not in ("file", "missing"):
         yield fail(f"{dest}: expected a file, found a {found['type']}")
         return
-    if found["type"] == "missing" or found.get("sha256") != hashlib.sha256(data).hexdigest():
+    if found["type"] == "missing" or found.get("sha256") != digest:
         node.forget("paths", dest)
         staged = f"{dest}.gpufleet-new"
         if found["type"] == "missing":
             yield StringCommand("mkdir", "-p", QuoteString(str(Path(dest).parent)))
-        yield FileUploadCommand(BytesIO(data), staged)
+        yield FileUploadCommand(BytesIO(data()), staged)
         yield StringCommand("chown", f"{user}:{group}", QuoteString(staged))
         yield StringCommand("chmod", mode, QuoteString(staged))
         yield StringCommand("mv", "-fT", QuoteString(staged), QuoteString(dest))
@@ -230,7 +234,7 @@ def tree(src: str, dest: str, user: str = "root", group: str = "root", mode: str
             node.forget("listings", pattern)
             changes.append(StringCommand("rm", "-rf", "--", *(QuoteString(p) for p in extra)))
     for relative, local in found.items():
-        changes += list(_file(f"{dest}/{relative}", local.read_bytes(), user, group, mode))
+        changes += list(_file(f"{dest}/{relative}", file_sha256(local), local.read_bytes, user, group, mode))
     if not changes:
         host.noop(f"{dest} matches {src}: {len(found)} files")
     yield from changes
