@@ -359,21 +359,10 @@ class NvmlGpuFacts(FactBase[dict[str, Any] | None]):  # None: the probe printed 
 
     .. code:: python
 
-        {
-            "schema": "gpufleet.gpu-facts/1",
-            "hostname": "gpu-a01",
-            "nvml": {"available": True, "error": None},
-            "driver_version": "580.95.05",
-            "cuda_driver_version": "13.0",
-            "nvml_version": "13.580.95.05",
-            "gpus": [
-                {"index": 0, "name": "NVIDIA H100 80GB HBM3", "pci_bus_id": "00000000:18:00.0",
-                 "persistence_mode": True, "nvlinks": [{"link": 0, "active": True, ...}, ...],
-                 "fabric": {"state": "completed", "status": "success", ...}, "unsupported": [], ...},
-            ],
-            "topology": [["X", "NV18"], ["NV18", "X"]],
-            "errors": [],
-        }
+        {"schema": "gpufleet.gpu-facts/1", "hostname": "gpu-a01", "driver_version": "580.95.05",
+         "gpus": [{"index": 0, "name": "NVIDIA H100 80GB HBM3", ...}], "topology": [["X", "NV18"], ...], ...}
+
+    The whole document, field by field: :mod:`gpufleet.gpu_facts`.
     """
 
     # No requires_command: pyinfra would quietly return the default when python is missing, and a
