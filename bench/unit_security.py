@@ -5,8 +5,9 @@
     python bench/unit_security.py --unit ssh.service
     python bench/unit_security.py --offline            # no lab: every template rendered as the roles render it
 
-Prints JSON: per node, per unit gpufleet writes (vllm@*.service instances, gpufleet-ray-*.service heads and
-workers, node_exporter.service, prometheus-node-exporter.service, dcgm-exporter.service, and any --unit), either
+Prints JSON: per node, per unit gpufleet writes (vllm@*.service and vllm-watchdog@*.service instances,
+gpufleet-ray-*.service heads and workers, node_exporter.service, prometheus-node-exporter.service,
+dcgm-exporter.service, gpufleet-gpu-watch.service, and any --unit), either
 ``{"present": true, "exposure": 1.7, "level": "OK"}`` (0.0 confined .. 10.0 exposed) or
 ``{"present": false}``; then ``worst`` (the highest exposure seen, per unit across nodes), ``bound``
 (gpufleet's limit, 2.0) and ``within_bound``. Exits 0 when every present unit is within the bound, else 3.
@@ -68,7 +69,7 @@ def rendered_units() -> dict[str, str]:
     from gpufleet.plan.commands import ray_start_argv
     from gpufleet.systemd_text import exec_line
     from gpufleet.templates import render
-    from roles import dcgm_exporter, node_exporter, ray, vllm
+    from roles import dcgm_exporter, gpu_watch, node_exporter, ray, vllm
 
     layers, _ = role_default_layers()
     cfg, problems = validate_host(HostLayers("10.0.0.5", [*layers, Layer("bench", {
@@ -81,6 +82,8 @@ def rendered_units() -> dict[str, str]:
     system = "etc/systemd/system"
     found = {f"{system}/vllm@pool-0.service": render(
         "vllm/vllm@.service.j2", **vllm.unit_values(access.vllm_sources(cfg, nodes[0], nodes)))}
+    found[f"{system}/vllm-watchdog@pool-0.service"] = render("vllm/vllm-watchdog@.service.j2",
+                                                              **vllm.watchdog_unit_values(nodes[0]))
     for kind, head in (("head", None), ("worker", nodes[0])):
         found[f"{system}/{ray.unit_name(f'{kind}-0')}"] = render(
             "ray/ray.service.j2", kind=kind, replica=f"{kind}-0", env_file=ray_env_file(f"{kind}-0"),
@@ -95,6 +98,8 @@ def rendered_units() -> dict[str, str]:
     found[f"{system}/{dcgm_exporter.SERVICE}"] = render(
         "dcgm_exporter/dcgm-exporter.service.j2",
         **dcgm_exporter.unit_values(cfg.dcgm_exporter_port, nodes[0], access.exporter_sources(cfg, nodes[0])))
+    found[gpu_watch.SERVICE_FILE.lstrip("/")] = render("gpu_watch/gpufleet-gpu-watch.service.j2",
+                                                       **gpu_watch.service_values())
     return found
 
 
@@ -152,7 +157,7 @@ def summary(report: list[dict[str, Any]]) -> dict[str, Any]:
         for unit, rated in node["units"].items():
             if "exposure" in rated:
                 # instances of one template or pattern are one unit file: vllm@<replica>, gpufleet-ray-<replica>
-                name = re.sub(r"^(vllm@|gpufleet-ray-).+\.service$", r"\1*.service", unit)
+                name = re.sub(r"^(vllm@|vllm-watchdog@|gpufleet-ray-).+\.service$", r"\1*.service", unit)
                 worst[name] = max(worst.get(name, 0.0), float(rated["exposure"]))
             elif rated.get("present"):
                 worst[unit] = 10.0  # present but not rated: count it as exposed

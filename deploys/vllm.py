@@ -6,7 +6,8 @@ The fleet's configuration is validated before any operation runs (bad input: exi
 host's GPUs are probed once and the fleet planned from them. Every node gets the base setup, the
 NVIDIA driver and DCGM; a node whose GPUs then fail its ``gpu_health`` gate (or that the plan cannot
 use) stops there and is named in the report. The others get the exporters, vLLM, the Ray units of
-Ray replicas, and their replicas started and checked with one real completion (gpufleet.deploy.site).
+Ray replicas, their replicas started and checked with one real completion, and the GPU health watch that
+stops them while their GPUs fail at run time (gpufleet.deploy.site).
 """
 
 from gpufleet.deploy.context import context

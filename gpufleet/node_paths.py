@@ -19,8 +19,16 @@ RAY_ENV_DIR = f"{CONFIG_DIR}/ray"  # one environment file per Ray replica
 
 # gpufleet's node tools (standard library + pynvml only), copied from gpufleet/node/
 NODE_TOOLS_DIR = "/opt/gpufleet/node"
-NODE_TOOL_FILES = ("nvml_probe.py", "health_rules.py", "vllm_ready.py", "replica_rank.py")
+NODE_TOOL_FILES = ("nvml_probe.py", "health_rules.py", "vllm_ready.py", "replica_rank.py", "ray_join_wait.py",
+                   "gpu_watch.py", "replica_watchdog.py")
 NODE_PYNVML = f"{NODE_TOOLS_DIR}/pynvml.py"  # the controller's nvidia-ml-py bindings, for a Python without them
+
+# the GPU health watch (role gpu_watch): its timer runs gpu_watch.py, which stops the node's replicas while its GPUs
+# fail the gate and starts them again once they pass
+GPU_WATCH_SERVICE = "gpufleet-gpu-watch.service"
+GPU_WATCH_TIMER = "gpufleet-gpu-watch.timer"
+RUN_DIR = "/run/gpufleet"  # the watch's RuntimeDirectory= (gone at reboot)
+GPU_WATCH_MARKER = f"{RUN_DIR}/gpu-gate-failed"  # while the node fails: the failed rules and the units stopped
 
 # vLLM
 VLLM_ROOT = "/opt/vllm"  # one virtualenv per version: /opt/vllm/<version> -> /opt/vllm/.build-<version>-<digest>-*
@@ -29,6 +37,7 @@ PYCACHE_DIR = f"{VLLM_HOME}/pycache"  # bytecode the vllm user's processes compi
 RAY_TEMP_DIR = f"{VLLM_HOME}/ray"  # outside vLLM's PrivateTmp, so vLLM's driver reaches the local raylet
 MODELS_DIR = "/var/lib/gpufleet/models"  # root-owned: hub ids are downloaded to <MODELS_DIR>/<org>--<name>
 VLLM_UNIT_TEMPLATE = "vllm@.service"
+WATCHDOG_UNIT_TEMPLATE = "vllm-watchdog@.service"  # on a replica's first node: restarts it when it is wedged
 INSTALLED_MARKER = ".gpufleet-installed"  # in a virtualenv: what its install was asked for
 # uv, which installs vLLM's virtualenvs: installed by pip from the site's own wheels, one virtualenv per version
 UV_ROOT = "/opt/gpufleet/uv"  # <UV_ROOT>/<version> -> <UV_ROOT>/.build-<version>-*, whose bin/uv runs
@@ -43,6 +52,9 @@ DCGM_EXPORTER_COUNTERS = "/etc/dcgm-exporter/gpufleet-counters.csv"
 # apt
 KEYRING_DIR = "/etc/apt/keyrings"
 
+# systemd gives a unit this PATH when it sets none (systemd-path search-binaries-default on Debian 12)
+UNIT_DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
 
 def replica_dir(replica: str) -> str:
     """``/etc/gpufleet/vllm/<replica>``: the replica's config.yaml, vllm.env and venv link."""
@@ -52,6 +64,21 @@ def replica_dir(replica: str) -> str:
 def restart_marker(replica: str) -> str:
     """Present while a restart of ``replica`` that a deploy decided on has not completed."""
     return f"{replica_dir(replica)}/restart-pending"
+
+
+def watchdog_config(replica: str) -> str:
+    """What the replica's watchdog reads (root, 0644, no secrets): its unit, API URL, model name and times."""
+    return f"{replica_dir(replica)}/watchdog.json"
+
+
+def watchdog_unit(replica: str) -> str:
+    """The replica's watchdog on its first node: ``vllm-watchdog@<replica>.service``."""
+    return f"vllm-watchdog@{replica}.service"
+
+
+def watchdog_enabled_link(replica: str) -> str:
+    """What enabling the watchdog makes (``WantedBy=vllm@<replica>.service``): the replica's start pulls it in."""
+    return f"{SYSTEMD_DIR}/vllm@{replica}.service.wants/{watchdog_unit(replica)}"
 
 
 def replica_secrets(replica: str) -> str:
@@ -68,9 +95,27 @@ def ray_env_file(replica: str) -> str:
     return f"{RAY_ENV_DIR}/{replica}.env"
 
 
+RAY_UNIT_PREFIX = "gpufleet-ray-"
+
+
+def ray_unit(replica: str) -> str:
+    """The replica's Ray head or worker unit on a node: ``gpufleet-ray-<replica>.service``."""
+    return f"{RAY_UNIT_PREFIX}{replica}.service"
+
+
+def vllm_ray_drop_in(replica: str) -> str:
+    """On a Ray replica's head, what orders ``vllm@<replica>.service`` after its Ray cluster."""
+    return f"{SYSTEMD_DIR}/vllm@{replica}.service.d/ray.conf"
+
+
 def venv_dir(version: str) -> str:
     """One virtualenv per vLLM version, so an upgrade can switch and roll back."""
     return f"{VLLM_ROOT}/{version}"
+
+
+def cuda_home(cuda_version: str) -> str:
+    """``/usr/local/cuda-<major>.<minor>``: where NVIDIA's ``cuda-toolkit-<major>-<minor>`` packages install it."""
+    return f"/usr/local/cuda-{cuda_version}"
 
 
 def venv_bin(version: str, program: str) -> str:

@@ -14,15 +14,17 @@ import shlex
 from collections.abc import Callable
 from dataclasses import dataclass
 
-# Every service gpufleet writes a unit (or drop-in) for: vLLM's instances and the Ray head/worker units of
-# Ray replicas (patterns), node_exporter (tarball: our unit; package: Debian's unit with our drop-in) and
-# NVIDIA's DCGM exporter. Each must rate at most EXPOSURE_BOUND.
+# Every service gpufleet writes a unit (or drop-in) for: vLLM's instances, their watchdogs and the Ray head/worker
+# units of Ray replicas (patterns), node_exporter (tarball: our unit; package: Debian's unit with our drop-in), NVIDIA's
+# DCGM exporter and the GPU health watch. Each must rate at most EXPOSURE_BOUND.
 UNITS: tuple[str, ...] = (
     "vllm@*.service",
+    "vllm-watchdog@*.service",
     "gpufleet-ray-*.service",
     "node_exporter.service",
     "prometheus-node-exporter.service",
     "dcgm-exporter.service",
+    "gpufleet-gpu-watch.service",
 )
 
 # The most exposure a gpufleet unit may have on Debian 12's systemd 252: what is left is what the service

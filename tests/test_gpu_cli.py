@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 from pyinfra.api.exceptions import FactProcessError
+from pyinfra.context import ctx_host, ctx_state
 
 from gpufleet.cli_gpu import make_gate_command
 from gpufleet.facts import NvmlGpuFacts
@@ -20,7 +21,9 @@ from gpufleet.gpu_probe import gate_report
 from gpufleet.hardware_profiles import profile_facts
 from gpufleet.lab.nvml_sim import build_library, sim_environ
 from gpufleet.lab.sim_profile import apply_fault, write_sim_profile
-from gpufleet.node.health_rules import HealthPolicy
+from gpufleet.node.health_rules import HealthPolicy, evaluate
+from gpufleet.operations import gates
+from tests.test_facts_and_operations import FakeHost, FakeState
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = ["--python", sys.executable]  # the nodes' python: here, one that has nvidia-ml-py
@@ -166,6 +169,32 @@ def test_gate_uses_each_hosts_policy(tmp_path: Path, local_inventory: Path) -> N
                                 [str(local_inventory), "--facts", str(tmp_path / "facts")])
     assert result.exit_code == 1 and asked == ["@local"]
     assert "  gpu_model (gpu 7): 'NVIDIA H100 80GB HBM3' does not contain 'H200'" in result.output
+
+
+def test_a_gpu_lost_at_run_time_is_named_by_gate_and_by_check(tmp_path: Path, local_inventory: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """The NvmlGpuFacts case of a GPU lost at run time: ``gpufleet gate`` names the node and each failed rule, and
+    deploys/check.py fails the node with the same lines (the deploy context's gate failures are health_rules' lines,
+    which gates.check_report's case prints)."""
+    lost = json.loads((ROOT / "tests" / "facts" / "NvmlGpuFacts" / "gpu_lost_at_run_time.json").read_text())["fact"]
+    (tmp_path / "facts").mkdir()
+    (tmp_path / "facts" / "@local.json").write_text(json.dumps(lost))
+    policy = HealthPolicy(expected_gpu_count=2)
+    result = CliRunner().invoke(make_gate_command(lambda host: policy),
+                                [str(local_inventory), "--facts", str(tmp_path / "facts")])
+    assert result.exit_code == 1
+    assert result.output.splitlines() == [
+        "@local: FAIL (1 x NVIDIA GeForce RTX 4090, driver 580.95.05)",
+        "  nvml_errors (gpu 1): nvmlDeviceGetHandleByIndex failed: GPU is lost",
+        "  gpu_count (node): found 1 GPUs (indices 0), expected 2",
+        "gpu gate: 0 of 1 nodes pass, 1 fail",
+    ]
+    lines = [failure.line() for failure in evaluate(lost, policy)]
+    case = ROOT / "tests" / "operations" / "gates.check_report" / "gpu_lost_names_the_rule_and_the_gpu.json"
+    assert json.loads(case.read_text())["arguments"]["gate_failures"] == lines
+    with ctx_host.use(FakeHost({})), ctx_state.use(FakeState()):
+        assert list(gates.check_report._inner(gate_failures=lines))  # fails the host, one "gate: <line>" each
+    assert "[10.0.0.5] gate: fail; drift: 0 operation(s)" in capsys.readouterr().err
 
 
 def test_gate_report_mixes_probed_and_unprobed_hosts() -> None:

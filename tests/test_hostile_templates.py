@@ -12,6 +12,7 @@ Templates are rendered by :func:`gpufleet.templates.render` (what the roles writ
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shutil
@@ -25,15 +26,19 @@ import yaml
 
 import roles.common as common_role
 import roles.dcgm_exporter as dcgm_exporter_role
+import roles.gpu_watch as gpu_watch_role
 import roles.node_exporter as node_exporter_role
 import roles.ray as ray_role
 import roles.vllm as vllm_role
 from gpufleet import node_paths, systemd_text, templates
+from gpufleet.cli import fleet_facts
 from gpufleet.config.problems import ConfigError
-from gpufleet.deploy import access
+from gpufleet.deploy import access, ray_drop_in
 from gpufleet.deploy import vllm_files as vf
+from gpufleet.fleet import load_fleet
 from gpufleet.node import vllm_ready
 from gpufleet.plan.commands import ray_start_argv, serve_flags, serve_process
+from gpufleet.plan.planner import plan_fleet
 from tests.conftest import ROOT
 from tests.test_vllm_role import _config
 
@@ -150,6 +155,7 @@ class Unit:
     instance: str = ""
     env: dict[str, str] = field(default_factory=dict)
     drop_in_for: str | None = None
+    extra: dict[str, str] = field(default_factory=dict)  # units installed beside it (name -> text)
 
 
 def _render(template: str, **values: object) -> str:
@@ -183,6 +189,26 @@ def _vllm(_: str) -> Unit:
                 instance=replica, env={"VLLM_MODEL": "/var/lib/gpufleet/models/m $HOME"})
 
 
+def _vllm_watchdog(address: str) -> Unit:
+    replica = "pool-0"
+    etc = f"{node_paths.VLLM_ETC}/{replica}"
+    return Unit(node_paths.WATCHDOG_UNIT_TEMPLATE,
+                _render("vllm/vllm-watchdog@.service.j2", **vllm_role.watchdog_unit_values(address)),
+                [f"{etc}/venv/bin/python"],
+                [f"{etc}/venv/bin/python", "-I", node_paths.node_tool("replica_watchdog.py"),
+                 node_paths.watchdog_config(replica)], instance=replica)
+
+
+def _gpu_watch(_: str) -> Unit:
+    """The watch's service, and beside it the timer that starts it (verified with it)."""
+    values = gpu_watch_role.service_values()
+    argv = [gpu_watch_role.PYTHON, node_paths.node_tool("gpu_watch.py"), "--policy", node_paths.GATE_POLICY,
+            "--marker", node_paths.GPU_WATCH_MARKER]
+    timer = _render("gpu_watch/gpufleet-gpu-watch.timer.j2", **gpu_watch_role.timer_values(30))
+    return Unit(node_paths.GPU_WATCH_SERVICE, _render("gpu_watch/gpufleet-gpu-watch.service.j2", **values),
+                [gpu_watch_role.PYTHON], argv, extra={node_paths.GPU_WATCH_TIMER: timer})
+
+
 def _dcgm_exporter(address: str) -> Unit:
     values = dcgm_exporter_role.unit_values(9400, address, ["10.0.0.0/24"])
     listen = f"[{address}]:9400" if ":" in address else f"{address}:9400"
@@ -210,7 +236,9 @@ UNIT_CASES: list[tuple[str, Callable[[str], Unit]]] = [
     ("node_exporter tarball unit", _node_exporter_tarball),
     ("node_exporter package drop-in", _node_exporter_package),
     ("vllm@.service", _vllm),
+    ("vllm-watchdog@.service", _vllm_watchdog),
     ("dcgm-exporter.service", _dcgm_exporter),
+    ("gpufleet-gpu-watch.service and its timer", _gpu_watch),
     ("ray unit of a head", _ray),
 ]
 # Templates that are not systemd units or environment files (apt sources and preferences, DCGM's CSV).
@@ -218,7 +246,10 @@ NOT_SYSTEMD = {"nvidia_driver/51gpufleet-nvidia-driver.conf.j2", "nvidia_driver/
                "nvidia_driver/gpufleet-nvidia.list.j2", "dcgm_exporter/counters.csv.j2"}
 COVERED = {"node_exporter/node_exporter.service.j2", "node_exporter/package-override.conf.j2",
            "node_exporter/sandbox.conf.j2", "vllm/vllm@.service.j2", "dcgm_exporter/dcgm-exporter.service.j2",
-           "ray/ray.service.j2", "common/node.env.j2", "_sandbox.conf.j2"}  # the sandbox: in every unit
+           "vllm/vllm-watchdog@.service.j2", "ray/ray.service.j2", "common/node.env.j2",
+           "gpu_watch/gpufleet-gpu-watch.service.j2", "gpu_watch/gpufleet-gpu-watch.timer.j2",
+           "_sandbox.conf.j2",  # the sandbox: in every unit
+           "vllm/ray.conf.j2"}  # with vllm@.service and the Ray unit: test_the_ray_drop_in_...
 
 
 def test_every_template_is_covered_here_or_named_as_not_systemd() -> None:
@@ -232,7 +263,7 @@ def _stub_root(root: Path, units: list[Unit]) -> None:
     system.mkdir(parents=True)
     for stub in ("sysinit.target", "basic.target", "shutdown.target", "multi-user.target", "network-online.target",
                  "sockets.target", "paths.target", "timers.target", "system.slice", "-.slice",
-                 "nvidia-dcgm.service"):
+                 "nvidia-dcgm.service", "vllm@.service"):  # vllm@ for its watchdog (a unit overwrites it)
         (system / stub).write_text("[Unit]\nDescription=stub\n" +
                                    ("[Service]\nExecStart=/bin/true\n" if stub.endswith(".service") else ""))
     (root / "bin").mkdir()
@@ -248,6 +279,8 @@ def _stub_root(root: Path, units: list[Unit]) -> None:
                 f"[Unit]\nDescription=Debian's unit\n[Service]\nExecStart={unit.programs[0]}\n")
         (system / unit.name).parent.mkdir(parents=True, exist_ok=True)
         (system / unit.name).write_text(unit.text)
+        for name, text in unit.extra.items():
+            (system / name).write_text(text)
 
 
 def _verify(root: Path, name: str) -> None:
@@ -267,9 +300,33 @@ def test_units_pass_systemd_analyze_and_run_the_literal_argv(tmp_path: Path, cas
     _stub_root(tmp_path, [unit])
     instance_name = unit.name.replace("@.", f"@{unit.instance}.") if unit.instance else unit.name
     _verify(tmp_path, unit.drop_in_for or instance_name)
+    for name in unit.extra:
+        _verify(tmp_path, name)
     exec_starts = [value for section, key, value in unit_settings(unit.text) if key == "ExecStart" and value]
     assert len(exec_starts) == 1, exec_starts
     assert exec_argv(exec_starts[0], unit.instance, unit.env) == unit.argv
+
+
+@pytest.mark.parametrize("address", ["10.0.0.5", "fd00::5"])
+def test_the_ray_drop_in_passes_systemd_analyze_with_its_units_and_runs_the_literal_wait(tmp_path: Path,
+                                                                                        address: str) -> None:
+    """vllm@<replica> with the Ray head's drop-in, beside the Ray head's unit it requires and is ordered after."""
+    fleet = load_fleet(str(ROOT / "tests" / "plans" / "b_two_nodes_ray" / "inventory.py"))
+    (replica,) = plan_fleet(fleet, fleet_facts(fleet, None)).replicas
+    replica = dataclasses.replace(replica, name="pool-0")  # the replica _vllm and _ray render for
+    head = dataclasses.replace(replica.roles[0], address=address)
+    cfg = fleet.configs[head.host]
+    text = ray_drop_in.drop_in(cfg, replica, head)
+    assert text is not None
+    vllm_unit, ray_unit = _vllm(address), _ray(address)
+    assert ray_unit.name == node_paths.ray_unit(replica.name)
+    drop_in = Unit(node_paths.vllm_ray_drop_in(replica.name).removeprefix(node_paths.SYSTEMD_DIR + "/"), text,
+                   vllm_unit.programs)
+    _stub_root(tmp_path, [vllm_unit, ray_unit, drop_in])
+    _verify(tmp_path, f"vllm@{replica.name}.service")
+    (wait,) = [value for _, key, value in unit_settings(text) if key == "ExecStartPre"]
+    assert exec_argv(wait, replica.name) == ray_drop_in.join_wait_argv(replica, head, cfg.ray_port,
+                                                                       cfg.ray_ready_timeout)
 
 
 def test_hostile_words_pass_systemd_analyze_and_read_back_literally(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -24,7 +25,7 @@ import pytest
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
-from gpufleet.lab import mirror, standin_debs, tiny_model, wheelhouse
+from gpufleet.lab import mirror, nvml_sim, standin_debs, tiny_model, wheelhouse
 from gpufleet.lab.double_programs import dcgm_exporter
 from gpufleet.lab.errors import LabError
 
@@ -32,6 +33,7 @@ DRIVER = standin_debs.DRIVER_VERSION
 EXPECTED = {
     "nvidia-driver-580-open": DRIVER,
     "nvidia-driver-580": DRIVER,
+    "libnvidia-compute-580": DRIVER,
     "cuda-drivers-580": DRIVER,
     "nvidia-driver-pinning-580": DRIVER,
     "nvidia-fabricmanager-580": DRIVER,
@@ -39,6 +41,7 @@ EXPECTED = {
     "datacenter-gpu-manager-4-core": "1:4.4.1-1",
     "datacenter-gpu-manager-4-cuda13": "1:4.4.1-1",
     "datacenter-gpu-manager-exporter": "4.4.1-4.6.0-1",
+    "cuda-toolkit-13-0": "13.0.2-1",
 }
 PROGRAMS = Path(dcgm_exporter.__file__).parent
 
@@ -123,11 +126,18 @@ def test_every_package_says_it_is_a_lab_double(debs: dict[str, Path]) -> None:
         assert f"/usr/share/doc/{name}/LAB-DOUBLE" in paths
 
 
-def test_files_are_root_owned_and_no_nvml_library_is_shipped(debs: dict[str, Path]) -> None:
-    for deb in debs.values():
+def test_files_are_root_owned_and_nvml_comes_with_the_driver_only(debs: dict[str, Path], tmp_path: Path) -> None:
+    shipping = set()
+    for name, deb in debs.items():
         for owner, path in _contents(deb):
             assert owner == "root/root", (deb.name, path)
-            assert "libnvidia-ml" not in path, (deb.name, path)
+            if path.endswith("/libnvidia-ml.so.1"):
+                shipping.add((name, path))
+    assert shipping == {("libnvidia-compute-580", f"/{nvml_sim.library_dir()}/libnvidia-ml.so.1")}
+    for driver in ("nvidia-driver-580-open", "nvidia-driver-580"):
+        assert _field(debs[driver], "Depends") == f"libnvidia-compute-580 (= {DRIVER})"
+    subprocess.run(["dpkg-deb", "-e", str(debs["libnvidia-compute-580"]), str(tmp_path)], check=True)
+    assert (tmp_path / "triggers").read_text() == "activate-noawait ldconfig\n"  # ld.so finds it at once
 
 
 def test_service_doubles_ship_the_real_unit_names(debs: dict[str, Path]) -> None:
@@ -150,6 +160,23 @@ def test_unit_runs_the_double_and_maintainer_scripts_are_valid_sh(debs: dict[str
     for script in ("postinst", "prerm", "postrm"):
         subprocess.run(["sh", "-n", str(tmp_path / "DEBIAN" / script)], check=True)
         assert os.access(tmp_path / "DEBIAN" / script, os.X_OK)
+
+
+def test_cuda_toolkit_double_has_nvidias_layout_and_an_nvcc_that_compiles_nothing(tmp_path: Path) -> None:
+    (deb,) = standin_debs.build_debs(tmp_path / "debs", [standin_debs.cuda_toolkit_double()])
+    assert (_field(deb, "Package"), _field(deb, "Version")) == ("cuda-toolkit-13-0", "13.0.2-1")
+    assert _field(deb, "Description").startswith("LAB DOUBLE of NVIDIA's CUDA toolkit 13.0")
+    assert {path for owner, path in _contents(deb) if not path.endswith("/")} == {
+        "/usr/share/doc/cuda-toolkit-13-0/LAB-DOUBLE", "/usr/local/cuda-13.0/bin/nvcc",
+        "/usr/local/cuda-13.0/include/LAB-DOUBLE", "/usr/local/cuda-13.0/lib64/LAB-DOUBLE"}
+    subprocess.run(["dpkg-deb", "-x", str(deb), str(tmp_path / "root")], check=True)
+    nvcc = tmp_path / "root/usr/local/cuda-13.0/bin/nvcc"
+    version = subprocess.run([str(nvcc), "--version"], capture_output=True, text=True, timeout=30)
+    assert version.returncode == 0 and "LAB DOUBLE" in version.stdout
+    # what vLLM's kernel builders read from it: "release MAJOR.MINOR" (and "V<version>")
+    assert re.search(r"release 13\.0, V13\.0\.2$", version.stdout, re.MULTILINE), version.stdout
+    compile_ = subprocess.run([str(nvcc), "-c", "kernel.cu"], capture_output=True, text=True, timeout=30)
+    assert compile_.returncode != 0 and "LAB DOUBLE" in compile_.stderr
 
 
 def test_debs_build_reproducibly(debs: dict[str, Path], tmp_path: Path) -> None:
@@ -445,7 +472,7 @@ def test_prepare_lays_out_the_cache_dir(cache: Path) -> None:
 
 
 def test_a_new_signing_key_gets_the_index_signed_again(tmp_path: Path) -> None:
-    debs = standin_debs.build_debs(tmp_path / "debs", standin_debs.lab_doubles()[:1])
+    debs = standin_debs.build_debs(tmp_path / "debs", standin_debs.lab_doubles(nvml_library=b"")[:1])
     first = mirror.build_apt_repo(tmp_path / "www/apt", debs=debs, gnupg_home=tmp_path / "gnupg")
     shutil.rmtree(tmp_path / "gnupg")  # the key is lost: a new one is generated
     second = mirror.build_apt_repo(tmp_path / "www/apt", debs=debs, gnupg_home=tmp_path / "gnupg")

@@ -229,7 +229,7 @@ def test_library_is_cached_by_source_hash(sim_lib: Path) -> None:
     assert sim_lib.stat().st_mtime_ns == before
 
 
-@pytest.mark.parametrize("name", ["nvml_probe.py", "health_rules.py", "__init__.py"])
+@pytest.mark.parametrize("name", ["nvml_probe.py", "health_rules.py", "ray_join_wait.py", "__init__.py"])
 def test_node_files_import_only_stdlib_and_pynvml(name: str) -> None:
     tree = ast.parse((ROOT / "gpufleet" / "node" / name).read_text())
     imported = {alias.name.split(".")[0]

@@ -32,7 +32,7 @@ from gpufleet.operations.nvidia import (
 )
 from roles.dcgm import dcgm_package
 from roles.dcgm_exporter import COUNTERS_FILE, has_nvlink, unit_values
-from roles.nvidia_driver import driver_package, fabricmanager_package, has_nvswitch, keyring_path
+from roles.nvidia_driver import cuda_toolkit_package, driver_package, fabricmanager_package, has_nvswitch, keyring_path
 from tests.conftest import ROOT, Project, run_cli
 from tests.test_lab_mirror import _free_port, _get, _wait_for_port
 
@@ -107,9 +107,12 @@ def test_package_names() -> None:
     assert fabricmanager_package(580) == "nvidia-fabricmanager-580"
     assert dcgm_package("4", "13.0") == "datacenter-gpu-manager-4-cuda13"
     assert dcgm_package("4", "12.8") == "datacenter-gpu-manager-4-cuda12"
-    lab_packages = {d.name for d in standin_debs.lab_doubles()}
+    assert cuda_toolkit_package("13.0") == "cuda-toolkit-13-0"
+    assert cuda_toolkit_package("12.10") == "cuda-toolkit-12-10"
+    lab_packages = {d.name for d in standin_debs.lab_doubles(nvml_library=b"")}
     assert {driver_package(580, "open"), driver_package(580, "proprietary"), fabricmanager_package(580),
-            "nvidia-persistenced", dcgm_package("4", "13.0"), "datacenter-gpu-manager-exporter"} <= lab_packages
+            "nvidia-persistenced", dcgm_package("4", "13.0"), "datacenter-gpu-manager-exporter",
+            cuda_toolkit_package(DEFAULTS["cuda_version"])} <= lab_packages
 
 
 def test_apt_candidate_fact_reads_apt_cache_policy() -> None:

@@ -50,12 +50,16 @@ def _sandbox_directives() -> set[str]:
     return SANDBOX_DIRECTIVES | set(_DIRECTIVE.findall(_source(SANDBOX)))
 
 
-UNITS = [n for n in _names() if "[Service]" in _source(n)]  # every unit and drop-in
+# Drop-ins of gpufleet's own units: the unit they add to includes the sandbox (and they may write none of it).
+OWN_UNIT_DROP_INS = {"vllm/ray.conf.j2"}
+UNITS = [n for n in _names() if "[Service]" in _source(n) and n not in OWN_UNIT_DROP_INS]  # every unit and drop-in
 
 
 def test_the_units_are_found() -> None:
-    assert set(UNITS) == {"vllm/vllm@.service.j2", "ray/ray.service.j2", "dcgm_exporter/dcgm-exporter.service.j2",
-                          "node_exporter/node_exporter.service.j2", "node_exporter/package-override.conf.j2"}
+    assert set(UNITS) == {"vllm/vllm@.service.j2", "vllm/vllm-watchdog@.service.j2", "ray/ray.service.j2",
+                          "dcgm_exporter/dcgm-exporter.service.j2",
+                          "node_exporter/node_exporter.service.j2", "node_exporter/package-override.conf.j2",
+                          "gpu_watch/gpufleet-gpu-watch.service.j2"}
 
 
 @pytest.mark.parametrize("name", UNITS)
@@ -79,6 +83,8 @@ VALUES: dict[str, dict[str, object]] = {
     "vllm/vllm@.service.j2": {"etc": "/etc/gpufleet/vllm", "node_tools": "/opt/gpufleet/node",
                               "gate_policy": "/etc/gpufleet/gpu-health.json", "home": "/var/lib/vllm",
                               "secrets_dir": "/etc/gpufleet/secrets"},
+    "vllm/vllm-watchdog@.service.j2": {"etc": "/etc/gpufleet/vllm", "node_tools": "/opt/gpufleet/node",
+                                       "secrets_dir": "/etc/gpufleet/secrets"},
     "ray/ray.service.j2": {"kind": "head", "replica": "pool-0", "env_file": "/etc/gpufleet/ray/pool-0.env",
                            "token_file": "/etc/gpufleet/secrets/pool-0.ray.env", "exec_start": "/opt/ray start",
                            "ray": "/opt/ray"},
@@ -88,6 +94,11 @@ VALUES: dict[str, dict[str, object]] = {
                                                "hostengine_address": "localhost:5555"},
     "node_exporter/node_exporter.service.j2": _NODE_EXPORTER,
     "node_exporter/package-override.conf.j2": _NODE_EXPORTER,
+    "gpu_watch/gpufleet-gpu-watch.service.j2": {
+        "service": "gpufleet-gpu-watch.service", "timer": "gpufleet-gpu-watch.timer",
+        "node_tools": "/opt/gpufleet/node", "marker": "/run/gpufleet/gpu-gate-failed",
+        "node_env": "/etc/gpufleet/node.env", "exec_start": "/usr/bin/python3 /opt/gpufleet/node/gpu_watch.py",
+        "timeout": 300, "run_dir": "gpufleet"},
 }
 ALLOWED = unit_lines(["10.0.0.5/32"])
 
@@ -120,6 +131,11 @@ EXPECTED = {
     # PyTorch and Ray: CUDA devices, JIT-compiled kernels, their own affinity, NUMA policy and limits
     "vllm/vllm@.service.j2": BASE | GPU_COMPUTE,
     "ray/ray.service.j2": BASE | GPU_COMPUTE,
+    # root with no capability, only for systemctl: no device, W^X memory, no @resources (EPERM), no netlink
+    "vllm/vllm-watchdog@.service.j2": BASE | {
+        "UMask=0077", "ProtectHome=yes", "ProtectClock=yes", "ProtectProc=invisible", "MemoryDenyWriteExecute=yes",
+        "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6", f"{DENY} @resources", "SystemCallErrorNumber=EPERM",
+        "PrivateDevices=yes"},
     # NVML reads, a Go binary: W^X memory, no @resources (EPERM), no netlink
     "dcgm_exporter/dcgm-exporter.service.j2": BASE | {
         "UMask=0077", "ProtectHome=yes", "ProtectClock=yes", "ProtectProc=invisible", "MemoryDenyWriteExecute=yes",
@@ -128,6 +144,11 @@ EXPECTED = {
     # host metrics: no device, /home read-only, /proc whole, the clock's status readable
     "node_exporter/node_exporter.service.j2": BASE | NODE_EXPORTER,
     "node_exporter/package-override.conf.j2": BASE | NODE_EXPORTER,
+    # root with no capability, for systemctl; NVML reads (the probe), W^X memory, no @resources (EPERM), no netlink
+    "gpu_watch/gpufleet-gpu-watch.service.j2": BASE | {
+        "UMask=0077", "ProtectHome=yes", "ProtectClock=yes", "ProtectProc=invisible", "MemoryDenyWriteExecute=yes",
+        "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6", f"{DENY} @resources", "SystemCallErrorNumber=EPERM",
+        "DeviceAllow=char-nvidia-frontend rw", "DeviceAllow=char-nvidia-caps r"},
 }
 
 

@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import threading
@@ -244,6 +245,43 @@ def test_replica_env_is_offline_for_staged_weights(values: dict[str, str], offli
     env = vf.replica_env(_config(**values), {})
     assert (env.get("HF_HUB_OFFLINE") == "1") is offline
     assert env["VLLM_MODEL"] == vf.model_dir(_config(**values))
+
+
+UNIT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"  # systemd's, for a unit that sets none
+TOOLKIT_ENV = [  # (values, what every vLLM and Ray process gets besides HOME and PYTHONPYCACHEPREFIX)
+    ({}, {}),
+    ({"cuda_toolkit": False, "cuda_version": "12.8"}, {}),
+    ({"cuda_toolkit": True}, {
+        "CUDA_HOME": "/usr/local/cuda-13.0",
+        "PATH": "/usr/local/cuda-13.0/bin:/opt/vllm/0.33.0/bin:" + UNIT_PATH,
+    }),
+    ({"cuda_toolkit": True, "cuda_version": "12.8", "vllm_version": "0.32.0"}, {
+        "CUDA_HOME": "/usr/local/cuda-12.8",
+        "PATH": "/usr/local/cuda-12.8/bin:/opt/vllm/0.32.0/bin:" + UNIT_PATH,
+    }),
+]
+
+
+@pytest.mark.parametrize(("values", "toolkit"), TOOLKIT_ENV)
+def test_cuda_toolkit_gives_every_vllm_process_its_home_and_path(values: dict[str, object],
+                                                                 toolkit: dict[str, str]) -> None:
+    cfg = _config(**values)
+    env = vf.replica_env(cfg, {"CUDA_VISIBLE_DEVICES": "0"})
+    assert {name: env[name] for name in ("CUDA_HOME", "PATH") if name in env} == toolkit
+    assert vf.process_env(cfg) == {"HOME": "/var/lib/vllm", "PYTHONPYCACHEPREFIX": "/var/lib/vllm/pycache", **toolkit}
+    text = vf.env_file(env, "replica")
+    for name, value in toolkit.items():  # written whole: systemd expands nothing in an EnvironmentFile
+        assert f'{name}="{value}"' in text.splitlines()
+
+
+def test_unit_default_path_is_what_systemd_gives_a_unit() -> None:
+    """The PATH a toolkit's bin/ is put before: systemd's own for units that set none (Debian 12's systemd)."""
+    systemd_path = shutil.which("systemd-path")
+    if systemd_path is None:
+        pytest.skip("no systemd-path on this machine")
+    done = subprocess.run([systemd_path, "search-binaries-default"], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == node_paths.UNIT_DEFAULT_PATH == UNIT_PATH
 
 
 def test_model_dir_for_hub_ids_and_paths() -> None:

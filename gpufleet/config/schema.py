@@ -27,6 +27,9 @@ API_PORTS_WHEN_AUTO = 16
 """API ports kept free above ``vllm_port`` when ``vllm_replicas_per_node`` is auto (one per replica; a node
 has at most 16 GPUs, so at most 16 single-GPU replicas)."""
 
+WATCHDOG_MIN_STALL_S = 10
+"""The shortest ``vllm_watchdog_stall_s``: the watchdog looks every 5 s, and a real completion gets that long."""
+
 SECRET_KEYS = frozenset({"vllm_api_key", "vllm_hf_token", "ray_auth_token"})
 """Variables whose values are secret references; a value found there is never shown."""
 
@@ -168,6 +171,9 @@ class HostConfig(BaseModel):
     monitoring_addresses: Annotated[list[str], BeforeValidator(_each(grammar.ip_network))]
     gpu_health: Annotated[HealthPolicy, BeforeValidator(_health)]
 
+    # gpu_watch
+    gpu_watch_interval_s: int
+
     # vllm
     vllm_version: str
     vllm_model: _text(_model)  # type: ignore[valid-type]
@@ -206,6 +212,7 @@ class HostConfig(BaseModel):
     vllm_model_source: _text(_controller_dir) | None  # type: ignore[valid-type]
     vllm_start: bool
     vllm_ready_timeout: PositiveInt
+    vllm_watchdog_stall_s: int
     vllm_api_allowed_from: Annotated[list[str], BeforeValidator(_each(grammar.ip_network))] | None
 
     # ray
@@ -224,7 +231,8 @@ class HostConfig(BaseModel):
     nvidia_repo_url: str
     nvidia_repo_keyring_url: str
     nvidia_repo_key_fingerprint: Annotated[str, Field(pattern=r"^[0-9A-F]{40}$")]
-    cuda_version: Annotated[str, Field(pattern=r"^\d+\.\d+$")]
+    cuda_version: Annotated[str, Field(pattern=r"^[0-9]+\.[0-9]+$")]  # ASCII digits: a package name and a path
+    cuda_toolkit: bool
 
     # dcgm, exporters
     dcgm_version: Annotated[str, Field(pattern=r"^\d+$")]
@@ -242,6 +250,21 @@ class HostConfig(BaseModel):
 
     _check_secret = field_validator("vllm_api_key", "vllm_hf_token", "ray_auth_token", "vllm_pip_index_credentials",
                                     mode="before")(_secret_ref)
+
+    @field_validator("gpu_watch_interval_s")
+    @classmethod
+    def _watch_interval(cls, value: int) -> int:
+        if value != 0 and not 5 <= value <= 86400:
+            raise ValueError(f"expected 0 (off) or seconds from 5 to 86400, found {grammar.show(value)}")
+        return value
+
+    @field_validator("vllm_watchdog_stall_s")
+    @classmethod
+    def _watchdog_stall(cls, value: int) -> int:
+        if value != 0 and not WATCHDOG_MIN_STALL_S <= value <= 86400:
+            raise ValueError(f"expected 0 (off) or seconds from {WATCHDOG_MIN_STALL_S} to 86400,"
+                             f" found {grammar.show(value)}")
+        return value
 
     @field_validator("vllm_version")
     @classmethod

@@ -8,7 +8,9 @@ processes, except to and from the listed addresses and localhost):
 - a replica's Ray units: the replica's own nodes and the monitoring hosts (Ray's metrics port is in the
   same unit as its GCS, raylet and workers, so the monitoring hosts reach those too; the token guards them);
 - ``vllm@.service`` (the API and the mp rendezvous share it): the nodes of every replica the node takes part
-  in, the monitoring hosts and ``vllm_api_allowed_from``; no filter at all while that is null (API open).
+  in, the monitoring hosts and ``vllm_api_allowed_from``; no filter at all while that is null (API open);
+- ``vllm-watchdog@.service`` (it listens nowhere: it reaches its replica's API on this node): the node's own
+  address.
 
 The monitoring hosts are ``monitoring_addresses`` plus the hosts of an inventory group named ``monitoring``
 (their ``fleet_address``, else their inventory name, which must then be an IP address). Computed on the
@@ -65,6 +67,15 @@ def vllm_sources(cfg: HostConfig, node_address: str, peer_addresses: Iterable[st
         return None
     return allow_list([node_address], peer_addresses, monitoring_sources(cfg, group_hosts),
                       cfg.vllm_api_allowed_from)
+
+
+def watchdog_sources(node_address: str) -> list[str] | None:
+    """Whom a replica's watchdog may talk to: its node's API address. None (no filter) for a node known by a host
+    name, which systemd cannot filter on."""
+    try:
+        return allow_list([node_address])
+    except ConfigError:
+        return None
 
 
 def unit_lines(allowed: list[str] | None) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 from weakref import WeakKeyDictionary
@@ -21,13 +22,15 @@ from pyinfra.api.operation import OperationMeta
 from pyinfra.context import host as current_host
 
 from gpufleet.config.schema import HostConfig
-from gpufleet.deploy import op_order
+from gpufleet.deploy import lost_nodes, op_order
 from gpufleet.facts import NvmlGpuFacts
 from gpufleet.fleet import Fleet, fleet_from_state
 from gpufleet.gpu_facts import FactsError, NodeFacts, parse_facts
+from gpufleet.hardware_profiles import profile_facts
 from gpufleet.node import health_rules
 from gpufleet.operations.node import current_state, set_read_only
 from gpufleet.plan.commands import NodeRole
+from gpufleet.plan.layout import NodeShape, node_shape
 from gpufleet.plan.planner import FleetPlan, Replica, plan_fleet
 
 
@@ -43,12 +46,21 @@ class DeployContext:
     read_only: bool = False
     # replica -> the operations on any of its nodes whose change means "restart it"
     replica_changes: dict[str, list[OperationMeta]] = field(default_factory=dict)
+    # replica -> the operations on its first node whose change means "restart its watchdog" (not the replica)
+    watchdog_changes: dict[str, list[OperationMeta]] = field(default_factory=dict)
     # replica -> the start of its unit on each of its nodes (one that started a rank means: wait until it serves)
     replica_starts: dict[str, list[OperationMeta]] = field(default_factory=dict)
+    # multi-node replica -> node -> the vLLM, torch, Python and Ray versions and the model it runs the replica with
+    replica_stacks: dict[str, dict[str, dict[str, str | None]]] = field(default_factory=dict)
     # replicas with a restart record left by an earlier, interrupted run on any of their nodes
     pending_restarts: set[str] = field(default_factory=set)
     # replica -> the readiness wait on its first node
     readiness: dict[str, OperationMeta] = field(default_factory=dict)
+    # host -> the facts of its declared gpu_profile, planned with because its NVML could not answer yet (no
+    # driver): its gate probes it again after the driver role and requires the profile's GPUs
+    provisional: dict[str, NodeFacts] = field(default_factory=dict)
+    # host -> the driver role's operations whose change means: probe the node again before its gate
+    driver_changes: dict[str, list[OperationMeta]] = field(default_factory=dict)
 
     def served(self, replica: str) -> bool:
         """Whether the replica's readiness wait ran in this deploy and succeeded."""
@@ -109,6 +121,7 @@ def _build(st: Any, read_only: bool) -> DeployContext:
     ctx = DeployContext(fleet(), read_only=read_only)
     if read_only:
         set_read_only(st)
+    lost_nodes.watch(st)  # a node lost during the deploy fails its operation within a bound, and is named
     targets = list(st.inventory)
     probes = [gevent.spawn(_probe, target) for target in targets]  # every host at once
     gevent.joinall(probes)
@@ -119,10 +132,14 @@ def _build(st: Any, read_only: bool) -> DeployContext:
             ctx.gate_failures[target.name] = [f"probe: {error}"]
             continue
         ctx.facts[target.name] = facts
+        profile = ctx.fleet.configs[target.name].gpu_profile
+        if not facts.nvml.available and profile and not read_only:
+            ctx.provisional[target.name] = profile_facts(profile, facts.hostname)  # judged after the driver role
+            continue
         failures = health_rules.evaluate(doc, ctx.fleet.configs[target.name].gpu_health)
         if failures:
             ctx.gate_failures[target.name] = [f.line() for f in failures]
-    passing = {h: f for h, f in ctx.facts.items() if h not in ctx.gate_failures}
+    passing = {h: ctx.provisional.get(h, f) for h, f in ctx.facts.items() if h not in ctx.gate_failures}
     serving = Fleet(
         ctx.fleet.inventory,
         [h for h in ctx.fleet.hosts if h in passing],
@@ -148,8 +165,76 @@ def serve_blockers(host: Host | None = None) -> list[str]:
 
 
 def gpu_facts(host: Host | None = None) -> NodeFacts | None:
-    """The probed facts of ``host`` (None when it could not be probed)."""
+    """The facts ``host`` is planned with: its probed ones, or its declared profile's while its NVML cannot answer
+    (None when it could not be probed)."""
+    ctx = context()
+    name = (host or current_host).name
+    return ctx.provisional.get(name) or ctx.facts.get(name)
+
+
+def probed_facts(host: Host | None = None) -> NodeFacts | None:
+    """What the probe of ``host`` reported when the deploy started (None when it could not be probed)."""
     return context().facts.get((host or current_host).name)
+
+
+def driver_changed(meta: OperationMeta, host: Host | None = None) -> None:
+    """Count an operation of the driver role: when it changes the node, the gate probes the node again."""
+    context().driver_changes.setdefault((host or current_host).name, []).append(meta)
+
+
+def gate_verdict(host: Host | None = None) -> Callable[[], list[str]]:
+    """The gate's verdict on ``host``, taken when the gate runs: :func:`serve_blockers`, with the GPU part judged
+    again from a fresh probe when the node was planned from its declared profile or the driver role changed it
+    in this run (a node planned from its profile must report that profile's GPUs)."""
+    ctx, target = context(), host or current_host
+    blockers = serve_blockers(target)
+
+    def verdict() -> list[str]:
+        changed = any(m.is_complete() and m.did_change() for m in ctx.driver_changes.get(target.name, []))
+        if target.name not in ctx.provisional and not changed:
+            return blockers
+        plan_part = [line for line in blockers if line.startswith("plan: ")]
+        now = _judge_again(ctx, target)
+        if not now and target.name in ctx.gate_failures:  # passes now, but was left out of this deploy's plan
+            return [f"not planned in this deploy ({'; '.join(ctx.gate_failures[target.name])}); it passes its gate"
+                    " now: the next deploy plans it (a declared gpu_profile lets one deploy converge a node"
+                    " without a driver)"]
+        return now + plan_part
+
+    return verdict
+
+
+def _judge_again(ctx: DeployContext, target: Host) -> list[str]:
+    """The node's gate failures from probing it now; its facts are kept when it passes."""
+    doc, facts, error = _probe(target)
+    if doc is None or facts is None:
+        return [f"probe: {error}"]
+    failures = [f.line() for f in health_rules.evaluate(doc, ctx.fleet.configs[target.name].gpu_health)]
+    planned = ctx.provisional.get(target.name)
+    if planned is not None and not failures:
+        failures = profile_mismatch(ctx.fleet.configs[target.name].gpu_profile or "", planned, facts)
+    if not failures:
+        ctx.facts[target.name] = facts
+    return failures
+
+
+def profile_mismatch(profile: str, planned: NodeFacts, probed: NodeFacts) -> list[str]:
+    """Why the probed GPUs are not the ones the node was planned with from its declared ``gpu_profile`` (GPU
+    names, NVLink islands and NUMA nodes as placement reads them; at least the planned memory); empty when
+    they are."""
+    want, found = node_shape("", planned), node_shape("", probed)
+    if (want.gpu_names, want.islands, want.numa) == (found.gpu_names, found.islands, found.numa) \
+            and found.memory_bytes >= want.memory_bytes:
+        return []
+    return [f"gpu_profile: planned as {profile} ({_shape_line(want)}), NVML reports {_shape_line(found)};"
+            " the next deploy plans from the probed GPUs"]
+
+
+def _shape_line(shape: NodeShape) -> str:
+    names = sorted(set(shape.gpu_names)) or ["no GPU"]
+    islands = "/".join(str(len(i)) for i in shape.islands) or "none"
+    return (f"{shape.count} x {', '.join(names)}, {shape.memory_bytes // 2**20} MiB each, NVLink islands {islands},"
+            f" NUMA {','.join(map(str, shape.numa)) or '-'}")
 
 
 def assignments(host: Host | None = None) -> list[tuple[Replica, NodeRole]]:

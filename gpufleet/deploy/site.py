@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from pyinfra.api.deploy import deploy
 
-from gpufleet.deploy.context import serve_blockers
+from gpufleet.deploy.context import gate_verdict
 from gpufleet.operations import gates
 from roles.common import common
 from roles.dcgm import dcgm
 from roles.dcgm_exporter import dcgm_exporter
+from roles.gpu_watch import gpu_watch
 from roles.node_exporter import node_exporter
 from roles.nvidia_driver import nvidia_driver
 from roles.ray import ray
@@ -18,11 +19,13 @@ from roles.vllm import vllm_install, vllm_serve
 
 @deploy("GPU health gate")
 def gpu_gate() -> None:
-    """Stop a host whose GPUs fail its ``gpu_health`` policy (or that the plan cannot use) before it serves."""
-    gates.gpu_gate(name="GPU health gate", failures=serve_blockers())
+    """Stop a host whose GPUs fail its ``gpu_health`` policy (or that the plan cannot use) before it serves; a
+    node the driver role changed, or planned from its declared profile, is judged on a fresh probe."""
+    gates.gpu_gate(name="GPU health gate", verdict=gate_verdict())
 
 
-SITE = (common, nvidia_driver, dcgm, gpu_gate, node_exporter, dcgm_exporter, vllm_install, ray, vllm_serve)
+SITE = (common, nvidia_driver, dcgm, gpu_gate, node_exporter, dcgm_exporter, vllm_install, ray, vllm_serve,
+        gpu_watch)
 
 
 def site() -> None:

@@ -2,8 +2,10 @@
 
 - ``config.yaml``: every ``vllm serve`` flag of the replica's process (``Process.config_yaml``), passed as
   ``--config PATH``;
-- ``vllm.env``: its plain environment (the model's path, VLLM_HOST_IP, the GPU set, NCCL/GLOO interface);
+- ``vllm.env``: its plain environment (the model's path, VLLM_HOST_IP, the GPU set, NCCL/GLOO interface, and
+  with ``cuda_toolkit`` CUDA_HOME and PATH);
 - ``secrets.env``: VLLM_API_KEY and HF_TOKEN, read here from the controller's references, 0600 root;
+- ``watchdog.json`` (on the replica's first node): what its watchdog watches and how long it waits;
 
 and the shell the role runs as root on a node (installing vLLM, downloading the model), every value in it
 quoted with ``shlex.quote`` and no secret in its text.
@@ -22,17 +24,21 @@ from urllib.parse import quote, urlsplit, urlunsplit
 
 from gpufleet.config.problems import ConfigError, Problem
 from gpufleet.config.schema import HostConfig, SecretRef
+from gpufleet.digest import file_sha256
 from gpufleet.node_paths import (
     INSTALLED_MARKER,
     MODELS_DIR,
     PIP_SECRET,
     PYCACHE_DIR,
     REVISION_MARKER,
+    UNIT_DEFAULT_PATH,
     UV_CACHE_DIR,
     UV_ROOT,
     VLLM_HOME,
     VLLM_ROOT,
+    cuda_home,
 )
+from gpufleet.operations.files import local_tree
 from gpufleet.systemd_text import env_file  # noqa: F401  (re-exported: what roles write with vf.env_file)
 
 INSTALL_LOCK_TIMEOUT = 1800  # seconds a second install of one version waits for the first
@@ -53,6 +59,20 @@ def model_dir(cfg: HostConfig) -> str:
 def below_models(path: str) -> bool:
     """Whether ``path`` lies strictly below MODELS_DIR (normalised, no ``..``): the only place the role deletes in."""
     return posixpath.normpath(path) == path and path.startswith(MODELS_DIR + "/") and ".." not in path.split("/")
+
+
+def model_identity(cfg: HostConfig) -> str | None:
+    """What names the model a node serves, to compare a replica's nodes: a digest of the files pushed from
+    ``vllm_model_source`` (their relative names and SHA-256, the digests the push compares, taken once per run),
+    or the hub id at the revision the node downloads; None for a path the site provides (the node reports a
+    digest of its file names and sizes instead: :class:`gpufleet.facts.ReplicaStack`)."""
+    if cfg.vllm_model_source:
+        _, found = local_tree(cfg.vllm_model_source)
+        manifest = "".join(f"{relative}\t{file_sha256(path)}\n" for relative, path in found.items())
+        return f"pushed files sha256:{hashlib.sha256(manifest.encode()).hexdigest()[:16]}"
+    if cfg.vllm_model.startswith("/"):
+        return None
+    return f"{cfg.vllm_model}@{cfg.vllm_model_revision or 'main'}"
 
 
 def download_script(cfg: HostConfig, token_file: str) -> str:
@@ -82,10 +102,18 @@ def download_script(cfg: HostConfig, token_file: str) -> str:
 def process_env(cfg: HostConfig) -> dict[str, str]:
     """What every process run as the vllm user from the virtualenv gets (vLLM, Ray): its home and, when the
     install compiled no bytecode, a bytecode cache of its own (``PYTHONPYCACHEPREFIX``): the first start on a
-    node compiles what it imports there, later starts read it (the virtualenv stays read-only to that user)."""
+    node compiles what it imports there, later starts read it (the virtualenv stays read-only to that user).
+
+    With ``cuda_toolkit``, the toolkit's ``CUDA_HOME`` and a ``PATH`` (systemd expands nothing there, so it is
+    written whole) that finds its ``nvcc`` first, then the virtualenv's programs (FlashInfer's just-in-time
+    kernels also run ``ninja`` from PATH), then the PATH systemd gives a unit that sets none."""
     env = {"HOME": VLLM_HOME}
     if not cfg.vllm_compile_bytecode:
         env["PYTHONPYCACHEPREFIX"] = PYCACHE_DIR
+    if cfg.cuda_toolkit:
+        toolkit = cuda_home(cfg.cuda_version)
+        env["CUDA_HOME"] = toolkit
+        env["PATH"] = f"{toolkit}/bin:{venv_dir(cfg)}/bin:{UNIT_DEFAULT_PATH}"
     return env
 
 
@@ -107,6 +135,18 @@ def ranks_json(rank: int, addresses: list[str], port: int) -> str:
         return json.dumps({"rank": 0, "nodes": 1}) + "\n"
     return json.dumps({"rank": rank, "nodes": len(addresses), "leader": addresses[0], "port": port,
                        "bind": addresses[rank]}) + "\n"
+
+
+WATCHDOG_INTERVAL_S = 5  # how often the watchdog looks at /health and /metrics
+
+
+def watchdog_json(cfg: HostConfig, replica: str, url: str) -> str:
+    """``watchdog.json`` of a replica on its first node, what replica_watchdog.py reads: the unit it restarts,
+    the API it watches and asks one completion of, and its times (``vllm_watchdog_stall_s``, and
+    ``vllm_ready_timeout`` to serve after a start)."""
+    return json.dumps({"unit": f"vllm@{replica}.service", "url": url,
+                       "model": cfg.vllm_served_model_name or cfg.vllm_model, "stall_s": cfg.vllm_watchdog_stall_s,
+                       "grace_s": cfg.vllm_ready_timeout, "interval_s": WATCHDOG_INTERVAL_S}) + "\n"
 
 
 def _read_secret(ref: SecretRef, key: str) -> str:

@@ -1,51 +1,26 @@
-"""Where the lab's nodes meet its doubles: the simulated NVML library and hardware profile, and the mirror.
+"""Where the lab's nodes meet its doubles: the simulated hardware profile, and the mirror.
 
-- ``gpufleet.lab.nvml_sim``: the simulated ``libnvidia-ml.so.1``;
-- ``gpufleet.lab.sim_profile``: the node's simulated hardware;
+- ``gpufleet.lab.sim_profile``: the node's simulated hardware (NVML, the simulated ``libnvidia-ml.so.1``, comes
+  with the driver package of the mirror's lab doubles);
 - ``gpufleet.lab.mirror``: the apt and wheel mirror on the bridge.
 """
 
 from __future__ import annotations
 
-import platform
-import shutil
-import subprocess
 from pathlib import Path
 
 from gpufleet.lab import mirror, nvml_sim
-from gpufleet.lab.errors import LabError
 from gpufleet.lab.sim_profile import write_sim_profile
 
-NVML_LIBRARY = nvml_sim.LIBRARY_NAME
 SIM_PROFILE_PATH = str(nvml_sim.DEFAULT_PROFILE_PATH.relative_to("/"))  # in the node's rootfs
 
 
-def multiarch_libdir() -> str:
-    """Debian's library directory for this machine, e.g. ``usr/lib/x86_64-linux-gnu``."""
-    machine = platform.machine()
-    triplet = {"x86_64": "x86_64-linux-gnu", "aarch64": "aarch64-linux-gnu"}.get(machine, f"{machine}-linux-gnu")
-    return f"usr/lib/{triplet}"
-
-
-def build_nvml_library(out_dir: Path) -> Path:
-    """Build the simulated NVML library for all nodes (the builder skips an up-to-date one)."""
-    try:
-        return nvml_sim.build_library(out_dir)
-    except Exception as exc:  # the simulator's own errors carry the compiler's message
-        first = str(exc).strip().splitlines()[:1] or [type(exc).__name__]
-        raise LabError(f"cannot build the simulated NVML library: {first[0]}") from exc
-
-
-def install_nvml(root: Path, library: Path, profile: str, hostname: str) -> None:
-    """Put the node's hardware profile and the simulated ``libnvidia-ml.so.1`` into its rootfs."""
+def install_sim_profile(root: Path, profile: str, hostname: str) -> None:
+    """Put the node's hardware profile into its rootfs: the GPUs are there from the start, NVML (the simulated
+    ``libnvidia-ml.so.1``) comes with the lab's driver package."""
     path = root / SIM_PROFILE_PATH
     path.parent.mkdir(parents=True, exist_ok=True)
     write_sim_profile(path, profile, hostname=hostname)
-    dest = root / multiarch_libdir() / NVML_LIBRARY
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(library, dest)
-    dest.chmod(0o755)
-    subprocess.run(["ldconfig", "-r", str(root)], capture_output=True, check=False)
 
 
 MIRROR_PORT = 8080

@@ -150,7 +150,6 @@ def _start(
         hooks.start_mirror(state.bridge_address)
         state.mirror_started = True
         save_state(state, directory)
-    library = hooks.build_nvml_library(cache_dir() / "nvml-sim")
     names = node_names(len(profiles))
     lab_nodes = dict(zip(names, addresses, strict=True))
     public_key = Path(state.ssh_key).with_suffix(".pub").read_text()
@@ -164,7 +163,7 @@ def _start(
         node.mounted = prepared.mounted
         save_state(state, directory)
         host_keys[(name, node.address)] = write_node_files(prepared.root, name, address, net, lab_nodes, public_key)
-        hooks.install_nvml(prepared.root, library, profile, name)
+        hooks.install_sim_profile(prepared.root, profile, name)
     known_hosts, key = Path(state.known_hosts), Path(state.ssh_key)
     ssh.write_known_hosts(known_hosts, host_keys)
     ssh.write_client_config(Path(state.ssh_config), {n.name: n.address for n in state.nodes}, key, known_hosts)
@@ -246,6 +245,46 @@ def status(base: Path | None = None) -> LabStatus | None:
             for n in state.nodes
         ],
     )
+
+
+def _node(state: LabState, name: str) -> NodeRecord:
+    found = [n for n in state.nodes if n.name == name]
+    if not found:
+        raise LabError(f"no lab node {name!r} (nodes: {', '.join(n.name for n in state.nodes)})")
+    return found[0]
+
+
+def power_off(name: str, base: Path | None = None) -> None:
+    """Cut one node's power, as a node lost to a hardware or power fault: its link goes down first (nothing more
+    leaves it, not even the resets of its closing connections), then it is killed without a shutdown."""
+    directory = base or lab_dir()
+    with locked(directory):
+        state = load_state(directory)
+        if state is None:
+            raise LabError(f"no lab is up in {directory}")
+        node = _node(state, name)
+        ssh.run(node.address, Path(state.ssh_key), Path(state.known_hosts),
+                "nohup sh -c 'sleep 0.5; ip link set host0 down' >/dev/null 2>&1 &")
+        time.sleep(1.5)
+        container.stop([(node.process, Path(node.root))], grace=0)
+        node.process = None
+        save_state(state, directory)
+
+
+def power_on(name: str, base: Path | None = None, timeout: float = 120) -> None:
+    """Boot a node that was powered off again, and wait until its systemd is up."""
+    directory = base or lab_dir()
+    with locked(directory):
+        state = load_state(directory)
+        if state is None:
+            raise LabError(f"no lab is up in {directory}")
+        node = _node(state, name)
+        if container.alive(node.process):
+            raise LabError(f"{name} is running")
+        node.process = container.start(Path(node.root), node.machine, node.name, state.bridge,
+                                       Path(node.node_dir) / "console.log")
+        save_state(state, directory)
+    _wait_ready(node, Path(state.ssh_key), Path(state.known_hosts), timeout)
 
 
 def down(base: Path | None = None) -> LabState | None:

@@ -5,7 +5,8 @@ roles run unchanged against the lab: the same ``apt-get install`` of the same pi
 signed repository (:mod:`gpufleet.lab.mirror`), the same systemd units and ports. Every package says it is a lab
 double in its Description and installs a ``/usr/share/doc/<package>/LAB-DOUBLE`` note. The programs they ship
 are in :mod:`gpufleet.lab.double_programs`; GPU data comes from the node's simulated NVML (installed separately: the
-driver double ships no ``libnvidia-ml.so.1``).
+driver doubles depend on ``libnvidia-compute-<branch>``, whose ``libnvidia-ml.so.1`` is the simulator: a node
+has NVML only once the driver is installed, as a real one).
 
 Builds are reproducible (fixed timestamps), so rebuilding leaves unchanged packages byte-identical.
 """
@@ -20,12 +21,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpufleet.lab.errors import LabError
+from gpufleet.lab.nvml_sim import LIBRARY_NAME, build_library, library_dir
+from gpufleet.lab.state import cache_dir
 
 DRIVER_BRANCH = 580
 DRIVER_VERSION = "580.95.05-1"
 DCGM_VERSION = "1:4.4.1-1"
 DCGM_EXPORTER_VERSION = "4.4.1-4.6.0-1"
 CUDA_MAJOR = 13
+CUDA_MINOR = 0
+CUDA_TOOLKIT_VERSION = "13.0.2-1"  # cuda-toolkit-13-0 of CUDA 13.0 Update 2, the release of driver 580.95.05
 MAINTAINER = "gpufleet lab <lab@gpufleet.invalid>"
 EPOCH = 1700000000  # fixed mtime of every packaged file (reproducible builds)
 PROGRAMS_DIR = Path(__file__).with_name("double_programs")
@@ -45,6 +50,7 @@ class LabDouble:
     provides: str = ""
     units: tuple[str, ...] = ()
     architecture: str = "amd64"
+    triggers: tuple[str, ...] = ()  # dpkg triggers it activates (``ldconfig`` for a shared library)
 
     @property
     def filename(self) -> str:
@@ -69,9 +75,13 @@ class LabDouble:
         return "".join(f"{k}: {v}\n" for k, v in fields.items() if v)
 
 
-def lab_doubles(driver_version: str = DRIVER_VERSION, branch: int = DRIVER_BRANCH) -> list[LabDouble]:
-    """The packages of the lab's NVIDIA repository: driver branch ``branch``, fabric manager, DCGM 4, exporter."""
+def lab_doubles(driver_version: str = DRIVER_VERSION, branch: int = DRIVER_BRANCH,
+                nvml_library: bytes | None = None) -> list[LabDouble]:
+    """The packages of the lab's NVIDIA repository: driver branch ``branch`` with its NVML library (the simulator,
+    built here unless ``nvml_library`` gives its bytes), fabric manager, DCGM 4, exporter, CUDA toolkit."""
     same_driver = f"(= {driver_version})"
+    compute = f"libnvidia-compute-{branch} {same_driver}"
+    library = nvml_library if nvml_library is not None else _nvml_library()
     fm_cfg = b"# gpufleet LAB DOUBLE: fabric manager configuration (read by nobody)\nLOG_LEVEL=4\nFABRIC_MODE=0\n"
     pinning = (
         f"# gpufleet LAB DOUBLE of NVIDIA's driver pinning package: keeps the driver on branch {branch}.\n"
@@ -82,11 +92,15 @@ def lab_doubles(driver_version: str = DRIVER_VERSION, branch: int = DRIVER_BRANC
     return [
         LabDouble(
             f"nvidia-driver-{branch}-open", driver_version, f"the NVIDIA {branch} driver (open kernel modules)",
-            conflicts=f"nvidia-driver-{branch}",
+            depends=compute, conflicts=f"nvidia-driver-{branch}",
         ),
         LabDouble(
             f"nvidia-driver-{branch}", driver_version, f"the NVIDIA {branch} driver (proprietary kernel modules)",
-            conflicts=f"nvidia-driver-{branch}-open",
+            depends=compute, conflicts=f"nvidia-driver-{branch}-open",
+        ),
+        LabDouble(
+            f"libnvidia-compute-{branch}", driver_version, f"NVIDIA's {branch} compute libraries (NVML: the simulator)",
+            files={f"/{library_dir()}/{LIBRARY_NAME}": (library, 0o644)}, triggers=("activate-noawait ldconfig",),
         ),
         LabDouble(
             f"cuda-drivers-{branch}", driver_version, f"NVIDIA's cuda-drivers-{branch} metapackage",
@@ -144,7 +158,40 @@ def lab_doubles(driver_version: str = DRIVER_VERSION, branch: int = DRIVER_BRANC
                 "/etc/dcgm-exporter/default-counters.csv": (DEFAULT_COUNTERS.encode(), 0o644),
             },
         ),
+        cuda_toolkit_double(),
     ]
+
+
+def cuda_toolkit_double(major: int = CUDA_MAJOR, minor: int = CUDA_MINOR,
+                        version: str = CUDA_TOOLKIT_VERSION) -> LabDouble:
+    """``cuda-toolkit-<major>-<minor>``: NVIDIA's layout in ``/usr/local/cuda-<major>.<minor>`` (``bin/nvcc``,
+    ``include/``, ``lib64/``), whose ``nvcc --version`` answers as NVIDIA's does and which compiles nothing."""
+    home = f"/usr/local/cuda-{major}.{minor}"
+    nvcc = (
+        "#!/bin/sh\n"
+        "# gpufleet LAB DOUBLE of NVIDIA's nvcc: it reports its version and compiles nothing.\n"
+        'case "$1" in --version|-V)\n'
+        "  echo 'nvcc: gpufleet LAB DOUBLE of the NVIDIA CUDA compiler driver (not NVIDIA software)'\n"
+        f"  echo 'Cuda compilation tools, release {major}.{minor}, V{version.split('-')[0]}'\n"
+        "  exit 0;;\n"
+        "esac\n"
+        "echo 'nvcc: gpufleet LAB DOUBLE: lab nodes have no GPU, and this nvcc compiles nothing' >&2\n"
+        "exit 1\n"
+    ).encode()
+    empty = f"gpufleet LAB DOUBLE: where NVIDIA's CUDA {major}.{minor} toolkit has its files; none here.\n".encode()
+    return LabDouble(
+        f"cuda-toolkit-{major}-{minor}", version, f"NVIDIA's CUDA toolkit {major}.{minor} (nvcc)",
+        files={f"{home}/bin/nvcc": (nvcc, 0o755), f"{home}/include/LAB-DOUBLE": (empty, 0o644),
+               f"{home}/lib64/LAB-DOUBLE": (empty, 0o644)},
+    )
+
+
+def _nvml_library() -> bytes:
+    try:
+        return build_library(cache_dir() / "nvml-sim").read_bytes()
+    except Exception as exc:  # the simulator's own errors carry the compiler's message
+        first = str(exc).strip().splitlines()[:1] or [type(exc).__name__]
+        raise LabError(f"cannot build the simulated NVML library: {first[0]}") from exc
 
 
 def build_debs(out_dir: Path | str, doubles: list[LabDouble] | None = None) -> list[Path]:
@@ -185,6 +232,8 @@ def _build_one(double: LabDouble, tmp: Path) -> Path:
     debian.mkdir()
     installed_kib = sum((len(c) + 1023) // 1024 for c, _ in files.values())
     (debian / "control").write_text(double.control(installed_kib))
+    if double.triggers:
+        (debian / "triggers").write_text("".join(f"{t}\n" for t in double.triggers))
     conffiles = [p for p in files if p.startswith("/etc/")]
     if conffiles:
         (debian / "conffiles").write_text("".join(f"{p}\n" for p in conffiles))

@@ -8,7 +8,8 @@ Runs on the node (standard library only) as root, after the deploy started the r
 
 The API key, when the replica has one, is read from its 0600 environment file, never from argv.
 Prints one JSON line; exit 0 when ready, 1 when not within the timeout or as soon as ``--unit`` has
-failed (systemd gave up restarting it).
+failed (systemd gave up restarting it). ``replica_watchdog.py`` makes its requests with :func:`request` and
+:func:`completion`.
 """
 
 from __future__ import annotations
@@ -40,37 +41,49 @@ def read_env_file(path: str) -> dict[str, str]:
     return found
 
 
-def _request(url: str, body: dict[str, object] | None, key: str | None, timeout: float) -> tuple[int, bytes]:
+def request(url: str, body: dict[str, object] | None, key: str | None, timeout: float) -> tuple[int, bytes]:
+    """GET ``url`` (POST ``body`` as JSON): (status, body). Raises OSError (URLError, a timeout) when there is no
+    answer, or http.client.HTTPException."""
     data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, method="GET" if body is None else "POST")
-    request.add_header("Content-Type", "application/json")
+    outgoing = urllib.request.Request(url, data=data, method="GET" if body is None else "POST")
+    outgoing.add_header("Content-Type", "application/json")
     if key:
-        request.add_header("Authorization", f"Bearer {key}")
+        outgoing.add_header("Authorization", f"Bearer {key}")
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
+        with urllib.request.urlopen(outgoing, timeout=timeout) as response:
             return response.status, response.read()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read()
 
 
-def check_once(url: str, model: str, key: str | None) -> tuple[bool, str]:
-    """One readiness attempt: (ready, what was seen)."""
+def completion(url: str, model: str, key: str | None, max_tokens: int = 4,
+               timeout: float = 120) -> tuple[int | None, int, str]:
+    """One real completion: (HTTP status, None without an answer; tokens returned; what was seen)."""
     try:
-        status, _ = _request(f"{url}/health", None, None, 10)
-        if status != 200:
-            return False, f"/health answered {status}"
-        status, body = _request(f"{url}/v1/completions",
-                                {"model": model, "prompt": "The fleet is", "max_tokens": 4, "temperature": 0},
-                                key, 120)
+        status, body = request(f"{url}/v1/completions",
+                               {"model": model, "prompt": "The fleet is", "max_tokens": max_tokens, "temperature": 0},
+                               key, timeout)
     except (OSError, urllib.error.URLError, http.client.HTTPException) as exc:
-        return False, f"not answering: {exc}"
+        return None, 0, f"not answering: {exc}"
     if status != 200:
-        return False, f"/v1/completions answered {status}: {body[:200]!r}"
+        return status, 0, f"/v1/completions answered {status}: {body[:200]!r}"
     try:
         tokens = int((json.loads(body).get("usage") or {}).get("completion_tokens") or 0)
     except (ValueError, TypeError, AttributeError):
-        return False, f"/v1/completions answered 200 without a usage count: {body[:200]!r}"
-    return (tokens > 0), f"/v1/completions returned {tokens} tokens"
+        return status, 0, f"/v1/completions answered 200 without a usage count: {body[:200]!r}"
+    return status, tokens, f"/v1/completions returned {tokens} tokens"
+
+
+def check_once(url: str, model: str, key: str | None) -> tuple[bool, str]:
+    """One readiness attempt: (ready, what was seen)."""
+    try:
+        status, _ = request(f"{url}/health", None, None, 10)
+    except (OSError, urllib.error.URLError, http.client.HTTPException) as exc:
+        return False, f"not answering: {exc}"
+    if status != 200:
+        return False, f"/health answered {status}"
+    _, tokens, seen = completion(url, model, key)
+    return tokens > 0, seen
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 
 from pyinfra.context import host
 
@@ -10,13 +11,14 @@ from gpufleet.operations.node import Commands, current_host, drift, fail, gpufle
 
 
 @gpufleet_operation(counts_as_drift=False)
-def gpu_gate(failures: list[str]) -> Commands:
+def gpu_gate(verdict: Callable[[], list[str]]) -> Commands:
     """
     Fail this host when its GPUs fail its ``gpu_health`` policy, could not be probed, or the plan cannot serve
     its pool on the probed hardware; no change otherwise.
 
-    + failures: why the host must not serve, one reason each (empty: it passes)
+    + verdict: why the host must not serve, one reason each (empty: it passes), asked when the gate runs
     """
+    failures = verdict()
     if failures:
         yield fail("GPU health gate failed: " + "; ".join(failures))
         return

@@ -167,7 +167,7 @@ def kernel_module_matches(
     again, or stop the node with "reboot required" (see :func:`reboot_action`).
 
     + driver: the driver package
-    + loaded: what NVML reported when the deploy started
+    + loaded: what NVML reported when the deploy started (probed again when this deploy installed the driver)
     + policy: ``nvidia_driver_reboot``
     + driver_install: the operation that installs the driver package (did it change the package?)
     """
@@ -177,6 +177,8 @@ def kernel_module_matches(
             yield fail(f"driver package {driver} is not installed")
         return
     changed_now = driver_install.did_change() if driver_install.is_complete() else bool(driver_install.will_change)
+    if changed_now and state.is_executing and not module_matches(installed, loaded.version):
+        loaded = LoadedModule.of(_probe_again())  # the package's install may have loaded its module
     action = reboot_action(installed, loaded.version, policy, changed_now)
     if action == "none":
         host.noop(f"{loaded}, driver package {driver} {installed}")
@@ -196,6 +198,6 @@ def _probe_again() -> NodeFacts | None:
     """The node's facts probed again (None when the probe fails or its facts do not parse)."""
     try:
         doc = host.get_fact(NvmlGpuFacts)
-        return None if doc is None else parse_facts(doc, f"{host.name}: probe after the reboot")
+        return None if doc is None else parse_facts(doc, f"{host.name}: probe after the driver's install")
     except Exception:  # noqa: BLE001 - whatever the probe or its parsing raises, the node's facts are unknown
         return None

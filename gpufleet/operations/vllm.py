@@ -1,14 +1,20 @@
-"""vLLM replicas: the restart record that makes an interrupted restart happen on the next run."""
+"""vLLM replicas: the restart record that makes an interrupted restart happen on the next run, and the check that
+the nodes of a multi-node replica run the same vLLM, torch, Python, Ray and model before any of them starts it."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 from pyinfra.api.command import QuoteString, StringCommand
-from pyinfra.context import host
+from pyinfra.context import host, state
 
+from gpufleet.facts import STACK_KEYS, ReplicaStack
 from gpufleet.operations import node
-from gpufleet.operations.node import Commands, gpufleet_operation
+from gpufleet.operations.node import Commands, fail, gpufleet_operation, read_only
+
+NodeStack = dict[str, str | None]  # vllm, torch, python, ray, model -> its value on one node (None: none there)
+AGREE_KEYS = (*STACK_KEYS, "model")
 
 
 @gpufleet_operation()
@@ -30,3 +36,71 @@ def restart_record(marker: str, changed: Callable[[], bool], pending: Callable[[
         return
     node.forget("paths", marker)
     yield StringCommand("touch", QuoteString(marker))
+
+
+@gpufleet_operation(counts_as_drift=False, runs_when_read_only=True)
+def node_stack(python: str, package: str, model: str | None, model_dir: str, stacks: dict[str, NodeStack]) -> Commands:
+    """
+    Read what this node runs its replica with (:class:`~gpufleet.facts.ReplicaStack`) and record it in ``stacks``
+    under the host's name, for :func:`nodes_agree`; changes nothing.
+
+    + python: the replica's virtualenv Python on this node
+    + package: the distribution that is vLLM (``vllm_package``)
+    + model: the model's identity known on the controller (``vllm_files.model_identity``); None: the node digests
+      the file names and sizes of ``model_dir``
+    + model_dir: the model's directory on the node
+    + stacks: the replica's record, node -> values
+    """
+    if not state.is_executing:  # pyinfra's look ahead when ops are added: the virtualenv may not be there yet
+        host.noop("read when the run gets here")
+        return
+    found = host.get_fact(ReplicaStack, python=python, package=package, model_dir=None if model else model_dir)
+    values: NodeStack = {key: (found or {}).get(key) for key in STACK_KEYS}
+    if values["vllm"] is not None and package != "vllm":
+        values["vllm"] = f"{values['vllm']} ({package})"
+    listed = (found or {}).get("model_files")
+    values["model"] = model or (f"files (names, sizes) sha256:{listed[:16]}" if listed else None)
+    stacks[host.name] = values
+    host.noop(f"no virtualenv Python at {python}" if found is None else _shown(values))
+    yield from ()
+
+
+@gpufleet_operation()
+def nodes_agree(replica: str, nodes: list[str], stacks: dict[str, NodeStack]) -> Commands:
+    """
+    Fail this node when the nodes of its replica disagree on vLLM, torch, Python, Ray or the model, naming each
+    node's value of every key they differ in; no change when they agree. Every node of the replica runs it, so
+    all of them stop before any starts it. Read-only (deploys/check.py): a node without its virtualenv yet is
+    left out (its install is drift already), and a disagreement is drift, printed with its values.
+
+    + replica: the replica's name
+    + nodes: its nodes, in the plan's order
+    + stacks: what :func:`node_stack` recorded on each (a node that stopped earlier in the run has nothing)
+    """
+    if not state.is_executing:  # pyinfra's look ahead when ops are added: nothing is recorded yet
+        host.noop("checked when the run gets here, once every node of the replica has been read")
+        return
+    found = {name: stacks[name] for name in nodes if name in stacks
+             and not (read_only() and stacks[name].get("python") is None)}
+    message = disagreement(replica, found)
+    if message is None:
+        host.noop(f"{', '.join(found) or 'no node'} agree on vLLM, torch, Python, Ray and the model")
+        return
+    if read_only():
+        print(f"[{host.name}] {message}", file=sys.stderr)
+    yield fail(message)
+
+
+def disagreement(replica: str, stacks: dict[str, NodeStack]) -> str | None:
+    """``replica r1: nodes disagree: torch: lab2 2.9.0, lab3 2.8.0`` (every key that differs, each node's value), or
+    None when the nodes agree."""
+    differing = [key for key in AGREE_KEYS if len({values.get(key) for values in stacks.values()}) > 1]
+    if not differing:
+        return None
+    return f"replica {replica}: nodes disagree: " + "; ".join(
+        f"{key}: " + ", ".join(f"{name} {values.get(key) or 'none'}" for name, values in stacks.items())
+        for key in differing)
+
+
+def _shown(values: NodeStack) -> str:
+    return ", ".join(f"{key} {values.get(key) or 'none'}" for key in AGREE_KEYS)

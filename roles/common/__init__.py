@@ -2,8 +2,8 @@
 
 After it, the node has ``/etc/gpufleet/`` (root, 0755) holding ``node.env`` (root, 0644) with the node's
 name and its declared hardware profile; gpufleet's node tools in ``/opt/gpufleet/node/`` (the NVML probe
-and health gate, which units run as ``ExecStartPre``, and the vLLM readiness check) with the controller's NVML
-bindings, which the deploy's GPU probe imports when the node's Python has none; and the base tools
+and health gate, which units run as ``ExecStartPre``, the GPU health watch, and the vLLM readiness check) with
+the controller's NVML bindings, which the deploy's GPU probe imports when the node's Python has none; and the base tools
 the other roles call (``ps``, CA certificates). It reads one variable, ``gpu_profile`` (see
 roles/fleet/defaults.yml); the node's name is its hostname as the node reports it (in its GPU facts).
 """

@@ -19,17 +19,25 @@ After it, the node has:
 - on NVSwitch systems only, ``nvidia-fabricmanager-<branch>`` at the driver's exact version, enabled and
   running. NVSwitch is read from the probed facts (a GPU reports fabric state, or an NVLink ends at a
   switch) or, on a node whose NVML cannot answer yet, from its declared ``gpu_profile`` (``-SXM``);
+- with ``cuda_toolkit`` only, NVIDIA's CUDA toolkit ``cuda-toolkit-<major>-<minor>`` of ``cuda_version`` from the
+  same repository, in ``/usr/local/cuda-<major>.<minor>`` (vLLM's processes get its ``CUDA_HOME`` and ``PATH``:
+  :func:`gpufleet.deploy.vllm_files.process_env`), installed after the driver's services;
 - a kernel module that matches the driver package: when the version NVML reports (the loaded module)
   differs from the installed package, ``nvidia_driver_reboot`` decides (see :func:`reboot_action`):
   reboot and probe again, or stop the node with ``reboot required: ...``. A stopped node runs no later
-  operation of the deploy, so it never serves on a mismatched driver.
+  operation of the deploy, so it never serves on a mismatched driver. After this deploy installed the
+  package, NVML is asked again first (the install may have loaded the module).
+
+When any of these changed the node, the GPU health gate after this role judges it on a fresh probe, so a node
+without a driver converges in one deploy (planned from its declared ``gpu_profile`` until NVML answers).
 
 Variables (roles/nvidia_driver/defaults.yml): ``nvidia_driver_branch``, ``nvidia_driver_kernel_modules``,
 ``nvidia_driver_version``, ``nvidia_driver_reboot``, ``nvidia_repo_url``, ``nvidia_repo_keyring_url``,
-``nvidia_repo_key_fingerprint``; ``gpu_profile`` and ``allow_plain_http`` (roles/fleet).
+``nvidia_repo_key_fingerprint``, ``cuda_version``, ``cuda_toolkit``; ``gpu_profile`` and ``allow_plain_http``
+(roles/fleet).
 
 apt work is idempotent: the package index is refreshed (for this repository only) when the source or
-the key changed or when apt does not know the driver package yet, packages are installed without
+the key changed or when apt does not know the driver package (or the toolkit) yet, packages are installed without
 ``latest``, and services restart only when their package changed.
 """
 
@@ -39,7 +47,7 @@ from __future__ import annotations
 from pyinfra.api.deploy import deploy
 from pyinfra.operations.util import any_changed
 
-from gpufleet.deploy.context import gpu_facts, host_config
+from gpufleet.deploy.context import driver_changed, host_config, probed_facts
 from gpufleet.gpu_facts import NodeFacts
 from gpufleet.hardware_profiles import ProfileError, parse_profile
 from gpufleet.node_paths import KEYRING_DIR
@@ -60,6 +68,11 @@ def driver_package(branch: int, kernel_modules: str) -> str:
 
 def fabricmanager_package(branch: int) -> str:
     return f"{FABRICMANAGER}-{branch}"
+
+
+def cuda_toolkit_package(cuda_version: str) -> str:
+    """NVIDIA's CUDA toolkit package of a ``MAJOR.MINOR`` release (``cuda-toolkit-13-0`` for 13.0)."""
+    return "cuda-toolkit-" + cuda_version.replace(".", "-")
 
 
 def keyring_path(url: str) -> str:
@@ -94,16 +107,18 @@ def has_nvswitch(facts: NodeFacts | None, declared_profile: str | None) -> bool:
 def nvidia_driver() -> None:
     """Converge NVIDIA's repository, the pinned driver branch, persistenced, fabric manager, and the kernel module."""
     cfg = host_config()
-    facts = gpu_facts()
+    facts = probed_facts()
     branch = cfg.nvidia_driver_branch
     driver = driver_package(branch, cfg.nvidia_driver_kernel_modules)
     keyring = keyring_path(cfg.nvidia_repo_keyring_url)
     fabric = has_nvswitch(facts, cfg.gpu_profile)
     services = [PERSISTENCED] + ([FABRICMANAGER] if fabric else [])
+    toolkit = cuda_toolkit_package(cfg.cuda_version) if cfg.cuda_toolkit else None
     node.observe(
         name="Read the driver's files, packages and services",
         paths=[KEYRING_DIR, SOURCE_FILE, PIN_FILE, UNATTENDED_FILE],
-        packages=[driver, PERSISTENCED] + ([fabricmanager_package(branch)] if fabric else []),
+        packages=[driver, PERSISTENCED] + ([fabricmanager_package(branch)] if fabric else [])
+        + ([toolkit] if toolkit else []),
         units=[f"{s}.service" for s in services],
     )
     files.directory(name=f"Create apt's keyring directory {KEYRING_DIR}", path=KEYRING_DIR)
@@ -139,12 +154,18 @@ def nvidia_driver() -> None:
         changed[FABRICMANAGER] = nvidia.packages_at_driver_version(
             name=f"Install {fabricmanager_package(branch)} at the driver's version (NVSwitch system)",
             packages=[fabricmanager_package(branch)], driver=driver)
-    nvidia.kernel_module_matches(
+    module = nvidia.kernel_module_matches(
         name="Check that the loaded kernel module is the installed driver's",
         driver=driver, loaded=nvidia.LoadedModule.of(facts), policy=cfg.nvidia_driver_reboot,
         driver_install=installed,
     )
+    for meta in (installed, *changed.values(), module):
+        driver_changed(meta)  # the gate probes the node again after any of these changed it
     for service in services:
         systemd.restart(name=f"Restart {service}: its package changed", unit=f"{service}.service",
                         _if=changed[service].did_change)
         systemd.service(name=f"Enable and start {service}", unit=f"{service}.service", running=True, enabled=True)
+    if toolkit:  # nvcc for vLLM's just-in-time kernels
+        nvidia.refresh_lists(name=f"Refresh the package lists of NVIDIA's repository (when apt lacks {toolkit})",
+                             sources_file=SOURCE_FILE, package=toolkit, changed=lambda: False)
+        apt.packages(name=f"Install the CUDA toolkit {toolkit}", packages=[toolkit])

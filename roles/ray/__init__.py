@@ -6,7 +6,10 @@ user ``vllm``), each running the planner's ``ray start --block`` bound to the no
 ``ray_dashboard``; NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME are in each unit's environment. The order
 is enforced across nodes: head started and answering, then every worker started, then the head waits
 until ``ray status`` counts every node of the replica; only then does ``vllm_serve`` start vLLM on the
-head. Run after ``vllm_install`` (Ray comes from the version's virtualenv) and before ``vllm_serve``.
+head. Run after ``vllm_install`` (Ray comes from the version's virtualenv) and before ``vllm_serve``. After a
+reboot the units keep that order without a deploy: a worker's ``ray start`` fails while the head does not answer
+and ``Restart=`` tries again, and the head's vLLM waits for every node (the vllm role's drop-in,
+:mod:`gpufleet.deploy.ray_drop_in`).
 
 Access: token authentication on (``RAY_AUTH_MODE=token``; ``ray_auth_token`` read on the controller and
 written to ``/etc/gpufleet/secrets/<replica>.ray.env``, root 0600, which systemd reads for the unit), the
@@ -38,16 +41,12 @@ from gpufleet.node_paths import (
     unit_path,
     venv_bin,
 )
+from gpufleet.node_paths import RAY_UNIT_PREFIX as UNIT_PREFIX
+from gpufleet.node_paths import ray_unit as unit_name
 from gpufleet.operations import files, node, systemd
 from gpufleet.operations import ray as ray_ops
 from gpufleet.systemd_text import env_file, exec_line
 from gpufleet.templates import render
-
-UNIT_PREFIX = "gpufleet-ray-"
-
-
-def unit_name(replica: str) -> str:
-    return f"{UNIT_PREFIX}{replica}.service"
 
 
 def _restart_due(changed: Callable[[], bool], started: OperationMeta) -> bool:

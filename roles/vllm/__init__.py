@@ -5,16 +5,20 @@
 index, a wheelhouse and/or a hash-pinned lock); the model staged before any replica starts, in the
 root-owned ``/var/lib/gpufleet/models/`` (pushed from the controller, or downloaded on the node at a pinned
 revision into a temporary directory moved into place when complete); the templated unit
-``vllm@.service``; per replica ``/etc/gpufleet/vllm/<replica>/`` with ``config.yaml`` (``--config``),
+``vllm@.service`` (on a Ray replica's head with the drop-in ``vllm@<replica>.service.d/ray.conf``:
+:mod:`gpufleet.deploy.ray_drop_in`); per replica ``/etc/gpufleet/vllm/<replica>/`` with ``config.yaml`` (``--config``),
 ``vllm.env`` and a ``venv`` link, and the API key and hub token in ``/etc/gpufleet/secrets/<replica>.env``
-(0600, root); replicas this node no longer runs are stopped and removed. The vllm user owns nothing of it:
-only ``/var/lib/vllm`` (its home and caches).
+(0600, root); the template unit of replicas' watchdogs ``vllm-watchdog@.service`` and, on a replica's first
+node, its ``watchdog.json``; replicas this node no longer runs are stopped and removed. The vllm user owns
+nothing of it: only ``/var/lib/vllm`` (its home and caches). Last, the nodes of each multi-node replica must
+agree on vLLM, torch, Python, Ray and the model, or all of them stop before any starts it.
 
 ``vllm_serve()`` — starts each replica (``vllm_start``), restarts one only when its files changed on
 any of its nodes, and waits on its first node for ``/health`` and one real completion. A restart the
 deploy decided on is first recorded on every node of the replica (``restart-pending`` in its directory)
 and cleared only once the replica serves again, so a run interrupted in between restarts it next time
-(and ``deploys/check.py`` reports it as drift).
+(and ``deploys/check.py`` reports it as drift). On its first node, the replica's watchdog runs with it
+(``vllm_watchdog_stall_s``; ``gpufleet/node/replica_watchdog.py``) and restarts it when it is wedged.
 
 Variables: roles/vllm/defaults.yml. The layout comes from the plan (``gpufleet.deploy.context``).
 """
@@ -31,7 +35,8 @@ from pyinfra.api.operation import OperationMeta
 from pyinfra.context import host
 
 from gpufleet.config.problems import ConfigError, Problem, exit_with
-from gpufleet.deploy import access
+from gpufleet.config.schema import HostConfig
+from gpufleet.deploy import access, ray_drop_in
 from gpufleet.deploy import vllm_files as vf
 from gpufleet.deploy.context import DeployContext, assignments, context, host_config
 from gpufleet.netaddr import host_port
@@ -48,12 +53,17 @@ from gpufleet.node_paths import (
     VLLM_HOME,
     VLLM_ROOT,
     VLLM_UNIT_TEMPLATE,
+    WATCHDOG_UNIT_TEMPLATE,
     node_tool,
     replica_dir,
     replica_secrets,
     restart_marker,
     unit_path,
     venv_dir,
+    vllm_ray_drop_in,
+    watchdog_config,
+    watchdog_enabled_link,
+    watchdog_unit,
 )
 from gpufleet.operations import apt, files, node, server, systemd, vllm
 from gpufleet.plan.commands import NodeRole, Process
@@ -87,10 +97,58 @@ def unit_values(allowed: list[str] | None = None) -> dict[str, object]:
             "secrets_dir": SECRETS_DIR, "ip_access": access.unit_lines(allowed)}
 
 
+def watchdog_unit_values(node_address: str) -> dict[str, object]:
+    """What templates/vllm/vllm-watchdog@.service.j2 is rendered with: fixed paths, and the one address the
+    watchdog may reach (its node's, where its replicas' APIs listen)."""
+    return {"etc": VLLM_ETC, "node_tools": NODE_TOOLS_DIR, "secrets_dir": SECRETS_DIR,
+            "ip_access": access.unit_lines(access.watchdog_sources(node_address))}
+
+
+def _api_url(replica: Replica, role: NodeRole) -> str:
+    """The replica's API on its first node."""
+    return f"http://{host_port(role.address, replica.port)}"
+
+
+def _watched(cfg: HostConfig, replica: Replica, role: NodeRole) -> bool:
+    """Whether this node runs the replica's watchdog: its first node (the API), unless vllm_watchdog_stall_s is 0."""
+    return cfg.vllm_watchdog_stall_s > 0 and role.host == replica.nodes[0]
+
+
+def _watchdog_file(replica: Replica, role: NodeRole) -> OperationMeta:
+    cfg, path = host_config(), watchdog_config(replica.name)
+    if not _watched(cfg, replica, role):
+        return files.absent(name=f"{replica.name}: no watchdog file on this node", path=path)
+    return files.file(name=f"{replica.name}: write watchdog.json (what its watchdog watches)", dest=path,
+                      content=vf.watchdog_json(cfg, replica.name, _api_url(replica, role)))
+
+
+def _run_watchdog(replica: Replica, role: NodeRole) -> None:
+    """On the replica's first node, its watchdog runs with it (restarted when its unit or file changed); elsewhere,
+    or with vllm_start false, none."""
+    cfg, unit = host_config(), watchdog_unit(replica.name)
+    if not (cfg.vllm_start and _watched(cfg, replica, role)):
+        systemd.service(name=f"{replica.name}: no watchdog on this node", unit=unit, running=False, enabled=False)
+        return
+    systemd.restart(name=f"{replica.name}: restart {unit} (its unit or watchdog.json changed)", unit=unit,
+                    _if=_changed(context().watchdog_changes.get(replica.name, [])))
+    systemd.service(name=f"{replica.name}: run {unit} (restarts the replica when it is wedged)", unit=unit,
+                    running=True, enabled=True)
+
+
 def _replica_paths(replica: str) -> list[str]:
     directory = replica_dir(replica)
     return [directory, f"{directory}/config.yaml", f"{directory}/vllm.env", f"{directory}/ranks.json",
-            f"{directory}/venv", replica_secrets(replica), restart_marker(replica)]
+            f"{directory}/venv", replica_secrets(replica), restart_marker(replica), vllm_ray_drop_in(replica),
+            watchdog_config(replica)]
+
+
+def _ray_drop_in(replica: Replica, role: NodeRole) -> OperationMeta:
+    """On a Ray replica's head, the unit's drop-in that orders vLLM after the replica's Ray cluster; else none."""
+    path = vllm_ray_drop_in(replica.name)
+    text = ray_drop_in.drop_in(host_config(), replica, role)
+    if text is None:
+        return files.absent(name=f"{replica.name}: no Ray drop-in for its unit", path=path)
+    return files.file(name=f"{replica.name}: order its unit after its Ray cluster", dest=path, content=text)
 
 
 def _ranks_json(replica: Replica, role: NodeRole, port: int) -> str:
@@ -145,7 +203,7 @@ def vllm_install() -> None:
         name="Read vLLM's account, packages, virtualenv, model and replica files",
         users=["vllm"], groups=["vllm"], packages=cfg.vllm_system_packages,
         paths=[VLLM_ROOT, SECRETS_DIR, PIP_SECRET, HUB_SECRET, MODELS_DIR, str(Path(vf.model_dir(cfg)).parent),
-               unit_path(VLLM_UNIT_TEMPLATE), GATE_POLICY, VLLM_ETC, *model_paths,
+               unit_path(VLLM_UNIT_TEMPLATE), unit_path(WATCHDOG_UNIT_TEMPLATE), GATE_POLICY, VLLM_ETC, *model_paths,
                *(p for replica, _, _ in mine for p in _replica_paths(replica.name))],
         texts=[f"{venv_dir(cfg.vllm_version)}/{INSTALLED_MARKER}", f"{vf.model_dir(cfg)}/{REVISION_MARKER}"],
         listings=[f"{VLLM_ETC}/*", *model_listings],
@@ -170,11 +228,16 @@ def vllm_install() -> None:
     model = _stage_model()
     unit = files.file(name="Install the vllm@.service template unit", dest=unit_path(VLLM_UNIT_TEMPLATE),
                       content=render("vllm/vllm@.service.j2", **unit_values(allowed)))
+    watchdog = files.file(name="Install the vllm-watchdog@.service template unit",
+                          dest=unit_path(WATCHDOG_UNIT_TEMPLATE),
+                          content=render("vllm/vllm-watchdog@.service.j2",
+                                         **watchdog_unit_values(cfg.fleet_address or host.name)))
     gate = files.file(name=f"Write the GPU health gate policy {GATE_POLICY}", dest=GATE_POLICY,
                       content=policy_json(cfg.gpu_health))
     files.directory(name=f"Create {VLLM_ETC}", path=VLLM_ETC)
 
     shared = [m for m in (venv, model, unit, gate) if m is not None]
+    drop_ins: list[OperationMeta] = []
     for replica, role, process in mine:
         directory = replica_dir(replica.name)
         ops = [
@@ -193,16 +256,40 @@ def vllm_install() -> None:
             if secrets else
             files.absent(name=f"{replica.name}: no secrets file", path=replica_secrets(replica.name)),
         ]
+        ops.append(_ray_drop_in(replica, role))
+        drop_ins.append(ops[-1])
+        ctx.watchdog_changes.setdefault(replica.name, []).extend([_watchdog_file(replica, role), watchdog])
         changes = ctx.replica_changes.setdefault(replica.name, [])
         changes.extend(ops + shared)
         # Recorded before any node stops it: a run interrupted from here on still restarts it next time.
         vllm.restart_record(name=f"{replica.name}: record that it must restart", marker=restart_marker(replica.name),
                             changed=_changed(changes),
                             pending=partial(ctx.pending_restarts.add, replica.name))
-    systemd.retired(name="Stop and remove replicas no longer planned here", pattern=f"{VLLM_ETC}/*",
-                    keep=[replica.name for replica, _, _ in mine], unit="vllm@{name}.service",
-                    paths=[replica_dir("{name}"), replica_secrets("{name}")])
-    systemd.daemon_reload(name="Reload systemd after the unit changed", _if=unit.did_change)
+    retired = systemd.retired(name="Stop and remove replicas no longer planned here", pattern=f"{VLLM_ETC}/*",
+                              keep=[replica.name for replica, _, _ in mine], unit="vllm@{name}.service",
+                              paths=[replica_dir("{name}"), replica_secrets("{name}"), vllm_ray_drop_in("{name}"),
+                                     watchdog_enabled_link("{name}")])
+    systemd.daemon_reload(name="Reload systemd after the unit or a drop-in changed",
+                          _if=_changed([unit, watchdog, retired, *drop_ins]))
+    _nodes_agree()
+
+
+def _nodes_agree() -> None:
+    """For each multi-node replica of this node: record what the node runs it with, then (once every node has:
+    operations run on all hosts before the next) fail all of the replica's nodes when they disagree, before any of
+    its units starts (role ray, ``vllm_serve``)."""
+    cfg, ctx = host_config(), context()
+    multi = [(replica, role) for replica, role in assignments() if len(replica.roles) > 1]
+    model = vf.model_identity(cfg) if multi else None
+    for replica, role in multi:
+        python = (f"{replica_dir(replica.name)}/venv/bin/python" if _vllm_process(role) is not None
+                  else f"{venv_dir(cfg.vllm_version)}/bin/python")  # a Ray worker runs the version's virtualenv
+        vllm.node_stack(name=f"{replica.name}: read the vLLM, torch, Python and Ray versions and the model it runs",
+                        python=python, package=cfg.vllm_package, model=model, model_dir=vf.model_dir(cfg),
+                        stacks=ctx.replica_stacks.setdefault(replica.name, {}))
+    for replica, _ in multi:
+        vllm.nodes_agree(name=f"{replica.name}: check that its nodes run the same vLLM, torch, Python, Ray and model",
+                         replica=replica.name, nodes=replica.nodes, stacks=ctx.replica_stacks[replica.name])
 
 
 @deploy("vLLM: start the replicas and wait until they serve")
@@ -211,7 +298,9 @@ def vllm_serve() -> None:
     cfg = host_config()
     ctx = context()
     serving = [replica for replica, role in assignments() if _vllm_process(role) is not None]
-    node.observe(name="Read the replicas' units", units=[f"vllm@{replica.name}.service" for replica in serving],
+    node.observe(name="Read the replicas' units",
+                 units=[unit for replica in serving
+                        for unit in (f"vllm@{replica.name}.service", watchdog_unit(replica.name))],
                  paths=[restart_marker(replica.name) for replica in serving])
     for replica, role in assignments():
         if _vllm_process(role) is None:
@@ -222,6 +311,7 @@ def vllm_serve() -> None:
             systemd.service(name=f"{replica.name}: leave stopped (vllm_start false)", unit=unit,
                             running=False, enabled=False)
             files.absent(name=f"{replica.name}: stopped, so no restart is due", path=marker)
+            _run_watchdog(replica, role)
             continue
         changed = _changed(ctx.replica_changes.get(replica.name, []))
         # Stop every node's process of a changed replica before any starts again: an mp rank that
@@ -232,7 +322,7 @@ def vllm_serve() -> None:
         starts = ctx.replica_starts.setdefault(replica.name, [])
         starts.append(started)
         if role.host == replica.nodes[0]:  # the first node serves the API; the others are ranks or Ray workers
-            url = f"http://{host_port(role.address, replica.port)}"
+            url = _api_url(replica, role)
             ctx.readiness[replica.name] = server.script(
                 name=f"{replica.name}: wait for /health and one real completion on {url}",
                 script=ready_command(cfg.vllm_served_model_name or cfg.vllm_model, url, unit,
@@ -240,6 +330,7 @@ def vllm_serve() -> None:
                                      cfg.vllm_ready_timeout),
                 _if=_changed(starts),  # a rank (re)started on any of its nodes
             )
+        _run_watchdog(replica, role)
         files.absent(name=f"{replica.name}: restarted and serving, clear its restart record", path=marker,
                      _if=partial(ctx.served, replica.name))
 

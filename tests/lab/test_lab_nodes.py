@@ -72,14 +72,14 @@ def test_nodes_have_no_route_beyond_the_lab(lab: Lab) -> None:
             f"{lab.state.subnet} dev host0 proto kernel scope link src {node.address}"]
 
 
-def test_nodes_carry_their_simulated_nvml(lab: Lab) -> None:
-    if not (Path(__file__).parents[2] / "gpufleet" / "lab" / "nvml_sim").is_dir():
-        pytest.skip("the NVML simulator is not in this tree")
+def test_bare_nodes_have_simulated_gpus_and_no_nvml_until_the_driver(lab: Lab) -> None:
+    """A bare node: the hardware (the simulator's profile) is there, NVML is not; the lab's driver package brings
+    the simulated libnvidia-ml.so.1 (tests/lab/test_provision.py)."""
     for node in lab.nodes:
         host = lab.host(node)
         assert host.file("/etc/gpufleet/nvml-sim-profile").contains(f"for host {node.name}")
         init = host.run("python3 -c 'import ctypes; print(ctypes.CDLL(\"libnvidia-ml.so.1\").nvmlInit_v2())'")
-        assert init.stdout.strip() == "0", init.stderr
+        assert init.rc != 0 and "libnvidia-ml.so.1: cannot open shared object file" in init.stderr, init.stderr
 
 
 def test_status_lists_every_node_up(lab: Lab) -> None:

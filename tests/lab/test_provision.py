@@ -54,6 +54,13 @@ def test_provision_converges_every_node(lab: Lab, provisioned: Completed) -> Non
             assert host.package(package).version == DRIVER_VERSION, (node.name, package)
         assert host.package("datacenter-gpu-manager-4-cuda13").is_installed, node.name
         assert not host.package("nvidia-driver-580").is_installed  # the proprietary flavour
+        assert host.package("libnvidia-compute-580").version == DRIVER_VERSION, node.name  # NVML came with it
+        init = host.run("python3 -c 'import ctypes; print(ctypes.CDLL(\"libnvidia-ml.so.1\").nvmlInit_v2())'")
+        assert init.stdout.strip() == "0", init.stderr
+
+        # cuda_toolkit (group_vars/lab.yml): the toolkit's stand-in, where vLLM's CUDA_HOME points
+        assert host.package("cuda-toolkit-13-0").is_installed, node.name
+        assert "release 13.0," in host.check_output("/usr/local/cuda-13.0/bin/nvcc --version"), node.name
 
         source = host.file("/etc/apt/sources.list.d/gpufleet-nvidia.list")
         assert source.contains(rf"^deb \[signed-by=/etc/apt/keyrings/gpufleet-nvidia.gpg\] "

@@ -21,11 +21,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gpufleet.lab.nodes import API_KEY_FILE
+from gpufleet.lab.nodes import API_KEY_FILE, power_off, power_on
 from gpufleet.lab.sim_profile import write_sim_profile
-from gpufleet.lab.state import NodeRecord
+from gpufleet.lab.state import NodeRecord, load_state
 from gpufleet.unit_security import EXPOSURE_BOUND, exposure_score
-from tests.lab.checks import assert_no_errors, main_pid
+from tests.lab.checks import assert_no_errors, assert_nothing_changed, main_pid
 from tests.lab.conftest import PYINFRA, ROOT, Completed, Lab, _run
 
 pytestmark = [
@@ -313,10 +313,223 @@ def test_kill_9_of_any_rank_restarts_the_whole_pipeline_replica_once(lab: Lab, r
         count = int(lab.host(n).check_output(f"systemctl show -p NRestarts --value {unit}"))
         assert count == int(restarts[n.name]) + 1, (n.name, restarts[n.name], count)
     assert loop.sent > 0 and loop.failures == [], loop.failures[:3]
-    figure = {"fault": f"kill -9 of rank {rank}'s vLLM", "replica": PIPELINE, "serving_again_s": round(recovered, 1),
-              "other_replica_requests": loop.sent, "other_replica_failures": 0}
+    _record_figure(tmp_path_factory, {
+        "fault": f"kill -9 of rank {rank}'s vLLM", "replica": PIPELINE, "serving_again_s": round(recovered, 1),
+        "other_replica_requests": loop.sent, "other_replica_failures": 0})
+
+
+def _record_figure(tmp_path_factory: pytest.TempPathFactory, figure: dict[str, object]) -> None:
+    """Add one fault's figure to the session's lab-fault-figures.jsonl, beside its temporary files."""
     with (tmp_path_factory.getbasetemp() / "lab-fault-figures.jsonl").open("a") as figures:
-        figures.write(json.dumps(figure) + "\n")  # the session's figures, beside its temporary files
+        figures.write(json.dumps(figure) + "\n")
+
+
+DRIVER_PACKAGES = "nvidia-driver-580-open libnvidia-compute-580 nvidia-persistenced"
+NVML_INIT = "python3 -c 'import ctypes; print(ctypes.CDLL(\"libnvidia-ml.so.1\").nvmlInit_v2())'"
+
+
+def test_one_deploy_converges_a_node_without_a_driver(lab: Lab, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """lab1 loses its driver and its replica (purged, stopped): one deploy plans it from its gpu_profile, installs
+    the driver, gates it on a fresh probe and serves; the pipeline replica answers throughout."""
+    node, unit = lab.nodes[0], f"vllm@{_single(lab)}"
+    host = lab.host(node)
+    host.check_output(f"systemctl stop {unit} && apt-get purge -y -q {DRIVER_PACKAGES} >/dev/null 2>&1")
+    assert host.run(NVML_INIT).rc != 0  # bare: no NVML
+    loop = RequestLoop(lab, lab.nodes[1])
+    loop.start()
+    try:
+        started = time.monotonic()
+        done = _deploy(lab)
+        assert_no_errors(done)  # no node stopped at the gate or anywhere else
+        _wait_serving(lab, node, timeout=60)  # the deploy waited for it: it answers at once
+        converged = time.monotonic() - started
+    finally:
+        loop.stop()
+    assert host.run(NVML_INIT).stdout.strip() == "0"
+    assert host.service(unit).is_running
+    assert loop.sent > 0 and loop.failures == [], loop.failures[:3]
+    assert_nothing_changed(_deploy(lab))  # and it is converged: the next run changes nothing
+    _record_figure(tmp_path_factory, {
+        "fault": "a node without a driver (driver purged, replica stopped), one deploy", "node": node.name,
+        "serving_after_s": round(converged, 1), "other_replica_requests": loop.sent, "other_replica_failures": 0})
+
+
+def test_a_reboot_of_the_followers_node_brings_the_pipeline_replica_back(
+        lab: Lab, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """lab3 (rank 1) reboots: rank 0 stops its vLLM and waits; lab3's unit starts at boot and both ranks start
+    together again, without a deploy; lab1's replica answers throughout."""
+    leader, follower = lab.nodes[1], lab.nodes[2]
+    _wait_serving(lab, leader)
+    boot = lab.host(follower).check_output("cat /proc/sys/kernel/random/boot_id")
+    loop = RequestLoop(lab, lab.nodes[0])
+    loop.start()
+    try:
+        rebooted = time.monotonic()
+        lab.host(follower).run("systemctl reboot")
+        _wait_serving(lab, leader, timeout=600)
+        recovered = time.monotonic() - rebooted
+    finally:
+        loop.stop()
+    assert lab.host(follower).check_output("cat /proc/sys/kernel/random/boot_id") != boot
+    assert loop.sent > 0 and loop.failures == [], loop.failures[:3]
+    _record_figure(tmp_path_factory, {
+        "fault": "reboot of the follower's node", "replica": PIPELINE, "serving_again_s": round(recovered, 1),
+        "other_replica_requests": loop.sent, "other_replica_failures": 0})
+
+
+def test_a_wedged_engine_is_restarted_by_the_watchdog(lab: Lab, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """SIGSTOP of lab1's engine process: /health may still answer, completions do not; the watchdog on the
+    replica's node restarts the replica after vllm_watchdog_stall_s (30 s on the lab) and says why in the
+    journal; the pipeline replica answers throughout."""
+    node, unit = lab.nodes[0], f"vllm@{_single(lab)}"
+    host = lab.host(node)
+    _wait_serving(lab, node)
+    engine = host.check_output("pgrep -f 'VLLM::EngineCore'").split()
+    assert len(engine) == 1, engine
+    since = host.check_output("date +%s").strip()
+    loop = RequestLoop(lab, lab.nodes[1])
+    loop.start()
+    try:
+        stopped = time.monotonic()
+        host.check_output(f"kill -STOP {engine[0]}")
+        try:  # a figure, not a verdict: the watchdog must act whichever way /health answers
+            health: int | str = _http(f"http://{node.address}:{PORT}/health", timeout=10)[0]
+        except OSError as exc:
+            health = f"no answer: {exc}"
+        end = time.monotonic() + 300
+        said = ""
+        while time.monotonic() < end and not said:
+            time.sleep(3)
+            said = host.run(f"journalctl -q -o cat --since=@{since} -u vllm-watchdog@{_single(lab)}"
+                            f" | grep 'restarting {unit}.service'").stdout.strip()
+        assert said, "the watchdog did not restart the replica"
+        detected = time.monotonic() - stopped
+        _wait_serving(lab, node)
+        recovered = time.monotonic() - stopped
+    finally:
+        loop.stop()
+    assert host.check_output("pgrep -f 'VLLM::EngineCore'").split() != engine
+    assert loop.sent > 0 and loop.failures == [], loop.failures[:3]
+    _record_figure(tmp_path_factory, {
+        "fault": "SIGSTOP of the engine process", "replica": _single(lab), "health_while_stopped": health,
+        "watchdog_restart_after_s": round(detected, 1), "serving_again_s": round(recovered, 1),
+        "watchdog_said": said.splitlines()[0][:300], "other_replica_requests": loop.sent,
+        "other_replica_failures": 0})
+
+
+def test_a_gpu_lost_at_run_time_stops_the_nodes_replicas_until_it_passes(
+        lab: Lab, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """gpu_lost injected on lab1 while it serves: the node's GPU watch stops its replica and says why; gpufleet
+    gate and deploys/check.py name the node and the rule; once the GPU is back the watch starts the replica
+    again. The pipeline replica answers throughout."""
+    node, unit = lab.nodes[0], f"vllm@{_single(lab)}"
+    host = lab.host(node)
+    _wait_serving(lab, node)
+    profile = "/etc/gpufleet/nvml-sim-profile"
+    host.check_output(f"cp {profile} {profile}.saved")
+    faulty = tmp_path / "profile"
+    write_sim_profile(faulty, node.profile, ["gpu_lost"], hostname=node.name)
+    loop = RequestLoop(lab, lab.nodes[1])
+    loop.start()
+    try:
+        injected = time.monotonic()
+        host.check_output(f"cat > {profile}.lost <<'EOF'\n{faulty.read_text()}EOF\nmv {profile}.lost {profile}")
+        end = time.monotonic() + 180
+        while time.monotonic() < end and host.service(unit).is_running:
+            time.sleep(2)
+        assert not host.service(unit).is_running, f"{unit} still runs with a lost GPU"
+        stopped = time.monotonic() - injected
+        said = host.check_output("journalctl -q -o cat -u gpufleet-gpu-watch.service | grep 'GPU is lost' | tail -1")
+        assert "nvml_errors" in said, said
+        gate = _run([str(PYINFRA.parent / "gpufleet"), "gate", INVENTORY], lab.env, 300)
+        assert gate.rc != 0 and f"{node.address}: FAIL" in gate.out, gate.output
+        assert re.search(r"nvml_errors \(gpu \d\): .*GPU is lost", gate.out), gate.output
+        check = lab.pyinfra(INVENTORY, "deploys/check.py")
+        assert check.rc != 0 and f"[{node.address}] gate: fail" in check.output, check.output[-4000:]
+        assert "GPU is lost" in check.output, check.output[-4000:]
+        assert all(lab.host(n).service(f"vllm@{PIPELINE}").is_running for n in lab.nodes[1:])
+        restored = time.monotonic()
+        host.check_output(f"mv {profile}.saved {profile}")
+        _wait_serving(lab, node, timeout=600)  # the watch started it again: no deploy
+        back = time.monotonic() - restored
+    finally:
+        loop.stop()
+        host.run(f"test -e {profile}.saved && mv {profile}.saved {profile}")
+    assert host.run("test -e /run/gpufleet/gpu-gate-failed").rc != 0
+    assert loop.sent > 0 and loop.failures == [], loop.failures[:3]
+    _record_figure(tmp_path_factory, {
+        "fault": "gpu_lost injected on a serving node", "node": node.name, "replica_stopped_after_s": round(stopped, 1),
+        "serving_again_after_the_gpu_came_back_s": round(back, 1), "watch_said": said.strip()[:300],
+        "other_replica_requests": loop.sent, "other_replica_failures": 0})
+
+
+def test_a_deploy_heals_a_replica_whose_follower_hit_its_start_limit(
+        lab: Lab, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """lab3's rank fails to start until systemd gives up (start limit hit, ``failed``) while lab2's waits: one
+    deploy resets and starts it and waits until the replica serves."""
+    unit, leader, follower = f"vllm@{PIPELINE}", lab.nodes[1], lab.nodes[2]
+    host = lab.host(follower)
+    drop_in = f"/run/systemd/system/{unit}.service.d"
+    host.check_output(f"mkdir -p {drop_in} && printf '[Service]\\nExecStartPre=/bin/false\\n' > {drop_in}/fail.conf"
+                      f" && systemctl daemon-reload && systemctl restart {unit} || true")
+    end = time.monotonic() + 180
+    while time.monotonic() < end and host.run(f"systemctl show -p Result --value {unit}").stdout.strip() \
+            != "start-limit-hit":
+        time.sleep(3)
+    assert host.run(f"systemctl show -p Result --value {unit}").stdout.strip() == "start-limit-hit"
+    host.check_output(f"rm -r {drop_in} && systemctl daemon-reload")
+    assert host.run(f"systemctl is-failed {unit}").stdout.strip() == "failed"
+    started = time.monotonic()
+    assert_no_errors(_deploy(lab))
+    _wait_serving(lab, leader, timeout=60)  # the deploy waited until the replica served
+    healed = time.monotonic() - started
+    assert host.service(unit).is_running
+    _record_figure(tmp_path_factory, {
+        "fault": "the follower's unit hit its start limit (failed), one deploy", "replica": PIPELINE,
+        "serving_again_s": round(healed, 1)})
+
+
+def test_a_node_lost_halfway_through_a_deploy_is_named_and_a_rerun_finishes(
+        lab: Lab, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """lab3 loses power while a deploy has work to do on it: the deploy goes on with the other nodes, names
+    lab3 and exits non-zero; once lab3 is back, a rerun converges it and the pipeline replica serves again."""
+    lost = lab.nodes[2]
+    lab.host(lost).check_output("rm /etc/gpufleet/node.env")  # work for the deploy on lab3
+    loop = RequestLoop(lab, lab.nodes[0])
+    loop.start()
+    argv = [str(PYINFRA), INVENTORY, DEPLOY, "-y"]
+    try:
+        with subprocess.Popen(argv, cwd=ROOT, env=lab.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) as deploy:
+            assert deploy.stdout is not None
+            output = []
+            for line in deploy.stdout:  # power off lab3 as the deploy starts its first change there
+                output.append(line)
+                if "Starting operation" in line and "node.env" in line:
+                    break
+            cut = time.monotonic()
+            power_off(lost.name, lab.directory)
+            output.extend(deploy.stdout)
+            rc = deploy.wait(timeout=600)
+        reported = time.monotonic() - cut
+        text = "".join(output)
+        assert rc != 0, text[-6000:]
+        assert f"gpufleet: [{lost.address}] lost during the deploy" in text, text[-6000:]
+        errors = {line.split("]", 1)[0].strip(" [") for line in text.splitlines() if "] Error" in line}
+        assert errors <= {lost.address}, text[-6000:]  # no other node failed
+        power_on(lost.name, lab.directory)
+        lab.state = load_state(lab.directory) or lab.state
+        assert_no_errors(_deploy(lab))
+        assert lab.host(lost).file("/etc/gpufleet/node.env").contains(f'^GPUFLEET_NODE="{lost.name}"$')
+        _wait_serving(lab, lab.nodes[1], timeout=600)
+        recovered = time.monotonic() - cut
+    finally:
+        loop.stop()
+    assert loop.sent > 0 and loop.failures == [], loop.failures[:3]
+    _record_figure(tmp_path_factory, {
+        "fault": "a node powered off halfway through a deploy, then started and the deploy rerun",
+        "node": lost.name, "deploy_ended_after_s": round(reported, 1), "serving_again_s": round(recovered, 1),
+        "other_replica_requests": loop.sent, "other_replica_failures": 0})
 
 
 def _lab_copy(tmp_path: Path, lab_single_extra: str) -> str:

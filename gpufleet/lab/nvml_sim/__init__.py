@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -24,6 +25,14 @@ SOURCE = Path(__file__).with_name("nvml_sim.c")
 CFLAGS = ("-std=c11", "-D_DEFAULT_SOURCE", "-DNVML_NO_UNVERSIONED_FUNC_DEFS", "-O2", "-Wall", "-Wextra",
           "-Wno-deprecated-declarations", "-fPIC", "-fvisibility=hidden", "-shared",
           f"-Wl,-soname,{LIBRARY_NAME}")
+
+
+def library_dir() -> str:
+    """Where Debian keeps this machine's libraries, as NVIDIA's packages install ``libnvidia-ml.so.1``
+    (``usr/lib/x86_64-linux-gnu``)."""
+    machine = platform.machine()
+    triplet = {"x86_64": "x86_64-linux-gnu", "aarch64": "aarch64-linux-gnu"}.get(machine, f"{machine}-linux-gnu")
+    return f"usr/lib/{triplet}"
 
 
 class SimBuildError(RuntimeError):
