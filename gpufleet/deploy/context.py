@@ -28,6 +28,7 @@ from gpufleet.fleet import Fleet, fleet_from_state
 from gpufleet.gpu_facts import FactsError, NodeFacts, parse_facts
 from gpufleet.hardware_profiles import profile_facts
 from gpufleet.node import health_rules
+from gpufleet.operations.node import current_host as current_host_object
 from gpufleet.operations.node import current_state, set_read_only
 from gpufleet.plan.commands import NodeRole
 from gpufleet.plan.layout import NodeShape, node_shape
@@ -186,7 +187,7 @@ def gate_verdict(host: Host | None = None) -> Callable[[], list[str]]:
     """The gate's verdict on ``host``, taken when the gate runs: :func:`serve_blockers`, with the GPU part judged
     again from a fresh probe when the node was planned from its declared profile or the driver role changed it
     in this run (a node planned from its profile must report that profile's GPUs)."""
-    ctx, target = context(), host or current_host
+    ctx, target = context(), host if host is not None else current_host_object()
     blockers = serve_blockers(target)
 
     def verdict() -> list[str]:

@@ -15,6 +15,7 @@ import shlex
 import socket
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -170,6 +171,49 @@ def test_only_the_node_and_the_monitoring_host_reach_the_exporters(
         assert "node_load1" in metrics(node, NODE_EXPORTER) and "DCGM_FI_" in metrics(node, DCGM_EXPORTER)
         listening = lab.host(node).check_output("ss -ltnH")
         assert f"{node.address}:{DCGM_EXPORTER} " in listening and f"*:{DCGM_EXPORTER} " not in listening
+
+
+def _ray_nodes(lab: Lab, head: NodeRecord) -> int:
+    """How many nodes the head's ``ray status`` counts active (0: it does not answer)."""
+    status = lab.host(head).run(
+        f"set -a; . {node_paths.ray_token_file(PIPELINE)}; set +a; RAY_AUTH_MODE=token timeout 60 {VENV}/bin/ray"
+        f" status --address={head.address}:{RAY_PORT}")
+    if status.rc != 0 or "Active:" not in status.stdout:
+        return 0
+    return status.stdout.split("Active:")[1].split("Pending:")[0].count(" node_")
+
+
+def test_after_a_reboot_of_every_node_the_ray_cluster_forms_and_vllms_join_wait_passes(
+        lab: Lab, ray_cluster: tuple[NodeRecord, ...], tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Both nodes of the Ray replica reboot at once, no deploy: the head comes up, the worker's unit retries until
+    it joins, and the head's vLLM unit, ordered after the Ray head, passes its join wait (ExecStartPre)."""
+    head, worker = ray_cluster
+    drop_in = lab.host(head).file(node_paths.vllm_ray_drop_in(PIPELINE)).content_string
+    assert f"Requires={ray_role.unit_name(PIPELINE)}" in drop_in and f"After={ray_role.unit_name(PIPELINE)}" in drop_in
+    boots = {n.name: lab.host(n).check_output("cat /proc/sys/kernel/random/boot_id") for n in (head, worker)}
+    rebooted = time.monotonic()
+    for node in (worker, head):
+        lab.host(node).run("systemctl reboot")
+    end, joined = time.monotonic() + 300, 0
+    while time.monotonic() < end and joined < 2:
+        time.sleep(3)
+        try:
+            joined = _ray_nodes(lab, head)
+        except Exception:  # noqa: BLE001 - the node is still rebooting: no SSH yet
+            joined = 0
+    formed = time.monotonic() - rebooted
+    assert joined == 2, "the Ray cluster did not form again after the reboot"
+    for node in (head, worker):
+        assert lab.host(node).check_output("cat /proc/sys/kernel/random/boot_id") != boots[node.name]
+    wait = next(line.split("=", 1)[1] for line in drop_in.splitlines() if line.startswith("ExecStartPre="))
+    env = f"{node_paths.replica_dir(PIPELINE)}/vllm.env"
+    done = lab.host(head).run(f"set -a; . {env}; . {node_paths.replica_secrets(PIPELINE)}; set +a;"
+                              f" cd /tmp && runuser -u vllm -- {wait}")
+    assert done.rc == 0, done.stdout + done.stderr
+    figure = {"fault": "reboot of every node of a Ray replica (vLLM staged: the CPU build refuses Ray)",
+              "replica": PIPELINE, "cluster_formed_again_s": round(formed, 1), "join_wait": "passed"}
+    with (tmp_path_factory.getbasetemp() / "lab-fault-figures.jsonl").open("a") as figures:
+        figures.write(json.dumps(figure) + "\n")
 
 
 def test_ray_units_are_confined(lab: Lab, ray_cluster: tuple[NodeRecord, ...]) -> None:
