@@ -7,7 +7,8 @@ runs: every gpufleet operation that would change something records itself as dri
 verdict is one operation, which fails on a host whose gate fails or that drifted, listing why, so the run
 exits non-zero and names it. Operations that only follow another's change (restarts, reloads, readiness
 waits) are not counted; a replica restart that a deploy decided on and did not complete (its
-``restart-pending`` record is on the node) is drift naming the replica.
+``restart-pending`` record is on the node) is drift naming the replica, and so is a multi-node replica whose nodes
+disagree on vLLM, torch, Python, Ray or the model (the line names each node's value).
 """
 
 from gpufleet.deploy.context import context, serve_blockers

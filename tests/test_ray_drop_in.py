@@ -9,13 +9,13 @@ drop-in; ``tests/ray_drop_in/b_two_nodes_ray.conf`` is the text the README's Ray
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+import roles.ray as ray_role
 import roles.vllm as vllm_role
 from gpufleet import node_paths, templates
 from gpufleet.cli import fleet_facts
@@ -27,6 +27,7 @@ from gpufleet.fleet import Fleet, load_fleet
 from gpufleet.plan.commands import NodeRole, ray_start_argv
 from gpufleet.plan.planner import Replica, plan_fleet
 from gpufleet.systemd_text import exec_line
+from tests.recorded_ops import Recorder
 from tests.test_hostile_templates import exec_argv, unit_settings
 
 HERE = Path(__file__).resolve().parent
@@ -168,47 +169,11 @@ def test_a_ray_unit_starts_after_the_network_and_tries_again_until_it_joins(kind
 
 # --- role vllm: writes the drop-in on the head, reads it first, restarts and reloads for it ---------------------
 
-@dataclass
-class _Op:
-    """A recorded operation: its module and name, its arguments, and whether it changed the node."""
-
-    op: str
-    kwargs: dict[str, Any]
-    changed: bool = False
-    done: bool = True
-
-    def is_complete(self) -> bool:
-        return self.done
-
-    def did_change(self) -> bool:
-        return self.changed
-
-
-@dataclass
-class _Recorder:
-    calls: list[_Op] = field(default_factory=list)
-
-    def module(self, name: str) -> Any:
-        recorder = self
-
-        class Module:
-            def __getattr__(self, op: str) -> Callable[..., _Op]:
-                def call(*args: Any, **kwargs: Any) -> _Op:
-                    recorded = _Op(f"{name}.{op}", kwargs)
-                    recorder.calls.append(recorded)
-                    return recorded
-                return call
-        return Module()
-
-    def named(self, op: str, **match: Any) -> list[_Op]:
-        return [c for c in self.calls if c.op == op and all(c.kwargs.get(k) == v for k, v in match.items())]
-
-
-def _run_vllm_install(monkeypatch: pytest.MonkeyPatch, shape: str, host: str) -> _Recorder:
+def _run_vllm_install(monkeypatch: pytest.MonkeyPatch, shape: str, host: str) -> Recorder:
     """``vllm_install`` of one host of a shape, every operation recorded instead of run."""
     fleet, replicas = _planned(shape)
     ctx = DeployContext(fleet=fleet)
-    recorder = _Recorder()
+    recorder = Recorder()
     for name in ("apt", "files", "node", "server", "systemd", "vllm"):
         monkeypatch.setattr(vllm_role, name, recorder.module(name))
     monkeypatch.setattr(vllm_role, "host_config", lambda *_: fleet.configs[host])
@@ -253,3 +218,27 @@ def test_the_vllm_role_removes_a_drop_in_where_the_replica_is_not_ray(monkeypatc
     assert not [c for c in ops.named("files.file") if re.search(r"\.service\.d/", str(c.kwargs.get("dest")))]
     absent = {c.kwargs["path"] for c in ops.named("files.absent")}
     assert {node_paths.vllm_ray_drop_in(r.name) for r in mine} <= absent
+
+
+def test_a_started_or_restarted_ray_head_is_a_start_of_its_replica(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM follows its Ray head (Requires=): when the ray role starts or restarts the head, vllm_serve's readiness
+    wait on the head must run, as for a start of vLLM itself."""
+    fleet, replicas = _planned(RAY_SHAPE)
+    replica, head = replicas[0], replicas[0].roles[0]
+    ctx = DeployContext(fleet=fleet)
+    recorder = Recorder()
+    for name in ("files", "node", "systemd", "ray_ops"):
+        monkeypatch.setattr(ray_role, name, recorder.module(name))
+    monkeypatch.setattr(ray_role, "host_config", lambda *_: fleet.configs[head.host])
+    monkeypatch.setattr(ray_role, "context", lambda *_: ctx)
+    monkeypatch.setattr(ray_role, "assignments", lambda *_: [(replica, head)])
+    monkeypatch.setattr(access, "monitoring_group", list)
+    monkeypatch.setattr(vf, "_read_secret", lambda ref, key: f"{key} value")
+    ray_role.ray.__wrapped__()  # type: ignore[attr-defined]
+    unit = node_paths.ray_unit(replica.name)
+    (started,) = recorder.named("systemd.service", unit=unit)
+    (restarted,) = recorder.named("systemd.restart", unit=unit)
+    assert ctx.replica_starts[replica.name] == [started, restarted]
+    assert not vllm_role._changed(ctx.replica_starts[replica.name])()
+    restarted.changed = True
+    assert vllm_role._changed(ctx.replica_starts[replica.name])()

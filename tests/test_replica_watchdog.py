@@ -17,9 +17,8 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -36,6 +35,8 @@ from gpufleet.fleet import Fleet, load_fleet
 from gpufleet.node import replica_watchdog as wd
 from gpufleet.plan.commands import secret_env_names
 from gpufleet.plan.planner import Replica, plan_fleet
+from tests.loopback_http import loopback_server
+from tests.recorded_ops import Recorder
 from tests.test_hostile_templates import exec_argv, unit_settings
 
 HERE = Path(__file__).resolve().parent
@@ -234,16 +235,11 @@ def fake_vllm() -> Iterator[tuple[str, FakeVllm]]:
         def log_message(self, *args: object) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", state
-    finally:
-        state.released.set()
-        server.shutdown()
-        server.server_close()
-        thread.join()
+    with loopback_server(Handler) as url:
+        try:
+            yield url, state
+        finally:
+            state.released.set()  # before the server waits for its handlers
 
 
 def _wait_for(check: Callable[[], bool], seconds: float, what: str) -> None:
@@ -386,38 +382,6 @@ def test_the_unit_runs_as_root_without_any_capability_and_reaches_its_node_only(
 
 # --- the role: files on the first node, the unit started there, restarts of its own ---------------------------
 
-@dataclass
-class _Op:
-    op: str
-    kwargs: dict[str, Any]
-    changed: bool = False
-
-    def is_complete(self) -> bool:
-        return True
-
-    def did_change(self) -> bool:
-        return self.changed
-
-
-@dataclass
-class _Recorder:
-    calls: list[_Op] = field(default_factory=list)
-
-    def module(self, name: str) -> Any:
-        recorder = self
-
-        class Module:
-            def __getattr__(self, op: str) -> Callable[..., _Op]:
-                def call(*args: Any, **kwargs: Any) -> _Op:
-                    recorder.calls.append(_Op(f"{name}.{op}", kwargs))
-                    return recorder.calls[-1]
-                return call
-        return Module()
-
-    def named(self, op: str, **match: Any) -> list[_Op]:
-        return [c for c in self.calls if c.op == op and all(c.kwargs.get(k) == v for k, v in match.items())]
-
-
 def _planned(shape: str) -> tuple[Fleet, list[Replica]]:
     fleet = load_fleet(str(HERE / "plans" / shape / "inventory.py"))
     plan = plan_fleet(fleet, fleet_facts(fleet, None))
@@ -426,12 +390,12 @@ def _planned(shape: str) -> tuple[Fleet, list[Replica]]:
 
 
 def _run_role(monkeypatch: pytest.MonkeyPatch, shape: str, host: str, ctx: DeployContext | None = None,
-              **values: object) -> tuple[_Recorder, DeployContext]:
+              **values: object) -> tuple[Recorder, DeployContext]:
     """``vllm_install`` then ``vllm_serve`` of one host of a shape (its config updated with ``values``), every
     operation recorded instead of run."""
     fleet, replicas = _planned(shape)
     ctx = ctx or DeployContext(fleet=fleet)
-    recorder = _Recorder()
+    recorder = Recorder()
     for name in ("apt", "files", "node", "server", "systemd", "vllm"):
         monkeypatch.setattr(vllm_role, name, recorder.module(name))
     cfg = fleet.configs[host].model_copy(update=values)

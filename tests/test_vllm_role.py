@@ -15,10 +15,9 @@ import shlex
 import shutil
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -55,6 +54,7 @@ from gpufleet.plan.commands import (
 from gpufleet.plan.planner import plan_fleet
 from gpufleet.vllm_flags import load_catalog
 from tests.conftest import ROOT
+from tests.loopback_http import loopback_server
 
 TEMPLATES = ROOT / "templates"
 
@@ -888,15 +888,8 @@ def fake_vllm() -> Iterator[tuple[str, FakeVllm]]:
         def log_message(self, *args: object) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", state
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()
+    with loopback_server(Handler) as url:
+        yield url, state
 
 
 def test_check_once_ready_after_health_and_a_completion(fake_vllm: tuple[str, FakeVllm]) -> None:

@@ -15,7 +15,9 @@ import os
 import re
 import secrets
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -247,43 +249,39 @@ def status(base: Path | None = None) -> LabStatus | None:
     )
 
 
-def _node(state: LabState, name: str) -> NodeRecord:
-    found = [n for n in state.nodes if n.name == name]
-    if not found:
-        raise LabError(f"no lab node {name!r} (nodes: {', '.join(n.name for n in state.nodes)})")
-    return found[0]
+@contextmanager
+def _one_node(name: str, base: Path | None) -> Iterator[tuple[LabState, NodeRecord]]:
+    """The lab's state and its node ``name``, under the lab's lock; the state is saved when the block ends."""
+    directory = base or lab_dir()
+    with locked(directory):
+        state = load_state(directory)
+        if state is None:
+            raise LabError(f"no lab is up in {directory}")
+        found = [n for n in state.nodes if n.name == name]
+        if not found:
+            raise LabError(f"no lab node {name!r} (nodes: {', '.join(n.name for n in state.nodes)})")
+        yield state, found[0]
+        save_state(state, directory)
 
 
 def power_off(name: str, base: Path | None = None) -> None:
     """Cut one node's power, as a node lost to a hardware or power fault: its link goes down first (nothing more
     leaves it, not even the resets of its closing connections), then it is killed without a shutdown."""
-    directory = base or lab_dir()
-    with locked(directory):
-        state = load_state(directory)
-        if state is None:
-            raise LabError(f"no lab is up in {directory}")
-        node = _node(state, name)
+    with _one_node(name, base) as (state, node):
         ssh.run(node.address, Path(state.ssh_key), Path(state.known_hosts),
                 "nohup sh -c 'sleep 0.5; ip link set host0 down' >/dev/null 2>&1 &")
         time.sleep(1.5)
         container.stop([(node.process, Path(node.root))], grace=0)
         node.process = None
-        save_state(state, directory)
 
 
 def power_on(name: str, base: Path | None = None, timeout: float = 120) -> None:
     """Boot a node that was powered off again, and wait until its systemd is up."""
-    directory = base or lab_dir()
-    with locked(directory):
-        state = load_state(directory)
-        if state is None:
-            raise LabError(f"no lab is up in {directory}")
-        node = _node(state, name)
+    with _one_node(name, base) as (state, node):
         if container.alive(node.process):
             raise LabError(f"{name} is running")
         node.process = container.start(Path(node.root), node.machine, node.name, state.bridge,
                                        Path(node.node_dir) / "console.log")
-        save_state(state, directory)
     _wait_ready(node, Path(state.ssh_key), Path(state.known_hosts), timeout)
 
 

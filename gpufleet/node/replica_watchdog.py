@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import argparse
 import http.client
-import importlib.util
+import importlib
 import json
 import os
 import re
@@ -252,16 +252,11 @@ class HttpReplica:
         return done.returncode == 0, (done.stderr or done.stdout).strip() or f"exit status {done.returncode}"
 
 
-def _load_sibling(name: str) -> ModuleType:
-    """Import ``<name>.py`` from this file's directory (node code has no package to import from)."""
-    path = Path(__file__).resolve().with_name(f"{name}.py")
-    spec = importlib.util.spec_from_file_location(f"gpufleet_node_{name}", path)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot load {path}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+def _vllm_ready() -> ModuleType:
+    """``vllm_ready.py`` beside this file: node tools are files, not a package, and ``-I`` leaves their directory
+    off the import path."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    return importlib.import_module("vllm_ready")
 
 
 @dataclass(frozen=True)
@@ -305,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="replica_watchdog.py", description=__doc__.splitlines()[0])
     parser.add_argument("config", help="the replica's watchdog.json")
     config = load_config(parser.parse_args(argv).config)
-    replica = HttpReplica(_load_sibling("vllm_ready"), config.url, config.model,
+    replica = HttpReplica(_vllm_ready(), config.url, config.model,
                           os.environ.get("VLLM_API_KEY") or None, config.unit, config.stall_s)
     _log(f"watching {config.unit} at {config.url}: restart after {config.stall_s:g} s without progress,"
          f" {config.grace_s:g} s to serve after a start")

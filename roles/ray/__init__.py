@@ -30,7 +30,7 @@ from pyinfra.operations.util import any_changed
 from gpufleet.config.problems import ConfigError, Problem, exit_with
 from gpufleet.deploy import access
 from gpufleet.deploy import vllm_files as vf
-from gpufleet.deploy.context import assignments, host_config
+from gpufleet.deploy.context import assignments, context, host_config
 from gpufleet.netaddr import host_port
 from gpufleet.node_paths import (
     RAY_ENV_DIR,
@@ -113,6 +113,8 @@ def ray() -> None:
             ray_ops.joined(name=f"{replica.name}: wait for the Ray head at {gcs}", ray=ray_bin, gcs=gcs, nodes=1,
                            timeout=cfg.ray_ready_timeout, token_file=ray_token_file(replica.name), always_wait=True,
                            _if=any_changed(started, restarted))
+            # vLLM follows its Ray head (Requires=): a (re)started head means waiting until the replica serves
+            context().replica_starts.setdefault(replica.name, []).extend([started, restarted])
     # Workers join only once every head answers (operations run in this order on all hosts).
     for replica, _, proc in mine:
         if proc.unit != "ray-worker":

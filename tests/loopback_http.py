@@ -1,0 +1,21 @@
+"""A test's HTTP server on 127.0.0.1 (a free port), for node tools that talk to a replica's API."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+@contextmanager
+def loopback_server(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
+    """Serve ``handler`` until the block ends; yields the server's base URL."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
