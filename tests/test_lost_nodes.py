@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from paramiko import SSHException
 
 from gpufleet.deploy import lost_nodes
 
@@ -64,3 +65,41 @@ def test_a_host_whose_connection_closed_is_named_once(tcp: socket.socket, capsys
     assert err.splitlines() == [
         f"gpufleet: [10.0.0.6] lost during the deploy: no answer over SSH for {lost_nodes.LOST_AFTER_S} s; the other"
         " nodes go on, and a rerun once it is back finishes its part"]
+
+
+def test_a_connection_ended_under_a_command_is_an_ssh_error_for_pyinfra(tcp: socket.socket) -> None:
+    """pyinfra fails the host's operation on an SSH error; paramiko's EOFError would stop the whole deploy."""
+    calls: list[str] = []
+
+    class Connector:
+        client = type("Client", (), {"get_transport": lambda _self: _Transport(tcp)})()
+
+        def run_shell_command(self, command: str) -> tuple[bool, list[str]]:
+            calls.append(command)
+            if command == "lost":
+                raise EOFError()
+            return True, []
+
+        def put_file(self, *args: Any) -> bool:
+            raise EOFError()
+
+    host = _Host(None)
+    host.connector = Connector()
+    lost_nodes.watch_connection(host)  # type: ignore[arg-type]
+    lost_nodes.watch_connection(host)  # type: ignore[arg-type]  # a reconnect: wrapped once
+    assert host.connector.run_shell_command("true") == (True, [])
+    with pytest.raises(SSHException, match=r"the connection to 10\.0\.0\.5 was lost"):
+        host.connector.run_shell_command("lost")
+    with pytest.raises(SSHException):
+        host.connector.put_file("a", "b")
+    assert calls == ["true", "lost"]
+
+
+def test_a_lost_host_whose_operation_had_nothing_to_run_fails_all_the_same(tcp: socket.socket) -> None:
+    failed: list[set[Any]] = []
+    state = type("State", (), {"fail_hosts": lambda _self, hosts: failed.append(hosts)})()
+    watch = lost_nodes._Watch()
+    alive, gone = _Host(_Transport(tcp)), _Host(_Transport(tcp, active=False), "10.0.0.6")
+    for host in (alive, gone):
+        watch.operation_host_success(state, host, "op", 0)  # type: ignore[arg-type]
+    assert failed == [{gone}] and watch.lost == {"10.0.0.6"}

@@ -4,8 +4,8 @@ A node that loses power or its network sends nothing more: no FIN, no RST. pyinf
 started there until TCP gives up, which takes a quarter of an hour. Every connection of a deploy therefore
 sends an SSH keepalive every :data:`KEEPALIVE_S` seconds, and its socket has ``TCP_USER_TIMEOUT`` set: data
 the node does not acknowledge within :data:`LOST_AFTER_S` seconds closes the connection. The command then
-fails on that host (pyinfra drops the host from the rest of the deploy and exits non-zero), the other hosts go
-on, and :func:`report` names the lost nodes at the end. Connections made later (after a reboot) get the same
+fails on that host as an SSH error (pyinfra drops the host from the rest of the deploy and exits non-zero),
+the other hosts go on, and the lost node is named once. Connections made later (after a reboot) get the same
 settings through a pyinfra state callback.
 """
 
@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import socket
 import sys
+from collections.abc import Callable
+from functools import wraps
 from typing import Any
 
+from paramiko import SSHException
 from pyinfra.api.host import Host
 from pyinfra.api.state import BaseStateCallback, State
 
@@ -22,10 +25,31 @@ KEEPALIVE_S = 5
 LOST_AFTER_S = 30
 
 
+def _lost_as_ssh_error(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` of an SSH connector, raising :class:`SSHException` where paramiko raises ``EOFError``: the
+    connection ended while a command was being started. pyinfra fails the host's operation on an SSH error, but
+    takes any other exception for an error of its own and stops the whole deploy."""
+
+    @wraps(method)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(*args, **kwargs)
+        except EOFError as exc:
+            raise SSHException(f"the connection to {name} was lost") from exc
+
+    return call
+
+
 def watch_connection(host: Host) -> bool:
     """Give ``host``'s SSH connection its keepalive and its bound; False when it has no plain TCP socket (a
     connector other than SSH, or a proxied connection), which keeps pyinfra's defaults."""
-    client = getattr(host.connector, "client", None)
+    connector = host.connector
+    if connector is not None and not getattr(connector, "_gpufleet_watched", False):
+        for method in ("run_shell_command", "put_file", "get_file"):
+            if callable(getattr(connector, method, None)):
+                setattr(connector, method, _lost_as_ssh_error(host.name, getattr(connector, method)))
+        connector._gpufleet_watched = True  # type: ignore[attr-defined]
+    client = getattr(connector, "client", None)
     transport = client.get_transport() if client is not None else None
     if transport is None:
         return False
@@ -59,11 +83,20 @@ class _Watch(BaseStateCallback):
     def host_connect(state: State, host: Host) -> None:
         watch_connection(host)
 
-    def operation_host_error(self, state: State, host: Host, op_hash: Any, *_: Any) -> None:  # type: ignore[override]
-        if host.name not in self.lost and connection_lost(host):
+    def _name(self, host: Host) -> None:
+        if host.name not in self.lost:
             self.lost.add(host.name)
             print(f"gpufleet: [{host.name}] lost during the deploy: no answer over SSH for {LOST_AFTER_S} s; the"
                   " other nodes go on, and a rerun once it is back finishes its part", file=sys.stderr)
+
+    def operation_host_error(self, state: State, host: Host, op_hash: Any, *_: Any) -> None:  # type: ignore[override]
+        if connection_lost(host):
+            self._name(host)
+
+    def operation_host_success(self, state: State, host: Host, op_hash: Any, *_: Any) -> None:  # type: ignore[override]
+        if connection_lost(host):  # nothing ran there (its facts read as defaults): it is gone all the same
+            self._name(host)
+            state.fail_hosts({host})
 
 
 def watch(state: State) -> None:

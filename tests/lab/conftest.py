@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from gpufleet.lab import network, preflight
+from gpufleet.lab.nodes import power_on
 from gpufleet.lab.state import LAB_DIR_ENV, LabState, NodeRecord, load_state
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -89,6 +90,15 @@ class Lab:
         import testinfra  # type: ignore[import-untyped]
 
         return testinfra.get_host(f"paramiko://root@{node.address}", ssh_identity_file=self.state.ssh_key)
+
+    def power_on(self, node: NodeRecord) -> None:
+        """Boot a node the test powered off (gpufleet.lab.nodes.power_off) and reload the lab's state. testinfra's
+        cached connection to it is dropped: a node that lost power left it dead without a reset."""
+        import testinfra.host  # type: ignore[import-untyped]
+
+        power_on(node.name, self.directory)
+        self.state = load_state(self.directory) or self.state
+        testinfra.host.Host._host_cache.clear()
 
 
 def _run(argv: list[str], env: dict[str, str], timeout: float) -> Completed:
