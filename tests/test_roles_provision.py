@@ -166,6 +166,10 @@ def test_without_nvml_the_declared_profile_decides() -> None:
         ("580.95.05-1", "580.65.06", "if-needed", False, "stop"),  # a difference this deploy did not cause
         ("580.95.05-1", "580.65.06", "allowed", False, "reboot"),
         ("580.95.05-1", None, "never", True, "stop"),  # fresh install: no module loaded yet
+        ("580.95.05-1", None, "if-bare", True, "reboot"),  # the node had no driver: nothing served there
+        ("580.95.05-1", None, "if-bare", False, "stop"),  # not this deploy's install
+        ("580.95.05-1", "580.65.06", "if-bare", True, "stop"),  # an upgrade of a node that had a driver
+        ("580.95.05-1", "580.95.05", "if-bare", False, "none"),
         ("580.95.05-1", None, "if-needed", True, "reboot"),
         ("580.95.05-1", None, "allowed", False, "reboot"),
         ("580.95.05-1", "580.95.0", "never", False, "stop"),  # no prefix matching

@@ -227,7 +227,7 @@ class HostConfig(BaseModel):
     nvidia_driver_branch: Annotated[int, Field(ge=450, le=999)]
     nvidia_driver_kernel_modules: Literal["open", "proprietary"]
     nvidia_driver_version: _text(grammar.deb_version) | None  # type: ignore[valid-type]
-    nvidia_driver_reboot: Literal["never", "if-needed", "allowed"]
+    nvidia_driver_reboot: Literal["never", "if-bare", "if-needed", "allowed"]
     nvidia_repo_url: str
     nvidia_repo_keyring_url: str
     nvidia_repo_key_fingerprint: Annotated[str, Field(pattern=r"^[0-9A-F]{40}$")]

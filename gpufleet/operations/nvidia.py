@@ -17,7 +17,7 @@ from gpufleet.gpu_facts import NodeFacts, parse_facts
 from gpufleet.operations import apt, node, server
 from gpufleet.operations.node import Commands, fail, gpufleet_operation
 
-RebootPolicy = Literal["never", "if-needed", "allowed"]
+RebootPolicy = Literal["never", "if-bare", "if-needed", "allowed"]
 Action = Literal["none", "reboot", "stop"]
 
 
@@ -80,11 +80,14 @@ def reboot_action(installed: str, loaded: str | None, policy: RebootPolicy, chan
     ``installed`` is the package version (``580.95.05-1``), ``loaded`` the driver version NVML reports
     (``580.95.05``; None when NVML cannot answer, e.g. no module loaded), ``changed_now`` whether this
     deploy installed or upgraded the driver package. ``none``: they match; ``reboot``: reboot and probe
-    again; ``stop``: fail the node with "reboot required".
+    again; ``stop``: fail the node with "reboot required". ``if-bare`` reboots only a node this deploy gave its
+    first driver (no module loaded, even after the install): nothing can have been serving there.
     """
     if module_matches(installed, loaded):
         return "none"
     if policy == "allowed" or (policy == "if-needed" and changed_now):
+        return "reboot"
+    if policy == "if-bare" and changed_now and loaded is None:  # a node with no driver before: nothing served there
         return "reboot"
     return "stop"
 
