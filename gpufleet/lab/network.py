@@ -109,6 +109,17 @@ def create_bridge(bridge: str, net: ipaddress.IPv4Network) -> None:
     _ip("link", "set", bridge, "up")
 
 
+def link_with_index(index: int) -> str | None:
+    """The name of this host's interface with ``index`` (a node's ``host0`` names its peer by it), or None."""
+    return next((str(link["ifname"]) for link in _ip_json("link", "show") if link.get("ifindex") == index), None)
+
+
+def delete_link(name: str) -> None:
+    """Remove an interface (a veth: both ends go) if it is there."""
+    if link_exists(name):
+        subprocess.run(["ip", "link", "del", name], capture_output=True, check=False)
+
+
 def delete_bridge(bridge: str) -> None:
     """Remove any veth left on the bridge, then the bridge."""
     for port in bridge_ports(bridge):

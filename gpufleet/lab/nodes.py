@@ -14,6 +14,7 @@ import logging
 import os
 import re
 import secrets
+import shutil
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -45,6 +46,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_PROFILE = "8xH100-SXM"
 READY_STATES = ("running", "degraded")
+NSPAWN_PROPAGATE = "/run/systemd/nspawn/propagate"  # where nspawn keeps each machine's mount propagation
 BOOT_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 30.0
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
@@ -268,11 +270,16 @@ def power_off(name: str, base: Path | None = None) -> None:
     """Cut one node's power, as a node lost to a hardware or power fault: its link goes down first (nothing more
     leaves it, not even the resets of its closing connections), then it is killed without a shutdown."""
     with _one_node(name, base) as (state, node):
-        ssh.run(node.address, Path(state.ssh_key), Path(state.known_hosts),
-                "nohup sh -c 'sleep 0.5; ip link set host0 down' >/dev/null 2>&1 &")
+        _, peer = ssh.run(node.address, Path(state.ssh_key), Path(state.known_hosts),
+                          "cat /sys/class/net/host0/iflink; nohup sh -c 'sleep 0.5; ip link set host0 down'"
+                          " >/dev/null 2>&1 &")
         time.sleep(1.5)
         container.stop([(node.process, Path(node.root))], grace=0)
         node.process = None
+        veth = network.link_with_index(int(peer.strip())) if peer.strip().isdigit() else None
+        if veth is not None:  # a killed nspawn leaves its veth behind, and the next boot could not add it
+            network.delete_link(veth)
+        shutil.rmtree(Path(NSPAWN_PROPAGATE) / node.machine, ignore_errors=True)  # and its mount propagation dir
 
 
 def power_on(name: str, base: Path | None = None, timeout: float = 120) -> None:
