@@ -12,13 +12,15 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import paramiko
 import pytest
 
-from gpufleet.lab import network, preflight
+from gpufleet.lab import network, preflight, ssh
 from gpufleet.lab.nodes import power_on
 from gpufleet.lab.state import LAB_DIR_ENV, LabState, NodeRecord, load_state
 
@@ -91,14 +93,39 @@ class Lab:
 
         return testinfra.get_host(f"paramiko://root@{node.address}", ssh_identity_file=self.state.ssh_key)
 
-    def power_on(self, node: NodeRecord) -> None:
-        """Boot a node the test powered off (gpufleet.lab.nodes.power_off) and reload the lab's state. testinfra's
-        cached connection to it is dropped: a node that lost power left it dead without a reset."""
+    def forget_connections(self) -> None:
+        """Drop testinfra's cached connections: after a node rebooted or lost power, its old one is dead."""
         import testinfra.host  # type: ignore[import-untyped]
 
+        testinfra.host.Host._host_cache.clear()
+
+    def power_on(self, node: NodeRecord) -> None:
+        """Boot a node the test powered off (gpufleet.lab.nodes.power_off) and reload the lab's state."""
         power_on(node.name, self.directory)
         self.state = load_state(self.directory) or self.state
-        testinfra.host.Host._host_cache.clear()
+        self.forget_connections()
+
+    def boot_id(self, node: NodeRecord) -> str:
+        """The node's boot id over a fresh connection ("" while it does not answer)."""
+        try:
+            _, out = ssh.run(node.address, Path(self.state.ssh_key), Path(self.state.known_hosts),
+                             "cat /proc/sys/kernel/random/boot_id")
+        except (OSError, EOFError, paramiko.SSHException):
+            return ""
+        return out.strip()
+
+    def reboot(self, *nodes: NodeRecord, timeout: float = 300) -> None:
+        """Reboot ``nodes`` at once and wait until each has booted again (a new boot id) and answers."""
+        before = {n.name: self.boot_id(n) for n in nodes}
+        for node in nodes:
+            self.host(node).run("systemctl reboot")
+        end = time.monotonic() + timeout
+        left = list(nodes)
+        while left and time.monotonic() < end:
+            time.sleep(2)
+            left = [n for n in left if self.boot_id(n) in ("", before[n.name])]
+        self.forget_connections()
+        assert not left, f"{', '.join(n.name for n in left)} did not boot again within {timeout:.0f} s"
 
 
 def _run(argv: list[str], env: dict[str, str], timeout: float) -> Completed:
