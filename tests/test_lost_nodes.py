@@ -103,3 +103,20 @@ def test_a_lost_host_whose_operation_had_nothing_to_run_fails_all_the_same(tcp: 
     for host in (alive, gone):
         watch.operation_host_success(state, host, "op", 0)  # type: ignore[arg-type]
     assert failed == [{gone}] and watch.lost == {"10.0.0.6"}
+
+
+def test_a_lost_node_records_no_versions_for_its_replica(tcp: socket.socket) -> None:
+    """A node lost while its replica's versions are read fails there and records nothing: the other nodes of the
+    replica are not failed for disagreeing with a node that is merely gone."""
+    from pyinfra.context import ctx_host, ctx_state
+
+    from gpufleet.operations import vllm as vllm_ops
+
+    gone = _Host(_Transport(tcp, active=False), "10.0.0.6")
+    gone.get_fact = lambda *args, **kwargs: None  # type: ignore[attr-defined]
+    gone.noop = lambda text: None  # type: ignore[attr-defined]
+    stacks: dict[str, Any] = {}
+    with ctx_state.use(type("State", (), {"is_executing": True})()), ctx_host.use(gone):
+        commands = list(vllm_ops.node_stack._inner(python="/x/python", package="vllm", model="m", model_dir="/m",
+                                                   stacks=stacks))
+    assert stacks == {} and len(commands) == 1

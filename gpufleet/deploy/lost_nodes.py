@@ -67,7 +67,7 @@ def watch_connection(host: Host) -> bool:
 
 def connection_lost(host: Host) -> bool:
     """Whether ``host`` had an SSH connection and it is closed now (the node stopped answering)."""
-    client = getattr(host.connector, "client", None)
+    client = getattr(getattr(host, "connector", None), "client", None)
     transport = client.get_transport() if client is not None else None
     return client is not None and (transport is None or not transport.is_active())
 

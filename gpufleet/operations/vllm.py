@@ -9,9 +9,10 @@ from collections.abc import Callable
 from pyinfra.api.command import QuoteString, StringCommand
 from pyinfra.context import host, state
 
+from gpufleet.deploy.lost_nodes import connection_lost
 from gpufleet.facts import STACK_KEYS, ReplicaStack
 from gpufleet.operations import node
-from gpufleet.operations.node import Commands, fail, gpufleet_operation, read_only
+from gpufleet.operations.node import Commands, current_host, fail, gpufleet_operation, read_only
 
 NodeStack = dict[str, str | None]  # vllm, torch, python, ray, model -> its value on one node (None: none there)
 AGREE_KEYS = (*STACK_KEYS, "model")
@@ -55,6 +56,9 @@ def node_stack(python: str, package: str, model: str | None, model_dir: str, sta
         host.noop("read when the run gets here")
         return
     found = host.get_fact(ReplicaStack, python=python, package=package, model_dir=None if model else model_dir)
+    if found is None and connection_lost(current_host()):  # nothing read: the node is gone, not without a venv
+        yield fail("the connection was lost while reading its vLLM, torch, Python and Ray versions")
+        return
     values: NodeStack = {key: (found or {}).get(key) for key in STACK_KEYS}
     if values["vllm"] is not None and package != "vllm":
         values["vllm"] = f"{values['vllm']} ({package})"
