@@ -16,6 +16,7 @@ from gpufleet.deploy.context import DeployContext, gate_verdict, profile_mismatc
 from gpufleet.fleet import Fleet
 from gpufleet.gpu_facts import NodeFacts
 from gpufleet.hardware_profiles import profile_facts
+from tests.recorded_ops import RecordedOp
 
 HOST = "10.0.0.5"
 NO_DRIVER = {"schema": "gpufleet.gpu-facts/1", "hostname": "gpu-a01",
@@ -41,15 +42,9 @@ class _Host:
     name = HOST
 
 
-class _Meta:
-    def __init__(self, changed: bool) -> None:
-        self.changed = changed
-
-    def is_complete(self) -> bool:
-        return True
-
-    def did_change(self) -> bool:
-        return self.changed
+def _meta(changed: bool) -> RecordedOp:
+    """A driver role operation's outcome, as the gate reads it."""
+    return RecordedOp("driver", {}, changed=changed)
 
 
 def _verdict(monkeypatch: pytest.MonkeyPatch, ctx: DeployContext, now: dict[str, Any] | None) -> list[str]:
@@ -91,7 +86,7 @@ def test_other_gpus_than_the_profile_are_named(probed: str, reported: str) -> No
 def test_an_unchanged_probed_node_keeps_its_verdict_without_probing(monkeypatch: pytest.MonkeyPatch) -> None:
     ctx = _ctx(None)
     ctx.facts[HOST] = profile_facts("8xH100-SXM", "gpu-a01")
-    ctx.driver_changes[HOST] = [_Meta(False)]  # type: ignore[list-item]
+    ctx.driver_changes[HOST] = [_meta(False)]  # type: ignore[list-item]
     assert _verdict(monkeypatch, ctx, None) == []
     assert ctx.probes == []  # type: ignore[attr-defined]
 
@@ -122,7 +117,7 @@ def test_a_node_whose_driver_still_does_not_answer_fails_with_the_rule(monkeypat
 def test_a_changed_node_is_judged_on_the_fresh_probe(monkeypatch: pytest.MonkeyPatch) -> None:
     ctx = _ctx(None)
     ctx.facts[HOST] = profile_facts("8xH100-SXM", "gpu-a01")
-    ctx.driver_changes[HOST] = [_Meta(False), _Meta(True)]  # type: ignore[list-item]
+    ctx.driver_changes[HOST] = [_meta(False), _meta(True)]  # type: ignore[list-item]
     lost = _doc(profile_facts("8xH100-SXM", "gpu-a01"))
     lost["gpus"] = lost["gpus"][:7]
     found = _verdict(monkeypatch, ctx, lost)
@@ -134,7 +129,7 @@ def test_a_node_left_out_of_the_plan_that_passes_now_says_the_next_deploy_plans_
     ctx = _ctx(None)  # no gpu_profile: it could not be planned without NVML
     ctx.facts[HOST] = context_module.parse_facts(NO_DRIVER)
     ctx.gate_failures[HOST] = ["nvml (node): no NVML on this node: nvmlInit: Driver Not Loaded"]
-    ctx.driver_changes[HOST] = [_Meta(True)]  # type: ignore[list-item]
+    ctx.driver_changes[HOST] = [_meta(True)]  # type: ignore[list-item]
     found = _verdict(monkeypatch, ctx, _doc(profile_facts("8xH100-SXM", "gpu-a01")))
     assert found == ["not planned in this deploy (nvml (node): no NVML on this node: nvmlInit: Driver Not Loaded); it"
                      " passes its gate now: the next deploy plans it (a declared gpu_profile lets one deploy"
