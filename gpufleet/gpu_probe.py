@@ -71,12 +71,13 @@ def _group(value: Any) -> tuple[list[Any], dict[str, Any]] | None:
     return hosts, dict(data)
 
 
-def load_inventory(inventory_path: str | Path) -> Inventory:
+def load_inventory(inventory_path: str | Path, override_data: dict[str, Any] | None = None) -> Inventory:
     """A new pyinfra ``Inventory`` from an inventory file, grouped as pyinfra's CLI groups it.
 
     Module-level lists of hosts (or ``(hosts, data)``) are groups, ``all`` (when absent, every host)
-    holds the hosts, and the file's own name is a group of them all. Read without ``pyinfra_cli``,
-    whose import monkey-patches the whole process for gevent.
+    holds the hosts, and the file's own name is a group of them all; ``override_data`` is what pyinfra's
+    ``--data`` gives every host. Read without ``pyinfra_cli``, whose import monkey-patches the whole process
+    for gevent.
     """
     path = Path(inventory_path)
     namespace = runpy.run_path(str(path), run_name="gpufleet_inventory")
@@ -87,7 +88,7 @@ def load_inventory(inventory_path: str | Path) -> Inventory:
         names = [h if isinstance(h, str) else h[0] for group_hosts, _ in groups.values() for h in group_hosts]
         hosts = list(dict.fromkeys(names))
     groups.setdefault(path.stem, (list(hosts), {}))
-    return Inventory((hosts, data), **groups)
+    return Inventory((hosts, data), override_data=override_data, **groups)
 
 
 def default_policy(host: str) -> HealthPolicy:

@@ -20,7 +20,7 @@ RAY_ENV_DIR = f"{CONFIG_DIR}/ray"  # one environment file per Ray replica
 # gpufleet's node tools (standard library + pynvml only), copied from gpufleet/node/
 NODE_TOOLS_DIR = "/opt/gpufleet/node"
 NODE_TOOL_FILES = ("nvml_probe.py", "health_rules.py", "vllm_ready.py", "replica_rank.py", "ray_join_wait.py",
-                   "gpu_watch.py", "replica_watchdog.py")
+                   "gpu_watch.py", "replica_watchdog.py", "router_admin.py")
 NODE_PYNVML = f"{NODE_TOOLS_DIR}/pynvml.py"  # the controller's nvidia-ml-py bindings, for a Python without them
 
 # the GPU health watch (role gpu_watch): its timer runs gpu_watch.py, which stops the node's replicas while its GPUs
@@ -29,6 +29,9 @@ GPU_WATCH_SERVICE = "gpufleet-gpu-watch.service"
 GPU_WATCH_TIMER = "gpufleet-gpu-watch.timer"
 RUN_DIR = "/run/gpufleet"  # the watch's RuntimeDirectory= (gone at reboot)
 GPU_WATCH_MARKER = f"{RUN_DIR}/gpu-gate-failed"  # while the node fails: the failed rules and the units stopped
+
+# the router (role router): HAProxy's runtime API (level admin) on a router node, which router_admin.py drives
+ROUTER_ADMIN_SOCKET = "/run/haproxy/gpufleet-admin.sock"
 
 # vLLM
 VLLM_ROOT = "/opt/vllm"  # one virtualenv per version: /opt/vllm/<version> -> /opt/vllm/.build-<version>-<digest>-*
@@ -64,6 +67,16 @@ def replica_dir(replica: str) -> str:
 def restart_marker(replica: str) -> str:
     """Present while a restart of ``replica`` that a deploy decided on has not completed."""
     return f"{replica_dir(replica)}/restart-pending"
+
+
+def release_file(replica: str) -> str:
+    """What the replica runs (its release: gpufleet.rollout.release), written by every deploy (root, 0644)."""
+    return f"{replica_dir(replica)}/release.json"
+
+
+def previous_release_file(replica: str) -> str:
+    """The release the replica ran before the last change ``gpufleet upgrade``/``rollback`` made: its rollback."""
+    return f"{replica_dir(replica)}/release.previous.json"
 
 
 def watchdog_config(replica: str) -> str:

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 # Every service gpufleet writes a unit (or drop-in) for: vLLM's instances, their watchdogs and the Ray head/worker
 # units of Ray replicas (patterns), node_exporter (tarball: our unit; package: Debian's unit with our drop-in), NVIDIA's
-# DCGM exporter and the GPU health watch. Each must rate at most EXPOSURE_BOUND.
+# DCGM exporter, the GPU health watch and the routers' HAProxy (Debian's unit with our drop-in). Each must rate at
+# most EXPOSURE_BOUND.
 UNITS: tuple[str, ...] = (
     "vllm@*.service",
     "vllm-watchdog@*.service",
@@ -25,6 +26,7 @@ UNITS: tuple[str, ...] = (
     "prometheus-node-exporter.service",
     "dcgm-exporter.service",
     "gpufleet-gpu-watch.service",
+    "haproxy.service",
 )
 
 # The most exposure a gpufleet unit may have on Debian 12's systemd 252: what is left is what the service

@@ -37,7 +37,7 @@ __all__ = [
     "load_catalog",
 ]
 
-SUPPORTED_VLLM_VERSIONS: tuple[str, ...] = ("0.33.0", "0.32.0")
+SUPPORTED_VLLM_VERSIONS: tuple[str, ...] = ("0.33.0", "0.32.0", "0.31.0")
 DEFAULT_VLLM_VERSION = "0.33.0"
 
 _JSON_TYPES = frozenset({"json", "json_config", "json_or_str"})

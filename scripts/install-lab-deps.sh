@@ -1,5 +1,5 @@
 #!/bin/sh
-# Install the Debian packages the lab needs on the host, and only those that are missing.
+# Install the Debian packages the lab and the tests need on the host, and only those that are missing.
 # Idempotent: a second run installs nothing. Needs root (the Makefile's setup calls it only as root).
 #
 #   debootstrap            builds the nodes' Debian rootfs
@@ -9,9 +9,10 @@
 #   util-linux             nsenter (addresses inside a node's network namespace), setsid, mount
 #   openssh-client         ssh-keygen for the lab key; ssh for operators
 #   procps                 ps / pgrep for status and cleanup checks
+#   haproxy                the router's tests run the router's HAProxy (Debian's, as on a router node) themselves
 set -eu
 
-PACKAGES="debootstrap debian-archive-keyring systemd-container iproute2 util-linux openssh-client procps"
+PACKAGES="debootstrap debian-archive-keyring systemd-container iproute2 util-linux openssh-client procps haproxy"
 
 if [ "$(id -u)" -ne 0 ]; then
     echo "install-lab-deps: must run as root" >&2

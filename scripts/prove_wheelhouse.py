@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
 """Prove the lab wheelhouse on the controller: offline install, import, serve the tiny model, one completion.
 
-    .venv/bin/python scripts/prove_wheelhouse.py [--cache DIR] [--port 8000] [--via-mirror]
+    .venv/bin/python scripts/prove_wheelhouse.py [--cache DIR] [--version 0.32.0] [--port 8000] [--via-mirror]
 
-Builds (or reuses) the wheelhouse and the tiny model in the lab cache, installs the lock into a fresh venv with
-no index (from the directory, or through the lab mirror on 127.0.0.1 with --via-mirror), checks that ``import
-vllm`` works and torchvision is absent, then runs ``vllm serve`` on 127.0.0.1 and checks ``/health``, one
-``/v1/completions`` and the ``vllm:`` series of ``/metrics``. Prints one JSON object with the timings.
+Builds (or reuses) the wheelhouse and the tiny model in the lab cache, installs the lock of one vLLM release
+(default: the newest the lab holds) into a fresh venv with no index (from the directory, or through the lab mirror
+on 127.0.0.1 with --via-mirror), checks that ``import vllm`` works and torchvision is absent, then runs
+``vllm serve`` on 127.0.0.1 and checks ``/health``, one ``/v1/completions`` and the ``vllm:`` series of
+``/metrics``. Prints one JSON object with the timings.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 
 from gpufleet.lab import mirror
 from gpufleet.lab.tiny_model import make_tiny_model
-from gpufleet.lab.wheelhouse import build_wheelhouse, install_args
+from gpufleet.lab.wheelhouse import LAB_VLLM_VERSIONS, build_wheelhouse, install_args
 
 CHECK_IMPORT = """
 import importlib.metadata, importlib.util, json
@@ -44,6 +45,8 @@ print(json.dumps({
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cache", type=Path, default=mirror.default_cache_dir())
+    parser.add_argument("--version", choices=LAB_VLLM_VERSIONS, default=LAB_VLLM_VERSIONS[-1],
+                        help="the vLLM release whose lock is installed")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--via-mirror", action="store_true", help="install through the lab mirror on 127.0.0.1")
     parser.add_argument("--mirror-port", type=int, default=8080)
@@ -65,11 +68,11 @@ def main() -> int:
     t = time.monotonic()
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     handle, already = None, set()
-    find_links, lock = str(wheels.path), str(wheels.lock)
+    find_links, lock = str(wheels.path), str(wheels.lock(args.version))
     if args.via_mirror:
         already = {(h.bind_address, h.port) for h in mirror.running(args.cache)}
         handle = mirror.start("127.0.0.1", args.mirror_port, cache_dir=args.cache)
-        find_links, lock = handle.urls.wheels, handle.urls.wheel_lock
+        find_links, lock = handle.urls.wheels, handle.urls.wheel_lock(args.version)
     try:
         env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
         env["PIP_CONFIG_FILE"] = os.devnull  # no configured index or find-links: the wheelhouse only

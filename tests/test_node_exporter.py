@@ -387,12 +387,14 @@ def test_node_report_rates_present_units_and_names_absent_ones() -> None:
 
 
 def test_debs_already_kept_are_used_when_apt_knows_nothing(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    kept = tmp_path / "prometheus-node-exporter_1.5.0-1+b6_amd64.deb"
-    kept.write_bytes(b"deb")
+    kept = [tmp_path / "haproxy_2.6.12-1+deb12u4_amd64.deb", tmp_path / "prometheus-node-exporter_1.5.0-1+b6_amd64.deb"]
+    for deb in kept:
+        deb.write_bytes(b"deb")
+    assert {deb.name.split("_")[0] for deb in kept} == set(debian_extras.DEBIAN_PACKAGES)
     monkeypatch.setattr(debian_extras, "_apt_records", lambda names, found: found)  # no package lists
 
     def no_apt(argv, cwd=None):
         raise AssertionError(f"ran {argv}")
 
     monkeypatch.setattr(debian_extras, "_run", no_apt)
-    assert debian_extras.fetch_debs(tmp_path, None) == [kept]
+    assert debian_extras.fetch_debs(tmp_path, None) == kept

@@ -59,7 +59,7 @@ def test_the_units_are_found() -> None:
     assert set(UNITS) == {"vllm/vllm@.service.j2", "vllm/vllm-watchdog@.service.j2", "ray/ray.service.j2",
                           "dcgm_exporter/dcgm-exporter.service.j2",
                           "node_exporter/node_exporter.service.j2", "node_exporter/package-override.conf.j2",
-                          "gpu_watch/gpufleet-gpu-watch.service.j2"}
+                          "gpu_watch/gpufleet-gpu-watch.service.j2", "router/haproxy-override.conf.j2"}
 
 
 @pytest.mark.parametrize("name", UNITS)
@@ -82,7 +82,7 @@ _NODE_EXPORTER = {"account": "node_exporter", "version": "1.9.1", "binary": "/us
 VALUES: dict[str, dict[str, object]] = {
     "vllm/vllm@.service.j2": {"etc": "/etc/gpufleet/vllm", "node_tools": "/opt/gpufleet/node",
                               "gate_policy": "/etc/gpufleet/gpu-health.json", "home": "/var/lib/vllm",
-                              "secrets_dir": "/etc/gpufleet/secrets"},
+                              "secrets_dir": "/etc/gpufleet/secrets", "stop_timeout_s": 105},
     "vllm/vllm-watchdog@.service.j2": {"etc": "/etc/gpufleet/vllm", "node_tools": "/opt/gpufleet/node",
                                        "secrets_dir": "/etc/gpufleet/secrets"},
     "ray/ray.service.j2": {"kind": "head", "replica": "pool-0", "env_file": "/etc/gpufleet/ray/pool-0.env",
@@ -99,6 +99,7 @@ VALUES: dict[str, dict[str, object]] = {
         "node_tools": "/opt/gpufleet/node", "marker": "/run/gpufleet/gpu-gate-failed",
         "node_env": "/etc/gpufleet/node.env", "exec_start": "/usr/bin/python3 /opt/gpufleet/node/gpu_watch.py",
         "timeout": 300, "run_dir": "gpufleet"},
+    "router/haproxy-override.conf.j2": {"open_files": 9216},
 }
 ALLOWED = unit_lines(["10.0.0.5/32"])
 
@@ -149,6 +150,12 @@ EXPECTED = {
         "UMask=0077", "ProtectHome=yes", "ProtectClock=yes", "ProtectProc=invisible", "MemoryDenyWriteExecute=yes",
         "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6", f"{DENY} @resources", "SystemCallErrorNumber=EPERM",
         "DeviceAllow=char-nvidia-frontend rw", "DeviceAllow=char-nvidia-caps r"},
+    # HAProxy as its own account: no device, W^X memory, no @resources (EPERM: its limits come from the unit),
+    # no netlink; Debian's bind mount of /dev/log dropped
+    "router/haproxy-override.conf.j2": BASE | {
+        "UMask=0077", "ProtectHome=yes", "ProtectClock=yes", "ProtectProc=invisible", "MemoryDenyWriteExecute=yes",
+        "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6", f"{DENY} @resources", "SystemCallErrorNumber=EPERM",
+        "PrivateDevices=yes", "BindReadOnlyPaths="},
 }
 
 

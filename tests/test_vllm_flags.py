@@ -8,6 +8,7 @@ from importlib import resources
 
 import pytest
 
+from gpufleet.config.schema import OWNED_FLAGS
 from gpufleet.vllm_flags import (
     DEFAULT_VLLM_VERSION,
     SUPPORTED_VLLM_VERSIONS,
@@ -52,7 +53,7 @@ def messages(catalog: FlagCatalog, *args: str) -> list[str]:
 
 
 def test_supported_versions_and_default() -> None:
-    assert SUPPORTED_VLLM_VERSIONS == ("0.33.0", "0.32.0")
+    assert SUPPORTED_VLLM_VERSIONS == ("0.33.0", "0.32.0", "0.31.0")
     assert DEFAULT_VLLM_VERSION == "0.33.0"
     assert load_catalog().version == "0.33.0"
 
@@ -63,8 +64,8 @@ def test_catalog_is_cached(cat: FlagCatalog) -> None:
 
 def test_unsupported_version_lists_supported_ones() -> None:
     with pytest.raises(UnsupportedVersionError) as info:
-        load_catalog("0.31.0")
-    assert "0.31.0" in str(info.value)
+        load_catalog("0.30.0")
+    assert "0.30.0" in str(info.value)
     for version in SUPPORTED_VLLM_VERSIONS:
         assert version in str(info.value)
 
@@ -107,6 +108,19 @@ def test_catalog_files_are_sorted_and_complete(version: str) -> None:
         assert isinstance(help_text, str)
     # Built under --help: the help texts are there.
     assert sum(bool(o["help"]) for o in data["options"]) > 0.9 * len(names)
+
+
+@pytest.mark.parametrize("version", SUPPORTED_VLLM_VERSIONS)
+def test_every_flag_gpufleet_owns_is_in_the_catalog(version: str) -> None:
+    catalog = load_catalog(version)
+    assert [flag for flag in OWNED_FLAGS if not catalog.has(flag)] == []
+
+
+def test_031_lacks_the_flags_032_added(cat32: FlagCatalog) -> None:
+    cat31 = load_catalog("0.31.0")
+    assert set(cat31.names) < set(cat32.names)
+    for flag in ("--enable-shm-tensor-arena", "--grpc-port", "--custom-histogram-buckets"):
+        assert cat32.has(flag) and not cat31.has(flag), flag
 
 
 def test_catalog_records_aliases_and_negations(cat: FlagCatalog) -> None:

@@ -570,11 +570,84 @@ def test_an_interrupted_uv_install_is_redone_and_a_lock_without_uv_stops_the_ins
 def test_uv_pin_script_prints_the_logical_line(tmp_path: Path, text: str) -> None:
     lock = tmp_path / "r.lock"
     lock.write_text(f"# uv==0.13.8 in a comment\nuvicorn==0.13.8\nuv-extra==0.13.8\n{text}\n")
-    found = subprocess.run([sys.executable, "-c", vf.UV_PIN_SCRIPT, str(lock), "0.13.8"], capture_output=True,
+    found = subprocess.run([sys.executable, "-c", vf.LOCK_SCRIPT, str(lock), "0.13.8"], capture_output=True,
                            text=True, check=True)
     assert found.stdout.strip() == re.sub(r"\\\r?\n", " ", text)
-    assert subprocess.run([sys.executable, "-c", vf.UV_PIN_SCRIPT, f"file://{lock}", "0.13.8"],
+    assert subprocess.run([sys.executable, "-c", vf.LOCK_SCRIPT, f"file://{lock}", "0.13.8"],
                           capture_output=True, text=True).stdout == found.stdout
+
+
+LOCK_TEMPLATE = "http://10.0.0.1:8080/wheels/requirements-{version}.lock"
+
+
+@pytest.mark.parametrize("version", ["0.31.0", "0.32.0"])
+def test_the_lock_url_is_filled_with_the_release_each_host_installs(version: str) -> None:
+    cfg = _config(vllm_version=version, vllm_wheelhouse_url="http://10.0.0.1:8080/wheels/",
+                  vllm_requirements_url=LOCK_TEMPLATE)
+    lock = f"http://10.0.0.1:8080/wheels/requirements-{version}.lock"
+    assert cfg.vllm_requirements_url == LOCK_TEMPLATE and cfg.requirements_url() == lock
+    assert vf.pip_install_args(cfg)[-4:] == vf.uv_install_args(cfg)[-4:] == ["--no-deps", "--require-hashes", "-r",
+                                                                             lock]
+    script = vf.install_script(cfg)
+    assert "requirements-{version}" not in script
+    assert f"' {lock}\n" in script  # read first: a release without a lock stops here
+    assert f" {lock} 0.13.8 > " in script  # uv's pin is read from the same release's lock
+    assert json.loads(vf.install_marker(cfg))["pip"][-1] == lock
+
+
+def test_each_release_is_its_own_install_and_a_lock_without_placeholder_serves_every_release() -> None:
+    one, other = (_config(vllm_version=v, vllm_requirements_url=LOCK_TEMPLATE) for v in ("0.31.0", "0.32.0"))
+    assert vf.install_marker(one) != vf.install_marker(other) and vf.build_prefix(one) != vf.build_prefix(other)
+    fixed = "http://10.0.0.1:8080/wheels/site.lock"
+    assert _config(vllm_version="0.31.0", vllm_requirements_url=fixed).requirements_url() == fixed
+    assert _config().requirements_url() is None
+
+
+class _Mirror(BaseHTTPRequestHandler):
+    """The lab mirror's wheels/ holding the lock of 0.32.0 only."""
+
+    def do_GET(self) -> None:
+        if self.path != "/wheels/requirements-0.32.0.lock":
+            self.send_error(404, "File not found")
+            return
+        body = f"{UV_PIN}\n".encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_the_lock_script_names_a_release_the_mirror_has_no_lock_for_in_one_line() -> None:
+    with loopback_server(_Mirror) as url:
+        def read(version: str, *uv: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run([sys.executable, "-c", vf.LOCK_SCRIPT,
+                                   f"{url}/wheels/requirements-{version}.lock", *uv], capture_output=True, text=True)
+
+        assert read("0.32.0").returncode == 0 and read("0.32.0").stdout == ""  # readable: nothing to print
+        assert read("0.32.0", "0.13.8").stdout.strip() == UV_PIN.replace("\\\n", " ")
+        missing = read("0.31.0", "0.13.8")
+    assert missing.returncode == 1 and missing.stdout == ""
+    assert missing.stderr.splitlines() == [f"gpufleet: cannot read the requirements lock {url}/wheels/"
+                                           "requirements-0.31.0.lock: HTTP Error 404: File not found"]
+
+
+def test_a_release_without_a_lock_stops_the_install_before_it_builds(opt_vllm: Path, tmp_path: Path) -> None:
+    _lock(tmp_path, "requirements-0.32.0.lock")
+    values = {"vllm_wheelhouse_url": "http://10.0.0.1/wheels/",
+              "vllm_requirements_url": f"file://{tmp_path}/requirements-{{version}}.lock"}
+    assert _run_install(_config(vllm_version="0.32.0", **values), tmp_path).returncode == 0
+    (tmp_path / "uv-args").unlink()
+    missing = _config(vllm_version="0.31.0", **values)
+    done = _run_install(missing, tmp_path)
+    assert done.returncode != 0
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        f"gpufleet: cannot read the requirements lock file://{tmp_path}/requirements-0.31.0.lock: "), lines
+    assert not (tmp_path / "uv-args").exists() and not Path(vf.venv_dir(missing)).exists()
+    assert not list(opt_vllm.glob(".build-0.31.0-*"))
 
 
 def test_the_lab_wheelhouse_pins_the_uv_nodes_install_with() -> None:
@@ -957,9 +1030,16 @@ def test_main_not_ready_within_the_timeout(fake_vllm: tuple[str, FakeVllm],
 # --- the units ------------------------------------------------------------------------------------------------
 
 def _vllm_unit() -> str:
-    return _render(TEMPLATES / "vllm" / "vllm@.service.j2", etc=node_paths.VLLM_ETC,
-                   node_tools=node_paths.NODE_TOOLS_DIR, gate_policy=node_paths.GATE_POLICY,
-                   home=node_paths.VLLM_HOME, secrets_dir=node_paths.SECRETS_DIR)
+    return _render(TEMPLATES / "vllm" / "vllm@.service.j2", **vllm_role.unit_values(None, 105))
+
+
+def test_a_stop_waits_for_the_drain_and_then_some() -> None:
+    """vLLM drains for --shutdown-timeout on SIGTERM: the unit waits that long plus a margin before it kills."""
+    cfg = _config(vllm_shutdown_timeout_s=300)
+    assert "--shutdown-timeout" in serve_argv(cfg, "10.0.0.5", 8000, 1, 1, 1, 4096)
+    unit = templates.render("vllm/vllm@.service.j2", **vllm_role.unit_values(None, vf.stop_timeout_s(cfg)))
+    assert "TimeoutStopSec=345" in _directives(unit)
+    assert "--shutdown-timeout" not in serve_argv(_config(vllm_shutdown_timeout_s=0), "10.0.0.5", 8000, 1, 1, 1, 4096)
 
 
 def test_vllm_unit_is_hardened_and_runs_as_vllm() -> None:
@@ -1112,16 +1192,17 @@ def test_ranks_json_binds_the_mp_ranks_through_rank_0() -> None:
                           [list(range(8)), list(range(8))], 8000, 8, 2, 1, 16384)
     replica = SimpleNamespace(roles=ranks)
     for rank, role in enumerate(ranks):
-        assert json.loads(vllm_role._ranks_json(replica, role, 29590)) == {  # type: ignore[arg-type]
-            "rank": rank, "nodes": 2, "leader": "10.0.0.5", "port": 29590, "bind": role.address}
+        assert json.loads(vllm_role._ranks_json(replica, role, cfg)) == {  # type: ignore[arg-type]
+            "rank": rank, "nodes": 2, "leader": "10.0.0.5", "port": 29590, "bind": role.address,
+            "stop_grace_s": cfg.vllm_shutdown_timeout_s + 30}
     ray_cfg = _config(fleet_interface="bond0", vllm_distributed_backend="ray",
                       ray_auth_token={"env": "GPUFLEET_TEST_RAY"})
     head, worker = replica_roles([ray_cfg, ray_cfg], ["b1", "b2"], ["10.0.0.5", "10.0.0.6"],
                                  [list(range(8)), list(range(8))], 8000, 8, 2, 1, 16384)
     alone = {"rank": 0, "nodes": 1}
-    assert json.loads(vllm_role._ranks_json(SimpleNamespace(roles=[head, worker]), head, 29590)) == alone  # type: ignore[arg-type]
+    assert json.loads(vllm_role._ranks_json(SimpleNamespace(roles=[head, worker]), head, cfg)) == alone  # type: ignore[arg-type]
     (single,) = replica_roles([cfg], ["n1"], ["10.0.0.5"], [[0]], 8000, 1, 1, 1, 4096)
-    assert json.loads(vllm_role._ranks_json(SimpleNamespace(roles=[single]), single, 29590)) == alone  # type: ignore[arg-type]
+    assert json.loads(vllm_role._ranks_json(SimpleNamespace(roles=[single]), single, cfg)) == alone  # type: ignore[arg-type]
 
 
 def test_example_fleet_plans_clean_flags() -> None:

@@ -23,6 +23,10 @@ from gpufleet.config.problems import EXIT_BAD_INPUT, ConfigError, Problem, exit_
 from gpufleet.config.schema import HostConfig
 from gpufleet.config.validate import validate_host
 
+ROLE_GROUPS = ("routers", "monitoring")
+"""Groups that give their hosts a job besides serving (the HAProxy routers, the hosts that scrape metrics): they
+are not serving pools, and a host listed only in them serves nothing (no GPU roles, no probe, no plan)."""
+
 
 @dataclass(frozen=True)
 class InventoryLayers:
@@ -32,9 +36,14 @@ class InventoryLayers:
     groups: list[tuple[str, list[str]]]  # in definition order, without "all"
     hosts: dict[str, HostLayers]
 
-    def pool_of(self, host: str) -> str:
-        """A host's serving pool: the last group that lists it, the one whose values win ("all" when none does)."""
-        return next((name for name, members in reversed(self.groups) if host in members), "all")
+    def pool_of(self, host: str) -> str | None:
+        """A host's serving pool: the last serving group that lists it ("all" when no group does); None for a
+        host that only :data:`ROLE_GROUPS` list (a dedicated router or monitoring host)."""
+        listed = [name for name, members in self.groups if host in members]
+        pools = [name for name in listed if name not in ROLE_GROUPS]
+        if pools:
+            return pools[-1]
+        return None if listed else "all"
 
 
 # Filled by apply_group_vars when an inventory file is executed: by host name, and by file.

@@ -47,6 +47,7 @@ OWNED_FLAGS = {
     "--headless": "vllm_nodes_per_replica", "--master-addr": "fleet_address", "--master-port": "vllm_master_port",
     "--data-parallel-address": "fleet_address", "--data-parallel-rpc-port": "vllm_master_port",
     "--download-dir": "vllm_model", "--tokenizer": "vllm_model",
+    "--shutdown-timeout": "vllm_shutdown_timeout_s",
 }
 
 # Environment variables gpufleet sets itself on vLLM and Ray processes.
@@ -213,6 +214,7 @@ class HostConfig(BaseModel):
     vllm_start: bool
     vllm_ready_timeout: PositiveInt
     vllm_watchdog_stall_s: int
+    vllm_shutdown_timeout_s: Annotated[int, Field(ge=0, le=3600)]
     vllm_api_allowed_from: Annotated[list[str], BeforeValidator(_each(grammar.ip_network))] | None
 
     # ray
@@ -248,6 +250,19 @@ class HostConfig(BaseModel):
         str, Field(pattern=r"^deb \[([^\]]* )?signed-by=/\S+( [^\]]*)?\] \S+ \S+( \S+)*$")] | None
     node_exporter_apt_keyring: _text(grammar.controller_path) | None  # type: ignore[valid-type]
 
+    # router
+    router_port: Port
+    router_listen_address: _text(grammar.ip_address) | None  # type: ignore[valid-type]
+    router_metrics_port: Port
+    router_check_interval_s: Annotated[int, Field(ge=1, le=3600)]
+    router_check_fall: Annotated[int, Field(ge=1, le=100)]
+    router_check_rise: Annotated[int, Field(ge=1, le=100)]
+    router_timeout_s: Annotated[int, Field(ge=1, le=86400)]
+    router_connect_timeout_s: Annotated[int, Field(ge=1, le=300)]
+    router_retries: Annotated[int, Field(ge=0, le=10)]
+    router_max_request_bytes: Annotated[int, Field(ge=16384, le=64 * 2**20)]
+    router_max_connections: Annotated[int, Field(ge=1, le=500_000)]
+
     _check_secret = field_validator("vllm_api_key", "vllm_hf_token", "ray_auth_token", "vllm_pip_index_credentials",
                                     mode="before")(_secret_ref)
 
@@ -273,6 +288,14 @@ class HostConfig(BaseModel):
             raise ValueError(f"expected one of {', '.join(SUPPORTED_VLLM_VERSIONS)}, found {grammar.show(value)}")
         return value
 
+    @field_validator("vllm_requirements_url")
+    @classmethod
+    def _lock_placeholder(cls, value: str | None) -> str | None:
+        if value is not None and {"{", "}"} & set(value.replace("{version}", "")):
+            raise ValueError("expected {version} (filled with vllm_version) as its only placeholder,"
+                             f" found {grammar.show(value)}")
+        return value
+
     @field_validator("vllm_env")
     @classmethod
     def _env_names(cls, value: dict[str, str]) -> dict[str, str]:
@@ -293,6 +316,11 @@ class HostConfig(BaseModel):
     def api_ports(self) -> int:
         """How many API ports above ``vllm_port`` one node may use (one per replica)."""
         return API_PORTS_WHEN_AUTO if self.vllm_replicas_per_node == "auto" else self.vllm_replicas_per_node
+
+    def requirements_url(self) -> str | None:
+        """``vllm_requirements_url`` with ``{version}`` filled with ``vllm_version``: a release's own lock."""
+        url = self.vllm_requirements_url
+        return url.replace("{version}", self.vllm_version) if url else None
 
     def contradictions(self, api_ports: int | None = None) -> list[tuple[tuple[str, ...], str]]:
         """Values that each pass alone but not together: (keys involved, what is wrong).

@@ -8,13 +8,16 @@ processes, except to and from the listed addresses and localhost):
 - a replica's Ray units: the replica's own nodes and the monitoring hosts (Ray's metrics port is in the
   same unit as its GCS, raylet and workers, so the monitoring hosts reach those too; the token guards them);
 - ``vllm@.service`` (the API and the mp rendezvous share it): the nodes of every replica the node takes part
-  in, the monitoring hosts and ``vllm_api_allowed_from``; no filter at all while that is null (API open);
+  in, the monitoring hosts, the routers and ``vllm_api_allowed_from``; no filter at all while that is null (API
+  open);
 - ``vllm-watchdog@.service`` (it listens nowhere: it reaches its replica's API on this node): the node's own
   address.
 
 The monitoring hosts are ``monitoring_addresses`` plus the hosts of an inventory group named ``monitoring``
 (their ``fleet_address``, else their inventory name, which must then be an IP address). Computed on the
-controller; :func:`unit_lines` renders a list into the unit.
+controller; :func:`unit_lines` renders a list into the unit. The routers are the hosts of the inventory group
+``routers`` (the same way). The router's own metrics endpoint takes the router itself and the monitoring hosts
+(HAProxy's ``src`` filter, :func:`exporter_sources`).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from gpufleet.config.problems import ConfigError, Problem
 from gpufleet.config.schema import HostConfig
 
 MONITORING_GROUP = "monitoring"
+ROUTERS_GROUP = "routers"
 
 
 def allow_list(*sources: Iterable[str]) -> list[str]:
@@ -60,12 +64,13 @@ def ray_sources(cfg: HostConfig, replica_addresses: Iterable[str], group_hosts: 
 
 
 def vllm_sources(cfg: HostConfig, node_address: str, peer_addresses: Iterable[str],
-                 group_hosts: Iterable[str] = ()) -> list[str] | None:
+                 group_hosts: Iterable[str] = (), routers: Iterable[str] = ()) -> list[str] | None:
     """Who may reach ``vllm@.service`` on a node (the API and the mp rendezvous); None: anyone
-    (``vllm_api_allowed_from`` null). ``peer_addresses``: the nodes of every replica the node serves in."""
+    (``vllm_api_allowed_from`` null). ``peer_addresses``: the nodes of every replica the node serves in;
+    ``routers``: the routers' addresses, which send it the clients' requests."""
     if cfg.vllm_api_allowed_from is None:
         return None
-    return allow_list([node_address], peer_addresses, monitoring_sources(cfg, group_hosts),
+    return allow_list([node_address], peer_addresses, monitoring_sources(cfg, group_hosts), routers,
                       cfg.vllm_api_allowed_from)
 
 
@@ -105,13 +110,14 @@ def group_addresses(inventory: Any, group: str = MONITORING_GROUP) -> list[str]:
     return found
 
 
-def monitoring_group() -> list[str]:
-    """:func:`group_addresses` of the running deploy's inventory (exits 2 on a host without an IP address)."""
+def monitoring_group(group: str = MONITORING_GROUP) -> list[str]:
+    """:func:`group_addresses` of the running deploy's inventory (exits 2 on a host without an IP address); the
+    monitoring hosts unless ``group`` names another group (:data:`ROUTERS_GROUP`)."""
     from pyinfra.context import state
 
     from gpufleet.config.problems import exit_with
 
     try:
-        return group_addresses(state.inventory)
+        return group_addresses(state.inventory, group)
     except ConfigError as error:
         exit_with(error)

@@ -123,7 +123,7 @@ def _build(st: Any, read_only: bool) -> DeployContext:
     if read_only:
         set_read_only(st)
     lost_nodes.watch(st)  # a node lost during the deploy fails its operation within a bound, and is named
-    targets = list(st.inventory)
+    targets = [target for target in st.inventory if ctx.fleet.serves(target.name)]  # routers: no GPUs to probe
     probes = [gevent.spawn(_probe, target) for target in targets]  # every host at once
     gevent.joinall(probes)
     for target, probe in zip(targets, probes, strict=True):

@@ -1,11 +1,13 @@
 """The site sequence: every role in the order a deploy converges them, shared by deploys/vllm.py (which runs it)
-and deploys/check.py (which works it out read-only and reports the gate and the drift)."""
+and deploys/check.py (which works it out read-only and reports the gate and the drift). A host that serves in
+no pool (a dedicated router) gets the roles of :data:`NON_SERVING` only: no driver, no GPU gate, no vLLM."""
 
 from __future__ import annotations
 
 from pyinfra.api.deploy import deploy
+from pyinfra.context import host
 
-from gpufleet.deploy.context import gate_verdict
+from gpufleet.deploy.context import fleet, gate_verdict
 from gpufleet.operations import gates
 from roles.common import common
 from roles.dcgm import dcgm
@@ -14,6 +16,7 @@ from roles.gpu_watch import gpu_watch
 from roles.node_exporter import node_exporter
 from roles.nvidia_driver import nvidia_driver
 from roles.ray import ray
+from roles.router import router
 from roles.vllm import vllm_install, vllm_serve
 
 
@@ -25,10 +28,11 @@ def gpu_gate() -> None:
 
 
 SITE = (common, nvidia_driver, dcgm, gpu_gate, node_exporter, dcgm_exporter, vllm_install, ray, vllm_serve,
-        gpu_watch)
+        gpu_watch, router)
+NON_SERVING = (common, node_exporter, router)
 
 
 def site() -> None:
     """Add every role's operations, in order, for the current host."""
-    for role in SITE:
+    for role in SITE if fleet().serves(host.name) else NON_SERVING:
         role()

@@ -127,14 +127,24 @@ def replica_env(cfg: HostConfig, plan_env: dict[str, str]) -> dict[str, str]:
     return env
 
 
-def ranks_json(rank: int, addresses: list[str], port: int) -> str:
+STOP_MARGIN_S = 45
+"""Seconds a stopping replica gets beyond ``vllm_shutdown_timeout_s`` before it is killed (the unit's
+TimeoutStopSec); replica_rank.py kills vLLM 15 s before that."""
+
+
+def stop_timeout_s(cfg: HostConfig) -> int:
+    """The vLLM unit's TimeoutStopSec: the drain time and a margin for vLLM to exit."""
+    return cfg.vllm_shutdown_timeout_s + STOP_MARGIN_S
+
+
+def ranks_json(rank: int, addresses: list[str], port: int, stop_grace_s: int = STOP_MARGIN_S - 15) -> str:
     """``ranks.json`` of a replica's rank on the node at ``addresses[rank]`` (the replica's nodes in rank order),
     what replica_rank.py reads: one node runs vLLM alone; several are bound together through rank 0 at
-    ``port``."""
+    ``port``, and a stopped rank gives vLLM ``stop_grace_s`` to drain before it kills it."""
     if len(addresses) == 1:
         return json.dumps({"rank": 0, "nodes": 1}) + "\n"
     return json.dumps({"rank": rank, "nodes": len(addresses), "leader": addresses[0], "port": port,
-                       "bind": addresses[rank]}) + "\n"
+                       "bind": addresses[rank], "stop_grace_s": stop_grace_s}) + "\n"
 
 
 WATCHDOG_INTERVAL_S = 5  # how often the watchdog looks at /health and /metrics
@@ -204,7 +214,7 @@ def _sources(cfg: HostConfig, index_flag: str, insecure_flag: str) -> list[str]:
     elif cfg.vllm_pip_index_url and cfg.vllm_pip_index_credentials is None:
         args += [index_flag, cfg.vllm_pip_index_url]
     hosts: list[str] = []
-    for url in (cfg.vllm_wheelhouse_url, cfg.vllm_pip_index_url, cfg.vllm_requirements_url):
+    for url in (cfg.vllm_wheelhouse_url, cfg.vllm_pip_index_url, cfg.requirements_url()):
         parsed = urlsplit(url or "")
         if parsed.scheme == "http" and parsed.hostname and parsed.hostname not in hosts:
             hosts.append(parsed.hostname)
@@ -212,8 +222,8 @@ def _sources(cfg: HostConfig, index_flag: str, insecure_flag: str) -> list[str]:
 
 
 def _requirements(cfg: HostConfig) -> list[str]:
-    if cfg.vllm_requirements_url:
-        return ["--no-deps", "--require-hashes", "-r", cfg.vllm_requirements_url]
+    if lock := cfg.requirements_url():
+        return ["--no-deps", "--require-hashes", "-r", lock]
     return [f"{cfg.vllm_package}=={cfg.vllm_version}", f"ray=={cfg.ray_version}", "nvidia-ml-py"]
 
 
@@ -241,12 +251,18 @@ def uv_install_args(cfg: HostConfig) -> list[str]:
             *_sources(cfg, "--default-index", "--allow-insecure-host"), *_requirements(cfg)]
 
 
-# Prints the line of a hash lock (a URL or a path; continued lines joined) that pins uv==VERSION, for pip to
-# install uv by its hash; fails naming the lock when there is none.
-UV_PIN_SCRIPT = r"""
+# Reads a hash lock (a URL or a path), failing with one line that names it when it cannot (no lock for this
+# vllm_version there); given VERSION, prints its line (continued lines joined) that pins uv==VERSION, for pip to
+# install uv by its hash, and fails naming the lock when there is none.
+LOCK_SCRIPT = r"""
 import re, sys, urllib.request
-lock, version = sys.argv[1:]
-text = urllib.request.urlopen(lock, timeout=300).read().decode() if "://" in lock else open(lock).read()
+lock, version = sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None
+try:
+    text = urllib.request.urlopen(lock, timeout=300).read().decode() if "://" in lock else open(lock).read()
+except (OSError, ValueError) as exc:
+    sys.exit(f"gpufleet: cannot read the requirements lock {lock}: {exc}")
+if version is None:
+    sys.exit(0)
 for line in re.sub(r"\\\r?\n", " ", text).splitlines():
     pinned = re.match(r"\s*uv\s*==\s*([^\s;#]+)", line, re.IGNORECASE)
     if pinned and pinned[1] == version:
@@ -270,8 +286,8 @@ def _uv_bootstrap(cfg: HostConfig, version: str) -> list[str]:
     busy = (f"gpufleet: another install of uv {version} still holds {lock} after {INSTALL_LOCK_TIMEOUT} s;"
             " let it finish or end it, then run the deploy again")
     pip = '  "$uvbuild/bin/pip" ' + shlex.join([*_PIP_INSTALL, *_sources(cfg, "--index-url", "--trusted-host")])
-    if cfg.vllm_requirements_url:
-        pin = ['  python3 -c ' + q(UV_PIN_SCRIPT) + f' {q(cfg.vllm_requirements_url)} {q(version)}'
+    if requirements := cfg.requirements_url():
+        pin = ['  python3 -c ' + q(LOCK_SCRIPT) + f' {q(requirements)} {q(version)}'
                ' > "$uvbuild/uv-pin.txt"']
         pip += ' --no-deps --require-hashes -r "$uvbuild/uv-pin.txt"'
     else:
@@ -315,8 +331,9 @@ def install_script(cfg: HostConfig) -> str:
     ``/opt/vllm/<version>`` at it with one rename: a working virtualenv stays in use until the new one is
     complete, an interrupted install is redone from scratch by the next run, and of the earlier builds of the
     version only the one just replaced is kept (until the next install). One install at a time per version
-    (``flock``, with a timeout and a message saying what holds it). uv fills the virtualenv (installed first,
-    once per node: :func:`_uv_bootstrap`); with ``vllm_uv_version`` null, pip does."""
+    (``flock``, with a timeout and a message saying what holds it). A lock the node cannot read (none for this
+    ``vllm_version`` at that URL) stops it first, with one line. uv fills the virtualenv (installed first, once per
+    node: :func:`_uv_bootstrap`); with ``vllm_uv_version`` null, pip does."""
     q = shlex.quote
     venv = venv_dir(cfg)
     marker = f"{venv}/{INSTALLED_MARKER}"
@@ -330,6 +347,8 @@ def install_script(cfg: HostConfig) -> str:
     else:
         bootstrap, make_venv = [], "python3 -m venv \"$build\""
         fill = '"$build/bin/pip" ' + shlex.join(pip_install_args(cfg))
+    requirements = cfg.requirements_url()
+    check_lock = [f"python3 -c {q(LOCK_SCRIPT)} {q(requirements)}"] if requirements else []
     return "\n".join([
         "set -eu",
         "umask 022",
@@ -337,6 +356,7 @@ def install_script(cfg: HostConfig) -> str:
         f"flock -w {INSTALL_LOCK_TIMEOUT} 9 || {{ echo {q(busy)} >&2; exit 1; }}",
         f"if [ \"$(cat {q(marker)} 2>/dev/null)\" = {wanted} ]; then exit 0; fi",
         f"if [ -f {q(PIP_SECRET)} ]; then set -a; . {q(PIP_SECRET)}; set +a; fi",
+        *check_lock,
         *bootstrap,
         f"build=\"$(mktemp -d {q(build_prefix(cfg) + '-XXXXXX')})\"",
         "chmod 0755 \"$build\"",

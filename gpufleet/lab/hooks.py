@@ -23,6 +23,20 @@ def install_sim_profile(root: Path, profile: str, hostname: str) -> None:
     write_sim_profile(path, profile, hostname=hostname)
 
 
+DEBIAN_SOURCES = "etc/apt/sources.list"  # in the node's rootfs
+DEBIAN_KEYRING = f"usr/share/keyrings/{mirror.KEYRING_NAME}"
+
+
+def install_debian_source(root: Path, bridge_address: str) -> None:
+    """Point the node's apt at the mirror's repository of Debian's packages, as a site's nodes point at its Debian
+    mirror (the lab's nodes reach no other): the roles' distribution packages (HAProxy) come from there."""
+    urls = mirror.MirrorUrls(mirror_base_url(bridge_address))
+    (root / DEBIAN_SOURCES).write_text(urls.debian_source(f"/{DEBIAN_KEYRING}") + "\n")
+    keyring = root / DEBIAN_KEYRING
+    keyring.parent.mkdir(parents=True, exist_ok=True)
+    keyring.write_bytes(mirror.keyring_file().read_bytes())
+
+
 MIRROR_PORT = 8080
 
 

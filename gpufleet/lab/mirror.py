@@ -9,10 +9,10 @@ uses (repository URL, keyring, pip find-links are configuration). Layout of the 
     models/tiny-llama/        the tiny model (pushed to nodes by the deployment, not served)
     www/                      the only directory served:
       apt/                    flat repository: Packages, Release, InRelease, Release.gpg, pool/*.deb
-      debian/                 flat repository of Debian's own packages the nodes need (prometheus-node-exporter)
+      debian/                 flat repository of Debian's packages the nodes need (prometheus-node-exporter, haproxy)
       node_exporter/v<ver>/   node_exporter-<ver>.linux-<arch>.tar.gz and sha256sums.txt: a lab repackaging of
                               Debian's node_exporter binary in the upstream release layout (gpufleet.lab.debian_extras)
-      wheels/                 wheels, index.html (flat find-links page), requirements.lock
+      wheels/                 wheels, index.html (flat find-links page), requirements-<vllm version>.lock each
       keys/gpufleet-lab.gpg   the binary keyring for ``signed-by=``
 
 A node's apt source is ``deb [signed-by=/usr/share/keyrings/gpufleet-lab.gpg] http://HOST:PORT/apt/ /``, the same
@@ -48,7 +48,7 @@ from gpufleet.lab.debian_extras import (
 from gpufleet.lab.errors import LabError
 from gpufleet.lab.standin_debs import build_debs
 from gpufleet.lab.tiny_model import make_tiny_model
-from gpufleet.lab.wheelhouse import build_wheelhouse
+from gpufleet.lab.wheelhouse import build_wheelhouse, lock_name
 
 WWW = "www"
 KEYRING_NAME = "gpufleet-lab.gpg"
@@ -91,9 +91,9 @@ class MirrorUrls:
     def wheels(self) -> str:
         return self.base + "wheels/"
 
-    @property
-    def wheel_lock(self) -> str:
-        return self.base + "wheels/requirements.lock"
+    def wheel_lock(self, version: str) -> str:
+        """vLLM ``version``'s lock; ``"{version}"`` gives the template ``vllm_requirements_url`` fills."""
+        return self.wheels + lock_name(version)
 
     @property
     def keyring(self) -> str:
@@ -130,7 +130,7 @@ class MirrorContents:
     www: Path
     apt: AptRepo
     wheelhouse: Path | None
-    wheel_lock: Path | None
+    wheel_locks: dict[str, Path]  # vLLM version -> its lock (none without the wheelhouse)
     model: Path
     debian: AptRepo | None = None
     node_exporter: Tarball | None = None
@@ -151,9 +151,10 @@ def prepare(
     """Build, or reuse what is already built: the lab doubles, the signed repositories, the wheelhouse, the model,
     and node_exporter's release tarball repackaged from Debian's binary.
 
-    The wheelhouse (about 1 GB of downloads) is fetched once; ``wheels=False`` skips it. ``find_links`` and
-    ``extra_index_urls`` say where pip finds ``torch==2.13.0+cpu`` (see :mod:`gpufleet.lab.wheelhouse`). Debian's
-    packages (about 4 MB) are downloaded with this machine's apt once and kept; ``debian=False`` skips them.
+    The wheelhouse (every release of ``LAB_VLLM_VERSIONS``, a lock each: about 1 GB of downloads) is fetched once
+    and topped up when a release is added; ``wheels=False`` skips it. ``find_links`` and ``extra_index_urls`` say
+    where pip finds ``torch==2.13.0+cpu`` (see :mod:`gpufleet.lab.wheelhouse`). Debian's packages (about 4 MB)
+    are downloaded with this machine's apt once and kept; ``debian=False`` skips them.
     """
     cache = _cache(cache_dir)
     www = cache / WWW
@@ -162,7 +163,7 @@ def prepare(
     house = (build_wheelhouse(www / "wheels", find_links=find_links, extra_index_urls=extra_index_urls)
              if wheels else None)
     model = make_tiny_model(cache / "models" / "tiny-llama")
-    return MirrorContents(cache, www, repo, house.path if house else None, house.lock if house else None, model,
+    return MirrorContents(cache, www, repo, house.path if house else None, house.locks if house else {}, model,
                           debian_repo, tarball)
 
 
@@ -188,7 +189,7 @@ def node_exporter_sources(base_url: str, cache_dir: Path | str | None = None) ->
     urls = MirrorUrls(base_url)
     found: dict[str, str] = {
         "node_exporter_apt_source": urls.debian_source(),
-        "node_exporter_apt_keyring": str(cache / WWW / "keys" / KEYRING_NAME),
+        "node_exporter_apt_keyring": str(keyring_file(cache)),
     }
     tarball = built_tarball(cache / WWW / NODE_EXPORTER_DIR)
     if tarball is not None:
@@ -197,11 +198,16 @@ def node_exporter_sources(base_url: str, cache_dir: Path | str | None = None) ->
     return found
 
 
+def keyring_file(cache_dir: Path | str | None = None) -> Path:
+    """The mirror's published keyring (``keys/gpufleet-lab.gpg``), which signs its repositories."""
+    return _cache(cache_dir) / WWW / "keys" / KEYRING_NAME
+
+
 def keyring_fingerprint(cache_dir: Path | str | None = None) -> str | None:
     """The fingerprint of the key in the mirror's published keyring (``keys/gpufleet-lab.gpg``), as
     ``nvidia_repo_key_fingerprint`` names it; None until :func:`prepare` exported it. Read with a throwaway
     gpg home: nothing is generated or imported."""
-    keyring = _cache(cache_dir) / WWW / "keys" / KEYRING_NAME
+    keyring = keyring_file(cache_dir)
     if not keyring.is_file():
         return None
     with tempfile.TemporaryDirectory() as home:

@@ -168,6 +168,7 @@ def _start(
         save_state(state, directory)
         host_keys[(name, node.address)] = write_node_files(prepared.root, name, address, net, lab_nodes, public_key)
         hooks.install_sim_profile(prepared.root, profile, name)
+        hooks.install_debian_source(prepared.root, state.bridge_address)
     known_hosts, key = Path(state.known_hosts), Path(state.ssh_key)
     ssh.write_known_hosts(known_hosts, host_keys)
     ssh.write_client_config(Path(state.ssh_config), {n.name: n.address for n in state.nodes}, key, known_hosts)

@@ -5,7 +5,7 @@
 
 ``RANKS_JSON`` (written by the vllm role next to the replica's config.yaml)::
 
-    {"rank": 1, "nodes": 2, "leader": "10.0.0.2", "port": 29590, "bind": "10.0.0.3"}
+    {"rank": 1, "nodes": 2, "leader": "10.0.0.2", "port": 29590, "bind": "10.0.0.3", "stop_grace_s": 75}
 
 A single-node replica (``nodes`` 1) simply becomes vLLM. In a multi-node replica (the mp backend) rank 0, the
 leader, listens on ``port``; each other rank connects to it and says its rank. When every rank is connected the
@@ -14,7 +14,8 @@ each other a heartbeat every 2 s. Whatever ends first on a rank, its own vLLM, t
 peer's heartbeat (silent for 15 s: a node that died or was cut off), the rank stops its vLLM (the whole process
 group) and exits 75, and systemd starts it again: a follower then waits for the leader, the leader for every
 follower. A crash of any rank therefore restarts the whole replica once, and no rank keeps an engine that
-belongs to a generation that is gone. SIGTERM (systemctl stop) stops vLLM and exits 0.
+belongs to a generation that is gone. SIGTERM (systemctl stop) stops vLLM, which drains its in-flight requests
+(``--shutdown-timeout``; it is killed after ``stop_grace_s``), and exits 0.
 
 Standard library only; every line it logs goes to stderr (the journal).
 """
@@ -36,7 +37,7 @@ from typing import Any
 HEARTBEAT_S = 2.0
 SILENT_LIMIT_S = 15.0  # a peer silent this long is gone
 CONNECT_RETRY_S = 1.0
-STOP_GRACE_S = 20.0  # SIGTERM, then SIGKILL: within the unit's TimeoutStopSec
+STOP_GRACE_S = 20.0  # SIGTERM, then SIGKILL, when the replica ends: nothing left to drain
 REPORT_EVERY_S = 30.0
 PEER_LOST = 75  # the exit status that asks systemd for a restart (Restart=on-failure)
 
@@ -189,9 +190,9 @@ def start_vllm(argv: list[str]) -> subprocess.Popen[bytes]:
     return subprocess.Popen(argv, start_new_session=True)
 
 
-def stop_vllm(child: subprocess.Popen[bytes]) -> None:
-    """SIGTERM to vLLM's process group, SIGKILL after STOP_GRACE_S."""
-    for sig, wait in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, 5.0)):
+def stop_vllm(child: subprocess.Popen[bytes], grace_s: float = STOP_GRACE_S) -> None:
+    """SIGTERM to vLLM's process group (vLLM then drains for its --shutdown-timeout), SIGKILL after ``grace_s``."""
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(child.pid, sig)
         try:
@@ -257,8 +258,8 @@ def run(config: dict[str, Any], argv: list[str]) -> int:
         return PEER_LOST
     except Stopped as stop:
         log(f"rank {rank}: {stop}, stopping vLLM")
-        if child is not None:
-            stop_vllm(child)
+        if child is not None:  # systemctl stop: let vLLM finish its in-flight requests (stop_grace_s)
+            stop_vllm(child, float(config.get("stop_grace_s", STOP_GRACE_S)))
         return 0
     except OSError as exc:  # the leader cannot listen (address or port taken)
         log(f"rank {rank}: {exc}")

@@ -52,6 +52,18 @@ def restart(unit: str) -> Commands:
     yield StringCommand("systemctl", "restart", QuoteString(unit))
 
 
+@gpufleet_operation(idempotent=False)
+def reload(unit: str) -> Commands:
+    """
+    Have a running unit read its configuration again (its ExecReload=; started when it was stopped); give it an
+    ``_if`` saying why.
+
+    + unit: the unit's full name
+    """
+    node.forget("units", unit)
+    yield StringCommand("systemctl", "reload-or-restart", QuoteString(unit))
+
+
 @gpufleet_operation(idempotent=False, counts_as_drift=False)
 def stop(unit: str) -> Commands:
     """

@@ -133,6 +133,8 @@ def serve_flags(cfg: HostConfig, address: str, port: int, tp: int, pp: int, dp: 
         flags["revision"] = cfg.vllm_model_revision
     if cfg.vllm_trust_remote_code:
         flags["trust-remote-code"] = True
+    if cfg.vllm_shutdown_timeout_s:
+        flags["shutdown-timeout"] = cfg.vllm_shutdown_timeout_s
     return flags | extra_flags(cfg.vllm_extra_args)
 
 

@@ -7,7 +7,8 @@ root-owned ``/var/lib/gpufleet/models/`` (pushed from the controller, or downloa
 revision into a temporary directory moved into place when complete); the templated unit
 ``vllm@.service`` (on a Ray replica's head with the drop-in ``vllm@<replica>.service.d/ray.conf``:
 :mod:`gpufleet.deploy.ray_drop_in`); per replica ``/etc/gpufleet/vllm/<replica>/`` with ``config.yaml`` (``--config``),
-``vllm.env`` and a ``venv`` link, and the API key and hub token in ``/etc/gpufleet/secrets/<replica>.env``
+``vllm.env``, a ``venv`` link and ``release.json`` (what it runs: :mod:`gpufleet.rollout.release`; writing
+it restarts nothing), and the API key and hub token in ``/etc/gpufleet/secrets/<replica>.env``
 (0600, root); the template unit of replicas' watchdogs ``vllm-watchdog@.service`` and, on a replica's first
 node, its ``watchdog.json``; replicas this node no longer runs are stopped and removed. The vllm user owns
 nothing of it: only ``/var/lib/vllm`` (its home and caches). Last, the nodes of each multi-node replica must
@@ -55,6 +56,7 @@ from gpufleet.node_paths import (
     VLLM_UNIT_TEMPLATE,
     WATCHDOG_UNIT_TEMPLATE,
     node_tool,
+    release_file,
     replica_dir,
     replica_secrets,
     restart_marker,
@@ -68,6 +70,7 @@ from gpufleet.node_paths import (
 from gpufleet.operations import apt, files, node, server, systemd, vllm
 from gpufleet.plan.commands import NodeRole, Process
 from gpufleet.plan.planner import Replica
+from gpufleet.rollout.release import release_json, release_of
 from gpufleet.systemd_text import env_file
 from gpufleet.templates import render
 
@@ -90,11 +93,11 @@ def _restart_due(ctx: DeployContext, replica: str, changed: Callable[[], bool]) 
     return replica in ctx.pending_restarts or changed()
 
 
-def unit_values(allowed: list[str] | None = None) -> dict[str, object]:
-    """What templates/vllm/vllm@.service.j2 is rendered with: fixed paths, and who may connect (``allowed``,
-    from :func:`gpufleet.deploy.access.vllm_sources`; None: anyone)."""
+def unit_values(allowed: list[str] | None = None, stop_timeout_s: int = vf.STOP_MARGIN_S) -> dict[str, object]:
+    """What templates/vllm/vllm@.service.j2 is rendered with: fixed paths, who may connect (``allowed``, from
+    :func:`gpufleet.deploy.access.vllm_sources`; None: anyone) and how long a stop may take (drain included)."""
     return {"etc": VLLM_ETC, "node_tools": NODE_TOOLS_DIR, "gate_policy": GATE_POLICY, "home": VLLM_HOME,
-            "secrets_dir": SECRETS_DIR, "ip_access": access.unit_lines(allowed)}
+            "secrets_dir": SECRETS_DIR, "ip_access": access.unit_lines(allowed), "stop_timeout_s": stop_timeout_s}
 
 
 def watchdog_unit_values(node_address: str) -> dict[str, object]:
@@ -139,7 +142,7 @@ def _replica_paths(replica: str) -> list[str]:
     directory = replica_dir(replica)
     return [directory, f"{directory}/config.yaml", f"{directory}/vllm.env", f"{directory}/ranks.json",
             f"{directory}/venv", replica_secrets(replica), restart_marker(replica), vllm_ray_drop_in(replica),
-            watchdog_config(replica)]
+            watchdog_config(replica), release_file(replica)]
 
 
 def _ray_drop_in(replica: Replica, role: NodeRole) -> OperationMeta:
@@ -151,13 +154,14 @@ def _ray_drop_in(replica: Replica, role: NodeRole) -> OperationMeta:
     return files.file(name=f"{replica.name}: order its unit after its Ray cluster", dest=path, content=text)
 
 
-def _ranks_json(replica: Replica, role: NodeRole, port: int) -> str:
+def _ranks_json(replica: Replica, role: NodeRole, cfg: HostConfig) -> str:
     """The node's ranks.json: on a multi-node mp replica its rank among the replica's nodes; else alone (a Ray
     replica's one vLLM process drives its workers through Ray)."""
     if not role.role.startswith("mp-rank-"):
-        return vf.ranks_json(0, [role.address], port)
+        return vf.ranks_json(0, [role.address], cfg.vllm_rank_port)
     addresses = [r.address for r in replica.roles]
-    return vf.ranks_json(addresses.index(role.address), addresses, port)
+    return vf.ranks_json(addresses.index(role.address), addresses, cfg.vllm_rank_port,
+                         vf.stop_timeout_s(cfg) - 15)
 
 
 def _stage_model() -> OperationMeta | None:
@@ -189,10 +193,10 @@ def vllm_install() -> None:
     try:
         secrets = vf.secret_env(cfg)
         pip_secret = vf.pip_secret_env(cfg)
-        # the API and the mp rendezvous: this node, its replicas' nodes, monitoring, vllm_api_allowed_from
+        # the API and the mp rendezvous: this node, its replicas' nodes, monitoring, routers, vllm_api_allowed_from
         allowed = access.vllm_sources(cfg, cfg.fleet_address or host.name,
                                       [n.address for replica, _ in assignments() for n in replica.roles],
-                                      access.monitoring_group())
+                                      access.monitoring_group(), access.monitoring_group(access.ROUTERS_GROUP))
     except ConfigError as error:
         exit_with(error)
     model_paths: list[str] = []
@@ -227,7 +231,7 @@ def vllm_install() -> None:
     files.directory(name=f"Create {MODELS_DIR} (root only writes)", path=MODELS_DIR)
     model = _stage_model()
     unit = files.file(name="Install the vllm@.service template unit", dest=unit_path(VLLM_UNIT_TEMPLATE),
-                      content=render("vllm/vllm@.service.j2", **unit_values(allowed)))
+                      content=render("vllm/vllm@.service.j2", **unit_values(allowed, vf.stop_timeout_s(cfg))))
     watchdog = files.file(name="Install the vllm-watchdog@.service template unit",
                           dest=unit_path(WATCHDOG_UNIT_TEMPLATE),
                           content=render("vllm/vllm-watchdog@.service.j2",
@@ -248,7 +252,7 @@ def vllm_install() -> None:
                        content=env_file(vf.replica_env(cfg, process.env),
                                         f"Written by gpufleet: environment of replica {replica.name} (no secrets)")),
             files.file(name=f"{replica.name}: write ranks.json (how its ranks find each other)",
-                       dest=f"{directory}/ranks.json", content=_ranks_json(replica, role, cfg.vllm_rank_port)),
+                       dest=f"{directory}/ranks.json", content=_ranks_json(replica, role, cfg)),
             files.link(name=f"{replica.name}: point its venv at vLLM {cfg.vllm_version}", path=f"{directory}/venv",
                        target=venv_dir(cfg.vllm_version)),
             files.secret_file(name=f"{replica.name}: write its secrets (0600)", dest=replica_secrets(replica.name),
@@ -258,6 +262,9 @@ def vllm_install() -> None:
         ]
         ops.append(_ray_drop_in(replica, role))
         drop_ins.append(ops[-1])
+        # What it runs, for gpufleet upgrade and rollback: not one of its changes (writing it restarts nothing).
+        files.file(name=f"{replica.name}: write release.json (what it runs)", dest=release_file(replica.name),
+                   content=release_json(release_of(cfg)))
         ctx.watchdog_changes.setdefault(replica.name, []).extend([_watchdog_file(replica, role), watchdog])
         changes = ctx.replica_changes.setdefault(replica.name, [])
         changes.extend(ops + shared)

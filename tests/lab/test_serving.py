@@ -25,7 +25,7 @@ from gpufleet.lab.nodes import API_KEY_FILE, power_off
 from gpufleet.lab.sim_profile import write_sim_profile
 from gpufleet.lab.state import NodeRecord
 from gpufleet.unit_security import EXPOSURE_BOUND, exposure_score
-from tests.lab.checks import assert_no_errors, assert_nothing_changed, main_pid
+from tests.lab.checks import assert_no_errors, assert_nothing_changed, main_pid, metrics
 from tests.lab.conftest import PYINFRA, ROOT, Completed, Lab, _run
 
 pytestmark = [
@@ -87,6 +87,43 @@ def _completion_tokens(lab: Lab, node: NodeRecord) -> int:
     assert status == 200, body
     return json.loads(body)["usage"]["completion_tokens"]
 
+
+
+ROUTER_PORT = 8080
+ROUTER_METRICS_PORT = 8405
+ROUTER_ADMIN = "python3 /opt/gpufleet/node/router_admin.py"
+
+
+def _router_completion_tokens(lab: Lab) -> int:
+    """One completion through the router on lab1 (the ``routers`` group of inventories/lab.py)."""
+    status, body = _http(f"http://{lab.nodes[0].address}:{ROUTER_PORT}/v1/completions",
+                         {"model": _served_name("lab"), "prompt": "The fleet is", "max_tokens": 8,
+                          "temperature": 0}, _api_key(lab))
+    assert status == 200, body
+    return json.loads(body)["usage"]["completion_tokens"]
+
+
+def _router_servers(lab: Lab) -> dict[str, dict[str, object]]:
+    """The router's servers (replicas) as its runtime API shows them, read on lab1 with router_admin.py."""
+    shown = json.loads(lab.host(lab.nodes[0]).check_output(f"{ROUTER_ADMIN} show"))
+    return {entry["server"]: entry for entry in shown["servers"]}
+
+
+def _wait_router_status(lab: Lab, server: str, status: str, timeout: float) -> None:
+    end = time.monotonic() + timeout
+    found: object = None
+    while time.monotonic() < end:
+        found = _router_servers(lab)[server]["status"]
+        if found == status:
+            return
+        time.sleep(0.5)
+    pytest.fail(f"the router shows {server} {found}, not {status}, after {timeout} s")
+
+
+def _router_counter(lab: Lab, name: str) -> float:
+    """The sum of one of HAProxy's Prometheus counters over its backends, read from the bridge."""
+    text = metrics(lab.nodes[0], ROUTER_METRICS_PORT)
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
 
 
 def _wait_serving(lab: Lab, node: NodeRecord, timeout: float = 600) -> None:
@@ -165,6 +202,32 @@ def test_the_pipeline_replica_spans_two_nodes(lab: Lab) -> None:
     assert _completion_tokens(lab, rank0) > 0
 
 
+def test_the_router_spreads_one_models_requests_over_both_replicas(lab: Lab) -> None:
+    """Both pools serve the tiny model under one name: the router on lab1 holds both replicas, answers the model
+    list for the API key, refuses it without the key, and sends requests to both (least connections)."""
+    servers = _router_servers(lab)
+    assert {name: entry["status"] for name, entry in servers.items()} == {_single(lab): "UP", PIPELINE: "UP"}
+    url = f"http://{lab.nodes[0].address}:{ROUTER_PORT}"
+    status, body = _http(f"{url}/v1/models", key=_api_key(lab))
+    assert status == 200 and [m["id"] for m in json.loads(body)["data"]] == [_served_name("lab")], body
+    assert _http(f"{url}/v1/models")[0] == 401
+    assert _http(f"{url}/v1/completions", {"model": "another", "prompt": "x"}, _api_key(lab))[0] == 404
+    before = _router_counter(lab, "haproxy_server_http_responses_total")
+    done: list[int] = []
+    threads = [threading.Thread(target=lambda: done.append(_router_completion_tokens(lab))) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(300)
+    assert len(done) == 6 and all(done), done
+    assert _router_counter(lab, "haproxy_server_http_responses_total") >= before + 6
+    text = metrics(lab.nodes[0], ROUTER_METRICS_PORT)
+    for server in (_single(lab), PIPELINE):  # each replica answered some (2xx responses counted per server)
+        answered = [line for line in text.splitlines() if line.startswith("haproxy_server_http_responses_total{")
+                    and f'server="{server}"' in line and 'code="2xx"' in line]
+        assert answered and float(answered[0].rsplit(" ", 1)[1]) > 0, (server, answered)
+
+
 def test_vllm_runs_as_its_own_user_and_secrets_stay_out_of_sight(lab: Lab) -> None:
     key = _api_key(lab)
     replicas = [(lab.nodes[0], _single(lab)), (lab.nodes[1], PIPELINE), (lab.nodes[2], PIPELINE)]
@@ -237,10 +300,27 @@ def test_the_vllm_unit_is_sandboxed(lab: Lab) -> None:
     assert score <= EXPOSURE_BOUND, out[-2000:]
 
 
-def test_kill_9_of_vllm_is_restarted_and_serves_again(lab: Lab) -> None:
+def test_kill_9_of_vllm_is_restarted_and_serves_again(lab: Lab, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """systemd restarts a killed vLLM; meanwhile the router takes the replica out and the clients' requests, in
+    flight included, go to the other replica: none fails."""
     node, unit = lab.nodes[0], f"vllm@{_single(lab)}"
-    before = main_pid(lab, node, unit)
-    lab.host(node).check_output(f"kill -{int(signal.SIGKILL)} {before}")
+    retried_before = _router_counter(lab, "haproxy_backend_retry_warnings_total")
+    # Load through the router from before the kill until the router has taken the replica out and the other one
+    # carried it alone for a while; not during the restart, which the lab's two cores could not also carry.
+    streams = [RequestLoop(lab, None, pause_s=1.0) for _ in range(2)]
+    for stream in streams:
+        stream.start()
+    try:
+        time.sleep(5)  # requests in flight on both replicas
+        before = main_pid(lab, node, unit)
+        lab.host(node).check_output(f"kill -{int(signal.SIGKILL)} {before}")
+        killed = time.monotonic()
+        _wait_router_status(lab, _single(lab), "DOWN", timeout=60)
+        taken_out = time.monotonic() - killed
+        time.sleep(15)
+    finally:
+        for stream in streams:
+            stream.stop()
     end = time.monotonic() + 120
     after = 0
     while time.monotonic() < end:
@@ -250,6 +330,16 @@ def test_kill_9_of_vllm_is_restarted_and_serves_again(lab: Lab) -> None:
         time.sleep(2)
     assert after and after != before, f"systemd did not restart {unit}"
     _wait_serving(lab, node)
+    _wait_router_status(lab, _single(lab), "UP", timeout=60)
+    back = time.monotonic() - killed
+    sent, failures = sum(s.sent for s in streams), [f for s in streams for f in s.failures]
+    latencies = sorted(t for s in streams for t in s.latencies)
+    assert sent > 0 and failures == [], failures[:3]
+    _record_figure(tmp_path_factory, {
+        "fault": "kill -9 of a replica behind the router", "replica": _single(lab), "requests": sent,
+        "failed": len(failures), "retried": _router_counter(lab, "haproxy_backend_retry_warnings_total")
+        - retried_before, "taken_out_s": round(taken_out, 1), "back_in_router_s": round(back, 1),
+        "p50_s": round(latencies[len(latencies) // 2], 2), "p99_s": round(latencies[int(len(latencies) * 0.99)], 2)})
 
 
 def _vllm_child(lab: Lab, node: NodeRecord, unit: str) -> int:
@@ -260,24 +350,31 @@ def _vllm_child(lab: Lab, node: NodeRecord, unit: str) -> int:
 
 
 class RequestLoop(threading.Thread):
-    """Completions against one replica, one every ``pause_s``, until stopped or ``limit_s`` passed (at most
-    ``limit`` requests): what must keep answering while another replica fails. Spaced out because the lab's
-    CPU vLLMs share this machine's two cores: a replica kept busy starves the one restarting."""
+    """Completions against one replica (or, with ``node`` None, through the router), one every ``pause_s``,
+    until stopped or ``limit_s`` passed (at most ``limit`` requests): what must keep answering while another
+    replica fails. Spaced out because the lab's CPU vLLMs share this machine's two cores: a replica kept busy
+    starves the one restarting."""
 
-    def __init__(self, lab: Lab, node: NodeRecord, limit_s: float = 900, limit: int = 400,
+    def __init__(self, lab: Lab, node: NodeRecord | None, limit_s: float = 900, limit: int = 400,
                  pause_s: float = 3.0) -> None:
         super().__init__(daemon=True)
         self.lab, self.node, self.limit_s, self.limit, self.pause_s = lab, node, limit_s, limit, pause_s
         self.done = threading.Event()
         self.sent = 0
         self.failures: list[str] = []
+        self.latencies: list[float] = []
 
     def run(self) -> None:
         end = time.monotonic() + self.limit_s
         while not self.done.is_set() and time.monotonic() < end and self.sent < self.limit:
             self.sent += 1
+            started = time.monotonic()
             try:
-                _completion_tokens(self.lab, self.node)
+                if self.node is None:
+                    _router_completion_tokens(self.lab)
+                else:
+                    _completion_tokens(self.lab, self.node)
+                self.latencies.append(time.monotonic() - started)
             except (OSError, AssertionError) as exc:
                 self.failures.append(str(exc)[:200])
             self.done.wait(self.pause_s)

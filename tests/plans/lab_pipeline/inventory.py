@@ -19,7 +19,7 @@ _hosts = [
             "nvidia_repo_url": _mirror + "apt/",
             "nvidia_repo_keyring_url": _mirror + "keys/gpufleet-lab.gpg",
             "vllm_wheelhouse_url": _mirror + "wheels/",
-            "vllm_requirements_url": _mirror + "wheels/requirements.lock",
+            "vllm_requirements_url": _mirror + "wheels/requirements-{version}.lock",
             "vllm_model_config": _model,
             "vllm_model_source": _model,
             "vllm_api_key": {"file": "/var/lib/gpufleet-lab/vllm-api-key"},

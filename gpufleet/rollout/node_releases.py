@@ -1,0 +1,80 @@
+"""The release records on a replica's nodes (:mod:`gpufleet.rollout.release`): read them, and keep the release a
+change is about to replace as ``release.previous.json``.
+
+Both run over :mod:`gpufleet.rollout.remote` as the host's data says (root: ``_sudo`` where the SSH user is not):
+one ``head`` for every record of a node, and ``cp`` then ``mv`` to replace ``release.previous.json`` whole.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from gpufleet.node_paths import previous_release_file, release_file
+from gpufleet.rollout.release import MAX_BYTES, Release, ReleaseError, parse_release
+from gpufleet.rollout.remote import Remote
+
+TIMEOUT_S = 60.0
+_HEADER = re.compile(r"==> (.+) <==")  # what head -v prints before each file
+_MISSING = "No such file or directory"
+
+
+class RecordFailure(Exception):
+    """A node whose release records could not be read or kept: one line."""
+
+
+@dataclass(frozen=True)
+class NodeRecords:
+    """One replica's records on one node: what it runs, and what it ran before the last change (None: none)."""
+
+    current: Release | None
+    previous: Release | None
+
+
+def _texts(stdout: str, paths: Sequence[str]) -> dict[str, str]:
+    """Each file's text from ``head -v``'s output, by path."""
+    texts: dict[str, list[str]] = {}
+    lines: list[str] | None = None
+    for line in stdout.splitlines():
+        header = _HEADER.fullmatch(line)
+        if header and header[1] in paths:
+            lines = texts.setdefault(header[1], [])
+        elif lines is not None:
+            lines.append(line)
+    return {path: "\n".join(found).strip() for path, found in texts.items()}
+
+
+def read_records(remote: Remote, node: str, replicas: Sequence[str]) -> dict[str, NodeRecords]:
+    """The records of ``replicas`` on ``node``, by replica; RecordFailure when the node cannot say."""
+    paths = [path for replica in replicas for path in (release_file(replica), previous_release_file(replica))]
+    result = remote.run(node, ["env", "LC_ALL=C", "head", "-v", "-c", str(MAX_BYTES), "--", *paths],
+                        timeout_s=TIMEOUT_S, ok_status=(0, 1))
+    if not result.ok:
+        raise RecordFailure(f"node {node}: cannot read the release records: {result.line()}")
+    texts = _texts(result.stdout, paths)
+    for path in paths:
+        if path in texts:
+            continue
+        said = [line for line in result.stderr.splitlines() if path in line]
+        if not said or not said[0].rstrip().endswith(_MISSING):
+            raise RecordFailure(f"node {node}: cannot read {path}: {said[0] if said else 'no output'}")
+
+    def parsed(path: str) -> Release | None:
+        return parse_release(texts[path], f"{node}:{path}") if path in texts else None
+
+    try:
+        return {replica: NodeRecords(parsed(release_file(replica)), parsed(previous_release_file(replica)))
+                for replica in replicas}
+    except ReleaseError as exc:
+        raise RecordFailure(str(exc)) from None
+
+
+def keep_previous(remote: Remote, node: str, replica: str) -> None:
+    """Copy the replica's ``release.json`` over its ``release.previous.json`` on ``node`` (whole or not at all)."""
+    staged = f"{previous_release_file(replica)}.gpufleet-new"
+    for words in (["cp", "-f", "--", release_file(replica), staged],
+                  ["mv", "-fT", "--", staged, previous_release_file(replica)]):
+        result = remote.run(node, words, timeout_s=TIMEOUT_S)
+        if not result.ok:
+            raise RecordFailure(f"node {node}: cannot keep the release {replica} ran: {result.line()}")

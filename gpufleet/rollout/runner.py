@@ -1,0 +1,305 @@
+"""The rollout: the batch planner's waves, one after the other, each taken out of the routers, deployed, put back
+and watched, and rolled back when anything fails.
+
+For each wave (its units' replicas together):
+
+1. drain them on every router, and wait until nothing is in flight there, for at most their
+   ``vllm_shutdown_timeout_s`` + 10 s (then go on: vLLM's own drain on stop finishes what is left);
+2. on each node where a replica's release changes and its ``release.json`` exists, keep it as
+   ``release.previous.json``; then one limited deploy (``pyinfra … --limit NODE …``) per distinct ``--data``,
+   which restarts what changed and waits until each replica serves one real completion;
+3. put them back (ready) on every router, and wait until every router shows them UP, for at most their
+   ``vllm_ready_timeout``;
+4. in the first batch (every batch with ``canary_every_batch``), watch them for ``canary_s`` seconds: UP all the
+   while, and no worse than their model's replicas not rolled yet (:mod:`gpufleet.rollout.canary`).
+
+A failure (a router or node that does not answer, a deploy that exits non-zero, a replica not UP in time, a bad
+canary) stops the rollout: the wave's deployed replicas are drained again and deployed back to the release they
+ran before the wave (what ``release.previous.json`` now holds), then put back; a replica whose earlier release was
+not recorded is left drained. An interrupt (Ctrl-C, SIGTERM) puts every drained replica back first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from gpufleet.rollout import report as rp
+from gpufleet.rollout.batches import Batch
+from gpufleet.rollout.canary import Thresholds, traffic, verdict
+from gpufleet.rollout.node_releases import RecordFailure, keep_previous
+from gpufleet.rollout.release import Release
+from gpufleet.rollout.remote import Remote
+from gpufleet.rollout.replicas import Member, Rollable
+from gpufleet.rollout.router_control import RouterControl, RouterFailure, RouterView
+
+UP_POLL_S = 2.0
+WATCH_POLL_S = 5.0
+DEFAULT_CANARY_S = 60.0
+
+
+class Deployer(Protocol):
+    """Runs the vLLM deploy on some hosts, with release values as ``--data``; returns its exit status."""
+
+    def deploy(self, hosts: Sequence[str], data: Release) -> int: ...
+
+
+@dataclass(frozen=True)
+class Options:
+    canary_s: float = DEFAULT_CANARY_S
+    canary_every_batch: bool = False
+    thresholds: Thresholds = field(default_factory=Thresholds)
+
+
+def _names(members: Sequence[Member]) -> str:
+    return ", ".join(m.name for m in members)
+
+
+class Rollout:
+    """One rollout over the planned batches; :meth:`run` returns its report."""
+
+    def __init__(self, command: str, rollable: Rollable, batches: Sequence[Batch], router: RouterControl,
+                 remote: Remote, deployer: Deployer, options: Options | None = None, *,
+                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
+                 say: Callable[[str], None] = print) -> None:
+        self.command, self.units, self.batches = command, rollable.members, list(batches)
+        self.router, self.remote, self.deployer, self.options = router, remote, deployer, options or Options()
+        self.clock, self.sleep, self.say = clock, sleep, say
+        self.members = {m.name: m for found in self.units.values() for m in found}
+        self.report = rp.Report(command, {m.name: rp.Outcome(m.name, m.backend, m.before, m.target)
+                                          for m in self.members.values()})
+        self.drained: dict[str, Member] = {}  # taken out of the routers and not put back yet
+        self.in_wave: list[Member] = []  # the wave under way
+        self.rolled: set[str] = set()
+
+    def _outcome(self, member: Member) -> rp.Outcome:
+        return self.report.outcomes[member.name]
+
+    def _tell(self, line: str) -> None:
+        self.say(f"gpufleet {self.command}: {line}")
+
+    def run(self) -> rp.Report:
+        try:
+            for number, batch in enumerate(self.batches, 1):
+                watch = self.options.canary_s if number == 1 or self.options.canary_every_batch else 0.0
+                for wave in batch.waves:
+                    moved = [m for unit in wave for m in self.units[unit] if m.target is not None]
+                    if moved and not self._wave(moved, watch, f"batch {number} of {len(self.batches)}"):
+                        self.report.status = 1
+                        return self.report
+        except KeyboardInterrupt:
+            for member in self.in_wave:
+                outcome = self._outcome(member)
+                if outcome.state == rp.UNTOUCHED:
+                    outcome.state = rp.INTERRUPTED
+            with contextlib.suppress(KeyboardInterrupt):  # interrupted again: what is left is said below
+                self._put_back(list(self.drained.values()))
+            left = ", ".join(self.drained)
+            self.report.status = 130
+            self.report.failure = (f"interrupted: still drained: {left}" if left
+                                   else "interrupted: drained replicas were put back")
+        return self.report
+
+    # --- one wave --------------------------------------------------------------------------------------------
+
+    def _wave(self, members: list[Member], watch: float, where: str) -> bool:
+        """Roll ``members`` (whole units); False when the rollout stops here."""
+        started = self.clock()
+        self.in_wave = list(members)
+        self._tell(f"{where}: {_names(members)}")
+        try:
+            self._drain(members)
+        except RouterFailure as exc:
+            self._put_back(members)
+            return self._stop(f"draining {_names(members)} failed: {exc}")
+        deployed: list[Member] = []
+        failure = None
+        try:
+            for data, group in self._groups(members, lambda m: m.target):
+                self._keep_previous(group)
+                status = self._deploy(group, data)
+                deployed += group
+                if status != 0:
+                    failure = f"the deploy of {_names(group)} exited {status}"
+                    break
+        except RecordFailure as exc:
+            failure = str(exc)
+        if failure is None:
+            failure = self._back_in(members)
+        if failure is None and watch > 0:
+            failure = self._watch(members, watch)
+        if failure is not None:
+            self._roll_back(members, deployed, failure)
+            return self._stop(failure)
+        for member in members:
+            self.rolled.add(member.name)
+            outcome = self._outcome(member)
+            outcome.state = rp.ROLLED
+            outcome.took("total", self.clock() - started)
+        return True
+
+    def _stop(self, failure: str) -> bool:
+        self.report.failure = failure
+        self._tell(f"stopping: {failure}")
+        return False
+
+    def _groups(self, members: Sequence[Member],
+                release: Callable[[Member], Release | None]) -> list[tuple[Release, list[Member]]]:
+        """Members by the ``--data`` that gives them ``release``, whole units together (the refusals made a unit's
+        replicas agree); members ``release`` gives nothing are left out."""
+        groups: dict[str, tuple[Release, list[Member]]] = {}
+        for unit in dict.fromkeys(self._unit_of(m) for m in members):
+            found = [m for m in self.units[unit] if m in members]
+            given = next((r for m in found if (r := release(m)) is not None), None)
+            if given is None:
+                continue
+            data = found[0].data(given)
+            groups.setdefault(repr(sorted(data.items())), (data, []))[1].extend(found)
+        return list(groups.values())
+
+    def _unit_of(self, member: Member) -> str:
+        return next(unit for unit, found in self.units.items() if member in found)
+
+    def _drain(self, members: Sequence[Member]) -> None:
+        started = self.clock()
+        for member in members:
+            self.drained[member.name] = member  # before the command: an interrupt puts it back either way
+            self.router.set_state(member.backend, member.name, "drain")
+        left = self.router.wait_drained([(m.backend, m.name) for m in members],
+                                        max(m.drain_timeout_s for m in members))
+        for line in left:
+            self._tell(f"{line}; going on: vLLM finishes what is left as it stops")
+        for member in members:
+            self._outcome(member).took("drain", self.clock() - started)
+
+    def _put_back(self, members: Sequence[Member]) -> None:
+        """``members`` that are drained ready again on every router (what fails is said, and the rest goes on)."""
+        for member in members:
+            if member.name not in self.drained:
+                continue
+            try:
+                self.router.set_state(member.backend, member.name, "ready")
+            except RouterFailure as exc:
+                self._tell(f"could not put {member.name} back: {exc}")
+                self._outcome(member).notes.append(f"still drained: {exc}")
+                continue
+            del self.drained[member.name]
+
+    def _keep_previous(self, members: Sequence[Member]) -> None:
+        """Keep each node's release.json as release.previous.json where this wave changes the release."""
+        for member in members:
+            if member.target is None or member.before == member.target:
+                continue
+            for node in member.recorded_on:
+                if node in member.recorded:
+                    keep_previous(self.remote, node, member.name)
+
+    def _deploy(self, members: Sequence[Member], data: Release) -> int:
+        hosts = list(dict.fromkeys(node for m in members for node in m.nodes))
+        self._tell(f"deploying {_names(members)} on {', '.join(hosts)}")
+        started = self.clock()
+        status = self.deployer.deploy(hosts, data)
+        for member in members:
+            self._outcome(member).took("deploy", self.clock() - started)
+        return status
+
+    def _back_in(self, members: Sequence[Member]) -> str | None:
+        """Put ``members`` back on every router and wait until all show them UP; why not, or None."""
+        started = self.clock()
+        try:
+            for member in members:
+                self.router.set_state(member.backend, member.name, "ready")
+                self.drained.pop(member.name, None)
+            deadline = started + max(m.ready_timeout_s for m in members)
+            while True:
+                down = self._not_up(self.router.show(), members)
+                if not down:
+                    break
+                if self.clock() >= deadline:
+                    return f"{down[0]} after {self.clock() - started:.0f} s (vllm_ready_timeout)"
+                self.sleep(UP_POLL_S)
+        except RouterFailure as exc:
+            return str(exc)
+        for member in members:
+            self._outcome(member).took("up", self.clock() - started)
+        return None
+
+    @staticmethod
+    def _not_up(view: RouterView, members: Sequence[Member]) -> list[str]:
+        return [f"replica {m.name} is {shown[m.name].status if m.name in shown else 'missing'} on router {router}"
+                for m in members for router, shown in view.items()
+                if m.name not in shown or not shown[m.name].up]
+
+    def _watch(self, members: Sequence[Member], seconds: float) -> str | None:
+        """The canary watch: UP on every router all along, then no worse than the model's replicas not rolled."""
+        self._tell(f"canary watch of {_names(members)} for {seconds:g} s")
+        started = self.clock()
+        try:
+            before = after = self.router.show()
+            while (elapsed := self.clock() - started) < seconds:
+                self.sleep(min(WATCH_POLL_S, seconds - elapsed))
+                after = self.router.show()
+                down = self._not_up(after, members)
+                if down:
+                    return f"{down[0]} during the canary watch"
+        except RouterFailure as exc:
+            return str(exc)
+        for member in members:
+            self._outcome(member).took("watch", self.clock() - started)
+        wave = {m.name for m in members}
+        for member in members:
+            others = [m.name for m in self.members.values() if m.backend == member.backend
+                      and m.name not in self.rolled and m.name not in wave
+                      and all(shown.get(m.name) is not None and shown[m.name].up for shown in (*before.values(),
+                                                                                               *after.values()))]
+            base = traffic((before[r][name].counters(), after[r][name].counters()) for r in after for name in others
+                           if name in before.get(r, {}))
+            seen = traffic((before[r][member.name].counters(), after[r][member.name].counters()) for r in after
+                           if member.name in before.get(r, {}))
+            self._outcome(member).notes.append(
+                f"canary: {seen.requests} requests, {seen.errors} 5xx, {seen.rtime_ms:.0f} ms"
+                + (f" (not rolled: {base.requests}, {base.errors}, {base.rtime_ms:.0f} ms)" if others else ""))
+            why = verdict(seen, base if others else None, self.options.thresholds)
+            if why:
+                return f"replica {member.name}: canary: {why}"
+        return None
+
+    # --- rollback --------------------------------------------------------------------------------------------
+
+    def _roll_back(self, members: Sequence[Member], deployed: Sequence[Member], failure: str) -> None:
+        """Give the wave's deployed replicas back the release they ran before it; put everything back."""
+        started = self.clock()
+        self._put_back([m for m in members if m not in deployed])
+        if not deployed:
+            return
+        self._tell(f"rolling back {_names(deployed)}")
+        try:
+            self._drain(deployed)
+        except RouterFailure as exc:
+            self._tell(f"draining for the rollback failed ({exc}); rolling back anyway")
+        back: list[Member] = []
+        for data, group in self._groups(deployed, lambda m: m.before):
+            status = self._deploy(group, data)
+            for member in group:
+                outcome = self._outcome(member)
+                outcome.state = rp.ROLLED_BACK if status == 0 else rp.ROLLBACK_FAILED
+                if status != 0:
+                    outcome.notes.append(f"the rollback's deploy exited {status}")
+            back += group
+        for member in deployed:
+            if member not in back:
+                outcome = self._outcome(member)
+                outcome.state = rp.LEFT_DRAINED
+                outcome.notes.append("left drained: its release before this rollout was not recorded")
+        if back:
+            not_up = self._back_in(back)
+            if not_up:
+                self._tell(f"after the rollback: {not_up}")
+                for member in back:
+                    self._outcome(member).notes.append(f"after the rollback: {not_up}")
+        for member in deployed:
+            self._outcome(member).took("rollback", self.clock() - started)
+        self._tell(f"rolled back after: {failure}")

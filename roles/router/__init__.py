@@ -1,0 +1,226 @@
+"""Role ``router``: HAProxy in front of the fleet's replicas, on the hosts of the inventory group ``routers``.
+
+After it, a router host has:
+
+- Debian's ``haproxy`` package, its ``haproxy.service`` running and enabled, with the drop-in
+  ``/etc/systemd/system/haproxy.service.d/gpufleet.conf``: run as the ``haproxy`` account without any privilege,
+  in gpufleet's sandbox, its sockets and pid file in ``/run/haproxy/``;
+- ``/etc/haproxy/haproxy.cfg`` (root:haproxy, 0640), rendered from the plan and checked by ``haproxy -c`` before
+  it replaces the one in use (a configuration HAProxy refuses never reaches the running router):
+
+  - clients send OpenAI-style requests to ``router_listen_address:router_port``; the body is read whole (at most
+    ``router_max_request_bytes``, else 413) and the request goes to the backend of its ``model``; a model no
+    replica serves gets 404. ``GET /v1/models`` is answered by the router for every served model whose replicas
+    accept the request's API key (the router holds only the SHA-256 of ``Bearer <key>``, never the key);
+  - one backend per served model, holding its replicas (each replica's first node, its API port; the server is
+    named after the replica), ``balance leastconn``, a health check ``GET /health`` every
+    ``router_check_interval_s``, a request retried on another replica when its replica refused the connection,
+    answered nothing or answered 503 (``router_retries``, ``option redispatch``), timeouts for long streams
+    (``router_timeout_s``);
+  - the runtime API on ``/run/haproxy/gpufleet-admin.sock`` (0600: drain, weights, in-flight counts; the node
+    tool ``router_admin.py`` speaks it);
+  - HAProxy's Prometheus endpoint on ``<fleet address>:router_metrics_port/metrics``, for the router itself and
+    the monitoring hosts only.
+
+A changed configuration is reloaded (HAProxy's hitless reload: requests in flight finish on the old workers);
+a changed drop-in restarts HAProxy. Variables: roles/router/defaults.yml. The replicas let the routers in
+(:func:`gpufleet.deploy.access.vllm_sources`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import shlex
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from pyinfra.api.deploy import deploy
+from pyinfra.context import host
+from pyinfra.operations.util import any_changed
+
+from gpufleet import templates
+from gpufleet.config.problems import ConfigError, exit_with
+from gpufleet.config.schema import HostConfig
+from gpufleet.deploy import access
+from gpufleet.deploy import vllm_files as vf
+from gpufleet.deploy.context import context, fleet, host_config
+from gpufleet.netaddr import host_port
+from gpufleet.node_paths import ROUTER_ADMIN_SOCKET, unit_path
+from gpufleet.operations import apt, files, node, server, systemd
+from gpufleet.plan.planner import Replica
+
+PACKAGE = "haproxy"
+SERVICE = "haproxy.service"
+CONFIG = "/etc/haproxy/haproxy.cfg"
+CANDIDATE = "/etc/haproxy/gpufleet-candidate.cfg"  # checked with haproxy -c before it replaces CONFIG
+DROP_IN_DIR = f"{unit_path(SERVICE)}.d"
+DROP_IN = f"{DROP_IN_DIR}/gpufleet.conf"
+HEADER_BYTES = 32768  # room in HAProxy's buffer for the request line and headers besides the body
+
+_IDENTIFIER_UNSAFE = re.compile(r"[^A-Za-z0-9_.:-]")  # what HAProxy's names may not hold
+
+
+# --- what the router gets, as plain data (tested without a node) --------------------------------------------------
+
+@dataclass(frozen=True)
+class Backend:
+    """One served model and the replicas that serve it."""
+
+    name: str  # HAProxy's backend name
+    model: str  # the served model name clients ask for
+    servers: tuple[tuple[str, str], ...]  # (replica name, ADDRESS:PORT of its API)
+
+    @property
+    def model_sha256(self) -> str:
+        """What the configuration matches a request's model with: any served name, quoted by nothing."""
+        return hashlib.sha256(self.model.encode()).hexdigest()
+
+    @property
+    def comment(self) -> str:
+        """The model name as a comment line may show it (JSON, ASCII only)."""
+        return json.dumps(self.model)
+
+
+def served_name(cfg: HostConfig) -> str:
+    """The model name a replica answers to (``--served-model-name``)."""
+    return str(cfg.vllm_served_model_name or cfg.vllm_model)
+
+
+def backends(replicas: Iterable[Replica], configs: dict[str, HostConfig]) -> list[Backend]:
+    """One backend per served model, in model order, each with its replicas' first nodes' APIs."""
+    by_model: dict[str, list[tuple[str, str]]] = {}
+    for replica in replicas:
+        first = replica.roles[0]
+        by_model.setdefault(served_name(configs[first.host]), []).append(
+            (replica.name, host_port(first.address, replica.port)))
+    found: list[Backend] = []
+    taken: set[str] = set()
+    for model in sorted(by_model):
+        name = base = "model-" + _IDENTIFIER_UNSAFE.sub("_", model)
+        suffix = 2
+        while name in taken:
+            name, suffix = f"{base}-{suffix}", suffix + 1
+        taken.add(name)
+        found.append(Backend(name, model, tuple(sorted(by_model[model]))))
+    return found
+
+
+def key_sha256(api_key: str | None) -> str | None:
+    """The SHA-256 (hex) of the Authorization header that carries ``api_key``; None without a key."""
+    return hashlib.sha256(f"Bearer {api_key}".encode()).hexdigest() if api_key else None
+
+
+def model_lists(models_by_key: dict[str | None, list[str]]) -> list[dict[str, str | None]]:
+    """The ``GET /v1/models`` answers: for each API key (its header's SHA-256; None: no key needed) the models it
+    opens, and the open models in every keyed answer too. The keyed answers come first."""
+    open_models = models_by_key.get(None, [])
+    answers: list[dict[str, str | None]] = []
+    for digest in sorted(d for d in models_by_key if d is not None):
+        answers.append({"key_sha256": digest, "body": _models_body(sorted({*models_by_key[digest], *open_models}))})
+    if open_models or not answers:
+        answers.append({"key_sha256": None, "body": _models_body(sorted(open_models))})
+    return answers
+
+
+def _models_body(models: list[str]) -> str:
+    """OpenAI's model list as compact ASCII JSON without a single quote (it is written inside HAProxy's '...')."""
+    data = [{"id": m, "object": "model", "owned_by": "gpufleet"} for m in models]
+    return json.dumps({"object": "list", "data": data}, separators=(",", ":")).replace("'", "\\u0027")
+
+
+def config_values(cfg: HostConfig, address: str, found: list[Backend], lists: list[dict[str, str | None]],
+                  metrics_allowed: list[str]) -> dict[str, Any]:
+    """What templates/router/haproxy.cfg.j2 is rendered with."""
+    return {
+        "listen": host_port(cfg.router_listen_address or address, cfg.router_port),
+        "metrics_listen": host_port(address, cfg.router_metrics_port),
+        "metrics_allowed": ["127.0.0.1", "::1", *metrics_allowed],
+        "admin_socket": ROUTER_ADMIN_SOCKET,
+        "max_connections": cfg.router_max_connections,
+        "max_request_bytes": cfg.router_max_request_bytes,
+        "buffer_bytes": cfg.router_max_request_bytes + HEADER_BYTES,
+        "timeout_s": cfg.router_timeout_s,
+        "connect_timeout_s": cfg.router_connect_timeout_s,
+        "retries": cfg.router_retries,
+        "check_interval_s": cfg.router_check_interval_s,
+        "check_fall": cfg.router_check_fall,
+        "check_rise": cfg.router_check_rise,
+        "model_lists": lists,
+        "backends": [{"name": b.name, "comment": b.comment, "model_sha256": b.model_sha256,
+                      "servers": [{"name": n, "address": a} for n, a in b.servers]} for b in found],
+    }
+
+
+def render(values: dict[str, Any]) -> str:
+    """The configuration text exactly as the deploy writes it."""
+    return templates.render("router/haproxy.cfg.j2", **values)
+
+
+def open_files(cfg: HostConfig) -> int:
+    """HAProxy's file descriptor limit: two per connection (client and replica) and room for checks and sockets."""
+    return 2 * cfg.router_max_connections + 1024
+
+
+def drop_in(cfg: HostConfig) -> str:
+    return templates.render("router/haproxy-override.conf.j2", open_files=open_files(cfg), ip_access="")
+
+
+def fleet_values(cfg: HostConfig, address: str) -> dict[str, Any]:
+    """:func:`config_values` for the running deploy: the plan's replicas, their API keys (read on the controller),
+    the monitoring hosts. Exits 2 on bad input."""
+    ctx = context()
+    configs = fleet().configs
+    try:
+        found = backends(ctx.plan.replicas, configs)
+        by_key: dict[str | None, list[str]] = {}
+        for replica in ctx.plan.replicas:
+            replica_cfg = configs[replica.roles[0].host]
+            key = vf.secret_env(replica_cfg).get("VLLM_API_KEY") if replica_cfg.vllm_api_key else None
+            models = by_key.setdefault(key_sha256(key), [])
+            if served_name(replica_cfg) not in models:
+                models.append(served_name(replica_cfg))
+        metrics_allowed = access.exporter_sources(cfg, address, access.monitoring_group())
+    except ConfigError as error:
+        exit_with(error)
+    return config_values(cfg, address, found, model_lists(by_key), metrics_allowed)
+
+
+# --- the deploy ----------------------------------------------------------------------------------------------------
+
+def is_router() -> bool:
+    """Whether the current host is in the inventory group ``routers``."""
+    return access.ROUTERS_GROUP in host.groups
+
+
+@deploy("Router (HAProxy)")
+def router() -> None:
+    """Converge HAProxy on a router host: the package, the sandboxed unit, the configuration from the plan."""
+    if not is_router():
+        return
+    cfg = host_config()
+    address = cfg.fleet_address or host.name
+    text = render(fleet_values(cfg, address))
+    wanted = hashlib.sha256(text.encode()).hexdigest()
+    node.observe(name="Read the router's package, unit and configuration", packages=[PACKAGE], units=[SERVICE],
+                 paths=[CONFIG, CANDIDATE, DROP_IN_DIR, DROP_IN])
+    apt.packages(name="Install HAProxy (the distribution's package)", packages=[PACKAGE], update_first=True)
+    files.directory(name=f"Create {DROP_IN_DIR}", path=DROP_IN_DIR)
+    unit = files.file(name=f"Write the drop-in {DROP_IN} (account, sockets, sandbox)", dest=DROP_IN,
+                      content=drop_in(cfg))
+    systemd.daemon_reload(name="Reload systemd: HAProxy's drop-in changed", _if=unit.did_change)
+    files.file(name=f"Write the router's configuration to check ({CANDIDATE})", dest=CANDIDATE, content=text,
+               group="haproxy", mode="0640")
+    config = server.script(
+        name=f"Check the configuration with haproxy -c, then put it in place ({CONFIG})",
+        script=f"set -e; haproxy -c -q -f {shlex.quote(CANDIDATE)}; "
+               f"install -o root -g haproxy -m 0640 {shlex.quote(CANDIDATE)} {shlex.quote(CONFIG)}.gpufleet-new; "
+               f"mv -fT {shlex.quote(CONFIG)}.gpufleet-new {shlex.quote(CONFIG)}",
+        done_file=CONFIG, done_sha256=wanted,
+    )
+    systemd.restart(name=f"Restart {SERVICE}: its drop-in changed", unit=SERVICE, _if=unit.did_change)
+    systemd.reload(name=f"Reload {SERVICE}: its configuration changed (requests in flight finish)", unit=SERVICE,
+                   _if=any_changed(config))
+    systemd.service(name=f"Ensure {SERVICE} runs and starts at boot", unit=SERVICE, running=True, enabled=True)
