@@ -112,12 +112,19 @@ class World:
         if list(words[:3]) == ["env", "LC_ALL=C", "head"]:
             return self._head(host, list(words[words.index("--") + 1:]), ok_status)
         if words[0] == "cp":
-            self.staged[words[-1]] = self.files[(host, self._replica(words[-2]))]["current"]
+            replica = self._replica(words[-2])
+            self.staged[words[-1]] = self.files[(host, replica)]["current"]
+            self._event(f"stage-previous {host} {replica}")
             return RemoteResult(True, "", "")
         if words[0] == "mv":
             replica = self._replica(words[-1])
             self.files[(host, replica)]["previous"] = self.staged.pop(words[-2])
             self._event(f"keep-previous {host} {replica}")
+            return RemoteResult(True, "", "")
+        if words[0] == "rm":
+            replica = self._replica(words[-1])
+            self.staged.pop(words[-1])
+            self._event(f"drop-previous {host} {replica}")
             return RemoteResult(True, "", "")
         raise AssertionError(f"unexpected command on {host}: {words}")
 

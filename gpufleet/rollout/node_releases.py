@@ -2,7 +2,8 @@
 change is about to replace as ``release.previous.json``.
 
 Both run over :mod:`gpufleet.rollout.remote` as the host's data says (root: ``_sudo`` where the SSH user is not):
-one ``head`` for every record of a node, and ``cp`` then ``mv`` to replace ``release.previous.json`` whole.
+one ``head`` for every record of a node; ``cp`` before a change, and ``mv`` once it held (or ``rm`` when it was
+rolled back), so ``release.previous.json`` is replaced whole, and only by a change that held.
 """
 
 from __future__ import annotations
@@ -70,11 +71,27 @@ def read_records(remote: Remote, node: str, replicas: Sequence[str]) -> dict[str
         raise RecordFailure(str(exc)) from None
 
 
+def _staged(replica: str) -> str:
+    return f"{previous_release_file(replica)}.gpufleet-new"
+
+
+def _run(remote: Remote, node: str, replica: str, words: list[str]) -> None:
+    result = remote.run(node, words, timeout_s=TIMEOUT_S)
+    if not result.ok:
+        raise RecordFailure(f"node {node}: cannot keep the release {replica} ran: {result.line()}")
+
+
+def stage_previous(remote: Remote, node: str, replica: str) -> None:
+    """Copy the replica's ``release.json`` on ``node`` beside its ``release.previous.json``, before a change: it
+    becomes the previous release only once the change holds (:func:`keep_previous`)."""
+    _run(remote, node, replica, ["cp", "-f", "--", release_file(replica), _staged(replica)])
+
+
 def keep_previous(remote: Remote, node: str, replica: str) -> None:
-    """Copy the replica's ``release.json`` over its ``release.previous.json`` on ``node`` (whole or not at all)."""
-    staged = f"{previous_release_file(replica)}.gpufleet-new"
-    for words in (["cp", "-f", "--", release_file(replica), staged],
-                  ["mv", "-fT", "--", staged, previous_release_file(replica)]):
-        result = remote.run(node, words, timeout_s=TIMEOUT_S)
-        if not result.ok:
-            raise RecordFailure(f"node {node}: cannot keep the release {replica} ran: {result.line()}")
+    """The change held: the staged copy replaces ``release.previous.json`` (whole or not at all)."""
+    _run(remote, node, replica, ["mv", "-fT", "--", _staged(replica), previous_release_file(replica)])
+
+
+def drop_staged(remote: Remote, node: str, replica: str) -> None:
+    """The change was rolled back: ``release.previous.json`` stays what it was, and the staged copy goes."""
+    _run(remote, node, replica, ["rm", "-f", "--", _staged(replica)])

@@ -5,9 +5,10 @@ For each wave (its units' replicas together):
 
 1. drain them on every router, and wait until nothing is in flight there, for at most their
    ``vllm_shutdown_timeout_s`` + 10 s (then go on: vLLM's own drain on stop finishes what is left);
-2. on each node where a replica's release changes and its ``release.json`` exists, keep it as
-   ``release.previous.json``; then one limited deploy (``pyinfra … --limit NODE …``) per distinct ``--data``,
-   which restarts what changed and waits until each replica serves one real completion;
+2. on each node where a replica's release changes and its ``release.json`` exists, copy it beside
+   ``release.previous.json`` (it replaces that file once the wave held); then one limited deploy
+   (``pyinfra … --limit NODE …``) per distinct ``--data``, which restarts what changed and waits until each
+   replica serves one real completion;
 3. put them back (ready) on every router, and wait until every router shows them UP, for at most their
    ``vllm_ready_timeout``;
 4. in the first batch (every batch with ``canary_every_batch``), watch them for ``canary_s`` seconds: UP all the
@@ -15,8 +16,8 @@ For each wave (its units' replicas together):
 
 A failure (a router or node that does not answer, a deploy that exits non-zero, a replica not UP in time, a bad
 canary) stops the rollout: the wave's deployed replicas are drained again and deployed back to the release they
-ran before the wave (what ``release.previous.json`` now holds), then put back; a replica whose earlier release was
-not recorded is left drained. An interrupt (Ctrl-C, SIGTERM) puts every drained replica back first.
+ran before the wave, then put back, their ``release.previous.json`` unchanged; a replica whose earlier release
+was not recorded is left drained. An interrupt (Ctrl-C, SIGTERM) puts every drained replica back first.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from typing import Protocol
 from gpufleet.rollout import report as rp
 from gpufleet.rollout.batches import Batch
 from gpufleet.rollout.canary import Thresholds, traffic, verdict
-from gpufleet.rollout.node_releases import RecordFailure, keep_previous
+from gpufleet.rollout.node_releases import RecordFailure, drop_staged, keep_previous, stage_previous
 from gpufleet.rollout.release import Release
 from gpufleet.rollout.remote import Remote
 from gpufleet.rollout.replicas import Member, Rollable
@@ -72,6 +73,7 @@ class Rollout:
         self.report = rp.Report(command, {m.name: rp.Outcome(m.name, m.backend, m.before, m.target)
                                           for m in self.members.values()})
         self.drained: dict[str, Member] = {}  # taken out of the routers and not put back yet
+        self.staged: list[tuple[str, str]] = []  # (node, replica): release.json copied, not yet the previous one
         self.in_wave: list[Member] = []  # the wave under way
         self.rolled: set[str] = set()
 
@@ -119,7 +121,7 @@ class Rollout:
         failure = None
         try:
             for data, group in self._groups(members, lambda m: m.target):
-                self._keep_previous(group)
+                self._stage_previous(group)
                 status = self._deploy(group, data)
                 deployed += group
                 if status != 0:
@@ -131,8 +133,11 @@ class Rollout:
             failure = self._back_in(members)
         if failure is None and watch > 0:
             failure = self._watch(members, watch)
+        if failure is None:
+            failure = self._settle_previous(members, keep_previous)
         if failure is not None:
             self._roll_back(members, deployed, failure)
+            self._settle_previous(members, drop_staged)
             return self._stop(failure)
         for member in members:
             self.rolled.add(member.name)
@@ -188,14 +193,32 @@ class Rollout:
                 continue
             del self.drained[member.name]
 
-    def _keep_previous(self, members: Sequence[Member]) -> None:
-        """Keep each node's release.json as release.previous.json where this wave changes the release."""
+    @staticmethod
+    def _changes(member: Member) -> bool:
+        return member.target is not None and member.before != member.target
+
+    def _stage_previous(self, members: Sequence[Member]) -> None:
+        """Copy each node's release.json beside release.previous.json where this wave changes the release."""
         for member in members:
-            if member.target is None or member.before == member.target:
-                continue
-            for node in member.recorded_on:
-                if node in member.recorded:
-                    keep_previous(self.remote, node, member.name)
+            if self._changes(member):
+                for node in member.recorded_on:
+                    if node in member.recorded:
+                        stage_previous(self.remote, node, member.name)
+                        self.staged.append((node, member.name))
+
+    def _settle_previous(self, members: Sequence[Member],
+                         settle: Callable[[Remote, str, str], None]) -> str | None:
+        """Make the staged copies of ``members`` the previous releases (the wave held) or drop them (rolled back);
+        why that failed, or None."""
+        names = {m.name for m in members}
+        failure = None
+        for node, replica in [s for s in self.staged if s[1] in names]:
+            try:
+                settle(self.remote, node, replica)
+            except RecordFailure as exc:
+                failure = failure or str(exc)
+            self.staged.remove((node, replica))
+        return failure
 
     def _deploy(self, members: Sequence[Member], data: Release) -> int:
         hosts = list(dict.fromkeys(node for m in members for node in m.nodes))

@@ -126,6 +126,11 @@ def _router_counter(lab: Lab, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
 
 
+def _router_retries(lab: Lab) -> float:
+    """Requests the router sent again (to the same replica, or redispatched to another), over every backend."""
+    return sum(_router_counter(lab, f"haproxy_backend_{kind}_warnings_total") for kind in ("retry", "redispatch"))
+
+
 def _wait_serving(lab: Lab, node: NodeRecord, timeout: float = 600) -> None:
     end = time.monotonic() + timeout
     last = ""
@@ -304,7 +309,7 @@ def test_kill_9_of_vllm_is_restarted_and_serves_again(lab: Lab, tmp_path_factory
     """systemd restarts a killed vLLM; meanwhile the router takes the replica out and the clients' requests, in
     flight included, go to the other replica: none fails."""
     node, unit = lab.nodes[0], f"vllm@{_single(lab)}"
-    retried_before = _router_counter(lab, "haproxy_backend_retry_warnings_total")
+    retried_before = _router_retries(lab)
     # Load through the router from before the kill until the router has taken the replica out and the other one
     # carried it alone for a while; not during the restart, which the lab's two cores could not also carry.
     streams = [RequestLoop(lab, None, pause_s=1.0) for _ in range(2)]
@@ -337,8 +342,8 @@ def test_kill_9_of_vllm_is_restarted_and_serves_again(lab: Lab, tmp_path_factory
     assert sent > 0 and failures == [], failures[:3]
     _record_figure(tmp_path_factory, {
         "fault": "kill -9 of a replica behind the router", "replica": _single(lab), "requests": sent,
-        "failed": len(failures), "retried": _router_counter(lab, "haproxy_backend_retry_warnings_total")
-        - retried_before, "taken_out_s": round(taken_out, 1), "back_in_router_s": round(back, 1),
+        "failed": len(failures), "retried": _router_retries(lab) - retried_before,
+        "taken_out_s": round(taken_out, 1), "back_in_router_s": round(back, 1),
         "p50_s": round(latencies[len(latencies) // 2], 2), "p99_s": round(latencies[int(len(latencies) * 0.99)], 2)})
 
 
