@@ -73,7 +73,7 @@ def test_upgrade_rolls_each_node_as_one_unit_canary_first(world: _Fleet, tmp_pat
     first = world.events[:world.events.index(f"deploy {A01}")]
     assert first == [f"drain {r} llama_70b-gpu-a01-{k}" for k in (0, 1) for r in ROUTERS] + [
         f"wait-drained {r} llama_70b-gpu-a01-{k}" for r in ROUTERS for k in (0, 1)] + [
-        f"keep-previous {A01} llama_70b-gpu-a01-{k}" for k in (0, 1)]
+        f"stage-previous {A01} llama_70b-gpu-a01-{k}" for k in (0, 1)]
     assert all((world.running(name) or {}).get("vllm_version") == "0.32.0" for name in world.replicas)
     assert "gpufleet upgrade: done: 6 rolled" in done.output and world.closed
     doc = json.loads(report.read_text())

@@ -89,14 +89,21 @@ def test_a_record_that_cannot_be_read_stops_with_a_line(local: PyinfraRemote, re
 
 
 def test_keeping_the_previous_release_replaces_it_whole(local: PyinfraRemote, records_dir: Path) -> None:
+    """Staged before the change, the copy replaces release.previous.json once the change held, or goes when it was
+    rolled back (release.previous.json then as it was)."""
     (records_dir / "p-0").mkdir()
     (records_dir / "p-0" / "release.json").write_text(release_json({"vllm_version": "0.32.0"}))
     (records_dir / "p-0" / "release.previous.json").write_text(release_json({"vllm_version": "0.30.0"}))
+    node_releases.stage_previous(local, "@local", "p-0")
+    node_releases.drop_staged(local, "@local", "p-0")
+    assert sorted(p.name for p in (records_dir / "p-0").iterdir()) == ["release.json", "release.previous.json"]
+    assert node_releases.read_records(local, "@local", ["p-0"])["p-0"].previous == {"vllm_version": "0.30.0"}
+    node_releases.stage_previous(local, "@local", "p-0")
     node_releases.keep_previous(local, "@local", "p-0")
     assert sorted(p.name for p in (records_dir / "p-0").iterdir()) == ["release.json", "release.previous.json"]
     assert node_releases.read_records(local, "@local", ["p-0"])["p-0"].previous == {"vllm_version": "0.32.0"}
     with pytest.raises(node_releases.RecordFailure, match=r"^node @local: cannot keep the release p-1 ran: "):
-        node_releases.keep_previous(local, "@local", "p-1")
+        node_releases.stage_previous(local, "@local", "p-1")
 
 
 # --- the routers -----------------------------------------------------------------------------------------------

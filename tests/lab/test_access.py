@@ -10,6 +10,7 @@ lab's default again (the mp backend), so the pipeline replica's rendezvous is up
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import shlex
 import socket
@@ -44,14 +45,15 @@ CONNECT_TIMEOUT = 3.0
 PROBE = """
 import json, socket, sys
 from concurrent.futures import ThreadPoolExecutor
+source = (sys.argv[2], 0) if sys.argv[2] else None
 def reach(target):
     address, port = target.rsplit(":", 1)
     try:
-        socket.create_connection((address, int(port)), timeout=float(sys.argv[1])).close()
+        socket.create_connection((address, int(port)), timeout=float(sys.argv[1]), source_address=source).close()
         return True
     except OSError:
         return False
-print(json.dumps(dict(zip(sys.argv[2:], ThreadPoolExecutor(16).map(reach, sys.argv[2:])))))
+print(json.dumps(dict(zip(sys.argv[3:], ThreadPoolExecutor(16).map(reach, sys.argv[3:])))))
 """
 
 
@@ -59,10 +61,11 @@ def _deploy(lab: Lab, *options: str) -> Completed:
     return _run([str(PYINFRA), INVENTORY, DEPLOY, "-y", *options], lab.env, 1800)
 
 
-def _reach(lab: Lab, node: NodeRecord, targets: list[str]) -> dict[str, bool]:
-    """From ``node``: which of ``targets`` (address:port) accept a TCP connection."""
-    out = lab.host(node).check_output(
-        f"python3 -c {shlex.quote(PROBE)} {CONNECT_TIMEOUT} {' '.join(shlex.quote(t) for t in targets)}")
+def _reach(lab: Lab, node: NodeRecord, targets: list[str], source: str = "") -> dict[str, bool]:
+    """From ``node`` (from its address ``source``, when given): which of ``targets`` (address:port) accept a TCP
+    connection."""
+    out = lab.host(node).check_output(f"python3 -c {shlex.quote(PROBE)} {CONNECT_TIMEOUT} {shlex.quote(source)}"
+                                      f" {' '.join(shlex.quote(t) for t in targets)}")
     return json.loads(out)
 
 
@@ -225,11 +228,20 @@ def mp_replica(lab: Lab, ray_cluster: tuple[NodeRecord, ...]) -> tuple[NodeRecor
 
 
 def test_only_the_replicas_nodes_reach_its_rendezvous(lab: Lab, mp_replica: tuple[NodeRecord, ...]) -> None:
+    """The replica's nodes reach its rendezvous; the router (lab1) and vllm_api_allowed_from reach its API (and,
+    in the same unit, the rendezvous); an address none of them lists reaches neither. The outsider is a second
+    address given to lab1 for this test, on the lab's own bridge network."""
     rank0, rank1 = mp_replica
-    outsider = lab.nodes[0]
+    router = lab.nodes[0]
     rendezvous, api = f"{rank0.address}:{RENDEZVOUS}", f"{rank0.address}:{API}"
     assert _reach(lab, rank1, [rendezvous]) == {rendezvous: True}
-    assert _reach(lab, outsider, [rendezvous, api]) == {rendezvous: False, api: False}
+    assert _reach(lab, router, [api]) == {api: True}  # the routers group: its requests come from there
+    outsider = str(ipaddress.ip_network(lab.state.subnet)[250])
+    lab.host(router).check_output(f"ip address add {outsider}/32 dev host0")
+    try:
+        assert _reach(lab, router, [rendezvous, api], source=outsider) == {rendezvous: False, api: False}
+    finally:
+        lab.host(router).run(f"ip address del {outsider}/32 dev host0")
     assert _controller_reaches(api)  # vllm_api_allowed_from: the controller's side of the lab
     assert not lab.host(rank0).file(f"/etc/systemd/system/{ray_role.unit_name(PIPELINE)}").exists
 
