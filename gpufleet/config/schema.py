@@ -313,6 +313,11 @@ class HostConfig(BaseModel):
                                        " (use a secret reference: vllm_api_key, vllm_hf_token)")
         return value
 
+    def served_model_name(self) -> str:
+        """The name clients ask for the model by (``--served-model-name``): ``vllm_served_model_name``, else the
+        model."""
+        return str(self.vllm_served_model_name or self.vllm_model)
+
     def api_ports(self) -> int:
         """How many API ports above ``vllm_port`` one node may use (one per replica)."""
         return API_PORTS_WHEN_AUTO if self.vllm_replicas_per_node == "auto" else self.vllm_replicas_per_node

@@ -155,7 +155,7 @@ def watchdog_json(cfg: HostConfig, replica: str, url: str) -> str:
     the API it watches and asks one completion of, and its times (``vllm_watchdog_stall_s``, and
     ``vllm_ready_timeout`` to serve after a start)."""
     return json.dumps({"unit": f"vllm@{replica}.service", "url": url,
-                       "model": cfg.vllm_served_model_name or cfg.vllm_model, "stall_s": cfg.vllm_watchdog_stall_s,
+                       "model": cfg.served_model_name(), "stall_s": cfg.vllm_watchdog_stall_s,
                        "grace_s": cfg.vllm_ready_timeout, "interval_s": WATCHDOG_INTERVAL_S}) + "\n"
 
 
@@ -177,12 +177,17 @@ def _read_secret(ref: SecretRef, key: str) -> str:
     return value
 
 
+def api_key(cfg: HostConfig) -> str | None:
+    """The replicas' API key from the controller's reference (raises ConfigError naming the key); None without."""
+    return _read_secret(cfg.vllm_api_key, "vllm_api_key") if cfg.vllm_api_key else None
+
+
 def secret_env(cfg: HostConfig) -> dict[str, str]:
     """VLLM_API_KEY, HF_TOKEN and, with the ray backend, RAY_AUTH_TOKEN from the controller's references (raises
     ConfigError naming the key)."""
     found: dict[str, str] = {}
     if cfg.vllm_api_key:
-        found["VLLM_API_KEY"] = _read_secret(cfg.vllm_api_key, "vllm_api_key")
+        found["VLLM_API_KEY"] = str(api_key(cfg))
     if cfg.vllm_hf_token:
         found["HF_TOKEN"] = _read_secret(cfg.vllm_hf_token, "vllm_hf_token")
     if cfg.vllm_distributed_backend == "ray" and cfg.ray_auth_token:

@@ -116,7 +116,7 @@ def serve_flags(cfg: HostConfig, address: str, port: int, tp: int, pp: int, dp: 
                 max_model_len: int) -> dict[str, FlagValue]:
     """``vllm serve``'s flags for one replica, without the multi-node ones. Secrets never appear here."""
     flags: dict[str, FlagValue] = {
-        "served-model-name": cfg.vllm_served_model_name or cfg.vllm_model,
+        "served-model-name": cfg.served_model_name(),
         "host": address, "port": port, "tensor-parallel-size": tp, "pipeline-parallel-size": pp,
     }
     if dp > 1:

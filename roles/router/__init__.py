@@ -84,17 +84,12 @@ class Backend:
         return json.dumps(self.model)
 
 
-def served_name(cfg: HostConfig) -> str:
-    """The model name a replica answers to (``--served-model-name``)."""
-    return str(cfg.vllm_served_model_name or cfg.vllm_model)
-
-
 def backends(replicas: Iterable[Replica], configs: dict[str, HostConfig]) -> list[Backend]:
     """One backend per served model, in model order, each with its replicas' first nodes' APIs."""
     by_model: dict[str, list[tuple[str, str]]] = {}
     for replica in replicas:
         first = replica.roles[0]
-        by_model.setdefault(served_name(configs[first.host]), []).append(
+        by_model.setdefault(configs[first.host].served_model_name(), []).append(
             (replica.name, host_port(first.address, replica.port)))
     found: list[Backend] = []
     taken: set[str] = set()
@@ -178,10 +173,9 @@ def fleet_values(cfg: HostConfig, address: str) -> dict[str, Any]:
         by_key: dict[str | None, list[str]] = {}
         for replica in ctx.plan.replicas:
             replica_cfg = configs[replica.roles[0].host]
-            key = vf.secret_env(replica_cfg).get("VLLM_API_KEY") if replica_cfg.vllm_api_key else None
-            models = by_key.setdefault(key_sha256(key), [])
-            if served_name(replica_cfg) not in models:
-                models.append(served_name(replica_cfg))
+            models = by_key.setdefault(key_sha256(vf.api_key(replica_cfg)), [])
+            if replica_cfg.served_model_name() not in models:
+                models.append(replica_cfg.served_model_name())
         metrics_allowed = access.exporter_sources(cfg, address, access.monitoring_group())
     except ConfigError as error:
         exit_with(error)

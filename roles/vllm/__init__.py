@@ -332,7 +332,7 @@ def vllm_serve() -> None:
             url = _api_url(replica, role)
             ctx.readiness[replica.name] = server.script(
                 name=f"{replica.name}: wait for /health and one real completion on {url}",
-                script=ready_command(cfg.vllm_served_model_name or cfg.vllm_model, url, unit,
+                script=ready_command(cfg.served_model_name(), url, unit,
                                      replica_secrets(replica.name) if replica.secret_env else None,
                                      cfg.vllm_ready_timeout),
                 _if=_changed(starts),  # a rank (re)started on any of its nodes
