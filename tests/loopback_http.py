@@ -8,6 +8,13 @@ from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
+class QuietHandler(BaseHTTPRequestHandler):
+    """A test server's request handler that keeps the test's output clean (no access log)."""
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
 @contextmanager
 def loopback_server(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
     """Serve ``handler`` until the block ends; yields the server's base URL."""

@@ -17,7 +17,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
@@ -35,7 +34,7 @@ from gpufleet.fleet import Fleet, load_fleet
 from gpufleet.node import replica_watchdog as wd
 from gpufleet.plan.commands import secret_env_names
 from gpufleet.plan.planner import Replica, plan_fleet
-from tests.loopback_http import loopback_server
+from tests.loopback_http import QuietHandler, loopback_server
 from tests.recorded_ops import Recorder
 from tests.test_hostile_templates import exec_argv, unit_settings
 
@@ -206,7 +205,7 @@ class FakeVllm:
 def fake_vllm() -> Iterator[tuple[str, FakeVllm]]:
     state = FakeVllm(key='sk-"lab"$HOME')
 
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(QuietHandler):
         def _answer(self, status: int, body: bytes) -> None:
             self.send_response(status)
             self.send_header("Content-Length", str(len(body)))
@@ -231,9 +230,6 @@ def fake_vllm() -> Iterator[tuple[str, FakeVllm]]:
                 return
             state.completed += 1
             self._answer(200, json.dumps({"usage": {"completion_tokens": 1}}).encode())
-
-        def log_message(self, *args: object) -> None:
-            pass
 
     with loopback_server(Handler) as url:
         try:

@@ -33,7 +33,7 @@ import pytest
 from gpufleet import node_paths
 from gpufleet.node import router_admin
 from tests.conftest import ROOT
-from tests.loopback_http import loopback_server
+from tests.loopback_http import QuietHandler, loopback_server
 
 TOOL = ROOT / "gpufleet" / "node" / "router_admin.py"
 REFUSED = Path(__file__).resolve().parent / "router_admin" / "refused.json"
@@ -54,7 +54,7 @@ class Replica:
     def handler(self) -> type[BaseHTTPRequestHandler]:
         replica = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(QuietHandler):
             def do_GET(self) -> None:
                 if self.path == "/hold":
                     replica.arrived.set()
@@ -69,9 +69,6 @@ class Replica:
                     self.wfile.write(body)
                 except ConnectionError:
                     pass  # a health check HAProxy dropped as it stopped
-
-            def log_message(self, format: str, *args: Any) -> None:
-                pass
 
         return Handler
 

@@ -27,7 +27,7 @@ import pytest
 
 import roles.router as router_role
 from gpufleet.node import router_admin
-from tests.loopback_http import loopback_server
+from tests.loopback_http import QuietHandler, loopback_server
 from tests.test_vllm_role import _config
 
 HOSTILE = "tiny llama $HOME 100% 'q' \"x\""
@@ -45,7 +45,7 @@ class FakeReplica:
     def handler(self) -> type[BaseHTTPRequestHandler]:
         replica = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(QuietHandler):
             protocol_version = "HTTP/1.1"
 
             def _answer(self, status: int, body: dict[str, Any]) -> None:
@@ -70,9 +70,6 @@ class FakeReplica:
                     self.connection.shutdown(socket.SHUT_RDWR)
                 else:
                     self._answer(200, {"replica": replica.name, "model": request.get("model")})
-
-            def log_message(self, format: str, *args: Any) -> None:
-                pass
 
         return Handler
 

@@ -17,7 +17,6 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -54,7 +53,7 @@ from gpufleet.plan.commands import (
 from gpufleet.plan.planner import plan_fleet
 from gpufleet.vllm_flags import load_catalog
 from tests.conftest import ROOT
-from tests.loopback_http import loopback_server
+from tests.loopback_http import QuietHandler, loopback_server
 
 TEMPLATES = ROOT / "templates"
 
@@ -603,7 +602,7 @@ def test_each_release_is_its_own_install_and_a_lock_without_placeholder_serves_e
     assert _config().requirements_url() is None
 
 
-class _Mirror(BaseHTTPRequestHandler):
+class _Mirror(QuietHandler):
     """The lab mirror's wheels/ holding the lock of 0.32.0 only."""
 
     def do_GET(self) -> None:
@@ -615,9 +614,6 @@ class _Mirror(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
-
-    def log_message(self, *args: object) -> None:
-        pass
 
 
 def test_the_lock_script_names_a_release_the_mirror_has_no_lock_for_in_one_line() -> None:
@@ -927,7 +923,7 @@ class FakeVllm:
 def fake_vllm() -> Iterator[tuple[str, FakeVllm]]:
     state = FakeVllm()
 
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(QuietHandler):
         def _answer(self, status: int, doc: object) -> None:
             body = json.dumps(doc).encode()
             self.send_response(status)
@@ -957,9 +953,6 @@ def fake_vllm() -> Iterator[tuple[str, FakeVllm]]:
             else:
                 self._answer(200, {"choices": [{"text": " ready"}],
                                    "usage": {"completion_tokens": state.tokens}})
-
-        def log_message(self, *args: object) -> None:
-            pass
 
     with loopback_server(Handler) as url:
         yield url, state
