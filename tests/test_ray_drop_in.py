@@ -180,7 +180,7 @@ def _run_vllm_install(monkeypatch: pytest.MonkeyPatch, shape: str, host: str) ->
     monkeypatch.setattr(vllm_role, "context", lambda *_: ctx)
     monkeypatch.setattr(vllm_role, "assignments",
                         lambda *_: [(r, role) for r in replicas for role in r.roles if role.host == host])
-    monkeypatch.setattr(access, "monitoring_group", list)
+    monkeypatch.setattr(access, "deploy_group", lambda group="monitoring": [])
     monkeypatch.setattr(vf, "_read_secret", lambda ref, key: f"{key} value")  # the controller's secrets
     vllm_role.vllm_install.__wrapped__()  # type: ignore[attr-defined]
     return recorder
@@ -232,7 +232,7 @@ def test_a_started_or_restarted_ray_head_is_a_start_of_its_replica(monkeypatch: 
     monkeypatch.setattr(ray_role, "host_config", lambda *_: fleet.configs[head.host])
     monkeypatch.setattr(ray_role, "context", lambda *_: ctx)
     monkeypatch.setattr(ray_role, "assignments", lambda *_: [(replica, head)])
-    monkeypatch.setattr(access, "monitoring_group", list)
+    monkeypatch.setattr(access, "deploy_group", lambda group="monitoring": [])
     monkeypatch.setattr(vf, "_read_secret", lambda ref, key: f"{key} value")
     ray_role.ray.__wrapped__()  # type: ignore[attr-defined]
     unit = node_paths.ray_unit(replica.name)

@@ -399,7 +399,7 @@ def _run_role(monkeypatch: pytest.MonkeyPatch, shape: str, host: str, ctx: Deplo
     monkeypatch.setattr(vllm_role, "context", lambda *_: ctx)
     monkeypatch.setattr(vllm_role, "assignments",
                         lambda *_: [(r, role) for r in replicas for role in r.roles if role.host == host])
-    monkeypatch.setattr(access, "monitoring_group", list)
+    monkeypatch.setattr(access, "deploy_group", lambda group="monitoring": [])
     monkeypatch.setattr(vf, "_read_secret", lambda ref, key: f"{key} value")
     vllm_role.vllm_install.__wrapped__()  # type: ignore[attr-defined]
     vllm_role.vllm_serve.__wrapped__()  # type: ignore[attr-defined]

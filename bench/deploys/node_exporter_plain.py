@@ -30,7 +30,7 @@ files.directory(name="/var/lib/node_exporter", path=str(Path(TEXTFILE_DIR).paren
                 mode="0755")
 files.directory(name=TEXTFILE_DIR, path=TEXTFILE_DIR, user="root", group="root", mode="0755")
 installed = files.put(name=BINARY, src=str(binary), dest=BINARY, user="root", group="root", mode="0755")
-unit = files.put(name=UNIT_PATH, src=io.StringIO(render(cfg, host.name, access.monitoring_group())), dest=UNIT_PATH,
+unit = files.put(name=UNIT_PATH, src=io.StringIO(render(cfg, host.name, access.deploy_group())), dest=UNIT_PATH,
                  user="root", group="root", mode="0644")
 systemd.daemon_reload(name="daemon-reload", _if=unit.did_change)
 systemd.service(name=f"restart {UNIT}", service=UNIT, running=True, restarted=True, _if=any_changed(installed, unit))

@@ -110,9 +110,9 @@ def group_addresses(inventory: Any, group: str = MONITORING_GROUP) -> list[str]:
     return found
 
 
-def monitoring_group(group: str = MONITORING_GROUP) -> list[str]:
-    """:func:`group_addresses` of the running deploy's inventory (exits 2 on a host without an IP address); the
-    monitoring hosts unless ``group`` names another group (:data:`ROUTERS_GROUP`)."""
+def deploy_group(group: str = MONITORING_GROUP) -> list[str]:
+    """The addresses of a group of the running deploy's inventory (:func:`group_addresses`; exits 2 on a host
+    without an IP address): the monitoring hosts, or :data:`ROUTERS_GROUP`'s."""
     from pyinfra.context import state
 
     from gpufleet.config.problems import exit_with

@@ -70,7 +70,7 @@ def dcgm_exporter() -> None:
     cfg = host_config()
     address = cfg.fleet_address or host.name
     try:
-        allowed = access.exporter_sources(cfg, address, access.monitoring_group())
+        allowed = access.exporter_sources(cfg, address, access.deploy_group())
     except ConfigError as error:
         exit_with(error)
     version = cfg.dcgm_exporter_version

@@ -143,7 +143,7 @@ def node_exporter() -> None:
     """Converge node_exporter: its user, textfile directory, binary, unit and running service."""
     cfg = host_config()
     try:  # every address of the unit's allow list must be an IP address
-        monitoring = access.monitoring_group()
+        monitoring = access.deploy_group()
         access.exporter_sources(cfg, cfg.fleet_address or host.name, monitoring)
     except ConfigError as error:
         exit_with(error)

@@ -76,7 +76,7 @@ def ray() -> None:
         return
     try:
         token = vf.secret_env(cfg).get("RAY_AUTH_TOKEN")
-        monitoring = access.monitoring_group()
+        monitoring = access.deploy_group()
         allowed = {replica.name: access.ray_sources(cfg, [r.address for r in replica.roles], monitoring)
                    for replica, _, _ in mine}
     except ConfigError as error:

@@ -176,7 +176,7 @@ def fleet_values(cfg: HostConfig, address: str) -> dict[str, Any]:
             models = by_key.setdefault(key_sha256(vf.api_key(replica_cfg)), [])
             if replica_cfg.served_model_name() not in models:
                 models.append(replica_cfg.served_model_name())
-        metrics_allowed = access.exporter_sources(cfg, address, access.monitoring_group())
+        metrics_allowed = access.exporter_sources(cfg, address, access.deploy_group())
     except ConfigError as error:
         exit_with(error)
     return config_values(cfg, address, found, model_lists(by_key), metrics_allowed)

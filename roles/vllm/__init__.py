@@ -196,7 +196,7 @@ def vllm_install() -> None:
         # the API and the mp rendezvous: this node, its replicas' nodes, monitoring, routers, vllm_api_allowed_from
         allowed = access.vllm_sources(cfg, cfg.fleet_address or host.name,
                                       [n.address for replica, _ in assignments() for n in replica.roles],
-                                      access.monitoring_group(), access.monitoring_group(access.ROUTERS_GROUP))
+                                      access.deploy_group(), access.deploy_group(access.ROUTERS_GROUP))
     except ConfigError as error:
         exit_with(error)
     model_paths: list[str] = []
