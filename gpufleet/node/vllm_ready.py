@@ -4,12 +4,13 @@
 Runs on the node (standard library only) as root, after the deploy started the replica::
 
     python3 vllm_ready.py --url http://10.0.0.5:8000 --model NAME [--unit vllm@r.service]
-                          [--env-file SECRETS.env] [--timeout 900]
+                          [--env-file SECRETS.env] [--timeout 900] [--max-restarts 3]
 
 The API key, when the replica has one, is read from its 0600 environment file, never from argv.
-Prints one JSON line; exit 0 when ready, 1 when not within the timeout or as soon as ``--unit`` has
-failed (systemd gave up restarting it). ``replica_watchdog.py`` makes its requests with :func:`request` and
-:func:`completion`.
+Prints one JSON line; exit 0 when ready, 1 when not within the timeout, or as soon as ``--unit`` has failed
+(systemd gave up restarting it) or has been restarted ``--max-restarts`` times while this waited: a release
+that crashes at every start (a model that does not load, memory it cannot get) is named in minutes, not after
+the whole timeout. ``replica_watchdog.py`` makes its requests with :func:`request` and :func:`completion`.
 """
 
 from __future__ import annotations
@@ -86,6 +87,15 @@ def check_once(url: str, model: str, key: str | None) -> tuple[bool, str]:
     return tokens > 0, seen
 
 
+def unit_state(unit: str) -> tuple[bool, int]:
+    """(the unit has failed, systemd's count of its automatic restarts)."""
+    shown = subprocess.run(["systemctl", "show", "--property=ActiveState,NRestarts", unit],
+                           capture_output=True, text=True).stdout
+    values = dict(line.split("=", 1) for line in shown.splitlines() if "=" in line)
+    restarts = values.get("NRestarts", "0")
+    return values.get("ActiveState") == "failed", int(restarts) if restarts.isdigit() else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", required=True)
@@ -93,9 +103,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--unit", help="the replica's systemd unit: stop waiting once it has failed")
     parser.add_argument("--env-file")
     parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--max-restarts", type=int, default=3,
+                        help="give up once --unit has been restarted this many times while waiting")
     args = parser.parse_args(argv)
     key = read_env_file(args.env_file).get("VLLM_API_KEY") if args.env_file else None
     started = time.monotonic()
+    first_restarts = unit_state(args.unit)[1] if args.unit else 0
     seen = "not tried"
     while True:
         ready, seen = check_once(args.url.rstrip("/"), args.model, key)
@@ -103,10 +116,12 @@ def main(argv: list[str] | None = None) -> int:
         if ready:
             print(json.dumps({"ready": True, "url": args.url, "seconds": waited, "seen": seen}))
             return 0
-        failed = args.unit and subprocess.run(["systemctl", "is-failed", "--quiet", args.unit]).returncode == 0
-        if failed or waited > args.timeout:
-            if failed:
-                seen = f"{args.unit} failed ({seen}); see journalctl -u {args.unit}"
+        failed, restarts = unit_state(args.unit) if args.unit else (False, first_restarts)
+        crashing = restarts - first_restarts >= args.max_restarts
+        if failed or crashing or waited > args.timeout:
+            if failed or crashing:
+                why = "failed" if failed else f"restarted {restarts - first_restarts} times while waiting"
+                seen = f"{args.unit} {why} ({seen}); see journalctl -u {args.unit}"
             print(json.dumps({"ready": False, "url": args.url, "seconds": waited, "seen": seen}))
             return 1
         time.sleep(2)

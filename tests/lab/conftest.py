@@ -19,6 +19,7 @@ from pathlib import Path
 
 import paramiko
 import pytest
+import yaml
 
 from gpufleet.lab import network, preflight, ssh
 from gpufleet.lab.nodes import power_on
@@ -30,15 +31,21 @@ LAB_CLI = [sys.executable, "-m", "gpufleet.cli_lab"]
 LAB_NODES = 3
 LAB_PROFILES = ("8xH100NVL-PCIe", "8xH100-SXM", "8xH100-SXM")  # one per node
 LAB_TEARDOWN_TESTS = {"test_down_leaves_nothing_behind"}
-LAB_LAST_MODULES = {"test_access.py"}  # builds on the Ray deployment test_serving.py leaves
+# After the others, in this order: test_access.py builds on the Ray deployment test_serving.py leaves and ends on
+# the lab's default deployment, which test_upgrade.py rolls to another vLLM release and back.
+LAB_LAST_MODULES = ("test_access.py", "test_upgrade.py")
+# The vLLM release the lab deploys (group_vars/lab.yml): its virtualenv is /opt/vllm/<version> on every node.
+LAB_VLLM_VERSION: str = yaml.safe_load((ROOT / "group_vars" / "lab.yml").read_text())["vllm_version"]
+LAB_VENV = f"/opt/vllm/{LAB_VLLM_VERSION}"
 REQUIRED_ENV = "GPUFLEET_LAB_REQUIRED"
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The session has one lab: the test that takes it down goes after every test that uses it, and the modules
     of LAB_LAST_MODULES after the others (pytest's order stays within a module)."""
+    last = {name: n + 1 for n, name in enumerate(LAB_LAST_MODULES)}
     items.sort(key=lambda item: (getattr(item, "originalname", item.name) in LAB_TEARDOWN_TESTS,
-                                 item.path.name in LAB_LAST_MODULES))
+                                 last.get(item.path.name, 0)))
 
 
 def cannot_run_lab() -> str | None:

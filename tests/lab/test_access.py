@@ -27,7 +27,7 @@ from gpufleet.lab.state import NodeRecord
 from gpufleet.unit_security import EXPOSURE_BOUND
 from roles import ray as ray_role
 from tests.lab.checks import assert_no_errors, metrics
-from tests.lab.conftest import PYINFRA, ROOT, Completed, Lab, _run
+from tests.lab.conftest import LAB_VENV, PYINFRA, ROOT, Completed, Lab, _run
 
 pytestmark = [
     pytest.mark.lab,
@@ -38,7 +38,6 @@ INVENTORY = "inventories/lab.py"
 DEPLOY = "deploys/vllm.py"
 RAY = ("--data", "vllm_distributed_backend=ray", "--data", "vllm_start=false")
 PIPELINE = "lab_pipeline-0"
-VENV = "/opt/vllm/0.32.0"
 RAY_PORT, NODE_EXPORTER, DCGM_EXPORTER, API, RENDEZVOUS = 6379, 9100, 9400, 8000, 29501
 CONNECT_TIMEOUT = 3.0
 # Every target at once from one node: "address:port" -> whether a TCP connection was accepted.
@@ -91,7 +90,7 @@ def _as_vllm(script: str, with_token: bool) -> str:
     """A Ray driver run as user vllm on the head, with the replica's token in its environment or without."""
     token = (f"set -a; . {node_paths.ray_token_file(PIPELINE)}; set +a; export RAY_AUTH_MODE=token; " if with_token
              else "unset RAY_AUTH_TOKEN RAY_AUTH_TOKEN_PATH RAY_AUTH_MODE; ")
-    return f"{token}cd /tmp && runuser -u vllm -- timeout 120 {VENV}/bin/python -c {shlex.quote(script)} 2>&1"
+    return f"{token}cd /tmp && runuser -u vllm -- timeout 120 {LAB_VENV}/bin/python -c {shlex.quote(script)} 2>&1"
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +106,7 @@ def test_ray_refuses_a_driver_and_a_node_without_the_token(lab: Lab, ray_cluster
     gcs = f"{head.address}:{RAY_PORT}"
     driver = _as_vllm(f"import ray; ray.init(address={gcs!r}); print('JOINED')", with_token=False)
     # a second Ray node on the worker's machine (a member's address: the IP filter lets it through)
-    join = (f"cd /tmp && timeout 90 {VENV}/bin/ray start --address={gcs} --node-ip-address={worker.address}"
+    join = (f"cd /tmp && timeout 90 {LAB_VENV}/bin/ray start --address={gcs} --node-ip-address={worker.address}"
             " --temp-dir=/tmp/gpufleet-no-token --disable-usage-stats --block 2>&1; echo rc=$?;"
             " rm -rf /tmp/gpufleet-no-token")
     with ThreadPoolExecutor(2) as pool:  # each is refused after Ray's own retries (about 20 s): at once
@@ -119,7 +118,7 @@ def test_ray_refuses_a_driver_and_a_node_without_the_token(lab: Lab, ray_cluster
     assert "rc=0" not in joined.stdout and "InvalidAuthToken" in joined.stdout, joined.stdout[-2000:]
     # still the two nodes of the replica, and no Ray process left behind by the refused one
     status = lab.host(head).check_output(
-        f"set -a; . {node_paths.ray_token_file(PIPELINE)}; set +a; RAY_AUTH_MODE=token {VENV}/bin/ray status"
+        f"set -a; . {node_paths.ray_token_file(PIPELINE)}; set +a; RAY_AUTH_MODE=token {LAB_VENV}/bin/ray status"
         f" --address={gcs}")
     assert status.split("Active:")[1].split("Pending:")[0].count(" node_") == 2, status
     assert "gpufleet-no-token" not in lab.host(worker).check_output("ps -eo args")
@@ -179,7 +178,7 @@ def test_only_the_node_and_the_monitoring_host_reach_the_exporters(
 def _ray_nodes(lab: Lab, head: NodeRecord) -> int:
     """How many nodes the head's ``ray status`` counts active (0: it does not answer)."""
     status = lab.host(head).run(
-        f"set -a; . {node_paths.ray_token_file(PIPELINE)}; set +a; RAY_AUTH_MODE=token timeout 60 {VENV}/bin/ray"
+        f"set -a; . {node_paths.ray_token_file(PIPELINE)}; set +a; RAY_AUTH_MODE=token timeout 60 {LAB_VENV}/bin/ray"
         f" status --address={head.address}:{RAY_PORT}")
     if status.rc != 0 or "Active:" not in status.stdout:
         return 0

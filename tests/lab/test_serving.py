@@ -26,7 +26,7 @@ from gpufleet.lab.sim_profile import write_sim_profile
 from gpufleet.lab.state import NodeRecord
 from gpufleet.unit_security import EXPOSURE_BOUND, exposure_score
 from tests.lab.checks import assert_no_errors, assert_nothing_changed, main_pid, metrics
-from tests.lab.conftest import PYINFRA, ROOT, Completed, Lab, _run
+from tests.lab.conftest import LAB_VENV, LAB_VLLM_VERSION, PYINFRA, ROOT, Completed, Lab, _run
 
 pytestmark = [
     pytest.mark.lab,
@@ -283,8 +283,8 @@ def test_the_vllm_user_can_write_nothing_root_runs_or_trusts(lab: Lab) -> None:
         host = lab.host(node)
         probe = host.run("runuser -u vllm -- touch /var/lib/vllm/.gpufleet-probe && rm /var/lib/vllm/.gpufleet-probe")
         assert probe.rc == 0, probe.stderr  # the check below can fail: vllm can write where it should
-        venv = host.check_output("readlink -f /opt/vllm/0.32.0").strip()
-        assert venv.startswith("/opt/vllm/.build-0.32.0-"), venv
+        venv = host.check_output(f"readlink -f {LAB_VENV}").strip()
+        assert venv.startswith(f"/opt/vllm/.build-{LAB_VLLM_VERSION}-"), venv
         for directory in (MODEL_DIR, "/var/lib/gpufleet/models", "/etc/gpufleet", "/etc/gpufleet/vllm",
                           "/opt/vllm", venv, f"{venv}/bin", "/opt/gpufleet/node"):
             target = f"{directory}/.written-by-vllm"
@@ -690,15 +690,16 @@ def test_a_deploy_interrupted_halfway_converges_on_rerun(lab: Lab) -> None:
     """An install interrupted halfway leaves the working virtualenv in place and serving; the rerun finishes it."""
     node = lab.nodes[0]
     host, unit = lab.host(node), f"vllm@{_single(lab)}"
-    marker = "/opt/vllm/0.32.0/.gpufleet-installed"
-    working = host.check_output("readlink -f /opt/vllm/0.32.0").strip()
+    marker = f"{LAB_VENV}/.gpufleet-installed"
+    working = host.check_output(f"readlink -f {LAB_VENV}").strip()
     host.check_output(f"echo stale > {marker}")  # the next run reinstalls
     # from an empty cache: with uv's cache warm, the install is a few seconds of hardlinks, too quick to interrupt
     host.check_output("rm -rf /var/cache/gpufleet/uv")
     process = subprocess.Popen([str(PYINFRA), INVENTORY, DEPLOY, "-y"], cwd=ROOT, env=lab.env,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     # the new build's interpreter exists once its virtualenv is made, before any package goes in
-    new_build = f"find /opt/vllm -maxdepth 3 -path '/opt/vllm/.build-0.32.0-*/bin/python' ! -path '{working}/*'"
+    builds = f"/opt/vllm/.build-{LAB_VLLM_VERSION}-*"
+    new_build = f"find /opt/vllm -maxdepth 3 -path '{builds}/bin/python' ! -path '{working}/*'"
     end = time.monotonic() + 600
     while time.monotonic() < end and not host.run(new_build).stdout.strip():
         time.sleep(0.5)
@@ -709,15 +710,15 @@ def test_a_deploy_interrupted_halfway_converges_on_rerun(lab: Lab) -> None:
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
-    assert host.check_output("readlink -f /opt/vllm/0.32.0").strip() == working  # never swapped half-built
+    assert host.check_output(f"readlink -f {LAB_VENV}").strip() == working  # never swapped half-built
     assert host.file(marker).content_string.strip() == "stale"
-    assert host.run("/opt/vllm/0.32.0/bin/python -c 'import vllm'").rc == 0  # the working one is intact
+    assert host.run(f"{LAB_VENV}/bin/python -c 'import vllm'").rc == 0  # the working one is intact
     assert host.service(unit).is_running
     assert_no_errors(_deploy(lab))
-    rebuilt = host.check_output("readlink -f /opt/vllm/0.32.0").strip()
+    rebuilt = host.check_output(f"readlink -f {LAB_VENV}").strip()
     assert rebuilt != working
     # the replaced build stays (until the next install), the half-built one is gone
-    assert sorted(host.check_output("ls -d /opt/vllm/.build-0.32.0-*").split()) == sorted([rebuilt, working])
+    assert sorted(host.check_output(f"ls -d {builds}").split()) == sorted([rebuilt, working])
     assert host.file(marker).content_string.strip() != "stale"
     _wait_serving(lab, node)
 
@@ -751,7 +752,7 @@ def test_ray_units_form_a_cluster_across_two_nodes(lab: Lab) -> None:
     assert lab.host(head).service(unit).is_running and lab.host(worker).service(unit).is_running
     status = lab.host(head).check_output(  # Ray asks for its token (tests/lab/test_access.py: refused without)
         f"set -a; . /etc/gpufleet/secrets/{PIPELINE}.ray.env; set +a; RAY_AUTH_MODE=token"
-        f" /opt/vllm/0.32.0/bin/ray status --address={head.address}:6379")
+        f" {LAB_VENV}/bin/ray status --address={head.address}:6379")
     active = status.split("Active:")[1].split("Pending:")[0]
     assert active.count(" node_") == 2, status
     for node in (head, worker):

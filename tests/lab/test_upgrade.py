@@ -1,0 +1,216 @@
+"""Rolling upgrades on the lab: ``gpufleet upgrade`` and ``gpufleet rollback`` behind the router on lab1, while a
+bounded load generator sends completions and streamed chats through the router the whole time.
+
+Builds on the lab's default deployment, as test_access.py leaves it: both replicas of the tiny model (lab1's, and
+lab2+lab3's pipeline replica) serve vLLM 0.31.0 behind the router. The mirror also holds 0.32.0: the tests upgrade
+the fleet to it, try a broken release on top of it (caught at the canary), then roll the fleet back to 0.31.0.
+Each rollout's figures go to the session's lab-fault-figures.jsonl.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpufleet.lab.wheelhouse import LAB_VLLM_VERSIONS
+from tests.lab.conftest import LAB_VLLM_VERSION, ROOT, Lab
+from tests.lab.test_serving import (
+    PIPELINE,
+    ROUTER_PORT,
+    _api_key,
+    _record_figure,
+    _router_retries,
+    _served_name,
+    _single,
+)
+
+pytestmark = [
+    pytest.mark.lab,
+    pytest.mark.filterwarnings("ignore:Unknown ssh-ed25519 host key:UserWarning"),
+]
+
+GPUFLEET = [sys.executable, "-m", "gpufleet.cli"]
+START_VERSION = LAB_VLLM_VERSION
+OTHER_VERSION = max(set(LAB_VLLM_VERSIONS) - {START_VERSION})  # the release the fleet is upgraded to
+ROLLOUT_TIMEOUT_S = 2400
+
+
+class Traffic(threading.Thread):
+    """Requests through the router, each stream alternating a completion and a streamed chat, one every ``pause_s``,
+    until stopped or ``limit_s`` passed (at most ``limit`` requests per stream)."""
+
+    def __init__(self, lab: Lab, streams: int = 2, pause_s: float = 1.0, limit_s: float = ROLLOUT_TIMEOUT_S,
+                 limit: int = 3000) -> None:
+        super().__init__(daemon=True)
+        self.lab, self.streams, self.pause_s, self.limit_s, self.limit = lab, streams, pause_s, limit_s, limit
+        self.done = threading.Event()
+        self.lock = threading.Lock()
+        self.sent = 0
+        self.failures: list[str] = []
+        self.latencies: list[float] = []
+
+    def _one(self, n: int) -> None:
+        url = f"http://{self.lab.nodes[0].address}:{ROUTER_PORT}"
+        model = _served_name("lab")
+        if n % 2:
+            path, body = "/v1/chat/completions", {"model": model, "max_tokens": 8, "stream": True,
+                                                  "messages": [{"role": "user", "content": "Say hello"}]}
+        else:
+            path, body = "/v1/completions", {"model": model, "prompt": "The fleet is", "max_tokens": 8}
+        request = urllib.request.Request(url + path, data=json.dumps(body).encode(), method="POST", headers={
+            "Content-Type": "application/json", "Authorization": f"Bearer {_api_key(self.lab)}"})
+        with urllib.request.urlopen(request, timeout=300) as response:
+            text = response.read().decode()
+        if body.get("stream"):
+            assert text.rstrip().endswith("data: [DONE]"), text[-200:]
+        else:
+            assert json.loads(text)["usage"]["completion_tokens"] > 0, text
+
+    def _stream(self) -> None:
+        end, n = time.monotonic() + self.limit_s, 0
+        while not self.done.is_set() and time.monotonic() < end and n < self.limit:
+            n += 1
+            started = time.monotonic()
+            try:
+                self._one(n)
+                with self.lock:
+                    self.latencies.append(time.monotonic() - started)
+            except (OSError, AssertionError, ValueError, urllib.error.HTTPError) as exc:
+                with self.lock:
+                    self.failures.append(f"{type(exc).__name__}: {str(exc)[:200]}")
+            with self.lock:
+                self.sent += 1
+            self.done.wait(self.pause_s)
+
+    def run(self) -> None:
+        workers = [threading.Thread(target=self._stream, daemon=True) for _ in range(self.streams)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+
+    def stop(self) -> None:
+        self.done.set()
+        self.join(400)
+
+    def figures(self) -> dict[str, object]:
+        times = sorted(self.latencies) or [0.0]
+        return {"requests": self.sent, "failed": len(self.failures), "p50_s": round(times[len(times) // 2], 2),
+                "p99_s": round(times[min(len(times) - 1, int(len(times) * 0.99))], 2)}
+
+
+def _rollout(lab: Lab, *args: str, timeout: float = ROLLOUT_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, **lab.env}
+    return subprocess.run([*GPUFLEET, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _releases(lab: Lab) -> dict[str, str]:
+    """Each replica's vLLM version as its first node's release.json records it."""
+    found = {}
+    for node, replica in ((lab.nodes[0], _single(lab)), (lab.nodes[1], PIPELINE)):
+        text = lab.host(node).check_output(f"cat /etc/gpufleet/vllm/{replica}/release.json")
+        found[replica] = json.loads(text)["vllm_version"]
+    return found
+
+
+def _running(lab: Lab) -> dict[str, str]:
+    """The vLLM version each replica's unit runs (its venv link), on every node of it."""
+    found = {}
+    for node, replica in ((lab.nodes[0], _single(lab)), (lab.nodes[1], PIPELINE), (lab.nodes[2], PIPELINE)):
+        target = lab.host(node).check_output(f"readlink /etc/gpufleet/vllm/{replica}/venv")
+        found[f"{node.name}:{replica}"] = Path(target).name
+    return found
+
+
+def _served_versions(lab: Lab, count: int = 6) -> set[str]:
+    """The vLLM releases that answer completions through the router (each answer's ``system_fingerprint`` names
+    it), over ``count`` requests: leastconn spreads them over both replicas."""
+    url = f"http://{lab.nodes[0].address}:{ROUTER_PORT}/v1/completions"
+    found = set()
+    for _ in range(count):
+        body = {"model": _served_name("lab"), "prompt": "The fleet is", "max_tokens": 2}
+        request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST", headers={
+            "Content-Type": "application/json", "Authorization": f"Bearer {_api_key(lab)}"})
+        with urllib.request.urlopen(request, timeout=120) as response:
+            found.add(json.loads(response.read())["system_fingerprint"].split("-")[1])
+    return found
+
+
+def _rolled(lab: Lab, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, name: str,
+            *args: str) -> tuple[subprocess.CompletedProcess[str], dict[str, Any], Traffic]:
+    """Run ``gpufleet ARGS --report ...`` under load: its exit, its JSON report and the load's outcome."""
+    report = tmp_path / "report.json"
+    retried = _router_retries(lab)
+    traffic = Traffic(lab)
+    traffic.start()
+    started = time.monotonic()
+    try:
+        time.sleep(3)
+        done = _rollout(lab, *args, "--report", str(report))
+    finally:
+        traffic.stop()
+    took = time.monotonic() - started
+    _record_figure(tmp_path_factory, {"rollout": name, "exit": done.returncode, "duration_s": round(took, 1),
+                                      "retried": _router_retries(lab) - retried, **traffic.figures()})
+    assert report.exists(), done.stdout[-4000:] + done.stderr[-4000:]
+    return done, json.loads(report.read_text()), traffic
+
+
+def _states(report: dict[str, Any]) -> dict[str, str]:
+    return {entry["replica"]: entry["state"] for entry in report["replicas"]}
+
+
+def test_an_upgrade_under_load_rolls_both_replicas_and_loses_no_request(
+        lab: Lab, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    assert _releases(lab) == {_single(lab): START_VERSION, PIPELINE: START_VERSION}
+    assert _served_versions(lab) == {START_VERSION}
+    done, report, traffic = _rolled(lab, tmp_path, tmp_path_factory, f"upgrade {START_VERSION} -> {OTHER_VERSION}",
+                                    "upgrade", "inventories/lab.py", "--batches", "1,100%", "--canary-s", "20",
+                                    "--data", f"vllm_version={OTHER_VERSION}")
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert _states(report) == {_single(lab): "rolled", PIPELINE: "rolled"}, done.stdout[-4000:]
+    assert traffic.sent > 0 and traffic.failures == [], traffic.failures[:5]
+    assert _releases(lab) == {_single(lab): OTHER_VERSION, PIPELINE: OTHER_VERSION}
+    assert set(_running(lab).values()) == {OTHER_VERSION}, _running(lab)
+    assert _served_versions(lab) == {OTHER_VERSION}
+
+
+def test_a_release_that_does_not_start_is_rolled_back_at_the_canary(
+        lab: Lab, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """vLLM refuses to start with a KV cache larger than the node's memory: the canary never serves, the rollout
+    puts it back on the release it ran, stops, and says so; no request fails, and no other replica is touched."""
+    before = _running(lab)
+    done, report, traffic = _rolled(lab, tmp_path, tmp_path_factory, "a release that does not start",
+                                    "upgrade", "inventories/lab.py", "--batches", "1,100%", "--canary-s", "20",
+                                    "--data", f"vllm_version={OTHER_VERSION}",
+                                    "--data", 'vllm_env={"VLLM_CPU_KVCACHE_SPACE": "4096"}')
+    assert done.returncode == 1, done.stdout[-4000:] + done.stderr[-4000:]
+    assert sorted(_states(report).values()) == ["rolled back", "untouched"], done.stdout[-4000:]
+    assert "gpufleet upgrade: stopped: " in done.stdout, done.stdout[-4000:]
+    assert traffic.sent > 0 and traffic.failures == [], traffic.failures[:5]
+    assert _running(lab) == before
+    assert _releases(lab) == {_single(lab): OTHER_VERSION, PIPELINE: OTHER_VERSION}
+    assert _served_versions(lab) == {OTHER_VERSION}
+
+
+def test_rollback_returns_the_fleet_to_the_previous_release(
+        lab: Lab, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The release before the good upgrade: the broken one, rolled back, did not become "previous"."""
+    done, report, traffic = _rolled(lab, tmp_path, tmp_path_factory, f"rollback {OTHER_VERSION} -> {START_VERSION}",
+                                    "rollback", "inventories/lab.py", "--batches", "1,100%", "--canary-s", "10")
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert _states(report) == {_single(lab): "rolled", PIPELINE: "rolled"}, done.stdout[-4000:]
+    assert traffic.sent > 0 and traffic.failures == [], traffic.failures[:5]
+    assert _releases(lab) == {_single(lab): START_VERSION, PIPELINE: START_VERSION}
+    assert set(_running(lab).values()) == {START_VERSION}, _running(lab)
+    assert _served_versions(lab) == {START_VERSION}
