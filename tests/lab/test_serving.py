@@ -17,11 +17,13 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
 from gpufleet.lab.nodes import API_KEY_FILE, power_off
+from gpufleet.lab.request_load import RequestLoad
 from gpufleet.lab.sim_profile import write_sim_profile
 from gpufleet.lab.state import NodeRecord
 from gpufleet.unit_security import EXPOSURE_BOUND, exposure_score
@@ -312,9 +314,7 @@ def test_kill_9_of_vllm_is_restarted_and_serves_again(lab: Lab, tmp_path_factory
     retried_before = _router_retries(lab)
     # Load through the router from before the kill until the router has taken the replica out and the other one
     # carried it alone for a while; not during the restart, which the lab's two cores could not also carry.
-    streams = [RequestLoop(lab, None, pause_s=1.0) for _ in range(2)]
-    for stream in streams:
-        stream.start()
+    load = _load(lab, None, streams=2, pause_s=1.0).start()
     try:
         time.sleep(5)  # requests in flight on both replicas
         before = main_pid(lab, node, unit)
@@ -324,8 +324,7 @@ def test_kill_9_of_vllm_is_restarted_and_serves_again(lab: Lab, tmp_path_factory
         taken_out = time.monotonic() - killed
         time.sleep(15)
     finally:
-        for stream in streams:
-            stream.stop()
+        load.stop()
     end = time.monotonic() + 120
     after = 0
     while time.monotonic() < end:
@@ -337,14 +336,12 @@ def test_kill_9_of_vllm_is_restarted_and_serves_again(lab: Lab, tmp_path_factory
     _wait_serving(lab, node)
     _wait_router_status(lab, _single(lab), "UP", timeout=60)
     back = time.monotonic() - killed
-    sent, failures = sum(s.sent for s in streams), [f for s in streams for f in s.failures]
-    latencies = sorted(t for s in streams for t in s.latencies)
-    assert sent > 0 and failures == [], failures[:3]
+    figures = load.figures()
+    assert figures["requests"] > 0 and load.failures == [], load.failures[:3]
     _record_figure(tmp_path_factory, {
-        "fault": "kill -9 of a replica behind the router", "replica": _single(lab), "requests": sent,
-        "failed": len(failures), "retried": _router_retries(lab) - retried_before,
-        "taken_out_s": round(taken_out, 1), "back_in_router_s": round(back, 1),
-        "p50_s": round(latencies[len(latencies) // 2], 2), "p99_s": round(latencies[int(len(latencies) * 0.99)], 2)})
+        "fault": "kill -9 of a replica behind the router", "replica": _single(lab), **figures,
+        "retried": _router_retries(lab) - retried_before, "taken_out_s": round(taken_out, 1),
+        "back_in_router_s": round(back, 1)})
 
 
 def _vllm_child(lab: Lab, node: NodeRecord, unit: str) -> int:
@@ -354,39 +351,14 @@ def _vllm_child(lab: Lab, node: NodeRecord, unit: str) -> int:
     return int(found[0]) if supervisor and found else 0
 
 
-class RequestLoop(threading.Thread):
-    """Completions against one replica (or, with ``node`` None, through the router), one every ``pause_s``,
-    until stopped or ``limit_s`` passed (at most ``limit`` requests): what must keep answering while another
-    replica fails. Spaced out because the lab's CPU vLLMs share this machine's two cores: a replica kept busy
-    starves the one restarting."""
-
-    def __init__(self, lab: Lab, node: NodeRecord | None, limit_s: float = 900, limit: int = 400,
-                 pause_s: float = 3.0) -> None:
-        super().__init__(daemon=True)
-        self.lab, self.node, self.limit_s, self.limit, self.pause_s = lab, node, limit_s, limit, pause_s
-        self.done = threading.Event()
-        self.sent = 0
-        self.failures: list[str] = []
-        self.latencies: list[float] = []
-
-    def run(self) -> None:
-        end = time.monotonic() + self.limit_s
-        while not self.done.is_set() and time.monotonic() < end and self.sent < self.limit:
-            self.sent += 1
-            started = time.monotonic()
-            try:
-                if self.node is None:
-                    _router_completion_tokens(self.lab)
-                else:
-                    _completion_tokens(self.lab, self.node)
-                self.latencies.append(time.monotonic() - started)
-            except (OSError, AssertionError) as exc:
-                self.failures.append(str(exc)[:200])
-            self.done.wait(self.pause_s)
-
-    def stop(self) -> None:
-        self.done.set()
-        self.join(60)
+def _load(lab: Lab, node: NodeRecord | None, **options: Any) -> RequestLoad:
+    """Completions against the replica on ``node`` (or, with ``node`` None, through the router), one every 3 s
+    unless ``pause_s`` says otherwise: what must keep answering while another replica fails. Spaced out because
+    the lab's CPU vLLMs share this machine's two cores: a replica kept busy starves the one restarting."""
+    if node is None:
+        return RequestLoad(f"http://{lab.nodes[0].address}:{ROUTER_PORT}", _served_name("lab"), _api_key(lab),
+                           **options)
+    return RequestLoad(f"http://{node.address}:{PORT}", _model(lab, node), _api_key(lab), **options)
 
 
 @pytest.mark.parametrize("rank", [0, 1])
@@ -400,7 +372,7 @@ def test_kill_9_of_any_rank_restarts_the_whole_pipeline_replica_once(lab: Lab, r
     before = {n.name: _vllm_child(lab, n, unit) for n in ranks}
     assert all(before.values()), before
     restarts = {n.name: lab.host(n).check_output(f"systemctl show -p NRestarts --value {unit}") for n in ranks}
-    loop = RequestLoop(lab, lab.nodes[0])
+    loop = _load(lab, lab.nodes[0])
     loop.start()
     try:
         killed = time.monotonic()
@@ -437,7 +409,7 @@ def test_one_deploy_converges_a_node_without_a_driver(lab: Lab, tmp_path_factory
     host = lab.host(node)
     host.check_output(f"systemctl stop {unit} && apt-get purge -y -q {DRIVER_PACKAGES} >/dev/null 2>&1")
     assert host.run(NVML_INIT).rc != 0  # bare: no NVML
-    loop = RequestLoop(lab, lab.nodes[1])
+    loop = _load(lab, lab.nodes[1])
     loop.start()
     try:
         started = time.monotonic()
@@ -462,7 +434,7 @@ def test_a_reboot_of_the_followers_node_brings_the_pipeline_replica_back(
     together again, without a deploy; lab1's replica answers throughout."""
     leader, follower = lab.nodes[1], lab.nodes[2]
     _wait_serving(lab, leader)
-    loop = RequestLoop(lab, lab.nodes[0])
+    loop = _load(lab, lab.nodes[0])
     loop.start()
     try:
         rebooted = time.monotonic()
@@ -487,7 +459,7 @@ def test_a_wedged_engine_is_restarted_by_the_watchdog(lab: Lab, tmp_path_factory
     engine = host.check_output("pgrep -f 'VLLM::EngineCore'").split()
     assert len(engine) == 1, engine
     since = host.check_output("date +%s").strip()
-    loop = RequestLoop(lab, lab.nodes[1])
+    loop = _load(lab, lab.nodes[1])
     loop.start()
     try:
         stopped = time.monotonic()
@@ -529,7 +501,7 @@ def test_a_gpu_lost_at_run_time_stops_the_nodes_replicas_until_it_passes(
     host.check_output(f"cp {profile} {profile}.saved")
     faulty = tmp_path / "profile"
     write_sim_profile(faulty, node.profile, ["gpu_lost"], hostname=node.name)
-    loop = RequestLoop(lab, lab.nodes[1])
+    loop = _load(lab, lab.nodes[1])
     loop.start()
     try:
         injected = time.monotonic()
@@ -596,7 +568,7 @@ def test_a_node_lost_halfway_through_a_deploy_is_named_and_a_rerun_finishes(
     lab3 and exits non-zero; once lab3 is back, a rerun converges it and the pipeline replica serves again."""
     lost = lab.nodes[2]
     lab.host(lost).check_output("rm /etc/gpufleet/node.env")  # work for the deploy on lab3
-    loop = RequestLoop(lab, lab.nodes[0])
+    loop = _load(lab, lab.nodes[0])
     loop.start()
     argv = [str(PYINFRA), INVENTORY, DEPLOY, "-y"]
     off = False

@@ -13,7 +13,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -22,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from gpufleet.lab.request_load import RequestLoad
 from gpufleet.lab.wheelhouse import LAB_VLLM_VERSIONS
 from tests.lab.conftest import LAB_VLLM_VERSION, ROOT, Lab
 from tests.lab.test_serving import (
@@ -45,68 +45,11 @@ OTHER_VERSION = max(set(LAB_VLLM_VERSIONS) - {START_VERSION})  # the release the
 ROLLOUT_TIMEOUT_S = 2400
 
 
-class Traffic(threading.Thread):
-    """Requests through the router, each stream alternating a completion and a streamed chat, one every ``pause_s``,
-    until stopped or ``limit_s`` passed (at most ``limit`` requests per stream)."""
-
-    def __init__(self, lab: Lab, streams: int = 2, pause_s: float = 1.0, limit_s: float = ROLLOUT_TIMEOUT_S,
-                 limit: int = 3000) -> None:
-        super().__init__(daemon=True)
-        self.lab, self.streams, self.pause_s, self.limit_s, self.limit = lab, streams, pause_s, limit_s, limit
-        self.done = threading.Event()
-        self.lock = threading.Lock()
-        self.sent = 0
-        self.failures: list[str] = []
-        self.latencies: list[float] = []
-
-    def _one(self, n: int) -> None:
-        url = f"http://{self.lab.nodes[0].address}:{ROUTER_PORT}"
-        model = _served_name("lab")
-        if n % 2:
-            path, body = "/v1/chat/completions", {"model": model, "max_tokens": 8, "stream": True,
-                                                  "messages": [{"role": "user", "content": "Say hello"}]}
-        else:
-            path, body = "/v1/completions", {"model": model, "prompt": "The fleet is", "max_tokens": 8}
-        request = urllib.request.Request(url + path, data=json.dumps(body).encode(), method="POST", headers={
-            "Content-Type": "application/json", "Authorization": f"Bearer {_api_key(self.lab)}"})
-        with urllib.request.urlopen(request, timeout=300) as response:
-            text = response.read().decode()
-        if body.get("stream"):
-            assert text.rstrip().endswith("data: [DONE]"), text[-200:]
-        else:
-            assert json.loads(text)["usage"]["completion_tokens"] > 0, text
-
-    def _stream(self) -> None:
-        end, n = time.monotonic() + self.limit_s, 0
-        while not self.done.is_set() and time.monotonic() < end and n < self.limit:
-            n += 1
-            started = time.monotonic()
-            try:
-                self._one(n)
-                with self.lock:
-                    self.latencies.append(time.monotonic() - started)
-            except (OSError, AssertionError, ValueError, urllib.error.HTTPError) as exc:
-                with self.lock:
-                    self.failures.append(f"{type(exc).__name__}: {str(exc)[:200]}")
-            with self.lock:
-                self.sent += 1
-            self.done.wait(self.pause_s)
-
-    def run(self) -> None:
-        workers = [threading.Thread(target=self._stream, daemon=True) for _ in range(self.streams)]
-        for worker in workers:
-            worker.start()
-        for worker in workers:
-            worker.join()
-
-    def stop(self) -> None:
-        self.done.set()
-        self.join(400)
-
-    def figures(self) -> dict[str, object]:
-        times = sorted(self.latencies) or [0.0]
-        return {"requests": self.sent, "failed": len(self.failures), "p50_s": round(times[len(times) // 2], 2),
-                "p99_s": round(times[min(len(times) - 1, int(len(times) * 0.99))], 2)}
+def _traffic(lab: Lab) -> RequestLoad:
+    """Two streams through the router on lab1, each a completion and a streamed chat in turn, one a second, for
+    at most as long as a rollout may take."""
+    return RequestLoad(f"http://{lab.nodes[0].address}:{ROUTER_PORT}", _served_name("lab"), _api_key(lab),
+                       streams=2, pause_s=1.0, chat=True, limit_s=ROLLOUT_TIMEOUT_S, limit=3000)
 
 
 def _rollout(lab: Lab, *args: str, timeout: float = ROLLOUT_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
@@ -147,12 +90,11 @@ def _served_versions(lab: Lab, count: int = 6) -> set[str]:
 
 
 def _rolled(lab: Lab, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, name: str,
-            *args: str) -> tuple[subprocess.CompletedProcess[str], dict[str, Any], Traffic]:
+            *args: str) -> tuple[subprocess.CompletedProcess[str], dict[str, Any], RequestLoad]:
     """Run ``gpufleet ARGS --report ...`` under load: its exit, its JSON report and the load's outcome."""
     report = tmp_path / "report.json"
     retried = _router_retries(lab)
-    traffic = Traffic(lab)
-    traffic.start()
+    traffic = _traffic(lab).start()
     started = time.monotonic()
     try:
         time.sleep(3)
@@ -179,7 +121,7 @@ def test_an_upgrade_under_load_rolls_both_replicas_and_loses_no_request(
                                     "--data", f"vllm_version={OTHER_VERSION}")
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert _states(report) == {_single(lab): "rolled", PIPELINE: "rolled"}, done.stdout[-4000:]
-    assert traffic.sent > 0 and traffic.failures == [], traffic.failures[:5]
+    assert traffic.figures()["requests"] > 0 and traffic.failures == [], traffic.failures[:5]
     assert _releases(lab) == {_single(lab): OTHER_VERSION, PIPELINE: OTHER_VERSION}
     assert set(_running(lab).values()) == {OTHER_VERSION}, _running(lab)
     assert _served_versions(lab) == {OTHER_VERSION}
@@ -197,7 +139,7 @@ def test_a_release_that_does_not_start_is_rolled_back_at_the_canary(
     assert done.returncode == 1, done.stdout[-4000:] + done.stderr[-4000:]
     assert sorted(_states(report).values()) == ["rolled back", "untouched"], done.stdout[-4000:]
     assert "gpufleet upgrade: stopped: " in done.stdout, done.stdout[-4000:]
-    assert traffic.sent > 0 and traffic.failures == [], traffic.failures[:5]
+    assert traffic.figures()["requests"] > 0 and traffic.failures == [], traffic.failures[:5]
     assert _running(lab) == before
     assert _releases(lab) == {_single(lab): OTHER_VERSION, PIPELINE: OTHER_VERSION}
     assert _served_versions(lab) == {OTHER_VERSION}
@@ -210,7 +152,7 @@ def test_rollback_returns_the_fleet_to_the_previous_release(
                                     "rollback", "inventories/lab.py", "--batches", "1,100%", "--canary-s", "10")
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert _states(report) == {_single(lab): "rolled", PIPELINE: "rolled"}, done.stdout[-4000:]
-    assert traffic.sent > 0 and traffic.failures == [], traffic.failures[:5]
+    assert traffic.figures()["requests"] > 0 and traffic.failures == [], traffic.failures[:5]
     assert _releases(lab) == {_single(lab): START_VERSION, PIPELINE: START_VERSION}
     assert set(_running(lab).values()) == {START_VERSION}, _running(lab)
     assert _served_versions(lab) == {START_VERSION}

@@ -1,0 +1,104 @@
+"""A bounded load of OpenAI API requests: what must keep answering while the lab's fleet is changed under it.
+
+A few streams, each sending one request, waiting for its whole answer, then ``pause_s`` before the next: a
+completion, or (with ``chat``) a completion and a streamed chat in turn. Every stream stops by itself after
+``limit_s`` or ``limit`` requests, whichever comes first, or when :meth:`RequestLoad.stop` is called. An answer
+counts as failed when it is not a 200, when a completion returns no token, or when a stream does not end with
+``data: [DONE]``. Standard library only; the lab's tests and ``bench/`` drive it.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+PROMPT = "The fleet is"
+
+
+class RequestLoad:
+    """``streams`` request loops against one OpenAI-compatible base URL (a replica, or the router)."""
+
+    def __init__(self, url: str, model: str, key: str | None, *, streams: int = 1, pause_s: float = 3.0,
+                 limit_s: float = 900.0, limit: int = 400, chat: bool = False, timeout_s: float = 300.0) -> None:
+        self.url, self.model, self.key, self.chat = url.rstrip("/"), model, key, chat
+        self.streams, self.pause_s, self.limit_s, self.limit, self.timeout_s = (streams, pause_s, limit_s, limit,
+                                                                                timeout_s)
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._loop, daemon=True) for _ in range(streams)]
+        self.sent = 0
+        self.failures: list[str] = []
+        self.latencies: list[float] = []
+
+    def start(self) -> RequestLoad:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def join(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for every stream to end by itself; whether they all did."""
+        end = time.monotonic() + timeout_s
+        for thread in self._threads:
+            thread.join(max(0.0, end - time.monotonic()))
+        return not any(thread.is_alive() for thread in self._threads)
+
+    def stop(self) -> None:
+        """Stop every stream after its request in flight (waits at most that request's timeout)."""
+        self._done.set()
+        for thread in self._threads:
+            thread.join(self.timeout_s + 10)
+
+    def one(self, n: int) -> None:
+        """Request ``n`` of a stream; raises on a failed answer."""
+        streamed = self.chat and n % 2 == 1
+        if streamed:
+            path = "/v1/chat/completions"
+            body: dict[str, Any] = {"model": self.model, "max_tokens": 8, "stream": True,
+                                    "messages": [{"role": "user", "content": "Say hello"}]}
+        else:
+            path, body = "/v1/completions", {"model": self.model, "prompt": PROMPT, "max_tokens": 8}
+        request = urllib.request.Request(self.url + path, data=json.dumps(body).encode(), method="POST",
+                                         headers={"Content-Type": "application/json"})
+        if self.key:
+            request.add_header("Authorization", f"Bearer {self.key}")
+        with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+            text = response.read().decode()
+        if streamed:
+            if not text.rstrip().endswith("data: [DONE]"):
+                raise ValueError(f"the stream ended without data: [DONE]: {text[-200:]!r}")
+        elif not json.loads(text)["usage"]["completion_tokens"]:
+            raise ValueError(f"no completion token: {text[:200]!r}")
+
+    def _loop(self) -> None:
+        end, n = time.monotonic() + self.limit_s, 0
+        while not self._done.is_set() and time.monotonic() < end and n < self.limit:
+            n += 1
+            started = time.monotonic()
+            failure = None
+            try:
+                self.one(n)
+            except (OSError, ValueError, KeyError, TypeError, http.client.HTTPException) as exc:
+                detail = exc.read().decode(errors="replace")[:200] if isinstance(exc, urllib.error.HTTPError) else ""
+                failure = f"{type(exc).__name__}: {str(exc)[:200]} {detail}".rstrip()
+            with self._lock:
+                self.sent += 1
+                if failure is None:
+                    self.latencies.append(time.monotonic() - started)
+                else:
+                    self.failures.append(failure)
+            self._done.wait(self.pause_s)
+
+    def figures(self) -> dict[str, Any]:
+        """Requests sent and failed, and the latency of the answered ones (median and 99th percentile, s)."""
+        with self._lock:
+            times = sorted(self.latencies)
+            sent, failed = self.sent, len(self.failures)
+        if not times:
+            return {"requests": sent, "failed": failed, "p50_s": None, "p99_s": None}
+        return {"requests": sent, "failed": failed, "p50_s": round(times[len(times) // 2], 2),
+                "p99_s": round(times[min(len(times) - 1, int(len(times) * 0.99))], 2)}

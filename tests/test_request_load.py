@@ -1,0 +1,88 @@
+"""The lab's bounded request load (gpufleet/lab/request_load.py) against a small HTTP stand-in for vLLM."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from gpufleet.lab.request_load import RequestLoad
+from tests.loopback_http import QuietHandler, loopback_server
+
+KEY = 'sk-"lab"$HOME'
+
+
+class Seen:
+    """What the stand-in received, and how it answers."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.paths: list[str] = []
+        self.auth: set[str | None] = set()
+        self.chat_status = 200
+        self.chat_done = True
+
+
+@pytest.fixture
+def vllm() -> Iterator[tuple[str, Seen]]:
+    seen = Seen()
+
+    class Handler(QuietHandler):
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            with seen.lock:
+                seen.paths.append(self.path)
+                seen.auth.add(self.headers.get("Authorization"))
+            if self.path == "/v1/chat/completions":
+                assert body["stream"] is True
+                status = seen.chat_status
+                text = 'data: {"choices": []}\n\n' + ("data: [DONE]\n\n" if seen.chat_done else "")
+            else:
+                status, text = 200, json.dumps({"usage": {"completion_tokens": body["max_tokens"]}})
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(text)))
+            self.end_headers()
+            self.wfile.write(text.encode())
+
+    with loopback_server(Handler) as url:
+        yield url, seen
+
+
+def test_streams_alternate_completions_and_streamed_chats_up_to_their_limit(vllm: tuple[str, Seen]) -> None:
+    url, seen = vllm
+    load = RequestLoad(url, "tiny llama $HOME 100%", KEY, streams=2, pause_s=0.01, limit=4, chat=True).start()
+    assert load.join(10)
+    figures = load.figures()
+    assert (figures["requests"], figures["failed"]) == (8, 0), load.failures
+    assert figures["p50_s"] is not None and figures["p99_s"] >= figures["p50_s"]
+    assert sorted(seen.paths) == ["/v1/chat/completions"] * 4 + ["/v1/completions"] * 4
+    assert seen.auth == {f"Bearer {KEY}"}
+
+
+@pytest.mark.parametrize(("status", "done", "failure"), [
+    (503, True, "HTTPError: HTTP Error 503"),
+    (200, False, "ValueError: the stream ended without data: [DONE]"),
+])
+def test_a_failed_answer_is_counted_with_what_was_wrong(vllm: tuple[str, Seen], status: int, done: bool,
+                                                         failure: str) -> None:
+    url, seen = vllm
+    seen.chat_status, seen.chat_done = status, done
+    load = RequestLoad(url, "m", None, pause_s=0.01, limit=4, chat=True).start()
+    assert load.join(10)
+    assert load.figures()["requests"] == 4 and len(load.failures) == 2, load.failures
+    assert all(f.startswith(failure) for f in load.failures), load.failures
+    assert seen.auth == {None}
+
+
+def test_a_load_without_an_answer_stops_by_itself_within_its_time() -> None:
+    load = RequestLoad("http://127.0.0.1:9", "m", None, pause_s=0.05, limit_s=0.5, limit=10_000,
+                       timeout_s=1).start()
+    started = time.monotonic()
+    assert load.join(10)
+    assert time.monotonic() - started < 5
+    figures = load.figures()
+    assert figures["requests"] == figures["failed"] > 0 and figures["p50_s"] is None
+    assert load.failures[0].startswith("URLError")
