@@ -10,9 +10,11 @@
 #   openssh-client         ssh-keygen for the lab key; ssh for operators
 #   procps                 ps / pgrep for status and cleanup checks
 #   haproxy                the router's tests run the router's HAProxy (Debian's, as on a router node) themselves
+#   prometheus             promtool, which the alert rules' tests run (check rules, test rules); the server the
+#                          package also starts is stopped and disabled: no Prometheus runs on this host
 set -eu
 
-PACKAGES="debootstrap debian-archive-keyring systemd-container iproute2 util-linux openssh-client procps haproxy"
+PACKAGES="debootstrap debian-archive-keyring systemd-container iproute2 util-linux openssh-client procps haproxy prometheus"
 
 if [ "$(id -u)" -ne 0 ]; then
     echo "install-lab-deps: must run as root" >&2
@@ -37,3 +39,9 @@ export DEBIAN_FRONTEND=noninteractive
 apt-get -o DPkg::Lock::Timeout=300 update -qq
 # shellcheck disable=SC2086
 apt-get -o DPkg::Lock::Timeout=300 install -y -q --no-install-recommends $missing
+case " $missing " in
+    *" prometheus "*)
+        systemctl stop prometheus.service 2>/dev/null || true
+        systemctl disable prometheus.service 2>/dev/null || true
+        ;;
+esac

@@ -242,9 +242,12 @@ UNIT_CASES: list[tuple[str, Callable[[str], Unit]]] = [
     ("gpufleet-gpu-watch.service and its timer", _gpu_watch),
     ("ray unit of a head", _ray),
 ]
-# Templates that are not systemd units or environment files (apt sources and preferences, DCGM's CSV).
+# Templates that are not systemd units or environment files (apt sources and preferences, DCGM's CSV, Prometheus's
+# rules: tests/test_alert_rules.py).
 NOT_SYSTEMD = {"nvidia_driver/51gpufleet-nvidia-driver.conf.j2", "nvidia_driver/gpufleet-nvidia-driver.pref.j2",
-               "nvidia_driver/gpufleet-nvidia.list.j2", "dcgm_exporter/counters.csv.j2"}
+               "nvidia_driver/gpufleet-nvidia.list.j2", "dcgm_exporter/counters.csv.j2",
+               "monitoring/rules/_header.j2", "monitoring/rules/_prometheus.j2", "monitoring/rules/recording.yml.j2",
+               "monitoring/rules/gpu.yml.j2", "monitoring/rules/serving.yml.j2", "monitoring/rules/node.yml.j2"}
 COVERED = {"node_exporter/node_exporter.service.j2", "node_exporter/package-override.conf.j2",
            "node_exporter/sandbox.conf.j2", "vllm/vllm@.service.j2", "dcgm_exporter/dcgm-exporter.service.j2",
            "vllm/vllm-watchdog@.service.j2", "ray/ray.service.j2", "common/node.env.j2",

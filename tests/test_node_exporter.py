@@ -109,6 +109,7 @@ def test_tarball_unit_runs_our_binary_as_its_own_user_with_both_collectors() -> 
         "ExecStart=/usr/local/bin/node_exporter",
         "--web.listen-address=10.40.0.11:9100",
         "--collector.systemd",
+        "--collector.systemd.enable-restarts-metrics",
         "--collector.textfile.directory=/var/lib/node_exporter/textfile_collector",
     ]
     assert "WantedBy=multi-user.target" in lines

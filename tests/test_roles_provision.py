@@ -10,6 +10,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -243,7 +244,8 @@ def test_counters_leave_nvlink_out_where_gpus_have_none(tmp_path: Path) -> None:
 
 
 def test_counters_name_only_fields_the_exporter_double_serves(tmp_path: Path) -> None:
-    served = set(exporter_double.FIELDS) | set(exporter_double.LABEL_FIELDS) | {exporter_double.XID_FIELD}
+    served = set(exporter_double.FIELDS) | set(exporter_double.LABEL_FIELDS) | {exporter_double.XID_FIELD,
+                                                                                 exporter_double.XID_COUNT_FIELD}
     assert {field for field, _, _ in _counters(True, tmp_path)} <= served
 
 
@@ -291,7 +293,7 @@ def test_unit_is_reachable_from_the_node_and_the_monitoring_hosts_only() -> None
 
 def test_exporter_double_serves_every_counter_from_the_simulator(tmp_path: Path) -> None:
     """The rendered counters, served by the exporter double on a simulated HGX H100: every field appears, the
-    ones the simulator has no entry point for (XID events, violations, NVLink counters) as 0."""
+    ones the simulator has no entry point for (XID events and counts, violations, NVLink counters) as 0."""
     library = nvml_sim.build_library(tmp_path / "lib")
     facts = sim_profile.write_sim_profile(tmp_path / "profile", "8xH100-SXM", ["pending_row_remap"], hostname="n1")
     counters = tmp_path / "counters.csv"
@@ -314,17 +316,35 @@ def test_exporter_double_serves_every_counter_from_the_simulator(tmp_path: Path)
         engine.wait(timeout=10)
     values: dict[str, list[str]] = {}
     for line in text.splitlines():
-        if line.startswith("DCGM_FI_"):
+        if line.startswith("DCGM_"):
             values.setdefault(line.split("{", 1)[0], []).append(line.rsplit(" ", 1)[1])
     metrics = {field for field, kind, _ in exporter_double.read_counters(str(counters)) if kind != "label"}
     assert set(values) == metrics, stderr
     assert all(len(v) == len(facts.gpus) for v in values.values())
-    for zero in ("DCGM_FI_DEV_XID_ERRORS", "DCGM_FI_DEV_POWER_VIOLATION",
+    for zero in ("DCGM_FI_DEV_XID_ERRORS", "DCGM_EXP_XID_ERRORS_COUNT", "DCGM_FI_DEV_POWER_VIOLATION",
                  "DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL"):
         assert values[zero] == ["0"] * len(facts.gpus), zero
     assert values["DCGM_FI_DEV_ROW_REMAP_PENDING"][0] == "1"  # what the simulator does answer comes through
     assert values["DCGM_FI_DEV_CLOCKS_EVENT_REASONS"] == ["1"] * len(facts.gpus)  # gpu_idle
     assert f'Hostname="{socket.gethostname()}",DCGM_FI_DRIVER_VERSION="{facts.driver_version}"' in text
+
+
+
+def test_exporter_double_counts_each_xid_within_the_window() -> None:
+    """As dcgm-exporter's DCGM_EXP_XID_ERRORS_COUNT: a sample per XID seen within the window, else one 0."""
+    collector = object.__new__(exporter_double.Collector)
+    now = time.monotonic()
+    collector.uuids, collector.last_xid, collector.events = ["GPU-0", "GPU-1"], {"GPU-0": 48, "GPU-1": 79}, None
+    collector.xid_window_ms = 300000
+    collector.xids_seen = [(now - 400, "GPU-1", 79), (now - 10, "GPU-0", 79), (now - 5, "GPU-0", 79),
+                           (now, "GPU-0", 48)]
+    collector._drain_xid_events()  # drops what left the window
+    window = 'window_size_in_ms="300000"'
+    assert collector._xid_counts(0, 'gpu="0"') == [f'DCGM_EXP_XID_ERRORS_COUNT{{gpu="0",{window},xid="48"}} 1',
+                                                   f'DCGM_EXP_XID_ERRORS_COUNT{{gpu="0",{window},xid="79"}} 2']
+    assert collector._xid_counts(1, 'gpu="1"') == [f'DCGM_EXP_XID_ERRORS_COUNT{{gpu="1",{window}}} 0']
+    collector.last_xid = {}  # XID events unavailable: left out
+    assert collector._xid_counts(0, 'gpu="0"') == []
 
 
 # --- configuration ------------------------------------------------------------------------------------------

@@ -263,6 +263,22 @@ class HostConfig(BaseModel):
     router_max_request_bytes: Annotated[int, Field(ge=16384, le=64 * 2**20)]
     router_max_connections: Annotated[int, Field(ge=1, le=500_000)]
 
+    # monitoring: alert thresholds
+    alert_gpu_critical_xids: list[Annotated[int, Field(ge=1, le=9999)]]
+    alert_gpu_nvlink_errors_max: Annotated[int, Field(ge=0)]
+    alert_gpu_thermal_throttle_ratio: Annotated[float, Field(gt=0, le=1)]
+    alert_gpu_power_throttle_ratio: Annotated[float, Field(gt=0, le=1)]
+    alert_replica_down_for_s: Annotated[int, Field(ge=0, le=86400)]
+    alert_engine_stall_s: Annotated[int, Field(ge=60, le=86400)]
+    alert_serving_for_s: Annotated[int, Field(ge=0, le=86400)]
+    alert_queue_waiting_max: Annotated[int, Field(ge=1, le=1_000_000)]
+    alert_kv_cache_usage_max: Annotated[float, Field(gt=0, lt=1)]
+    alert_ttft_p95_s: Annotated[float, Field(gt=0, le=3600)]
+    alert_itl_p95_s: Annotated[float, Field(gt=0, le=60)]
+    alert_error_ratio_max: Annotated[float, Field(gt=0, lt=1)]
+    alert_model_disk_free_ratio_min: Annotated[float, Field(gt=0, lt=1)]
+    alert_unit_restarts_max: Annotated[int, Field(ge=0, le=1000)]
+
     _check_secret = field_validator("vllm_api_key", "vllm_hf_token", "ray_auth_token", "vllm_pip_index_credentials",
                                     mode="before")(_secret_ref)
 
@@ -279,6 +295,15 @@ class HostConfig(BaseModel):
         if value != 0 and not WATCHDOG_MIN_STALL_S <= value <= 86400:
             raise ValueError(f"expected 0 (off) or seconds from {WATCHDOG_MIN_STALL_S} to 86400,"
                              f" found {grammar.show(value)}")
+        return value
+
+    @field_validator("alert_gpu_critical_xids")
+    @classmethod
+    def _xids(cls, value: list[int]) -> list[int]:
+        if not value:
+            raise ValueError("expected at least one XID (e.g. [79]), found an empty list")
+        if repeated := sorted({x for x in value if value.count(x) > 1}):
+            raise ValueError(f"expected each XID once, found {', '.join(map(str, repeated))} more than once")
         return value
 
     @field_validator("vllm_version")

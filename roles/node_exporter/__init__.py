@@ -5,10 +5,10 @@ After it, the node has:
 - the system user and group ``node_exporter`` (no login, no home);
 - ``/var/lib/node_exporter/textfile_collector/`` (root, 0755): every ``*.prom`` file a root job writes there
   is served with the node's metrics (textfile collector);
-- node_exporter running and enabled, with the systemd collector on (unit states, read from systemd over
-  D-Bus), listening on ``node_exporter_listen_address`` (default: the fleet address) port
-  ``node_exporter_port``, reachable from the node itself and the monitoring hosts only (``IPAddressAllow=``,
-  :mod:`gpufleet.deploy.access`). Where it comes from is ``node_exporter_install``:
+- node_exporter running and enabled, with the systemd collector on (unit states and services' automatic
+  restarts, read from systemd over D-Bus), listening on ``node_exporter_listen_address`` (default: the fleet
+  address) port ``node_exporter_port``, reachable from the node itself and the monitoring hosts only
+  (``IPAddressAllow=``, :mod:`gpufleet.deploy.access`). Where it comes from is ``node_exporter_install``:
 
   - ``tarball``: ``/usr/local/bin/node_exporter`` (root, 0755) from the release tarball, which the controller
     fetched once and checked against ``node_exporter_tarball_sha256`` before pushing it to
@@ -77,10 +77,13 @@ def listen_address(cfg: HostConfig, host_name: str) -> str:
 
 
 def exporter_flags(cfg: HostConfig, host_name: str) -> list[str]:
-    """node_exporter's command-line flags: where it listens, the systemd and textfile collectors."""
+    """node_exporter's command-line flags: where it listens, the systemd collector with each service's automatic
+    restarts (``node_systemd_service_restart_total``, for the alert on a unit restarting over and over), and the
+    textfile collector."""
     return [
         f"--web.listen-address={listen_address(cfg, host_name)}",
         "--collector.systemd",
+        "--collector.systemd.enable-restarts-metrics",
         f"--collector.textfile.directory={TEXTFILE_DIR}",
     ]
 

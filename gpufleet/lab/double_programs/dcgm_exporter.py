@@ -8,7 +8,9 @@ the double reads NVML at every scrape). Serves ``/metrics`` and ``/health``. Fie
 are reported once on stderr and left out, as are values the GPU answers NOT_SUPPORTED for (DCGM leaves those
 blank). A known field whose NVML entry point the node's library lacks is served as 0: the lab's simulated NVML
 implements only what gpufleet's probe calls, and every counter a deployment turns on should still appear. The
-same holds for ``DCGM_FI_DEV_XID_ERRORS`` when NVML events are missing: 0, no XID seen.
+same holds for ``DCGM_FI_DEV_XID_ERRORS`` when NVML events are missing: 0, no XID seen, and for
+``DCGM_EXP_XID_ERRORS_COUNT``, the exporter's count of each XID within its window (``-x/--xid-count-window-size MS``,
+default 5 minutes): one 0 per GPU without an ``xid`` label.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import socket
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -119,6 +122,8 @@ FIELDS: dict[str, Callable[[Any], float]] = {
     "DCGM_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL": _nvlink(nv.NVML_NVLINK_ERROR_DL_RECOVERY),
 }
 XID_FIELD = "DCGM_FI_DEV_XID_ERRORS"  # the last XID seen per GPU, from NVML events (0: none yet)
+XID_COUNT_FIELD = "DCGM_EXP_XID_ERRORS_COUNT"  # XIDs per GPU and XID (label xid) within the window, same events
+XID_WINDOW_MS = 300000  # dcgm-exporter's default --xid-count-window-size
 LABEL_FIELDS: dict[str, Callable[[Any], str]] = {
     "DCGM_FI_DRIVER_VERSION": lambda h: _text(nv.nvmlSystemGetDriverVersion()),
     "DCGM_FI_DEV_SERIAL": lambda h: _text(nv.nvmlDeviceGetSerial(h)),
@@ -157,8 +162,8 @@ def read_counters(path: str) -> list[tuple[str, str, str]]:
 class Collector:
     """Reads the enabled fields of every GPU and renders them in the Prometheus text format."""
 
-    def __init__(self, counters: list[tuple[str, str, str]], hostname: str) -> None:
-        supported = set(FIELDS) | set(LABEL_FIELDS) | {XID_FIELD}
+    def __init__(self, counters: list[tuple[str, str, str]], hostname: str, xid_window_ms: int = XID_WINDOW_MS) -> None:
+        supported = set(FIELDS) | set(LABEL_FIELDS) | {XID_FIELD, XID_COUNT_FIELD}
         for field, _, _ in counters:
             if field not in supported:
                 print(f"dcgm-exporter (lab double): {field} is not supported by the double; skipped", file=sys.stderr)
@@ -169,7 +174,10 @@ class Collector:
         self.handles = [nv.nvmlDeviceGetHandleByIndex(i) for i in range(nv.nvmlDeviceGetCount())]
         self.uuids = [_text(nv.nvmlDeviceGetUUID(h)) for h in self.handles]
         self.last_xid: dict[str, int] = {}
-        self.events = self._register_xid_events() if any(m[0] == XID_FIELD for m in self.metrics) else None
+        self.xid_window_ms = xid_window_ms
+        self.xids_seen: list[tuple[float, str, int]] = []  # (monotonic time, GPU UUID, XID), within the window
+        xids = any(m[0] in (XID_FIELD, XID_COUNT_FIELD) for m in self.metrics)
+        self.events = self._register_xid_events() if xids else None
 
     def _register_xid_events(self) -> Any:
         try:
@@ -192,8 +200,24 @@ class Collector:
             try:
                 event = nv.nvmlEventSetWait_v2(self.events, 0)
             except nv.NVMLError:
-                return  # NVML_ERROR_TIMEOUT: no more events
-            self.last_xid[_text(nv.nvmlDeviceGetUUID(event.device))] = int(event.eventData)
+                break  # NVML_ERROR_TIMEOUT: no more events
+            uuid, xid = _text(nv.nvmlDeviceGetUUID(event.device)), int(event.eventData)
+            self.last_xid[uuid] = xid
+            self.xids_seen.append((time.monotonic(), uuid, xid))
+        since = time.monotonic() - self.xid_window_ms / 1000
+        self.xids_seen = [seen for seen in self.xids_seen if seen[0] >= since]
+
+    def _xid_counts(self, index: int, labels: str) -> list[str]:
+        """One GPU's XID counts within the window, as the exporter gives them: a sample per XID, or one 0 without an
+        ``xid`` label; none while XID events are unavailable (as ``DCGM_FI_DEV_XID_ERRORS``)."""
+        uuid = self.uuids[index]
+        if uuid not in self.last_xid:
+            return []
+        counts = Counter(xid for _, seen, xid in self.xids_seen if seen == uuid)
+        window = f'{labels},window_size_in_ms="{self.xid_window_ms}"'
+        if not counts:
+            return [f"{XID_COUNT_FIELD}{{{window}}} 0"]
+        return [f'{XID_COUNT_FIELD}{{{window},xid="{xid}"}} {n}' for xid, n in sorted(counts.items())]
 
     def _labels(self, index: int, handle: Any) -> str:
         try:
@@ -223,6 +247,9 @@ class Collector:
             for field, kind, help_text in self.metrics:
                 samples = []
                 for i, h in enumerate(self.handles):
+                    if field == XID_COUNT_FIELD:
+                        samples += self._xid_counts(i, labels[i])
+                        continue
                     try:
                         value = self.last_xid[self.uuids[i]] if field == XID_FIELD else _read(field, h)
                     except (nv.NVMLError, KeyError):
@@ -292,12 +319,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-a", "--address", default=":9400")
     parser.add_argument("-r", "--remote-hostengine-info", default="")
     parser.add_argument("-c", "--collect-interval", type=int, default=30000)
+    parser.add_argument("-x", "--xid-count-window-size", type=int, default=XID_WINDOW_MS)
     args = parser.parse_args(argv)
     counters = read_counters(args.collectors)
     if args.remote_hostengine_info:
         _wait_for_hostengine(args.remote_hostengine_info)
     nv.nvmlInit()
-    serve(Collector(counters, socket.gethostname()), args.address)
+    serve(Collector(counters, socket.gethostname(), args.xid_count_window_size), args.address)
     return 0
 
 

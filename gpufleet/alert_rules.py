@@ -1,0 +1,70 @@
+"""gpufleet's Prometheus rules: the rule files (``templates/monitoring/rules/``) and the values they are rendered with.
+
+The thresholds are the ``alert_*`` variables (``roles/monitoring/defaults.yml``), passed under their own names.
+The rest comes from gpufleet's own names, so the rules follow them: the mounts that may hold the model
+directory, the systemd units gpufleet runs, and the critical XIDs as a PromQL regex.
+"""
+
+from __future__ import annotations
+
+from pathlib import PurePosixPath
+from typing import Any
+
+from gpufleet import node_paths
+from gpufleet.config.schema import HostConfig
+from gpufleet.templates import render
+from roles.dcgm import HOSTENGINE
+from roles.dcgm_exporter import SERVICE as DCGM_EXPORTER_SERVICE
+from roles.node_exporter import PACKAGE_UNIT as NODE_EXPORTER_PACKAGE_UNIT
+from roles.node_exporter import UNIT as NODE_EXPORTER_UNIT
+from roles.nvidia_driver import FABRICMANAGER
+from roles.router import SERVICE as ROUTER_SERVICE
+
+RULES_DIR = "monitoring/rules"
+RULE_FILES = ("recording.yml", "gpu.yml", "serving.yml", "node.yml")
+"""The rule files, each rendered from ``templates/monitoring/rules/<name>.j2``."""
+
+THRESHOLDS = tuple(name for name in HostConfig.model_fields if name.startswith("alert_"))
+"""The variables the rules take, each under its own name."""
+
+GPUFLEET_UNITS = (
+    node_paths.VLLM_UNIT_TEMPLATE, node_paths.watchdog_unit(""), f"{node_paths.RAY_UNIT_PREFIX}.service",
+    node_paths.GPU_WATCH_SERVICE, DCGM_EXPORTER_SERVICE, NODE_EXPORTER_UNIT, NODE_EXPORTER_PACKAGE_UNIT, ROUTER_SERVICE,
+)
+"""Units gpufleet runs; a template unit (``vllm@.service``) or a prefix stands for every instance."""
+
+GPU_SERVICES = (HOSTENGINE, f"{FABRICMANAGER}.service")
+"""Services the GPUs need: DCGM's host engine and, on NVSwitch systems, the fabric manager."""
+
+
+def unit_regex(units: tuple[str, ...]) -> str:
+    """A PromQL regex (backslashes doubled for a double-quoted string) matching ``units`` and their instances."""
+    patterns = []
+    for unit in units:
+        stem, _, kind = unit.rpartition(".")
+        instances = ".+" if stem.endswith(("@", "-")) else ""
+        patterns.append(stem.replace(".", "\\\\.") + instances + "\\\\." + kind)
+    return "|".join(patterns)
+
+
+def model_dir_mounts() -> list[str]:
+    """Every mount point that may hold the model directory, deepest first (the deepest present holds it)."""
+    path = PurePosixPath(node_paths.MODELS_DIR)
+    return [str(path), *(str(parent) for parent in path.parents)]
+
+
+def rule_values(cfg: HostConfig) -> dict[str, Any]:
+    """What the rule templates are rendered with: the thresholds of ``cfg`` and gpufleet's names."""
+    return {
+        **{name: getattr(cfg, name) for name in THRESHOLDS},
+        "critical_xids": "|".join(str(xid) for xid in cfg.alert_gpu_critical_xids),
+        "gpufleet_units": unit_regex(GPUFLEET_UNITS),
+        "gpu_services": unit_regex(GPU_SERVICES),
+        "model_mounts": model_dir_mounts(),
+    }
+
+
+def render_rules(cfg: HostConfig) -> dict[str, str]:
+    """Every rule file's text, by file name."""
+    values = rule_values(cfg)
+    return {name: render(f"{RULES_DIR}/{name}.j2", **values) for name in RULE_FILES}
