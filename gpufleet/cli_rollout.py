@@ -59,7 +59,8 @@ def _options(command: Callable[..., None]) -> Callable[..., None]:
                      show_default=True, help="How much more of its requests a canary may answer 5xx than the"
                                              " model's replicas not rolled yet."),
         click.option("--max-latency-ratio", type=click.FloatRange(1, 1000), default=DEFAULT_MAX_LATENCY_RATIO,
-                     show_default=True, help="How many times their mean response time a canary may take."),
+                     show_default=True, help="How many times as much as theirs a canary's mean response"
+                                             " time may grow over the watch."),
         click.option("--facts", "facts_dir", type=click.Path(file_okay=False, path_type=Path),
                      help="Plan from probed facts (<host>.json from `gpufleet probe`); default: declared gpu_profile."),
         click.option("--report", "report_path", type=click.Path(dir_okay=False, path_type=Path),

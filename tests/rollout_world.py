@@ -22,6 +22,8 @@ from gpufleet.rollout.release import Release, data_items, release_json
 from gpufleet.rollout.remote import RemoteResult, command_line
 from gpufleet.rollout.router_control import ROUTER_ADMIN
 
+RTIME_WINDOW = 512  # HAProxy averages a server's response time over its last 512 requests (TIME_STATS_SAMPLES)
+
 
 @dataclass(frozen=True)
 class Behaviour:
@@ -49,7 +51,9 @@ class World:
     files: dict[tuple[str, str], dict[str, Release | None]] = field(default_factory=dict)  # (node, replica)
     admin: dict[tuple[str, str], str] = field(default_factory=dict)  # (router, replica) -> ready|drain
     up: dict[str, bool] = field(default_factory=dict)
-    counters: dict[tuple[str, str], list[float]] = field(default_factory=dict)  # (router, replica) -> [req, 5xx]
+    # (router, replica) -> [requests, 5xx, rtime]: rtime moves as HAProxy's does, by 1/RTIME_WINDOW of the
+    # difference per request, from the response time of the release the replica ran when the world began
+    counters: dict[tuple[str, str], list[float]] = field(default_factory=dict)
     staged: dict[str, Release | None] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -57,7 +61,7 @@ class World:
             self.up.setdefault(name, True)
             for router in self.routers:
                 self.admin.setdefault((router, name), "ready")
-                self.counters.setdefault((router, name), [0.0, 0.0])
+                self.counters.setdefault((router, name), [0.0, 0.0, float(self._behaviour(name).rtime)])
 
     # --- set-up and what a test reads -------------------------------------------------------------------------
 
@@ -98,8 +102,10 @@ class World:
         for (router, name), counted in self.counters.items():
             if self.admin[(router, name)] == "ready" and self.up[name]:
                 behaviour = self._behaviour(name)
-                counted[0] += behaviour.rps * seconds
-                counted[1] += behaviour.rps * seconds * behaviour.errors
+                sent = behaviour.rps * seconds
+                counted[0] += sent
+                counted[1] += sent * behaviour.errors
+                counted[2] += (behaviour.rtime - counted[2]) * (1 - (1 - 1 / RTIME_WINDOW) ** sent)
         self.clock += seconds
 
     # --- the hosts --------------------------------------------------------------------------------------------
@@ -153,7 +159,8 @@ class World:
             servers = [{"backend": backend, "server": name, "status": self.status(router, name),
                         "admin": self.admin[(router, name)], "scur": 0, "qcur": 0,
                         "req_tot": int(self.counters[(router, name)][0]),
-                        "hrsp_5xx": int(self.counters[(router, name)][1]), "rtime": self._behaviour(name).rtime}
+                        "hrsp_5xx": int(self.counters[(router, name)][1]),
+                        "rtime": round(self.counters[(router, name)][2])}
                        for name, (backend, _) in self.replicas.items()]
             return RemoteResult(True, json.dumps({"servers": servers}), "")
         command, backend, name = args[:3]
