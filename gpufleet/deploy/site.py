@@ -1,6 +1,6 @@
 """The site sequence: every role in the order a deploy converges them, shared by deploys/vllm.py (which runs it)
 and deploys/check.py (which works it out read-only and reports the gate and the drift). A host that serves in
-no pool (a dedicated router) gets the roles of :data:`NON_SERVING` only: no driver, no GPU gate, no vLLM."""
+no pool (a dedicated router) gets common, node_exporter and router only: no driver, no GPU gate, no vLLM."""
 
 from __future__ import annotations
 
@@ -27,12 +27,27 @@ def gpu_gate() -> None:
     gates.gpu_gate(name="GPU health gate", verdict=gate_verdict())
 
 
-SITE = (common, nvidia_driver, dcgm, gpu_gate, node_exporter, dcgm_exporter, vllm_install, ray, vllm_serve,
-        gpu_watch, router)
-NON_SERVING = (common, node_exporter, router)
-
-
 def site() -> None:
-    """Add every role's operations, in order, for the current host."""
-    for role in SITE if fleet().serves(host.name) else NON_SERVING:
-        role()
+    """Add every role's operations, in order, for the current host.
+
+    Each role is called from a line of its own, never from a loop: pyinfra names an operation by the line numbers
+    of its call stack alone, not by its file. Roles called from one line would give operations of different roles
+    that sit at the same line of their files one name, and hosts whose roles add different operations (a PCIe node
+    has no fabric manager) would then order those names in conflict: pyinfra stops on a cycle before it runs
+    anything."""
+    if not fleet().serves(host.name):  # a dedicated router
+        common()
+        node_exporter()
+        router()
+        return
+    common()
+    nvidia_driver()
+    dcgm()
+    gpu_gate()
+    node_exporter()
+    dcgm_exporter()
+    vllm_install()
+    ray()
+    vllm_serve()
+    gpu_watch()
+    router()
