@@ -206,21 +206,15 @@ def fake_vllm() -> Iterator[tuple[str, FakeVllm]]:
     state = FakeVllm(key='sk-"lab"$HOME')
 
     class Handler(QuietHandler):
-        def _answer(self, status: int, body: bytes) -> None:
-            self.send_response(status)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
         def do_GET(self) -> None:
             if self.path == "/health":
-                self._answer(200, b"")
+                self.answer(200, b"")
             elif self.path == "/metrics":
-                self._answer(200, (f'vllm:num_requests_running{{engine="0"}} 0\n'
+                self.answer(200, (f'vllm:num_requests_running{{engine="0"}} 0\n'
                                    f'vllm:request_success_total{{finished_reason="length"}} {state.completed}\n'
                                    ).encode())
             else:
-                self._answer(404, b"")
+                self.answer(404, b"")
 
         def do_POST(self) -> None:
             state.auth.append(self.headers.get("Authorization"))
@@ -229,7 +223,7 @@ def fake_vllm() -> Iterator[tuple[str, FakeVllm]]:
                 state.released.wait(30)  # the engine does not answer; the API holds the request
                 return
             state.completed += 1
-            self._answer(200, json.dumps({"usage": {"completion_tokens": 1}}).encode())
+            self.answer(200, json.dumps({"usage": {"completion_tokens": 1}}).encode())
 
     with loopback_server(Handler) as url:
         try:

@@ -42,10 +42,7 @@ def vllm() -> Iterator[tuple[str, Seen]]:
                 text = 'data: {"choices": []}\n\n' + ("data: [DONE]\n\n" if seen.chat_done else "")
             else:
                 status, text = 200, json.dumps({"usage": {"completion_tokens": body["max_tokens"]}})
-            self.send_response(status)
-            self.send_header("Content-Length", str(len(text)))
-            self.end_headers()
-            self.wfile.write(text.encode())
+            self.answer(status, text.encode())
 
     with loopback_server(Handler) as url:
         yield url, seen

@@ -32,18 +32,12 @@ CASES = {
 
 def _serving(ready: bool) -> type[QuietHandler]:
     class Handler(QuietHandler):
-        def _answer(self, status: int, body: bytes) -> None:
-            self.send_response(status)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
         def do_GET(self) -> None:
-            self._answer(200 if ready else 503, b"")
+            self.answer(200 if ready else 503, b"")
 
         def do_POST(self) -> None:
             self.rfile.read(int(self.headers["Content-Length"]))
-            self._answer(200, json.dumps({"usage": {"completion_tokens": 1}}).encode())
+            self.answer(200, json.dumps({"usage": {"completion_tokens": 1}}).encode())
 
     return Handler
 
