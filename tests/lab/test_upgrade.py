@@ -10,12 +10,9 @@ Each rollout's figures go to the session's lab-fault-figures.jsonl.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +25,7 @@ from tests.lab.test_serving import (
     PIPELINE,
     ROUTER_PORT,
     _api_key,
+    _http,
     _record_figure,
     _router_retries,
     _served_name,
@@ -53,8 +51,7 @@ def _traffic(lab: Lab) -> RequestLoad:
 
 
 def _rollout(lab: Lab, *args: str, timeout: float = ROLLOUT_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, **lab.env}
-    return subprocess.run([*GPUFLEET, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([*GPUFLEET, *args], cwd=ROOT, env=lab.env, capture_output=True, text=True, timeout=timeout)
 
 
 def _releases(lab: Lab) -> dict[str, str]:
@@ -79,13 +76,12 @@ def _served_versions(lab: Lab, count: int = 6) -> set[str]:
     """The vLLM releases that answer completions through the router (each answer's ``system_fingerprint`` names
     it), over ``count`` requests: leastconn spreads them over both replicas."""
     url = f"http://{lab.nodes[0].address}:{ROUTER_PORT}/v1/completions"
+    body = {"model": _served_name("lab"), "prompt": "The fleet is", "max_tokens": 2}
     found = set()
     for _ in range(count):
-        body = {"model": _served_name("lab"), "prompt": "The fleet is", "max_tokens": 2}
-        request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST", headers={
-            "Content-Type": "application/json", "Authorization": f"Bearer {_api_key(lab)}"})
-        with urllib.request.urlopen(request, timeout=120) as response:
-            found.add(json.loads(response.read())["system_fingerprint"].split("-")[1])
+        status, text = _http(url, body, _api_key(lab))
+        assert status == 200, text
+        found.add(json.loads(text)["system_fingerprint"].split("-")[1])
     return found
 
 
