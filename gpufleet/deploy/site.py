@@ -1,6 +1,7 @@
 """The site sequence: every role in the order a deploy converges them, shared by deploys/vllm.py (which runs it)
 and deploys/check.py (which works it out read-only and reports the gate and the drift). A host that serves in
-no pool (a dedicated router) gets the roles of :data:`NON_SERVING` only: no driver, no GPU gate, no vLLM."""
+no pool (a dedicated router or monitoring host) gets the roles of common, node_exporter, router and monitoring only: no driver, no GPU
+gate, no vLLM. The router and monitoring roles act on the hosts of their inventory groups only."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from roles.common import common
 from roles.dcgm import dcgm
 from roles.dcgm_exporter import dcgm_exporter
 from roles.gpu_watch import gpu_watch
+from roles.monitoring import monitoring
 from roles.node_exporter import node_exporter
 from roles.nvidia_driver import nvidia_driver
 from roles.ray import ray
@@ -27,12 +29,29 @@ def gpu_gate() -> None:
     gates.gpu_gate(name="GPU health gate", verdict=gate_verdict())
 
 
-SITE = (common, nvidia_driver, dcgm, gpu_gate, node_exporter, dcgm_exporter, vllm_install, ray, vllm_serve,
-        gpu_watch, router)
-NON_SERVING = (common, node_exporter, router)
-
-
 def site() -> None:
-    """Add every role's operations, in order, for the current host."""
-    for role in SITE if fleet().serves(host.name) else NON_SERVING:
-        role()
+    """Add every role's operations, in order, for the current host.
+
+    Each role is called from a line of its own, never from a loop: pyinfra names an operation by the line numbers
+    of its call stack alone, not by the files. Roles called from one line would give operations of different roles
+    that sit at the same line of their files one name, and hosts whose roles add different operations (a PCIe node
+    has no fabric manager) would then order those names in conflict: pyinfra stops on a cycle before it runs
+    anything."""
+    if not fleet().serves(host.name):  # a dedicated router or monitoring host
+        common()
+        node_exporter()
+        router()
+        monitoring()
+        return
+    common()
+    nvidia_driver()
+    dcgm()
+    gpu_gate()
+    node_exporter()
+    dcgm_exporter()
+    vllm_install()
+    ray()
+    vllm_serve()
+    gpu_watch()
+    router()
+    monitoring()
