@@ -12,9 +12,11 @@
 #   haproxy                the router's tests run the router's HAProxy (Debian's, as on a router node) themselves
 #   prometheus             promtool, which the alert rules' tests run (check rules, test rules); the server the
 #                          package also starts is stopped and disabled: no Prometheus runs on this host
+#   prometheus-alertmanager amtool, which the monitoring role's tests run (check-config), and Debian's unit the
+#                          role's drop-in is checked with; its server is stopped and disabled too
 set -eu
 
-PACKAGES="debootstrap debian-archive-keyring systemd-container iproute2 util-linux openssh-client procps haproxy prometheus"
+PACKAGES="debootstrap debian-archive-keyring systemd-container iproute2 util-linux openssh-client procps haproxy prometheus prometheus-alertmanager"
 
 if [ "$(id -u)" -ne 0 ]; then
     echo "install-lab-deps: must run as root" >&2
@@ -39,9 +41,11 @@ export DEBIAN_FRONTEND=noninteractive
 apt-get -o DPkg::Lock::Timeout=300 update -qq
 # shellcheck disable=SC2086
 apt-get -o DPkg::Lock::Timeout=300 install -y -q --no-install-recommends $missing
-case " $missing " in
-    *" prometheus "*)
-        systemctl stop prometheus.service 2>/dev/null || true
-        systemctl disable prometheus.service 2>/dev/null || true
-        ;;
-esac
+for service in prometheus prometheus-alertmanager; do
+    case " $missing " in
+        *" $service "*)
+            systemctl stop "$service.service" 2>/dev/null || true
+            systemctl disable "$service.service" 2>/dev/null || true
+            ;;
+    esac
+done

@@ -255,7 +255,8 @@ COVERED = {"node_exporter/node_exporter.service.j2", "node_exporter/package-over
            "_sandbox.conf.j2",  # the sandbox: in every unit
            "vllm/ray.conf.j2",  # with vllm@.service and the Ray unit: test_the_ray_drop_in_...
            "router/haproxy-override.conf.j2",  # with Debian's haproxy.service: test_the_router_drop_in_...
-           "router/haproxy.cfg.j2"}  # HAProxy's, not systemd's: tests/test_router_role.py
+           "router/haproxy.cfg.j2",  # HAProxy's, not systemd's: tests/test_router_role.py
+           "monitoring/override.conf.j2"}  # with Debian's prometheus units: tests/test_monitoring_role.py
 
 
 def test_every_template_is_covered_here_or_named_as_not_systemd() -> None:

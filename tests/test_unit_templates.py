@@ -59,7 +59,8 @@ def test_the_units_are_found() -> None:
     assert set(UNITS) == {"vllm/vllm@.service.j2", "vllm/vllm-watchdog@.service.j2", "ray/ray.service.j2",
                           "dcgm_exporter/dcgm-exporter.service.j2",
                           "node_exporter/node_exporter.service.j2", "node_exporter/package-override.conf.j2",
-                          "gpu_watch/gpufleet-gpu-watch.service.j2", "router/haproxy-override.conf.j2"}
+                          "gpu_watch/gpufleet-gpu-watch.service.j2", "router/haproxy-override.conf.j2",
+                          "monitoring/override.conf.j2"}
 
 
 @pytest.mark.parametrize("name", UNITS)
@@ -100,6 +101,9 @@ VALUES: dict[str, dict[str, object]] = {
         "node_env": "/etc/gpufleet/node.env", "exec_start": "/usr/bin/python3 /opt/gpufleet/node/gpu_watch.py",
         "timeout": 300, "run_dir": "gpufleet"},
     "router/haproxy-override.conf.j2": {"open_files": 9216},
+    "monitoring/override.conf.j2": {"unit": "prometheus.service", "environment_file": "/etc/default/prometheus",
+                                    "config": "/etc/prometheus/gpufleet/prometheus.yml",
+                                    "exec_start": "/usr/bin/prometheus", "state_directory": "prometheus/metrics2"},
 }
 ALLOWED = unit_lines(["10.0.0.5/32"])
 
@@ -156,6 +160,12 @@ EXPECTED = {
         "UMask=0077", "ProtectHome=yes", "ProtectClock=yes", "ProtectProc=invisible", "MemoryDenyWriteExecute=yes",
         "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6", f"{DENY} @resources", "SystemCallErrorNumber=EPERM",
         "PrivateDevices=yes", "BindReadOnlyPaths="},
+    # Prometheus and Alertmanager as their own account (Go binaries): no device, W^X memory, no @resources (EPERM),
+    # no netlink, no other user visible
+    "monitoring/override.conf.j2": BASE | {
+        "UMask=0077", "ProtectHome=yes", "ProtectClock=yes", "ProtectProc=invisible", "MemoryDenyWriteExecute=yes",
+        "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6", f"{DENY} @resources", "SystemCallErrorNumber=EPERM",
+        "PrivateDevices=yes", "PrivateUsers=yes"},
 }
 
 

@@ -125,10 +125,17 @@ def ip_network(value: str) -> str | None:
 
 _USERINFO = re.compile(r"//[^/?#]*@")
 
+PIP_CREDENTIALS = "give vllm_pip_index_credentials, a secret reference"
+"""Where a URL's credentials go instead (the default of :func:`url`'s hint)."""
+NOT_SECRET_URL = "it is written to a configuration file in plain text; it may not carry a secret"
+"""The hint for a URL gpufleet has no credential variable for."""
 
-def url(value: str, plain_http: bool, schemes: tuple[str, ...] = ("https", "http", "file")) -> str | None:
+
+def url(value: str, plain_http: bool, schemes: tuple[str, ...] = ("https", "http", "file"),
+        credentials_hint: str = PIP_CREDENTIALS) -> str | None:
     """A URL with an allowed scheme (http only when ``plain_http``), a host unless file://, no spaces, no
-    credentials (a message never shows them), and a normalised path for file://."""
+    credentials (a message never shows them, ``credentials_hint`` says where they go), and a normalised path for
+    file://."""
     allowed = [s for s in schemes if s != "http" or plain_http]
     shown = show(_USERINFO.sub("//(credentials not shown)@", value))
     try:
@@ -137,8 +144,7 @@ def url(value: str, plain_http: bool, schemes: tuple[str, ...] = ("https", "http
     except ValueError:
         return f"expected a URL, found {shown}"
     if parts.username is not None or parts.password is not None or _USERINFO.search(value):
-        return ("expected a URL without user:password (give vllm_pip_index_credentials, a secret reference),"
-                f" found {shown}")
+        return f"expected a URL without user:password ({credentials_hint}), found {shown}"
     if parts.scheme == "http" and "http" in schemes and not plain_http:
         return f"expected an https:// URL (plain http only with allow_plain_http: true), found {shown}"
     if parts.scheme not in allowed:
@@ -150,6 +156,21 @@ def url(value: str, plain_http: bool, schemes: tuple[str, ...] = ("https", "http
         if parts.netloc or not path.startswith("/") or posixpath.normpath(path) != path or path.startswith("//"):
             return f"expected file:///absolute/normalised/path, found {shown}"
     return None
+
+
+_RETENTION = re.compile(r"^([1-9][0-9]{0,5})([hdwy])$")
+_HOURS = {"h": 1, "d": 24, "w": 7 * 24, "y": 365 * 24}
+MAX_RETENTION_HOURS = 100 * 365 * 24
+
+
+def retention(value: str) -> str | None:
+    """How long Prometheus keeps its data: a whole number and one unit, ``h``, ``d``, ``w`` or ``y``, from 2h
+    (one block of Prometheus's storage) to 100y."""
+    match = _RETENTION.match(value)
+    if match and 2 <= int(match[1]) * _HOURS[match[2]] <= MAX_RETENTION_HOURS:
+        return None
+    return ("expected a duration from 2h to 100y: a whole number and one unit h, d, w or y (e.g. 15d),"
+            f" found {show(value)}")
 
 
 def deb_package(value: str) -> str | None:

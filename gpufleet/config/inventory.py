@@ -45,6 +45,12 @@ class InventoryLayers:
             return pools[-1]
         return None if listed else "all"
 
+    def label_of(self, host: str) -> str:
+        """The group a host's metrics carry as their ``pool`` label: its serving pool, else the last role group
+        that lists it (``routers``, ``monitoring``)."""
+        listed = [name for name, members in self.groups if host in members]
+        return self.pool_of(host) or listed[-1]
+
 
 # Filled by apply_group_vars when an inventory file is executed: by host name, and by file.
 _LOADED: dict[str, InventoryLayers] = {}

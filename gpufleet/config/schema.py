@@ -278,6 +278,15 @@ class HostConfig(BaseModel):
     alert_error_ratio_max: Annotated[float, Field(gt=0, lt=1)]
     alert_model_disk_free_ratio_min: Annotated[float, Field(gt=0, lt=1)]
     alert_unit_restarts_max: Annotated[int, Field(ge=0, le=1000)]
+    alert_model_replicas_min_ratio: Annotated[float, Field(gt=0, le=1)]
+
+    # monitoring: Prometheus and Alertmanager on the monitoring hosts
+    prometheus_port: Port
+    prometheus_retention: _text(grammar.retention)  # type: ignore[valid-type]
+    prometheus_allowed_from: Annotated[list[str], BeforeValidator(_each(grammar.ip_network))] | None
+    alertmanager_listen_address: _text(grammar.ip_address)  # type: ignore[valid-type]
+    alertmanager_port: Port
+    alertmanager_webhook_url: str | None
 
     _check_secret = field_validator("vllm_api_key", "vllm_hf_token", "ray_auth_token", "vllm_pip_index_credentials",
                                     mode="before")(_secret_ref)
@@ -398,6 +407,8 @@ class HostConfig(BaseModel):
             "vllm_rank_port": (self.vllm_rank_port,) * 2,
             "node_exporter_port": (self.node_exporter_port,) * 2,
             "dcgm_exporter_port": (self.dcgm_exporter_port,) * 2,
+            "prometheus_port": (self.prometheus_port,) * 2,
+            "alertmanager_port": (self.alertmanager_port,) * 2,
         }
         why = {"vllm_port": f"one API port per replica, {api_ports} on this node",
                "ray_port": "Ray listens on ray_port .. ray_port + 8"}
@@ -431,6 +442,9 @@ class HostConfig(BaseModel):
         for key, value in urls.items():
             if value is not None and (problem := grammar.url(value, plain)):
                 found.append(((key,), problem))
+        webhook = self.alertmanager_webhook_url
+        if webhook and (problem := grammar.url(webhook, plain, ("https", "http"), grammar.NOT_SECRET_URL)):
+            found.append((("alertmanager_webhook_url",), problem))
         source = self.node_exporter_apt_source
         if source is not None:
             options, _, rest = source.partition("] ")

@@ -11,7 +11,9 @@ processes, except to and from the listed addresses and localhost):
   in, the monitoring hosts, the routers and ``vllm_api_allowed_from``; no filter at all while that is null (API
   open);
 - ``vllm-watchdog@.service`` (it listens nowhere: it reaches its replica's API on this node): the node's own
-  address.
+  address;
+- Prometheus on a monitoring host, only when ``prometheus_allowed_from`` is set: the host itself, every host it
+  scrapes, the monitoring hosts and those addresses.
 
 The monitoring hosts are ``monitoring_addresses`` plus the hosts of an inventory group named ``monitoring``
 (their ``fleet_address``, else their inventory name, which must then be an IP address). Computed on the
@@ -72,6 +74,15 @@ def vllm_sources(cfg: HostConfig, node_address: str, peer_addresses: Iterable[st
         return None
     return allow_list([node_address], peer_addresses, monitoring_sources(cfg, group_hosts), routers,
                       cfg.vllm_api_allowed_from)
+
+
+def prometheus_sources(cfg: HostConfig, node_address: str, scraped: Iterable[str],
+                       group_hosts: Iterable[str] = ()) -> list[str] | None:
+    """Whom Prometheus may talk to on a monitoring host: the host itself, every host it scrapes, the monitoring
+    hosts and ``prometheus_allowed_from``; None: anyone (``prometheus_allowed_from`` null)."""
+    if cfg.prometheus_allowed_from is None:
+        return None
+    return allow_list([node_address], scraped, monitoring_sources(cfg, group_hosts), cfg.prometheus_allowed_from)
 
 
 def watchdog_sources(node_address: str) -> list[str] | None:

@@ -1,6 +1,7 @@
 """The site sequence: every role in the order a deploy converges them, shared by deploys/vllm.py (which runs it)
 and deploys/check.py (which works it out read-only and reports the gate and the drift). A host that serves in
-no pool (a dedicated router) gets common, node_exporter and router only: no driver, no GPU gate, no vLLM."""
+no pool (a dedicated router or monitoring host) gets the roles of common, node_exporter, router and monitoring only: no driver, no GPU
+gate, no vLLM. The router and monitoring roles act on the hosts of their inventory groups only."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from roles.common import common
 from roles.dcgm import dcgm
 from roles.dcgm_exporter import dcgm_exporter
 from roles.gpu_watch import gpu_watch
+from roles.monitoring import monitoring
 from roles.node_exporter import node_exporter
 from roles.nvidia_driver import nvidia_driver
 from roles.ray import ray
@@ -35,10 +37,11 @@ def site() -> None:
     that sit at the same line of their files one name, and hosts whose roles add different operations (a PCIe node
     has no fabric manager) would then order those names in conflict: pyinfra stops on a cycle before it runs
     anything."""
-    if not fleet().serves(host.name):  # a dedicated router
+    if not fleet().serves(host.name):  # a dedicated router or monitoring host
         common()
         node_exporter()
         router()
+        monitoring()
         return
     common()
     nvidia_driver()
@@ -51,3 +54,4 @@ def site() -> None:
     vllm_serve()
     gpu_watch()
     router()
+    monitoring()

@@ -34,7 +34,8 @@ from gpufleet.lab.errors import LabError
 
 NODE_EXPORTER_PACKAGE = "prometheus-node-exporter"
 ROUTER_PACKAGE = "haproxy"  # the router role's HAProxy
-DEBIAN_PACKAGES: tuple[str, ...] = (NODE_EXPORTER_PACKAGE, ROUTER_PACKAGE)
+MONITORING_PACKAGES = ("prometheus", "prometheus-alertmanager")  # the monitoring role's Prometheus and Alertmanager
+DEBIAN_PACKAGES: tuple[str, ...] = (NODE_EXPORTER_PACKAGE, ROUTER_PACKAGE, *MONITORING_PACKAGES)
 NODE_EXPORTER_DIR = "node_exporter"  # below www/
 SUMS_NAME = "sha256sums.txt"
 STAMP_NAME = ".built-from"  # the .deb's sha256 and BUILD_LAYOUT: a tarball built from them is not built again

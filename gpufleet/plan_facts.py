@@ -1,0 +1,56 @@
+"""The plan's facts as Prometheus recording rules (``gpufleet-plan.yml``): what gpufleet's alert rules compare with.
+
+- ``gpufleet:node_gpus_expected{node}``: the GPUs each host should report (its facts' GPUs; 0 for a host that
+  serves nothing, such as a dedicated router);
+- ``gpufleet:model_replicas_min{model}``: the fewest ready replicas each served model may have,
+  ``ceil(alert_model_replicas_min_ratio x its planned replicas)``;
+- ``gpufleet:replica_ranks_expected{model, replica}``: the ranks (nodes) each replica runs on.
+
+Each is a constant, ``vector(N)`` with its labels; the file is written from the plan on every deploy. A replica
+whose ``vllm_start`` is false is not meant to serve: it counts for no model and has no ranks expected.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from fractions import Fraction
+from typing import Any
+
+import yaml
+
+from gpufleet.config.schema import HostConfig
+from gpufleet.plan.planner import Replica
+
+GROUP = "gpufleet-plan"
+
+
+def replicas_min(planned: int, ratio: float) -> int:
+    """``ceil(ratio x planned)``, computed on the ratio as written (0.7 x 10 is 7, not 8)."""
+    return math.ceil(Fraction(repr(ratio)) * planned)
+
+
+def model_replicas(replicas: Iterable[Replica], configs: Mapping[str, HostConfig]) -> dict[str, int]:
+    """Planned replicas per served model name (pools serving one name count together)."""
+    found: dict[str, int] = {}
+    for replica in replicas:
+        model = configs[replica.roles[0].host].served_model_name()
+        found[model] = found.get(model, 0) + 1
+    return found
+
+
+def _fact(record: str, value: int, labels: dict[str, str]) -> dict[str, Any]:
+    return {"record": record, "expr": f"vector({value})", "labels": labels}
+
+
+def plan_rules(node_gpus: Mapping[str, int], replicas: list[Replica], configs: Mapping[str, HostConfig],
+               ratio: float, header: str) -> str:
+    """The rule file's text: ``header`` (comment lines), then one rule per node, model and replica, sorted."""
+    replicas = [r for r in replicas if configs[r.roles[0].host].vllm_start]
+    rules = [_fact("gpufleet:node_gpus_expected", count, {"node": node}) for node, count in sorted(node_gpus.items())]
+    rules += [_fact("gpufleet:model_replicas_min", replicas_min(planned, ratio), {"model": model})
+              for model, planned in sorted(model_replicas(replicas, configs).items())]
+    rules += [_fact("gpufleet:replica_ranks_expected", len(replica.roles),
+                    {"model": configs[replica.roles[0].host].served_model_name(), "replica": replica.name})
+              for replica in sorted(replicas, key=lambda r: r.name)]
+    return header + yaml.safe_dump({"groups": [{"name": GROUP, "rules": rules}]}, sort_keys=False, width=1000)

@@ -1,0 +1,342 @@
+"""Role ``monitoring``: Prometheus and Alertmanager on the hosts of the inventory group ``monitoring``.
+
+After it, a monitoring host has:
+
+- Debian's ``prometheus`` and ``prometheus-alertmanager`` packages (without the recommended node_exporter package:
+  role node_exporter's), ``prometheus.service`` and
+  ``prometheus-alertmanager.service`` running and enabled, each with the drop-in ``<unit>.d/gpufleet.conf``:
+  gpufleet's flags (Debian's ``/etc/default/`` file is not read), gpufleet's sandbox (its data directory below
+  ``/var/lib/prometheus/`` the only place it writes), and skipped until gpufleet's configuration exists (the
+  package starts the service as it is installed);
+- ``/etc/prometheus/gpufleet/`` (root, 0755):
+
+  - ``prometheus.yml`` (0644): every scrape job and target from the inventory and the plan
+    (:mod:`gpufleet.scrape_config`), the Alertmanager, and the rule files with the SHA-256 they were checked with;
+  - ``rules/``: gpufleet's recording and alert rules (:mod:`gpufleet.alert_rules`) and ``gpufleet-plan.yml``, the
+    plan's facts (:mod:`gpufleet.plan_facts`);
+  - ``alertmanager.yml`` (root:prometheus, 0640): one receiver, ``alertmanager_webhook_url``'s webhook, or none
+    (alerts are kept and shown in Alertmanager, and sent nowhere);
+
+  each written to ``/etc/prometheus/gpufleet-candidate/`` first and checked there (``promtool check config``,
+  ``promtool check rules``, ``amtool check-config``) before it replaces the one in use: a configuration they
+  refuse never reaches the running service;
+- Prometheus on ``<fleet address>:prometheus_port``, its samples kept ``prometheus_retention``; Alertmanager on
+  ``alertmanager_listen_address:alertmanager_port`` (127.0.0.1:9093), without clustering.
+
+A changed configuration or rule file is reloaded (SIGHUP: no restart, no gap in the samples); a changed drop-in
+restarts its service. Variables: roles/monitoring/defaults.yml. The fleet lets the monitoring hosts in
+(:func:`gpufleet.deploy.access.monitoring_sources`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import shlex
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import yaml
+from pyinfra.api.deploy import deploy
+from pyinfra.api.operation import OperationMeta
+from pyinfra.context import host
+
+from gpufleet import templates
+from gpufleet.alert_rules import render_rules
+from gpufleet.config.inventory import loaded_inventory
+from gpufleet.config.problems import ConfigError, exit_with
+from gpufleet.config.schema import HostConfig
+from gpufleet.deploy import access
+from gpufleet.deploy.context import DeployContext, context, fleet, host_config
+from gpufleet.fleet import Fleet
+from gpufleet.gpu_facts import NodeFacts
+from gpufleet.hardware_profiles import profile_facts
+from gpufleet.netaddr import host_port
+from gpufleet.node_paths import unit_path
+from gpufleet.operations import apt, files, node, server, systemd
+from gpufleet.operations.node import current_state
+from gpufleet.plan.planner import Replica, plan_fleet
+from gpufleet.plan_facts import plan_rules
+from gpufleet.scrape_config import (
+    Target,
+    host_targets,
+    prometheus_config,
+    replica_targets,
+    router_models,
+    scrape_configs,
+)
+from gpufleet.systemd_text import exec_line
+
+ACCOUNT = "prometheus"  # Debian's account for both services
+CONFIG_DIR = "/etc/prometheus/gpufleet"
+CANDIDATE_DIR = "/etc/prometheus/gpufleet-candidate"  # checked there before it replaces CONFIG_DIR's files
+PROMETHEUS_YML = "prometheus.yml"
+ALERTMANAGER_YML = "alertmanager.yml"
+RULES_DIR = "rules"  # below CONFIG_DIR, and as prometheus.yml names its rule files (relative to itself)
+PLAN_RULES = "gpufleet-plan.yml"
+RECEIVER = "gpufleet"
+
+
+@dataclass(frozen=True)
+class Service:
+    """One of the two Debian services and what gpufleet's drop-in gives it."""
+
+    package: str
+    program: str
+    config: str  # the configuration file it runs with
+    state_directory: str  # below /var/lib: its data (systemd's StateDirectory=)
+
+    @property
+    def unit(self) -> str:
+        return f"{self.package}.service"
+
+    @property
+    def drop_in_dir(self) -> str:
+        return f"{unit_path(self.unit)}.d"
+
+    @property
+    def drop_in(self) -> str:
+        return f"{self.drop_in_dir}/gpufleet.conf"
+
+
+PROMETHEUS = Service("prometheus", "/usr/bin/prometheus", f"{CONFIG_DIR}/{PROMETHEUS_YML}", "prometheus/metrics2")
+ALERTMANAGER = Service("prometheus-alertmanager", "/usr/bin/prometheus-alertmanager",
+                       f"{CONFIG_DIR}/{ALERTMANAGER_YML}", "prometheus/alertmanager")
+SERVICES = (PROMETHEUS, ALERTMANAGER)
+
+
+# --- what a monitoring host gets, as plain data (tested without a node) ---------------------------------------
+
+@dataclass(frozen=True)
+class FleetView:
+    """What Prometheus is configured from: every host, the GPU hosts, the routers, the replicas, the GPUs."""
+
+    configs: Mapping[str, HostConfig]  # every host of the inventory
+    pools: Mapping[str, str]  # each host's pool label: its serving pool, else its role group
+    gpu_hosts: list[str]  # the hosts that serve (dcgm-exporter)
+    routers: list[str]
+    replicas: list[Replica]
+    node_gpus: Mapping[str, int]  # GPUs each host should report (0: a host that serves nothing)
+
+
+def fleet_view(fleet: Fleet, replicas: list[Replica], facts: Mapping[str, NodeFacts], routers: list[str]) -> FleetView:
+    """The view of ``fleet`` planned into ``replicas`` from ``facts``; a serving host without facts has no GPU
+    count."""
+    pools = {h: loaded.label_of(h) if (loaded := loaded_inventory(h)) is not None else "all" for h in fleet.hosts}
+    serving = [h for h in fleet.hosts if fleet.serves(h)]
+    node_gpus = {h: len(facts[h].gpus) if fleet.serves(h) else 0 for h in fleet.hosts
+                 if h in facts or not fleet.serves(h)}
+    return FleetView(fleet.configs, pools, serving, routers, replicas, node_gpus)
+
+
+def targets(view: FleetView) -> list[Target]:
+    """Every scrape target of the fleet."""
+    return (host_targets(view.configs, view.pools, view.gpu_hosts, view.routers)
+            + replica_targets(view.replicas, view.configs))
+
+
+def rule_files(cfg: HostConfig, view: FleetView) -> dict[str, str]:
+    """Every rule file's text by its name: gpufleet's rules with this host's thresholds, and the plan's facts."""
+    header = ("# Written by gpufleet (role monitoring) from the plan (gpufleet.plan_facts): the facts gpufleet's\n"
+              "# rules compare with.\n")
+    return {**render_rules(cfg), PLAN_RULES: plan_rules(view.node_gpus, view.replicas, view.configs,
+                                                        cfg.alert_model_replicas_min_ratio, header)}
+
+
+def alertmanager_target(cfg: HostConfig) -> str:
+    """Where Prometheus sends its alerts: Alertmanager's address (loopback when it listens on every address)."""
+    address = cfg.alertmanager_listen_address
+    if ipaddress.ip_address(address).is_unspecified:
+        address = "127.0.0.1" if ipaddress.ip_address(address).version == 4 else "::1"
+    return host_port(address, cfg.alertmanager_port)
+
+
+def prometheus_yml(cfg: HostConfig, view: FleetView, rules: Mapping[str, str]) -> str:
+    """prometheus.yml: the fleet's jobs, the Alertmanager, and ``rules`` (named with their SHA-256: a changed rule
+    file changes this file, which is what the deploy compares)."""
+    names = [f"{RULES_DIR}/{name}" for name in rules]
+    digests = "".join(f"#   {name} sha256:{hashlib.sha256(text.encode()).hexdigest()}\n"
+                      for name, text in zip(names, rules.values(), strict=True))
+    header = ("# Written by gpufleet (role monitoring) from the inventory and the plan, and checked with promtool\n"
+              "# (with these rule files) before it replaced the one in use:\n" + digests)
+    jobs = scrape_configs(targets(view), router_models(view.replicas, view.configs))
+    return prometheus_config(jobs, alertmanager_target(cfg), names, header)
+
+
+def alertmanager_yml(cfg: HostConfig) -> str:
+    """alertmanager.yml: every alert to one receiver, the webhook of ``alertmanager_webhook_url`` or none."""
+    receiver: dict[str, object] = {"name": RECEIVER}
+    if cfg.alertmanager_webhook_url:
+        receiver["webhook_configs"] = [{"url": cfg.alertmanager_webhook_url, "send_resolved": True}]
+    config = {
+        "route": {"receiver": RECEIVER, "group_by": ["alertname", "model", "node"], "group_wait": "30s",
+                  "group_interval": "5m", "repeat_interval": "4h"},
+        "receivers": [receiver],
+    }
+    where = "to alertmanager_webhook_url" if cfg.alertmanager_webhook_url else (
+        "nowhere (alertmanager_webhook_url is null): alerts are kept and shown in Alertmanager only")
+    header = (f"# Written by gpufleet (role monitoring) and checked with amtool before it replaced the one in use.\n"
+              f"# Every alert goes {where}.\n")
+    return header + yaml.safe_dump(config, sort_keys=False, width=1000)
+
+
+def prometheus_argv(cfg: HostConfig, address: str) -> list[str]:
+    return [PROMETHEUS.program, f"--config.file={PROMETHEUS.config}",
+            f"--storage.tsdb.path=/var/lib/{PROMETHEUS.state_directory}/",
+            f"--storage.tsdb.retention.time={cfg.prometheus_retention}",
+            f"--web.listen-address={host_port(address, cfg.prometheus_port)}"]
+
+
+def alertmanager_argv(cfg: HostConfig) -> list[str]:
+    return [ALERTMANAGER.program, f"--config.file={ALERTMANAGER.config}",
+            f"--storage.path=/var/lib/{ALERTMANAGER.state_directory}/",
+            f"--web.listen-address={host_port(cfg.alertmanager_listen_address, cfg.alertmanager_port)}",
+            "--cluster.listen-address="]  # empty: no cluster port, no gossip with other Alertmanagers
+
+
+def drop_in(service: Service, argv: list[str], allowed: list[str] | None) -> str:
+    """The service's drop-in: ``argv`` as its command line, the sandbox, ``allowed`` as its IP filter (None: none)."""
+    return templates.render("monitoring/override.conf.j2", unit=service.unit,
+                            environment_file=f"/etc/default/{service.package}", config=service.config,
+                            exec_start=exec_line(argv), state_directory=service.state_directory,
+                            ip_access=access.unit_lines(allowed))
+
+
+@dataclass(frozen=True)
+class MonitoringFiles:
+    """Everything a monitoring host is given: file texts by their path below CONFIG_DIR, and the drop-ins."""
+
+    configs: dict[str, str]
+    prometheus_drop_in: str
+    alertmanager_drop_in: str
+
+
+def monitoring_files(cfg: HostConfig, address: str, view: FleetView, group_hosts: list[str]) -> MonitoringFiles:
+    """The files of a monitoring host at ``address`` (its fleet address); ``group_hosts``: the monitoring hosts'
+    addresses. Raises ConfigError for a Prometheus IP filter that would need a host name."""
+    rules = rule_files(cfg, view)
+    configs = {PROMETHEUS_YML: prometheus_yml(cfg, view, rules), ALERTMANAGER_YML: alertmanager_yml(cfg),
+               **{f"{RULES_DIR}/{name}": text for name, text in rules.items()}}
+    scraped = sorted({t.host for t in targets(view)})
+    allowed = access.prometheus_sources(cfg, address, scraped, group_hosts)
+    return MonitoringFiles(configs, drop_in(PROMETHEUS, prometheus_argv(cfg, address), allowed),
+                           drop_in(ALERTMANAGER, alertmanager_argv(cfg), None))
+
+
+# --- the running deploy's view ---------------------------------------------------------------------------------
+
+def monitored_plan(ctx: DeployContext) -> tuple[list[Replica], dict[str, NodeFacts]]:
+    """The replicas Prometheus watches, and the facts they were planned with: the deploy's plan, in which a host
+    that failed its gate (or could not be probed) but declares a ``gpu_profile`` is planned from its profile, so that
+    its replicas are still expected (and alerted on) while it is down. A host without either is left out, as the
+    deploy leaves it out."""
+    facts = {h: ctx.provisional.get(h, f) for h, f in ctx.facts.items() if h not in ctx.gate_failures}
+    declared = {h: profile_facts(str(ctx.fleet.configs[h].gpu_profile), h) for h in ctx.fleet.hosts
+                if ctx.fleet.serves(h) and h not in facts and ctx.fleet.configs[h].gpu_profile}
+    if not declared:
+        return ctx.plan.replicas, facts
+    facts |= declared
+    pools = {pool: kept for pool, hosts in ctx.fleet.pools.items() if (kept := [h for h in hosts if h in facts])}
+    planned = Fleet(ctx.fleet.inventory, [h for h in ctx.fleet.hosts if h in facts],
+                    {h: c for h, c in ctx.fleet.configs.items() if h in facts}, pools)
+    return plan_fleet(planned, facts).replicas, facts
+
+
+def group_members(group: str) -> list[str]:
+    """The names of the running deploy's hosts in an inventory group ([] without the group)."""
+    try:
+        return [member.name for member in current_state().inventory.get_group(group)]
+    except Exception:  # noqa: BLE001 - pyinfra raises NoGroupError for a group the inventory does not define
+        return []
+
+
+def deploy_files(cfg: HostConfig, address: str) -> MonitoringFiles:
+    """:func:`monitoring_files` for the running deploy (it probes and plans the fleet once). Exits 2 on bad input."""
+    replicas, facts = monitored_plan(context())
+    view = fleet_view(fleet(), replicas, facts, group_members(access.ROUTERS_GROUP))
+    try:
+        return monitoring_files(cfg, address, view, access.deploy_group())
+    except ConfigError as error:
+        exit_with(error)
+
+
+# --- the deploy ----------------------------------------------------------------------------------------------------
+
+def is_monitoring() -> bool:
+    """Whether the current host is in the inventory group ``monitoring``."""
+    return access.MONITORING_GROUP in host.groups
+
+
+def _check_and_install(service: Service, names: list[str], check: str, group: str, mode: str) -> str:
+    """The shell script that checks the candidates (``check``, run in the candidate directory) and then moves each
+    of ``names`` into CONFIG_DIR, the service's configuration last."""
+    steps = ["set -e", f"cd {shlex.quote(CANDIDATE_DIR)}", check]
+    ordered = [n for n in names if f"{CONFIG_DIR}/{n}" != service.config] + [service.config.rpartition("/")[2]]
+    for name in ordered:
+        live = shlex.quote(f"{CONFIG_DIR}/{name}")
+        steps.append(f"install -o root -g {group} -m {mode} {shlex.quote(name)} {live}.gpufleet-new")
+        steps.append(f"mv -fT {live}.gpufleet-new {live}")
+    return "; ".join(steps)
+
+
+def _only(changed: OperationMeta, restarted: OperationMeta) -> Callable[[], bool]:
+    """Whether ``changed`` changed the node and ``restarted`` did not (a restart reads the configuration anyway)."""
+    return lambda: changed.did_change() and not restarted.did_change()
+
+
+@deploy("Monitoring (Prometheus, Alertmanager)")
+def monitoring() -> None:
+    """Converge Prometheus and Alertmanager on a monitoring host: packages, sandboxed units, checked configuration."""
+    if not is_monitoring():
+        return
+    cfg = host_config()
+    wanted = deploy_files(cfg, cfg.fleet_address or host.name)
+    rules = sorted(n for n in wanted.configs if n.startswith(f"{RULES_DIR}/"))
+    node.observe(name="Read Prometheus's and Alertmanager's packages, units and configuration",
+                 packages=[s.package for s in SERVICES], units=[s.unit for s in SERVICES],
+                 paths=[*(p for s in SERVICES for p in (s.drop_in_dir, s.drop_in)), CONFIG_DIR, CANDIDATE_DIR,
+                        f"{CONFIG_DIR}/{RULES_DIR}", f"{CANDIDATE_DIR}/{RULES_DIR}",
+                        *(f"{d}/{n}" for d in (CONFIG_DIR, CANDIDATE_DIR) for n in (PROMETHEUS_YML, ALERTMANAGER_YML)),
+                        *(f"{CANDIDATE_DIR}/{n}" for n in rules)],
+                 listings=[f"{CANDIDATE_DIR}/{RULES_DIR}/*", f"{CONFIG_DIR}/{RULES_DIR}/*"])
+    units: dict[Service, OperationMeta] = {}
+    for service, text in ((PROMETHEUS, wanted.prometheus_drop_in), (ALERTMANAGER, wanted.alertmanager_drop_in)):
+        files.directory(name=f"Create {service.drop_in_dir}", path=service.drop_in_dir)
+        units[service] = files.file(name=f"Write the drop-in {service.drop_in} (flags, sandbox)", dest=service.drop_in,
+                                    content=text)
+    systemd.daemon_reload(name="Reload systemd: a monitoring drop-in changed",
+                          _if=lambda: any(op.did_change() for op in units.values()))
+    # Without recommends: Debian's prometheus recommends its node_exporter package, which role node_exporter owns.
+    apt.packages(name="Install Prometheus and Alertmanager (the distribution's packages)",
+                 packages=[s.package for s in SERVICES], no_recommends=True, update_first=True)
+    for directory in (CONFIG_DIR, f"{CONFIG_DIR}/{RULES_DIR}", CANDIDATE_DIR, f"{CANDIDATE_DIR}/{RULES_DIR}"):
+        files.directory(name=f"Create {directory}", path=directory)
+    files.pruned(name=f"Remove rule files gpufleet no longer writes from {CANDIDATE_DIR}/{RULES_DIR}",
+                 pattern=f"{CANDIDATE_DIR}/{RULES_DIR}/*", keep=[f"{CANDIDATE_DIR}/{n}" for n in rules])
+    for name in [*rules, PROMETHEUS_YML]:
+        files.file(name=f"Write {name} to check ({CANDIDATE_DIR})", dest=f"{CANDIDATE_DIR}/{name}",
+                   content=wanted.configs[name])
+    checks = f"promtool check config {PROMETHEUS_YML}; promtool check rules {' '.join(shlex.quote(n) for n in rules)}"
+    changed = {PROMETHEUS: server.script(
+        name=f"Check the configuration and rules with promtool, then put them in place ({CONFIG_DIR})",
+        script=_check_and_install(PROMETHEUS, [*rules, PROMETHEUS_YML], checks, "root", "0644"),
+        done_file=PROMETHEUS.config, done_sha256=hashlib.sha256(wanted.configs[PROMETHEUS_YML].encode()).hexdigest(),
+    )}
+    files.file(name=f"Write {ALERTMANAGER_YML} to check ({CANDIDATE_DIR})", dest=f"{CANDIDATE_DIR}/{ALERTMANAGER_YML}",
+               content=wanted.configs[ALERTMANAGER_YML], group=ACCOUNT, mode="0640")
+    changed[ALERTMANAGER] = server.script(
+        name=f"Check Alertmanager's configuration with amtool, then put it in place ({ALERTMANAGER.config})",
+        script=_check_and_install(ALERTMANAGER, [ALERTMANAGER_YML], f"amtool check-config {ALERTMANAGER_YML}",
+                                  ACCOUNT, "0640"),
+        done_file=ALERTMANAGER.config,
+        done_sha256=hashlib.sha256(wanted.configs[ALERTMANAGER_YML].encode()).hexdigest(),
+    )
+    files.pruned(name=f"Remove rule files gpufleet no longer writes from {CONFIG_DIR}/{RULES_DIR}",
+                 pattern=f"{CONFIG_DIR}/{RULES_DIR}/*", keep=[f"{CONFIG_DIR}/{n}" for n in rules])
+    for service in SERVICES:
+        unit, config = units[service], changed[service]
+        systemd.restart(name=f"Restart {service.unit}: its drop-in changed", unit=service.unit, _if=unit.did_change)
+        systemd.reload(name=f"Reload {service.unit}: its configuration changed", unit=service.unit,
+                       _if=_only(config, unit))
+        systemd.service(name=f"Ensure {service.unit} runs and starts at boot", unit=service.unit, running=True,
+                        enabled=True)
