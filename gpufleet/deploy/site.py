@@ -1,7 +1,7 @@
 """The site sequence: every role in the order a deploy converges them, shared by deploys/vllm.py (which runs it)
 and deploys/check.py (which works it out read-only and reports the gate and the drift). A host that serves in
-no pool (a dedicated router or monitoring host) gets the roles of common, node_exporter, router and monitoring only: no driver, no GPU
-gate, no vLLM. The router and monitoring roles act on the hosts of their inventory groups only."""
+no pool (a dedicated router or monitoring host) gets common, node_exporter, router and monitoring only: no driver,
+no GPU gate, no vLLM. The router and monitoring roles act on the hosts of their inventory groups only."""
 
 from __future__ import annotations
 
