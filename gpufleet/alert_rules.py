@@ -33,6 +33,9 @@ GPUFLEET_UNITS = (
 )
 """Units gpufleet runs; a template unit (``vllm@.service``) or a prefix stands for every instance."""
 
+RANK_UNIT_PREFIXES = (node_paths.VLLM_UNIT_TEMPLATE.removesuffix(".service"), node_paths.RAY_UNIT_PREFIX)
+"""What a replica's rank unit on a node is named before ``<replica>.service``: its vLLM (mp) or its Ray node."""
+
 GPU_SERVICES = (HOSTENGINE, f"{FABRICMANAGER}.service")
 """Services the GPUs need: DCGM's host engine and, on NVSwitch systems, the fabric manager."""
 
@@ -60,6 +63,7 @@ def rule_values(cfg: HostConfig) -> dict[str, Any]:
         "critical_xids": "|".join(str(xid) for xid in cfg.alert_gpu_critical_xids),
         "gpufleet_units": unit_regex(GPUFLEET_UNITS),
         "gpu_services": unit_regex(GPU_SERVICES),
+        "rank_unit_prefixes": "|".join(RANK_UNIT_PREFIXES),
         "model_mounts": model_dir_mounts(),
     }
 

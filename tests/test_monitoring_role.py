@@ -536,8 +536,17 @@ def _alert_names(files: role.MonitoringFiles) -> list[str]:
 
 
 def _series(files: role.MonitoringFiles, view: role.FleetView, down: str | None) -> list[dict[str, str]]:
-    """``up`` of every target (0 for the vLLM target of replica ``down``) and each GPU host's GPU temperatures."""
+    """``up`` of every target (0 for the vLLM target of replica ``down``), each GPU host's GPU temperatures, and the
+    state of every replica's rank units on its nodes (node_exporter's systemd collector): ``vllm@`` on each node of
+    an mp replica and on a Ray replica's head, ``gpufleet-ray-`` on each node of a Ray replica."""
     found = []
+    for replica in view.replicas:
+        for rank, node_role in enumerate(replica.roles):
+            units = [f"vllm@{replica.name}.service"] if rank == 0 or replica.backend == "mp" else []
+            units += [f"gpufleet-ray-{replica.name}.service"] if replica.backend == "ray" else []
+            labels = f'job="node", node="{node_role.host}", state="active"'
+            found += [{"series": f'node_systemd_unit_state{{{labels}, name="{unit}"}}', "values": "1x40"}
+                      for unit in units]
     for job in yaml.safe_load(files.configs[role.PROMETHEUS_YML])["scrape_configs"]:
         for group in job["static_configs"]:
             labels = {"job": job["job_name"], "instance": group["targets"][0], **group["labels"]}
@@ -569,13 +578,9 @@ def _promtool_alerts(tmp_path: Path, files: role.MonitoringFiles, series: list[d
                           capture_output=True, text=True, timeout=120)
 
 
-RANK_GAP = ("the rules count a multi-node replica's ranks from `up` of jobs vllm and ray, and an mp replica's ranks "
-            "other than 0 run headless (no /metrics): its ranks look missing while it serves")
-
-
 @pytest.mark.parametrize("shape", [
     "a_single_node_70b", "b_two_nodes_ray",
-    pytest.param("b_two_nodes_mp", marks=pytest.mark.xfail(strict=True, reason=RANK_GAP)),
+    "b_two_nodes_mp",
 ])
 def test_the_series_of_a_healthy_fleets_targets_fire_no_alert(tmp_path: Path, shape: str) -> None:
     view, files = _files(ROOT / "tests" / "plans" / shape / "inventory.py")
