@@ -7,7 +7,8 @@ the host keys the lab generated (``<lab dir>/ssh/known_hosts``). Each node's har
 Groups: ``lab`` (every node; ``group_vars/lab.yml``), then the serving pools, whose values win:
 ``lab_single`` serves one replica per node, and with three nodes or more the last two form
 ``lab_pipeline``, one replica with pipeline parallel 2 across both nodes (vLLM's mp backend). Both pools serve
-the tiny model under one name; ``routers`` puts the router (HAProxy) on lab1, in front of both replicas.
+the tiny model under one name; ``routers`` puts the router (HAProxy) on lab1, in front of both replicas, and
+``monitoring`` Prometheus and Alertmanager on lab1 too, scraping every node.
 Values that depend on the running lab (its mirror's address and signing key, its cache, its API key and Ray
 token, its bridge address as the monitoring host and API client) are host data.
 ``GPUFLEET_LAB_DIR`` selects a lab other than the default one.
@@ -58,8 +59,9 @@ _hosts = [
             "vllm_model_source": _model,
             "vllm_api_key": {"file": str(lab_dir() / API_KEY_FILE)},
             "ray_auth_token": {"file": str(_ray_token)},
-            # the controller's side of the lab (the bridge) scrapes the exporters and calls the APIs; any
-            # other address, a lab node outside a replica included, is refused by the units' IP filters
+            # the controller's side of the lab (the bridge) scrapes the exporters and calls the APIs, as do the
+            # monitoring group's hosts (lab1); any other address, a lab node outside a replica included, is
+            # refused by the units' IP filters
             "monitoring_addresses": [_state.bridge_address],
             "vllm_api_allowed_from": [_state.bridge_address],
             # node_exporter from the mirror: its release-layout tarball (sha256 read from the mirror's
@@ -72,6 +74,7 @@ _hosts = [
 
 lab = [address for address, _ in _hosts]
 routers = [_hosts[0][0]]  # HAProxy on lab1, in front of every replica (a role group, not a serving pool)
+monitoring = [_hosts[0][0]]  # Prometheus and Alertmanager on lab1 (a role group, not a serving pool)
 _pipeline = _hosts[-2:] if len(_hosts) >= 3 else []
 lab_single = [h for h in _hosts if h not in _pipeline]
 if _pipeline:

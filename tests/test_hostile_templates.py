@@ -211,11 +211,11 @@ def _gpu_watch(_: str) -> Unit:
 
 
 def _dcgm_exporter(address: str) -> Unit:
-    values = dcgm_exporter_role.unit_values(9400, address, ["10.0.0.0/24"])
+    values = dcgm_exporter_role.unit_values(9400, address, ["10.0.0.0/24"], 300)
     listen = f"[{address}]:9400" if ":" in address else f"{address}:9400"
     return Unit(dcgm_exporter_role.SERVICE, _render("dcgm_exporter/dcgm-exporter.service.j2", **values),
                 ["/usr/bin/dcgm-exporter"], ["/usr/bin/dcgm-exporter", "-f", dcgm_exporter_role.COUNTERS_FILE,
-                                             "-a", listen, "-r", dcgm_exporter_role.HOSTENGINE_ADDRESS])
+                                             "-a", listen, "-r", dcgm_exporter_role.HOSTENGINE_ADDRESS, "-x", "300000"])
 
 
 def _ray(address: str) -> Unit:

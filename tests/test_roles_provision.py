@@ -251,7 +251,7 @@ def test_counters_name_only_fields_the_exporter_double_serves(tmp_path: Path) ->
 
 def _unit(port: int = 9400, address: str = "10.40.0.11",
           allowed: list[str] | None = ["10.40.0.11", "10.40.9.0/24"]) -> dict[str, list[str]]:  # noqa: B006
-    text = render("dcgm_exporter/dcgm-exporter.service.j2", **unit_values(port, address, allowed))
+    text = render("dcgm_exporter/dcgm-exporter.service.j2", **unit_values(port, address, allowed, 300))
     entries: dict[str, list[str]] = {}
     for line in text.splitlines():
         if "=" in line and not line.startswith("#"):
@@ -262,7 +262,7 @@ def _unit(port: int = 9400, address: str = "10.40.0.11",
 
 def test_unit_runs_the_exporter_against_the_host_engine_as_its_own_user() -> None:
     unit = _unit(9555)
-    assert unit["ExecStart"] == [f"/usr/bin/dcgm-exporter -f {COUNTERS_FILE} -a 10.40.0.11:9555 -r localhost:5555"]
+    assert unit["ExecStart"] == [f"/usr/bin/dcgm-exporter -f {COUNTERS_FILE} -a 10.40.0.11:9555 -r localhost:5555 -x 300000"]
     assert _unit(address="fd00::5")["ExecStart"][0].split()[4] == "[fd00::5]:9400"
     assert unit["User"] == unit["Group"] == ["dcgm-exporter"]
     assert unit["Requires"] == unit["After"] == ["nvidia-dcgm.service"]
@@ -293,7 +293,7 @@ def test_unit_is_reachable_from_the_node_and_the_monitoring_hosts_only() -> None
 
 def test_exporter_double_serves_every_counter_from_the_simulator(tmp_path: Path) -> None:
     """The rendered counters, served by the exporter double on a simulated HGX H100: every field appears, the
-    ones the simulator has no entry point for (XID events and counts, violations, NVLink counters) as 0."""
+    ones the simulator has no entry point for (violations) as 0, as are a healthy node's XIDs and NVLink errors."""
     library = nvml_sim.build_library(tmp_path / "lib")
     facts = sim_profile.write_sim_profile(tmp_path / "profile", "8xH100-SXM", ["pending_row_remap"], hostname="n1")
     counters = tmp_path / "counters.csv"
@@ -334,17 +334,18 @@ def test_exporter_double_counts_each_xid_within_the_window() -> None:
     """As dcgm-exporter's DCGM_EXP_XID_ERRORS_COUNT: a sample per XID seen within the window, else one 0."""
     collector = object.__new__(exporter_double.Collector)
     now = time.monotonic()
-    collector.uuids, collector.last_xid, collector.events = ["GPU-0", "GPU-1"], {"GPU-0": 48, "GPU-1": 79}, None
+    collector.last_xid, collector.events = {"GPU-0": 48, "GPU-1": 79}, None
     collector.xid_window_ms = 300000
     collector.xids_seen = [(now - 400, "GPU-1", 79), (now - 10, "GPU-0", 79), (now - 5, "GPU-0", 79),
                            (now, "GPU-0", 48)]
     collector._drain_xid_events()  # drops what left the window
     window = 'window_size_in_ms="300000"'
-    assert collector._xid_counts(0, 'gpu="0"') == [f'DCGM_EXP_XID_ERRORS_COUNT{{gpu="0",{window},xid="48"}} 1',
-                                                   f'DCGM_EXP_XID_ERRORS_COUNT{{gpu="0",{window},xid="79"}} 2']
-    assert collector._xid_counts(1, 'gpu="1"') == [f'DCGM_EXP_XID_ERRORS_COUNT{{gpu="1",{window}}} 0']
+    assert collector._xid_counts("GPU-0", 'gpu="0"') == [
+        f'DCGM_EXP_XID_ERRORS_COUNT{{gpu="0",{window},xid="48"}} 1',
+        f'DCGM_EXP_XID_ERRORS_COUNT{{gpu="0",{window},xid="79"}} 2']
+    assert collector._xid_counts("GPU-1", 'gpu="1"') == [f'DCGM_EXP_XID_ERRORS_COUNT{{gpu="1",{window}}} 0']
     collector.last_xid = {}  # XID events unavailable: left out
-    assert collector._xid_counts(0, 'gpu="0"') == []
+    assert collector._xid_counts("GPU-0", 'gpu="0"') == []
 
 
 # --- configuration ------------------------------------------------------------------------------------------

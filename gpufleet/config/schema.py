@@ -240,6 +240,7 @@ class HostConfig(BaseModel):
     dcgm_version: Annotated[str, Field(pattern=r"^\d+$")]
     dcgm_exporter_version: _text(_version) | None  # type: ignore[valid-type]
     dcgm_exporter_port: Port
+    dcgm_exporter_xid_window_s: Annotated[int, Field(ge=10, le=86400)]
     node_exporter_version: Annotated[str, Field(pattern=r"^\d+\.\d+\.\d+$")]
     node_exporter_port: Port
     node_exporter_install: Literal["tarball", "package"]
@@ -268,6 +269,9 @@ class HostConfig(BaseModel):
     alert_gpu_nvlink_errors_max: Annotated[int, Field(ge=0)]
     alert_gpu_thermal_throttle_ratio: Annotated[float, Field(gt=0, le=1)]
     alert_gpu_power_throttle_ratio: Annotated[float, Field(gt=0, le=1)]
+    alert_gpu_error_window_s: Annotated[int, Field(ge=60, le=86400)]
+    alert_gpu_missing_for_s: Annotated[int, Field(ge=0, le=86400)]
+    alert_exporter_down_for_s: Annotated[int, Field(ge=0, le=86400)]
     alert_replica_down_for_s: Annotated[int, Field(ge=0, le=86400)]
     alert_engine_stall_s: Annotated[int, Field(ge=60, le=86400)]
     alert_serving_for_s: Annotated[int, Field(ge=0, le=86400)]

@@ -50,11 +50,13 @@ def has_nvlink(facts: NodeFacts | None) -> bool:
     return any(gpu.nvlinks for gpu in facts.gpus)
 
 
-def unit_values(port: int, address: str, allowed: list[str] | None) -> dict[str, Any]:
+def unit_values(port: int, address: str, allowed: list[str] | None, xid_window_s: int) -> dict[str, Any]:
     """What templates/dcgm_exporter/dcgm-exporter.service.j2 is rendered with: it listens on ``address``
-    (the fleet address) and accepts connections from ``allowed`` and localhost only."""
+    (the fleet address), accepts connections from ``allowed`` and localhost only, and counts XIDs over
+    ``xid_window_s``."""
     return {
         "port": port,
+        "xid_window_ms": xid_window_s * 1000,
         "address": bracketed(address),
         "ip_access": access.unit_lines(allowed),
         "run_as": USER,
@@ -89,7 +91,7 @@ def dcgm_exporter() -> None:
     unit = files.file(
         name=f"Write the exporter's unit {UNIT_FILE}", dest=UNIT_FILE,
         content=render("dcgm_exporter/dcgm-exporter.service.j2", **unit_values(cfg.dcgm_exporter_port, address,
-                                                                               allowed)),
+                                                                               allowed, cfg.dcgm_exporter_xid_window_s)),
     )
     systemd.daemon_reload(name="Reload systemd: the exporter's unit changed", _if=unit.did_change)
     systemd.restart(name="Restart the exporter: its package, counters or unit changed", unit=SERVICE,

@@ -159,17 +159,20 @@ def test_only_the_replicas_nodes_reach_ray(lab: Lab, ray_cluster: tuple[NodeReco
     assert _reach(lab, outsider, ray_ports) == dict.fromkeys(ray_ports, False)
 
 
-def test_only_the_node_and_the_monitoring_host_reach_the_exporters(
+def test_only_the_node_and_the_monitoring_hosts_reach_the_exporters(
     lab: Lab, ray_cluster: tuple[NodeRecord, ...]
 ) -> None:
-    outsider = lab.nodes[0]
+    monitoring = lab.nodes[0]  # the inventory's monitoring group: its Prometheus scrapes every node
     exporters = [f"{n.address}:{p}" for n in lab.nodes[1:] for p in (NODE_EXPORTER, DCGM_EXPORTER)]
-    assert _reach(lab, outsider, exporters) == dict.fromkeys(exporters, False)
-    # a member of the same replica is no monitoring host either
+    assert _reach(lab, monitoring, exporters) == dict.fromkeys(exporters, True)
+    # a member of the same replica is no monitoring host, nor is a node outside it
     head, worker = ray_cluster
     theirs = [f"{head.address}:{p}" for p in (NODE_EXPORTER, DCGM_EXPORTER)]
     assert _reach(lab, worker, theirs) == dict.fromkeys(theirs, False)
-    for node in lab.nodes:  # the monitoring host (this machine, on the lab bridge) scrapes every node
+    assert monitoring not in ray_cluster
+    outside = [f"{monitoring.address}:{p}" for p in (NODE_EXPORTER, DCGM_EXPORTER)]
+    assert _reach(lab, worker, outside) == dict.fromkeys(outside, False)
+    for node in lab.nodes:  # so does this machine, on the lab bridge (monitoring_addresses)
         assert "node_load1" in metrics(node, NODE_EXPORTER) and "DCGM_FI_" in metrics(node, DCGM_EXPORTER)
         listening = lab.host(node).check_output("ss -ltnH")
         assert f"{node.address}:{DCGM_EXPORTER} " in listening and f"*:{DCGM_EXPORTER} " not in listening
