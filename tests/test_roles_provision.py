@@ -262,7 +262,8 @@ def _unit(port: int = 9400, address: str = "10.40.0.11",
 
 def test_unit_runs_the_exporter_against_the_host_engine_as_its_own_user() -> None:
     unit = _unit(9555)
-    assert unit["ExecStart"] == [f"/usr/bin/dcgm-exporter -f {COUNTERS_FILE} -a 10.40.0.11:9555 -r localhost:5555 -x 300000"]
+    assert unit["ExecStart"] == [
+        f"/usr/bin/dcgm-exporter -f {COUNTERS_FILE} -a 10.40.0.11:9555 -r localhost:5555 -x 300000"]
     assert _unit(address="fd00::5")["ExecStart"][0].split()[4] == "[fd00::5]:9400"
     assert unit["User"] == unit["Group"] == ["dcgm-exporter"]
     assert unit["Requires"] == unit["After"] == ["nvidia-dcgm.service"]

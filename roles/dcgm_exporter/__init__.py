@@ -90,8 +90,8 @@ def dcgm_exporter() -> None:
     )
     unit = files.file(
         name=f"Write the exporter's unit {UNIT_FILE}", dest=UNIT_FILE,
-        content=render("dcgm_exporter/dcgm-exporter.service.j2", **unit_values(cfg.dcgm_exporter_port, address,
-                                                                               allowed, cfg.dcgm_exporter_xid_window_s)),
+        content=render("dcgm_exporter/dcgm-exporter.service.j2",
+                       **unit_values(cfg.dcgm_exporter_port, address, allowed, cfg.dcgm_exporter_xid_window_s)),
     )
     systemd.daemon_reload(name="Reload systemd: the exporter's unit changed", _if=unit.did_change)
     systemd.restart(name="Restart the exporter: its package, counters or unit changed", unit=SERVICE,
