@@ -39,7 +39,7 @@ from pyinfra.api import Inventory
 
 import roles.monitoring as role
 import roles.router as router_role
-from gpufleet import node_paths
+from gpufleet import dashboards, node_paths
 from gpufleet.cli import fleet_facts
 from gpufleet.config.inventory import loaded_inventory
 from gpufleet.deploy.context import DeployContext
@@ -411,6 +411,26 @@ def test_the_role_checks_every_file_before_it_swaps_it_in_and_reloads_for_it(mon
         drop_in.changed = True
         assert restart.kwargs["_if"]() and not reload.kwargs["_if"]()  # a restart reads it anyway
         check.changed = drop_in.changed = False
+
+
+def test_the_dashboards_go_into_grafanas_provisioning_only_where_grafana_is(monkeypatch: pytest.MonkeyPatch) -> None:
+    ops, _ = _run_role(monkeypatch)
+    (observed,) = ops.named("node.observe")
+    wanted = dashboards.grafana_files()
+    assert len(wanted) == 1 + len(dashboards.dashboard_files())
+    written = {str(c.kwargs["dest"]): c for c in ops.named("files.file") if str(c.kwargs["dest"]) in wanted}
+    assert {dest: c.kwargs["content"] for dest, c in written.items()} == wanted
+    assert {dashboards.GRAFANA_PROVISIONING_DIR, *wanted} <= set(observed.kwargs["paths"])
+    (folder,) = ops.named("files.directory", path=dashboards.GRAFANA_DASHBOARDS_DIR)
+    (restart,) = ops.named("systemd.restart", unit=role.GRAFANA_UNIT)
+    provider = written[f"{dashboards.GRAFANA_PROVISIONING_DIR}/{dashboards.PROVIDER_FILE}"]
+    for installed in (False, True):
+        monkeypatch.setattr(role, "grafana_installed", lambda installed=installed: installed)
+        assert all(c.kwargs["_if"]() == installed for c in [folder, *written.values()])
+        provider.changed = True
+        assert restart.kwargs["_if"]() == installed  # Grafana reads a new provider file when it starts
+        provider.changed = False
+        assert not restart.kwargs["_if"]()
 
 
 def _sha256(text: str) -> str:

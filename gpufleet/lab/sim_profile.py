@@ -15,7 +15,20 @@ Faults turn a healthy node's facts into a faulty one's; each takes a GPU index (
 - ``gpu_missing``: the GPU fell off the bus before the driver loaded, so NVML enumerates one GPU
   fewer and renumbers the rest;
 - ``gpu_lost``: the GPU fell off the bus at run time (Xid 79): still counted, but its handle
-  answers ``GPU is lost``.
+  answers ``GPU is lost`` (dcgm-exporter stops reporting it: one GPU fewer in its metrics).
+
+Two more faults leave the facts alone (the probe does not read them) and show in what monitoring reads
+through dcgm-exporter; a third element of the fault, after the GPU, gives their value:
+
+- ``xid``: the GPU reports an XID, e.g. ``("xid", 2, 79)`` (the XID is required); the profile keeps the
+  GPU's XID history, and the simulator delivers the XIDs new to it as NVML XID events;
+- ``nvlink_errors``: each NVLink error counter (CRC flit, CRC data, replay, recovery) of each of the GPU's
+  active links counts ``NVLINK_ERRORS``, or the value given, e.g. ``("nvlink_errors", 1, 500)``.
+
+On a running node the simulator picks up a profile replaced at run time (write it beside, rename it over
+the old one; ``write_sim_profile`` does so): ``write_sim_profile(path, "8xH100-SXM", [("xid", 2, 79)])``
+raises the fault, ``write_sim_profile(path, "8xH100-SXM")`` clears it (an XID, once delivered, stays in
+dcgm-exporter's count until its window passes).
 
 The simulator cannot know the PCIe path behind an ``NV<n>`` cell of a facts topology; it takes
 ``NODE`` for GPUs on the same NUMA node and ``SYS`` otherwise, as the declared profiles do.
@@ -23,8 +36,10 @@ The simulator cannot know the PCIe path behind an ``NV<n>`` cell of a facts topo
 
 from __future__ import annotations
 
+import os
 import socket
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +48,9 @@ from gpufleet.hardware_profiles import profile_facts
 from gpufleet.node.nvml_probe import nvlink_label
 
 Doc = dict[str, Any]
+Fault = str | tuple[str, int] | tuple[str, int, int]
 LOST_QUERY = "nvmlDeviceGetHandleByIndex"
+NVLINK_ERRORS = 10  # per counter and active link, for an nvlink_errors fault without a value
 _PCIE_LABELS = ("PIX", "PXB", "PHB", "NODE", "SYS")
 
 
@@ -142,10 +159,43 @@ FAULTS: dict[str, Callable[[Doc, int], None]] = {
 }
 
 
+@dataclass
+class GpuCounters:
+    """What faults left in a GPU's counters and XID history: what only monitoring reads (no facts)."""
+
+    xids: list[int] = field(default_factory=list)
+    nvlink_errors: dict[int, int] = field(default_factory=dict)  # link -> errors in each of its four counters
+
+
+def _xid(gpu: Doc, counters: GpuCounters, xid: int | None) -> None:
+    if xid is None or not 0 < xid < 1000:
+        raise FaultError(f"xid: give the XID (1-999) after the GPU, e.g. ('xid', {gpu['index']}, 79); got {xid}")
+    counters.xids.append(xid)
+
+
+def _nvlink_errors(gpu: Doc, counters: GpuCounters, errors: int | None) -> None:
+    active = [link["link"] for link in gpu["nvlinks"] or [] if link["active"]]
+    if not active:
+        raise FaultError(f"nvlink_errors: GPU {gpu['index']} has no active NVLink")
+    count = NVLINK_ERRORS if errors is None else errors
+    if count <= 0:
+        raise FaultError(f"nvlink_errors: the error count must be positive, got {count}")
+    for link in active:
+        counters.nvlink_errors[link] = counters.nvlink_errors.get(link, 0) + count
+
+
+COUNTER_FAULTS: dict[str, Callable[[Doc, GpuCounters, int | None], None]] = {
+    "xid": _xid,
+    "nvlink_errors": _nvlink_errors,
+}
+
+
 def apply_fault(facts: NodeFacts, fault: str, gpu: int = 0) -> NodeFacts:
     """The facts the node reports once ``fault`` hits GPU ``gpu``."""
+    if fault in COUNTER_FAULTS:
+        raise FaultError(f"{fault} leaves the facts alone: raise it with write_sim_profile")
     if fault not in FAULTS:
-        raise FaultError(f"unknown fault {fault!r}; known: {', '.join(FAULTS)}")
+        raise FaultError(f"unknown fault {fault!r}; known: {', '.join([*FAULTS, *COUNTER_FAULTS])}")
     doc = facts.model_dump(mode="json", by_alias=True)
     paths = _pcie_paths(doc)
     FAULTS[fault](doc, gpu)
@@ -158,7 +208,7 @@ def _cuda_number(version: str) -> int:
     return int(major) * 1000 + int(minor or 0) * 10
 
 
-def _gpu_lines(gpu: Doc, row: list[str]) -> list[str]:
+def _gpu_lines(gpu: Doc, row: list[str], counters: GpuCounters) -> list[str]:
     unsupported = set(gpu["unsupported"])
     unsupported.update(field for field in ("compute_capability", "persistence_mode", "mig", "ecc", "remapped_rows",
                                            "pcie", "clock_event_reasons", "numa_node", "cpu_affinity", "nvlinks",
@@ -191,6 +241,10 @@ def _gpu_lines(gpu: Doc, row: list[str]) -> list[str]:
     for link in gpu["nvlinks"] or []:
         lines.append(f"nvlink {link['link']} {int(link['active'])} {link['remote_device_type'] or '-'} "
                      f"{link['remote_pci_bus_id'] or '-'}")
+    for link, errors in sorted(counters.nvlink_errors.items()):  # CRC flit, CRC data, replay, recovery
+        lines.append(f"nvlink_errors {link} {errors} {errors} {errors} {errors}")
+    if counters.xids:
+        lines.append("xids " + " ".join(str(xid) for xid in counters.xids))
     if (fabric := gpu["fabric"]) is not None:
         if fabric["state"] == "completed":
             lines.append(f"fabric completed {fabric['status'] or 'success'} {fabric['clique_id'] or 0} "
@@ -203,8 +257,8 @@ def _gpu_lines(gpu: Doc, row: list[str]) -> list[str]:
     return lines
 
 
-def sim_profile_text(facts: NodeFacts) -> str:
-    """The simulator profile that makes NVML answer with these facts."""
+def sim_profile_text(facts: NodeFacts, counters: Mapping[str, GpuCounters] | None = None) -> str:
+    """The simulator profile that makes NVML answer with these facts and these counters (by GPU UUID)."""
     if not facts.nvml.available:
         raise ValueError(f"{facts.hostname}: a node without NVML has no simulator profile (leave the file out)")
     doc = facts.model_dump(mode="json", by_alias=True)
@@ -227,21 +281,32 @@ def sim_profile_text(facts: NodeFacts) -> str:
             continue
         row = ["X" if j == index else paths[gpu["uuid"], by_index[j]["uuid"]] if j in by_index else "SYS"
                for j in range(count)]
-        lines += _gpu_lines(gpu, row)
+        lines += _gpu_lines(gpu, row, (counters or {}).get(gpu["uuid"], GpuCounters()))
     return "\n".join(lines) + "\n"
 
 
-def write_sim_profile(path: Path, profile_name: str, faults: Iterable[str | tuple[str, int]] = (),
+def write_sim_profile(path: Path, profile_name: str, faults: Iterable[Fault] = (),
                       hostname: str | None = None) -> NodeFacts:
     """Write the simulator profile of a declared hardware profile with faults applied in order.
 
-    ``faults`` holds fault names (GPU 0) or ``(name, gpu)`` pairs. Returns the facts the probe should
-    report on that node; ``hostname`` defaults to this machine's, which the probe reports.
+    ``faults`` holds fault names (GPU 0), ``(name, gpu)`` pairs or ``(name, gpu, value)`` for the faults
+    that take a value (``xid``, ``nvlink_errors``). The file is replaced atomically, so a running
+    simulator reads the old profile or the new one. Returns the facts the probe should report on that
+    node; ``hostname`` defaults to this machine's, which the probe reports.
     """
     facts = profile_facts(profile_name, hostname or socket.gethostname())
+    counters: dict[str, GpuCounters] = {}
     for fault in faults:
-        name, gpu = (fault, 0) if isinstance(fault, str) else fault
+        name, gpu, value = (fault, 0, None) if isinstance(fault, str) else (*fault, None)[:3]
+        if name in COUNTER_FAULTS:
+            target = _gpu(facts.model_dump(mode="json", by_alias=True), gpu)
+            COUNTER_FAULTS[name](target, counters.setdefault(target["uuid"], GpuCounters()), value)
+            continue
+        if value is not None:
+            raise FaultError(f"{name} takes no value after the GPU, got {value}")
         facts = apply_fault(facts, name, gpu)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(sim_profile_text(facts))
+    staged = path.with_name(f".{path.name}.new")
+    staged.write_text(sim_profile_text(facts, counters))
+    os.replace(staged, path)
     return facts

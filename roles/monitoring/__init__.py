@@ -22,6 +22,8 @@ After it, a monitoring host has:
   refuse never reaches the running service;
 - Prometheus on ``<fleet address>:prometheus_port``, its samples kept ``prometheus_retention``; Alertmanager on
   ``alertmanager_listen_address:alertmanager_port`` (127.0.0.1:9093), without clustering.
+- where Grafana is installed (``/etc/grafana/provisioning/dashboards/`` exists): gpufleet's dashboards
+  (:mod:`gpufleet.dashboards`) in ``/var/lib/grafana/dashboards/gpufleet/`` and the file provider that loads them.
 
 A changed configuration or rule file is reloaded (SIGHUP: no restart, no gap in the samples); a changed drop-in
 restarts its service. Variables: roles/monitoring/defaults.yml. The fleet lets the monitoring hosts in
@@ -41,7 +43,7 @@ from pyinfra.api.deploy import deploy
 from pyinfra.api.operation import OperationMeta
 from pyinfra.context import host
 
-from gpufleet import templates
+from gpufleet import dashboards, templates
 from gpufleet.alert_rules import render_rules
 from gpufleet.config.inventory import loaded_inventory
 from gpufleet.config.problems import ConfigError, exit_with
@@ -66,6 +68,8 @@ from gpufleet.scrape_config import (
     scrape_configs,
 )
 from gpufleet.systemd_text import exec_line
+
+GRAFANA_UNIT = "grafana-server.service"  # Grafana's Debian package (Grafana's own repository)
 
 ACCOUNT = "prometheus"  # Debian's account for both services
 CONFIG_DIR = "/etc/prometheus/gpufleet"
@@ -284,6 +288,28 @@ def _only(changed: OperationMeta, restarted: OperationMeta) -> Callable[[], bool
     return lambda: changed.did_change() and not restarted.did_change()
 
 
+def grafana_installed() -> bool:
+    """Whether the host has Grafana: its provisioning directory for dashboards exists (as read by the role's
+    observe)."""
+    return node.path(dashboards.GRAFANA_PROVISIONING_DIR).get("type") == "directory"
+
+
+def grafana_dashboards() -> None:
+    """gpufleet's dashboards in Grafana's provisioning (a file provider and the dashboards it loads), where Grafana
+    is installed; nothing where it is not. Grafana rescans the dashboards every minute and reads a changed provider
+    file when it restarts."""
+    def installed() -> bool:  # asked when each operation runs, after the role's observe
+        return grafana_installed()
+
+    files.directory(name=f"Create {dashboards.GRAFANA_DASHBOARDS_DIR} (where Grafana is installed)",
+                    path=dashboards.GRAFANA_DASHBOARDS_DIR, _if=installed)
+    written = {dest: files.file(name=f"Write the Grafana file {dest}", dest=dest, content=text, _if=installed)
+               for dest, text in sorted(dashboards.grafana_files().items())}
+    provider = written[f"{dashboards.GRAFANA_PROVISIONING_DIR}/{dashboards.PROVIDER_FILE}"]
+    systemd.restart(name="Restart grafana-server: its dashboard provider changed", unit=GRAFANA_UNIT,
+                    _if=lambda: installed() and provider.did_change())
+
+
 @deploy("Monitoring (Prometheus, Alertmanager)")
 def monitoring() -> None:
     """Converge Prometheus and Alertmanager on a monitoring host: packages, sandboxed units, checked configuration."""
@@ -297,7 +323,8 @@ def monitoring() -> None:
                  paths=[*(p for s in SERVICES for p in (s.drop_in_dir, s.drop_in)), CONFIG_DIR, CANDIDATE_DIR,
                         f"{CONFIG_DIR}/{RULES_DIR}", f"{CANDIDATE_DIR}/{RULES_DIR}",
                         *(f"{d}/{n}" for d in (CONFIG_DIR, CANDIDATE_DIR) for n in (PROMETHEUS_YML, ALERTMANAGER_YML)),
-                        *(f"{CANDIDATE_DIR}/{n}" for n in rules)],
+                        *(f"{CANDIDATE_DIR}/{n}" for n in rules), dashboards.GRAFANA_PROVISIONING_DIR,
+                        dashboards.GRAFANA_DASHBOARDS_DIR, *dashboards.grafana_files()],
                  listings=[f"{CANDIDATE_DIR}/{RULES_DIR}/*", f"{CONFIG_DIR}/{RULES_DIR}/*"])
     units: dict[Service, OperationMeta] = {}
     for service, text in ((PROMETHEUS, wanted.prometheus_drop_in), (ALERTMANAGER, wanted.alertmanager_drop_in)):
@@ -340,3 +367,4 @@ def monitoring() -> None:
                        _if=_only(config, unit))
         systemd.service(name=f"Ensure {service.unit} runs and starts at boot", unit=service.unit, running=True,
                         enabled=True)
+    grafana_dashboards()

@@ -7,10 +7,14 @@ HOST:PORT`` (the running nv-hostengine must accept a connection there), ``-c/--c
 the double reads NVML at every scrape). Serves ``/metrics`` and ``/health``. Fields the double does not know
 are reported once on stderr and left out, as are values the GPU answers NOT_SUPPORTED for (DCGM leaves those
 blank). A known field whose NVML entry point the node's library lacks is served as 0: the lab's simulated NVML
-implements only what gpufleet's probe calls, and every counter a deployment turns on should still appear. The
-same holds for ``DCGM_FI_DEV_XID_ERRORS`` when NVML events are missing: 0, no XID seen, and for
+implements only what gpufleet's probe and the lab's faults need, and every counter a deployment turns on should
+still appear. The same holds for ``DCGM_FI_DEV_XID_ERRORS`` when NVML events are missing: 0, no XID seen, and for
 ``DCGM_EXP_XID_ERRORS_COUNT``, the exporter's count of each XID within its window (``-x/--xid-count-window-size MS``,
 default 5 minutes): one 0 per GPU without an ``xid`` label.
+
+Every scrape reads the GPUs afresh (count, handles, values, XID events), so faults injected on a running node show
+and clear at run time. A GPU whose handle NVML no longer gives (fallen off the bus: ``GPU is lost``) is left out, as
+dcgm-exporter leaves out the blank values DCGM has for it: the node reports one GPU fewer.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -130,6 +135,15 @@ LABEL_FIELDS: dict[str, Callable[[Any], str]] = {
 }
 
 
+@dataclass(frozen=True)
+class Gpu:
+    """A GPU NVML answers for at this scrape."""
+
+    index: int
+    handle: Any
+    uuid: str
+
+
 def _read(field: str, handle: Any) -> float:
     """One field of one GPU; 0 when the NVML library lacks the entry point (see the module docstring)."""
     try:
@@ -171,29 +185,52 @@ class Collector:
         self.labels = [c[0] for c in counters if c[0] in LABEL_FIELDS and c[1] == "label"]
         self.hostname = hostname
         self.lock = threading.Lock()
-        self.handles = [nv.nvmlDeviceGetHandleByIndex(i) for i in range(nv.nvmlDeviceGetCount())]
-        self.uuids = [_text(nv.nvmlDeviceGetUUID(h)) for h in self.handles]
-        self.last_xid: dict[str, int] = {}
+        self.gpus: list[Gpu] = []
+        self.last_xid: dict[str, int] = {}  # per GPU UUID, for the GPUs whose XIDs the double can tell
         self.xid_window_ms = xid_window_ms
         self.xids_seen: list[tuple[float, str, int]] = []  # (monotonic time, GPU UUID, XID), within the window
-        xids = any(m[0] in (XID_FIELD, XID_COUNT_FIELD) for m in self.metrics)
-        self.events = self._register_xid_events() if xids else None
+        self.xid_watched: set[str] = set()  # GPUs (UUIDs) the double set out to watch for XIDs, with or without luck
+        self.want_xids = any(m[0] in (XID_FIELD, XID_COUNT_FIELD) for m in self.metrics)
+        self.events = self._create_event_set() if self.want_xids else None
+        self.read_gpus()
 
-    def _register_xid_events(self) -> Any:
+    def _create_event_set(self) -> Any:
         try:
-            event_set = nv.nvmlEventSetCreate()
-            for h, uuid in zip(self.handles, self.uuids, strict=True):
-                nv.nvmlDeviceRegisterEvents(h, nv.nvmlEventTypeXidCriticalError, event_set)
-                self.last_xid[uuid] = 0
-            return event_set
+            return nv.nvmlEventSetCreate()
         except nv.NVMLError as exc:
-            if _no_answer(exc):
-                print(f"dcgm-exporter (lab double): NVML has no events here; {XID_FIELD} stays 0", file=sys.stderr)
-                self.last_xid = dict.fromkeys(self.uuids, 0)
+            if not _no_answer(exc):
+                print(f"dcgm-exporter (lab double): XID events unavailable ({exc}); {XID_FIELD} left out",
+                      file=sys.stderr)
+                self.want_xids = False
                 return None
-            print(f"dcgm-exporter (lab double): XID events unavailable ({exc}); {XID_FIELD} left out", file=sys.stderr)
-            self.last_xid.clear()
+            print(f"dcgm-exporter (lab double): NVML has no events here; {XID_FIELD} stays 0", file=sys.stderr)
             return None
+
+    def read_gpus(self) -> None:
+        """The GPUs NVML answers for now; a GPU seen for the first time is registered for XID events."""
+        gpus = []
+        for index in range(nv.nvmlDeviceGetCount()):
+            try:
+                handle = nv.nvmlDeviceGetHandleByIndex(index)
+                uuid = _text(nv.nvmlDeviceGetUUID(handle))
+            except nv.NVMLError:
+                continue  # lost: left out (see the module docstring)
+            gpus.append(Gpu(index, handle, uuid))
+            if self.want_xids and uuid not in self.xid_watched:
+                self.xid_watched.add(uuid)
+                self._watch_xids(handle, uuid)
+        self.gpus = gpus
+
+    def _watch_xids(self, handle: Any, uuid: str) -> None:
+        if self.events is None:  # NVML without events: no XID seen
+            self.last_xid[uuid] = 0
+            return
+        try:
+            nv.nvmlDeviceRegisterEvents(handle, nv.nvmlEventTypeXidCriticalError, self.events)
+            self.last_xid[uuid] = 0
+        except nv.NVMLError as exc:
+            print(f"dcgm-exporter (lab double): XID events unavailable for {uuid} ({exc}); {XID_FIELD} left out",
+                  file=sys.stderr)
 
     def _drain_xid_events(self) -> None:
         while self.events is not None:
@@ -201,16 +238,18 @@ class Collector:
                 event = nv.nvmlEventSetWait_v2(self.events, 0)
             except nv.NVMLError:
                 break  # NVML_ERROR_TIMEOUT: no more events
-            uuid, xid = _text(nv.nvmlDeviceGetUUID(event.device)), int(event.eventData)
+            try:
+                uuid, xid = _text(nv.nvmlDeviceGetUUID(event.device)), int(event.eventData)
+            except nv.NVMLError:
+                continue  # the GPU is lost, and left out
             self.last_xid[uuid] = xid
             self.xids_seen.append((time.monotonic(), uuid, xid))
         since = time.monotonic() - self.xid_window_ms / 1000
         self.xids_seen = [seen for seen in self.xids_seen if seen[0] >= since]
 
-    def _xid_counts(self, index: int, labels: str) -> list[str]:
+    def _xid_counts(self, uuid: str, labels: str) -> list[str]:
         """One GPU's XID counts within the window, as the exporter gives them: a sample per XID, or one 0 without an
         ``xid`` label; none while XID events are unavailable (as ``DCGM_FI_DEV_XID_ERRORS``)."""
-        uuid = self.uuids[index]
         if uuid not in self.last_xid:
             return []
         counts = Counter(xid for _, seen, xid in self.xids_seen if seen == uuid)
@@ -219,22 +258,22 @@ class Collector:
             return [f"{XID_COUNT_FIELD}{{{window}}} 0"]
         return [f'{XID_COUNT_FIELD}{{{window},xid="{xid}"}} {n}' for xid, n in sorted(counts.items())]
 
-    def _labels(self, index: int, handle: Any) -> str:
+    def _labels(self, gpu: Gpu) -> str:
         try:
-            minor = nv.nvmlDeviceGetMinorNumber(handle)
+            minor = nv.nvmlDeviceGetMinorNumber(gpu.handle)
         except nv.NVMLError:
-            minor = index  # the device node number, when NVML cannot say
+            minor = gpu.index  # the device node number, when NVML cannot say
         pairs = {
-            "gpu": str(index),
-            "UUID": self.uuids[index],
-            "pci_bus_id": _text(nv.nvmlDeviceGetPciInfo_v3(handle).busId),
+            "gpu": str(gpu.index),
+            "UUID": gpu.uuid,
+            "pci_bus_id": _text(nv.nvmlDeviceGetPciInfo_v3(gpu.handle).busId),
             "device": f"nvidia{minor}",
-            "modelName": _text(nv.nvmlDeviceGetName(handle)),
+            "modelName": _text(nv.nvmlDeviceGetName(gpu.handle)),
             "Hostname": self.hostname,
         }
         for field in self.labels:
             try:
-                pairs[field] = LABEL_FIELDS[field](handle)
+                pairs[field] = LABEL_FIELDS[field](gpu.handle)
             except nv.NVMLError:
                 continue
         return ",".join(f'{k}="{_escape(v)}"' for k, v in pairs.items())
@@ -242,19 +281,25 @@ class Collector:
     def render(self) -> str:
         with self.lock:
             self._drain_xid_events()
-            labels = [self._labels(i, h) for i, h in enumerate(self.handles)]
+            self.read_gpus()
+            labels = {}
+            for gpu in self.gpus:
+                try:
+                    labels[gpu.uuid] = self._labels(gpu)
+                except nv.NVMLError:
+                    continue  # lost since it was counted
             lines = []
             for field, kind, help_text in self.metrics:
                 samples = []
-                for i, h in enumerate(self.handles):
+                for gpu in (gpu for gpu in self.gpus if gpu.uuid in labels):
                     if field == XID_COUNT_FIELD:
-                        samples += self._xid_counts(i, labels[i])
+                        samples += self._xid_counts(gpu.uuid, labels[gpu.uuid])
                         continue
                     try:
-                        value = self.last_xid[self.uuids[i]] if field == XID_FIELD else _read(field, h)
+                        value = self.last_xid[gpu.uuid] if field == XID_FIELD else _read(field, gpu.handle)
                     except (nv.NVMLError, KeyError):
                         continue
-                    samples.append(f"{field}{{{labels[i]}}} {_number(value)}")
+                    samples.append(f"{field}{{{labels[gpu.uuid]}}} {_number(value)}")
                 if samples:
                     lines += [f"# HELP {field} {help_text}", f"# TYPE {field} {kind}", *samples]
             return "\n".join(lines) + "\n"
@@ -309,7 +354,7 @@ def serve(collector: Collector, address: str) -> None:
 
     host, port = _split_address(address)
     server = ThreadingHTTPServer((host, port), Handler)
-    print(f"dcgm-exporter (lab double): serving {len(collector.handles)} GPU(s) on {address}", file=sys.stderr)
+    print(f"dcgm-exporter (lab double): serving {len(collector.gpus)} GPU(s) on {address}", file=sys.stderr)
     server.serve_forever()
 
 

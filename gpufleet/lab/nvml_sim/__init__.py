@@ -22,7 +22,7 @@ LIBRARY_NAME = "libnvidia-ml.so.1"
 PROFILE_ENV = "GPUFLEET_NVML_SIM_PROFILE"
 DEFAULT_PROFILE_PATH = Path("/etc/gpufleet/nvml-sim-profile")
 SOURCE = Path(__file__).with_name("nvml_sim.c")
-CFLAGS = ("-std=c11", "-D_DEFAULT_SOURCE", "-DNVML_NO_UNVERSIONED_FUNC_DEFS", "-O2", "-Wall", "-Wextra",
+CFLAGS = ("-std=c11", "-D_DEFAULT_SOURCE", "-DNVML_NO_UNVERSIONED_FUNC_DEFS", "-O2", "-pthread", "-Wall", "-Wextra",
           "-Wno-deprecated-declarations", "-fPIC", "-fvisibility=hidden", "-shared",
           f"-Wl,-soname,{LIBRARY_NAME}")
 

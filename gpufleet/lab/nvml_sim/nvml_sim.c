@@ -15,6 +15,8 @@
  *   remapped_rows CORR UNC PENDING FAILURE | pcie GEN_CUR GEN_MAX WIDTH_CUR WIDTH_MAX
  *   clock_event_reasons MASK | numa_node N | cpu_affinity 0-63,128-191
  *   nvlink LINK ACTIVE gpu|switch|ibmnpu|unknown|- BUS|-
+ *   nvlink_errors LINK CRC_FLIT CRC_DATA REPLAY RECOVERY   (error counters of a link declared above; default 0)
+ *   xids XID...           (the XIDs the GPU reported, oldest first: its history on the node)
  *   fabric STATE [STATUS CLIQUE CLUSTER-UUID]   (STATE: not_supported not_started in_progress completed)
  *   topology L0 L1 ...   (PCIe common ancestor per device: X PIX PXB PHB NODE SYS)
  *   unsupported FIELD...  (answer NOT_SUPPORTED: ecc ecc_errors remapped_rows mig nvlinks fabric pcie
@@ -22,18 +24,34 @@
  *                          topology)
  *   lost                  (the handle query answers GPU_IS_LOST)
  * A missing profile makes nvmlInit answer DRIVER_NOT_LOADED; a malformed one UNKNOWN (reason on stderr).
+ *
+ * Faults at run time: the calls a monitoring loop repeats (device count, handle by index, event wait) read the
+ * profile file again and apply it when its text changed, so a profile swapped on a running node (write a new file,
+ * then rename it over the old one) is seen without a new nvmlInit. A missing or malformed profile then keeps the
+ * previous answers (reason on stderr, once). Device handles stay valid across reloads; a device beyond
+ * the new device_count answers INVALID_ARGUMENT. XIDs a reloaded profile lists beyond those the previous one
+ * listed (all of them when the history was rewritten) are delivered once, as nvmlEventTypeXidCriticalError
+ * events, to the event sets the GPU is registered with; XIDs in the first profile read happened before the
+ * process started and are not delivered.
  */
 #include <ctype.h>
 #include <errno.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "nvml.h"
 
 #define SIM_MAX_GPUS 64
 #define SIM_MAX_LINKS NVML_NVLINK_MAX_LINKS
 #define SIM_CPU_WORDS 16 /* 1024 CPUs */
+#define SIM_LINK_COUNTERS 4 /* NVML_NVLINK_ERROR_DL_REPLAY, _RECOVERY, _CRC_FLIT, _CRC_DATA (0..3) */
+#define SIM_MAX_XIDS 64
+#define SIM_EVENT_QUEUE 256 /* events an event set holds until waited for; more are dropped */
+#define SIM_EVENT_TYPES nvmlEventTypeXidCriticalError
+#define SIM_POLL_MS 50 /* how often a waiting nvmlEventSetWait looks at the profile */
 #define SIM_EXPORT __attribute__((visibility("default")))
 
 enum sim_feature {
@@ -49,6 +67,7 @@ static const char *const feature_names[F_COUNT] = {
 struct sim_link {
     int present, active, remote_type; /* remote_type -1: not reported */
     char remote_bus[NVML_DEVICE_PCI_BUS_ID_BUFFER_SIZE];
+    unsigned long long errors[SIM_LINK_COUNTERS]; /* indexed by nvmlNvLinkErrorCounter_t */
 };
 
 struct nvmlDevice_st {
@@ -68,16 +87,31 @@ struct nvmlDevice_st {
     unsigned int clique_id;
     unsigned char cluster_uuid[NVML_GPU_FABRIC_UUID_LEN];
     int topology[SIM_MAX_GPUS];
+    unsigned int xids[SIM_MAX_XIDS], xid_count;
 };
 
-static struct {
+/* The node as a profile declares it; "staged" holds a profile being read, applied whole once it reads. */
+static struct sim_state {
     int refcount;
     char driver_version[NVML_SYSTEM_DRIVER_VERSION_BUFFER_SIZE];
     char nvml_version[NVML_SYSTEM_NVML_VERSION_BUFFER_SIZE];
     int cuda_driver_version;
     unsigned int count;
     struct nvmlDevice_st dev[SIM_MAX_GPUS];
-} sim;
+} sim, staged;
+
+struct nvmlEventSet_st {
+    struct nvmlEventSet_st *next;
+    unsigned long long types[SIM_MAX_GPUS]; /* event types registered, per device */
+    nvmlEventData_t queue[SIM_EVENT_QUEUE];
+    unsigned int head, count;
+};
+
+static struct nvmlEventSet_st *event_sets; /* every set created and not freed */
+static char *seen_text; /* the profile's text as last read, applied or not; NULL: not read, or missing */
+static size_t seen_length;
+static int loaded; /* a profile was applied: XIDs new in the next one are events */
+static pthread_mutex_t sim_lock = PTHREAD_MUTEX_INITIALIZER; /* guards reloads and event sets */
 
 /* ---- profile parsing ---------------------------------------------------------------------- */
 
@@ -187,6 +221,30 @@ static int parse_device_line(struct nvmlDevice_st *d, const char *key, char *res
             return -1;
         return strcmp(b, "-") == 0 ? 0 : copy_word(l->remote_bus, sizeof l->remote_bus, b);
     }
+    if (strcmp(key, "nvlink_errors") == 0) {
+        unsigned int link;
+        unsigned long long flit, data, replay, recovery;
+        if (sscanf(rest, "%u %llu %llu %llu %llu", &link, &flit, &data, &replay, &recovery) != 5
+            || link >= SIM_MAX_LINKS || !d->links[link].present)
+            return -1;
+        unsigned long long *errors = d->links[link].errors;
+        errors[NVML_NVLINK_ERROR_DL_CRC_FLIT] = flit;
+        errors[NVML_NVLINK_ERROR_DL_CRC_DATA] = data;
+        errors[NVML_NVLINK_ERROR_DL_REPLAY] = replay;
+        errors[NVML_NVLINK_ERROR_DL_RECOVERY] = recovery;
+        return 0;
+    }
+    if (strcmp(key, "xids") == 0) {
+        d->xid_count = 0;
+        for (char *tok = strtok(rest, " \t"); tok; tok = strtok(NULL, " \t")) {
+            char *end;
+            unsigned long xid = strtoul(tok, &end, 10);
+            if (*end || xid == 0 || xid > 999 || d->xid_count == SIM_MAX_XIDS)
+                return -1;
+            d->xids[d->xid_count++] = (unsigned int)xid;
+        }
+        return 0;
+    }
     if (strcmp(key, "fabric") == 0) {
         static const char *const states[] = {"not_supported", "not_started", "in_progress", "completed"};
         char uuid_text[96];
@@ -227,24 +285,67 @@ static int parse_device_line(struct nvmlDevice_st *d, const char *key, char *res
     return -1;
 }
 
-static nvmlReturn_t load_profile(void)
+static const char *profile_path(void)
 {
     const char *path = getenv("GPUFLEET_NVML_SIM_PROFILE");
-    if (!path || !*path)
-        path = "/etc/gpufleet/nvml-sim-profile";
+    return path && *path ? path : "/etc/gpufleet/nvml-sim-profile";
+}
+
+/* The whole file at path, NUL-terminated, in a malloc'd buffer; NULL with errno set when it cannot be read. */
+static char *read_file(const char *path, size_t *length)
+{
     FILE *f = fopen(path, "r");
-    if (!f) {
-        fprintf(stderr, "nvml-sim: cannot open profile %s: %s\n", path, strerror(errno));
-        return NVML_ERROR_DRIVER_NOT_LOADED;
+    if (!f)
+        return NULL;
+    size_t size = 16384, n = 0;
+    char *text = malloc(size);
+    for (size_t got = 1; text && got;) {
+        if (n + 1 == size) {
+            char *bigger = realloc(text, size *= 2);
+            if (!bigger)
+                free(text);
+            text = bigger;
+            if (!text)
+                break;
+        }
+        n += got = fread(text + n, 1, size - n - 1, f);
     }
-    memset(&sim.dev, 0, sizeof sim.dev);
-    sim.count = 0;
+    int failed = ferror(f);
+    fclose(f);
+    if (text && failed) {
+        free(text);
+        text = NULL;
+        errno = EIO;
+    }
+    if (text) {
+        text[n] = 0;
+        *length = n;
+    }
+    return text;
+}
+
+/* Copy the next line of *text into line (at most size - 1 bytes of it) and move past it; 0 at the end. */
+static int next_line(const char **text, char *line, size_t size)
+{
+    if (!**text)
+        return 0;
+    size_t length = strcspn(*text, "\n"), kept = length < size - 1 ? length : size - 1;
+    memcpy(line, *text, kept);
+    line[kept] = 0;
+    *text += length + ((*text)[length] == '\n');
+    return 1;
+}
+
+/* Read the profile text (from path) into *out, all of it replaced; NVML_SUCCESS when it reads. */
+static nvmlReturn_t load_profile(const char *path, const char *text, struct sim_state *out)
+{
+    memset(out, 0, sizeof *out);
     struct nvmlDevice_st *d = NULL;
     char line[8192];
     int lineno = 0, bad = 0;
-    while (!bad && fgets(line, sizeof line, f)) {
+    while (!bad && next_line(&text, line, sizeof line)) {
         lineno++;
-        line[strcspn(line, "\r\n")] = 0;
+        line[strcspn(line, "\r")] = 0;
         char *key = line + strspn(line, " \t");
         if (!*key || *key == '#')
             continue;
@@ -255,18 +356,18 @@ static nvmlReturn_t load_profile(void)
         char original[8192];
         snprintf(original, sizeof original, "%s %s", key, rest);
         if (strcmp(key, "driver_version") == 0)
-            bad = copy_word(sim.driver_version, sizeof sim.driver_version, rest);
+            bad = copy_word(out->driver_version, sizeof out->driver_version, rest);
         else if (strcmp(key, "nvml_version") == 0)
-            bad = copy_word(sim.nvml_version, sizeof sim.nvml_version, rest);
+            bad = copy_word(out->nvml_version, sizeof out->nvml_version, rest);
         else if (strcmp(key, "cuda_driver_version") == 0)
-            bad = sscanf(rest, "%d", &sim.cuda_driver_version) == 1 ? 0 : -1;
+            bad = sscanf(rest, "%d", &out->cuda_driver_version) == 1 ? 0 : -1;
         else if (strcmp(key, "device_count") == 0)
-            bad = sscanf(rest, "%u", &sim.count) == 1 && sim.count <= SIM_MAX_GPUS ? 0 : -1;
+            bad = sscanf(rest, "%u", &out->count) == 1 && out->count <= SIM_MAX_GPUS ? 0 : -1;
         else if (strcmp(key, "gpu") == 0) {
             unsigned int index;
             bad = sscanf(rest, "%u", &index) == 1 && index < SIM_MAX_GPUS ? 0 : -1;
             if (!bad) {
-                d = &sim.dev[index];
+                d = &out->dev[index];
                 d->defined = 1;
                 d->index = index;
                 d->numa_node = -1;
@@ -278,11 +379,76 @@ static nvmlReturn_t load_profile(void)
         if (bad)
             parse_fail(path, lineno, "cannot read", original);
     }
-    fclose(f);
-    for (unsigned int i = 0; !bad && i < sim.count; i++)
-        if (!sim.dev[i].defined)
+    for (unsigned int i = 0; !bad && i < out->count; i++)
+        if (!out->dev[i].defined)
             bad = parse_fail(path, 0, "no gpu block for device", "index below device_count");
     return bad ? NVML_ERROR_UNKNOWN : NVML_SUCCESS;
+}
+
+/* ---- reloading at run time, XID events ------------------------------------------------------ */
+
+/* Queue XID xid of device index on every event set registered for XID events there (caller holds sim_lock). */
+static void deliver_xid(unsigned int index, unsigned int xid)
+{
+    for (struct nvmlEventSet_st *set = event_sets; set; set = set->next) {
+        if (!(set->types[index] & nvmlEventTypeXidCriticalError) || set->count == SIM_EVENT_QUEUE)
+            continue;
+        nvmlEventData_t *event = &set->queue[(set->head + set->count++) % SIM_EVENT_QUEUE];
+        memset(event, 0, sizeof *event);
+        event->device = &sim.dev[index];
+        event->eventType = nvmlEventTypeXidCriticalError;
+        event->eventData = xid;
+        event->gpuInstanceId = event->computeInstanceId = 0xFFFFFFFFu;
+    }
+}
+
+/* Make the staged profile the node's state; XIDs it lists beyond the previous profile's are delivered. */
+static void apply_staged(void)
+{
+    for (unsigned int i = 0; loaded && i < SIM_MAX_GPUS; i++) {
+        const struct nvmlDevice_st *before = &sim.dev[i], *after = &staged.dev[i];
+        int kept = before->xid_count <= after->xid_count
+                   && memcmp(before->xids, after->xids, before->xid_count * sizeof before->xids[0]) == 0;
+        for (unsigned int x = kept ? before->xid_count : 0; x < after->xid_count; x++)
+            deliver_xid(i, after->xids[x]);
+    }
+    staged.refcount = sim.refcount;
+    sim = staged;
+    loaded = 1;
+}
+
+/* Apply the profile if its text changed since it was last read (always with force); a profile that cannot be
+ * read leaves the state as it was, and says why once. Caller holds sim_lock. */
+static nvmlReturn_t reload(int force)
+{
+    const char *path = profile_path();
+    size_t length = 0;
+    char *text = read_file(path, &length);
+    if (!text) {
+        if (force || seen_text)
+            fprintf(stderr, "nvml-sim: cannot open profile %s: %s\n", path, strerror(errno));
+        free(seen_text);
+        seen_text = NULL;
+        return NVML_ERROR_DRIVER_NOT_LOADED;
+    }
+    if (!force && seen_text && length == seen_length && memcmp(text, seen_text, length) == 0) {
+        free(text);
+        return NVML_SUCCESS;
+    }
+    free(seen_text);
+    seen_text = text;
+    seen_length = length;
+    nvmlReturn_t r = load_profile(path, text, &staged);
+    if (r == NVML_SUCCESS)
+        apply_staged();
+    return r;
+}
+
+static void reload_if_changed(void)
+{
+    pthread_mutex_lock(&sim_lock);
+    reload(0);
+    pthread_mutex_unlock(&sim_lock);
 }
 
 /* ---- helpers ------------------------------------------------------------------------------- */
@@ -341,13 +507,14 @@ static void fill_pci(nvmlPciInfo_t *pci, const char *bus_id)
 SIM_EXPORT nvmlReturn_t nvmlInitWithFlags(unsigned int flags)
 {
     (void)flags;
-    if (sim.refcount == 0) {
-        nvmlReturn_t r = load_profile();
-        if (r != NVML_SUCCESS)
-            return r;
+    pthread_mutex_lock(&sim_lock);
+    nvmlReturn_t r = reload(sim.refcount == 0);
+    if (r == NVML_SUCCESS || sim.refcount > 0) {
+        sim.refcount++;
+        r = NVML_SUCCESS;
     }
-    sim.refcount++;
-    return NVML_SUCCESS;
+    pthread_mutex_unlock(&sim_lock);
+    return r;
 }
 
 SIM_EXPORT nvmlReturn_t nvmlInit_v2(void) { return nvmlInitWithFlags(0); }
@@ -371,6 +538,8 @@ SIM_EXPORT const char *nvmlErrorString(nvmlReturn_t result)
     case NVML_ERROR_INSUFFICIENT_SIZE: return "Insufficient Size";
     case NVML_ERROR_DRIVER_NOT_LOADED: return "Driver Not Loaded";
     case NVML_ERROR_GPU_IS_LOST: return "GPU is lost";
+    case NVML_ERROR_TIMEOUT: return "Timeout";
+    case NVML_ERROR_MEMORY: return "Insufficient Memory";
     case NVML_ERROR_ARGUMENT_VERSION_MISMATCH: return "Argument version mismatch";
     default: return "Unknown Error";
     }
@@ -407,6 +576,7 @@ SIM_EXPORT nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *deviceCount)
         return NVML_ERROR_UNINITIALIZED;
     if (!deviceCount)
         return NVML_ERROR_INVALID_ARGUMENT;
+    reload_if_changed();
     *deviceCount = sim.count;
     return NVML_SUCCESS;
 }
@@ -417,6 +587,7 @@ SIM_EXPORT nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDe
 {
     if (!sim.refcount)
         return NVML_ERROR_UNINITIALIZED;
+    reload_if_changed();
     if (!device || index >= sim.count)
         return NVML_ERROR_INVALID_ARGUMENT;
     if (sim.dev[index].lost)
@@ -658,6 +829,20 @@ SIM_EXPORT nvmlReturn_t nvmlDeviceGetNvLinkRemoteDeviceType(nvmlDevice_t device,
     return NVML_SUCCESS;
 }
 
+SIM_EXPORT nvmlReturn_t nvmlDeviceGetNvLinkErrorCounter(nvmlDevice_t device, unsigned int link,
+                                                        nvmlNvLinkErrorCounter_t counter, unsigned long long *value)
+{
+    struct sim_link *l;
+    DEVICE(device, value);
+    nvmlReturn_t r = find_link(device, link, &l);
+    if (r != NVML_SUCCESS)
+        return r;
+    if ((unsigned int)counter >= SIM_LINK_COUNTERS) /* the ECC counter of NVLink 4 is not simulated */
+        return counter == NVML_NVLINK_ERROR_DL_ECC_DATA ? NVML_ERROR_NOT_SUPPORTED : NVML_ERROR_INVALID_ARGUMENT;
+    *value = l->errors[counter];
+    return NVML_SUCCESS;
+}
+
 SIM_EXPORT nvmlReturn_t nvmlDeviceGetGpuFabricInfo(nvmlDevice_t device, nvmlGpuFabricInfo_t *info)
 {
     DEVICE(device, info);
@@ -698,4 +883,110 @@ SIM_EXPORT nvmlReturn_t nvmlDeviceGetTopologyCommonAncestor(nvmlDevice_t device1
     FEATURE(device1, F_TOPOLOGY);
     *pathInfo = (nvmlGpuTopologyLevel_t)device1->topology[device2->index];
     return NVML_SUCCESS;
+}
+
+/* ---- events: XIDs from the profile's history (see the top of this file) ----------------------- */
+
+static int known_set(nvmlEventSet_t set)
+{
+    for (struct nvmlEventSet_st *s = event_sets; s; s = s->next)
+        if (s == set)
+            return 1;
+    return 0;
+}
+
+SIM_EXPORT nvmlReturn_t nvmlEventSetCreate(nvmlEventSet_t *set)
+{
+    if (!sim.refcount)
+        return NVML_ERROR_UNINITIALIZED;
+    if (!set)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    struct nvmlEventSet_st *created = calloc(1, sizeof *created);
+    if (!created)
+        return NVML_ERROR_MEMORY;
+    pthread_mutex_lock(&sim_lock);
+    created->next = event_sets;
+    event_sets = created;
+    pthread_mutex_unlock(&sim_lock);
+    *set = created;
+    return NVML_SUCCESS;
+}
+
+SIM_EXPORT nvmlReturn_t nvmlDeviceGetSupportedEventTypes(nvmlDevice_t device, unsigned long long *eventTypes)
+{
+    DEVICE(device, eventTypes);
+    *eventTypes = SIM_EVENT_TYPES;
+    return NVML_SUCCESS;
+}
+
+SIM_EXPORT nvmlReturn_t nvmlDeviceRegisterEvents(nvmlDevice_t device, unsigned long long eventTypes, nvmlEventSet_t set)
+{
+    DEVICE(device, set);
+    if (eventTypes & ~(unsigned long long)SIM_EVENT_TYPES)
+        return NVML_ERROR_NOT_SUPPORTED;
+    pthread_mutex_lock(&sim_lock);
+    nvmlReturn_t r = known_set(set) ? NVML_SUCCESS : NVML_ERROR_INVALID_ARGUMENT;
+    if (r == NVML_SUCCESS)
+        set->types[device - sim.dev] |= eventTypes;
+    pthread_mutex_unlock(&sim_lock);
+    return r;
+}
+
+static long elapsed_ms(const struct timespec *since)
+{
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (now.tv_sec - since->tv_sec) * 1000 + (now.tv_nsec - since->tv_nsec) / 1000000;
+}
+
+SIM_EXPORT nvmlReturn_t nvmlEventSetWait_v2(nvmlEventSet_t set, nvmlEventData_t *data, unsigned int timeoutms)
+{
+    if (!sim.refcount)
+        return NVML_ERROR_UNINITIALIZED;
+    if (!set || !data)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    struct timespec start;
+    clock_gettime(CLOCK_MONOTONIC, &start);
+    for (;;) {
+        pthread_mutex_lock(&sim_lock);
+        nvmlReturn_t r = known_set(set) ? NVML_ERROR_TIMEOUT : NVML_ERROR_INVALID_ARGUMENT;
+        if (r == NVML_ERROR_TIMEOUT) {
+            reload(0);
+            if (set->count) {
+                *data = set->queue[set->head];
+                set->head = (set->head + 1) % SIM_EVENT_QUEUE;
+                set->count--;
+                r = NVML_SUCCESS;
+            }
+        }
+        pthread_mutex_unlock(&sim_lock);
+        long left = (long)timeoutms - elapsed_ms(&start);
+        if (r != NVML_ERROR_TIMEOUT || left <= 0)
+            return r;
+        long nap = left < SIM_POLL_MS ? left : SIM_POLL_MS;
+        struct timespec pause = {nap / 1000, (nap % 1000) * 1000000L};
+        nanosleep(&pause, NULL);
+    }
+}
+
+SIM_EXPORT nvmlReturn_t nvmlEventSetWait(nvmlEventSet_t set, nvmlEventData_t *data, unsigned int timeoutms)
+{
+    return nvmlEventSetWait_v2(set, data, timeoutms);
+}
+
+SIM_EXPORT nvmlReturn_t nvmlEventSetFree(nvmlEventSet_t set)
+{
+    if (!sim.refcount)
+        return NVML_ERROR_UNINITIALIZED;
+    nvmlReturn_t r = NVML_ERROR_INVALID_ARGUMENT;
+    pthread_mutex_lock(&sim_lock);
+    for (struct nvmlEventSet_st **link = &event_sets; *link; link = &(*link)->next)
+        if (*link == set) {
+            *link = set->next;
+            free(set);
+            r = NVML_SUCCESS;
+            break;
+        }
+    pthread_mutex_unlock(&sim_lock);
+    return r;
 }
