@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from gpufleet.lab.state import ProcessRecord
+from gpufleet.node_paths import MODELS_DIR
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +61,10 @@ def alive(proc: ProcessRecord | None) -> bool:
     return found is not None and found[2] == proc.start_ticks and found[0] != "Z"
 
 
-def nspawn_argv(root: Path, machine: str, hostname: str, bridge: str) -> list[str]:
-    """How a node boots: systemd as PID 1 in its own namespaces, one veth on the lab bridge."""
+def nspawn_argv(root: Path, machine: str, hostname: str, bridge: str, model_disk: Path) -> list[str]:
+    """How a node boots: systemd as PID 1 in its own namespaces, one veth on the lab bridge, and ``model_disk`` (a
+    directory of this machine) mounted at the node's model directory, as GPU servers keep their models on a disk of
+    their own (its filesystem is then reported apart from the root's overlay, which node_exporter leaves out)."""
     return [
         "systemd-nspawn",
         f"--directory={root}",
@@ -78,12 +81,16 @@ def nspawn_argv(root: Path, machine: str, hostname: str, bridge: str) -> list[st
         # nspawn's seccomp filter refuses bpf(2) by default, and without it the node's systemd silently
         # ignores IPAddressAllow=/IPAddressDeny= (cgroup BPF): allowed, the units' IP filters are enforced.
         "--system-call-filter=bpf",
+        f"--bind={model_disk}:{MODELS_DIR}",
     ]
 
 
-def start(root: Path, machine: str, hostname: str, bridge: str, console_log: Path) -> ProcessRecord:
-    """Boot ``root`` under the supervisor; the node's console goes to ``console_log``."""
-    argv = [sys.executable, "-m", "gpufleet.lab.supervise", "--", *nspawn_argv(root, machine, hostname, bridge)]
+def start(root: Path, machine: str, hostname: str, bridge: str, console_log: Path, model_disk: Path) -> ProcessRecord:
+    """Boot ``root`` under the supervisor, with ``model_disk`` (created when missing) as its model directory; the
+    node's console goes to ``console_log``."""
+    model_disk.mkdir(mode=0o755, exist_ok=True)
+    argv = [sys.executable, "-m", "gpufleet.lab.supervise", "--",
+            *nspawn_argv(root, machine, hostname, bridge, model_disk)]
     with open(console_log, "ab") as log:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)

@@ -49,6 +49,7 @@ READY_STATES = ("running", "degraded")
 NSPAWN_PROPAGATE = "/run/systemd/nspawn/propagate"  # where nspawn keeps each machine's mount propagation
 BOOT_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 30.0
+MODEL_DISK = "models"  # in a node's directory: its model directory's own filesystem (container.start)
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
@@ -174,7 +175,7 @@ def _start(
     ssh.write_client_config(Path(state.ssh_config), {n.name: n.address for n in state.nodes}, key, known_hosts)
     for node in state.nodes:
         node.process = container.start(Path(node.root), node.machine, node.name, state.bridge,
-                                       Path(node.node_dir) / "console.log")
+                                       Path(node.node_dir) / "console.log", Path(node.node_dir) / MODEL_DISK)
         save_state(state, directory)
     with ThreadPoolExecutor(max_workers=len(state.nodes)) as pool:
         list(pool.map(lambda n: _wait_ready(n, key, known_hosts, timeout), state.nodes))
@@ -289,7 +290,7 @@ def power_on(name: str, base: Path | None = None, timeout: float = 120) -> None:
         if container.alive(node.process):
             raise LabError(f"{name} is running")
         node.process = container.start(Path(node.root), node.machine, node.name, state.bridge,
-                                       Path(node.node_dir) / "console.log")
+                                       Path(node.node_dir) / "console.log", Path(node.node_dir) / MODEL_DISK)
     _wait_ready(node, Path(state.ssh_key), Path(state.known_hosts), timeout)
 
 

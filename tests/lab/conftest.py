@@ -32,8 +32,9 @@ LAB_NODES = 3
 LAB_PROFILES = ("8xH100NVL-PCIe", "8xH100-SXM", "8xH100-SXM")  # one per node
 LAB_TEARDOWN_TESTS = {"test_down_leaves_nothing_behind"}
 # After the others, in this order: test_access.py builds on the Ray deployment test_serving.py leaves and ends on
-# the lab's default deployment, which test_upgrade.py rolls to another vLLM release and back.
-LAB_LAST_MODULES = ("test_access.py", "test_upgrade.py")
+# the lab's default deployment, on which test_alerts.py injects faults and clears them, and which test_upgrade.py
+# rolls to another vLLM release and back.
+LAB_LAST_MODULES = ("test_access.py", "test_alerts.py", "test_upgrade.py")
 # The vLLM release the lab deploys (group_vars/lab.yml): its virtualenv is /opt/vllm/<version> on every node.
 LAB_VLLM_VERSION: str = yaml.safe_load((ROOT / "group_vars" / "lab.yml").read_text())["vllm_version"]
 LAB_VENV = f"/opt/vllm/{LAB_VLLM_VERSION}"

@@ -22,6 +22,8 @@ from typing import Any
 import pytest
 import yaml
 
+from gpufleet import dashboards
+from gpufleet.dashboards import Query
 from gpufleet.lab.nodes import API_KEY_FILE, power_off
 from gpufleet.lab.request_load import RequestLoad
 from gpufleet.lab.sim_profile import write_sim_profile
@@ -29,6 +31,7 @@ from gpufleet.lab.state import NodeRecord
 from gpufleet.unit_security import EXPOSURE_BOUND, exposure_score
 from tests.lab.checks import assert_no_errors, assert_nothing_changed, main_pid, metrics
 from tests.lab.conftest import LAB_VENV, LAB_VLLM_VERSION, PYINFRA, ROOT, Completed, Lab, _run
+from tests.lab.prometheus import Prometheus, wait_for
 
 pytestmark = [
     pytest.mark.lab,
@@ -166,6 +169,59 @@ def test_deploy_converges_bare_nodes_to_serving(lab: Lab) -> None:
         assert status == 200 and "DCGM_FI_DEV_XID_ERRORS" in metrics  # our counters file
 
 
+HEALTHY_WATCH_S = 300
+_healthy_since: list[float] = []  # when Prometheus first saw every target up: the healthy watch starts there
+
+
+def _targets_by_job(lab: Lab) -> dict[str, dict[str, dict[str, str]]]:
+    """What the lab's plan has Prometheus scrape, by job and address:port, with the labels of each target (its
+    node, pool, and for a replica its model, replica and role; GPU indices are checked apart)."""
+    pools = {lab.nodes[0].address: "lab_single", **{n.address: "lab_pipeline" for n in lab.nodes[1:]}}
+    model = _served_name("lab")
+    node = {f"{n.address}:9100": {"node": n.address, "pool": pools[n.address]} for n in lab.nodes}
+    dcgm = {f"{n.address}:9400": {"node": n.address, "pool": pools[n.address]} for n in lab.nodes}
+    first, rank0 = lab.nodes[0].address, lab.nodes[1].address
+    vllm = {f"{first}:{PORT}": {"node": first, "pool": "lab_single", "model": model, "replica": _single(lab),
+                                "role": "rank0"},
+            f"{rank0}:{PORT}": {"node": rank0, "pool": "lab_pipeline", "model": model, "replica": PIPELINE,
+                                "role": "rank0"}}
+    router = {f"{first}:{ROUTER_METRICS_PORT}": {"node": first, "pool": "lab_single"}}
+    return {"node": node, "dcgm": dcgm, "vllm": vllm, "router": router}
+
+
+def test_prometheus_scrapes_every_target_of_the_plan_with_its_labels(lab: Lab) -> None:
+    """The monitoring group's Prometheus (lab1) scrapes every exporter, replica API and router of the plan, all
+    up, each target and each of its series labelled with its node and pool, a replica's with its model, replica,
+    role and GPUs."""
+    prometheus = Prometheus(lab.nodes[0])
+    expected = _targets_by_job(lab)
+
+    def all_up() -> list[dict[str, Any]] | None:
+        targets = prometheus.targets()
+        return targets if targets and all(t["health"] == "up" for t in targets) else None
+
+    try:
+        targets, _ = wait_for("every target up", all_up, timeout=180)
+    except AssertionError:
+        down = [(t["scrapeUrl"], t["lastError"]) for t in prometheus.targets() if t["health"] != "up"]
+        raise AssertionError(f"targets not up: {down}") from None
+    _healthy_since.append(time.monotonic())
+    found: dict[str, dict[str, dict[str, str]]] = {}
+    for target in targets:
+        labels = dict(target["labels"])
+        job, instance = labels.pop("job"), labels.pop("instance")
+        gpus = labels.pop("gpus", None)
+        if job == "vllm":
+            assert gpus and re.fullmatch(r"\d+(,\d+)*", gpus), target
+        found.setdefault(job, {})[instance] = labels
+    assert found == expected
+    for job, needed in (("node", "node"), ("dcgm", "node"), ("vllm", "replica"), ("router", "node")):
+        assert prometheus.query(f'count({{job="{job}"}})'), f"no series of job {job}"
+        unlabelled = prometheus.query(f'count by (__name__) ({{job="{job}", {needed}=""}})')
+        assert unlabelled == [], (job, unlabelled[:5])
+    assert prometheus.query('count by (node) (DCGM_FI_DEV_GPU_TEMP{job="dcgm", pool!="", gpu!=""})')
+
+
 def test_a_second_run_changes_nothing(lab: Lab) -> None:
     rows = assert_no_errors(_deploy(lab))
     operations = [name for name in rows if name != "Grand total"]
@@ -233,6 +289,40 @@ def test_the_router_spreads_one_models_requests_over_both_replicas(lab: Lab) -> 
         answered = [line for line in text.splitlines() if line.startswith("haproxy_server_http_responses_total{")
                     and f'server="{server}"' in line and 'code="2xx"' in line]
         assert answered and float(answered[0].rsplit(" ", 1)[1]) > 0, (server, answered)
+
+
+def _without_data(prometheus: Prometheus, queries: list[Query], values: dict[str, str]) -> dict[str, str]:
+    """The queries that return nothing, or NaN only, on the lab's Prometheus now: name -> the query as run. A
+    query Prometheus cannot parse fails the test at once."""
+    empty = {}
+    for query in queries:
+        expr = query.resolve(values)
+        try:
+            result = prometheus.query(expr)
+        except urllib.error.HTTPError as exc:
+            raise AssertionError(f"{query.name}: Prometheus refused {expr!r}: {exc.read().decode()[:300]}") from None
+        numbers = [float((r.get("value") or r["values"][-1])[1]) for r in result]
+        if not any(n == n for n in numbers):  # NaN != NaN
+            empty[query.name] = expr
+    return empty
+
+
+def test_every_dashboard_query_parses_and_returns_data_on_the_lab(lab: Lab) -> None:
+    """Each panel's and variable's query of the shipped dashboards, with the lab's model and an NVLink node, on the
+    lab's Prometheus while requests flow through the router (latency and rate panels need recent requests)."""
+    prometheus = Prometheus(lab.nodes[0])
+    queries = dashboards.panel_queries() + dashboards.variable_queries()
+    values = {"model": _served_name("lab"), "node": lab.nodes[1].address}  # lab2: 8xH100-SXM, NVLink
+
+    def all_answer() -> bool | None:
+        for _ in range(4):
+            assert _router_completion_tokens(lab) > 0
+        return True if not _without_data(prometheus, queries, values) else None
+
+    try:
+        wait_for("every dashboard query returns data", all_answer, timeout=150, every=5)
+    except AssertionError:
+        raise AssertionError(f"without data: {_without_data(prometheus, queries, values)}") from None
 
 
 def test_vllm_runs_as_its_own_user_and_secrets_stay_out_of_sight(lab: Lab) -> None:
@@ -305,6 +395,20 @@ def test_the_vllm_unit_is_sandboxed(lab: Lab) -> None:
     score = exposure_score(out)
     print(json.dumps({"unit": f"vllm@{_single(lab)}.service", "exposure": score}))
     assert score <= EXPOSURE_BOUND, out[-2000:]
+
+
+def test_no_alert_fires_on_the_healthy_lab(lab: Lab) -> None:
+    """From the moment Prometheus saw every target up, through the tests above (deploys, checks, requests), for
+    at least HEALTHY_WATCH_S: no alert fired, with the lab's short waits (group_vars/lab.yml)."""
+    assert _healthy_since, "test_prometheus_scrapes_every_target_of_the_plan_with_its_labels did not pass"
+    prometheus = Prometheus(lab.nodes[0])
+    time.sleep(max(0.0, _healthy_since[0] + HEALTHY_WATCH_S - time.monotonic()))
+    watched = int(time.monotonic() - _healthy_since[0])
+    fired = prometheus.query(f'max_over_time(ALERTS{{alertstate="firing"}}[{watched}s])')
+    assert fired == [], [f["metric"] for f in fired]
+    pending = prometheus.query(f'max_over_time(ALERTS{{alertstate="pending"}}[{watched}s])')
+    print(f"healthy watch: {watched} s, no alert fired; pending on the way: {[p['metric'] for p in pending]}")
+    assert prometheus.firing() == {}
 
 
 def test_kill_9_of_vllm_is_restarted_and_serves_again(lab: Lab, tmp_path_factory: pytest.TempPathFactory) -> None:

@@ -1,0 +1,66 @@
+"""The lab's Prometheus (inventories/lab.py: the monitoring group, lab1), read through its HTTP API from the bridge."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from gpufleet.lab.state import NodeRecord
+
+PORT = 9090  # prometheus_port's default
+SCRAPE_INTERVAL_S = 15  # gpufleet.scrape_config's global scrape_interval
+T = TypeVar("T")
+
+
+class Prometheus:
+    """The HTTP API of the Prometheus on ``node``."""
+
+    def __init__(self, node: NodeRecord) -> None:
+        self.base = f"http://{node.address}:{PORT}/api/v1"
+
+    def _get(self, path: str, **params: str) -> Any:
+        url = f"{self.base}/{path}" + (f"?{urllib.parse.urlencode(params)}" if params else "")
+        with urllib.request.urlopen(url, timeout=30) as response:
+            answer = json.loads(response.read().decode())
+        assert answer["status"] == "success", answer
+        return answer["data"]
+
+    def query(self, expr: str) -> list[dict[str, Any]]:
+        """An instant query's result: ``[{"metric": labels, "value": [time, text]}]`` (or ``values`` for a range
+        selector)."""
+        data = self._get("query", query=expr)
+        assert data["resultType"] in ("vector", "matrix"), data
+        return list(data["result"])
+
+    def targets(self) -> list[dict[str, Any]]:
+        """Every active target: ``labels`` (after relabelling), ``health``, ``lastError``, ``scrapeUrl``."""
+        return list(self._get("targets", state="active")["activeTargets"])
+
+    def alerts(self) -> list[dict[str, Any]]:
+        """The alerts now pending or firing: ``labels``, ``state``, ``activeAt``."""
+        return list(self._get("alerts")["alerts"])
+
+    def firing(self) -> dict[str, list[dict[str, str]]]:
+        """Labels of each firing alert, by alert name."""
+        found: dict[str, list[dict[str, str]]] = {}
+        for alert in self.alerts():
+            if alert["state"] == "firing":
+                found.setdefault(alert["labels"]["alertname"], []).append(alert["labels"])
+        return found
+
+
+def wait_for(what: str, probe: Callable[[], T | None], timeout: float, every: float = 3.0) -> tuple[T, float]:
+    """Call ``probe`` until it returns something other than None (or ``timeout`` runs out: AssertionError naming
+    ``what``); what it returned and the seconds it took."""
+    start = time.monotonic()
+    while True:
+        found = probe()
+        if found is not None:
+            return found, time.monotonic() - start
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"{what}: not within {timeout:.0f} s")
+        time.sleep(every)

@@ -1,0 +1,198 @@
+"""Alerts on the lab: faults injected on running nodes fire their alert in the monitoring group's Prometheus (lab1)
+within the rule's wait plus two scrape intervals, seen in its ``/api/v1/alerts``, and resolve once cleared.
+
+Builds on the lab's default deployment, as test_access.py leaves it (both replicas of the tiny model serving,
+the router and Prometheus on lab1), with the lab's short waits (group_vars/lab.yml). Two rounds, each with faults
+that do not hide one another:
+
+- lab1's engine stalled (SIGSTOP, with requests in flight and its watchdog stopped, as when the watchdog itself
+  is what failed) and lab3's dcgm-exporter stopped;
+- lab1's replica stopped for good, and on lab1's simulated GPUs a GPU lost, a critical XID and NVLink errors.
+
+Each fault's time to fire and to resolve goes to the session's lab-fault-figures.jsonl.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from gpufleet.lab.sim_profile import write_sim_profile
+from gpufleet.lab.state import NodeRecord
+from tests.lab.conftest import ROOT, Lab
+from tests.lab.prometheus import SCRAPE_INTERVAL_S, Prometheus, wait_for
+from tests.lab.test_serving import PORT, _api_key, _model, _record_figure, _single, _wait_serving
+
+pytestmark = [
+    pytest.mark.lab,
+    pytest.mark.filterwarnings("ignore:Unknown ssh-ed25519 host key:UserWarning"),
+]
+
+LAB_VARS: dict[str, Any] = yaml.safe_load((ROOT / "group_vars" / "lab.yml").read_text())
+PROFILE = "/etc/gpufleet/nvml-sim-profile"
+GATE_FAILED = "/run/gpufleet/gpu-gate-failed"
+STALL_FOR_S = 60  # VllmEngineStalled's own `for`
+RESOLVE_S = 240
+LOST_GPU, XID_GPU, XID, NVLINK_GPU = 7, 1, 79, 2
+
+
+@dataclass
+class Expected:
+    """An alert the fault must fire: its name, labels it must carry, and the rule's wait (its ``for``, or the
+    window its expression needs) in seconds."""
+
+    alert: str
+    labels: dict[str, str]
+    wait_s: int
+    fired_s: float | None = field(default=None)
+
+    def matches(self, labels: dict[str, str]) -> bool:
+        return labels.get("alertname") == self.alert and all(labels.get(k) == v for k, v in self.labels.items())
+
+
+def _watch(prometheus: Prometheus, expected: list[Expected], injected: float) -> None:
+    """Wait until every expected alert fires, each within its wait plus two scrape intervals of ``injected``."""
+    limit = max(e.wait_s for e in expected) + 2 * SCRAPE_INTERVAL_S
+
+    def all_fired() -> bool | None:
+        firing = [a["labels"] for a in prometheus.alerts() if a["state"] == "firing"]
+        for e in expected:
+            if e.fired_s is None and any(e.matches(labels) for labels in firing):
+                e.fired_s = time.monotonic() - injected
+        return True if all(e.fired_s is not None for e in expected) else None
+
+    with contextlib.suppress(AssertionError):  # judged below, alert by alert
+        wait_for("the faults' alerts", all_fired, timeout=limit + 60, every=2)
+    late = {e.alert: e.fired_s for e in expected if e.fired_s is None or e.fired_s > e.wait_s + 2 * SCRAPE_INTERVAL_S}
+    assert not late, f"fired late or not at all (s): {late}; firing now: {prometheus.firing()}"
+
+
+def _resolved(prometheus: Prometheus, expected: list[Expected], cleared: float) -> float:
+    """Wait until none of the expected alerts is pending or firing; the seconds since ``cleared``."""
+    def gone() -> bool | None:
+        active = [a["labels"] for a in prometheus.alerts()]
+        return True if not any(e.matches(labels) for e in expected for labels in active) else None
+
+    wait_for(f"{[e.alert for e in expected]} resolved", gone, timeout=RESOLVE_S, every=2)
+    return time.monotonic() - cleared
+
+
+def _figures(expected: list[Expected], resolved_s: float) -> dict[str, Any]:
+    return {"fired_after_s": {e.alert: round(e.fired_s or -1, 1) for e in expected},
+            "waits_s": {e.alert: e.wait_s for e in expected}, "all_resolved_after_s": round(resolved_s, 1)}
+
+
+def _stream(lab: Lab, node: NodeRecord, started: threading.Event, done: list[str]) -> None:
+    """A long streamed completion on ``node``'s replica: ``started`` once its first token came."""
+    body = {"model": _model(lab, node), "prompt": "The fleet is", "max_tokens": 200, "ignore_eos": True,
+            "stream": True, "temperature": 0}
+    request = urllib.request.Request(f"http://{node.address}:{PORT}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json",
+                                              "Authorization": f"Bearer {_api_key(lab)}"})
+    try:
+        with urllib.request.urlopen(request, timeout=600) as response:
+            for line in response:
+                if line.startswith(b"data: {"):
+                    started.set()
+            done.append("complete")
+    except OSError as exc:
+        done.append(f"error: {exc}")
+        started.set()
+
+
+def _running_requests(lab: Lab, node: NodeRecord) -> float:
+    """vllm:num_requests_running on ``node``'s replica as its API server last heard it from the engine."""
+    text = lab.host(node).check_output(f"curl -s http://{node.address}:{PORT}/metrics")
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:num_requests_running{"))
+
+
+def test_a_stalled_engine_and_a_silent_dcgm_exporter_fire_and_resolve(
+        lab: Lab, tmp_path_factory: pytest.TempPathFactory) -> None:
+    first, third = lab.nodes[0], lab.nodes[2]
+    replica = _single(lab)
+    prometheus = Prometheus(first)
+    assert prometheus.firing() == {}, "the lab is not healthy to begin with"
+    _wait_serving(lab, first)
+    host = lab.host(first)
+    host.check_output(f"systemctl stop vllm-watchdog@{replica}")
+    engine = host.check_output("pgrep -f 'VLLM::EngineCore'").split()
+    assert len(engine) == 1, engine
+    streams: list[threading.Thread] = []
+    outcomes: list[str] = []
+    try:
+        for _attempt in range(5):  # the engine must stop with a request in flight
+            started = threading.Event()
+            stream = threading.Thread(target=_stream, args=(lab, first, started, outcomes), daemon=True)
+            stream.start()
+            streams.append(stream)
+            assert started.wait(120), "no token came"
+            host.check_output(f"kill -STOP {engine[0]}")
+            if _running_requests(lab, first) > 0:
+                break
+            host.check_output(f"kill -CONT {engine[0]}")
+        else:
+            pytest.fail("every request ended before the engine stopped")
+        lab.host(third).check_output("systemctl stop dcgm-exporter")
+        injected = time.monotonic()
+        expected = [
+            Expected("VllmEngineStalled", {"replica": replica}, LAB_VARS["alert_engine_stall_s"] + STALL_FOR_S),
+            Expected("DcgmExporterDown", {"node": third.address}, LAB_VARS["alert_exporter_down_for_s"]),
+        ]
+        _watch(prometheus, expected, injected)
+    finally:
+        host.run(f"kill -CONT {engine[0]}")
+        lab.host(third).run("systemctl start dcgm-exporter")
+        host.run(f"systemctl start vllm-watchdog@{replica}")
+    cleared = time.monotonic()
+    resolved = _resolved(prometheus, expected, cleared)
+    for stream in streams:
+        stream.join(120)
+    assert outcomes and all(o == "complete" for o in outcomes), outcomes  # the stalled requests finish
+    _record_figure(tmp_path_factory, {"alerts": "stalled engine (SIGSTOP), stopped dcgm-exporter",
+                                      **_figures(expected, resolved)})
+
+
+def test_a_replica_stopped_and_gpu_faults_fire_and_resolve(
+        lab: Lab, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    first = lab.nodes[0]
+    replica, host = _single(lab), lab.host(first)
+    prometheus = Prometheus(first)
+    wait_for("no alert firing", lambda: True if prometheus.firing() == {} else None, timeout=RESOLVE_S)
+    faulty = tmp_path / "profile"
+    write_sim_profile(faulty, first.profile, [("gpu_lost", LOST_GPU), ("xid", XID_GPU, XID),
+                                              ("nvlink_errors", NVLINK_GPU)], hostname=first.name)
+    host.check_output(f"cp {PROFILE} {PROFILE}.saved")
+    try:
+        host.check_output(f"systemctl stop vllm@{replica}")  # for good: nothing starts it again
+        host.check_output(f"cat > {PROFILE}.new <<'EOF'\n{faulty.read_text()}EOF\nmv {PROFILE}.new {PROFILE}")
+        injected = time.monotonic()
+        model = _model(lab, first)
+        node = {"node": first.address}
+        expected = [
+            Expected("VllmReplicaDown", {"replica": replica}, LAB_VARS["alert_replica_down_for_s"]),
+            Expected("ModelReplicasBelowMinimum", {"model": model}, LAB_VARS["alert_replica_down_for_s"]),
+            Expected("GpuMissing", node, LAB_VARS["alert_gpu_missing_for_s"]),
+            Expected("GpuCriticalXid", {**node, "gpu": str(XID_GPU), "xid": str(XID)}, 0),
+            Expected("GpuNvlinkErrors", {**node, "gpu": str(NVLINK_GPU)}, 0),
+        ]
+        _watch(prometheus, expected, injected)
+    finally:
+        host.check_output(f"mv {PROFILE}.saved {PROFILE}")
+    cleared = time.monotonic()
+    wait_for("the GPU watch clears its gate", lambda: True if host.run(f"test -e {GATE_FAILED}").rc else None,
+             timeout=180)
+    host.check_output(f"systemctl start vllm@{replica}")
+    _wait_serving(lab, first)
+    resolved = _resolved(prometheus, expected, cleared)
+    _record_figure(tmp_path_factory, {"alerts": "replica stopped; GPU lost, XID 79, NVLink errors (simulator)",
+                                      **_figures(expected, resolved)})
