@@ -7,7 +7,8 @@ that do not hide one another:
 
 - lab1's engine stalled (SIGSTOP, with requests in flight and its watchdog stopped, as when the watchdog itself
   is what failed) and lab3's dcgm-exporter stopped;
-- lab1's replica stopped for good, and on lab1's simulated GPUs a GPU lost, a critical XID and NVLink errors.
+- lab1's replica stopped for good, a GPU lost and a critical XID on its simulated GPUs, and NVLink errors on
+  lab2's.
 
 Each fault's time to fire and to resolve goes to the session's lab-fault-figures.jsonl.
 """
@@ -162,37 +163,48 @@ def test_a_stalled_engine_and_a_silent_dcgm_exporter_fire_and_resolve(
                                       **_figures(expected, resolved)})
 
 
+def _inject(lab: Lab, node: NodeRecord, faults: list[tuple[str, int] | tuple[str, int, int]], tmp_path: Path) -> None:
+    """Replace ``node``'s simulated GPUs by its profile with ``faults`` (the old profile kept beside it)."""
+    faulty = tmp_path / f"profile-{node.name}"
+    write_sim_profile(faulty, node.profile, faults, hostname=node.name)
+    lab.host(node).check_output(f"cp {PROFILE} {PROFILE}.saved && cat > {PROFILE}.new <<'EOF'\n"
+                                f"{faulty.read_text()}EOF\nmv {PROFILE}.new {PROFILE}")
+
+
+def _restore(lab: Lab, node: NodeRecord) -> None:
+    lab.host(node).run(f"test -e {PROFILE}.saved && mv {PROFILE}.saved {PROFILE}")
+
+
 def test_a_replica_stopped_and_gpu_faults_fire_and_resolve(
         lab: Lab, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
-    first = lab.nodes[0]
+    """lab1 (PCIe, no NVLink): its replica stopped for good, a GPU lost and a critical XID; lab2 (NVSwitch):
+    NVLink errors on one GPU."""
+    first, second = lab.nodes[0], lab.nodes[1]
     replica, host = _single(lab), lab.host(first)
     prometheus = Prometheus(first)
     wait_for("no alert firing", lambda: True if prometheus.firing() == {} else None, timeout=RESOLVE_S)
-    faulty = tmp_path / "profile"
-    write_sim_profile(faulty, first.profile, [("gpu_lost", LOST_GPU), ("xid", XID_GPU, XID),
-                                              ("nvlink_errors", NVLINK_GPU)], hostname=first.name)
-    host.check_output(f"cp {PROFILE} {PROFILE}.saved")
     try:
         host.check_output(f"systemctl stop vllm@{replica}")  # for good: nothing starts it again
-        host.check_output(f"cat > {PROFILE}.new <<'EOF'\n{faulty.read_text()}EOF\nmv {PROFILE}.new {PROFILE}")
+        _inject(lab, first, [("gpu_lost", LOST_GPU), ("xid", XID_GPU, XID)], tmp_path)
+        _inject(lab, second, [("nvlink_errors", NVLINK_GPU)], tmp_path)
         injected = time.monotonic()
         model = _model(lab, first)
-        node = {"node": first.address}
         expected = [
             Expected("VllmReplicaDown", {"replica": replica}, LAB_VARS["alert_replica_down_for_s"]),
             Expected("ModelReplicasBelowMinimum", {"model": model}, LAB_VARS["alert_replica_down_for_s"]),
-            Expected("GpuMissing", node, LAB_VARS["alert_gpu_missing_for_s"]),
-            Expected("GpuCriticalXid", {**node, "gpu": str(XID_GPU), "xid": str(XID)}, 0),
-            Expected("GpuNvlinkErrors", {**node, "gpu": str(NVLINK_GPU)}, 0),
+            Expected("GpuMissing", {"node": first.address}, LAB_VARS["alert_gpu_missing_for_s"]),
+            Expected("GpuCriticalXid", {"node": first.address, "gpu": str(XID_GPU), "xid": str(XID)}, 0),
+            Expected("GpuNvlinkErrors", {"node": second.address, "gpu": str(NVLINK_GPU)}, 0),
         ]
         _watch(prometheus, expected, injected)
     finally:
-        host.check_output(f"mv {PROFILE}.saved {PROFILE}")
+        _restore(lab, first)
+        _restore(lab, second)
     cleared = time.monotonic()
     wait_for("the GPU watch clears its gate", lambda: True if host.run(f"test -e {GATE_FAILED}").rc else None,
              timeout=180)
     host.check_output(f"systemctl start vllm@{replica}")
     _wait_serving(lab, first)
     resolved = _resolved(prometheus, expected, cleared)
-    _record_figure(tmp_path_factory, {"alerts": "replica stopped; GPU lost, XID 79, NVLink errors (simulator)",
+    _record_figure(tmp_path_factory, {"alerts": "replica stopped; GPU lost, XID 79 (lab1); NVLink errors (lab2)",
                                       **_figures(expected, resolved)})
