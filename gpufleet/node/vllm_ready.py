@@ -8,9 +8,12 @@ Runs on the node (standard library only) as root, after the deploy started the r
 
 The API key, when the replica has one, is read from its 0600 environment file, never from argv.
 Prints one JSON line; exit 0 when ready, 1 when not within the timeout, or as soon as ``--unit`` has failed
-(systemd gave up restarting it) or has been restarted ``--max-restarts`` times while this waited: a release
-that crashes at every start (a model that does not load, memory it cannot get) is named in minutes, not after
-the whole timeout. ``replica_watchdog.py`` makes its requests with :func:`request` and :func:`completion`.
+(systemd gave up restarting it), has been restarted ``--max-restarts`` times while this waited, or its journal
+says vLLM's engine did not start for a configuration error (a ``ValueError``: memory it cannot get, a length the
+model does not have; the same start fails again): a release that cannot start is named in minutes, not after the
+whole timeout. (A multi-node replica's rank 0 says so whichever rank failed, and replica_rank.py restarts them
+all, so one bad start can take minutes there; engine failures of other kinds are left to the restarts.)
+``replica_watchdog.py`` makes its requests with :func:`request` and :func:`completion`.
 """
 
 from __future__ import annotations
@@ -96,6 +99,22 @@ def unit_state(unit: str) -> tuple[bool, int]:
     return values.get("ActiveState") == "failed", int(restarts) if restarts.isdigit() else 0
 
 
+ENGINE_FAILED = "Engine core initialization failed"  # vLLM's last word when its engine did not start
+# vLLM raises ValueError where what it is asked cannot work; a worker's or the engine's lines carry their process
+CONFIG_ERROR = re.compile(r"^(?:\(\S+ pid=\d+\) )?(ValueError: .+)$", re.M)
+
+
+def refused_start(unit: str, since: float) -> str | None:
+    """The configuration error of a start of ``unit`` since ``since`` (epoch seconds) at which vLLM's engine did not
+    start, from the unit's journal: its last ``ValueError`` line; None when there is none."""
+    journal = subprocess.run(["journalctl", "-q", "-o", "cat", f"--since=@{int(since)}", "-u", unit],
+                             capture_output=True, text=True).stdout
+    if ENGINE_FAILED not in journal:
+        return None
+    errors = CONFIG_ERROR.findall(journal)
+    return errors[-1][:500] if errors else None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", required=True)
@@ -107,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="give up once --unit has been restarted this many times while waiting")
     args = parser.parse_args(argv)
     key = read_env_file(args.env_file).get("VLLM_API_KEY") if args.env_file else None
-    started = time.monotonic()
+    started, since = time.monotonic(), time.time()
     first_restarts = unit_state(args.unit)[1] if args.unit else 0
     seen = "not tried"
     while True:
@@ -118,9 +137,11 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         failed, restarts = unit_state(args.unit) if args.unit else (False, first_restarts)
         crashing = restarts - first_restarts >= args.max_restarts
-        if failed or crashing or waited > args.timeout:
-            if failed or crashing:
-                why = "failed" if failed else f"restarted {restarts - first_restarts} times while waiting"
+        refused = refused_start(args.unit, since) if args.unit and not (failed or crashing) else None
+        if failed or crashing or refused or waited > args.timeout:
+            if failed or crashing or refused:
+                why = ("failed" if failed else f"restarted {restarts - first_restarts} times while waiting"
+                       if crashing else f"did not start: {refused}")
                 seen = f"{args.unit} {why} ({seen}); see journalctl -u {args.unit}"
             print(json.dumps({"ready": False, "url": args.url, "seconds": waited, "seen": seen}))
             return 1
