@@ -90,7 +90,7 @@ VALUES: dict[str, dict[str, object]] = {
                            "token_file": "/etc/gpufleet/secrets/pool-0.ray.env", "exec_start": "/opt/ray start",
                            "ray": "/opt/ray"},
     "dcgm_exporter/dcgm-exporter.service.j2": {"port": 9400, "address": "10.0.0.5", "run_as": "dcgm-exporter",
-                                               "counters": "/etc/dcgm-exporter/c.csv",
+                                               "counters": "/etc/dcgm-exporter/c.csv", "xid_window_ms": 300000,
                                                "hostengine": "nvidia-dcgm.service",
                                                "hostengine_address": "localhost:5555"},
     "node_exporter/node_exporter.service.j2": _NODE_EXPORTER,
