@@ -97,7 +97,8 @@ def rendered_units() -> dict[str, str]:
         "node_exporter/" + node_exporter.template_name(package), **node_exporter.unit_context(package, "n1"))
     found[f"{system}/{dcgm_exporter.SERVICE}"] = render(
         "dcgm_exporter/dcgm-exporter.service.j2",
-        **dcgm_exporter.unit_values(cfg.dcgm_exporter_port, nodes[0], access.exporter_sources(cfg, nodes[0])))
+        **dcgm_exporter.unit_values(cfg.dcgm_exporter_port, nodes[0], access.exporter_sources(cfg, nodes[0]),
+                                        cfg.dcgm_exporter_xid_window_s))
     found[gpu_watch.SERVICE_FILE.lstrip("/")] = render("gpu_watch/gpufleet-gpu-watch.service.j2",
                                                        **gpu_watch.service_values())
     return found

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 import json
 from pathlib import Path
-from typing import ClassVar, NoReturn
+from typing import Any, ClassVar, NoReturn
 
 import click
 from rich.console import Console
@@ -19,7 +19,10 @@ from gpufleet.gpu_facts import FactsError, NodeFacts, load_facts
 from gpufleet.hardware_profiles import ProfileError, profile_facts
 from gpufleet.model_arch import ModelConfigError, load_arch
 from gpufleet.model_memory import GIB, model_info
-from gpufleet.plan.planner import FleetPlan, plan_fleet
+from gpufleet.node.vllm_ready import kv_summary
+from gpufleet.plan.planner import FleetPlan, Replica, plan_fleet
+
+EXIT_UNREAD = 1  # gpufleet plan --observed: a node whose observations could not be read
 
 
 def fail_lines(lines: list[str]) -> NoReturn:
@@ -107,18 +110,40 @@ def check(inventory: str, data: tuple[str, ...]) -> None:
     click.echo(f"{inventory}: {len(fleet.hosts)} hosts in {len(fleet.pools)} pools: configuration valid")
 
 
-def _print_table(plan: FleetPlan) -> None:
+def _observed_cells(r: Replica, doc: dict[str, Any] | None, tolerance: float) -> tuple[str, str]:
+    """The plan's table with what vLLM reported of a replica's KV cache: (its sequences at max length, its KV
+    tokens), each with the plan's figure first."""
+    seqs = f"{r.budget.max_concurrency * r.dp:,.1f}"
+    tokens = f"{r.budget.kv_tokens:,}"
+    if doc is None:
+        return seqs, f"{tokens}\nvLLM: not recorded"
+    ratio, off, _ = kv_summary(r.budget.kv_tokens, doc.get("kv_cache_tokens"), tolerance)
+    if ratio is None:
+        return seqs, f"{tokens}\nvLLM: no figure"
+    concurrency = doc.get("max_concurrency")
+    if isinstance(concurrency, (int, float)) and not isinstance(concurrency, bool):
+        seqs += f"\nvLLM {concurrency:,.1f}"
+    return seqs, (f"{tokens}\nvLLM {doc['kv_cache_tokens']:,}\nratio {ratio:.3f}"
+                  + (f"\n> {tolerance * 100:g}% off" if off else ""))
+
+
+def _print_table(plan: FleetPlan, observed: dict[str, tuple[dict[str, Any] | None, float]] | None = None) -> None:
+    """The plan as a table; with ``observed`` (replica -> what vLLM reported, vllm_plan_tolerance), its KV cache
+    tokens and sequences as planned and as vLLM reported them."""
     console = Console(width=160)
     table = Table(title="gpufleet plan", show_lines=True)
-    for col in ("replica", "model", "nodes (role: GPUs)", "TP", "PP", "DP", "port", "weights/GPU",
-                "KV pool/GPU", "KV B/token/GPU", "seqs @ max len"):
-        table.add_column(col)
+    columns = ["replica", "model", "nodes (role: GPUs)", "TP", "PP", "DP", "port", "weights/GPU", "KV pool/GPU",
+               "KV B/token/GPU", "seqs @ max len"]
+    for col in columns + (["KV tokens"] if observed is not None else []):
+        table.add_column(col, min_width=max((len(r.name) for r in plan.replicas), default=0) if col == "replica"
+                         else None)
     for r in plan.replicas:
         nodes = "\n".join(f"{x.host} ({x.role}): {','.join(map(str, x.gpus))}" for x in r.roles)
+        seqs, *tokens = [f"{r.budget.max_concurrency * r.dp:,.1f}"] if observed is None else _observed_cells(
+            r, *observed[r.name])
         table.add_row(r.name, f"{r.model}\nmax_model_len {r.max_model_len:,}", nodes, str(r.tp), str(r.pp),
                       str(r.dp), str(r.port), f"{r.budget.weights_bytes_per_gpu / GIB:,.1f} GiB",
-                      f"{r.budget.kv_pool_bytes / GIB:,.1f} GiB", f"{r.kv_bytes_per_token:,}",
-                      f"{r.budget.max_concurrency * r.dp:,.1f}")
+                      f"{r.budget.kv_pool_bytes / GIB:,.1f} GiB", f"{r.kv_bytes_per_token:,}", seqs, *tokens)
     console.print(table)
     for r in plan.replicas:
         for role in r.roles:
@@ -133,19 +158,43 @@ def _print_table(plan: FleetPlan) -> None:
 @click.option("--facts", "facts_dir", type=click.Path(file_okay=False, path_type=Path),
               help="Directory of probed facts (<host>.json from `gpufleet probe`); default: declared gpu_profile.")
 @click.option("--json", "as_json", is_flag=True, help="Print the replicas as JSON.")
+@click.option("--observed", is_flag=True,
+              help="Also show the KV cache vLLM reported at each replica's last start, read from its first node.")
 @DATA_OPTION
-def plan(inventory: str, facts_dir: Path | None, as_json: bool, data: tuple[str, ...]) -> None:
-    """Compute replicas: nodes, TP/PP/DP, GPU sets, ports, argv and env per node."""
+def plan(inventory: str, facts_dir: Path | None, as_json: bool, observed: bool, data: tuple[str, ...]) -> None:
+    """Compute replicas: nodes, TP/PP/DP, GPU sets, ports, argv and env per node; with --observed, beside what
+    vLLM reported (exit 1 when a node could not be read)."""
     fleet = cli_fleet(inventory, data)
     result = plan_fleet(fleet, fleet_facts(fleet, facts_dir))
     for warning in result.warnings:
         click.echo(f"warning: {warning}", err=True)
     if result.problems:
         fail_lines([problem.line() for problem in result.problems])
+    seen, unread = _read_observed(inventory, data, result) if observed else (None, [])
     if as_json:
-        click.echo(json.dumps([r.to_json() for r in result.replicas], indent=2))
+        click.echo(json.dumps([{**r.to_json(), **({"observed": seen.get(r.name)} if seen is not None else {})}
+                               for r in result.replicas], indent=2))
     else:
-        _print_table(result)
+        _print_table(result, None if seen is None else {
+            r.name: (seen[r.name], fleet.configs[r.nodes[0]].vllm_plan_tolerance) for r in result.replicas})
+    for line in unread:
+        click.echo(f"gpufleet plan: {line}", err=True)
+    if unread:
+        raise SystemExit(EXIT_UNREAD)
+
+
+def _read_observed(inventory: str, data: tuple[str, ...],
+                   plan: FleetPlan) -> tuple[dict[str, dict[str, Any] | None], list[str]]:
+    """Each replica's observed.json from its first node, over pyinfra's connections as the inventory gives them."""
+    from gpufleet.gpu_probe import load_inventory  # pyinfra's SSH stack: loaded only when asked
+    from gpufleet.kv_observed import read_observed
+    from gpufleet.rollout.remote import PyinfraRemote
+
+    remote = PyinfraRemote(load_inventory(inventory, parse_data_args(list(data)) or None))
+    try:
+        return read_observed(remote, plan.replicas)
+    finally:
+        remote.close()
 
 
 @main.command("model-info")

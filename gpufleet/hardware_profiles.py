@@ -9,6 +9,11 @@ A profile name reads ``<count>x<gpu>-<interconnect>`` (``8xH100-SXM``, ``8xL40S-
 
 Used offline by the planner (``gpu_profile`` in the fleet config) and by the lab, whose simulated
 NVML answers from the same description.
+
+A profile's facts carry the memory NVML reports (``nvidia-smi``'s total). The framework sees less: CUDA's
+``cudaMemGetInfo`` total, which PyTorch reports and vLLM multiplies by ``--gpu-memory-utilization``, leaves out
+what the driver reserves. `framework_memory_bytes` converts one to the other, for declared profiles and probed
+facts alike.
 """
 
 from __future__ import annotations
@@ -51,26 +56,50 @@ class GpuModel:
     fabric_info: bool  # answers nvmlDeviceGetGpuFabricInfo (Hopper and newer)
     mig: bool
     interconnects: tuple[Interconnect, ...]
+    # What CUDA (PyTorch, vLLM) reports as the GPU's total memory, where measured; None: estimated.
+    framework_memory_bytes: int | None = None
 
 
 GPU_MODELS: dict[str, GpuModel] = {
     m.key: m
     for m in (
-        GpuModel("H100", "NVIDIA H100 80GB HBM3", 81559 * MIB, "9.0", 5, 18, True, True, True, ("SXM",)),
+        # 79.19 GiB: vLLM 0.19's "total_memory" on an H100 SXM (torch.cuda.mem_get_info), the lowest value that
+        # prints so (79.185 GiB)
+        GpuModel("H100", "NVIDIA H100 80GB HBM3", 81559 * MIB, "9.0", 5, 18, True, True, True, ("SXM",),
+                 81085 * MIB),
         GpuModel("H200", "NVIDIA H200", 143771 * MIB, "9.0", 5, 18, True, True, True, ("SXM",)),
         GpuModel("H100NVL", "NVIDIA H100 NVL", 95830 * MIB, "9.0", 5, 18, True, False, True, ("PCIe-pairs", "PCIe")),
-        GpuModel("A100", "NVIDIA A100-SXM4-80GB", 81920 * MIB, "8.0", 4, 12, True, False, True, ("SXM",)),
+        # 79.15 GiB: PyTorch's "total capacity" on an A100 SXM 80GB (its out-of-memory message), less 0.005 GiB
+        GpuModel("A100", "NVIDIA A100-SXM4-80GB", 81920 * MIB, "8.0", 4, 12, True, False, True, ("SXM",),
+                 81044 * MIB),
         GpuModel("A100PCIe", "NVIDIA A100 80GB PCIe", 81920 * MIB, "8.0", 4, 12, True, False, True,
                  ("PCIe-pairs", "PCIe")),
         GpuModel("L40S", "NVIDIA L40S", 46068 * MIB, "8.9", 4, 0, True, False, False, ("PCIe",)),
-        GpuModel("RTX4090", "NVIDIA GeForce RTX 4090", 24564 * MIB, "8.9", 4, 0, False, False, False, ("PCIe",)),
+        # 23.65 GiB: PyTorch's "total capacity" on an RTX 4090 (the lowest public figure), less 0.005 GiB
+        GpuModel("RTX4090", "NVIDIA GeForce RTX 4090", 24564 * MIB, "8.9", 4, 0, False, False, False, ("PCIe",),
+                 24212 * MIB),
     )
 }
+# The share of NVML's total a GPU without a measured figure is taken to lose to the driver: more than the
+# measured ones do (H100 0.58%, A100 1.07%, RTX 4090 1.43%), so the planner errs low.
+DRIVER_RESERVED_SHARE = 0.015
 
 # Aliases accepted in profile names for the PCIe A100 (``4xA100-PCIe-pairs``).
 _PCIE_VARIANT = {"A100": "A100PCIe"}
 
 _NAME = re.compile(r"^(?P<count>\d+)x(?P<gpu>[A-Za-z0-9]+?)(?:-(?P<ic>SXM|PCIe-pairs|PCIe))?$")
+
+
+def framework_memory_bytes(nvml_name: str, nvml_total_bytes: int) -> int:
+    """The memory CUDA reports for a GPU whose NVML facts give ``nvml_name`` and ``nvml_total_bytes``.
+
+    A known GPU loses what was measured for it (NVML's total less the framework's); any other GPU loses
+    `DRIVER_RESERVED_SHARE` of its total, rounded down to whole MiB.
+    """
+    for model in GPU_MODELS.values():
+        if model.nvml_name == nvml_name and model.framework_memory_bytes is not None:
+            return max(0, nvml_total_bytes - (model.memory_bytes - model.framework_memory_bytes))
+    return int(nvml_total_bytes * (1 - DRIVER_RESERVED_SHARE)) // MIB * MIB
 
 
 class ProfileError(ValueError):

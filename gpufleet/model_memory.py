@@ -6,7 +6,10 @@ The KV rules follow vLLM (``vllm/v1/kv_cache_interface.py``, ``config/model.py``
   (K and V; KV heads are replicated when TP exceeds them);
 - MLA (DeepSeek-V2/V3): one latent of ``kv_lora_rank + qk_rope_head_dim`` per layer, not split by TP;
 - ``fp8*`` KV cache dtypes take 1 byte per element, ``auto`` takes the model dtype;
-- the pool is ``utilization x GPU memory - weights on that GPU - activation/CUDA-graph reserve``.
+- pipeline stages hold vLLM's share of the layers (`stage_layers`); the first also holds the input embedding,
+  the last the output head (its own copy of a tied embedding when PP > 1) and the final norm;
+- the pool is ``utilization x GPU memory - weights on that GPU - reserve`` (gpufleet.vllm_memory), counted in
+  whole blocks of tokens.
 """
 
 from __future__ import annotations
@@ -25,12 +28,14 @@ __all__ = [
     "bytes_per_param",
     "kv_budget",
     "kv_bytes_per_token",
+    "kv_space_budget",
     "kv_tokens_per_sequence",
     "model_info",
     "param_count",
     "safetensors_total_size",
+    "stage_layers",
+    "stage_weights_per_gpu",
     "weight_bytes",
-    "weights_bytes_per_gpu",
 ]
 
 GIB = 1024**3
@@ -80,12 +85,25 @@ def _attention_params(arch: ModelArch) -> int:
     return h * q_out + 2 * h * kv_out + q_out * h + bias
 
 
+def _padded_vocab(arch: ModelArch) -> int:
+    """The vocabulary vLLM allocates: padded to a multiple of 64 (VocabParallelEmbedding)."""
+    return -(-arch.vocab_size // 64) * 64
+
+
 def _moe_block_params(arch: ModelArch) -> int:
     """One MoE layer's MLP: routed experts, shared experts, router."""
     h = arch.hidden_size
     experts = arch.num_experts * 3 * h * arch.moe_intermediate_size
     shared = 3 * h * arch.shared_expert_intermediate_size
     return experts + shared + h * arch.num_experts
+
+
+def _layer_params(arch: ModelArch, index: int) -> int:
+    """One decoder layer's parameters: attention, its two norms, and a dense MLP or the expert block."""
+    h = arch.hidden_size
+    is_moe = arch.is_moe and index >= arch.first_k_dense_replace and index % arch.moe_layer_freq == 0
+    mlp = _moe_block_params(arch) if is_moe else 3 * h * arch.intermediate_size
+    return _attention_params(arch) + 2 * h + mlp
 
 
 def param_count(arch: ModelArch) -> int:
@@ -189,16 +207,48 @@ def weight_bytes(
     return math.ceil((total - kept) * bytes_per_param(dtype, method) + kept * bytes_per_param(dtype, None))
 
 
-def weights_bytes_per_gpu(total_weight_bytes: int, tp: int, pp: int) -> int:
-    """An even share of the weights per GPU (rounded up).
+def stage_layers(num_layers: int, pp: int) -> list[int]:
+    """Decoder layers on each of ``pp`` stages, as vLLM splits them: evenly, the remainder one each to the
+    stages before the last, the latest first (``get_pp_indices``)."""
+    if pp < 1 or num_layers < pp:
+        raise ValueError(f"expected 1 <= pp <= {num_layers} layers, got pp={pp}")
+    layers = [num_layers // pp] * pp
+    for k in range(num_layers % pp):
+        layers[-2 - k] += 1
+    return layers
 
-    Approximate: the embedding and lm_head sit on the first and last pipeline stages and layers may
-    not divide evenly between stages, so the fullest GPU can hold a little more than this.
+
+def stage_weights_per_gpu(arch: ModelArch, total_weight_bytes: int, tp: int, pp: int, dtype: str = "auto"
+                          ) -> list[int]:
+    """Weight bytes on one GPU of each pipeline stage (rounded up).
+
+    The decoder layers share what the embedding tables leave of ``total_weight_bytes`` by their parameter
+    counts (dense-first MoE layers are smaller). The first stage adds the input embedding, the last the
+    output head: a separate table, or with PP > 1 its own copy of a tied one. Tables stay at the 16-bit
+    ``dtype`` in quantized models, as vLLM keeps them; everything is split by TP.
     """
     _check_parallel(tp, pp)
     if total_weight_bytes < 0:
         raise ValueError(f"total_weight_bytes must be >= 0, got {total_weight_bytes}")
-    return math.ceil(total_weight_bytes / (tp * pp))
+    row = arch.hidden_size * bytes_per_param(_resolve_dtype(dtype, arch), None)
+    table = _padded_vocab(arch) * row  # as allocated; the checkpoint holds vocab_size rows
+    tables_in_total = arch.vocab_size * row * (1 if arch.tie_word_embeddings else 2)
+    layer_params = [_layer_params(arch, i) for i in range(arch.num_layers)]
+    per_param = max(0.0, total_weight_bytes - tables_in_total) / (sum(layer_params) + arch.hidden_size)
+    out: list[int] = []
+    start = 0
+    for stage, count in enumerate(stage_layers(arch.num_layers, pp)):
+        params = sum(layer_params[start:start + count])
+        start += count
+        size = params * per_param
+        if stage == 0:
+            size += table
+        if stage == pp - 1:
+            size += arch.hidden_size * per_param  # the final norm
+            if not arch.tie_word_embeddings or pp > 1:
+                size += table
+        out.append(math.ceil(size / tp))
+    return out
 
 
 # -- KV cache --------------------------------------------------------------------------------------
@@ -223,18 +273,21 @@ def _kv_element_bytes(kv_dtype: str, model_dtype: str, arch: ModelArch) -> int:
 
 
 def kv_bytes_per_token(
-    arch: ModelArch, kv_dtype: str = "auto", model_dtype: str = "bfloat16", tp: int = 1, pp: int = 1
+    arch: ModelArch, kv_dtype: str = "auto", model_dtype: str = "bfloat16", tp: int = 1, pp: int = 1,
+    stage: int | None = None, mla_entry_align_bytes: int = 1,
 ) -> int:
-    """KV-cache bytes one token takes on one GPU of the fullest pipeline stage.
+    """KV-cache bytes one token takes on one GPU of pipeline stage ``stage`` (None: the fullest stage).
 
-    That stage holds ``ceil(num_layers / pp)`` layers. Standard attention splits KV heads by TP
-    (at least one per GPU); MLA keeps the whole latent on every GPU.
+    A stage holds its `stage_layers` (the fullest ``ceil(num_layers / pp)``). Standard attention splits KV
+    heads by TP (at least one per GPU); MLA keeps the whole latent on every GPU, each layer's entry rounded
+    up to ``mla_entry_align_bytes``.
     """
     _check_parallel(tp, pp)
     element = _kv_element_bytes(kv_dtype, model_dtype, arch)
-    layers = math.ceil(arch.num_layers / pp)
+    layers = math.ceil(arch.num_layers / pp) if stage is None else stage_layers(arch.num_layers, pp)[stage]
     if arch.is_mla:
-        return layers * ((arch.kv_lora_rank or 0) + (arch.qk_rope_head_dim or 0)) * element
+        entry = ((arch.kv_lora_rank or 0) + (arch.qk_rope_head_dim or 0)) * element
+        return layers * -(-entry // mla_entry_align_bytes) * mla_entry_align_bytes
     heads = max(1, arch.num_kv_heads // tp)
     return 2 * layers * heads * arch.head_dim * element
 
@@ -259,12 +312,15 @@ def _size(n: float) -> str:
 
 @dataclass(frozen=True)
 class KvBudget:
-    """The KV pool of one GPU and how many full-length sequences it holds.
+    """The KV pool of one GPU (of the pipeline stage that sizes the cache) and how many full-length sequences
+    it holds.
 
     ``kv_pool_bytes`` is negative when weights and reserve exceed the usable memory; ``kv_tokens``
-    and ``max_concurrency`` are then 0. ``max_concurrency`` is a float, as in vLLM's own
-    "Maximum concurrency for N tokens per request: X.XXx" log line; `full_sequences` is its floor.
-    ``kv_tokens`` is not rounded down to whole 16-token blocks (vLLM's differs by fewer than 16).
+    and ``max_concurrency`` are then 0. The pool is counted in whole blocks of ``block_size`` tokens, as vLLM
+    allocates it; ``max_concurrency`` is a float, as in vLLM's own "Maximum concurrency for N tokens per
+    request: X.XXx" log line (blocks over the blocks one sequence needs); `full_sequences` is its floor.
+    ``kv_space_bytes`` is set on vLLM's CPU build, whose pool is ``VLLM_CPU_KVCACHE_SPACE`` (weights and
+    reserve then live beside it in RAM).
     """
 
     gpu_memory_bytes: int
@@ -277,6 +333,11 @@ class KvBudget:
     tokens_per_sequence: int
     kv_tokens: int
     max_concurrency: float
+    block_size: int = 1
+    stage: int = 0
+    stages: int = 1
+    reserve_parts: tuple[tuple[str, int], ...] = ()
+    kv_space_bytes: int | None = None
 
     @property
     def full_sequences(self) -> int:
@@ -288,27 +349,42 @@ class KvBudget:
         """At least one sequence at full length fits."""
         return self.full_sequences >= 1
 
+    def _first_line(self) -> str:
+        where = f"stage {self.stage + 1} of {self.stages}: " if self.stages > 1 else ""
+        if self.kv_space_bytes is not None:
+            return (f"{where}VLLM_CPU_KVCACHE_SPACE {_size(self.kv_space_bytes)} = {_size(self.kv_pool_bytes)}"
+                    f" KV pool (weights {_size(self.weights_bytes_per_gpu)} beside it in RAM)")
+        parts = ", ".join(f"{name} {size / GIB:,.2f}" for name, size in self.reserve_parts)
+        return (f"{where}{_size(self.gpu_memory_bytes)} x {self.gpu_memory_utilization:g} = {_size(self.usable_bytes)}"
+                f" usable; - {_size(self.weights_bytes_per_gpu)} weights; - {_size(self.reserve_bytes)} reserve"
+                f"{f' ({parts})' if parts else ''} = {_size(self.kv_pool_bytes)} KV pool")
+
     def lines(self) -> list[str]:
         """The arithmetic, one step per line, for reports."""
-        out = [
-            f"{_size(self.gpu_memory_bytes)} x {self.gpu_memory_utilization:g} = {_size(self.usable_bytes)} usable; "
-            f"- {_size(self.weights_bytes_per_gpu)} weights; - {_size(self.reserve_bytes)} reserve "
-            f"= {_size(self.kv_pool_bytes)} KV pool"
-        ]
+        out = [self._first_line()]
         if self.kv_pool_bytes <= 0:
             out.append(
                 f"no KV pool: weights and reserve exceed usable memory by {_size(-self.kv_pool_bytes)}"
             )
             return out
+        blocks = f" in blocks of {self.block_size}" if self.block_size > 1 else ""
         out.append(
             f"{_size(self.kv_pool_bytes)} / {self.kv_bytes_per_token:,} B ({self.kv_bytes_per_token / 1024:,.1f} KiB)"
-            f" per token = {self.kv_tokens:,} tokens"
+            f" per token{blocks} = {self.kv_tokens:,} tokens"
         )
         out.append(
             f"{self.kv_tokens:,} tokens / {self.tokens_per_sequence:,} per sequence "
             f"= {self.max_concurrency:.2f} sequences at full length"
         )
         return out
+
+
+def _sized(pool: int, kv_bytes_per_token: int, tokens_per_sequence: int, block_size: int) -> tuple[int, float]:
+    """(tokens, sequences at full length) of a pool counted in whole blocks, as vLLM counts them."""
+    if kv_bytes_per_token < 1 or tokens_per_sequence < 1 or block_size < 1:
+        raise ValueError("kv_bytes_per_token, tokens_per_sequence and block_size must be >= 1")
+    blocks = pool // (kv_bytes_per_token * block_size) if pool > 0 else 0
+    return blocks * block_size, blocks / -(-tokens_per_sequence // block_size)
 
 
 def kv_budget(
@@ -318,17 +394,20 @@ def kv_budget(
     reserve_bytes: int,
     kv_bytes_per_token: int,
     tokens_per_sequence: int,
+    *,
+    block_size: int = 1,
+    reserve_parts: tuple[tuple[str, int], ...] = (),
+    stage: int = 0,
+    stages: int = 1,
 ) -> KvBudget:
     """Work out one GPU's KV pool: ``memory x utilization - weights - reserve``, then tokens and sequences."""
     if not 0 < gpu_memory_utilization <= 1:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
-    if kv_bytes_per_token < 1 or tokens_per_sequence < 1:
-        raise ValueError("kv_bytes_per_token and tokens_per_sequence must be >= 1")
     if min(gpu_memory_bytes, weights_bytes_per_gpu, reserve_bytes) < 0:
         raise ValueError("memory, weight and reserve sizes must be >= 0")
     usable = int(gpu_memory_bytes * gpu_memory_utilization)
     pool = usable - weights_bytes_per_gpu - reserve_bytes
-    tokens = pool // kv_bytes_per_token if pool > 0 else 0
+    tokens, sequences = _sized(pool, kv_bytes_per_token, tokens_per_sequence, block_size)
     return KvBudget(
         gpu_memory_bytes=gpu_memory_bytes,
         gpu_memory_utilization=gpu_memory_utilization,
@@ -339,7 +418,26 @@ def kv_budget(
         kv_bytes_per_token=kv_bytes_per_token,
         tokens_per_sequence=tokens_per_sequence,
         kv_tokens=tokens,
-        max_concurrency=tokens / tokens_per_sequence,
+        max_concurrency=sequences,
+        block_size=block_size,
+        stage=stage,
+        stages=stages,
+        reserve_parts=reserve_parts,
+    )
+
+
+def kv_space_budget(kv_space_bytes: int, weights_bytes_per_gpu: int, kv_bytes_per_token: int,
+                    tokens_per_sequence: int, *, block_size: int, stage: int = 0, stages: int = 1) -> KvBudget:
+    """The KV pool of one worker of vLLM's CPU build: exactly ``kv_space_bytes`` (VLLM_CPU_KVCACHE_SPACE)."""
+    if kv_space_bytes < 0:
+        raise ValueError("the KV space must be >= 0")
+    tokens, sequences = _sized(kv_space_bytes, kv_bytes_per_token, tokens_per_sequence, block_size)
+    return KvBudget(
+        gpu_memory_bytes=kv_space_bytes, gpu_memory_utilization=1.0, usable_bytes=kv_space_bytes,
+        weights_bytes_per_gpu=weights_bytes_per_gpu, reserve_bytes=0, kv_pool_bytes=kv_space_bytes,
+        kv_bytes_per_token=kv_bytes_per_token, tokens_per_sequence=tokens_per_sequence, kv_tokens=tokens,
+        max_concurrency=sequences, block_size=block_size, stage=stage, stages=stages,
+        kv_space_bytes=kv_space_bytes,
     )
 
 

@@ -79,6 +79,13 @@ def previous_release_file(replica: str) -> str:
     return f"{replica_dir(replica)}/release.previous.json"
 
 
+def observed_file(replica: str) -> str:
+    """What vLLM reported of its KV cache at the replica's last start, beside the plan's figure (root, 0644, on its
+    first node): written by the readiness wait (``vllm_ready.py --observed``), read by the deploy's report and
+    ``gpufleet plan --observed``."""
+    return f"{replica_dir(replica)}/observed.json"
+
+
 def watchdog_config(replica: str) -> str:
     """What the replica's watchdog reads (root, 0644, no secrets): its unit, API URL, model name and times."""
     return f"{replica_dir(replica)}/watchdog.json"

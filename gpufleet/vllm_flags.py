@@ -34,6 +34,7 @@ __all__ = [
     "FlagSpec",
     "RemovedFlag",
     "UnsupportedVersionError",
+    "human_int",
     "load_catalog",
 ]
 
@@ -152,7 +153,7 @@ def _looks_like_flag(token: str) -> bool:
     )
 
 
-def _human_int(raw: str) -> int:
+def human_int(raw: str) -> int:
     """Parse ``10G`` / ``1.5k`` / ``4096`` the way vLLM's human_readable_int does."""
     value = raw.strip()
     match = _HUMAN_INT.fullmatch(value)
@@ -171,7 +172,7 @@ def _expand_human_numbers(text: str) -> str:
     """Replace bare ``80m``-style numbers outside JSON strings, as vLLM does."""
     parts = _JSON_STRING.split(text)
     for i in range(0, len(parts), 2):
-        parts[i] = _HUMAN_IN_JSON.sub(lambda m: str(_human_int(m.group())), parts[i])
+        parts[i] = _HUMAN_IN_JSON.sub(lambda m: str(human_int(m.group())), parts[i])
     return "".join(parts)
 
 
@@ -183,9 +184,9 @@ def _convert(spec: FlagSpec, raw: str) -> Any:
     if kind == "float":
         return float(raw)
     if kind == "human_int":
-        return _human_int(raw)
+        return human_int(raw)
     if kind == "human_int_or_auto":
-        return -1 if raw.strip() in ("-1", "auto", "AUTO", "Auto") else _human_int(raw)
+        return -1 if raw.strip() in ("-1", "auto", "AUTO", "Auto") else human_int(raw)
     if kind == "port":
         port = int(raw)
         if not 1024 <= port <= 65535:

@@ -4,14 +4,15 @@
 ``output`` lines and the parsed ``fact`` (for no output at all: the fact's ``default()``, as pyinfra gives it),
 or ``error``, a part of the message of the ``FactProcessError`` it raises.
 
-``tests/operations/<module>.<operation>/<case>.json``: ``arguments``, the ``facts`` the node reports (by fact
-class name; ``NodeState`` partial), and the ``commands`` the operation yields — or ``noop``, the reason it gives
-for yielding none. A command is its text, or ``{"command": text, "_sudo": ...}`` when it sets connector
-arguments; an upload ``{"upload": dest, "content": text}`` (plus the ``remote_temp_filename`` it asks for, if
-any); a Python callback ``{"function": name, "parameters": [...]}`` (pyinfra hands state and host only to a
-callback whose parameters are named exactly so). ``"read_only": true`` runs it as deploys/check.py does (it must
-yield nothing and ``drift`` says whether it was recorded as drift). Operations run in the case's folder: a
-controller path among the arguments (``src``) is relative to it.
+``tests/operations/<module>.<operation>/<case>.json``: ``arguments``, the ``facts`` the node reports (by fact class
+name; ``NodeState`` partial), and the ``commands`` the operation yields — or ``noop``, the reason it gives for
+yielding none — and ``log``, the lines it logs for the run's output (``[level, line]``), when it logs any. A command
+is its text, or ``{"command": text, "_sudo": ...}`` when it sets connector arguments; an upload ``{"upload": dest,
+"content": text}`` (plus the ``remote_temp_filename`` it asks for, if any); a Python callback ``{"function": name,
+"parameters": [...]}`` (pyinfra hands state and host only to a callback whose parameters are named exactly so).
+``"read_only": true`` runs it as deploys/check.py does (it must yield nothing and ``drift`` says whether it was
+recorded as drift). Operations run in the case's folder: a controller path among the arguments (``src``) is relative
+to it.
 
 Arguments that are not JSON: ``{"$returns": X}`` is a callable returning X; ``{"$meta": {"changed": B}}`` an
 earlier operation's outcome; ``{"$loaded": {"version": V, "why_unknown": W}}`` a loaded kernel module.
@@ -22,6 +23,7 @@ from __future__ import annotations
 import importlib
 import json
 import re
+from collections.abc import Callable
 from inspect import getfullargspec
 from pathlib import Path
 from typing import Any
@@ -94,6 +96,7 @@ class FakeHost:
     def __init__(self, facts: dict[str, Any]) -> None:
         self.facts = facts
         self.noops: list[str] = []
+        self.logged: list[list[str]] = []
         self.current_op_hash = "op"
 
     def get_fact(self, fact: type, *args: Any, **kwargs: Any) -> Any:
@@ -110,6 +113,9 @@ class FakeHost:
 
     def noop(self, text: str) -> None:
         self.noops.append(text)
+
+    def log(self, message: str, log_func: Callable[[str], Any]) -> None:
+        self.logged.append([log_func.__name__, message])
 
     def get_temp_filename(self, key: str) -> str:
         return "/tmp/pyinfra-" + re.sub(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", "UUID", key)
@@ -159,6 +165,7 @@ def test_operation(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         assert bool(node.drift(fake)) is case["drift"]  # type: ignore[arg-type]
         return
     assert commands == case.get("commands", [])
+    assert fake.logged == case.get("log", [])
     if "noop" in case:
         assert fake.noops == [case["noop"]]
     else:

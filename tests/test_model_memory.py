@@ -14,12 +14,14 @@ from gpufleet.model_memory import (
     bytes_per_param,
     kv_budget,
     kv_bytes_per_token,
+    kv_space_budget,
     kv_tokens_per_sequence,
     model_info,
     param_count,
     safetensors_total_size,
+    stage_layers,
+    stage_weights_per_gpu,
     weight_bytes,
-    weights_bytes_per_gpu,
 )
 
 GIB = 1024**3
@@ -295,12 +297,46 @@ def test_llama31_70b_bf16_on_one_gpu_has_a_negative_pool() -> None:
 
 def test_llama31_70b_tp4_fits() -> None:
     arch = load_arch("Llama-3.1-70B")
-    per_gpu = weights_bytes_per_gpu(weight_bytes(arch, "bfloat16", None), tp=4, pp=1)
+    [per_gpu] = stage_weights_per_gpu(arch, weight_bytes(arch, "bfloat16", None), tp=4, pp=1)
     assert per_gpu == math.ceil(141_107_412_992 / 4)
     budget = kv_budget(80 * GIB, 0.92, per_gpu, 2 * GIB, kv_bytes_per_token(arch, tp=4), 8192)
     assert budget.kv_bytes_per_token == 81_920
     assert budget.kv_tokens == (int(80 * GIB * 0.92) - per_gpu - 2 * GIB) // 81_920
     assert budget.full_sequences >= 50
+
+
+def test_the_pool_is_counted_in_whole_blocks() -> None:
+    pool = 10 * 131_072 * 16 + 5 * 131_072  # 10 blocks of 16 tokens and 5 tokens more
+    budget = kv_budget(pool, 1.0, 0, 0, 131_072, 20, block_size=16)
+    assert budget.kv_tokens == 160  # the 5 tokens make no block
+    assert budget.max_concurrency == 10 / 2  # a sequence of 20 tokens takes 2 blocks, as vLLM counts it
+    assert budget.lines()[1].endswith("per token in blocks of 16 = 160 tokens")
+
+
+def test_budget_lines_name_the_stage_and_the_reserve_parts() -> None:
+    budget = kv_budget(80 * GIB, 0.9, 4 * GIB, 3 * GIB, 32_768, 8192, block_size=16, stage=3, stages=4,
+                       reserve_parts=(("activations", 2 * GIB), ("communication", GIB)))
+    assert budget.lines()[0] == ("stage 4 of 4: 80.0 GiB x 0.9 = 72.0 GiB usable; - 4.0 GiB weights; - 3.0 GiB"
+                                 " reserve (activations 2.00, communication 1.00) = 65.0 GiB KV pool")
+
+
+def test_cpu_kv_space_is_the_pool_whatever_the_weights() -> None:
+    # vLLM's CPU build: VLLM_CPU_KVCACHE_SPACE=1 (GiB), blocks of 128 tokens, the lab's tiny Llama at 512 B/token.
+    budget = kv_space_budget(GIB, 853_248, 512, 256, block_size=128)
+    assert budget.kv_pool_bytes == GIB and budget.reserve_bytes == 0
+    assert budget.kv_tokens == GIB // (512 * 128) * 128 == 2_097_152
+    assert budget.max_concurrency == 16_384 / 2
+    assert budget.lines()[0] == "VLLM_CPU_KVCACHE_SPACE 1.0 GiB = 1.0 GiB KV pool (weights 0.0 GiB beside it in RAM)"
+
+
+@pytest.mark.parametrize(("layers", "pp", "expected"), [
+    (32, 1, [32]), (32, 4, [8, 8, 8, 8]), (61, 2, [31, 30]), (80, 3, [27, 27, 26]), (10, 4, [2, 3, 3, 2]),
+])
+def test_stage_layers_follow_vllm(layers: int, pp: int, expected: list[int]) -> None:
+    # vLLM's get_pp_indices: the remainder goes one each to the stages before the last, the latest first.
+    assert stage_layers(layers, pp) == expected
+    with pytest.raises(ValueError, match="pp"):
+        stage_layers(2, 3)
 
 
 def test_kv_budget_rejects_bad_inputs() -> None:
@@ -310,12 +346,31 @@ def test_kv_budget_rejects_bad_inputs() -> None:
         kv_budget(80 * GIB, 0.9, 0, 0, 0, 1)
 
 
-def test_weights_bytes_per_gpu_even_split() -> None:
-    assert weights_bytes_per_gpu(100, 1, 1) == 100
-    assert weights_bytes_per_gpu(100, 8, 2) == 7  # 6.25 rounded up
-    assert weights_bytes_per_gpu(141_107_412_992, 8, 1) == 17_638_426_624
+def test_stage_weights_put_the_tables_on_the_first_and_last_stages() -> None:
+    arch = load_arch("Llama-3.1-8B")
+    total = weight_bytes(arch, "bfloat16", None)
+    table = 128_256 * 4096 * 2
+    [whole] = stage_weights_per_gpu(arch, total, 1, 1)
+    assert whole == total
+    first, middle, _, last = stage_weights_per_gpu(arch, total, 1, 4)
+    norm = 4096 * 2
+    layers = (total - 2 * table - norm) // 32 * 8  # estimated bf16 weights: 2 bytes for every parameter
+    assert (first, middle, last) == (table + layers, layers, layers + norm + table)  # vLLM: 4.26 GiB on stage 1
+    assert stage_weights_per_gpu(arch, total, 2, 4) == [math.ceil(w / 2) for w in (first, middle, middle, last)]
+
+
+def test_stage_weights_of_a_tied_model_copy_the_table_to_the_last_stage() -> None:
+    cfg = {"num_hidden_layers": 4, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2,
+           "vocab_size": 1000, "tie_word_embeddings": True, "torch_dtype": "bfloat16"}
+    arch = arch_from_config(cfg)
+    total = weight_bytes(arch, "bfloat16", None)
+    table = 1024 * 64 * 2  # the vocabulary padded to a multiple of 64
+    [whole] = stage_weights_per_gpu(arch, total, 1, 1)
+    first, last = stage_weights_per_gpu(arch, total, 1, 2)
+    assert whole == pytest.approx(total + (table - 1000 * 64 * 2), abs=1)  # one table
+    assert last - first == pytest.approx(64 * 2, abs=2)  # each stage a table; the last adds the final norm
     with pytest.raises(ValueError, match="tp and pp"):
-        weights_bytes_per_gpu(100, 1, 0)
+        stage_weights_per_gpu(arch, total, 1, 0)
 
 
 def test_model_info_keys_and_values() -> None:

@@ -103,8 +103,10 @@ def test_pp_across_nodes_only_when_one_node_cannot_hold(project: Project) -> Non
     assert "--headless" in worker and "--headless" not in head
     assert r["env"]["d2"] == {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7", "VLLM_HOST_IP": "10.9.0.2",
                               "NCCL_SOCKET_IFNAME": "eth1", "GLOO_SOCKET_IFNAME": "eth1"}
-    # MLA: (512 + 64) x 2 B per layer, not split by TP; ceil(61 / 2) = 31 layers on the fuller stage.
-    assert r["kv_bytes_per_token"] == 1152 * 31
+    # MLA: (512 + 64) x 2 B per layer, not split by TP. The stages hold 31 and 30 layers; the last one, with the
+    # output head and the sampler's peak, sizes the cache.
+    assert r["kv_bytes_per_token"] == 1152 * 30
+    assert r["budget"][0].startswith("stage 2 of 2: 79.2 GiB x 0.92 = 72.8 GiB usable;")
 
 
 RAY_HOSTS = 'ds = [("d1", {"fleet_address": "10.9.0.1"}), ("d2", {"fleet_address": "10.9.0.2"})]'
@@ -133,6 +135,65 @@ def test_ray_backend_head_and_worker_processes(project: Project) -> None:
     assert procs["d2"][0]["env"]["GLOO_SOCKET_IFNAME"] == "ib0"
 
 
+TP16_HOSTS = 'ds = [("d1", {"fleet_address": "10.9.0.1"}), ("d2", {"fleet_address": "10.9.0.2"})]'
+TP16_POOL = (
+    "vllm_model: deepseek-ai/DeepSeek-V3\ngpu_profile: 8xH100-SXM\nfleet_interface: ib0\n"
+    "vllm_tensor_parallel_size: 16\nvllm_max_model_len: 32768\n"
+)
+
+
+def _flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+@pytest.mark.parametrize("backend", ["mp", "ray"])
+def test_tp_across_nodes_is_one_tp_group_over_both_nodes(project: Project, backend: str) -> None:
+    extra = "vllm_distributed_backend: ray\nray_auth_token: {env: RAY_AUTH_TOKEN}\n" if backend == "ray" else ""
+    rc, replicas, err = _plan(project, TP16_POOL + extra, TP16_HOSTS)
+    assert rc == 0, err
+    (r,) = replicas
+    assert (r["tp"], r["pp"], r["nodes"], r["backend"]) == (16, 1, ["d1", "d2"], backend)
+    assert r["gpus"] == {"d1": list(range(8)), "d2": list(range(8))}
+    assert "TP 16 spans 2 nodes of 8 GPUs: every layer's all-reduce crosses the network between them (ib0)" in err
+    assert r["kv_bytes_per_token"] == 61 * 1152  # one stage: every layer's latent on every GPU
+    vllm = [(host, p["argv"]) for host, procs in r["processes"].items() for p in procs if p["unit"] == "vllm"]
+    for _, argv in vllm:
+        assert (_flag(argv, "--tensor-parallel-size"), _flag(argv, "--pipeline-parallel-size")) == ("16", "1")
+    if backend == "mp":
+        assert [host for host, _ in vllm] == ["d1", "d2"]
+        for (_, argv), rank in zip(vllm, ("0", "1"), strict=True):
+            assert (_flag(argv, "--nnodes"), _flag(argv, "--node-rank")) == ("2", rank)
+            assert _flag(argv, "--master-addr") == "10.9.0.1" and ("--headless" in argv) == (rank == "1")
+    else:  # vLLM on the head only, over the Ray cluster of both nodes; --nnodes stays 1 with Ray
+        assert [host for host, _ in vllm] == ["d1"] and "--nnodes" not in vllm[0][1]
+        assert _flag(vllm[0][1], "--distributed-executor-backend") == "ray"
+        assert [p["unit"] for p in r["processes"]["d2"]] == ["ray-worker"]
+
+
+def test_tp_across_nodes_times_pp(project: Project) -> None:
+    hosts = 'ds = ' + str([(f"d{i}", {"fleet_address": f"10.9.0.{i}"}) for i in range(1, 6)])
+    rc, replicas, err = _plan(project, TP16_POOL + "vllm_pipeline_parallel_size: 2\n", hosts)
+    assert rc == 0, err
+    (r,) = replicas
+    assert (r["tp"], r["pp"], r["nodes"]) == (16, 2, ["d1", "d2", "d3", "d4"])
+    assert [_flag(r["argv"][h], "--node-rank") for h in r["nodes"]] == ["0", "1", "2", "3"]
+    assert "d5 left idle: a replica needs 4 nodes" in err
+
+
+@pytest.mark.parametrize(("extra", "hosts", "expected"), [
+    ("vllm_nodes_per_replica: 3\n", TP16_HOSTS,
+     "vllm_nodes_per_replica: 3 does not fit TP 16 x PP 1 on nodes of 8 GPUs: 2 nodes of 8 GPUs per stage, 2 in all"),
+    ("", 'ds = [("d1", {"fleet_address": "10.9.0.1"})]', "TP 16 x PP 1 on nodes of 8 GPUs needs 2 nodes of 8 GPUs;"
+     " pool ds has 1"),
+    ("vllm_gpu_memory_utilization: 0.5\n", TP16_HOSTS,
+     "does not fit at TP 16 x PP 1 on 2 node(s) of 8 x NVIDIA H100 80GB HBM3"),
+])
+def test_tp_across_nodes_refusals(project: Project, extra: str, hosts: str, expected: str) -> None:
+    rc, _, err = _plan(project, TP16_POOL + extra, hosts)
+    assert rc == 2 and "Traceback" not in err
+    assert expected in err, err
+
+
 def test_ipv6_fleet_addresses_are_bracketed_where_a_port_follows(project: Project) -> None:
     rc, replicas, err = _plan(project, RAY_POOL, RAY_HOSTS.replace("10.9.0.", "fd00:9::"))
     assert rc == 0, err
@@ -154,7 +215,7 @@ def test_ipv6_fleet_addresses_are_bracketed_where_a_port_follows(project: Projec
          "vllm_pipeline_parallel_size: 2\nvllm_max_model_len: 8192\n",
          'a = ["h1"]', "TP 8 x PP 2 x DP 1 = 16 GPUs > 8 GPUs on h1"),
         ("vllm_model: meta-llama/Llama-3.1-405B-Instruct\ngpu_profile: 8xH100-SXM\nvllm_max_model_len: 8192\n",
-         'a = ["h1"]', "weights do not fit"),
+         'a = ["h1"]', "weights and reserve do not fit"),
         ("vllm_model: meta-llama/Llama-3.1-70B-Instruct\ngpu_profile: 8xL40S-PCIe\nvllm_tensor_parallel_size: 4\n",
          'a = ["h1"]', "the KV pool cannot hold one sequence of 131,072 tokens (max_model_len)"),
         ("vllm_model: meta-llama/Llama-3.1-8B-Instruct\ngpu_profile: 8xH100-SXM\nvllm_max_model_len: 200000\n",

@@ -798,8 +798,9 @@ def test_paths_below_the_model_prefix() -> None:
 
 @pytest.mark.parametrize("served", ["tiny-llama", "tiny llama $HOME 100%", "it's \"quoted\" `id` $(id) \\ ✓"])
 def test_ready_command_passes_the_served_name_literally_through_the_shell(tmp_path: Path, served: str) -> None:
+    kv = vllm_role.KvCheck(node_paths.observed_file("r"), 2_097_152, 256, 0.05)
     command = vllm_role.ready_command(served, "http://10.0.0.5:8000", "vllm@r.service",
-                                      "/etc/gpufleet/secrets/r.env", 900)
+                                      "/etc/gpufleet/secrets/r.env", 900, kv)
     (tmp_path / "python3").write_text('#!/bin/sh\nprintf "%s\\0" "$@"\n')
     (tmp_path / "python3").chmod(0o755)
     done = subprocess.run(["sh", "-c", command], capture_output=True, timeout=30,
@@ -807,7 +808,9 @@ def test_ready_command_passes_the_served_name_literally_through_the_shell(tmp_pa
     assert done.returncode == 0, done.stderr
     assert done.stdout.decode().split("\0")[:-1] == [
         node_paths.node_tool("vllm_ready.py"), "--url", "http://10.0.0.5:8000", "--model", served,
-        "--unit", "vllm@r.service", "--env-file", "/etc/gpufleet/secrets/r.env", "--timeout", "900"]
+        "--unit", "vllm@r.service", "--env-file", "/etc/gpufleet/secrets/r.env", "--timeout", "900",
+        "--observed", "/etc/gpufleet/vllm/r/observed.json", "--planned-kv-tokens", "2097152", "--max-model-len", "256",
+        "--tolerance", "0.05"]
 
 
 def test_restart_marker_lives_in_the_replicas_root_directory() -> None:
@@ -866,6 +869,55 @@ def test_the_restart_record_is_cleared_only_once_the_replica_serves(wait: _Meta 
     if wait is not None:
         ctx.readiness["pool-0"] = wait  # type: ignore[assignment]
     assert ctx.served("pool-0") is cleared
+
+
+def test_the_first_node_records_and_reports_the_kv_cache_vllm_reports(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The readiness wait on a replica's first node records what vLLM reports beside the plan's figure, and the
+    report that follows it reads that file, known from the role's reading; the other ranks do neither."""
+    from tests.test_replica_watchdog import _planned, _run_role
+
+    fleet, (replica, *_) = _planned("b_two_nodes_mp")
+    first, follower = replica.nodes
+    path = node_paths.observed_file(replica.name)
+    ops, ctx = _run_role(monkeypatch, "b_two_nodes_mp", first)
+    (wait,) = [c for c in ops.named("server.script") if "vllm_ready.py" in c.kwargs["script"]]
+    assert ctx.readiness[replica.name] is wait
+    planned, tolerance = replica.budget.kv_tokens, fleet.configs[first].vllm_plan_tolerance
+    assert shlex.split(wait.kwargs["script"])[-8:] == [
+        "--observed", path, "--planned-kv-tokens", str(planned), "--max-model-len", str(replica.max_model_len),
+        "--tolerance", str(tolerance)]
+    (report,) = ops.named("vllm.kv_report", observed=path)
+    assert (report.kwargs["replica"], report.kwargs["planned"], report.kwargs["tolerance"]) == (
+        replica.name, planned, tolerance)
+    assert ops.calls.index(report) == ops.calls.index(wait) + 1
+    assert not report.kwargs["fresh"]()
+    wait.changed = True  # the wait ran: the file is read again
+    assert report.kwargs["fresh"]()
+    assert [o for o in ops.named("node.observe") if path in o.kwargs.get("texts", [])]
+    ops, _ = _run_role(monkeypatch, "b_two_nodes_mp", follower)
+    assert not ops.named("vllm.kv_report") and not [o for o in ops.named("node.observe")
+                                                    if path in o.kwargs.get("texts", [])]
+
+
+@pytest.mark.parametrize(("fresh", "shown"), [(False, "2,097,152"), (True, "1,048,576")])
+def test_the_kv_report_reads_observed_json_again_only_after_the_wait_ran(fresh: bool, shown: str) -> None:
+    """The role's reading has observed.json from before the readiness wait; a wait that ran rewrote it."""
+    from pyinfra.context import ctx_host, ctx_state
+
+    from gpufleet.operations import node
+    from gpufleet.operations import vllm as vllm_ops
+    from tests.test_facts_and_operations import FakeHost, FakeState
+
+    path = node_paths.observed_file("r1")
+    before, after = ({"texts": {path: json.dumps({"kv_cache_tokens": n})}} for n in (2_097_152, 1_048_576))
+    fake = FakeHost({"NodeState": {"$answers": [before, after]}})
+    with ctx_host.use(fake), ctx_state.use(FakeState()):
+        list(node.read_state._inner(texts=[path]))
+        assert list(vllm_ops.kv_report._inner(replica="r1", observed=path, planned=2_097_152, tolerance=0.05,
+                                              fresh=lambda: fresh)) == []
+    (level, line), = fake.logged
+    assert line.startswith(f"r1: KV cache planned 2,097,152 tokens, vLLM reports {shown} (ratio ")
+    assert level == ("warning" if fresh else "info")
 
 
 def test_pyinfras_sudo_upload_lands_where_secret_file_says() -> None:

@@ -50,6 +50,9 @@ OWNED_FLAGS = {
     "--shutdown-timeout": "vllm_shutdown_timeout_s",
 }
 
+CPU_KV_SPACE = "VLLM_CPU_KVCACHE_SPACE"
+"""The ``vllm_env`` variable that sizes the KV cache of vLLM's CPU build, in whole GiB per worker."""
+
 # Environment variables gpufleet sets itself on vLLM and Ray processes.
 OWNED_ENV = {
     "CUDA_VISIBLE_DEVICES": "the plan's GPU sets", "VLLM_HOST_IP": "fleet_address",
@@ -187,7 +190,7 @@ class HostConfig(BaseModel):
     vllm_max_model_len: PositiveInt | None
     vllm_gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)]
     vllm_kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16", "float16"]
-    vllm_memory_reserve_gib: Annotated[float, Field(ge=0)]
+    vllm_memory_reserve_gib: Annotated[float, Field(ge=0)] | None
     vllm_min_concurrency: PositiveInt
     vllm_tensor_parallel_size: PositiveInt | Auto
     vllm_pipeline_parallel_size: PositiveInt | Auto
@@ -195,6 +198,7 @@ class HostConfig(BaseModel):
     vllm_nodes_per_replica: PositiveInt | Auto
     vllm_replicas_per_node: PositiveInt | Auto
     vllm_distributed_backend: Literal["mp", "ray"]
+    vllm_platform: Literal["cuda", "cpu"]
     vllm_port: Port
     vllm_master_port: Port
     vllm_rank_port: Port
@@ -213,6 +217,7 @@ class HostConfig(BaseModel):
     vllm_model_source: _text(_controller_dir) | None  # type: ignore[valid-type]
     vllm_start: bool
     vllm_ready_timeout: PositiveInt
+    vllm_plan_tolerance: Annotated[float, Field(ge=0, le=1)]
     vllm_watchdog_stall_s: int
     vllm_shutdown_timeout_s: Annotated[int, Field(ge=0, le=3600)]
     vllm_api_allowed_from: Annotated[list[str], BeforeValidator(_each(grammar.ip_network))] | None
@@ -389,6 +394,7 @@ class HostConfig(BaseModel):
                 ("fleet_interface",),
                 "expected an interface name for multi-node replicas (NCCL_SOCKET_IFNAME), found null",
             ))
+        found += self._cpu_kv_space_problems()
         if self.vllm_distributed_backend == "ray" and self.ray_auth_token is None:
             found.append((("ray_auth_token", "vllm_distributed_backend"),
                           "expected ray_auth_token ({env: NAME} or {file: PATH}) with vllm_distributed_backend ray"
@@ -397,6 +403,23 @@ class HostConfig(BaseModel):
         found += self._url_problems()
         found += self._extra_args_problems()
         return found
+
+    def cpu_kv_space_gib(self) -> int | None:
+        """``VLLM_CPU_KVCACHE_SPACE`` from ``vllm_env``: the GiB of RAM each worker of vLLM's CPU build keeps its
+        KV cache in; None when unset or not a whole number (see `contradictions`)."""
+        value = self.vllm_env.get(CPU_KV_SPACE, "").strip()
+        return int(value) if value.isascii() and value.isdigit() and int(value) > 0 else None
+
+    def _cpu_kv_space_problems(self) -> list[tuple[tuple[str, ...], str]]:
+        value = self.vllm_env.get(CPU_KV_SPACE)
+        if value is not None and self.cpu_kv_space_gib() is None:
+            return [((f"vllm_env.{CPU_KV_SPACE}",), f"expected a whole number of GiB >= 1 (vLLM reads it with int()),"
+                                                    f" found {grammar.show(value)}")]
+        if value is None and self.vllm_platform == "cpu":
+            return [((f"vllm_env.{CPU_KV_SPACE}", "vllm_platform"),
+                     f"expected vllm_env to set {CPU_KV_SPACE} (the whole GiB of RAM each worker keeps its KV cache"
+                     " in, which the planner sizes the cache from) with vllm_platform cpu, found none")]
+        return []
 
     def _port_problems(self, api_ports: int) -> list[tuple[tuple[str, ...], str]]:
         found: list[tuple[tuple[str, ...], str]] = []

@@ -234,8 +234,8 @@ def profile_mismatch(profile: str, planned: NodeFacts, probed: NodeFacts) -> lis
 def _shape_line(shape: NodeShape) -> str:
     names = sorted(set(shape.gpu_names)) or ["no GPU"]
     islands = "/".join(str(len(i)) for i in shape.islands) or "none"
-    return (f"{shape.count} x {', '.join(names)}, {shape.memory_bytes // 2**20} MiB each, NVLink islands {islands},"
-            f" NUMA {','.join(map(str, shape.numa)) or '-'}")
+    return (f"{shape.count} x {', '.join(names)}, {shape.nvml_memory_bytes // 2**20} MiB each,"
+            f" NVLink islands {islands}, NUMA {','.join(map(str, shape.numa)) or '-'}")
 
 
 def assignments(host: Host | None = None) -> list[tuple[Replica, NodeRole]]:

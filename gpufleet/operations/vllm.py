@@ -1,16 +1,19 @@
-"""vLLM replicas: the restart record that makes an interrupted restart happen on the next run, and the check that
-the nodes of a multi-node replica run the same vLLM, torch, Python, Ray and model before any of them starts it."""
+"""vLLM replicas: the restart record that makes an interrupted restart happen on the next run, the check that
+the nodes of a multi-node replica run the same vLLM, torch, Python, Ray and model before any of them starts it, and
+the report of the KV cache vLLM reports beside the plan's."""
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Callable
 
+from pyinfra import logger
 from pyinfra.api.command import QuoteString, StringCommand
 from pyinfra.context import host, state
 
 from gpufleet.deploy.lost_nodes import connection_lost
 from gpufleet.facts import STACK_KEYS, ReplicaStack
+from gpufleet.kv_observed import observed_line
 from gpufleet.operations import node
 from gpufleet.operations.node import Commands, current_host, fail, gpufleet_operation, read_only
 
@@ -93,6 +96,30 @@ def nodes_agree(replica: str, nodes: list[str], stacks: dict[str, NodeStack]) ->
     if read_only():
         print(f"[{host.name}] {message}", file=sys.stderr)
     yield fail(message)
+
+
+@gpufleet_operation(counts_as_drift=False, runs_when_read_only=True)
+def kv_report(replica: str, observed: str, planned: int, tolerance: float, fresh: Callable[[], bool]) -> Commands:
+    """
+    Log one line: the replica's KV cache tokens as planned beside what vLLM reported at its last start (its
+    ``observed.json``, which the readiness wait writes), as a warning when they differ by more than ``tolerance``;
+    changes nothing, and is never drift.
+
+    + replica: the replica's name
+    + observed: its observed.json on this node (its first)
+    + planned: the plan's KV cache tokens
+    + tolerance: ``vllm_plan_tolerance``
+    + fresh: whether the readiness wait ran in this run (then the file is read again)
+    """
+    if not state.is_executing:  # pyinfra's look ahead when ops are added: the wait has not run yet
+        host.noop("reported when the run gets here")
+        return
+    if fresh():
+        node.forget("texts", observed)
+    off, line = observed_line(planned, node.text(observed), tolerance)
+    host.log(f"{replica}: {line}", logger.warning if off else logger.info)
+    host.noop(line)
+    yield from ()
 
 
 def disagreement(replica: str, stacks: dict[str, NodeStack]) -> str | None:

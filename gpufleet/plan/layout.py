@@ -6,17 +6,33 @@
   that holds one sequence (warned); failing that, TP over PCIe (warned).
 - PP across nodes only when no single node can hold the model: then TP takes a whole island and
   PP is the smallest node count that fits.
+- TP across nodes only when asked: a TP size above one node's GPUs spreads every TP group evenly over
+  ``TP / GPUs per node`` nodes (planner.py).
 - GPU sets are carved from islands, so every TP group stays on NVLink.
+- A layout's memory is its worst pipeline stage's: each stage's weights and reserve (gpufleet.vllm_memory)
+  leave its own KV pool, and the stage with the fewest blocks sizes the cache, as in vLLM.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from gpufleet.gpu_facts import NodeFacts
+from gpufleet.hardware_profiles import framework_memory_bytes
 from gpufleet.model_arch import ModelArch
-from gpufleet.model_memory import KvBudget, kv_budget, kv_bytes_per_token, kv_tokens_per_sequence, weights_bytes_per_gpu
+from gpufleet.model_memory import (
+    KvBudget,
+    kv_budget,
+    kv_bytes_per_token,
+    kv_space_budget,
+    kv_tokens_per_sequence,
+    stage_weights_per_gpu,
+)
 from gpufleet.topology import nvlink_islands
+from gpufleet.vllm_flags import human_int
+from gpufleet.vllm_memory import Accounting, accounting, batch_defaults, gpu_reserve
 
 
 @dataclass(frozen=True)
@@ -25,7 +41,8 @@ class NodeShape:
 
     host: str
     gpu_names: tuple[str, ...]
-    memory_bytes: int  # the smallest GPU's
+    memory_bytes: int  # the smallest GPU's, as the framework sees it (framework_memory_bytes)
+    nvml_memory_bytes: int  # the smallest GPU's, as NVML reports it
     islands: tuple[tuple[int, ...], ...]
     numa: tuple[int, ...]
 
@@ -44,7 +61,8 @@ def node_shape(host: str, facts: NodeFacts) -> NodeShape:
     return NodeShape(
         host=host,
         gpu_names=tuple(g.name for g in gpus),
-        memory_bytes=min((g.memory_total_bytes for g in gpus), default=0),
+        memory_bytes=min((framework_memory_bytes(g.name, g.memory_total_bytes) for g in gpus), default=0),
+        nvml_memory_bytes=min((g.memory_total_bytes for g in gpus), default=0),
         islands=tuple(tuple(i) for i in nvlink_islands(facts)),
         numa=tuple(g.numa_node if g.numa_node is not None else 0 for g in gpus),
     )
@@ -52,24 +70,86 @@ def node_shape(host: str, facts: NodeFacts) -> NodeShape:
 
 @dataclass(frozen=True)
 class Sizing:
-    """The memory inputs shared by every candidate layout of one pool."""
+    """The memory inputs shared by every candidate layout of one pool.
+
+    ``platform`` ``cpu`` is vLLM's CPU build: each worker's KV pool is ``kv_space_bytes``
+    (VLLM_CPU_KVCACHE_SPACE). ``batched_tokens``, ``max_num_seqs`` and ``block_size`` are the replica's
+    flags, None for vLLM's defaults (without chunked prefill, a batch holds at least max_model_len tokens);
+    ``reserve_bytes`` replaces the modelled reserve when set.
+    """
 
     arch: ModelArch
     weights_total: int
     model_dtype: str
     kv_dtype: str
     utilization: float
-    reserve_bytes: int
     max_model_len: int
+    rules: Accounting
+    platform: str = "cuda"
+    gpu_name: str = ""
+    batched_tokens: int | None = None
+    max_num_seqs: int | None = None
+    enforce_eager: bool = False
+    chunked_prefill: bool = True
+    block_size: int | None = None
+    reserve_bytes: int | None = None
+    kv_space_bytes: int | None = None
 
 
-def budget(s: Sizing, memory_bytes: int, tp: int, pp: int, dp: int = 1) -> tuple[KvBudget, int]:
-    """The KV budget of one GPU at this layout, and the KV bytes per token per GPU."""
-    per_token = kv_bytes_per_token(s.arch, s.kv_dtype, s.model_dtype, tp=tp, pp=pp)
-    weights = weights_bytes_per_gpu(s.weights_total, tp, pp)
-    b = kv_budget(memory_bytes, s.utilization, weights, s.reserve_bytes, per_token,
-                  kv_tokens_per_sequence(s.arch, s.max_model_len))
-    return b, per_token
+def _int_flag(flags: Mapping[str, Any], name: str) -> int | None:
+    """An integer flag (``8192``, ``"8k"``), None when absent or not a number."""
+    value = flags.get(name)
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    try:
+        return human_int(value) if isinstance(value, str) else None
+    except ValueError:
+        return None
+
+
+def sizing(arch: ModelArch, weights_total: int, *, dtype: str, kv_dtype: str, utilization: float,
+           max_model_len: int, version: str, flags: Mapping[str, Any], platform: str = "cuda", gpu_name: str = "",
+           reserve_bytes: int | None = None, kv_space_bytes: int | None = None) -> Sizing:
+    """A pool's `Sizing`: ``dtype`` ``auto`` is the checkpoint's; of the ``vllm serve`` ``flags`` (names without
+    dashes), those that move memory: max-num-batched-tokens, max-num-seqs, enforce-eager, enable-chunked-prefill,
+    block-size."""
+    named = {name.replace("_", "-"): value for name, value in flags.items()}
+    return Sizing(
+        arch, weights_total, dtype if dtype != "auto" else (arch.torch_dtype or "bfloat16"), kv_dtype, utilization,
+        max_model_len, accounting(version), platform=platform, gpu_name=gpu_name,
+        batched_tokens=_int_flag(named, "max-num-batched-tokens"), max_num_seqs=_int_flag(named, "max-num-seqs"),
+        enforce_eager=named.get("enforce-eager") is True,
+        chunked_prefill=named.get("enable-chunked-prefill") is not False, block_size=_int_flag(named, "block-size"),
+        reserve_bytes=reserve_bytes, kv_space_bytes=kv_space_bytes)
+
+
+def _stage_budget(s: Sizing, memory_bytes: int, tp: int, pp: int, stage: int, weights: int) -> KvBudget:
+    per_token = kv_bytes_per_token(s.arch, s.kv_dtype, s.model_dtype, tp=tp, pp=pp, stage=stage,
+                                   mla_entry_align_bytes=s.rules.mla_entry_align_bytes)
+    per_sequence = kv_tokens_per_sequence(s.arch, s.max_model_len)
+    if s.platform == "cpu":
+        block = s.block_size or (16 if s.arch.is_mla else s.rules.cpu_block_size)
+        return kv_space_budget(s.kv_space_bytes or 0, weights, per_token, per_sequence, block_size=block,
+                               stage=stage, stages=pp)
+    tokens, seqs = batch_defaults(s.platform, s.gpu_name, memory_bytes, tp * pp)
+    if not s.chunked_prefill:
+        tokens = max(tokens, s.max_model_len)
+    reserve = gpu_reserve(s.arch, stage=stage, stages=pp, tp=tp, batched_tokens=s.batched_tokens or tokens,
+                          max_num_seqs=s.max_num_seqs or seqs, enforce_eager=s.enforce_eager, rules=s.rules)
+    size, parts = (reserve.total, reserve.parts()) if s.reserve_bytes is None else (s.reserve_bytes, ())
+    return kv_budget(memory_bytes, s.utilization, weights, size, per_token, per_sequence,
+                     block_size=s.block_size or s.rules.gpu_block_size, reserve_parts=parts, stage=stage, stages=pp)
+
+
+def budget(s: Sizing, memory_bytes: int, tp: int, pp: int) -> tuple[KvBudget, int]:
+    """The KV budget of one GPU of the stage that sizes the cache at this layout (the fewest tokens; the
+    smallest pool when none fits), and that stage's KV bytes per token per GPU."""
+    weights = stage_weights_per_gpu(s.arch, s.weights_total, tp, pp, s.model_dtype)
+    stages = [_stage_budget(s, memory_bytes, tp, pp, k, w) for k, w in enumerate(weights)]
+    worst = min(stages, key=lambda b: (b.kv_tokens, b.kv_pool_bytes))
+    return worst, worst.kv_bytes_per_token
 
 
 def valid_tp(arch: ModelArch, tp: int) -> bool:

@@ -17,7 +17,7 @@ from gpufleet.gpu_facts import NodeFacts
 from gpufleet.model_arch import ModelArch, ModelConfigError, load_arch
 from gpufleet.model_memory import GIB, KvBudget, bytes_per_param, safetensors_total_size, weight_bytes
 from gpufleet.plan import layout
-from gpufleet.plan.commands import NodeRole, Process, replica_roles, secret_env_names
+from gpufleet.plan.commands import NodeRole, Process, extra_flags, replica_roles, secret_env_names
 from gpufleet.vllm_flags import load_catalog
 
 # Settings every host of one pool must share (one model, one layout).
@@ -26,12 +26,13 @@ POOL_WIDE = (
     "vllm_dtype", "vllm_quantization", "vllm_max_model_len", "vllm_gpu_memory_utilization",
     "vllm_kv_cache_dtype", "vllm_tensor_parallel_size", "vllm_pipeline_parallel_size",
     "vllm_data_parallel_size", "vllm_nodes_per_replica", "vllm_distributed_backend", "vllm_extra_args",
+    "vllm_platform", "vllm_memory_reserve_gib",
 )
 
 
 @dataclass(frozen=True)
 class Replica:
-    """One vLLM server: on one node, or on several with pipeline parallel across them."""
+    """One vLLM server: on one node, or on several with pipeline (or tensor) parallel across them."""
 
     name: str
     pool: str
@@ -152,6 +153,10 @@ def _short_name(host: str) -> str:
     return host.replace(".", "-").replace(":", "-")
 
 
+def _gpus(n: int) -> str:
+    return f"{n} GPU" if n == 1 else f"{n} GPUs"
+
+
 def _gib(n: float) -> str:
     return f"{n / GIB:,.1f} GiB"
 
@@ -228,10 +233,11 @@ def _no_fit_message(cfg: HostConfig, s: layout.Sizing, node: layout.NodeShape, h
         layout.tp_candidates(s.arch, node.count) or [1])
     pp = 1 if cfg.vllm_pipeline_parallel_size == "auto" else cfg.vllm_pipeline_parallel_size
     b, _ = layout.budget(s, node.memory_bytes, tp, pp)
-    head = (f"{s.arch.name}: weights {_gib(s.weights_total)} ({how}) / (TP {tp} x PP {pp})"
-            f" = {_gib(b.weights_bytes_per_gpu)} per GPU; ")
+    where = f"on stage {b.stage + 1} of {pp}" if pp > 1 else "per GPU"
+    head = (f"{s.arch.name}: weights {_gib(s.weights_total)} ({how}) at TP {tp} x PP {pp}:"
+            f" {_gib(b.weights_bytes_per_gpu)} {where}; ")
     if b.kv_pool_bytes <= 0:
-        return head + "weights do not fit: " + "; ".join(b.lines())
+        return head + "weights and reserve do not fit: " + "; ".join(b.lines())
     return (head + f"the KV pool cannot hold one sequence of {s.max_model_len:,} tokens (max_model_len): "
             + "; ".join(b.lines()))
 
@@ -248,18 +254,20 @@ def _plan_pool(pool: str, hosts: list[str], fleet: Fleet, facts: dict[str, NodeF
     for shape in shapes:
         if shape.count == 0:
             raise PoolError(f"{shape.host}: no GPUs in its facts")
-    model_dtype = cfg.vllm_dtype if cfg.vllm_dtype != "auto" else (arch.torch_dtype or "bfloat16")
-    s = layout.Sizing(arch, weights_total, model_dtype, cfg.vllm_kv_cache_dtype, cfg.vllm_gpu_memory_utilization,
-                      int(cfg.vllm_memory_reserve_gib * GIB), max_len)
+    npr = cfg.vllm_nodes_per_replica
+    smallest = min(shapes, key=lambda x: x.memory_bytes)
+    dp = cfg.vllm_data_parallel_size
+    s = _sizing(cfg, [fleet.configs[h] for h in hosts], arch, weights_total, max_len, smallest)
     tp_fixed = cfg.vllm_tensor_parallel_size
     if tp_fixed != "auto" and not layout.valid_tp(arch, tp_fixed):
         raise _about(
             _TP, " ", f"{tp_fixed} does not divide {arch.name}'s {arch.num_attention_heads} attention"
             f" heads ({arch.num_attention_heads} / {tp_fixed} = {arch.num_attention_heads / tp_fixed:g})"
             f" with {arch.num_kv_heads} KV heads; valid: {', '.join(map(str, layout.tp_candidates(arch, 64)))}")
-    npr = cfg.vllm_nodes_per_replica
-    smallest = min(shapes, key=lambda x: x.memory_bytes)
-    dp = cfg.vllm_data_parallel_size
+    if tp_fixed != "auto" and tp_fixed > smallest.count:
+        _check_same_gpus(shapes)
+        _tp_across_nodes(pool, hosts, fleet, shapes, cfg, s, tp_fixed, how, plan)
+        return
 
     single = None if npr not in ("auto", 1) else _fit_single_node(cfg, s, smallest, plan.warnings)
     if single is not None:
@@ -278,13 +286,66 @@ def _plan_pool(pool: str, hosts: list[str], fleet: Fleet, facts: dict[str, NodeF
     for nodes in counts:
         b, per_token = layout.budget(s, smallest.memory_bytes, tp, nodes)
         if b.fits:
-            _multi_node_replicas(pool, hosts, fleet, shapes, cfg, tp, nodes, b, per_token, max_len, plan)
+            _multi_node_replicas(pool, hosts, fleet, shapes, cfg, (tp, nodes, nodes, tp), b, per_token, max_len, plan)
             return
     nodes = counts[-1]
     b, _ = layout.budget(s, smallest.memory_bytes, tp, nodes)
     raise PoolError(
         f"{arch.name} does not fit on {nodes} node(s) of {smallest.count} x {smallest.gpu_names[0]} at TP {tp}"
         f" x PP {nodes}: weights {_gib(weights_total)} ({how}); " + "; ".join(b.lines()), (_TP, _PP))
+
+
+def _sizing(cfg: HostConfig, cfgs: list[HostConfig], arch: ModelArch, weights_total: int, max_len: int,
+            smallest: layout.NodeShape) -> layout.Sizing:
+    """The pool's memory inputs: its model, dtypes and flags, its vLLM version's accounting, its platform."""
+    kv_space = None
+    if cfg.vllm_platform == "cpu":
+        spaces = [c.cpu_kv_space_gib() for c in cfgs]
+        if any(space is None for space in spaces):
+            raise _about("vllm_env.VLLM_CPU_KVCACHE_SPACE", ": ", "expected a whole number of GiB with vllm_platform"
+                         " cpu (each worker's KV cache), found none")
+        kv_space = min(space or 0 for space in spaces) * GIB
+    return layout.sizing(
+        arch, weights_total, dtype=cfg.vllm_dtype, kv_dtype=cfg.vllm_kv_cache_dtype,
+        utilization=cfg.vllm_gpu_memory_utilization, max_model_len=max_len, version=cfg.vllm_version,
+        flags=extra_flags(cfg.vllm_extra_args), platform=cfg.vllm_platform, gpu_name=smallest.gpu_names[0],
+        reserve_bytes=None if cfg.vllm_memory_reserve_gib is None else int(cfg.vllm_memory_reserve_gib * GIB),
+        kv_space_bytes=kv_space)
+
+
+def _tp_across_nodes(pool: str, hosts: list[str], fleet: Fleet, shapes: list[layout.NodeShape], cfg: HostConfig,
+                     s: layout.Sizing, tp: int, how: str, plan: FleetPlan) -> None:
+    """A replica whose TP group spans nodes: ``vllm_tensor_parallel_size`` above one node's GPUs (TP 16 on two
+    8-GPU nodes), each node holding an equal share of every TP group, PP stages after one another."""
+    smallest = min(shapes, key=lambda x: x.memory_bytes)
+    pp = 1 if cfg.vllm_pipeline_parallel_size == "auto" else cfg.vllm_pipeline_parallel_size
+    per_node = max(d for d in range(1, smallest.count + 1) if tp % d == 0)
+    nodes = tp // per_node * pp
+    npr = cfg.vllm_nodes_per_replica
+    if npr not in ("auto", nodes):
+        raise _about("vllm_nodes_per_replica", " ", f"{npr} does not fit TP {tp} x PP {pp} on nodes of"
+                     f" {_gpus(smallest.count)}: {tp // per_node} nodes of {_gpus(per_node)} per stage, {nodes} in all")
+    if cfg.vllm_data_parallel_size > 1:
+        raise _about(_DP, " ", f"{cfg.vllm_data_parallel_size} with TP across nodes: expected 1 (multi-node data"
+                     " parallel is not planned yet)")
+    if nodes > len(hosts):
+        raise PoolError(f"TP {tp} x PP {pp} on nodes of {_gpus(smallest.count)} needs {nodes} nodes of"
+                        f" {_gpus(per_node)}; pool {pool} has {len(hosts)} (TP up to {smallest.count} stays on one"
+                        " node)", (_TP, _PP))
+    b, per_token = layout.budget(s, smallest.memory_bytes, tp, pp)
+    if not b.fits:
+        raise PoolError(f"{s.arch.name} does not fit at TP {tp} x PP {pp} on {nodes} node(s) of {smallest.count} x"
+                        f" {smallest.gpu_names[0]}: weights {_gib(s.weights_total)} ({how}); " + "; ".join(b.lines()),
+                        (_TP, _PP))
+    if per_node > smallest.largest_island:
+        plan.warnings.append(f"pool {pool}: TP {tp} takes {_gpus(per_node)} of each node without NVLink between"
+                             f" them (largest NVLink island: {_gpus(smallest.largest_island)})")
+    plan.warnings.append(
+        f"pool {pool}: TP {tp} spans {tp // per_node} nodes of {_gpus(per_node)}: every layer's all-reduce crosses"
+        f" the network between them ({cfg.fleet_interface}), many times slower than NVLink; only worth it with"
+        " RDMA (InfiniBand, RoCE) between the nodes; PP across nodes (TP up to one node's GPUs) needs far less")
+    _multi_node_replicas(pool, hosts, fleet, shapes, cfg, (tp, pp, nodes, per_node), b, per_token, s.max_model_len,
+                         plan)
 
 
 def _single_node_replicas(pool: str, hosts: list[str], fleet: Fleet, shapes: list[layout.NodeShape],
@@ -316,8 +377,10 @@ def _single_node_replicas(pool: str, hosts: list[str], fleet: Fleet, shapes: lis
 
 
 def _multi_node_replicas(pool: str, hosts: list[str], fleet: Fleet, shapes: list[layout.NodeShape],
-                         cfg: HostConfig, tp: int, nodes: int, b: KvBudget, per_token: int, max_len: int,
+                         cfg: HostConfig, shape: tuple[int, int, int, int], b: KvBudget, per_token: int, max_len: int,
                          plan: FleetPlan) -> None:
+    """Replicas of ``shape`` (TP, PP, nodes, GPUs per node) on consecutive groups of the pool's hosts."""
+    tp, pp, nodes, per_node = shape
     if nodes > len(hosts):
         raise _about("vllm_nodes_per_replica", " ", f"{nodes} > {len(hosts)} hosts in pool {pool}")
     if cfg.fleet_interface is None:
@@ -328,14 +391,14 @@ def _multi_node_replicas(pool: str, hosts: list[str], fleet: Fleet, shapes: list
         cfgs = [fleet.configs[g.host] for g in group]
         gpus = []
         for g in group:
-            sets = layout.gpu_sets(g, tp)
+            sets = layout.gpu_sets(g, per_node)
             if not sets:
-                raise PoolError(f"{g.host}: no set of {tp} GPUs for TP {tp}", (_TP,))
+                raise PoolError(f"{g.host}: no set of {per_node} GPUs for TP {tp}", (_TP,))
             gpus.append(sets[0])
         addresses = [c.fleet_address or g.host for c, g in zip(cfgs, group, strict=True)]
         roles = replica_roles(cfgs, [g.host for g in group], addresses, gpus, cfgs[0].vllm_port,
-                              tp, nodes, 1, max_len)
-        plan.replicas.append(Replica(f"{pool}-{k}", pool, cfg.vllm_model, tp, nodes, 1, cfgs[0].vllm_port,
+                              tp, pp, 1, max_len)
+        plan.replicas.append(Replica(f"{pool}-{k}", pool, cfg.vllm_model, tp, pp, 1, cfgs[0].vllm_port,
                                      cfg.vllm_distributed_backend, max_len, per_token, b, roles,
                                      secret_env_names(cfgs[0])))
     spare = hosts[(len(hosts) // nodes) * nodes:]

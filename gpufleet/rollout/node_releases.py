@@ -2,8 +2,9 @@
 change is about to replace as ``release.previous.json``.
 
 Both run over :mod:`gpufleet.rollout.remote` as the host's data says (root: ``_sudo`` where the SSH user is not):
-one ``head`` for every record of a node; ``cp`` before a change, and ``mv`` once it held (or ``rm`` when it was
-rolled back), so ``release.previous.json`` is replaced whole, and only by a change that held.
+one ``head`` for every record of a node (:func:`read_texts`, also ``gpufleet plan --observed``'s reader); ``cp``
+before a change, and ``mv`` once it held (or ``rm`` when it was rolled back), so ``release.previous.json`` is
+replaced whole, and only by a change that held.
 """
 
 from __future__ import annotations
@@ -46,13 +47,14 @@ def _texts(stdout: str, paths: Sequence[str]) -> dict[str, str]:
     return {path: "\n".join(found).strip() for path, found in texts.items()}
 
 
-def read_records(remote: Remote, node: str, replicas: Sequence[str]) -> dict[str, NodeRecords]:
-    """The records of ``replicas`` on ``node``, by replica; RecordFailure when the node cannot say."""
-    paths = [path for replica in replicas for path in (release_file(replica), previous_release_file(replica))]
-    result = remote.run(node, ["env", "LC_ALL=C", "head", "-v", "-c", str(MAX_BYTES), "--", *paths],
+def read_texts(remote: Remote, node: str, paths: Sequence[str], what: str,
+               max_bytes: int = MAX_BYTES) -> dict[str, str]:
+    """The text of each of ``paths`` on ``node`` that is there (its first ``max_bytes``), by path, in one command;
+    RecordFailure, naming ``what`` they are, when the node cannot say."""
+    result = remote.run(node, ["env", "LC_ALL=C", "head", "-v", "-c", str(max_bytes), "--", *paths],
                         timeout_s=TIMEOUT_S, ok_status=(0, 1))
     if not result.ok:
-        raise RecordFailure(f"node {node}: cannot read the release records: {result.line()}")
+        raise RecordFailure(f"node {node}: cannot read {what}: {result.line()}")
     texts = _texts(result.stdout, paths)
     for path in paths:
         if path in texts:
@@ -60,6 +62,13 @@ def read_records(remote: Remote, node: str, replicas: Sequence[str]) -> dict[str
         said = [line for line in result.stderr.splitlines() if path in line]
         if not said or not said[0].rstrip().endswith(_MISSING):
             raise RecordFailure(f"node {node}: cannot read {path}: {said[0] if said else 'no output'}")
+    return texts
+
+
+def read_records(remote: Remote, node: str, replicas: Sequence[str]) -> dict[str, NodeRecords]:
+    """The records of ``replicas`` on ``node``, by replica; RecordFailure when the node cannot say."""
+    paths = [path for replica in replicas for path in (release_file(replica), previous_release_file(replica))]
+    texts = read_texts(remote, node, paths, "the release records")
 
     def parsed(path: str) -> Release | None:
         return parse_release(texts[path], f"{node}:{path}") if path in texts else None

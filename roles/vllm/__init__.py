@@ -15,11 +15,13 @@ nothing of it: only ``/var/lib/vllm`` (its home and caches). Last, the nodes of 
 agree on vLLM, torch, Python, Ray and the model, or all of them stop before any starts it.
 
 ``vllm_serve()`` — starts each replica (``vllm_start``), restarts one only when its files changed on
-any of its nodes, and waits on its first node for ``/health`` and one real completion. A restart the
-deploy decided on is first recorded on every node of the replica (``restart-pending`` in its directory)
-and cleared only once the replica serves again, so a run interrupted in between restarts it next time
-(and ``deploys/check.py`` reports it as drift). On its first node, the replica's watchdog runs with it
-(``vllm_watchdog_stall_s``; ``gpufleet/node/replica_watchdog.py``) and restarts it when it is wedged.
+any of its nodes, and waits on its first node for ``/health`` and one real completion; that wait then records
+the KV cache vLLM reports (``observed.json`` in the replica's directory), which every run shows beside the plan's
+(a warning beyond ``vllm_plan_tolerance``). A restart the deploy decided on is first recorded on every node of
+the replica (``restart-pending`` in its directory) and cleared only once the replica serves again, so a run
+interrupted in between restarts it next time (and ``deploys/check.py`` reports it as drift). On its first node,
+the replica's watchdog runs with it (``vllm_watchdog_stall_s``; ``gpufleet/node/replica_watchdog.py``) and
+restarts it when it is wedged.
 
 Variables: roles/vllm/defaults.yml. The layout comes from the plan (``gpufleet.deploy.context``).
 """
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import shlex
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -56,6 +59,7 @@ from gpufleet.node_paths import (
     VLLM_UNIT_TEMPLATE,
     WATCHDOG_UNIT_TEMPLATE,
     node_tool,
+    observed_file,
     release_file,
     replica_dir,
     replica_secrets,
@@ -304,11 +308,12 @@ def vllm_serve() -> None:
     """Start this node's replicas; restart one (all its nodes) only when its files changed on any of them."""
     cfg = host_config()
     ctx = context()
-    serving = [replica for replica, role in assignments() if _vllm_process(role) is not None]
-    node.observe(name="Read the replicas' units",
-                 units=[unit for replica in serving
+    serving = [(replica, role) for replica, role in assignments() if _vllm_process(role) is not None]
+    node.observe(name="Read the replicas' units and what vLLM reported on their first node",
+                 units=[unit for replica, _ in serving
                         for unit in (f"vllm@{replica.name}.service", watchdog_unit(replica.name))],
-                 paths=[restart_marker(replica.name) for replica in serving])
+                 paths=[restart_marker(replica.name) for replica, _ in serving],
+                 texts=[observed_file(replica.name) for replica, role in serving if role.host == replica.nodes[0]])
     for replica, role in assignments():
         if _vllm_process(role) is None:
             continue
@@ -330,21 +335,42 @@ def vllm_serve() -> None:
         starts.append(started)
         if role.host == replica.nodes[0]:  # the first node serves the API; the others are ranks or Ray workers
             url = _api_url(replica, role)
-            ctx.readiness[replica.name] = server.script(
+            kv = KvCheck(observed_file(replica.name), replica.budget.kv_tokens, replica.max_model_len,
+                         cfg.vllm_plan_tolerance)
+            wait = ctx.readiness[replica.name] = server.script(
                 name=f"{replica.name}: wait for /health and one real completion on {url}",
                 script=ready_command(cfg.served_model_name(), url, unit,
                                      replica_secrets(replica.name) if replica.secret_env else None,
-                                     cfg.vllm_ready_timeout),
+                                     cfg.vllm_ready_timeout, kv),
                 _if=_changed(starts),  # a rank (re)started on any of its nodes
             )
+            vllm.kv_report(name=f"{replica.name}: show the KV cache vLLM reports beside the plan's",
+                           replica=replica.name, observed=kv.observed, planned=kv.planned_tokens,
+                           tolerance=kv.tolerance, fresh=_changed([wait]))
         _run_watchdog(replica, role)
         files.absent(name=f"{replica.name}: restarted and serving, clear its restart record", path=marker,
                      _if=partial(ctx.served, replica.name))
 
 
-def ready_command(served: str, url: str, unit: str, secrets: str | None, timeout: int) -> str:
-    """The readiness check's shell line on the first node, every argument quoted for the shell."""
+@dataclass(frozen=True)
+class KvCheck:
+    """What the readiness wait compares vLLM's KV cache with, and where it records what vLLM reports."""
+
+    observed: str  # the replica's observed.json on its first node
+    planned_tokens: int  # the plan's KV cache tokens
+    max_model_len: int
+    tolerance: float  # vllm_plan_tolerance
+
+    def argv(self) -> list[str]:
+        return ["--observed", self.observed, "--planned-kv-tokens", str(self.planned_tokens),
+                "--max-model-len", str(self.max_model_len), "--tolerance", str(self.tolerance)]
+
+
+def ready_command(served: str, url: str, unit: str, secrets: str | None, timeout: int,
+                  kv: KvCheck | None = None) -> str:
+    """The readiness check's shell line on the first node, every argument quoted for the shell; with ``kv``, it
+    then records the KV cache vLLM reports beside the plan's."""
     argv = ["python3", node_tool("vllm_ready.py"), "--url", url, "--model", served, "--unit", unit]
     if secrets:
         argv += ["--env-file", secrets]
-    return shlex.join([*argv, "--timeout", str(timeout)])
+    return shlex.join([*argv, "--timeout", str(timeout), *(kv.argv() if kv else [])])

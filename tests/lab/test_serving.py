@@ -169,6 +169,24 @@ def test_deploy_converges_bare_nodes_to_serving(lab: Lab) -> None:
         assert status == 200 and "DCGM_FI_DEV_XID_ERRORS" in metrics  # our counters file
 
 
+def test_vllm_reports_the_kv_cache_the_plan_planned(lab: Lab) -> None:
+    """The converge's readiness waits recorded what vLLM reports of each replica's KV cache on its first node
+    (observed.json): within 2% of the plan, as the file says and as ``gpufleet plan --observed`` plans and reads it."""
+    done = _run([str(PYINFRA.parent / "gpufleet"), "plan", INVENTORY, "--json", "--observed"], lab.env, 300)
+    assert done.rc == 0, done.output[-4000:]
+    plan = {replica["name"]: replica for replica in json.loads(done.out)}
+    for node, replica in ((lab.nodes[0], _single(lab)), (lab.nodes[1], PIPELINE)):
+        file = lab.host(node).file(f"/etc/gpufleet/vllm/{replica}/observed.json")
+        assert (file.user, file.mode) == ("root", 0o644)
+        observed = json.loads(file.content_string)
+        planned = plan[replica]["kv_tokens_per_gpu"]
+        assert observed["planned_kv_cache_tokens"] == planned and plan[replica]["observed"] == observed
+        assert observed["source"] == "vllm:cache_config_info", observed
+        assert observed["kv_cache_tokens"] == pytest.approx(planned, rel=0.02), observed
+        assert observed["max_concurrency"] == pytest.approx(plan[replica]["max_concurrency"], rel=0.02), observed
+        assert observed["vllm_version"].startswith(LAB_VLLM_VERSION), observed
+
+
 HEALTHY_WATCH_S = 300
 _healthy_since: list[float] = []  # when Prometheus first saw every target up: the healthy watch starts there
 
