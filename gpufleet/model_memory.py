@@ -9,7 +9,7 @@ The KV rules follow vLLM (``vllm/v1/kv_cache_interface.py``, ``config/model.py``
 - pipeline stages hold vLLM's share of the layers (`stage_layers`); the first also holds the input embedding,
   the last the output head (its own copy of a tied embedding when PP > 1) and the final norm;
 - the pool is ``utilization x GPU memory - weights on that GPU - reserve`` (gpufleet.vllm_memory), counted in
-  whole blocks of tokens.
+  whole blocks of tokens; on a GPU the plan counts ``pool x (1 - kv_margin)`` of it (gpufleet/data/vllm_memory.yml).
 """
 
 from __future__ import annotations
@@ -320,7 +320,7 @@ class KvBudget:
     allocates it; ``max_concurrency`` is a float, as in vLLM's own "Maximum concurrency for N tokens per
     request: X.XXx" log line (blocks over the blocks one sequence needs); `full_sequences` is its floor.
     ``kv_space_bytes`` is set on vLLM's CPU build, whose pool is ``VLLM_CPU_KVCACHE_SPACE`` (weights and
-    reserve then live beside it in RAM).
+    reserve then live beside it in RAM). ``kv_margin``: the share of the pool kept out of ``kv_tokens``.
     """
 
     gpu_memory_bytes: int
@@ -338,6 +338,7 @@ class KvBudget:
     stages: int = 1
     reserve_parts: tuple[tuple[str, int], ...] = ()
     kv_space_bytes: int | None = None
+    kv_margin: float = 0.0
 
     @property
     def full_sequences(self) -> int:
@@ -368,8 +369,10 @@ class KvBudget:
             )
             return out
         blocks = f" in blocks of {self.block_size}" if self.block_size > 1 else ""
+        margin = f" x (1 - {self.kv_margin:g} margin)" if self.kv_margin else ""
         out.append(
-            f"{_size(self.kv_pool_bytes)} / {self.kv_bytes_per_token:,} B ({self.kv_bytes_per_token / 1024:,.1f} KiB)"
+            f"{_size(self.kv_pool_bytes)}{margin} / {self.kv_bytes_per_token:,} B"
+            f" ({self.kv_bytes_per_token / 1024:,.1f} KiB)"
             f" per token{blocks} = {self.kv_tokens:,} tokens"
         )
         out.append(
@@ -399,15 +402,20 @@ def kv_budget(
     reserve_parts: tuple[tuple[str, int], ...] = (),
     stage: int = 0,
     stages: int = 1,
+    kv_margin: float = 0.0,
 ) -> KvBudget:
-    """Work out one GPU's KV pool: ``memory x utilization - weights - reserve``, then tokens and sequences."""
+    """Work out one GPU's KV pool: ``memory x utilization - weights - reserve``, then tokens and sequences of
+    ``pool x (1 - kv_margin)`` in whole blocks."""
     if not 0 < gpu_memory_utilization <= 1:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+    if not 0 <= kv_margin < 1:
+        raise ValueError(f"kv_margin must be in [0, 1), got {kv_margin}")
     if min(gpu_memory_bytes, weights_bytes_per_gpu, reserve_bytes) < 0:
         raise ValueError("memory, weight and reserve sizes must be >= 0")
     usable = int(gpu_memory_bytes * gpu_memory_utilization)
     pool = usable - weights_bytes_per_gpu - reserve_bytes
-    tokens, sequences = _sized(pool, kv_bytes_per_token, tokens_per_sequence, block_size)
+    planned = math.floor(pool * (1 - kv_margin)) if pool > 0 else pool
+    tokens, sequences = _sized(planned, kv_bytes_per_token, tokens_per_sequence, block_size)
     return KvBudget(
         gpu_memory_bytes=gpu_memory_bytes,
         gpu_memory_utilization=gpu_memory_utilization,
@@ -423,6 +431,7 @@ def kv_budget(
         stage=stage,
         stages=stages,
         reserve_parts=reserve_parts,
+        kv_margin=kv_margin,
     )
 
 

@@ -2,8 +2,9 @@
 
 The figures and their sources live in ``gpufleet/data/vllm_memory.yml``; this module reads them and applies
 them. `accounting` gives a version's rules (is the CUDA graph estimate taken from the KV budget, block sizes,
-MLA padding), `batch_defaults` the batch sizes vLLM picks when none is given, and `gpu_reserve` what one GPU
-of a pipeline stage keeps out of its KV pool besides weights: activations, communication buffers, CUDA graphs.
+MLA padding, the GPU KV pool's safety margin), `batch_defaults` the batch sizes vLLM picks when none is given,
+and `gpu_reserve` what one GPU of a pipeline stage keeps out of its KV pool besides weights: activations,
+communication buffers, CUDA graphs.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from importlib import resources
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from gpufleet.model_arch import ModelArch
 
@@ -33,6 +34,7 @@ class _Rules(_Data):
     gpu_block_size: int
     cpu_block_size: int
     mla_entry_align_bytes: int
+    kv_margin: float = Field(ge=0, lt=1)
 
 
 class _VersionRule(_Data):
@@ -42,6 +44,7 @@ class _VersionRule(_Data):
     gpu_block_size: int | None = None
     cpu_block_size: int | None = None
     mla_entry_align_bytes: int | None = None
+    kv_margin: float | None = Field(default=None, ge=0, lt=1)
 
 
 class _GpuBatch(_Data):
@@ -118,6 +121,7 @@ class Accounting:
     gpu_block_size: int
     cpu_block_size: int
     mla_entry_align_bytes: int
+    kv_margin: float
 
 
 def accounting(version: str) -> Accounting:

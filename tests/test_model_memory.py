@@ -313,6 +313,17 @@ def test_the_pool_is_counted_in_whole_blocks() -> None:
     assert budget.lines()[1].endswith("per token in blocks of 16 = 160 tokens")
 
 
+def test_the_margin_is_taken_from_the_pool_before_blocks() -> None:
+    pool = 100 * 131_072 * 16  # 100 blocks; 3% off leaves 97 of them
+    budget = kv_budget(pool, 1.0, 0, 0, 131_072, 16, block_size=16, kv_margin=0.03)
+    assert budget.kv_pool_bytes == pool and budget.kv_tokens == 97 * 16 and budget.max_concurrency == 97
+    assert budget.lines()[1].endswith("x (1 - 0.03 margin) / 131,072 B (128.0 KiB) per token in blocks of 16"
+                                      " = 1,552 tokens")
+    assert kv_budget(pool + 131_072 * 16, 1.0, 0, 0, 131_072, 16, block_size=16, kv_margin=0.03).kv_tokens == 97 * 16
+    with pytest.raises(ValueError, match="kv_margin"):
+        kv_budget(pool, 1.0, 0, 0, 131_072, 16, kv_margin=1.0)
+
+
 def test_budget_lines_name_the_stage_and_the_reserve_parts() -> None:
     budget = kv_budget(80 * GIB, 0.9, 4 * GIB, 3 * GIB, 32_768, 8192, block_size=16, stage=3, stages=4,
                        reserve_parts=(("activations", 2 * GIB), ("communication", GIB)))

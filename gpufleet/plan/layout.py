@@ -140,7 +140,8 @@ def _stage_budget(s: Sizing, memory_bytes: int, tp: int, pp: int, stage: int, we
                           max_num_seqs=s.max_num_seqs or seqs, enforce_eager=s.enforce_eager, rules=s.rules)
     size, parts = (reserve.total, reserve.parts()) if s.reserve_bytes is None else (s.reserve_bytes, ())
     return kv_budget(memory_bytes, s.utilization, weights, size, per_token, per_sequence,
-                     block_size=s.block_size or s.rules.gpu_block_size, reserve_parts=parts, stage=stage, stages=pp)
+                     block_size=s.block_size or s.rules.gpu_block_size, reserve_parts=parts, stage=stage, stages=pp,
+                     kv_margin=s.rules.kv_margin)
 
 
 def budget(s: Sizing, memory_bytes: int, tp: int, pp: int) -> tuple[KvBudget, int]:
