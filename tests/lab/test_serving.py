@@ -223,6 +223,10 @@ def test_prometheus_scrapes_every_target_of_the_plan_with_its_labels(lab: Lab) -
     except AssertionError:
         down = [(t["scrapeUrl"], t["lastError"]) for t in prometheus.targets() if t["health"] != "up"]
         raise AssertionError(f"targets not up: {down}") from None
+    # Prometheus may have run before the replicas did (deploys/monitoring.py): the lab is healthy once what it
+    # said then has resolved.
+    wait_for("the alerts of before the deploy resolved", lambda: True if not prometheus.firing() else None,
+             timeout=180)
     _healthy_since.append(time.monotonic())
     found: dict[str, dict[str, dict[str, str]]] = {}
     for target in targets:
@@ -416,8 +420,9 @@ def test_the_vllm_unit_is_sandboxed(lab: Lab) -> None:
 
 
 def test_no_alert_fires_on_the_healthy_lab(lab: Lab) -> None:
-    """From the moment Prometheus saw every target up, through the tests above (deploys, checks, requests), for
-    at least HEALTHY_WATCH_S: no alert fired, with the lab's short waits (group_vars/lab.yml)."""
+    """From the moment Prometheus saw every target up and the alerts of before the deploy resolved, through the
+    tests above (deploys, checks, requests), for at least HEALTHY_WATCH_S: no alert fired, with the lab's short
+    waits (group_vars/lab.yml)."""
     assert _healthy_since, "test_prometheus_scrapes_every_target_of_the_plan_with_its_labels did not pass"
     prometheus = Prometheus(lab.nodes[0])
     time.sleep(max(0.0, _healthy_since[0] + HEALTHY_WATCH_S - time.monotonic()))
