@@ -122,7 +122,11 @@ def test_a_stalled_engine_and_a_silent_dcgm_exporter_fire_and_resolve(
     first, third = lab.nodes[0], lab.nodes[2]
     replica = _single(lab)
     prometheus = Prometheus(first)
-    assert prometheus.firing() == {}, "the lab is not healthy to begin with"
+    expected = [
+        Expected("VllmEngineStalled", {"replica": replica}, LAB_VARS["alert_engine_stall_s"] + STALL_FOR_S),
+        Expected("DcgmExporterDown", {"node": third.address}, LAB_VARS["alert_exporter_down_for_s"]),
+    ]
+    _resolved(prometheus, expected, time.monotonic())  # none of them active yet (the earlier tests' faults)
     _wait_serving(lab, first)
     host = lab.host(first)
     host.check_output(f"systemctl stop vllm-watchdog@{replica}")
@@ -145,10 +149,6 @@ def test_a_stalled_engine_and_a_silent_dcgm_exporter_fire_and_resolve(
             pytest.fail("every request ended before the engine stopped")
         lab.host(third).check_output("systemctl stop dcgm-exporter")
         injected = time.monotonic()
-        expected = [
-            Expected("VllmEngineStalled", {"replica": replica}, LAB_VARS["alert_engine_stall_s"] + STALL_FOR_S),
-            Expected("DcgmExporterDown", {"node": third.address}, LAB_VARS["alert_exporter_down_for_s"]),
-        ]
         _watch(prometheus, expected, injected)
     finally:
         host.run(f"kill -CONT {engine[0]}")
@@ -182,20 +182,19 @@ def test_a_replica_stopped_and_gpu_faults_fire_and_resolve(
     first, second = lab.nodes[0], lab.nodes[1]
     replica, host = _single(lab), lab.host(first)
     prometheus = Prometheus(first)
-    wait_for("no alert firing", lambda: True if prometheus.firing() == {} else None, timeout=RESOLVE_S)
+    expected = [
+        Expected("VllmReplicaDown", {"replica": replica}, LAB_VARS["alert_replica_down_for_s"]),
+        Expected("ModelReplicasBelowMinimum", {"model": _model(lab, first)}, LAB_VARS["alert_replica_down_for_s"]),
+        Expected("GpuMissing", {"node": first.address}, LAB_VARS["alert_gpu_missing_for_s"]),
+        Expected("GpuCriticalXid", {"node": first.address, "gpu": str(XID_GPU), "xid": str(XID)}, 0),
+        Expected("GpuNvlinkErrors", {"node": second.address, "gpu": str(NVLINK_GPU)}, 0),
+    ]
+    _resolved(prometheus, expected, time.monotonic())  # none of them active yet (the earlier tests' faults)
     try:
         host.check_output(f"systemctl stop vllm@{replica}")  # for good: nothing starts it again
         _inject(lab, first, [("gpu_lost", LOST_GPU), ("xid", XID_GPU, XID)], tmp_path)
         _inject(lab, second, [("nvlink_errors", NVLINK_GPU)], tmp_path)
         injected = time.monotonic()
-        model = _model(lab, first)
-        expected = [
-            Expected("VllmReplicaDown", {"replica": replica}, LAB_VARS["alert_replica_down_for_s"]),
-            Expected("ModelReplicasBelowMinimum", {"model": model}, LAB_VARS["alert_replica_down_for_s"]),
-            Expected("GpuMissing", {"node": first.address}, LAB_VARS["alert_gpu_missing_for_s"]),
-            Expected("GpuCriticalXid", {"node": first.address, "gpu": str(XID_GPU), "xid": str(XID)}, 0),
-            Expected("GpuNvlinkErrors", {"node": second.address, "gpu": str(NVLINK_GPU)}, 0),
-        ]
         _watch(prometheus, expected, injected)
     finally:
         _restore(lab, first)
