@@ -184,7 +184,9 @@ def test_a_replica_stopped_and_gpu_faults_fire_and_resolve(
     prometheus = Prometheus(first)
     expected = [
         Expected("VllmReplicaDown", {"replica": replica}, LAB_VARS["alert_replica_down_for_s"]),
-        Expected("ModelReplicasBelowMinimum", {"model": _model(lab, first)}, LAB_VARS["alert_replica_down_for_s"]),
+        # read through two recording rules (replica:ranks_up:count, model:replicas_ready:count): an evaluation each
+        Expected("ModelReplicasBelowMinimum", {"model": _model(lab, first)},
+                 LAB_VARS["alert_replica_down_for_s"] + 2 * SCRAPE_INTERVAL_S),
         Expected("GpuMissing", {"node": first.address}, LAB_VARS["alert_gpu_missing_for_s"]),
         Expected("GpuCriticalXid", {"node": first.address, "gpu": str(XID_GPU), "xid": str(XID)}, 0),
         Expected("GpuNvlinkErrors", {"node": second.address, "gpu": str(NVLINK_GPU)}, 0),
