@@ -69,7 +69,7 @@ def rendered_units() -> dict[str, str]:
     from gpufleet.plan.commands import ray_start_argv
     from gpufleet.systemd_text import exec_line
     from gpufleet.templates import render
-    from roles import dcgm_exporter, gpu_watch, node_exporter, ray, vllm
+    from roles import dcgm_exporter, gpu_watch, monitoring, node_exporter, ray, vllm
 
     layers, _ = role_default_layers()
     cfg, problems = validate_host(HostLayers("10.0.0.5", [*layers, Layer("bench", {
@@ -101,6 +101,7 @@ def rendered_units() -> dict[str, str]:
                                         cfg.dcgm_exporter_xid_window_s))
     found[gpu_watch.SERVICE_FILE.lstrip("/")] = render("gpu_watch/gpufleet-gpu-watch.service.j2",
                                                        **gpu_watch.service_values())
+    found[monitoring.ALERT_LOG_FILE.lstrip("/")] = monitoring.alert_log_unit(cfg)
     return found
 
 

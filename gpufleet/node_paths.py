@@ -20,7 +20,7 @@ RAY_ENV_DIR = f"{CONFIG_DIR}/ray"  # one environment file per Ray replica
 # gpufleet's node tools (standard library + pynvml only), copied from gpufleet/node/
 NODE_TOOLS_DIR = "/opt/gpufleet/node"
 NODE_TOOL_FILES = ("nvml_probe.py", "health_rules.py", "vllm_ready.py", "replica_rank.py", "ray_join_wait.py",
-                   "gpu_watch.py", "replica_watchdog.py", "router_admin.py")
+                   "gpu_watch.py", "replica_watchdog.py", "router_admin.py", "alert_log.py")
 NODE_PYNVML = f"{NODE_TOOLS_DIR}/pynvml.py"  # the controller's nvidia-ml-py bindings, for a Python without them
 
 # the GPU health watch (role gpu_watch): its timer runs gpu_watch.py, which stops the node's replicas while its GPUs
@@ -29,6 +29,9 @@ GPU_WATCH_SERVICE = "gpufleet-gpu-watch.service"
 GPU_WATCH_TIMER = "gpufleet-gpu-watch.timer"
 RUN_DIR = "/run/gpufleet"  # the watch's RuntimeDirectory= (gone at reboot)
 GPU_WATCH_MARKER = f"{RUN_DIR}/gpu-gate-failed"  # while the node fails: the failed rules and the units stopped
+
+# the alert log (role monitoring): every alert Alertmanager sends, a line each in its journal (alert_log.py)
+ALERT_LOG_SERVICE = "gpufleet-alert-log.service"
 
 # the router (role router): HAProxy's runtime API (level admin) on a router node, which router_admin.py drives
 ROUTER_ADMIN_SOCKET = "/run/haproxy/gpufleet-admin.sock"

@@ -27,6 +27,7 @@ import yaml
 import roles.common as common_role
 import roles.dcgm_exporter as dcgm_exporter_role
 import roles.gpu_watch as gpu_watch_role
+import roles.monitoring as monitoring_role
 import roles.node_exporter as node_exporter_role
 import roles.ray as ray_role
 import roles.router as router_role
@@ -231,6 +232,12 @@ def _ray(address: str) -> Unit:
                 [argv[0], f"{vf.venv_dir(cfg)}/bin/ray"], argv)
 
 
+def _alert_log(_: str) -> Unit:
+    cfg = _config(alert_log_port=9097)
+    argv = ["/usr/bin/python3", "-I", node_paths.node_tool("alert_log.py"), "--port", "9097"]
+    return Unit(node_paths.ALERT_LOG_SERVICE, monitoring_role.alert_log_unit(cfg), ["/usr/bin/python3"], argv)
+
+
 # Each case: a name, and the unit as its role renders it for a node at a (validated) fleet address. The free
 # text of the inventory never reaches a unit: addresses are IPs, replica names the planner's, paths gpufleet's.
 UNIT_CASES: list[tuple[str, Callable[[str], Unit]]] = [
@@ -241,6 +248,7 @@ UNIT_CASES: list[tuple[str, Callable[[str], Unit]]] = [
     ("dcgm-exporter.service", _dcgm_exporter),
     ("gpufleet-gpu-watch.service and its timer", _gpu_watch),
     ("ray unit of a head", _ray),
+    ("gpufleet-alert-log.service", _alert_log),
 ]
 # Templates that are not systemd units or environment files (apt sources and preferences, DCGM's CSV, Prometheus's
 # rules: tests/test_alert_rules.py).
@@ -252,6 +260,7 @@ COVERED = {"node_exporter/node_exporter.service.j2", "node_exporter/package-over
            "node_exporter/sandbox.conf.j2", "vllm/vllm@.service.j2", "dcgm_exporter/dcgm-exporter.service.j2",
            "vllm/vllm-watchdog@.service.j2", "ray/ray.service.j2", "common/node.env.j2",
            "gpu_watch/gpufleet-gpu-watch.service.j2", "gpu_watch/gpufleet-gpu-watch.timer.j2",
+           "monitoring/gpufleet-alert-log.service.j2",
            "_sandbox.conf.j2",  # the sandbox: in every unit
            "vllm/ray.conf.j2",  # with vllm@.service and the Ray unit: test_the_ray_drop_in_...
            "router/haproxy-override.conf.j2",  # with Debian's haproxy.service: test_the_router_drop_in_...

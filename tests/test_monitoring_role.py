@@ -296,7 +296,8 @@ def test_amtool_accepts_alertmanagers_configuration(tmp_path: Path, webhook: str
                           cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
     (receiver,) = yaml.safe_load(text)["receivers"]
-    assert receiver.get("webhook_configs", []) == ([{"url": webhook, "send_resolved": True}] if webhook else [])
+    urls = ["http://127.0.0.1:9097/", *([webhook] if webhook else [])]  # the alert log always, the webhook when set
+    assert receiver["webhook_configs"] == [{"url": url, "send_resolved": True} for url in urls]
 
 
 # --- the drop-ins on Debian's units ------------------------------------------------------------------------------
@@ -371,9 +372,10 @@ def test_the_role_checks_every_file_before_it_swaps_it_in_and_reloads_for_it(mon
     position = {id(c): i for i, c in enumerate(ops.calls)}
     (observed,) = ops.named("node.observe")
     assert order.index("node.observe") == 0
-    assert set(observed.kwargs["packages"]) == {"prometheus", "prometheus-alertmanager"}
+    assert set(observed.kwargs["packages"]) == {"prometheus", "prometheus-alertmanager", "python3"}
     (installed,) = ops.named("apt.packages")
     assert installed.kwargs["no_recommends"]  # prometheus recommends Debian's node_exporter: role node_exporter's
+    assert set(installed.kwargs["packages"]) == set(observed.kwargs["packages"])
     drop_ins = {role.PROMETHEUS: wanted.prometheus_drop_in, role.ALERTMANAGER: wanted.alertmanager_drop_in}
     for service, text in drop_ins.items():
         (drop_in,) = ops.named("files.file", dest=service.drop_in)
@@ -386,6 +388,18 @@ def test_the_role_checks_every_file_before_it_swaps_it_in_and_reloads_for_it(mon
                       and position[id(c)] < position[id(check)]]
         assert candidates, check.kwargs["name"]
         assert position[id(installed)] < position[id(check)]  # promtool and amtool come with the packages
+    (log_unit,) = ops.named("files.file", dest=role.ALERT_LOG_FILE)
+    (log_restart,) = ops.named("systemd.restart", unit=node_paths.ALERT_LOG_SERVICE)
+    (log_running,) = ops.named("systemd.service", unit=node_paths.ALERT_LOG_SERVICE)
+    assert log_unit.kwargs["content"] == wanted.alert_log_unit and role.ALERT_LOG_FILE in observed.kwargs["paths"]
+    assert (log_running.kwargs["running"], log_running.kwargs["enabled"]) == (True, True)
+    # listening before Alertmanager's configuration names it; restarted (after the reload) when its unit changed
+    assert position[id(installed)] < position[id(log_running)] < position[id(checks[1])]
+    assert position[id(log_unit)] < position[id(log_restart)] < position[id(log_running)]
+    assert not log_restart.kwargs["_if"]()
+    log_unit.changed = True
+    assert log_restart.kwargs["_if"]()
+    log_unit.changed = False
     prometheus, alertmanager = (c.kwargs for c in checks)
     assert prometheus["done_sha256"] == _sha256(wanted.configs[role.PROMETHEUS_YML])
     assert alertmanager["done_sha256"] == _sha256(wanted.configs[role.ALERTMANAGER_YML])

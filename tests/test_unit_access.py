@@ -85,7 +85,7 @@ def test_every_unit_gpufleet_writes_is_rendered_with_an_ip_filter() -> None:
     units = bench.rendered_units()
     names = {Path(path).name for path in units}
     assert {"vllm@pool-0.service", "gpufleet-ray-head-0.service", "gpufleet-ray-worker-0.service",
-            "node_exporter.service", "gpufleet.conf", "dcgm-exporter.service"} <= names
+            "node_exporter.service", "gpufleet.conf", "dcgm-exporter.service", "gpufleet-alert-log.service"} <= names
     for path, text in units.items():
         assert "IPAddressDeny=any" in text.splitlines(), path
 

@@ -60,7 +60,7 @@ def test_the_units_are_found() -> None:
                           "dcgm_exporter/dcgm-exporter.service.j2",
                           "node_exporter/node_exporter.service.j2", "node_exporter/package-override.conf.j2",
                           "gpu_watch/gpufleet-gpu-watch.service.j2", "router/haproxy-override.conf.j2",
-                          "monitoring/override.conf.j2"}
+                          "monitoring/override.conf.j2", "monitoring/gpufleet-alert-log.service.j2"}
 
 
 @pytest.mark.parametrize("name", UNITS)
@@ -104,6 +104,11 @@ VALUES: dict[str, dict[str, object]] = {
     "monitoring/override.conf.j2": {"unit": "prometheus.service", "environment_file": "/etc/default/prometheus",
                                     "config": "/etc/prometheus/gpufleet/prometheus.yml",
                                     "exec_start": "/usr/bin/prometheus", "state_directory": "prometheus/metrics2"},
+    "monitoring/gpufleet-alert-log.service.j2": {"node_tools": "/opt/gpufleet/node",
+                                                 "service": "gpufleet-alert-log.service",
+                                                 "alertmanager": "prometheus-alertmanager.service",
+                                                 "account": "prometheus", "tool_sha256": "0" * 64,
+                                                 "exec_start": "/usr/bin/python3 -I /opt/gpufleet/node/alert_log.py"},
 }
 ALLOWED = unit_lines(["10.0.0.5/32"])
 
@@ -163,6 +168,11 @@ EXPECTED = {
     # Prometheus and Alertmanager as their own account (Go binaries): no device, W^X memory, no @resources (EPERM),
     # no netlink, no other user visible
     "monitoring/override.conf.j2": BASE | {
+        "UMask=0077", "ProtectHome=yes", "ProtectClock=yes", "ProtectProc=invisible", "MemoryDenyWriteExecute=yes",
+        "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6", f"{DENY} @resources", "SystemCallErrorNumber=EPERM",
+        "PrivateDevices=yes", "PrivateUsers=yes"},
+    # the alert log as Prometheus's account (Python, standard library): the same as Prometheus's
+    "monitoring/gpufleet-alert-log.service.j2": BASE | {
         "UMask=0077", "ProtectHome=yes", "ProtectClock=yes", "ProtectProc=invisible", "MemoryDenyWriteExecute=yes",
         "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6", f"{DENY} @resources", "SystemCallErrorNumber=EPERM",
         "PrivateDevices=yes", "PrivateUsers=yes"},

@@ -296,6 +296,7 @@ class HostConfig(BaseModel):
     alertmanager_listen_address: _text(grammar.ip_address)  # type: ignore[valid-type]
     alertmanager_port: Port
     alertmanager_webhook_url: str | None
+    alert_log_port: Port
 
     _check_secret = field_validator("vllm_api_key", "vllm_hf_token", "ray_auth_token", "vllm_pip_index_credentials",
                                     mode="before")(_secret_ref)
@@ -436,6 +437,7 @@ class HostConfig(BaseModel):
             "dcgm_exporter_port": (self.dcgm_exporter_port,) * 2,
             "prometheus_port": (self.prometheus_port,) * 2,
             "alertmanager_port": (self.alertmanager_port,) * 2,
+            "alert_log_port": (self.alert_log_port,) * 2,
         }
         why = {"vllm_port": f"one API port per replica, {api_ports} on this node",
                "ray_port": "Ray listens on ray_port .. ray_port + 8"}

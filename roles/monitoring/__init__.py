@@ -14,12 +14,16 @@ After it, a monitoring host has:
     (:mod:`gpufleet.scrape_config`), the Alertmanager, and the rule files with the SHA-256 they were checked with;
   - ``rules/``: gpufleet's recording and alert rules (:mod:`gpufleet.alert_rules`) and ``gpufleet-plan.yml``, the
     plan's facts (:mod:`gpufleet.plan_facts`);
-  - ``alertmanager.yml`` (root:prometheus, 0640): one receiver, ``alertmanager_webhook_url``'s webhook, or none
-    (alerts are kept and shown in Alertmanager, and sent nowhere);
+  - ``alertmanager.yml`` (root:prometheus, 0640): one receiver, the alert log and ``alertmanager_webhook_url``'s
+    webhook when one is set;
 
   each written to ``/etc/prometheus/gpufleet-candidate/`` first and checked there (``promtool check config``,
   ``promtool check rules``, ``amtool check-config``) before it replaces the one in use: a configuration they
   refuse never reaches the running service;
+- ``gpufleet-alert-log.service`` (Debian's ``python3``), running and enabled: role common's node tool
+  ``alert_log.py`` as the ``prometheus`` account, sandboxed, on ``127.0.0.1:alert_log_port``; it writes every alert
+  Alertmanager sends it, firing and resolved, as one line to the journal (with no webhook set, alerts are logged
+  only);
 - Prometheus on ``<fleet address>:prometheus_port``, its samples kept ``prometheus_retention``; Alertmanager on
   ``alertmanager_listen_address:alertmanager_port`` (127.0.0.1:9093), without clustering.
 - where Grafana is installed (``/etc/grafana/provisioning/dashboards/`` exists): gpufleet's dashboards
@@ -54,7 +58,7 @@ from gpufleet.fleet import Fleet
 from gpufleet.gpu_facts import NodeFacts
 from gpufleet.hardware_profiles import profile_facts
 from gpufleet.netaddr import host_port
-from gpufleet.node_paths import unit_path
+from gpufleet.node_paths import ALERT_LOG_SERVICE, NODE_TOOLS_DIR, node_tool, unit_path
 from gpufleet.operations import apt, files, node, server, systemd
 from gpufleet.operations.node import current_state
 from gpufleet.plan.planner import Replica, plan_fleet
@@ -68,6 +72,7 @@ from gpufleet.scrape_config import (
     scrape_configs,
 )
 from gpufleet.systemd_text import exec_line
+from roles.common import NODE_SOURCES
 
 GRAFANA_UNIT = "grafana-server.service"  # Grafana's Debian package (Grafana's own repository)
 
@@ -79,6 +84,8 @@ ALERTMANAGER_YML = "alertmanager.yml"
 RULES_DIR = "rules"  # below CONFIG_DIR, and as prometheus.yml names its rule files (relative to itself)
 PLAN_RULES = "gpufleet-plan.yml"
 RECEIVER = "gpufleet"
+ALERT_LOG_FILE = unit_path(ALERT_LOG_SERVICE)
+ALERT_LOG_PACKAGES = ["python3"]  # alert_log.py's interpreter, /usr/bin/python3
 
 
 @dataclass(frozen=True)
@@ -167,18 +174,24 @@ def prometheus_yml(cfg: HostConfig, view: FleetView, rules: Mapping[str, str]) -
     return prometheus_config(jobs, alertmanager_target(cfg), names, header)
 
 
+def alert_log_url(cfg: HostConfig) -> str:
+    """Where Alertmanager reaches the alert log."""
+    return f"http://{host_port('127.0.0.1', cfg.alert_log_port)}/"
+
+
 def alertmanager_yml(cfg: HostConfig) -> str:
-    """alertmanager.yml: every alert to one receiver, the webhook of ``alertmanager_webhook_url`` or none."""
-    receiver: dict[str, object] = {"name": RECEIVER}
-    if cfg.alertmanager_webhook_url:
-        receiver["webhook_configs"] = [{"url": cfg.alertmanager_webhook_url, "send_resolved": True}]
+    """alertmanager.yml: every alert to one receiver, the alert log and the webhook of ``alertmanager_webhook_url``
+    when one is set."""
+    urls = [alert_log_url(cfg), *([cfg.alertmanager_webhook_url] if cfg.alertmanager_webhook_url else [])]
+    receiver = {"name": RECEIVER, "webhook_configs": [{"url": url, "send_resolved": True} for url in urls]}
     config = {
         "route": {"receiver": RECEIVER, "group_by": ["alertname", "model", "node"], "group_wait": "30s",
                   "group_interval": "5m", "repeat_interval": "4h"},
         "receivers": [receiver],
     }
-    where = "to alertmanager_webhook_url" if cfg.alertmanager_webhook_url else (
-        "nowhere (alertmanager_webhook_url is null): alerts are kept and shown in Alertmanager only")
+    where = f"to the alert log ({ALERT_LOG_SERVICE})" + (
+        " and to alertmanager_webhook_url" if cfg.alertmanager_webhook_url else
+        " only (alertmanager_webhook_url is null)")
     header = (f"# Written by gpufleet (role monitoring) and checked with amtool before it replaced the one in use.\n"
               f"# Every alert goes {where}.\n")
     return header + yaml.safe_dump(config, sort_keys=False, width=1000)
@@ -198,6 +211,16 @@ def alertmanager_argv(cfg: HostConfig) -> list[str]:
             "--cluster.listen-address="]  # empty: no cluster port, no gossip with other Alertmanagers
 
 
+def alert_log_unit(cfg: HostConfig) -> str:
+    """gpufleet-alert-log.service: alert_log.py on ``alert_log_port``, as Debian's Prometheus account, loopback only.
+    It names the tool's SHA-256, so that a new tool changes the unit, which restarts it."""
+    tool = hashlib.sha256((NODE_SOURCES / "alert_log.py").read_bytes()).hexdigest()
+    argv = ["/usr/bin/python3", "-I", node_tool("alert_log.py"), "--port", str(cfg.alert_log_port)]
+    return templates.render("monitoring/gpufleet-alert-log.service.j2", node_tools=NODE_TOOLS_DIR,
+                            service=ALERT_LOG_SERVICE, alertmanager=ALERTMANAGER.unit, account=ACCOUNT,
+                            exec_start=exec_line(argv), tool_sha256=tool, ip_access=access.unit_lines([]))
+
+
 def drop_in(service: Service, argv: list[str], allowed: list[str] | None) -> str:
     """The service's drop-in: ``argv`` as its command line, the sandbox, ``allowed`` as its IP filter (None: none)."""
     return templates.render("monitoring/override.conf.j2", unit=service.unit,
@@ -213,6 +236,7 @@ class MonitoringFiles:
     configs: dict[str, str]
     prometheus_drop_in: str
     alertmanager_drop_in: str
+    alert_log_unit: str
 
 
 def monitoring_files(cfg: HostConfig, address: str, view: FleetView, group_hosts: list[str]) -> MonitoringFiles:
@@ -224,7 +248,7 @@ def monitoring_files(cfg: HostConfig, address: str, view: FleetView, group_hosts
     scraped = sorted({t.host for t in targets(view)})
     allowed = access.prometheus_sources(cfg, address, scraped, group_hosts)
     return MonitoringFiles(configs, drop_in(PROMETHEUS, prometheus_argv(cfg, address), allowed),
-                           drop_in(ALERTMANAGER, alertmanager_argv(cfg), None))
+                           drop_in(ALERTMANAGER, alertmanager_argv(cfg), None), alert_log_unit(cfg))
 
 
 # --- the running deploy's view ---------------------------------------------------------------------------------
@@ -319,8 +343,10 @@ def monitoring() -> None:
     wanted = deploy_files(cfg, cfg.fleet_address or host.name)
     rules = sorted(n for n in wanted.configs if n.startswith(f"{RULES_DIR}/"))
     node.observe(name="Read Prometheus's and Alertmanager's packages, units and configuration",
-                 packages=[s.package for s in SERVICES], units=[s.unit for s in SERVICES],
-                 paths=[*(p for s in SERVICES for p in (s.drop_in_dir, s.drop_in)), CONFIG_DIR, CANDIDATE_DIR,
+                 packages=[*(s.package for s in SERVICES), *ALERT_LOG_PACKAGES],
+                 units=[*(s.unit for s in SERVICES), ALERT_LOG_SERVICE],
+                 paths=[*(p for s in SERVICES for p in (s.drop_in_dir, s.drop_in)), ALERT_LOG_FILE, CONFIG_DIR,
+                        CANDIDATE_DIR,
                         f"{CONFIG_DIR}/{RULES_DIR}", f"{CANDIDATE_DIR}/{RULES_DIR}",
                         *(f"{d}/{n}" for d in (CONFIG_DIR, CANDIDATE_DIR) for n in (PROMETHEUS_YML, ALERTMANAGER_YML)),
                         *(f"{CANDIDATE_DIR}/{n}" for n in rules), dashboards.GRAFANA_PROVISIONING_DIR,
@@ -331,11 +357,19 @@ def monitoring() -> None:
         files.directory(name=f"Create {service.drop_in_dir}", path=service.drop_in_dir)
         units[service] = files.file(name=f"Write the drop-in {service.drop_in} (flags, sandbox)", dest=service.drop_in,
                                     content=text)
-    systemd.daemon_reload(name="Reload systemd: a monitoring drop-in changed",
-                          _if=lambda: any(op.did_change() for op in units.values()))
+    alert_log = files.file(name=f"Write the alert log's unit {ALERT_LOG_FILE}", dest=ALERT_LOG_FILE,
+                           content=wanted.alert_log_unit)
+    systemd.daemon_reload(name="Reload systemd: a monitoring unit or drop-in changed",
+                          _if=lambda: alert_log.did_change() or any(op.did_change() for op in units.values()))
     # Without recommends: Debian's prometheus recommends its node_exporter package, which role node_exporter owns.
-    apt.packages(name="Install Prometheus and Alertmanager (the distribution's packages)",
-                 packages=[s.package for s in SERVICES], no_recommends=True, update_first=True)
+    apt.packages(name="Install Prometheus, Alertmanager and Python (the distribution's packages)",
+                 packages=[*(s.package for s in SERVICES), *ALERT_LOG_PACKAGES], no_recommends=True,
+                 update_first=True)
+    # Before Alertmanager's configuration names it: the first alerts find it listening.
+    systemd.restart(name=f"Restart {ALERT_LOG_SERVICE}: its unit changed", unit=ALERT_LOG_SERVICE,
+                    _if=alert_log.did_change)
+    systemd.service(name=f"Ensure {ALERT_LOG_SERVICE} runs and starts at boot", unit=ALERT_LOG_SERVICE, running=True,
+                    enabled=True)
     for directory in (CONFIG_DIR, f"{CONFIG_DIR}/{RULES_DIR}", CANDIDATE_DIR, f"{CANDIDATE_DIR}/{RULES_DIR}"):
         files.directory(name=f"Create {directory}", path=directory)
     files.pruned(name=f"Remove rule files gpufleet no longer writes from {CANDIDATE_DIR}/{RULES_DIR}",

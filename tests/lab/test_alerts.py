@@ -10,7 +10,8 @@ that do not hide one another:
 - lab1's replica stopped for good, a GPU lost and a critical XID on its simulated GPUs, and NVLink errors on
   lab2's.
 
-Each fault's time to fire and to resolve goes to the session's lab-fault-figures.jsonl.
+Every alert that fired must also be in the alert log's journal on lab1 (the lab sets no webhook: log only). Each
+fault's time to fire and to resolve goes to the session's lab-fault-figures.jsonl.
 """
 
 from __future__ import annotations
@@ -87,6 +88,21 @@ def _resolved(prometheus: Prometheus, expected: list[Expected], cleared: float) 
     return time.monotonic() - cleared
 
 
+def _logged(lab: Lab, expected: list[Expected], since: float) -> None:
+    """Every expected alert has a FIRING line with its labels in the alert log of the monitoring host (lab1) since
+    ``since`` (wall clock): Alertmanager sent it on after its group_wait."""
+    host = lab.host(lab.nodes[0])
+
+    def missing() -> list[str]:
+        lines = host.check_output(f"journalctl -u gpufleet-alert-log -o cat --no-pager --since @{int(since)}")
+        firing = [line.split() for line in lines.splitlines() if line.startswith("FIRING ")]
+        return [e.alert for e in expected
+                if not any(words[1] == e.alert and {f"{k}={v}" for k, v in e.labels.items()} <= set(words)
+                           for words in firing)]
+
+    wait_for("the fired alerts in the alert log", lambda: True if not missing() else None, timeout=90, every=5)
+
+
 def _figures(expected: list[Expected], resolved_s: float) -> dict[str, Any]:
     return {"fired_after_s": {e.alert: round(e.fired_s or -1, 1) for e in expected},
             "waits_s": {e.alert: e.wait_s for e in expected}, "all_resolved_after_s": round(resolved_s, 1)}
@@ -127,6 +143,7 @@ def test_a_stalled_engine_and_a_silent_dcgm_exporter_fire_and_resolve(
         Expected("DcgmExporterDown", {"node": third.address}, LAB_VARS["alert_exporter_down_for_s"]),
     ]
     _resolved(prometheus, expected, time.monotonic())  # none of them active yet (the earlier tests' faults)
+    began = time.time()
     _wait_serving(lab, first)
     host = lab.host(first)
     host.check_output(f"systemctl stop vllm-watchdog@{replica}")
@@ -159,6 +176,7 @@ def test_a_stalled_engine_and_a_silent_dcgm_exporter_fire_and_resolve(
     for stream in streams:
         stream.join(120)
     assert outcomes and all(o == "complete" for o in outcomes), outcomes  # the stalled requests finish
+    _logged(lab, expected, began)
     _record_figure(tmp_path_factory, {"alerts": "stalled engine (SIGSTOP), stopped dcgm-exporter",
                                       **_figures(expected, resolved)})
 
@@ -192,6 +210,7 @@ def test_a_replica_stopped_and_gpu_faults_fire_and_resolve(
         Expected("GpuNvlinkErrors", {"node": second.address, "gpu": str(NVLINK_GPU)}, 0),
     ]
     _resolved(prometheus, expected, time.monotonic())  # none of them active yet (the earlier tests' faults)
+    began = time.time()
     try:
         host.check_output(f"systemctl stop vllm@{replica}")  # for good: nothing starts it again
         _inject(lab, first, [("gpu_lost", LOST_GPU), ("xid", XID_GPU, XID)], tmp_path)
@@ -207,5 +226,6 @@ def test_a_replica_stopped_and_gpu_faults_fire_and_resolve(
     host.check_output(f"systemctl start vllm@{replica}")
     _wait_serving(lab, first)
     resolved = _resolved(prometheus, expected, cleared)
+    _logged(lab, expected, began)
     _record_figure(tmp_path_factory, {"alerts": "replica stopped; GPU lost, XID 79 (lab1); NVLink errors (lab2)",
                                       **_figures(expected, resolved)})
