@@ -300,6 +300,19 @@ def test_amtool_accepts_alertmanagers_configuration(tmp_path: Path, webhook: str
     assert receiver["webhook_configs"] == [{"url": url, "send_resolved": True} for url in urls]
 
 
+@pytest.mark.parametrize(("values", "expected"), [
+    ({}, ("30s", "300s", "14400s")),  # the defaults
+    ({"alertmanager_group_wait_s": 0, "alertmanager_group_interval_s": 45, "alertmanager_repeat_interval_s": 60},
+     ("0s", "45s", "60s")),
+])
+def test_alertmanager_groups_and_repeats_as_its_variables_say(values: dict[str, int],
+                                                              expected: tuple[str, str, str]) -> None:
+    _, files = _files(**values)
+    route = yaml.safe_load(files.configs[role.ALERTMANAGER_YML])["route"]
+    assert (route["group_wait"], route["group_interval"], route["repeat_interval"]) == expected
+    assert route["group_by"] == ["alertname", "model", "node"]
+
+
 # --- the drop-ins on Debian's units ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("allowed_from", [None, ["10.9.0.0/24"]])

@@ -185,8 +185,10 @@ def alertmanager_yml(cfg: HostConfig) -> str:
     urls = [alert_log_url(cfg), *([cfg.alertmanager_webhook_url] if cfg.alertmanager_webhook_url else [])]
     receiver = {"name": RECEIVER, "webhook_configs": [{"url": url, "send_resolved": True} for url in urls]}
     config = {
-        "route": {"receiver": RECEIVER, "group_by": ["alertname", "model", "node"], "group_wait": "30s",
-                  "group_interval": "5m", "repeat_interval": "4h"},
+        "route": {"receiver": RECEIVER, "group_by": ["alertname", "model", "node"],
+                  "group_wait": f"{cfg.alertmanager_group_wait_s}s",
+                  "group_interval": f"{cfg.alertmanager_group_interval_s}s",
+                  "repeat_interval": f"{cfg.alertmanager_repeat_interval_s}s"},
         "receivers": [receiver],
     }
     where = f"to the alert log ({ALERT_LOG_SERVICE})" + (
