@@ -233,7 +233,7 @@ def _ray(address: str) -> Unit:
 
 
 def _alert_log(_: str) -> Unit:
-    cfg = _config(alert_log_port=9097)
+    cfg = _config(alertmanager_log_port=9097)
     argv = ["/usr/bin/python3", "-I", node_paths.node_tool("alert_log.py"), "--port", "9097"]
     return Unit(node_paths.ALERT_LOG_SERVICE, monitoring_role.alert_log_unit(cfg), ["/usr/bin/python3"], argv)
 

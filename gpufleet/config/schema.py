@@ -296,7 +296,7 @@ class HostConfig(BaseModel):
     alertmanager_listen_address: _text(grammar.ip_address)  # type: ignore[valid-type]
     alertmanager_port: Port
     alertmanager_webhook_url: str | None
-    alert_log_port: Port
+    alertmanager_log_port: Port
     alertmanager_group_wait_s: Annotated[int, Field(ge=0, le=3600)]
     alertmanager_group_interval_s: Annotated[int, Field(ge=1, le=86400)]
     alertmanager_repeat_interval_s: Annotated[int, Field(ge=60, le=604800)]
@@ -440,7 +440,7 @@ class HostConfig(BaseModel):
             "dcgm_exporter_port": (self.dcgm_exporter_port,) * 2,
             "prometheus_port": (self.prometheus_port,) * 2,
             "alertmanager_port": (self.alertmanager_port,) * 2,
-            "alert_log_port": (self.alert_log_port,) * 2,
+            "alertmanager_log_port": (self.alertmanager_log_port,) * 2,
         }
         why = {"vllm_port": f"one API port per replica, {api_ports} on this node",
                "ray_port": "Ray listens on ray_port .. ray_port + 8"}

@@ -21,9 +21,9 @@ After it, a monitoring host has:
   ``promtool check rules``, ``amtool check-config``) before it replaces the one in use: a configuration they
   refuse never reaches the running service;
 - ``gpufleet-alert-log.service`` (Debian's ``python3``), running and enabled: role common's node tool
-  ``alert_log.py`` as the ``prometheus`` account, sandboxed, on ``127.0.0.1:alert_log_port``; it writes every alert
-  Alertmanager sends it, firing and resolved, as one line to the journal (with no webhook set, alerts are logged
-  only);
+  ``alert_log.py`` as the ``prometheus`` account, sandboxed, on ``127.0.0.1:alertmanager_log_port``; it writes
+  every alert Alertmanager sends it, firing and resolved, as one line to the journal (with no webhook set, alerts
+  are logged only);
 - Prometheus on ``<fleet address>:prometheus_port``, its samples kept ``prometheus_retention``; Alertmanager on
   ``alertmanager_listen_address:alertmanager_port`` (127.0.0.1:9093), without clustering.
 - where Grafana is installed (``/etc/grafana/provisioning/dashboards/`` exists): gpufleet's dashboards
@@ -176,7 +176,7 @@ def prometheus_yml(cfg: HostConfig, view: FleetView, rules: Mapping[str, str]) -
 
 def alert_log_url(cfg: HostConfig) -> str:
     """Where Alertmanager reaches the alert log."""
-    return f"http://{host_port('127.0.0.1', cfg.alert_log_port)}/"
+    return f"http://{host_port('127.0.0.1', cfg.alertmanager_log_port)}/"
 
 
 def alertmanager_yml(cfg: HostConfig) -> str:
@@ -214,10 +214,10 @@ def alertmanager_argv(cfg: HostConfig) -> list[str]:
 
 
 def alert_log_unit(cfg: HostConfig) -> str:
-    """gpufleet-alert-log.service: alert_log.py on ``alert_log_port``, as Debian's Prometheus account, loopback only.
-    It names the tool's SHA-256, so that a new tool changes the unit, which restarts it."""
+    """gpufleet-alert-log.service: alert_log.py on ``alertmanager_log_port``, as Debian's Prometheus account,
+    loopback only. It names the tool's SHA-256, so that a new tool changes the unit, which restarts it."""
     tool = hashlib.sha256((NODE_SOURCES / "alert_log.py").read_bytes()).hexdigest()
-    argv = ["/usr/bin/python3", "-I", node_tool("alert_log.py"), "--port", str(cfg.alert_log_port)]
+    argv = ["/usr/bin/python3", "-I", node_tool("alert_log.py"), "--port", str(cfg.alertmanager_log_port)]
     return templates.render("monitoring/gpufleet-alert-log.service.j2", node_tools=NODE_TOOLS_DIR,
                             service=ALERT_LOG_SERVICE, alertmanager=ALERTMANAGER.unit, account=ACCOUNT,
                             exec_start=exec_line(argv), tool_sha256=tool, ip_access=access.unit_lines([]))
