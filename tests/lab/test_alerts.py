@@ -215,6 +215,12 @@ def test_a_replica_stopped_and_gpu_faults_fire_and_resolve(
         Expected("GpuNvlinkErrors", {"node": second.address, "gpu": str(NVLINK_GPU)}, 0),
     ]
     _resolved(prometheus, expected, time.monotonic())  # none of them active yet (the earlier tests' faults)
+    # increase() sees errors only on a counter sampled before them: lab2's must be scraped before the fault (a fresh
+    # Prometheus may not have it yet)
+    counter = (f'DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL{{job="dcgm", node="{second.address}", '
+               f'gpu="{NVLINK_GPU}"}}')
+    wait_for("lab2's NVLink counters sampled twice", lambda: True if prometheus.query(
+        f"count_over_time({counter}[5m]) >= 2") else None, timeout=120)
     began = time.time()
     try:
         host.check_output(f"systemctl stop vllm@{replica}")  # for good: nothing starts it again
