@@ -44,6 +44,11 @@ class Prometheus:
         """The alerts now pending or firing: ``labels``, ``state``, ``activeAt``."""
         return list(self._get("alerts")["alerts"])
 
+    def alert_waits(self) -> dict[str, float]:
+        """Each alerting rule's ``for`` in seconds, by alert name."""
+        return {rule["name"]: float(rule["duration"]) for group in self._get("rules", type="alert")["groups"]
+                for rule in group["rules"]}
+
     def firing(self) -> dict[str, list[dict[str, str]]]:
         """Labels of each firing alert, by alert name."""
         found: dict[str, list[dict[str, str]]] = {}

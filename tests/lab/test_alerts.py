@@ -22,6 +22,7 @@ import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -62,15 +63,25 @@ class Expected:
         return labels.get("alertname") == self.alert and all(labels.get(k) == v for k, v in self.labels.items())
 
 
+def _fired_at(alert: dict[str, Any], waits: dict[str, float]) -> float:
+    """When a firing alert fired (wall clock), as Prometheus timed it: the evaluation that found it true first
+    (``activeAt``) plus its rule's ``for`` (the lab's are whole evaluation intervals)."""
+    active = datetime.fromisoformat(alert["activeAt"].replace("Z", "+00:00")).timestamp()
+    return active + waits[alert["labels"]["alertname"]]
+
+
 def _watch(prometheus: Prometheus, expected: list[Expected], injected: float) -> None:
-    """Wait until every expected alert fires, each within its wait plus two scrape intervals of ``injected``."""
+    """Wait until every expected alert fires, each within its wait plus two scrape intervals of ``injected`` (wall
+    clock), as Prometheus's own timestamps say (not when this loop happened to look)."""
     limit = max(e.wait_s for e in expected) + 2 * SCRAPE_INTERVAL_S
+    waits = prometheus.alert_waits()
 
     def all_fired() -> bool | None:
-        firing = [a["labels"] for a in prometheus.alerts() if a["state"] == "firing"]
+        firing = [a for a in prometheus.alerts() if a["state"] == "firing"]
         for e in expected:
-            if e.fired_s is None and any(e.matches(labels) for labels in firing):
-                e.fired_s = time.monotonic() - injected
+            fired = [_fired_at(a, waits) for a in firing if e.matches(a["labels"])]
+            if e.fired_s is None and fired:
+                e.fired_s = min(fired) - injected
         return True if all(e.fired_s is not None for e in expected) else None
 
     with contextlib.suppress(AssertionError):  # judged below, alert by alert
@@ -170,7 +181,7 @@ def test_a_stalled_engine_and_a_silent_dcgm_exporter_fire_and_resolve(
         else:
             pytest.fail("every request ended before the engine stopped")
         lab.host(third).check_output("systemctl stop dcgm-exporter")
-        injected = time.monotonic()
+        injected = time.time()
         _watch(prometheus, expected, injected)
         _logged(lab, expected, began)
     finally:
@@ -226,7 +237,7 @@ def test_a_replica_stopped_and_gpu_faults_fire_and_resolve(
         host.check_output(f"systemctl stop vllm@{replica}")  # for good: nothing starts it again
         _inject(lab, first, [("gpu_lost", LOST_GPU), ("xid", XID_GPU, XID)], tmp_path)
         _inject(lab, second, [("nvlink_errors", NVLINK_GPU)], tmp_path)
-        injected = time.monotonic()
+        injected = time.time()
         _watch(prometheus, expected, injected)
         _logged(lab, expected, began)
     finally:
