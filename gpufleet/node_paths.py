@@ -21,6 +21,7 @@ RAY_ENV_DIR = f"{CONFIG_DIR}/ray"  # one environment file per Ray replica
 NODE_TOOLS_DIR = "/opt/gpufleet/node"
 NODE_TOOL_FILES = ("nvml_probe.py", "health_rules.py", "vllm_ready.py", "replica_rank.py", "ray_join_wait.py",
                    "gpu_watch.py", "replica_watchdog.py", "router_admin.py", "alert_log.py")
+NODE_PYTHON = "/usr/bin/python3"  # the node's own Python, which runs the node tools
 NODE_PYNVML = f"{NODE_TOOLS_DIR}/pynvml.py"  # the controller's nvidia-ml-py bindings, for a Python without them
 
 # the GPU health watch (role gpu_watch): its timer runs gpu_watch.py, which stops the node's replicas while its GPUs

@@ -26,6 +26,7 @@ from gpufleet.node_paths import (
     GPU_WATCH_SERVICE,
     GPU_WATCH_TIMER,
     NODE_ENV,
+    NODE_PYTHON,
     NODE_TOOLS_DIR,
     RUN_DIR,
     node_tool,
@@ -37,13 +38,13 @@ from gpufleet.templates import render
 
 SERVICE_FILE = unit_path(GPU_WATCH_SERVICE)
 TIMER_FILE = unit_path(GPU_WATCH_TIMER)
-PYTHON = "/usr/bin/python3"  # the node's own: the probe imports role common's pynvml.py beside it when it has none
 TIMEOUT_S = 300  # the whole run: the probe (60 s at most), then queued stops or starts
 
 
 def service_values() -> dict[str, object]:
     """What templates/gpu_watch/gpufleet-gpu-watch.service.j2 is rendered with (the same on every node)."""
-    argv = [PYTHON, node_tool("gpu_watch.py"), "--policy", GATE_POLICY, "--marker", GPU_WATCH_MARKER]
+    # the node's own Python: the probe imports role common's pynvml.py beside it when it has none
+    argv = [NODE_PYTHON, node_tool("gpu_watch.py"), "--policy", GATE_POLICY, "--marker", GPU_WATCH_MARKER]
     return {"service": GPU_WATCH_SERVICE, "timer": GPU_WATCH_TIMER, "node_tools": NODE_TOOLS_DIR,
             "marker": GPU_WATCH_MARKER, "node_env": NODE_ENV, "exec_start": exec_line(argv),
             "timeout": TIMEOUT_S, "run_dir": RUN_DIR.removeprefix("/run/"),

@@ -58,7 +58,7 @@ from gpufleet.fleet import Fleet
 from gpufleet.gpu_facts import NodeFacts
 from gpufleet.hardware_profiles import profile_facts
 from gpufleet.netaddr import host_port
-from gpufleet.node_paths import ALERT_LOG_SERVICE, NODE_TOOLS_DIR, node_tool, unit_path
+from gpufleet.node_paths import ALERT_LOG_SERVICE, NODE_PYTHON, NODE_TOOLS_DIR, node_tool, unit_path
 from gpufleet.operations import apt, files, node, server, systemd
 from gpufleet.operations.node import current_state
 from gpufleet.plan.planner import Replica, plan_fleet
@@ -85,7 +85,7 @@ RULES_DIR = "rules"  # below CONFIG_DIR, and as prometheus.yml names its rule fi
 PLAN_RULES = "gpufleet-plan.yml"
 RECEIVER = "gpufleet"
 ALERT_LOG_FILE = unit_path(ALERT_LOG_SERVICE)
-ALERT_LOG_PACKAGES = ["python3"]  # alert_log.py's interpreter, /usr/bin/python3
+ALERT_LOG_PACKAGES = ["python3"]  # alert_log.py's interpreter, NODE_PYTHON
 
 
 @dataclass(frozen=True)
@@ -217,7 +217,7 @@ def alert_log_unit(cfg: HostConfig) -> str:
     """gpufleet-alert-log.service: alert_log.py on ``alertmanager_log_port``, as Debian's Prometheus account,
     loopback only. It names the tool's SHA-256, so that a new tool changes the unit, which restarts it."""
     tool = hashlib.sha256((NODE_SOURCES / "alert_log.py").read_bytes()).hexdigest()
-    argv = ["/usr/bin/python3", "-I", node_tool("alert_log.py"), "--port", str(cfg.alertmanager_log_port)]
+    argv = [NODE_PYTHON, "-I", node_tool("alert_log.py"), "--port", str(cfg.alertmanager_log_port)]
     return templates.render("monitoring/gpufleet-alert-log.service.j2", node_tools=NODE_TOOLS_DIR,
                             service=ALERT_LOG_SERVICE, alertmanager=ALERTMANAGER.unit, account=ACCOUNT,
                             exec_start=exec_line(argv), tool_sha256=tool, ip_access=access.unit_lines([]))
