@@ -1,6 +1,6 @@
 """How close the planner's memory figures come to what vLLM itself reported at start-up.
 
-    python bench/plan_accuracy.py [REFERENCE.yml]     # default: tests/plan_accuracy/reference.yml
+    python bench/plan_accuracy.py [REFERENCE.yml]     # default: tests/data/plan_accuracy/reference.yml
 
 Every reference case (model, vLLM version, GPU, layout, flags, and vLLM's own figures) is planned with the
 planner's memory model, as `gpufleet plan` plans a pool: the GPU's NVML memory converted to what the framework
@@ -26,7 +26,7 @@ from gpufleet.model_memory import GIB, stage_weights_per_gpu, weight_bytes
 from gpufleet.plan import layout
 
 ROOT = Path(__file__).resolve().parents[1]
-REFERENCE = ROOT / "tests" / "plan_accuracy" / "reference.yml"
+REFERENCE = ROOT / "tests" / "data" / "plan_accuracy" / "reference.yml"
 
 
 def load_cases(path: Path = REFERENCE) -> tuple[dict[str, list[float]], list[dict[str, Any]]]:

@@ -1,7 +1,7 @@
 """gpufleet's pyinfra facts: what a node reports about itself, each read with one remote command.
 
 Each fact documents its arguments and an example of what it returns, as pyinfra's own facts do; tests as data
-live in ``tests/facts/<Fact>/*.json`` (arguments, the command, the node's output, the parsed value).
+live in ``tests/data/facts/<Fact>/*.json`` (arguments, the command, the node's output, the parsed value).
 """
 
 from __future__ import annotations

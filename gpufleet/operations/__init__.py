@@ -6,5 +6,5 @@ role (:func:`~gpufleet.operations.node.observe`; the first reading takes in ever
 has run on the node the later roles read nothing) and every operation after it answers from that reading, so a
 run that changes nothing costs a handful of commands per host. Modules: ``node`` (the reading, read-only mode and
 drift), ``files``, ``systemd``, ``apt``, ``server`` (accounts, scripts, reboot), ``gates``, ``nvidia``, ``ray``.
-Tests as data: ``tests/operations/<module>.<operation>/*.json``.
+Tests as data: ``tests/data/operations/<module>.<operation>/*.json``.
 """

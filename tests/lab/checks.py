@@ -8,7 +8,7 @@ import time
 import urllib.request
 
 from gpufleet.lab.state import NodeRecord
-from tests.lab.conftest import Completed, Lab
+from tests.lab.harness import Completed, Lab
 
 
 def results(output: str) -> dict[str, tuple[str, str, str]]:

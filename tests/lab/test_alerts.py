@@ -1,7 +1,7 @@
 """Alerts on the lab: faults injected on running nodes fire their alert in the monitoring group's Prometheus (lab1)
 within the rule's wait plus two scrape intervals, seen in its ``/api/v1/alerts``, and resolve once cleared.
 
-Builds on the lab's default deployment, as test_access.py leaves it (both replicas of the tiny model serving,
+Scenario ``faults``: the lab's default deployment (both replicas of the tiny model serving,
 the router and Prometheus on lab1), with the lab's short waits (group_vars/lab.yml). Two rounds, each with faults
 that do not hide one another:
 
@@ -32,14 +32,11 @@ import yaml
 from gpufleet.lab.sim_profile import write_sim_profile
 from gpufleet.lab.state import NodeRecord
 from gpufleet.node.alert_log import shown
-from tests.lab.conftest import ROOT, Lab
+from tests.lab.fleet import PORT, api_key, model_of, record_figure, single, wait_serving
+from tests.lab.harness import ROOT, Completed, Lab
 from tests.lab.prometheus import SCRAPE_INTERVAL_S, Prometheus, wait_for
-from tests.lab.test_serving import PORT, _api_key, _model, _record_figure, _single, _wait_serving
 
-pytestmark = [
-    pytest.mark.lab,
-    pytest.mark.filterwarnings("ignore:Unknown ssh-ed25519 host key:UserWarning"),
-]
+pytestmark = pytest.mark.filterwarnings("ignore:Unknown ssh-ed25519 host key:UserWarning")
 
 LAB_VARS: dict[str, Any] = yaml.safe_load((ROOT / "group_vars" / "lab.yml").read_text())
 PROFILE = "/etc/gpufleet/nvml-sim-profile"
@@ -126,11 +123,11 @@ def _figures(expected: list[Expected], resolved_s: float) -> dict[str, Any]:
 
 def _stream(lab: Lab, node: NodeRecord, started: threading.Event, done: list[str]) -> None:
     """A long streamed completion on ``node``'s replica: ``started`` once its first token came."""
-    body = {"model": _model(lab, node), "prompt": "The fleet is", "max_tokens": 200, "ignore_eos": True,
+    body = {"model": model_of(lab, node), "prompt": "The fleet is", "max_tokens": 200, "ignore_eos": True,
             "stream": True, "temperature": 0}
     request = urllib.request.Request(f"http://{node.address}:{PORT}/v1/completions", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json",
-                                              "Authorization": f"Bearer {_api_key(lab)}"})
+                                              "Authorization": f"Bearer {api_key(lab)}"})
     try:
         with urllib.request.urlopen(request, timeout=600) as response:
             for line in response:
@@ -150,9 +147,9 @@ def _running_requests(lab: Lab, node: NodeRecord) -> float:
 
 
 def test_a_stalled_engine_and_a_silent_dcgm_exporter_fire_and_resolve(
-        lab: Lab, tmp_path_factory: pytest.TempPathFactory) -> None:
+        lab: Lab, faults: Completed | None, tmp_path_factory: pytest.TempPathFactory) -> None:
     first, third = lab.nodes[0], lab.nodes[2]
-    replica = _single(lab)
+    replica = single(lab)
     prometheus = Prometheus(first)
     expected = [
         Expected("VllmEngineStalled", {"replica": replica}, LAB_VARS["alert_engine_stall_s"] + STALL_FOR_S),
@@ -160,7 +157,7 @@ def test_a_stalled_engine_and_a_silent_dcgm_exporter_fire_and_resolve(
     ]
     _resolved(prometheus, expected, time.monotonic())  # none of them active yet (the earlier tests' faults)
     began = time.time()
-    _wait_serving(lab, first)
+    wait_serving(lab, first)
     host = lab.host(first)
     host.check_output(f"systemctl stop vllm-watchdog@{replica}")
     engine = host.check_output("pgrep -f 'VLLM::EngineCore'").split()
@@ -193,7 +190,7 @@ def test_a_stalled_engine_and_a_silent_dcgm_exporter_fire_and_resolve(
     for stream in streams:
         stream.join(120)
     assert outcomes and all(o == "complete" for o in outcomes), outcomes  # the stalled requests finish
-    _record_figure(tmp_path_factory, {"alerts": "stalled engine (SIGSTOP), stopped dcgm-exporter",
+    record_figure(tmp_path_factory, {"alerts": "stalled engine (SIGSTOP), stopped dcgm-exporter",
                                       **_figures(expected, resolved)})
 
 
@@ -210,16 +207,16 @@ def _restore(lab: Lab, node: NodeRecord) -> None:
 
 
 def test_a_replica_stopped_and_gpu_faults_fire_and_resolve(
-        lab: Lab, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+        lab: Lab, faults: Completed | None, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     """lab1 (PCIe, no NVLink): its replica stopped for good, a GPU lost and a critical XID; lab2 (NVSwitch):
     NVLink errors on one GPU."""
     first, second = lab.nodes[0], lab.nodes[1]
-    replica, host = _single(lab), lab.host(first)
+    replica, host = single(lab), lab.host(first)
     prometheus = Prometheus(first)
     expected = [
         Expected("VllmReplicaDown", {"replica": replica}, LAB_VARS["alert_replica_down_for_s"]),
         # read through two recording rules (replica:ranks_up:count, model:replicas_ready:count): an evaluation each
-        Expected("ModelReplicasBelowMinimum", {"model": _model(lab, first)},
+        Expected("ModelReplicasBelowMinimum", {"model": model_of(lab, first)},
                  LAB_VARS["alert_replica_down_for_s"] + 2 * SCRAPE_INTERVAL_S),
         Expected("GpuMissing", {"node": first.address}, LAB_VARS["alert_gpu_missing_for_s"]),
         Expected("GpuCriticalXid", {"node": first.address, "gpu": str(XID_GPU), "xid": str(XID)}, 0),
@@ -247,7 +244,7 @@ def test_a_replica_stopped_and_gpu_faults_fire_and_resolve(
     wait_for("the GPU watch clears its gate", lambda: True if host.run(f"test -e {GATE_FAILED}").rc else None,
              timeout=180)
     host.check_output(f"systemctl start vllm@{replica}")
-    _wait_serving(lab, first)
+    wait_serving(lab, first)
     resolved = _resolved(prometheus, expected, cleared)
-    _record_figure(tmp_path_factory, {"alerts": "replica stopped; GPU lost, XID 79 (lab1); NVLink errors (lab2)",
+    record_figure(tmp_path_factory, {"alerts": "replica stopped; GPU lost, XID 79 (lab1); NVLink errors (lab2)",
                                       **_figures(expected, resolved)})

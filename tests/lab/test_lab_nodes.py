@@ -16,13 +16,11 @@ import pytest
 
 from gpufleet.lab import container, rootfs, ssh
 from tests.lab.checks import results
-from tests.lab.conftest import Lab
+from tests.lab.harness import Completed, Lab
+from tests.lab.scenarios import LabStates
 
-pytestmark = [
-    pytest.mark.lab,
-    # testinfra's paramiko backend warns about every host key it has not seen; pyinfra checks them strictly.
-    pytest.mark.filterwarnings("ignore:Unknown ssh-ed25519 host key:UserWarning"),
-]
+# testinfra's paramiko backend warns about every host key it has not seen; pyinfra checks them strictly.
+pytestmark = pytest.mark.filterwarnings("ignore:Unknown ssh-ed25519 host key:UserWarning")
 
 NON_LAB_V4 = "203.0.113.7"  # TEST-NET-3: only looked up in the routing table
 NON_LAB_V6 = "2001:db8::7"  # documentation prefix: idem
@@ -72,7 +70,7 @@ def test_nodes_have_no_route_beyond_the_lab(lab: Lab) -> None:
             f"{lab.state.subnet} dev host0 proto kernel scope link src {node.address}"]
 
 
-def test_bare_nodes_have_simulated_gpus_and_no_nvml_until_the_driver(lab: Lab) -> None:
+def test_bare_nodes_have_simulated_gpus_and_no_nvml_until_the_driver(lab: Lab, bare: Completed | None) -> None:
     """A bare node: the hardware (the simulator's profile) is there, NVML is not; the lab's driver package brings
     the simulated libnvidia-ml.so.1 (tests/lab/test_provision.py)."""
     for node in lab.nodes:
@@ -92,7 +90,10 @@ def test_status_lists_every_node_up(lab: Lab) -> None:
 
 
 
-def test_deploy_converges_and_a_second_run_changes_nothing(lab: Lab) -> None:
+def test_deploy_converges_and_a_second_run_changes_nothing(lab: Lab, bare: Completed | None,
+                                                          lab_states: LabStates) -> None:
+    """deploys/common.py on the bare nodes (the lab is no longer as booted after it)."""
+    lab_states.changed()
     first = lab.pyinfra("inventories/lab.py", "deploys/common.py")
     assert first.rc == 0, first.output
     totals = results(first.output)["Grand total"]

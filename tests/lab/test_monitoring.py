@@ -1,10 +1,12 @@
-"""Monitoring on the lab: deploys/monitoring.py (common, node_exporter, dcgm_exporter) on real nodes.
+"""Monitoring on the lab: what deploys/vllm.py's monitoring roles left (common, node_exporter, dcgm_exporter),
+and deploys/monitoring.py agreeing with it.
 
 node_exporter is installed both ways the role knows: from the release tarball (the lab's default, as
 air-gapped sites do it: the controller fetches the lab mirror's repackaged tarball and checks its sha256)
 and from Debian's package (``--data node_exporter_install=package``, from the mirror's signed repository of
-Debian packages), then back. The DCGM exporter installs from NVIDIA's repository and reads through DCGM's
-host engine, so deploys/provision.py runs first. Traffic goes only to the lab nodes' addresses.
+Debian packages), then back. Read-only checks run on the serving lab (scenario ``serving``, inside the healthy
+watch); the switch to the package and back restarts the exporters, so it runs with the faults. Traffic goes only
+to the lab nodes' addresses.
 """
 
 from __future__ import annotations
@@ -23,12 +25,10 @@ from gpufleet.lab.state import NodeRecord, cache_dir
 from gpufleet.unit_security import EXPOSURE_BOUND, exposure_score
 from roles import node_exporter as role
 from tests.lab.checks import assert_no_errors, assert_nothing_changed, metrics
-from tests.lab.conftest import PYINFRA, ROOT, Completed, Lab, _run
+from tests.lab.fleet import deploy
+from tests.lab.harness import ROOT, Completed, Lab
 
-pytestmark = [
-    pytest.mark.lab,
-    pytest.mark.filterwarnings("ignore:Unknown ssh-ed25519 host key:UserWarning"),
-]
+pytestmark = pytest.mark.filterwarnings("ignore:Unknown ssh-ed25519 host key:UserWarning")
 
 INVENTORY = "inventories/lab.py"
 PROVISION = "deploys/provision.py"
@@ -41,8 +41,8 @@ PACKAGE = ("--data", "node_exporter_install=package")
 # systemd's, not for dropping a directive of weight: Debian's own unit (User= only) rates 9.2.
 
 
-def _deploy(lab: Lab, deploy: str, *options: str) -> Completed:
-    return _run([str(PYINFRA), INVENTORY, deploy, "-y", *options], lab.env, 600)
+def _deploy(lab: Lab, playbook: str, *options: str) -> Completed:
+    return deploy(lab, *options, playbook=playbook, timeout=600)
 
 
 
@@ -66,13 +66,6 @@ def _serves_node_metrics(node: NodeRecord) -> None:
 
 
 @pytest.fixture(scope="module")
-def monitored(lab: Lab) -> Completed:
-    """The lab after deploys/provision.py and a first deploys/monitoring.py run (tarball, the lab's default)."""
-    assert_no_errors(_deploy(lab, PROVISION))
-    return _deploy(lab, MONITORING)
-
-
-@pytest.fixture(scope="module")
 def lab_tarball() -> debian_extras.Tarball:
     built = debian_extras.built_tarball(cache_dir() / "www" / debian_extras.NODE_EXPORTER_DIR)
     assert built is not None, "the lab mirror built no node_exporter tarball"
@@ -80,9 +73,9 @@ def lab_tarball() -> debian_extras.Tarball:
 
 
 def test_monitoring_converges_with_the_release_tarball(
-    lab: Lab, monitored: Completed, lab_tarball: debian_extras.Tarball
+    lab: Lab, serving: Completed, lab_tarball: debian_extras.Tarball
 ) -> None:
-    assert_no_errors(monitored)
+    assert_no_errors(serving)
     binary = role.binary_sha256(lab_tarball.path)
     for node in lab.nodes:
         host = lab.host(node)
@@ -102,8 +95,8 @@ def test_monitoring_converges_with_the_release_tarball(
         _serves_node_metrics(node)
 
 
-def test_a_textfile_metric_shows_up(lab: Lab, monitored: Completed) -> None:
-    assert_no_errors(monitored)
+def test_a_textfile_metric_shows_up(lab: Lab, serving: Completed) -> None:
+    assert_no_errors(serving)
     token = uuid.uuid4().hex[:12]
     prom = f"{role.TEXTFILE_DIR}/gpufleet_lab_test.prom"
     for node in lab.nodes:
@@ -117,13 +110,13 @@ def test_a_textfile_metric_shows_up(lab: Lab, monitored: Completed) -> None:
         assert "gpufleet_lab_test" not in metrics(node, PORT)
 
 
-def test_a_second_run_changes_nothing(lab: Lab, monitored: Completed) -> None:
-    assert_no_errors(monitored)
+def test_a_second_run_changes_nothing(lab: Lab, serving: Completed) -> None:
+    assert_no_errors(serving)
     assert_nothing_changed(_deploy(lab, MONITORING))
 
 
-def test_the_exporters_are_sandboxed(lab: Lab, monitored: Completed, tmp_path: Path) -> None:
-    assert_no_errors(monitored)
+def test_the_exporters_are_sandboxed(lab: Lab, serving: Completed, tmp_path: Path) -> None:
+    assert_no_errors(serving)
     for name, units in _exposures(lab).items():
         rated = units["node_exporter.service"]
         assert rated["present"] and float(rated["exposure"]) <= EXPOSURE_BOUND, (name, rated)  # type: ignore[arg-type]
@@ -139,9 +132,9 @@ def test_the_exporters_are_sandboxed(lab: Lab, monitored: Completed, tmp_path: P
 
 
 def test_a_wrong_sha256_stops_the_deploy_before_any_change(
-    lab: Lab, monitored: Completed, lab_tarball: debian_extras.Tarball
+    lab: Lab, serving: Completed, lab_tarball: debian_extras.Tarball
 ) -> None:
-    assert_no_errors(monitored)
+    assert_no_errors(serving)
     started = {n.name: lab.host(n).check_output("systemctl show -p ActiveEnterTimestampMonotonic --value node_exporter")
                for n in lab.nodes}
     wrong = "deadbeef" * 8
@@ -158,8 +151,8 @@ def test_a_wrong_sha256_stops_the_deploy_before_any_change(
         assert now == started[node.name], f"{node.name}: node_exporter was restarted"
 
 
-def test_the_package_method_converges_and_hands_back_to_the_tarball(lab: Lab, monitored: Completed) -> None:
-    assert_no_errors(monitored)
+def test_the_package_method_converges_and_hands_back_to_the_tarball(lab: Lab, faults: Completed) -> None:
+    assert_no_errors(faults)
     assert_no_errors(_deploy(lab, MONITORING, *PACKAGE))
     for node in lab.nodes:
         host = lab.host(node)

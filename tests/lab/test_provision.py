@@ -1,4 +1,6 @@
-"""Provisioning on the lab: deploys/provision.py (common, nvidia_driver, dcgm) and role dcgm_exporter.
+"""Provisioning on the lab: what deploys/vllm.py's provisioning left (roles common, nvidia_driver, dcgm), that
+deploys/provision.py agrees with it, and role dcgm_exporter. Read-only checks run on the serving lab (scenario
+``serving``, inside the healthy watch); those that restart the exporter or fail and reboot a node, with the faults.
 
 lab1 is a PCIe box (8xH100NVL-PCIe: no NVLink, no NVSwitch), lab2 and lab3 HGX boards (8xH100-SXM), so
 the fabric manager and the NVLink counters must follow the probed hardware. A kernel module that does not
@@ -18,12 +20,10 @@ from gpufleet.hardware_profiles import parse_profile
 from gpufleet.lab.hooks import SIM_PROFILE_PATH
 from gpufleet.lab.state import NodeRecord
 from tests.lab.checks import assert_no_errors, assert_nothing_changed, main_pid, metrics, results
-from tests.lab.conftest import Completed, Lab
+from tests.lab.fleet import wait_serving
+from tests.lab.harness import Completed, Lab
 
-pytestmark = [
-    pytest.mark.lab,
-    pytest.mark.filterwarnings("ignore:Unknown ssh-ed25519 host key:UserWarning"),
-]
+pytestmark = pytest.mark.filterwarnings("ignore:Unknown ssh-ed25519 host key:UserWarning")
 
 INVENTORY = "inventories/lab.py"
 PROVISION = "deploys/provision.py"
@@ -40,14 +40,8 @@ def _nvswitch(node: NodeRecord) -> bool:
 
 
 
-@pytest.fixture(scope="module")
-def provisioned(lab: Lab) -> Completed:
-    """The lab after its first deploys/provision.py run."""
-    return lab.pyinfra(INVENTORY, PROVISION)
-
-
-def test_provision_converges_every_node(lab: Lab, provisioned: Completed) -> None:
-    assert_no_errors(provisioned)
+def test_provision_converges_every_node(lab: Lab, serving: Completed) -> None:
+    assert_no_errors(serving)
     for node in lab.nodes:
         host = lab.host(node)
         for package in (DRIVER, "nvidia-persistenced"):
@@ -85,8 +79,9 @@ def test_provision_converges_every_node(lab: Lab, provisioned: Completed) -> Non
             assert host.run("systemctl cat nvidia-fabricmanager.service").rc != 0, node.name
 
 
-def test_second_provision_changes_nothing(lab: Lab, provisioned: Completed) -> None:
-    assert_no_errors(provisioned)
+def test_second_provision_changes_nothing(lab: Lab, serving: Completed) -> None:
+    """deploys/provision.py after deploys/vllm.py: the same roles, the same values, nothing to change."""
+    assert_no_errors(serving)
     again = lab.pyinfra(INVENTORY, PROVISION)
     assert_nothing_changed(again)
     rows = results(again.output)
@@ -97,8 +92,8 @@ def test_second_provision_changes_nothing(lab: Lab, provisioned: Completed) -> N
 
 
 
-def test_exporter_serves_the_serving_counters(lab: Lab, provisioned: Completed) -> None:
-    assert_no_errors(provisioned)
+def test_exporter_serves_the_serving_counters(lab: Lab, serving: Completed) -> None:
+    assert_no_errors(serving)
     assert_no_errors(lab.pyinfra(INVENTORY, EXPORTER))
     for node in lab.nodes:
         host = lab.host(node)
@@ -124,7 +119,7 @@ def test_exporter_serves_the_serving_counters(lab: Lab, provisioned: Completed) 
         assert text.count("DCGM_FI_DEV_XID_ERRORS{") == 8
 
 
-def test_a_changed_counters_file_restarts_only_the_exporter(lab: Lab, provisioned: Completed) -> None:
+def test_a_changed_counters_file_restarts_only_the_exporter(lab: Lab, faults: Completed) -> None:
     assert_no_errors(lab.pyinfra(INVENTORY, EXPORTER))
     assert_nothing_changed(lab.pyinfra(INVENTORY, EXPORTER))
     node = lab.nodes[0]
@@ -157,9 +152,9 @@ def old_module_loaded(lab: Lab) -> Iterator[NodeRecord]:
         host.run(f"mountpoint -q {SIM_PROFILE} && umount {SIM_PROFILE}")
 
 
-def test_a_mismatched_kernel_module_stops_only_that_node(lab: Lab, provisioned: Completed,
+def test_a_mismatched_kernel_module_stops_only_that_node(lab: Lab, faults: Completed,
                                                          old_module_loaded: NodeRecord) -> None:
-    assert_no_errors(provisioned)
+    assert_no_errors(faults)
     done = lab.pyinfra(INVENTORY, PROVISION)
     assert done.rc != 0, done.output
     stopped = old_module_loaded.address
@@ -175,9 +170,9 @@ def test_a_mismatched_kernel_module_stops_only_that_node(lab: Lab, provisioned: 
     assert dcgm_row[1] == "1" and dcgm_row[2] == str(len(lab.nodes) - 1), done.output
 
 
-def test_reboot_allowed_loads_the_installed_driver(lab: Lab, provisioned: Completed,
+def test_reboot_allowed_loads_the_installed_driver(lab: Lab, faults: Completed,
                                                    old_module_loaded: NodeRecord) -> None:
-    assert_no_errors(provisioned)
+    assert_no_errors(faults)
     host = lab.host(old_module_loaded)
     boot = host.check_output("cat /proc/sys/kernel/random/boot_id")
     done = lab.pyinfra(INVENTORY, PROVISION, "--data", "nvidia_driver_reboot=allowed")
@@ -187,3 +182,4 @@ def test_reboot_allowed_loads_the_installed_driver(lab: Lab, provisioned: Comple
     assert host.run(f"mountpoint -q {SIM_PROFILE}").rc != 0
     for unit in ("nvidia-persistenced", "nvidia-fabricmanager", "nvidia-dcgm"):
         assert host.service(unit).is_running, unit
+    wait_serving(lab, lab.nodes[1])  # the pipeline replica, whose rank 1 the reboot stopped, serves again

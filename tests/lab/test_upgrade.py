@@ -1,7 +1,7 @@
 """Rolling upgrades on the lab: ``gpufleet upgrade`` and ``gpufleet rollback`` behind the router on lab1, while a
 bounded load generator sends completions and streamed chats through the router the whole time.
 
-Builds on the lab's default deployment, as test_access.py leaves it: both replicas of the tiny model (lab1's, and
+Scenario ``faults``: the lab's default deployment, both replicas of the tiny model (lab1's, and
 lab2+lab3's pipeline replica) serve vLLM 0.31.0 behind the router. The mirror also holds 0.32.0: the tests upgrade
 the fleet to it, try a broken release on top of it (caught at the canary), then roll the fleet back to 0.31.0.
 Each rollout's figures go to the session's lab-fault-figures.jsonl.
@@ -20,22 +20,10 @@ import pytest
 
 from gpufleet.lab.request_load import RequestLoad
 from gpufleet.lab.wheelhouse import LAB_VLLM_VERSIONS
-from tests.lab.conftest import LAB_VLLM_VERSION, ROOT, Lab
-from tests.lab.test_serving import (
-    PIPELINE,
-    ROUTER_PORT,
-    _api_key,
-    _http,
-    _record_figure,
-    _router_retries,
-    _served_name,
-    _single,
-)
+from tests.lab.fleet import PIPELINE, ROUTER_PORT, api_key, http, record_figure, router_retries, served_name, single
+from tests.lab.harness import LAB_VLLM_VERSION, ROOT, Completed, Lab
 
-pytestmark = [
-    pytest.mark.lab,
-    pytest.mark.filterwarnings("ignore:Unknown ssh-ed25519 host key:UserWarning"),
-]
+pytestmark = pytest.mark.filterwarnings("ignore:Unknown ssh-ed25519 host key:UserWarning")
 
 GPUFLEET = [sys.executable, "-m", "gpufleet.cli"]
 START_VERSION = LAB_VLLM_VERSION
@@ -46,7 +34,7 @@ ROLLOUT_TIMEOUT_S = 2400
 def _traffic(lab: Lab) -> RequestLoad:
     """Two streams through the router on lab1, each a completion and a streamed chat in turn, one a second, for
     at most as long as a rollout may take."""
-    return RequestLoad(f"http://{lab.nodes[0].address}:{ROUTER_PORT}", _served_name("lab"), _api_key(lab),
+    return RequestLoad(f"http://{lab.nodes[0].address}:{ROUTER_PORT}", served_name("lab"), api_key(lab),
                        streams=2, pause_s=1.0, chat=True, limit_s=ROLLOUT_TIMEOUT_S, limit=3000)
 
 
@@ -57,7 +45,7 @@ def _rollout(lab: Lab, *args: str, timeout: float = ROLLOUT_TIMEOUT_S) -> subpro
 def _releases(lab: Lab) -> dict[str, str]:
     """Each replica's vLLM version as its first node's release.json records it."""
     found = {}
-    for node, replica in ((lab.nodes[0], _single(lab)), (lab.nodes[1], PIPELINE)):
+    for node, replica in ((lab.nodes[0], single(lab)), (lab.nodes[1], PIPELINE)):
         text = lab.host(node).check_output(f"cat /etc/gpufleet/vllm/{replica}/release.json")
         found[replica] = json.loads(text)["vllm_version"]
     return found
@@ -66,7 +54,7 @@ def _releases(lab: Lab) -> dict[str, str]:
 def _running(lab: Lab) -> dict[str, str]:
     """The vLLM version each replica's unit runs (its venv link), on every node of it."""
     found = {}
-    for node, replica in ((lab.nodes[0], _single(lab)), (lab.nodes[1], PIPELINE), (lab.nodes[2], PIPELINE)):
+    for node, replica in ((lab.nodes[0], single(lab)), (lab.nodes[1], PIPELINE), (lab.nodes[2], PIPELINE)):
         target = lab.host(node).check_output(f"readlink /etc/gpufleet/vllm/{replica}/venv")
         found[f"{node.name}:{replica}"] = Path(target).name
     return found
@@ -76,10 +64,10 @@ def _served_versions(lab: Lab, count: int = 6) -> set[str]:
     """The vLLM releases that answer completions through the router (each answer's ``system_fingerprint`` names
     it), over ``count`` requests: leastconn spreads them over both replicas."""
     url = f"http://{lab.nodes[0].address}:{ROUTER_PORT}/v1/completions"
-    body = {"model": _served_name("lab"), "prompt": "The fleet is", "max_tokens": 2}
+    body = {"model": served_name("lab"), "prompt": "The fleet is", "max_tokens": 2}
     found = set()
     for _ in range(count):
-        status, text = _http(url, body, _api_key(lab))
+        status, text = http(url, body, api_key(lab))
         assert status == 200, text
         found.add(json.loads(text)["system_fingerprint"].split("-")[1])
     return found
@@ -89,7 +77,7 @@ def _rolled(lab: Lab, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, 
             *args: str) -> tuple[subprocess.CompletedProcess[str], dict[str, Any], RequestLoad]:
     """Run ``gpufleet ARGS --report ...`` under load: its exit, its JSON report and the load's outcome."""
     report = tmp_path / "report.json"
-    retried = _router_retries(lab)
+    retried = router_retries(lab)
     traffic = _traffic(lab).start()
     started = time.monotonic()
     try:
@@ -98,8 +86,8 @@ def _rolled(lab: Lab, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, 
     finally:
         traffic.stop()
     took = time.monotonic() - started
-    _record_figure(tmp_path_factory, {"rollout": name, "exit": done.returncode, "duration_s": round(took, 1),
-                                      "retried": _router_retries(lab) - retried, **traffic.figures()})
+    record_figure(tmp_path_factory, {"rollout": name, "exit": done.returncode, "duration_s": round(took, 1),
+                                      "retried": router_retries(lab) - retried, **traffic.figures()})
     assert report.exists(), done.stdout[-4000:] + done.stderr[-4000:]
     return done, json.loads(report.read_text()), traffic
 
@@ -109,22 +97,22 @@ def _states(report: dict[str, Any]) -> dict[str, str]:
 
 
 def test_an_upgrade_under_load_rolls_both_replicas_and_loses_no_request(
-        lab: Lab, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
-    assert _releases(lab) == {_single(lab): START_VERSION, PIPELINE: START_VERSION}
+        lab: Lab, faults: Completed | None, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    assert _releases(lab) == {single(lab): START_VERSION, PIPELINE: START_VERSION}
     assert _served_versions(lab) == {START_VERSION}
     done, report, traffic = _rolled(lab, tmp_path, tmp_path_factory, f"upgrade {START_VERSION} -> {OTHER_VERSION}",
                                     "upgrade", "inventories/lab.py", "--batches", "1,100%", "--canary-s", "20",
                                     "--data", f"vllm_version={OTHER_VERSION}")
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    assert _states(report) == {_single(lab): "rolled", PIPELINE: "rolled"}, done.stdout[-4000:]
+    assert _states(report) == {single(lab): "rolled", PIPELINE: "rolled"}, done.stdout[-4000:]
     assert traffic.figures()["requests"] > 0 and traffic.failures == [], traffic.failures[:5]
-    assert _releases(lab) == {_single(lab): OTHER_VERSION, PIPELINE: OTHER_VERSION}
+    assert _releases(lab) == {single(lab): OTHER_VERSION, PIPELINE: OTHER_VERSION}
     assert set(_running(lab).values()) == {OTHER_VERSION}, _running(lab)
     assert _served_versions(lab) == {OTHER_VERSION}
 
 
 def test_a_release_that_does_not_start_is_rolled_back_at_the_canary(
-        lab: Lab, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+        lab: Lab, faults: Completed | None, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     """vLLM refuses to start with a KV cache larger than the node's memory: the canary never serves, the rollout
     puts it back on the release it ran, stops, and says so; no request fails, and no other replica is touched."""
     before = _running(lab)
@@ -137,18 +125,18 @@ def test_a_release_that_does_not_start_is_rolled_back_at_the_canary(
     assert "gpufleet upgrade: stopped: " in done.stdout, done.stdout[-4000:]
     assert traffic.figures()["requests"] > 0 and traffic.failures == [], traffic.failures[:5]
     assert _running(lab) == before
-    assert _releases(lab) == {_single(lab): OTHER_VERSION, PIPELINE: OTHER_VERSION}
+    assert _releases(lab) == {single(lab): OTHER_VERSION, PIPELINE: OTHER_VERSION}
     assert _served_versions(lab) == {OTHER_VERSION}
 
 
 def test_rollback_returns_the_fleet_to_the_previous_release(
-        lab: Lab, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+        lab: Lab, faults: Completed | None, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     """The release before the good upgrade: the broken one, rolled back, did not become "previous"."""
     done, report, traffic = _rolled(lab, tmp_path, tmp_path_factory, f"rollback {OTHER_VERSION} -> {START_VERSION}",
                                     "rollback", "inventories/lab.py", "--batches", "1,100%", "--canary-s", "10")
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    assert _states(report) == {_single(lab): "rolled", PIPELINE: "rolled"}, done.stdout[-4000:]
+    assert _states(report) == {single(lab): "rolled", PIPELINE: "rolled"}, done.stdout[-4000:]
     assert traffic.figures()["requests"] > 0 and traffic.failures == [], traffic.failures[:5]
-    assert _releases(lab) == {_single(lab): START_VERSION, PIPELINE: START_VERSION}
+    assert _releases(lab) == {single(lab): START_VERSION, PIPELINE: START_VERSION}
     assert set(_running(lab).values()) == {START_VERSION}, _running(lab)
     assert _served_versions(lab) == {START_VERSION}

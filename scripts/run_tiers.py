@@ -1,0 +1,132 @@
+"""Run the test tiers as ``make test`` and ``make test-fast`` do, and end with the run's time budget.
+
+``make test``: lint (ruff, mypy), then the unit and tools tiers, at low CPU priority, run beside the lab tier, so
+that they fill the lab's waits instead of adding to them. The lab tier's output streams as it runs; the other
+tiers' is printed when both are done. ``--fast``: lint, then the unit and tools tiers alone.
+
+The output ends with each tier's wall time, the 25 slowest tests of the run and one line of counts; the exit
+status is 0 only when every tier passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+SLOWEST = 25
+
+
+@dataclass
+class Tier:
+    """One tier's commands, run in order until one fails; its wall time and its JUnit report."""
+
+    name: str
+    commands: list[list[str]]
+    report: Path | None = None
+    seconds: float = 0.0
+    status: int = 0
+    output: list[str] = field(default_factory=list)
+
+    def run(self, stream: bool) -> None:
+        started = time.monotonic()
+        for argv in self.commands:
+            if stream:
+                done = subprocess.run(argv, cwd=ROOT)
+            else:
+                done = subprocess.run(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                self.output.append(f"$ {' '.join(argv)}\n{done.stdout}")
+            # pytest's 5: no test collected (a tier with nothing selected), not a failure
+            if done.returncode not in (0, 5):
+                self.status = done.returncode
+                break
+        self.seconds = time.monotonic() - started
+
+
+def pytest_argv(report: Path, *paths: str) -> list[str]:
+    return [str(BIN / "pytest"), "-q", f"--junitxml={report}", "-o", "junit_logging=no", *paths]
+
+
+def niced(argv: list[str]) -> list[str]:
+    """At low CPU priority: the lab's vLLMs keep the cores they need."""
+    return ["nice", "-n", "10", *argv]
+
+
+def cases(report: Path | None) -> list[tuple[str, float, str]]:
+    """(test id, seconds, outcome) of each test in a JUnit report."""
+    if report is None or not report.exists():
+        return []
+    found = []
+    for case in ET.parse(report).iter("testcase"):
+        outcome = "passed"
+        for child in case:
+            if child.tag in ("failure", "error"):
+                outcome = "failed"
+            elif child.tag == "skipped" and outcome == "passed":
+                outcome = "skipped"
+        name = f"{case.get('classname', '')}::{case.get('name', '')}"
+        found.append((name, float(case.get("time") or 0.0), outcome))
+    return found
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--fast", action="store_true", help="lint, unit and tools tiers only (no root needed)")
+    parser.add_argument("--workers", default="0", help="pytest-xdist workers for the unit and tools tiers")
+    args = parser.parse_args()
+    scratch = Path(tempfile.mkdtemp(prefix="gpufleet-tiers-"))
+    workers = ["-n", args.workers] if args.workers != "0" else []
+    lint = Tier("lint", [[str(BIN / "ruff"), "check", "."], [str(BIN / "mypy")]])
+    fast = Tier("unit+tools", [pytest_argv(scratch / "fast.xml", "tests/unit", "tests/tools", *workers)],
+                report=scratch / "fast.xml")
+    lab = Tier("lab", [pytest_argv(scratch / "lab.xml", "tests/lab")], report=scratch / "lab.xml")
+    started = time.monotonic()
+    if args.fast:
+        lint.run(stream=True)
+        if lint.status == 0:
+            fast.run(stream=True)
+        tiers = [lint, fast]
+    else:
+        lint.commands = [niced(argv) for argv in lint.commands]
+        fast.commands = [niced(argv) for argv in fast.commands]
+
+        def lint_then_fast() -> None:
+            lint.run(stream=False)
+            if lint.status == 0:
+                fast.run(stream=False)
+
+        beside = threading.Thread(target=lint_then_fast)
+        beside.start()
+        lab.run(stream=True)
+        beside.join()
+        print("".join(lint.output + fast.output), end="", flush=True)
+        tiers = [lint, fast, lab]
+    total = time.monotonic() - started
+    every = [case for tier in tiers for case in cases(tier.report)]
+    print(f"\n== the run's time budget (this machine: {os.cpu_count()} cores) ==")
+    for tier in tiers:
+        verdict = "passed" if tier.status == 0 else f"FAILED (exit {tier.status})"
+        print(f"{tier.name:>11}: {tier.seconds:7.1f} s  {verdict}")
+    print(f"{'wall':>11}: {total:7.1f} s" + ("" if args.fast else " (lint and unit+tools beside the lab)"))
+    print(f"\n{SLOWEST} slowest tests:")
+    for name, seconds, _ in sorted(every, key=lambda case: -case[1])[:SLOWEST]:
+        print(f"{seconds:8.1f} s  {name}")
+    counts = {outcome: sum(1 for case in every if case[2] == outcome) for outcome in ("passed", "failed", "skipped")}
+    # a tier that failed outside its tests (lint, a collection error, a crash) counts as one failure
+    counts["failed"] += sum(1 for tier in tiers if tier.status != 0 and not any(
+        case[2] == "failed" for case in cases(tier.report)))
+    print(f"\n{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped")
+    return 0 if all(tier.status == 0 for tier in tiers) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

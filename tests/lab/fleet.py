@@ -1,0 +1,206 @@
+"""The lab fleet as the lab tests drive it: its deploys, its replicas and router, requests, and fault figures.
+
+inventories/lab.py: lab1 (pool lab_single) serves the tiny model on its own and holds the router and Prometheus;
+lab2 and lab3 (pool lab_pipeline) serve one replica with pipeline parallel 2 (lab2 is rank 0, the API).
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+import pytest
+import yaml
+
+from gpufleet.lab.nodes import API_KEY_FILE
+from gpufleet.lab.request_load import RequestLoad
+from gpufleet.lab.state import NodeRecord
+from tests.lab.checks import main_pid, metrics
+from tests.lab.harness import PYINFRA, ROOT, Completed, Lab, run
+
+INVENTORY = "inventories/lab.py"
+DEPLOY = "deploys/vllm.py"
+PORT = 8000
+SINGLE = "lab_single-{}"
+PIPELINE = "lab_pipeline-0"
+ROUTER_PORT = 8080
+ROUTER_METRICS_PORT = 8405
+ROUTER_ADMIN = "python3 /opt/gpufleet/node/router_admin.py"
+RAY_PORT, NODE_EXPORTER, DCGM_EXPORTER, RENDEZVOUS = 6379, 9100, 9400, 29501
+CONNECT_TIMEOUT = 3.0
+# Every target at once from one node: "address:port" -> whether a TCP connection was accepted.
+PROBE = """
+import json, socket, sys
+from concurrent.futures import ThreadPoolExecutor
+source = (sys.argv[2], 0) if sys.argv[2] else None
+def reach(target):
+    address, port = target.rsplit(":", 1)
+    try:
+        socket.create_connection((address, int(port)), timeout=float(sys.argv[1]), source_address=source).close()
+        return True
+    except OSError:
+        return False
+print(json.dumps(dict(zip(sys.argv[3:], ThreadPoolExecutor(16).map(reach, sys.argv[3:])))))
+"""
+RAY = ("--data", "vllm_distributed_backend=ray", "--data", "vllm_start=false")
+"""The pipeline pool on Ray: the CPU build refuses vLLM's Ray executor, so vLLM is staged, not started."""
+
+
+def served_name(group: str) -> str:
+    """The model name a pool serves under, as its group_vars give it (lab_single's may be hostile text)."""
+    for name in (group, "lab"):
+        data = yaml.safe_load((ROOT / "group_vars" / f"{name}.yml").read_text()) or {}
+        if data.get("vllm_served_model_name"):
+            return str(data["vllm_served_model_name"])
+    raise AssertionError(f"no vllm_served_model_name for {group}")
+
+
+def deploy(lab: Lab, *options: str, playbook: str = DEPLOY, inventory: str = INVENTORY,
+           timeout: float = 1800) -> Completed:
+    """``pyinfra INVENTORY PLAYBOOK -y OPTIONS`` against the lab."""
+    return run([str(PYINFRA), inventory, playbook, "-y", *options], lab.env, timeout)
+
+
+def single(lab: Lab) -> str:
+    """lab1's replica (pool lab_single): named after its node's address."""
+    return SINGLE.format(lab.nodes[0].address.replace(".", "-"))
+
+
+def api_key(lab: Lab) -> str:
+    return (lab.directory / API_KEY_FILE).read_text().strip()
+
+
+def http(url: str, body: dict[str, Any] | None = None, key: str | None = None,
+         timeout: float = 120) -> tuple[int, str]:
+    """A GET (or, with ``body``, a JSON POST): status and text, an HTTP error's included."""
+    request = urllib.request.Request(url, data=None if body is None else json.dumps(body).encode(),
+                                     method="GET" if body is None else "POST")
+    request.add_header("Content-Type", "application/json")
+    if key:
+        request.add_header("Authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def model_of(lab: Lab, node: NodeRecord) -> str:
+    """The name the replica on ``node`` serves under: lab1 is in lab_single, the others in lab_pipeline."""
+    return served_name("lab_single" if node == lab.nodes[0] else "lab_pipeline")
+
+
+def completion_tokens(lab: Lab, node: NodeRecord) -> int:
+    """One completion straight from the replica whose API is on ``node``: its token count."""
+    status, body = http(f"http://{node.address}:{PORT}/v1/completions",
+                        {"model": model_of(lab, node), "prompt": "The fleet is", "max_tokens": 8, "temperature": 0},
+                        api_key(lab))
+    assert status == 200, body
+    return int(json.loads(body)["usage"]["completion_tokens"])
+
+
+def router_completion_tokens(lab: Lab) -> int:
+    """One completion through the router on lab1 (the ``routers`` group of inventories/lab.py)."""
+    status, body = http(f"http://{lab.nodes[0].address}:{ROUTER_PORT}/v1/completions",
+                        {"model": served_name("lab"), "prompt": "The fleet is", "max_tokens": 8,
+                         "temperature": 0}, api_key(lab))
+    assert status == 200, body
+    return int(json.loads(body)["usage"]["completion_tokens"])
+
+
+def router_servers(lab: Lab) -> dict[str, dict[str, object]]:
+    """The router's servers (replicas) as its runtime API shows them, read on lab1 with router_admin.py."""
+    shown = json.loads(lab.host(lab.nodes[0]).check_output(f"{ROUTER_ADMIN} show"))
+    return {entry["server"]: entry for entry in shown["servers"]}
+
+
+def wait_router_status(lab: Lab, server: str, status: str, timeout: float) -> None:
+    end = time.monotonic() + timeout
+    found: object = None
+    while time.monotonic() < end:
+        found = router_servers(lab)[server]["status"]
+        if found == status:
+            return
+        time.sleep(0.5)
+    pytest.fail(f"the router shows {server} {found}, not {status}, after {timeout} s")
+
+
+def router_counter(lab: Lab, name: str) -> float:
+    """The sum of one of HAProxy's Prometheus counters over its backends, read from the bridge."""
+    text = metrics(lab.nodes[0], ROUTER_METRICS_PORT)
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+def router_retries(lab: Lab) -> float:
+    """Requests the router sent again (to the same replica, or redispatched to another), over every backend."""
+    return sum(router_counter(lab, f"haproxy_backend_{kind}_warnings_total") for kind in ("retry", "redispatch"))
+
+
+def wait_serving(lab: Lab, node: NodeRecord, timeout: float = 600) -> None:
+    """Until the replica whose API is on ``node`` answers a completion."""
+    end = time.monotonic() + timeout
+    last = ""
+    while time.monotonic() < end:
+        try:
+            if completion_tokens(lab, node) > 0:
+                return
+        except (OSError, AssertionError) as exc:
+            last = str(exc)
+        time.sleep(3)
+    pytest.fail(f"{node.name} did not serve again within {timeout} s: {last}")
+
+
+def vllm_child(lab: Lab, node: NodeRecord, unit: str) -> int:
+    """The vLLM process replica_rank.py runs for ``unit`` on ``node`` (0: none yet)."""
+    supervisor = main_pid(lab, node, unit)
+    found = lab.host(node).run(f"pgrep -P {supervisor} -f 'vllm serve'").stdout.split()
+    return int(found[0]) if supervisor and found else 0
+
+
+def requests_to(lab: Lab, node: NodeRecord | None, **options: Any) -> RequestLoad:
+    """Completions against the replica on ``node`` (or, with ``node`` None, through the router), one every 3 s
+    unless ``pause_s`` says otherwise: what must keep answering while another replica fails. Spaced out because
+    the lab's CPU vLLMs share this machine's two cores: a replica kept busy starves the one restarting."""
+    if node is None:
+        return RequestLoad(f"http://{lab.nodes[0].address}:{ROUTER_PORT}", served_name("lab"), api_key(lab),
+                           **options)
+    return RequestLoad(f"http://{node.address}:{PORT}", model_of(lab, node), api_key(lab), **options)
+
+
+def record_figure(tmp_path_factory: pytest.TempPathFactory, figure: dict[str, object]) -> None:
+    """Add one fault's figure to the session's lab-fault-figures.jsonl, beside its temporary files."""
+    with (tmp_path_factory.getbasetemp() / "lab-fault-figures.jsonl").open("a") as figures:
+        figures.write(json.dumps(figure) + "\n")
+
+
+def reach(lab: Lab, node: NodeRecord, targets: list[str], source: str = "") -> dict[str, bool]:
+    """From ``node`` (from its address ``source``, when given): which of ``targets`` (address:port) accept a TCP
+    connection."""
+    out = lab.host(node).check_output(f"python3 -c {shlex.quote(PROBE)} {CONNECT_TIMEOUT} {shlex.quote(source)}"
+                                      f" {' '.join(shlex.quote(t) for t in targets)}")
+    return json.loads(out)
+
+
+def controller_reaches(target: str) -> bool:
+    address, port = target.rsplit(":", 1)
+    try:
+        socket.create_connection((address, int(port)), timeout=CONNECT_TIMEOUT).close()
+        return True
+    except OSError:
+        return False
+
+
+def exposures(lab: Lab) -> dict[str, float]:
+    """bench/unit_security.py's worst exposure per unit; it exits non-zero when one is above the bound."""
+    done = subprocess.run([sys.executable, "bench/unit_security.py"], cwd=ROOT, env=lab.env,
+                          capture_output=True, text=True, timeout=300)
+    print(done.stdout)  # the measured scores, for the record (pytest -s)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr
+    return json.loads(done.stdout)["worst"]

@@ -1,0 +1,107 @@
+"""The lab's scenarios: the states lab tests need, each reached once in a full run, in an order where no test has
+to undo another's change.
+
+A test names its scenario by taking its fixture (tests/lab/conftest.py): ``bare``, ``serving``, ``watched``,
+``faults``, ``changed`` or ``ray``. The session sorts lab tests by
+scenario, so a full run goes through them in that order; a test run alone (``pytest tests/lab -k NAME``) reaches
+its scenario by itself, with the deploys that lead there. Scenarios that share a state (``serving``, ``watched``,
+``faults``, ``changed``) only order the tests: read-only checks first, then the healthy watch over them, then
+faults that heal, then tests that leave the fleet changed, whose change the next scenario's deploy replaces.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from tests.lab.fleet import RAY, deploy
+from tests.lab.harness import Completed, Lab
+from tests.lab.prometheus import Prometheus, wait_for
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A place in the run's order, and the state of the lab it needs."""
+
+    name: str
+    state: str
+    about: str
+
+
+SCENARIOS = (
+    Scenario("bare", "bare", "the lab as booted: nothing deployed"),
+    Scenario("serving", "serving", "deploys/vllm.py from bare nodes, the lab's default: read-only checks"),
+    Scenario("watched", "serving", "the same fleet, untouched: no alert fired since it was healthy"),
+    Scenario("faults", "serving", "the same fleet: faults that heal, alerts, upgrades and rollbacks"),
+    Scenario("changed", "serving", "the same fleet: tests that leave it changed for the next deploy to replace"),
+    Scenario("ray", "ray", "deploys/vllm.py with the pipeline pool on Ray"),
+)
+BY_NAME = {scenario.name: scenario for scenario in SCENARIOS}
+RANK = {scenario.name: rank for rank, scenario in enumerate(SCENARIOS)}
+# The options of the deploy (deploys/vllm.py) that brings any lab into a state: it converges from wherever the lab is.
+DEPLOYS: dict[str, tuple[str, ...]] = {"serving": (), "ray": RAY}
+
+
+@dataclass
+class LabStates:
+    """Where the session's lab is, and how to bring it where a test needs it."""
+
+    lab: Lab
+    current: str = "bare"
+    reached: dict[str, Completed] = field(default_factory=dict)  # state -> the deploy that last brought it there
+    _healthy_since: float | None = None
+
+    def reach(self, scenario: Scenario) -> Completed | None:
+        """Bring the lab into ``scenario``'s state unless it is there; the deploy that brought it there (None for
+        ``bare``). A deploy that fails leaves the state unknown: the test that needed it fails on its output."""
+        wanted = scenario.state
+        if wanted == self.current:
+            return self.reached.get(wanted)
+        if wanted == "bare":
+            pytest.fail(f"scenario bare needs a lab as booted, and this session's lab is {self.current}: run"
+                        " the test in a session of its own", pytrace=False)
+        self.changed()
+        done = deploy(self.lab, *DEPLOYS[wanted])
+        if done.rc != 0:
+            return done
+        self.current = wanted
+        self.reached[wanted] = done
+        return done
+
+    def changed(self) -> None:
+        """A test left the fleet other than its scenario's state: the next scenario deploys again."""
+        self.current = "unknown"
+        self._healthy_since = None
+
+    def healthy_since(self) -> float:
+        """When the monitoring group's Prometheus (lab1) first saw every target up and every alert of before the
+        deploy resolved, on the serving lab (waited for on the first call)."""
+        if self._healthy_since is None:
+            prometheus = Prometheus(self.lab.nodes[0])
+
+            def all_up() -> list[dict[str, Any]] | None:
+                targets = prometheus.targets()
+                return targets if targets and all(t["health"] == "up" for t in targets) else None
+
+            try:
+                wait_for("every target up", all_up, timeout=180)
+            except AssertionError:
+                down = [(t["scrapeUrl"], t["lastError"]) for t in prometheus.targets() if t["health"] != "up"]
+                raise AssertionError(f"targets not up: {down}") from None
+            # Prometheus may have run before the replicas did (deploys/monitoring.py): the lab is healthy once what
+            # it said then has resolved.
+            wait_for("the alerts of before the deploy resolved", lambda: True if not prometheus.firing() else None,
+                     timeout=180)
+            self._healthy_since = time.monotonic()
+        return self._healthy_since
+
+
+def scenario_of(fixturenames: list[str]) -> Scenario | None:
+    """The scenario a test takes by its fixtures (None: it takes none)."""
+    named = [BY_NAME[name] for name in fixturenames if name in BY_NAME]
+    if len(named) > 1:
+        raise pytest.UsageError(f"a lab test takes one scenario, found {[s.name for s in named]}")
+    return named[0] if named else None

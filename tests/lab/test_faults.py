@@ -1,0 +1,432 @@
+"""Faults on the serving lab (scenario ``faults``): each heals, by itself or with one deploy, while the other
+replica answers; then (scenario ``changed``) tests that leave the fleet changed for the next scenario's deploy.
+
+Every fault's figures go to the session's lab-fault-figures.jsonl, beside its temporary files.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from gpufleet.lab.nodes import power_off
+from gpufleet.lab.sim_profile import write_sim_profile
+from tests.lab.checks import assert_no_errors, assert_nothing_changed, main_pid
+from tests.lab.fleet import (
+    DEPLOY,
+    INVENTORY,
+    PIPELINE,
+    PORT,
+    deploy,
+    http,
+    record_figure,
+    requests_to,
+    router_retries,
+    single,
+    vllm_child,
+    wait_router_status,
+    wait_serving,
+)
+from tests.lab.harness import LAB_VENV, LAB_VLLM_VERSION, PYINFRA, ROOT, Completed, Lab, run
+from tests.lab.scenarios import LabStates
+
+pytestmark = pytest.mark.filterwarnings("ignore:Unknown ssh-ed25519 host key:UserWarning")
+
+DRIVER_PACKAGES = "nvidia-driver-580-open libnvidia-compute-580 nvidia-persistenced"
+NVML_INIT = "python3 -c 'import ctypes; print(ctypes.CDLL(\"libnvidia-ml.so.1\").nvmlInit_v2())'"
+
+
+def test_kill_9_of_vllm_is_restarted_and_serves_again(
+        lab: Lab, faults: Completed | None, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """systemd restarts a killed vLLM; meanwhile the router takes the replica out and the clients' requests, in
+    flight included, go to the other replica: none fails."""
+    node, unit = lab.nodes[0], f"vllm@{single(lab)}"
+    retried_before = router_retries(lab)
+    # Load through the router from before the kill until the router has taken the replica out and the other one
+    # carried it alone for a while; not during the restart, which the lab's two cores could not also carry.
+    load = requests_to(lab, None, streams=2, pause_s=1.0).start()
+    try:
+        time.sleep(5)  # requests in flight on both replicas
+        before = main_pid(lab, node, unit)
+        lab.host(node).check_output(f"kill -{int(signal.SIGKILL)} {before}")
+        killed = time.monotonic()
+        wait_router_status(lab, single(lab), "DOWN", timeout=60)
+        taken_out = time.monotonic() - killed
+        time.sleep(15)
+    finally:
+        load.stop()
+    end = time.monotonic() + 120
+    after = 0
+    while time.monotonic() < end:
+        after = main_pid(lab, node, unit)
+        if after and after != before:
+            break
+        time.sleep(2)
+    assert after and after != before, f"systemd did not restart {unit}"
+    wait_serving(lab, node)
+    wait_router_status(lab, single(lab), "UP", timeout=60)
+    back = time.monotonic() - killed
+    figures = load.figures()
+    assert figures["requests"] > 0 and load.failures == [], load.failures[:3]
+    record_figure(tmp_path_factory, {
+        "fault": "kill -9 of a replica behind the router", "replica": single(lab), **figures,
+        "retried": router_retries(lab) - retried_before, "taken_out_s": round(taken_out, 1),
+        "back_in_router_s": round(back, 1)})
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_kill_9_of_any_rank_restarts_the_whole_pipeline_replica_once(lab: Lab, faults: Completed | None, rank: int,
+                                                                     tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Killing either rank's vLLM stops the other rank too; both start again as one new generation and the
+    replica serves, without an operator; lab1's replica answers throughout."""
+    unit = f"vllm@{PIPELINE}"
+    ranks = lab.nodes[1:]  # lab2 is rank 0 (the API), lab3 rank 1
+    wait_serving(lab, ranks[0])
+    before = {n.name: vllm_child(lab, n, unit) for n in ranks}
+    assert all(before.values()), before
+    restarts = {n.name: lab.host(n).check_output(f"systemctl show -p NRestarts --value {unit}") for n in ranks}
+    loop = requests_to(lab, lab.nodes[0])
+    loop.start()
+    try:
+        killed = time.monotonic()
+        lab.host(ranks[rank]).check_output(f"kill -{int(signal.SIGKILL)} {before[ranks[rank].name]}")
+        wait_serving(lab, ranks[0], timeout=600)
+        recovered = time.monotonic() - killed
+    finally:
+        loop.stop()
+    after = {n.name: vllm_child(lab, n, unit) for n in ranks}
+    assert all(after.values()) and set(after.values()).isdisjoint(before.values()), (before, after)
+    for n in ranks:  # one restart of each rank's unit: no storm
+        count = int(lab.host(n).check_output(f"systemctl show -p NRestarts --value {unit}"))
+        assert count == int(restarts[n.name]) + 1, (n.name, restarts[n.name], count)
+    assert loop.sent > 0 and loop.failures == [], loop.failures[:3]
+    record_figure(tmp_path_factory, {
+        "fault": f"kill -9 of rank {rank}'s vLLM", "replica": PIPELINE, "serving_again_s": round(recovered, 1),
+        "other_replica_requests": loop.sent, "other_replica_failures": 0})
+
+
+def test_one_deploy_converges_a_node_without_a_driver(
+        lab: Lab, faults: Completed | None, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """lab1 loses its driver and its replica (purged, stopped): one deploy plans it from its gpu_profile, installs
+    the driver, gates it on a fresh probe and serves; the pipeline replica answers throughout."""
+    node, unit = lab.nodes[0], f"vllm@{single(lab)}"
+    host = lab.host(node)
+    host.check_output(f"systemctl stop {unit} && apt-get purge -y -q {DRIVER_PACKAGES} >/dev/null 2>&1")
+    assert host.run(NVML_INIT).rc != 0  # bare: no NVML
+    loop = requests_to(lab, lab.nodes[1])
+    loop.start()
+    try:
+        started = time.monotonic()
+        done = deploy(lab)
+        assert_no_errors(done)  # no node stopped at the gate or anywhere else
+        wait_serving(lab, node, timeout=60)  # the deploy waited for it: it answers at once
+        converged = time.monotonic() - started
+    finally:
+        loop.stop()
+    assert host.run(NVML_INIT).stdout.strip() == "0"
+    assert host.service(unit).is_running
+    assert loop.sent > 0 and loop.failures == [], loop.failures[:3]
+    assert_nothing_changed(deploy(lab))  # and it is converged: the next run changes nothing
+    record_figure(tmp_path_factory, {
+        "fault": "a node without a driver (driver purged, replica stopped), one deploy", "node": node.name,
+        "serving_after_s": round(converged, 1), "other_replica_requests": loop.sent, "other_replica_failures": 0})
+
+
+def test_a_reboot_of_the_followers_node_brings_the_pipeline_replica_back(
+        lab: Lab, faults: Completed | None, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """lab3 (rank 1) reboots: rank 0 stops its vLLM and waits; lab3's unit starts at boot and both ranks start
+    together again, without a deploy; lab1's replica answers throughout."""
+    leader, follower = lab.nodes[1], lab.nodes[2]
+    wait_serving(lab, leader)
+    loop = requests_to(lab, lab.nodes[0])
+    loop.start()
+    try:
+        rebooted = time.monotonic()
+        lab.reboot(follower)  # until it booted again: the replica cannot serve before that
+        wait_serving(lab, leader, timeout=600)
+        recovered = time.monotonic() - rebooted
+    finally:
+        loop.stop()
+    assert loop.sent > 0 and loop.failures == [], loop.failures[:3]
+    record_figure(tmp_path_factory, {
+        "fault": "reboot of the follower's node", "replica": PIPELINE, "serving_again_s": round(recovered, 1),
+        "other_replica_requests": loop.sent, "other_replica_failures": 0})
+
+
+def test_a_wedged_engine_is_restarted_by_the_watchdog(
+        lab: Lab, faults: Completed | None, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """SIGSTOP of lab1's engine process: /health may still answer, completions do not; the watchdog on the
+    replica's node restarts the replica after vllm_watchdog_stall_s (30 s on the lab) and says why in the
+    journal; the pipeline replica answers throughout."""
+    node, unit = lab.nodes[0], f"vllm@{single(lab)}"
+    host = lab.host(node)
+    wait_serving(lab, node)
+    engine = host.check_output("pgrep -f 'VLLM::EngineCore'").split()
+    assert len(engine) == 1, engine
+    since = host.check_output("date +%s").strip()
+    loop = requests_to(lab, lab.nodes[1])
+    loop.start()
+    try:
+        stopped = time.monotonic()
+        host.check_output(f"kill -STOP {engine[0]}")
+        try:  # a figure, not a verdict: the watchdog must act whichever way /health answers
+            health: int | str = http(f"http://{node.address}:{PORT}/health", timeout=10)[0]
+        except OSError as exc:
+            health = f"no answer: {exc}"
+        end = time.monotonic() + 300
+        said = ""
+        while time.monotonic() < end and not said:
+            time.sleep(3)
+            said = host.run(f"journalctl -q -o cat --since=@{since} -u vllm-watchdog@{single(lab)}"
+                            f" | grep 'restarting {unit}.service'").stdout.strip()
+        assert said, "the watchdog did not restart the replica"
+        detected = time.monotonic() - stopped
+        wait_serving(lab, node)
+        recovered = time.monotonic() - stopped
+    finally:
+        loop.stop()
+    assert host.check_output("pgrep -f 'VLLM::EngineCore'").split() != engine
+    assert loop.sent > 0 and loop.failures == [], loop.failures[:3]
+    record_figure(tmp_path_factory, {
+        "fault": "SIGSTOP of the engine process", "replica": single(lab), "health_while_stopped": health,
+        "watchdog_restart_after_s": round(detected, 1), "serving_again_s": round(recovered, 1),
+        "watchdog_said": said.splitlines()[0][:300], "other_replica_requests": loop.sent,
+        "other_replica_failures": 0})
+
+
+def test_a_gpu_lost_at_run_time_stops_the_nodes_replicas_until_it_passes(
+        lab: Lab, faults: Completed | None, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """gpu_lost injected on lab1 while it serves: the node's GPU watch stops its replica and says why; gpufleet
+    gate and deploys/check.py name the node and the rule; once the GPU is back the watch starts the replica
+    again. The pipeline replica answers throughout."""
+    node, unit = lab.nodes[0], f"vllm@{single(lab)}"
+    host = lab.host(node)
+    wait_serving(lab, node)
+    profile = "/etc/gpufleet/nvml-sim-profile"
+    host.check_output(f"cp {profile} {profile}.saved")
+    faulty = tmp_path / "profile"
+    write_sim_profile(faulty, node.profile, ["gpu_lost"], hostname=node.name)
+    loop = requests_to(lab, lab.nodes[1])
+    loop.start()
+    try:
+        injected = time.monotonic()
+        host.check_output(f"cat > {profile}.lost <<'EOF'\n{faulty.read_text()}EOF\nmv {profile}.lost {profile}")
+        end = time.monotonic() + 180
+        while time.monotonic() < end and host.service(unit).is_running:
+            time.sleep(2)
+        assert not host.service(unit).is_running, f"{unit} still runs with a lost GPU"
+        stopped = time.monotonic() - injected
+        said = host.check_output("journalctl -q -o cat -u gpufleet-gpu-watch.service | grep 'GPU is lost' | tail -1")
+        assert "nvml_errors" in said, said
+        gate = run([str(PYINFRA.parent / "gpufleet"), "gate", INVENTORY], lab.env, 300)
+        assert gate.rc != 0 and f"{node.address}: FAIL" in gate.out, gate.output
+        assert re.search(r"nvml_errors \(gpu \d\): .*GPU is lost", gate.out), gate.output
+        check = lab.pyinfra(INVENTORY, "deploys/check.py")
+        assert check.rc != 0 and f"[{node.address}] gate: fail" in check.output, check.output[-4000:]
+        assert "GPU is lost" in check.output, check.output[-4000:]
+        assert all(lab.host(n).service(f"vllm@{PIPELINE}").is_running for n in lab.nodes[1:])
+        restored = time.monotonic()
+        host.check_output(f"mv {profile}.saved {profile}")
+        wait_serving(lab, node, timeout=600)  # the watch started it again: no deploy
+        back = time.monotonic() - restored
+    finally:
+        loop.stop()
+        host.run(f"test -e {profile}.saved && mv {profile}.saved {profile}")
+    assert host.run("test -e /run/gpufleet/gpu-gate-failed").rc != 0
+    assert loop.sent > 0 and loop.failures == [], loop.failures[:3]
+    record_figure(tmp_path_factory, {
+        "fault": "gpu_lost injected on a serving node", "node": node.name, "replica_stopped_after_s": round(stopped, 1),
+        "serving_again_after_the_gpu_came_back_s": round(back, 1), "watch_said": said.strip()[:300],
+        "other_replica_requests": loop.sent, "other_replica_failures": 0})
+
+
+def test_a_deploy_heals_a_replica_whose_follower_systemd_gave_up_on(
+        lab: Lab, faults: Completed | None, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """lab3's rank fails to start until systemd stops restarting it (``failed`` after its restarts) while lab2's
+    waits: one deploy resets and starts it and waits until the replica serves."""
+    unit, leader, follower = f"vllm@{PIPELINE}", lab.nodes[1], lab.nodes[2]
+    host = lab.host(follower)
+    drop_in = f"/run/systemd/system/{unit}.service.d"
+    host.check_output(f"mkdir -p {drop_in} && printf '[Service]\\nExecStartPre=/bin/false\\n' > {drop_in}/fail.conf"
+                      f" && systemctl daemon-reload && systemctl restart {unit} || true")
+    def show(prop: str) -> str:
+        return host.run(f"systemctl show -p {prop} --value {unit}").stdout.strip()
+
+    end = time.monotonic() + 240
+    while time.monotonic() < end and show("ActiveState") != "failed":
+        time.sleep(3)
+    assert show("ActiveState") == "failed" and int(show("NRestarts")) >= 4  # systemd gave up on it
+    host.check_output(f"rm -r {drop_in} && systemctl daemon-reload")
+    started = time.monotonic()
+    assert_no_errors(deploy(lab))
+    wait_serving(lab, leader, timeout=60)  # the deploy waited until the replica served
+    healed = time.monotonic() - started
+    assert host.service(unit).is_running
+    record_figure(tmp_path_factory, {
+        "fault": "the follower's unit failed (systemd gave up restarting it), one deploy", "replica": PIPELINE,
+        "serving_again_s": round(healed, 1)})
+
+
+def test_a_node_lost_halfway_through_a_deploy_is_named_and_a_rerun_finishes(
+        lab: Lab, faults: Completed | None, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """lab3 loses power while a deploy has work to do on it: the deploy goes on with the other nodes, names
+    lab3 and exits non-zero; once lab3 is back, a rerun converges it and the pipeline replica serves again."""
+    lost = lab.nodes[2]
+    lab.host(lost).check_output("rm /etc/gpufleet/node.env")  # work for the deploy on lab3
+    loop = requests_to(lab, lab.nodes[0])
+    loop.start()
+    argv = [str(PYINFRA), INVENTORY, DEPLOY, "-y"]
+    off = False
+    try:
+        with subprocess.Popen(argv, cwd=ROOT, env=lab.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) as deploy:
+            assert deploy.stdout is not None
+            output = []
+            for line in deploy.stdout:  # power off lab3 as the deploy starts its first change there
+                output.append(line)
+                if "Starting operation" in line and "node.env" in line:
+                    break
+            cut = time.monotonic()
+            power_off(lost.name, lab.directory)
+            off = True
+            output.extend(deploy.stdout)
+            rc = deploy.wait(timeout=600)
+        reported = time.monotonic() - cut
+        text = "".join(output)
+        assert rc != 0, text[-6000:]
+        assert f"gpufleet: [{lost.address}] lost during the deploy" in text, text[-6000:]
+        assert "An internal exception occurred" not in text, text[-6000:]
+        errors = {line.split("]", 1)[0].strip(" [") for line in text.splitlines() if "] Error" in line}
+        assert errors <= {lost.address}, text[-6000:]  # no other node failed
+        lab.power_on(lost)
+        off = False
+        assert_no_errors(deploy(lab))
+        assert lab.host(lost).file("/etc/gpufleet/node.env").contains(f'^GPUFLEET_NODE="{lost.name}"$')
+        wait_serving(lab, lab.nodes[1], timeout=600)
+        recovered = time.monotonic() - cut
+    finally:
+        loop.stop()
+        if off:  # the other tests need lab3
+            lab.power_on(lost)
+    assert loop.sent > 0 and loop.failures == [], loop.failures[:3]
+    record_figure(tmp_path_factory, {
+        "fault": "a node powered off halfway through a deploy, then started and the deploy rerun",
+        "node": lost.name, "deploy_ended_after_s": round(reported, 1), "serving_again_s": round(recovered, 1),
+        "other_replica_requests": loop.sent, "other_replica_failures": 0})
+
+
+def test_a_deploy_interrupted_halfway_converges_on_rerun(lab: Lab, faults: Completed | None) -> None:
+    """An install interrupted halfway leaves the working virtualenv in place and serving; the rerun finishes it."""
+    node = lab.nodes[0]
+    host, unit = lab.host(node), f"vllm@{single(lab)}"
+    marker = f"{LAB_VENV}/.gpufleet-installed"
+    working = host.check_output(f"readlink -f {LAB_VENV}").strip()
+    host.check_output(f"echo stale > {marker}")  # the next run reinstalls
+    # from an empty cache: with uv's cache warm, the install is a few seconds of hardlinks, too quick to interrupt
+    host.check_output("rm -rf /var/cache/gpufleet/uv")
+    process = subprocess.Popen([str(PYINFRA), INVENTORY, DEPLOY, "-y"], cwd=ROOT, env=lab.env,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # the new build's interpreter exists once its virtualenv is made, before any package goes in
+    builds = f"/opt/vllm/.build-{LAB_VLLM_VERSION}-*"
+    new_build = f"find /opt/vllm -maxdepth 3 -path '{builds}/bin/python' ! -path '{working}/*'"
+    end = time.monotonic() + 600
+    while time.monotonic() < end and not host.run(new_build).stdout.strip():
+        time.sleep(0.5)
+    time.sleep(2)  # the installer is now filling the new build, beside the one in use
+    process.send_signal(signal.SIGINT)
+    try:
+        process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+    assert host.check_output(f"readlink -f {LAB_VENV}").strip() == working  # never swapped half-built
+    assert host.file(marker).content_string.strip() == "stale"
+    assert host.run(f"{LAB_VENV}/bin/python -c 'import vllm'").rc == 0  # the working one is intact
+    assert host.service(unit).is_running
+    assert_no_errors(deploy(lab))
+    rebuilt = host.check_output(f"readlink -f {LAB_VENV}").strip()
+    assert rebuilt != working
+    # the replaced build stays (until the next install), the half-built one is gone
+    assert sorted(host.check_output(f"ls -d {builds}").split()) == sorted([rebuilt, working])
+    assert host.file(marker).content_string.strip() != "stale"
+    wait_serving(lab, node)
+
+
+def test_an_interrupted_restart_is_drift_and_the_next_run_performs_it(lab: Lab, faults: Completed | None) -> None:
+    """A restart a deploy decided on and did not perform (its record left on the node) is drift for
+    deploys/check.py, and the next deploy performs it and clears the record once the replica serves."""
+    node = lab.nodes[0]
+    host, replica = lab.host(node), single(lab)
+    pending = f"/etc/gpufleet/vllm/{replica}/restart-pending"
+    before = main_pid(lab, node, f"vllm@{replica}")
+    host.check_output(f"touch {pending}")  # what a run interrupted between deciding and restarting leaves
+    checked = run([str(PYINFRA), INVENTORY, "deploys/check.py", "-y"], lab.env, 600)
+    assert checked.rc != 0
+    assert f"[{node.address}] gate: pass; drift: 1 operation(s)" in checked.output, checked.output[-4000:]
+    assert f"{replica}: record that it must restart" in checked.output
+    assert_no_errors(deploy(lab))
+    assert main_pid(lab, node, f"vllm@{replica}") != before
+    assert not host.file(pending).exists
+    wait_serving(lab, node)
+    clean = run([str(PYINFRA), INVENTORY, "deploys/check.py", "-y"], lab.env, 600)
+    assert clean.rc == 0, clean.output[-4000:]
+
+
+def _lab_copy(tmp_path: Path, lab_single_extra: str) -> str:
+    """The lab inventory and group_vars in a directory of their own, with lab_single.yml changed."""
+    (tmp_path / "inventories").mkdir()
+    shutil.copy(ROOT / INVENTORY, tmp_path / INVENTORY)
+    shutil.copytree(ROOT / "group_vars", tmp_path / "group_vars")
+    with (tmp_path / "group_vars" / "lab_single.yml").open("a") as handle:
+        handle.write(lab_single_extra)
+    return str(tmp_path / INVENTORY)
+
+
+def test_changing_one_groups_setting_restarts_only_that_groups_replicas(
+        lab: Lab, changed: Completed | None, lab_states: LabStates, tmp_path: Path) -> None:
+    """lab_single's group_vars change: the deploy restarts lab1's replica only (the fleet is left so: the next
+    scenario's deploy puts the repository's values back)."""
+    pipeline = {n.name: main_pid(lab, n, f"vllm@{PIPELINE}") for n in lab.nodes[1:]}
+    single_pid = main_pid(lab, lab.nodes[0], f"vllm@{single(lab)}")
+    inventory = _lab_copy(tmp_path, "vllm_extra_args:\n  enforce-eager: true\n  max-num-seqs: 16\n")
+    lab_states.changed()
+    assert_no_errors(deploy(lab, inventory=inventory))
+    assert main_pid(lab, lab.nodes[0], f"vllm@{single(lab)}") != single_pid
+    assert {n.name: main_pid(lab, n, f"vllm@{PIPELINE}") for n in lab.nodes[1:]} == pipeline
+    config = lab.host(lab.nodes[0]).file(f"/etc/gpufleet/vllm/{single(lab)}/config.yaml").content_string
+    assert "max-num-seqs: 16" in config
+
+
+def test_a_node_failing_the_gpu_gate_is_not_started_and_is_named(
+        lab: Lab, changed: Completed | None, lab_states: LabStates, tmp_path: Path) -> None:
+    """lab1 loses a GPU: the deploy names it and does not start its replica, nor does the unit's own gate; the
+    pipeline replica runs on. The fleet is left with lab1's replica stopped: the next scenario's deploy starts it."""
+    node, unit = lab.nodes[0], f"vllm@{single(lab)}"
+    host = lab.host(node)
+    lab_states.changed()
+    host.check_output(f"systemctl stop {unit}")
+    profile = "/etc/gpufleet/nvml-sim-profile"
+    host.check_output(f"cp {profile} {profile}.saved")
+    try:
+        faulty = tmp_path / "profile"
+        write_sim_profile(faulty, node.profile, ["gpu_missing"], hostname=node.name)  # 7 GPUs left
+        host.check_output(f"cat > {profile} <<'EOF'\n{faulty.read_text()}EOF")
+        done = deploy(lab)
+        assert done.rc != 0
+        assert re.search(rf"\[{re.escape(node.address)}\].*GPU health gate failed", done.output), done.output[-4000:]
+        assert not host.service(unit).is_running
+        # the unit's own gate (ExecStartPre) refuses too
+        assert host.run(f"systemctl start {unit}").rc != 0
+        assert not host.service(unit).is_running
+        for other in lab.nodes[1:]:
+            assert lab.host(other).service(f"vllm@{PIPELINE}").is_running
+    finally:
+        host.check_output(f"mv {profile}.saved {profile}")
+        host.run(f"systemctl reset-failed {unit}")
+

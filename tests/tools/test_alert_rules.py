@@ -1,0 +1,183 @@
+"""gpufleet's Prometheus rules (``templates/monitoring/rules/``, :mod:`gpufleet.alert_rules`) under promtool.
+
+The rules are rendered as a deploy renders them, from a host's configuration (every role's defaults), and must pass
+``promtool check rules``. ``tests/data/alert_rules/`` holds promtool's unit tests as data:
+
+- ``gpu.test.yml``, ``serving.test.yml``, ``node.test.yml``: series that fire each alert within its ``for``, and
+  beside them series just short of it; ``healthy.test.yml``: a busy, healthy fleet that fires nothing;
+- ``annotations.test.yml``: the annotations Alertmanager receives. promtool compares annotations whole, so the other
+  files run against the same rules without their annotations;
+- ``changed.test.yml``: the rules rendered with ``changed.values.yml``, where other series fire;
+- ``variables.yml``: each threshold variable, and the rules whose expression or ``for`` it must change.
+
+Every alert needs a case that fires it and one where it must not fire. promtool comes with Debian's ``prometheus``
+package (scripts/install-lab-deps.sh installs it); without it, these tests fail.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from gpufleet.alert_rules import RULE_FILES, THRESHOLDS, render_rules
+from gpufleet.lab.double_programs.dcgm_exporter import read_counters
+from gpufleet.templates import render
+from tests.conftest import DATA, host_tool
+from tests.unit.test_vllm_role import _config
+
+CASES = DATA / "alert_rules"
+FIRING_FILES = ("gpu.test.yml", "serving.test.yml", "node.test.yml", "healthy.test.yml")
+SEVERITIES = {"critical", "warning"}
+
+
+def _promtool() -> str:
+    return host_tool("promtool", "prometheus")
+
+
+def _rules(texts: dict[str, str]) -> dict[str, dict[str, Any]]:
+    """Every rule of the rendered files by its name (alert or record)."""
+    found: dict[str, dict[str, Any]] = {}
+    for text in texts.values():
+        for group in yaml.safe_load(text)["groups"]:
+            for rule in group["rules"]:
+                name = rule.get("alert") or rule["record"]
+                assert name not in found, f"{name} defined twice"
+                found[name] = rule
+    return found
+
+
+def _alerts(texts: dict[str, str]) -> dict[str, dict[str, Any]]:
+    return {name: rule for name, rule in _rules(texts).items() if "alert" in rule}
+
+
+def _without_annotations(text: str) -> str:
+    doc = yaml.safe_load(text)
+    for group in doc["groups"]:
+        for rule in group["rules"]:
+            rule.pop("annotations", None)
+    return yaml.safe_dump(doc, sort_keys=False)
+
+
+def _promtool_test(tmp_path: Path, texts: dict[str, str], case: str, annotations: bool = False) -> None:
+    """Run ``tests/data/alert_rules/<case>`` with promtool beside the rules (``rule_files`` are relative to it)."""
+    for name, text in texts.items():
+        (tmp_path / name).write_text(text if annotations else _without_annotations(text))
+    shutil.copy(CASES / case, tmp_path / case)
+    done = subprocess.run([_promtool(), "test", "rules", case], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.fixture(scope="module")
+def default_rules() -> dict[str, str]:
+    return render_rules(_config())
+
+
+def _changed_values() -> dict[str, Any]:
+    values: dict[str, Any] = yaml.safe_load((CASES / "changed.values.yml").read_text())
+    return values
+
+
+# --- promtool ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("values", [
+    {},
+    _changed_values(),
+    {"alert_gpu_critical_xids": [9999], "alert_gpu_thermal_throttle_ratio": 1e-9, "alert_kv_cache_usage_max": 0.999999,
+     "alert_ttft_p95_s": 3600, "alert_itl_p95_s": 0.0001, "alert_engine_stall_s": 86400, "alert_serving_for_s": 0,
+     "alert_replica_down_for_s": 0, "alert_unit_restarts_max": 0},
+], ids=["defaults", "changed", "extremes"])
+def test_rules_pass_promtool_check(tmp_path: Path, values: dict[str, Any]) -> None:
+    texts = render_rules(_config(**values))
+    assert sorted(texts) == sorted(RULE_FILES)
+    for name, text in texts.items():
+        (tmp_path / name).write_text(text)
+    done = subprocess.run([_promtool(), "check", "rules", *RULE_FILES], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("case", FIRING_FILES)
+def test_promtool_cases(tmp_path: Path, default_rules: dict[str, str], case: str) -> None:
+    _promtool_test(tmp_path, default_rules, case)
+
+
+def test_annotations_as_alertmanager_gets_them(tmp_path: Path, default_rules: dict[str, str]) -> None:
+    _promtool_test(tmp_path, default_rules, "annotations.test.yml", annotations=True)
+
+
+def test_changed_thresholds_change_what_fires(tmp_path: Path) -> None:
+    _promtool_test(tmp_path, render_rules(_config(**_changed_values())), "changed.test.yml")
+
+
+# --- what the cases cover ---------------------------------------------------------------------------------------
+
+def _alert_cases() -> tuple[set[str], set[str]]:
+    """Alerts some case expects to fire, and alerts some case expects not to fire (default thresholds)."""
+    firing: set[str] = set()
+    quiet: set[str] = set()
+    for case in FIRING_FILES:
+        for group in yaml.safe_load((CASES / case).read_text())["tests"]:
+            for check in group.get("alert_rule_test", []):
+                (firing if check.get("exp_alerts") else quiet).add(check["alertname"])
+    return firing, quiet
+
+
+def test_every_alert_has_a_case_that_fires_it_and_one_that_must_not(default_rules: dict[str, str]) -> None:
+    alerts = set(_alerts(default_rules))
+    firing, quiet = _alert_cases()
+    assert sorted(alerts - firing) == [], "alerts no case fires"
+    assert sorted(alerts - quiet) == [], "alerts no case expects to stay quiet"
+    assert sorted((firing | quiet) - alerts) == [], "cases of alerts the rules do not define"
+
+
+def test_each_threshold_reaches_its_rules_and_no_other(default_rules: dict[str, str]) -> None:
+    cases: dict[str, dict[str, Any]] = yaml.safe_load((CASES / "variables.yml").read_text())
+    assert sorted(cases) == sorted(THRESHOLDS)
+    before = _rules(default_rules)
+    for variable, case in cases.items():
+        after = _rules(render_rules(_config(**{variable: case["value"]})))
+        changed = {name for name, rule in after.items()
+                   if (rule["expr"], rule.get("for")) != (before[name]["expr"], before[name].get("for"))}
+        assert sorted(changed) == sorted(case["rules"]), variable
+
+
+# --- what every rule carries ------------------------------------------------------------------------------------
+
+def test_every_alert_has_a_severity_a_summary_and_a_description(default_rules: dict[str, str]) -> None:
+    for name, rule in _alerts(default_rules).items():
+        assert rule["labels"]["severity"] in SEVERITIES, name
+        assert set(rule["annotations"]) == {"summary", "description"}, name
+        assert all(text.strip() for text in rule["annotations"].values()), name
+        assert len(rule["annotations"]["summary"]) < len(rule["annotations"]["description"]), name
+
+
+def test_every_recording_rule_is_explained_by_a_comment(default_rules: dict[str, str]) -> None:
+    for name, text in default_rules.items():
+        lines = text.splitlines()
+        for i, line in enumerate(lines):
+            if line.lstrip().startswith("- record:"):
+                assert lines[i - 1].lstrip().startswith("#"), f"{name}: {line.strip()} has no comment above it"
+
+
+def test_rule_files_name_the_plan_facts_they_read(default_rules: dict[str, str]) -> None:
+    read = set(re.findall(r"gpufleet:\w+", "".join(str(rule["expr"]) for rule in _rules(default_rules).values())))
+    assert read == {"gpufleet:node_gpus_expected", "gpufleet:model_replicas_min", "gpufleet:replica_ranks_expected"}
+    for text in default_rules.values():
+        header = text.split("\ngroups:", 1)[0]
+        assert all(fact + "{" in header for fact in read)
+
+
+def test_the_dcgm_fields_the_rules_read_are_turned_on(default_rules: dict[str, str], tmp_path: Path) -> None:
+    """Every DCGM field an alert reads is in gpufleet's counters file (templates/dcgm_exporter/counters.csv.j2)."""
+    counters = tmp_path / "counters.csv"
+    counters.write_text(render("dcgm_exporter/counters.csv.j2", nvlink=True))
+    exported = {field for field, _, _ in read_counters(str(counters))}
+    read = set(re.findall(r"\bDCGM_\w+", "".join(str(rule["expr"]) for rule in _rules(default_rules).values())))
+    assert read and sorted(read - exported) == []

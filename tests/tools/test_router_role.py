@@ -1,0 +1,202 @@
+"""The router role's HAProxy configuration, run by a real HAProxy (Debian's) in front of loopback replicas.
+
+The configuration is the one the role renders from a plan (two served models, one of them under a hostile name,
+three replicas); the replicas are small HTTP servers on 127.0.0.1 that answer like vLLM (``/health``,
+``POST /v1/completions``) and can be told to answer 503, to drop the connection unanswered, or to stop.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+import roles.router as router_role
+from gpufleet.node import router_admin
+from tests.conftest import host_tool
+from tests.loopback_http import QuietHandler, loopback_server
+from tests.unit.test_vllm_role import _config
+
+HOSTILE = "tiny llama $HOME 100% 'q' \"x\""
+PLAIN = "meta-llama/Llama-3.1-8B"
+KEY = "router-test-key"
+
+
+class FakeReplica:
+    """A replica that answers like vLLM; ``mode``: ok, 503 (busy), drop (closes without an answer)."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.mode, self.posts = name, "ok", 0
+        self.lock = threading.Lock()
+
+    def handler(self) -> type[BaseHTTPRequestHandler]:
+        replica = self
+
+        class Handler(QuietHandler):
+            protocol_version = "HTTP/1.1"
+
+            def _answer(self, status: int, body: dict[str, Any]) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:
+                self._answer(200, {})
+
+            def do_POST(self) -> None:
+                request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with replica.lock:
+                    replica.posts += 1
+                if replica.mode == "503":
+                    self._answer(503, {"error": "busy"})
+                elif replica.mode == "drop":
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                else:
+                    self._answer(200, {"replica": replica.name, "model": request.get("model")})
+
+        return Handler
+
+
+@dataclass
+class Router:
+    url: str
+    metrics: str
+    socket: Path
+    replicas: dict[str, FakeReplica]
+    stops: dict[str, ExitStack]
+
+    def post(self, model: str, size: int = 0) -> tuple[int, dict[str, Any]]:
+        body = json.dumps({"model": model, "prompt": "x" * size, "max_tokens": 1}).encode()
+        request = urllib.request.Request(f"{self.url}/v1/completions", data=body, method="POST",
+                                         headers={"Content-Type": "application/json"})
+        return _open(request)
+
+    def models(self, key: str | None) -> tuple[int, dict[str, Any]]:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return _open(urllib.request.Request(f"{self.url}/v1/models", headers=headers))
+
+    def status(self) -> dict[str, str]:
+        return {s.server: s.status for s in router_admin.Runtime(str(self.socket)).servers()}
+
+
+def _open(request: urllib.request.Request) -> tuple[int, dict[str, Any]]:
+    try:
+        with urllib.request.urlopen(request, timeout=20) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        text = error.read()
+        return error.code, json.loads(text) if text.startswith(b"{") else {}
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _wait(condition: Any, what: str, timeout: float = 15) -> None:
+    end = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > end:
+            pytest.fail(f"not within {timeout} s: {what}")
+        time.sleep(0.1)
+
+
+@pytest.fixture
+def router(tmp_path: Path) -> Iterator[Router]:
+    """HAProxy with the role's configuration for two models: HOSTILE on two replicas, PLAIN (API key) on one."""
+    haproxy = host_tool("haproxy", "haproxy")
+    names = ("pool_a-0", "pool_b-0", "plain-0")
+    replicas = {name: FakeReplica(name) for name in names}
+    stops = {name: ExitStack() for name in names}
+    ports = {name: int(stops[name].enter_context(loopback_server(replicas[name].handler())).rsplit(":", 1)[1])
+             for name in names}
+    hostile, plain = _config(vllm_served_model_name=HOSTILE), _config(vllm_served_model_name=PLAIN)
+    plan = [SimpleNamespace(name=name, port=ports[name], roles=[SimpleNamespace(host=name, address="127.0.0.1")])
+            for name in names]
+    configs = {"pool_a-0": hostile, "pool_b-0": hostile, "plain-0": plain}
+    cfg = _config(router_port=_free_port(), router_metrics_port=_free_port(), router_check_interval_s=1,
+                  router_check_fall=1, router_check_rise=1, router_max_request_bytes=16384)
+    values = router_role.config_values(
+        cfg, "127.0.0.1", router_role.backends(plan, configs),  # type: ignore[arg-type]
+        router_role.model_lists({None: [HOSTILE], router_role.key_sha256(KEY): [PLAIN]}), [])
+    values["admin_socket"] = str(tmp_path / "admin.sock")
+    (tmp_path / "haproxy.cfg").write_text(router_role.render(values))
+    checked = subprocess.run([haproxy, "-c", "-f", str(tmp_path / "haproxy.cfg")], capture_output=True, text=True)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    with (tmp_path / "haproxy.log").open("w") as log:
+        proc = subprocess.Popen([haproxy, "-db", "-f", str(tmp_path / "haproxy.cfg")], stdout=log,
+                                stderr=subprocess.STDOUT)
+    started = Router(f"http://127.0.0.1:{cfg.router_port}", f"http://127.0.0.1:{cfg.router_metrics_port}/metrics",
+                     tmp_path / "admin.sock", replicas, stops)
+    try:
+        _wait(lambda: started.socket.exists() and set(started.status().values()) == {"UP"}, "every replica UP")
+        yield started
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        for stack in stops.values():
+            stack.close()
+
+
+def test_a_request_goes_to_its_models_replicas_whatever_the_name(router: Router) -> None:
+    answered = {router.post(HOSTILE)[1]["replica"] for _ in range(6)}
+    assert answered == {"pool_a-0", "pool_b-0"}
+    assert router.post(HOSTILE)[1]["model"] == HOSTILE  # passed through untouched
+    assert router.post(PLAIN) == (200, {"replica": "plain-0", "model": PLAIN})
+    status, body = router.post("tiny llama")  # a prefix of a served name is another model
+    assert status == 404 and body["error"]["code"] == 404
+    assert router.post(HOSTILE, size=20000)[0] == 413  # over router_max_request_bytes
+
+
+def test_the_model_list_shows_what_the_key_opens(router: Router) -> None:
+    def ids(key: str | None) -> list[str]:
+        status, body = router.models(key)
+        assert status == 200, body
+        return [entry["id"] for entry in body["data"]]
+
+    assert ids(KEY) == sorted([HOSTILE, PLAIN])
+    assert ids(None) == [HOSTILE] == ids("another key")
+
+
+def test_a_replica_answering_503_or_nothing_costs_no_request(router: Router) -> None:
+    for mode in ("503", "drop"):
+        router.replicas["pool_a-0"].mode = mode
+        before = router.replicas["pool_a-0"].posts
+        answers = [router.post(HOSTILE) for _ in range(8)]
+        assert {status for status, _ in answers} == {200}, (mode, answers)
+        assert {body["replica"] for _, body in answers} == {"pool_b-0"}
+        assert router.replicas["pool_a-0"].posts > before, f"{mode}: the failing replica was never tried"
+        router.replicas["pool_a-0"].mode = "ok"
+
+
+def test_a_stopped_replica_is_taken_out_and_put_back(router: Router) -> None:
+    router.stops["pool_b-0"].close()  # its port refuses connections now
+    assert {router.post(HOSTILE)[0] for _ in range(6)} == {200}  # retried at once, before the check notices
+    _wait(lambda: router.status()["pool_b-0"] == "DOWN", "pool_b-0 DOWN")
+    assert router.status()["pool_a-0"] == "UP"
+
+
+def test_the_metrics_endpoint_speaks_prometheus(router: Router) -> None:
+    router.post(HOSTILE)
+    with urllib.request.urlopen(router.metrics, timeout=10) as response:
+        text = response.read().decode()
+    assert 'haproxy_backend_http_responses_total{proxy="model-meta-llama_Llama-3.1-8B",code="2xx"}' in text
+    assert 'haproxy_server_status{proxy="model-tiny_llama__HOME_100___q___x_",server="pool_a-0",state="UP"} 1' in text

@@ -1,0 +1,144 @@
+"""The lab's pure parts, without root or a running lab: addresses, profiles, state, cache key, CLI errors."""
+
+from __future__ import annotations
+
+import ipaddress
+import runpy
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from gpufleet.cli_lab import lab_group
+from gpufleet.lab import network, nodes, preflight, rootfs, tiny_model
+from gpufleet.lab.errors import LabError
+from gpufleet.lab.state import CACHE_DIR_ENV, LabState, NodeRecord, ProcessRecord, load_state, save_state
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_addresses_start_at_dot_11_after_the_bridge() -> None:
+    net = network.parse_subnet("10.213.0.0/24")
+    assert str(network.bridge_address(net)) == "10.213.0.1"
+    assert [str(a) for a in network.node_addresses(net, 3)] == ["10.213.0.11", "10.213.0.12", "10.213.0.13"]
+
+
+@pytest.mark.parametrize(
+    ("cidr", "count", "message"),
+    [
+        ("10.213.0.0/29", 1, "holds 0 lab nodes"),
+        ("10.213.0.1/24", 1, "is not an IPv4 network"),
+        ("8.8.8.0/24", 1, "not a private range"),
+        ("10.213.0.0/24", 245, "holds 244 lab nodes"),
+    ],
+)
+def test_bad_subnets_say_why(cidr: str, count: int, message: str) -> None:
+    with pytest.raises(LabError, match=message):
+        network.node_addresses(network.parse_subnet(cidr), count)
+
+
+def test_node_network_config_has_an_address_and_no_gateway() -> None:
+    net = ipaddress.IPv4Network("10.213.0.0/24")
+    text = network.networkd_config(ipaddress.IPv4Address("10.213.0.12"), net)
+    assert "Name=host0" in text and "Address=10.213.0.12/24" in text
+    assert "Gateway" not in text and "IPv6AcceptRA=no" in text
+
+
+def test_profiles_one_for_all_or_one_each() -> None:
+    assert nodes.resolve_profiles(3, None) == ["8xH100-SXM"] * 3
+    assert nodes.resolve_profiles(2, ["8xL40S-PCIe"]) == ["8xL40S-PCIe"] * 2
+    assert nodes.resolve_profiles(2, ["8xH100-SXM", "2xRTX4090"]) == ["8xH100-SXM", "2xRTX4090"]
+    with pytest.raises(LabError, match="one per node"):
+        nodes.resolve_profiles(3, ["8xH100-SXM", "2xRTX4090"])
+    with pytest.raises(LabError, match="unknown GPU"):
+        nodes.resolve_profiles(1, ["8xB999-SXM"])
+
+
+def test_bridge_names_must_be_interface_names() -> None:
+    assert network.check_bridge_name("gflab0") == "gflab0"
+    for bad in ("", "0lab", "a-name-too-long-x", "br 0"):
+        with pytest.raises(LabError):
+            network.check_bridge_name(bad)
+
+
+def test_cache_key_follows_the_package_list() -> None:
+    base = rootfs.cache_key()
+    assert rootfs.cache_key(tuple(reversed(rootfs.BASE_PACKAGES))) == base
+    assert rootfs.cache_key((*rootfs.BASE_PACKAGES, "less")) != base
+
+
+def _state(tmp_path: Path) -> LabState:
+    return LabState(
+        subnet="10.213.0.0/24", bridge="gflab0", bridge_address="10.213.0.1",
+        ssh_key=str(tmp_path / "ssh" / "id_ed25519"), known_hosts=str(tmp_path / "ssh" / "known_hosts"),
+        ssh_config=str(tmp_path / "ssh" / "config"), base_rootfs="/var/cache/gpufleet-lab/bookworm-x",
+        nodes=[
+            NodeRecord("lab1", "gflab0-lab1", "10.213.0.11", "8xH100-SXM", "/n/lab1", "/n/lab1/root", True,
+                       ProcessRecord(100, 5)),
+            NodeRecord("lab2", "gflab0-lab2", "10.213.0.12", "2xRTX4090", "/n/lab2", "/n/lab2/root"),
+        ],
+    )
+
+
+def test_state_survives_a_round_trip(tmp_path: Path) -> None:
+    state = _state(tmp_path)
+    save_state(state, tmp_path)
+    assert load_state(tmp_path) == state
+    assert load_state(tmp_path / "elsewhere") is None
+
+
+def test_lab_inventory_lists_the_running_nodes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    save_state(_state(tmp_path), tmp_path)
+    monkeypatch.setenv("GPUFLEET_LAB_DIR", str(tmp_path))
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "cache"))  # not this machine's lab cache (its key needs gpg)
+    tiny_model.make_tiny_model(tmp_path / "cache" / "models" / "tiny-llama")  # the model the inventory names
+    inventory = runpy.run_path(str(ROOT / "inventories" / "lab.py"))
+    everyone, group_data = inventory["lab"]
+    assert everyone == ["10.213.0.11", "10.213.0.12"]
+    hosts, _ = inventory["lab_single"]  # two nodes: no pipeline pair
+    assert [h for h, _ in hosts] == ["10.213.0.11", "10.213.0.12"] and "lab_pipeline" not in inventory
+    data = dict(hosts[1][1])
+    assert data["ssh_user"] == "root" and data["ssh_key"].endswith("id_ed25519")
+    assert data["ssh_known_hosts_file"].endswith("known_hosts") and data["gpu_profile"] == "2xRTX4090"
+    assert group_data["fleet_interface"] == "host0"  # from group_vars/lab.yml
+
+
+def test_lab_inventory_without_a_lab_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GPUFLEET_LAB_DIR", str(tmp_path))
+    with pytest.raises(SystemExit, match="no lab is up"):
+        runpy.run_path(str(ROOT / "inventories" / "lab.py"))
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["up", "--profile", "8xFOO"], "unknown GPU 'FOO'"),
+        (["up", "--nodes", "2", "--profile", "8xH100-SXM", "--profile", "8xH100-SXM", "--profile", "2xRTX4090"],
+         "one per node"),
+        (["up", "--bridge", "not a name"], "not an interface name"),
+    ],
+)
+def test_cli_errors_are_one_line_without_traceback(
+    args: list[str], message: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(preflight, "problems", list)
+    result = CliRunner().invoke(lab_group, args)
+    assert result.exit_code == 1
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and lines[0].startswith("gpufleet lab: ")
+    assert "Traceback" not in result.output
+
+
+def test_cli_refuses_to_run_without_root(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("os.geteuid", lambda: 1000)
+    result = CliRunner().invoke(lab_group, ["up"])
+    assert result.exit_code == 1
+    assert result.output.strip() == (
+        "gpufleet lab: the lab needs root (it mounts, creates a bridge and boots containers); run it as root"
+    )
+
+
+def test_cli_status_without_a_lab(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GPUFLEET_LAB_DIR", str(tmp_path))
+    result = CliRunner().invoke(lab_group, ["status", "--json"])
+    assert result.exit_code == 0 and result.output.strip() == "null"

@@ -1,0 +1,145 @@
+"""``gpufleet plan --observed``: each replica's plan beside the KV cache vLLM reported at its last start, read from
+the ``observed.json`` the readiness wait left on its first node (gpufleet/kv_observed.py), over a stand-in for the
+connections (one ``head`` per node, as on a node)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Collection, Sequence
+
+import pytest
+from click.testing import CliRunner, Result
+
+from gpufleet.cli import main
+from gpufleet.kv_observed import observed_line
+from gpufleet.node_paths import observed_file
+from gpufleet.rollout import remote as remote_module
+from gpufleet.rollout.remote import RemoteResult, command_line
+from tests.conftest import DATA
+
+FLEET = str(DATA / "plans" / "a_single_node_70b" / "inventory.py")
+A01, A02 = "gpu-a01.dc1.example.net", "gpu-a02.dc1.example.net"
+
+
+class _Nodes:
+    """Files on the nodes, by node and path; a node in ``unreachable`` cannot be connected to."""
+
+    def __init__(self, files: dict[str, dict[str, str]], unreachable: Collection[str] = ()) -> None:
+        self.files, self.unreachable = files, set(unreachable)
+        self.commands: list[tuple[str, list[str]]] = []
+        self.closed = False
+
+    def run(self, host: str, words: Sequence[str], *, timeout_s: float,
+            ok_status: Collection[int] = (0,)) -> RemoteResult:
+        command_line(words)  # every word plain
+        self.commands.append((host, list(words)))
+        if host in self.unreachable:
+            return RemoteResult(False, "", f"{host}: cannot connect: timed out")
+        assert list(words[:3]) == ["env", "LC_ALL=C", "head"], words
+        out, err = [], []
+        for path in words[words.index("--") + 1:]:
+            if path in self.files.get(host, {}):
+                out += [f"==> {path} <==", self.files[host][path], ""]
+            else:
+                err.append(f"head: cannot open '{path}' for reading: No such file or directory")
+        return RemoteResult((1 if err else 0) in ok_status, "\n".join(out), "\n".join(err))
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _plan(monkeypatch: pytest.MonkeyPatch, nodes: _Nodes | None, *args: str) -> Result:
+    def connect(inventory: object) -> _Nodes:
+        assert nodes is not None, "connected to a node"
+        return nodes
+
+    monkeypatch.setattr(remote_module, "PyinfraRemote", connect)
+    return CliRunner().invoke(main, ["plan", FLEET, *args], catch_exceptions=False)
+
+
+def _planned() -> dict[str, int]:
+    done = CliRunner().invoke(main, ["plan", FLEET, "--json"], catch_exceptions=False)
+    return {r["name"]: r["kv_tokens_per_gpu"] for r in json.loads(done.stdout)}
+
+
+def _doc(tokens: int | None, planned: int) -> str:
+    """An observed.json as vllm_ready.py writes it."""
+    return json.dumps({"kv_cache_tokens": tokens, "block_size": 16,
+                       "num_blocks": None if tokens is None else tokens // 16,
+                       "max_concurrency": None if tokens is None else round(tokens / 32768, 2),
+                       "max_model_len": 32768, "planned_kv_cache_tokens": planned,
+                       "ratio": None if tokens is None else round(tokens / planned, 4), "tolerance": 0.05,
+                       "source": "vllm:cache_config_info", "vllm_version": "0.33.0", "time": "2026-11-23T05:10:41Z"},
+                      indent=2) + "\n"
+
+
+@pytest.fixture
+def nodes() -> _Nodes:
+    """On gpu-a01 both replicas started: one as planned, one with 10% fewer tokens; on gpu-a02 neither has yet."""
+    planned = _planned()
+    a0, a1 = "llama_70b-gpu-a01-0", "llama_70b-gpu-a01-1"
+    return _Nodes({A01: {observed_file(a0): _doc(planned[a0], planned[a0]),
+                         observed_file(a1): _doc(planned[a1] * 9 // 10, planned[a1])}})
+
+
+def test_json_shows_each_replicas_observation_beside_its_plan(monkeypatch: pytest.MonkeyPatch, nodes: _Nodes) -> None:
+    done = _plan(monkeypatch, nodes, "--json", "--observed")
+    assert done.exit_code == 0, done.stderr
+    replicas = {r["name"]: r for r in json.loads(done.stdout)}
+    first = replicas["llama_70b-gpu-a01-0"]
+    assert first["observed"] == json.loads(nodes.files[A01][observed_file("llama_70b-gpu-a01-0")])
+    assert first["observed"]["kv_cache_tokens"] == first["kv_tokens_per_gpu"]
+    assert replicas["llama_70b-gpu-a01-1"]["observed"]["ratio"] == 0.9
+    assert {name for name, r in replicas.items() if r["observed"] is None} == {
+        name for name in replicas if "gpu-a01" not in name}
+    # one command per first node, reading all of its replicas' files; every connection closed
+    assert sorted(host for host, _ in nodes.commands) == sorted({r["nodes"][0] for r in replicas.values()})
+    assert nodes.closed
+
+
+def test_the_table_shows_planned_and_reported_tokens(monkeypatch: pytest.MonkeyPatch, nodes: _Nodes) -> None:
+    done = _plan(monkeypatch, nodes, "--observed")
+    assert done.exit_code == 0, done.stderr
+    planned = _planned()["llama_70b-gpu-a01-1"]
+    seqs = round(planned * 9 // 10 / 32768, 2)  # the sequences at max length vLLM reported (_doc)
+    for text in ("KV tokens", f"{planned:,}", f"vLLM {planned * 9 // 10:,}", "ratio 1.000", "ratio 0.900",
+                 "> 5% off", "recorded", f"vLLM {seqs:,.1f}", "llama_70b-gpu-a01-1"):
+        assert text in done.stdout, text
+
+
+def test_a_node_that_cannot_be_read_is_named_and_the_rest_shown(monkeypatch: pytest.MonkeyPatch,
+                                                                nodes: _Nodes) -> None:
+    nodes.unreachable.add(A01)
+    done = _plan(monkeypatch, nodes, "--json", "--observed")
+    assert done.exit_code == 1
+    assert all(r["observed"] is None for r in json.loads(done.stdout))
+    assert done.stderr.splitlines() == [
+        f"gpufleet plan: node {A01}: cannot read the KV cache vLLM reported: {A01}: cannot connect: timed out"]
+
+
+def test_a_file_that_is_not_an_observation_is_named(monkeypatch: pytest.MonkeyPatch, nodes: _Nodes) -> None:
+    path = observed_file("llama_70b-gpu-a02-0")
+    nodes.files[A02] = {path: '{"kv_cache_tokens": "many"}'}
+    done = _plan(monkeypatch, nodes, "--json", "--observed")
+    assert done.exit_code == 1
+    assert done.stderr.splitlines() == [
+        f"gpufleet plan: node {A02}: {path}: observed.json holds kv_cache_tokens 'many'"]
+
+
+def test_without_observed_no_node_is_contacted(monkeypatch: pytest.MonkeyPatch) -> None:
+    done = _plan(monkeypatch, None, "--json")
+    assert done.exit_code == 0 and all("observed" not in r for r in json.loads(done.stdout))
+
+
+@pytest.mark.parametrize(("text", "off", "line"), [
+    (None, False, "KV cache planned 1,000 tokens; vLLM's figure is not recorded yet (observed.json is written when"
+                  " the replica starts)"),
+    ('{"kv_cache_tokens": 1049}', False, "KV cache planned 1,000 tokens, vLLM reports 1,049 (ratio 1.049)"),
+    ('{"kv_cache_tokens": 1051}', True, "KV cache planned 1,000 tokens, vLLM reports 1,051 (ratio 1.051): more than"
+                                        " 5% off the plan (vllm_plan_tolerance)"),
+    ('{"kv_cache_tokens": null}', False, "KV cache planned 1,000 tokens, vLLM reported no figure"),
+    ('[1]', True, "KV cache planned 1,000 tokens; observed.json is not a JSON object: '[1]'"),
+    ('{"kv_cache_tokens": true}', True, "KV cache planned 1,000 tokens; observed.json holds kv_cache_tokens True"),
+])
+def test_the_deploys_line(text: str | None, off: bool, line: str) -> None:
+    assert observed_line(1000, text, 0.05) == (off, line)

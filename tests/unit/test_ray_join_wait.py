@@ -1,0 +1,109 @@
+"""ray_join_wait.py, the vLLM unit's wait on a Ray head until every node of the replica has joined.
+
+``tests/data/ray_join_wait/<case>.json``: ``nodes`` and ``timeout`` (the tool's arguments), ``answers`` (what
+``ray status`` prints at each poll, a list of lines, or null when it fails; the last one repeats), and what must
+come of it: the ``exit`` status, how many ``polls``, and the ``log`` lines (after the tool's prefix). Time is a
+fake clock that each sleep moves on. The command line itself runs once against a stand-in ``ray`` program.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpufleet.node import ray_join_wait
+from tests.conftest import DATA, ROOT
+
+CASES = sorted((DATA / "ray_join_wait").glob("*.json"))
+TOOL = ROOT / "gpufleet" / "node" / "ray_join_wait.py"
+ADDRESS = "10.0.0.5:6379"
+
+
+class FakeRay:
+    """``ray status`` answering from a case, on a clock that only sleeping moves."""
+
+    def __init__(self, answers: list[list[str] | None]) -> None:
+        self.answers = answers
+        self.now = 0.0
+        self.calls: list[tuple[str, str]] = []
+
+    def count(self, ray: str, address: str) -> int | None:
+        self.calls.append((ray, address))
+        answer = self.answers[min(len(self.calls), len(self.answers)) - 1]
+        return None if answer is None else ray_join_wait.count_alive("\n".join(answer))
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.mark.parametrize("path", CASES, ids=[p.stem for p in CASES])
+def test_case(path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    case: dict[str, Any] = json.loads(path.read_text())
+    ray = FakeRay(case["answers"])
+    argv = ["--ray", "/etc/gpufleet/vllm/r/venv/bin/ray", "--address", ADDRESS, "--nodes", str(case["nodes"]),
+            "--timeout", str(case["timeout"])]
+    assert ray_join_wait.main(argv, count=ray.count, clock=lambda: ray.now, sleep=ray.sleep) == case["exit"]
+    assert len(ray.calls) == case["polls"]
+    assert set(ray.calls) == {("/etc/gpufleet/vllm/r/venv/bin/ray", ADDRESS)}
+    prefix = f"ray_join_wait: Ray at {ADDRESS}: "
+    logged = capsys.readouterr().err.splitlines()
+    assert all(line.startswith(prefix) for line in logged), logged
+    assert [line.removeprefix(prefix) for line in logged] == case["log"]
+
+
+@pytest.mark.parametrize(("lines", "alive"), [
+    (["Active:", " 1 node_a", "Idle:", " 2 node_b", "Pending:", " 1 node_c", "Recent failures:", " 1 node_d"], 3),
+    (["Pending:", " 1 node_c", "Active:", " (no active nodes)", "Idle:", " 1 node_b"], 1),
+    (["Active:", " 1 node_a launching", " node_b", " 1 worker_type", " x node_c"], 0),
+])
+def test_only_count_node_lines_of_the_node_sections_count(lines: list[str], alive: int) -> None:
+    assert ray_join_wait.count_alive("\n".join(lines)) == alive
+
+
+def test_there_are_cases_for_success_and_for_failure() -> None:
+    exits = {json.loads(path.read_text())["exit"] for path in CASES}
+    assert exits == {0, 1}
+
+
+def _stand_in_ray(tmp_path: Path, nodes_alive: int) -> Path:
+    """A ``ray`` program that records its argv and whether it got the token, and prints a status."""
+    program = tmp_path / "ray"
+    listing = "\\n".join(f" 1 node_{i:032x}" for i in range(nodes_alive))
+    program.write_text(
+        f"#!{sys.executable}\n"
+        "import json, os, sys\n"
+        f"open({str(tmp_path / 'seen.json')!r}, 'w').write(json.dumps({{'argv': sys.argv[1:],"
+        " 'token': os.environ.get('RAY_AUTH_TOKEN'), 'mode': os.environ.get('RAY_AUTH_MODE')}))\n"
+        f"print('Node status\\nActive:\\n{listing}\\nPending:\\n (no pending nodes)')\n")
+    program.chmod(0o755)
+    return program
+
+
+@pytest.mark.parametrize(("alive", "exit_status"), [(2, 0), (1, 1)])
+def test_the_command_line_asks_ray_status_with_the_token_from_the_environment(tmp_path: Path, alive: int,
+                                                                           exit_status: int) -> None:
+    ray = _stand_in_ray(tmp_path, alive)
+    env = {"PATH": os.environ["PATH"], "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "t0ken-of-the-cluster"}
+    argv = [sys.executable, str(TOOL), "--ray", str(ray), "--address", "[fd00::5]:6379", "--nodes", "2",
+            "--timeout", "0"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == exit_status, done.stderr
+    seen = json.loads((tmp_path / "seen.json").read_text())
+    assert seen == {"argv": ["status", "--address=[fd00::5]:6379"], "token": "t0ken-of-the-cluster",
+                    "mode": "token"}
+    assert "t0ken" not in " ".join(argv) + done.stderr
+    assert f"{alive} of 2 nodes joined" in done.stderr
+
+
+def test_a_ray_status_that_fails_or_is_missing_is_no_answer(tmp_path: Path) -> None:
+    failing = tmp_path / "ray"
+    failing.write_text("#!/bin/sh\necho 'Active:\n 1 node_x\nPending:'\nexit 1\n")
+    failing.chmod(0o755)
+    assert ray_join_wait.ray_status(str(failing), ADDRESS) is None
+    assert ray_join_wait.ray_status(str(tmp_path / "absent"), ADDRESS) is None

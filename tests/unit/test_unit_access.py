@@ -1,0 +1,89 @@
+"""Who may connect to gpufleet's units (gpufleet.deploy.access), without a node.
+
+The allow lists are computed from the config and the plan's addresses; every unit template, rendered as the
+roles render it, filters by IP. How exposed each unit is, rated by ``systemd-analyze security --offline`` on this
+machine (``bench/unit_security.py --offline``; without ``--offline`` it rates the lab's deployed units):
+tests/tools/test_unit_access.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+from pyinfra.api import Inventory
+
+from gpufleet.config.layers import HostLayers, Layer, role_default_layers
+from gpufleet.config.problems import ConfigError
+from gpufleet.config.schema import HostConfig
+from gpufleet.config.validate import validate_host
+from gpufleet.deploy import access
+from tests.conftest import ROOT
+
+
+def _cfg(**values: object) -> HostConfig:
+    """A host's config from every role's defaults, a model, and ``values``; fails on any problem."""
+    layers, problems = role_default_layers()
+    assert problems == []
+    config, found = validate_host(
+        HostLayers("10.0.0.5", [*layers, Layer("test", {"vllm_model": "org/model", **values})]), "test")
+    assert found == [] and config is not None, [p.line() for p in found]
+    return config
+
+
+def test_exporters_admit_the_node_and_the_monitoring_hosts() -> None:
+    cfg = _cfg(monitoring_addresses=["10.9.0.0/24", "10.9.0.7"])
+    assert access.exporter_sources(cfg, "10.0.0.5", ["10.8.0.2"]) == [
+        "10.0.0.5/32", "10.8.0.2/32", "10.9.0.0/24", "10.9.0.7/32"]
+    assert access.exporter_sources(_cfg(), "10.0.0.5") == ["10.0.0.5/32"]  # no monitoring: the node alone
+
+
+def test_ray_admits_its_replicas_nodes_and_the_monitoring_hosts_only() -> None:
+    cfg = _cfg(monitoring_addresses=["10.9.0.1"], vllm_api_allowed_from=["0.0.0.0/0"])
+    assert access.ray_sources(cfg, ["10.0.0.6", "10.0.0.5"]) == ["10.0.0.5/32", "10.0.0.6/32", "10.9.0.1/32"]
+
+
+def test_vllm_is_open_until_allowed_from_is_set() -> None:
+    assert access.vllm_sources(_cfg(), "10.0.0.5", ["10.0.0.5", "10.0.0.6"]) is None
+    cfg = _cfg(monitoring_addresses=["10.9.0.1"], vllm_api_allowed_from=["192.168.7.0/24", "fd00::/64"])
+    assert access.vllm_sources(cfg, "10.0.0.5", ["10.0.0.5", "10.0.0.6"]) == [
+        "10.0.0.5/32", "10.0.0.6/32", "10.9.0.1/32", "192.168.7.0/24", "fd00::/64"]
+
+
+def test_unit_lines_deny_everything_else() -> None:
+    assert access.unit_lines(None) == ""
+    lines = [line for line in access.unit_lines(["10.0.0.5/32"]).splitlines() if not line.startswith("#")]
+    assert lines == ["IPAddressDeny=any", "IPAddressAllow=localhost 10.0.0.5/32"]
+
+
+def test_a_host_name_cannot_be_filtered_on() -> None:
+    with pytest.raises(ConfigError) as raised:
+        access.exporter_sources(_cfg(), "gpu-a01.dc1.example.net")
+    assert "give the node a fleet_address" in raised.value.problems[0].line()
+
+
+def test_the_monitoring_group_is_read_from_the_inventory() -> None:
+    hosts = [("prom1", {"fleet_address": "10.9.0.3"}), ("10.9.0.4", {}), ("10.0.0.5", {})]
+    inventory = Inventory((hosts, {}), monitoring=(hosts[:2], {}), pool=(hosts[2:], {}))
+    assert access.group_addresses(inventory) == ["10.9.0.3", "10.9.0.4"]
+    assert access.group_addresses(Inventory((hosts[2:], {}), pool=(hosts[2:], {}))) == []
+    with pytest.raises(ConfigError):
+        access.group_addresses(Inventory(([("prom.example.net", {})], {}), monitoring=(["prom.example.net"], {})))
+
+
+# --- every unit gpufleet writes, as bench/unit_security.py renders it ----------------------------------------
+
+_SPEC = importlib.util.spec_from_file_location("bench_unit_security", ROOT / "bench" / "unit_security.py")
+assert _SPEC is not None and _SPEC.loader is not None
+bench = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(bench)
+
+
+def test_every_unit_gpufleet_writes_is_rendered_with_an_ip_filter() -> None:
+    units = bench.rendered_units()
+    names = {Path(path).name for path in units}
+    assert {"vllm@pool-0.service", "gpufleet-ray-head-0.service", "gpufleet-ray-worker-0.service",
+            "node_exporter.service", "gpufleet.conf", "dcgm-exporter.service", "gpufleet-alert-log.service"} <= names
+    for path, text in units.items():
+        assert "IPAddressDeny=any" in text.splitlines(), path

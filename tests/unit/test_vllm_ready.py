@@ -1,0 +1,164 @@
+"""The readiness wait (gpufleet/node/vllm_ready.py) as the deploy runs it on a node: against a small HTTP stand-in
+for vLLM, a stand-in ``systemctl`` whose answers are each case's data (one ``systemctl show`` answer per look,
+the last one repeated) and a stand-in ``journalctl`` that prints the unit's journal from tests/data/vllm_ready/.
+Once ready, it records what vLLM reports of its KV cache: the stand-in's ``/metrics`` is a file of
+tests/data/vllm_ready/ (``*.metrics``, as vLLM's CPU build 0.31 answers on the lab)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import DATA
+from tests.loopback_http import QuietHandler, loopback_server
+
+TOOL = Path(__file__).resolve().parents[2] / "gpufleet" / "node" / "vllm_ready.py"
+UNIT = "vllm@pool-0.service"
+
+JOURNALS = DATA / "vllm_ready"
+# (replica serves, the unit as systemctl shows it at each look, exit, what the verdict says[, the unit's journal])
+CASES: dict[str, tuple[bool, list[str], int, str] | tuple[bool, list[str], int, str, str]] = {
+    "serving_is_ready": (True, ["ActiveState=active\nNRestarts=4"], 0, "/v1/completions returned 1 tokens"),
+    "a_unit_systemd_gave_up_on_is_not_waited_for": (
+        False, ["ActiveState=activating\nNRestarts=0", "ActiveState=failed\nNRestarts=2"], 1,
+        f"{UNIT} failed (/health answered 503)"),
+    "a_unit_that_crashes_at_every_start_is_named_after_3_restarts": (
+        False, [f"ActiveState=activating\nNRestarts={n}" for n in (7, 7, 8, 9, 10)], 1,
+        f"{UNIT} restarted 3 times while waiting (/health answered 503)"),
+    "restarts_from_before_the_wait_do_not_count": (
+        False, [f"ActiveState=activating\nNRestarts={n}" for n in (5, 5, 6)], 1, "/health answered 503"),
+    "an_engine_refusing_its_configuration_is_named_at_once": (
+        False, ["ActiveState=activating\nNRestarts=0"], 1,
+        f"{UNIT} did not start: ValueError: Available memory on node 0 (18.35/23.54 GiB) on kv cache allocation is "
+        "less than requested memory for kv (4096.0 GiB).", "kv_cache_refused.journal"),
+    "an_engine_failing_otherwise_is_left_to_its_restarts": (
+        False, ["ActiveState=activating\nNRestarts=0"], 1, "/health answered 503", "nccl_timeout.journal"),
+}
+
+
+def _serving(ready: bool, metrics: bytes = b"") -> type[QuietHandler]:
+    class Handler(QuietHandler):
+        def do_GET(self) -> None:
+            if self.path == "/metrics":
+                self.answer(200, metrics)
+            elif self.path == "/version":
+                self.answer(200, b'{"version": "0.31.0+cpu"}')
+            else:
+                self.answer(200 if ready else 503, b"")
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.answer(200, json.dumps({"usage": {"completion_tokens": 1}}).encode())
+
+    return Handler
+
+
+def _stand_ins(tmp_path: Path, shows: list[str], journal: str | None) -> Path:
+    """The stand-in ``systemctl`` and ``journalctl``; the directory to put first on PATH."""
+    bin_dir, answers, looks = tmp_path / "bin", tmp_path / "answers", tmp_path / "looks"
+    bin_dir.mkdir()
+    answers.mkdir()
+    for n, show in enumerate(shows):
+        (answers / str(n)).write_text(show + "\n")
+    looks.write_text("0")
+    # each look prints the next answer (the last one again once they run out)
+    (bin_dir / "systemctl").write_text(
+        f'#!/bin/sh\n[ "$1 $2 $3" = "show --property=ActiveState,NRestarts {UNIT}" ] || exit 9\n'
+        f'n=$(cat {looks}); [ "$n" -lt {len(shows) - 1} ] && echo $((n + 1)) > {looks}\n'
+        f'cat {answers}/$n\n')
+    (bin_dir / "systemctl").chmod(0o755)
+    (bin_dir / "journalctl").write_text(  # the wait reads the unit's journal since it began
+        f'#!/bin/sh\n[ "$1 $2 $3 ${{4%%=*}} $5 $6" = "-q -o cat --since -u {UNIT}" ] || exit 9\n'
+        + (f"cat {JOURNALS / journal}\n" if journal else ""))
+    (bin_dir / "journalctl").chmod(0o755)
+    return bin_dir
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_readiness_wait(case: str, tmp_path: Path) -> None:
+    ready, shows, code, seen, *journal = CASES[case]
+    bin_dir = _stand_ins(tmp_path, shows, journal[0] if journal else None)
+    # the timeout lets the wait see every answer: restarts that began before it must not end it early
+    timeout = str(2 * len(shows) + 1)
+    with loopback_server(_serving(ready)) as url:
+        done = subprocess.run([sys.executable, "-I", str(TOOL), "--url", url, "--model", "tiny", "--unit", UNIT,
+                               "--timeout", timeout], capture_output=True, text=True, timeout=60,
+                              env={"PATH": f"{bin_dir}:/usr/bin:/bin"})
+    verdict = json.loads(done.stdout)
+    assert (done.returncode, verdict["ready"]) == (code, code == 0), done.stderr
+    assert verdict["seen"].startswith(seen), verdict
+    assert set(verdict) == {"ready", "url", "seconds", "seen"}  # without --observed: nothing recorded
+    if case in ("restarts_from_before_the_wait_do_not_count", "an_engine_failing_otherwise_is_left_to_its_restarts"):
+        assert verdict["seconds"] > float(timeout)  # waited the whole timeout
+    if case == "an_engine_refusing_its_configuration_is_named_at_once":
+        assert verdict["seconds"] < 2
+
+
+# What vLLM reports, once the replica serves: (its /metrics, its journal, the plan's KV cache tokens, what
+# observed.json holds besides the plan's figures, the warning of the JSON line). The lab's replica of lab_single: the
+# tiny Llama at max_model_len 256, 1 GiB of KV cache in blocks of 128 tokens.
+PLANNED, MAX_MODEL_LEN = 2_097_152, 256
+VLLM_0_31 = {"kv_cache_tokens": 2_097_152, "block_size": 128, "num_blocks": 16_384, "max_concurrency": 8192.0,
+             "source": "vllm:cache_config_info"}
+OFF = ("KV cache planned 2,400,000 tokens, vLLM reports 2,097,152 (ratio 0.874): more than 5% off the plan"
+       " (vllm_plan_tolerance)")
+OBSERVED: dict[str, tuple[str, str | None, int, dict[str, object], str | None]] = {
+    "figures_recorded": ("cache_config_0.31.metrics", None, PLANNED, {**VLLM_0_31, "ratio": 1.0}, None),
+    "a_warning_when_off_by_more_than_the_tolerance": (
+        "cache_config_0.31.metrics", None, 2_400_000, {**VLLM_0_31, "ratio": 0.8738}, OFF),
+    "no_warning_within_the_tolerance": (
+        "cache_config_0.31.metrics", None, 2_150_000, {**VLLM_0_31, "ratio": 0.9754}, None),
+    "blocks_times_block_size_without_vllms_own_figure": (
+        "blocks_only.metrics", None, PLANNED, {"kv_cache_tokens": 2_097_152, "block_size": 16, "num_blocks": 131_072,
+                                               "max_concurrency": 8192.0, "ratio": 1.0}, None),
+    "a_missing_metric_is_tolerated": (
+        "without_cache_config.metrics", None, PLANNED, {"kv_cache_tokens": None, "block_size": None,
+                                                        "num_blocks": None, "max_concurrency": None, "ratio": None,
+                                                        "source": None}, None),
+    "a_missing_metric_is_read_from_the_start_up_lines": (
+        "without_cache_config.metrics", "kv_cache_size.journal", PLANNED,
+        {"kv_cache_tokens": 2_097_152, "block_size": None, "max_concurrency": 8192.0, "ratio": 1.0,
+         "source": "journal"}, None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(OBSERVED))
+def test_what_vllm_reports_is_recorded_beside_the_plan(case: str, tmp_path: Path) -> None:
+    metrics, journal, planned, recorded, warning = OBSERVED[case]
+    bin_dir = _stand_ins(tmp_path, ["ActiveState=active\nNRestarts=0"], journal)
+    replica_dir = tmp_path / "replica"
+    replica_dir.mkdir()
+    observed = replica_dir / "observed.json"
+    observed.write_text('{"kv_cache_tokens": 1}\n')  # an earlier start's: replaced whole
+    with loopback_server(_serving(True, (JOURNALS / metrics).read_bytes())) as url:
+        done = subprocess.run([sys.executable, "-I", str(TOOL), "--url", url, "--model", "tiny", "--unit", UNIT,
+                               "--timeout", "10", "--observed", str(observed), "--planned-kv-tokens", str(planned),
+                               "--max-model-len", str(MAX_MODEL_LEN), "--tolerance", "0.05"],
+                              capture_output=True, text=True, timeout=60, env={"PATH": f"{bin_dir}:/usr/bin:/bin"})
+    verdict = json.loads(done.stdout)
+    assert (done.returncode, verdict["ready"]) == (0, True), done.stderr  # ready, whatever vLLM reports
+    doc = json.loads(observed.read_text())
+    assert {key: doc[key] for key in recorded} == recorded
+    assert (doc["planned_kv_cache_tokens"], doc["max_model_len"], doc["tolerance"]) == (planned, MAX_MODEL_LEN, 0.05)
+    assert doc["vllm_version"] == "0.31.0+cpu" and re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", doc["time"])
+    assert verdict["kv_cache_tokens"] == {"planned": planned, "observed": recorded["kv_cache_tokens"],
+                                          "ratio": recorded["ratio"]}
+    assert verdict.get("warning") == warning
+    assert observed.stat().st_mode & 0o777 == 0o644 and [p.name for p in replica_dir.iterdir()] == ["observed.json"]
+
+
+def test_an_observation_that_cannot_be_written_is_a_warning_not_a_failure(tmp_path: Path) -> None:
+    bin_dir = _stand_ins(tmp_path, ["ActiveState=active\nNRestarts=0"], None)
+    with loopback_server(_serving(True, (JOURNALS / "cache_config_0.31.metrics").read_bytes())) as url:
+        done = subprocess.run([sys.executable, "-I", str(TOOL), "--url", url, "--model", "tiny", "--unit", UNIT,
+                               "--observed", str(tmp_path / "gone" / "observed.json"), "--planned-kv-tokens",
+                               str(PLANNED), "--max-model-len", str(MAX_MODEL_LEN)],
+                              capture_output=True, text=True, timeout=60, env={"PATH": f"{bin_dir}:/usr/bin:/bin"})
+    verdict = json.loads(done.stdout)
+    assert (done.returncode, verdict["ready"]) == (0, True), done.stderr
+    assert verdict["warning"].startswith(f"cannot write {tmp_path / 'gone' / 'observed.json'}: ")
