@@ -31,8 +31,9 @@ from gpufleet.digest import file_sha256
 from gpufleet.lab import mirror, nvml_sim, standin_debs, tiny_model, wheelhouse
 from gpufleet.lab.double_programs import dcgm_exporter
 from gpufleet.lab.errors import LabError
+from gpufleet.lab.state import cache_dir
 from gpufleet.vllm_flags import SUPPORTED_VLLM_VERSIONS
-from tests.conftest import DATA, ROOT, host_tool
+from tests.conftest import DATA, ROOT, host_tool, skip_or_fail
 
 DRIVER = standin_debs.DRIVER_VERSION
 EXPECTED = {
@@ -98,10 +99,20 @@ def _get(url: str) -> bytes:
         return response.read()
 
 
+def _lab_cache_writable() -> None:
+    """The stand-in driver package carries the NVML simulator, built into the lab's own cache (root's, as the lab
+    is): where this user cannot write there, the test skips, or fails where every tier is required."""
+    shared = next(p for p in (cache_dir(), *cache_dir().parents) if p.exists())
+    if not os.access(shared, os.W_OK):
+        skip_or_fail(f"the lab doubles build the NVML simulator into the lab cache {cache_dir()}, which this user"
+                     " cannot write (run as root, as the lab does)")
+
+
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A cache dir with the lab doubles in a signed repository (no wheelhouse: it is 1 GB)."""
     _mirror_tools()
+    _lab_cache_writable()
     cache = tmp_path_factory.mktemp("cache")
     mirror.prepare(cache, wheels=False)
     return cache
