@@ -39,9 +39,8 @@ from gpufleet.operations import node
 from gpufleet.operations.nvidia import LoadedModule
 from tests.conftest import DATA, ROOT
 
-HERE = DATA
-FACT_CASES = sorted((HERE / "facts").glob("*/*.json"))
-OPERATION_CASES = sorted((HERE / "operations").glob("*/*.json"))
+FACT_CASES = sorted((DATA / "facts").glob("*/*.json"))
+OPERATION_CASES = sorted((DATA / "operations").glob("*/*.json"))
 
 
 def _case_id(path: Path) -> str:

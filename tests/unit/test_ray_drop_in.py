@@ -30,13 +30,12 @@ from tests.conftest import DATA
 from tests.recorded_ops import Recorder
 from tests.unit.test_hostile_templates import exec_argv, unit_settings
 
-HERE = DATA
-SHAPES = sorted(path.parent.name for path in (HERE / "plans").glob("*/inventory.py"))
+SHAPES = sorted(path.parent.name for path in (DATA / "plans").glob("*/inventory.py"))
 RAY_SHAPE = "b_two_nodes_ray"
 
 
 def _planned(shape: str) -> tuple[Fleet, list[Replica]]:
-    fleet = load_fleet(str(HERE / "plans" / shape / "inventory.py"))
+    fleet = load_fleet(str(DATA / "plans" / shape / "inventory.py"))
     plan = plan_fleet(fleet, fleet_facts(fleet, None))
     assert plan.problems == []
     return fleet, plan.replicas
@@ -88,7 +87,7 @@ def test_there_is_a_ray_shape_among_the_golden_plans() -> None:
 
 def test_the_drop_in_of_the_readmes_ray_shape() -> None:
     cfg, replica, role = _ray_head()
-    assert ray_drop_in.drop_in(cfg, replica, role) == (HERE / "ray_drop_in" / f"{RAY_SHAPE}.conf").read_text()
+    assert ray_drop_in.drop_in(cfg, replica, role) == (DATA / "ray_drop_in" / f"{RAY_SHAPE}.conf").read_text()
 
 
 @pytest.mark.parametrize(("values", "address", "nodes", "timeout"), [
@@ -193,7 +192,7 @@ def test_the_vllm_role_writes_the_drop_in_on_the_ray_head_and_restarts_and_reloa
     path = node_paths.vllm_ray_drop_in(replica.name)
     ops = _run_vllm_install(monkeypatch, RAY_SHAPE, head.host)
     (written,) = ops.named("files.file", dest=path)
-    assert written.kwargs["content"] == (HERE / "ray_drop_in" / f"{RAY_SHAPE}.conf").read_text()
+    assert written.kwargs["content"] == (DATA / "ray_drop_in" / f"{RAY_SHAPE}.conf").read_text()
     (observed,) = ops.named("node.observe")
     assert path in observed.kwargs["paths"]  # read with the node's first reading, like the replica's other files
     (record,) = ops.named("vllm.restart_record")

@@ -39,9 +39,8 @@ from tests.loopback_http import QuietHandler, loopback_server
 from tests.recorded_ops import Recorder
 from tests.unit.test_hostile_templates import exec_argv, unit_settings
 
-HERE = DATA
 TOOL = ROOT / "gpufleet" / "node" / "replica_watchdog.py"
-CASES = sorted((HERE / "watchdog").glob("*.json"))
+CASES = sorted((DATA / "watchdog").glob("*.json"))
 SAMPLE_KEYS = ("at", "health", "running", "waiting", "tokens", "prompt", "completed")
 
 
@@ -374,7 +373,7 @@ def test_the_unit_runs_as_root_without_any_capability_and_reaches_its_node_only(
 # --- the role: files on the first node, the unit started there, restarts of its own ---------------------------
 
 def _planned(shape: str) -> tuple[Fleet, list[Replica]]:
-    fleet = load_fleet(str(HERE / "plans" / shape / "inventory.py"))
+    fleet = load_fleet(str(DATA / "plans" / shape / "inventory.py"))
     plan = plan_fleet(fleet, fleet_facts(fleet, None))
     assert plan.problems == []
     return fleet, plan.replicas

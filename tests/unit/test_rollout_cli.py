@@ -26,8 +26,7 @@ from gpufleet.rollout.remote import RemoteResult
 from tests.conftest import DATA
 from tests.rollout_world import Behaviour, World
 
-HERE = DATA
-FLEET = str(HERE / "rollout_fleet" / "inventory.py")
+FLEET = str(DATA / "rollout_fleet" / "inventory.py")
 ROUTERS = ["router1.dc1.example.net", "router2.dc1.example.net"]
 A01, A02, A03 = (f"gpu-a0{n}.dc1.example.net" for n in (1, 2, 3))
 
@@ -88,7 +87,7 @@ def test_without_a_routers_group_it_is_one_line_and_no_host_is_touched(monkeypat
 
     monkeypatch.setattr(cli_rollout, "PyinfraRemote", never)
     for command in ("upgrade", "rollback"):
-        done = _run(command, str(HERE / "plans" / "a_single_node_70b" / "inventory.py"))
+        done = _run(command, str(DATA / "plans" / "a_single_node_70b" / "inventory.py"))
         assert done.exit_code == 2 and done.stdout == ""
         (line,) = done.stderr.splitlines()
         assert "no `routers` group: a rolling " + command + " takes each replica out of the routers" in line
