@@ -8,17 +8,22 @@ in their scenarios' order, and the test that takes the lab down runs last, whate
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
+from pathlib import Path
 
+import paramiko
 import pytest
 
-from gpufleet.lab import network
+from gpufleet.lab import network, ssh
 from gpufleet.lab.state import LAB_DIR_ENV, load_state
 from tests.conftest import skip_or_fail
 from tests.lab.harness import LAB_CLI, LAB_NODES, LAB_PROFILES, Completed, Lab, cannot_run_lab, run
 from tests.lab.scenarios import BY_NAME, RANK, LabStates, scenario_of
 
 LAB_TEARDOWN_TESTS = {"test_down_leaves_nothing_behind"}
+# What a failed lab test's report shows of each node: how it runs, and the last lines of gpufleet's units.
+NODE_STORY = ("uptime; systemctl --failed --no-legend --plain; journalctl -q -o short-precise --no-pager"
+              " --since=-15min -u 'vllm*' -u 'ray*' -u 'gpufleet-*' | tail -n 60")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -33,6 +38,23 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         return teardown, RANK[scenario.name] if scenario else 0
 
     items.sort(key=place)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item,
+                              call: pytest.CallInfo[None]) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """A lab test that failed carries each node's story (NODE_STORY): what CI printed is then enough to see why."""
+    report = yield
+    lab = getattr(item, "funcargs", {}).get("lab")
+    if report.failed and isinstance(lab, Lab):
+        for node in lab.nodes:
+            try:
+                _, told = ssh.run(node.address, Path(lab.state.ssh_key), Path(lab.state.known_hosts), NODE_STORY,
+                                  timeout=20)
+            except (OSError, EOFError, paramiko.SSHException) as exc:
+                told = f"no answer over SSH: {exc}"
+            report.sections.append((f"lab node {node.name} ({node.address})", told))
+    return report
 
 
 def _candidates() -> Iterator[tuple[str, str]]:

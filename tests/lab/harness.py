@@ -13,6 +13,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import paramiko
 import yaml
@@ -26,8 +27,10 @@ PYINFRA = Path(sys.executable).parent / "pyinfra"
 LAB_CLI = [sys.executable, "-m", "gpufleet.cli_lab"]
 LAB_NODES = 3
 LAB_PROFILES = ("8xH100NVL-PCIe", "8xH100-SXM", "8xH100-SXM")  # one per node
-# The vLLM release the lab deploys (group_vars/lab.yml): its virtualenv is /opt/vllm/<version> on every node.
-LAB_VLLM_VERSION: str = yaml.safe_load((ROOT / "group_vars" / "lab.yml").read_text())["vllm_version"]
+# The values every lab node gets (group_vars/lab.yml): the lab's vLLM release, its alerts' short waits, ...
+LAB_VARS: dict[str, Any] = yaml.safe_load((ROOT / "group_vars" / "lab.yml").read_text())
+# The vLLM release the lab deploys: its virtualenv is /opt/vllm/<version> on every node.
+LAB_VLLM_VERSION: str = LAB_VARS["vllm_version"]
 LAB_VENV = f"/opt/vllm/{LAB_VLLM_VERSION}"
 
 

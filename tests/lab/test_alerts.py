@@ -7,8 +7,8 @@ that do not hide one another:
 
 - lab1's engine stalled (SIGSTOP, with requests in flight and its watchdog stopped, as when the watchdog itself
   is what failed) and lab3's dcgm-exporter stopped;
-- lab1's replica stopped for good, a GPU lost and a critical XID on its simulated GPUs, and NVLink errors on
-  lab2's.
+- a GPU lost and a critical XID on lab1's simulated GPUs (its GPU watch stops its replica, and starts it again once
+  the GPU is back), and NVLink errors on lab2's.
 
 Every alert that fired must also reach the alert log's journal on lab1 while its fault holds (the lab sets no
 webhook: log only). Each fault's time to fire and to resolve goes to the session's lab-fault-figures.jsonl.
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import threading
 import time
 import urllib.request
@@ -27,21 +28,28 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from gpufleet.lab.sim_profile import write_sim_profile
 from gpufleet.lab.state import NodeRecord
 from gpufleet.node.alert_log import shown
-from tests.lab.fleet import PORT, api_key, model_of, record_figure, single, wait_serving
-from tests.lab.harness import ROOT, Completed, Lab
-from tests.lab.prometheus import SCRAPE_INTERVAL_S, Prometheus, wait_for
+from tests.lab.fleet import (
+    INVENTORY,
+    PIPELINE,
+    PORT,
+    api_key,
+    model_of,
+    record_figure,
+    requests_to,
+    single,
+    wait_serving,
+)
+from tests.lab.harness import LAB_VARS, PYINFRA, Completed, Lab, run
+from tests.lab.prometheus import ENGINE_STALL_FOR_S, SCRAPE_INTERVAL_S, Prometheus, wait_for
 
 pytestmark = pytest.mark.filterwarnings("ignore:Unknown ssh-ed25519 host key:UserWarning")
 
-LAB_VARS: dict[str, Any] = yaml.safe_load((ROOT / "group_vars" / "lab.yml").read_text())
 PROFILE = "/etc/gpufleet/nvml-sim-profile"
 GATE_FAILED = "/run/gpufleet/gpu-gate-failed"
-STALL_FOR_S = 60  # VllmEngineStalled's own `for`
 RESOLVE_S = 240
 LOST_GPU, XID_GPU, XID, NVLINK_GPU = 7, 1, 79, 2
 
@@ -152,7 +160,7 @@ def test_a_stalled_engine_and_a_silent_dcgm_exporter_fire_and_resolve(
     replica = single(lab)
     prometheus = Prometheus(first)
     expected = [
-        Expected("VllmEngineStalled", {"replica": replica}, LAB_VARS["alert_engine_stall_s"] + STALL_FOR_S),
+        Expected("VllmEngineStalled", {"replica": replica}, LAB_VARS["alert_engine_stall_s"] + ENGINE_STALL_FOR_S),
         Expected("DcgmExporterDown", {"node": third.address}, LAB_VARS["alert_exporter_down_for_s"]),
     ]
     _resolved(prometheus, expected, time.monotonic())  # none of them active yet (the earlier tests' faults)
@@ -206,12 +214,16 @@ def _restore(lab: Lab, node: NodeRecord) -> None:
     lab.host(node).run(f"test -e {PROFILE}.saved && mv {PROFILE}.saved {PROFILE}")
 
 
-def test_a_replica_stopped_and_gpu_faults_fire_and_resolve(
+def test_a_gpu_lost_stops_the_replica_and_gpu_faults_fire_and_resolve(
         lab: Lab, faults: Completed | None, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
-    """lab1 (PCIe, no NVLink): its replica stopped for good, a GPU lost and a critical XID; lab2 (NVSwitch):
-    NVLink errors on one GPU."""
+    """lab1 (PCIe, no NVLink) loses a GPU and reports a critical XID at run time; lab2 (NVSwitch) counts NVLink
+    errors on one GPU. lab1's GPU watch stops its replica and says why; gpufleet gate and deploys/check.py name the
+    node and the rule; the GPU and replica alerts fire and reach the alert log. Once the GPU is back the watch
+    starts the replica again, without a deploy, and every alert resolves. The pipeline replica answers throughout
+    (NVLink error counters are monitoring's, not the gate's)."""
     first, second = lab.nodes[0], lab.nodes[1]
     replica, host = single(lab), lab.host(first)
+    unit = f"vllm@{replica}"
     prometheus = Prometheus(first)
     expected = [
         Expected("VllmReplicaDown", {"replica": replica}, LAB_VARS["alert_replica_down_for_s"]),
@@ -229,22 +241,45 @@ def test_a_replica_stopped_and_gpu_faults_fire_and_resolve(
                f'gpu="{NVLINK_GPU}"}}')
     wait_for("lab2's NVLink counters sampled twice", lambda: True if prometheus.query(
         f"count_over_time({counter}[5m]) >= 2") else None, timeout=120)
+    wait_serving(lab, first)
+    since = host.check_output("date +%s").strip()
+    loop = requests_to(lab, second)
+    loop.start()
     began = time.time()
     try:
-        host.check_output(f"systemctl stop vllm@{replica}")  # for good: nothing starts it again
         _inject(lab, first, [("gpu_lost", LOST_GPU), ("xid", XID_GPU, XID)], tmp_path)
         _inject(lab, second, [("nvlink_errors", NVLINK_GPU)], tmp_path)
         injected = time.time()
+        _, stopped = wait_for(f"{unit} stopped by the GPU watch",
+                              lambda: True if not host.service(unit).is_running else None, timeout=180, every=2)
+        said = host.check_output(f"journalctl -q -o cat --since=@{since} -u gpufleet-gpu-watch.service"
+                                 " | grep 'GPU is lost' | tail -1")
+        assert "nvml_errors" in said, said
+        gate = run([str(PYINFRA.parent / "gpufleet"), "gate", INVENTORY], lab.env, 300)
+        assert gate.rc != 0 and f"{first.address}: FAIL" in gate.out, gate.output
+        assert re.search(r"nvml_errors \(gpu \d\): .*GPU is lost", gate.out), gate.output
+        check = lab.pyinfra(INVENTORY, "deploys/check.py")
+        assert check.rc != 0 and f"[{first.address}] gate: fail" in check.output, check.output[-4000:]
+        assert "GPU is lost" in check.output, check.output[-4000:]
         _watch(prometheus, expected, injected)
         _logged(lab, expected, began)
+        assert all(lab.host(n).service(f"vllm@{PIPELINE}").is_running for n in lab.nodes[1:])
     finally:
         _restore(lab, first)
         _restore(lab, second)
     cleared = time.monotonic()
-    wait_for("the GPU watch clears its gate", lambda: True if host.run(f"test -e {GATE_FAILED}").rc else None,
-             timeout=180)
-    host.check_output(f"systemctl start vllm@{replica}")
-    wait_serving(lab, first)
+    try:
+        wait_serving(lab, first)  # the watch started it again: no deploy
+        back = time.monotonic() - cleared
+    finally:
+        loop.stop()
+    assert host.run(f"test -e {GATE_FAILED}").rc != 0
+    assert loop.sent > 0 and loop.failures == [], loop.failures[:3]
     resolved = _resolved(prometheus, expected, cleared)
-    record_figure(tmp_path_factory, {"alerts": "replica stopped; GPU lost, XID 79 (lab1); NVLink errors (lab2)",
-                                      **_figures(expected, resolved)})
+    record_figure(tmp_path_factory, {"alerts": "GPU lost, XID 79 (lab1, its replica stopped by the watch); NVLink"
+                                               " errors (lab2)", **_figures(expected, resolved)})
+    record_figure(tmp_path_factory, {
+        "fault": "gpu_lost injected on a serving node", "node": first.name,
+        "replica_stopped_after_s": round(stopped, 1), "serving_again_after_the_gpu_came_back_s": round(back, 1),
+        "watch_said": said.strip()[:300], "other_replica_requests": loop.sent,
+        "other_replica_failures": 0})

@@ -10,8 +10,8 @@ import re
 import shutil
 import signal
 import subprocess
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -173,8 +173,8 @@ def test_a_wedged_engine_is_restarted_by_the_watchdog_while_the_followers_node_r
     since = host.check_output("date +%s").strip()
     stopped = time.monotonic()
     host.check_output(f"kill -STOP {engine[0]}")
-    rebooting = threading.Thread(target=lab.reboot, args=(follower,))  # until it booted again
-    rebooting.start()
+    rebooting = ThreadPoolExecutor(1)
+    rebooted = rebooting.submit(lab.reboot, follower)  # until it booted again
     try:
         try:  # a figure, not a verdict: the watchdog must act whichever way /health answers
             health: int | str = http(f"http://{node.address}:{PORT}/health", timeout=10)[0]
@@ -191,7 +191,8 @@ def test_a_wedged_engine_is_restarted_by_the_watchdog_while_the_followers_node_r
         wait_serving(lab, node)
         recovered = time.monotonic() - stopped
     finally:
-        rebooting.join(300)
+        rebooting.shutdown()
+    rebooted.result()  # lab3 booted again: its failure to is this test's
     wait_serving(lab, leader, timeout=600)  # the replica could not serve before lab3 booted again
     pipeline_back = time.monotonic() - stopped
     assert host.check_output("pgrep -f 'VLLM::EngineCore'").split() != engine
@@ -202,52 +203,6 @@ def test_a_wedged_engine_is_restarted_by_the_watchdog_while_the_followers_node_r
     record_figure(tmp_path_factory, {
         "fault": "reboot of the follower's node (beside the stalled engine)", "replica": PIPELINE,
         "serving_again_s": round(pipeline_back, 1)})
-
-
-def test_a_gpu_lost_at_run_time_stops_the_nodes_replicas_until_it_passes(
-        lab: Lab, faults: Completed | None, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
-    """gpu_lost injected on lab1 while it serves: the node's GPU watch stops its replica and says why; gpufleet
-    gate and deploys/check.py name the node and the rule; once the GPU is back the watch starts the replica
-    again. The pipeline replica answers throughout."""
-    node, unit = lab.nodes[0], f"vllm@{single(lab)}"
-    host = lab.host(node)
-    wait_serving(lab, node)
-    profile = "/etc/gpufleet/nvml-sim-profile"
-    host.check_output(f"cp {profile} {profile}.saved")
-    faulty = tmp_path / "profile"
-    write_sim_profile(faulty, node.profile, ["gpu_lost"], hostname=node.name)
-    loop = requests_to(lab, lab.nodes[1])
-    loop.start()
-    try:
-        injected = time.monotonic()
-        host.check_output(f"cat > {profile}.lost <<'EOF'\n{faulty.read_text()}EOF\nmv {profile}.lost {profile}")
-        end = time.monotonic() + 180
-        while time.monotonic() < end and host.service(unit).is_running:
-            time.sleep(2)
-        assert not host.service(unit).is_running, f"{unit} still runs with a lost GPU"
-        stopped = time.monotonic() - injected
-        said = host.check_output("journalctl -q -o cat -u gpufleet-gpu-watch.service | grep 'GPU is lost' | tail -1")
-        assert "nvml_errors" in said, said
-        gate = run([str(PYINFRA.parent / "gpufleet"), "gate", INVENTORY], lab.env, 300)
-        assert gate.rc != 0 and f"{node.address}: FAIL" in gate.out, gate.output
-        assert re.search(r"nvml_errors \(gpu \d\): .*GPU is lost", gate.out), gate.output
-        check = lab.pyinfra(INVENTORY, "deploys/check.py")
-        assert check.rc != 0 and f"[{node.address}] gate: fail" in check.output, check.output[-4000:]
-        assert "GPU is lost" in check.output, check.output[-4000:]
-        assert all(lab.host(n).service(f"vllm@{PIPELINE}").is_running for n in lab.nodes[1:])
-        restored = time.monotonic()
-        host.check_output(f"mv {profile}.saved {profile}")
-        wait_serving(lab, node, timeout=600)  # the watch started it again: no deploy
-        back = time.monotonic() - restored
-    finally:
-        loop.stop()
-        host.run(f"test -e {profile}.saved && mv {profile}.saved {profile}")
-    assert host.run("test -e /run/gpufleet/gpu-gate-failed").rc != 0
-    assert loop.sent > 0 and loop.failures == [], loop.failures[:3]
-    record_figure(tmp_path_factory, {
-        "fault": "gpu_lost injected on a serving node", "node": node.name, "replica_stopped_after_s": round(stopped, 1),
-        "serving_again_after_the_gpu_came_back_s": round(back, 1), "watch_said": said.strip()[:300],
-        "other_replica_requests": loop.sent, "other_replica_failures": 0})
 
 
 def test_a_node_lost_halfway_through_a_deploy_is_named_and_a_rerun_finishes(
