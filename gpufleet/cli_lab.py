@@ -80,7 +80,7 @@ def status_command(as_json: bool) -> None:
 
 @lab_group.command("down")
 def down_command() -> None:
-    """Stop every lab node and remove the lab's bridge, mounts and node directories."""
+    """Power off every lab node and remove the lab's bridge, mounts and node directories."""
     started = time.monotonic()
     state = _run(nodes.down)
     if state is None:

@@ -8,7 +8,8 @@ the node's PID 1 (systemd) as nspawn's child in another PID namespace.
 
 Stopping: SIGTERM to the supervisor, which passes it to nspawn, which has the node's systemd shut down
 cleanly. Whatever still runs after the grace period gets SIGKILL, the node's PID 1 first (that ends its
-whole PID namespace).
+whole PID namespace). Cutting the power: SIGKILL to the node's PID 1 at once; nspawn, which then cleans up
+after its container (its veth), and the supervisor end by themselves within the grace period.
 """
 
 from __future__ import annotations
@@ -140,10 +141,16 @@ def _running(supervisor: ProcessRecord | None, root: Path) -> list[ProcessRecord
     return ([supervisor] if supervisor is not None and alive(supervisor) else []) + nspawns_for(root)
 
 
-def stop(nodes: list[tuple[ProcessRecord | None, Path]], grace: float, kill_wait: float = 10.0) -> list[int]:
-    """Stop every node (its supervisor and the nspawn booting its root); PIDs that outlived SIGKILL."""
+def stop(nodes: list[tuple[ProcessRecord | None, Path]], grace: float, kill_wait: float = 10.0,
+         cut_power: bool = False) -> list[int]:
+    """Stop every node (its supervisor and the nspawn booting its root), cleanly or (``cut_power``) at once; PIDs
+    that outlived SIGKILL."""
     for supervisor, root in nodes:
-        if supervisor is not None and alive(supervisor):
+        if cut_power:
+            for nspawn in nspawns_for(root):
+                for leader in leaders_of(nspawn):
+                    _signal(leader, signal.SIGKILL)
+        elif supervisor is not None and alive(supervisor):
             _signal(supervisor, signal.SIGTERM)  # passed on to nspawn
         else:
             for nspawn in nspawns_for(root):  # a node whose supervisor is gone
