@@ -7,7 +7,7 @@ and host). The README's "Deploy shapes" blocks are checked against them, so the 
 
 After a deliberate change, rewrite the expected files and review their diff::
 
-    GPUFLEET_REGOLD=1 .venv/bin/pytest -q tests/test_golden_plans.py
+    GPUFLEET_REGOLD=1 .venv/bin/pytest -q tests/unit/test_golden_plans.py
 """
 
 from __future__ import annotations
