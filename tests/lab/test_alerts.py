@@ -225,15 +225,18 @@ def test_a_gpu_lost_stops_the_replica_and_gpu_faults_fire_and_resolve(
     replica, host = single(lab), lab.host(first)
     unit = f"vllm@{replica}"
     prometheus = Prometheus(first)
-    expected = [
-        Expected("VllmReplicaDown", {"replica": replica}, LAB_VARS["alert_replica_down_for_s"]),
-        # read through two recording rules (replica:ranks_up:count, model:replicas_ready:count): an evaluation each
-        Expected("ModelReplicasBelowMinimum", {"model": model_of(lab, first)},
-                 LAB_VARS["alert_replica_down_for_s"] + 2 * SCRAPE_INTERVAL_S),
+    gpu_faults = [  # timed from the injection
         Expected("GpuMissing", {"node": first.address}, LAB_VARS["alert_gpu_missing_for_s"]),
         Expected("GpuCriticalXid", {"node": first.address, "gpu": str(XID_GPU), "xid": str(XID)}, 0),
         Expected("GpuNvlinkErrors", {"node": second.address, "gpu": str(NVLINK_GPU)}, 0),
     ]
+    replica_down = [  # timed from the moment the watch (its timer: gpu_watch_interval_s) had stopped the replica
+        Expected("VllmReplicaDown", {"replica": replica}, LAB_VARS["alert_replica_down_for_s"]),
+        # read through two recording rules (replica:ranks_up:count, model:replicas_ready:count): an evaluation each
+        Expected("ModelReplicasBelowMinimum", {"model": model_of(lab, first)},
+                 LAB_VARS["alert_replica_down_for_s"] + 2 * SCRAPE_INTERVAL_S),
+    ]
+    expected = replica_down + gpu_faults
     _resolved(prometheus, expected, time.monotonic())  # none of them active yet (the earlier tests' faults)
     # increase() sees errors only on a counter sampled before them: lab2's must be scraped before the fault (a fresh
     # Prometheus may not have it yet)
@@ -261,7 +264,8 @@ def test_a_gpu_lost_stops_the_replica_and_gpu_faults_fire_and_resolve(
         check = lab.pyinfra(INVENTORY, "deploys/check.py")
         assert check.rc != 0 and f"[{first.address}] gate: fail" in check.output, check.output[-4000:]
         assert "GPU is lost" in check.output, check.output[-4000:]
-        _watch(prometheus, expected, injected)
+        _watch(prometheus, gpu_faults, injected)
+        _watch(prometheus, replica_down, injected + stopped)
         _logged(lab, expected, began)
         assert all(lab.host(n).service(f"vllm@{PIPELINE}").is_running for n in lab.nodes[1:])
     finally:
