@@ -141,15 +141,22 @@ def _running(supervisor: ProcessRecord | None, root: Path) -> list[ProcessRecord
     return ([supervisor] if supervisor is not None and alive(supervisor) else []) + nspawns_for(root)
 
 
+def _kill_leaders(root: Path) -> list[ProcessRecord]:
+    """SIGKILL to the PID 1 of each nspawn booting ``root`` (its whole PID namespace ends); those nspawns."""
+    found = nspawns_for(root)
+    for nspawn in found:
+        for leader in leaders_of(nspawn):
+            _signal(leader, signal.SIGKILL)
+    return found
+
+
 def stop(nodes: list[tuple[ProcessRecord | None, Path]], grace: float, kill_wait: float = 10.0,
          cut_power: bool = False) -> list[int]:
     """Stop every node (its supervisor and the nspawn booting its root), cleanly or (``cut_power``) at once; PIDs
     that outlived SIGKILL."""
     for supervisor, root in nodes:
         if cut_power:
-            for nspawn in nspawns_for(root):
-                for leader in leaders_of(nspawn):
-                    _signal(leader, signal.SIGKILL)
+            _kill_leaders(root)
         elif supervisor is not None and alive(supervisor):
             _signal(supervisor, signal.SIGTERM)  # passed on to nspawn
         else:
@@ -163,9 +170,7 @@ def stop(nodes: list[tuple[ProcessRecord | None, Path]], grace: float, kill_wait
     if left:
         log.warning("%d node(s) did not shut down in %.0f s; killing them", len(left), grace)
     for supervisor, root in left:
-        for nspawn in nspawns_for(root):
-            for leader in leaders_of(nspawn):
-                _signal(leader, signal.SIGKILL)
+        for nspawn in _kill_leaders(root):
             _signal(nspawn, signal.SIGKILL)
         if supervisor is not None:
             _signal(supervisor, signal.SIGKILL)

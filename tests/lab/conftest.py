@@ -135,7 +135,7 @@ def faults(lab: Lab, lab_states: LabStates) -> Completed | None:
     300 s, and faults injected back to back (each restarts a replica once) would add up to that limit."""
     done = lab_states.reach(BY_NAME["faults"])
     for node in lab.nodes:
-        lab.host(node).run(RESET_FAILED)
+        lab.host(node).check_output(RESET_FAILED)
     return done
 
 
