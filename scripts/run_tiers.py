@@ -4,8 +4,8 @@
 that they fill the lab's waits instead of adding to them. The lab tier's output streams as it runs; the other
 tiers' is printed when both are done. ``--fast``: lint, then the unit and tools tiers alone.
 
-The output ends with each tier's wall time, the 25 slowest tests of the run and one line of counts; the exit
-status is 0 only when every tier passed.
+The output ends with each tier's wall time, the 25 slowest tests of the run, each failed test with the first
+lines of why, and one line of counts; the exit status is 0 only when every tier passed.
 """
 
 from __future__ import annotations
@@ -24,6 +24,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 SLOWEST = 25
+WHY_LINES = 6  # of each failed test's message, repeated at the end of the output
+
+
+@dataclass(frozen=True)
+class Case:
+    """One test of a JUnit report: its id, seconds, outcome, and why it failed (empty unless it did)."""
+
+    name: str
+    seconds: float
+    outcome: str
+    why: str = ""
 
 
 @dataclass
@@ -61,20 +72,20 @@ def niced(argv: list[str]) -> list[str]:
     return ["nice", "-n", "10", *argv]
 
 
-def cases(report: Path | None) -> list[tuple[str, float, str]]:
-    """(test id, seconds, outcome) of each test in a JUnit report."""
+def cases(report: Path | None) -> list[Case]:
+    """Each test of a JUnit report."""
     if report is None or not report.exists():
         return []
     found = []
     for case in ET.parse(report).iter("testcase"):
-        outcome = "passed"
+        outcome, why = "passed", ""
         for child in case:
             if child.tag in ("failure", "error"):
-                outcome = "failed"
+                outcome, why = "failed", why or child.get("message") or (child.text or "").strip()
             elif child.tag == "skipped" and outcome == "passed":
                 outcome = "skipped"
         name = f"{case.get('classname', '')}::{case.get('name', '')}"
-        found.append((name, float(case.get("time") or 0.0), outcome))
+        found.append(Case(name, float(case.get("time") or 0.0), outcome, why))
     return found
 
 
@@ -118,12 +129,19 @@ def main() -> int:
         print(f"{tier.name:>11}: {tier.seconds:7.1f} s  {verdict}")
     print(f"{'wall':>11}: {total:7.1f} s" + ("" if args.fast else " (lint and unit+tools beside the lab)"))
     print(f"\n{SLOWEST} slowest tests:")
-    for name, seconds, _ in sorted(every, key=lambda case: -case[1])[:SLOWEST]:
-        print(f"{seconds:8.1f} s  {name}")
-    counts = {outcome: sum(1 for case in every if case[2] == outcome) for outcome in ("passed", "failed", "skipped")}
+    for case in sorted(every, key=lambda case: -case.seconds)[:SLOWEST]:
+        print(f"{case.seconds:8.1f} s  {case.name}")
+    failed = [case for case in every if case.outcome == "failed"]
+    if failed:
+        print("\nfailed, and why:")
+    for case in failed:
+        print(f"FAILED {case.name}")
+        for line in case.why.splitlines()[:WHY_LINES]:
+            print(f"    {line[:300]}")
+    counts = {outcome: sum(1 for case in every if case.outcome == outcome) for outcome in ("passed", "failed", "skipped")}
     # a tier that failed outside its tests (lint, a collection error, a crash) counts as one failure
     counts["failed"] += sum(1 for tier in tiers if tier.status != 0 and not any(
-        case[2] == "failed" for case in cases(tier.report)))
+        case.outcome == "failed" for case in cases(tier.report)))
     print(f"\n{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped")
     return 0 if all(tier.status == 0 for tier in tiers) else 1
 

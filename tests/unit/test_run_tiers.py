@@ -1,0 +1,53 @@
+"""scripts/run_tiers.py reads each tier's JUnit report: outcomes, times, and why a test failed, which the run's
+last lines repeat (a CI log cut to its tail still says why)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from tests.conftest import ROOT
+
+REPORT = """<?xml version="1.0" encoding="utf-8"?>
+<testsuites><testsuite name="pytest">
+<testcase classname="tests.lab.test_upgrade" name="test_up" time="312.5">
+  <failure message="AssertionError: [{'status': 502}]&#10;assert 1 == 0">long traceback</failure></testcase>
+<testcase classname="tests.lab.test_upgrade" name="test_down" time="1.0"><error message="">setup broke</error></testcase>
+<testcase classname="tests.unit.test_plan" name="test_ok" time="0.2"/>
+<testcase classname="tests.unit.test_plan" name="test_skip" time="0.0"><skipped message="no promtool"/></testcase>
+</testsuite></testsuites>
+"""
+
+
+@pytest.fixture(scope="module")
+def run_tiers() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("run_tiers", ROOT / "scripts" / "run_tiers.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["run_tiers"] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_each_case_has_its_outcome_time_and_why(run_tiers: ModuleType, tmp_path: Path) -> None:
+    report = tmp_path / "report.xml"
+    report.write_text(REPORT)
+    found = {case.name: case for case in run_tiers.cases(report)}
+    assert {name: (case.outcome, case.seconds) for name, case in found.items()} == {
+        "tests.lab.test_upgrade::test_up": ("failed", 312.5),
+        "tests.lab.test_upgrade::test_down": ("failed", 1.0),
+        "tests.unit.test_plan::test_ok": ("passed", 0.2),
+        "tests.unit.test_plan::test_skip": ("skipped", 0.0),
+    }
+    assert found["tests.lab.test_upgrade::test_up"].why.splitlines() == ["AssertionError: [{'status': 502}]",
+                                                                         "assert 1 == 0"]
+    assert found["tests.lab.test_upgrade::test_down"].why == "setup broke"  # no message: the element's text
+    assert found["tests.unit.test_plan::test_ok"].why == ""
+
+
+def test_a_missing_report_has_no_cases(run_tiers: ModuleType, tmp_path: Path) -> None:
+    assert run_tiers.cases(tmp_path / "absent.xml") == [] and run_tiers.cases(None) == []
