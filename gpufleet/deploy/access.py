@@ -8,8 +8,9 @@ processes, except to and from the listed addresses and localhost):
 - a replica's Ray units: the replica's own nodes and the monitoring hosts (Ray's metrics port is in the
   same unit as its GCS, raylet and workers, so the monitoring hosts reach those too; the token guards them);
 - ``vllm@.service`` (the API and the mp rendezvous share it): the nodes of every replica the node takes part
-  in, the monitoring hosts, the routers and ``vllm_api_allowed_from``; no filter at all while that is null (API
-  open);
+  in, the monitoring hosts, the routers and ``vllm_api_allowed_from``; a fleet with routers has this filter
+  whatever ``vllm_api_allowed_from`` says (clients go through the routers), one without has none while that is
+  null (API open);
 - ``vllm-watchdog@.service`` (it listens nowhere: it reaches its replica's API on this node): the node's own
   address;
 - Prometheus on a monitoring host, only when ``prometheus_allowed_from`` is set: the host itself, every host it
@@ -67,13 +68,14 @@ def ray_sources(cfg: HostConfig, replica_addresses: Iterable[str], group_hosts: 
 
 def vllm_sources(cfg: HostConfig, node_address: str, peer_addresses: Iterable[str],
                  group_hosts: Iterable[str] = (), routers: Iterable[str] = ()) -> list[str] | None:
-    """Who may reach ``vllm@.service`` on a node (the API and the mp rendezvous); None: anyone
-    (``vllm_api_allowed_from`` null). ``peer_addresses``: the nodes of every replica the node serves in;
+    """Who may reach ``vllm@.service`` on a node (the API and the mp rendezvous); None: anyone (no routers, and
+    ``vllm_api_allowed_from`` null). ``peer_addresses``: the nodes of every replica the node serves in;
     ``routers``: the routers' addresses, which send it the clients' requests."""
-    if cfg.vllm_api_allowed_from is None:
+    routers = list(routers)
+    if cfg.vllm_api_allowed_from is None and not routers:
         return None
     return allow_list([node_address], peer_addresses, monitoring_sources(cfg, group_hosts), routers,
-                      cfg.vllm_api_allowed_from)
+                      cfg.vllm_api_allowed_from or [])
 
 
 def prometheus_sources(cfg: HostConfig, node_address: str, scraped: Iterable[str],

@@ -11,7 +11,11 @@ After it, a router host has:
   - clients send OpenAI-style requests to ``router_listen_address:router_port``; the body is read whole (at most
     ``router_max_request_bytes``, else 413) and the request goes to the backend of its ``model``; a model no
     replica serves gets 404. ``GET /v1/models`` is answered by the router for every served model whose replicas
-    accept the request's API key (the router holds only the SHA-256 of ``Bearer <key>``, never the key);
+    accept the request's API key (the router holds only the SHA-256 of ``Bearer <key>``, never the key), and
+    ``GET /health`` by the router itself (it is up);
+  - only the routes of the model's task (:data:`TASK_ROUTES`) reach its replicas: every other path and method
+    (``/invocations``, ``/tokenize``, ``/metrics``, ``/sleep``, ``/collective_rpc``, ...: vLLM checks its API key
+    on ``/v1/`` routes only) is answered 404 by the router;
   - one backend per served model, holding its replicas (each replica's first node, its API port; the server is
     named after the replica), ``balance leastconn``, a health check ``GET /health`` every
     ``router_check_interval_s``, a request retried on another replica when its replica refused the connection,
@@ -61,6 +65,11 @@ DROP_IN = f"{DROP_IN_DIR}/gpufleet.conf"
 HEADER_BYTES = 32768  # room in HAProxy's buffer for the request line and headers besides the body
 
 _IDENTIFIER_UNSAFE = re.compile(r"[^A-Za-z0-9_.:-]")  # what HAProxy's names may not hold
+# The POST routes of vLLM's OpenAI API that clients of a model's replicas may use, by the task the model is served
+# for (the plan sizes replicas for generation: every served model is a "generate" one). GET /v1/models and
+# GET /health are answered by the router; nothing else reaches a replica.
+TASK_ROUTES: dict[str, tuple[str, ...]] = {"generate": ("/v1/completions", "/v1/chat/completions")}
+NOT_FOUND = '{"error":{"message":"not found","type":"NotFoundError","code":404}}'
 
 
 # --- what the router gets, as plain data (tested without a node) --------------------------------------------------
@@ -72,6 +81,11 @@ class Backend:
     name: str  # HAProxy's backend name
     model: str  # the served model name clients ask for
     servers: tuple[tuple[str, str], ...]  # (replica name, ADDRESS:PORT of its API)
+    task: str = "generate"  # which of TASK_ROUTES its clients may use
+
+    @property
+    def routes(self) -> tuple[str, ...]:
+        return TASK_ROUTES[self.task]
 
     @property
     def model_sha256(self) -> str:
@@ -144,7 +158,8 @@ def config_values(cfg: HostConfig, address: str, found: list[Backend], lists: li
         "check_fall": cfg.router_check_fall,
         "check_rise": cfg.router_check_rise,
         "model_lists": lists,
-        "backends": [{"name": b.name, "comment": b.comment, "model_sha256": b.model_sha256,
+        "not_found": NOT_FOUND,
+        "backends": [{"name": b.name, "comment": b.comment, "model_sha256": b.model_sha256, "routes": b.routes,
                       "servers": [{"name": n, "address": a} for n, a in b.servers]} for b in found],
     }
 

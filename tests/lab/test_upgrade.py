@@ -29,6 +29,11 @@ GPUFLEET = [sys.executable, "-m", "gpufleet.cli"]
 START_VERSION = LAB_VLLM_VERSION
 OTHER_VERSION = max(set(LAB_VLLM_VERSIONS) - {START_VERSION})  # the release the fleet is upgraded to
 ROLLOUT_TIMEOUT_S = 2400
+# The good rollouts' canary latency bound. A CPU replica's first requests after its start answer several times
+# slower than before (lab, a good release: the canary's mean 883 ms after a 20 s watch of 8 requests, the replica
+# not rolled 281 ms), more so while the unit tiers share the two cores: the default 2.0 can stop a good release. The bound that judges a slow
+# release is tests/data/rollout_runs' (canary_latency_*); these tests are about rolling with no request lost.
+LAB_LATENCY_RATIO = "10"
 
 
 def _traffic(lab: Lab) -> RequestLoad:
@@ -102,7 +107,7 @@ def test_an_upgrade_under_load_rolls_both_replicas_and_loses_no_request(
     assert _served_versions(lab) == {START_VERSION}
     done, report, traffic = _rolled(lab, tmp_path, tmp_path_factory, f"upgrade {START_VERSION} -> {OTHER_VERSION}",
                                     "upgrade", "inventories/lab.py", "--batches", "1,100%", "--canary-s", "20",
-                                    "--data", f"vllm_version={OTHER_VERSION}")
+                                    "--max-latency-ratio", LAB_LATENCY_RATIO, "--data", f"vllm_version={OTHER_VERSION}")
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert _states(report) == {single(lab): "rolled", PIPELINE: "rolled"}, done.stdout[-4000:]
     assert traffic.figures()["requests"] > 0 and traffic.failures == [], traffic.failures[:5]
@@ -133,7 +138,8 @@ def test_rollback_returns_the_fleet_to_the_previous_release(
         lab: Lab, faults: Completed | None, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     """The release before the good upgrade: the broken one, rolled back, did not become "previous"."""
     done, report, traffic = _rolled(lab, tmp_path, tmp_path_factory, f"rollback {OTHER_VERSION} -> {START_VERSION}",
-                                    "rollback", "inventories/lab.py", "--batches", "1,100%", "--canary-s", "10")
+                                    "rollback", "inventories/lab.py", "--batches", "1,100%", "--canary-s", "10",
+                                    "--max-latency-ratio", LAB_LATENCY_RATIO)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert _states(report) == {single(lab): "rolled", PIPELINE: "rolled"}, done.stdout[-4000:]
     assert traffic.figures()["requests"] > 0 and traffic.failures == [], traffic.failures[:5]

@@ -7,6 +7,7 @@ three replicas); the replicas are small HTTP servers on 127.0.0.1 that answer li
 
 from __future__ import annotations
 
+import http.client
 import json
 import socket
 import subprocess
@@ -23,16 +24,18 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import yaml
 
 import roles.router as router_role
 from gpufleet.node import router_admin
-from tests.conftest import host_tool
+from tests.conftest import DATA, host_tool
 from tests.loopback_http import QuietHandler, loopback_server
 from tests.unit.test_vllm_role import _config
 
 HOSTILE = "tiny llama $HOME 100% 'q' \"x\""
 PLAIN = "meta-llama/Llama-3.1-8B"
 KEY = "router-test-key"
+ROUTES = yaml.safe_load((DATA / "router" / "routes.yaml").read_text())
 
 
 class FakeReplica:
@@ -40,6 +43,7 @@ class FakeReplica:
 
     def __init__(self, name: str) -> None:
         self.name, self.mode, self.posts = name, "ok", 0
+        self.seen: list[tuple[str, str]] = []  # (method, path) of every request that reached it
         self.lock = threading.Lock()
 
     def handler(self) -> type[BaseHTTPRequestHandler]:
@@ -56,10 +60,22 @@ class FakeReplica:
                 self.end_headers()
                 self.wfile.write(data)
 
+            def _seen(self) -> None:
+                with replica.lock:
+                    replica.seen.append((self.command, self.path))
+
             def do_GET(self) -> None:
+                self._seen()
                 self._answer(200, {})
 
+            def do_PUT(self) -> None:
+                self._seen()
+                self._answer(200, {})
+
+            do_DELETE = do_PUT
+
             def do_POST(self) -> None:
+                self._seen()
                 request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 with replica.lock:
                     replica.posts += 1
@@ -200,3 +216,36 @@ def test_the_metrics_endpoint_speaks_prometheus(router: Router) -> None:
         text = response.read().decode()
     assert 'haproxy_backend_http_responses_total{proxy="model-meta-llama_Llama-3.1-8B",code="2xx"}' in text
     assert 'haproxy_server_status{proxy="model-tiny_llama__HOME_100___q___x_",server="pool_a-0",state="UP"} 1' in text
+
+
+
+def _ask(router: Router, method: str, path: str) -> tuple[int, bytes]:
+    """One request as sent (no client library normalizes the path), a served model and its key in it."""
+    host, port = router.url.removeprefix("http://").rsplit(":", 1)
+    body = json.dumps({"model": PLAIN, "prompt": "hi", "max_tokens": 1}).encode()
+    connection = http.client.HTTPConnection(host, int(port), timeout=20)
+    try:
+        connection.request(method, path, body=body,
+                           headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+        answer = connection.getresponse()
+        return answer.status, answer.read()
+    finally:
+        connection.close()
+
+
+def test_only_the_routes_of_the_models_task_reach_a_replica(router: Router) -> None:
+    """Each method and path of tests/data/router/routes.yaml: the router's status, and whether a replica saw the
+    request (the router's own GET /health checks aside)."""
+    wrong = []
+    for route in ROUTES:
+        for replica in router.replicas.values():
+            with replica.lock:
+                replica.seen.clear()
+        status, text = _ask(router, route["method"], route["path"])
+        reached = [(method, path) for replica in router.replicas.values() for method, path in replica.seen
+                   if (method, path) != ("GET", "/health")]
+        found = {"status": status, "reaches": bool(reached)}
+        if found != {"status": route["status"], "reaches": route["reaches"]}:
+            wrong.append((route["method"], route["path"], found, text[:80]))
+    assert wrong == []
+    assert json.loads(_ask(router, "GET", "/health")[1]) == {"status": "ok"}  # the router's answer, not a replica's

@@ -44,8 +44,11 @@ def test_ray_admits_its_replicas_nodes_and_the_monitoring_hosts_only() -> None:
     assert access.ray_sources(cfg, ["10.0.0.6", "10.0.0.5"]) == ["10.0.0.5/32", "10.0.0.6/32", "10.9.0.1/32"]
 
 
-def test_vllm_is_open_until_allowed_from_is_set() -> None:
+def test_vllm_is_open_until_allowed_from_is_set_or_routers_exist() -> None:
     assert access.vllm_sources(_cfg(), "10.0.0.5", ["10.0.0.5", "10.0.0.6"]) is None
+    # with routers, clients go through them: the replica admits its nodes, monitoring and the routers only
+    assert access.vllm_sources(_cfg(monitoring_addresses=["10.9.0.1"]), "10.0.0.5", ["10.0.0.5", "10.0.0.6"],
+                               routers=["10.8.0.2"]) == ["10.0.0.5/32", "10.0.0.6/32", "10.8.0.2/32", "10.9.0.1/32"]
     cfg = _cfg(monitoring_addresses=["10.9.0.1"], vllm_api_allowed_from=["192.168.7.0/24", "fd00::/64"])
     assert access.vllm_sources(cfg, "10.0.0.5", ["10.0.0.5", "10.0.0.6"]) == [
         "10.0.0.5/32", "10.0.0.6/32", "10.9.0.1/32", "192.168.7.0/24", "fd00::/64"]
