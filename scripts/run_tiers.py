@@ -138,7 +138,8 @@ def main() -> int:
         print(f"FAILED {case.name}")
         for line in case.why.splitlines()[:WHY_LINES]:
             print(f"    {line[:300]}")
-    counts = {outcome: sum(1 for case in every if case.outcome == outcome) for outcome in ("passed", "failed", "skipped")}
+    counts = {outcome: sum(1 for case in every if case.outcome == outcome)
+              for outcome in ("passed", "failed", "skipped")}
     # a tier that failed outside its tests (lint, a collection error, a crash) counts as one failure
     counts["failed"] += sum(1 for tier in tiers if tier.status != 0 and not any(
         case.outcome == "failed" for case in cases(tier.report)))

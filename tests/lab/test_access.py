@@ -8,15 +8,25 @@ network, while the controller's side of the lab (the bridge address) is the moni
 
 from __future__ import annotations
 
+import http.client
 import ipaddress
+import json
+import re
+import time
 
 import pytest
+import yaml
 
 from gpufleet.lab.state import NodeRecord
 from gpufleet.unit_security import EXPOSURE_BOUND
 from roles import ray as ray_role
+from tests.conftest import DATA
+from tests.lab import fleet
 from tests.lab.fleet import PIPELINE, PORT, RENDEZVOUS, controller_reaches, exposures, reach
 from tests.lab.harness import Completed, Lab
+
+ROUTES = yaml.safe_load((DATA / "router" / "routes.yaml").read_text())
+ACCESS_LINE = re.compile(r'"([A-Z]+) (\S+) HTTP/1\.[01]"')  # uvicorn's access log, in the replicas' journal
 
 pytestmark = pytest.mark.filterwarnings("ignore:Unknown ssh-ed25519 host key:UserWarning")
 
@@ -51,3 +61,41 @@ def test_every_unit_gpufleet_writes_is_confined(lab: Lab, mp_replica: tuple[Node
     for unit in ("vllm@*.service", "node_exporter.service", "dcgm-exporter.service"):
         assert worst.get(unit, 10.0) <= EXPOSURE_BOUND, worst
 
+
+
+def _ask(lab: Lab, method: str, path: str, key: str | None) -> int:
+    """One request to the router on lab1 as sent (no client library touches the path), the served model in it."""
+    connection = http.client.HTTPConnection(lab.nodes[0].address, fleet.ROUTER_PORT, timeout=120)
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    body = json.dumps({"model": fleet.served_name("lab"), "prompt": "hi", "max_tokens": 1}).encode()
+    try:
+        connection.request(method, path, body=body, headers=headers)
+        answer = connection.getresponse()
+        answer.read()
+        return answer.status
+    finally:
+        connection.close()
+
+
+def test_the_router_passes_only_the_routes_of_the_models_task(lab: Lab, serving: Completed | None) -> None:
+    """Each route of tests/data/router/routes.yaml through the router, with no key, a wrong key and the replicas'
+    key: a route the router refuses is answered 404 whatever the key, and the replicas' access logs (vLLM's, in
+    the journal of lab1's and lab2's replicas) show it never arrived; a generation route with the replicas' key
+    is served."""
+    since = lab.host(lab.nodes[0]).check_output("date +%s")
+    found: dict[tuple[str, str, str], int] = {}
+    for label, key in (("no key", None), ("wrong key", "not-the-key"), ("replicas' key", fleet.api_key(lab))):
+        for route in ROUTES:
+            found[(label, route["method"], route["path"])] = _ask(lab, route["method"], route["path"], key)
+    refused = [route for route in ROUTES if not route["reaches"] and route["status"] == 404]
+    assert {k: v for k, v in found.items() if (k[1], k[2]) in {(r["method"], r["path"]) for r in refused}
+            and v != 404} == {}
+    served = [(r["method"], r["path"]) for r in ROUTES if r["reaches"]]
+    assert {k: v for k, v in found.items() if k[0] == "replicas' key" and (k[1], k[2]) in served and v != 200} == {}
+    time.sleep(1)  # the journal has the last access lines
+    arrived: set[tuple[str, str]] = set()
+    for node in lab.nodes[:2]:
+        log = lab.host(node).check_output(f"journalctl -q -o cat --no-pager --since @{since} -u 'vllm@*'")
+        arrived |= {(method, path) for method, path in ACCESS_LINE.findall(log)}
+    assert ("POST", "/v1/completions") in arrived  # the logs show what reached vLLM
+    assert arrived & {(r["method"], r["path"]) for r in refused} == set()

@@ -31,8 +31,9 @@ OTHER_VERSION = max(set(LAB_VLLM_VERSIONS) - {START_VERSION})  # the release the
 ROLLOUT_TIMEOUT_S = 2400
 # The good rollouts' canary latency bound. A CPU replica's first requests after its start answer several times
 # slower than before (lab, a good release: the canary's mean 883 ms after a 20 s watch of 8 requests, the replica
-# not rolled 281 ms), more so while the unit tiers share the two cores: the default 2.0 can stop a good release. The bound that judges a slow
-# release is tests/data/rollout_runs' (canary_latency_*); these tests are about rolling with no request lost.
+# not rolled 281 ms), more so while the unit tiers share the two cores: the default 2.0 can stop a good release.
+# The bound that judges a slow release is tests/data/rollout_runs' (canary_latency_*); these tests are about
+# rolling with no request lost.
 LAB_LATENCY_RATIO = "10"
 
 

@@ -72,7 +72,9 @@ class FakeReplica:
                 self._seen()
                 self._answer(200, {})
 
-            do_DELETE = do_PUT
+            def do_DELETE(self) -> None:
+                self._seen()
+                self._answer(200, {})
 
             def do_POST(self) -> None:
                 self._seen()

@@ -16,7 +16,8 @@ REPORT = """<?xml version="1.0" encoding="utf-8"?>
 <testsuites><testsuite name="pytest">
 <testcase classname="tests.lab.test_upgrade" name="test_up" time="312.5">
   <failure message="AssertionError: [{'status': 502}]&#10;assert 1 == 0">long traceback</failure></testcase>
-<testcase classname="tests.lab.test_upgrade" name="test_down" time="1.0"><error message="">setup broke</error></testcase>
+<testcase classname="tests.lab.test_upgrade" name="test_down" time="1.0">
+  <error message="">setup broke</error></testcase>
 <testcase classname="tests.unit.test_plan" name="test_ok" time="0.2"/>
 <testcase classname="tests.unit.test_plan" name="test_skip" time="0.0"><skipped message="no promtool"/></testcase>
 </testsuite></testsuites>
