@@ -200,7 +200,8 @@ def test_without_an_allow_list_there_is_no_ip_filter(name: str) -> None:
 
 
 def test_ip_access_is_required_but_by_vllm() -> None:
-    """vLLM serves everyone until vllm_api_allowed_from is set; every other unit must be given its list."""
+    """vLLM serves everyone while it has no allow list (no routers, no vllm_api_allowed_from); every other unit
+    must be given its list."""
     assert not any(line.startswith("IPAddress") for line in _lines("vllm/vllm@.service.j2", ip_access=None))
     with pytest.raises(UndefinedError):
         _lines("ray/ray.service.j2", ip_access=None)
