@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from gpufleet.cli_lab import lab_group
-from gpufleet.lab import network, nodes, preflight, rootfs, tiny_model
+from gpufleet.lab import network, nodes, preflight, rootfs, supervise, tiny_model
 from gpufleet.lab.errors import LabError
 from gpufleet.lab.state import CACHE_DIR_ENV, LabState, NodeRecord, ProcessRecord, load_state, save_state
 
@@ -142,3 +142,34 @@ def test_cli_status_without_a_lab(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv("GPUFLEET_LAB_DIR", str(tmp_path))
     result = CliRunner().invoke(lab_group, ["status", "--json"])
     assert result.exit_code == 0 and result.output.strip() == "null"
+
+
+MOUNTINFO = """\
+31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755
+32 31 0:29 / /sys/fs/cgroup/cpu rw,relatime - cgroup cgroup rw,cpu
+40 31 0:37 / /sys/fs/cgroup/systemd rw,relatime - cgroup cgroup rw,name=systemd
+41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw
+42 23 0:39 / /proc rw,nosuid - proc proc rw
+"""
+
+
+def test_a_node_gets_cgroups_of_its_own_in_the_hierarchies_systemd_uses() -> None:
+    """The supervisor moves a node into gpufleet-lab/<machine> of cgroup2 and of v1's name=systemd (a hybrid
+    host's two), not of the v1 controllers'; the machine is nspawn's --machine=."""
+    assert supervise.systemd_hierarchies(MOUNTINFO) == [Path("/sys/fs/cgroup/systemd"), Path("/sys/fs/cgroup/unified")]
+    pure_v2 = "30 23 0:26 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw,nsdelegate\n"
+    assert supervise.systemd_hierarchies(pure_v2) == [Path("/sys/fs/cgroup")]
+    argv = ["systemd-nspawn", "--directory=/x", "--machine=gflabt3-lab2", "--boot"]
+    assert supervise.machine_of(argv) == "gflabt3-lab2" and supervise.machine_of(["true"]) is None
+
+
+def test_a_nodes_cgroup_tree_is_removed_deepest_first(tmp_path: Path) -> None:
+    top = tmp_path / "gflabt3-lab2"
+    (top / "payload" / "system.slice" / "vllm@x.service").mkdir(parents=True)
+    (top / "supervisor").mkdir()
+    supervise.clear_children([top])
+    assert top.is_dir() and list(top.iterdir()) == []  # the node's own cgroup stays: the supervisor is in it
+    assert supervise.remove_tree(top) and not top.exists()
+    (top / "busy").mkdir(parents=True)
+    (top / "busy" / "cgroup.procs").write_text("1\n")  # a cgroup that still has processes is not removed
+    assert not supervise.remove_tree(top, wait_s=0.3) and (top / "busy").is_dir()
