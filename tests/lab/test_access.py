@@ -67,7 +67,8 @@ def _ask(lab: Lab, method: str, path: str, key: str | None) -> int:
     """One request to the router on lab1 as sent (no client library touches the path), the served model in it."""
     connection = http.client.HTTPConnection(lab.nodes[0].address, fleet.ROUTER_PORT, timeout=120)
     headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
-    body = json.dumps({"model": fleet.served_name("lab"), "prompt": "hi", "max_tokens": 1}).encode()
+    asked = {"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"}
+    body = json.dumps({"model": fleet.served_name("lab"), **asked, "max_tokens": 1}).encode()
     try:
         connection.request(method, path, body=body, headers=headers)
         answer = connection.getresponse()

@@ -146,10 +146,11 @@ def test_check_reports_no_drift_then_names_a_drifted_node(lab: Lab, serving: Com
         assert f"[{node.address}] gate: pass; drift: 0 operation(s)" in clean.output
     node = lab.nodes[2]
     policy = "/etc/gpufleet/gpu-health.json"
-    lab.host(node).check_output(f"cp {policy} {policy}.saved && echo '# edited' >> {policy}")
+    # drift that leaves the policy valid: the node's GPU watch (every 30 s) reads it meanwhile
+    lab.host(node).check_output(f"cp {policy} {policy}.saved && echo >> {policy}")
     try:
         drifted = run([str(PYINFRA), INVENTORY, "deploys/check.py", "-y"], lab.env, 600)
-        assert "# edited" in lab.host(node).file(policy).content_string  # check changes nothing
+        assert lab.host(node).file(policy).content_string.endswith("\n\n")  # check changes nothing
     finally:
         lab.host(node).check_output(f"mv {policy}.saved {policy}")
     assert drifted.rc != 0
