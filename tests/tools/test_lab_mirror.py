@@ -78,7 +78,10 @@ def _listening(pid: int) -> set[tuple[str, int]]:
     """The TCP (v4 and v6) addresses a process listens on, from its socket inodes and /proc/net."""
     inodes = set()
     for fd in Path(f"/proc/{pid}/fd").iterdir():
-        target = os.readlink(fd)
+        try:
+            target = os.readlink(fd)
+        except FileNotFoundError:  # closed meanwhile (a connection the server just finished): not a listener
+            continue
         if target.startswith("socket:["):
             inodes.add(target[8:-1])
     found = set()
