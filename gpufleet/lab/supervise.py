@@ -65,13 +65,13 @@ def remove_tree(top: Path, wait_s: float = 0.0) -> bool:
 
 
 def own_cgroups(machine: str, hierarchies: list[Path]) -> list[Path]:
-    """Move this process into a fresh ``CGROUP_PARENT/<machine>`` of each hierarchy (a stale one is removed
-    first); the cgroups it is in now. A hierarchy it cannot write is left as it is."""
+    """Move this process into ``CGROUP_PARENT/<machine>`` of each hierarchy (what a stale one holds below it is
+    removed at each boot: :func:`clear_children`); the cgroups it is in now. A hierarchy it cannot write is left as
+    it is."""
     moved = []
     for mount in hierarchies:
         place = mount / CGROUP_PARENT / machine
         try:
-            remove_tree(place)
             place.mkdir(parents=True, exist_ok=True)
             (place / "cgroup.procs").write_text(f"{os.getpid()}\n")
         except OSError as exc:
