@@ -1,7 +1,9 @@
-"""A test's HTTP server on 127.0.0.1 (a free port), for node tools that talk to a replica's API."""
+"""A test's HTTP server on 127.0.0.1 (a free port), for node tools that talk to a replica's API; and a request sent
+exactly as written, for tests of what a router lets through."""
 
 from __future__ import annotations
 
+import http.client
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -34,3 +36,15 @@ def loopback_server(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
     finally:
         server.shutdown()
         server.server_close()
+
+
+def raw_request(host: str, port: int, method: str, path: str, body: bytes,
+                headers: dict[str, str]) -> tuple[int, bytes]:
+    """One request with ``path`` as written (no client library normalizes it): the status and the answer."""
+    connection = http.client.HTTPConnection(host, port, timeout=120)
+    try:
+        connection.request(method, path, body=body, headers=headers)
+        answer = connection.getresponse()
+        return answer.status, answer.read()
+    finally:
+        connection.close()

@@ -8,7 +8,6 @@ network, while the controller's side of the lab (the bridge address) is the moni
 
 from __future__ import annotations
 
-import http.client
 import ipaddress
 import json
 import re
@@ -25,6 +24,7 @@ from tests.conftest import DATA
 from tests.lab import fleet
 from tests.lab.fleet import PIPELINE, PORT, RENDEZVOUS, controller_reaches, exposures, reach
 from tests.lab.harness import Completed, Lab
+from tests.loopback_http import raw_request
 
 ROUTES = yaml.safe_load((DATA / "router" / "routes.yaml").read_text())
 ACCESS_LINE = re.compile(r'"([A-Z]+) (\S+) HTTP/1\.[01]"')  # uvicorn's access log, in the replicas' journal
@@ -65,19 +65,14 @@ def test_every_unit_gpufleet_writes_is_confined(lab: Lab, mp_replica: tuple[Node
 
 
 def _ask(lab: Lab, method: str, path: str, key: str | None, marker: str) -> int:
-    """One request to the router on lab1 as sent (no client library touches the path), the served model in it and
-    ``marker`` in its query (the router routes on the path alone; vLLM's access log shows the query)."""
-    connection = http.client.HTTPConnection(lab.nodes[0].address, fleet.ROUTER_PORT, timeout=120)
+    """One request to the router on lab1 as sent, the served model in it and ``marker`` in its query (the router
+    routes on the path alone; vLLM's access log shows the query)."""
     headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
     asked = {"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"}
     body = json.dumps({"model": fleet.served_name("lab"), **asked, "max_tokens": 1}).encode()
-    try:
-        connection.request(method, f"{path}{'&' if '?' in path else '?'}{marker}", body=body, headers=headers)
-        answer = connection.getresponse()
-        answer.read()
-        return answer.status
-    finally:
-        connection.close()
+    status, _ = raw_request(lab.nodes[0].address, fleet.ROUTER_PORT, method,
+                            f"{path}{'&' if '?' in path else '?'}{marker}", body, headers)
+    return status
 
 
 def test_the_router_passes_only_the_routes_of_the_models_task(lab: Lab, serving: Completed | None) -> None:

@@ -7,7 +7,6 @@ three replicas); the replicas are small HTTP servers on 127.0.0.1 that answer li
 
 from __future__ import annotations
 
-import http.client
 import json
 import socket
 import subprocess
@@ -29,7 +28,7 @@ import yaml
 import roles.router as router_role
 from gpufleet.node import router_admin
 from tests.conftest import DATA, host_tool
-from tests.loopback_http import QuietHandler, loopback_server
+from tests.loopback_http import QuietHandler, loopback_server, raw_request
 from tests.unit.test_vllm_role import _config
 
 HOSTILE = "tiny llama $HOME 100% 'q' \"x\""
@@ -222,17 +221,11 @@ def test_the_metrics_endpoint_speaks_prometheus(router: Router) -> None:
 
 
 def _ask(router: Router, method: str, path: str) -> tuple[int, bytes]:
-    """One request as sent (no client library normalizes the path), a served model and its key in it."""
+    """One request as sent, a served model and its key in it."""
     host, port = router.url.removeprefix("http://").rsplit(":", 1)
     body = json.dumps({"model": PLAIN, "prompt": "hi", "max_tokens": 1}).encode()
-    connection = http.client.HTTPConnection(host, int(port), timeout=20)
-    try:
-        connection.request(method, path, body=body,
-                           headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
-        answer = connection.getresponse()
-        return answer.status, answer.read()
-    finally:
-        connection.close()
+    return raw_request(host, int(port), method, path, body,
+                       {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
 
 
 def test_only_the_routes_of_the_models_task_reach_a_replica(router: Router) -> None:
