@@ -33,8 +33,9 @@ that the in-process calls are the path those commands take.
 
 The host is 127.0.0.1 with ``ssh_port`` on a loopback listener the test opens: a case that slipped through would
 connect to it under the real ``pyinfra`` (in this process, ``make_inventory`` would return: exit status 0).
-"Fast" is the CPU time of each entry point on each case (under 2 s), which other load on the machine does not
-inflate; a hung subprocess is killed after HANG_SECONDS.
+"Fast" is the CPU time of each entry point on each case: under MAX_SECONDS in this process; a subprocess also pays
+its interpreter's start and imports (1.3 s for pyinfra on a quiet machine, 2.0 s seen while the lab tier used both
+cores), so its bound is MAX_SUBPROCESS_SECONDS. A hung subprocess is killed after HANG_SECONDS.
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ BASE_ALL = {
 HOST = "127.0.0.1"
 HANG_SECONDS = 30
 MAX_SECONDS = 2.0
+MAX_SUBPROCESS_SECONDS = 4.0
 INVENTORY = "inventories/fleet.py"
 
 
@@ -284,11 +286,12 @@ def run_in_process(case: dict[str, Any], root: Path, port: int, monkeypatch: pyt
     return check_in_process(root, data, monkeypatch), pyinfra_in_process(root, data, monkeypatch)
 
 
-def assert_refused(case: dict[str, Any], check: Run, pyinfra: Run, accepted: int) -> None:
+def assert_refused(case: dict[str, Any], check: Run, pyinfra: Run, accepted: int,
+                   max_seconds: float = MAX_SECONDS) -> None:
     for name, result in (("gpufleet check", check), ("pyinfra", pyinfra)):
         assert (result.rc, result.first_line) == (2, case["expect"]), f"{name}:\n{result.stderr}"
         assert "Traceback" not in result.stderr, f"{name}:\n{result.stderr}"
-        assert result.seconds < MAX_SECONDS, f"{name} used {result.seconds:.2f} s of CPU"
+        assert result.seconds < max_seconds, f"{name} used {result.seconds:.2f} s of CPU"
     assert accepted == 0, "pyinfra connected to the host"
 
 
@@ -341,6 +344,7 @@ def test_the_real_commands_take_the_same_path(
         in_check, in_pyinfra = run_in_process(case, tmp_path / "in_process", listener.port, monkeypatch)
     finally:
         listener.close()
-    assert_refused(case, check, pyinfra, listener.accepted)
+    assert_refused(case, check, pyinfra, listener.accepted, MAX_SUBPROCESS_SECONDS)
+    assert_refused(case, in_check, in_pyinfra, 0)
     assert (in_check.rc, in_check.first_line) == (check.rc, check.first_line), in_check.stderr
     assert (in_pyinfra.rc, in_pyinfra.first_line) == (pyinfra.rc, pyinfra.first_line), in_pyinfra.stderr
