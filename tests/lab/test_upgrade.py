@@ -38,10 +38,12 @@ LAB_LATENCY_RATIO = "10"
 
 
 def _traffic(lab: Lab) -> RequestLoad:
-    """Two streams through the router on lab1, each a completion and a streamed chat in turn, one a second, for
-    at most as long as a rollout may take."""
+    """Two streams through the router on lab1, each a completion and a streamed chat in turn, 3 s apart, for at
+    most as long as a rollout may take. Spaced as requests_to's: a CPU vLLM's workers spin for a second after each
+    step, so two streams one second apart kept both cores busy (lab: 99% against 55% at 3 s apart) and a replica
+    restarting beside them took 67 s to serve instead of 51 s."""
     return RequestLoad(f"http://{lab.nodes[0].address}:{ROUTER_PORT}", served_name("lab"), api_key(lab),
-                       streams=2, pause_s=1.0, chat=True, limit_s=ROLLOUT_TIMEOUT_S, limit=3000)
+                       streams=2, pause_s=3.0, chat=True, limit_s=ROLLOUT_TIMEOUT_S, limit=3000)
 
 
 def _rollout(lab: Lab, *args: str, timeout: float = ROLLOUT_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
