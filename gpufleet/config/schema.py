@@ -47,7 +47,7 @@ OWNED_FLAGS = {
     "--headless": "vllm_nodes_per_replica", "--master-addr": "fleet_address", "--master-port": "vllm_master_port",
     "--data-parallel-address": "fleet_address", "--data-parallel-rpc-port": "vllm_master_port",
     "--download-dir": "vllm_model", "--tokenizer": "vllm_model",
-    "--shutdown-timeout": "vllm_shutdown_timeout_s",
+    "--shutdown-timeout": "vllm_shutdown_timeout_s", "--max-num-queued-reqs": "vllm_max_num_queued_reqs",
 }
 
 CPU_KV_SPACE = "VLLM_CPU_KVCACHE_SPACE"
@@ -220,6 +220,7 @@ class HostConfig(BaseModel):
     vllm_plan_tolerance: Annotated[float, Field(ge=0, le=1)]
     vllm_watchdog_stall_s: int
     vllm_shutdown_timeout_s: Annotated[int, Field(ge=0, le=3600)]
+    vllm_max_num_queued_reqs: Annotated[int, Field(ge=1, le=100_000)] | None
     vllm_api_allowed_from: Annotated[list[str], BeforeValidator(_each(grammar.ip_network))] | None
 
     # ray
@@ -268,6 +269,8 @@ class HostConfig(BaseModel):
     router_retries: Annotated[int, Field(ge=0, le=10)]
     router_max_request_bytes: Annotated[int, Field(ge=16384, le=64 * 2**20)]
     router_max_connections: Annotated[int, Field(ge=1, le=500_000)]
+    router_server_maxconn: Annotated[int, Field(ge=1, le=50_000)] | None
+    router_queue_timeout_s: Annotated[float, Field(gt=0, le=3600)]
 
     # monitoring: alert thresholds
     alert_gpu_critical_xids: list[Annotated[int, Field(ge=1, le=9999)]]

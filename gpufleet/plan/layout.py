@@ -153,6 +153,12 @@ def budget(s: Sizing, memory_bytes: int, tp: int, pp: int) -> tuple[KvBudget, in
     return worst, worst.kv_bytes_per_token
 
 
+def max_num_seqs(s: Sizing, memory_bytes: int, tp: int, pp: int) -> int:
+    """The sequences one data-parallel rank of this layout schedules at once: ``--max-num-seqs``, else vLLM's
+    default for the platform and GPU (the figure the reserve is sized with)."""
+    return s.max_num_seqs or batch_defaults(s.platform, s.gpu_name, memory_bytes, tp * pp)[1]
+
+
 def valid_tp(arch: ModelArch, tp: int) -> bool:
     """vLLM's TP rule: TP divides the attention heads, and TP and the KV heads divide one another."""
     kv = arch.num_kv_heads

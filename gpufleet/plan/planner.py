@@ -17,6 +17,7 @@ from gpufleet.gpu_facts import NodeFacts
 from gpufleet.model_arch import ModelArch, ModelConfigError, load_arch
 from gpufleet.model_memory import GIB, KvBudget, bytes_per_param, safetensors_total_size, weight_bytes
 from gpufleet.plan import layout
+from gpufleet.plan.admission import Admission, UnsupportedLimitError, admission
 from gpufleet.plan.commands import NodeRole, Process, extra_flags, replica_roles, secret_env_names
 from gpufleet.vllm_flags import load_catalog
 
@@ -26,7 +27,7 @@ POOL_WIDE = (
     "vllm_dtype", "vllm_quantization", "vllm_max_model_len", "vllm_gpu_memory_utilization",
     "vllm_kv_cache_dtype", "vllm_tensor_parallel_size", "vllm_pipeline_parallel_size",
     "vllm_data_parallel_size", "vllm_nodes_per_replica", "vllm_distributed_backend", "vllm_extra_args",
-    "vllm_platform", "vllm_memory_reserve_gib",
+    "vllm_platform", "vllm_memory_reserve_gib", "vllm_max_num_queued_reqs", "router_server_maxconn",
 )
 
 
@@ -47,6 +48,7 @@ class Replica:
     budget: KvBudget
     roles: list[NodeRole]
     secret_env: list[str]
+    admission: Admission
 
     @property
     def nodes(self) -> list[str]:
@@ -66,6 +68,8 @@ class Replica:
             "kv_pool_bytes_per_gpu": self.budget.kv_pool_bytes,
             "kv_tokens_per_gpu": self.budget.kv_tokens,
             "max_concurrency": round(self.budget.max_concurrency * self.dp, 2),
+            "router_maxconn": self.admission.maxconn,
+            "max_num_queued_reqs": self.admission.queued_reqs,
             "argv": {h: p.argv for h, p in main.items()},
             "env": {h: p.env for h, p in main.items()},
             "processes": {r.host: [{"unit": p.unit, "argv": p.argv, "env": p.env} for p in r.processes]
@@ -276,7 +280,8 @@ def _plan_pool(pool: str, hosts: list[str], fleet: Fleet, facts: dict[str, NodeF
             raise PoolError(f"TP {tp} x PP {pp} x DP {dp} = {tp * pp * dp} GPUs > {smallest.count} GPUs on"
                             f" {smallest.host}; for more, set vllm_nodes_per_replica",
                             (_TP, _PP, _DP, "vllm_nodes_per_replica"))
-        _single_node_replicas(pool, hosts, fleet, shapes, cfg, tp, pp, b, per_token, max_len, plan)
+        admit = _admission(pool, cfg, b, layout.max_num_seqs(s, smallest.memory_bytes, tp, pp), dp, plan)
+        _single_node_replicas(pool, hosts, fleet, shapes, cfg, tp, pp, b, per_token, max_len, admit, plan)
         return
     if npr == 1 or (npr == "auto" and len(hosts) == 1):
         raise PoolError(_no_fit_message(cfg, s, smallest, how), (_TP, _PP))
@@ -286,7 +291,9 @@ def _plan_pool(pool: str, hosts: list[str], fleet: Fleet, facts: dict[str, NodeF
     for nodes in counts:
         b, per_token = layout.budget(s, smallest.memory_bytes, tp, nodes)
         if b.fits:
-            _multi_node_replicas(pool, hosts, fleet, shapes, cfg, (tp, nodes, nodes, tp), b, per_token, max_len, plan)
+            admit = _admission(pool, cfg, b, layout.max_num_seqs(s, smallest.memory_bytes, tp, nodes), 1, plan)
+            _multi_node_replicas(pool, hosts, fleet, shapes, cfg, (tp, nodes, nodes, tp), b, per_token, max_len,
+                                 admit, plan)
             return
     nodes = counts[-1]
     b, _ = layout.budget(s, smallest.memory_bytes, tp, nodes)
@@ -344,13 +351,28 @@ def _tp_across_nodes(pool: str, hosts: list[str], fleet: Fleet, shapes: list[lay
         f"pool {pool}: TP {tp} spans {tp // per_node} nodes of {_gpus(per_node)}: every layer's all-reduce crosses"
         f" the network between them ({cfg.fleet_interface}), many times slower than NVLink; only worth it with"
         " RDMA (InfiniBand, RoCE) between the nodes; PP across nodes (TP up to one node's GPUs) needs far less")
+    admit = _admission(pool, cfg, b, layout.max_num_seqs(s, smallest.memory_bytes, tp, pp), 1, plan)
     _multi_node_replicas(pool, hosts, fleet, shapes, cfg, (tp, pp, nodes, per_node), b, per_token, s.max_model_len,
-                         plan)
+                         admit, plan)
+
+
+def _admission(pool: str, cfg: HostConfig, b: KvBudget, max_num_seqs: int, dp: int, plan: FleetPlan) -> Admission:
+    """The admission figures of a pool's replicas (they share one budget); warned when vLLM's limit is below the
+    router's maxconn."""
+    try:
+        found = admission(cfg, b, max_num_seqs, dp, load_catalog(cfg.vllm_version))
+    except UnsupportedLimitError as exc:
+        raise _about("vllm_max_num_queued_reqs", ": ", str(exc)) from None
+    if found.queued_reqs is not None and found.queued_reqs < found.maxconn:
+        plan.warnings.append(
+            f"pool {pool}: vllm_max_num_queued_reqs {found.queued_reqs} is below the router's maxconn {found.maxconn}"
+            " of each replica: vLLM answers 503 to requests the router admitted")
+    return found
 
 
 def _single_node_replicas(pool: str, hosts: list[str], fleet: Fleet, shapes: list[layout.NodeShape],
                           cfg: HostConfig, tp: int, pp: int, b: KvBudget, per_token: int, max_len: int,
-                          plan: FleetPlan) -> None:
+                          admit: Admission, plan: FleetPlan) -> None:
     size = tp * pp * cfg.vllm_data_parallel_size
     for shape in shapes:
         if size > shape.largest_island and shape.count > 1:
@@ -370,15 +392,15 @@ def _single_node_replicas(pool: str, hosts: list[str], fleet: Fleet, shapes: lis
             short = _short_name(shape.host)
             name = f"{pool}-{short}-{k}" if len(sets) > 1 else f"{pool}-{short}"
             roles = replica_roles([host_cfg], [shape.host], [address], [gpus], host_cfg.vllm_port + k,
-                                  tp, pp, cfg.vllm_data_parallel_size, max_len)
+                                  tp, pp, cfg.vllm_data_parallel_size, max_len, queued_reqs=admit.queued_reqs)
             plan.replicas.append(Replica(name, pool, cfg.vllm_model, tp, pp, cfg.vllm_data_parallel_size,
                                          host_cfg.vllm_port + k, "single-node", max_len, per_token, b, roles,
-                                         secret_env_names(host_cfg)))
+                                         secret_env_names(host_cfg), admit))
 
 
 def _multi_node_replicas(pool: str, hosts: list[str], fleet: Fleet, shapes: list[layout.NodeShape],
                          cfg: HostConfig, shape: tuple[int, int, int, int], b: KvBudget, per_token: int, max_len: int,
-                         plan: FleetPlan) -> None:
+                         admit: Admission, plan: FleetPlan) -> None:
     """Replicas of ``shape`` (TP, PP, nodes, GPUs per node) on consecutive groups of the pool's hosts."""
     tp, pp, nodes, per_node = shape
     if nodes > len(hosts):
@@ -397,10 +419,10 @@ def _multi_node_replicas(pool: str, hosts: list[str], fleet: Fleet, shapes: list
             gpus.append(sets[0])
         addresses = [c.fleet_address or g.host for c, g in zip(cfgs, group, strict=True)]
         roles = replica_roles(cfgs, [g.host for g in group], addresses, gpus, cfgs[0].vllm_port,
-                              tp, pp, 1, max_len)
+                              tp, pp, 1, max_len, queued_reqs=admit.queued_reqs)
         plan.replicas.append(Replica(f"{pool}-{k}", pool, cfg.vllm_model, tp, pp, 1, cfgs[0].vllm_port,
                                      cfg.vllm_distributed_backend, max_len, per_token, b, roles,
-                                     secret_env_names(cfgs[0])))
+                                     secret_env_names(cfgs[0]), admit))
     spare = hosts[(len(hosts) // nodes) * nodes:]
     if spare:
         plan.idle += spare

@@ -21,6 +21,9 @@ After it, a router host has:
     ``router_check_interval_s``, a request retried on another replica when its replica refused the connection,
     answered nothing or answered 503 (``router_retries``, ``option redispatch``), timeouts for long streams
     (``router_timeout_s``);
+  - admission: each server takes at most the plan's ``maxconn`` of its replica at once
+    (:mod:`gpufleet.plan.admission`); the other requests wait in the backend's queue, at most
+    ``router_queue_timeout_s``, then get a 503 with ``Retry-After`` (every 503 the router makes itself does);
   - the runtime API on ``/run/haproxy/gpufleet-admin.sock`` (0600: drain, weights, in-flight counts; the node
     tool ``router_admin.py`` speaks it);
   - HAProxy's Prometheus endpoint on ``<fleet address>:router_metrics_port/metrics``, for the router itself and
@@ -35,9 +38,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 import shlex
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,6 +74,10 @@ _IDENTIFIER_UNSAFE = re.compile(r"[^A-Za-z0-9_.:-]")  # what HAProxy's names may
 # GET /health are answered by the router; nothing else reaches a replica.
 TASK_ROUTES: dict[str, tuple[str, ...]] = {"generate": ("/v1/completions", "/v1/chat/completions")}
 NOT_FOUND = '{"error":{"message":"not found","type":"NotFoundError","code":404}}'
+# What HAProxy answers itself with 503 (a request that waited router_queue_timeout_s for a free replica, or no
+# replica up), with a Retry-After header.
+UNAVAILABLE = ('{"error":{"message":"every replica of the model is busy or down; retry later",'
+               '"type":"ServiceUnavailableError","code":503}}')
 
 
 # --- what the router gets, as plain data (tested without a node) --------------------------------------------------
@@ -117,6 +125,11 @@ def backends(replicas: Iterable[Replica], configs: dict[str, HostConfig]) -> lis
     return found
 
 
+def replica_maxconn(replicas: Iterable[Replica]) -> dict[str, int]:
+    """Each replica's ``maxconn`` at the router, by its name (its server's): the plan's admission."""
+    return {replica.name: replica.admission.maxconn for replica in replicas}
+
+
 def key_sha256(api_key: str | None) -> str | None:
     """The SHA-256 (hex) of the Authorization header that carries ``api_key``; None without a key."""
     return hashlib.sha256(f"Bearer {api_key}".encode()).hexdigest() if api_key else None
@@ -140,9 +153,15 @@ def _models_body(models: list[str]) -> str:
     return json.dumps({"object": "list", "data": data}, separators=(",", ":")).replace("'", "\\u0027")
 
 
+def retry_after_s(cfg: HostConfig) -> int:
+    """The ``Retry-After`` of the router's own 503s: the queue timeout, in whole seconds (at least 1)."""
+    return max(1, math.ceil(cfg.router_queue_timeout_s))
+
+
 def config_values(cfg: HostConfig, address: str, found: list[Backend], lists: list[dict[str, str | None]],
-                  metrics_allowed: list[str]) -> dict[str, Any]:
-    """What templates/router/haproxy.cfg.j2 is rendered with."""
+                  metrics_allowed: list[str], maxconn: Mapping[str, int]) -> dict[str, Any]:
+    """What templates/router/haproxy.cfg.j2 is rendered with; ``maxconn``: each replica's, by name
+    (:func:`replica_maxconn`)."""
     return {
         "listen": host_port(cfg.router_listen_address or address, cfg.router_port),
         "metrics_listen": host_port(address, cfg.router_metrics_port),
@@ -153,6 +172,9 @@ def config_values(cfg: HostConfig, address: str, found: list[Backend], lists: li
         "buffer_bytes": cfg.router_max_request_bytes + HEADER_BYTES,
         "timeout_s": cfg.router_timeout_s,
         "connect_timeout_s": cfg.router_connect_timeout_s,
+        "queue_timeout_ms": max(1, round(cfg.router_queue_timeout_s * 1000)),
+        "retry_after_s": retry_after_s(cfg),
+        "unavailable": UNAVAILABLE,
         "retries": cfg.router_retries,
         "check_interval_s": cfg.router_check_interval_s,
         "check_fall": cfg.router_check_fall,
@@ -160,7 +182,8 @@ def config_values(cfg: HostConfig, address: str, found: list[Backend], lists: li
         "model_lists": lists,
         "not_found": NOT_FOUND,
         "backends": [{"name": b.name, "comment": b.comment, "model_sha256": b.model_sha256, "routes": b.routes,
-                      "servers": [{"name": n, "address": a} for n, a in b.servers]} for b in found],
+                      "servers": [{"name": n, "address": a, "maxconn": maxconn[n]} for n, a in b.servers]}
+                     for b in found],
     }
 
 
@@ -194,7 +217,7 @@ def fleet_values(cfg: HostConfig, address: str) -> dict[str, Any]:
         metrics_allowed = access.exporter_sources(cfg, address, access.deploy_group())
     except ConfigError as error:
         exit_with(error)
-    return config_values(cfg, address, found, model_lists(by_key), metrics_allowed)
+    return config_values(cfg, address, found, model_lists(by_key), metrics_allowed, replica_maxconn(ctx.plan.replicas))
 
 
 # --- the deploy ----------------------------------------------------------------------------------------------------

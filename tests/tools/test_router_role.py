@@ -153,7 +153,8 @@ def router(tmp_path: Path) -> Iterator[Router]:
                   router_check_fall=1, router_check_rise=1, router_max_request_bytes=16384)
     values = router_role.config_values(
         cfg, "127.0.0.1", router_role.backends(plan, configs),  # type: ignore[arg-type]
-        router_role.model_lists({None: [HOSTILE], router_role.key_sha256(KEY): [PLAIN]}), [])
+        router_role.model_lists({None: [HOSTILE], router_role.key_sha256(KEY): [PLAIN]}), [],
+        dict.fromkeys(names, 64))
     values["admin_socket"] = str(tmp_path / "admin.sock")
     (tmp_path / "haproxy.cfg").write_text(router_role.render(values))
     checked = subprocess.run([haproxy, "-c", "-f", str(tmp_path / "haproxy.cfg")], capture_output=True, text=True)

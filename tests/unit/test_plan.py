@@ -384,12 +384,14 @@ def test_planned_config_yaml_is_typed_from_the_config(project: Project) -> None:
     assert config == {
         "served-model-name": "8", "host": "h1", "port": 8000, "tensor-parallel-size": 8,
         "pipeline-parallel-size": 1, "max-model-len": 8192, "gpu-memory-utilization": 0.92, "shutdown-timeout": 60,
+        "max-num-queued-reqs": 128,  # twice max-num-seqs: the KV cache holds more at 8192 tokens
         "enable-prefix-caching": False, "max-num-seqs": 64, "logits-processors": ["a.B", "c.D"],
         "override-generation-config": '{"temperature":0.5}'}
     assert process.argv[3:] == [
         "--served-model-name", "8", "--host", "h1", "--port", "8000", "--tensor-parallel-size", "8",
         "--pipeline-parallel-size", "1", "--max-model-len", "8192", "--gpu-memory-utilization", "0.92",
-        "--shutdown-timeout", "60", "--no-enable-prefix-caching", "--max-num-seqs", "64",
+        "--shutdown-timeout", "60", "--max-num-queued-reqs", "128", "--no-enable-prefix-caching",
+        "--max-num-seqs", "64",
         "--logits-processors", "a.B", "--logits-processors", "c.D",
         "--override-generation-config", '{"temperature":0.5}']
 

@@ -1,0 +1,67 @@
+"""Admission: how many requests a replica takes at once, at the router and in vLLM itself.
+
+- The router sends one replica at most ``maxconn`` requests at once (HAProxy's server ``maxconn``); the others
+  wait in the router's queue of the model's backend, at most ``router_queue_timeout_s``, then get 503 with
+  ``Retry-After``. From the plan, ``maxconn`` is the sequences at ``max_model_len`` the replica's KV cache holds on
+  each data-parallel rank (whole ones: a request the cache can hold at full length is never preempted for lack
+  of it), at most the sequences vLLM schedules at once on a rank (``--max-num-seqs``: more would only wait in
+  vLLM's queue instead of the router's), times the ranks: one router server stands for the whole replica, whose
+  API server spreads requests over its ranks. ``router_server_maxconn`` replaces it.
+- vLLM's own valve, ``--max-num-queued-reqs``, counts the requests a replica holds, running and waiting, across
+  its ranks, and answers 503 beyond it. By default it is ``QUEUE_FACTOR`` times the router's ``maxconn``: what
+  one router admits and as much again (a second router sending at the same time, or clients that reach the
+  replica directly). ``vllm_max_num_queued_reqs`` replaces it. A vLLM release whose catalog lacks the flag gets
+  none.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gpufleet.config.schema import HostConfig
+from gpufleet.model_memory import KvBudget
+from gpufleet.vllm_flags import FlagCatalog
+
+QUEUED_REQS_FLAG = "--max-num-queued-reqs"
+QUEUE_FACTOR = 2
+"""vLLM's default limit of requests held, as a multiple of the router's maxconn for the replica."""
+
+
+class UnsupportedLimitError(ValueError):
+    """``vllm_max_num_queued_reqs`` set for a vLLM release that has no ``--max-num-queued-reqs``."""
+
+
+@dataclass(frozen=True)
+class Admission:
+    """One replica's admission figures."""
+
+    planned: int  # requests at once, from the plan (see planned_concurrency)
+    maxconn: int  # the router's maxconn for the replica: router_server_maxconn, else planned
+    queued_reqs: int | None  # vLLM's --max-num-queued-reqs; None: its release has no such flag
+
+    def cell(self) -> str:
+        """The figures as ``gpufleet plan``'s table shows them, one a line."""
+        queued = "unlimited" if self.queued_reqs is None else f"{self.queued_reqs:,}"
+        return f"maxconn {self.maxconn:,}\nqueued {queued}"
+
+
+def planned_concurrency(budget: KvBudget, max_num_seqs: int, dp: int) -> int:
+    """Requests one replica takes at once: whole sequences at max_model_len per rank, at most ``max_num_seqs``
+    (vLLM's per-rank batch), times the ``dp`` ranks; at least 1."""
+    if max_num_seqs < 1 or dp < 1:
+        raise ValueError(f"max_num_seqs and dp must be >= 1, got {max_num_seqs} and {dp}")
+    return dp * max(1, min(budget.full_sequences, max_num_seqs))
+
+
+def admission(cfg: HostConfig, budget: KvBudget, max_num_seqs: int, dp: int, catalog: FlagCatalog) -> Admission:
+    """A replica's figures from its pool's config, its KV budget per rank, vLLM's batch size per rank, its ranks
+    and its release's catalog. Raises UnsupportedLimitError when ``vllm_max_num_queued_reqs`` is set for a release
+    that has no such flag."""
+    planned = planned_concurrency(budget, max_num_seqs, dp)
+    maxconn = cfg.router_server_maxconn or planned
+    if not catalog.has(QUEUED_REQS_FLAG):
+        if cfg.vllm_max_num_queued_reqs is not None:
+            raise UnsupportedLimitError(f"expected null with vLLM {catalog.version} (it has no"
+                                        f" {QUEUED_REQS_FLAG}), found {cfg.vllm_max_num_queued_reqs}")
+        return Admission(planned, maxconn, None)
+    return Admission(planned, maxconn, cfg.vllm_max_num_queued_reqs or QUEUE_FACTOR * maxconn)

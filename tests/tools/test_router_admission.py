@@ -1,0 +1,151 @@
+"""Admission at the router, run by a real HAProxy (Debian's) on loopback with the configuration the router role
+renders: a replica of maxconn 1 that answers slowly, more requests at once than it and the queue timeout let
+through. The excess gets the router's own 503 with Retry-After about when the queue timeout runs out; the admitted
+requests are answered by the replica, which never holds more than its maxconn.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import http.client
+import json
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+import roles.router as router_role
+from gpufleet.node import router_admin
+from tests.conftest import host_tool
+from tests.loopback_http import QuietHandler, loopback_server
+from tests.tools.test_router_role import _free_port, _wait
+from tests.unit.test_vllm_role import _config
+
+MODEL = "slow-model"
+REPLICA = "slow-0"
+ANSWER_S = 1.5  # how long the replica takes to answer a completion
+QUEUE_TIMEOUT_S = 2.5  # between one and two answers: the second request is admitted in time, the third is not
+REQUESTS = 6
+
+
+class SlowReplica:
+    """Answers GET /health at once and every completion after ANSWER_S; counts what it holds at once."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.holding = self.most = self.answered = 0
+
+    def handler(self) -> type[BaseHTTPRequestHandler]:
+        replica = self
+
+        class Handler(QuietHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_GET(self) -> None:
+                self.answer(200, b"{}")
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers["Content-Length"]))
+                with replica.lock:
+                    replica.holding += 1
+                    replica.most = max(replica.most, replica.holding)
+                time.sleep(ANSWER_S)
+                with replica.lock:
+                    replica.holding -= 1
+                    replica.answered += 1
+                self.answer(200, json.dumps({"replica": REPLICA}).encode())
+
+        return Handler
+
+
+@dataclass(frozen=True)
+class Answer:
+    status: int
+    retry_after: str | None
+    seconds: float
+    body: dict[str, Any]
+
+
+@dataclass
+class Router:
+    port: int
+    socket: Path
+    backend: str
+    replica: SlowReplica
+
+    def post(self) -> Answer:
+        body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 1}).encode()
+        started = time.monotonic()
+        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=15)
+        try:
+            connection.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+            response = connection.getresponse()
+            text = response.read()
+            return Answer(response.status, response.getheader("Retry-After"), time.monotonic() - started,
+                          json.loads(text) if text.startswith(b"{") else {})
+        finally:
+            connection.close()
+
+    def status(self) -> str:
+        (server,) = router_admin.Runtime(str(self.socket)).servers()
+        return server.status
+
+
+@pytest.fixture
+def router(tmp_path: Path) -> Iterator[Router]:
+    """HAProxy with the role's configuration: one model, one slow replica of maxconn 1."""
+    haproxy = host_tool("haproxy", "haproxy")
+    replica = SlowReplica()
+    with ExitStack() as stack:
+        port = int(stack.enter_context(loopback_server(replica.handler())).rsplit(":", 1)[1])
+        plan = [SimpleNamespace(name=REPLICA, port=port, roles=[SimpleNamespace(host="n1", address="127.0.0.1")])]
+        cfg = _config(router_port=_free_port(), router_metrics_port=_free_port(), router_check_interval_s=1,
+                      router_check_fall=1, router_check_rise=1, router_queue_timeout_s=QUEUE_TIMEOUT_S)
+        (backend,) = router_role.backends(plan, {"n1": _config(vllm_served_model_name=MODEL)})  # type: ignore[arg-type]
+        values = router_role.config_values(cfg, "127.0.0.1", [backend], router_role.model_lists({None: [MODEL]}), [],
+                                           {REPLICA: 1})
+        values["admin_socket"] = str(tmp_path / "admin.sock")
+        config = tmp_path / "haproxy.cfg"
+        config.write_text(router_role.render(values))
+        checked = subprocess.run([haproxy, "-c", "-f", str(config)], capture_output=True, text=True)
+        assert checked.returncode == 0, checked.stdout + checked.stderr
+        with (tmp_path / "haproxy.log").open("w") as log:
+            proc = subprocess.Popen([haproxy, "-db", "-f", str(config)], stdout=log, stderr=subprocess.STDOUT)
+        stack.callback(proc.wait, 10)
+        stack.callback(proc.terminate)
+        started = Router(cfg.router_port, tmp_path / "admin.sock", backend.name, replica)
+        _wait(lambda: started.socket.exists() and started.status() == "UP", "the replica UP")
+        yield started
+
+
+def test_requests_beyond_maxconn_and_the_queue_get_a_quick_503_with_retry_after(router: Router) -> None:
+    with concurrent.futures.ThreadPoolExecutor(REQUESTS) as pool:
+        answers = list(pool.map(lambda _: router.post(), range(REQUESTS)))
+    served = [a for a in answers if a.status == 200]
+    shed = [a for a in answers if a.status != 200]
+    # the first is admitted at once, the second when the first is answered (ANSWER_S < QUEUE_TIMEOUT_S); the
+    # third could start only after two answers, past the queue timeout
+    assert len(served) == 2, answers
+    assert all(a.body == {"replica": REPLICA} for a in served), served
+    assert router.replica.most == 1 and router.replica.answered == 2
+    assert {a.status for a in shed} == {503}, shed
+    assert {a.retry_after for a in shed} == {"3"}  # the queue timeout, rounded up to whole seconds
+    assert all(a.body.get("error", {}).get("code") == 503 for a in shed), shed
+    # shed when the queue timeout ran out: not at once, not after a long timeout
+    assert all(QUEUE_TIMEOUT_S - 0.1 <= a.seconds <= QUEUE_TIMEOUT_S + 1.5 for a in shed), [a.seconds for a in shed]
+
+
+def test_with_no_replica_up_the_503_comes_at_once_with_retry_after(router: Router) -> None:
+    router_admin.set_state(router_admin.Runtime(str(router.socket)), router.backend, REPLICA, "maint")
+    answer = router.post()
+    assert (answer.status, answer.retry_after) == (503, "3"), answer
+    assert answer.seconds < 1.0, answer
+    assert router.replica.answered == 0
