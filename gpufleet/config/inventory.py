@@ -18,14 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from gpufleet.config import grammar
+from gpufleet.config.group_vars_files import group_vars_file_problems
+from gpufleet.config.inventory_shape import ROLE_GROUPS, SourceLines, late_problems, membership_problems, read_groups
 from gpufleet.config.layers import HostLayers, Layer, display_path, read_yaml_mapping, role_default_layers
 from gpufleet.config.problems import EXIT_BAD_INPUT, ConfigError, Problem, exit_with
 from gpufleet.config.schema import HostConfig
 from gpufleet.config.validate import validate_host
-
-ROLE_GROUPS = ("routers", "monitoring")
-"""Groups that give their hosts a job besides serving (the HAProxy routers, the hosts that scrape metrics): they
-are not serving pools, and a host listed only in them serves nothing (no GPU roles, no probe, no plan)."""
 
 
 @dataclass(frozen=True)
@@ -57,29 +55,6 @@ _LOADED: dict[str, InventoryLayers] = {}
 _BY_FILE: dict[Path, InventoryLayers] = {}
 
 
-def _is_group(name: str, value: Any) -> bool:
-    if name.startswith("_") or name == "all":
-        return False
-    hosts = value[0] if isinstance(value, tuple) and len(value) == 2 else value
-    return isinstance(hosts, list) and all(isinstance(h, (str, tuple)) for h in hosts)
-
-
-def _split(value: Any) -> tuple[list[Any], dict[Any, Any]]:
-    if isinstance(value, tuple):
-        return list(value[0]), dict(value[1]) if isinstance(value[1], dict) else {None: value[1]}
-    return list(value), {}
-
-
-def _host_name(entry: Any) -> tuple[str, dict[str, Any]] | None:
-    """A group entry as (host, data): ``"name"`` or ``("name", {data})``; None when it is neither."""
-    if isinstance(entry, str):
-        return entry, {}
-    if (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], str) and isinstance(entry[1], dict)
-            and all(isinstance(k, str) for k in entry[1])):
-        return entry[0], dict(entry[1])
-    return None
-
-
 def group_vars_dir(inventory_file: Path) -> Path:
     """``group_vars/`` beside the inventory file, else beside its folder (the project root)."""
     beside = inventory_file.parent / "group_vars"
@@ -103,7 +78,6 @@ def collect_layers(namespace: dict[str, Any]) -> tuple[InventoryLayers, dict[str
 
     all_layer = yaml_layer("all")
     new_values: dict[str, Any] = {}
-    groups: list[tuple[str, list[str]]] = []
     hosts: dict[str, HostLayers] = {}
     host_data: dict[str, dict[str, Any]] = {}
 
@@ -112,31 +86,22 @@ def collect_layers(namespace: dict[str, Any]) -> tuple[InventoryLayers, dict[str
             hosts[name] = HostLayers(name, list(defaults) + ([all_layer] if all_layer else []))
         return hosts[name]
 
-    for name, value in list(namespace.items()):
-        if not _is_group(name, value):
-            continue
-        entries, inline = _split(value)
-        if not all(isinstance(k, str) for k in inline):
-            problems.append(Problem(inv_shown, name, "expected group data with text keys, found another key"))
-            continue
-        group_layer = yaml_layer(name)
-        members = []
-        for entry in entries:
-            named = _host_name(entry)
-            if named is None:
-                problems.append(Problem(inv_shown, name, "expected hosts as \"name\" or (\"name\", {data}),"
-                                        f" found {grammar.show(entry)}"))
-                continue
-            host, data = named
-            members.append(host)
+    lines = SourceLines(inv_file)
+    found_groups, shape = read_groups(namespace, lines, inv_shown)
+    problems += shape + membership_problems(found_groups, lines, inv_shown)
+    problems += group_vars_file_problems(gv_dir, inv_file, [g.name for g in found_groups])
+    for group in found_groups:
+        group_layer = yaml_layer(group.name)
+        for host, data in group.hosts:
             layers = host_layers(host).layers
             if group_layer:
                 layers.append(group_layer)
-            if inline:
-                layers.append(Layer(inv_shown, inline))
+            if group.data:
+                layers.append(Layer(inv_shown, group.data))
             host_data.setdefault(host, {}).update(data)
-        groups.append((name, members))
-        new_values[name] = (entries, {**(group_layer.values if group_layer else {}), **inline})
+        entries = [host if not data else (host, data) for host, data in group.hosts]
+        new_values[group.name] = (entries, {**(group_layer.values if group_layer else {}), **group.data})
+    groups = [(g.name, list(dict.fromkeys(host for host, _ in g.hosts))) for g in found_groups]
 
     for host, data in host_data.items():
         if data:
@@ -173,7 +138,7 @@ def validate_layers(loaded: InventoryLayers, override: dict[str, Any] | None = N
     for name, layers in loaded.hosts.items():
         if override:
             layers = HostLayers(name, [*layers.layers, Layer("--data", override)])
-        config, found = validate_host(layers, loaded.path)
+        config, found = validate_host(layers, loaded.path, serving=loaded.pool_of(name) is not None)
         problems += found
         if config is not None:
             configs[name] = config
@@ -246,6 +211,8 @@ def apply_group_vars(namespace: dict[str, Any]) -> None:
     from gpufleet.fleet import declared_plan_problems
 
     loaded, new_values, problems = collect_layers(namespace)
+    if not problems and not loaded.hosts:
+        problems.append(Problem(loaded.path, "", "expected at least one host in a group, found nothing to deploy"))
     if problems:
         exit_with(ConfigError(problems))
     override = cli_data_override()
@@ -284,7 +251,7 @@ def read_inventory(path: Path) -> InventoryLayers | None:
     resolved = path.resolve()
     _BY_FILE.pop(resolved, None)
     try:
-        runpy.run_path(str(resolved), run_name="gpufleet_inventory")
+        namespace = runpy.run_path(str(resolved), run_name="gpufleet_inventory")
     except SystemExit as exc:
         if exc.code in (None, 0):  # left before apply_group_vars: said below
             return _BY_FILE.get(resolved)
@@ -298,7 +265,16 @@ def read_inventory(path: Path) -> InventoryLayers | None:
         raise
     except BaseException as exc:  # noqa: BLE001 - any failure of the user's file is bad input
         raise ConfigError([_failure(resolved, exc)]) from None
-    return _BY_FILE.get(resolved)
+    loaded = _BY_FILE.get(resolved)
+    if loaded is not None and (problems := _late_additions(resolved, namespace, loaded)):
+        raise ConfigError(problems)
+    return loaded
+
+
+def _late_additions(path: Path, namespace: dict[str, Any], loaded: InventoryLayers) -> list[Problem]:
+    """Groups and hosts the inventory file defined after its ``apply_group_vars(globals())`` call."""
+    seen = {name: frozenset(members) for name, members in loaded.groups}
+    return late_problems(namespace, seen, SourceLines(path), loaded.path)
 
 
 def _failure(path: Path, exc: BaseException) -> Problem:
@@ -325,12 +301,17 @@ def report_inventory_errors() -> None:
 
     def exec_inventory(filename: str, *args: Any, **kwargs: Any) -> Any:
         try:
-            return original(filename, *args, **kwargs)
+            attrs = original(filename, *args, **kwargs)
         except SystemExit:
             raise
         except Exception as exc:  # noqa: BLE001 - pyinfra wraps the file's own error; report the original
             cause = getattr(exc, "exception", None) or exc
             exit_with(ConfigError([_failure(Path(filename).resolve(), cause)]))
+        resolved = Path(filename).resolve()
+        loaded = _BY_FILE.get(resolved)
+        if isinstance(attrs, dict) and loaded is not None and (problems := _late_additions(resolved, attrs, loaded)):
+            exit_with(ConfigError(problems))
+        return attrs
 
     exec_inventory._gpufleet = True  # type: ignore[attr-defined]
     cli_inventory.exec_file = exec_inventory

@@ -180,7 +180,7 @@ class HostConfig(BaseModel):
 
     # vllm
     vllm_version: str
-    vllm_model: _text(_model)  # type: ignore[valid-type]
+    vllm_model: _text(_model) | None  # type: ignore[valid-type]  # required on serving hosts (validate_host)
     vllm_model_revision: _text(grammar.hf_revision) | None  # type: ignore[valid-type]
     vllm_served_model_name: _text(_served_name) | None  # type: ignore[valid-type]
     vllm_model_config: _text(grammar.controller_path) | None  # type: ignore[valid-type]
@@ -363,10 +363,17 @@ class HostConfig(BaseModel):
                                        " (use a secret reference: vllm_api_key, vllm_hf_token)")
         return value
 
+    def checkpoint(self) -> str:
+        """``vllm_model``: the model a serving host serves (validation requires it there; a dedicated router or
+        monitoring host has none)."""
+        if self.vllm_model is None:
+            raise ValueError("vllm_model: expected a value on a serving host, found null")
+        return str(self.vllm_model)
+
     def served_model_name(self) -> str:
         """The name clients ask for the model by (``--served-model-name``): ``vllm_served_model_name``, else the
         model."""
-        return str(self.vllm_served_model_name or self.vllm_model)
+        return str(self.vllm_served_model_name or self.checkpoint())
 
     def api_ports(self) -> int:
         """How many API ports above ``vllm_port`` one node may use (one per replica)."""

@@ -10,10 +10,8 @@ from pydantic import ValidationError
 from gpufleet.config import grammar
 from gpufleet.config.layers import HostLayers, is_role_default
 from gpufleet.config.problems import KeyedError, Problem
+from gpufleet.config.pyinfra_keys import pyinfra_keys
 from gpufleet.config.schema import SCHEMA_KEYS, SECRET_KEYS, HostConfig
-
-# Data keys that belong to pyinfra itself (connectors and global operation arguments).
-PYINFRA_KEY_PREFIXES = ("ssh_", "winrm_", "docker_", "podman_", "chroot_", "local_", "_")
 
 # How to say what a field accepts when pydantic reports one error per union member.
 _UNION_EXPECTED = {
@@ -116,28 +114,36 @@ def _top(key: str) -> str:
     return key.split(".")[0].split("[")[0]
 
 
+def did_you_mean(key: str, known: frozenset[str]) -> str:
+    """``; did you mean <the nearest known key>?`` (case ignored), or nothing when none is near."""
+    lowered = {name.lower(): name for name in known}
+    near = difflib.get_close_matches(key.lower(), sorted(lowered), n=1, cutoff=0.6)
+    return f"; did you mean {lowered[near[0]]}?" if near else ""
+
+
 def unknown_key_problems(values: dict[str, Any], sources: dict[str, str], host: str) -> list[Problem]:
-    """Keys neither the schema nor pyinfra knows, with the nearest known key."""
+    """Keys neither the schema nor pyinfra (its connectors' data, its global arguments) knows, with the nearest
+    known key."""
     problems = []
     for key in values:
-        if grammar.control_char(key):
+        if grammar.control_char(key) or not key.isascii() or not key.isprintable() or " " in key:
             problems.append(
                 Problem(sources[key], grammar.show(key), "expected a variable name, found this key", (host,))
             )
             continue
-        if key in SCHEMA_KEYS or key.startswith(PYINFRA_KEY_PREFIXES):
+        if key in SCHEMA_KEYS or key in pyinfra_keys():
             continue
-        near = difflib.get_close_matches(key, sorted(SCHEMA_KEYS), n=1, cutoff=0.6)
-        hint = f"; did you mean {near[0]}?" if near else ""
+        hint = did_you_mean(key, SCHEMA_KEYS | pyinfra_keys())
         problems.append(Problem(sources[key], key, f"expected a known variable, found an unknown key{hint}", (host,)))
     return problems
 
 
-def validate_host(layers: HostLayers, fallback_source: str,
-                  api_ports: int | None = None) -> tuple[HostConfig | None, list[Problem]]:
+def validate_host(layers: HostLayers, fallback_source: str, api_ports: int | None = None,
+                  serving: bool = True) -> tuple[HostConfig | None, list[Problem]]:
     """Validate one host; problems name the file each bad value came from.
 
-    ``api_ports``: how many replicas the plan puts on the host, when it is known.
+    ``api_ports``: how many replicas the plan puts on the host, when it is known. ``serving``: whether the host is
+    in a serving pool (a dedicated router or monitoring host is not, and needs no ``vllm_model``).
     """
     values, sources = layers.merged()
     host = layers.name
@@ -167,6 +173,10 @@ def validate_host(layers: HostLayers, fallback_source: str,
                 source = fallback_source  # a required value nobody set: the inventory must set it
             problems.append(Problem(source, key, message, (host,)))
         return None, problems
+    if serving and config.vllm_model is None:
+        source = sources.get("vllm_model", fallback_source)
+        problems.append(Problem(fallback_source if is_role_default(source) else source, "vllm_model",
+                                "expected a value, found nothing (required)", (host,)))
     for keys, message in config.contradictions(api_ports):
         chosen = next((k for k in keys if not is_role_default(sources.get(_top(k), ""))), keys[0])
         problems.append(Problem(sources.get(_top(chosen), fallback_source), chosen, message, (host,)))

@@ -51,9 +51,9 @@ def venv_dir(cfg: HostConfig) -> str:
 
 def model_dir(cfg: HostConfig) -> str:
     """Where the model lives on the node: ``vllm_model`` itself when it is a path, else below MODELS_DIR."""
-    if cfg.vllm_model.startswith("/"):
-        return str(cfg.vllm_model)
-    return f"{MODELS_DIR}/{str(cfg.vllm_model).replace('/', '--')}"
+    if cfg.checkpoint().startswith("/"):
+        return cfg.checkpoint()
+    return f"{MODELS_DIR}/{cfg.checkpoint().replace('/', '--')}"
 
 
 def below_models(path: str) -> bool:
@@ -70,9 +70,9 @@ def model_identity(cfg: HostConfig) -> str | None:
         _, found = local_tree(cfg.vllm_model_source)
         manifest = "".join(f"{relative}\t{file_sha256(path)}\n" for relative, path in found.items())
         return f"pushed files sha256:{hashlib.sha256(manifest.encode()).hexdigest()[:16]}"
-    if cfg.vllm_model.startswith("/"):
+    if cfg.checkpoint().startswith("/"):
         return None
-    return f"{cfg.vllm_model}@{cfg.vllm_model_revision or 'main'}"
+    return f"{cfg.checkpoint()}@{cfg.vllm_model_revision or 'main'}"
 
 
 def download_script(cfg: HostConfig, token_file: str) -> str:
@@ -91,7 +91,7 @@ def download_script(cfg: HostConfig, token_file: str) -> str:
         f"tmp=\"$(mktemp -d {q(target + '.download-XXXXXX')})\"",
         "trap 'rm -rf \"$tmp\" \"$tmp.old\"' EXIT",
         f"if [ -f {q(token_file)} ]; then set -a; . {q(token_file)}; set +a; fi",
-        f"{hf} download {q(cfg.vllm_model)} --revision {q(revision)} --local-dir \"$tmp\" >/dev/null",
+        f"{hf} download {q(cfg.checkpoint())} --revision {q(revision)} --local-dir \"$tmp\" >/dev/null",
         f"printf '%s\\n' {q(revision)} > \"$tmp/{REVISION_MARKER}\"",
         "chmod 0755 \"$tmp\"",
         f"if [ -e {q(target)} ]; then mv -T {q(target)} \"$tmp.old\"; fi",
@@ -120,7 +120,7 @@ def process_env(cfg: HostConfig) -> dict[str, str]:
 def replica_env(cfg: HostConfig, plan_env: dict[str, str]) -> dict[str, str]:
     """The plain environment of a replica's vLLM process on one node."""
     env = {"VLLM_MODEL": model_dir(cfg), **process_env(cfg), "HF_HOME": f"{VLLM_HOME}/hf"}
-    if cfg.vllm_model_source or cfg.vllm_model.startswith("/"):
+    if cfg.vllm_model_source or cfg.checkpoint().startswith("/"):
         env["HF_HUB_OFFLINE"] = "1"  # staged weights: nothing to fetch at start
     env.update(cfg.vllm_env)
     env.update(plan_env)  # the plan's GPU set, address and interfaces are not the operator's to override

@@ -144,7 +144,7 @@ def serve_flags(cfg: HostConfig, address: str, port: int, tp: int, pp: int, dp: 
 
 def serve_process(cfg: HostConfig, flags: dict[str, FlagValue], env: dict[str, str]) -> Process:
     """``vllm serve MODEL`` with ``flags``, from the version's virtualenv."""
-    return Process("vllm", venv_bin(cfg.vllm_version, "vllm"), ["serve", cfg.vllm_model], flags, env)
+    return Process("vllm", venv_bin(cfg.vllm_version, "vllm"), ["serve", cfg.checkpoint()], flags, env)
 
 
 def serve_argv(cfg: HostConfig, address: str, port: int, tp: int, pp: int, dp: int, max_model_len: int) -> list[str]:

@@ -166,7 +166,7 @@ def _gib(n: float) -> str:
 
 
 def _arch_and_weights(cfg: HostConfig) -> tuple[ModelArch, int, str]:
-    source = cfg.vllm_model_config or cfg.vllm_model
+    source = cfg.vllm_model_config or cfg.checkpoint()
     try:
         arch = load_arch(source)
     except ModelConfigError as exc:
@@ -393,7 +393,7 @@ def _single_node_replicas(pool: str, hosts: list[str], fleet: Fleet, shapes: lis
             name = f"{pool}-{short}-{k}" if len(sets) > 1 else f"{pool}-{short}"
             roles = replica_roles([host_cfg], [shape.host], [address], [gpus], host_cfg.vllm_port + k,
                                   tp, pp, cfg.vllm_data_parallel_size, max_len, queued_reqs=admit.queued_reqs)
-            plan.replicas.append(Replica(name, pool, cfg.vllm_model, tp, pp, cfg.vllm_data_parallel_size,
+            plan.replicas.append(Replica(name, pool, cfg.checkpoint(), tp, pp, cfg.vllm_data_parallel_size,
                                          host_cfg.vllm_port + k, "single-node", max_len, per_token, b, roles,
                                          secret_env_names(host_cfg), admit))
 
@@ -420,7 +420,7 @@ def _multi_node_replicas(pool: str, hosts: list[str], fleet: Fleet, shapes: list
         addresses = [c.fleet_address or g.host for c, g in zip(cfgs, group, strict=True)]
         roles = replica_roles(cfgs, [g.host for g in group], addresses, gpus, cfgs[0].vllm_port,
                               tp, pp, 1, max_len, queued_reqs=admit.queued_reqs)
-        plan.replicas.append(Replica(f"{pool}-{k}", pool, cfg.vllm_model, tp, pp, 1, cfgs[0].vllm_port,
+        plan.replicas.append(Replica(f"{pool}-{k}", pool, cfg.checkpoint(), tp, pp, 1, cfgs[0].vllm_port,
                                      cfg.vllm_distributed_backend, max_len, per_token, b, roles,
                                      secret_env_names(cfgs[0]), admit))
     spare = hosts[(len(hosts) // nodes) * nodes:]

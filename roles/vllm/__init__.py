@@ -179,10 +179,10 @@ def _stage_model() -> OperationMeta | None:
         files.directory(name=f"Create {Path(target).parent}", path=str(Path(target).parent))
         return files.tree(name=f"Push the model from the controller to {target}", src=cfg.vllm_model_source,
                           dest=target)
-    if cfg.vllm_model.startswith("/"):
+    if cfg.checkpoint().startswith("/"):
         return None  # an absolute path the site provides: nothing to stage
     revision = cfg.vllm_model_revision or "main"
-    return server.script(name=f"Download {cfg.vllm_model} at {revision} into {target}",
+    return server.script(name=f"Download {cfg.checkpoint()} at {revision} into {target}",
                          script=vf.download_script(cfg, HUB_SECRET),
                          done_file=f"{target}/{REVISION_MARKER}", done_text=revision)
 
@@ -229,7 +229,7 @@ def vllm_install() -> None:
                          script=vf.install_script(cfg),
                          done_file=f"{venv_dir(cfg.vllm_version)}/{INSTALLED_MARKER}",
                          done_text=vf.install_marker(cfg))
-    if not cfg.vllm_model.startswith("/") and cfg.vllm_hf_token:
+    if not cfg.checkpoint().startswith("/") and cfg.vllm_hf_token:
         files.secret_file(name="Write the hub token (0600)", dest=HUB_SECRET,
                           content=env_file({"HF_TOKEN": secrets["HF_TOKEN"]}, "hub token for model downloads"))
     files.directory(name=f"Create {MODELS_DIR} (root only writes)", path=MODELS_DIR)

@@ -7,19 +7,24 @@ A small valid project, one edit per case. A case is data::
       expect: "group_vars/all.yml: vllm_port: expected an integer, found True (host 127.0.0.1)"
 
 Edits: ``set`` (mapping merged into a YAML file), ``unset`` (keys removed from it), ``raw`` / ``raw_b64``
-(the file's whole text / bytes), ``mkdir`` (a directory where a file is expected), ``file`` (which file:
+(the file's whole text / bytes), ``mkdir`` (a directory where a file is expected), ``fifo`` (a named pipe
+there, which nothing may wait to read), ``file`` (which file:
 ``group_vars/<name>.yml`` or ``inventory``), ``host`` (data merged into the host's inventory entry),
 ``hosts`` (more ``[name, data]`` entries in the same group), ``groups`` (more inventory lines),
-``data`` (``--data KEY=VALUE`` arguments). ``expect`` is the exact first line on stderr (pyinfra's
-``--> …`` progress lines skipped). The project holds gpufleet's ``config.py``, as a user's does: pyinfra runs it
-before the inventory, so an inventory file that does not compile or run is one line and exit 2 there too.
+``after`` (inventory lines after its ``apply_group_vars(globals())``), ``data`` (``--data KEY=VALUE``
+arguments). ``expect`` is the exact first line on stderr (pyinfra's ``--> …`` progress lines skipped). The
+project holds gpufleet's ``config.py``, as a user's does: pyinfra runs it before the inventory, so an inventory
+file that does not compile or run is one line and exit 2 there too.
 
 Every case runs in this process, one test each (``-k 'names/<id>'`` runs one), through both entry points:
 
 - ``gpufleet check [--data …] inventories/fleet.py``: the click command, through click's CliRunner;
 - pyinfra reading the inventory, as ``pyinfra -y [--data …] inventories/fleet.py deploy.py`` does: the project's
   ``config.py`` through pyinfra's ``exec_file``, then ``pyinfra_cli.inventory.make_inventory``, with that command
-  line in ``sys.argv`` (where gpufleet reads pyinfra's ``--data``). ``pyinfra_cli`` is imported once with gevent's
+  line in ``sys.argv`` (where gpufleet reads pyinfra's ``--data``).
+
+A case with ``accept: true`` instead of ``expect`` is input that must be accepted (a dedicated router, say): both
+entry points exit 0, in this process, without connecting. ``pyinfra_cli`` is imported once with gevent's
   ``patch_all`` made a no-op (its package would monkey-patch this whole process), and is in ``sys.modules`` only
   while a test runs it: gpufleet's validation behaves as under pyinfra's CLI there, and as outside it elsewhere.
 
@@ -137,7 +142,7 @@ def _inventory(case: dict[str, Any], port: int) -> str:
     entries = [(HOST, host_data)] + [tuple(h) for h in case.get("hosts") or []]
     body = case.get("groups") or ""
     return ("from gpufleet.config.inventory import apply_group_vars\n"
-            f"servers = {entries!r}\n{body}\napply_group_vars(globals())\n")
+            f"servers = {entries!r}\n{body}\napply_group_vars(globals())\n{case.get('after') or ''}")
 
 
 def build_project(case: dict[str, Any], root: Path, port: int) -> list[str]:
@@ -164,6 +169,9 @@ def build_project(case: dict[str, Any], root: Path, port: int) -> list[str]:
     if case.get("mkdir"):
         target.unlink(missing_ok=True)
         target.mkdir()
+    if case.get("fifo"):
+        target.unlink(missing_ok=True)
+        os.mkfifo(target)
     return [arg for item in case.get("data") or [] for arg in ("--data", item)]
 
 
@@ -298,14 +306,16 @@ def assert_refused(case: dict[str, Any], check: Run, pyinfra: Run, accepted: int
 # -- the tests ----------------------------------------------------------------------------------------
 
 CASES = load_cases()
-SAMPLE = [next(c for c in CASES if c["category"] == category)  # the first case of each file
+REFUSED = [c for c in CASES if not c.get("accept")]
+ACCEPTED = [c for c in CASES if c.get("accept")]
+SAMPLE = [next(c for c in REFUSED if c["category"] == category)  # the first refusal of each file
           for category in dict.fromkeys(c["category"] for c in CASES)]
 
 
 def test_corpus_is_large_and_ids_unique() -> None:
     ids = [case_id(c) for c in CASES]
     assert len(ids) >= 200 and len(set(ids)) == len(ids)
-    assert all(c.get("expect") for c in CASES)
+    assert all(bool(c.get("expect")) != bool(c.get("accept")) for c in CASES)
     assert {c["category"] for c in SAMPLE} == {path.stem for path in CORPUS_DIR.glob("*.yaml")}
 
 
@@ -323,7 +333,19 @@ def test_base_project_is_valid_and_reaches_the_listener(tmp_path: Path) -> None:
     assert pyinfra.rc != 2 and listener.accepted >= 1, pyinfra.stderr
 
 
-@pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
+@pytest.mark.parametrize("case", ACCEPTED, ids=[case_id(c) for c in ACCEPTED])
+def test_good_input_is_accepted(case: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    listener = Listener()
+    try:
+        check, pyinfra = run_in_process(case, tmp_path / "project", listener.port, monkeypatch)
+    finally:
+        listener.close()
+    for name, result in (("gpufleet check", check), ("pyinfra", pyinfra)):
+        assert result.rc == 0 and "Traceback" not in result.stderr, f"{name}:\n{result.stderr}"
+    assert listener.accepted == 0
+
+
+@pytest.mark.parametrize("case", REFUSED, ids=[case_id(c) for c in REFUSED])
 def test_bad_input_exits_2_with_its_line_before_any_connection(
         case: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     listener = Listener()

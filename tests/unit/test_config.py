@@ -52,6 +52,7 @@ def test_pyinfra_data_overrides_everything(project: Project) -> None:
     )
     # The host is reached through pyinfra's local connector: no network, the deploy adds no operation.
     inventory = project.inventory('small = [("@local", {"vllm_port": 8100})]')
+    (project.root / "group_vars" / "special.yml").unlink()  # no group special now: its file would be refused
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     pyinfra = str(Path(sys.executable).parent / "pyinfra")
     plain = subprocess.run([pyinfra, "-y", str(inventory), str(deploy)], capture_output=True, text=True,
@@ -265,3 +266,15 @@ def test_an_inventory_that_exits_early_is_one_line_and_exit_2(project: Project, 
     project.inventory(body)
     result = run_cli("check", "inventories/fleet.py", cwd=project.root)
     assert (result.rc, result.err) == (2, expected)
+
+
+def test_pyinfra_keys_are_read_from_pyinfra() -> None:
+    """The connection keys and global arguments gpufleet accepts are pyinfra's own lists, not a copy."""
+    from pyinfra.api.arguments import all_argument_meta
+    from pyinfra.connectors.ssh import connector_data_meta
+
+    from gpufleet.config.pyinfra_keys import pyinfra_keys
+
+    assert set(connector_data_meta) <= pyinfra_keys()
+    assert {key for key in all_argument_meta if key.startswith("_")} <= pyinfra_keys()
+    assert "name" not in pyinfra_keys() and "ssh_usr" not in pyinfra_keys()
