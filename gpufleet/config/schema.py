@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from gpufleet.config import grammar
 from gpufleet.config.problems import KeyedError
@@ -20,7 +20,19 @@ from gpufleet.node.health_rules import HealthPolicy, policy_problems
 from gpufleet.vllm_flags import SUPPORTED_VLLM_VERSIONS, load_catalog
 
 Auto = Literal["auto"]
-Port = Annotated[int, Field(ge=1, le=65535)]
+FIRST_UNPRIVILEGED_PORT = 1024
+"""gpufleet's services run with an empty capability bounding set (templates/_sandbox.conf.j2): none can bind a port
+below this one."""
+
+
+def _unprivileged(port: int) -> int:
+    if port < FIRST_UNPRIVILEGED_PORT:
+        raise ValueError(f"expected a port from {FIRST_UNPRIVILEGED_PORT} to 65535 (the service runs without the"
+                         f" capability to bind ports below {FIRST_UNPRIVILEGED_PORT}), found {port}")
+    return port
+
+
+Port = Annotated[int, Field(ge=1, le=65535), AfterValidator(_unprivileged)]
 PositiveInt = Annotated[int, Field(ge=1)]
 
 API_PORTS_WHEN_AUTO = 16
@@ -451,6 +463,8 @@ class HostConfig(BaseModel):
             "prometheus_port": (self.prometheus_port,) * 2,
             "alertmanager_port": (self.alertmanager_port,) * 2,
             "alertmanager_log_port": (self.alertmanager_log_port,) * 2,
+            "router_port": (self.router_port,) * 2,
+            "router_metrics_port": (self.router_metrics_port,) * 2,
         }
         why = {"vllm_port": f"one API port per replica, {api_ports} on this node",
                "ray_port": "Ray listens on ray_port .. ray_port + 8"}
