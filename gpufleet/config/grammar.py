@@ -97,7 +97,7 @@ def host_name(value: str) -> str | None:
     return f"expected an IP address or an RFC 1123 host name, found {show(value)}"
 
 
-def ip_address(value: str) -> str | None:
+def _plain_ip(value: str) -> str | None:
     try:
         ipaddress.ip_address(value)
         return None
@@ -105,9 +105,22 @@ def ip_address(value: str) -> str | None:
         return f"expected an IP address, found {show(value)}"
 
 
+def ip_address(value: str) -> str | None:
+    """An address a service binds: an IP address (a wildcard allowed) without an IPv6 zone (systemd and the services
+    read the text after ``%`` their own way), neither multicast nor broadcast."""
+    if problem := _plain_ip(value):
+        return problem
+    address = ipaddress.ip_address(value)
+    if "%" in value:
+        return f"expected an address without an IPv6 zone (%…), found {show(value)}"
+    if address.is_multicast or value == "255.255.255.255":
+        return f"expected an address a service can listen on, found {show(value)} (a multicast or broadcast address)"
+    return None
+
+
 def node_address(value: str) -> str | None:
     """A node's own address: one unicast IP (no zone index, not 0.0.0.0 or ::, not multicast or broadcast)."""
-    if problem := ip_address(value):
+    if problem := _plain_ip(value):
         return problem
     address = ipaddress.ip_address(value)
     if "%" in value or address.is_unspecified or address.is_multicast or value == "255.255.255.255":
@@ -116,11 +129,21 @@ def node_address(value: str) -> str | None:
 
 
 def ip_network(value: str) -> str | None:
+    """An allow list's entry, which an IP filter admits: an address or a CIDR network (host bits zero), written
+    as it reads (``10.0.0.0/8``, not ``10.0.0.0/255.0.0.0``; lower case), with no IPv6 zone and no IPv4-mapped
+    IPv6, so that it admits what it looks like; everyone only as ``0.0.0.0/0`` or ``::/0``."""
     try:
-        ipaddress.ip_network(value, strict=True)
-        return None
+        network = ipaddress.ip_network(value, strict=True)
     except ValueError:
         return f"expected an IP address or a CIDR network (host bits zero), found {show(value)}"
+    if "%" in value:
+        return f"expected an address or network without an IPv6 zone (%…), found {show(value)}"
+    if isinstance(network, ipaddress.IPv6Network) and network.network_address.ipv4_mapped is not None:
+        return f"expected IPv4 written as IPv4 (not ::ffff:…), found {show(value)}"
+    canonical = str(network.network_address) if "/" not in value else str(network)
+    if value != canonical:
+        return f"expected it written {canonical} (as the IP filter reads it), found {show(value)}"
+    return None
 
 
 _USERINFO = re.compile(r"//[^/?#]*@")
@@ -149,6 +172,8 @@ def url(value: str, plain_http: bool, schemes: tuple[str, ...] = ("https", "http
         return f"expected an https:// URL (plain http only with allow_plain_http: true), found {shown}"
     if parts.scheme not in allowed:
         return f"expected a URL starting {', '.join(s + '://' for s in allowed)}, found {shown}"
+    if not value.isascii():
+        return f"expected a URL in ASCII (an international name as xn--…), found {shown}"
     if any(ch.isspace() for ch in value) or (parts.scheme != "file" and not parts.hostname):
         return f"expected a URL, found {shown}"
     if parts.scheme == "file":
