@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from gpufleet.config import grammar
+from gpufleet.config.apt_source import apt_source
 from gpufleet.config.problems import KeyedError
 from gpufleet.hardware_profiles import ProfileError, parse_profile
 from gpufleet.node.health_rules import HealthPolicy, policy_problems
@@ -502,13 +503,8 @@ class HostConfig(BaseModel):
         if webhook and (problem := grammar.url(webhook, plain, ("https", "http"), grammar.NOT_SECRET_URL)):
             found.append((("alertmanager_webhook_url",), problem))
         source = self.node_exporter_apt_source
-        if source is not None:
-            options, _, rest = source.partition("] ")
-            if "trusted=yes" in options.replace("[", " ").split():
-                found.append((("node_exporter_apt_source",),
-                               "expected a signed-by= source, found trusted=yes (it turns off apt's signature check)"))
-            elif problem := grammar.url(rest.split(" ")[0], plain, ("https", "http")):
-                found.append((("node_exporter_apt_source",), problem))
+        if source is not None and (problem := apt_source(source, plain)):
+            found.append((("node_exporter_apt_source",), problem))
         return found
 
     def _extra_args_problems(self) -> list[tuple[tuple[str, ...], str]]:
