@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import re
 import signal
 import sys
 from collections.abc import Callable
@@ -28,9 +27,10 @@ from gpufleet.deploy.access import ROUTERS_GROUP
 from gpufleet.fleet import load_fleet
 from gpufleet.gpu_probe import load_inventory
 from gpufleet.plan.planner import plan_fleet
-from gpufleet.rollout.batches import DEFAULT_BATCHES, Limit, RolloutError, plan_rollout
+from gpufleet.rollout.batches import DEFAULT_BATCHES, RolloutError, plan_rollout
 from gpufleet.rollout.canary import DEFAULT_MAX_ERROR_RATIO, DEFAULT_MAX_LATENCY_RATIO, Thresholds
 from gpufleet.rollout.node_releases import RecordFailure, read_records
+from gpufleet.rollout.options import check_options
 from gpufleet.rollout.pyinfra_run import DEPLOY, PROJECT_ROOT, PyinfraDeploy, pyinfra_program
 from gpufleet.rollout.release import changes
 from gpufleet.rollout.remote import PyinfraRemote
@@ -40,7 +40,6 @@ from gpufleet.rollout.router_control import RouterControl, RouterFailure
 from gpufleet.rollout.runner import DEFAULT_CANARY_S, Options, Rollout
 
 EXIT_FAILED = 1
-_COUNT = re.compile(r"[0-9]{1,9}")
 
 
 def _options(command: Callable[..., None]) -> Callable[..., None]:
@@ -52,19 +51,20 @@ def _options(command: Callable[..., None]) -> Callable[..., None]:
         click.option("--min-available", default="1", show_default=True,
                      help="Fewest replicas of a model serving at any time: N or P%; refused when rolling would"
                           " go below it."),
-        click.option("--canary-s", type=click.FloatRange(0, 86400), default=DEFAULT_CANARY_S, show_default=True,
-                     help="Seconds the first batch is watched after it is back in the routers (0: no watch)."),
+        click.option("--canary-s", default=str(DEFAULT_CANARY_S), show_default=True,
+                     help="Seconds the first batch is watched after it is back in the routers (0: no watch; at most"
+                          " 86400)."),
         click.option("--canary-every-batch", is_flag=True, help="Watch every batch, not only the first."),
-        click.option("--max-error-ratio", type=click.FloatRange(0, 1), default=DEFAULT_MAX_ERROR_RATIO,
+        click.option("--max-error-ratio", default=str(DEFAULT_MAX_ERROR_RATIO),
                      show_default=True, help="How much more of its requests a canary may answer 5xx than the"
-                                             " model's replicas not rolled yet."),
-        click.option("--max-latency-ratio", type=click.FloatRange(1, 1000), default=DEFAULT_MAX_LATENCY_RATIO,
+                                             " model's replicas not rolled yet (0 to 1)."),
+        click.option("--max-latency-ratio", default=str(DEFAULT_MAX_LATENCY_RATIO),
                      show_default=True, help="How many times as much as theirs a canary's mean response"
-                                             " time may grow over the watch."),
+                                             " time may grow over the watch (1 to 1000)."),
         click.option("--facts", "facts_dir", type=click.Path(file_okay=False, path_type=Path),
                      help="Plan from probed facts (<host>.json from `gpufleet probe`); default: declared gpu_profile."),
-        click.option("--report", "report_path", type=click.Path(dir_okay=False, path_type=Path),
-                     help="Also write the report as JSON to this file."),
+        click.option("--report", "report_path", type=click.Path(path_type=Path),
+                     help="Also write the report as JSON to this file (in a directory that exists)."),
         DATA_OPTION,
     ]):
         command = option(command)
@@ -87,10 +87,6 @@ def rollback_command(inventory: str, **options: Any) -> None:
     """Return every replica to its previous release (release.previous.json on its nodes) the same rolling way;
     replicas without one are left untouched. The inventory still says otherwise: change it too."""
     _roll(ROLLBACK, inventory, **options)
-
-
-def _limit(value: str) -> Limit:
-    return int(value) if _COUNT.fullmatch(value) else value
 
 
 def _interrupt(signum: int, frame: FrameType | None) -> None:
@@ -120,9 +116,14 @@ def _check_targets(mode: str, inventory: str, data: tuple[str, ...], found: Roll
             set_data_override(operator)
 
 
-def _roll(mode: str, inventory: str, batches: str, max_unavailable: str, min_available: str, canary_s: float,
-          canary_every_batch: bool, max_error_ratio: float, max_latency_ratio: float, facts_dir: Path | None,
+def _roll(mode: str, inventory: str, batches: str, max_unavailable: str, min_available: str, canary_s: str,
+          canary_every_batch: bool, max_error_ratio: str, max_latency_ratio: str, facts_dir: Path | None,
           report_path: Path | None, data: tuple[str, ...]) -> None:
+    try:
+        checked = check_options(batches, max_unavailable, min_available, canary_s, max_error_ratio,
+                                max_latency_ratio, report_path)
+    except RolloutError as exc:
+        fail_lines(exc.problems)
     fleet = cli_fleet(inventory, data)
     override = parse_data_args(list(data)) or None
     hosts = load_inventory(inventory, override)
@@ -163,8 +164,8 @@ def _roll(mode: str, inventory: str, batches: str, max_unavailable: str, min_ava
         models = {unit.model for unit in found.units}
         try:
             planned = plan_rollout(found.units, batches, ready=found.ready,
-                                   max_unavailable=dict.fromkeys(models, _limit(max_unavailable)),
-                                   min_available=dict.fromkeys(models, _limit(min_available)))
+                                   max_unavailable=dict.fromkeys(models, checked.max_unavailable),
+                                   min_available=dict.fromkeys(models, checked.min_available))
         except RolloutError as exc:
             fail_lines(exc.problems)
         for member in (m for members in found.members.values() for m in members):
@@ -172,7 +173,8 @@ def _roll(mode: str, inventory: str, batches: str, max_unavailable: str, min_ava
                 click.echo(f"warning: replica {member.name}: no release.json on {member.recorded_on[0]} (deployed by"
                            " a gpufleet without release records?): a failure there is left drained, not rolled"
                            " back", err=True)
-        options = Options(canary_s, canary_every_batch, Thresholds(max_error_ratio, max_latency_ratio))
+        options = Options(checked.canary_s, canary_every_batch,
+                          Thresholds(checked.max_error_ratio, checked.max_latency_ratio))
         deployer = PyinfraDeploy(program or "pyinfra", Path(inventory), data)
         previous = signal.signal(signal.SIGTERM, _interrupt)
         try:

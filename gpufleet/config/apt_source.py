@@ -34,7 +34,8 @@ def apt_source(value: str, plain_http: bool) -> str | None:
               for key, _, setting in (option.partition("=") for option in options.split())]
     for key, name, _ in parsed:
         if name in WEAKENING_OPTIONS:
-            return f"expected no option that weakens apt's checks, found {key}= (apt would accept what it cannot verify)"
+            return (f"expected no option that weakens apt's checks, found {key}="
+                    " (apt would accept what it cannot verify)")
     keyrings = [setting for _, name, setting in parsed if name == "signed-by"]
     if len(keyrings) != 1:
         return f"expected one signed-by= keyring, found {len(keyrings)}"

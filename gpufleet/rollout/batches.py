@@ -137,7 +137,7 @@ class _Model:
     min_available: int
 
 
-def _parse_limit(value: Limit) -> tuple[int, bool]:
+def parse_limit(value: Limit) -> tuple[int, bool]:
     """(number, is a percentage); ValueError when it is neither a count >= 0 nor 0% to 100%."""
     if isinstance(value, bool):
         raise ValueError
@@ -159,7 +159,7 @@ def _limits(key: str, given: Mapping[str, Limit] | None, default: Limit, models:
     for model in sorted(set(values) | set(models)):
         value = values.get(model, default)
         try:
-            parsed[model] = _parse_limit(value)
+            parsed[model] = parse_limit(value)
         except ValueError:
             problems.append(f"{key} for model {model}: expected a count >= 0 or a percentage from 0% to 100%,"
                             f" found {value!r}")

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+import yaml
 from click.testing import CliRunner, Result
 
 import roles.router as router_role
@@ -255,3 +256,20 @@ def test_a_rollback_to_what_the_inventory_says_does_not_say_it_differs(world: _F
     done = _run("rollback", FLEET, "--canary-s", "0")
     assert done.exit_code == 0 and _deploys(world) == [f"deploy {A01}", f"deploy {A02}", f"deploy {A03}"]
     assert "still says otherwise" not in done.output
+
+
+OPTION_CASES = yaml.safe_load((DATA / "rollout_options" / "cases.yaml").read_text())
+
+
+@pytest.mark.parametrize("command", ["upgrade", "rollback"])
+@pytest.mark.parametrize("case", OPTION_CASES, ids=[" ".join(c["args"]) for c in OPTION_CASES])
+def test_bad_options_are_one_line_each_before_the_inventory_or_any_host_is_read(
+        command: str, case: dict[str, list[str]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def never(*args: object, **kwargs: object) -> None:
+        raise AssertionError("read the inventory or connected to a host")
+
+    for name in ("cli_fleet", "load_inventory", "PyinfraRemote", "PyinfraDeploy", "RouterControl"):
+        monkeypatch.setattr(cli_rollout, name, never)
+    done = CliRunner().invoke(main, [command, FLEET, *(a.replace("{tmp}", str(tmp_path)) for a in case["args"])])
+    assert done.exit_code == 2 and done.stdout == "", done.output
+    assert done.stderr.splitlines() == [line.replace("{tmp}", str(tmp_path)) for line in case["expect"]]

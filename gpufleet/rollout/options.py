@@ -1,0 +1,87 @@
+"""The options of ``gpufleet upgrade`` and ``gpufleet rollback``, checked before anything is read from a host.
+
+Numbers are finite and in range (``nan`` compares false with every bound, so a range check alone lets it
+through), batches and limits parse (:mod:`gpufleet.rollout.batches`), and ``--report`` names a file in a directory
+that exists. Each problem is one line; the command exits 2 on any of them without connecting to a host.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpufleet.rollout.batches import Limit, RolloutError, parse_batches, parse_limit
+
+CANARY_S = (0.0, 86400.0)
+MAX_ERROR_RATIO = (0.0, 1.0)
+MAX_LATENCY_RATIO = (1.0, 1000.0)
+
+
+@dataclass(frozen=True)
+class Checked:
+    """The options as numbers, once every one has passed."""
+
+    canary_s: float
+    max_error_ratio: float
+    max_latency_ratio: float
+    max_unavailable: Limit
+    min_available: Limit
+
+
+def _number(option: str, text: str, bounds: tuple[float, float], problems: list[str]) -> float:
+    low, high = bounds
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+        found = repr(text)
+    else:
+        found = text
+    if not math.isfinite(value) or not low <= value <= high:
+        problems.append(f"{option}: expected a number from {low:g} to {high:g}, found {found}")
+    return value
+
+
+def _limit(option: str, text: str, problems: list[str]) -> Limit:
+    value: Limit = int(text) if text.isascii() and text.isdigit() and len(text) <= 9 else text
+    try:
+        count, _ = parse_limit(value)
+    except ValueError:
+        problems.append(f"{option}: expected a count >= 0 or a percentage from 0% to 100%, found {text!r}")
+        return value
+    if option == "--max-unavailable" and count == 0:
+        problems.append(f"{option}: expected at least 1 (0 never takes a replica out), found {text!r}")
+    return value
+
+
+def _report(path: Path | None, problems: list[str]) -> None:
+    if path is None:
+        return
+    if path.is_dir():
+        problems.append(f"--report: expected a file to write, found the directory {str(path)!r}")
+    elif not path.parent.is_dir():
+        problems.append(f"--report: expected a file in a directory that exists, found no directory"
+                        f" {str(path.parent)!r}")
+    elif path.exists() and not path.is_file():
+        problems.append(f"--report: expected a regular file to write, found something else at {str(path)!r}")
+
+
+def check_options(batches: str, max_unavailable: str, min_available: str, canary_s: str, max_error_ratio: str,
+                  max_latency_ratio: str, report: Path | None) -> Checked:
+    """Every option checked; raises :class:`RolloutError` with one line per problem."""
+    problems: list[str] = []
+    try:
+        parse_batches(batches)
+    except RolloutError as exc:
+        problems += exc.problems
+    unavailable = _limit("--max-unavailable", max_unavailable, problems)
+    available = _limit("--min-available", min_available, problems)
+    checked = Checked(_number("--canary-s", canary_s, CANARY_S, problems),
+                      _number("--max-error-ratio", max_error_ratio, MAX_ERROR_RATIO, problems),
+                      _number("--max-latency-ratio", max_latency_ratio, MAX_LATENCY_RATIO, problems),
+                      unavailable, available)
+    _report(report, problems)
+    if problems:
+        raise RolloutError(problems)
+    return checked
