@@ -45,6 +45,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from gpufleet.input_files import InputFileError, json_depth_problem, read_regular
+
 SCHEMA = "gpufleet.gpu-facts/1"
 
 RemoteDeviceType = Literal["gpu", "switch", "ibmnpu", "unknown"]
@@ -170,9 +172,14 @@ def parse_facts(doc: dict[str, object], source: str = "<facts>") -> NodeFacts:
 def load_facts(path: Path) -> NodeFacts:
     """Read one node's facts JSON file."""
     try:
-        doc = json.loads(path.read_text())
-    except OSError as exc:
-        raise FactsError(f"{path}: cannot read: {exc.strerror}") from None
+        text = read_regular(path, "a facts file").decode("utf-8")
+        if problem := json_depth_problem(text):
+            raise FactsError(f"{path}: {problem}")
+        doc = json.loads(text)
+    except InputFileError as exc:
+        raise FactsError(f"{path}: {exc.message}") from None
+    except UnicodeDecodeError as exc:
+        raise FactsError(f"{path}: expected UTF-8 text, found byte 0x{exc.object[exc.start]:02x}") from None
     except json.JSONDecodeError as exc:
         raise FactsError(f"{path}:{exc.lineno}:{exc.colno}: invalid JSON: {exc.msg}") from None
     if not isinstance(doc, dict):

@@ -24,6 +24,7 @@ from gpufleet.config.layers import HostLayers, Layer, display_path, read_yaml_ma
 from gpufleet.config.problems import EXIT_BAD_INPUT, ConfigError, Problem, exit_with
 from gpufleet.config.schema import HostConfig
 from gpufleet.config.validate import validate_host
+from gpufleet.input_files import json_depth_problem
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,7 @@ def collect_layers(namespace: dict[str, Any]) -> tuple[InventoryLayers, dict[str
 
     def yaml_layer(name: str) -> Layer | None:
         path = gv_dir / f"{name}.yml"
-        if not path.exists():
+        if not path.exists() and not path.is_symlink():  # a link that leads nowhere is said, not skipped
             return None
         values, found = read_yaml_mapping(path)
         problems.extend(found)
@@ -151,7 +152,10 @@ def validate_layers(loaded: InventoryLayers, override: dict[str, Any] | None = N
 def data_value(text: str) -> Any:
     """One ``--data`` value read as pyinfra's CLI reads it (``pyinfra_cli.util.parse_cli_arg``): true/false
     in any case, then an integer, then JSON, else the text itself. Kept here so that ``gpufleet check`` does
-    not import pyinfra's CLI (which monkey-patches the process with gevent)."""
+    not import pyinfra's CLI (which monkey-patches the process with gevent). JSON nested too deep for a parser
+    to recurse into raises ValueError (see :func:`_data_items`)."""
+    if problem := json_depth_problem(text):
+        raise ValueError(problem)
     if text.lower() in ("true", "false"):
         return text.lower() == "true"
     try:
@@ -166,12 +170,25 @@ def data_value(text: str) -> Any:
 
 def parse_data_args(items: list[str]) -> dict[str, Any]:
     """``KEY=VALUE`` strings as pyinfra's ``--data`` reads them."""
-    data: dict[str, Any] = {}
     for item in items:
-        key, eq, value = item.partition("=")
+        key, eq, _ = item.partition("=")
         if not eq:
             raise ConfigError([Problem("--data", key, "expected KEY=VALUE, found no '='")])
-        data[key] = data_value(value)
+    return _data_items(items)
+
+
+def _data_items(items: list[str]) -> dict[str, Any]:
+    """The ``KEY=VALUE`` items that have an ``=``, read; raises ConfigError for a value nested too deep."""
+    data: dict[str, Any] = {}
+    problems: list[Problem] = []
+    for key, eq, value in (item.partition("=") for item in items):
+        if eq:
+            try:
+                data[key] = data_value(value)
+            except ValueError as exc:
+                problems.append(Problem("--data", key, str(exc)))
+    if problems:
+        raise ConfigError(problems)
     return data
 
 
@@ -202,8 +219,7 @@ def cli_data_override(argv: list[str] | None = None) -> dict[str, Any] | None:
             items.append(argv[i + 1])
         elif arg.startswith("--data="):
             items.append(arg.removeprefix("--data="))
-    data = {key: data_value(value) for key, eq, value in (item.partition("=") for item in items) if eq}
-    return data or None
+    return _data_items(items) or None
 
 
 def apply_group_vars(namespace: dict[str, Any]) -> None:
@@ -215,8 +231,8 @@ def apply_group_vars(namespace: dict[str, Any]) -> None:
         problems.append(Problem(loaded.path, "", "expected at least one host in a group, found nothing to deploy"))
     if problems:
         exit_with(ConfigError(problems))
-    override = cli_data_override()
     try:
+        override = cli_data_override()
         configs = validate_layers(loaded, override)
         plan_problems = declared_plan_problems(loaded, configs, override)
         if plan_problems:
@@ -289,12 +305,17 @@ def _failure(path: Path, exc: BaseException) -> Problem:
 def report_inventory_errors() -> None:
     """Under pyinfra's CLI, an inventory file that fails to compile or run says so in one line and exits 2.
 
-    Called from the project's ``config.py``, which pyinfra executes before it reads the inventory; pyinfra
-    itself would print the traceback and exit 1. Only the inventory file is covered: deploy files keep
+    Called from the project's ``config.py``, which pyinfra executes before it reads ``--data`` and the inventory;
+    pyinfra itself would print the traceback and exit 1. ``--data`` nested too deep is refused here, before
+    pyinfra's parser recurses into it. Only the inventory file is covered: deploy files keep
     pyinfra's own report.
     """
     import pyinfra_cli.inventory as cli_inventory
 
+    try:
+        cli_data_override(sys.argv[1:])  # pyinfra reads --data next, and would recurse into JSON nested too deep
+    except ConfigError as error:
+        exit_with(error)
     original = cli_inventory.exec_file
     if getattr(original, "_gpufleet", False):
         return

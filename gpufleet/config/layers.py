@@ -7,6 +7,7 @@ group < host data < ``pyinfra --data``.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 from gpufleet.config.grammar import show
 from gpufleet.config.problems import Problem
 from gpufleet.config.yaml_strict import YamlProblem, load_yaml
+from gpufleet.input_files import InputFileError, read_regular
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 ROLES_DIR = PROJECT_ROOT / "roles"
@@ -48,10 +50,11 @@ class HostLayers:
 def display_path(path: Path) -> str:
     """A path relative to the working directory, or to the project, when it is below it."""
     for base in (Path.cwd().resolve(), PROJECT_ROOT):
-        try:
-            return str(path.resolve().relative_to(base))
-        except ValueError:
-            continue
+        for candidate in (Path(os.path.abspath(path)), path.resolve()):  # a link's own path first, then its target's
+            try:
+                return str(candidate.relative_to(base))
+            except ValueError:
+                continue
     return str(path)
 
 
@@ -63,12 +66,10 @@ def is_role_default(source: str) -> bool:
 def read_yaml_mapping(path: Path) -> tuple[dict[str, Any], list[Problem]]:
     """Read a YAML file whose top level must be a mapping (an empty file is an empty mapping)."""
     shown = display_path(path)
-    if path.is_dir():
-        return {}, [Problem(shown, "", "expected a YAML file, found a directory")]
     try:
-        doc = load_yaml(path.read_bytes())
-    except OSError as exc:
-        return {}, [Problem(shown, "", f"expected a readable file, found {exc.strerror}")]
+        doc = load_yaml(read_regular(path, "a YAML file"))
+    except InputFileError as exc:
+        return {}, [Problem(shown, "", exc.message)]
     except YamlProblem as exc:
         return {}, [Problem(shown + exc.where, "", exc.message)]
     if doc is None:

@@ -17,6 +17,7 @@ from gpufleet.config import grammar
 from gpufleet.config.apt_source import apt_source
 from gpufleet.config.problems import KeyedError
 from gpufleet.hardware_profiles import ProfileError, parse_profile
+from gpufleet.input_files import tree_problem
 from gpufleet.node.health_rules import HealthPolicy, policy_problems
 from gpufleet.vllm_flags import SUPPORTED_VLLM_VERSIONS, load_catalog
 
@@ -113,9 +114,11 @@ def _model(value: str) -> str | None:
 
 
 def _controller_dir(value: str) -> str | None:
+    """A directory on the controller that is pushed to the nodes: it exists, and holds only directories, regular
+    files and links that stay inside it (a link's target would be pushed as a 0644 file)."""
     if grammar.controller_path(value) or not Path(value).expanduser().is_dir():
         return f"expected an existing directory on the controller, found {grammar.show(value)}"
-    return None
+    return tree_problem(Path(value).expanduser())
 
 
 def _served_name(value: str) -> str | None:

@@ -11,10 +11,11 @@ Edits: ``set`` (mapping merged into a YAML file), ``unset`` (keys removed from i
 there, which nothing may wait to read), ``file`` (which file:
 ``group_vars/<name>.yml`` or ``inventory``), ``host`` (data merged into the host's inventory entry),
 ``hosts`` (more ``[name, data]`` entries in the same group), ``groups`` (more inventory lines),
-``after`` (inventory lines after its ``apply_group_vars(globals())``), ``data`` (``--data KEY=VALUE``
-arguments). ``expect`` is the exact first line on stderr (pyinfra's ``--> …`` progress lines skipped). The
-project holds gpufleet's ``config.py``, as a user's does: pyinfra runs it before the inventory, so an inventory
-file that does not compile or run is one line and exit 2 there too.
+``after`` (inventory lines after its ``apply_group_vars(globals())``), ``paths`` (more files in the project, by
+relative path: ``dir/`` a directory, ``-> TARGET`` a link, ``|fifo`` a named pipe, else the file's text),
+``data`` (``--data KEY=VALUE`` arguments). ``expect`` is the exact first line on stderr (pyinfra's ``--> …``
+progress lines skipped). The project holds gpufleet's ``config.py``, as a user's does: pyinfra runs it before the
+inventory, so an inventory file that does not compile or run is one line and exit 2 there too.
 
 Every case runs in this process, one test each (``-k 'names/<id>'`` runs one), through both entry points:
 
@@ -172,6 +173,18 @@ def build_project(case: dict[str, Any], root: Path, port: int) -> list[str]:
     if case.get("fifo"):
         target.unlink(missing_ok=True)
         os.mkfifo(target)
+    for relative, spec in (case.get("paths") or {}).items():
+        path = root / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.unlink(missing_ok=True)
+        if spec.endswith("/"):
+            path.mkdir(exist_ok=True)
+        elif spec.startswith("-> "):
+            path.symlink_to(spec.removeprefix("-> "))
+        elif spec == "|fifo":
+            os.mkfifo(path)
+        else:
+            path.write_text(spec)
     return [arg for item in case.get("data") or [] for arg in ("--data", item)]
 
 

@@ -1,0 +1,97 @@
+"""Reading what a user hands gpufleet as a file or as JSON text, without hanging or recursing on it.
+
+A named pipe, a device, a socket or a directory where a file is expected is refused from its type, before a byte
+is read (opening a FIFO for reading blocks until a writer comes; here it is opened non-blocking and only its
+type is looked at). JSON nested deeper than :data:`MAX_JSON_DEPTH` is refused from its text, before a parser
+recurses into it. A model directory pushed to the nodes holds directories, regular files and links that stay
+inside it, nothing else.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+MAX_FILE_BYTES = 16 * 2**20
+"""The largest variables or facts file read (gpufleet's own are a few KiB)."""
+
+MAX_JSON_DEPTH = 64
+"""The deepest nesting of arrays and objects read from JSON (gpufleet's own values nest a few levels)."""
+
+
+class InputFileError(ValueError):
+    """A file or text that cannot be read as one: ``message`` says what was expected and found."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+def kind(mode: int) -> str:
+    """What a file's mode says it is, as a message names it."""
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe"), (stat.S_ISCHR, "a device"),
+                       (stat.S_ISBLK, "a device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a link")):
+        if test(mode):
+            return name
+    return "a regular file"
+
+
+def read_regular(path: Path, what: str = "a file", limit: int = MAX_FILE_BYTES) -> bytes:
+    """The bytes of a regular file (links followed), at most ``limit`` of them; raises :class:`InputFileError`
+    (``what``: how its message names the file expected)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise InputFileError(f"expected a readable file, found {exc.strerror}") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise InputFileError(f"expected {what}, found {kind(mode)}")
+    with os.fdopen(fd, "rb") as handle:
+        data = handle.read(limit + 1)
+    if len(data) > limit:
+        raise InputFileError(f"expected {what} of at most {limit:,} bytes, found more")
+    return data
+
+
+def json_depth_problem(text: str, limit: int = MAX_JSON_DEPTH) -> str | None:
+    """Whether JSON text nests arrays and objects deeper than ``limit`` (brackets inside strings not counted)."""
+    depth, in_string, escaped = 0, False, False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            if depth > limit:
+                return f"expected JSON nested at most {limit} levels deep, found deeper"
+        elif ch in "]}":
+            depth -= 1
+    return None
+
+
+def tree_problem(root: Path) -> str | None:
+    """Whether a directory to push holds anything but directories, regular files and links that stay inside it."""
+    top = root.resolve()
+    for folder, dirs, files in os.walk(top):
+        for name in [*dirs, *files]:
+            path = Path(folder) / name
+            relative = path.relative_to(top)
+            mode = path.lstat().st_mode
+            if stat.S_ISLNK(mode):
+                target = path.resolve()
+                if target != top and top not in target.parents:
+                    return f"expected links that stay inside the directory, found {str(relative)!r} pointing outside it"
+                mode = target.stat().st_mode if target.exists() else mode
+                if not target.exists():
+                    return f"expected links that stay inside the directory, found {str(relative)!r} pointing nowhere"
+            if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
+                return f"expected directories and regular files only, found {kind(mode)} at {str(relative)!r}"
+    return None
