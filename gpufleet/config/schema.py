@@ -44,7 +44,7 @@ has at most 16 GPUs, so at most 16 single-GPU replicas)."""
 WATCHDOG_MIN_STALL_S = 10
 """The shortest ``vllm_watchdog_stall_s``: the watchdog looks every 5 s, and a real completion gets that long."""
 
-SECRET_KEYS = frozenset({"vllm_api_key", "vllm_hf_token", "ray_auth_token"})
+SECRET_KEYS = frozenset({"vllm_api_key", "vllm_hf_token", "ray_auth_token", "vllm_pip_index_credentials"})
 """Variables whose values are secret references; a value found there is never shown."""
 
 # vllm_extra_args flags whose value gpufleet writes itself, and the variable that sets each.
@@ -151,11 +151,16 @@ def _health(value: Any) -> Any:
 
 
 def _secret_ref(value: Any) -> Any:
+    """A secret's value is a reference; whatever else is found is named by its type, never shown."""
     if isinstance(value, str):
         raise ValueError(
             "expected a reference {env: NAME} or {file: PATH}, found a literal string"
             " (secrets never live in inventories or group_vars)"
         )
+    if value is not None and not isinstance(value, (dict, SecretRef)):
+        found = {list: "a list", bool: "true or false", int: "a number", float: "a number"}.get(type(value), "a value")
+        raise ValueError(f"expected a reference {{env: NAME}} or {{file: PATH}}, found {found} (not shown: it may be"
+                         " a secret)")
     return value
 
 
