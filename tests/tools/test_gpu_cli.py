@@ -147,8 +147,8 @@ def test_gate_without_saved_facts_for_a_host(sim_lib: Path, tmp_path: Path, loca
     result = gpufleet(simulated(sim_lib, tmp_path, "2xRTX4090")[0], "gate", str(local_inventory),
                       "--facts", str(tmp_path / "empty"))
     assert result.returncode == 1
-    assert f"  probe (node): {tmp_path / 'empty' / '@local.json'}: cannot read: No such file or directory" \
-        in result.stdout
+    missing = tmp_path / "empty" / "@local.json"
+    assert f"  probe (node): {missing}: expected a readable file, found No such file or directory" in result.stdout
 
 
 def test_gate_uses_each_hosts_policy(tmp_path: Path, local_inventory: Path) -> None:
