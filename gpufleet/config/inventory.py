@@ -22,6 +22,7 @@ from gpufleet.config.layers import HostLayers, Layer, display_path, read_yaml_ma
 from gpufleet.config.problems import EXIT_BAD_INPUT, ConfigError, Problem, exit_with
 from gpufleet.config.schema import HostConfig
 from gpufleet.config.validate import validate_host
+from gpufleet.plan import virtual_address
 
 ROLE_GROUPS = ("routers", "monitoring")
 """Groups that give their hosts a job besides serving (the HAProxy routers, the hosts that scrape metrics): they
@@ -178,6 +179,7 @@ def validate_layers(loaded: InventoryLayers, override: dict[str, Any] | None = N
         if config is not None:
             configs[name] = config
     problems += _host_problems(loaded, configs, override)
+    problems += virtual_address.inventory_problems(loaded, configs, override)
     if problems:
         raise ConfigError(problems)
     return configs
