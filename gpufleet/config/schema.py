@@ -139,7 +139,8 @@ def _virtual_address(value: str) -> str | None:
     if problem := grammar.node_address(value):
         return problem
     if ":" in value:
-        return f"expected an IPv4 address (VRRP 2, whose group has a password, is IPv4 only), found {grammar.show(value)}"
+        return ("expected an IPv4 address (VRRP 2, whose group has a password, is IPv4 only),"
+                f" found {grammar.show(value)}")
     return None
 
 

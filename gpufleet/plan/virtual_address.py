@@ -117,9 +117,22 @@ def password_problem(password: str) -> str | None:
     return f"{PASSWORD_EXPECTED}, found a value that is not (not shown: a secret)"
 
 
-def readable_password(ref: SecretRef) -> str | None:
-    """The password the controller can read now; None when it cannot (the deploy reads it and says why)."""
+def read_password(ref: SecretRef | None) -> str:
+    """The VRRP group's password, read on the controller (raises ConfigError naming the key, the value unshown)."""
     from gpufleet.deploy.vllm_files import _read_secret  # the controller's one reader of secret references
+
+    if ref is None:
+        raise ConfigError([Problem("controller", PASSWORD_KEY, f"expected a secret reference with {KEY},"
+                                                               " found null")])
+    value = _read_secret(ref, PASSWORD_KEY)
+    if problem := password_problem(value):
+        raise ConfigError([Problem("controller", PASSWORD_KEY, problem)])
+    return value
+
+
+def readable_password(ref: SecretRef) -> str | None:
+    """The password as the controller reads it now; None when it cannot (the deploy reads it and says why)."""
+    from gpufleet.deploy.vllm_files import _read_secret
 
     try:
         return _read_secret(ref, PASSWORD_KEY)
@@ -151,9 +164,9 @@ def problems(routers: Sequence[str], configs: Mapping[str, HostConfig],
     if not setting:
         return []
     if len(routers) < 2:
-        found = f"{len(routers)} ({', '.join(routers)})" if routers else "none"
+        listed = f"{len(routers)} ({', '.join(routers)})" if routers else "none"
         return [Problem(source(setting[0], KEY), KEY, f"expected two or more hosts in the group {ROUTERS_GROUP}"
-                                                      f" (keepalived moves the address between them), found {found}")]
+                                                      f" (keepalived moves the address between them), found {listed}")]
     valid = [r for r in routers if r in configs]
     found = _differences(valid, configs, source)
     if found or not valid or configs[valid[0]].router_virtual_address is None:
