@@ -68,20 +68,21 @@ KEEPALIVED = "/usr/sbin/keepalived"
 
 # --- what a router gets, as plain data (tested without a node) --------------------------------------------------
 
-def exec_argv(config: str = CONFIG) -> list[str]:
+def exec_argv(config: str = CONFIG, run_dir: str = RUN_DIR) -> list[str]:
     """keepalived's command line: VRRP only, in the foreground, logging to its stderr, its pid files in RUN_DIR."""
     return [KEEPALIVED, "--dont-fork", "--vrrp", "--log-console", "--no-syslog", f"--use-file={config}",
-            f"--pid={RUN_DIR}/keepalived.pid", f"--vrrp_pid={RUN_DIR}/vrrp.pid"]
+            f"--pid={run_dir}/keepalived.pid", f"--vrrp_pid={run_dir}/vrrp.pid"]
 
 
-def config_values(vip: VirtualAddress, router: str, interface: str, password: str) -> dict[str, Any]:
+def config_values(vip: VirtualAddress, router: str, interface: str, password: str,
+                  health_state: str = ROUTER_HEALTH_STATE) -> dict[str, Any]:
     """What templates/keepalived/keepalived.conf.j2 is rendered with, for ``router`` of the group ``vip``; every
     value validated (addresses, an interface name, the password's characters)."""
     if problem := password_problem(password):
         raise ConfigError([Problem("controller", PASSWORD_KEY, problem)])
     return {"own_address": vip.own_address(router), "peers": vip.peers(router), "priority": vip.priority(router),
             "router_id": vip.router_id, "interface": interface, "address": vip.address, "prefix": vip.prefix,
-            "password": password, "health_state": ROUTER_HEALTH_STATE}
+            "password": password, "health_state": health_state}
 
 
 def render_config(values: dict[str, Any]) -> str:
