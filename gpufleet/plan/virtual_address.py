@@ -14,7 +14,9 @@ at a time, by VRRP version 2 (the version whose group has a password) unicast be
   reads it again and stops on the same problem before it changes anything.
 
 :func:`group` gives the deploy and the CLI the VRRP group as data: the address, each router's own address, its
-priority (the group's order: the first router listed has the highest) and its peers.
+priority (the group's order: the first router listed has the highest) and its peers; :func:`endpoint_line` the
+fleet's endpoint as ``gpufleet plan`` and ``gpufleet upgrade``/``rollback`` print it (a rollout still drains each
+replica on every router, through each router's own HAProxy).
 """
 
 from __future__ import annotations
@@ -108,6 +110,16 @@ def group(routers: Sequence[str], configs: Mapping[str, HostConfig]) -> VirtualA
     own = [(r, router_address(r, configs[r]) or r) for r in routers]
     return VirtualAddress(str(first.router_virtual_address), first.router_virtual_prefix,
                           first.router_virtual_router_id, tuple(own))
+
+
+def endpoint_line(routers: Sequence[str], configs: Mapping[str, HostConfig]) -> str | None:
+    """The fleet's endpoint as ``gpufleet plan`` and a rollout print it: the virtual address, and the routers that
+    hold it one at a time (each also serves on its own address); None without a virtual address."""
+    vip = group(routers, configs)
+    if vip is None:
+        return None
+    return (f"endpoint: http://{vip.endpoint(configs[routers[0]].router_port)} (router_virtual_address: one of the"
+            f" routers {', '.join(routers)} at a time, moved by keepalived)")
 
 
 def password_problem(password: str) -> str | None:

@@ -33,7 +33,7 @@ import roles.router as router_role
 from gpufleet import node_paths
 from gpufleet.plan.virtual_address import VirtualAddress
 from gpufleet.unit_security import EXPOSURE_BOUND, exposure
-from tests.conftest import ROOT, host_tool
+from tests.conftest import ROOT, host_tool, skip_or_fail
 from tests.tools.test_units_pass_systemd_analyze import _stub_root, _verify
 from tests.unit.test_hostile_templates import Unit
 from tests.unit.test_vllm_role import _config
@@ -61,7 +61,7 @@ def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
 
 def _root_with_netns() -> None:
     if os.geteuid() != 0:
-        pytest.skip("network namespaces need root")
+        skip_or_fail("network namespaces need root")
     host_tool("ip", "iproute2")
 
 

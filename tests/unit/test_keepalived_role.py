@@ -7,13 +7,17 @@ keepalived processes: tests/tools/test_keepalived_role.py. Bad input: tests/data
 
 from __future__ import annotations
 
+import hashlib
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import yaml
+from click.testing import CliRunner
 
 import roles.keepalived as role
 import roles.router as router_role
+from gpufleet.cli import main
 from gpufleet.config.problems import ConfigError
 from gpufleet.deploy.access import ROUTERS_GROUP
 from gpufleet.node_paths import ROUTER_HEALTH_STATE
@@ -21,6 +25,7 @@ from gpufleet.plan import virtual_address
 from gpufleet.plan.virtual_address import VirtualAddress
 from gpufleet.systemd_text import exec_line
 from tests.conftest import DATA
+from tests.recorded_ops import Recorder
 from tests.unit.test_hostile_templates import unit_settings
 from tests.unit.test_vllm_role import _config
 
@@ -128,3 +133,93 @@ def test_haproxy_binds_the_virtual_address_on_every_router(values: dict[str, Any
     binds = [line.strip() for line in text.splitlines() if line.strip().startswith("bind ")]
     assert binds == [f"bind {router_role.host_port(values.get('router_listen_address') or '10.0.0.1', 8080)}",
                      *([f"bind {expected} transparent"] if expected else []), "bind 10.0.0.1:8405"]
+
+
+def test_gpufleet_plan_prints_the_virtual_address_as_the_endpoint(monkeypatch: pytest.MonkeyPatch) -> None:
+    fleet = str(DATA / "rollout_fleet" / "inventory.py")  # two routers, 10.40.9.1 and 10.40.9.2
+    monkeypatch.setenv("GPUFLEET_TEST_VRRP", "s3cret-8")
+    plain = CliRunner().invoke(main, ["plan", fleet], catch_exceptions=False)
+    assert plain.exit_code == 0 and "endpoint:" not in plain.output
+    done = CliRunner().invoke(main, ["plan", fleet, "--data", "router_virtual_address=10.40.9.100", "--data",
+                                     'router_vrrp_password={"env": "GPUFLEET_TEST_VRRP"}'], catch_exceptions=False)
+    assert done.exit_code == 0, done.output
+    assert done.output.splitlines()[-1] == (
+        "endpoint: http://10.40.9.100:8080 (router_virtual_address: one of the routers router1.dc1.example.net,"
+        " router2.dc1.example.net at a time, moved by keepalived)")
+
+
+# --- the role's operations, recorded ------------------------------------------------------------------------------
+
+GROUP = VirtualAddress("10.0.0.100", 24, 51, (("r1", "10.0.0.1"), ("r2", "10.0.0.2")))
+PASSWORD = "s3cret-8"
+
+
+def _run_role(monkeypatch: pytest.MonkeyPatch, host: str, vip: VirtualAddress | None,
+              drop_in_there: bool = False) -> Recorder:
+    recorder = Recorder()
+    for name in ("apt", "files", "server", "systemd"):
+        monkeypatch.setattr(role, name, recorder.module(name))
+    paths = {role.DROP_IN: {"type": "file" if drop_in_there else "missing"}}
+    monkeypatch.setattr(role, "node", SimpleNamespace(observe=recorder.module("node").observe,
+                                                      path=lambda path: paths.get(path, {"type": "missing"})))
+    monkeypatch.setattr(role, "fleet_group", lambda: vip)
+    monkeypatch.setattr(role, "host", SimpleNamespace(name=host, get_fact=lambda fact, address: "bond0"))
+    monkeypatch.setattr(role, "host_config", lambda *_: _config(
+        router_virtual_address="10.0.0.100", router_vrrp_password={"env": "GPUFLEET_TEST_VRRP"}))
+    monkeypatch.setenv("GPUFLEET_TEST_VRRP", PASSWORD)
+    role.keepalived.__wrapped__()  # type: ignore[attr-defined]
+    return recorder
+
+
+
+def test_a_router_gets_a_checked_configuration_the_password_in_it_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    ops = _run_role(monkeypatch, "r2", GROUP)
+    position = {id(c): i for i, c in enumerate(ops.calls)}
+    assert ops.calls[0].op == "node.observe"
+    (installed,) = ops.named("apt.packages", packages=["keepalived"])
+    (candidate,) = ops.named("files.secret_file")
+    wanted = role.render_config(role.config_values(GROUP, "r2", "bond0", PASSWORD))
+    assert candidate.kwargs == {"name": candidate.kwargs["name"], "dest": role.CANDIDATE, "content": wanted,
+                                "mode": "0640", "group": "keepalived"}
+    (check,) = ops.named("server.script")
+    script = check.kwargs["script"]
+    assert script.index("/usr/sbin/keepalived -t -f /etc/keepalived/gpufleet-candidate.conf") < script.index(
+        "install -o root -g keepalived -m 0640") < script.index("mv -fT")
+    assert check.kwargs["done_file"] == role.CONFIG
+    assert check.kwargs["done_sha256"] == hashlib.sha256(wanted.encode()).hexdigest()
+    accounts = [c.kwargs["user"] for c in ops.named("server.system_account")]
+    assert accounts == ["keepalived", "gpufleet-router-health"]
+    assert position[id(installed)] < position[id(candidate)] < position[id(check)]
+    (health,) = ops.named("systemd.service", unit="gpufleet-router-health.service")
+    (running,) = ops.named("systemd.service", unit="keepalived.service")
+    assert position[id(health)] < position[id(running)] and running.kwargs["running"] and running.kwargs["enabled"]
+    (drop_in,) = ops.named("files.file", dest=role.DROP_IN)
+    (restart,) = ops.named("systemd.restart", unit="keepalived.service")
+    (reload,) = ops.named("systemd.reload", unit="keepalived.service")
+    assert not restart.kwargs["_if"]() and not reload.kwargs["_if"]()
+    check.changed = True
+    assert reload.kwargs["_if"]() and not restart.kwargs["_if"]()  # the address stays where it is
+    drop_in.changed = True
+    assert restart.kwargs["_if"]()
+    shown = repr([(c.op, {k: v for k, v in c.kwargs.items() if c.op != "files.secret_file" or k != "content"})
+                  for c in ops.calls])
+    assert PASSWORD not in shown  # only the secret file's content holds it
+
+
+@pytest.mark.parametrize(("host", "vip"), [("gpu-1", GROUP), ("r1", None)])
+def test_a_host_without_the_address_retires_what_gpufleet_set_up(monkeypatch: pytest.MonkeyPatch, host: str,
+                                                                 vip: VirtualAddress | None) -> None:
+    ops = _run_role(monkeypatch, host, vip, drop_in_there=True)
+    assert not ops.named("apt.packages") and not ops.named("files.secret_file")
+    stops = ops.named("systemd.service")
+    assert {c.kwargs["unit"] for c in stops} == {"keepalived.service", "gpufleet-router-health.service"}
+    assert all(c.kwargs["running"] is False and c.kwargs["enabled"] is False and c.kwargs["_if"]() for c in stops)
+    removed = [c.kwargs["path"] for c in ops.named("files.absent")]
+    assert removed == [role.CONFIG, role.CANDIDATE, role.HEALTH_UNIT, role.DROP_IN]  # the marker last
+
+
+def test_a_keepalived_gpufleet_did_not_set_up_is_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    ops = _run_role(monkeypatch, "gpu-1", None, drop_in_there=False)
+    guarded = [c for c in ops.calls if c.op in ("systemd.service", "files.absent") and c.kwargs["path" if
+               c.op == "files.absent" else "unit"] != role.DROP_IN]
+    assert guarded and all(not c.kwargs["_if"]() for c in guarded)

@@ -255,3 +255,19 @@ def test_a_rollback_to_what_the_inventory_says_does_not_say_it_differs(world: _F
     done = _run("rollback", FLEET, "--canary-s", "0")
     assert done.exit_code == 0 and _deploys(world) == [f"deploy {A01}", f"deploy {A02}", f"deploy {A03}"]
     assert "still says otherwise" not in done.output
+
+
+def test_behind_a_virtual_address_a_rollout_still_drains_on_every_router(world: _Fleet,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GPUFLEET_TEST_VRRP", "s3cret-8")
+    done = _run("upgrade", FLEET, "--canary-s", "0", "--data", "router_virtual_address=10.40.9.100",
+                "--data", 'router_vrrp_password={"env": "GPUFLEET_TEST_VRRP"}')
+    assert done.exit_code == 0, done.output + done.stderr
+    assert done.output.splitlines()[0] == (
+        "gpufleet upgrade: endpoint: http://10.40.9.100:8080 (router_virtual_address: one of the routers"
+        f" {', '.join(ROUTERS)} at a time, moved by keepalived); each replica is drained on every router, through"
+        f" its own HAProxy: {', '.join(ROUTERS)}")
+    first = world.events[:world.events.index(f"deploy {A01}")]
+    assert [e for e in first if e.startswith("drain ")] == [f"drain {r} llama_70b-gpu-a01-{k}" for k in (0, 1)
+                                                          for r in ROUTERS]
+    assert "s3cret" not in done.output + done.stderr
