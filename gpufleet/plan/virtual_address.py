@@ -31,11 +31,11 @@ from gpufleet.config import grammar
 from gpufleet.config.layers import HostLayers, Layer, is_role_default
 from gpufleet.config.problems import ConfigError, Problem
 from gpufleet.config.schema import HostConfig, SecretRef
+from gpufleet.deploy.access import ROUTERS_GROUP
 
 if TYPE_CHECKING:
     from gpufleet.config.inventory import InventoryLayers
 
-ROUTERS_GROUP = "routers"  # gpufleet.deploy.access.ROUTERS_GROUP: the inventory group of the HAProxy routers
 KEY = "router_virtual_address"
 PASSWORD_KEY = "router_vrrp_password"
 SHARED = (KEY, "router_virtual_prefix", "router_virtual_router_id", PASSWORD_KEY)  # the same on every router

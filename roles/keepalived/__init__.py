@@ -128,8 +128,9 @@ def interface(cfg: HostConfig, address: str) -> str:
     holds the router's own address (read from the node); exits 2 when none does."""
     chosen = cfg.router_virtual_interface or cfg.fleet_interface or host.get_fact(AddressInterface, address=address)
     if chosen is None:
-        exit_with(ConfigError([Problem(host.name, "router_virtual_interface", f"expected an interface holding the"
-                                                  f" router's address {address}, found none: set it")]))
+        exit_with(ConfigError([Problem(host.name, "router_virtual_interface", f"expected an interface that holds"
+                                                  f" the router's address {address}, found none on the router;"
+                                                  " set router_virtual_interface")]))
     return str(chosen)
 
 

@@ -15,6 +15,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
+import gpufleet.config.inventory as gpufleet_inventory
 import roles.keepalived as role
 import roles.router as router_role
 from gpufleet.cli import main
@@ -137,6 +138,7 @@ def test_haproxy_binds_the_virtual_address_on_every_router(values: dict[str, Any
 
 def test_gpufleet_plan_prints_the_virtual_address_as_the_endpoint(monkeypatch: pytest.MonkeyPatch) -> None:
     fleet = str(DATA / "rollout_fleet" / "inventory.py")  # two routers, 10.40.9.1 and 10.40.9.2
+    monkeypatch.setattr(gpufleet_inventory, "_DATA_OVERRIDE", None)  # the command's --data goes with the test
     monkeypatch.setenv("GPUFLEET_TEST_VRRP", "s3cret-8")
     plain = CliRunner().invoke(main, ["plan", fleet], catch_exceptions=False)
     assert plain.exit_code == 0 and "endpoint:" not in plain.output
@@ -223,3 +225,27 @@ def test_a_keepalived_gpufleet_did_not_set_up_is_left_alone(monkeypatch: pytest.
     guarded = [c for c in ops.calls if c.op in ("systemd.service", "files.absent") and c.kwargs["path" if
                c.op == "files.absent" else "unit"] != role.DROP_IN]
     assert guarded and all(not c.kwargs["_if"]() for c in guarded)
+
+
+@pytest.mark.parametrize(("values", "fact", "expected"), [
+    ({"router_virtual_interface": "vip0", "fleet_interface": "bond0"}, "eth0", "vip0"),
+    ({"fleet_interface": "bond0"}, "eth0", "bond0"),
+    ({}, "eth0", "eth0"),
+])
+def test_the_interface_is_the_given_one_else_the_one_holding_the_routers_address(
+        monkeypatch: pytest.MonkeyPatch, values: dict[str, str], fact: str, expected: str) -> None:
+    asked: list[str] = []
+    monkeypatch.setattr(role, "host", SimpleNamespace(name="r1", get_fact=lambda f, address: asked.append(address)
+                                                      or fact))
+    assert role.interface(_config(**values), "10.0.0.1") == expected
+    assert asked == ([] if values else ["10.0.0.1"])
+
+
+def test_no_interface_holding_the_address_exits_2_before_any_change(monkeypatch: pytest.MonkeyPatch,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(role, "host", SimpleNamespace(name="r1", get_fact=lambda f, address: None))
+    with pytest.raises(SystemExit) as raised:
+        role.interface(_config(), "10.0.0.1")
+    assert raised.value.code == 2
+    assert capsys.readouterr().err == ("r1: router_virtual_interface: expected an interface that holds the router's"
+                                       " address 10.0.0.1, found none on the router; set router_virtual_interface\n")

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner, Result
 
+import gpufleet.config.inventory as gpufleet_inventory
 import roles.router as router_role
 from gpufleet import cli_rollout
 from gpufleet.cli import fleet_facts, main
@@ -259,6 +260,7 @@ def test_a_rollback_to_what_the_inventory_says_does_not_say_it_differs(world: _F
 
 def test_behind_a_virtual_address_a_rollout_still_drains_on_every_router(world: _Fleet,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gpufleet_inventory, "_DATA_OVERRIDE", None)  # the command's --data goes with the test
     monkeypatch.setenv("GPUFLEET_TEST_VRRP", "s3cret-8")
     done = _run("upgrade", FLEET, "--canary-s", "0", "--data", "router_virtual_address=10.40.9.100",
                 "--data", 'router_vrrp_password={"env": "GPUFLEET_TEST_VRRP"}')
