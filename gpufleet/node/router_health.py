@@ -115,9 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         while True:
             started = time.monotonic()
-            if verdict.add(check(args.url, args.timeout)):
-                write_state(args.state, verdict.healthy)
+            if verdict.add(check(args.url, args.timeout)):  # said first, then written: the log never lags the file
                 print(f"router_health: HAProxy {'passes' if verdict.healthy else 'fails'} {args.url}", flush=True)
+                write_state(args.state, verdict.healthy)
             time.sleep(max(0.0, args.interval - (time.monotonic() - started)))
     finally:
         write_state(args.state, False)

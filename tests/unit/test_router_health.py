@@ -92,9 +92,10 @@ def test_the_tool_follows_haproxy_and_fails_at_once_when_it_goes(tmp_path: Path)
             proc.kill()
             raise
     try:
-        # the server is gone: the next check is refused, and the file says so within one interval or two
+        # the server is gone: the next check is refused, and the file says so within an interval or a few (a
+        # loaded machine schedules the tool late)
         gone = _wait_for(lambda: state.read_text() == "0\n", "unhealthy")
-        assert gone < 1.0
+        assert gone < 2.0
     finally:
         proc.terminate()
         out, _ = proc.communicate(timeout=10)
