@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from gpufleet.config.inventory import parse_data_args, set_data_override
+from gpufleet.config.inventory import loaded_inventory, parse_data_args, set_data_override
 from gpufleet.config.problems import EXIT_BAD_INPUT, ConfigError, exit_with
 from gpufleet.fleet import Fleet, configured_health_policy, load_fleet
 from gpufleet.gpu_facts import FactsError, NodeFacts, load_facts
@@ -20,6 +20,7 @@ from gpufleet.hardware_profiles import ProfileError, profile_facts
 from gpufleet.model_arch import ModelConfigError, load_arch
 from gpufleet.model_memory import GIB, model_info
 from gpufleet.node.vllm_ready import kv_summary
+from gpufleet.plan import virtual_address
 from gpufleet.plan.planner import FleetPlan, Replica, plan_fleet
 
 EXIT_UNREAD = 1  # gpufleet plan --observed: a node whose observations could not be read
@@ -178,6 +179,10 @@ def plan(inventory: str, facts_dir: Path | None, as_json: bool, observed: bool, 
     else:
         _print_table(result, None if seen is None else {
             r.name: (seen[r.name], fleet.configs[r.nodes[0]].vllm_plan_tolerance) for r in result.replicas})
+        loaded = loaded_inventory(fleet.hosts[0]) if fleet.hosts else None
+        routers = virtual_address.routers_of(loaded.groups) if loaded is not None else []
+        if endpoint := virtual_address.endpoint_line(routers, fleet.configs):
+            click.echo(endpoint)
     for line in unread:
         click.echo(f"gpufleet plan: {line}", err=True)
     if unread:

@@ -26,6 +26,7 @@ from gpufleet.config.problems import ConfigError
 from gpufleet.deploy.access import ROUTERS_GROUP
 from gpufleet.fleet import load_fleet
 from gpufleet.gpu_probe import load_inventory
+from gpufleet.plan import virtual_address
 from gpufleet.plan.planner import plan_fleet
 from gpufleet.rollout.batches import DEFAULT_BATCHES, RolloutError, plan_rollout
 from gpufleet.rollout.canary import DEFAULT_MAX_ERROR_RATIO, DEFAULT_MAX_LATENCY_RATIO, Thresholds
@@ -135,6 +136,9 @@ def _roll(mode: str, inventory: str, batches: str, max_unavailable: str, min_ava
     plan = plan_fleet(fleet, fleet_facts(fleet, facts_dir))
     if plan.problems:
         fail_lines([problem.line() for problem in plan.problems])
+    if endpoint := virtual_address.endpoint_line(routers, fleet.configs):
+        click.echo(f"gpufleet {mode}: {endpoint}; each replica is drained on every router, through its own"
+                   f" HAProxy: {', '.join(routers)}")
     program = pyinfra_program()
     if program is None or not (PROJECT_ROOT / DEPLOY).is_file():
         fail_lines([f"gpufleet {mode}: expected pyinfra beside {sys.executable} and {DEPLOY} in {PROJECT_ROOT}"])

@@ -21,6 +21,7 @@ from pyinfra.api.command import QuoteString, StringCommand
 from pyinfra.api.exceptions import FactProcessError, PyinfraError
 from pyinfra.api.facts import FactBase
 
+from gpufleet.config import grammar
 from gpufleet.node_paths import NODE_PYNVML
 
 
@@ -452,3 +453,24 @@ class NvmlGpuFacts(FactBase[dict[str, Any] | None]):  # None: the probe printed 
         if not isinstance(doc, dict):
             raise FactProcessError(f"the NVML probe printed {type(doc).__name__}, expected a JSON object")
         return doc
+
+
+class AddressInterface(FactBase[str | None]):
+    """
+    Returns the network interface that holds an IP address on the node, or None when none does (or its name is not
+    one an interface may have).
+
+    + address: the IP address
+
+    .. code:: python
+
+        "eth0"
+    """
+
+    def command(self, address: str) -> str:
+        prefix = 128 if ":" in address else 32
+        return f"ip -o addr show to {shlex.quote(f'{address}/{prefix}')} | awk '{{print $2; exit}}'"
+
+    def process(self, output: list[str]) -> str | None:
+        name = output[0].strip() if output else ""
+        return name if name and grammar.ifname(name) is None else None

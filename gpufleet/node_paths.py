@@ -20,7 +20,7 @@ RAY_ENV_DIR = f"{CONFIG_DIR}/ray"  # one environment file per Ray replica
 # gpufleet's node tools (standard library + pynvml only), copied from gpufleet/node/
 NODE_TOOLS_DIR = "/opt/gpufleet/node"
 NODE_TOOL_FILES = ("nvml_probe.py", "health_rules.py", "vllm_ready.py", "replica_rank.py", "ray_join_wait.py",
-                   "gpu_watch.py", "replica_watchdog.py", "router_admin.py", "alert_log.py")
+                   "gpu_watch.py", "replica_watchdog.py", "router_admin.py", "alert_log.py", "router_health.py")
 NODE_PYTHON = "/usr/bin/python3"  # the node's own Python, which runs the node tools
 NODE_PYNVML = f"{NODE_TOOLS_DIR}/pynvml.py"  # the controller's nvidia-ml-py bindings, for a Python without them
 
@@ -36,6 +36,12 @@ ALERT_LOG_SERVICE = "gpufleet-alert-log.service"
 
 # the router (role router): HAProxy's runtime API (level admin) on a router node, which router_admin.py drives
 ROUTER_ADMIN_SOCKET = "/run/haproxy/gpufleet-admin.sock"
+
+# the routers' virtual address (role keepalived): router_health.py's unit keeps HAProxy's health in a file that
+# keepalived tracks
+ROUTER_HEALTH_SERVICE = "gpufleet-router-health.service"
+ROUTER_HEALTH_DIR = "/run/gpufleet-router-health"  # the unit's RuntimeDirectory= (gone when it stops)
+ROUTER_HEALTH_STATE = f"{ROUTER_HEALTH_DIR}/healthy"  # 1: HAProxy passes; 0, empty or missing: it does not
 
 # vLLM
 VLLM_ROOT = "/opt/vllm"  # one virtualenv per version: /opt/vllm/<version> -> /opt/vllm/.build-<version>-<digest>-*

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 # Every service gpufleet writes a unit (or drop-in) for: vLLM's instances, their watchdogs and the Ray head/worker
 # units of Ray replicas (patterns), node_exporter (tarball: our unit; package: Debian's unit with our drop-in), NVIDIA's
-# DCGM exporter, the GPU health watch, the routers' HAProxy and the monitoring hosts' Prometheus and Alertmanager
-# (Debian's units with our drop-ins). Each must rate at most EXPOSURE_BOUND.
+# DCGM exporter, the GPU health watch, the routers' HAProxy, keepalived and its HAProxy check, and the monitoring
+# hosts' Prometheus and Alertmanager (Debian's units with our drop-ins). Each must rate at most EXPOSURE_BOUND.
 UNITS: tuple[str, ...] = (
     "vllm@*.service",
     "vllm-watchdog@*.service",
@@ -27,6 +27,8 @@ UNITS: tuple[str, ...] = (
     "dcgm-exporter.service",
     "gpufleet-gpu-watch.service",
     "haproxy.service",
+    "keepalived.service",
+    "gpufleet-router-health.service",
     "prometheus.service",
     "prometheus-alertmanager.service",
 )

@@ -25,6 +25,7 @@ from gpufleet.config.problems import EXIT_BAD_INPUT, ConfigError, Problem, exit_
 from gpufleet.config.schema import HostConfig
 from gpufleet.config.validate import validate_host
 from gpufleet.input_files import json_depth_problem
+from gpufleet.plan import virtual_address
 
 
 @dataclass(frozen=True)
@@ -144,6 +145,7 @@ def validate_layers(loaded: InventoryLayers, override: dict[str, Any] | None = N
         if config is not None:
             configs[name] = config
     problems += _host_problems(loaded, configs, override)
+    problems += virtual_address.inventory_problems(loaded, configs, override)
     if problems:
         raise ConfigError(problems)
     return configs

@@ -44,7 +44,8 @@ has at most 16 GPUs, so at most 16 single-GPU replicas)."""
 WATCHDOG_MIN_STALL_S = 10
 """The shortest ``vllm_watchdog_stall_s``: the watchdog looks every 5 s, and a real completion gets that long."""
 
-SECRET_KEYS = frozenset({"vllm_api_key", "vllm_hf_token", "ray_auth_token", "vllm_pip_index_credentials"})
+SECRET_KEYS = frozenset({"vllm_api_key", "vllm_hf_token", "ray_auth_token", "vllm_pip_index_credentials",
+                         "router_vrrp_password"})
 """Variables whose values are secret references; a value found there is never shown."""
 
 # vllm_extra_args flags whose value gpufleet writes itself, and the variable that sets each.
@@ -148,6 +149,16 @@ def _health(value: Any) -> Any:
         key, message = problems[0]
         raise KeyedError(key, message)
     return HealthPolicy(**value)
+
+
+def _virtual_address(value: str) -> str | None:
+    """The routers' virtual address: one unicast IPv4 address (VRRP version 2, the version with a group password)."""
+    if problem := grammar.node_address(value):
+        return problem
+    if ":" in value:
+        return ("expected an IPv4 address (VRRP 2, whose group has a password, is IPv4 only),"
+                f" found {grammar.show(value)}")
+    return None
 
 
 def _secret_ref(value: Any) -> Any:
@@ -292,6 +303,14 @@ class HostConfig(BaseModel):
     router_max_connections: Annotated[int, Field(ge=1, le=500_000)]
     router_server_maxconn: Annotated[int, Field(ge=1, le=50_000)] | None
     router_queue_timeout_s: Annotated[float, Field(gt=0, le=3600)]
+
+    # keepalived: the routers' virtual address (the rules across hosts: gpufleet.plan.virtual_address)
+    router_virtual_address: _text(_virtual_address) | None  # type: ignore[valid-type]
+    router_virtual_interface: _text(grammar.ifname) | None  # type: ignore[valid-type]
+    router_virtual_prefix: Annotated[int, Field(ge=8, le=30)]
+    router_virtual_router_id: Annotated[int, Field(ge=1, le=255)]
+    router_vrrp_password: SecretRef | None
+    _check_vrrp_secret = field_validator("router_vrrp_password", mode="before")(_secret_ref)
 
     # monitoring: alert thresholds
     alert_gpu_critical_xids: list[Annotated[int, Field(ge=1, le=9999)]]

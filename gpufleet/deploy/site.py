@@ -1,7 +1,8 @@
 """The site sequence: every role in the order a deploy converges them, shared by deploys/vllm.py (which runs it)
 and deploys/check.py (which works it out read-only and reports the gate and the drift). A host that serves in
-no pool (a dedicated router or monitoring host) gets common, node_exporter, router and monitoring only: no driver,
-no GPU gate, no vLLM. The router and monitoring roles act on the hosts of their inventory groups only."""
+no pool (a dedicated router or monitoring host) gets common, node_exporter, router, keepalived and monitoring only:
+no driver, no GPU gate, no vLLM. The router, keepalived and monitoring roles act on the hosts of their inventory groups
+only (keepalived where the routers have a virtual address; elsewhere it retires what it set up)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from roles.common import common
 from roles.dcgm import dcgm
 from roles.dcgm_exporter import dcgm_exporter
 from roles.gpu_watch import gpu_watch
+from roles.keepalived import keepalived
 from roles.monitoring import monitoring
 from roles.node_exporter import node_exporter
 from roles.nvidia_driver import nvidia_driver
@@ -41,6 +43,7 @@ def site() -> None:
         common()
         node_exporter()
         router()
+        keepalived()
         monitoring()
         return
     common()
@@ -54,4 +57,5 @@ def site() -> None:
     vllm_serve()
     gpu_watch()
     router()
+    keepalived()
     monitoring()

@@ -34,8 +34,10 @@ from gpufleet.lab.errors import LabError
 
 NODE_EXPORTER_PACKAGE = "prometheus-node-exporter"
 ROUTER_PACKAGE = "haproxy"  # the router role's HAProxy
+VIRTUAL_ADDRESS_PACKAGE = "keepalived"  # the keepalived role's, which moves the routers' virtual address
 MONITORING_PACKAGES = ("prometheus", "prometheus-alertmanager")  # the monitoring role's Prometheus and Alertmanager
-DEBIAN_PACKAGES: tuple[str, ...] = (NODE_EXPORTER_PACKAGE, ROUTER_PACKAGE, *MONITORING_PACKAGES)
+DEBIAN_PACKAGES: tuple[str, ...] = (NODE_EXPORTER_PACKAGE, ROUTER_PACKAGE, VIRTUAL_ADDRESS_PACKAGE,
+                                    *MONITORING_PACKAGES)
 NODE_EXPORTER_DIR = "node_exporter"  # below www/
 SUMS_NAME = "sha256sums.txt"
 STAMP_NAME = ".built-from"  # the .deb's sha256 and BUILD_LAYOUT: a tarball built from them is not built again

@@ -10,7 +10,7 @@ uses (repository URL, keyring, pip find-links are configuration). Layout of the 
     www/                      the only directory served:
       apt/                    flat repository: Packages, Release, InRelease, Release.gpg, pool/*.deb
       debian/                 flat repository of Debian's packages the nodes need (prometheus-node-exporter, haproxy,
-                              prometheus, prometheus-alertmanager)
+                              keepalived, prometheus, prometheus-alertmanager)
       node_exporter/v<ver>/   node_exporter-<ver>.linux-<arch>.tar.gz and sha256sums.txt: a lab repackaging of
                               Debian's node_exporter binary in the upstream release layout (gpufleet.lab.debian_extras)
       wheels/                 wheels, index.html (flat find-links page), requirements-<vllm version>.lock each

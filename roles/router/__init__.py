@@ -27,7 +27,9 @@ After it, a router host has:
   - the runtime API on ``/run/haproxy/gpufleet-admin.sock`` (0600: drain, weights, in-flight counts; the node
     tool ``router_admin.py`` speaks it);
   - HAProxy's Prometheus endpoint on ``<fleet address>:router_metrics_port/metrics``, for the router itself and
-    the monitoring hosts only.
+    the monitoring hosts only, and ``GET /health`` there (answered by HAProxy: what role keepalived checks);
+  - with ``router_virtual_address`` (role keepalived), the client port on that address too, on every router
+    (``transparent``: HAProxy binds it before keepalived brings it, so the router that takes it serves at once).
 
 A changed configuration is reloaded (HAProxy's hitless reload: requests in flight finish on the old workers);
 a changed drop-in restarts HAProxy. Variables: roles/router/defaults.yml. The replicas let the routers in
@@ -164,6 +166,7 @@ def config_values(cfg: HostConfig, address: str, found: list[Backend], lists: li
     (:func:`replica_maxconn`)."""
     return {
         "listen": host_port(cfg.router_listen_address or address, cfg.router_port),
+        "virtual_listen": virtual_listen(cfg),
         "metrics_listen": host_port(address, cfg.router_metrics_port),
         "metrics_allowed": ["127.0.0.1", "::1", *metrics_allowed],
         "admin_socket": ROUTER_ADMIN_SOCKET,
@@ -185,6 +188,14 @@ def config_values(cfg: HostConfig, address: str, found: list[Backend], lists: li
                       "servers": [{"name": n, "address": a, "maxconn": maxconn[n]} for n, a in b.servers]}
                      for b in found],
     }
+
+
+def virtual_listen(cfg: HostConfig) -> str | None:
+    """The client port on the routers' virtual address (role keepalived), bound on every router whether it holds
+    the address or not; None without one, or when the client port listens on every IPv4 address already."""
+    if cfg.router_virtual_address is None or cfg.router_listen_address == "0.0.0.0":
+        return None
+    return host_port(cfg.router_virtual_address, cfg.router_port)
 
 
 def render(values: dict[str, Any]) -> str:

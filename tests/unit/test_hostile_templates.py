@@ -26,6 +26,7 @@ import yaml
 import roles.common as common_role
 import roles.dcgm_exporter as dcgm_exporter_role
 import roles.gpu_watch as gpu_watch_role
+import roles.keepalived as keepalived_role
 import roles.monitoring as monitoring_role
 import roles.node_exporter as node_exporter_role
 import roles.ray as ray_role
@@ -232,6 +233,12 @@ def _alert_log(_: str) -> Unit:
     return Unit(node_paths.ALERT_LOG_SERVICE, monitoring_role.alert_log_unit(cfg), ["/usr/bin/python3"], argv)
 
 
+def _router_health(address: str) -> Unit:
+    cfg = _config(router_metrics_port=8405)
+    return Unit(node_paths.ROUTER_HEALTH_SERVICE, keepalived_role.health_unit(cfg, address), [node_paths.NODE_PYTHON],
+                keepalived_role.health_argv(cfg, address))
+
+
 # Each case: a name, and the unit as its role renders it for a node at a (validated) fleet address. The free
 # text of the inventory never reaches a unit: addresses are IPs, replica names the planner's, paths gpufleet's.
 UNIT_CASES: list[tuple[str, Callable[[str], Unit]]] = [
@@ -243,6 +250,7 @@ UNIT_CASES: list[tuple[str, Callable[[str], Unit]]] = [
     ("gpufleet-gpu-watch.service and its timer", _gpu_watch),
     ("ray unit of a head", _ray),
     ("gpufleet-alert-log.service", _alert_log),
+    ("gpufleet-router-health.service", _router_health),
 ]
 # Templates that are not systemd units or environment files (apt sources and preferences, DCGM's CSV, Prometheus's
 # rules: tests/tools/test_alert_rules.py).
@@ -259,7 +267,10 @@ COVERED = {"node_exporter/node_exporter.service.j2", "node_exporter/package-over
            "vllm/ray.conf.j2",  # with vllm@.service and the Ray unit: tests/tools/test_units_pass_systemd_analyze.py
            "router/haproxy-override.conf.j2",  # with Debian's haproxy.service: the same
            "router/haproxy.cfg.j2",  # HAProxy's, not systemd's: tests/tools/test_router_role.py
-           "monitoring/override.conf.j2"}  # with Debian's prometheus units: tests/tools/test_monitoring_role.py
+           "monitoring/override.conf.j2",  # with Debian's prometheus units: tests/tools/test_monitoring_role.py
+           "keepalived/gpufleet-router-health.service.j2",
+           # with Debian's keepalived.service: tests/tools/test_keepalived_role.py, as keepalived.conf (not systemd's)
+           "keepalived/keepalived-override.conf.j2", "keepalived/keepalived.conf.j2"}
 
 
 def test_every_template_is_covered_here_or_named_as_not_systemd() -> None:

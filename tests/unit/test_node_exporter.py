@@ -308,7 +308,7 @@ def test_node_report_rates_present_units_and_names_absent_ones() -> None:
 
 
 def test_debs_already_kept_are_used_when_apt_knows_nothing(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    kept = [tmp_path / name for name in ("haproxy_2.6.12-1+deb12u4_amd64.deb",
+    kept = [tmp_path / name for name in ("haproxy_2.6.12-1+deb12u4_amd64.deb", "keepalived_1%3a2.2.7-1+b2_amd64.deb",
                                          "prometheus-alertmanager_0.25.0-1+b4_amd64.deb",
                                          "prometheus-node-exporter_1.5.0-1+b6_amd64.deb",
                                          "prometheus_2.42.0+ds-5+deb12u1_amd64.deb")]

@@ -16,6 +16,7 @@ import pytest
 import yaml
 from click.testing import CliRunner, Result
 
+import gpufleet.config.inventory as gpufleet_inventory
 import roles.router as router_role
 from gpufleet import cli_rollout
 from gpufleet.cli import fleet_facts, main
@@ -273,3 +274,20 @@ def test_bad_options_are_one_line_each_before_the_inventory_or_any_host_is_read(
     done = CliRunner().invoke(main, [command, FLEET, *(a.replace("{tmp}", str(tmp_path)) for a in case["args"])])
     assert done.exit_code == 2 and done.stdout == "", done.output
     assert done.stderr.splitlines() == [line.replace("{tmp}", str(tmp_path)) for line in case["expect"]]
+
+
+def test_behind_a_virtual_address_a_rollout_still_drains_on_every_router(world: _Fleet,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gpufleet_inventory, "_DATA_OVERRIDE", None)  # the command's --data goes with the test
+    monkeypatch.setenv("GPUFLEET_TEST_VRRP", "s3cret-8")
+    done = _run("upgrade", FLEET, "--canary-s", "0", "--data", "router_virtual_address=10.40.9.100",
+                "--data", 'router_vrrp_password={"env": "GPUFLEET_TEST_VRRP"}')
+    assert done.exit_code == 0, done.output + done.stderr
+    assert done.output.splitlines()[0] == (
+        "gpufleet upgrade: endpoint: http://10.40.9.100:8080 (router_virtual_address: one of the routers"
+        f" {', '.join(ROUTERS)} at a time, moved by keepalived); each replica is drained on every router, through"
+        f" its own HAProxy: {', '.join(ROUTERS)}")
+    first = world.events[:world.events.index(f"deploy {A01}")]
+    assert [e for e in first if e.startswith("drain ")] == [f"drain {r} llama_70b-gpu-a01-{k}" for k in (0, 1)
+                                                          for r in ROUTERS]
+    assert "s3cret" not in done.output + done.stderr

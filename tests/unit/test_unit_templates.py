@@ -60,7 +60,8 @@ def test_the_units_are_found() -> None:
                           "dcgm_exporter/dcgm-exporter.service.j2",
                           "node_exporter/node_exporter.service.j2", "node_exporter/package-override.conf.j2",
                           "gpu_watch/gpufleet-gpu-watch.service.j2", "router/haproxy-override.conf.j2",
-                          "monitoring/override.conf.j2", "monitoring/gpufleet-alert-log.service.j2"}
+                          "monitoring/override.conf.j2", "monitoring/gpufleet-alert-log.service.j2",
+                          "keepalived/keepalived-override.conf.j2", "keepalived/gpufleet-router-health.service.j2"}
 
 
 @pytest.mark.parametrize("name", UNITS)
@@ -109,6 +110,13 @@ VALUES: dict[str, dict[str, object]] = {
                                                  "alertmanager": "prometheus-alertmanager.service",
                                                  "account": "prometheus", "tool_sha256": "0" * 64,
                                                  "exec_start": "/usr/bin/python3 -I /opt/gpufleet/node/alert_log.py"},
+    "keepalived/keepalived-override.conf.j2": {"account": "keepalived",
+                                               "health_service": "gpufleet-router-health.service",
+                                               "exec_start": "/usr/sbin/keepalived --dont-fork --vrrp"},
+    "keepalived/gpufleet-router-health.service.j2": {"account": "gpufleet-router-health",
+                                                     "state": "/run/gpufleet-router-health/healthy",
+                                                     "exec_start": "/usr/bin/python3 -I router_health.py",
+                                                     "run_dir": "gpufleet-router-health"},
 }
 ALLOWED = unit_lines(["10.0.0.5/32"])
 
@@ -168,6 +176,19 @@ EXPECTED = {
     # Prometheus and Alertmanager as their own account (Go binaries): no device, W^X memory, no @resources (EPERM),
     # no netlink, no other user visible
     "monitoring/override.conf.j2": BASE | {
+        "UMask=0077", "ProtectHome=yes", "ProtectClock=yes", "ProtectProc=invisible", "MemoryDenyWriteExecute=yes",
+        "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6", f"{DENY} @resources", "SystemCallErrorNumber=EPERM",
+        "PrivateDevices=yes", "PrivateUsers=yes"},
+    # keepalived as its own account with VRRP's capabilities only (bounding and ambient): the virtual address and
+    # netlink, VRRP's raw socket and the gratuitous ARP's packet socket; no device, W^X memory, no @resources (EPERM)
+    "keepalived/keepalived-override.conf.j2": (BASE - {"CapabilityBoundingSet=", "AmbientCapabilities="}) | {
+        "CapabilityBoundingSet=CAP_NET_ADMIN CAP_NET_RAW CAP_NET_BROADCAST",
+        "AmbientCapabilities=CAP_NET_ADMIN CAP_NET_RAW CAP_NET_BROADCAST",
+        "UMask=0077", "ProtectHome=yes", "ProtectClock=yes", "ProtectProc=invisible", "MemoryDenyWriteExecute=yes",
+        "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6 AF_NETLINK AF_PACKET", f"{DENY} @resources",
+        "SystemCallErrorNumber=EPERM", "PrivateDevices=yes"},
+    # the routers' HAProxy check (Python, standard library) as its own account: nothing but its HTTP request
+    "keepalived/gpufleet-router-health.service.j2": BASE | {
         "UMask=0077", "ProtectHome=yes", "ProtectClock=yes", "ProtectProc=invisible", "MemoryDenyWriteExecute=yes",
         "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6", f"{DENY} @resources", "SystemCallErrorNumber=EPERM",
         "PrivateDevices=yes", "PrivateUsers=yes"},
