@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from gpufleet.config import grammar
+from gpufleet.config.edge import edge_problems
 from gpufleet.config.layers import HostLayers, Layer, display_path, read_yaml_mapping, role_default_layers
 from gpufleet.config.problems import EXIT_BAD_INPUT, ConfigError, Problem, exit_with
 from gpufleet.config.schema import HostConfig
@@ -251,7 +252,9 @@ def apply_group_vars(namespace: dict[str, Any]) -> None:
     override = cli_data_override()
     try:
         configs = validate_layers(loaded, override)
-        plan_problems = declared_plan_problems(loaded, configs, override)
+        serving = [host for host in loaded.hosts if loaded.pool_of(host) is not None]
+        plan_problems = edge_problems(loaded.hosts, serving, configs, override) or declared_plan_problems(
+            loaded, configs, override)
         if plan_problems:
             raise ConfigError(plan_problems)
     except ConfigError as error:

@@ -10,7 +10,8 @@ Edits: ``set`` (mapping merged into a YAML file), ``unset`` (keys removed from i
 (the file's whole text / bytes), ``mkdir`` (a directory where a file is expected), ``file`` (which file:
 ``group_vars/<name>.yml`` or ``inventory``), ``host`` (data merged into the host's inventory entry),
 ``hosts`` (more ``[name, data]`` entries in the same group), ``groups`` (more inventory lines),
-``data`` (``--data KEY=VALUE`` arguments). ``expect`` is the exact first line on stderr (pyinfra's
+``data`` (``--data KEY=VALUE`` arguments), ``files`` (more files of the project by relative path, with their
+text: secrets that references name as ``{file: secrets/x}``). ``expect`` is the exact first line on stderr (pyinfra's
 ``--> …`` progress lines skipped). The project holds gpufleet's ``config.py``, as a user's does: pyinfra runs it
 before the inventory, so an inventory file that does not compile or run is one line and exit 2 there too.
 
@@ -164,6 +165,9 @@ def build_project(case: dict[str, Any], root: Path, port: int) -> list[str]:
     if case.get("mkdir"):
         target.unlink(missing_ok=True)
         target.mkdir()
+    for relative, text in (case.get("files") or {}).items():
+        (root / relative).parent.mkdir(parents=True, exist_ok=True)
+        (root / relative).write_text(text)
     return [arg for item in case.get("data") or [] for arg in ("--data", item)]
 
 
