@@ -110,9 +110,9 @@ def _file(dest: str, digest: str, data: Callable[[], bytes], user: str, group: s
 
 
 @gpufleet_operation()
-def secret_file(dest: str, content: str, mode: str = "0600") -> Commands:
+def secret_file(dest: str, content: str, mode: str = "0600", group: str = "root") -> Commands:
     """
-    Keep ``dest`` (root-owned, in a 0700 root directory) holding ``content``; the secret is never shown in a
+    Keep ``dest`` (owned by root and ``group``, in a directory only they may enter) holding ``content``; the secret is never shown in a
     diff or a log and never readable by another user at any moment, also when the SSH user is not root and
     pyinfra runs with ``_sudo``: the upload goes into a fresh 0700 directory of the SSH user's (``mkdir`` fails
     rather than reuse one), and the destination exists as an empty root file with its final mode before any
@@ -122,6 +122,7 @@ def secret_file(dest: str, content: str, mode: str = "0600") -> Commands:
     + dest: remote path
     + content: the secret text (never logged)
     + mode: octal mode
+    + group: the file's group (a service account that reads it: ``haproxy``)
     """
     found = node.path(dest)
     if found["type"] not in ("file", "missing"):  # touch, chown, chmod and cp would follow a link
@@ -132,12 +133,12 @@ def secret_file(dest: str, content: str, mode: str = "0600") -> Commands:
         staging = host.get_temp_filename(f"gpufleet-secret-{uuid4()}")
         yield StringCommand("mkdir", "-m", "700", QuoteString(staging), **AS_SSH_USER)
         yield StringCommand("touch", QuoteString(dest))
-        yield StringCommand("chown", "root:root", QuoteString(dest))
+        yield StringCommand("chown", f"root:{group}", QuoteString(dest))
         yield StringCommand("chmod", mode, QuoteString(dest))
         yield FileUploadCommand(BytesIO(content.encode()), dest, remote_temp_filename=f"{staging}/upload")
         yield StringCommand("rm", "-rf", QuoteString(staging), **AS_SSH_USER)
         return
-    changes = list(_owner_and_mode(dest, "root", "root", mode))
+    changes = list(_owner_and_mode(dest, "root", group, mode))
     if not changes:
         host.noop(f"{dest} holds the secret")
     yield from changes

@@ -50,8 +50,9 @@ from pyinfra.context import host
 from pyinfra.operations.util import any_changed
 
 from gpufleet import templates
-from gpufleet.config.problems import ConfigError, exit_with
-from gpufleet.config.schema import HostConfig
+from gpufleet.config import edge
+from gpufleet.config.problems import ConfigError, Problem, exit_with
+from gpufleet.config.schema import HostConfig, RouterClient
 from gpufleet.deploy import access
 from gpufleet.deploy import vllm_files as vf
 from gpufleet.deploy.context import context, fleet, host_config
@@ -67,6 +68,13 @@ CANDIDATE = "/etc/haproxy/gpufleet-candidate.cfg"  # checked with haproxy -c bef
 DROP_IN_DIR = f"{unit_path(SERVICE)}.d"
 DROP_IN = f"{DROP_IN_DIR}/gpufleet.conf"
 HEADER_BYTES = 32768  # room in HAProxy's buffer for the request line and headers besides the body
+# The edge (router_clients, TLS): files the deploy writes from the controller's secrets, read by HAProxy only.
+EDGE_DIR = "/etc/haproxy/gpufleet-edge"  # root:haproxy 0750
+EDGE_MAPS = ("clients", "grants", "models", "rates", "concurrency", "upstream")  # <EDGE_DIR>/<name>.map, 0640
+TLS_PEM = "router.pem"  # <EDGE_DIR>/router.pem: the certificate, its chain and its key, 0640
+CLIENT_TABLE = "gpufleet-clients"  # the stick table of the clients' counters (gpufleet/node/router_admin.py reads it)
+CLIENT_TABLE_SIZE = 10000
+LIMIT_RETRY_AFTER_S = 1  # a client over its limit may try again after a second (rates are per second)
 
 _IDENTIFIER_UNSAFE = re.compile(r"[^A-Za-z0-9_.:-]")  # what HAProxy's names may not hold
 # The POST routes of vLLM's OpenAI API that clients of a model's replicas may use, by the task the model is served
@@ -78,6 +86,11 @@ NOT_FOUND = '{"error":{"message":"not found","type":"NotFoundError","code":404}}
 # replica up), with a Retry-After header.
 UNAVAILABLE = ('{"error":{"message":"every replica of the model is busy or down; retry later",'
                '"type":"ServiceUnavailableError","code":503}}')
+UNAUTHORIZED = ('{"error":{"message":"a known API key is needed (Authorization: Bearer <key>)",'
+                '"type":"AuthenticationError","code":401}}')
+FORBIDDEN = '{"error":{"message":"this API key may not use this model","type":"PermissionDeniedError","code":403}}'
+LIMITED = ('{"error":{"message":"over the limit of requests per second or at once of this API key; retry later",'
+           '"type":"RateLimitError","code":429}}')
 
 
 # --- what the router gets, as plain data (tested without a node) --------------------------------------------------
@@ -159,11 +172,13 @@ def retry_after_s(cfg: HostConfig) -> int:
 
 
 def config_values(cfg: HostConfig, address: str, found: list[Backend], lists: list[dict[str, str | None]],
-                  metrics_allowed: list[str], maxconn: Mapping[str, int]) -> dict[str, Any]:
+                  metrics_allowed: list[str], maxconn: Mapping[str, int], edge_dir: str = EDGE_DIR) -> dict[str, Any]:
     """What templates/router/haproxy.cfg.j2 is rendered with; ``maxconn``: each replica's, by name
-    (:func:`replica_maxconn`)."""
+    (:func:`replica_maxconn`); ``edge_dir``: where the edge's files are (:func:`edge_values`)."""
+    listen_address = cfg.router_listen_address or address
     return {
-        "listen": host_port(cfg.router_listen_address or address, cfg.router_port),
+        **edge_values(cfg, listen_address, edge_dir),
+        "listen": host_port(listen_address, cfg.router_port),
         "metrics_listen": host_port(address, cfg.router_metrics_port),
         "metrics_allowed": ["127.0.0.1", "::1", *metrics_allowed],
         "admin_socket": ROUTER_ADMIN_SOCKET,
@@ -184,6 +199,72 @@ def config_values(cfg: HostConfig, address: str, found: list[Backend], lists: li
         "backends": [{"name": b.name, "comment": b.comment, "model_sha256": b.model_sha256, "routes": b.routes,
                       "servers": [{"name": n, "address": a, "maxconn": maxconn[n]} for n, a in b.servers]}
                      for b in found],
+    }
+
+
+def edge_maps(clients: Mapping[str, RouterClient], keys: Mapping[str, str], found: list[Backend],
+              upstream: Mapping[str, str | None]) -> dict[str, str]:
+    """The edge's map files by name (:data:`EDGE_MAPS`): ``clients`` (the SHA-256 of each client's Authorization
+    header -> client), ``grants`` (``client/<model's SHA-256>`` -> 1 for each served model the client may use),
+    ``models`` (client -> its ``GET /v1/models`` answer), ``rates`` and ``concurrency`` (client -> its limit, where it
+    has one), ``upstream`` (model's SHA-256 -> the Authorization header its replicas take, where they have a key).
+    ``keys``: each client's key by name; ``upstream``: each served model's replicas' key (None: none)."""
+    header = "# Written by gpufleet (role router) from router_clients: read by HAProxy only.\n"
+    maps = {name: [header] for name in EDGE_MAPS}
+    served = {backend.model: backend for backend in found}
+    for name in sorted(clients):
+        client = clients[name]
+        models = sorted(served if client.models is None else set(client.models) & set(served))
+        maps["clients"].append(f"{key_sha256(keys[name])} {name}\n")
+        maps["grants"] += [f"{name}/{served[model].model_sha256} 1\n" for model in models]
+        maps["models"].append(f"{name} {_models_body(models)}\n")
+        if client.requests_per_s is not None:
+            maps["rates"].append(f"{name} {client.requests_per_s}\n")
+        if client.concurrent_requests is not None:
+            maps["concurrency"].append(f"{name} {client.concurrent_requests}\n")
+    for backend in found:
+        if key := upstream.get(backend.model):
+            maps["upstream"].append(f"{backend.model_sha256} Bearer {key}\n")
+    return {name: "".join(lines) for name, lines in maps.items()}
+
+
+def upstream_keys(replicas: Iterable[Replica], configs: Mapping[str, HostConfig]) -> dict[str, str | None]:
+    """Each served model's replicas' API key (read on the controller; None: they take none). ConfigError when the
+    replicas of one model take different keys: the router sends every one of them the same."""
+    found: dict[str, str | None] = {}
+    for replica in replicas:
+        replica_cfg = configs[replica.roles[0].host]
+        model, key = replica_cfg.served_model_name(), vf.api_key(replica_cfg)
+        if model in found and found[model] != key:
+            raise ConfigError([Problem("controller", "vllm_api_key", "expected one key for every replica of a"
+                                       f" served model with router_clients, found several for {model!r}")])
+        found[model] = key
+    return found
+
+
+def edge_files(cfg: HostConfig, found: list[Backend], upstream: Mapping[str, str | None]) -> dict[str, str]:
+    """Every file of :data:`EDGE_DIR` by name, from the controller's secrets: the maps with clients
+    (:func:`edge_maps`), the PEM with TLS. ConfigError (no secret shown) when a secret cannot be read."""
+    written = {}
+    if cfg.router_clients:
+        maps = edge_maps(cfg.router_clients, edge.client_keys(cfg), found, upstream)
+        written.update({f"{name}.map": text for name, text in maps.items()})
+    if (pem := edge.tls_pem(cfg)) is not None:
+        written[TLS_PEM] = pem
+    return written
+
+
+def edge_values(cfg: HostConfig, listen_address: str, edge_dir: str = EDGE_DIR) -> dict[str, Any]:
+    """The template's values for the edge: the maps' and the PEM's paths when ``cfg`` has clients or TLS, and
+    the plain HTTP port beside TLS on ``listen_address``."""
+    return {
+        "edge": {**{name: f"{edge_dir}/{name}.map" for name in EDGE_MAPS}, "table": CLIENT_TABLE,
+                 "table_size": CLIENT_TABLE_SIZE, "retry_after_s": LIMIT_RETRY_AFTER_S,
+                 "unauthorized": UNAUTHORIZED, "forbidden": FORBIDDEN, "limited": LIMITED}
+                if cfg.router_clients else None,
+        "tls_pem": f"{edge_dir}/{TLS_PEM}" if cfg.router_tls_certificate is not None else None,
+        "plain_listen": host_port(listen_address, cfg.router_plain_http_port)
+                        if cfg.router_plain_http_port is not None else None,
     }
 
 
