@@ -310,7 +310,8 @@ def test_the_clients_counters_reach_a_textfile(edge: Edge, tmp_path: Path) -> No
         edge.post(KEYS["carol"])
     edge.post(KEYS["bob"], CLOSED)
     textfile = tmp_path / "router_clients.prom"
-    assert router_admin.main(["client-metrics", "--socket", str(edge.socket), "--textfile", str(textfile)]) == 0
+    assert router_admin.main(["client-metrics", "--socket", str(edge.socket), "--textfile", str(textfile),
+                              "--edge-dir", str(edge.edge_dir)]) == 0
     samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
                for line in textfile.read_text().splitlines() if line and not line.startswith("#")}
     assert samples['gpufleet_router_client_requests_total{client="carol"}'] == 2 * RATE
