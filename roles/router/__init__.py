@@ -57,9 +57,10 @@ from gpufleet.deploy import access
 from gpufleet.deploy import vllm_files as vf
 from gpufleet.deploy.context import context, fleet, host_config
 from gpufleet.netaddr import host_port
-from gpufleet.node_paths import ROUTER_ADMIN_SOCKET, unit_path
+from gpufleet.node_paths import NODE_PYTHON, NODE_TOOLS_DIR, ROUTER_ADMIN_SOCKET, TEXTFILE_DIR, node_tool, unit_path
 from gpufleet.operations import apt, files, node, server, systemd
 from gpufleet.plan.planner import Replica
+from gpufleet.systemd_text import exec_line
 
 PACKAGE = "haproxy"
 SERVICE = "haproxy.service"
@@ -75,6 +76,11 @@ TLS_PEM = "router.pem"  # <EDGE_DIR>/router.pem: the certificate, its chain and 
 CLIENT_TABLE = "gpufleet-clients"  # the stick table of the clients' counters (gpufleet/node/router_admin.py reads it)
 CLIENT_TABLE_SIZE = 10000
 LIMIT_RETRY_AFTER_S = 1  # a client over its limit may try again after a second (rates are per second)
+# The clients' counters for Prometheus: a timer has router_admin.py write them for node_exporter's textfile collector.
+CLIENTS_SERVICE = "gpufleet-router-clients.service"
+CLIENTS_TIMER = "gpufleet-router-clients.timer"
+CLIENTS_TEXTFILE = f"{TEXTFILE_DIR}/gpufleet_router_clients.prom"
+CLIENTS_INTERVAL_S = 15
 
 _IDENTIFIER_UNSAFE = re.compile(r"[^A-Za-z0-9_.:-]")  # what HAProxy's names may not hold
 # The POST routes of vLLM's OpenAI API that clients of a model's replicas may use, by the task the model is served
@@ -282,6 +288,19 @@ def drop_in(cfg: HostConfig) -> str:
     return templates.render("router/haproxy-override.conf.j2", open_files=open_files(cfg), ip_access="")
 
 
+def clients_service_values() -> dict[str, object]:
+    """What templates/router/gpufleet-router-clients.service.j2 is rendered with (the same on every router)."""
+    argv = [NODE_PYTHON, "-I", node_tool("router_admin.py"), "client-metrics", "--textfile", CLIENTS_TEXTFILE,
+            "--socket", ROUTER_ADMIN_SOCKET, "--edge-dir", EDGE_DIR]
+    return {"timer": CLIENTS_TIMER, "node_tools": NODE_TOOLS_DIR, "textfile": CLIENTS_TEXTFILE,
+            "textfile_dir": f"-{TEXTFILE_DIR}",  # "-": no error where node_exporter is not installed
+            "exec_start": exec_line(argv), "ip_access": access.unit_lines([])}  # localhost only: no network
+
+
+def clients_timer_values() -> dict[str, object]:
+    return {"service": CLIENTS_SERVICE, "interval": CLIENTS_INTERVAL_S}
+
+
 def fleet_values(cfg: HostConfig, address: str) -> dict[str, Any]:
     """:func:`config_values` for the running deploy: the plan's replicas, their API keys (read on the controller),
     the monitoring hosts. Exits 2 on bad input."""
@@ -301,6 +320,17 @@ def fleet_values(cfg: HostConfig, address: str) -> dict[str, Any]:
     return config_values(cfg, address, found, model_lists(by_key), metrics_allowed, replica_maxconn(ctx.plan.replicas))
 
 
+def fleet_edge_files(cfg: HostConfig) -> dict[str, str]:
+    """:func:`edge_files` for the running deploy (secrets read on the controller). Exits 2 on bad input."""
+    ctx = context()
+    configs = fleet().configs
+    try:
+        found = backends(ctx.plan.replicas, configs)
+        return edge_files(cfg, found, upstream_keys(ctx.plan.replicas, configs) if cfg.router_clients else {})
+    except ConfigError as error:
+        exit_with(error)
+
+
 # --- the deploy ----------------------------------------------------------------------------------------------------
 
 def is_router() -> bool:
@@ -310,20 +340,37 @@ def is_router() -> bool:
 
 @deploy("Router (HAProxy)")
 def router() -> None:
-    """Converge HAProxy on a router host: the package, the sandboxed unit, the configuration from the plan."""
+    """Converge HAProxy on a router host: the package, the sandboxed unit, the configuration from the plan, the
+    edge's files (client keys, TLS) and the clients' counters."""
     if not is_router():
         return
     cfg = host_config()
     address = cfg.fleet_address or host.name
     text = render(fleet_values(cfg, address))
     wanted = hashlib.sha256(text.encode()).hexdigest()
-    node.observe(name="Read the router's package, unit and configuration", packages=[PACKAGE], units=[SERVICE],
-                 paths=[CONFIG, CANDIDATE, DROP_IN_DIR, DROP_IN])
+    edge_wanted = fleet_edge_files(cfg)
+    clients_service, clients_timer = unit_path(CLIENTS_SERVICE), unit_path(CLIENTS_TIMER)
+    node.observe(name="Read the router's package, unit, configuration and edge files", packages=[PACKAGE],
+                 units=[SERVICE, CLIENTS_TIMER],
+                 paths=[CONFIG, CANDIDATE, DROP_IN_DIR, DROP_IN, EDGE_DIR, clients_service, clients_timer,
+                        *(f"{EDGE_DIR}/{name}" for name in edge_wanted)],
+                 listings=[f"{EDGE_DIR}/*"])
     apt.packages(name="Install HAProxy (the distribution's package)", packages=[PACKAGE], update_first=True)
     files.directory(name=f"Create {DROP_IN_DIR}", path=DROP_IN_DIR)
     unit = files.file(name=f"Write the drop-in {DROP_IN} (account, sockets, sandbox)", dest=DROP_IN,
                       content=drop_in(cfg))
     systemd.daemon_reload(name="Reload systemd: HAProxy's drop-in changed", _if=unit.did_change)
+    edge_changes = []
+    if edge_wanted:
+        edge_changes.append(files.directory(name=f"Create {EDGE_DIR} (root:haproxy, 0750)", path=EDGE_DIR,
+                                            group="haproxy", mode="0750"))
+        edge_changes += [files.secret_file(name=f"Write the edge's {name} (root:haproxy, 0640)",
+                                           dest=f"{EDGE_DIR}/{name}", content=content, mode="0640", group="haproxy")
+                         for name, content in sorted(edge_wanted.items())]
+        edge_changes.append(files.pruned(name=f"Remove what the edge no longer uses from {EDGE_DIR}",
+                                         pattern=f"{EDGE_DIR}/*", keep=[f"{EDGE_DIR}/{n}" for n in edge_wanted]))
+    else:
+        edge_changes.append(files.absent(name=f"Remove {EDGE_DIR}: no clients, no TLS", path=EDGE_DIR))
     files.file(name=f"Write the router's configuration to check ({CANDIDATE})", dest=CANDIDATE, content=text,
                group="haproxy", mode="0640")
     config = server.script(
@@ -333,7 +380,30 @@ def router() -> None:
                f"mv -fT {shlex.quote(CONFIG)}.gpufleet-new {shlex.quote(CONFIG)}",
         done_file=CONFIG, done_sha256=wanted,
     )
+    server.script(name="Check the configuration with the edge's new files (haproxy -c)",
+                  script=f"haproxy -c -q -f {shlex.quote(CONFIG)}", _if=any_changed(*edge_changes))
     systemd.restart(name=f"Restart {SERVICE}: its drop-in changed", unit=SERVICE, _if=unit.did_change)
-    systemd.reload(name=f"Reload {SERVICE}: its configuration changed (requests in flight finish)", unit=SERVICE,
-                   _if=any_changed(config))
+    systemd.reload(name=f"Reload {SERVICE}: its configuration or edge files changed (requests in flight finish)",
+                   unit=SERVICE, _if=any_changed(config, *edge_changes))
     systemd.service(name=f"Ensure {SERVICE} runs and starts at boot", unit=SERVICE, running=True, enabled=True)
+    _clients_counters(bool(cfg.router_clients), clients_service, clients_timer)
+
+
+def _clients_counters(wanted: bool, service_file: str, timer_file: str) -> None:
+    """The timer that writes the clients' counters for node_exporter, with clients; gone without."""
+    if wanted:
+        service = files.file(name=f"Write {service_file} (the clients' counters)", dest=service_file,
+                             content=templates.render("router/gpufleet-router-clients.service.j2",
+                                                      **clients_service_values()))
+        timer = files.file(name=f"Write {timer_file}: the counters every {CLIENTS_INTERVAL_S} s", dest=timer_file,
+                           content=templates.render("router/gpufleet-router-clients.timer.j2",
+                                                    **clients_timer_values()))
+        systemd.daemon_reload(name="Reload systemd: the clients' counters' units changed",
+                              _if=any_changed(service, timer))
+        systemd.service(name=f"Enable and start {CLIENTS_TIMER}", unit=CLIENTS_TIMER, running=True, enabled=True)
+        return
+    systemd.service(name=f"Stop and disable {CLIENTS_TIMER} (no router_clients)", unit=CLIENTS_TIMER,
+                    running=False, enabled=False)
+    removed = [files.absent(name=f"Remove {path} (no router_clients)", path=path)
+               for path in (timer_file, service_file, CLIENTS_TEXTFILE)]
+    systemd.daemon_reload(name="Reload systemd: the clients' counters' units are gone", _if=any_changed(*removed[:2]))
