@@ -112,12 +112,12 @@ def _file(dest: str, digest: str, data: Callable[[], bytes], user: str, group: s
 @gpufleet_operation()
 def secret_file(dest: str, content: str, mode: str = "0600", group: str = "root") -> Commands:
     """
-    Keep ``dest`` (owned by root and ``group``, in a directory only they may enter) holding ``content``; the secret is never shown in a
-    diff or a log and never readable by another user at any moment, also when the SSH user is not root and
-    pyinfra runs with ``_sudo``: the upload goes into a fresh 0700 directory of the SSH user's (``mkdir`` fails
-    rather than reuse one), and the destination exists as an empty root file with its final mode before any
-    content arrives (``cp`` into an existing file keeps its mode). A failed step can leave the upload only
-    inside that directory.
+    Keep ``dest`` (owned by root and ``group``, in a directory only they may enter) holding ``content``; the
+    secret is never shown in a diff or a log and never readable by another user at any moment, also when the SSH
+    user is not root and pyinfra runs with ``_sudo``: the upload goes into a fresh 0700 directory of the SSH
+    user's (``mkdir`` fails rather than reuse one), and the destination exists as an empty root file with its
+    final owner and mode before any content arrives (``cp`` into an existing file keeps its mode). A failed step
+    can leave the upload only inside that directory.
 
     + dest: remote path
     + content: the secret text (never logged)

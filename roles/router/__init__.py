@@ -27,10 +27,18 @@ After it, a router host has:
   - the runtime API on ``/run/haproxy/gpufleet-admin.sock`` (0600: drain, weights, in-flight counts; the node
     tool ``router_admin.py`` speaks it);
   - HAProxy's Prometheus endpoint on ``<fleet address>:router_metrics_port/metrics``, for the router itself and
-    the monitoring hosts only.
+    the monitoring hosts only;
+  - the edge (:func:`edge_files`, :func:`edge_values`): with ``router_clients``, the clients' keys checked by the
+    router (401 without a known one, 403 for a model not allowed, 429 with ``Retry-After`` over a limit) from map
+    files in ``EDGE_DIR`` (root:haproxy, 0640; the keys as SHA-256 only, the replicas' own key in ``upstream.map``,
+    which replaces the client's on the way to a replica), the clients' counters in the stick table
+    ``gpufleet-clients``, written for node_exporter by ``gpufleet-router-clients.timer``
+    (``router_admin.py client-metrics``); with ``router_tls_certificate`` and ``router_tls_key``, HTTPS on
+    ``router_port`` from ``EDGE_DIR/router.pem`` (0640), plain HTTP only on ``router_plain_http_port`` when set.
 
-A changed configuration is reloaded (HAProxy's hitless reload: requests in flight finish on the old workers);
-a changed drop-in restarts HAProxy. Variables: roles/router/defaults.yml. The replicas let the routers in
+A changed configuration or edge file is checked with ``haproxy -c`` and reloaded (HAProxy's hitless reload:
+requests in flight finish on the old workers; a new, removed or rotated client key changes only the edge's
+files); a changed drop-in restarts HAProxy. Variables: roles/router/defaults.yml. The replicas let the routers in
 (:func:`gpufleet.deploy.access.vllm_sources`).
 """
 

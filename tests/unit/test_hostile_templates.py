@@ -209,7 +209,8 @@ def _gpu_watch(_: str) -> Unit:
 def _router_clients(_: str) -> Unit:
     """The router's clients' counters, and beside it the timer that starts it (verified with it)."""
     argv = [node_paths.NODE_PYTHON, "-I", node_paths.node_tool("router_admin.py"), "client-metrics", "--textfile",
-            router_role.CLIENTS_TEXTFILE, "--socket", node_paths.ROUTER_ADMIN_SOCKET, "--edge-dir", router_role.EDGE_DIR]
+            router_role.CLIENTS_TEXTFILE, "--socket", node_paths.ROUTER_ADMIN_SOCKET,
+            "--edge-dir", router_role.EDGE_DIR]
     timer = _render("router/gpufleet-router-clients.timer.j2", **router_role.clients_timer_values())
     return Unit(router_role.CLIENTS_SERVICE,
                 _render("router/gpufleet-router-clients.service.j2", **router_role.clients_service_values()),
