@@ -322,3 +322,24 @@ def test_the_clients_counters_reach_a_textfile(edge: Edge, tmp_path: Path) -> No
     assert samples['gpufleet_router_client_rate_limit{client="carol"}'] == RATE
     assert samples['gpufleet_router_client_concurrency_limit{client="dave"}'] == 1
     assert os.stat(textfile).st_mode & 0o777 == 0o644
+
+
+def test_a_renewed_certificate_is_served_after_a_reload_and_the_request_in_flight_finishes(
+        tls_edge: Edge, tmp_path: Path) -> None:
+    renewed = make_lab_tls(tmp_path / "renewed", ["127.0.0.1"])
+    cfg = _config(router_clients=CLIENTS, router_tls_certificate={"file": str(renewed.certificate)},
+                  router_tls_key={"file": str(renewed.key)})
+    found = [router_role.Backend(f"model-{m}", m, ()) for m in (CLOSED, OPEN)]
+    written = router_role.edge_files(cfg, found, {OPEN: REPLICA_KEY, CLOSED: REPLICA_KEY})
+    assert {name for name, text in written.items()
+            if (tls_edge.edge_dir / name).read_text() != text} == {router_role.TLS_PEM}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        in_flight = pool.submit(tls_edge.post, KEYS["alice"], OPEN, "sleep:3")
+        _wait(lambda: len(tls_edge.replicas[OPEN].authorizations) == 1, "the request in flight at the replica")
+        _write_edge(tls_edge.edge_dir, written)
+        tls_edge.reload()
+        with pytest.raises(ssl.SSLCertVerificationError):  # the old CA no longer verifies the router
+            tls_edge.post(KEYS["alice"])
+        tls_edge.tls = renewed
+        assert tls_edge.post(KEYS["alice"]).status == 200
+        assert in_flight.result().status == 200
