@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from gpufleet.config import grammar
+from gpufleet.config.edge import edge_problems
 from gpufleet.config.group_vars_files import group_vars_file_problems
 from gpufleet.config.inventory_shape import ROLE_GROUPS, SourceLines, late_problems, membership_problems, read_groups
 from gpufleet.config.layers import HostLayers, Layer, display_path, read_yaml_mapping, role_default_layers
@@ -236,7 +237,9 @@ def apply_group_vars(namespace: dict[str, Any]) -> None:
     try:
         override = cli_data_override()
         configs = validate_layers(loaded, override)
-        plan_problems = declared_plan_problems(loaded, configs, override)
+        serving = [host for host in loaded.hosts if loaded.pool_of(host) is not None]
+        plan_problems = edge_problems(loaded.hosts, serving, configs, override) or declared_plan_problems(
+            loaded, configs, override)
         if plan_problems:
             raise ConfigError(plan_problems)
     except ConfigError as error:

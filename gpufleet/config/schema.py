@@ -7,6 +7,7 @@ float accepts an integer. What a well-formed name, address, URL or path is lives
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -45,7 +46,7 @@ WATCHDOG_MIN_STALL_S = 10
 """The shortest ``vllm_watchdog_stall_s``: the watchdog looks every 5 s, and a real completion gets that long."""
 
 SECRET_KEYS = frozenset({"vllm_api_key", "vllm_hf_token", "ray_auth_token", "vllm_pip_index_credentials",
-                         "router_vrrp_password"})
+                         "router_vrrp_password", "router_tls_key"})
 """Variables whose values are secret references; a value found there is never shown."""
 
 # vllm_extra_args flags whose value gpufleet writes itself, and the variable that sets each.
@@ -194,6 +195,34 @@ class SecretRef(BaseModel):
         return self
 
 
+# --- the router's edge: client keys and TLS (checked across the fleet, secrets read: gpufleet.config.edge) ---
+
+CLIENT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+"""A client's name: a HAProxy map key and stick-table key (no blank, at most 63 bytes) and a Prometheus label."""
+
+
+def _client_names(value: Any) -> Any:
+    if isinstance(value, dict):
+        for name in value:
+            if not isinstance(name, str) or not CLIENT_NAME.match(name):
+                raise KeyedError(str(name), "expected a client name (1-63 of letters, digits, '_', '.', '-', starting"
+                                            f" with a letter or digit), found {grammar.show(name)}")
+    return value
+
+
+class RouterClient(BaseModel):
+    """One client of the routers: its key, the served models it may use, its limits (None: no limit)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    api_key: SecretRef
+    models: Annotated[list[str], BeforeValidator(_each(_served_name))] | None = None  # None: every served model
+    requests_per_s: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
+    concurrent_requests: Annotated[int, Field(ge=1, le=100_000)] | None = None
+
+    _check_secret = field_validator("api_key", mode="before")(_secret_ref)
+
+
 class HostConfig(BaseModel):
     """One host's merged configuration: role defaults < all.yml < group_vars < host data < --data."""
 
@@ -304,6 +333,12 @@ class HostConfig(BaseModel):
     router_server_maxconn: Annotated[int, Field(ge=1, le=50_000)] | None
     router_queue_timeout_s: Annotated[float, Field(gt=0, le=3600)]
 
+    # router: the edge (client keys and limits, TLS)
+    router_clients: Annotated[dict[str, RouterClient], BeforeValidator(_client_names)]
+    router_tls_certificate: SecretRef | None
+    router_tls_key: SecretRef | None
+    router_plain_http_port: Port | None
+
     # keepalived: the routers' virtual address (the rules across hosts: gpufleet.plan.virtual_address)
     router_virtual_address: _text(_virtual_address) | None  # type: ignore[valid-type]
     router_virtual_interface: _text(grammar.ifname) | None  # type: ignore[valid-type]
@@ -345,7 +380,7 @@ class HostConfig(BaseModel):
     alertmanager_repeat_interval_s: Annotated[int, Field(ge=60, le=604800)]
 
     _check_secret = field_validator("vllm_api_key", "vllm_hf_token", "ray_auth_token", "vllm_pip_index_credentials",
-                                    mode="before")(_secret_ref)
+                                    "router_tls_certificate", "router_tls_key", mode="before")(_secret_ref)
 
     @field_validator("gpu_watch_interval_s")
     @classmethod

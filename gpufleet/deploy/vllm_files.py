@@ -15,15 +15,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import posixpath
 import shlex
-from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlsplit, urlunsplit
 
-from gpufleet.config.problems import ConfigError, Problem
-from gpufleet.config.schema import HostConfig, SecretRef
+from gpufleet.config.schema import HostConfig
+from gpufleet.config.secrets import read_secret as _read_secret
 from gpufleet.digest import file_sha256
 from gpufleet.node_paths import (
     INSTALLED_MARKER,
@@ -157,24 +155,6 @@ def watchdog_json(cfg: HostConfig, replica: str, url: str) -> str:
     return json.dumps({"unit": f"vllm@{replica}.service", "url": url,
                        "model": cfg.served_model_name(), "stall_s": cfg.vllm_watchdog_stall_s,
                        "grace_s": cfg.vllm_ready_timeout, "interval_s": WATCHDOG_INTERVAL_S}) + "\n"
-
-
-def _read_secret(ref: SecretRef, key: str) -> str:
-    if ref.env is not None:
-        value = (os.environ.get(ref.env) or "").strip()
-        if not value:
-            raise ConfigError([Problem("controller", key, f"expected environment variable {ref.env} to be set,"
-                                                       " found it unset or empty")])
-        return value
-    path = Path(os.path.expanduser(str(ref.file)))
-    try:
-        value = path.read_text().strip()
-    except OSError as exc:
-        raise ConfigError([Problem("controller", key, f"expected a readable secret file {path},"
-                                                   f" found: {exc.strerror}")]) from None
-    if not value:
-        raise ConfigError([Problem("controller", key, f"expected a secret in {path}, found an empty file")])
-    return value
 
 
 def api_key(cfg: HostConfig) -> str | None:

@@ -7,6 +7,7 @@ Runs on the router node as root (standard library only), over SSH from ``gpuflee
     router_admin.py set-state BACKEND SERVER ready|drain|maint [--socket PATH]
     router_admin.py wait-drained BACKEND SERVER --timeout S [--socket PATH]
     router_admin.py set-weight BACKEND SERVER WEIGHT [--socket PATH]
+    router_admin.py client-metrics --textfile PATH [--socket PATH] [--edge-dir PATH]
 
 A backend is a served model, a server one of its replicas (named as the plan names it). ``show`` lists every
 server of every backend: its ``status`` as HAProxy's statistics say it (UP, DOWN, DRAIN, MAINT, ...), its
@@ -16,6 +17,10 @@ router's worker started: requests (``req_tot``; sessions, ``stot``, where HAProx
 responses (``hrsp_5xx``), and its average response time in ms over its last 1024 requests (``rtime``).
 ``set-state`` and ``set-weight`` read the server back until it says what was set. ``wait-drained`` polls until
 the server has nothing in flight and nothing queued; its ``--timeout`` is in seconds (0: look once).
+
+``client-metrics`` writes the counters of every client of the edge (``router_clients``: the stick table
+``gpufleet-clients``, the limits from the edge's maps) as a node_exporter textfile (0644, replaced whole):
+requests, 4xx answers, 429s, admitted requests, requests in flight, and each client's limits.
 
 Every argument is checked before anything reaches the socket: names in HAProxy's identifier characters
 (``A-Z a-z 0-9 _ . : -``), a state from the three above, a weight 0-256, a timeout 0-86400. Each command prints
@@ -29,6 +34,7 @@ import argparse
 import csv
 import json
 import math
+import os
 import re
 import socket
 import sys
@@ -38,6 +44,8 @@ from dataclasses import asdict, dataclass
 from typing import NoReturn
 
 DEFAULT_SOCKET = "/run/haproxy/gpufleet-admin.sock"  # node_paths.ROUTER_ADMIN_SOCKET: the router role binds it
+DEFAULT_EDGE_DIR = "/etc/haproxy/gpufleet-edge"  # roles/router EDGE_DIR: the edge's maps
+CLIENT_TABLE = "gpufleet-clients"  # roles/router CLIENT_TABLE
 IO_TIMEOUT_S = 5.0  # one runtime API command, connect to last byte
 SETTLE_S = 2.0  # how long a change may take to read back
 POLL_S = 0.2  # wait-drained's pace
@@ -272,6 +280,67 @@ def wait_drained(api: Runtime, backend: str, server: str, timeout: float,
         sleep(min(POLL_S, max(timeout - waited, 0.0)))
 
 
+# What each client's metric is read from: the stick table's columns, then the limits' maps.
+CLIENT_COUNTERS = (
+    ("requests_total", "http_req_cnt", "counter", "requests the client sent (with its key)"),
+    ("errors_4xx_total", "http_err_cnt", "counter", "its requests answered 4xx, by the router or a replica"),
+    ("limited_total", "gpc0", "counter", "its requests answered 429: over one of its limits"),
+    ("admitted_total", "gpc1", "counter", "its requests passed on to a replica"),
+    ("requests_in_flight", "conn_cur", "gauge", "its requests the router holds now"),
+)
+CLIENT_LIMITS = (("rate_limit", "rates.map", "requests per second it may send (router_clients)"),
+                 ("concurrency_limit", "concurrency.map", "requests it may have in flight (router_clients)"))
+_TABLE_ENTRY = re.compile(r"^0x[0-9a-f]+: key=(\S+) (.*)$")
+
+
+def parse_table(text: str) -> dict[str, dict[str, int]]:
+    """``show table``: each entry's counters by its key."""
+    if not text.startswith("# table:"):
+        raise RouterError(f"show table: unexpected answer: {_first_line(text)}")
+    entries: dict[str, dict[str, int]] = {}
+    for line in text.splitlines()[1:]:
+        if match := _TABLE_ENTRY.match(line.strip()):
+            fields = dict(item.split("=", 1) for item in match[2].split() if "=" in item)
+            entries[match[1]] = {name: _int(value) for name, value in fields.items()}
+    return entries
+
+
+def parse_map(text: str) -> dict[str, str]:
+    """``show map <file>``: each entry's value by its key."""
+    found: dict[str, str] = {}
+    for line in text.splitlines():
+        parts = line.split(" ", 2)
+        if len(parts) == 3 and parts[0].startswith("0x"):
+            found[parts[1]] = parts[2]
+    return found
+
+
+def client_metrics(api: Runtime, edge_dir: str) -> str:
+    """The clients' metrics in Prometheus's text format: every client of the edge's maps (0 until it sends)."""
+    entries = parse_table(api.ask("show", "table", CLIENT_TABLE))
+    limits = {metric: parse_map(api.ask("show", "map", f"{edge_dir}/{name}")) for metric, name, _ in CLIENT_LIMITS}
+    clients = sorted({*entries, *parse_map(api.ask("show", "map", f"{edge_dir}/models.map"))})
+    lines: list[str] = []
+    for metric, column, kind, about in CLIENT_COUNTERS:
+        lines += [f"# HELP gpufleet_router_client_{metric} {about}", f"# TYPE gpufleet_router_client_{metric} {kind}"]
+        lines += [f'gpufleet_router_client_{metric}{{client="{name}"}} {entries.get(name, {}).get(column, 0)}'
+                  for name in clients]
+    for metric, _, about in CLIENT_LIMITS:
+        lines += [f"# HELP gpufleet_router_client_{metric} {about}", f"# TYPE gpufleet_router_client_{metric} gauge"]
+        lines += [f'gpufleet_router_client_{metric}{{client="{name}"}} {value}'
+                  for name, value in sorted(limits[metric].items()) if value.isdigit()]
+    return "\n".join(lines) + "\n"
+
+
+def write_textfile(path: str, text: str) -> None:
+    """Replace ``path`` with ``text`` in one rename (node_exporter never reads half a file), 0644."""
+    staged = f"{path}.{os.getpid()}.tmp"
+    with open(staged, "w", encoding="utf-8") as out:
+        out.write(text)
+    os.chmod(staged, 0o644)
+    os.replace(staged, path)
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse whose refusals are one line and exit 1, like every other failure here."""
 
@@ -286,13 +355,16 @@ def _parser() -> argparse.ArgumentParser:
     state = commands.add_parser("set-state", help="set a server ready, drain or maint")
     wait = commands.add_parser("wait-drained", help="wait until a server has nothing in flight or queued")
     weight = commands.add_parser("set-weight", help="set a server's weight (0-256)")
+    metrics = commands.add_parser("client-metrics", help="the edge's clients' counters as a node_exporter textfile")
+    metrics.add_argument("--textfile", required=True, help="the .prom file to write")
+    metrics.add_argument("--edge-dir", default=DEFAULT_EDGE_DIR, help=f"the edge's maps ({DEFAULT_EDGE_DIR})")
     for sub in (state, wait, weight):
         sub.add_argument("backend")
         sub.add_argument("server")
     state.add_argument("state", help="ready, drain or maint")
     wait.add_argument("--timeout", required=True, help="seconds (0-86400)")
     weight.add_argument("weight", help="0-256")
-    for sub in (shown, state, wait, weight):
+    for sub in (shown, state, wait, weight, metrics):
         sub.add_argument("--socket", default=DEFAULT_SOCKET, help=f"HAProxy's admin socket ({DEFAULT_SOCKET})")
     return parser
 
@@ -303,6 +375,10 @@ def run(argv: list[str] | None) -> dict[str, object]:
     api = Runtime(args.socket)
     if args.command == "show":
         return {"servers": [asdict(found) for found in api.servers()]}
+    if args.command == "client-metrics":
+        text = client_metrics(api, args.edge_dir)
+        write_textfile(args.textfile, text)
+        return {"textfile": args.textfile, "clients": text.count("gpufleet_router_client_requests_total{")}
     backend, server = check_name("backend", args.backend), check_name("server", args.server)
     if args.command == "set-state":
         return set_state(api, backend, server, check_state(args.state))

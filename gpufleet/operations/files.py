@@ -112,17 +112,17 @@ def _file(dest: str, digest: str, data: Callable[[], bytes], user: str, group: s
 @gpufleet_operation()
 def secret_file(dest: str, content: str, mode: str = "0600", group: str = "root") -> Commands:
     """
-    Keep ``dest`` (root-owned, in a 0700 root directory) holding ``content``; the secret is never shown in a
-    diff or a log and never readable by another user at any moment, also when the SSH user is not root and
-    pyinfra runs with ``_sudo``: the upload goes into a fresh 0700 directory of the SSH user's (``mkdir`` fails
-    rather than reuse one), and the destination exists as an empty root file with its final mode before any
-    content arrives (``cp`` into an existing file keeps its mode). A failed step can leave the upload only
-    inside that directory.
+    Keep ``dest`` (owned by root and ``group``, in a directory only they may enter) holding ``content``; the
+    secret is never shown in a diff or a log and never readable by another user at any moment, also when the SSH
+    user is not root and pyinfra runs with ``_sudo``: the upload goes into a fresh 0700 directory of the SSH
+    user's (``mkdir`` fails rather than reuse one), and the destination exists as an empty root file with its
+    final owner and mode before any content arrives (``cp`` into an existing file keeps its mode). A failed step
+    can leave the upload only inside that directory.
 
     + dest: remote path
     + content: the secret text (never logged)
     + mode: octal mode
-    + group: its group (a service account that reads it, with mode ``0640``)
+    + group: the file's group (a service account that reads it: ``haproxy``, ``keepalived``)
     """
     found = node.path(dest)
     if found["type"] not in ("file", "missing"):  # touch, chown, chmod and cp would follow a link

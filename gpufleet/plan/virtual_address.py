@@ -31,6 +31,7 @@ from gpufleet.config import grammar
 from gpufleet.config.layers import HostLayers, Layer, is_role_default
 from gpufleet.config.problems import ConfigError, Problem
 from gpufleet.config.schema import HostConfig, SecretRef
+from gpufleet.config.secrets import read_secret
 from gpufleet.deploy.access import ROUTERS_GROUP
 
 if TYPE_CHECKING:
@@ -131,12 +132,10 @@ def password_problem(password: str) -> str | None:
 
 def read_password(ref: SecretRef | None) -> str:
     """The VRRP group's password, read on the controller (raises ConfigError naming the key, the value unshown)."""
-    from gpufleet.deploy.vllm_files import _read_secret  # the controller's one reader of secret references
-
     if ref is None:
         raise ConfigError([Problem("controller", PASSWORD_KEY, f"expected a secret reference with {KEY},"
                                                                " found null")])
-    value = _read_secret(ref, PASSWORD_KEY)
+    value = read_secret(ref, PASSWORD_KEY)
     if problem := password_problem(value):
         raise ConfigError([Problem("controller", PASSWORD_KEY, problem)])
     return value
@@ -144,10 +143,8 @@ def read_password(ref: SecretRef | None) -> str:
 
 def readable_password(ref: SecretRef) -> str | None:
     """The password as the controller reads it now; None when it cannot (the deploy reads it and says why)."""
-    from gpufleet.deploy.vllm_files import _read_secret
-
     try:
-        return _read_secret(ref, PASSWORD_KEY)
+        return read_secret(ref, PASSWORD_KEY)
     except ConfigError:
         return None
 

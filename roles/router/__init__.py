@@ -30,9 +30,17 @@ After it, a router host has:
     the monitoring hosts only, and ``GET /health`` there (answered by HAProxy: what role keepalived checks);
   - with ``router_virtual_address`` (role keepalived), the client port on that address too, on every router
     (``transparent``: HAProxy binds it before keepalived brings it, so the router that takes it serves at once).
+  - the edge (:func:`edge_files`, :func:`edge_values`): with ``router_clients``, the clients' keys checked by the
+    router (401 without a known one, 403 for a model not allowed, 429 with ``Retry-After`` over a limit) from map
+    files in ``EDGE_DIR`` (root:haproxy, 0640; the keys as SHA-256 only, the replicas' own key in ``upstream.map``,
+    which replaces the client's on the way to a replica), the clients' counters in the stick table
+    ``gpufleet-clients``, written for node_exporter by ``gpufleet-router-clients.timer``
+    (``router_admin.py client-metrics``); with ``router_tls_certificate`` and ``router_tls_key``, HTTPS on
+    ``router_port`` from ``EDGE_DIR/router.pem`` (0640), plain HTTP only on ``router_plain_http_port`` when set.
 
-A changed configuration is reloaded (HAProxy's hitless reload: requests in flight finish on the old workers);
-a changed drop-in restarts HAProxy. Variables: roles/router/defaults.yml. The replicas let the routers in
+A changed configuration or edge file is checked with ``haproxy -c`` and reloaded (HAProxy's hitless reload:
+requests in flight finish on the old workers; a new, removed or rotated client key changes only the edge's
+files); a changed drop-in restarts HAProxy. Variables: roles/router/defaults.yml. The replicas let the routers in
 (:func:`gpufleet.deploy.access.vllm_sources`).
 """
 
@@ -52,15 +60,17 @@ from pyinfra.context import host
 from pyinfra.operations.util import any_changed
 
 from gpufleet import templates
-from gpufleet.config.problems import ConfigError, exit_with
-from gpufleet.config.schema import HostConfig
+from gpufleet.config import edge
+from gpufleet.config.problems import ConfigError, Problem, exit_with
+from gpufleet.config.schema import HostConfig, RouterClient
 from gpufleet.deploy import access
 from gpufleet.deploy import vllm_files as vf
 from gpufleet.deploy.context import context, fleet, host_config
 from gpufleet.netaddr import host_port
-from gpufleet.node_paths import ROUTER_ADMIN_SOCKET, unit_path
+from gpufleet.node_paths import NODE_PYTHON, NODE_TOOLS_DIR, ROUTER_ADMIN_SOCKET, TEXTFILE_DIR, node_tool, unit_path
 from gpufleet.operations import apt, files, node, server, systemd
 from gpufleet.plan.planner import Replica
+from gpufleet.systemd_text import exec_line
 
 PACKAGE = "haproxy"
 SERVICE = "haproxy.service"
@@ -69,6 +79,18 @@ CANDIDATE = "/etc/haproxy/gpufleet-candidate.cfg"  # checked with haproxy -c bef
 DROP_IN_DIR = f"{unit_path(SERVICE)}.d"
 DROP_IN = f"{DROP_IN_DIR}/gpufleet.conf"
 HEADER_BYTES = 32768  # room in HAProxy's buffer for the request line and headers besides the body
+# The edge (router_clients, TLS): files the deploy writes from the controller's secrets, read by HAProxy only.
+EDGE_DIR = "/etc/haproxy/gpufleet-edge"  # root:haproxy 0750
+EDGE_MAPS = ("clients", "grants", "models", "rates", "concurrency", "upstream")  # <EDGE_DIR>/<name>.map, 0640
+TLS_PEM = "router.pem"  # <EDGE_DIR>/router.pem: the certificate, its chain and its key, 0640
+CLIENT_TABLE = "gpufleet-clients"  # the stick table of the clients' counters (gpufleet/node/router_admin.py reads it)
+CLIENT_TABLE_SIZE = 10000
+LIMIT_RETRY_AFTER_S = 1  # a client over its limit may try again after a second (rates are per second)
+# The clients' counters for Prometheus: a timer has router_admin.py write them for node_exporter's textfile collector.
+CLIENTS_SERVICE = "gpufleet-router-clients.service"
+CLIENTS_TIMER = "gpufleet-router-clients.timer"
+CLIENTS_TEXTFILE = f"{TEXTFILE_DIR}/gpufleet_router_clients.prom"
+CLIENTS_INTERVAL_S = 15
 
 _IDENTIFIER_UNSAFE = re.compile(r"[^A-Za-z0-9_.:-]")  # what HAProxy's names may not hold
 # The POST routes of vLLM's OpenAI API that clients of a model's replicas may use, by the task the model is served
@@ -80,6 +102,11 @@ NOT_FOUND = '{"error":{"message":"not found","type":"NotFoundError","code":404}}
 # replica up), with a Retry-After header.
 UNAVAILABLE = ('{"error":{"message":"every replica of the model is busy or down; retry later",'
                '"type":"ServiceUnavailableError","code":503}}')
+UNAUTHORIZED = ('{"error":{"message":"a known API key is needed (Authorization: Bearer <key>)",'
+                '"type":"AuthenticationError","code":401}}')
+FORBIDDEN = '{"error":{"message":"this API key may not use this model","type":"PermissionDeniedError","code":403}}'
+LIMITED = ('{"error":{"message":"over the limit of requests per second or at once of this API key; retry later",'
+           '"type":"RateLimitError","code":429}}')
 
 
 # --- what the router gets, as plain data (tested without a node) --------------------------------------------------
@@ -161,11 +188,13 @@ def retry_after_s(cfg: HostConfig) -> int:
 
 
 def config_values(cfg: HostConfig, address: str, found: list[Backend], lists: list[dict[str, str | None]],
-                  metrics_allowed: list[str], maxconn: Mapping[str, int]) -> dict[str, Any]:
+                  metrics_allowed: list[str], maxconn: Mapping[str, int], edge_dir: str = EDGE_DIR) -> dict[str, Any]:
     """What templates/router/haproxy.cfg.j2 is rendered with; ``maxconn``: each replica's, by name
-    (:func:`replica_maxconn`)."""
+    (:func:`replica_maxconn`); ``edge_dir``: where the edge's files are (:func:`edge_values`)."""
+    listen_address = cfg.router_listen_address or address
     return {
-        "listen": host_port(cfg.router_listen_address or address, cfg.router_port),
+        **edge_values(cfg, listen_address, edge_dir),
+        "listen": host_port(listen_address, cfg.router_port),
         "virtual_listen": virtual_listen(cfg),
         "metrics_listen": host_port(address, cfg.router_metrics_port),
         "metrics_allowed": ["127.0.0.1", "::1", *metrics_allowed],
@@ -198,6 +227,72 @@ def virtual_listen(cfg: HostConfig) -> str | None:
     return host_port(cfg.router_virtual_address, cfg.router_port)
 
 
+def edge_maps(clients: Mapping[str, RouterClient], keys: Mapping[str, str], found: list[Backend],
+              upstream: Mapping[str, str | None]) -> dict[str, str]:
+    """The edge's map files by name (:data:`EDGE_MAPS`): ``clients`` (the SHA-256 of each client's Authorization
+    header -> client), ``grants`` (``client/<model's SHA-256>`` -> 1 for each served model the client may use),
+    ``models`` (client -> its ``GET /v1/models`` answer), ``rates`` and ``concurrency`` (client -> its limit, where it
+    has one), ``upstream`` (model's SHA-256 -> the Authorization header its replicas take, where they have a key).
+    ``keys``: each client's key by name; ``upstream``: each served model's replicas' key (None: none)."""
+    header = "# Written by gpufleet (role router) from router_clients: read by HAProxy only.\n"
+    maps = {name: [header] for name in EDGE_MAPS}
+    served = {backend.model: backend for backend in found}
+    for name in sorted(clients):
+        client = clients[name]
+        models = sorted(served if client.models is None else set(client.models) & set(served))
+        maps["clients"].append(f"{key_sha256(keys[name])} {name}\n")
+        maps["grants"] += [f"{name}/{served[model].model_sha256} 1\n" for model in models]
+        maps["models"].append(f"{name} {_models_body(models)}\n")
+        if client.requests_per_s is not None:
+            maps["rates"].append(f"{name} {client.requests_per_s}\n")
+        if client.concurrent_requests is not None:
+            maps["concurrency"].append(f"{name} {client.concurrent_requests}\n")
+    for backend in found:
+        if key := upstream.get(backend.model):
+            maps["upstream"].append(f"{backend.model_sha256} Bearer {key}\n")
+    return {name: "".join(lines) for name, lines in maps.items()}
+
+
+def upstream_keys(replicas: Iterable[Replica], configs: Mapping[str, HostConfig]) -> dict[str, str | None]:
+    """Each served model's replicas' API key (read on the controller; None: they take none). ConfigError when the
+    replicas of one model take different keys: the router sends every one of them the same."""
+    found: dict[str, str | None] = {}
+    for replica in replicas:
+        replica_cfg = configs[replica.roles[0].host]
+        model, key = replica_cfg.served_model_name(), vf.api_key(replica_cfg)
+        if model in found and found[model] != key:
+            raise ConfigError([Problem("controller", "vllm_api_key", "expected one key for every replica of a"
+                                       f" served model with router_clients, found several for {model!r}")])
+        found[model] = key
+    return found
+
+
+def edge_files(cfg: HostConfig, found: list[Backend], upstream: Mapping[str, str | None]) -> dict[str, str]:
+    """Every file of :data:`EDGE_DIR` by name, from the controller's secrets: the maps with clients
+    (:func:`edge_maps`), the PEM with TLS. ConfigError (no secret shown) when a secret cannot be read."""
+    written = {}
+    if cfg.router_clients:
+        maps = edge_maps(cfg.router_clients, edge.client_keys(cfg), found, upstream)
+        written.update({f"{name}.map": text for name, text in maps.items()})
+    if (pem := edge.tls_pem(cfg)) is not None:
+        written[TLS_PEM] = pem
+    return written
+
+
+def edge_values(cfg: HostConfig, listen_address: str, edge_dir: str = EDGE_DIR) -> dict[str, Any]:
+    """The template's values for the edge: the maps' and the PEM's paths when ``cfg`` has clients or TLS, and
+    the plain HTTP port beside TLS on ``listen_address``."""
+    return {
+        "edge": {**{name: f"{edge_dir}/{name}.map" for name in EDGE_MAPS}, "table": CLIENT_TABLE,
+                 "table_size": CLIENT_TABLE_SIZE, "retry_after_s": LIMIT_RETRY_AFTER_S,
+                 "unauthorized": UNAUTHORIZED, "forbidden": FORBIDDEN, "limited": LIMITED}
+                if cfg.router_clients else None,
+        "tls_pem": f"{edge_dir}/{TLS_PEM}" if cfg.router_tls_certificate is not None else None,
+        "plain_listen": host_port(listen_address, cfg.router_plain_http_port)
+                        if cfg.router_plain_http_port is not None else None,
+    }
+
+
 def render(values: dict[str, Any]) -> str:
     """The configuration text exactly as the deploy writes it."""
     return templates.render("router/haproxy.cfg.j2", **values)
@@ -210,6 +305,19 @@ def open_files(cfg: HostConfig) -> int:
 
 def drop_in(cfg: HostConfig) -> str:
     return templates.render("router/haproxy-override.conf.j2", open_files=open_files(cfg), ip_access="")
+
+
+def clients_service_values() -> dict[str, object]:
+    """What templates/router/gpufleet-router-clients.service.j2 is rendered with (the same on every router)."""
+    argv = [NODE_PYTHON, "-I", node_tool("router_admin.py"), "client-metrics", "--textfile", CLIENTS_TEXTFILE,
+            "--socket", ROUTER_ADMIN_SOCKET, "--edge-dir", EDGE_DIR]
+    return {"timer": CLIENTS_TIMER, "node_tools": NODE_TOOLS_DIR, "textfile": CLIENTS_TEXTFILE,
+            "textfile_dir": f"-{TEXTFILE_DIR}",  # "-": no error where node_exporter is not installed
+            "exec_start": exec_line(argv), "ip_access": access.unit_lines([])}  # localhost only: no network
+
+
+def clients_timer_values() -> dict[str, object]:
+    return {"service": CLIENTS_SERVICE, "interval": CLIENTS_INTERVAL_S}
 
 
 def fleet_values(cfg: HostConfig, address: str) -> dict[str, Any]:
@@ -231,6 +339,17 @@ def fleet_values(cfg: HostConfig, address: str) -> dict[str, Any]:
     return config_values(cfg, address, found, model_lists(by_key), metrics_allowed, replica_maxconn(ctx.plan.replicas))
 
 
+def fleet_edge_files(cfg: HostConfig) -> dict[str, str]:
+    """:func:`edge_files` for the running deploy (secrets read on the controller). Exits 2 on bad input."""
+    ctx = context()
+    configs = fleet().configs
+    try:
+        found = backends(ctx.plan.replicas, configs)
+        return edge_files(cfg, found, upstream_keys(ctx.plan.replicas, configs) if cfg.router_clients else {})
+    except ConfigError as error:
+        exit_with(error)
+
+
 # --- the deploy ----------------------------------------------------------------------------------------------------
 
 def is_router() -> bool:
@@ -240,20 +359,37 @@ def is_router() -> bool:
 
 @deploy("Router (HAProxy)")
 def router() -> None:
-    """Converge HAProxy on a router host: the package, the sandboxed unit, the configuration from the plan."""
+    """Converge HAProxy on a router host: the package, the sandboxed unit, the configuration from the plan, the
+    edge's files (client keys, TLS) and the clients' counters."""
     if not is_router():
         return
     cfg = host_config()
     address = cfg.fleet_address or host.name
     text = render(fleet_values(cfg, address))
     wanted = hashlib.sha256(text.encode()).hexdigest()
-    node.observe(name="Read the router's package, unit and configuration", packages=[PACKAGE], units=[SERVICE],
-                 paths=[CONFIG, CANDIDATE, DROP_IN_DIR, DROP_IN])
+    edge_wanted = fleet_edge_files(cfg)
+    clients_service, clients_timer = unit_path(CLIENTS_SERVICE), unit_path(CLIENTS_TIMER)
+    node.observe(name="Read the router's package, unit, configuration and edge files", packages=[PACKAGE],
+                 units=[SERVICE, CLIENTS_TIMER],
+                 paths=[CONFIG, CANDIDATE, DROP_IN_DIR, DROP_IN, EDGE_DIR, clients_service, clients_timer,
+                        *(f"{EDGE_DIR}/{name}" for name in edge_wanted)],
+                 listings=[f"{EDGE_DIR}/*"])
     apt.packages(name="Install HAProxy (the distribution's package)", packages=[PACKAGE], update_first=True)
     files.directory(name=f"Create {DROP_IN_DIR}", path=DROP_IN_DIR)
     unit = files.file(name=f"Write the drop-in {DROP_IN} (account, sockets, sandbox)", dest=DROP_IN,
                       content=drop_in(cfg))
     systemd.daemon_reload(name="Reload systemd: HAProxy's drop-in changed", _if=unit.did_change)
+    edge_changes = []
+    if edge_wanted:
+        edge_changes.append(files.directory(name=f"Create {EDGE_DIR} (root:haproxy, 0750)", path=EDGE_DIR,
+                                            group="haproxy", mode="0750"))
+        edge_changes += [files.secret_file(name=f"Write the edge's {name} (root:haproxy, 0640)",
+                                           dest=f"{EDGE_DIR}/{name}", content=content, mode="0640", group="haproxy")
+                         for name, content in sorted(edge_wanted.items())]
+        edge_changes.append(files.pruned(name=f"Remove what the edge no longer uses from {EDGE_DIR}",
+                                         pattern=f"{EDGE_DIR}/*", keep=[f"{EDGE_DIR}/{n}" for n in edge_wanted]))
+    else:
+        edge_changes.append(files.absent(name=f"Remove {EDGE_DIR}: no clients, no TLS", path=EDGE_DIR))
     files.file(name=f"Write the router's configuration to check ({CANDIDATE})", dest=CANDIDATE, content=text,
                group="haproxy", mode="0640")
     config = server.script(
@@ -263,7 +399,30 @@ def router() -> None:
                f"mv -fT {shlex.quote(CONFIG)}.gpufleet-new {shlex.quote(CONFIG)}",
         done_file=CONFIG, done_sha256=wanted,
     )
+    server.script(name="Check the configuration with the edge's new files (haproxy -c)",
+                  script=f"haproxy -c -q -f {shlex.quote(CONFIG)}", _if=any_changed(*edge_changes))
     systemd.restart(name=f"Restart {SERVICE}: its drop-in changed", unit=SERVICE, _if=unit.did_change)
-    systemd.reload(name=f"Reload {SERVICE}: its configuration changed (requests in flight finish)", unit=SERVICE,
-                   _if=any_changed(config))
+    systemd.reload(name=f"Reload {SERVICE}: its configuration or edge files changed (requests in flight finish)",
+                   unit=SERVICE, _if=any_changed(config, *edge_changes))
     systemd.service(name=f"Ensure {SERVICE} runs and starts at boot", unit=SERVICE, running=True, enabled=True)
+    _clients_counters(bool(cfg.router_clients), clients_service, clients_timer)
+
+
+def _clients_counters(wanted: bool, service_file: str, timer_file: str) -> None:
+    """The timer that writes the clients' counters for node_exporter, with clients; gone without."""
+    if wanted:
+        service = files.file(name=f"Write {service_file} (the clients' counters)", dest=service_file,
+                             content=templates.render("router/gpufleet-router-clients.service.j2",
+                                                      **clients_service_values()))
+        timer = files.file(name=f"Write {timer_file}: the counters every {CLIENTS_INTERVAL_S} s", dest=timer_file,
+                           content=templates.render("router/gpufleet-router-clients.timer.j2",
+                                                    **clients_timer_values()))
+        systemd.daemon_reload(name="Reload systemd: the clients' counters' units changed",
+                              _if=any_changed(service, timer))
+        systemd.service(name=f"Enable and start {CLIENTS_TIMER}", unit=CLIENTS_TIMER, running=True, enabled=True)
+        return
+    systemd.service(name=f"Stop and disable {CLIENTS_TIMER} (no router_clients)", unit=CLIENTS_TIMER,
+                    running=False, enabled=False)
+    removed = [files.absent(name=f"Remove {path} (no router_clients)", path=path)
+               for path in (timer_file, service_file, CLIENTS_TEXTFILE)]
+    systemd.daemon_reload(name="Reload systemd: the clients' counters' units are gone", _if=any_changed(*removed[:2]))

@@ -30,6 +30,7 @@ import roles.keepalived as keepalived_role
 import roles.monitoring as monitoring_role
 import roles.node_exporter as node_exporter_role
 import roles.ray as ray_role
+import roles.router as router_role
 import roles.vllm as vllm_role
 from gpufleet import node_paths, systemd_text, templates
 from gpufleet.config.problems import ConfigError
@@ -206,6 +207,17 @@ def _gpu_watch(_: str) -> Unit:
                 [node_paths.NODE_PYTHON], argv, extra={node_paths.GPU_WATCH_TIMER: timer})
 
 
+def _router_clients(_: str) -> Unit:
+    """The router's clients' counters, and beside it the timer that starts it (verified with it)."""
+    argv = [node_paths.NODE_PYTHON, "-I", node_paths.node_tool("router_admin.py"), "client-metrics", "--textfile",
+            router_role.CLIENTS_TEXTFILE, "--socket", node_paths.ROUTER_ADMIN_SOCKET,
+            "--edge-dir", router_role.EDGE_DIR]
+    timer = _render("router/gpufleet-router-clients.timer.j2", **router_role.clients_timer_values())
+    return Unit(router_role.CLIENTS_SERVICE,
+                _render("router/gpufleet-router-clients.service.j2", **router_role.clients_service_values()),
+                [node_paths.NODE_PYTHON], argv, extra={router_role.CLIENTS_TIMER: timer})
+
+
 def _dcgm_exporter(address: str) -> Unit:
     values = dcgm_exporter_role.unit_values(9400, address, ["10.0.0.0/24"], 300)
     listen = f"[{address}]:9400" if ":" in address else f"{address}:9400"
@@ -248,6 +260,7 @@ UNIT_CASES: list[tuple[str, Callable[[str], Unit]]] = [
     ("vllm-watchdog@.service", _vllm_watchdog),
     ("dcgm-exporter.service", _dcgm_exporter),
     ("gpufleet-gpu-watch.service and its timer", _gpu_watch),
+    ("gpufleet-router-clients.service and its timer", _router_clients),
     ("ray unit of a head", _ray),
     ("gpufleet-alert-log.service", _alert_log),
     ("gpufleet-router-health.service", _router_health),
@@ -262,6 +275,7 @@ COVERED = {"node_exporter/node_exporter.service.j2", "node_exporter/package-over
            "node_exporter/sandbox.conf.j2", "vllm/vllm@.service.j2", "dcgm_exporter/dcgm-exporter.service.j2",
            "vllm/vllm-watchdog@.service.j2", "ray/ray.service.j2", "common/node.env.j2",
            "gpu_watch/gpufleet-gpu-watch.service.j2", "gpu_watch/gpufleet-gpu-watch.timer.j2",
+           "router/gpufleet-router-clients.service.j2", "router/gpufleet-router-clients.timer.j2",
            "monitoring/gpufleet-alert-log.service.j2",
            "_sandbox.conf.j2",  # the sandbox: in every unit
            "vllm/ray.conf.j2",  # with vllm@.service and the Ray unit: tests/tools/test_units_pass_systemd_analyze.py

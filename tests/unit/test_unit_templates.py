@@ -61,6 +61,7 @@ def test_the_units_are_found() -> None:
                           "node_exporter/node_exporter.service.j2", "node_exporter/package-override.conf.j2",
                           "gpu_watch/gpufleet-gpu-watch.service.j2", "router/haproxy-override.conf.j2",
                           "monitoring/override.conf.j2", "monitoring/gpufleet-alert-log.service.j2",
+                          "router/gpufleet-router-clients.service.j2",
                           "keepalived/keepalived-override.conf.j2", "keepalived/gpufleet-router-health.service.j2"}
 
 
@@ -102,6 +103,11 @@ VALUES: dict[str, dict[str, object]] = {
         "node_env": "/etc/gpufleet/node.env", "exec_start": "/usr/bin/python3 /opt/gpufleet/node/gpu_watch.py",
         "timeout": 300, "run_dir": "gpufleet"},
     "router/haproxy-override.conf.j2": {"open_files": 9216},
+    "router/gpufleet-router-clients.service.j2": {
+        "timer": "gpufleet-router-clients.timer", "node_tools": "/opt/gpufleet/node",
+        "textfile": "/var/lib/node_exporter/textfile_collector/gpufleet_router_clients.prom",
+        "textfile_dir": "-/var/lib/node_exporter/textfile_collector",
+        "exec_start": "/usr/bin/python3 -I /opt/gpufleet/node/router_admin.py client-metrics"},
     "monitoring/override.conf.j2": {"unit": "prometheus.service", "environment_file": "/etc/default/prometheus",
                                     "config": "/etc/prometheus/gpufleet/prometheus.yml",
                                     "exec_start": "/usr/bin/prometheus", "state_directory": "prometheus/metrics2"},
@@ -173,6 +179,12 @@ EXPECTED = {
         "UMask=0077", "ProtectHome=yes", "ProtectClock=yes", "ProtectProc=invisible", "MemoryDenyWriteExecute=yes",
         "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6", f"{DENY} @resources", "SystemCallErrorNumber=EPERM",
         "PrivateDevices=yes", "BindReadOnlyPaths="},
+    # root with no capability, for HAProxy's runtime socket; writes node_exporter's textfile (0644) and nothing
+    # else: no device, W^X memory, no @resources (EPERM), no netlink
+    "router/gpufleet-router-clients.service.j2": BASE | {
+        "UMask=0022", "ProtectHome=yes", "ProtectClock=yes", "ProtectProc=invisible", "MemoryDenyWriteExecute=yes",
+        "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6", f"{DENY} @resources", "SystemCallErrorNumber=EPERM",
+        "PrivateDevices=yes", "ReadWritePaths=-/var/lib/node_exporter/textfile_collector"},
     # Prometheus and Alertmanager as their own account (Go binaries): no device, W^X memory, no @resources (EPERM),
     # no netlink, no other user visible
     "monitoring/override.conf.j2": BASE | {

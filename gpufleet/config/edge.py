@@ -1,0 +1,143 @@
+"""The router's edge across the fleet: client keys and TLS, read on the controller and checked before any host.
+
+What one host's schema cannot see: a client allowed a model no pool serves, two clients with one key (the
+resolved keys are compared, never shown), a key or TLS file the controller cannot read, a certificate without
+its key, a plain HTTP port without TLS or on another port's number. The router role reads the same secrets
+through :func:`client_keys` and :func:`tls_pem`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from gpufleet.config.grammar import show
+from gpufleet.config.layers import HostLayers, Layer
+from gpufleet.config.problems import ConfigError, Problem
+from gpufleet.config.schema import HostConfig, SecretRef
+from gpufleet.config.secrets import read_secret
+
+MIN_KEY_CHARS = 16
+"""The shortest client key: a key is all that stands between a client and the fleet's GPUs."""
+
+CERTIFICATE_MARK = "-----BEGIN CERTIFICATE-----"
+PRIVATE_KEY_MARK = "PRIVATE KEY-----"
+
+
+def _key_problem(value: str) -> str | None:
+    """Why a client key cannot be one (it must travel in ``Authorization: Bearer <key>``), without showing it."""
+    if len(value) < MIN_KEY_CHARS or not all("!" <= ch <= "~" for ch in value):
+        return (f"expected a key of at least {MIN_KEY_CHARS} visible ASCII characters without blanks,"
+                " found one that is not (not shown)")
+    return None
+
+
+def client_keys(cfg: HostConfig) -> dict[str, str]:
+    """Each client's key by client name, read from its reference; ConfigError (the first problem of each
+    client, no key shown) when one is unreadable, not a key, or another client's too."""
+    cache: _Read = {}
+    problems = [Problem(source, key, message) for source, key, message in _client_problems(cfg, {}, cache)]
+    if problems:
+        raise ConfigError(problems)
+    return {name: str(cache[client.api_key]) for name, client in cfg.router_clients.items()}
+
+
+def tls_pem(cfg: HostConfig) -> str | None:
+    """The router's certificate (with its chain) and private key as one PEM, as HAProxy's ``crt`` reads it; None
+    without TLS. ConfigError when either is unreadable or not PEM."""
+    problems = [Problem(source, key, message) for source, key, message in _tls_problems(cfg, {}, {})]
+    if problems:
+        raise ConfigError(problems)
+    if cfg.router_tls_certificate is None or cfg.router_tls_key is None:
+        return None
+    return f"{read_secret(cfg.router_tls_certificate, 'router_tls_certificate')}\n" \
+           f"{read_secret(cfg.router_tls_key, 'router_tls_key')}\n"
+
+
+_Read = dict[SecretRef, "str | ConfigError"]
+
+
+def _read(ref: SecretRef, key: str, cache: _Read) -> str | ConfigError:
+    if ref not in cache:
+        try:
+            cache[ref] = read_secret(ref, key)
+        except ConfigError as error:
+            cache[ref] = error
+    return cache[ref]
+
+
+def _unreadable(error: ConfigError, source: str, key: str) -> tuple[str, str, str]:
+    return source, key, error.problems[0].message
+
+
+def _client_problems(cfg: HostConfig, sources: dict[str, str], cache: _Read) -> Iterator[tuple[str, str, str]]:
+    """(source, key path, problem) for the clients' keys."""
+    source = sources.get("router_clients", "controller")
+    owner: dict[str, str] = {}
+    for name, client in cfg.router_clients.items():
+        key = f"router_clients.{name}.api_key"
+        value = _read(client.api_key, key, cache)
+        if isinstance(value, ConfigError):
+            yield _unreadable(value, source, key)
+        elif problem := _key_problem(value):
+            yield source, key, problem
+        elif value in owner:
+            yield source, key, f"expected a key of its own per client, found client {owner[value]}'s key (not shown)"
+        else:
+            owner[value] = name
+
+
+def _tls_problems(cfg: HostConfig, sources: dict[str, str], cache: _Read) -> Iterator[tuple[str, str, str]]:
+    """(source, key path, problem) for TLS and the plain HTTP port."""
+    certificate, key = cfg.router_tls_certificate, cfg.router_tls_key
+    if (certificate is None) != (key is None):
+        given, missing = ("router_tls_certificate", "router_tls_key") if key is None else (
+            "router_tls_key", "router_tls_certificate")
+        yield sources.get(given, "controller"), missing, f"expected a secret reference with {given}, found null"
+        return
+    plain = cfg.router_plain_http_port
+    if plain is not None and certificate is None:
+        yield (sources.get("router_plain_http_port", "controller"), "router_plain_http_port",
+               "expected router_tls_certificate and router_tls_key with it (without TLS plain HTTP is on"
+               f" router_port), found {plain} without them")
+    for other in ("router_port", "router_metrics_port"):
+        if plain is not None and plain == getattr(cfg, other):
+            yield (sources.get("router_plain_http_port", "controller"), "router_plain_http_port",
+                   f"expected a port of its own, found {plain} for both router_plain_http_port and {other}")
+    if certificate is None or key is None:
+        return
+    for name, ref, mark, what in (("router_tls_certificate", certificate, CERTIFICATE_MARK, "a PEM certificate"),
+                                  ("router_tls_key", key, PRIVATE_KEY_MARK, "a PEM private key")):
+        value = _read(ref, name, cache)
+        if isinstance(value, ConfigError):
+            yield _unreadable(value, sources.get(name, "controller"), name)
+        elif mark not in value:
+            yield sources.get(name, "controller"), name, f"expected {what} ({mark.strip('-')}), found none in it"
+
+
+def _served_models(configs: dict[str, HostConfig], serving: list[str]) -> set[str]:
+    return {configs[host].served_model_name() for host in serving if host in configs}
+
+
+def edge_problems(hosts: dict[str, HostLayers], serving: list[str], configs: dict[str, HostConfig],
+                  override: dict[str, Any] | None = None) -> list[Problem]:
+    """Every host's edge problems (each host's layers, ``serving``: the hosts of serving pools); each secret is
+    read once, and none is shown."""
+    served = _served_models(configs, serving)
+    cache: _Read = {}
+    problems: list[Problem] = []
+    for host, config in configs.items():
+        if not config.router_clients and config.router_tls_certificate is None and config.router_tls_key is None \
+                and config.router_plain_http_port is None:
+            continue
+        layers = hosts[host].layers + ([Layer("--data", override)] if override else [])
+        sources = HostLayers(host, layers).merged()[1]
+        found = list(_tls_problems(config, sources, cache)) + list(_client_problems(config, sources, cache))
+        for name, client in config.router_clients.items():
+            for i, model in enumerate(client.models or []):
+                if model not in served:
+                    found.append((sources.get("router_clients", "controller"), f"router_clients.{name}.models[{i}]",
+                                  f"expected a model a pool serves ({', '.join(map(show, sorted(served)))}),"
+                                  f" found {show(model)}"))
+        problems += [Problem(source, key, message, (host,)) for source, key, message in found]
+    return problems

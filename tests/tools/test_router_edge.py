@@ -1,0 +1,345 @@
+"""The edge (client keys, limits, TLS), run by a real HAProxy (Debian's) on loopback with the configuration and
+edge files the router role renders, in front of fake replicas that take the replicas' own key only.
+
+HAProxy runs as systemd runs it (master-worker), so a reload here is the unit's: SIGUSR2 to the master.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import http.client
+import json
+import os
+import signal
+import socket
+import ssl
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+import roles.router as router_role
+from gpufleet.lab.tls import make_lab_tls
+from gpufleet.node import router_admin
+from tests.conftest import host_tool
+from tests.loopback_http import QuietHandler, loopback_server
+from tests.tools.test_router_role import _free_port, _wait
+from tests.unit.test_vllm_role import _config
+
+OPEN, CLOSED = "model-open", "model-closed"  # every client may use OPEN; CLOSED only those that name it
+REPLICA_KEY = "replica-internal-key-0123456789"
+KEYS = {"alice": "alice-key-0123456789abcdef", "bob": "bob-key-0123456789abcdef",
+        "carol": "carol-key-0123456789abcdef", "dave": "dave-key-0123456789abcdef"}
+CLIENTS = {
+    "alice": {"api_key": {"env": "EDGE_ALICE_KEY"}},  # every model, no limit
+    "bob": {"api_key": {"env": "EDGE_BOB_KEY"}, "models": [OPEN]},
+    "carol": {"api_key": {"env": "EDGE_CAROL_KEY"}, "requests_per_s": 3},
+    "dave": {"api_key": {"env": "EDGE_DAVE_KEY"}, "concurrent_requests": 1},
+}
+RATE = 3
+
+
+class KeyedReplica:
+    """A replica that answers only with the replicas' key; a prompt ``sleep:S`` answers after S seconds."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.authorizations: list[str | None] = []  # the Authorization header of every completion it got
+        self.lock = threading.Lock()
+
+    def handler(self) -> type[BaseHTTPRequestHandler]:
+        replica = self
+
+        class Handler(QuietHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_GET(self) -> None:
+                self.answer(200, b"{}")
+
+            def do_POST(self) -> None:
+                request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with replica.lock:
+                    replica.authorizations.append(self.headers.get("Authorization"))
+                if self.headers.get("Authorization") != f"Bearer {REPLICA_KEY}":
+                    self.answer(401, b'{"error":"replica: wrong key"}')
+                    return
+                prompt = str(request.get("prompt", ""))
+                if prompt.startswith("sleep:"):
+                    time.sleep(float(prompt.removeprefix("sleep:")))
+                self.answer(200, json.dumps({"replica": replica.name, "model": request["model"]}).encode())
+
+        return Handler
+
+
+@dataclass(frozen=True)
+class Answer:
+    status: int
+    headers: dict[str, str]
+    body: dict[str, Any]
+
+
+@dataclass
+class Edge:
+    port: int
+    plain_port: int | None
+    tls: Any  # LabTls or None
+    socket: Path
+    master: Path
+    proc: subprocess.Popen[bytes]
+    config: Path
+    edge_dir: Path
+    replicas: dict[str, KeyedReplica]
+
+    def context(self) -> ssl.SSLContext | None:
+        return ssl.create_default_context(cafile=str(self.tls.ca_certificate)) if self.tls else None
+
+    def request(self, method: str, path: str, key: str | None = None, model: str = OPEN, prompt: str = "hi",
+                port: int | None = None, tls: bool | None = None) -> Answer:
+        headers = {"Content-Type": "application/json"}
+        if key is not None:
+            headers["Authorization"] = f"Bearer {key}"
+        body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 1}).encode() if method == "POST" else None
+        use_tls = self.tls is not None if tls is None else tls
+        connection: http.client.HTTPConnection = (
+            http.client.HTTPSConnection("127.0.0.1", port or self.port, timeout=20, context=self.context())
+            if use_tls else http.client.HTTPConnection("127.0.0.1", port or self.port, timeout=20))
+        try:
+            connection.request(method, path, body=body, headers=headers)
+            response = connection.getresponse()
+            text = response.read()
+            return Answer(response.status, {k.lower(): v for k, v in response.getheaders()},
+                          json.loads(text) if text.startswith(b"{") else {})
+        finally:
+            connection.close()
+
+    def post(self, key: str | None, model: str = OPEN, prompt: str = "hi") -> Answer:
+        return self.request("POST", "/v1/completions", key, model, prompt)
+
+    def reload(self) -> None:
+        """What ``systemctl reload haproxy`` does: SIGUSR2 to the master, which starts new workers that read the
+        configuration and the edge files again; the old workers finish what they hold."""
+        before = self.workers()
+        self.proc.send_signal(signal.SIGUSR2)
+        _wait(lambda: self.workers() - before, "a new worker after the reload")
+
+    def workers(self) -> set[int]:
+        """The worker processes' ids, from the master's CLI (none while the master re-executes itself)."""
+        text = b""
+        try:
+            with socket.socket(socket.AF_UNIX) as conn:
+                conn.settimeout(5)
+                conn.connect(str(self.master))
+                conn.sendall(b"show proc\n")
+                conn.shutdown(socket.SHUT_WR)
+                while chunk := conn.recv(65536):
+                    text += chunk
+        except OSError:
+            return set()
+        return {int(line.split()[0]) for line in text.decode().splitlines()
+                if line.split()[1:2] == ["worker"] and line.split()[0].isdigit()}
+
+
+def _write_edge(edge_dir: Path, written: dict[str, str]) -> None:
+    edge_dir.mkdir(mode=0o750, exist_ok=True)
+    for name, text in written.items():
+        path = edge_dir / name
+        path.touch(mode=0o640)
+        path.write_text(text)
+
+
+def _start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tls: bool, plain: bool = False) -> Iterator[Edge]:
+    haproxy = host_tool("haproxy", "haproxy")
+    for name, key in KEYS.items():
+        monkeypatch.setenv(f"EDGE_{name.upper()}_KEY", key)
+    monkeypatch.setenv("EDGE_REPLICA_KEY", REPLICA_KEY)
+    lab_tls = make_lab_tls(tmp_path / "ca", ["127.0.0.1", "localhost"]) if tls else None
+    tls_values: dict[str, Any] = {"router_tls_certificate": {"file": str(lab_tls.certificate)},
+                                  "router_tls_key": {"file": str(lab_tls.key)}} if lab_tls else {}
+    plain_port = _free_port() if plain else None
+    replicas = {model: KeyedReplica(f"{model}-0") for model in (OPEN, CLOSED)}
+    with ExitStack() as stack:
+        ports = {model: int(stack.enter_context(loopback_server(replicas[model].handler())).rsplit(":", 1)[1])
+                 for model in replicas}
+        configs = {f"{m}-0": _config(vllm_served_model_name=m, vllm_api_key={"env": "EDGE_REPLICA_KEY"})
+                   for m in replicas}
+        plan = [SimpleNamespace(name=f"{m}-0", port=ports[m], roles=[SimpleNamespace(host=f"{m}-0",
+                                                                                        address="127.0.0.1")])
+                for m in replicas]
+        cfg = _config(router_port=_free_port(), router_metrics_port=_free_port(), router_check_interval_s=1,
+                      router_check_fall=1, router_check_rise=1, router_clients=CLIENTS,
+                      router_plain_http_port=plain_port, **tls_values)
+        found = router_role.backends(plan, configs)  # type: ignore[arg-type]
+        upstream = router_role.upstream_keys(plan, configs)  # type: ignore[arg-type]
+        edge_dir = tmp_path / "edge"
+        _write_edge(edge_dir, router_role.edge_files(cfg, found, upstream))
+        values = router_role.config_values(cfg, "127.0.0.1", found, [], [], {r.name: 64 for r in plan},
+                                           edge_dir=str(edge_dir))
+        values["admin_socket"] = str(tmp_path / "admin.sock")
+        config = tmp_path / "haproxy.cfg"
+        config.write_text(router_role.render(values))
+        checked = subprocess.run([haproxy, "-c", "-f", str(config)], capture_output=True, text=True)
+        assert checked.returncode == 0, checked.stdout + checked.stderr
+        master = tmp_path / "master.sock"
+        with (tmp_path / "haproxy.log").open("w") as log:
+            proc = subprocess.Popen([haproxy, "-W", "-db", "-S", str(master), "-f", str(config)], stdout=log,
+                                    stderr=subprocess.STDOUT)
+        stack.callback(proc.wait, 10)
+        stack.callback(proc.terminate)
+        started = Edge(cfg.router_port, plain_port, lab_tls, tmp_path / "admin.sock", master, proc, config,
+                       edge_dir, replicas)
+        runtime = router_admin.Runtime(str(started.socket))
+        _wait(lambda: started.socket.exists() and {s.status for s in runtime.servers()} == {"UP"}, "replicas UP")
+        yield started
+
+
+@pytest.fixture
+def edge(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Edge]:
+    yield from _start(tmp_path, monkeypatch, tls=False)
+
+
+@pytest.fixture
+def tls_edge(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Edge]:
+    yield from _start(tmp_path, monkeypatch, tls=True, plain=True)
+
+
+def test_the_config_and_its_files_hold_no_key_and_the_files_are_not_world_readable(edge: Edge) -> None:
+    secrets = [*KEYS.values(), REPLICA_KEY]
+    assert not any(key in edge.config.read_text() for key in secrets)
+    written = {path.name: path for path in edge.edge_dir.iterdir()}
+    assert not any(key in path.read_text() for path in written.values() for key in KEYS.values())
+    assert REPLICA_KEY in written["upstream.map"].read_text()  # the one file that holds a key, 0640
+    assert all(path.stat().st_mode & 0o007 == 0 for path in written.values())
+
+
+def test_no_key_or_a_wrong_one_gets_401_and_a_known_one_reaches_the_replica_with_the_replicas_key(
+        edge: Edge) -> None:
+    for key in (None, "wrong-key-0123456789abcdef", REPLICA_KEY):  # the replicas' own key is no client's
+        answer = edge.post(key)
+        assert answer.status == 401 and answer.headers.get("www-authenticate") == "Bearer", answer
+    assert edge.request("GET", "/v1/models").status == 401
+    assert edge.replicas[OPEN].authorizations == []  # none of them reached a replica
+    assert edge.post(KEYS["alice"]).body == {"replica": f"{OPEN}-0", "model": OPEN}
+    assert edge.post(KEYS["alice"], CLOSED).status == 200
+    assert edge.replicas[OPEN].authorizations == [f"Bearer {REPLICA_KEY}"]
+    assert edge.request("GET", "/health").status == 200  # the routers' own check needs no key
+
+
+def test_a_model_the_client_may_not_use_gets_403_and_its_model_list_leaves_it_out(edge: Edge) -> None:
+    assert edge.post(KEYS["bob"], OPEN).status == 200
+    answer = edge.post(KEYS["bob"], CLOSED)
+    assert answer.status == 403 and answer.body["error"]["code"] == 403, answer
+    assert edge.replicas[CLOSED].authorizations == []
+
+    def ids(key: str) -> list[str]:
+        answer = edge.request("GET", "/v1/models", key)
+        assert answer.status == 200, answer
+        return [entry["id"] for entry in answer.body["data"]]
+
+    assert ids(KEYS["bob"]) == [OPEN]
+    assert ids(KEYS["alice"]) == sorted([OPEN, CLOSED])
+
+
+def test_over_the_rate_limit_gets_429_with_retry_after(edge: Edge) -> None:
+    answers = [edge.post(KEYS["carol"]) for _ in range(2 * RATE)]
+    assert [a.status for a in answers[:RATE]] == [200] * RATE, answers
+    limited = [a for a in answers if a.status == 429]
+    assert len(limited) == RATE, answers
+    assert all(a.headers.get("retry-after") == "1" and a.body["error"]["code"] == 429 for a in limited)
+    assert edge.post(KEYS["alice"]).status == 200  # another client's limit is its own
+    time.sleep(2.1)  # the rate of admitted requests is back under the limit
+    assert edge.post(KEYS["carol"]).status == 200
+
+
+def test_over_the_concurrency_limit_gets_429_and_a_finished_request_frees_its_place(edge: Edge) -> None:
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        slow = pool.submit(edge.post, KEYS["dave"], OPEN, "sleep:2")
+        _wait(lambda: len(edge.replicas[OPEN].authorizations) == 1, "the slow request at the replica")
+        second = edge.post(KEYS["dave"])
+        assert second.status == 429 and second.headers.get("retry-after") == "1", second
+        assert edge.post(KEYS["alice"]).status == 200  # others are not held back
+        assert slow.result().status == 200
+    assert edge.post(KEYS["dave"]).status == 200
+
+
+def test_a_key_rotated_by_a_reload_keeps_the_request_in_flight_and_the_old_key_gets_401(
+        edge: Edge, monkeypatch: pytest.MonkeyPatch) -> None:
+    config_before = edge.config.read_text()
+    new_key = "alice-rotated-0123456789abcdef"
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        in_flight = pool.submit(edge.post, KEYS["alice"], OPEN, "sleep:3")
+        _wait(lambda: len(edge.replicas[OPEN].authorizations) == 1, "the request in flight at the replica")
+        monkeypatch.setenv("EDGE_ALICE_KEY", new_key)
+        cfg = _config(router_clients=CLIENTS)
+        plan_models = {OPEN: REPLICA_KEY, CLOSED: REPLICA_KEY}
+        found = [router_role.Backend(f"model-{m}", m, ()) for m in sorted(plan_models)]
+        written = router_role.edge_files(cfg, found, plan_models)
+        changed = {name for name, text in written.items() if (edge.edge_dir / name).read_text() != text}
+        assert changed == {"clients.map"}  # a rotation changes one map, not the configuration
+        _write_edge(edge.edge_dir, written)
+        edge.reload()
+        assert edge.post(KEYS["alice"]).status == 401
+        assert edge.post(new_key).status == 200
+        assert in_flight.result().status == 200  # finished by the old worker
+    assert edge.config.read_text() == config_before
+
+
+def test_https_with_the_lab_ca_works_and_plain_http_on_the_router_port_gets_no_answer(tls_edge: Edge) -> None:
+    assert tls_edge.post(KEYS["alice"]).status == 200
+    with pytest.raises((ConnectionError, http.client.HTTPException, OSError)):
+        tls_edge.request("POST", "/v1/completions", KEYS["alice"], tls=False)
+    with pytest.raises(ssl.SSLCertVerificationError):  # a client that does not trust the lab CA
+        conn = http.client.HTTPSConnection("127.0.0.1", tls_edge.port, timeout=10,
+                                           context=ssl.create_default_context())
+        try:
+            conn.request("GET", "/health")
+        finally:
+            conn.close()
+    assert tls_edge.request("GET", "/health", port=tls_edge.plain_port, tls=False).status == 200  # the plain port
+
+
+def test_the_clients_counters_reach_a_textfile(edge: Edge, tmp_path: Path) -> None:
+    for _ in range(2 * RATE):
+        edge.post(KEYS["carol"])
+    edge.post(KEYS["bob"], CLOSED)
+    textfile = tmp_path / "router_clients.prom"
+    assert router_admin.main(["client-metrics", "--socket", str(edge.socket), "--textfile", str(textfile),
+                              "--edge-dir", str(edge.edge_dir)]) == 0
+    samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+               for line in textfile.read_text().splitlines() if line and not line.startswith("#")}
+    assert samples['gpufleet_router_client_requests_total{client="carol"}'] == 2 * RATE
+    assert samples['gpufleet_router_client_limited_total{client="carol"}'] == RATE
+    assert samples['gpufleet_router_client_errors_4xx_total{client="carol"}'] >= RATE
+    assert samples['gpufleet_router_client_errors_4xx_total{client="bob"}'] == 1
+    assert samples['gpufleet_router_client_requests_in_flight{client="carol"}'] == 0
+    assert samples['gpufleet_router_client_rate_limit{client="carol"}'] == RATE
+    assert samples['gpufleet_router_client_concurrency_limit{client="dave"}'] == 1
+    assert os.stat(textfile).st_mode & 0o777 == 0o644
+
+
+def test_a_renewed_certificate_is_served_after_a_reload_and_the_request_in_flight_finishes(
+        tls_edge: Edge, tmp_path: Path) -> None:
+    renewed = make_lab_tls(tmp_path / "renewed", ["127.0.0.1"])
+    cfg = _config(router_clients=CLIENTS, router_tls_certificate={"file": str(renewed.certificate)},
+                  router_tls_key={"file": str(renewed.key)})
+    found = [router_role.Backend(f"model-{m}", m, ()) for m in (CLOSED, OPEN)]
+    written = router_role.edge_files(cfg, found, {OPEN: REPLICA_KEY, CLOSED: REPLICA_KEY})
+    assert {name for name, text in written.items()
+            if (tls_edge.edge_dir / name).read_text() != text} == {router_role.TLS_PEM}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        in_flight = pool.submit(tls_edge.post, KEYS["alice"], OPEN, "sleep:3")
+        _wait(lambda: len(tls_edge.replicas[OPEN].authorizations) == 1, "the request in flight at the replica")
+        _write_edge(tls_edge.edge_dir, written)
+        tls_edge.reload()
+        with pytest.raises(ssl.SSLCertVerificationError):  # the old CA no longer verifies the router
+            tls_edge.post(KEYS["alice"])
+        tls_edge.tls = renewed
+        assert tls_edge.post(KEYS["alice"]).status == 200
+        assert in_flight.result().status == 200
