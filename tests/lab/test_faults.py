@@ -313,8 +313,7 @@ def test_an_interrupted_restart_is_drift_and_the_next_run_performs_it(lab: Lab, 
 
 def _lab_copy(tmp_path: Path, lab_single_extra: str) -> str:
     """The lab inventory and group_vars in a directory of their own, with lab_single.yml changed."""
-    (tmp_path / "inventories").mkdir()
-    shutil.copy(ROOT / INVENTORY, tmp_path / INVENTORY)
+    shutil.copytree(ROOT / "inventories", tmp_path / "inventories")  # group_vars name groups of each of them
     shutil.copytree(ROOT / "group_vars", tmp_path / "group_vars")
     with (tmp_path / "group_vars" / "lab_single.yml").open("a") as handle:
         handle.write(lab_single_extra)
