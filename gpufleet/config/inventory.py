@@ -23,7 +23,8 @@ from gpufleet.config.group_vars_files import group_vars_file_problems
 from gpufleet.config.inventory_shape import ROLE_GROUPS, SourceLines, late_problems, membership_problems, read_groups
 from gpufleet.config.layers import HostLayers, Layer, display_path, read_yaml_mapping, role_default_layers
 from gpufleet.config.problems import EXIT_BAD_INPUT, ConfigError, Problem, exit_with
-from gpufleet.config.schema import HostConfig
+from gpufleet.config.schema import HostConfig, SecretRef
+from gpufleet.config.secrets import ENV_FILE_SECRETS, unfit_secret
 from gpufleet.config.validate import validate_host
 from gpufleet.input_files import json_depth_problem
 from gpufleet.plan import virtual_address
@@ -134,6 +135,26 @@ def _host_problems(loaded: InventoryLayers, configs: dict[str, HostConfig],
     return problems
 
 
+def _secret_content_problems(loaded: InventoryLayers, configs: dict[str, HostConfig],
+                             override: dict[str, Any] | None) -> list[Problem]:
+    """Secrets bound for an environment file that the controller reads now with a line break or control character
+    in them (each reference read once, none shown)."""
+    problems: list[Problem] = []
+    seen: dict[SecretRef, str | None] = {}
+    for host, config in configs.items():
+        for key in ENV_FILE_SECRETS:
+            ref = getattr(config, key)
+            if ref is None:
+                continue
+            if ref not in seen:
+                seen[ref] = unfit_secret(ref)
+            if seen[ref] is not None:
+                layers = loaded.hosts[host].layers + ([Layer("--data", override)] if override else [])
+                source = HostLayers(host, layers).merged()[1].get(key, loaded.path)
+                problems.append(Problem(source, key, str(seen[ref]), (host,)))
+    return problems
+
+
 def validate_layers(loaded: InventoryLayers, override: dict[str, Any] | None = None) -> dict[str, HostConfig]:
     """Validate every host; raises ConfigError with every problem found."""
     problems: list[Problem] = []
@@ -146,6 +167,7 @@ def validate_layers(loaded: InventoryLayers, override: dict[str, Any] | None = N
         if config is not None:
             configs[name] = config
     problems += _host_problems(loaded, configs, override)
+    problems += _secret_content_problems(loaded, configs, override)
     problems += virtual_address.inventory_problems(loaded, configs, override)
     if problems:
         raise ConfigError(problems)

@@ -7,6 +7,7 @@ float accepts an integer. What a well-formed name, address, URL or path is lives
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -14,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
-from gpufleet.config import grammar
+from gpufleet.config import env_names, grammar
 from gpufleet.config.apt_source import apt_source
 from gpufleet.config.problems import KeyedError
 from gpufleet.hardware_profiles import ProfileError, parse_profile
@@ -178,6 +179,25 @@ def _secret_ref(value: Any) -> Any:
 
 def _text(check: Callable[[str], str | None]) -> Any:
     return Annotated[str, BeforeValidator(_grammar(check))]
+
+
+def _secret_key_path(value: Any, depth: int = 0) -> str | None:
+    """The path (``.a.b``, ``[0]``) of the first secret-named key inside an option's value: a mapping, a list, or
+    text that vLLM reads as JSON (``hf-overrides``, ``speculative-config``…); None when there is none."""
+    if isinstance(value, str) and value.lstrip()[:1] in ("{", "["):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return None
+    if depth > 64:
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        if isinstance(key, str) and grammar.names_secret(key):
+            return f".{key}"
+        if (inner := _secret_key_path(item, depth + 1)) is not None:
+            return (f"[{key}]" if isinstance(key, int) else f".{key}") + inner
+    return None
 
 
 class SecretRef(BaseModel):
@@ -430,9 +450,8 @@ class HostConfig(BaseModel):
             if name in OWNED_ENV or name.startswith(("NCCL_SOCKET_", "GLOO_SOCKET_")):
                 raise KeyedError(name, f"expected a variable gpufleet does not set, found {name}"
                                        f" (set {OWNED_ENV.get(name, 'fleet_interface')} instead)")
-            if grammar.chooses_code(name):
-                raise KeyedError(name, f"expected a variable that does not choose which code runs, found {name}"
-                                       " (the unit names its programs and libraries itself)")
+            if problem := env_names.refusal(name):
+                raise KeyedError(name, problem)
             if grammar.looks_secret(name):
                 raise KeyedError(name, "expected no secret in vllm_env, found a secret-looking name"
                                        " (use a secret reference: vllm_api_key, vllm_hf_token)")
@@ -559,7 +578,8 @@ class HostConfig(BaseModel):
                 "nvidia_repo_keyring_url": self.nvidia_repo_keyring_url,
                 "node_exporter_tarball_url": self.node_exporter_tarball_url}
         for key, value in urls.items():
-            if value is not None and (problem := grammar.url(value, plain)):
+            hint = grammar.PIP_CREDENTIALS if key.startswith("vllm_") else grammar.NOT_SECRET_URL
+            if value is not None and (problem := grammar.url(value, plain, credentials_hint=hint)):
                 found.append(((key,), problem))
         webhook = self.alertmanager_webhook_url
         if webhook and (problem := grammar.url(webhook, plain, ("https", "http"), grammar.NOT_SECRET_URL)):
@@ -588,6 +608,9 @@ class HostConfig(BaseModel):
             elif grammar.looks_secret(base):
                 found.append((where, "expected no secret in vllm_extra_args (config.yaml is 0644), found a"
                                      " secret-looking flag; use a secret reference"))
+            elif nested := _secret_key_path(value):
+                found.append(((f"{where[0]}{nested}",), "expected no secret in vllm_extra_args (config.yaml is 0644),"
+                                                        " found a secret-named key (value not shown)"))
             else:
                 for problem in catalog.check_config({key: value}):
                     message = problem.message.replace("expects ", "expected ", 1).replace(", got ", ", found ", 1)
