@@ -17,16 +17,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpufleet.config import grammar
+from gpufleet.config import grammar, limits
 from gpufleet.config.edge import edge_problems
 from gpufleet.config.group_vars_files import group_vars_file_problems
 from gpufleet.config.inventory_shape import ROLE_GROUPS, SourceLines, late_problems, membership_problems, read_groups
 from gpufleet.config.layers import HostLayers, Layer, display_path, read_yaml_mapping, role_default_layers
 from gpufleet.config.problems import EXIT_BAD_INPUT, ConfigError, Problem, exit_with
-from gpufleet.config.schema import HostConfig, SecretRef
+from gpufleet.config.schema import API_PORTS_WHEN_AUTO, HostConfig, SecretRef
 from gpufleet.config.secrets import ENV_FILE_SECRETS, unfit_secret
 from gpufleet.config.validate import validate_host
 from gpufleet.input_files import json_depth_problem
+from gpufleet.node_paths import replica_host_part
 from gpufleet.plan import virtual_address
 
 
@@ -135,6 +136,21 @@ def _host_problems(loaded: InventoryLayers, configs: dict[str, HostConfig],
     return problems
 
 
+def _replica_name_problems(loaded: InventoryLayers) -> list[Problem]:
+    """Pools whose replicas' names a HAProxy server or a systemd unit cannot hold: the planner names a replica
+    ``<pool>-<host's first label>[-<k>]`` (``k`` up to one per API port), or ``<pool>-<k>`` across nodes."""
+    problems: list[Problem] = []
+    for host in loaded.hosts:
+        pool = loaded.pool_of(host)
+        if pool is None:
+            continue
+        longest = f"{pool}-{replica_host_part(host)}-{API_PORTS_WHEN_AUTO - 1}"
+        if problem := limits.replica_name(pool, longest):
+            shown = pool if len(pool) <= 40 else f"{pool[:37]}..."
+            problems.append(Problem(loaded.path, f"{shown} (a pool)", problem, (host,)))
+    return problems
+
+
 def _secret_content_problems(loaded: InventoryLayers, configs: dict[str, HostConfig],
                              override: dict[str, Any] | None) -> list[Problem]:
     """Secrets bound for an environment file that the controller reads now with a line break or control character
@@ -168,6 +184,7 @@ def validate_layers(loaded: InventoryLayers, override: dict[str, Any] | None = N
             configs[name] = config
     problems += _host_problems(loaded, configs, override)
     problems += _secret_content_problems(loaded, configs, override)
+    problems += _replica_name_problems(loaded)
     problems += virtual_address.inventory_problems(loaded, configs, override)
     if problems:
         raise ConfigError(problems)

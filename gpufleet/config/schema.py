@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
-from gpufleet.config import env_names, grammar
+from gpufleet.config import env_names, grammar, limits
 from gpufleet.config.apt_source import apt_source
 from gpufleet.config.problems import KeyedError
 from gpufleet.hardware_profiles import ProfileError, parse_profile
@@ -38,6 +38,22 @@ def _unprivileged(port: int) -> int:
 
 Port = Annotated[int, Field(ge=1, le=65535), AfterValidator(_unprivileged)]
 PositiveInt = Annotated[int, Field(ge=1)]
+
+
+def _limit(check: Callable[[int], str | None]) -> AfterValidator:
+    """An after-validator from a check of :mod:`gpufleet.config.limits`."""
+
+    def validate(value: int) -> int:
+        if problem := check(value):
+            raise ValueError(problem)
+        return value
+
+    return AfterValidator(validate)
+
+
+RanksInt = Annotated[int, Field(ge=1, le=limits.REPLICA_MAX_RANKS)]
+SystemdSeconds = Annotated[int, Field(ge=1), _limit(limits.systemd_seconds)]
+"""Seconds that reach a unit's time span or a node's wait."""
 
 API_PORTS_WHEN_AUTO = 16
 """API ports kept free above ``vllm_port`` when ``vllm_replicas_per_node`` is auto (one per replica; a node
@@ -268,16 +284,16 @@ class HostConfig(BaseModel):
     vllm_dtype: Literal["auto", "bfloat16", "float16", "float32"]
     vllm_quantization: Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9_-]{0,63}$")] | None
     vllm_trust_remote_code: bool
-    vllm_max_model_len: PositiveInt | None
+    vllm_max_model_len: Annotated[int, Field(ge=1, le=limits.MAX_TOKENS)] | None
     vllm_gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)]
     vllm_kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16", "float16"]
-    vllm_memory_reserve_gib: Annotated[float, Field(ge=0)] | None
-    vllm_min_concurrency: PositiveInt
-    vllm_tensor_parallel_size: PositiveInt | Auto
-    vllm_pipeline_parallel_size: PositiveInt | Auto
-    vllm_data_parallel_size: PositiveInt
-    vllm_nodes_per_replica: PositiveInt | Auto
-    vllm_replicas_per_node: PositiveInt | Auto
+    vllm_memory_reserve_gib: Annotated[float, Field(ge=0, le=1024)] | None  # GiB per GPU (the largest has 288)
+    vllm_min_concurrency: Annotated[int, Field(ge=1, le=limits.MAX_COUNT)]
+    vllm_tensor_parallel_size: RanksInt | Auto
+    vllm_pipeline_parallel_size: RanksInt | Auto
+    vllm_data_parallel_size: RanksInt
+    vllm_nodes_per_replica: RanksInt | Auto
+    vllm_replicas_per_node: Annotated[int, Field(ge=1, le=limits.NODE_MAX_GPUS)] | Auto
     vllm_distributed_backend: Literal["mp", "ray"]
     vllm_platform: Literal["cuda", "cpu"]
     vllm_port: Port
@@ -297,7 +313,7 @@ class HostConfig(BaseModel):
     vllm_compile_bytecode: bool
     vllm_model_source: _text(_controller_dir) | None  # type: ignore[valid-type]
     vllm_start: bool
-    vllm_ready_timeout: PositiveInt
+    vllm_ready_timeout: SystemdSeconds
     vllm_plan_tolerance: Annotated[float, Field(ge=0, le=1)]
     vllm_watchdog_stall_s: int
     vllm_shutdown_timeout_s: Annotated[int, Field(ge=0, le=3600)]
@@ -309,7 +325,8 @@ class HostConfig(BaseModel):
     ray_port: Port
     ray_dashboard: bool
     ray_worker_ports: Annotated[tuple[Port, Port], BeforeValidator(_worker_ports)]
-    ray_ready_timeout: PositiveInt
+    ray_ready_timeout: Annotated[int, Field(ge=1), _limit(
+        lambda seconds: limits.systemd_seconds(seconds, limits.SYSTEMD_DEFAULT_START_S))]  # + the gate: TimeoutStartSec
     ray_auth_token: SecretRef | None
 
     # nvidia_driver
@@ -369,7 +386,7 @@ class HostConfig(BaseModel):
 
     # monitoring: alert thresholds
     alert_gpu_critical_xids: list[Annotated[int, Field(ge=1, le=9999)]]
-    alert_gpu_nvlink_errors_max: Annotated[int, Field(ge=0)]
+    alert_gpu_nvlink_errors_max: Annotated[int, Field(ge=0), _limit(limits.promql_int)]
     alert_gpu_thermal_throttle_ratio: Annotated[float, Field(gt=0, le=1)]
     alert_gpu_power_throttle_ratio: Annotated[float, Field(gt=0, le=1)]
     alert_gpu_error_window_s: Annotated[int, Field(ge=60, le=86400)]
@@ -507,6 +524,7 @@ class HostConfig(BaseModel):
             found.append((("ray_auth_token", "vllm_distributed_backend"),
                           "expected ray_auth_token ({env: NAME} or {file: PATH}) with vllm_distributed_backend ray"
                           " (Ray's cluster token), found null"))
+        found += self._gate_problems()
         found += self._port_problems(api_ports or self.api_ports())
         found += self._url_problems()
         found += self._extra_args_problems()
@@ -528,6 +546,31 @@ class HostConfig(BaseModel):
                      f"expected vllm_env to set {CPU_KV_SPACE} (the whole GiB of RAM each worker keeps its KV cache"
                      " in, which the planner sizes the cache from) with vllm_platform cpu, found none")]
         return []
+
+    def _gate_problems(self) -> list[tuple[tuple[str, ...], str]]:
+        """GPU gate rules the host can never pass: another GPU count or model than its declared ``gpu_profile``, a
+        driver branch above the one gpufleet installs (``nvidia_driver_branch``)."""
+        found: list[tuple[tuple[str, ...], str]] = []
+        policy = self.gpu_health
+        branch = self.nvidia_driver_branch
+        if policy.min_driver_branch > branch:
+            found.append((("gpu_health.min_driver_branch", "nvidia_driver_branch"),
+                          "expected gpu_health.min_driver_branch at most nvidia_driver_branch, the branch gpufleet"
+                          f" installs (the gate would never pass), found {policy.min_driver_branch} > {branch}"))
+        if self.gpu_profile is None:
+            return found
+        profile = parse_profile(self.gpu_profile)
+        if policy.expected_gpu_count is not None and policy.expected_gpu_count != profile.count:
+            found.append((("gpu_health.expected_gpu_count", "gpu_profile"),
+                          f"expected gpu_health.expected_gpu_count to be {profile.count}, the GPUs of gpu_profile"
+                          f" {self.gpu_profile} (the gate would never pass), found {policy.expected_gpu_count}"))
+        model = policy.expected_gpu_model
+        if model is not None and model.lower() not in profile.gpu.nvml_name.lower():
+            found.append((("gpu_health.expected_gpu_model", "gpu_profile"),
+                          f"expected gpu_health.expected_gpu_model to be a part of {profile.gpu.nvml_name!r}, the"
+                          f" GPU of gpu_profile {self.gpu_profile} (the gate would never pass),"
+                          f" found {grammar.show(model)}"))
+        return found
 
     def _port_problems(self, api_ports: int) -> list[tuple[tuple[str, ...], str]]:
         found: list[tuple[tuple[str, ...], str]] = []

@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from gpufleet.config import grammar
+from gpufleet.config import grammar, limits
 from gpufleet.config.layers import HostLayers, is_role_default
 from gpufleet.config.problems import KeyedError, Problem
 from gpufleet.config.pyinfra_keys import pyinfra_keys
@@ -15,10 +15,10 @@ from gpufleet.config.schema import SCHEMA_KEYS, SECRET_KEYS, HostConfig
 
 # How to say what a field accepts when pydantic reports one error per union member.
 _UNION_EXPECTED = {
-    "vllm_tensor_parallel_size": "an integer >= 1 or auto",
-    "vllm_pipeline_parallel_size": "an integer >= 1 or auto",
-    "vllm_nodes_per_replica": "an integer >= 1 or auto",
-    "vllm_replicas_per_node": "an integer >= 1 or auto",
+    "vllm_tensor_parallel_size": f"an integer from 1 to {limits.REPLICA_MAX_RANKS} or auto",
+    "vllm_pipeline_parallel_size": f"an integer from 1 to {limits.REPLICA_MAX_RANKS} or auto",
+    "vllm_nodes_per_replica": f"an integer from 1 to {limits.REPLICA_MAX_RANKS} or auto",
+    "vllm_replicas_per_node": f"an integer from 1 to {limits.NODE_MAX_GPUS} or auto",
 }
 
 
