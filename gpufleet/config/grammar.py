@@ -241,7 +241,7 @@ def names_secret(name: str) -> bool:
     """Whether a key inside a value (a URL's query parameter, a key of a JSON option) names a secret: what
     :func:`looks_secret` finds, and the bare words (``token``, ``key``, ``sig``…) and the signed-URL parameters of
     S3 and Azure."""
-    word = name.strip().lower().replace("-", "_")
+    word = re.sub(r"[\s.-]+", "_", name.strip().lower())
     if _TOKENIZER_TOKEN.match(word):
         return False
     return looks_secret(word) or word in SECRET_WORDS or word.startswith(("x_amz_", "x_goog_"))

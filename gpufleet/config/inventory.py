@@ -48,6 +48,13 @@ class InventoryLayers:
             return pools[-1]
         return None if listed else "all"
 
+    def source_of(self, host: str, key: str, override: dict[str, Any] | None = None) -> str:
+        """The file that set the variable a key path (``gpu_health.min_driver_branch``) starts with for ``host``:
+        ``--data``, a group_vars file, the inventory, a role's defaults; the inventory when nothing set it."""
+        variable = key.split(".")[0].split("[")[0]
+        layers = self.hosts[host].layers + ([Layer("--data", override)] if override else [])
+        return HostLayers(host, layers).merged()[1].get(variable, self.path)
+
     def label_of(self, host: str) -> str:
         """The group a host's metrics carry as their ``pool`` label: its serving pool, else the last role group
         that lists it (``routers``, ``monitoring``)."""
@@ -128,10 +135,9 @@ def _host_problems(loaded: InventoryLayers, configs: dict[str, HostConfig],
         if address is None:
             continue
         if address in owner:
-            layers = loaded.hosts[host].layers + ([Layer("--data", override)] if override else [])
-            source = HostLayers(host, layers).merged()[1].get("fleet_address", loaded.path)
-            problems.append(Problem(source, "fleet_address", f"expected an address of its own per host,"
-                                    f" found {address} for both {owner[address]} and {host}"))
+            problems.append(Problem(loaded.source_of(host, "fleet_address", override), "fleet_address",
+                                    f"expected an address of its own per host, found {address} for both"
+                                    f" {owner[address]} and {host}"))
         owner.setdefault(address, host)
     return problems
 
@@ -165,9 +171,7 @@ def _secret_content_problems(loaded: InventoryLayers, configs: dict[str, HostCon
             if ref not in seen:
                 seen[ref] = unfit_secret(ref)
             if seen[ref] is not None:
-                layers = loaded.hosts[host].layers + ([Layer("--data", override)] if override else [])
-                source = HostLayers(host, layers).merged()[1].get(key, loaded.path)
-                problems.append(Problem(source, key, str(seen[ref]), (host,)))
+                problems.append(Problem(loaded.source_of(host, key, override), key, str(seen[ref]), (host,)))
     return problems
 
 

@@ -17,7 +17,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 
 from gpufleet.config import env_names, grammar, limits
 from gpufleet.config.apt_source import apt_source
-from gpufleet.config.problems import KeyedError
+from gpufleet.config.problems import KeyedError, shown_key
 from gpufleet.hardware_profiles import ProfileError, parse_profile
 from gpufleet.input_files import tree_problem
 from gpufleet.node.health_rules import HealthPolicy, policy_problems
@@ -210,9 +210,9 @@ def _secret_key_path(value: Any, depth: int = 0) -> str | None:
     items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
     for key, item in items:
         if isinstance(key, str) and grammar.names_secret(key):
-            return f".{key}"
+            return f".{shown_key(key)}"
         if (inner := _secret_key_path(item, depth + 1)) is not None:
-            return (f"[{key}]" if isinstance(key, int) else f".{key}") + inner
+            return (f"[{key}]" if isinstance(key, int) else f".{shown_key(str(key))}") + inner
     return None
 
 
@@ -639,7 +639,7 @@ class HostConfig(BaseModel):
             for problem in catalog.check_config({"quantization": self.vllm_quantization}):
                 found.append((("vllm_quantization",), f"vLLM {self.vllm_version}: {problem.message}"))
         for key, value in self.vllm_extra_args.items():
-            where = (f"vllm_extra_args.{key}",)
+            where = (f"vllm_extra_args.{shown_key(key)}",)
             base = key.lstrip("-").partition(".")[0]
             spec = catalog.spec("--" + base)
             flag = spec.name if spec else "--" + base.replace("_", "-")

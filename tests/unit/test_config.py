@@ -278,3 +278,21 @@ def test_pyinfra_keys_are_read_from_pyinfra() -> None:
     assert set(connector_data_meta) <= pyinfra_keys()
     assert {key for key in all_argument_meta if key.startswith("_")} <= pyinfra_keys()
     assert "name" not in pyinfra_keys() and "ssh_usr" not in pyinfra_keys()
+
+
+@pytest.mark.parametrize(("argv", "line"), [
+    (["check", "--bogus", "x"], "gpufleet check: no such option '--bogus' (see gpufleet check --help)"),
+    (["check"], "gpufleet check: missing argument 'INVENTORY' (see gpufleet check --help)"),
+    (["plan", "--json", "--observed"], "gpufleet plan: missing argument 'INVENTORY' (see gpufleet plan --help)"),
+    (["plan", "--facts"], "gpufleet: option '--facts' requires an argument (see gpufleet --help)"),
+    (["plnn"], "gpufleet: no such command 'plnn'. Did you mean 'plan'? (see gpufleet --help)"),
+    (["check", "a", "b"], "gpufleet check: got unexpected extra argument (b) (see gpufleet check --help)"),
+])
+def test_a_bad_command_line_is_one_line_and_exit_2(argv: list[str], line: str) -> None:
+    from click.testing import CliRunner
+
+    from gpufleet.cli import main
+
+    result = CliRunner().invoke(main, argv, prog_name="gpufleet")
+    assert (result.exit_code, result.stderr.splitlines()) == (2, [line]), result.output
+    assert "Usage:" not in result.output
