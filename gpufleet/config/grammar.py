@@ -163,8 +163,9 @@ def _secret_params(value: str) -> list[str]:
             if names_secret(name)]
 
 
-def _hidden(value: str) -> str:
-    """A URL as a message shows it: its user part, and its query when a parameter names a secret, not shown."""
+def without_credentials(value: str) -> str:
+    """A URL, or text holding one, as a message shows it: its user part, and its query when a parameter names a
+    secret, not shown."""
     value = _USERINFO.sub("//(credentials not shown)@", value)
     if _secret_params(value):
         value = re.split(r"[?#]", value, maxsplit=1)[0] + "?(query not shown)"
@@ -177,7 +178,7 @@ def url(value: str, plain_http: bool, schemes: tuple[str, ...] = ("https", "http
     credentials (a message never shows them, ``credentials_hint`` says where they go), and a normalised path for
     file://."""
     allowed = [s for s in schemes if s != "http" or plain_http]
-    shown = show(_hidden(value))
+    shown = show(without_credentials(value))
     try:
         parts = urlsplit(value)
         parts.port  # noqa: B018 - raises on a bad port

@@ -23,7 +23,11 @@ _UNION_EXPECTED = {
 
 
 def _found(value: Any) -> str:
-    return grammar.show(value)
+    """A value as a refusal shows it: cut short, a URL's credentials in it never shown."""
+    if isinstance(value, str) or value is None:
+        return grammar.show(grammar.without_credentials(value) if value else value)
+    text = grammar.without_credentials(repr(value))  # a list or mapping holding a URL
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def is_secret_path(key: str) -> bool:
@@ -91,6 +95,9 @@ def _message(err: dict[str, Any], secret: bool) -> str:
         text = error.message if isinstance(error, KeyedError) else str(error)
         return text.replace(f"found {_found(err.get('input'))}", f"found {hidden}") if secret else text
     found = hidden if secret else _found(err.get("input"))
+    if err["type"] in ("float_parsing", "float_type") and type(err.get("input")) is int:  # too large to convert
+        digits = str(err["input"])
+        return f"expected a number a 64-bit float holds, found {digits[:12]}... ({len(digits.lstrip('-'))} digits)"
     return f"expected {_expected(err)}, found {found}"
 
 
