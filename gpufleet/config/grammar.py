@@ -254,5 +254,5 @@ _TOKENIZER_TOKEN = re.compile(r"^(bos|eos|pad|unk|sep|cls|mask|image|video|audio
 
 SECRET_WORDS = frozenset({"token", "key", "apikey", "secret", "password", "passwd", "pass", "pwd", "auth",
                           "authorization", "credential", "credentials", "sig", "signature", "sas", "sv", "se",
-                          "access_token", "auth_token", "private_token", "client_secret", "api_key", "session"})
+                          "access_token", "auth_token", "private_token", "client_secret", "api_key"})
 """Names that hold a secret by themselves (``sig``, ``se`` and ``sv`` make an Azure SAS)."""
