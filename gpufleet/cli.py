@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib
 import json
+import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar, NoReturn
 
@@ -12,7 +14,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from gpufleet.config.inventory import cli_data_override as _data_override
 from gpufleet.config.inventory import loaded_inventory, parse_data_args, set_data_override
+from gpufleet.config.layers import is_role_default
 from gpufleet.config.problems import EXIT_BAD_INPUT, ConfigError, exit_with
 from gpufleet.fleet import Fleet, configured_health_policy, load_fleet
 from gpufleet.gpu_facts import FactsError, NodeFacts, load_facts
@@ -47,6 +51,13 @@ DATA_OPTION = click.option("--data", "data", multiple=True, metavar="KEY=VALUE",
                             help="Override a variable as `pyinfra --data` does (validated the same way).")
 
 
+def _source_of(fleet: Fleet, host: str, key: str) -> str:
+    """The file that set ``key`` for ``host`` (a role's default or nothing: the inventory, where it goes)."""
+    loaded = loaded_inventory(host)
+    source = loaded.source_of(host, key, _data_override()) if loaded is not None else fleet.inventory
+    return fleet.inventory if is_role_default(source) else source
+
+
 def fleet_facts(fleet: Fleet, facts_dir: Path | None) -> dict[str, NodeFacts]:
     """Each host's GPU facts: probed JSON from ``facts_dir``, else its declared ``gpu_profile``."""
     facts: dict[str, NodeFacts] = {}
@@ -59,10 +70,10 @@ def fleet_facts(fleet: Fleet, facts_dir: Path | None) -> dict[str, NodeFacts]:
             elif cfg.gpu_profile:
                 facts[host] = profile_facts(cfg.gpu_profile, host)
             else:
-                problems.append(f"{fleet.inventory}: gpu_profile: expected a hardware profile for {host}"
-                                " (or gpufleet plan --facts DIR), found null")
+                problems.append(f"{_source_of(fleet, host, 'gpu_profile')}: gpu_profile: expected a hardware profile"
+                                f" for {host} (or gpufleet plan --facts DIR), found null")
         except (FactsError, ProfileError) as exc:
-            where = "" if facts_dir is not None else f"{fleet.inventory}: gpu_profile: "
+            where = "" if facts_dir is not None else f"{_source_of(fleet, host, 'gpu_profile')}: gpu_profile: "
             problems.append(f"{where}{exc}")
     if problems:
         fail_lines(problems)
@@ -82,6 +93,27 @@ class _Commands(click.Group):
         "lab": "gpufleet.cli_lab:lab_group",
         "upgrade": "gpufleet.cli_rollout:upgrade_command", "rollback": "gpufleet.cli_rollout:rollback_command",
     }
+
+    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None, complete_var: str | None = None,
+             standalone_mode: bool = True, **extra: Any) -> Any:
+        """Click's main, with a usage error said in one line (``gpufleet check: no such option '--x'``), exit 2,
+        instead of click's usage block."""
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            result = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.UsageError as exc:
+            where = exc.ctx.command_path if exc.ctx is not None else "gpufleet"
+            message = " ".join(exc.format_message().split()).removesuffix(".")
+            click.echo(f"{where}: {message[:1].lower()}{message[1:]} (see {where} --help)", err=True)
+            sys.exit(exc.exit_code)
+        except click.ClickException as exc:
+            click.echo(f"gpufleet: {' '.join(exc.format_message().split())}", err=True)
+            sys.exit(exc.exit_code)
+        except click.Abort:
+            click.echo("Aborted!", err=True)
+            sys.exit(1)
+        sys.exit(result if isinstance(result, int) else 0)  # an int: click's Exit (--help, --version)
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted([*super().list_commands(ctx), *self.LAZY])

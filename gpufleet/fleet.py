@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gpufleet.config.inventory import InventoryLayers, loaded_inventory, read_inventory, validate_layers
-from gpufleet.config.layers import HostLayers, Layer, is_role_default
+from gpufleet.config.layers import is_role_default
 from gpufleet.config.problems import ConfigError, Problem, exit_with
 from gpufleet.config.schema import HostConfig
 from gpufleet.node.health_rules import HealthPolicy
@@ -60,8 +60,7 @@ def _plan_problem(problem: PlanProblem, loaded: InventoryLayers, override: dict[
     """A planner's problem as a config problem: the file that set the key to blame, where one is named."""
 
     def source(host: str, key: str) -> str:
-        layers = loaded.hosts[host].layers + ([Layer("--data", override)] if override else [])
-        return HostLayers(host, layers).merged()[1].get(key, loaded.path)
+        return loaded.source_of(host, key, override)
 
     if problem.host is not None and problem.keys:  # one process's flags
         key = problem.keys[0]
@@ -92,10 +91,12 @@ def declared_plan_problems(loaded: InventoryLayers, configs: dict[str, HostConfi
     hosts = [h for members in declared.values() for h in members]
     if not hosts:
         return []
-    try:
-        facts = {h: profile_facts(str(configs[h].gpu_profile), h) for h in hosts}
-    except ProfileError as exc:
-        return [Problem(loaded.path, "gpu_profile", str(exc))]
+    facts = {}
+    for host in hosts:
+        try:
+            facts[host] = profile_facts(str(configs[host].gpu_profile), host)
+        except ProfileError as exc:
+            return [Problem(loaded.source_of(host, "gpu_profile", override), "gpu_profile", str(exc), (host,))]
     plan = plan_fleet(Fleet(loaded.path, hosts, {h: configs[h] for h in hosts}, declared), facts)
     return [_plan_problem(problem, loaded, override, declared) for problem in plan.problems]
 

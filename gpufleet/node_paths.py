@@ -6,6 +6,8 @@ its home, :data:`VLLM_HOME`.
 
 from __future__ import annotations
 
+import ipaddress
+
 SYSTEMD_DIR = "/etc/systemd/system"
 
 # gpufleet's own configuration
@@ -99,6 +101,16 @@ def observed_file(replica: str) -> str:
 def watchdog_config(replica: str) -> str:
     """What the replica's watchdog reads (root, 0644, no secrets): its unit, API URL, model name and times."""
     return f"{replica_dir(replica)}/watchdog.json"
+
+
+def replica_host_part(host: str) -> str:
+    """A host's part of a replica's name (``<pool>-<part>[-<k>]``): its first DNS label, or its whole address
+    with dashes."""
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return host.split(".")[0]
+    return host.replace(".", "-").replace(":", "-")
 
 
 def watchdog_unit(replica: str) -> str:

@@ -41,4 +41,4 @@ def apt_source(value: str, plain_http: bool) -> str | None:
         return f"expected one signed-by= keyring, found {len(keyrings)}"
     if problem := keyring_path(keyrings[0]):
         return f"signed-by: {problem}"
-    return grammar.url(rest.split(" ")[0], plain_http, ("https", "http"))
+    return grammar.url(rest.split(" ")[0], plain_http, ("https", "http"), grammar.NOT_SECRET_URL)

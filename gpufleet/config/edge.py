@@ -50,8 +50,8 @@ def tls_pem(cfg: HostConfig) -> str | None:
         raise ConfigError(problems)
     if cfg.router_tls_certificate is None or cfg.router_tls_key is None:
         return None
-    return f"{read_secret(cfg.router_tls_certificate, 'router_tls_certificate')}\n" \
-           f"{read_secret(cfg.router_tls_key, 'router_tls_key')}\n"
+    return f"{read_secret(cfg.router_tls_certificate, 'router_tls_certificate', one_line=False)}\n" \
+           f"{read_secret(cfg.router_tls_key, 'router_tls_key', one_line=False)}\n"
 
 
 _Read = dict[SecretRef, "str | ConfigError"]
@@ -60,7 +60,7 @@ _Read = dict[SecretRef, "str | ConfigError"]
 def _read(ref: SecretRef, key: str, cache: _Read) -> str | ConfigError:
     if ref not in cache:
         try:
-            cache[ref] = read_secret(ref, key)
+            cache[ref] = read_secret(ref, key, one_line=False)  # PEM; a client key's text: _key_problem
         except ConfigError as error:
             cache[ref] = error
     return cache[ref]

@@ -12,7 +12,7 @@ import re
 import unicodedata
 from collections.abc import Callable
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlsplit
 
 from gpufleet.node_paths import MODELS_DIR
 
@@ -154,13 +154,31 @@ NOT_SECRET_URL = "it is written to a configuration file in plain text; it may no
 """The hint for a URL gpufleet has no credential variable for."""
 
 
+def _secret_params(value: str) -> list[str]:
+    """The names of a URL's query and fragment parameters that name a secret (``?token=…``, ``#access_token=…``)."""
+    after = value.partition("?")[2] if "?" in value else ""
+    query, _, fragment = after.partition("#")
+    fragment = fragment or value.partition("#")[2]
+    return [name for part in (query, fragment) for name, _ in parse_qsl(part, keep_blank_values=True)
+            if names_secret(name)]
+
+
+def without_credentials(value: str) -> str:
+    """A URL, or text holding one, as a message shows it: its user part, and its query when a parameter names a
+    secret, not shown."""
+    value = _USERINFO.sub("//(credentials not shown)@", value)
+    if _secret_params(value):
+        value = re.split(r"[?#]", value, maxsplit=1)[0] + "?(query not shown)"
+    return value
+
+
 def url(value: str, plain_http: bool, schemes: tuple[str, ...] = ("https", "http", "file"),
         credentials_hint: str = PIP_CREDENTIALS) -> str | None:
     """A URL with an allowed scheme (http only when ``plain_http``), a host unless file://, no spaces, no
     credentials (a message never shows them, ``credentials_hint`` says where they go), and a normalised path for
     file://."""
     allowed = [s for s in schemes if s != "http" or plain_http]
-    shown = show(_USERINFO.sub("//(credentials not shown)@", value))
+    shown = show(without_credentials(value))
     try:
         parts = urlsplit(value)
         parts.port  # noqa: B018 - raises on a bad port
@@ -168,6 +186,9 @@ def url(value: str, plain_http: bool, schemes: tuple[str, ...] = ("https", "http
         return f"expected a URL, found {shown}"
     if parts.username is not None or parts.password is not None or _USERINFO.search(value):
         return f"expected a URL without user:password ({credentials_hint}), found {shown}"
+    if named := _secret_params(value):
+        return (f"expected a URL without credentials in its query ({credentials_hint}), found {shown}"
+                f" (with {', '.join(map(repr, named))})")
     if parts.scheme == "http" and "http" in schemes and not plain_http:
         return f"expected an https:// URL (plain http only with allow_plain_http: true), found {shown}"
     if parts.scheme not in allowed:
@@ -212,18 +233,26 @@ pip_version = _matching(PIP_VERSION, "a release version (e.g. 2.60.0)")
 env_name = _matching(ENV_NAME, "an environment variable name (letters, digits, '_')")
 
 
-# Variables that make a process load other code than the unit names: the dynamic loader's, Python's
-# import path and start-up hooks, the shell's start-up files, the program search path.
-_CODE_CHOOSING = re.compile(
-    r"^(LD_\w+|PYTHONPATH|PYTHONHOME|PYTHONSTARTUP|PYTHONUSERBASE|PYTHONINSPECT|PATH|BASH_ENV|ENV)$"
-)
-
-
-def chooses_code(name: str) -> bool:
-    """Whether an environment variable decides which code a process loads (``LD_PRELOAD``, ``PYTHONPATH``…)."""
-    return bool(_CODE_CHOOSING.match(name))
-
-
 def looks_secret(name: str) -> bool:
     """Whether a variable or flag name says it holds a secret (``*_KEY``, ``*_TOKEN``, ``*PASSWORD*``…)."""
     return bool(SECRET_NAME.search(name.replace("-", "_")))
+
+
+def names_secret(name: str) -> bool:
+    """Whether a key inside a value (a URL's query parameter, a key of a JSON option) names a secret: what
+    :func:`looks_secret` finds, and the bare words (``token``, ``key``, ``sig``…) and the signed-URL parameters of
+    S3 and Azure."""
+    word = re.sub(r"[\s.-]+", "_", name.strip().lower())
+    if _TOKENIZER_TOKEN.match(word):
+        return False
+    return looks_secret(word) or word in SECRET_WORDS or word.startswith(("x_amz_", "x_goog_"))
+
+
+_TOKENIZER_TOKEN = re.compile(r"^(bos|eos|pad|unk|sep|cls|mask|image|video|audio|start|end)_token$")
+"""A tokenizer's special tokens (``eos_token`` in ``hf-overrides``): named ``*_token``, holding no secret."""
+
+
+SECRET_WORDS = frozenset({"token", "key", "apikey", "secret", "password", "passwd", "pass", "pwd", "auth",
+                          "authorization", "credential", "credentials", "sig", "signature", "sas", "sv", "se",
+                          "access_token", "auth_token", "private_token", "client_secret", "api_key"})
+"""Names that hold a secret by themselves (``sig``, ``se`` and ``sv`` make an Azure SAS)."""

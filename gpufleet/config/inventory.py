@@ -17,15 +17,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpufleet.config import grammar
+from gpufleet.config import grammar, limits
 from gpufleet.config.edge import edge_problems
 from gpufleet.config.group_vars_files import group_vars_file_problems
 from gpufleet.config.inventory_shape import ROLE_GROUPS, SourceLines, late_problems, membership_problems, read_groups
 from gpufleet.config.layers import HostLayers, Layer, display_path, read_yaml_mapping, role_default_layers
 from gpufleet.config.problems import EXIT_BAD_INPUT, ConfigError, Problem, exit_with
-from gpufleet.config.schema import HostConfig
+from gpufleet.config.schema import API_PORTS_WHEN_AUTO, HostConfig, SecretRef
+from gpufleet.config.secrets import ENV_FILE_SECRETS, unfit_secret
 from gpufleet.config.validate import validate_host
 from gpufleet.input_files import json_depth_problem
+from gpufleet.node_paths import replica_host_part
 from gpufleet.plan import virtual_address
 
 
@@ -45,6 +47,13 @@ class InventoryLayers:
         if pools:
             return pools[-1]
         return None if listed else "all"
+
+    def source_of(self, host: str, key: str, override: dict[str, Any] | None = None) -> str:
+        """The file that set the variable a key path (``gpu_health.min_driver_branch``) starts with for ``host``:
+        ``--data``, a group_vars file, the inventory, a role's defaults; the inventory when nothing set it."""
+        variable = key.split(".")[0].split("[")[0]
+        layers = self.hosts[host].layers + ([Layer("--data", override)] if override else [])
+        return HostLayers(host, layers).merged()[1].get(variable, self.path)
 
     def label_of(self, host: str) -> str:
         """The group a host's metrics carry as their ``pool`` label: its serving pool, else the last role group
@@ -126,11 +135,43 @@ def _host_problems(loaded: InventoryLayers, configs: dict[str, HostConfig],
         if address is None:
             continue
         if address in owner:
-            layers = loaded.hosts[host].layers + ([Layer("--data", override)] if override else [])
-            source = HostLayers(host, layers).merged()[1].get("fleet_address", loaded.path)
-            problems.append(Problem(source, "fleet_address", f"expected an address of its own per host,"
-                                    f" found {address} for both {owner[address]} and {host}"))
+            problems.append(Problem(loaded.source_of(host, "fleet_address", override), "fleet_address",
+                                    f"expected an address of its own per host, found {address} for both"
+                                    f" {owner[address]} and {host}"))
         owner.setdefault(address, host)
+    return problems
+
+
+def _replica_name_problems(loaded: InventoryLayers) -> list[Problem]:
+    """Pools whose replicas' names a HAProxy server or a systemd unit cannot hold: the planner names a replica
+    ``<pool>-<host's first label>[-<k>]`` (``k`` up to one per API port), or ``<pool>-<k>`` across nodes."""
+    problems: list[Problem] = []
+    for host in loaded.hosts:
+        pool = loaded.pool_of(host)
+        if pool is None:
+            continue
+        longest = f"{pool}-{replica_host_part(host)}-{API_PORTS_WHEN_AUTO - 1}"
+        if problem := limits.replica_name(pool, longest):
+            shown = pool if len(pool) <= 40 else f"{pool[:37]}..."
+            problems.append(Problem(loaded.path, f"{shown} (a pool)", problem, (host,)))
+    return problems
+
+
+def _secret_content_problems(loaded: InventoryLayers, configs: dict[str, HostConfig],
+                             override: dict[str, Any] | None) -> list[Problem]:
+    """Secrets bound for an environment file that the controller reads now with a line break or control character
+    in them (each reference read once, none shown)."""
+    problems: list[Problem] = []
+    seen: dict[SecretRef, str | None] = {}
+    for host, config in configs.items():
+        for key in ENV_FILE_SECRETS:
+            ref = getattr(config, key)
+            if ref is None:
+                continue
+            if ref not in seen:
+                seen[ref] = unfit_secret(ref)
+            if seen[ref] is not None:
+                problems.append(Problem(loaded.source_of(host, key, override), key, str(seen[ref]), (host,)))
     return problems
 
 
@@ -146,6 +187,8 @@ def validate_layers(loaded: InventoryLayers, override: dict[str, Any] | None = N
         if config is not None:
             configs[name] = config
     problems += _host_problems(loaded, configs, override)
+    problems += _secret_content_problems(loaded, configs, override)
+    problems += _replica_name_problems(loaded)
     problems += virtual_address.inventory_problems(loaded, configs, override)
     if problems:
         raise ConfigError(problems)

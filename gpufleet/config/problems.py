@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from dataclasses import dataclass, field
 from typing import NoReturn
@@ -22,6 +23,15 @@ class Problem:
         where = f"{self.source}: {self.key}: " if self.key else f"{self.source}: "
         suffix = f" (host{'s' if len(self.hosts) > 1 else ''} {', '.join(self.hosts)})" if self.hosts else ""
         return f"{where}{self.message}{suffix}"
+
+
+_PLAIN_KEY = re.compile(r"^[^\s'\"\\\[\]]+$")
+
+
+def shown_key(name: str) -> str:
+    """One key of a key path as a message names it: as written, or quoted when it holds a blank, a quote, a
+    bracket or another character that would blur where the path's parts begin and end (``vllm_env.'A B'``)."""
+    return name if _PLAIN_KEY.match(name) and name.isprintable() else repr(name)
 
 
 class KeyedError(ValueError):

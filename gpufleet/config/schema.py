@@ -7,6 +7,7 @@ float accepts an integer. What a well-formed name, address, URL or path is lives
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -14,9 +15,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
-from gpufleet.config import grammar
+from gpufleet.config import env_names, grammar, limits
 from gpufleet.config.apt_source import apt_source
-from gpufleet.config.problems import KeyedError
+from gpufleet.config.problems import KeyedError, shown_key
 from gpufleet.hardware_profiles import ProfileError, parse_profile
 from gpufleet.input_files import tree_problem
 from gpufleet.node.health_rules import HealthPolicy, policy_problems
@@ -37,6 +38,22 @@ def _unprivileged(port: int) -> int:
 
 Port = Annotated[int, Field(ge=1, le=65535), AfterValidator(_unprivileged)]
 PositiveInt = Annotated[int, Field(ge=1)]
+
+
+def _limit(check: Callable[[int], str | None]) -> AfterValidator:
+    """An after-validator from a check of :mod:`gpufleet.config.limits`."""
+
+    def validate(value: int) -> int:
+        if problem := check(value):
+            raise ValueError(problem)
+        return value
+
+    return AfterValidator(validate)
+
+
+RanksInt = Annotated[int, Field(ge=1, le=limits.REPLICA_MAX_RANKS)]
+SystemdSeconds = Annotated[int, Field(ge=1), _limit(limits.systemd_seconds)]
+"""Seconds that reach a unit's time span or a node's wait."""
 
 API_PORTS_WHEN_AUTO = 16
 """API ports kept free above ``vllm_port`` when ``vllm_replicas_per_node`` is auto (one per replica; a node
@@ -180,6 +197,25 @@ def _text(check: Callable[[str], str | None]) -> Any:
     return Annotated[str, BeforeValidator(_grammar(check))]
 
 
+def _secret_key_path(value: Any, depth: int = 0) -> str | None:
+    """The path (``.a.b``, ``[0]``) of the first secret-named key inside an option's value: a mapping, a list, or
+    text that vLLM reads as JSON (``hf-overrides``, ``speculative-config``…); None when there is none."""
+    if isinstance(value, str) and value.lstrip()[:1] in ("{", "["):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return None
+    if depth > 64:
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        if isinstance(key, str) and grammar.names_secret(key):
+            return f".{shown_key(key)}"
+        if (inner := _secret_key_path(item, depth + 1)) is not None:
+            return (f"[{key}]" if isinstance(key, int) else f".{shown_key(str(key))}") + inner
+    return None
+
+
 class SecretRef(BaseModel):
     """Where a secret is read on the controller: an environment variable or a file."""
 
@@ -248,16 +284,16 @@ class HostConfig(BaseModel):
     vllm_dtype: Literal["auto", "bfloat16", "float16", "float32"]
     vllm_quantization: Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9_-]{0,63}$")] | None
     vllm_trust_remote_code: bool
-    vllm_max_model_len: PositiveInt | None
+    vllm_max_model_len: Annotated[int, Field(ge=1, le=limits.MAX_TOKENS)] | None
     vllm_gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)]
     vllm_kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16", "float16"]
-    vllm_memory_reserve_gib: Annotated[float, Field(ge=0)] | None
-    vllm_min_concurrency: PositiveInt
-    vllm_tensor_parallel_size: PositiveInt | Auto
-    vllm_pipeline_parallel_size: PositiveInt | Auto
-    vllm_data_parallel_size: PositiveInt
-    vllm_nodes_per_replica: PositiveInt | Auto
-    vllm_replicas_per_node: PositiveInt | Auto
+    vllm_memory_reserve_gib: Annotated[float, Field(ge=0, le=1024)] | None  # GiB per GPU (the largest has 288)
+    vllm_min_concurrency: Annotated[int, Field(ge=1, le=limits.MAX_COUNT)]
+    vllm_tensor_parallel_size: RanksInt | Auto
+    vllm_pipeline_parallel_size: RanksInt | Auto
+    vllm_data_parallel_size: RanksInt
+    vllm_nodes_per_replica: RanksInt | Auto
+    vllm_replicas_per_node: Annotated[int, Field(ge=1, le=limits.NODE_MAX_GPUS)] | Auto
     vllm_distributed_backend: Literal["mp", "ray"]
     vllm_platform: Literal["cuda", "cpu"]
     vllm_port: Port
@@ -277,7 +313,7 @@ class HostConfig(BaseModel):
     vllm_compile_bytecode: bool
     vllm_model_source: _text(_controller_dir) | None  # type: ignore[valid-type]
     vllm_start: bool
-    vllm_ready_timeout: PositiveInt
+    vllm_ready_timeout: SystemdSeconds
     vllm_plan_tolerance: Annotated[float, Field(ge=0, le=1)]
     vllm_watchdog_stall_s: int
     vllm_shutdown_timeout_s: Annotated[int, Field(ge=0, le=3600)]
@@ -289,7 +325,8 @@ class HostConfig(BaseModel):
     ray_port: Port
     ray_dashboard: bool
     ray_worker_ports: Annotated[tuple[Port, Port], BeforeValidator(_worker_ports)]
-    ray_ready_timeout: PositiveInt
+    ray_ready_timeout: Annotated[int, Field(ge=1), _limit(
+        lambda seconds: limits.systemd_seconds(seconds, limits.SYSTEMD_DEFAULT_START_S))]  # + the gate: TimeoutStartSec
     ray_auth_token: SecretRef | None
 
     # nvidia_driver
@@ -349,7 +386,7 @@ class HostConfig(BaseModel):
 
     # monitoring: alert thresholds
     alert_gpu_critical_xids: list[Annotated[int, Field(ge=1, le=9999)]]
-    alert_gpu_nvlink_errors_max: Annotated[int, Field(ge=0)]
+    alert_gpu_nvlink_errors_max: Annotated[int, Field(ge=0), _limit(limits.promql_int)]
     alert_gpu_thermal_throttle_ratio: Annotated[float, Field(gt=0, le=1)]
     alert_gpu_power_throttle_ratio: Annotated[float, Field(gt=0, le=1)]
     alert_gpu_error_window_s: Annotated[int, Field(ge=60, le=86400)]
@@ -430,9 +467,8 @@ class HostConfig(BaseModel):
             if name in OWNED_ENV or name.startswith(("NCCL_SOCKET_", "GLOO_SOCKET_")):
                 raise KeyedError(name, f"expected a variable gpufleet does not set, found {name}"
                                        f" (set {OWNED_ENV.get(name, 'fleet_interface')} instead)")
-            if grammar.chooses_code(name):
-                raise KeyedError(name, f"expected a variable that does not choose which code runs, found {name}"
-                                       " (the unit names its programs and libraries itself)")
+            if problem := env_names.refusal(name):
+                raise KeyedError(name, problem)
             if grammar.looks_secret(name):
                 raise KeyedError(name, "expected no secret in vllm_env, found a secret-looking name"
                                        " (use a secret reference: vllm_api_key, vllm_hf_token)")
@@ -488,6 +524,7 @@ class HostConfig(BaseModel):
             found.append((("ray_auth_token", "vllm_distributed_backend"),
                           "expected ray_auth_token ({env: NAME} or {file: PATH}) with vllm_distributed_backend ray"
                           " (Ray's cluster token), found null"))
+        found += self._gate_problems()
         found += self._port_problems(api_ports or self.api_ports())
         found += self._url_problems()
         found += self._extra_args_problems()
@@ -509,6 +546,31 @@ class HostConfig(BaseModel):
                      f"expected vllm_env to set {CPU_KV_SPACE} (the whole GiB of RAM each worker keeps its KV cache"
                      " in, which the planner sizes the cache from) with vllm_platform cpu, found none")]
         return []
+
+    def _gate_problems(self) -> list[tuple[tuple[str, ...], str]]:
+        """GPU gate rules the host can never pass: another GPU count or model than its declared ``gpu_profile``, a
+        driver branch above the one gpufleet installs (``nvidia_driver_branch``)."""
+        found: list[tuple[tuple[str, ...], str]] = []
+        policy = self.gpu_health
+        branch = self.nvidia_driver_branch
+        if policy.min_driver_branch > branch:
+            found.append((("gpu_health.min_driver_branch", "nvidia_driver_branch"),
+                          "expected gpu_health.min_driver_branch at most nvidia_driver_branch, the branch gpufleet"
+                          f" installs (the gate would never pass), found {policy.min_driver_branch} > {branch}"))
+        if self.gpu_profile is None:
+            return found
+        profile = parse_profile(self.gpu_profile)
+        if policy.expected_gpu_count is not None and policy.expected_gpu_count != profile.count:
+            found.append((("gpu_health.expected_gpu_count", "gpu_profile"),
+                          f"expected gpu_health.expected_gpu_count to be {profile.count}, the GPUs of gpu_profile"
+                          f" {self.gpu_profile} (the gate would never pass), found {policy.expected_gpu_count}"))
+        model = policy.expected_gpu_model
+        if model is not None and model.lower() not in profile.gpu.nvml_name.lower():
+            found.append((("gpu_health.expected_gpu_model", "gpu_profile"),
+                          f"expected gpu_health.expected_gpu_model to be a part of {profile.gpu.nvml_name!r}, the"
+                          f" GPU of gpu_profile {self.gpu_profile} (the gate would never pass),"
+                          f" found {grammar.show(model)}"))
+        return found
 
     def _port_problems(self, api_ports: int) -> list[tuple[tuple[str, ...], str]]:
         found: list[tuple[tuple[str, ...], str]] = []
@@ -559,7 +621,8 @@ class HostConfig(BaseModel):
                 "nvidia_repo_keyring_url": self.nvidia_repo_keyring_url,
                 "node_exporter_tarball_url": self.node_exporter_tarball_url}
         for key, value in urls.items():
-            if value is not None and (problem := grammar.url(value, plain)):
+            hint = grammar.PIP_CREDENTIALS if key.startswith("vllm_") else grammar.NOT_SECRET_URL
+            if value is not None and (problem := grammar.url(value, plain, credentials_hint=hint)):
                 found.append(((key,), problem))
         webhook = self.alertmanager_webhook_url
         if webhook and (problem := grammar.url(webhook, plain, ("https", "http"), grammar.NOT_SECRET_URL)):
@@ -576,7 +639,7 @@ class HostConfig(BaseModel):
             for problem in catalog.check_config({"quantization": self.vllm_quantization}):
                 found.append((("vllm_quantization",), f"vLLM {self.vllm_version}: {problem.message}"))
         for key, value in self.vllm_extra_args.items():
-            where = (f"vllm_extra_args.{key}",)
+            where = (f"vllm_extra_args.{shown_key(key)}",)
             base = key.lstrip("-").partition(".")[0]
             spec = catalog.spec("--" + base)
             flag = spec.name if spec else "--" + base.replace("_", "-")
@@ -588,6 +651,9 @@ class HostConfig(BaseModel):
             elif grammar.looks_secret(base):
                 found.append((where, "expected no secret in vllm_extra_args (config.yaml is 0644), found a"
                                      " secret-looking flag; use a secret reference"))
+            elif nested := _secret_key_path(value):
+                found.append(((f"{where[0]}{nested}",), "expected no secret in vllm_extra_args (config.yaml is 0644),"
+                                                        " found a secret-named key (value not shown)"))
             else:
                 for problem in catalog.check_config({key: value}):
                     message = problem.message.replace("expects ", "expected ", 1).replace(", got ", ", found ", 1)

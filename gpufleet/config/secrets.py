@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 import os
+import unicodedata
 from pathlib import Path
 
 from gpufleet.config.problems import ConfigError, Problem
 from gpufleet.config.schema import SecretRef
 
+ENV_FILE_SECRETS = ("vllm_api_key", "vllm_hf_token", "ray_auth_token", "vllm_pip_index_credentials")
+"""Secrets that reach a node in a systemd EnvironmentFile (one ``NAME="value"`` line each)."""
 
-def read_secret(ref: SecretRef, key: str) -> str:
-    """The secret ``ref`` names, stripped; ConfigError naming ``key`` (never the value) when it is unset, unreadable
-    or empty."""
+
+def _where(ref: SecretRef) -> str:
+    return f"environment variable {ref.env}" if ref.env is not None else f"{Path(os.path.expanduser(str(ref.file)))}"
+
+
+def _read(ref: SecretRef, key: str) -> str:
+    """The referenced text, stripped; ConfigError naming ``key`` (never the value) when unset, unreadable or
+    empty."""
     if ref.env is not None:
         value = (os.environ.get(ref.env) or "").strip()
         if not value:
@@ -30,3 +38,36 @@ def read_secret(ref: SecretRef, key: str) -> str:
     if not value:
         raise ConfigError([Problem("controller", key, f"expected a secret in {path}, found an empty file")])
     return value
+
+
+def line_problem(value: str, ref: SecretRef) -> str | None:
+    """Why ``value`` cannot be one line of an environment file (a line break, NUL or another control or format
+    character inside it), naming the character's kind, never the value; None when it can."""
+    for ch in value:
+        if unicodedata.category(ch) in ("Cc", "Cf", "Zl", "Zp"):
+            kind = {"\n": "a line break", "\r": "a carriage return", "\x00": "a NUL byte"}.get(ch) or {
+                "Cf": "a format character", "Zl": "a line separator", "Zp": "a paragraph separator"}.get(
+                unicodedata.category(ch), "a control character") + f" (U+{ord(ch):04X})"
+            return (f"expected a secret that fits one line of an environment file, found {kind} inside the one in"
+                    f" {_where(ref)} (not shown)")
+    return None
+
+
+def read_secret(ref: SecretRef, key: str, one_line: bool = True) -> str:
+    """The secret ``ref`` names, stripped; ConfigError naming ``key`` (never the value) when it is unset,
+    unreadable, empty, or (``one_line``: bound for an environment file or a configuration line) holds a line
+    break or another control character."""
+    value = _read(ref, key)
+    if one_line and (problem := line_problem(value, ref)):
+        raise ConfigError([Problem("controller", key, problem)])
+    return value
+
+
+def unfit_secret(ref: SecretRef) -> str | None:
+    """Why the secret ``ref`` names cannot go into an environment file, when the controller can read it now;
+    None when it can, or cannot be read now (the deploy reads it and says why)."""
+    try:
+        value = _read(ref, "")
+    except ConfigError:
+        return None
+    return line_problem(value, ref)

@@ -7,23 +7,27 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from gpufleet.config import grammar
+from gpufleet.config import grammar, limits
 from gpufleet.config.layers import HostLayers, is_role_default
-from gpufleet.config.problems import KeyedError, Problem
+from gpufleet.config.problems import KeyedError, Problem, shown_key
 from gpufleet.config.pyinfra_keys import pyinfra_keys
 from gpufleet.config.schema import SCHEMA_KEYS, SECRET_KEYS, HostConfig
 
 # How to say what a field accepts when pydantic reports one error per union member.
 _UNION_EXPECTED = {
-    "vllm_tensor_parallel_size": "an integer >= 1 or auto",
-    "vllm_pipeline_parallel_size": "an integer >= 1 or auto",
-    "vllm_nodes_per_replica": "an integer >= 1 or auto",
-    "vllm_replicas_per_node": "an integer >= 1 or auto",
+    "vllm_tensor_parallel_size": f"an integer from 1 to {limits.REPLICA_MAX_RANKS} or auto",
+    "vllm_pipeline_parallel_size": f"an integer from 1 to {limits.REPLICA_MAX_RANKS} or auto",
+    "vllm_nodes_per_replica": f"an integer from 1 to {limits.REPLICA_MAX_RANKS} or auto",
+    "vllm_replicas_per_node": f"an integer from 1 to {limits.NODE_MAX_GPUS} or auto",
 }
 
 
 def _found(value: Any) -> str:
-    return grammar.show(value)
+    """A value as a refusal shows it: cut short, a URL's credentials in it never shown."""
+    if isinstance(value, str) or value is None:
+        return grammar.show(grammar.without_credentials(value) if value else value)
+    text = grammar.without_credentials(repr(value))  # a list or mapping holding a URL
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def is_secret_path(key: str) -> bool:
@@ -45,7 +49,7 @@ def _control_problems(key: str, value: Any, depth: int = 0) -> list[tuple[str, s
             if isinstance(k, str) and (ch := grammar.control_char(k)):
                 found.append((key, f"expected keys without control characters, found {ch} in one"))
             else:
-                found += _control_problems(f"{key}.{k}", v, depth + 1)
+                found += _control_problems(f"{key}.{shown_key(str(k))}", v, depth + 1)
     elif isinstance(value, (list, tuple)):
         for i, item in enumerate(value):
             found += _control_problems(f"{key}[{i}]", item, depth + 1)
@@ -70,11 +74,16 @@ def _expected(err: dict[str, Any]) -> str:
     if kind in bounds:
         limit = next(iter(ctx.values()))
         if isinstance(limit, (int, float)):
-            return f"a number {bounds[kind]} {limit:g}"
+            return f"a number {bounds[kind]} {_number(limit)}"
         return f"a value {bounds[kind]} {limit}"
     if kind == "string_pattern_mismatch":
         return f"text matching {ctx.get('pattern')}"
     return str(err["msg"])
+
+
+def _number(value: float) -> str:
+    """A limit as a message shows it: an integer as the integer it is (``1000000``, never ``1e+06``)."""
+    return str(int(value)) if isinstance(value, int) or value.is_integer() else repr(value)
 
 
 def _message(err: dict[str, Any], secret: bool) -> str:
@@ -86,6 +95,9 @@ def _message(err: dict[str, Any], secret: bool) -> str:
         text = error.message if isinstance(error, KeyedError) else str(error)
         return text.replace(f"found {_found(err.get('input'))}", f"found {hidden}") if secret else text
     found = hidden if secret else _found(err.get("input"))
+    if err["type"] in ("float_parsing", "float_type") and type(err.get("input")) is int:  # too large to convert
+        digits = str(err["input"])
+        return f"expected a number a 64-bit float holds, found {digits[:12]}... ({len(digits.lstrip('-'))} digits)"
     return f"expected {_expected(err)}, found {found}"
 
 
@@ -94,7 +106,7 @@ def _sub_key(err: dict[str, Any]) -> str:
     error = err.get("ctx", {}).get("error") if err["type"] == "value_error" else None
     if not isinstance(error, KeyedError) or not error.key:
         return ""
-    return error.key if error.key.startswith("[") else "." + error.key
+    return error.key if error.key.startswith("[") else "." + shown_key(error.key)
 
 
 def _key_path(loc: tuple[Any, ...]) -> str:
@@ -105,7 +117,7 @@ def _key_path(loc: tuple[Any, ...]) -> str:
         elif parts and ("[" in item or item in ("int", "float", "str", "bool", "constrained-int")):
             continue  # a union member's tag, not a key
         else:
-            parts.append(item)
+            parts.append(shown_key(item) if parts else item)
     return ".".join(parts)
 
 

@@ -12,6 +12,7 @@ again. Single-node and mp replicas get no drop-in: their unit is the template's 
 
 from __future__ import annotations
 
+from gpufleet.config.limits import SYSTEMD_DEFAULT_START_S
 from gpufleet.config.schema import HostConfig
 from gpufleet.netaddr import host_port
 from gpufleet.node_paths import node_tool, ray_unit, replica_dir
@@ -24,7 +25,7 @@ TEMPLATE = "vllm/ray.conf.j2"
 # vllm@.service allows 5 starts in 300 s (StartLimitBurst, StartLimitIntervalSec) and restarts 5 s after a
 # failure: rounds of the wait this long never use the starts up, so the unit waits for the workers however long.
 JOIN_WAIT_MIN_S = 60
-GATE_S = 90  # systemd's default start timeout, left to the GPU gate that runs before the wait
+GATE_S = SYSTEMD_DEFAULT_START_S  # systemd's default start timeout, left to the GPU gate that runs before the wait
 
 
 def join_wait_argv(replica: Replica, role: NodeRole, ray_port: int, timeout: int) -> list[str]:

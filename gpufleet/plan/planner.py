@@ -6,7 +6,6 @@ variables it names.
 
 from __future__ import annotations
 
-import ipaddress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ from gpufleet.fleet import Fleet
 from gpufleet.gpu_facts import NodeFacts
 from gpufleet.model_arch import ModelArch, ModelConfigError, load_arch
 from gpufleet.model_memory import GIB, KvBudget, bytes_per_param, safetensors_total_size, weight_bytes
+from gpufleet.node_paths import replica_host_part
 from gpufleet.plan import layout
 from gpufleet.plan.admission import Admission, UnsupportedLimitError, admission
 from gpufleet.plan.commands import NodeRole, Process, extra_flags, replica_roles, secret_env_names
@@ -146,15 +146,6 @@ def _about(key: str, sep: str, detail: str) -> PoolError:
 
 
 _TP, _PP, _DP = "vllm_tensor_parallel_size", "vllm_pipeline_parallel_size", "vllm_data_parallel_size"
-
-
-def _short_name(host: str) -> str:
-    """A host's part of a replica name: its first DNS label, or its whole address with dashes."""
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return host.split(".")[0]
-    return host.replace(".", "-").replace(":", "-")
 
 
 def _gpus(n: int) -> str:
@@ -389,7 +380,7 @@ def _single_node_replicas(pool: str, hosts: list[str], fleet: Fleet, shapes: lis
         host_cfg = fleet.configs[shape.host]
         address = host_cfg.fleet_address or shape.host
         for k, gpus in enumerate(sets):
-            short = _short_name(shape.host)
+            short = replica_host_part(shape.host)
             name = f"{pool}-{short}-{k}" if len(sets) > 1 else f"{pool}-{short}"
             roles = replica_roles([host_cfg], [shape.host], [address], [gpus], host_cfg.vllm_port + k,
                                   tp, pp, cfg.vllm_data_parallel_size, max_len, queued_reqs=admit.queued_reqs)

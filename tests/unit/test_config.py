@@ -74,7 +74,7 @@ def test_pyinfra_data_overrides_everything(project: Project) -> None:
         (BASE + "vllm_gpu_memory_utilization: 1.5\n",
          "group_vars/all.yml: vllm_gpu_memory_utilization: expected a number <= 1, found 1.5"),
         (BASE + "vllm_tensor_parallel_size: lots\n",
-         "group_vars/all.yml: vllm_tensor_parallel_size: expected an integer >= 1 or auto, found 'lots'"),
+         "group_vars/all.yml: vllm_tensor_parallel_size: expected an integer from 1 to 1024 or auto, found 'lots'"),
         (BASE + "vllm_distributed_backend: mpi\n",
          "group_vars/all.yml: vllm_distributed_backend: expected one of mp, ray, found 'mpi'"),
         (BASE + "vllm_version: 0.6.3\n",
@@ -150,10 +150,10 @@ def test_missing_inventory_file() -> None:
 def test_gpu_health_thresholds_are_typed(project: Project) -> None:
     from gpufleet.fleet import load_fleet
 
-    project.group_vars("all", BASE + "gpu_health: {expected_gpu_count: 4, min_driver_branch: 570}\n")
+    project.group_vars("all", BASE + "gpu_health: {expected_gpu_count: 8, min_driver_branch: 570}\n")
     fleet = load_fleet(str(project.inventory('a = ["h1"]')))
     policy = fleet.configs["h1"].gpu_health
-    assert (policy.expected_gpu_count, policy.min_driver_branch, policy.require_persistence_mode) == (4, 570, True)
+    assert (policy.expected_gpu_count, policy.min_driver_branch, policy.require_persistence_mode) == (8, 570, True)
     project.group_vars("all", BASE + "gpu_health: {expected_gpu_cnt: 4}\n")
     result = run_cli("check", "inventories/fleet.py", cwd=project.root)
     assert result.rc == 2
@@ -278,3 +278,21 @@ def test_pyinfra_keys_are_read_from_pyinfra() -> None:
     assert set(connector_data_meta) <= pyinfra_keys()
     assert {key for key in all_argument_meta if key.startswith("_")} <= pyinfra_keys()
     assert "name" not in pyinfra_keys() and "ssh_usr" not in pyinfra_keys()
+
+
+@pytest.mark.parametrize(("argv", "line"), [
+    (["check", "--bogus", "x"], "gpufleet check: no such option '--bogus' (see gpufleet check --help)"),
+    (["check"], "gpufleet check: missing argument 'INVENTORY' (see gpufleet check --help)"),
+    (["plan", "--json", "--observed"], "gpufleet plan: missing argument 'INVENTORY' (see gpufleet plan --help)"),
+    (["plan", "--facts"], "gpufleet: option '--facts' requires an argument (see gpufleet --help)"),
+    (["plnn"], "gpufleet: no such command 'plnn'. Did you mean 'plan'? (see gpufleet --help)"),
+    (["check", "a", "b"], "gpufleet check: got unexpected extra argument (b) (see gpufleet check --help)"),
+])
+def test_a_bad_command_line_is_one_line_and_exit_2(argv: list[str], line: str) -> None:
+    from click.testing import CliRunner
+
+    from gpufleet.cli import main
+
+    result = CliRunner().invoke(main, argv, prog_name="gpufleet")
+    assert (result.exit_code, result.stderr.splitlines()) == (2, [line]), result.output
+    assert "Usage:" not in result.output

@@ -75,7 +75,7 @@ def _state(tmp_path: Path) -> LabState:
         nodes=[
             NodeRecord("lab1", "gflab0-lab1", "10.213.0.11", "8xH100-SXM", "/n/lab1", "/n/lab1/root", True,
                        ProcessRecord(100, 5)),
-            NodeRecord("lab2", "gflab0-lab2", "10.213.0.12", "2xRTX4090", "/n/lab2", "/n/lab2/root"),
+            NodeRecord("lab2", "gflab0-lab2", "10.213.0.12", "8xH100NVL-PCIe", "/n/lab2", "/n/lab2/root"),
         ],
     )
 
@@ -99,7 +99,7 @@ def test_lab_inventory_lists_the_running_nodes(tmp_path: Path, monkeypatch: pyte
     assert [h for h, _ in hosts] == ["10.213.0.11", "10.213.0.12"] and "lab_pipeline" not in inventory
     data = dict(hosts[1][1])
     assert data["ssh_user"] == "root" and data["ssh_key"].endswith("id_ed25519")
-    assert data["ssh_known_hosts_file"].endswith("known_hosts") and data["gpu_profile"] == "2xRTX4090"
+    assert data["ssh_known_hosts_file"].endswith("known_hosts") and data["gpu_profile"] == "8xH100NVL-PCIe"
     assert group_data["fleet_interface"] == "host0"  # from group_vars/lab.yml
 
 
