@@ -4,10 +4,12 @@ exactly as written, for tests of what a router lets through."""
 from __future__ import annotations
 
 import http.client
+import json
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 
 class QuietHandler(BaseHTTPRequestHandler):
@@ -22,6 +24,22 @@ class QuietHandler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
+
+
+class ReplicaHandler(QuietHandler):
+    """A stand-in replica behind a router: ``GET`` (its health check) answers at once; ``POST`` reads the JSON
+    body and answers what :meth:`complete` returns (status, body)."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:
+        self.answer(200, b"{}")
+
+    def do_POST(self) -> None:
+        self.answer(*self.complete(json.loads(self.rfile.read(int(self.headers["Content-Length"])))))
+
+    def complete(self, request: dict[str, Any]) -> tuple[int, bytes]:
+        raise NotImplementedError
 
 
 @contextmanager

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from time import sleep
 from typing import Any
 
@@ -72,6 +73,15 @@ def script(script: str, done_file: str | None = None, done_text: str | None = No
             return
         node.forget("texts", done_file)
     yield StringCommand(script)
+
+
+def checked_install(check: str, candidate: str, dest: str, group: str) -> str:
+    """The shell text that puts a configuration in place only once its own program accepted it: ``check`` (a
+    command, every value quoted, that exits non-zero on a bad file) runs on ``candidate``, which is then installed
+    root:``group`` 0640 beside ``dest`` and renamed over it (a reader never sees half a file)."""
+    new = shlex.quote(f"{dest}.gpufleet-new")
+    return (f"set -e; {check}; install -o root -g {shlex.quote(group)} -m 0640 {shlex.quote(candidate)} {new}; "
+            f"mv -fT {new} {shlex.quote(dest)}")
 
 
 @gpufleet_operation(idempotent=False)

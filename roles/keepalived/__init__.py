@@ -50,6 +50,7 @@ from gpufleet.node_paths import (
     unit_path,
 )
 from gpufleet.operations import apt, files, node, server, systemd
+from gpufleet.operations.server import checked_install  # shell text, not an operation
 from gpufleet.plan.virtual_address import PASSWORD_KEY, VirtualAddress, group, password_problem, read_password
 from gpufleet.systemd_text import exec_line
 
@@ -170,9 +171,7 @@ def keepalived() -> None:
                       dest=CANDIDATE, content=text, mode="0640", group=ACCOUNT)
     config = server.script(
         name=f"Check the configuration with keepalived -t, then put it in place ({CONFIG})",
-        script=f"set -e; {KEEPALIVED} -t -f {shlex.quote(CANDIDATE)}; "
-               f"install -o root -g {ACCOUNT} -m 0640 {shlex.quote(CANDIDATE)} {shlex.quote(CONFIG)}.gpufleet-new; "
-               f"mv -fT {shlex.quote(CONFIG)}.gpufleet-new {shlex.quote(CONFIG)}",
+        script=checked_install(f"{KEEPALIVED} -t -f {shlex.quote(CANDIDATE)}", CANDIDATE, CONFIG, ACCOUNT),
         done_file=CONFIG, done_sha256=wanted,
     )
     systemd.restart(name=f"Restart {SERVICE}: its drop-in changed", unit=SERVICE, _if=unit.did_change)

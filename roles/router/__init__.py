@@ -69,6 +69,7 @@ from gpufleet.deploy.context import context, fleet, host_config
 from gpufleet.netaddr import host_port
 from gpufleet.node_paths import NODE_PYTHON, NODE_TOOLS_DIR, ROUTER_ADMIN_SOCKET, TEXTFILE_DIR, node_tool, unit_path
 from gpufleet.operations import apt, files, node, server, systemd
+from gpufleet.operations.server import checked_install  # shell text, not an operation
 from gpufleet.plan.planner import Replica
 from gpufleet.systemd_text import exec_line
 
@@ -394,9 +395,7 @@ def router() -> None:
                group="haproxy", mode="0640")
     config = server.script(
         name=f"Check the configuration with haproxy -c, then put it in place ({CONFIG})",
-        script=f"set -e; haproxy -c -q -f {shlex.quote(CANDIDATE)}; "
-               f"install -o root -g haproxy -m 0640 {shlex.quote(CANDIDATE)} {shlex.quote(CONFIG)}.gpufleet-new; "
-               f"mv -fT {shlex.quote(CONFIG)}.gpufleet-new {shlex.quote(CONFIG)}",
+        script=checked_install(f"haproxy -c -q -f {shlex.quote(CANDIDATE)}", CANDIDATE, CONFIG, "haproxy"),
         done_file=CONFIG, done_sha256=wanted,
     )
     server.script(name="Check the configuration with the edge's new files (haproxy -c)",

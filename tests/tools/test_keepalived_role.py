@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,6 +34,7 @@ from gpufleet import node_paths
 from gpufleet.plan.virtual_address import VirtualAddress
 from gpufleet.unit_security import EXPOSURE_BOUND, exposure
 from tests.conftest import ROOT, host_tool, skip_or_fail
+from tests.polling import until
 from tests.tools.test_units_pass_systemd_analyze import _stub_root, _verify
 from tests.unit.test_hostile_templates import Unit
 from tests.unit.test_vllm_role import _config
@@ -208,15 +209,6 @@ class Lab:
         proc.wait(10)
 
 
-def _wait(condition: Callable[[], bool], what: str, timeout_s: float) -> float:
-    started = time.monotonic()
-    while not condition():
-        if time.monotonic() - started > timeout_s:
-            pytest.fail(f"not within {timeout_s} s: {what}")
-        time.sleep(0.05)
-    return time.monotonic() - started
-
-
 def _logs(lab: Lab) -> str:
     return "\n".join(f"--- {log}\n{log.read_text(errors='replace')[-3000:]}"
                      for router in lab.routers for log in sorted(router.dir.glob("*.log")))
@@ -286,26 +278,26 @@ def test_the_address_moves_to_the_router_whose_haproxy_serves(lab: Lab) -> None:
     for what in ("haproxy", "health", "keepalived"):
         lab.start(r1, what)
     try:
-        _wait(lambda: lab.holders() == ["r1"], "r1, started first, holds the address", 20)
+        until(lambda: lab.holders() == ["r1"], "r1, started first, holds the address", 20)
         for what in ("haproxy", "health", "keepalived"):
             lab.start(r2, what)
-        _wait(lambda: (r2.dir / "healthy").exists() and (r2.dir / "healthy").read_text() == "1\n",
+        until(lambda: (r2.dir / "healthy").exists() and (r2.dir / "healthy").read_text() == "1\n",
               "r2's HAProxy (bound to the address it does not hold) passes", 10)
         time.sleep(3)  # r2 hears r1's advertisements and stays a backup
         assert lab.holders() == ["r1"] and lab.client_health() == 200
 
         lab.kill(r1, "haproxy")  # kill -9: r1's check is refused at once, r1 gives the address up
-        moved = _wait(lambda: lab.holders() == ["r2"], "the address on r2 alone", MOVE_BOUND_S)
+        moved = until(lambda: lab.holders() == ["r2"], "the address on r2 alone", MOVE_BOUND_S)
         assert lab.client_health() == 200
         print(f"HAProxy killed on the holder: the address moved in {moved:.2f} s")
 
         lab.start(r1, "haproxy")  # back: r1 passes again, and does not take the address back (nopreempt)
-        _wait(lambda: (r1.dir / "healthy").read_text() == "1\n", "r1's HAProxy passes again", 10)
+        until(lambda: (r1.dir / "healthy").read_text() == "1\n", "r1's HAProxy passes again", 10)
         time.sleep(3)
         assert lab.holders() == ["r2"]
 
         _run("ip", "-n", lab.switch, "link", "set", "p2", "down")  # r2 drops off the network (as powered off)
-        moved = _wait(lambda: "r1" in lab.holders(), "r1 takes the address", MOVE_BOUND_S)
+        moved = until(lambda: "r1" in lab.holders(), "r1 takes the address", MOVE_BOUND_S)
         assert lab.client_health() == 200  # r1's gratuitous ARP told the client where the address is now
         print(f"the holder off the network: the address moved in {moved:.2f} s")
     except BaseException:

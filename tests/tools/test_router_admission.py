@@ -25,7 +25,7 @@ import pytest
 import roles.router as router_role
 from gpufleet.node import router_admin
 from tests.conftest import host_tool
-from tests.loopback_http import QuietHandler, loopback_server
+from tests.loopback_http import ReplicaHandler, loopback_server
 from tests.tools.test_router_role import _free_port, _wait
 from tests.unit.test_vllm_role import _config
 
@@ -46,14 +46,8 @@ class SlowReplica:
     def handler(self) -> type[BaseHTTPRequestHandler]:
         replica = self
 
-        class Handler(QuietHandler):
-            protocol_version = "HTTP/1.1"
-
-            def do_GET(self) -> None:
-                self.answer(200, b"{}")
-
-            def do_POST(self) -> None:
-                self.rfile.read(int(self.headers["Content-Length"]))
+        class Handler(ReplicaHandler):
+            def complete(self, request: dict[str, Any]) -> tuple[int, bytes]:
                 with replica.lock:
                     replica.holding += 1
                     replica.most = max(replica.most, replica.holding)
@@ -61,7 +55,7 @@ class SlowReplica:
                 with replica.lock:
                     replica.holding -= 1
                     replica.answered += 1
-                self.answer(200, json.dumps({"replica": REPLICA}).encode())
+                return 200, json.dumps({"replica": REPLICA}).encode()
 
         return Handler
 

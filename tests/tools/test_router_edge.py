@@ -30,7 +30,7 @@ import roles.router as router_role
 from gpufleet.lab.tls import make_lab_tls
 from gpufleet.node import router_admin
 from tests.conftest import host_tool
-from tests.loopback_http import QuietHandler, loopback_server
+from tests.loopback_http import ReplicaHandler, loopback_server
 from tests.tools.test_router_role import _free_port, _wait
 from tests.unit.test_vllm_role import _config
 
@@ -58,23 +58,16 @@ class KeyedReplica:
     def handler(self) -> type[BaseHTTPRequestHandler]:
         replica = self
 
-        class Handler(QuietHandler):
-            protocol_version = "HTTP/1.1"
-
-            def do_GET(self) -> None:
-                self.answer(200, b"{}")
-
-            def do_POST(self) -> None:
-                request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        class Handler(ReplicaHandler):
+            def complete(self, request: dict[str, Any]) -> tuple[int, bytes]:
                 with replica.lock:
                     replica.authorizations.append(self.headers.get("Authorization"))
                 if self.headers.get("Authorization") != f"Bearer {REPLICA_KEY}":
-                    self.answer(401, b'{"error":"replica: wrong key"}')
-                    return
+                    return 401, b'{"error":"replica: wrong key"}'
                 prompt = str(request.get("prompt", ""))
                 if prompt.startswith("sleep:"):
                     time.sleep(float(prompt.removeprefix("sleep:")))
-                self.answer(200, json.dumps({"replica": replica.name, "model": request["model"]}).encode())
+                return 200, json.dumps({"replica": replica.name, "model": request["model"]}).encode()
 
         return Handler
 

@@ -10,7 +10,6 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from gpufleet import node_paths
 from gpufleet.node import router_health
 from tests.conftest import DATA, ROOT
 from tests.loopback_http import QuietHandler, loopback_server
+from tests.polling import until
 
 CASES = yaml.safe_load((DATA / "router_health" / "verdicts.yaml").read_text())
 
@@ -71,15 +71,6 @@ def test_the_state_file_is_replaced_whole(tmp_path: Path) -> None:
     assert state.read_text() == "0\n" and not (tmp_path / "healthy.new").exists()
 
 
-def _wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 10) -> float:
-    started = time.monotonic()
-    while not condition():
-        if time.monotonic() - started > timeout_s:
-            pytest.fail(f"not within {timeout_s} s: {what}")
-        time.sleep(0.02)
-    return time.monotonic() - started
-
-
 def test_the_tool_follows_haproxy_and_fails_at_once_when_it_goes(tmp_path: Path) -> None:
     state = tmp_path / "healthy"
     with loopback_server(_handler(200)) as url:
@@ -87,14 +78,14 @@ def test_the_tool_follows_haproxy_and_fails_at_once_when_it_goes(tmp_path: Path)
                                  "--url", f"{url}/health", "--state", str(state), "--interval", "0.2"],
                                 stdout=subprocess.PIPE, text=True)
         try:
-            _wait_for(lambda: state.exists() and state.read_text() == "1\n", "healthy")
+            until(lambda: state.exists() and state.read_text() == "1\n", "healthy")
         except BaseException:
             proc.kill()
             raise
     try:
         # the server is gone: the next check is refused, and the file says so within an interval or a few (a
         # loaded machine schedules the tool late)
-        gone = _wait_for(lambda: state.read_text() == "0\n", "unhealthy")
+        gone = until(lambda: state.read_text() == "0\n", "unhealthy")
         assert gone < 2.0
     finally:
         proc.terminate()
