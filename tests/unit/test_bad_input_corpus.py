@@ -12,10 +12,11 @@ there, which nothing may wait to read), ``file`` (which file:
 ``group_vars/<name>.yml`` or ``inventory``), ``host`` (data merged into the host's inventory entry),
 ``hosts`` (more ``[name, data]`` entries in the same group), ``groups`` (more inventory lines),
 ``after`` (inventory lines after its ``apply_group_vars(globals())``), ``paths`` (more files in the project, by
-relative path: ``dir/`` a directory, ``-> TARGET`` a link, ``|fifo`` a named pipe, else the file's text),
-``data`` (``--data KEY=VALUE`` arguments). ``expect`` is the exact first line on stderr (pyinfra's ``--> …``
-progress lines skipped). The project holds gpufleet's ``config.py``, as a user's does: pyinfra runs it before the
-inventory, so an inventory file that does not compile or run is one line and exit 2 there too.
+relative path: ``dir/`` a directory, ``-> TARGET`` a link, ``|fifo`` a named pipe, ``|private-key`` a key made
+for the run, else the file's text), ``data`` (``--data KEY=VALUE`` arguments). ``expect`` is the exact first line
+on stderr (pyinfra's ``--> …`` progress lines skipped). The project holds gpufleet's ``config.py``, as a user's
+does: pyinfra runs it before the inventory, so an inventory file that does not compile or run is one line and exit 2
+there too.
 
 Every case runs in this process, one test each (``-k 'names/<id>'`` runs one), through both entry points:
 
@@ -69,6 +70,8 @@ from typing import Any
 import pytest
 import yaml
 from click.testing import CliRunner
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
 
 import gpufleet.config.inventory as gpufleet_inventory
 from gpufleet.cli import main as gpufleet_main
@@ -183,9 +186,18 @@ def build_project(case: dict[str, Any], root: Path, port: int) -> list[str]:
             path.symlink_to(spec.removeprefix("-> "))
         elif spec == "|fifo":
             os.mkfifo(path)
+        elif spec == "|private-key":
+            path.write_bytes(_throwaway_key())
         else:
             path.write_text(spec)
     return [arg for item in case.get("data") or [] for arg in ("--data", item)]
+
+
+def _throwaway_key() -> bytes:
+    """A private key in PEM, made for this run (no key is kept in the repository)."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                             serialization.NoEncryption())
 
 
 def _first_line(stderr: str) -> str:
