@@ -29,10 +29,10 @@ deps:
 	@if [ "$$(id -u)" = 0 ]; then bash scripts/install-lab-deps.sh && bash scripts/install-mirror-deps.sh; \
 	else echo "not root: lab packages not installed (the lab tests will say why they cannot run)"; fi
 
-# Every tier (tests/unit, tests/tools, tests/lab): lint, then the unit and tools tiers beside the lab tier, so that
-# they fill the lab's waits; the output ends with each tier's wall time and the 25 slowest tests.
+# Every tier (tests/unit, tests/tools, tests/lab): lint, then the unit and tools tiers (2 workers) beside the lab
+# tier, from its first test that waits on timers; the output ends with each tier's wall time and the 25 slowest tests.
 test: $(LAB_STAMP) deps
-	$(BIN)/python scripts/run_tiers.py
+	$(BIN)/python scripts/run_tiers.py --workers 2
 
 # The inner loop, no root needed: lint, then the unit and tools tiers on every core (a missing tool skips, with why).
 test-fast: $(LAB_STAMP)

@@ -1,8 +1,10 @@
 """Run the test tiers as ``make test`` and ``make test-fast`` do, and end with the run's time budget.
 
-``make test``: lint (ruff, mypy), then the unit and tools tiers, at low CPU priority, run beside the lab tier, so
-that they fill the lab's waits instead of adding to them. The lab tier's output streams as it runs; the other
-tiers' is printed when both are done. ``--fast``: lint, then the unit and tools tiers alone.
+``make test``: lint (ruff, mypy) beside the lab tier's start, then the unit and tools tiers, at low CPU priority,
+once the lab reaches its first test that mostly waits on timers (marked ``waits``; or once the lab tier ended):
+they fill the lab's waits instead of slowing its boot and first deploy, which keep both cores busy. The lab tier's
+output streams as it runs; the other tiers' is printed when both are done. ``--fast``: lint, then the unit and
+tools tiers alone.
 
 The output ends with each tier's wall time, the 25 slowest tests of the run, each failed test with the first
 lines of why, and one line of counts; the exit status is 0 only when every tier passed.
@@ -18,12 +20,14 @@ import tempfile
 import threading
 import time
 import xml.etree.ElementTree as ET
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 SLOWEST = 25
+WAITS_POLL_S = 1.0
 WHY_LINES = 6  # of each failed test's message, repeated at the end of the output
 
 
@@ -45,11 +49,15 @@ class Tier:
     commands: list[list[str]]
     report: Path | None = None
     seconds: float = 0.0
+    began: float = 0.0  # monotonic clock when its commands started
     status: int = 0
     output: list[str] = field(default_factory=list)
 
-    def run(self, stream: bool) -> None:
-        started = time.monotonic()
+    def run(self, stream: bool, after: Callable[[], bool] = lambda: True) -> None:
+        """Run the commands (once ``after`` holds: polled every WAITS_POLL_S, not counted in the tier's time)."""
+        while not after():
+            time.sleep(WAITS_POLL_S)
+        started = self.began = time.monotonic()
         for argv in self.commands:
             if stream:
                 done = subprocess.run(argv, cwd=ROOT)
@@ -99,7 +107,10 @@ def main() -> int:
     lint = Tier("lint", [[str(BIN / "ruff"), "check", "."], [str(BIN / "mypy")]])
     fast = Tier("unit+tools", [pytest_argv(scratch / "fast.xml", "tests/unit", "tests/tools", *workers)],
                 report=scratch / "fast.xml")
-    lab = Tier("lab", [pytest_argv(scratch / "lab.xml", "tests/lab")], report=scratch / "lab.xml")
+    waits = scratch / "lab-waits"  # the lab tier touches it (tests/lab/conftest.py: --waits-signal)
+    lab = Tier("lab", [pytest_argv(scratch / "lab.xml", "tests/lab", f"--waits-signal={waits}")],
+               report=scratch / "lab.xml")
+    lab_done = threading.Event()
     started = time.monotonic()
     if args.fast:
         lint.run(stream=True)
@@ -113,11 +124,14 @@ def main() -> int:
         def lint_then_fast() -> None:
             lint.run(stream=False)
             if lint.status == 0:
-                fast.run(stream=False)
+                fast.run(stream=False, after=lambda: waits.exists() or lab_done.is_set())
 
         beside = threading.Thread(target=lint_then_fast)
         beside.start()
-        lab.run(stream=True)
+        try:
+            lab.run(stream=True)
+        finally:
+            lab_done.set()
         beside.join()
         print("".join(lint.output + fast.output), end="", flush=True)
         tiers = [lint, fast, lab]
@@ -128,6 +142,8 @@ def main() -> int:
         verdict = "passed" if tier.status == 0 else f"FAILED (exit {tier.status})"
         print(f"{tier.name:>11}: {tier.seconds:7.1f} s  {verdict}")
     print(f"{'wall':>11}: {total:7.1f} s" + ("" if args.fast else " (lint and unit+tools beside the lab)"))
+    if not args.fast and fast.began:
+        print(f"{'':>11}  unit+tools started {fast.began - started:.0f} s into the lab tier")
     print(f"\n{SLOWEST} slowest tests:")
     for case in sorted(every, key=lambda case: -case.seconds)[:SLOWEST]:
         print(f"{case.seconds:8.1f} s  {case.name}")

@@ -394,6 +394,7 @@ class HostConfig(BaseModel):
     alert_exporter_down_for_s: Annotated[int, Field(ge=0, le=86400)]
     alert_replica_down_for_s: Annotated[int, Field(ge=0, le=86400)]
     alert_engine_stall_s: Annotated[int, Field(ge=60, le=86400)]
+    alert_engine_stall_for_s: Annotated[int, Field(ge=0, le=86400)]
     alert_serving_for_s: Annotated[int, Field(ge=0, le=86400)]
     alert_queue_waiting_max: Annotated[int, Field(ge=1, le=1_000_000)]
     alert_kv_cache_usage_max: Annotated[float, Field(gt=0, lt=1)]

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from gpufleet.digest import file_sha256
 from gpufleet.lab.errors import LabError
+from gpufleet.lab.state import cache_dir
 
 NODE_EXPORTER_PACKAGE = "prometheus-node-exporter"
 ROUTER_PACKAGE = "haproxy"  # the router role's HAProxy
@@ -203,12 +204,26 @@ def _apt_records(names: list[str] | tuple[str, ...], records: dict[str, dict[str
     """
     ask = [name for name in dict.fromkeys(names) if name not in records]
     if ask:
-        proc = subprocess.run(["apt-cache", "show", "--no-all-versions", *ask], capture_output=True, text=True)
+        proc = subprocess.run(["apt-cache", *_apt_cache_kept(), "show", "--no-all-versions", *ask], capture_output=True,
+                              text=True)
         for paragraph in proc.stdout.split("\n\n"):
             fields = _fields(paragraph)
             if fields.get("Package") in ask and "Filename" in fields:
                 records.setdefault(fields["Package"], fields)
     return records
+
+
+def _apt_cache_kept() -> list[str]:
+    """apt-cache's options that keep its binary package cache in the lab's cache: hosts (container images among
+    them) that configure none make apt build it again on every call, 4 times slower (0.58 s against 0.15 s here).
+    apt builds it again by itself when the package lists change."""
+    kept = cache_dir() / "apt-pkgcache"
+    try:
+        kept.mkdir(parents=True, exist_ok=True)
+    except OSError:  # a cache this user cannot write: apt's own settings
+        return []
+    return [option for name in ("pkgcache", "srcpkgcache")
+            for option in ("-o", f"Dir::Cache::{name}={kept / (name + '.bin')}")]
 
 
 def _fields(paragraph: str) -> dict[str, str]:

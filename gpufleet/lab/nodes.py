@@ -314,8 +314,9 @@ def _teardown(state: LabState, directory: Path) -> None:
     survivors = container.stop([(n.process, Path(n.root)) for n in state.nodes], STOP_TIMEOUT_S, cut_power=True)
     if survivors:
         raise LabError(f"processes {', '.join(map(str, survivors))} survived SIGKILL; the lab is not down")
-    for node in state.nodes:
-        rootfs.release_node_root(Path(node.node_dir), Path(node.root))
+    # Each node wrote a few GB in a hundred thousand files (vLLM's venvs): deleted side by side.
+    with ThreadPoolExecutor(max_workers=max(1, len(state.nodes))) as pool:
+        list(pool.map(lambda n: rootfs.release_node_root(Path(n.node_dir), Path(n.root)), state.nodes))
     if state.mirror_started:
         hooks.stop_mirror(state.bridge_address)
     if state.bridge_created:

@@ -28,6 +28,18 @@ NODE_STORY = ("uptime; systemctl --failed --no-legend --plain; journalctl -q -o 
               " --since=-15min -u 'vllm*' -u 'ray*' -u 'gpufleet-*' | tail -n 60")
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--waits-signal", metavar="PATH", help="create PATH when the first lab test marked `waits` starts"
+                     " (scripts/run_tiers.py starts the unit and tools tiers then)")
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A test marked ``waits`` mostly waits on timers (alert windows, a healthy watch): the lab's CPUs are free."""
+    signal = item.config.getoption("--waits-signal", default=None)
+    if signal and item.get_closest_marker("waits"):
+        Path(signal).touch()
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The session has one lab: lab tests go in their scenarios' order (a test that takes none goes with the
     first), the test that takes the lab down after every other; pytest's order stays within a scenario."""

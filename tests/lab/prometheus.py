@@ -13,7 +13,6 @@ from gpufleet.lab.state import NodeRecord
 
 PORT = 9090  # prometheus_port's default
 SCRAPE_INTERVAL_S = 15  # gpufleet.scrape_config's global scrape_interval
-ENGINE_STALL_FOR_S = 60  # VllmEngineStalled's own `for` (templates/monitoring/rules/serving.yml.j2), after its window
 T = TypeVar("T")
 
 

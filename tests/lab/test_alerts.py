@@ -44,7 +44,7 @@ from tests.lab.fleet import (
     wait_serving,
 )
 from tests.lab.harness import LAB_VARS, PYINFRA, Completed, Lab, run
-from tests.lab.prometheus import ENGINE_STALL_FOR_S, SCRAPE_INTERVAL_S, Prometheus, wait_for
+from tests.lab.prometheus import SCRAPE_INTERVAL_S, Prometheus, wait_for
 
 pytestmark = pytest.mark.filterwarnings("ignore:Unknown ssh-ed25519 host key:UserWarning")
 
@@ -154,13 +154,15 @@ def _running_requests(lab: Lab, node: NodeRecord) -> float:
                if line.startswith("vllm:num_requests_running{"))
 
 
+@pytest.mark.waits
 def test_a_stalled_engine_and_a_silent_dcgm_exporter_fire_and_resolve(
         lab: Lab, faults: Completed | None, tmp_path_factory: pytest.TempPathFactory) -> None:
     first, third = lab.nodes[0], lab.nodes[2]
     replica = single(lab)
     prometheus = Prometheus(first)
     expected = [
-        Expected("VllmEngineStalled", {"replica": replica}, LAB_VARS["alert_engine_stall_s"] + ENGINE_STALL_FOR_S),
+        Expected("VllmEngineStalled", {"replica": replica},
+                 LAB_VARS["alert_engine_stall_s"] + LAB_VARS["alert_engine_stall_for_s"]),
         Expected("DcgmExporterDown", {"node": third.address}, LAB_VARS["alert_exporter_down_for_s"]),
     ]
     _resolved(prometheus, expected, time.monotonic())  # none of them active yet (the earlier tests' faults)
@@ -214,6 +216,7 @@ def _restore(lab: Lab, node: NodeRecord) -> None:
     lab.host(node).run(f"test -e {PROFILE}.saved && mv {PROFILE}.saved {PROFILE}")
 
 
+@pytest.mark.waits
 def test_a_gpu_lost_stops_the_replica_and_gpu_faults_fire_and_resolve(
         lab: Lab, faults: Completed | None, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     """lab1 (PCIe, no NVLink) loses a GPU and reports a critical XID at run time; lab2 (NVSwitch) counts NVLink

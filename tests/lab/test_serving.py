@@ -39,7 +39,7 @@ from tests.lab.fleet import (
     single,
 )
 from tests.lab.harness import LAB_VARS, LAB_VENV, LAB_VLLM_VERSION, PYINFRA, ROOT, Completed, Lab, run
-from tests.lab.prometheus import ENGINE_STALL_FOR_S, SCRAPE_INTERVAL_S, Prometheus, wait_for
+from tests.lab.prometheus import SCRAPE_INTERVAL_S, Prometheus, wait_for
 from tests.lab.scenarios import LabStates
 
 pytestmark = pytest.mark.filterwarnings("ignore:Unknown ssh-ed25519 host key:UserWarning")
@@ -47,9 +47,10 @@ pytestmark = pytest.mark.filterwarnings("ignore:Unknown ssh-ed25519 host key:Use
 MODEL_DIR = "/var/lib/gpufleet/models/tiny-llama"
 # The healthy watch outlasts the lab's longest alert wait (group_vars/lab.yml: a stalled engine's window and its `for`)
 # by two scrapes; an alert whose condition held at any evaluation within it is pending there, whatever its `for`.
-HEALTHY_WATCH_S = max(LAB_VARS["alert_engine_stall_s"] + ENGINE_STALL_FOR_S, LAB_VARS["alert_replica_down_for_s"],
-                      LAB_VARS["alert_serving_for_s"], LAB_VARS["alert_exporter_down_for_s"],
-                      LAB_VARS["alert_gpu_missing_for_s"]) + 2 * SCRAPE_INTERVAL_S
+HEALTHY_WATCH_S = max(LAB_VARS["alert_engine_stall_s"] + LAB_VARS["alert_engine_stall_for_s"],
+                      LAB_VARS["alert_replica_down_for_s"], LAB_VARS["alert_serving_for_s"],
+                      LAB_VARS["alert_exporter_down_for_s"], LAB_VARS["alert_gpu_missing_for_s"]
+                      ) + 2 * SCRAPE_INTERVAL_S
 
 
 def test_deploy_converges_bare_nodes_to_serving(lab: Lab, serving: Completed | None) -> None:
@@ -319,6 +320,7 @@ def test_the_vllm_unit_is_sandboxed(lab: Lab, serving: Completed | None) -> None
     assert score <= EXPOSURE_BOUND, out[-2000:]
 
 
+@pytest.mark.waits
 def test_no_alert_fires_on_the_healthy_lab(lab: Lab, watched: Completed | None, lab_states: LabStates) -> None:
     """From the moment Prometheus saw every target of the serving lab up and the alerts of before the deploy
     resolved, through the serving scenario's tests (checks, requests), for at least HEALTHY_WATCH_S: no alert fired,

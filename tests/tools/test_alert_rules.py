@@ -90,7 +90,8 @@ def _changed_values() -> dict[str, Any]:
     {},
     _changed_values(),
     {"alert_gpu_critical_xids": [9999], "alert_gpu_thermal_throttle_ratio": 1e-9, "alert_kv_cache_usage_max": 0.999999,
-     "alert_ttft_p95_s": 3600, "alert_itl_p95_s": 0.0001, "alert_engine_stall_s": 86400, "alert_serving_for_s": 0,
+     "alert_ttft_p95_s": 3600, "alert_itl_p95_s": 0.0001, "alert_engine_stall_s": 86400,
+     "alert_engine_stall_for_s": 0, "alert_serving_for_s": 0,
      "alert_replica_down_for_s": 0, "alert_unit_restarts_max": 0},
 ], ids=["defaults", "changed", "extremes"])
 def test_rules_pass_promtool_check(tmp_path: Path, values: dict[str, Any]) -> None:

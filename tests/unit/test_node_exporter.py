@@ -307,6 +307,17 @@ def test_node_report_rates_present_units_and_names_absent_ones() -> None:
     assert not any("vllm@1" in command for command in asked if command.startswith("systemd-analyze"))
 
 
+def test_apt_cache_keeps_its_package_cache_in_the_labs_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("GPUFLEET_LAB_CACHE", str(tmp_path / "cache"))
+    assert debian_extras._apt_cache_kept() == [
+        "-o", f"Dir::Cache::pkgcache={tmp_path / 'cache' / 'apt-pkgcache' / 'pkgcache.bin'}",
+        "-o", f"Dir::Cache::srcpkgcache={tmp_path / 'cache' / 'apt-pkgcache' / 'srcpkgcache.bin'}"]
+    assert (tmp_path / "cache" / "apt-pkgcache").is_dir()
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("GPUFLEET_LAB_CACHE", str(tmp_path / "file"))  # no directory can be made there: apt's own
+    assert debian_extras._apt_cache_kept() == []
+
+
 def test_debs_already_kept_are_used_when_apt_knows_nothing(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     kept = [tmp_path / name for name in ("haproxy_2.6.12-1+deb12u4_amd64.deb", "keepalived_1%3a2.2.7-1+b2_amd64.deb",
                                          "prometheus-alertmanager_0.25.0-1+b4_amd64.deb",

@@ -52,3 +52,21 @@ def test_each_case_has_its_outcome_time_and_why(run_tiers: ModuleType, tmp_path:
 
 def test_a_missing_report_has_no_cases(run_tiers: ModuleType, tmp_path: Path) -> None:
     assert run_tiers.cases(tmp_path / "absent.xml") == [] and run_tiers.cases(None) == []
+
+
+def test_a_tier_waits_for_its_start_and_counts_only_its_own_time(run_tiers: ModuleType, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(run_tiers, "WAITS_POLL_S", 0.2)
+    signal, ran = tmp_path / "lab-waits", tmp_path / "ran"
+    tier = run_tiers.Tier("unit+tools", [["touch", str(ran)]])
+    waited = []
+
+    def after() -> bool:  # the lab touches the signal on the third look
+        waited.append(signal.exists())
+        if len(waited) == 3:
+            signal.touch()
+        return signal.exists()
+
+    tier.run(stream=False, after=after)
+    assert waited == [False, False, False] and ran.exists() and tier.status == 0
+    assert tier.seconds < 0.3  # the 0.4 s of waiting is not the tier's
