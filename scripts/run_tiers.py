@@ -103,7 +103,9 @@ def main() -> int:
     parser.add_argument("--workers", default="0", help="pytest-xdist workers for the unit and tools tiers")
     args = parser.parse_args()
     scratch = Path(tempfile.mkdtemp(prefix="gpufleet-tiers-"))
-    workers = ["-n", args.workers] if args.workers != "0" else []
+    # loadgroup: tests that share a costly module fixture (a group, e.g. the lab mirror's built cache) stay on one
+    # worker, which builds it once; the others spread as usual
+    workers = ["-n", args.workers, "--dist", "loadgroup"] if args.workers != "0" else []
     lint = Tier("lint", [[str(BIN / "ruff"), "check", "."], [str(BIN / "mypy")]])
     fast = Tier("unit+tools", [pytest_argv(scratch / "fast.xml", "tests/unit", "tests/tools", *workers)],
                 report=scratch / "fast.xml")

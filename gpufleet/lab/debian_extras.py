@@ -158,28 +158,34 @@ def fetch_debs(dest: Path, base_root: Path | None, packages: tuple[str, ...] = D
     missing = [name for name in names if name not in records]
     if missing:
         raise LabError(f"apt on this machine knows no package {', '.join(missing)}")
-    debs = [_download(records[name], dest) for name in names]
+    debs = _download([records[name] for name in names], dest)
     for stale in set(dest.glob("*.deb")) - set(debs):
         stale.unlink()
     return debs
 
 
-def _download(fields: dict[str, str], dest: Path) -> Path:
-    name = fields["Package"]
-    target = dest / Path(fields["Filename"]).name
-    if target.is_file() and file_sha256(target) == fields.get("SHA256"):
-        return target
-    with tempfile.TemporaryDirectory(dir=dest, prefix=".download.") as tmp:
-        _run(["apt-get", *_APT_QUIET, "download", f"{name}={fields['Version']}"], cwd=Path(tmp))
-        got = list(Path(tmp).glob("*.deb"))
-        if len(got) != 1:
-            raise LabError(f"apt-get download {name} gave {len(got)} files, expected one .deb")
-        digest = file_sha256(got[0])
-        if fields.get("SHA256") and digest != fields["SHA256"]:
-            raise LabError(f"{got[0].name}: expected sha256 {fields['SHA256']} from apt's index, found {digest}")
-        os.replace(got[0], target)
-    target.chmod(0o644)
-    return target
+def _download(wanted: list[dict[str, str]], dest: Path) -> list[Path]:
+    """Each of apt's records in ``wanted`` as a .deb in ``dest``, in that order: one already there with the record's
+    sha256 is kept; the others come in one ``apt-get download`` (one apt start, its downloads pipelined: a call per
+    package took 2.4 s each here), each checked against the index's sha256 before it goes into place."""
+    targets = [dest / Path(fields["Filename"]).name for fields in wanted]
+    fetch = [(fields, target) for fields, target in zip(wanted, targets, strict=True)
+             if not (target.is_file() and file_sha256(target) == fields.get("SHA256"))]
+    if fetch:
+        with tempfile.TemporaryDirectory(dir=dest, prefix=".download.") as tmp:
+            _run(["apt-get", *_APT_QUIET, "download", *(f"{f['Package']}={f['Version']}" for f, _ in fetch)],
+                 cwd=Path(tmp))
+            got = {_deb_field(deb, "Package"): deb for deb in Path(tmp).glob("*.deb")}
+            for fields, target in fetch:
+                deb = got.get(fields["Package"])
+                if deb is None:
+                    raise LabError(f"apt-get download gave no .deb of {fields['Package']}")
+                digest = file_sha256(deb)
+                if fields.get("SHA256") and digest != fields["SHA256"]:
+                    raise LabError(f"{deb.name}: expected sha256 {fields['SHA256']} from apt's index, found {digest}")
+                os.replace(deb, target)
+                target.chmod(0o644)
+    return targets
 
 
 def _satisfied(name: str, constraint: str, installed: dict[str, str]) -> bool:

@@ -35,6 +35,9 @@ from gpufleet.lab.state import cache_dir
 from gpufleet.vllm_flags import SUPPORTED_VLLM_VERSIONS
 from tests.conftest import DATA, ROOT, host_tool, skip_or_fail
 
+# One worker builds the module's cache (fixture ``cache``: a minute of apt and gpg) for every test that reads it.
+pytestmark = pytest.mark.xdist_group("lab_mirror")
+
 DRIVER = standin_debs.DRIVER_VERSION
 EXPECTED = {
     "nvidia-driver-580-open": DRIVER,

@@ -20,6 +20,7 @@ from gpufleet.config.schema import HostConfig
 from gpufleet.config.validate import validate_host
 from gpufleet.deploy.download import DownloadError, fetch_verified
 from gpufleet.lab import debian_extras
+from gpufleet.lab.errors import LabError
 from gpufleet.unit_security import ExposureParseError, exposure, exposure_score, node_report
 from roles import node_exporter as role
 
@@ -333,3 +334,33 @@ def test_debs_already_kept_are_used_when_apt_knows_nothing(monkeypatch: pytest.M
 
     monkeypatch.setattr(debian_extras, "_run", no_apt)
     assert debian_extras.fetch_debs(tmp_path, None) == kept
+
+
+def test_debs_missing_come_in_one_apt_download_each_checked_and_kept_ones_stay(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    payload = {"a": b"deb a", "b": b"deb b", "c": b"deb c"}
+    records = [{"Package": n, "Version": "1", "Filename": f"pool/{n}_1_all.deb",
+                "SHA256": hashlib.sha256(payload[n]).hexdigest()} for n in payload]
+    (tmp_path / "a_1_all.deb").write_bytes(payload["a"])  # kept: its sha256 is the index's
+    calls: list[list[str]] = []
+
+    def apt(argv: list[str], cwd: Path | None = None) -> str:
+        calls.append(argv)
+        assert cwd is not None
+        for word in argv[argv.index("download") + 1:]:
+            name = word.split("=")[0]
+            (cwd / f"{name}_1_all.deb").write_bytes(payload[name])
+        return ""
+
+    monkeypatch.setattr(debian_extras, "_run", apt)
+    monkeypatch.setattr(debian_extras, "_deb_field", lambda deb, field: deb.name.split("_")[0])
+    assert debian_extras._download(records, tmp_path) == [tmp_path / f"{n}_1_all.deb" for n in payload]
+    assert [argv[-2:] for argv in calls] == [["b=1", "c=1"]]  # one apt start for both
+    assert (tmp_path / "c_1_all.deb").read_bytes() == payload["c"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_1_all.deb", "b_1_all.deb", "c_1_all.deb"]
+
+    payload["b"] = b"tampered"
+    (tmp_path / "b_1_all.deb").unlink()
+    with pytest.raises(LabError, match=r"b_1_all.deb: expected sha256 .* found "):
+        debian_extras._download(records, tmp_path)
+    assert not (tmp_path / "b_1_all.deb").exists()
