@@ -1,5 +1,5 @@
-"""The docs: the reference pages are what ``make docs`` writes, every variable is set once and documented, and the
-supported vLLM versions have one home."""
+"""The docs: the reference pages are what ``make docs`` writes, every variable is set once and documented, the
+supported vLLM versions have one home, and the README stays a short read whose links all lead somewhere."""
 
 from __future__ import annotations
 
@@ -18,6 +18,11 @@ from gpufleet.lab.wheelhouse import LAB_VLLM_VERSIONS
 from gpufleet.vllm_flags import DEFAULT_VLLM_VERSION, SUPPORTED_VLLM_VERSIONS
 from tests.conftest import ROOT
 
+README_MAX_LINES = 200
+README_COMMANDS = ["make lab", "make test"]  # the fresh machine's two commands; CI runs the second (.ci/run)
+MARKDOWN = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])
+_LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+_FENCE = re.compile(r"^```.*?^```", re.M | re.S)
 _VERSION = re.compile(r"\b\d+\.\d+\.\d+\b")
 
 
@@ -126,3 +131,46 @@ def test_the_supported_vllm_versions_have_one_home() -> None:
     (vllm_version,) = [v for role in GEN.all_defaults(ROOT) for v in role.variables if v.name == "vllm_version"]
     assert yaml.safe_load(vllm_version.default) == DEFAULT_VLLM_VERSION in supported
     assert _VERSION.findall(" ".join(vllm_version.comment)) == [], "the choices live in SUPPORTED_VLLM_VERSIONS"
+
+
+# --- the README and the links ---------------------------------------------------------------------------------------
+
+def test_the_readme_is_short_and_starts_with_the_two_commands() -> None:
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= README_MAX_LINES
+    first_block = re.search(r"^```sh\n(.*?)^```", text, re.M | re.S)
+    assert first_block is not None and text.index(first_block.group(0)) < text.index("\n## ")
+    commands = [line.split("#")[0].strip() for line in first_block.group(1).splitlines()]
+    assert commands == README_COMMANDS
+    assert "make test" in (ROOT / ".ci" / "run").read_text()
+
+
+def _anchors(text: str) -> set[str]:
+    """GitHub's anchors of a page's headings (headings in code blocks are none)."""
+    seen: dict[str, int] = {}
+    for heading in re.findall(r"^#{1,6} (.+)$", _FENCE.sub("", text), re.M):
+        slug = GEN.slug(heading)
+        seen[slug] = seen.get(slug, -1) + 1
+        if seen[slug]:
+            seen[f"{slug}-{seen[slug]}"] = 0
+    return set(seen)
+
+
+@pytest.mark.parametrize("page", MARKDOWN, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_link_leads_somewhere(page: Path) -> None:
+    text = _FENCE.sub("", page.read_text())
+    broken = []
+    for target in _LINK.findall(re.sub(r"`[^`]*`", "", text)):
+        if re.match(r"[a-z]+:", target):
+            continue
+        file, _, anchor = target.partition("#")
+        path = (page.parent / file).resolve() if file else page
+        if not path.exists() or (anchor and (path.is_dir() or anchor not in _anchors(path.read_text()))):
+            broken.append(target)
+    assert broken == []
+
+
+def test_every_make_target_the_docs_name_exists() -> None:
+    targets = set(re.findall(r"^([a-z][a-z-]*):", (ROOT / "Makefile").read_text(), re.M))
+    named = {name for page in MARKDOWN for name in re.findall(r"(?:`|^)make ([a-z][a-z-]*)", page.read_text(), re.M)}
+    assert "docs" in named and sorted(named - targets) == []
