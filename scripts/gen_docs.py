@@ -435,9 +435,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 when a page is stale")
     args = parser.parse_args(argv)
     if args.check:
-        for path in stale():
+        found = stale()
+        for path in found:
             print(f"{path} is stale: run `make docs` ({REGENERATE})", file=sys.stderr)
-        return 1 if stale() else 0
+        return 1 if found else 0
     for path, text in pages().items():
         (ROOT / path).parent.mkdir(parents=True, exist_ok=True)
         (ROOT / path).write_text(text)
