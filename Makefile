@@ -7,7 +7,7 @@ STAMP     := $(VENV)/.installed
 LAB_STAMP := $(VENV)/.installed-lab
 NODES     ?= 1
 
-.PHONY: setup setup-lab deps test test-fast lab lab-down bench plan check catalogs clean
+.PHONY: setup setup-lab deps test test-fast lab lab-down bench plan check catalogs docs clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -62,6 +62,11 @@ check: $(STAMP)
 # Maintainers: regenerate the committed vLLM flag catalogs from the vLLM wheels.
 catalogs: $(STAMP)
 	$(BIN)/python scripts/gen_vllm_catalog.py 0.33.0 0.32.0 0.31.0
+
+# The reference pages of docs/reference/ (variables, commands, roles), written from the code; never edit them by
+# hand: tests/unit/test_docs.py fails when one is stale.
+docs: $(STAMP)
+	$(BIN)/python scripts/gen_docs.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

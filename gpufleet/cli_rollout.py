@@ -131,7 +131,7 @@ def _roll(mode: str, inventory: str, batches: str, max_unavailable: str, min_ava
     routers = [host.name for host in hosts.get_group(ROUTERS_GROUP, [])]
     if not routers:
         fail_lines([f"{inventory}: no `{ROUTERS_GROUP}` group: a rolling {mode} takes each replica out of the routers"
-               f" before it changes it; add routers (README: Routers) or use the plain deploy"
+               f" before it changes it; add routers (docs/guide/routers.md) or use the plain deploy"
                f" (pyinfra {inventory} {DEPLOY})"])
     plan = plan_fleet(fleet, fleet_facts(fleet, facts_dir))
     if plan.problems:

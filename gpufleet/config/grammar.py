@@ -48,6 +48,7 @@ def _matching(pattern: re.Pattern[str], expected: str) -> Callable[[str], str | 
     """A check that ``pattern`` matches the whole value, else ``expected <expected>, found <value>``."""
     def check(value: str) -> str | None:
         return None if pattern.match(value) else f"expected {expected}, found {show(value)}"
+    check.__doc__ = f"{expected[:1].upper()}{expected[1:]}."
     return check
 
 

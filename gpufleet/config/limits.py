@@ -53,7 +53,8 @@ LONGEST_REPLICA_UNIT: Callable[[str], str] = max(_REPLICA_UNITS, key=lambda unit
 
 
 def systemd_seconds(seconds: int, added: int = 0) -> str | None:
-    """Whether ``seconds`` (which gpufleet writes into a unit ``added`` seconds longer) fits a systemd time span."""
+    """Seconds that fit a systemd time span (gpufleet writes them into a unit ``added`` seconds longer); a
+    problem when they do not."""
     if seconds + added > SYSTEMD_MAX_SECONDS:
         return (f"expected at most {SYSTEMD_MAX_SECONDS - added} seconds (systemd's longest time span),"
                 f" found {_digits(seconds)}")
@@ -61,7 +62,7 @@ def systemd_seconds(seconds: int, added: int = 0) -> str | None:
 
 
 def promql_int(value: int) -> str | None:
-    """Whether an alert threshold is an integer PromQL reads as itself."""
+    """An alert threshold PromQL reads as itself (at most 2^53); a problem when it is not."""
     if abs(value) > PROMQL_MAX_INT:
         return f"expected at most {PROMQL_MAX_INT} (the largest integer a PromQL number holds), found {_digits(value)}"
     return None

@@ -30,6 +30,7 @@ below this one."""
 
 
 def _unprivileged(port: int) -> int:
+    """At least 1024: gpufleet's services run without the capability to bind a lower port."""
     if port < FIRST_UNPRIVILEGED_PORT:
         raise ValueError(f"expected a port from {FIRST_UNPRIVILEGED_PORT} to 65535 (the service runs without the"
                          f" capability to bind ports below {FIRST_UNPRIVILEGED_PORT}), found {port}")
@@ -48,6 +49,7 @@ def _limit(check: Callable[[int], str | None]) -> AfterValidator:
             raise ValueError(problem)
         return value
 
+    validate.__doc__ = check.__doc__  # what the rule is, for the reference (scripts/gen_docs.py)
     return AfterValidator(validate)
 
 
@@ -104,6 +106,7 @@ def _grammar(check: Callable[[str], str | None]) -> Callable[[Any], Any]:
             raise ValueError(problem)
         return value
 
+    validate.__doc__ = check.__doc__  # what the rule is, for the reference (scripts/gen_docs.py)
     return validate
 
 
@@ -117,10 +120,13 @@ def _each(check: Callable[[str], str | None]) -> Callable[[Any], Any]:
                     raise KeyedError(f"[{i}]", problem)
         return value
 
+    validate.__doc__ = f"Each item: {check.__doc__}" if check.__doc__ else None
     return validate
 
 
 def _profile(value: str) -> str | None:
+    """A hardware profile, ``<count>x<GPU>[-SXM|-PCIe|-PCIe-pairs]`` (:mod:`gpufleet.hardware_profiles`), e.g.
+    ``8xH100-SXM``, ``8xL40S-PCIe``, ``4xA100-PCIe-pairs``, ``2xRTX4090``."""
     try:
         parse_profile(value)
     except ProfileError as exc:
@@ -129,6 +135,7 @@ def _profile(value: str) -> str | None:
 
 
 def _model(value: str) -> str | None:
+    """A Hugging Face id (``org/name``), or an absolute path on the nodes strictly below the models directory."""
     return grammar.model_path(value) if value.startswith("/") else grammar.hf_repo_id(value)
 
 
@@ -141,6 +148,8 @@ def _controller_dir(value: str) -> str | None:
 
 
 def _served_name(value: str) -> str | None:
+    """A served model name: up to 128 characters, starting with a letter or digit, no control character, no trailing
+    blank."""
     if grammar.SERVED_NAME.match(value):
         return None
     return ("expected a model name (up to 128 characters, starting with a letter or digit, no control"
@@ -148,18 +157,22 @@ def _served_name(value: str) -> str | None:
 
 
 def _version(value: str) -> str | None:
+    """A package version (e.g. ``4.4.1-1``): a digit, then letters, digits and ``.+~-``."""
     if value[:1].isdigit() and all(c.isalnum() or c in ".+~-" for c in value):
         return None
     return f"expected a version (e.g. 4.4.1-1), found {grammar.show(value)}"
 
 
 def _worker_ports(value: Any) -> Any:
+    """Two ports, ``[first, last]``."""
     if isinstance(value, list) and len(value) != 2:
         raise ValueError(f"expected a list of two ports [first, last], found {len(value)} items")
     return tuple(value) if isinstance(value, list) else value
 
 
 def _health(value: Any) -> Any:
+    """The GPU health gate's one schema, shared with the node's gate
+    (:func:`gpufleet.node.health_rules.policy_problems`)."""
     if isinstance(value, HealthPolicy):
         return value
     problems = policy_problems(value)
@@ -226,6 +239,7 @@ class SecretRef(BaseModel):
 
     @model_validator(mode="after")
     def _exactly_one(self) -> SecretRef:
+        """Exactly one of ``env`` and ``file``."""
         if (self.env is None) == (self.file is None):
             raise ValueError("expected exactly one of env or file")
         return self
@@ -238,6 +252,7 @@ CLIENT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 
 
 def _client_names(value: Any) -> Any:
+    """Client names: 1-63 of letters, digits, ``_``, ``.``, ``-``, starting with a letter or digit."""
     if isinstance(value, dict):
         for name in value:
             if not isinstance(name, str) or not CLIENT_NAME.match(name):
@@ -276,7 +291,7 @@ class HostConfig(BaseModel):
     gpu_watch_interval_s: int
 
     # vllm
-    vllm_version: str
+    vllm_version: Annotated[str, Field(json_schema_extra={"enum": list(SUPPORTED_VLLM_VERSIONS)})]
     vllm_model: _text(_model) | None  # type: ignore[valid-type]  # required on serving hosts (validate_host)
     vllm_model_revision: _text(grammar.hf_revision) | None  # type: ignore[valid-type]
     vllm_served_model_name: _text(_served_name) | None  # type: ignore[valid-type]
@@ -423,6 +438,7 @@ class HostConfig(BaseModel):
     @field_validator("gpu_watch_interval_s")
     @classmethod
     def _watch_interval(cls, value: int) -> int:
+        """0 (off), or seconds from 5 to 86400."""
         if value != 0 and not 5 <= value <= 86400:
             raise ValueError(f"expected 0 (off) or seconds from 5 to 86400, found {grammar.show(value)}")
         return value
@@ -430,6 +446,7 @@ class HostConfig(BaseModel):
     @field_validator("vllm_watchdog_stall_s")
     @classmethod
     def _watchdog_stall(cls, value: int) -> int:
+        """0 (off), or seconds from ``WATCHDOG_MIN_STALL_S`` (10) to 86400."""
         if value != 0 and not WATCHDOG_MIN_STALL_S <= value <= 86400:
             raise ValueError(f"expected 0 (off) or seconds from {WATCHDOG_MIN_STALL_S} to 86400,"
                              f" found {grammar.show(value)}")
@@ -438,6 +455,7 @@ class HostConfig(BaseModel):
     @field_validator("alert_gpu_critical_xids")
     @classmethod
     def _xids(cls, value: list[int]) -> list[int]:
+        """At least one XID, each once."""
         if not value:
             raise ValueError("expected at least one XID (e.g. [79]), found an empty list")
         if repeated := sorted({x for x in value if value.count(x) > 1}):
@@ -447,6 +465,7 @@ class HostConfig(BaseModel):
     @field_validator("vllm_version")
     @classmethod
     def _supported_version(cls, value: str) -> str:
+        """A version gpufleet has a flag catalog for (:data:`gpufleet.vllm_flags.SUPPORTED_VLLM_VERSIONS`)."""
         if value not in SUPPORTED_VLLM_VERSIONS:
             raise ValueError(f"expected one of {', '.join(SUPPORTED_VLLM_VERSIONS)}, found {grammar.show(value)}")
         return value
@@ -454,6 +473,7 @@ class HostConfig(BaseModel):
     @field_validator("vllm_requirements_url")
     @classmethod
     def _lock_placeholder(cls, value: str | None) -> str | None:
+        """``{version}`` (filled with ``vllm_version``) is its only placeholder."""
         if value is not None and {"{", "}"} & set(value.replace("{version}", "")):
             raise ValueError("expected {version} (filled with vllm_version) as its only placeholder,"
                              f" found {grammar.show(value)}")
@@ -462,6 +482,8 @@ class HostConfig(BaseModel):
     @field_validator("vllm_env")
     @classmethod
     def _env_names(cls, value: dict[str, str]) -> dict[str, str]:
+        """Valid names, none that gpufleet sets itself (``OWNED_ENV``), loads code or changes trust
+        (:mod:`gpufleet.config.env_names`), none that looks secret."""
         for name in value:
             if problem := grammar.env_name(name):
                 raise KeyedError(name, problem)

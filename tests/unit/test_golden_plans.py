@@ -1,9 +1,10 @@
-"""Golden plans: every deploy shape the README shows, planned offline as ``gpufleet plan`` plans it.
+"""Golden plans: every deploy shape the guide shows, planned offline as ``gpufleet plan`` plans it.
 
 Each ``tests/data/plans/<shape>/`` holds an inventory, its ``group_vars/`` and ``expected.json``: the
 ``gpufleet plan --json`` output (``replicas``), its warnings, the line ``gpufleet plan`` prints for every process
 (``lines``), and for every vLLM process its ``config.yaml`` text and ``vllm.env`` values (``files``, by replica
-and host). The README's "Deploy shapes" blocks are checked against them, so the README cannot drift from the code.
+and host). The blocks of docs/guide/deploy-shapes.md are checked against them, so the guide cannot drift from the
+code.
 
 After a deliberate change, rewrite the expected files and review their diff::
 
@@ -34,11 +35,12 @@ PLANS = DATA / "plans"
 SHAPES = sorted(path.parent.name for path in PLANS.glob("*/inventory.py"))
 REGOLD = os.environ.get("GPUFLEET_REGOLD") == "1"
 
-# The README's plan blocks, in order, and the shape each shows; the shape its (a) and (b) inputs describe.
-README_PLAN_BLOCKS = ["a_single_node_70b", "b_two_nodes_mp", "b_two_nodes_ray"]
-README_SECTIONS = {"(a)": "a_single_node_70b", "(b)": "b_two_nodes_mp"}
-# The replica whose config.yaml and vllm.env the README shows, in shape (a).
-README_FILES_OF = ("a_single_node_70b", "llama_70b-gpu-a01-0", "gpu-a01.dc1.example.net")
+DEPLOY_SHAPES = ROOT / "docs" / "guide" / "deploy-shapes.md"
+# The guide's plan blocks, in order, and the shape each shows; the shape its (a) and (b) inputs describe.
+GUIDE_PLAN_BLOCKS = ["a_single_node_70b", "b_two_nodes_mp", "b_two_nodes_ray"]
+GUIDE_SECTIONS = {"(a)": "a_single_node_70b", "(b)": "b_two_nodes_mp"}
+# The replica whose config.yaml and vllm.env the guide shows, in shape (a).
+GUIDE_FILES_OF = ("a_single_node_70b", "llama_70b-gpu-a01-0", "gpu-a01.dc1.example.net")
 
 
 def render(shape: str) -> dict[str, Any]:
@@ -87,7 +89,7 @@ def test_golden_plan(shape: str) -> None:
 
 
 def test_every_readme_shape_has_a_golden_plan() -> None:
-    assert {*README_PLAN_BLOCKS, *README_SECTIONS.values(), "lab_single", "lab_pipeline"} <= set(SHAPES)
+    assert {*GUIDE_PLAN_BLOCKS, *GUIDE_SECTIONS.values(), "lab_single", "lab_pipeline"} <= set(SHAPES)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -110,12 +112,10 @@ def test_the_tiny_model_is_the_labs() -> None:
     assert index["metadata"]["total_size"] == 2 * sum(math.prod(s) for s in arch.tensor_shapes().values())  # bf16
 
 
-# --- the README's "Deploy shapes" ------------------------------------------------------------------------------
+# --- the guide's "Deploy shapes" -------------------------------------------------------------------------------
 
 def _deploy_shapes() -> str:
-    text = (ROOT / "README.md").read_text()
-    start = text.index("\n## Deploy shapes\n")
-    return text[start:text.index("\n## ", start + 1)]
+    return DEPLOY_SHAPES.read_text()
 
 
 def _blocks(text: str) -> list[tuple[str, list[str]]]:
@@ -125,19 +125,19 @@ def _blocks(text: str) -> list[tuple[str, list[str]]]:
 
 def _sections() -> dict[str, str]:
     """Deploy-shape sections by their mark: ``(a)``, ``(b)``, ..."""
-    parts = re.split(r"^### ", _deploy_shapes(), flags=re.M)[1:]
+    parts = re.split(r"^## ", _deploy_shapes(), flags=re.M)[1:]
     return {part.split()[0]: part for part in parts}
 
 
 def _pattern(line: str) -> re.Pattern[str]:
-    """A README line as a pattern: ``…`` stands for whatever the README leaves out."""
+    """A guide line as a pattern: ``…`` stands for whatever the guide leaves out."""
     return re.compile(".*".join(re.escape(piece) for piece in line.split("…")))
 
 
-def test_readme_plan_lines_are_what_the_golden_plans_print() -> None:
+def test_guide_plan_lines_are_what_the_golden_plans_print() -> None:
     blocks = [lines for lang, lines in _blocks(_deploy_shapes()) if lang == ""]
-    assert len(blocks) == len(README_PLAN_BLOCKS)
-    for shape, lines in zip(README_PLAN_BLOCKS, blocks, strict=True):
+    assert len(blocks) == len(GUIDE_PLAN_BLOCKS)
+    for shape, lines in zip(GUIDE_PLAN_BLOCKS, blocks, strict=True):
         printed = expected(shape)["lines"]
         at = -1
         for line in lines:
@@ -145,12 +145,12 @@ def test_readme_plan_lines_are_what_the_golden_plans_print() -> None:
                 continue
             pattern = _pattern(line)
             found = [i for i, p in enumerate(printed) if i > at and pattern.fullmatch(p)]
-            assert found, f"README ({shape}): no printed line after line {at} matches:\n{line}"
+            assert found, f"{DEPLOY_SHAPES.name} ({shape}): no printed line after line {at} matches:\n{line}"
             at = found[0]
 
 
-def test_readme_config_yaml_and_vllm_env_are_what_the_role_writes() -> None:
-    shape, replica, host = README_FILES_OF
+def test_guide_config_yaml_and_vllm_env_are_what_the_role_writes() -> None:
+    shape, replica, host = GUIDE_FILES_OF
     files = expected(shape)["files"][replica][host]
     shown = {lines[0]: lines[1:] for _, lines in _blocks(_sections()["(a)"]) if lines and lines[0].startswith("# ")}
     config = [line for line in files["config.yaml"].splitlines() if not line.startswith("#")]
@@ -159,10 +159,10 @@ def test_readme_config_yaml_and_vllm_env_are_what_the_role_writes() -> None:
     assert shown["# vllm.env"] == env
 
 
-@pytest.mark.parametrize("mark", sorted(README_SECTIONS))
-def test_readme_inputs_are_the_golden_plans(mark: str) -> None:
+@pytest.mark.parametrize("mark", sorted(GUIDE_SECTIONS))
+def test_guide_inputs_are_the_golden_plans(mark: str) -> None:
     """The inventory lines and group_vars values a section shows are those its golden plan is made from."""
-    shape = PLANS / README_SECTIONS[mark]
+    shape = PLANS / GUIDE_SECTIONS[mark]
     inventory = {line.strip() for line in (shape / "inventory.py").read_text().splitlines()}
     for lang, lines in _blocks(_sections()[mark]):
         if lang == "python":

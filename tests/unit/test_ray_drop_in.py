@@ -3,7 +3,8 @@
 writing the drop-in.
 
 Every golden plan shape (``tests/data/plans/``) is rendered for every node of every replica: only a Ray head gets the
-drop-in; ``tests/data/ray_drop_in/b_two_nodes_ray.conf`` is the text the README's Ray shape writes.
+drop-in; ``tests/data/ray_drop_in/b_two_nodes_ray.conf`` is the text the Ray shape of docs/guide/deploy-shapes.md
+writes.
 """
 
 from __future__ import annotations

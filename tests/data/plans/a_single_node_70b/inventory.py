@@ -1,4 +1,4 @@
-"""Deploy shape (a) of the README: single-node replicas, 4 x 8xH100, Llama 3.1 70B, TP auto.
+"""Deploy shape (a) of docs/guide/deploy-shapes.md: single-node replicas, 4 x 8xH100, Llama 3.1 70B, TP auto.
 
 inventories/prod.py's ``llama_70b`` pool, with the project's group_vars/all.yml and llama_70b.yml.
 """

@@ -1,4 +1,5 @@
-"""Deploy shape (b) of the README: one replica over 2 x 8xH100, Llama 3.1 405B, TP 8 x PP 2, the ray backend."""
+"""Deploy shape (b) of docs/guide/deploy-shapes.md: one replica over 2 x 8xH100, Llama 3.1 405B, TP 8 x PP 2,
+the ray backend."""
 
 from gpufleet.config.inventory import apply_group_vars
 

@@ -1,0 +1,450 @@
+#!/usr/bin/env python3
+"""Write the reference pages of docs/reference/ from the code: ``make docs``.
+
+- ``variables.md``: every variable of ``roles/*/defaults.yml``: its meaning (the comment above it), its default, and
+  its type and range from the typed schema (:class:`gpufleet.config.schema.HostConfig`: annotations, constraints and
+  the docstrings of its validators);
+- ``commands.md``: every ``gpufleet`` command's ``--help``, from the click commands themselves;
+- ``roles.md``: every role's module docstring (``roles/<role>/__init__.py``).
+
+The pages are never edited by hand. The output depends on the sources only (a fixed help width, sorted roles), and
+``tests/unit/test_docs.py`` fails when a committed page differs from what this script writes.
+
+Usage: ``python scripts/gen_docs.py`` writes the pages; ``--check`` writes nothing and exits 1 when one is stale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import json
+import re
+import sys
+import types
+import typing
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+import annotated_types
+import click
+from pydantic import AfterValidator, BaseModel, BeforeValidator
+from pydantic.fields import FieldInfo
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # document this tree's gpufleet, whichever the interpreter has installed
+REFERENCE = Path("docs") / "reference"
+HELP_WIDTH = 100
+REGENERATE = "python scripts/gen_docs.py"
+_KEY = re.compile(r"^([a-z][a-z0-9_]*):(.*)$")
+_SECTION = re.compile(r"^-{3}\s*(.*?)\s*-*$")
+_RST_ROLE = re.compile(r":(?:mod|func|class|data|meth|attr):`~?([^`]+)`")
+_CODE_SPAN = re.compile(r"(`+)(.+?)\1", re.S)
+
+
+def banner(sources: str) -> str:
+    """The first line of a generated page: where it comes from and how to regenerate it."""
+    return f"<!-- Generated from {sources} by scripts/gen_docs.py: do not edit; run `make docs`. -->\n"
+
+
+# --- text ---------------------------------------------------------------------------------------------------------
+
+def escape(text: str) -> str:
+    """Markdown text with ``<`` and ``*`` shown as written outside code spans (``<version>`` is no HTML tag)."""
+    pieces = []
+    at = 0
+    for span in _CODE_SPAN.finditer(text):
+        pieces.append(_escape_plain(text[at:span.start()]))
+        pieces.append(span.group(0))
+        at = span.end()
+    pieces.append(_escape_plain(text[at:]))
+    return "".join(pieces)
+
+
+def _escape_plain(text: str) -> str:
+    """``\\``, ``*`` and a ``<`` that could open an HTML tag, escaped."""
+    return re.sub(r"<(?=[A-Za-z/!?])", r"\\<", text.replace("\\", "\\\\").replace("*", "\\*"))
+
+
+def rst_to_markdown(text: str) -> str:
+    """A docstring's reStructuredText as Markdown: ````x```` and ``:mod:`x``` become code spans."""
+    text = _RST_ROLE.sub(r"``\1``", text)
+    text = re.sub(r"``(.+?)``", lambda m: f"`{m.group(1)}`", text, flags=re.S)
+    return escape(text)
+
+
+def one_line(text: str) -> str:
+    """A docstring as one line of Markdown."""
+    return rst_to_markdown(" ".join(text.split()))
+
+
+def comment_markdown(lines: tuple[str, ...]) -> str:
+    """A defaults.yml comment as Markdown: lines joined into paragraphs, indented lines kept as a code block."""
+    blocks: list[str] = []
+    prose: list[str] = []
+    code: list[str] = []
+
+    def flush() -> None:
+        if prose:
+            blocks.append(escape(" ".join(prose)))
+            prose.clear()
+        if code:
+            indent = min(len(line) - len(line.lstrip()) for line in code if line.strip())
+            blocks.append("```\n" + "\n".join(line[indent:] for line in code) + "\n```")
+            code.clear()
+
+    for line in lines:
+        if not line.strip():
+            flush()
+        elif line.startswith("  "):
+            if prose:
+                flush()
+            code.append(line)
+        else:
+            if code:
+                flush()
+            prose.append(line.strip())
+    flush()
+    return "\n\n".join(blocks)
+
+
+# --- roles/*/defaults.yml -----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Variable:
+    """One variable of a role's defaults.yml: its comment (the lines above it, shared by the keys right below
+    them), its default as written, and the section (``# --- name ---``) it is in."""
+
+    name: str
+    role: str
+    comment: tuple[str, ...]
+    default: str
+    section: str
+
+
+@dataclass(frozen=True)
+class RoleDefaults:
+    """A role's defaults.yml: its header comment and its variables, in file order."""
+
+    role: str
+    header: tuple[str, ...]
+    variables: tuple[Variable, ...]
+
+
+def _comment_text(line: str) -> str:
+    return line[2:] if line.startswith("# ") else line[1:]
+
+
+def read_defaults(path: Path) -> RoleDefaults:
+    """A defaults.yml's variables. A comment belongs to the key right below it, and to the keys that follow that one
+    without a blank line; the comments before the first key that a blank line ends are the file's header."""
+    role = path.parent.name
+    header: list[str] = []
+    pending: list[str] = []
+    variables: list[Variable] = []
+    section = ""
+    shared: tuple[str, ...] = ()
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if line.startswith("#"):
+            text = _comment_text(line)
+            if heading := _SECTION.match(text):
+                section = heading.group(1)
+            else:
+                pending.append(text)
+            shared = ()
+        elif not line.strip():
+            if pending and not variables:
+                header += [*([""] if header else []), *pending]
+            elif pending:
+                raise ValueError(f"{path}:{number}: a comment that belongs to no variable (a blank line follows it)")
+            pending, shared = [], ()
+        elif key := _KEY.match(line):
+            comment = tuple(pending) or shared
+            variables.append(Variable(key.group(1), role, comment, key.group(2).strip(), section))
+            pending, shared = [], comment
+        else:
+            raise ValueError(f"{path}:{number}: expected a top-level key on one line, a comment or a blank line")
+    return RoleDefaults(role, tuple(header), tuple(variables))
+
+
+def all_defaults(root: Path = ROOT) -> list[RoleDefaults]:
+    """Every role's defaults.yml, by role name."""
+    return [read_defaults(path) for path in sorted((root / "roles").glob("*/defaults.yml"))]
+
+
+# --- the schema's types -------------------------------------------------------------------------------------------
+
+@dataclass
+class Words:
+    """What a type's description collects besides its text: its validators' rules (their docstrings) and, by name,
+    the mappings (pydantic models, dataclasses) it holds, each with its keys."""
+
+    rules: list[str] = dataclasses.field(default_factory=list)
+    mappings: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def rule(self, func: Callable[..., Any]) -> None:
+        """Add a validator's docstring (its first paragraph), once."""
+        if (doc := first_paragraph(func)) and doc not in self.rules:
+            self.rules.append(doc)
+
+
+def first_paragraph(obj: Any) -> str | None:
+    """The first paragraph of an object's docstring, on one line."""
+    doc = getattr(obj, "__func__", obj).__doc__
+    return " ".join(doc.split("\n\n")[0].split()) if doc else None
+
+
+def _bounds(meta: list[Any]) -> str:
+    low = high = ""
+    for item in meta:
+        if isinstance(item, annotated_types.Ge):
+            low = f"{item.ge} ≤ "
+        elif isinstance(item, annotated_types.Gt):
+            low = f"{item.gt} < "
+        elif isinstance(item, annotated_types.Le):
+            high = f" ≤ {item.le}"
+        elif isinstance(item, annotated_types.Lt):
+            high = f" < {item.lt}"
+    return f"{low}x{high}" if low or high else ""
+
+
+def _flat_metadata(meta: list[Any]) -> list[Any]:
+    """Constraints and validators, with those inside a ``Field(...)`` taken out of it."""
+    flat: list[Any] = []
+    for item in meta:
+        flat += _flat_metadata(item.metadata) if isinstance(item, FieldInfo) else [item]
+    return flat
+
+
+def _choices(meta: list[Any]) -> list[Any] | None:
+    """The values a ``Field(json_schema_extra={"enum": [...]})`` lists, if any."""
+    for item in meta:
+        extra = item.json_schema_extra if isinstance(item, FieldInfo) else None
+        if isinstance(extra, dict) and isinstance(extra.get("enum"), list):
+            return typing.cast(list[Any], extra["enum"])
+    return None
+
+
+def _annotated(base: Any, meta: list[Any], words: Words) -> str:
+    """A type with its constraints (``integer, 1 ≤ x ≤ 65535``); each validator's docstring becomes a rule."""
+    flat = _flat_metadata(meta)
+    parts = [describe_type(base, words)]
+    if choices := _choices(meta):
+        parts = ["one of " + ", ".join(f"`{choice}`" for choice in choices)]
+    if bounds := _bounds(flat):
+        parts.append(bounds)
+    parts += [f"matching `{item.pattern}`" for item in flat if getattr(item, "pattern", None)]
+    for item in flat:
+        if isinstance(item, BeforeValidator | AfterValidator):
+            words.rule(item.func)
+    return ", ".join(parts)
+
+
+def _mapping(model: type[Any], words: Words) -> str:
+    """A pydantic model or dataclass as a mapping of its keys; the keys' types go to ``words.mappings``."""
+    names = list(model.model_fields) if issubclass(model, BaseModel) else [f.name for f in dataclasses.fields(model)]
+    if model.__name__ not in words.mappings:
+        words.mappings[model.__name__] = ""  # a model inside itself is described once
+        hints = typing.get_type_hints(model, include_extras=True)
+        defaults = {} if issubclass(model, BaseModel) else {f.name: f.default for f in dataclasses.fields(model)}
+        keys = []
+        for name in names:
+            inner = Words(mappings=words.mappings)
+            text = describe_type(hints[name], inner)
+            rules = f" ({' '.join(inner.rules)})" if inner.rules else ""
+            default = f", default `{json.dumps(defaults[name])}`" if name in defaults else ""
+            keys.append(f"`{name}`: {text}{rules}{default}")
+        checks = [doc for check in _model_checks(model) if (doc := first_paragraph(check))]
+        words.mappings[model.__name__] = " ".join(
+            [f"{first_paragraph(model)} Keys: {'; '.join(keys)}.", *checks])
+    return "mapping (" + ", ".join(f"`{name}`" for name in names) + ")"
+
+
+def _model_checks(model: type[Any]) -> list[Callable[..., Any]]:
+    if not issubclass(model, BaseModel):
+        return []
+    return [decorator.func for decorator in model.__pydantic_decorators__.model_validators.values()]
+
+
+def describe_type(tp: Any, words: Words) -> str:
+    """A schema annotation in words (``integer, 1 ≤ x ≤ 1024, or `auto```)."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin is Annotated:
+        return _annotated(args[0], list(tp.__metadata__), words)
+    if origin in (Union, types.UnionType):
+        shown = [describe_type(arg, words) for arg in args if arg is not type(None)]
+        return ", or ".join(shown + (["null"] if type(None) in args else []))
+    if origin is Literal:
+        return "one of " + ", ".join(f"`{value}`" for value in args) if len(args) > 1 else f"`{args[0]}`"
+    if origin is list:
+        return f"list of ({describe_type(args[0], words)})"
+    if origin is tuple:
+        items = {describe_type(arg, words) for arg in args}
+        return f"list of {len(args)} ({items.pop()})" if len(items) == 1 else f"list of {len(args)} items"
+    if origin is dict:
+        value = "any value" if args[1] is Any else describe_type(args[1], words)
+        return f"mapping of {describe_type(args[0], words)} to {value}"
+    if isinstance(tp, type) and (issubclass(tp, BaseModel) or dataclasses.is_dataclass(tp)):
+        return _mapping(tp, words)
+    names = {bool: "true or false", int: "integer", float: "number", str: "text"}
+    if tp in names:
+        return names[tp]
+    raise ValueError(f"no words for the type {tp!r}: teach scripts/gen_docs.py describe_type")
+
+
+def field_type(name: str) -> tuple[str, Words]:
+    """A schema field's type in words, and its rules: its validators' docstrings, the mappings it holds."""
+    from gpufleet.config.schema import HostConfig
+
+    field = HostConfig.model_fields[name]
+    words = Words()
+    annotation: Any = field.annotation
+    text = _annotated(annotation, list(field.metadata), words) if field.metadata else describe_type(annotation, words)
+    if choices := _choices([field]):
+        text = "one of " + ", ".join(f"`{choice}`" for choice in choices)
+    for decorator in HostConfig.__pydantic_decorators__.field_validators.values():
+        if name in decorator.info.fields:
+            words.rule(decorator.func)
+    return text, words
+
+
+# --- the pages ----------------------------------------------------------------------------------------------------
+
+def variables_page(root: Path = ROOT) -> str:
+    """docs/reference/variables.md: every variable, by role."""
+    roles = all_defaults(root)
+    out = [banner("roles/*/defaults.yml and gpufleet/config/schema.py"), "# Variables\n",
+           "Every variable a host's configuration holds, by the role whose `roles/<role>/defaults.yml` sets its"
+           " default (the fleet-wide ones: `roles/fleet/`). Its meaning is the comment above it there; its type and"
+           " range come from the typed schema, `gpufleet/config/schema.py`. Which source wins where several set a"
+           " variable: [the guide's Configuration](../guide/configuration.md#precedence).\n"]
+    for role in roles:
+        links = ", ".join(f"[`{v.name}`](#{v.name})" for v in role.variables)
+        out.append(f"- [{role.role}](#role-{role.role}): {links}")
+    out.append("")
+    for role in roles:
+        out.append(f"## Role {role.role}\n")
+        if role.header:
+            out.append(comment_markdown(role.header) + "\n")
+        section = ""
+        first: Variable | None = None
+        for variable in role.variables:
+            if variable.section != section:
+                section = variable.section
+                out.append(f"### {escape(section)}\n")
+            shared = first is not None and variable.comment and variable.comment is first.comment
+            first = first if shared else variable
+            out.append(_variable(variable, first if shared else None))
+    return "\n".join(out).rstrip() + "\n"
+
+
+def _variable(variable: Variable, described_with: Variable | None) -> str:
+    """One variable's entry: its type and rules, its default, its meaning (or where that is, for a variable that
+    shares the comment of the one above it)."""
+    text, words = field_type(variable.name)
+    lines = [f"#### `{variable.name}`\n", f"- type: {escape(text)}"]
+    lines += [f"- rule: {one_line(rule)}" for rule in words.rules]
+    lines += [f"- `{name}`: {one_line(keys)}" for name, keys in words.mappings.items()]
+    lines += [f"- default: `{variable.default}`", ""]
+    if described_with is not None:
+        lines.append(f"Described with [`{described_with.name}`](#{described_with.name}), above.\n")
+    elif variable.comment:
+        lines.append(comment_markdown(variable.comment) + "\n")
+    return "\n".join(lines)
+
+
+def _commands(command: click.Command, ctx: click.Context) -> Iterator[tuple[click.Command, click.Context]]:
+    yield command, ctx
+    if isinstance(command, click.Group):
+        for name in command.list_commands(ctx):
+            sub = command.get_command(ctx, name)
+            if sub is not None:
+                yield from _commands(sub, click.Context(sub, info_name=name, parent=ctx))
+
+
+def commands_page() -> str:
+    """docs/reference/commands.md: every ``gpufleet`` command's ``--help``."""
+    from gpufleet.cli import main
+
+    root = click.Context(main, info_name="gpufleet", terminal_width=HELP_WIDTH, max_content_width=HELP_WIDTH)
+    found = list(_commands(main, root))
+    out = [banner("the click commands of gpufleet/cli*.py"), "# Commands\n",
+           "Every `gpufleet` command, as its `--help` prints it. Bad input never shows a traceback: one line per"
+           " problem, exit 2 (see [the guide's Configuration](../guide/configuration.md#bad-input)).\n"]
+    out += [f"- [`{ctx.command_path}`](#{slug(ctx.command_path)}): {escape(command.get_short_help_str(300))}"
+            for command, ctx in found[1:]]
+    out.append("")
+    for command, ctx in found:
+        out += [f"## {ctx.command_path}\n", "```text", command.get_help(ctx).rstrip(), "```\n"]
+    return "\n".join(out).rstrip() + "\n"
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor of a heading."""
+    return re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+
+
+def role_docstring(path: Path) -> str:
+    """A role's module docstring (read, not imported: roles import pyinfra's deploy machinery)."""
+    doc = ast.get_docstring(ast.parse(path.read_text()))
+    if not doc:
+        raise ValueError(f"{path}: a role's module needs a docstring that says what the node has after it")
+    return doc
+
+
+def roles_page(root: Path = ROOT) -> str:
+    """docs/reference/roles.md: every role's module docstring."""
+    paths = sorted((root / "roles").glob("*/__init__.py"))
+    out = [banner("roles/*/__init__.py"), "# Roles\n",
+           "One pyinfra deploy per role, `roles/<role>/__init__.py`; what follows is each module's docstring: what a"
+           " node has after the role ran. The order a deploy runs them in: [the guide's Deploys](../guide/deploys.md)."
+           " Each role's variables: [Variables](variables.md) (`roles/fleet/` holds the fleet-wide ones and no"
+           " deploy).\n"]
+    out += [f"- [{path.parent.name}](#{path.parent.name})" for path in paths]
+    out.append("")
+    for path in paths:
+        out += [f"## {path.parent.name}\n", rst_to_markdown(role_docstring(path)) + "\n"]
+    return "\n".join(out).rstrip() + "\n"
+
+
+PAGES: dict[str, Callable[[Path], str]] = {
+    "variables.md": variables_page,
+    "commands.md": lambda root: commands_page(),
+    "roles.md": roles_page,
+}
+
+
+def pages(root: Path = ROOT) -> dict[Path, str]:
+    """Every reference page's path (relative to the project) and text."""
+    return {REFERENCE / name: render(root) for name, render in PAGES.items()}
+
+
+def stale(root: Path = ROOT) -> list[Path]:
+    """The reference pages whose committed text is not what this script writes."""
+    return [path for path, text in pages(root).items()
+            if not (root / path).is_file() or (root / path).read_text() != text]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Write the reference pages, or with ``--check`` name the stale ones (exit 1)."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
+    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 when a page is stale")
+    args = parser.parse_args(argv)
+    if args.check:
+        found = stale()
+        for path in found:
+            print(f"{path} is stale: run `make docs` ({REGENERATE})", file=sys.stderr)
+        return 1 if found else 0
+    for path, text in pages().items():
+        (ROOT / path).parent.mkdir(parents=True, exist_ok=True)
+        (ROOT / path).write_text(text)
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
