@@ -320,7 +320,6 @@ def test_the_vllm_unit_is_sandboxed(lab: Lab, serving: Completed | None) -> None
     assert score <= EXPOSURE_BOUND, out[-2000:]
 
 
-@pytest.mark.waits
 def test_no_alert_fires_on_the_healthy_lab(lab: Lab, watched: Completed | None, lab_states: LabStates) -> None:
     """From the moment Prometheus saw every target of the serving lab up and the alerts of before the deploy
     resolved, through the serving scenario's tests (checks, requests), for at least HEALTHY_WATCH_S: no alert fired,

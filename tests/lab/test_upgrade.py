@@ -109,7 +109,7 @@ def test_an_upgrade_under_load_rolls_both_replicas_and_loses_no_request(
     assert _releases(lab) == {single(lab): START_VERSION, PIPELINE: START_VERSION}
     assert _served_versions(lab) == {START_VERSION}
     done, report, traffic = _rolled(lab, tmp_path, tmp_path_factory, f"upgrade {START_VERSION} -> {OTHER_VERSION}",
-                                    "upgrade", "inventories/lab.py", "--batches", "1,100%", "--canary-s", "20",
+                                    "upgrade", "inventories/lab.py", "--batches", "1,100%", "--canary-s", "10",
                                     "--max-latency-ratio", LAB_LATENCY_RATIO, "--data", f"vllm_version={OTHER_VERSION}")
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert _states(report) == {single(lab): "rolled", PIPELINE: "rolled"}, done.stdout[-4000:]
@@ -125,7 +125,7 @@ def test_a_release_that_does_not_start_is_rolled_back_at_the_canary(
     puts it back on the release it ran, stops, and says so; no request fails, and no other replica is touched."""
     before = _running(lab)
     done, report, traffic = _rolled(lab, tmp_path, tmp_path_factory, "a release that does not start",
-                                    "upgrade", "inventories/lab.py", "--batches", "1,100%", "--canary-s", "20",
+                                    "upgrade", "inventories/lab.py", "--batches", "1,100%", "--canary-s", "10",
                                     "--data", f"vllm_version={OTHER_VERSION}",
                                     "--data", 'vllm_env={"VLLM_CPU_KVCACHE_SPACE": "4096"}')
     assert done.returncode == 1, done.stdout[-4000:] + done.stderr[-4000:]
@@ -141,7 +141,7 @@ def test_rollback_returns_the_fleet_to_the_previous_release(
         lab: Lab, faults: Completed | None, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     """The release before the good upgrade: the broken one, rolled back, did not become "previous"."""
     done, report, traffic = _rolled(lab, tmp_path, tmp_path_factory, f"rollback {OTHER_VERSION} -> {START_VERSION}",
-                                    "rollback", "inventories/lab.py", "--batches", "1,100%", "--canary-s", "10",
+                                    "rollback", "inventories/lab.py", "--batches", "1,100%", "--canary-s", "5",
                                     "--max-latency-ratio", LAB_LATENCY_RATIO)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert _states(report) == {single(lab): "rolled", PIPELINE: "rolled"}, done.stdout[-4000:]
