@@ -176,7 +176,9 @@ def release_node_root(node_dir: Path, root: Path) -> None:
             subprocess.run(["umount", "--lazy", str(root)], capture_output=True, check=False)
     if is_mountpoint(root):
         raise LabError(f"cannot unmount {root}; something still uses it")
-    shutil.rmtree(node_dir, ignore_errors=True)
+    # rm, not shutil.rmtree: a node's hundred thousand files go in C, without Python's per-file cost and its lock
+    # (nodes are released side by side); never into another filesystem mounted below.
+    subprocess.run(["rm", "-rf", "--one-file-system", "--", str(node_dir)], capture_output=True, check=False)
 
 
 def is_mountpoint(path: Path) -> bool:

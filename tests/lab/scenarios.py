@@ -29,6 +29,7 @@ class Scenario:
     name: str
     state: str
     about: str
+    accepts: tuple[str, ...] = ()  # states a test left that this scenario's tests also run on (no deploy first)
 
 
 SCENARIOS = (
@@ -36,7 +37,8 @@ SCENARIOS = (
     Scenario("serving", "serving", "deploys/vllm.py from bare nodes, the lab's default: read-only checks"),
     Scenario("watched", "serving", "the same fleet, untouched: no alert fired since it was healthy"),
     Scenario("faults", "serving", "the same fleet: faults that heal, alerts, upgrades and rollbacks"),
-    Scenario("changed", "serving", "the same fleet: tests that leave it changed for the next deploy to replace"),
+    Scenario("changed", "serving", "the same fleet: tests that leave it changed for the next deploy to replace",
+             accepts=("serving, a group's settings changed",)),
     Scenario("ray", "ray", "deploys/vllm.py with the pipeline pool on Ray"),
 )
 BY_NAME = {scenario.name: scenario for scenario in SCENARIOS}
@@ -60,6 +62,8 @@ class LabStates:
         wanted = scenario.state
         if wanted == self.current:
             return self.reached.get(wanted)
+        if self.current in scenario.accepts:
+            return self.reached.get(wanted)
         if wanted == "bare":
             pytest.fail(f"scenario bare needs a lab as booted, and this session's lab is {self.current}: run"
                         " the test in a session of its own", pytrace=False)
@@ -71,9 +75,10 @@ class LabStates:
         self.reached[wanted] = done
         return done
 
-    def changed(self) -> None:
-        """A test left the fleet other than its scenario's state: the next scenario deploys again."""
-        self.current = "unknown"
+    def changed(self, left: str = "unknown") -> None:
+        """A test left the fleet other than its scenario's state: the next scenario deploys again, unless it accepts
+        ``left`` (a state the test names: what it changed)."""
+        self.current = left
         self._healthy_since = None
 
     def healthy_since(self) -> float:

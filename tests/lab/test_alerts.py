@@ -2,13 +2,14 @@
 within the rule's wait plus two scrape intervals, seen in its ``/api/v1/alerts``, and resolve once cleared.
 
 Scenario ``faults``: the lab's default deployment (both replicas of the tiny model serving,
-the router and Prometheus on lab1), with the lab's short waits (group_vars/lab.yml). Two rounds, each with faults
-that do not hide one another:
+the router and Prometheus on lab1), with the lab's short waits (group_vars/lab.yml). One round of faults that do
+not hide one another, so that their waits overlap:
 
-- lab1's engine stalled (SIGSTOP, with requests in flight and its watchdog stopped, as when the watchdog itself
-  is what failed) and lab3's dcgm-exporter stopped;
 - a GPU lost and a critical XID on lab1's simulated GPUs (its GPU watch stops its replica, and starts it again once
-  the GPU is back), and NVLink errors on lab2's.
+  the GPU is back);
+- NVLink errors on lab2's simulated GPUs, and the pipeline replica's engine on lab2 stalled (SIGSTOP, with a request
+  in flight and its watchdog stopped, as when the watchdog itself is what failed);
+- lab3's dcgm-exporter stopped.
 
 Every alert that fired must also reach the alert log's journal on lab1 while its fault holds (the lab sets no
 webhook: log only). Each fault's time to fire and to resolve goes to the session's lab-fault-figures.jsonl.
@@ -32,6 +33,7 @@ import pytest
 from gpufleet.lab.sim_profile import write_sim_profile
 from gpufleet.lab.state import NodeRecord
 from gpufleet.node.alert_log import shown
+from tests.lab.checks import main_pid
 from tests.lab.fleet import (
     INVENTORY,
     PIPELINE,
@@ -39,7 +41,6 @@ from tests.lab.fleet import (
     api_key,
     model_of,
     record_figure,
-    requests_to,
     single,
     wait_serving,
 )
@@ -154,56 +155,6 @@ def _running_requests(lab: Lab, node: NodeRecord) -> float:
                if line.startswith("vllm:num_requests_running{"))
 
 
-@pytest.mark.waits
-def test_a_stalled_engine_and_a_silent_dcgm_exporter_fire_and_resolve(
-        lab: Lab, faults: Completed | None, tmp_path_factory: pytest.TempPathFactory) -> None:
-    first, third = lab.nodes[0], lab.nodes[2]
-    replica = single(lab)
-    prometheus = Prometheus(first)
-    expected = [
-        Expected("VllmEngineStalled", {"replica": replica},
-                 LAB_VARS["alert_engine_stall_s"] + LAB_VARS["alert_engine_stall_for_s"]),
-        Expected("DcgmExporterDown", {"node": third.address}, LAB_VARS["alert_exporter_down_for_s"]),
-    ]
-    _resolved(prometheus, expected, time.monotonic())  # none of them active yet (the earlier tests' faults)
-    began = time.time()
-    wait_serving(lab, first)
-    host = lab.host(first)
-    host.check_output(f"systemctl stop vllm-watchdog@{replica}")
-    engine = host.check_output("pgrep -f 'VLLM::EngineCore'").split()
-    assert len(engine) == 1, engine
-    streams: list[threading.Thread] = []
-    outcomes: list[str] = []
-    try:
-        for _attempt in range(5):  # the engine must stop with a request in flight
-            started = threading.Event()
-            stream = threading.Thread(target=_stream, args=(lab, first, started, outcomes), daemon=True)
-            stream.start()
-            streams.append(stream)
-            assert started.wait(120), "no token came"
-            host.check_output(f"kill -STOP {engine[0]}")
-            if _running_requests(lab, first) > 0:
-                break
-            host.check_output(f"kill -CONT {engine[0]}")
-        else:
-            pytest.fail("every request ended before the engine stopped")
-        lab.host(third).check_output("systemctl stop dcgm-exporter")
-        injected = time.time()
-        _watch(prometheus, expected, injected)
-        _logged(lab, expected, began)
-    finally:
-        host.run(f"kill -CONT {engine[0]}")
-        lab.host(third).run("systemctl start dcgm-exporter")
-        host.run(f"systemctl start vllm-watchdog@{replica}")
-    cleared = time.monotonic()
-    resolved = _resolved(prometheus, expected, cleared)
-    for stream in streams:
-        stream.join(120)
-    assert outcomes and all(o == "complete" for o in outcomes), outcomes  # the stalled requests finish
-    record_figure(tmp_path_factory, {"alerts": "stalled engine (SIGSTOP), stopped dcgm-exporter",
-                                      **_figures(expected, resolved)})
-
-
 def _inject(lab: Lab, node: NodeRecord, faults: list[tuple[str, int] | tuple[str, int, int]], tmp_path: Path) -> None:
     """Replace ``node``'s simulated GPUs by its profile with ``faults`` (the old profile kept beside it)."""
     faulty = tmp_path / f"profile-{node.name}"
@@ -216,15 +167,42 @@ def _restore(lab: Lab, node: NodeRecord) -> None:
     lab.host(node).run(f"test -e {PROFILE}.saved && mv {PROFILE}.saved {PROFILE}")
 
 
+def _stall(lab: Lab, node: NodeRecord, outcomes: list[str], streams: list[threading.Thread]) -> str:
+    """SIGSTOP the engine process of the replica whose API is on ``node`` while a streamed request is running on it;
+    its PID."""
+    host = lab.host(node)
+    engine = host.check_output("pgrep -f 'VLLM::EngineCore'").split()
+    assert len(engine) == 1, engine
+    for _attempt in range(5):  # the engine must stop with a request in flight
+        started = threading.Event()
+        stream = threading.Thread(target=_stream, args=(lab, node, started, outcomes), daemon=True)
+        stream.start()
+        streams.append(stream)
+        assert started.wait(120), "no token came"
+        host.check_output(f"kill -STOP {engine[0]}")
+        if _running_requests(lab, node) > 0:
+            return str(engine[0])
+        host.check_output(f"kill -CONT {engine[0]}")
+    pytest.fail("every request ended before the engine stopped")
+
+
 @pytest.mark.waits
-def test_a_gpu_lost_stops_the_replica_and_gpu_faults_fire_and_resolve(
+def test_gpu_faults_a_stalled_engine_and_a_silent_exporter_fire_and_resolve(
         lab: Lab, faults: Completed | None, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
-    """lab1 (PCIe, no NVLink) loses a GPU and reports a critical XID at run time; lab2 (NVSwitch) counts NVLink
-    errors on one GPU. lab1's GPU watch stops its replica and says why; gpufleet gate and deploys/check.py name the
-    node and the rule; the GPU and replica alerts fire and reach the alert log. Once the GPU is back the watch
-    starts the replica again, without a deploy, and every alert resolves. The pipeline replica answers throughout
-    (NVLink error counters are monitoring's, not the gate's)."""
-    first, second = lab.nodes[0], lab.nodes[1]
+    """One round of faults that do not hide one another, on all three nodes:
+
+    - lab1 (PCIe, no NVLink) loses a GPU and reports a critical XID at run time: its GPU watch stops its replica and
+      says why; gpufleet gate and deploys/check.py name the node and the rule; the GPU and replica alerts fire.
+      Once the GPU is back the watch starts the replica again, without a deploy;
+    - lab2 (NVSwitch) counts NVLink errors on one GPU: an alert, and nothing more (NVLink error counters are
+      monitoring's, not the gate's: the pipeline replica's units are never stopped or restarted);
+    - the pipeline replica's engine (lab2) stalls (SIGSTOP, with a request in flight and its watchdog stopped, as
+      when the watchdog itself is what failed): VllmEngineStalled; once it runs again, the stalled request finishes;
+    - lab3's dcgm-exporter stops: DcgmExporterDown.
+
+    Every alert fires within its wait plus two scrape intervals, reaches the alert log, and resolves once its
+    fault is cleared."""
+    first, second, third = lab.nodes
     replica, host = single(lab), lab.host(first)
     unit = f"vllm@{replica}"
     prometheus = Prometheus(first)
@@ -239,7 +217,10 @@ def test_a_gpu_lost_stops_the_replica_and_gpu_faults_fire_and_resolve(
         Expected("ModelReplicasBelowMinimum", {"model": model_of(lab, first)},
                  LAB_VARS["alert_replica_down_for_s"] + 2 * SCRAPE_INTERVAL_S),
     ]
-    expected = replica_down + gpu_faults
+    stalled = [Expected("VllmEngineStalled", {"replica": PIPELINE},  # timed from the SIGSTOP
+                        LAB_VARS["alert_engine_stall_s"] + LAB_VARS["alert_engine_stall_for_s"])]
+    silent = [Expected("DcgmExporterDown", {"node": third.address}, LAB_VARS["alert_exporter_down_for_s"])]
+    expected = replica_down + gpu_faults + stalled + silent
     _resolved(prometheus, expected, time.monotonic())  # none of them active yet (the earlier tests' faults)
     # increase() sees errors only on a counter sampled before them: lab2's must be scraped before the fault (a fresh
     # Prometheus may not have it yet)
@@ -248,11 +229,20 @@ def test_a_gpu_lost_stops_the_replica_and_gpu_faults_fire_and_resolve(
     wait_for("lab2's NVLink counters sampled twice", lambda: True if prometheus.query(
         f"count_over_time({counter}[5m]) >= 2") else None, timeout=120)
     wait_serving(lab, first)
+    wait_serving(lab, second)
+    pipeline_pids = {n.name: main_pid(lab, n, f"vllm@{PIPELINE}") for n in (second, third)}
     since = host.check_output("date +%s").strip()
-    loop = requests_to(lab, second)
-    loop.start()
     began = time.time()
+    leader = lab.host(second)
+    streams: list[threading.Thread] = []
+    outcomes: list[str] = []
+    engine = ""
     try:
+        leader.check_output(f"systemctl stop vllm-watchdog@{PIPELINE}")
+        engine = _stall(lab, second, outcomes, streams)
+        stopped_engine = time.time()
+        lab.host(third).check_output("systemctl stop dcgm-exporter")
+        silenced = time.time()
         _inject(lab, first, [("gpu_lost", LOST_GPU), ("xid", XID_GPU, XID)], tmp_path)
         _inject(lab, second, [("nvlink_errors", NVLINK_GPU)], tmp_path)
         injected = time.time()
@@ -269,24 +259,32 @@ def test_a_gpu_lost_stops_the_replica_and_gpu_faults_fire_and_resolve(
         assert "GPU is lost" in check.output, check.output[-4000:]
         _watch(prometheus, gpu_faults, injected)
         _watch(prometheus, replica_down, injected + stopped)
+        _watch(prometheus, silent, silenced)
+        _watch(prometheus, stalled, stopped_engine)
         _logged(lab, expected, began)
-        assert all(lab.host(n).service(f"vllm@{PIPELINE}").is_running for n in lab.nodes[1:])
+        # the NVLink errors stopped nothing: the pipeline's ranks run the processes they ran before the round
+        assert {n.name: main_pid(lab, n, f"vllm@{PIPELINE}") for n in (second, third)} == pipeline_pids
     finally:
+        if engine:
+            leader.run(f"kill -CONT {engine}")
+        lab.host(third).run("systemctl start dcgm-exporter")
+        leader.run(f"systemctl start vllm-watchdog@{PIPELINE}")
         _restore(lab, first)
         _restore(lab, second)
     cleared = time.monotonic()
-    try:
-        wait_serving(lab, first)  # the watch started it again: no deploy
-        back = time.monotonic() - cleared
-    finally:
-        loop.stop()
+    wait_serving(lab, first)  # the watch started it again: no deploy
+    back = time.monotonic() - cleared
     assert host.run(f"test -e {GATE_FAILED}").rc != 0
-    assert loop.sent > 0 and loop.failures == [], loop.failures[:3]
+    for stream in streams:
+        stream.join(120)
+    assert outcomes and all(o == "complete" for o in outcomes), outcomes  # the stalled requests finish
+    wait_serving(lab, second)
+    assert {n.name: main_pid(lab, n, f"vllm@{PIPELINE}") for n in (second, third)} == pipeline_pids
     resolved = _resolved(prometheus, expected, cleared)
     record_figure(tmp_path_factory, {"alerts": "GPU lost, XID 79 (lab1, its replica stopped by the watch); NVLink"
-                                               " errors (lab2)", **_figures(expected, resolved)})
+                                               " errors (lab2); stalled engine (SIGSTOP, lab2's pipeline replica);"
+                                               " stopped dcgm-exporter (lab3)", **_figures(expected, resolved)})
     record_figure(tmp_path_factory, {
         "fault": "gpu_lost injected on a serving node", "node": first.name,
         "replica_stopped_after_s": round(stopped, 1), "serving_again_after_the_gpu_came_back_s": round(back, 1),
-        "watch_said": said.strip()[:300], "other_replica_requests": loop.sent,
-        "other_replica_failures": 0})
+        "watch_said": said.strip()[:300]})

@@ -130,7 +130,10 @@ def test_one_deploy_heals_a_node_without_a_driver_and_a_follower_systemd_gave_up
     pipeline, leader, follower = f"vllm@{PIPELINE}", lab.nodes[1], lab.nodes[2]
     failing = lab.host(follower)
     drop_in = f"/run/systemd/system/{pipeline}.service.d"
-    failing.check_output(f"mkdir -p {drop_in} && printf '[Service]\\nExecStartPre=/bin/false\\n' > {drop_in}/fail.conf"
+    # each start fails at once and the next follows 0.2 s later (the unit's own RestartSec is 5 s): systemd gives up
+    # after its StartLimitBurst in a second or two instead of half a minute
+    failing.check_output(f"mkdir -p {drop_in} && printf '[Service]\\nExecStartPre=/bin/false\\nRestartSec=200ms\\n'"
+                         f" > {drop_in}/fail.conf"
                          f" && systemctl daemon-reload && systemctl restart {pipeline} || true")
     host.check_output(f"systemctl stop {unit} && apt-get purge -y -q {DRIVER_PACKAGES} >/dev/null 2>&1")
     assert host.run(NVML_INIT).rc != 0  # bare: no NVML
@@ -327,7 +330,7 @@ def test_changing_one_groups_setting_restarts_only_that_groups_replicas(
     pipeline = {n.name: main_pid(lab, n, f"vllm@{PIPELINE}") for n in lab.nodes[1:]}
     single_pid = main_pid(lab, lab.nodes[0], f"vllm@{single(lab)}")
     inventory = _lab_copy(tmp_path, "vllm_extra_args:\n  enforce-eager: true\n  max-num-seqs: 16\n")
-    lab_states.changed()
+    lab_states.changed("serving, a group's settings changed")
     assert_no_errors(deploy(lab, inventory=inventory))
     assert main_pid(lab, lab.nodes[0], f"vllm@{single(lab)}") != single_pid
     assert {n.name: main_pid(lab, n, f"vllm@{PIPELINE}") for n in lab.nodes[1:]} == pipeline
@@ -338,7 +341,9 @@ def test_changing_one_groups_setting_restarts_only_that_groups_replicas(
 def test_a_node_failing_the_gpu_gate_is_not_started_and_is_named(
         lab: Lab, changed: Completed | None, lab_states: LabStates, tmp_path: Path) -> None:
     """lab1 loses a GPU: the deploy names it and does not start its replica, nor does the unit's own gate; the
-    pipeline replica runs on. The fleet is left with lab1's replica stopped: the next scenario's deploy starts it."""
+    pipeline replica runs on. It runs as well on the fleet the group-setting test left (lab1's replica on other
+    settings, which this deploy would put back): no deploy first. The fleet is left with lab1's replica stopped: the
+    next scenario's deploy starts it."""
     node, unit = lab.nodes[0], f"vllm@{single(lab)}"
     host = lab.host(node)
     lab_states.changed()
