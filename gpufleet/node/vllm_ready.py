@@ -4,6 +4,7 @@
 Runs on the node (standard library only) as root, after the deploy started the replica::
 
     python3 vllm_ready.py --url http://10.0.0.5:8000 --model NAME [--unit vllm@r.service]
+                          [--restart-record /etc/gpufleet/vllm/r/restart-pending]
                           [--env-file SECRETS.env] [--timeout 900] [--max-restarts 3]
                           [--observed observed.json --planned-kv-tokens N --max-model-len N --tolerance 0.05]
 
@@ -13,7 +14,9 @@ Prints one JSON line; exit 0 when ready, 1 when not within the timeout, or as so
 says vLLM's engine did not start for a configuration error (a ``ValueError``: memory it cannot get, a length the
 model does not have; the same start fails again): a release that cannot start is named in minutes, not after the
 whole timeout. (A multi-node replica's rank 0 says so whichever rank failed, and replica_rank.py restarts them
-all, so one bad start can take minutes there; engine failures of other kinds are left to the restarts.)
+all, so one bad start can take minutes there; engine failures of other kinds are left to the restarts.) With
+``--restart-record`` (the record the deploy touched before it stopped the replica), a start that failed so before
+the wait began counts too: the journal is read from the first start after the record was written.
 ``replica_watchdog.py`` makes its requests with :func:`request` and :func:`completion`.
 
 With ``--observed``, once ready it reads what vLLM itself reports of its KV cache: the labels of its
@@ -125,10 +128,25 @@ def unit_journal(unit: str, since: float) -> str:
                           capture_output=True, text=True).stdout
 
 
-def refused_start(unit: str, since: float) -> str | None:
-    """The configuration error of a start of ``unit`` since ``since`` (epoch seconds) at which vLLM's engine did not
-    start, from the unit's journal: its last ``ValueError`` line; None when there is none."""
+def record_time(path: str | None) -> float | None:
+    """When the deploy last touched the replica's restart record (epoch seconds); None without one."""
+    try:
+        return os.stat(path).st_mtime if path else None
+    except OSError:
+        return None
+
+
+def refused_start(unit: str, since: float, recorded: float | None = None) -> str | None:
+    """The configuration error of a start of ``unit`` at which vLLM's engine did not start, from the unit's journal:
+    its last ``ValueError`` line; None when there is none. The journal is read from ``since`` (epoch seconds), or,
+    given ``recorded`` (when the deploy wrote the restart record, before it stopped the replica), from systemd's
+    first "Starting UNIT" line after that: what the stopped release logged never counts."""
     journal = unit_journal(unit, since)
+    if recorded is not None and recorded < since:
+        earlier = unit_journal(unit, recorded)
+        first_start = earlier.find(f"Starting {unit}")
+        if first_start >= 0:
+            journal = earlier[first_start:]
     if ENGINE_FAILED not in journal:
         return None
     errors = CONFIG_ERROR.findall(journal)
@@ -272,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--url", required=True)
     parser.add_argument("--model", required=True)
     parser.add_argument("--unit", help="the replica's systemd unit: stop waiting once it has failed")
+    parser.add_argument("--restart-record", help="the replica's restart record, touched by the deploy before it"
+                        " stopped the replica: a start that failed since then counts")
     parser.add_argument("--env-file")
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--max-restarts", type=int, default=3,
@@ -284,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     key = read_env_file(args.env_file).get("VLLM_API_KEY") if args.env_file else None
     started, since = time.monotonic(), time.time()
+    recorded = record_time(args.restart_record)
     first_restarts = unit_state(args.unit)[1] if args.unit else 0
     seen = "not tried"
     while True:
@@ -295,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         failed, restarts = unit_state(args.unit) if args.unit else (False, first_restarts)
         crashing = restarts - first_restarts >= args.max_restarts
-        refused = refused_start(args.unit, since) if args.unit and not (failed or crashing) else None
+        refused = refused_start(args.unit, since, recorded) if args.unit and not (failed or crashing) else None
         if failed or crashing or refused or waited > args.timeout:
             if failed or crashing or refused:
                 why = ("failed" if failed else f"restarted {restarts - first_restarts} times while waiting"

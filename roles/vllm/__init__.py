@@ -339,7 +339,7 @@ def vllm_serve() -> None:
                          cfg.vllm_plan_tolerance)
             wait = ctx.readiness[replica.name] = server.script(
                 name=f"{replica.name}: wait for /health and one real completion on {url}",
-                script=ready_command(cfg.served_model_name(), url, unit,
+                script=ready_command(cfg.served_model_name(), url, unit, marker,
                                      replica_secrets(replica.name) if replica.secret_env else None,
                                      cfg.vllm_ready_timeout, kv),
                 _if=_changed(starts),  # a rank (re)started on any of its nodes
@@ -366,11 +366,13 @@ class KvCheck:
                 "--max-model-len", str(self.max_model_len), "--tolerance", str(self.tolerance)]
 
 
-def ready_command(served: str, url: str, unit: str, secrets: str | None, timeout: int,
+def ready_command(served: str, url: str, unit: str, record: str, secrets: str | None, timeout: int,
                   kv: KvCheck | None = None) -> str:
     """The readiness check's shell line on the first node, every argument quoted for the shell; with ``kv``, it
-    then records the KV cache vLLM reports beside the plan's."""
-    argv = ["python3", node_tool("vllm_ready.py"), "--url", url, "--model", served, "--unit", unit]
+    then records the KV cache vLLM reports beside the plan's. ``record``: the replica's restart record, which the
+    deploy touches before it stops the replica (a start refused before the wait began then counts)."""
+    argv = ["python3", node_tool("vllm_ready.py"), "--url", url, "--model", served, "--unit", unit,
+            "--restart-record", record]
     if secrets:
         argv += ["--env-file", secrets]
     return shlex.join([*argv, "--timeout", str(timeout), *(kv.argv() if kv else [])])

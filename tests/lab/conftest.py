@@ -15,8 +15,9 @@ import paramiko
 import pytest
 
 from gpufleet.lab import network, ssh
-from gpufleet.lab.state import LAB_DIR_ENV, load_state
+from gpufleet.lab.state import LAB_DIR_ENV, NodeRecord, load_state
 from tests.conftest import skip_or_fail
+from tests.lab.fleet import OLD_MODULE, SIM_PROFILE
 from tests.lab.harness import LAB_CLI, LAB_NODES, LAB_PROFILES, Completed, Lab, cannot_run_lab, run
 from tests.lab.scenarios import BY_NAME, RANK, LabStates, scenario_of
 
@@ -164,3 +165,16 @@ def changed(lab_states: LabStates) -> Completed | None:
 @pytest.fixture
 def ray(lab_states: LabStates) -> Completed | None:
     return lab_states.reach(BY_NAME["ray"])
+
+
+@pytest.fixture
+def old_module_loaded(lab: Lab) -> Iterator[NodeRecord]:
+    """lab3's NVML reports driver OLD_MODULE (the module of an older driver is loaded) until it reboots."""
+    node = lab.nodes[-1]
+    host = lab.host(node)
+    host.run_expect([0], f"sed 's/^driver_version .*/driver_version {OLD_MODULE}/' {SIM_PROFILE} > /run/old-module"
+                         f" && mount --bind /run/old-module {SIM_PROFILE}")
+    try:
+        yield node
+    finally:
+        host.run(f"mountpoint -q {SIM_PROFILE} && umount {SIM_PROFILE}")

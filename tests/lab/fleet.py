@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import yaml
 
+from gpufleet.lab.hooks import SIM_PROFILE_PATH
 from gpufleet.lab.nodes import API_KEY_FILE
 from gpufleet.lab.request_load import RequestLoad
 from gpufleet.lab.state import NodeRecord
@@ -27,6 +28,12 @@ from tests.lab.harness import PYINFRA, ROOT, Completed, Lab, run
 
 INVENTORY = "inventories/lab.py"
 DEPLOY = "deploys/vllm.py"
+PROVISION = "deploys/provision.py"
+# A kernel module that does not match the driver package: a copy of the node's NVML simulator profile that reports
+# OLD_MODULE, bind-mounted over it (tests/lab/conftest.py's old_module_loaded); a reboot drops the mount, as it would
+# load the installed module.
+SIM_PROFILE = "/" + SIM_PROFILE_PATH
+OLD_MODULE = "580.65.06"
 PORT = 8000
 SINGLE = "lab_single-{}"
 PIPELINE = "lab_pipeline-0"
@@ -49,8 +56,10 @@ def reach(target):
         return False
 print(json.dumps(dict(zip(sys.argv[3:], ThreadPoolExecutor(16).map(reach, sys.argv[3:])))))
 """
-RAY = ("--data", "vllm_distributed_backend=ray", "--data", "vllm_start=false")
-"""The pipeline pool on Ray: the CPU build refuses vLLM's Ray executor, so vLLM is staged, not started."""
+RAY = ("--data", "vllm_distributed_backend=ray", "--data", "vllm_start=false", "--limit", "lab_pipeline")
+"""The pipeline pool on Ray: the CPU build refuses vLLM's Ray executor, so vLLM is staged, not started. Only the
+pool's nodes are deployed: lab1 stands for any other machine (its replica, stopped by the last ``changed`` test,
+is not started again for a scenario that does not use it)."""
 
 
 def served_name(group: str) -> str:

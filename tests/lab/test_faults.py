@@ -18,12 +18,15 @@ import pytest
 
 from gpufleet.lab.nodes import power_off
 from gpufleet.lab.sim_profile import write_sim_profile
+from gpufleet.lab.state import NodeRecord
 from tests.lab.checks import assert_no_errors, assert_nothing_changed, main_pid
 from tests.lab.fleet import (
     DEPLOY,
     INVENTORY,
     PIPELINE,
     PORT,
+    PROVISION,
+    SIM_PROFILE,
     deploy,
     http,
     record_figure,
@@ -161,27 +164,30 @@ def test_one_deploy_heals_a_node_without_a_driver_and_a_follower_systemd_gave_up
         "serving_after_s": round(healed, 1)})
 
 
-def test_a_wedged_engine_is_restarted_by_the_watchdog_while_the_followers_node_reboots(
-        lab: Lab, faults: Completed | None, tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_a_wedged_engine_is_restarted_by_the_watchdog_while_a_provision_reboots_the_followers_node(
+        lab: Lab, faults: Completed | None, old_module_loaded: NodeRecord,
+        tmp_path_factory: pytest.TempPathFactory) -> None:
     """Two faults at once, on both replicas, each healed without an operator:
 
     - SIGSTOP of lab1's engine process: /health may still answer, completions do not; the watchdog on the replica's
       node restarts the replica after vllm_watchdog_stall_s (30 s on the lab) and says why in the journal;
-    - lab3 (rank 1) reboots: rank 0 stops its vLLM and waits; lab3's unit starts at boot and both ranks start
-      together again, without a deploy.
+    - lab3 (rank 1) runs an older driver's kernel module: deploys/provision.py with nvidia_driver_reboot=allowed
+      reboots it, and after the boot it runs the installed driver with its services. Rank 0 stops its vLLM and
+      waits; lab3's unit starts at boot and both ranks start together again, without a vLLM deploy.
     """
     node, unit = lab.nodes[0], f"vllm@{single(lab)}"
     host = lab.host(node)
-    leader, follower = lab.nodes[1], lab.nodes[2]
+    leader, follower = lab.nodes[1], old_module_loaded
     wait_serving(lab, node)
     wait_serving(lab, leader)
+    boot = lab.boot_id(follower)
     engine = host.check_output("pgrep -f 'VLLM::EngineCore'").split()
     assert len(engine) == 1, engine
     since = host.check_output("date +%s").strip()
     stopped = time.monotonic()
     host.check_output(f"kill -STOP {engine[0]}")
-    with ThreadPoolExecutor(1) as rebooting:  # leaving it waits for the reboot's end
-        rebooted = rebooting.submit(lab.reboot, follower)  # until it booted again
+    with ThreadPoolExecutor(1) as provisioning:  # leaving it waits for the deploy's end
+        provisioned = provisioning.submit(lab.pyinfra, INVENTORY, PROVISION, "--data", "nvidia_driver_reboot=allowed")
         try:  # a figure, not a verdict: the watchdog must act whichever way /health answers
             health: int | str = http(f"http://{node.address}:{PORT}/health", timeout=10)[0]
         except OSError as exc:
@@ -196,7 +202,14 @@ def test_a_wedged_engine_is_restarted_by_the_watchdog_while_the_followers_node_r
         detected = time.monotonic() - stopped
         wait_serving(lab, node)
         recovered = time.monotonic() - stopped
-    rebooted.result()  # lab3 booted again: its failure to is this test's
+    rows = assert_no_errors(provisioned.result())
+    assert rows["NVIDIA driver | Check that the loaded kernel module is the installed driver's"][0] == "1"
+    lab.forget_connections()
+    assert lab.boot_id(follower) not in ("", boot)  # rebooted by the deploy
+    rebooted = lab.host(follower)
+    assert rebooted.run(f"mountpoint -q {SIM_PROFILE}").rc != 0  # the installed driver's module is the one loaded
+    for service in ("nvidia-persistenced", "nvidia-fabricmanager", "nvidia-dcgm"):
+        assert rebooted.service(service).is_running, service
     wait_serving(lab, leader, timeout=600)  # the replica could not serve before lab3 booted again
     pipeline_back = time.monotonic() - stopped
     assert host.check_output("pgrep -f 'VLLM::EngineCore'").split() != engine
@@ -205,8 +218,8 @@ def test_a_wedged_engine_is_restarted_by_the_watchdog_while_the_followers_node_r
         "watchdog_restart_after_s": round(detected, 1), "serving_again_s": round(recovered, 1),
         "watchdog_said": said.splitlines()[0][:300]})
     record_figure(tmp_path_factory, {
-        "fault": "reboot of the follower's node (beside the stalled engine)", "replica": PIPELINE,
-        "serving_again_s": round(pipeline_back, 1)})
+        "fault": "reboot of the follower's node by deploys/provision.py (beside the stalled engine)",
+        "replica": PIPELINE, "serving_again_s": round(pipeline_back, 1)})
 
 
 def test_a_node_lost_halfway_through_a_deploy_is_named_and_a_rerun_finishes(

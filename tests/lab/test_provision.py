@@ -1,36 +1,30 @@
 """Provisioning on the lab: what deploys/vllm.py's provisioning left (roles common, nvidia_driver, dcgm), that
 deploys/provision.py agrees with it, and role dcgm_exporter. Read-only checks run on the serving lab (scenario
-``serving``, inside the healthy watch); those that restart the exporter or fail and reboot a node, with the faults.
+``serving``, inside the healthy watch); those that restart the exporter or fail a node, with the faults (the
+reboot that loads the installed driver is one of test_faults.py's: beside a wedged engine).
 
 lab1 is a PCIe box (8xH100NVL-PCIe: no NVLink, no NVSwitch), lab2 and lab3 HGX boards (8xH100-SXM), so
 the fabric manager and the NVLink counters must follow the probed hardware. A kernel module that does not
-match the driver package is simulated by bind-mounting, over the node's NVML simulator profile, a copy
-that reports another driver version; a reboot drops the mount, as it would load the installed module.
+match the driver package: the fixture old_module_loaded (tests/lab/conftest.py).
 Traffic goes only to the lab nodes' addresses.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 
 import pytest
 
 from gpufleet.hardware_profiles import parse_profile
-from gpufleet.lab.hooks import SIM_PROFILE_PATH
 from gpufleet.lab.state import NodeRecord
 from tests.lab.checks import assert_no_errors, assert_nothing_changed, main_pid, metrics, results
-from tests.lab.fleet import wait_serving
+from tests.lab.fleet import INVENTORY, OLD_MODULE, PROVISION
 from tests.lab.harness import Completed, Lab
 
 pytestmark = pytest.mark.filterwarnings("ignore:Unknown ssh-ed25519 host key:UserWarning")
 
-INVENTORY = "inventories/lab.py"
-PROVISION = "deploys/provision.py"
 EXPORTER = "tests/lab/deploys/dcgm_exporter.py"
 DRIVER, DRIVER_VERSION = "nvidia-driver-580-open", "580.95.05-1"
-OLD_MODULE = "580.65.06"
-SIM_PROFILE = "/" + SIM_PROFILE_PATH
 EXPORTER_PORT = 9400
 
 
@@ -139,19 +133,6 @@ def test_a_changed_counters_file_restarts_only_the_exporter(lab: Lab, faults: Co
     assert "DCGM_FI_DEV_XID_ERRORS{" in metrics(node, EXPORTER_PORT)
 
 
-@pytest.fixture
-def old_module_loaded(lab: Lab) -> Iterator[NodeRecord]:
-    """lab3's NVML reports driver OLD_MODULE (the module of an older driver is loaded) until it reboots."""
-    node = lab.nodes[-1]
-    host = lab.host(node)
-    host.run_expect([0], f"sed 's/^driver_version .*/driver_version {OLD_MODULE}/' {SIM_PROFILE} > /run/old-module"
-                         f" && mount --bind /run/old-module {SIM_PROFILE}")
-    try:
-        yield node
-    finally:
-        host.run(f"mountpoint -q {SIM_PROFILE} && umount {SIM_PROFILE}")
-
-
 def test_a_mismatched_kernel_module_stops_only_that_node(lab: Lab, faults: Completed,
                                                          old_module_loaded: NodeRecord) -> None:
     assert_no_errors(faults)
@@ -168,18 +149,3 @@ def test_a_mismatched_kernel_module_stops_only_that_node(lab: Lab, faults: Compl
     # nothing after the check ran on the stopped node: the others' DCGM step ran, its own did not
     dcgm_row = rows["DCGM | Enable and start the DCGM host engine nvidia-dcgm.service"]
     assert dcgm_row[1] == "1" and dcgm_row[2] == str(len(lab.nodes) - 1), done.output
-
-
-def test_reboot_allowed_loads_the_installed_driver(lab: Lab, faults: Completed,
-                                                   old_module_loaded: NodeRecord) -> None:
-    assert_no_errors(faults)
-    host = lab.host(old_module_loaded)
-    boot = host.check_output("cat /proc/sys/kernel/random/boot_id")
-    done = lab.pyinfra(INVENTORY, PROVISION, "--data", "nvidia_driver_reboot=allowed")
-    rows = assert_no_errors(done)
-    assert rows["NVIDIA driver | Check that the loaded kernel module is the installed driver's"][0] == "1"
-    assert host.check_output("cat /proc/sys/kernel/random/boot_id") != boot
-    assert host.run(f"mountpoint -q {SIM_PROFILE}").rc != 0
-    for unit in ("nvidia-persistenced", "nvidia-fabricmanager", "nvidia-dcgm"):
-        assert host.service(unit).is_running, unit
-    wait_serving(lab, lab.nodes[1])  # the pipeline replica, whose rank 1 the reboot stopped, serves again

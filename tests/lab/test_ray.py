@@ -1,9 +1,10 @@
 """The pipeline pool on Ray (scenario ``ray``, the last: the lab is not taken back to vLLM's mp backend).
 
-``deploys/vllm.py --data vllm_distributed_backend=ray --data vllm_start=false`` leaves the pipeline pool's Ray units
-running: the head on lab2, a worker on lab3, vLLM staged but not started (the CPU build refuses Ray's executor).
-lab1 serves no replica with them: it stands for any other machine on the fleet network, while the controller's
-side of the lab (the bridge address) is the monitoring host (``monitoring_addresses`` in inventories/lab.py).
+``deploys/vllm.py --data vllm_distributed_backend=ray --data vllm_start=false --limit lab_pipeline`` leaves the
+pipeline pool's Ray units running: the head on lab2, a worker on lab3, vLLM staged but not started (the CPU build
+refuses Ray's executor). lab1 is not deployed: it stands for any other machine on the fleet network, while the
+controller's side of the lab (the bridge address) is the monitoring host (``monitoring_addresses`` in
+inventories/lab.py).
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ tests/data/vllm_ready/ (``*.metrics``, as vLLM's CPU build 0.31 answers on the l
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -38,6 +39,20 @@ CASES: dict[str, tuple[bool, list[str], int, str] | tuple[bool, list[str], int, 
         "less than requested memory for kv (4096.0 GiB).", "kv_cache_refused.journal"),
     "an_engine_failing_otherwise_is_left_to_its_restarts": (
         False, ["ActiveState=activating\nNRestarts=0"], 1, "/health answered 503", "nccl_timeout.journal"),
+    # with the restart record the deploy touched before it stopped the replica (--restart-record): the journal is
+    # read from systemd's first "Starting" line after it; since the wait began, the next start has logged nothing
+    "a_start_refused_after_the_deploys_stop_and_before_the_wait_is_named_at_once": (
+        False, ["ActiveState=activating\nNRestarts=1"], 1,
+        f"{UNIT} did not start: ValueError: Available memory on node 0 (18.35/23.54 GiB)"),
+    "what_the_stopped_release_logged_does_not_count": (
+        False, ["ActiveState=activating\nNRestarts=0"], 1, "/health answered 503",),
+}
+# The unit's journal from the restart record's time (its mtime: RECORDED), for the cases that pass --restart-record.
+RECORDED = 1000
+FROM_RECORD = {
+    "a_start_refused_after_the_deploys_stop_and_before_the_wait_is_named_at_once":
+        "refused_after_the_deploys_stop.journal",
+    "what_the_stopped_release_logged_does_not_count": "refused_by_the_stopped_release.journal",
 }
 
 
@@ -58,8 +73,9 @@ def _serving(ready: bool, metrics: bytes = b"") -> type[QuietHandler]:
     return Handler
 
 
-def _stand_ins(tmp_path: Path, shows: list[str], journal: str | None) -> Path:
-    """The stand-in ``systemctl`` and ``journalctl``; the directory to put first on PATH."""
+def _stand_ins(tmp_path: Path, shows: list[str], journal: str | None, from_record: str | None = None) -> Path:
+    """The stand-in ``systemctl`` and ``journalctl`` (``from_record``: what it prints from RECORDED on); the
+    directory to put first on PATH."""
     bin_dir, answers, looks = tmp_path / "bin", tmp_path / "answers", tmp_path / "looks"
     bin_dir.mkdir()
     answers.mkdir()
@@ -72,8 +88,9 @@ def _stand_ins(tmp_path: Path, shows: list[str], journal: str | None) -> Path:
         f'n=$(cat {looks}); [ "$n" -lt {len(shows) - 1} ] && echo $((n + 1)) > {looks}\n'
         f'cat {answers}/$n\n')
     (bin_dir / "systemctl").chmod(0o755)
-    (bin_dir / "journalctl").write_text(  # the wait reads the unit's journal since it began
+    (bin_dir / "journalctl").write_text(  # the wait reads the unit's journal since it began (or the record's time)
         f'#!/bin/sh\n[ "$1 $2 $3 ${{4%%=*}} $5 $6" = "-q -o cat --since -u {UNIT}" ] || exit 9\n'
+        + (f'[ "$4" = "--since=@{RECORDED}" ] && exec cat {JOURNALS / from_record}\n' if from_record else "")
         + (f"cat {JOURNALS / journal}\n" if journal else ""))
     (bin_dir / "journalctl").chmod(0o755)
     return bin_dir
@@ -82,20 +99,26 @@ def _stand_ins(tmp_path: Path, shows: list[str], journal: str | None) -> Path:
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_the_readiness_wait(case: str, tmp_path: Path) -> None:
     ready, shows, code, seen, *journal = CASES[case]
-    bin_dir = _stand_ins(tmp_path, shows, journal[0] if journal else None)
+    bin_dir = _stand_ins(tmp_path, shows, journal[0] if journal else None, FROM_RECORD.get(case))
+    record = []
+    if case in FROM_RECORD:
+        (tmp_path / "restart-pending").touch()
+        os.utime(tmp_path / "restart-pending", (RECORDED, RECORDED))
+        record = ["--restart-record", str(tmp_path / "restart-pending")]
     # the timeout lets the wait see every answer: restarts that began before it must not end it early
     timeout = str(2 * len(shows) + 1)
     with loopback_server(_serving(ready)) as url:
         done = subprocess.run([sys.executable, "-I", str(TOOL), "--url", url, "--model", "tiny", "--unit", UNIT,
-                               "--timeout", timeout], capture_output=True, text=True, timeout=60,
+                               *record, "--timeout", timeout], capture_output=True, text=True, timeout=60,
                               env={"PATH": f"{bin_dir}:/usr/bin:/bin"})
     verdict = json.loads(done.stdout)
     assert (done.returncode, verdict["ready"]) == (code, code == 0), done.stderr
     assert verdict["seen"].startswith(seen), verdict
     assert set(verdict) == {"ready", "url", "seconds", "seen"}  # without --observed: nothing recorded
-    if case in ("restarts_from_before_the_wait_do_not_count", "an_engine_failing_otherwise_is_left_to_its_restarts"):
+    if case in ("restarts_from_before_the_wait_do_not_count", "an_engine_failing_otherwise_is_left_to_its_restarts",
+                "what_the_stopped_release_logged_does_not_count"):
         assert verdict["seconds"] > float(timeout)  # waited the whole timeout
-    if case == "an_engine_refusing_its_configuration_is_named_at_once":
+    if case.endswith("_is_named_at_once"):
         assert verdict["seconds"] < 2
 
 

@@ -789,7 +789,7 @@ def test_paths_below_the_model_prefix() -> None:
 def test_ready_command_passes_the_served_name_literally_through_the_shell(tmp_path: Path, served: str) -> None:
     kv = vllm_role.KvCheck(node_paths.observed_file("r"), 2_097_152, 256, 0.05)
     command = vllm_role.ready_command(served, "http://10.0.0.5:8000", "vllm@r.service",
-                                      "/etc/gpufleet/secrets/r.env", 900, kv)
+                                      node_paths.restart_marker("r"), "/etc/gpufleet/secrets/r.env", 900, kv)
     (tmp_path / "python3").write_text('#!/bin/sh\nprintf "%s\\0" "$@"\n')
     (tmp_path / "python3").chmod(0o755)
     done = subprocess.run(["sh", "-c", command], capture_output=True, timeout=30,
@@ -797,7 +797,8 @@ def test_ready_command_passes_the_served_name_literally_through_the_shell(tmp_pa
     assert done.returncode == 0, done.stderr
     assert done.stdout.decode().split("\0")[:-1] == [
         node_paths.node_tool("vllm_ready.py"), "--url", "http://10.0.0.5:8000", "--model", served,
-        "--unit", "vllm@r.service", "--env-file", "/etc/gpufleet/secrets/r.env", "--timeout", "900",
+        "--unit", "vllm@r.service", "--restart-record", "/etc/gpufleet/vllm/r/restart-pending",
+        "--env-file", "/etc/gpufleet/secrets/r.env", "--timeout", "900",
         "--observed", "/etc/gpufleet/vllm/r/observed.json", "--planned-kv-tokens", "2097152", "--max-model-len", "256",
         "--tolerance", "0.05"]
 
