@@ -13,12 +13,6 @@ from typing import Any
 from gpufleet import node_paths
 from gpufleet.config.schema import HostConfig
 from gpufleet.templates import render
-from roles.dcgm import HOSTENGINE
-from roles.dcgm_exporter import SERVICE as DCGM_EXPORTER_SERVICE
-from roles.node_exporter import PACKAGE_UNIT as NODE_EXPORTER_PACKAGE_UNIT
-from roles.node_exporter import UNIT as NODE_EXPORTER_UNIT
-from roles.nvidia_driver import FABRICMANAGER
-from roles.router import SERVICE as ROUTER_SERVICE
 
 RULES_DIR = "monitoring/rules"
 RULE_FILES = ("recording.yml", "gpu.yml", "serving.yml", "node.yml")
@@ -29,14 +23,15 @@ THRESHOLDS = tuple(name for name in HostConfig.model_fields if name.startswith("
 
 GPUFLEET_UNITS = (
     node_paths.VLLM_UNIT_TEMPLATE, node_paths.watchdog_unit(""), f"{node_paths.RAY_UNIT_PREFIX}.service",
-    node_paths.GPU_WATCH_SERVICE, DCGM_EXPORTER_SERVICE, NODE_EXPORTER_UNIT, NODE_EXPORTER_PACKAGE_UNIT, ROUTER_SERVICE,
+    node_paths.GPU_WATCH_SERVICE, node_paths.DCGM_EXPORTER_SERVICE, node_paths.NODE_EXPORTER_UNIT,
+    node_paths.NODE_EXPORTER_PACKAGE_UNIT, node_paths.ROUTER_SERVICE,
 )
 """Units gpufleet runs; a template unit (``vllm@.service``) or a prefix stands for every instance."""
 
 RANK_UNIT_PREFIXES = (node_paths.VLLM_UNIT_TEMPLATE.removesuffix(".service"), node_paths.RAY_UNIT_PREFIX)
 """What a replica's rank unit on a node is named before ``<replica>.service``: its vLLM (mp) or its Ray node."""
 
-GPU_SERVICES = (HOSTENGINE, f"{FABRICMANAGER}.service")
+GPU_SERVICES = (node_paths.DCGM_HOSTENGINE, f"{node_paths.FABRICMANAGER}.service")
 """Services the GPUs need: DCGM's host engine and, on NVSwitch systems, the fabric manager."""
 
 

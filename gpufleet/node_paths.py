@@ -59,6 +59,14 @@ UV_ROOT = "/opt/gpufleet/uv"  # <UV_ROOT>/<version> -> <UV_ROOT>/.build-<version
 UV_CACHE_DIR = "/var/cache/gpufleet/uv"  # uv's cache (root); builds hardlink from it where on /opt's filesystem
 REVISION_MARKER = ".gpufleet-revision"  # in a downloaded model: the revision it holds
 
+# the systemd units of the services the roles install, by the packages' or gpufleet's own names
+DCGM_HOSTENGINE = "nvidia-dcgm.service"  # DCGM's host engine (roles dcgm and dcgm_exporter)
+DCGM_EXPORTER_SERVICE = "dcgm-exporter.service"  # role dcgm_exporter
+NODE_EXPORTER_UNIT = "node_exporter.service"  # role node_exporter, the release tarball's (gpufleet's own unit)
+NODE_EXPORTER_PACKAGE_UNIT = "prometheus-node-exporter.service"  # role node_exporter, the distribution's package
+FABRICMANAGER = "nvidia-fabricmanager"  # role nvidia_driver: the fabric manager's package (versioned) and service
+ROUTER_SERVICE = "haproxy.service"  # role router
+
 # exporters
 TEXTFILE_DIR = "/var/lib/node_exporter/textfile_collector"  # node_exporter's textfile collector
 NODE_EXPORTER_CACHE = "/var/cache/gpufleet/node_exporter"  # the checked release tarball, pushed

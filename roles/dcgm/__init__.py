@@ -14,9 +14,8 @@ from __future__ import annotations
 from pyinfra.api.deploy import deploy
 
 from gpufleet.deploy.context import host_config
+from gpufleet.node_paths import DCGM_HOSTENGINE as HOSTENGINE
 from gpufleet.operations import apt, node, systemd
-
-HOSTENGINE = "nvidia-dcgm.service"
 
 
 def dcgm_package(dcgm_version: str, cuda_version: str) -> str:

@@ -31,15 +31,15 @@ from gpufleet.deploy.context import gpu_facts, host_config
 from gpufleet.gpu_facts import NodeFacts
 from gpufleet.netaddr import bracketed
 from gpufleet.node_paths import DCGM_EXPORTER_COUNTERS, unit_path
+from gpufleet.node_paths import DCGM_EXPORTER_SERVICE as SERVICE
+from gpufleet.node_paths import DCGM_HOSTENGINE as HOSTENGINE
 from gpufleet.operations import apt, files, node, server, systemd
 from gpufleet.templates import render
 
 PACKAGE = "datacenter-gpu-manager-exporter"
 USER = "dcgm-exporter"
-SERVICE = "dcgm-exporter.service"
 UNIT_FILE = unit_path(SERVICE)
 COUNTERS_FILE = DCGM_EXPORTER_COUNTERS
-HOSTENGINE = "nvidia-dcgm.service"
 HOSTENGINE_ADDRESS = "localhost:5555"
 
 

@@ -48,19 +48,19 @@ from gpufleet.deploy.context import host_config
 from gpufleet.deploy.download import DownloadError, fetch_verified
 from gpufleet.netaddr import host_port
 from gpufleet.node_paths import NODE_EXPORTER_CACHE, TEXTFILE_DIR, unit_path
+from gpufleet.node_paths import NODE_EXPORTER_PACKAGE_UNIT as PACKAGE_UNIT
+from gpufleet.node_paths import NODE_EXPORTER_UNIT as UNIT
 from gpufleet.operations import apt, files, node, server, systemd
 from gpufleet.systemd_text import exec_arg, unit_value
 
 USER = "node_exporter"
 # tarball
 BINARY = "/usr/local/bin/node_exporter"
-UNIT = "node_exporter.service"
 UNIT_PATH = unit_path(UNIT)
 TARBALL_DIR = NODE_EXPORTER_CACHE
 # package
 PACKAGE = "prometheus-node-exporter"
 PACKAGE_BINARY = "/usr/bin/prometheus-node-exporter"
-PACKAGE_UNIT = "prometheus-node-exporter.service"
 DROP_IN_DIR = f"{unit_path(PACKAGE_UNIT)}.d"
 DROP_IN = f"{DROP_IN_DIR}/gpufleet.conf"
 APT_LIST = "/etc/apt/sources.list.d/gpufleet-node-exporter.list"

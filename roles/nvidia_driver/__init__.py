@@ -50,7 +50,7 @@ from pyinfra.operations.util import any_changed
 from gpufleet.deploy.context import driver_changed, host_config, probed_facts
 from gpufleet.gpu_facts import NodeFacts
 from gpufleet.hardware_profiles import ProfileError, parse_profile
-from gpufleet.node_paths import KEYRING_DIR
+from gpufleet.node_paths import FABRICMANAGER, KEYRING_DIR
 from gpufleet.operations import apt, files, node, nvidia, systemd
 from gpufleet.templates import render
 
@@ -58,7 +58,6 @@ SOURCE_FILE = "/etc/apt/sources.list.d/gpufleet-nvidia.list"
 PIN_FILE = "/etc/apt/preferences.d/gpufleet-nvidia-driver"
 UNATTENDED_FILE = "/etc/apt/apt.conf.d/51gpufleet-nvidia-driver"
 PERSISTENCED = "nvidia-persistenced"
-FABRICMANAGER = "nvidia-fabricmanager"
 
 
 def driver_package(branch: int, kernel_modules: str) -> str:
