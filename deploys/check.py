@@ -12,8 +12,8 @@ disagree on vLLM, torch, Python, Ray or the model (the line names each node's va
 """
 
 from gpufleet.deploy.context import context, serve_blockers
-from gpufleet.deploy.site import site
 from gpufleet.operations import gates
+from roles.site import site
 
 context(read_only=True)
 site()

@@ -7,11 +7,11 @@ host's GPUs are probed once and the fleet planned from them. Every node gets the
 NVIDIA driver and DCGM; a node whose GPUs then fail its ``gpu_health`` gate (or that the plan cannot
 use) stops there and is named in the report. The others get the exporters, vLLM, the Ray units of
 Ray replicas, their replicas started and checked with one real completion, and the GPU health watch that
-stops them while their GPUs fail at run time (gpufleet.deploy.site).
+stops them while their GPUs fail at run time (roles/site.py).
 """
 
 from gpufleet.deploy.context import context
-from gpufleet.deploy.site import site
+from roles.site import site
 
 context()  # probe, gate and plan the whole fleet once, before any operation is added
 site()

@@ -1,4 +1,4 @@
-"""The site sequence (gpufleet/deploy/site.py) calls each role from a line of its own.
+"""The site sequence (roles/site.py) calls each role from a line of its own.
 
 pyinfra names an operation by the line numbers of its call stack alone, not by its file: roles called from one
 line (a loop) give operations of different roles at the same line of their files one name, and a fleet whose
@@ -11,7 +11,7 @@ from __future__ import annotations
 import ast
 import inspect
 
-from gpufleet.deploy import site
+from roles import site
 
 
 def _site_function() -> ast.FunctionDef:
