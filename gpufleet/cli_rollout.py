@@ -9,7 +9,6 @@ why), 130 when interrupted (drained replicas put back first).
 
 from __future__ import annotations
 
-import importlib
 import json
 import signal
 import sys
@@ -27,6 +26,7 @@ from gpufleet.deploy.access import ROUTERS_GROUP
 from gpufleet.fleet import load_fleet
 from gpufleet.gpu_probe import load_inventory
 from gpufleet.plan import virtual_address
+from gpufleet.plan.backends import backends as plan_backends
 from gpufleet.plan.planner import plan_fleet
 from gpufleet.rollout.batches import DEFAULT_BATCHES, RolloutError, plan_rollout
 from gpufleet.rollout.canary import DEFAULT_MAX_ERROR_RATIO, DEFAULT_MAX_LATENCY_RATIO, Thresholds
@@ -142,10 +142,7 @@ def _roll(mode: str, inventory: str, batches: str, max_unavailable: str, min_ava
     program = pyinfra_program()
     if program is None or not (PROJECT_ROOT / DEPLOY).is_file():
         fail_lines([f"gpufleet {mode}: expected pyinfra beside {sys.executable} and {DEPLOY} in {PROJECT_ROOT}"])
-    if str(PROJECT_ROOT) not in sys.path:  # roles/ lives beside the package, as under pyinfra (config.py's folder)
-        sys.path.insert(0, str(PROJECT_ROOT))
-    router_role = importlib.import_module("roles.router")
-    backends = {server: backend.name for backend in router_role.backends(plan.replicas, fleet.configs)
+    backends = {server: backend.name for backend in plan_backends(plan.replicas, fleet.configs)
                 for server, _ in backend.servers}
     remote = PyinfraRemote(hosts)
     try:

@@ -10,8 +10,8 @@ The jobs and the labels on their targets are those ``templates/monitoring/rules/
   ``head`` for Ray;
 - ``ray``: every node of a Ray replica, on Ray's metrics export port (``ray_port + 3``), role ``head`` or ``worker``;
 - ``router``: every router's HAProxy endpoint (``router_metrics_port``). Its series get a ``model`` label from their
-  ``proxy`` label, one exact match per backend, with the router role's own backend names
-  (:func:`roles.router.backends`), so that a backend's series join its model's.
+  ``proxy`` label, one exact match per backend, with the routers' own backend names
+  (:func:`gpufleet.plan.backends.backends`), so that a backend's series join its model's.
 
 Every target is static (``static_configs``): nothing is discovered outside the inventory. A host is reached at its
 ``fleet_address``, else its inventory name, as every role reaches it.
@@ -28,8 +28,8 @@ import yaml
 
 from gpufleet.config.schema import HostConfig
 from gpufleet.netaddr import host_port
+from gpufleet.plan.backends import backends
 from gpufleet.plan.planner import Replica
-from roles.router import backends
 
 JOB_LABELS: dict[str, tuple[str, ...]] = {
     "node": ("node", "pool"),

@@ -13,9 +13,9 @@ After it, a router host has:
     replica serves gets 404. ``GET /v1/models`` is answered by the router for every served model whose replicas
     accept the request's API key (the router holds only the SHA-256 of ``Bearer <key>``, never the key), and
     ``GET /health`` by the router itself (it is up);
-  - only the routes of the model's task (:data:`TASK_ROUTES`) reach its replicas: every other path and method
-    (``/invocations``, ``/tokenize``, ``/metrics``, ``/sleep``, ``/collective_rpc``, ...: vLLM checks its API key
-    on ``/v1/`` routes only) is answered 404 by the router;
+  - only the routes of the model's task (:data:`gpufleet.plan.backends.TASK_ROUTES`) reach its replicas: every
+    other path and method (``/invocations``, ``/tokenize``, ``/metrics``, ``/sleep``, ``/collective_rpc``, ...: vLLM
+    checks its API key on ``/v1/`` routes only) is answered 404 by the router;
   - one backend per served model, holding its replicas (each replica's first node, its API port; the server is
     named after the replica), ``balance leastconn``, a health check ``GET /health`` every
     ``router_check_interval_s``, a request retried on another replica when its replica refused the connection,
@@ -49,10 +49,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import re
 import shlex
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from pyinfra.api.deploy import deploy
@@ -68,13 +66,14 @@ from gpufleet.deploy import vllm_files as vf
 from gpufleet.deploy.context import context, fleet, host_config
 from gpufleet.netaddr import host_port
 from gpufleet.node_paths import NODE_PYTHON, NODE_TOOLS_DIR, ROUTER_ADMIN_SOCKET, TEXTFILE_DIR, node_tool, unit_path
+from gpufleet.node_paths import ROUTER_SERVICE as SERVICE
 from gpufleet.operations import apt, files, node, server, systemd
 from gpufleet.operations.server import checked_install  # shell text, not an operation
+from gpufleet.plan.backends import Backend, backends
 from gpufleet.plan.planner import Replica
 from gpufleet.systemd_text import exec_line
 
 PACKAGE = "haproxy"
-SERVICE = "haproxy.service"
 CONFIG = "/etc/haproxy/haproxy.cfg"
 CANDIDATE = "/etc/haproxy/gpufleet-candidate.cfg"  # checked with haproxy -c before it replaces CONFIG
 DROP_IN_DIR = f"{unit_path(SERVICE)}.d"
@@ -93,11 +92,6 @@ CLIENTS_TIMER = "gpufleet-router-clients.timer"
 CLIENTS_TEXTFILE = f"{TEXTFILE_DIR}/gpufleet_router_clients.prom"
 CLIENTS_INTERVAL_S = 15
 
-_IDENTIFIER_UNSAFE = re.compile(r"[^A-Za-z0-9_.:-]")  # what HAProxy's names may not hold
-# The POST routes of vLLM's OpenAI API that clients of a model's replicas may use, by the task the model is served
-# for (the plan sizes replicas for generation: every served model is a "generate" one). GET /v1/models and
-# GET /health are answered by the router; nothing else reaches a replica.
-TASK_ROUTES: dict[str, tuple[str, ...]] = {"generate": ("/v1/completions", "/v1/chat/completions")}
 NOT_FOUND = '{"error":{"message":"not found","type":"NotFoundError","code":404}}'
 # What HAProxy answers itself with 503 (a request that waited router_queue_timeout_s for a free replica, or no
 # replica up), with a Retry-After header.
@@ -111,49 +105,6 @@ LIMITED = ('{"error":{"message":"over the limit of requests per second or at onc
 
 
 # --- what the router gets, as plain data (tested without a node) --------------------------------------------------
-
-@dataclass(frozen=True)
-class Backend:
-    """One served model and the replicas that serve it."""
-
-    name: str  # HAProxy's backend name
-    model: str  # the served model name clients ask for
-    servers: tuple[tuple[str, str], ...]  # (replica name, ADDRESS:PORT of its API)
-    task: str = "generate"  # which of TASK_ROUTES its clients may use
-
-    @property
-    def routes(self) -> tuple[str, ...]:
-        return TASK_ROUTES[self.task]
-
-    @property
-    def model_sha256(self) -> str:
-        """What the configuration matches a request's model with: any served name, quoted by nothing."""
-        return hashlib.sha256(self.model.encode()).hexdigest()
-
-    @property
-    def comment(self) -> str:
-        """The model name as a comment line may show it (JSON, ASCII only)."""
-        return json.dumps(self.model)
-
-
-def backends(replicas: Iterable[Replica], configs: dict[str, HostConfig]) -> list[Backend]:
-    """One backend per served model, in model order, each with its replicas' first nodes' APIs."""
-    by_model: dict[str, list[tuple[str, str]]] = {}
-    for replica in replicas:
-        first = replica.roles[0]
-        by_model.setdefault(configs[first.host].served_model_name(), []).append(
-            (replica.name, host_port(first.address, replica.port)))
-    found: list[Backend] = []
-    taken: set[str] = set()
-    for model in sorted(by_model):
-        name = base = "model-" + _IDENTIFIER_UNSAFE.sub("_", model)
-        suffix = 2
-        while name in taken:
-            name, suffix = f"{base}-{suffix}", suffix + 1
-        taken.add(name)
-        found.append(Backend(name, model, tuple(sorted(by_model[model]))))
-    return found
-
 
 def replica_maxconn(replicas: Iterable[Replica]) -> dict[str, int]:
     """Each replica's ``maxconn`` at the router, by its name (its server's): the plan's admission."""

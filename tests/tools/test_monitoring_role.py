@@ -26,8 +26,8 @@ import pytest
 import yaml
 
 import roles.monitoring as role
-import roles.router as router_role
 from gpufleet import node_paths
+from gpufleet.plan import backends as plan_backends
 from gpufleet.scrape_config import JOB_LABELS, RAY_METRICS_OFFSET
 from gpufleet.systemd_text import exec_line
 from gpufleet.unit_security import EXPOSURE_BOUND, exposure_score
@@ -190,7 +190,7 @@ def scraped(tmp_path: Path) -> Iterator[tuple[str, role.FleetView]]:
                 SimpleNamespace(host="n1", address="127.0.0.1", role="ray-head", gpus=[1]),
                 SimpleNamespace(host="n2", address="127.0.0.1", role="ray-worker", gpus=[0])]),
         ]
-        (backend,) = router_role.backends(replicas, {"n1": _config(vllm_served_model_name=HOSTILE)})  # type: ignore[arg-type]
+        (backend,) = plan_backends.backends(replicas, {"n1": _config(vllm_served_model_name=HOSTILE)})  # type: ignore[arg-type]
         router_body = f'haproxy_backend_http_responses_total{{proxy="{backend.name}",code="2xx"}} 5\n'
         hosts = {}
         for name in ("n1", "n2", "r1"):

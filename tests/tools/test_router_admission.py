@@ -24,6 +24,7 @@ import pytest
 
 import roles.router as router_role
 from gpufleet.node import router_admin
+from gpufleet.plan import backends as plan_backends
 from tests.conftest import host_tool
 from tests.loopback_http import ReplicaHandler, loopback_server
 from tests.tools.test_router_role import _free_port, _wait
@@ -103,7 +104,7 @@ def router(tmp_path: Path) -> Iterator[Router]:
         plan = [SimpleNamespace(name=REPLICA, port=port, roles=[SimpleNamespace(host="n1", address="127.0.0.1")])]
         cfg = _config(router_port=_free_port(), router_metrics_port=_free_port(), router_check_interval_s=1,
                       router_check_fall=1, router_check_rise=1, router_queue_timeout_s=QUEUE_TIMEOUT_S)
-        (backend,) = router_role.backends(plan, {"n1": _config(vllm_served_model_name=MODEL)})  # type: ignore[arg-type]
+        (backend,) = plan_backends.backends(plan, {"n1": _config(vllm_served_model_name=MODEL)})  # type: ignore[arg-type]
         values = router_role.config_values(cfg, "127.0.0.1", [backend], router_role.model_lists({None: [MODEL]}), [],
                                            {REPLICA: 1})
         values["admin_socket"] = str(tmp_path / "admin.sock")

@@ -29,6 +29,7 @@ import pytest
 import roles.router as router_role
 from gpufleet.lab.tls import make_lab_tls
 from gpufleet.node import router_admin
+from gpufleet.plan import backends as plan_backends
 from tests.conftest import host_tool
 from tests.loopback_http import ReplicaHandler, loopback_server
 from tests.tools.test_router_role import _free_port, _wait
@@ -169,7 +170,7 @@ def _start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tls: bool, plain: bo
         cfg = _config(router_port=_free_port(), router_metrics_port=_free_port(), router_check_interval_s=1,
                       router_check_fall=1, router_check_rise=1, router_clients=CLIENTS,
                       router_plain_http_port=plain_port, **tls_values)
-        found = router_role.backends(plan, configs)  # type: ignore[arg-type]
+        found = plan_backends.backends(plan, configs)  # type: ignore[arg-type]
         upstream = router_role.upstream_keys(plan, configs)  # type: ignore[arg-type]
         edge_dir = tmp_path / "edge"
         _write_edge(edge_dir, router_role.edge_files(cfg, found, upstream))
@@ -272,7 +273,7 @@ def test_a_key_rotated_by_a_reload_keeps_the_request_in_flight_and_the_old_key_g
         monkeypatch.setenv("EDGE_ALICE_KEY", new_key)
         cfg = _config(router_clients=CLIENTS)
         plan_models = {OPEN: REPLICA_KEY, CLOSED: REPLICA_KEY}
-        found = [router_role.Backend(f"model-{m}", m, ()) for m in sorted(plan_models)]
+        found = [plan_backends.Backend(f"model-{m}", m, ()) for m in sorted(plan_models)]
         written = router_role.edge_files(cfg, found, plan_models)
         changed = {name for name, text in written.items() if (edge.edge_dir / name).read_text() != text}
         assert changed == {"clients.map"}  # a rotation changes one map, not the configuration
@@ -322,7 +323,7 @@ def test_a_renewed_certificate_is_served_after_a_reload_and_the_request_in_fligh
     renewed = make_lab_tls(tmp_path / "renewed", ["127.0.0.1"])
     cfg = _config(router_clients=CLIENTS, router_tls_certificate={"file": str(renewed.certificate)},
                   router_tls_key={"file": str(renewed.key)})
-    found = [router_role.Backend(f"model-{m}", m, ()) for m in (CLOSED, OPEN)]
+    found = [plan_backends.Backend(f"model-{m}", m, ()) for m in (CLOSED, OPEN)]
     written = router_role.edge_files(cfg, found, {OPEN: REPLICA_KEY, CLOSED: REPLICA_KEY})
     assert {name for name, text in written.items()
             if (tls_edge.edge_dir / name).read_text() != text} == {router_role.TLS_PEM}

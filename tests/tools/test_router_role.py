@@ -27,6 +27,7 @@ import yaml
 
 import roles.router as router_role
 from gpufleet.node import router_admin
+from gpufleet.plan import backends as plan_backends
 from tests.conftest import DATA, host_tool
 from tests.loopback_http import QuietHandler, loopback_server, raw_request
 from tests.unit.test_vllm_role import _config
@@ -152,7 +153,7 @@ def router(tmp_path: Path) -> Iterator[Router]:
     cfg = _config(router_port=_free_port(), router_metrics_port=_free_port(), router_check_interval_s=1,
                   router_check_fall=1, router_check_rise=1, router_max_request_bytes=16384)
     values = router_role.config_values(
-        cfg, "127.0.0.1", router_role.backends(plan, configs),  # type: ignore[arg-type]
+        cfg, "127.0.0.1", plan_backends.backends(plan, configs),  # type: ignore[arg-type]
         router_role.model_lists({None: [HOSTILE], router_role.key_sha256(KEY): [PLAIN]}), [],
         dict.fromkeys(names, 64))
     values["admin_socket"] = str(tmp_path / "admin.sock")

@@ -25,12 +25,12 @@ import yaml
 from pyinfra.api import Inventory
 
 import roles.monitoring as role
-import roles.router as router_role
 from gpufleet import dashboards, node_paths
 from gpufleet.cli import fleet_facts
 from gpufleet.config.inventory import loaded_inventory
 from gpufleet.deploy.context import DeployContext
 from gpufleet.fleet import Fleet, load_fleet
+from gpufleet.plan import backends as plan_backends
 from gpufleet.plan.planner import plan_fleet
 from gpufleet.plan_facts import replicas_min
 from gpufleet.scrape_config import JOB_LABELS, RAY_METRICS_OFFSET
@@ -119,7 +119,7 @@ def test_the_routers_series_get_their_models_name_from_the_router_roles_backends
                  if j["job_name"] == "router"]
     found = [(r["source_labels"], r["regex"], r["target_label"], r["replacement"])
              for r in router["metric_relabel_configs"]]
-    backends = router_role.backends(view.replicas, dict(view.configs))
+    backends = plan_backends.backends(view.replicas, dict(view.configs))
     assert found == [(["proxy"], re.escape(b.name), "model", b.model.replace("$", "$$")) for b in backends]
     assert {b.model for b in backends} == {"chat $HOME 100% 'q' \"x\"", "llama-8b"}
 

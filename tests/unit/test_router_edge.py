@@ -16,11 +16,12 @@ from gpufleet.config.layers import HostLayers, Layer
 from gpufleet.config.problems import ConfigError
 from gpufleet.lab.errors import LabError
 from gpufleet.lab.tls import subject_alt_names
+from gpufleet.plan import backends as plan_backends
 from tests.recorded_ops import Recorder
 from tests.unit.test_vllm_role import _config
 
 OPEN, CLOSED = "model open", "model-closed"
-FOUND = [router_role.Backend("model-a", OPEN, ()), router_role.Backend("model-b", CLOSED, ())]
+FOUND = [plan_backends.Backend("model-a", OPEN, ()), plan_backends.Backend("model-b", CLOSED, ())]
 
 
 def _sha(text: str) -> str:
