@@ -225,7 +225,7 @@ def _read_observed(inventory: str, data: tuple[str, ...],
                    plan: FleetPlan) -> tuple[dict[str, dict[str, Any] | None], list[str]]:
     """Each replica's observed.json from its first node, over pyinfra's connections as the inventory gives them."""
     from gpufleet.gpu_probe import load_inventory  # pyinfra's SSH stack: loaded only when asked
-    from gpufleet.kv_observed import read_observed
+    from gpufleet.rollout.observed import read_observed
     from gpufleet.rollout.remote import PyinfraRemote
 
     remote = PyinfraRemote(load_inventory(inventory, parse_data_args(list(data)) or None))
