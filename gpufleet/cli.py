@@ -7,20 +7,19 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, ClassVar, NoReturn
+from typing import Any, ClassVar
 
 import click
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from gpufleet.config.inventory import cli_data_override as _data_override
-from gpufleet.config.inventory import loaded_inventory, parse_data_args, set_data_override
-from gpufleet.config.layers import is_role_default
-from gpufleet.config.problems import EXIT_BAD_INPUT, ConfigError, exit_with
-from gpufleet.fleet import Fleet, configured_health_policy, load_fleet
-from gpufleet.gpu_facts import FactsError, NodeFacts, load_facts
-from gpufleet.hardware_profiles import ProfileError, profile_facts
+from gpufleet.cli_input import DATA_OPTION, cli_fleet, fail_lines, fleet_facts
+from gpufleet.config.inventory import (
+    configured_health_policy,
+    loaded_inventory,
+    parse_data_args,
+)
 from gpufleet.model_arch import ModelConfigError, load_arch
 from gpufleet.model_memory import GIB, model_info
 from gpufleet.node.vllm_ready import kv_summary
@@ -28,61 +27,6 @@ from gpufleet.plan import virtual_address
 from gpufleet.plan.planner import FleetPlan, Replica, plan_fleet
 
 EXIT_UNREAD = 1  # gpufleet plan --observed: a node whose observations could not be read
-
-
-def fail_lines(lines: list[str]) -> NoReturn:
-    """Refuse: each line on stderr, exit 2."""
-    for line in lines:
-        click.echo(line, err=True)
-    raise SystemExit(EXIT_BAD_INPUT)
-
-
-def cli_fleet(inventory: str, data: tuple[str, ...] = ()) -> Fleet:
-    """The inventory's fleet with the command's ``--data``, validated as pyinfra would (bad input: exit 2)."""
-    try:
-        override = parse_data_args(list(data)) if data else None
-        set_data_override(override)
-        return load_fleet(inventory, override)
-    except ConfigError as error:
-        exit_with(error)
-
-
-DATA_OPTION = click.option("--data", "data", multiple=True, metavar="KEY=VALUE",
-                            help="Override a variable as `pyinfra --data` does (validated the same way).")
-
-
-def _source_of(fleet: Fleet, host: str, key: str) -> str:
-    """The file that set ``key`` for ``host`` (a role's default or nothing: the inventory, where it goes)."""
-    loaded = loaded_inventory(host)
-    source = loaded.source_of(host, key, _data_override()) if loaded is not None else fleet.inventory
-    return fleet.inventory if is_role_default(source) else source
-
-
-def fleet_facts(fleet: Fleet, facts_dir: Path | None) -> dict[str, NodeFacts]:
-    """Each host's GPU facts: probed JSON from ``facts_dir``, else its declared ``gpu_profile``."""
-    facts: dict[str, NodeFacts] = {}
-    problems: list[str] = []
-    for host in fleet.hosts:
-        cfg = fleet.configs[host]
-        try:
-            if facts_dir is not None:
-                facts[host] = load_facts(facts_dir / f"{host}.json")
-            elif cfg.gpu_profile:
-                facts[host] = profile_facts(cfg.gpu_profile, host)
-            else:
-                problems.append(f"{_source_of(fleet, host, 'gpu_profile')}: gpu_profile: expected a hardware profile"
-                                f" for {host} (or gpufleet plan --facts DIR), found null")
-        except (FactsError, ProfileError) as exc:
-            where = "" if facts_dir is not None else f"{_source_of(fleet, host, 'gpu_profile')}: gpu_profile: "
-            problems.append(f"{where}{exc}")
-    if problems:
-        fail_lines(problems)
-    for host, node in facts.items():
-        if not node.nvml.available:
-            problems.append(f"{host}: no NVML on this node: {node.nvml.error}")
-    if problems:
-        fail_lines(problems)
-    return facts
 
 
 class _Commands(click.Group):

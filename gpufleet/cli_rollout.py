@@ -19,11 +19,10 @@ from typing import Any
 
 import click
 
-from gpufleet.cli import DATA_OPTION, cli_fleet, fail_lines, fleet_facts
-from gpufleet.config.inventory import parse_data_args, set_data_override
+from gpufleet.cli_input import DATA_OPTION, cli_fleet, fail_lines, fleet_facts
+from gpufleet.config.inventory import load_fleet, parse_data_args, set_data_override
+from gpufleet.config.inventory_shape import ROUTERS_GROUP
 from gpufleet.config.problems import ConfigError
-from gpufleet.deploy.access import ROUTERS_GROUP
-from gpufleet.fleet import load_fleet
 from gpufleet.gpu_probe import load_inventory
 from gpufleet.plan import virtual_address
 from gpufleet.plan.backends import backends as plan_backends

@@ -13,6 +13,7 @@ import json
 import runpy
 import sys
 import traceback
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,14 +22,25 @@ from gpufleet.config import grammar, limits
 from gpufleet.config.edge import edge_problems
 from gpufleet.config.group_vars_files import group_vars_file_problems
 from gpufleet.config.inventory_shape import ROLE_GROUPS, SourceLines, late_problems, membership_problems, read_groups
-from gpufleet.config.layers import HostLayers, Layer, display_path, read_yaml_mapping, role_default_layers
+from gpufleet.config.layers import (
+    HostLayers,
+    Layer,
+    display_path,
+    is_role_default,
+    read_yaml_mapping,
+    role_default_layers,
+)
 from gpufleet.config.problems import EXIT_BAD_INPUT, ConfigError, Problem, exit_with
 from gpufleet.config.schema import API_PORTS_WHEN_AUTO, HostConfig, SecretRef
 from gpufleet.config.secrets import ENV_FILE_SECRETS, unfit_secret
 from gpufleet.config.validate import validate_host
+from gpufleet.fleet import Fleet
+from gpufleet.hardware_profiles import ProfileError, profile_facts
 from gpufleet.input_files import json_depth_problem
+from gpufleet.node.health_rules import HealthPolicy
 from gpufleet.node_paths import replica_host_part
 from gpufleet.plan import virtual_address
+from gpufleet.plan.planner import PlanProblem, plan_fleet
 
 
 @dataclass(frozen=True)
@@ -175,6 +187,24 @@ def _secret_content_problems(loaded: InventoryLayers, configs: dict[str, HostCon
     return problems
 
 
+def _virtual_address_problems(loaded: InventoryLayers, configs: Mapping[str, HostConfig],
+                              override: dict[str, Any] | None = None) -> list[Problem]:
+    """:func:`gpufleet.plan.virtual_address.problems` for an inventory as ``apply_group_vars`` read it (``--data``
+    included)."""
+
+    def source(host: str, key: str) -> str:
+        """The file that set ``key`` for ``host``; for a role's default, the file that set the virtual address
+        (else the inventory)."""
+        layers = loaded.hosts[host].layers + ([Layer("--data", override)] if override else [])
+        sources = HostLayers(host, layers).merged()[1]
+        for found in (sources.get(key), sources.get(virtual_address.KEY)):
+            if found is not None and not is_role_default(found):
+                return found
+        return loaded.path
+
+    return virtual_address.problems(virtual_address.routers_of(loaded.groups), configs, source)
+
+
 def validate_layers(loaded: InventoryLayers, override: dict[str, Any] | None = None) -> dict[str, HostConfig]:
     """Validate every host; raises ConfigError with every problem found."""
     problems: list[Problem] = []
@@ -189,7 +219,7 @@ def validate_layers(loaded: InventoryLayers, override: dict[str, Any] | None = N
     problems += _host_problems(loaded, configs, override)
     problems += _secret_content_problems(loaded, configs, override)
     problems += _replica_name_problems(loaded)
-    problems += virtual_address.inventory_problems(loaded, configs, override)
+    problems += _virtual_address_problems(loaded, configs, override)
     if problems:
         raise ConfigError(problems)
     return configs
@@ -270,8 +300,6 @@ def cli_data_override(argv: list[str] | None = None) -> dict[str, Any] | None:
 
 def apply_group_vars(namespace: dict[str, Any]) -> None:
     """Attach group_vars to the inventory's groups and validate (with the plan's rules); exit 2 on bad input."""
-    from gpufleet.fleet import declared_plan_problems
-
     loaded, new_values, problems = collect_layers(namespace)
     if not problems and not loaded.hosts:
         problems.append(Problem(loaded.path, "", "expected at least one host in a group, found nothing to deploy"))
@@ -384,3 +412,107 @@ def report_inventory_errors() -> None:
 
     exec_inventory._gpufleet = True  # type: ignore[attr-defined]
     cli_inventory.exec_file = exec_inventory
+
+
+def _fleet_from_layers(inventory: str, hosts: list[str], override: dict[str, Any] | None) -> Fleet:
+    layers_by_file: dict[str, InventoryLayers] = {}
+    missing = []
+    for host in hosts:
+        loaded = loaded_inventory(host)
+        if loaded is None:
+            missing.append(host)
+        else:
+            layers_by_file[loaded.path] = loaded
+    if missing:
+        raise ConfigError([Problem(
+            inventory, "",
+            "expected the inventory to end with apply_group_vars(globals()) (gpufleet.config.inventory),"
+            f" found hosts it never saw: {', '.join(missing)}",
+        )])
+    configs: dict[str, HostConfig] = {}
+    pools: dict[str, list[str]] = {}
+    for loaded in layers_by_file.values():
+        configs.update(validate_layers(loaded, override))
+        for host in hosts:
+            if host in loaded.hosts and (pool := loaded.pool_of(host)) is not None:
+                pools.setdefault(pool, []).append(host)
+    return Fleet(inventory, hosts, configs, pools)
+
+
+def _plan_problem(problem: PlanProblem, loaded: InventoryLayers, override: dict[str, Any] | None,
+                  pools: dict[str, list[str]]) -> Problem:
+    """A planner's problem as a config problem: the file that set the key to blame, where one is named."""
+
+    def source(host: str, key: str) -> str:
+        return loaded.source_of(host, key, override)
+
+    if problem.host is not None and problem.keys:  # one process's flags
+        key = problem.keys[0]
+        return Problem(source(problem.host, key), key, problem.text)
+    if not problem.keys:
+        return Problem(loaded.path, f"pool {problem.pool}", problem.text)
+    host = pools[problem.pool][0]
+    # the key someone set; when the planner names only defaults, the model that does not fit them
+    key = next((k for k in [*problem.keys, "vllm_model"] if not is_role_default(source(host, k))), problem.keys[0])
+    return Problem(source(host, key), key, f"{problem.said_of(key)} (pool {problem.pool})")
+
+
+def declared_plan_problems(loaded: InventoryLayers, configs: dict[str, HostConfig],
+                           override: dict[str, Any] | None = None) -> list[Problem]:
+    """The plan's problems on the declared ``gpu_profile``s, for every pool whose hosts all declare one.
+
+    The same planner ``gpufleet plan`` runs, so what the plan refuses, ``gpufleet check`` and pyinfra
+    reading the inventory refuse too.
+    """
+    pools: dict[str, list[str]] = {}
+    for host in loaded.hosts:
+        if (pool := loaded.pool_of(host)) is not None:
+            pools.setdefault(pool, []).append(host)
+    declared = {pool: hosts for pool, hosts in pools.items() if all(configs[h].gpu_profile for h in hosts)}
+    hosts = [h for members in declared.values() for h in members]
+    if not hosts:
+        return []
+    facts = {}
+    for host in hosts:
+        try:
+            facts[host] = profile_facts(str(configs[host].gpu_profile), host)
+        except ProfileError as exc:
+            return [Problem(loaded.source_of(host, "gpu_profile", override), "gpu_profile", str(exc), (host,))]
+    plan = plan_fleet(Fleet(loaded.path, hosts, {h: configs[h] for h in hosts}, declared), facts)
+    return [_plan_problem(problem, loaded, override, declared) for problem in plan.problems]
+
+
+def load_fleet(inventory_path: str, override: dict[str, Any] | None = None) -> Fleet:
+    """Read an inventory file as pyinfra does; raises ConfigError (or exits 2 from the inventory)."""
+    path = Path(inventory_path)
+    if not path.is_file():
+        found = "a directory" if path.is_dir() else "no such file"
+        raise ConfigError([Problem(inventory_path, "", f"expected an inventory file, found {found}")])
+    loaded = read_inventory(path)
+    if loaded is None:
+        raise ConfigError([Problem(inventory_path, "", "expected the inventory to end with"
+                                   " apply_group_vars(globals()) (gpufleet.config.inventory), found no call")])
+    return _fleet_from_layers(inventory_path, list(loaded.hosts), override)
+
+
+def fleet_from_state(state: Any) -> Fleet:
+    """The fleet of a running pyinfra deploy (``--data`` included); exits 2 on bad input.
+
+    Call at the top of a deploy file: it validates every host before any operation is added.
+    """
+    inventory = state.inventory
+    try:
+        return _fleet_from_layers("inventory", [h.name for h in inventory], inventory.get_override_data())
+    except ConfigError as error:
+        exit_with(error)
+
+
+def configured_health_policy(host: str) -> HealthPolicy:
+    """A host's ``gpu_health`` from the inventory read last (defaults when it has none)."""
+    loaded = loaded_inventory(host)
+    if loaded is None:
+        return HealthPolicy()
+    try:
+        return validate_layers(loaded)[host].gpu_health
+    except ConfigError as error:
+        exit_with(error)

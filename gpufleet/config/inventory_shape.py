@@ -18,7 +18,9 @@ from typing import Any
 from gpufleet.config import grammar
 from gpufleet.config.problems import Problem
 
-ROLE_GROUPS = ("routers", "monitoring")
+ROUTERS_GROUP = "routers"  # the HAProxy routers (role router; keepalived where they share a virtual address)
+MONITORING_GROUP = "monitoring"  # the hosts that scrape metrics and alert (role monitoring)
+ROLE_GROUPS = (ROUTERS_GROUP, MONITORING_GROUP)
 """Groups that give their hosts a job besides serving (the HAProxy routers, the hosts that scrape metrics): they
 are not serving pools, and a host listed only in them serves nothing (no GPU roles, no probe, no plan)."""
 

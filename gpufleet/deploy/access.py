@@ -29,11 +29,9 @@ import ipaddress
 from collections.abc import Iterable
 from typing import Any
 
+from gpufleet.config.inventory_shape import MONITORING_GROUP
 from gpufleet.config.problems import ConfigError, Problem
 from gpufleet.config.schema import HostConfig
-
-MONITORING_GROUP = "monitoring"
-ROUTERS_GROUP = "routers"
 
 
 def allow_list(*sources: Iterable[str]) -> list[str]:

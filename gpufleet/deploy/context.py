@@ -21,10 +21,11 @@ from pyinfra.api.host import Host
 from pyinfra.api.operation import OperationMeta
 from pyinfra.context import host as current_host
 
+from gpufleet.config.inventory import fleet_from_state
 from gpufleet.config.schema import HostConfig
 from gpufleet.deploy import lost_nodes, op_order
 from gpufleet.facts import NvmlGpuFacts
-from gpufleet.fleet import Fleet, fleet_from_state
+from gpufleet.fleet import Fleet
 from gpufleet.gpu_facts import FactsError, NodeFacts, parse_facts
 from gpufleet.hardware_profiles import profile_facts
 from gpufleet.node import health_rules

@@ -25,17 +25,12 @@ import ipaddress
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
 
 from gpufleet.config import grammar
-from gpufleet.config.layers import HostLayers, Layer, is_role_default
+from gpufleet.config.inventory_shape import ROUTERS_GROUP
 from gpufleet.config.problems import ConfigError, Problem
 from gpufleet.config.schema import HostConfig, SecretRef
 from gpufleet.config.secrets import read_secret
-from gpufleet.deploy.access import ROUTERS_GROUP
-
-if TYPE_CHECKING:
-    from gpufleet.config.inventory import InventoryLayers
 
 KEY = "router_virtual_address"
 PASSWORD_KEY = "router_vrrp_password"
@@ -147,23 +142,6 @@ def readable_password(ref: SecretRef) -> str | None:
         return read_secret(ref, PASSWORD_KEY)
     except ConfigError:
         return None
-
-
-def inventory_problems(loaded: InventoryLayers, configs: Mapping[str, HostConfig],
-                       override: dict[str, Any] | None = None) -> list[Problem]:
-    """:func:`problems` for an inventory as ``apply_group_vars`` read it (``--data`` included)."""
-
-    def source(host: str, key: str) -> str:
-        """The file that set ``key`` for ``host``; for a role's default, the file that set the virtual address
-        (else the inventory)."""
-        layers = loaded.hosts[host].layers + ([Layer("--data", override)] if override else [])
-        sources = HostLayers(host, layers).merged()[1]
-        for found in (sources.get(key), sources.get(KEY)):
-            if found is not None and not is_role_default(found):
-                return found
-        return loaded.path
-
-    return problems(routers_of(loaded.groups), configs, source)
 
 
 def problems(routers: Sequence[str], configs: Mapping[str, HostConfig],

@@ -35,6 +35,7 @@ from pyinfra.context import host, state
 from pyinfra.operations.util import any_changed
 
 from gpufleet import templates
+from gpufleet.config.inventory_shape import ROUTERS_GROUP
 from gpufleet.config.problems import ConfigError, Problem, exit_with
 from gpufleet.config.schema import HostConfig
 from gpufleet.deploy import access
@@ -118,7 +119,7 @@ def health_unit(cfg: HostConfig, address: str) -> str:
 def fleet_group() -> VirtualAddress | None:
     """The running deploy's VRRP group (validated with the inventory); None without a virtual address."""
     try:
-        routers = [member.name for member in state.inventory.get_group(access.ROUTERS_GROUP)]
+        routers = [member.name for member in state.inventory.get_group(ROUTERS_GROUP)]
     except Exception:  # noqa: BLE001 - pyinfra raises NoGroupError for a group the inventory does not define
         return None
     return group(routers, fleet().configs)

@@ -50,6 +50,7 @@ from pyinfra.context import host
 from gpufleet import dashboards, templates
 from gpufleet.alert_rules import render_rules
 from gpufleet.config.inventory import loaded_inventory
+from gpufleet.config.inventory_shape import MONITORING_GROUP, ROUTERS_GROUP
 from gpufleet.config.problems import ConfigError, exit_with
 from gpufleet.config.schema import HostConfig
 from gpufleet.deploy import access
@@ -283,7 +284,7 @@ def group_members(group: str) -> list[str]:
 def deploy_files(cfg: HostConfig, address: str) -> MonitoringFiles:
     """:func:`monitoring_files` for the running deploy (it probes and plans the fleet once). Exits 2 on bad input."""
     replicas, facts = monitored_plan(context())
-    view = fleet_view(fleet(), replicas, facts, group_members(access.ROUTERS_GROUP))
+    view = fleet_view(fleet(), replicas, facts, group_members(ROUTERS_GROUP))
     try:
         return monitoring_files(cfg, address, view, access.deploy_group())
     except ConfigError as error:
@@ -294,7 +295,7 @@ def deploy_files(cfg: HostConfig, address: str) -> MonitoringFiles:
 
 def is_monitoring() -> bool:
     """Whether the current host is in the inventory group ``monitoring``."""
-    return access.MONITORING_GROUP in host.groups
+    return MONITORING_GROUP in host.groups
 
 
 def _check_and_install(service: Service, names: list[str], check: str, group: str, mode: str) -> str:

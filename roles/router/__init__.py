@@ -59,6 +59,7 @@ from pyinfra.operations.util import any_changed
 
 from gpufleet import templates
 from gpufleet.config import edge
+from gpufleet.config.inventory_shape import ROUTERS_GROUP
 from gpufleet.config.problems import ConfigError, Problem, exit_with
 from gpufleet.config.schema import HostConfig, RouterClient
 from gpufleet.deploy import access
@@ -306,7 +307,7 @@ def fleet_edge_files(cfg: HostConfig) -> dict[str, str]:
 
 def is_router() -> bool:
     """Whether the current host is in the inventory group ``routers``."""
-    return access.ROUTERS_GROUP in host.groups
+    return ROUTERS_GROUP in host.groups
 
 
 @deploy("Router (HAProxy)")

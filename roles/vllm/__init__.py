@@ -38,6 +38,7 @@ from pyinfra.api.deploy import deploy
 from pyinfra.api.operation import OperationMeta
 from pyinfra.context import host
 
+from gpufleet.config.inventory_shape import ROUTERS_GROUP
 from gpufleet.config.problems import ConfigError, Problem, exit_with
 from gpufleet.config.schema import HostConfig
 from gpufleet.deploy import access, ray_drop_in
@@ -200,7 +201,7 @@ def vllm_install() -> None:
         # the API and the mp rendezvous: this node, its replicas' nodes, monitoring, routers, vllm_api_allowed_from
         allowed = access.vllm_sources(cfg, cfg.fleet_address or host.name,
                                       [n.address for replica, _ in assignments() for n in replica.roles],
-                                      access.deploy_group(), access.deploy_group(access.ROUTERS_GROUP))
+                                      access.deploy_group(), access.deploy_group(ROUTERS_GROUP))
     except ConfigError as error:
         exit_with(error)
     model_paths: list[str] = []

@@ -18,9 +18,9 @@ import pytest
 
 import roles.router as router_role
 from gpufleet import node_paths, systemd_text
-from gpufleet.cli import fleet_facts
+from gpufleet.cli_input import fleet_facts
+from gpufleet.config.inventory import load_fleet
 from gpufleet.deploy import ray_drop_in
-from gpufleet.fleet import load_fleet
 from gpufleet.plan.planner import plan_fleet
 from tests.conftest import ROOT, host_tool
 from tests.unit.test_hostile_templates import HOSTILE, UNIT_CASES, Unit, _ray, _vllm, exec_argv, unit_settings

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 import roles.router as router_role
 from gpufleet.cli import main
-from gpufleet.fleet import load_fleet
+from gpufleet.config.inventory import load_fleet
 from gpufleet.hardware_profiles import profile_facts
 from gpufleet.model_memory import KvBudget, kv_space_budget
 from gpufleet.plan import backends as plan_backends

@@ -30,7 +30,7 @@ def _two_groups(project: Project) -> Path:
 
 
 def test_precedence_host_over_group_over_all_over_defaults(project: Project) -> None:
-    from gpufleet.fleet import load_fleet
+    from gpufleet.config.inventory import load_fleet
 
     fleet = load_fleet(str(_two_groups(project)))
     n1, n2 = fleet.configs["n1"], fleet.configs["n2"]
@@ -46,7 +46,7 @@ def test_pyinfra_data_overrides_everything(project: Project) -> None:
     deploy = project.root / "show.py"
     deploy.write_text(
         "from pyinfra import host, state\n"
-        "from gpufleet.fleet import fleet_from_state\n"
+        "from gpufleet.config.inventory import fleet_from_state\n"
         "cfg = fleet_from_state(state).configs[host.name]\n"
         "print(f'PORT {host.name} {cfg.vllm_port} UTIL {cfg.vllm_gpu_memory_utilization}')\n"
     )
@@ -148,7 +148,7 @@ def test_missing_inventory_file() -> None:
 
 
 def test_gpu_health_thresholds_are_typed(project: Project) -> None:
-    from gpufleet.fleet import load_fleet
+    from gpufleet.config.inventory import load_fleet
 
     project.group_vars("all", BASE + "gpu_health: {expected_gpu_count: 8, min_driver_branch: 570}\n")
     fleet = load_fleet(str(project.inventory('a = ["h1"]')))

@@ -23,10 +23,10 @@ from typing import Any
 import pytest
 import yaml
 
-from gpufleet.cli import fleet_facts
+from gpufleet.cli_input import fleet_facts
+from gpufleet.config.inventory import load_fleet
 from gpufleet.config.schema import SECRET_KEYS
 from gpufleet.deploy import vllm_files as vf
-from gpufleet.fleet import load_fleet
 from gpufleet.plan.planner import plan_fleet
 from gpufleet.systemd_text import env_file
 from tests.conftest import DATA, ROOT

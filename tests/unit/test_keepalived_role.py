@@ -19,8 +19,8 @@ import gpufleet.config.inventory as gpufleet_inventory
 import roles.keepalived as role
 import roles.router as router_role
 from gpufleet.cli import main
+from gpufleet.config.inventory_shape import ROUTERS_GROUP
 from gpufleet.config.problems import ConfigError
-from gpufleet.deploy.access import ROUTERS_GROUP
 from gpufleet.node_paths import ROUTER_HEALTH_STATE
 from gpufleet.plan import virtual_address
 from gpufleet.plan.virtual_address import VirtualAddress

@@ -26,10 +26,10 @@ from pyinfra.api import Inventory
 
 import roles.monitoring as role
 from gpufleet import dashboards, node_paths
-from gpufleet.cli import fleet_facts
-from gpufleet.config.inventory import loaded_inventory
+from gpufleet.cli_input import fleet_facts
+from gpufleet.config.inventory import load_fleet, loaded_inventory
 from gpufleet.deploy.context import DeployContext
-from gpufleet.fleet import Fleet, load_fleet
+from gpufleet.fleet import Fleet
 from gpufleet.plan import backends as plan_backends
 from gpufleet.plan.planner import plan_fleet
 from gpufleet.plan_facts import replicas_min

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import yaml
 
-from gpufleet.fleet import load_fleet
+from gpufleet.config.inventory import load_fleet
 from gpufleet.gpu_facts import NodeFacts
 from gpufleet.hardware_profiles import profile_facts
 from gpufleet.plan.layout import gpu_sets, node_shape

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from gpufleet.fleet import load_fleet
+from gpufleet.config.inventory import load_fleet
 from gpufleet.hardware_profiles import GPU_MODELS, MIB, framework_memory_bytes, profile_facts
 from gpufleet.model_arch import load_arch
 from gpufleet.model_memory import GIB, kv_bytes_per_token, weight_bytes

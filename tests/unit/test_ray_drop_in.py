@@ -18,12 +18,13 @@ import pytest
 import roles.ray as ray_role
 import roles.vllm as vllm_role
 from gpufleet import node_paths, templates
-from gpufleet.cli import fleet_facts
+from gpufleet.cli_input import fleet_facts
+from gpufleet.config.inventory import load_fleet
 from gpufleet.config.schema import HostConfig
 from gpufleet.deploy import access, ray_drop_in
 from gpufleet.deploy import vllm_files as vf
 from gpufleet.deploy.context import DeployContext
-from gpufleet.fleet import Fleet, load_fleet
+from gpufleet.fleet import Fleet
 from gpufleet.plan.commands import NodeRole, ray_start_argv
 from gpufleet.plan.planner import Replica, plan_fleet
 from gpufleet.systemd_text import exec_line

@@ -18,8 +18,9 @@ from click.testing import CliRunner, Result
 
 import gpufleet.config.inventory as gpufleet_inventory
 from gpufleet import cli_rollout
-from gpufleet.cli import fleet_facts, main
-from gpufleet.fleet import load_fleet
+from gpufleet.cli import main
+from gpufleet.cli_input import fleet_facts
+from gpufleet.config.inventory import load_fleet
 from gpufleet.plan import backends as plan_backends
 from gpufleet.plan.planner import plan_fleet
 from gpufleet.rollout.pyinfra_run import DEPLOY, PROJECT_ROOT, PyinfraDeploy

@@ -25,7 +25,8 @@ import yaml
 import roles.ray as ray_role
 import roles.vllm as vllm_role
 from gpufleet import node_paths, templates
-from gpufleet.cli import fleet_facts
+from gpufleet.cli_input import fleet_facts
+from gpufleet.config.inventory import load_fleet
 from gpufleet.config.layers import HostLayers, Layer, role_default_layers
 from gpufleet.config.problems import ConfigError
 from gpufleet.config.schema import HostConfig
@@ -33,7 +34,7 @@ from gpufleet.config.validate import validate_host
 from gpufleet.deploy import access
 from gpufleet.deploy import vllm_files as vf
 from gpufleet.deploy.context import DeployContext
-from gpufleet.fleet import Fleet, load_fleet
+from gpufleet.fleet import Fleet
 from gpufleet.lab import wheelhouse
 from gpufleet.node import vllm_ready
 from gpufleet.operations import ray as ray_ops
