@@ -9,6 +9,7 @@ operator's item of the same key. Each argument is one argv item: no shell reads 
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import signal
 import subprocess
@@ -22,6 +23,7 @@ from gpufleet.rollout.release import Release, data_items
 PROJECT_ROOT = Path(__file__).resolve().parents[2]  # gpufleet's checkout: deploys/, roles/, config.py
 DEPLOY = "deploys/vllm.py"
 STOP_WAIT_S = 30  # how long an interrupted deploy has to stop before it is killed
+WAIT_POLL_S = 0.5  # each timed wait on pyinfra (subprocess polls within it every few milliseconds)
 
 
 def pyinfra_program() -> str | None:
@@ -53,7 +55,11 @@ class PyinfraDeploy:
         reaches no child by itself), waits for pyinfra to stop, and raises KeyboardInterrupt again."""
         child = subprocess.Popen(self.argv(hosts, data), cwd=self.root)
         try:
-            return child.wait()
+            while True:
+                # Timed waits: a signal that reached another thread (paramiko's, say) is raised here within one
+                # poll; a plain wait() would block in waitpid until pyinfra ended by itself.
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    return child.wait(WAIT_POLL_S)
         except KeyboardInterrupt:
             if child.poll() is None:
                 child.send_signal(signal.SIGINT)
