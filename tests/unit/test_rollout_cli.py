@@ -232,9 +232,15 @@ def test_an_interrupted_deploy_passes_the_interrupt_on_and_waits_for_pyinfra(tmp
         # Ctrl-C (the CLI's SIGTERM handler raises the same interrupt), received by this thread
         signal.pthread_kill(threading.get_ident(), signal.SIGINT)
 
-    threading.Thread(target=interrupt_once_started, daemon=True).start()
-    with pytest.raises(KeyboardInterrupt):
-        PyinfraDeploy(program, Path(FLEET)).deploy([A01], {})
+    # Python's own Ctrl-C handler, whatever this process inherited (a job started in the background by a shell
+    # without job control starts with SIGINT ignored)
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        threading.Thread(target=interrupt_once_started, daemon=True).start()
+        with pytest.raises(KeyboardInterrupt):
+            PyinfraDeploy(program, Path(FLEET)).deploy([A01], {})
+    finally:
+        signal.signal(signal.SIGINT, inherited)
     assert (tmp_path / "signal.txt").read_text() == "stopped\n"  # it got SIGINT and had stopped when deploy returned
 
 
