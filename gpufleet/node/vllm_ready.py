@@ -141,12 +141,12 @@ def refused_start(unit: str, since: float, recorded: float | None = None) -> str
     its last ``ValueError`` line; None when there is none. The journal is read from ``since`` (epoch seconds), or,
     given ``recorded`` (when the deploy wrote the restart record, before it stopped the replica), from systemd's
     first "Starting UNIT" line after that: what the stopped release logged never counts."""
-    journal = unit_journal(unit, since)
     if recorded is not None and recorded < since:
-        earlier = unit_journal(unit, recorded)
-        first_start = earlier.find(f"Starting {unit}")
-        if first_start >= 0:
-            journal = earlier[first_start:]
+        journal = unit_journal(unit, recorded)
+        first_start = journal.find(f"Starting {unit}")
+        journal = journal[first_start:] if first_start >= 0 else ""  # not started since: nothing to judge yet
+    else:
+        journal = unit_journal(unit, since)
     if ENGINE_FAILED not in journal:
         return None
     errors = CONFIG_ERROR.findall(journal)

@@ -38,7 +38,7 @@ from tests.lab.fleet import (
     wait_serving,
 )
 from tests.lab.harness import LAB_VENV, LAB_VLLM_VERSION, PYINFRA, ROOT, Completed, Lab, run
-from tests.lab.scenarios import LabStates
+from tests.lab.scenarios import GROUP_CHANGED, LabStates
 
 pytestmark = pytest.mark.filterwarnings("ignore:Unknown ssh-ed25519 host key:UserWarning")
 
@@ -343,7 +343,7 @@ def test_changing_one_groups_setting_restarts_only_that_groups_replicas(
     pipeline = {n.name: main_pid(lab, n, f"vllm@{PIPELINE}") for n in lab.nodes[1:]}
     single_pid = main_pid(lab, lab.nodes[0], f"vllm@{single(lab)}")
     inventory = _lab_copy(tmp_path, "vllm_extra_args:\n  enforce-eager: true\n  max-num-seqs: 16\n")
-    lab_states.changed("serving, a group's settings changed")
+    lab_states.changed(GROUP_CHANGED)
     assert_no_errors(deploy(lab, inventory=inventory))
     assert main_pid(lab, lab.nodes[0], f"vllm@{single(lab)}") != single_pid
     assert {n.name: main_pid(lab, n, f"vllm@{PIPELINE}") for n in lab.nodes[1:]} == pipeline
