@@ -1,10 +1,6 @@
 """Faults on the serving lab (scenario ``faults``): each heals, by itself or with one deploy, while the other
 replica answers; then (scenario ``changed``) tests that leave the fleet changed for the next scenario's deploy.
 
-The node lost to a power cut comes first: it mostly waits (on TCP's bound for a silent node, then on a deploy), and
-the unit and tools tiers, started by the alert round just before it, still run then (scripts/run_tiers.py); the kill
--9 tests after it keep both cores busy restarting vLLM.
-
 Every fault's figures go to the session's lab-fault-figures.jsonl, beside its temporary files.
 """
 
@@ -48,54 +44,6 @@ pytestmark = pytest.mark.filterwarnings("ignore:Unknown ssh-ed25519 host key:Use
 
 DRIVER_PACKAGES = "nvidia-driver-580-open libnvidia-compute-580 nvidia-persistenced"
 NVML_INIT = "python3 -c 'import ctypes; print(ctypes.CDLL(\"libnvidia-ml.so.1\").nvmlInit_v2())'"
-
-
-def test_a_node_lost_halfway_through_a_deploy_is_named_and_a_rerun_finishes(
-        lab: Lab, faults: Completed | None, tmp_path_factory: pytest.TempPathFactory) -> None:
-    """lab3 loses power while a deploy has work to do on it: the deploy goes on with the other nodes, names
-    lab3 and exits non-zero; once lab3 is back, a rerun converges it and the pipeline replica serves again."""
-    lost = lab.nodes[2]
-    lab.host(lost).check_output("rm /etc/gpufleet/node.env")  # work for the deploy on lab3
-    loop = requests_to(lab, lab.nodes[0])
-    loop.start()
-    argv = [str(PYINFRA), INVENTORY, DEPLOY, "-y"]
-    off = False
-    try:
-        with subprocess.Popen(argv, cwd=ROOT, env=lab.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) as running:
-            assert running.stdout is not None
-            output = []
-            for line in running.stdout:  # power off lab3 as the deploy starts its first change there
-                output.append(line)
-                if "Starting operation" in line and "node.env" in line:
-                    break
-            cut = time.monotonic()
-            power_off(lost.name, lab.directory)
-            off = True
-            output.extend(running.stdout)
-            rc = running.wait(timeout=600)
-        reported = time.monotonic() - cut
-        text = "".join(output)
-        assert rc != 0, text[-6000:]
-        assert f"gpufleet: [{lost.address}] lost during the deploy" in text, text[-6000:]
-        assert "An internal exception occurred" not in text, text[-6000:]
-        errors = {line.split("]", 1)[0].strip(" [") for line in text.splitlines() if "] Error" in line}
-        assert errors <= {lost.address}, text[-6000:]  # no other node failed
-        lab.power_on(lost)
-        off = False
-        assert_no_errors(deploy(lab))
-        assert lab.host(lost).file("/etc/gpufleet/node.env").contains(f'^GPUFLEET_NODE="{lost.name}"$')
-        wait_serving(lab, lab.nodes[1], timeout=600)
-        recovered = time.monotonic() - cut
-    finally:
-        loop.stop()
-        if off:  # the other tests need lab3
-            lab.power_on(lost)
-    assert loop.sent > 0 and loop.failures == [], loop.failures[:3]
-    record_figure(tmp_path_factory, {
-        "fault": "a node powered off halfway through a deploy, then started and the deploy rerun",
-        "node": lost.name, "deploy_ended_after_s": round(reported, 1), "serving_again_s": round(recovered, 1),
-        "other_replica_requests": loop.sent, "other_replica_failures": 0})
 
 
 def test_kill_9_of_vllm_is_restarted_and_serves_again(
@@ -272,6 +220,54 @@ def test_a_wedged_engine_is_restarted_by_the_watchdog_while_a_provision_reboots_
     record_figure(tmp_path_factory, {
         "fault": "reboot of the follower's node by deploys/provision.py (beside the stalled engine)",
         "replica": PIPELINE, "serving_again_s": round(pipeline_back, 1)})
+
+
+def test_a_node_lost_halfway_through_a_deploy_is_named_and_a_rerun_finishes(
+        lab: Lab, faults: Completed | None, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """lab3 loses power while a deploy has work to do on it: the deploy goes on with the other nodes, names
+    lab3 and exits non-zero; once lab3 is back, a rerun converges it and the pipeline replica serves again."""
+    lost = lab.nodes[2]
+    lab.host(lost).check_output("rm /etc/gpufleet/node.env")  # work for the deploy on lab3
+    loop = requests_to(lab, lab.nodes[0])
+    loop.start()
+    argv = [str(PYINFRA), INVENTORY, DEPLOY, "-y"]
+    off = False
+    try:
+        with subprocess.Popen(argv, cwd=ROOT, env=lab.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) as running:
+            assert running.stdout is not None
+            output = []
+            for line in running.stdout:  # power off lab3 as the deploy starts its first change there
+                output.append(line)
+                if "Starting operation" in line and "node.env" in line:
+                    break
+            cut = time.monotonic()
+            power_off(lost.name, lab.directory)
+            off = True
+            output.extend(running.stdout)
+            rc = running.wait(timeout=600)
+        reported = time.monotonic() - cut
+        text = "".join(output)
+        assert rc != 0, text[-6000:]
+        assert f"gpufleet: [{lost.address}] lost during the deploy" in text, text[-6000:]
+        assert "An internal exception occurred" not in text, text[-6000:]
+        errors = {line.split("]", 1)[0].strip(" [") for line in text.splitlines() if "] Error" in line}
+        assert errors <= {lost.address}, text[-6000:]  # no other node failed
+        lab.power_on(lost)
+        off = False
+        assert_no_errors(deploy(lab))
+        assert lab.host(lost).file("/etc/gpufleet/node.env").contains(f'^GPUFLEET_NODE="{lost.name}"$')
+        wait_serving(lab, lab.nodes[1], timeout=600)
+        recovered = time.monotonic() - cut
+    finally:
+        loop.stop()
+        if off:  # the other tests need lab3
+            lab.power_on(lost)
+    assert loop.sent > 0 and loop.failures == [], loop.failures[:3]
+    record_figure(tmp_path_factory, {
+        "fault": "a node powered off halfway through a deploy, then started and the deploy rerun",
+        "node": lost.name, "deploy_ended_after_s": round(reported, 1), "serving_again_s": round(recovered, 1),
+        "other_replica_requests": loop.sent, "other_replica_failures": 0})
 
 
 def test_a_deploy_interrupted_halfway_converges_on_rerun(lab: Lab, faults: Completed | None) -> None:
