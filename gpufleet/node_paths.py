@@ -49,6 +49,7 @@ ROUTER_HEALTH_STATE = f"{ROUTER_HEALTH_DIR}/healthy"  # 1: HAProxy passes; 0, em
 VLLM_ROOT = "/opt/vllm"  # one virtualenv per version: /opt/vllm/<version> -> /opt/vllm/.build-<version>-<digest>-*
 VLLM_HOME = "/var/lib/vllm"  # the vllm user's home and caches (StateDirectory=vllm): nothing root runs or trusts
 PYCACHE_DIR = f"{VLLM_HOME}/pycache"  # bytecode the vllm user's processes compile (PYTHONPYCACHEPREFIX)
+VLLM_CACHE_DIR = f"{VLLM_HOME}/vllm-cache"  # vLLM's own caches, one directory per release (VLLM_CACHE_ROOT)
 RAY_TEMP_DIR = f"{VLLM_HOME}/ray"  # outside vLLM's PrivateTmp, so vLLM's driver reaches the local raylet
 MODELS_DIR = "/var/lib/gpufleet/models"  # root-owned: hub ids are downloaded to <MODELS_DIR>/<org>--<name>
 VLLM_UNIT_TEMPLATE = "vllm@.service"

@@ -95,6 +95,7 @@ OWNED_ENV = {
     "RAY_ADDRESS": "ray_port", "VLLM_MODEL": "vllm_model", "HF_HOME": "vllm_model", "HOME": "nothing (gpufleet's)",
     "HF_HUB_OFFLINE": "vllm_model_source", "VLLM_API_KEY": "vllm_api_key", "HF_TOKEN": "vllm_hf_token",
     "VLLM_PORT": "vllm_port", "PYTHONPYCACHEPREFIX": "vllm_compile_bytecode",
+    "VLLM_CACHE_ROOT": "nothing (gpufleet's, one per release)",
 }
 
 

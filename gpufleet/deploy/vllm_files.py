@@ -32,6 +32,7 @@ from gpufleet.node_paths import (
     UNIT_DEFAULT_PATH,
     UV_CACHE_DIR,
     UV_ROOT,
+    VLLM_CACHE_DIR,
     VLLM_HOME,
     VLLM_ROOT,
     cuda_home,
@@ -98,14 +99,17 @@ def download_script(cfg: HostConfig, token_file: str) -> str:
 
 
 def process_env(cfg: HostConfig) -> dict[str, str]:
-    """What every process run as the vllm user from the virtualenv gets (vLLM, Ray): its home and, when the
+    """What every process run as the vllm user from the virtualenv gets (vLLM, Ray): its home; vLLM's caches in a
+    directory of the release's own (``VLLM_CACHE_ROOT``): vLLM keeps one record per model class there, keyed on the
+    release's model code, and a single directory would make every switch of release (an upgrade, then its
+    rollback) inspect the model again in a subprocess (seconds of imports on the replica's way back); and, when the
     install compiled no bytecode, a bytecode cache of its own (``PYTHONPYCACHEPREFIX``): the first start on a
     node compiles what it imports there, later starts read it (the virtualenv stays read-only to that user).
 
     With ``cuda_toolkit``, the toolkit's ``CUDA_HOME`` and a ``PATH`` (systemd expands nothing there, so it is
     written whole) that finds its ``nvcc`` first, then the virtualenv's programs (FlashInfer's just-in-time
     kernels also run ``ninja`` from PATH), then the PATH systemd gives a unit that sets none."""
-    env = {"HOME": VLLM_HOME}
+    env = {"HOME": VLLM_HOME, "VLLM_CACHE_ROOT": f"{VLLM_CACHE_DIR}/{cfg.vllm_version}"}
     if not cfg.vllm_compile_bytecode:
         env["PYTHONPYCACHEPREFIX"] = PYCACHE_DIR
     if cfg.cuda_toolkit:

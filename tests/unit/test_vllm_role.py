@@ -222,6 +222,7 @@ def test_replica_env_defaults_then_plan_then_vllm_env() -> None:
     assert env == {
         "VLLM_MODEL": "/var/lib/gpufleet/models/org--model",
         "HOME": "/plan/home",  # the plan's env over the role's defaults
+        "VLLM_CACHE_ROOT": f"/var/lib/vllm/vllm-cache/{cfg.vllm_version}",
         "PYTHONPYCACHEPREFIX": "/var/lib/vllm/pycache",  # no bytecode compiled at install: the first start does
         "HF_HOME": "/var/lib/vllm/hf",
         "CUDA_VISIBLE_DEVICES": "0,1",
@@ -231,6 +232,14 @@ def test_replica_env_defaults_then_plan_then_vllm_env() -> None:
     assert "HF_HUB_OFFLINE" not in env  # a hub id the node downloads itself
     # bytecode compiled at install: the processes read the virtualenv's own (a cache prefix would ignore it)
     assert "PYTHONPYCACHEPREFIX" not in vf.replica_env(_config(vllm_compile_bytecode=True), {})
+
+
+def test_each_release_keeps_its_own_vllm_cache() -> None:
+    """vLLM keeps one record per model class in its cache, keyed on the release's model code: with one directory
+    for every release, each switch of release (an upgrade, then its rollback) would inspect the model again."""
+    roots = {version: vf.process_env(_config(vllm_version=version))["VLLM_CACHE_ROOT"]
+             for version in ("0.31.0", "0.32.0")}
+    assert roots == {"0.31.0": "/var/lib/vllm/vllm-cache/0.31.0", "0.32.0": "/var/lib/vllm/vllm-cache/0.32.0"}
 
 
 @pytest.mark.parametrize(("values", "offline"), [
@@ -267,7 +276,9 @@ def test_cuda_toolkit_gives_every_vllm_process_its_home_and_path(values: dict[st
     cfg = _config(**values)
     env = vf.replica_env(cfg, {"CUDA_VISIBLE_DEVICES": "0"})
     assert {name: env[name] for name in ("CUDA_HOME", "PATH") if name in env} == toolkit
-    assert vf.process_env(cfg) == {"HOME": "/var/lib/vllm", "PYTHONPYCACHEPREFIX": "/var/lib/vllm/pycache", **toolkit}
+    assert vf.process_env(cfg) == {"HOME": "/var/lib/vllm",
+                                   "VLLM_CACHE_ROOT": f"/var/lib/vllm/vllm-cache/{cfg.vllm_version}",
+                                   "PYTHONPYCACHEPREFIX": "/var/lib/vllm/pycache", **toolkit}
     text = vf.env_file(env, "replica")
     for name, value in toolkit.items():  # written whole: systemd expands nothing in an EnvironmentFile
         assert f'{name}="{value}"' in text.splitlines()
