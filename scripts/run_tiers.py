@@ -2,7 +2,10 @@
 
 ``make test``: lint (ruff, mypy) beside the lab tier's start, then the unit and tools tiers, at low CPU priority,
 once the lab reaches its first test that mostly waits on timers (marked ``waits``; or once the lab tier ended):
-they fill the lab's waits instead of slowing its boot and first deploy, which keep both cores busy. The lab tier's
+they fill the lab's waits instead of slowing its boot and first deploy, which keep both cores busy. Low priority
+is a session of their own whose share of the CPUs is lowered (Linux's autogroup): the scheduler shares the CPUs
+between sessions before it looks at a process's nice, and every vLLM on the lab's nodes is a service, so a
+session of its own; a plain ``nice`` would leave the two tiers' workers as large a share as each vLLM. The lab tier's
 output streams as it runs; the other tiers' is printed when both are done. ``--fast``: lint, then the unit and
 tools tiers alone.
 
@@ -13,7 +16,9 @@ lines of why, and one line of counts; the exit status is 0 only when every tier 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -29,6 +34,10 @@ BIN = Path(sys.executable).parent
 SLOWEST = 25
 WAITS_POLL_S = 1.0
 WHY_LINES = 6  # of each failed test's message, repeated at the end of the output
+# The share of the CPUs the tiers beside the lab get, as a nice value of their session (scheduler weight 335 against
+# 1024 for each of the lab's vLLMs): they take little from a vLLM starting while the cores are busy, all the cores
+# left idle, and never so little that a test waiting on its own daemon times out.
+AUTOGROUP_NICE = 5
 
 
 @dataclass(frozen=True)
@@ -52,6 +61,7 @@ class Tier:
     began: float = 0.0  # monotonic clock when its commands started
     status: int = 0
     output: list[str] = field(default_factory=list)
+    yields: bool = False  # runs in a session of its own at a lower share of the CPUs (AUTOGROUP_NICE)
 
     def run(self, stream: bool, after: Callable[[], bool] = lambda: True) -> None:
         """Run the commands (once ``after`` holds: polled every WAITS_POLL_S, not counted in the tier's time)."""
@@ -59,16 +69,40 @@ class Tier:
             time.sleep(WAITS_POLL_S)
         started = self.began = time.monotonic()
         for argv in self.commands:
-            if stream:
-                done = subprocess.run(argv, cwd=ROOT)
-            else:
-                done = subprocess.run(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                self.output.append(f"$ {' '.join(argv)}\n{done.stdout}")
+            returncode, out = self._one(argv, stream)
+            if not stream:
+                self.output.append(f"$ {' '.join(argv)}\n{out}")
             # pytest's 5: no test collected (a tier with nothing selected), not a failure
-            if done.returncode not in (0, 5):
-                self.status = done.returncode
+            if returncode not in (0, 5):
+                self.status = returncode
                 break
         self.seconds = time.monotonic() - started
+
+    def _one(self, argv: list[str], stream: bool) -> tuple[int, str]:
+        """One command's exit status and (unless streamed) its output; a tier that yields takes its session down
+        with it when this run is interrupted."""
+        pipe = {} if stream else {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
+        with subprocess.Popen(argv, cwd=ROOT, start_new_session=self.yields, **pipe) as process:  # type: ignore[call-overload]
+            if self.yields:
+                lower_autogroup(process.pid)
+            try:
+                out, _ = process.communicate()
+            except BaseException:
+                if self.yields:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(process.pid, signal.SIGTERM)
+                raise
+        return process.returncode, out or ""
+
+
+def lower_autogroup(pid: int, nice: int = AUTOGROUP_NICE) -> bool:
+    """Give the session ``pid`` leads a lower share of the CPUs, its processes and those they start alike; False
+    where the kernel does not group sessions (the tier's plain ``nice`` is then what lowers it)."""
+    try:
+        Path(f"/proc/{pid}/autogroup").write_text(f"{nice}\n")
+    except OSError:
+        return False
+    return True
 
 
 def pytest_argv(report: Path, *paths: str) -> list[str]:
@@ -122,6 +156,7 @@ def main() -> int:
     else:
         lint.commands = [niced(argv) for argv in lint.commands]
         fast.commands = [niced(argv) for argv in fast.commands]
+        lint.yields = fast.yields = True
 
         def lint_then_fast() -> None:
             lint.run(stream=False)

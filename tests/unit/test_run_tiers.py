@@ -70,3 +70,24 @@ def test_a_tier_waits_for_its_start_and_counts_only_its_own_time(run_tiers: Modu
     tier.run(stream=False, after=after)
     assert waited == [False, False, False] and ran.exists() and tier.status == 0
     assert tier.seconds < 0.3  # the 0.4 s of waiting is not the tier's
+
+
+def _autogroup_of_a_command(run_tiers: ModuleType, yields: bool) -> tuple[str, bool]:
+    """What a tier's command finds: its autogroup line, and whether it leads a session of its own."""
+    probe = "cat /proc/self/autogroup; [ \"$(ps -o sid= -p $$ | tr -d ' ')\" = \"$$\" ] && echo leader || echo member"
+    tier = run_tiers.Tier("unit+tools", [["sh", "-c", probe]], yields=yields)
+    tier.run(stream=False)
+    assert tier.status == 0, tier.output
+    group, role = tier.output[0].splitlines()[1:3]
+    return group, role == "leader"
+
+
+@pytest.mark.skipif(not Path("/proc/self/autogroup").exists(), reason="this kernel groups no sessions (autogroup)")
+def test_a_tier_beside_the_lab_runs_in_a_session_of_its_own_at_a_lower_share(run_tiers: ModuleType) -> None:
+    """The lab's vLLMs are services, each a session: only a session of its own, its share lowered, lets them
+    have the cores first (a plain nice only orders processes within one session)."""
+    ours = Path("/proc/self/autogroup").read_text().split()[0]
+    group, leader = _autogroup_of_a_command(run_tiers, yields=True)
+    assert leader and group.split()[0] != ours and group.endswith(f"nice {run_tiers.AUTOGROUP_NICE}"), group
+    group, leader = _autogroup_of_a_command(run_tiers, yields=False)
+    assert not leader and group.split()[0] == ours, group
