@@ -74,7 +74,12 @@ def test_a_tier_waits_for_its_start_and_counts_only_its_own_time(run_tiers: Modu
 
 def _autogroup_of_a_command(run_tiers: ModuleType, yields: bool) -> tuple[str, bool]:
     """What a tier's command finds: its autogroup line, and whether it leads a session of its own."""
-    probe = "cat /proc/self/autogroup; [ \"$(ps -o sid= -p $$ | tr -d ' ')\" = \"$$\" ] && echo leader || echo member"
+    # the tier lowers the share once the command runs: a busy machine may run the command first, so a yielding
+    # tier's command looks again for up to 5 s (a share never lowered still shows nice 0 then)
+    wait = (f"for _ in $(seq 50); do grep -q 'nice {run_tiers.AUTOGROUP_NICE}$' /proc/self/autogroup && break;"
+            " sleep 0.1; done; ") if yields else ""
+    probe = wait + ("cat /proc/self/autogroup;"
+                    " [ \"$(ps -o sid= -p $$ | tr -d ' ')\" = \"$$\" ] && echo leader || echo member")
     tier = run_tiers.Tier("unit+tools", [["sh", "-c", probe]], yields=yields)
     tier.run(stream=False)
     assert tier.status == 0, tier.output
