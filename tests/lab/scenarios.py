@@ -85,7 +85,10 @@ class LabStates:
 
     def healthy_since(self) -> float:
         """When the monitoring group's Prometheus (lab1) first saw every target up and every alert of before the
-        deploy resolved, on the serving lab (waited for on the first call)."""
+        deploy resolved, pending ones included, on the serving lab (waited for on the first call). A replica the
+        deploy started reaches the model's ready count through two recording rules, an evaluation each: until
+        then ModelReplicasBelowMinimum can be pending though the deploy saw every replica serve (seen on the lab,
+        10 s after a slow deploy)."""
         if self._healthy_since is None:
             prometheus = Prometheus(self.lab.nodes[0])
 
@@ -100,7 +103,7 @@ class LabStates:
                 raise AssertionError(f"targets not up: {down}") from None
             # Prometheus may have run before the replicas did (deploys/monitoring.py): the lab is healthy once what
             # it said then has resolved.
-            wait_for("the alerts of before the deploy resolved", lambda: True if not prometheus.firing() else None,
+            wait_for("the alerts of before the deploy resolved", lambda: True if not prometheus.alerts() else None,
                      timeout=180)
             self._healthy_since = time.monotonic()
         return self._healthy_since
