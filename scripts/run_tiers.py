@@ -61,7 +61,7 @@ class Tier:
     began: float = 0.0  # monotonic clock when its commands started
     status: int = 0
     output: list[str] = field(default_factory=list)
-    yields: bool = False  # runs in a session of its own at a lower share of the CPUs (AUTOGROUP_NICE)
+    yields: bool = False  # low CPU priority: a session of its own at a lower share (AUTOGROUP_NICE), and nice
 
     def run(self, stream: bool, after: Callable[[], bool] = lambda: True) -> None:
         """Run the commands (once ``after`` holds: polled every WAITS_POLL_S, not counted in the tier's time)."""
@@ -81,8 +81,11 @@ class Tier:
     def _one(self, argv: list[str], stream: bool) -> tuple[int, str]:
         """One command's exit status and (unless streamed) its output; a tier that yields takes its session down
         with it when this run is interrupted."""
-        pipe = {} if stream else {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
-        with subprocess.Popen(argv, cwd=ROOT, start_new_session=self.yields, **pipe) as process:  # type: ignore[call-overload]
+        if self.yields:
+            argv = ["nice", "-n", "10", *argv]  # what lowers it where the kernel groups no sessions
+        with subprocess.Popen(argv, cwd=ROOT, start_new_session=self.yields, text=True,
+                              stdout=None if stream else subprocess.PIPE,
+                              stderr=None if stream else subprocess.STDOUT) as process:
             if self.yields:
                 lower_autogroup(process.pid)
             try:
@@ -95,23 +98,15 @@ class Tier:
         return process.returncode, out or ""
 
 
-def lower_autogroup(pid: int, nice: int = AUTOGROUP_NICE) -> bool:
-    """Give the session ``pid`` leads a lower share of the CPUs, its processes and those they start alike; False
-    where the kernel does not group sessions (the tier's plain ``nice`` is then what lowers it)."""
-    try:
+def lower_autogroup(pid: int, nice: int = AUTOGROUP_NICE) -> None:
+    """Give the session ``pid`` leads a lower share of the CPUs, its processes and those they start alike (nothing
+    where the kernel does not group sessions: the tier's plain ``nice`` is then what lowers it)."""
+    with contextlib.suppress(OSError):
         Path(f"/proc/{pid}/autogroup").write_text(f"{nice}\n")
-    except OSError:
-        return False
-    return True
 
 
 def pytest_argv(report: Path, *paths: str) -> list[str]:
     return [str(BIN / "pytest"), "-q", f"--junitxml={report}", "-o", "junit_logging=no", *paths]
-
-
-def niced(argv: list[str]) -> list[str]:
-    """At low CPU priority: the lab's vLLMs keep the cores they need."""
-    return ["nice", "-n", "10", *argv]
 
 
 def cases(report: Path | None) -> list[Case]:
@@ -154,9 +149,7 @@ def main() -> int:
             fast.run(stream=True)
         tiers = [lint, fast]
     else:
-        lint.commands = [niced(argv) for argv in lint.commands]
-        fast.commands = [niced(argv) for argv in fast.commands]
-        lint.yields = fast.yields = True
+        lint.yields = fast.yields = True  # at low CPU priority: the lab's vLLMs keep the cores they need
 
         def lint_then_fast() -> None:
             lint.run(stream=False)
