@@ -88,7 +88,7 @@ def _client_problems(cfg: HostConfig, sources: dict[str, str], cache: _Read) -> 
 
 
 def _tls_problems(cfg: HostConfig, sources: dict[str, str], cache: _Read) -> Iterator[tuple[str, str, str]]:
-    """(source, key path, problem) for TLS and the plain HTTP port."""
+    """(source, key path, problem) for TLS and the plain HTTP port (its collisions: the port rule of HostConfig)."""
     certificate, key = cfg.router_tls_certificate, cfg.router_tls_key
     if (certificate is None) != (key is None):
         given, missing = ("router_tls_certificate", "router_tls_key") if key is None else (
@@ -100,10 +100,6 @@ def _tls_problems(cfg: HostConfig, sources: dict[str, str], cache: _Read) -> Ite
         yield (sources.get("router_plain_http_port", "controller"), "router_plain_http_port",
                "expected router_tls_certificate and router_tls_key with it (without TLS plain HTTP is on"
                f" router_port), found {plain} without them")
-    for other in ("router_port", "router_metrics_port"):
-        if plain is not None and plain == getattr(cfg, other):
-            yield (sources.get("router_plain_http_port", "controller"), "router_plain_http_port",
-                   f"expected a port of its own, found {plain} for both router_plain_http_port and {other}")
     if certificate is None or key is None:
         return
     for name, ref, mark, what in (("router_tls_certificate", certificate, CERTIFICATE_MARK, "a PEM certificate"),

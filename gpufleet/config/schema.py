@@ -7,11 +7,13 @@ float accepts an integer. What a well-formed name, address, URL or path is lives
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
@@ -505,6 +507,22 @@ class HostConfig(BaseModel):
             raise ValueError("vllm_model: expected a value on a serving host, found null")
         return str(self.vllm_model)
 
+    def vllm_downloads(self) -> bool:
+        """Whether vLLM itself fetches from the hub at start: only for a draft model named by hub id in
+        ``vllm_extra_args.speculative-config`` (the served model is always staged by the deploy first). Only then
+        does vLLM get the hub token and hub access (no ``HF_HUB_OFFLINE``)."""
+        for key, value in self.vllm_extra_args.items():
+            if key.replace("_", "-") != "speculative-config":
+                continue
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except ValueError:
+                    return False
+            model = value.get("model") if isinstance(value, dict) else None
+            return isinstance(model, str) and not model.startswith("/")
+        return False
+
     def served_model_name(self) -> str:
         """The name clients ask for the model by (``--served-model-name``): ``vllm_served_model_name``, else the
         model."""
@@ -615,6 +633,8 @@ class HostConfig(BaseModel):
             "router_port": (self.router_port,) * 2,
             "router_metrics_port": (self.router_metrics_port,) * 2,
         }
+        if self.router_plain_http_port is not None:
+            ranges["router_plain_http_port"] = (self.router_plain_http_port,) * 2
         why = {"vllm_port": f"one API port per replica, {api_ports} on this node",
                "ray_port": "Ray listens on ray_port .. ray_port + 8"}
         for key, (low, high) in ranges.items():
@@ -651,6 +671,14 @@ class HostConfig(BaseModel):
         webhook = self.alertmanager_webhook_url
         if webhook and (problem := grammar.url(webhook, plain, ("https", "http"), grammar.NOT_SECRET_URL)):
             found.append((("alertmanager_webhook_url",), problem))
+        elif webhook and not ipaddress.ip_address(self.alertmanager_listen_address).is_loopback:
+            host = urlsplit(webhook).hostname or ""
+            try:
+                ipaddress.ip_address(host)
+            except ValueError:
+                found.append((("alertmanager_webhook_url",), "expected an IP address as its host while"
+                               f" alertmanager_listen_address is {self.alertmanager_listen_address} (Alertmanager's"
+                               f" IP filter admits addresses only), found {grammar.show(host)}"))
         source = self.node_exporter_apt_source
         if source is not None and (problem := apt_source(source, plain)):
             found.append((("node_exporter_apt_source",), problem))

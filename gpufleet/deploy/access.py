@@ -13,8 +13,10 @@ processes, except to and from the listed addresses and localhost):
   null (API open);
 - ``vllm-watchdog@.service`` (it listens nowhere: it reaches its replica's API on this node): the node's own
   address;
-- Prometheus on a monitoring host, only when ``prometheus_allowed_from`` is set: the host itself, every host it
-  scrapes, the monitoring hosts and those addresses.
+- Prometheus on a monitoring host, always: the host itself, every host it scrapes, the monitoring hosts and
+  ``prometheus_allowed_from`` (its API has no login: nobody else reads the fleet's metrics);
+- Alertmanager on a monitoring host, when it listens beyond loopback: the host itself, the monitoring hosts,
+  ``prometheus_allowed_from`` and the webhook's address (whoever reaches it can silence alerts).
 
 The monitoring hosts are ``monitoring_addresses`` plus the hosts of an inventory group named ``monitoring``
 (their ``fleet_address``, else their inventory name, which must then be an IP address). Computed on the
@@ -28,6 +30,7 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Iterable
 from typing import Any
+from urllib.parse import urlsplit
 
 from gpufleet.config.inventory_shape import MONITORING_GROUP
 from gpufleet.config.problems import ConfigError, Problem
@@ -77,12 +80,22 @@ def vllm_sources(cfg: HostConfig, node_address: str, peer_addresses: Iterable[st
 
 
 def prometheus_sources(cfg: HostConfig, node_address: str, scraped: Iterable[str],
-                       group_hosts: Iterable[str] = ()) -> list[str] | None:
+                       group_hosts: Iterable[str] = ()) -> list[str]:
     """Whom Prometheus may talk to on a monitoring host: the host itself, every host it scrapes, the monitoring
-    hosts and ``prometheus_allowed_from``; None: anyone (``prometheus_allowed_from`` null)."""
-    if cfg.prometheus_allowed_from is None:
+    hosts and ``prometheus_allowed_from``."""
+    return allow_list([node_address], scraped, monitoring_sources(cfg, group_hosts),
+                      cfg.prometheus_allowed_from or [])
+
+
+def alertmanager_sources(cfg: HostConfig, node_address: str, group_hosts: Iterable[str] = ()) -> list[str] | None:
+    """Whom Alertmanager may talk to on a monitoring host when it listens beyond loopback: the host itself, the
+    monitoring hosts, ``prometheus_allowed_from`` and the webhook it sends to (its address: validation refuses a
+    webhook by host name there); None on loopback (only the host reaches it, and it may send anywhere)."""
+    if ipaddress.ip_address(cfg.alertmanager_listen_address).is_loopback:
         return None
-    return allow_list([node_address], scraped, monitoring_sources(cfg, group_hosts), cfg.prometheus_allowed_from)
+    webhook = urlsplit(cfg.alertmanager_webhook_url).hostname if cfg.alertmanager_webhook_url else None
+    return allow_list([node_address], monitoring_sources(cfg, group_hosts), cfg.prometheus_allowed_from or [],
+                      [webhook] if webhook else [])
 
 
 def watchdog_sources(node_address: str) -> list[str] | None:

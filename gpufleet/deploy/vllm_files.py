@@ -122,8 +122,8 @@ def process_env(cfg: HostConfig) -> dict[str, str]:
 def replica_env(cfg: HostConfig, plan_env: dict[str, str]) -> dict[str, str]:
     """The plain environment of a replica's vLLM process on one node."""
     env = {"VLLM_MODEL": model_dir(cfg), **process_env(cfg), "HF_HOME": f"{VLLM_HOME}/hf"}
-    if cfg.vllm_model_source or cfg.checkpoint().startswith("/"):
-        env["HF_HUB_OFFLINE"] = "1"  # staged weights: nothing to fetch at start
+    if not cfg.vllm_downloads():
+        env["HF_HUB_OFFLINE"] = "1"  # staged weights (pushed, downloaded by the deploy, or the site's path)
     env.update(cfg.vllm_env)
     env.update(plan_env)  # the plan's GPU set, address and interfaces are not the operator's to override
     return env
@@ -166,14 +166,20 @@ def api_key(cfg: HostConfig) -> str | None:
     return _read_secret(cfg.vllm_api_key, "vllm_api_key") if cfg.vllm_api_key else None
 
 
+def hub_token(cfg: HostConfig) -> str | None:
+    """The hub token from the controller's reference (raises ConfigError naming the key); None without."""
+    return _read_secret(cfg.vllm_hf_token, "vllm_hf_token") if cfg.vllm_hf_token else None
+
+
 def secret_env(cfg: HostConfig) -> dict[str, str]:
-    """VLLM_API_KEY, HF_TOKEN and, with the ray backend, RAY_AUTH_TOKEN from the controller's references (raises
-    ConfigError naming the key)."""
+    """VLLM_API_KEY, HF_TOKEN when vLLM itself downloads (:meth:`HostConfig.vllm_downloads`: the deploy stages
+    the served model with the token as root, and vLLM never sees it otherwise) and, with the ray backend,
+    RAY_AUTH_TOKEN, from the controller's references (raises ConfigError naming the key)."""
     found: dict[str, str] = {}
     if cfg.vllm_api_key:
         found["VLLM_API_KEY"] = str(api_key(cfg))
-    if cfg.vllm_hf_token:
-        found["HF_TOKEN"] = _read_secret(cfg.vllm_hf_token, "vllm_hf_token")
+    if (token := hub_token(cfg)) is not None and cfg.vllm_downloads():
+        found["HF_TOKEN"] = token
     if cfg.vllm_distributed_backend == "ray" and cfg.ray_auth_token:
         found["RAY_AUTH_TOKEN"] = _read_secret(cfg.ray_auth_token, "ray_auth_token")
     return found

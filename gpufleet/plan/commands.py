@@ -166,8 +166,8 @@ def secret_env_names(cfg: HostConfig) -> list[str]:
     names = []
     if cfg.vllm_api_key:
         names.append("VLLM_API_KEY")
-    if cfg.vllm_hf_token:
-        names.append("HF_TOKEN")
+    if cfg.vllm_hf_token and cfg.vllm_downloads():
+        names.append("HF_TOKEN")  # only for what vLLM fetches itself: the deploy stages the served model
     if cfg.vllm_distributed_backend == "ray" and cfg.ray_auth_token:
         names.append("RAY_AUTH_TOKEN")  # vLLM joins the replica's Ray cluster as a driver
     return names

@@ -250,8 +250,9 @@ def monitoring_files(cfg: HostConfig, address: str, view: FleetView, group_hosts
                **{f"{RULES_DIR}/{name}": text for name, text in rules.items()}}
     scraped = sorted({t.host for t in targets(view)})
     allowed = access.prometheus_sources(cfg, address, scraped, group_hosts)
+    alerts_from = access.alertmanager_sources(cfg, address, group_hosts)
     return MonitoringFiles(configs, drop_in(PROMETHEUS, prometheus_argv(cfg, address), allowed),
-                           drop_in(ALERTMANAGER, alertmanager_argv(cfg), None), alert_log_unit(cfg))
+                           drop_in(ALERTMANAGER, alertmanager_argv(cfg), alerts_from), alert_log_unit(cfg))
 
 
 # --- the running deploy's view ---------------------------------------------------------------------------------

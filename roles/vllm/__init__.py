@@ -197,6 +197,7 @@ def vllm_install() -> None:
             if (process := _vllm_process(role)) is not None]
     try:
         secrets = vf.secret_env(cfg)
+        token = vf.hub_token(cfg) if not cfg.checkpoint().startswith("/") else None
         pip_secret = vf.pip_secret_env(cfg)
         # the API and the mp rendezvous: this node, its replicas' nodes, monitoring, routers, vllm_api_allowed_from
         allowed = access.vllm_sources(cfg, cfg.fleet_address or host.name,
@@ -230,9 +231,9 @@ def vllm_install() -> None:
                          script=vf.install_script(cfg),
                          done_file=f"{venv_dir(cfg.vllm_version)}/{INSTALLED_MARKER}",
                          done_text=vf.install_marker(cfg))
-    if not cfg.checkpoint().startswith("/") and cfg.vllm_hf_token:
+    if token is not None:
         files.secret_file(name="Write the hub token (0600)", dest=HUB_SECRET,
-                          content=env_file({"HF_TOKEN": secrets["HF_TOKEN"]}, "hub token for model downloads"))
+                          content=env_file({"HF_TOKEN": token}, "hub token for model downloads"))
     files.directory(name=f"Create {MODELS_DIR} (root only writes)", path=MODELS_DIR)
     model = _stage_model()
     unit = files.file(name="Install the vllm@.service template unit", dest=unit_path(VLLM_UNIT_TEMPLATE),

@@ -108,12 +108,14 @@ def test_amtool_accepts_alertmanagers_configuration(tmp_path: Path, webhook: str
 
 # --- the drop-ins on Debian's units ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("allowed_from", [None, ["10.9.0.0/24"]])
+@pytest.mark.parametrize("values", [{}, {"prometheus_allowed_from": ["10.9.0.0/24"],
+                                         "alertmanager_listen_address": "0.0.0.0"}])
 def test_the_drop_ins_pass_systemd_analyze_on_debians_units_within_the_bound(tmp_path: Path,
-                                                                            allowed_from: list[str] | None) -> None:
+                                                                            values: dict[str, object]) -> None:
     """Debian's units (as the packages install them) with gpufleet's drop-ins: systemd accepts them, each runs the
-    literal command line, and each rates at most gpufleet's exposure bound (Debian's alone: 4.0 and 9.2)."""
-    _, files = _files(prometheus_allowed_from=allowed_from)
+    literal command line, and each rates at most gpufleet's exposure bound (Debian's alone: 4.0 and 9.2).
+    Prometheus is always behind its IP filter; Alertmanager once it listens beyond loopback."""
+    _, files = _files(**values)
     texts = {role.PROMETHEUS: files.prometheus_drop_in, role.ALERTMANAGER: files.alertmanager_drop_in}
     units = []
     for service, text in texts.items():
@@ -130,7 +132,7 @@ def test_the_drop_ins_pass_systemd_analyze_on_debians_units_within_the_bound(tmp
         done = subprocess.run(["systemd-analyze", "security", "--offline=yes", f"--root={tmp_path}", "--no-pager",
                                service.unit], capture_output=True, text=True, timeout=120)
         assert exposure_score(done.stdout) <= EXPOSURE_BOUND, done.stdout
-    cfg = _config(fleet_address="10.40.9.1")
+    cfg = _config(fleet_address="10.40.9.1", **values)
     expected = {role.PROMETHEUS: role.prometheus_argv(cfg, "10.40.9.1"), role.ALERTMANAGER: role.alertmanager_argv(cfg)}
     for service, text in texts.items():
         settings = unit_settings(text)
@@ -139,8 +141,9 @@ def test_the_drop_ins_pass_systemd_analyze_on_debians_units_within_the_bound(tmp
         assert ("Unit", "ConditionPathExists", service.config) in settings
         assert ("Service", "EnvironmentFile", "") in settings
         filtered = [v for _, k, v in settings if k == "IPAddressAllow"]
-        assert bool(filtered) == (service is role.PROMETHEUS and allowed_from is not None), filtered
-    assert "--web.listen-address=127.0.0.1:9093" in expected[role.ALERTMANAGER]
+        assert bool(filtered) == (service is role.PROMETHEUS or "alertmanager_listen_address" in values), filtered
+    listen = values.get("alertmanager_listen_address", "127.0.0.1")
+    assert f"--web.listen-address={listen}:9093" in expected[role.ALERTMANAGER]
     assert "--cluster.listen-address=" in expected[role.ALERTMANAGER]
 
 

@@ -226,12 +226,34 @@ def test_alertmanager_groups_and_repeats_as_its_variables_say(values: dict[str, 
 
 # --- the drop-ins' IP filter --------------------------------------------------------------------------------------
 
-def test_prometheus_filters_its_traffic_to_the_hosts_it_scrapes_when_asked() -> None:
-    view, files = _files(prometheus_allowed_from=["192.168.7.0/24"])
-    (line,) = [v for _, k, v in unit_settings(files.prometheus_drop_in) if k == "IPAddressAllow"]
+@pytest.mark.parametrize("allowed_from", [None, ["192.168.7.0/24"]])
+def test_prometheus_filters_its_traffic_to_the_hosts_it_scrapes_and_its_readers(
+        allowed_from: list[str] | None) -> None:
+    """Closed by default: with prometheus_allowed_from unset, only the monitoring hosts and the hosts it scrapes."""
+    view, files = _files(prometheus_allowed_from=allowed_from)
+    settings = unit_settings(files.prometheus_drop_in)
+    (line,) = [v for _, k, v in settings if k == "IPAddressAllow"]
     scraped = {t.host for t in role.targets(view)}
-    assert set(line.split()) == {"localhost", "192.168.7.0/24", "10.40.9.1/32", "fd00::5/128",
+    assert set(line.split()) == {"localhost", *(allowed_from or []), "10.40.9.1/32", "fd00::5/128",
                                  *(f"{a}/32" for a in scraped if "." in a)}
+    assert [v for _, k, v in settings if k == "IPAddressDeny"] == ["any"]
+
+
+@pytest.mark.parametrize(("values", "allowed"), [
+    ({}, None),  # loopback: only the host itself reaches it, and it may send to any webhook
+    ({"alertmanager_listen_address": "0.0.0.0"}, {"10.40.9.1/32"}),
+    ({"alertmanager_listen_address": "0.0.0.0", "prometheus_allowed_from": ["192.168.7.0/24"],
+      "alertmanager_webhook_url": "https://192.0.2.10:8443/hook"},
+     {"10.40.9.1/32", "192.168.7.0/24", "192.0.2.10/32"}),
+])
+def test_alertmanager_off_loopback_admits_only_the_monitoring_hosts_readers_and_webhook(
+        values: dict[str, object], allowed: set[str] | None) -> None:
+    _, files = _files(**values)
+    lines = [v for _, k, v in unit_settings(files.alertmanager_drop_in) if k == "IPAddressAllow"]
+    if allowed is None:
+        assert lines == []
+    else:
+        assert [set(line.split()) for line in lines] == [{"localhost", *allowed}]
 
 
 # --- the role's operations, recorded ------------------------------------------------------------------------

@@ -354,7 +354,9 @@ def test_the_unit_runs_the_tool_with_the_replicas_file_and_its_key_from_the_secr
     assert "replica_watchdog.py" in node_paths.NODE_TOOL_FILES  # role common installs it where the unit looks
     assert unit[("Service", "EnvironmentFile")] == [f"-{node_paths.SECRETS_DIR}/%i.env"]  # the vllm unit's
     every_secret = secret_env_names(_config(vllm_api_key={"env": "K"}, vllm_hf_token={"env": "T"},
-                                            vllm_distributed_backend="ray", ray_auth_token={"env": "R"}))
+                                            vllm_distributed_backend="ray", ray_auth_token={"env": "R"},
+                                            vllm_extra_args={"speculative-config": {"model": "org/draft"}}))
+    assert "HF_TOKEN" in every_secret  # a vLLM that fetches a draft model itself holds the hub token
     (unset,) = unit[("Service", "UnsetEnvironment")]
     assert sorted(unset.split()) == sorted(set(every_secret) - {"VLLM_API_KEY"})  # the key, and no other secret
 

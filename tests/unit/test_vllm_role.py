@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import yaml
@@ -225,11 +226,11 @@ def test_replica_env_defaults_then_plan_then_vllm_env() -> None:
         "VLLM_CACHE_ROOT": f"/var/lib/vllm/vllm-cache/{cfg.vllm_version}",
         "PYTHONPYCACHEPREFIX": "/var/lib/vllm/pycache",  # no bytecode compiled at install: the first start does
         "HF_HOME": "/var/lib/vllm/hf",
+        "HF_HUB_OFFLINE": "1",  # a hub id the deploy downloads before the start: vLLM fetches nothing
         "CUDA_VISIBLE_DEVICES": "0,1",
         "VLLM_HOST_IP": "10.0.0.5",
         "VLLM_CPU_KVCACHE_SPACE": "1",
     }
-    assert "HF_HUB_OFFLINE" not in env  # a hub id the node downloads itself
     # bytecode compiled at install: the processes read the virtualenv's own (a cache prefix would ignore it)
     assert "PYTHONPYCACHEPREFIX" not in vf.replica_env(_config(vllm_compile_bytecode=True), {})
 
@@ -242,17 +243,33 @@ def test_each_release_keeps_its_own_vllm_cache() -> None:
     assert roots == {"0.31.0": "/var/lib/vllm/vllm-cache/0.31.0", "0.32.0": "/var/lib/vllm/vllm-cache/0.32.0"}
 
 
-@pytest.mark.parametrize(("values", "offline"), [
-    ({}, False),
-    ({"vllm_model": "/var/lib/gpufleet/models/m"}, True),
-    ({"vllm_model": "/var/lib/gpufleet/models/m", "vllm_model_source": "{tmp}"}, True),
-    ({"vllm_model_source": "{tmp}"}, True),
+DRAFT_BY_ID = {"speculative-config": {"model": "org/draft", "num_speculative_tokens": 3}}
+DRAFT_STAGED = {"speculative-config": '{"model": "/var/lib/gpufleet/models/draft", "num_speculative_tokens": 3}'}
+
+
+@pytest.mark.parametrize(("values", "downloads"), [
+    ({}, False),  # a hub id: the deploy downloads it, as root, before the start
+    ({"vllm_model": "/var/lib/gpufleet/models/m"}, False),
+    ({"vllm_model": "/var/lib/gpufleet/models/m", "vllm_model_source": "{tmp}"}, False),
+    ({"vllm_model_source": "{tmp}"}, False),
+    ({"vllm_extra_args": DRAFT_STAGED}, False),
+    ({"vllm_extra_args": DRAFT_BY_ID}, True),  # a draft model vLLM fetches itself
+    ({"vllm_extra_args": {"speculative_config": json.dumps(DRAFT_BY_ID["speculative-config"])}}, True),
 ])
-def test_replica_env_is_offline_for_staged_weights(values: dict[str, str], offline: bool, tmp_path: Path) -> None:
-    values = {key: value.format(tmp=tmp_path) for key, value in values.items()}
-    env = vf.replica_env(_config(**values), {})
-    assert (env.get("HF_HUB_OFFLINE") == "1") is offline
-    assert env["VLLM_MODEL"] == vf.model_dir(_config(**values))
+def test_only_a_vllm_that_downloads_gets_the_hub_and_its_token(values: dict[str, Any], downloads: bool,
+                                                              tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every served model is staged before its replica starts (pushed, downloaded by the deploy as root, or the
+    site's path): vLLM runs offline and never holds the hub token, unless it fetches a draft model itself."""
+    values = {key: value.format(tmp=tmp_path) if isinstance(value, str) else value for key, value in values.items()}
+    monkeypatch.setenv("GPUFLEET_TEST_HUB", "hf_secret")
+    cfg = _config(**values, vllm_hf_token={"env": "GPUFLEET_TEST_HUB"})
+    env = vf.replica_env(cfg, {})
+    assert cfg.vllm_downloads() is downloads
+    assert ("HF_HUB_OFFLINE" not in env) is downloads
+    assert env["VLLM_MODEL"] == vf.model_dir(cfg)
+    assert ("HF_TOKEN" in vf.secret_env(cfg)) is downloads
+    assert ("HF_TOKEN" in secret_env_names(cfg)) is downloads
+    assert vf.hub_token(cfg) == "hf_secret"  # the deploy's own download still reads it
 
 
 UNIT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"  # systemd's, for a unit that sets none
@@ -298,7 +315,8 @@ def test_secret_env_from_env_and_file_refs(tmp_path: Path, monkeypatch: pytest.M
     (tmp_path / "token").write_text("hf_abc123\n")
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.setenv("GPUFLEET_TEST_KEY", "  sk-secret  ")
-    cfg = _config(vllm_api_key={"env": "GPUFLEET_TEST_KEY"}, vllm_hf_token={"file": "~/token"})
+    cfg = _config(vllm_api_key={"env": "GPUFLEET_TEST_KEY"}, vllm_hf_token={"file": "~/token"},
+                  vllm_extra_args=DRAFT_BY_ID)
     assert vf.secret_env(cfg) == {"VLLM_API_KEY": "sk-secret", "HF_TOKEN": "hf_abc123"}
     assert vf.secret_env(_config()) == {}
 
