@@ -110,11 +110,14 @@ def group(routers: Sequence[str], configs: Mapping[str, HostConfig]) -> VirtualA
 
 def endpoint_line(routers: Sequence[str], configs: Mapping[str, HostConfig]) -> str | None:
     """The fleet's endpoint as ``gpufleet plan`` and a rollout print it: the virtual address, and the routers that
-    hold it one at a time (each also serves on its own address); None without a virtual address."""
+    hold it one at a time (each also serves on its own address); None without a virtual address. HTTPS when the
+    routers serve TLS on ``router_port``."""
     vip = group(routers, configs)
     if vip is None:
         return None
-    return (f"endpoint: http://{vip.endpoint(configs[routers[0]].router_port)} (router_virtual_address: one of the"
+    first = configs[routers[0]]
+    scheme = "https" if first.router_tls_certificate is not None else "http"
+    return (f"endpoint: {scheme}://{vip.endpoint(first.router_port)} (router_virtual_address: one of the"
             f" routers {', '.join(routers)} at a time, moved by keepalived)")
 
 

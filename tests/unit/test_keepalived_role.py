@@ -8,6 +8,7 @@ keepalived processes: tests/tools/test_keepalived_role.py. Bad input: tests/data
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -103,6 +104,9 @@ def test_keepalived_runs_vrrp_only_as_its_account_with_the_network_capabilities_
     assert settings["ExecStart"] == ["", exec_line(role.exec_argv())]
     assert "--vrrp" in role.exec_argv() and "--use-file=/etc/keepalived/keepalived.conf" in role.exec_argv()
     assert settings["User"] == ["keepalived"] and settings["EnvironmentFile"] == [""]
+    # not Debian's Type=notify: behind ProtectProc=invisible keepalived never sees systemd as its parent, never
+    # says READY, and every start timed out (found on the lab)
+    assert settings["Type"] == ["exec"] and settings["ProtectProc"] == ["invisible"]
     caps = "CAP_NET_ADMIN CAP_NET_RAW CAP_NET_BROADCAST"
     assert settings["CapabilityBoundingSet"] == [caps] and settings["AmbientCapabilities"] == [caps]
     assert settings["RestrictAddressFamilies"] == ["AF_UNIX AF_INET AF_INET6 AF_NETLINK AF_PACKET"]
@@ -136,18 +140,28 @@ def test_haproxy_binds_the_virtual_address_on_every_router(values: dict[str, Any
                      *([f"bind {expected} transparent"] if expected else []), "bind 10.0.0.1:8405"]
 
 
-def test_gpufleet_plan_prints_the_virtual_address_as_the_endpoint(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("tls", [False, True])
+def test_gpufleet_plan_prints_the_virtual_address_as_the_endpoint(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                                 tls: bool) -> None:
+    """With TLS on router_port, clients reach the address over HTTPS, and the line says so."""
     fleet = str(DATA / "rollout_fleet" / "inventory.py")  # two routers, 10.40.9.1 and 10.40.9.2
     monkeypatch.setattr(gpufleet_inventory, "_DATA_OVERRIDE", None)  # the command's --data goes with the test
     monkeypatch.setenv("GPUFLEET_TEST_VRRP", "s3cret-8")
     plain = CliRunner().invoke(main, ["plan", fleet], catch_exceptions=False)
     assert plain.exit_code == 0 and "endpoint:" not in plain.output
-    done = CliRunner().invoke(main, ["plan", fleet, "--data", "router_virtual_address=10.40.9.100", "--data",
-                                     'router_vrrp_password={"env": "GPUFLEET_TEST_VRRP"}'], catch_exceptions=False)
+    data = ["router_virtual_address=10.40.9.100", 'router_vrrp_password={"env": "GPUFLEET_TEST_VRRP"}']
+    if tls:
+        (tmp_path / "router.crt").write_text("-----BEGIN CERTIFICATE-----\nx\n-----END CERTIFICATE-----\n")
+        (tmp_path / "router.key").write_text("-----BEGIN PRIVATE KEY-----\nx\n-----END PRIVATE KEY-----\n")
+        (tmp_path / "router.key").chmod(0o600)
+        data += [f'router_tls_certificate={{"file": "{tmp_path / "router.crt"}"}}',
+                 f'router_tls_key={{"file": "{tmp_path / "router.key"}"}}']
+    done = CliRunner().invoke(main, ["plan", fleet, *(a for d in data for a in ("--data", d))],
+                              catch_exceptions=False)
     assert done.exit_code == 0, done.output
     assert done.output.splitlines()[-1] == (
-        "endpoint: http://10.40.9.100:8080 (router_virtual_address: one of the routers router1.dc1.example.net,"
-        " router2.dc1.example.net at a time, moved by keepalived)")
+        f"endpoint: {'https' if tls else 'http'}://10.40.9.100:8080 (router_virtual_address: one of the routers"
+        " router1.dc1.example.net, router2.dc1.example.net at a time, moved by keepalived)")
 
 
 # --- the role's operations, recorded ------------------------------------------------------------------------------
