@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 import roles.router as router_role
+from gpufleet import node_paths, templates
 from gpufleet.config.edge import client_keys, edge_problems
 from gpufleet.config.layers import HostLayers, Layer
 from gpufleet.config.problems import ConfigError
@@ -18,6 +19,7 @@ from gpufleet.lab.errors import LabError
 from gpufleet.lab.tls import subject_alt_names
 from gpufleet.plan import backends as plan_backends
 from tests.recorded_ops import Recorder
+from tests.unit.test_hostile_templates import unit_settings
 from tests.unit.test_vllm_role import _config
 
 OPEN, CLOSED = "model open", "model-closed"
@@ -65,6 +67,17 @@ def test_with_clients_and_tls_the_configuration_names_files_and_holds_no_client(
     assert "bind 10.0.0.5:8081\n" in text
     assert "map_str(/etc/haproxy/gpufleet-edge/clients.map)" in text
     assert "alice" not in text  # adding, removing or rotating a client changes only the maps
+
+
+def test_the_clients_counters_reach_the_runtime_api_through_haproxys_group() -> None:
+    """The counters' service is root with no capability (its sandbox): it cannot pass the owner of a 0600 socket,
+    so the socket is 0660 for HAProxy's group, which the service joins (the lab found every run refused)."""
+    text = router_role.render(router_role.config_values(_config(), "10.0.0.5", FOUND, [], [], {}))
+    assert f"stats socket {node_paths.ROUTER_ADMIN_SOCKET} mode 660 group haproxy level admin" in text
+    service = templates.render("router/gpufleet-router-clients.service.j2", **router_role.clients_service_values())
+    settings = [(key, value) for _, key, value in unit_settings(service)]
+    assert ("SupplementaryGroups", "haproxy") in settings and ("CapabilityBoundingSet", "") in settings
+    assert not any(key == "User" for key, _ in settings)
 
 
 def test_replicas_of_one_model_with_two_keys_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
