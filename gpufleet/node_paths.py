@@ -37,7 +37,7 @@ GPU_WATCH_MARKER = f"{RUN_DIR}/gpu-gate-failed"  # while the node fails: the fai
 ALERT_LOG_SERVICE = "gpufleet-alert-log.service"
 
 # the router (role router): HAProxy's runtime API (level admin) on a router node, which router_admin.py drives
-ROUTER_ADMIN_SOCKET = "/run/haproxy/gpufleet-admin.sock"
+ROUTER_ADMIN_SOCKET = "/run/haproxy/gpufleet-runtime.sock"
 
 # the routers' virtual address (role keepalived): router_health.py's unit keeps HAProxy's health in a file that
 # keepalived tracks

@@ -43,7 +43,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import NoReturn
 
-DEFAULT_SOCKET = "/run/haproxy/gpufleet-admin.sock"  # node_paths.ROUTER_ADMIN_SOCKET: the router role binds it
+DEFAULT_SOCKET = "/run/haproxy/gpufleet-runtime.sock"  # node_paths.ROUTER_ADMIN_SOCKET: the router role binds it
 DEFAULT_EDGE_DIR = "/etc/haproxy/gpufleet-edge"  # roles/router EDGE_DIR: the edge's maps
 CLIENT_TABLE = "gpufleet-clients"  # roles/router CLIENT_TABLE
 IO_TIMEOUT_S = 5.0  # one runtime API command, connect to last byte

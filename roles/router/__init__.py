@@ -24,8 +24,8 @@ After it, a router host has:
   - admission: each server takes at most the plan's ``maxconn`` of its replica at once
     (:mod:`gpufleet.plan.admission`); the other requests wait in the backend's queue, at most
     ``router_queue_timeout_s``, then get a 503 with ``Retry-After`` (every 503 the router makes itself does);
-  - the runtime API on ``/run/haproxy/gpufleet-admin.sock`` (0600: drain, weights, in-flight counts; the node
-    tool ``router_admin.py`` speaks it);
+  - the runtime API on ``/run/haproxy/gpufleet-runtime.sock`` (0660, HAProxy's group: drain, weights, in-flight
+    counts; the node tool ``router_admin.py`` speaks it);
   - HAProxy's Prometheus endpoint on ``<fleet address>:router_metrics_port/metrics``, for the router itself and
     the monitoring hosts only, and ``GET /health`` there (answered by HAProxy: what role keepalived checks);
   - with ``router_virtual_address`` (role keepalived), the client port on that address too, on every router
