@@ -7,21 +7,33 @@ the host keys the lab generated (``<lab dir>/ssh/known_hosts``). Each node's har
 Groups: ``lab`` (every node; ``group_vars/lab.yml``), then the serving pools, whose values win:
 ``lab_single`` serves one replica per node, and with three nodes or more the last two form
 ``lab_pipeline``, one replica with pipeline parallel 2 across both nodes (vLLM's mp backend). Both pools serve
-the tiny model under one name; ``routers`` puts the router (HAProxy) on lab1, in front of both replicas, and
-``monitoring`` Prometheus and Alertmanager on lab1 too, scraping every node.
-Values that depend on the running lab (its mirror's address and signing key, its cache, its API key and Ray
-token, its bridge address as the monitoring host and API client) are host data.
+the tiny model under one name; ``routers`` puts the router (HAProxy) on lab1 and lab2, in front of both replicas,
+behind the virtual address .10 of the lab bridge (keepalived), serving HTTPS with the lab's own CA (``<lab
+dir>/tls``) to one client, ``lab``, with a key of its own; ``monitoring`` puts Prometheus and Alertmanager on lab1,
+scraping every node. A lab of one node has one router and no virtual address.
+Values that depend on the running lab (its mirror's address and signing key, its cache, its API key, client key,
+Ray token, VRRP password and CA, its bridge address as the monitoring host and API client) are host data.
 ``GPUFLEET_LAB_DIR`` selects a lab other than the default one.
 """
 
+import ipaddress
 import sys
 
 from gpufleet.config.inventory import apply_group_vars
 from gpufleet.lab.errors import LabError
 from gpufleet.lab.hooks import mirror_base_url
 from gpufleet.lab.mirror import MirrorUrls, keyring_fingerprint, node_exporter_sources
-from gpufleet.lab.nodes import API_KEY_FILE, RAY_TOKEN_FILE, ensure_api_key
+from gpufleet.lab.network import virtual_address
+from gpufleet.lab.nodes import (
+    API_KEY_FILE,
+    CLIENT_KEY_FILE,
+    RAY_TOKEN_FILE,
+    TLS_DIR,
+    VRRP_PASSWORD_FILE,
+    ensure_api_key,
+)
 from gpufleet.lab.state import cache_dir, lab_dir, load_state
+from gpufleet.lab.tls import ensure_lab_tls
 
 try:
     _state = load_state()
@@ -35,6 +47,24 @@ _mirror = mirror_base_url(_state.bridge_address)
 _mirror_key = {"nvidia_repo_key_fingerprint": _key} if (_key := keyring_fingerprint()) else {}
 _ray_token = ensure_api_key(lab_dir(), RAY_TOKEN_FILE)  # a lab made before Ray tokens gets one here
 _model = str(cache_dir() / "models" / "tiny-llama")
+_routers = [node.address for node in _state.nodes[:2]]  # HAProxy on lab1 and lab2
+_vip = str(virtual_address(ipaddress.ip_network(_state.subnet))) if len(_routers) >= 2 else None
+try:
+    _tls = ensure_lab_tls(lab_dir() / TLS_DIR, [*([_vip] if _vip else []), *_routers])
+except LabError as _error:
+    sys.exit(f"inventories/lab.py: {_error}")
+_edge = {
+    # TLS on router_port with the lab CA's certificate; one client, with its own key (the replicas' key stays
+    # between the routers and the replicas)
+    "router_tls_certificate": {"file": str(_tls.certificate)},
+    "router_tls_key": {"file": str(_tls.key)},
+    "router_clients": {"lab": {"api_key": {"file": str(ensure_api_key(lab_dir(), CLIENT_KEY_FILE))},
+                               # limits far above what the tests send (the route matrix: ~40 requests in a second)
+                               "requests_per_s": 200, "concurrent_requests": 32}},
+}
+if _vip:  # the routers' virtual address on the bridge, moved between them by keepalived
+    _edge["router_virtual_address"] = _vip
+    _edge["router_vrrp_password"] = {"file": str(ensure_api_key(lab_dir(), VRRP_PASSWORD_FILE, nbytes=6))}
 _hosts = [
     (
         node.address,
@@ -67,13 +97,14 @@ _hosts = [
             # node_exporter from the mirror: its release-layout tarball (sha256 read from the mirror's
             # sha256sums.txt) and, for node_exporter_install=package, its repository of Debian's package
             **node_exporter_sources(_mirror),
+            **_edge,
         },
     )
     for node in _state.nodes
 ]
 
 lab = [address for address, _ in _hosts]
-routers = [_hosts[0][0]]  # HAProxy on lab1, in front of every replica (a role group, not a serving pool)
+routers = _routers  # HAProxy on lab1 and lab2, in front of every replica (a role group, not a serving pool)
 monitoring = [_hosts[0][0]]  # Prometheus and Alertmanager on lab1 (a role group, not a serving pool)
 _pipeline = _hosts[-2:] if len(_hosts) >= 3 else []
 lab_single = [h for h in _hosts if h not in _pipeline]

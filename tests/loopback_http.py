@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import ssl
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -57,9 +58,11 @@ def loopback_server(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
 
 
 def raw_request(host: str, port: int, method: str, path: str, body: bytes,
-                headers: dict[str, str]) -> tuple[int, bytes]:
-    """One request with ``path`` as written (no client library normalizes it): the status and the answer."""
-    connection = http.client.HTTPConnection(host, port, timeout=120)
+                headers: dict[str, str], tls: ssl.SSLContext | None = None) -> tuple[int, bytes]:
+    """One request with ``path`` as written (no client library normalizes it), over TLS with ``tls``: the status
+    and the answer."""
+    connection = (http.client.HTTPSConnection(host, port, timeout=120, context=tls) if tls is not None
+                  else http.client.HTTPConnection(host, port, timeout=120))
     try:
         connection.request(method, path, body=body, headers=headers)
         answer = connection.getresponse()

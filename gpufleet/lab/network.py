@@ -43,6 +43,11 @@ def bridge_address(net: ipaddress.IPv4Network) -> ipaddress.IPv4Address:
     return net.network_address + 1
 
 
+def virtual_address(net: ipaddress.IPv4Network) -> ipaddress.IPv4Address:
+    """The routers' virtual address on the lab bridge (``router_virtual_address``): .10, below the first node."""
+    return net.network_address + FIRST_NODE_HOST - 1
+
+
 def node_addresses(net: ipaddress.IPv4Network, count: int) -> list[ipaddress.IPv4Address]:
     """The addresses of nodes 1..count: .11, .12, ... of the subnet."""
     last = net.network_address + FIRST_NODE_HOST + count - 1

@@ -74,17 +74,21 @@ def resolve_profiles(count: int, profiles: list[str] | None) -> list[str]:
 
 API_KEY_FILE = "vllm-api-key"
 RAY_TOKEN_FILE = "ray-auth-token"
+CLIENT_KEY_FILE = "router-client-key"  # the key of the routers' client "lab" (router_clients)
+VRRP_PASSWORD_FILE = "vrrp-password"  # the routers' VRRP group (router_vrrp_password: at most 8 characters)
+TLS_DIR = "tls"  # the lab CA and the routers' certificate (gpufleet.lab.tls)
 
 
-def ensure_api_key(directory: Path, name: str = API_KEY_FILE) -> Path:
-    """A lab secret (0600, made once): the vLLM API key, or with ``name=RAY_TOKEN_FILE`` the Ray cluster token;
-    the inventory refers to it as ``{file: ...}``."""
+def ensure_api_key(directory: Path, name: str = API_KEY_FILE, nbytes: int = 32) -> Path:
+    """A lab secret (0600, made once) of ``nbytes`` random bytes, URL-safe: the vLLM API key, or by ``name`` the
+    Ray cluster token, the routers' client key or their VRRP password; the inventory refers to it as
+    ``{file: ...}``."""
     path = directory / name
     if not path.exists():
         directory.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as handle:
-            handle.write(secrets.token_urlsafe(32) + "\n")
+            handle.write(secrets.token_urlsafe(nbytes) + "\n")
     return path
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import ssl
 import threading
 import time
 import urllib.error
@@ -24,8 +25,11 @@ class RequestLoad:
     """``streams`` request loops against one OpenAI-compatible base URL (a replica, or the router)."""
 
     def __init__(self, url: str, model: str, key: str | None, *, streams: int = 1, pause_s: float = 3.0,
-                 limit_s: float = 900.0, limit: int = 400, chat: bool = False, timeout_s: float = 300.0) -> None:
+                 limit_s: float = 900.0, limit: int = 400, chat: bool = False, timeout_s: float = 300.0,
+                 ca_file: str | None = None) -> None:
+        """``ca_file``: the CA that an ``https://`` URL's certificate must chain to (else the system's)."""
         self.url, self.model, self.key, self.chat = url.rstrip("/"), model, key, chat
+        self._tls = ssl.create_default_context(cafile=ca_file) if self.url.startswith("https://") else None
         self.streams, self.pause_s, self.limit_s, self.limit, self.timeout_s = (streams, pause_s, limit_s, limit,
                                                                                 timeout_s)
         self._done = threading.Event()
@@ -66,7 +70,7 @@ class RequestLoad:
                                          headers={"Content-Type": "application/json"})
         if self.key:
             request.add_header("Authorization", f"Bearer {self.key}")
-        with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+        with urllib.request.urlopen(request, timeout=self.timeout_s, context=self._tls) as response:
             text = response.read().decode()
         if streamed:
             if not text.rstrip().endswith("data: [DONE]"):

@@ -82,3 +82,20 @@ def make_lab_tls(folder: Path, names: list[str]) -> LabTls:
     for key in (files.ca_key, files.key):
         os.chmod(key, 0o600)
     return files
+
+
+NAMES_FILE = "names"  # the names the certificate was made for, one per line
+
+
+def ensure_lab_tls(folder: Path, names: list[str]) -> LabTls:
+    """The lab CA's files in ``folder``, made by :func:`make_lab_tls` when one is missing or the certificate was
+    made for other names (a lab keeps its CA and certificate while its routers keep their addresses)."""
+    files = LabTls(folder / "ca.crt", folder / "ca.key", folder / "router.crt", folder / "router.key")
+    recorded = folder / NAMES_FILE
+    wanted = "".join(f"{name}\n" for name in names)
+    complete = all(path.is_file() for path in (files.ca_certificate, files.ca_key, files.certificate, files.key))
+    if complete and recorded.is_file() and recorded.read_text() == wanted:
+        return files
+    made = make_lab_tls(folder, names)
+    recorded.write_text(wanted)
+    return made

@@ -1,14 +1,18 @@
-"""The lab fleet as the lab tests drive it: its deploys, its replicas and router, requests, and fault figures.
+"""The lab fleet as the lab tests drive it: its deploys, its replicas and routers, requests, and fault figures.
 
-inventories/lab.py: lab1 (pool lab_single) serves the tiny model on its own and holds the router and Prometheus;
-lab2 and lab3 (pool lab_pipeline) serve one replica with pipeline parallel 2 (lab2 is rank 0, the API).
+inventories/lab.py: lab1 (pool lab_single) serves the tiny model on its own and holds a router and Prometheus;
+lab2 and lab3 (pool lab_pipeline) serve one replica with pipeline parallel 2 (lab2 is rank 0, the API); lab2 holds
+the other router. Clients reach the routers through their virtual address over HTTPS (the lab's CA) with the
+client key; the replicas' own key is for the routers, and for the tests that ask a replica directly.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import shlex
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -20,7 +24,8 @@ import pytest
 import yaml
 
 from gpufleet.lab.hooks import SIM_PROFILE_PATH
-from gpufleet.lab.nodes import API_KEY_FILE
+from gpufleet.lab.network import virtual_address
+from gpufleet.lab.nodes import API_KEY_FILE, CLIENT_KEY_FILE, TLS_DIR
 from gpufleet.lab.request_load import RequestLoad
 from gpufleet.lab.state import NodeRecord
 from tests.lab.checks import main_pid, metrics
@@ -83,19 +88,55 @@ def single(lab: Lab) -> str:
 
 
 def api_key(lab: Lab) -> str:
+    """The replicas' key: what the routers send upstream, and what a request straight to a replica needs."""
     return (lab.directory / API_KEY_FILE).read_text().strip()
 
 
+def client_key(lab: Lab) -> str:
+    """The key of the routers' client ``lab``: what a request through the routers needs."""
+    return (lab.directory / CLIENT_KEY_FILE).read_text().strip()
+
+
+def lab_ca(lab: Lab) -> str:
+    """The lab CA's certificate (the routers' certificate chains to it)."""
+    return str(lab.directory / TLS_DIR / "ca.crt")
+
+
+def router_address(lab: Lab) -> str:
+    """Where clients reach the routers: their virtual address on the lab bridge (lab1's own with one node)."""
+    if len(lab.nodes) < 2:
+        return lab.nodes[0].address
+    return str(virtual_address(ipaddress.ip_network(lab.state.subnet)))
+
+
+def router_url(lab: Lab) -> str:
+    return f"https://{router_address(lab)}:{ROUTER_PORT}"
+
+
+def address_holder(lab: Lab) -> NodeRecord | None:
+    """The router whose interface holds the virtual address now (None: no router does)."""
+    vip = router_address(lab)
+    for node in lab.nodes[:2]:
+        if f" {vip}/" in lab.host(node).run("ip -4 -o address show dev host0").stdout:
+            return node
+    return None
+
+
+def tls(lab: Lab) -> ssl.SSLContext:
+    """A client context that trusts the lab CA only."""
+    return ssl.create_default_context(cafile=lab_ca(lab))
+
+
 def http(url: str, body: dict[str, Any] | None = None, key: str | None = None,
-         timeout: float = 120) -> tuple[int, str]:
-    """A GET (or, with ``body``, a JSON POST): status and text, an HTTP error's included."""
+         timeout: float = 120, context: ssl.SSLContext | None = None) -> tuple[int, str]:
+    """A GET (or, with ``body``, a JSON POST): status and text, an HTTP error's included; ``context`` for https."""
     request = urllib.request.Request(url, data=None if body is None else json.dumps(body).encode(),
                                      method="GET" if body is None else "POST")
     request.add_header("Content-Type", "application/json")
     if key:
         request.add_header("Authorization", f"Bearer {key}")
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
+        with urllib.request.urlopen(request, timeout=timeout, context=context) as response:
             return response.status, response.read().decode()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read().decode()
@@ -116,10 +157,10 @@ def completion_tokens(lab: Lab, node: NodeRecord) -> int:
 
 
 def router_completion_tokens(lab: Lab) -> int:
-    """One completion through the router on lab1 (the ``routers`` group of inventories/lab.py)."""
-    status, body = http(f"http://{lab.nodes[0].address}:{ROUTER_PORT}/v1/completions",
+    """One completion through the routers' virtual address (the ``routers`` group of inventories/lab.py)."""
+    status, body = http(f"{router_url(lab)}/v1/completions",
                         {"model": served_name("lab"), "prompt": "The fleet is", "max_tokens": 8,
-                         "temperature": 0}, api_key(lab))
+                         "temperature": 0}, client_key(lab), context=tls(lab))
     assert status == 200, body
     return int(json.loads(body)["usage"]["completion_tokens"])
 
@@ -178,8 +219,7 @@ def requests_to(lab: Lab, node: NodeRecord | None, **options: Any) -> RequestLoa
     unless ``pause_s`` says otherwise: what must keep answering while another replica fails. Spaced out because
     the lab's CPU vLLMs share this machine's two cores: a replica kept busy starves the one restarting."""
     if node is None:
-        return RequestLoad(f"http://{lab.nodes[0].address}:{ROUTER_PORT}", served_name("lab"), api_key(lab),
-                           **options)
+        return RequestLoad(router_url(lab), served_name("lab"), client_key(lab), ca_file=lab_ca(lab), **options)
     return RequestLoad(f"http://{node.address}:{PORT}", model_of(lab, node), api_key(lab), **options)
 
 

@@ -1,8 +1,8 @@
 """Who can reach what on the serving lab (scenario ``serving``): the pipeline replica's rendezvous and API, and
 how confined every unit gpufleet writes is. Ray's reach is tests/lab/test_ray.py's.
 
-lab1 runs the router (its requests reach the replicas' APIs) and stands for any other machine on the fleet
-network, while the controller's side of the lab (the bridge address) is the monitoring host and API client
+lab1 and lab2 run the routers (their requests reach the replicas' APIs); lab1 stands for any other machine on the
+fleet network, while the controller's side of the lab (the bridge address) is the monitoring host and API client
 (``monitoring_addresses``, ``vllm_api_allowed_from`` in inventories/lab.py).
 """
 
@@ -63,34 +63,38 @@ def test_every_unit_gpufleet_writes_is_confined(lab: Lab, mp_replica: tuple[Node
         assert worst.get(unit, 10.0) <= EXPOSURE_BOUND, worst
 
 
-
 def _ask(lab: Lab, method: str, path: str, key: str | None, marker: str) -> int:
-    """One request to the router on lab1 as sent, the served model in it and ``marker`` in its query (the router
-    routes on the path alone; vLLM's access log shows the query)."""
+    """One request to the routers' virtual address over HTTPS, as sent, the served model in it and ``marker`` in
+    its query (the router routes on the path alone; vLLM's access log shows the query)."""
     headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
     asked = {"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"}
     body = json.dumps({"model": fleet.served_name("lab"), **asked, "max_tokens": 1}).encode()
-    status, _ = raw_request(lab.nodes[0].address, fleet.ROUTER_PORT, method,
-                            f"{path}{'&' if '?' in path else '?'}{marker}", body, headers)
+    status, _ = raw_request(fleet.router_address(lab), fleet.ROUTER_PORT, method,
+                            f"{path}{'&' if '?' in path else '?'}{marker}", body, headers, tls=fleet.tls(lab))
     return status
 
 
 def test_the_router_passes_only_the_routes_of_the_models_task(lab: Lab, serving: Completed | None) -> None:
-    """Each route of tests/data/router/routes.yaml through the router, with no key, a wrong key and the replicas'
-    key: a route the router refuses is answered 404 whatever the key, a generation route with the replicas' key is
-    served, and the replicas' access logs (vLLM's, in the journal of lab1's and lab2's replicas) show exactly the
-    generation routes arriving (each request carries a marker in its query: Prometheus's own scrapes of /metrics
-    do not count)."""
+    """Each route of tests/data/router/routes.yaml through the routers' virtual address (HTTPS), with no key, a
+    wrong key, the replicas' own key and the client's key: without the client's key every route but the routers'
+    own GET /health is refused 401 (the replicas' key is no client's); with it, a route the router refuses is
+    answered 404 and a generation route is served. The replicas' access logs (vLLM's, in the journal of lab1's and
+    lab2's replicas) show exactly the generation routes arriving, with the client's key only (each request carries
+    a marker in its query: Prometheus's own scrapes of /metrics do not count). A replica port asked straight from
+    an address that is no router's, with the replicas' key, refuses the connection (its IP filter)."""
     since = lab.host(lab.nodes[0]).check_output("date +%s")
     marker = f"route-matrix={uuid.uuid4().hex}"
     found: dict[tuple[str, str, str], int] = {}
-    for label, key in (("no key", None), ("wrong key", "not-the-key"), ("replicas' key", fleet.api_key(lab))):
+    keys = (("no key", None), ("wrong key", "not-the-key"), ("replicas' key", fleet.api_key(lab)),
+            ("client's key", fleet.client_key(lab)))
+    for label, key in keys:
         for route in ROUTES:
             found[(label, route["method"], route["path"])] = _ask(lab, route["method"], route["path"], key, marker)
-    refused = {(r["method"], r["path"]) for r in ROUTES if not r["reaches"] and r["status"] == 404}
-    assert {k: v for k, v in found.items() if (k[1], k[2]) in refused and v != 404} == {}
+    health = ("GET", "/health")
+    expected = {(label, r["method"], r["path"]): r["status"] if label == "client's key" or (r["method"], r["path"])
+                == health else 401 for label, _ in keys for r in ROUTES}
+    assert {k: (v, expected[k]) for k, v in found.items() if v != expected[k]} == {}
     served = {(r["method"], r["path"]) for r in ROUTES if r["reaches"]}
-    assert {k: v for k, v in found.items() if k[0] == "replicas' key" and (k[1], k[2]) in served and v != 200} == {}
     time.sleep(1)  # the journal has the last access lines
     arrived: set[tuple[str, str]] = set()
     for node in lab.nodes[:2]:
@@ -98,3 +102,11 @@ def test_the_router_passes_only_the_routes_of_the_models_task(lab: Lab, serving:
         arrived |= {(method, re.sub(rf"[?&]{marker}$", "", path)) for method, path in ACCESS_LINE.findall(log)
                     if marker in path}
     assert arrived == served
+    # straight to a replica, past the routers, from a lab address that is none of the routers'
+    outsider = str(ipaddress.ip_network(lab.state.subnet)[249])
+    api = f"{lab.nodes[1].address}:{PORT}"
+    lab.host(lab.nodes[2]).check_output(f"ip address add {outsider}/32 dev host0")
+    try:
+        assert reach(lab, lab.nodes[2], [api], source=outsider) == {api: False}
+    finally:
+        lab.host(lab.nodes[2]).run(f"ip address del {outsider}/32 dev host0")

@@ -27,6 +27,7 @@ from tests.lab.fleet import (
     PORT,
     PROVISION,
     SIM_PROFILE,
+    address_holder,
     deploy,
     http,
     record_figure,
@@ -44,6 +45,47 @@ pytestmark = pytest.mark.filterwarnings("ignore:Unknown ssh-ed25519 host key:Use
 
 DRIVER_PACKAGES = "nvidia-driver-580-open libnvidia-compute-580 nvidia-persistenced"
 NVML_INIT = "python3 -c 'import ctypes; print(ctypes.CDLL(\"libnvidia-ml.so.1\").nvmlInit_v2())'"
+
+
+def test_kill_9_of_haproxy_moves_the_virtual_address_to_the_other_router(
+        lab: Lab, faults: Completed | None, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """HAProxy killed (-9) on the router that holds the virtual address, under load through it: that router's
+    health check fails, keepalived gives the address up and the other router takes it within 5 s; requests sent
+    after the move all succeed, and only those the dead HAProxy held or that reached the address before it moved
+    may fail. systemd starts HAProxy again, and the address stays where it went (no preemption: no second move)."""
+    holder = address_holder(lab)
+    assert holder is not None, "no router holds the virtual address"
+    other = next(node for node in lab.nodes[:2] if node != holder)
+    load = requests_to(lab, None, streams=2, pause_s=0.5).start()
+    try:
+        time.sleep(3)  # requests in flight through the address
+        before = main_pid(lab, holder, "haproxy")
+        lab.host(holder).check_output(f"pkill -{int(signal.SIGKILL)} -x haproxy")
+        killed = time.monotonic()
+        moved_s = None
+        while time.monotonic() - killed < 30:
+            if address_holder(lab) == other:
+                moved_s = time.monotonic() - killed
+                break
+            time.sleep(0.2)
+        failed_by_then = len(load.failures)
+    finally:
+        load.stop()
+    assert moved_s is not None and moved_s <= 5, f"the address moved after {moved_s} s"
+    after = requests_to(lab, None, streams=2, pause_s=0.5, limit=10).start()
+    assert after.join(120), "the requests after the move did not finish"
+    assert after.sent == 20 and after.failures == [], after.failures[:3]
+    end = time.monotonic() + 60
+    while time.monotonic() < end and main_pid(lab, holder, "haproxy") in (0, before):
+        time.sleep(1)
+    assert main_pid(lab, holder, "haproxy") not in (0, before), "systemd did not start HAProxy again"
+    time.sleep(3)  # its health check passes again: keepalived backs up, and the address stays
+    assert address_holder(lab) == other
+    figures = load.figures()
+    record_figure(tmp_path_factory, {
+        "fault": "kill -9 of HAProxy on the router holding the virtual address", "router": holder.name,
+        "address_moved_s": round(moved_s, 1), **figures, "failed_before_the_move": failed_by_then,
+        "after_the_move": after.figures()})
 
 
 def test_kill_9_of_vllm_is_restarted_and_serves_again(

@@ -1,8 +1,9 @@
-"""Rolling upgrades on the lab: ``gpufleet upgrade`` and ``gpufleet rollback`` behind the router on lab1, while a
-bounded load generator sends completions and streamed chats through the router the whole time.
+"""Rolling upgrades on the lab: ``gpufleet upgrade`` and ``gpufleet rollback`` behind the routers on lab1 and lab2,
+while a bounded load generator sends completions and streamed chats through their virtual address (HTTPS, the lab
+client's key) the whole time.
 
 Scenario ``faults``: the lab's default deployment, both replicas of the tiny model (lab1's, and
-lab2+lab3's pipeline replica) serve vLLM 0.31.0 behind the router. The mirror also holds 0.32.0: the tests upgrade
+lab2+lab3's pipeline replica) serve vLLM 0.31.0 behind the routers. The mirror also holds 0.32.0: the tests upgrade
 the fleet to it, try a broken release on top of it (caught at the canary), then roll the fleet back to 0.31.0.
 Each rollout's figures go to the session's lab-fault-figures.jsonl.
 """
@@ -20,7 +21,18 @@ import pytest
 
 from gpufleet.lab.request_load import RequestLoad
 from gpufleet.lab.wheelhouse import LAB_VLLM_VERSIONS
-from tests.lab.fleet import PIPELINE, ROUTER_PORT, api_key, http, record_figure, router_retries, served_name, single
+from tests.lab.fleet import (
+    PIPELINE,
+    client_key,
+    http,
+    lab_ca,
+    record_figure,
+    router_retries,
+    router_url,
+    served_name,
+    single,
+    tls,
+)
 from tests.lab.harness import LAB_VLLM_VERSION, ROOT, Completed, Lab
 
 pytestmark = pytest.mark.filterwarnings("ignore:Unknown ssh-ed25519 host key:UserWarning")
@@ -38,12 +50,12 @@ LAB_LATENCY_RATIO = "10"
 
 
 def _traffic(lab: Lab) -> RequestLoad:
-    """Two streams through the router on lab1, each a completion and a streamed chat in turn, 3 s apart, for at
-    most as long as a rollout may take. Spaced as requests_to's: a CPU vLLM's workers spin for a second after each
-    step, so two streams one second apart kept both cores busy (lab: 99% against 55% at 3 s apart) and a replica
-    restarting beside them took 67 s to serve instead of 51 s."""
-    return RequestLoad(f"http://{lab.nodes[0].address}:{ROUTER_PORT}", served_name("lab"), api_key(lab),
-                       streams=2, pause_s=3.0, chat=True, limit_s=ROLLOUT_TIMEOUT_S, limit=3000)
+    """Two streams through the routers' virtual address (HTTPS, the client's key), each a completion and a
+    streamed chat in turn, 3 s apart, for at most as long as a rollout may take. Spaced as requests_to's: a CPU
+    vLLM's workers spin for a second after each step, so two streams one second apart kept both cores busy (lab:
+    99% against 55% at 3 s apart) and a replica restarting beside them took 67 s to serve instead of 51 s."""
+    return RequestLoad(router_url(lab), served_name("lab"), client_key(lab), streams=2, pause_s=3.0, chat=True,
+                       limit_s=ROLLOUT_TIMEOUT_S, limit=3000, ca_file=lab_ca(lab))
 
 
 def _rollout(lab: Lab, *args: str, timeout: float = ROLLOUT_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
@@ -71,11 +83,11 @@ def _running(lab: Lab) -> dict[str, str]:
 def _served_versions(lab: Lab, count: int = 6) -> set[str]:
     """The vLLM releases that answer completions through the router (each answer's ``system_fingerprint`` names
     it), over ``count`` requests: leastconn spreads them over both replicas."""
-    url = f"http://{lab.nodes[0].address}:{ROUTER_PORT}/v1/completions"
+    url = f"{router_url(lab)}/v1/completions"
     body = {"model": served_name("lab"), "prompt": "The fleet is", "max_tokens": 2}
     found = set()
     for _ in range(count):
-        status, text = http(url, body, api_key(lab))
+        status, text = http(url, body, client_key(lab), context=tls(lab))
         assert status == 200, text
         found.add(json.loads(text)["system_fingerprint"].split("-")[1])
     return found

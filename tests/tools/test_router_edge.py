@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 
 import roles.router as router_role
-from gpufleet.lab.tls import make_lab_tls
+from gpufleet.lab.tls import ensure_lab_tls, make_lab_tls
 from gpufleet.node import router_admin
 from gpufleet.plan import backends as plan_backends
 from tests.conftest import host_tool
@@ -283,6 +283,23 @@ def test_a_key_rotated_by_a_reload_keeps_the_request_in_flight_and_the_old_key_g
         assert edge.post(new_key).status == 200
         assert in_flight.result().status == 200  # finished by the old worker
     assert edge.config.read_text() == config_before
+
+
+def test_a_lab_keeps_its_ca_until_its_routers_names_change(tmp_path: Path) -> None:
+    """The lab inventory asks for its CA at every load: made once, kept while the names are the same, made again
+    (a new CA) for other names, and again when a file is missing."""
+    folder = tmp_path / "tls"
+    first = ensure_lab_tls(folder, ["10.213.0.10", "10.213.0.11"])
+    ca = first.ca_certificate.read_text()
+    assert ensure_lab_tls(folder, ["10.213.0.10", "10.213.0.11"]).ca_certificate.read_text() == ca
+    moved = ensure_lab_tls(folder, ["10.213.0.10", "10.213.0.12"])
+    assert moved.ca_certificate.read_text() != ca
+    shown = subprocess.run(["openssl", "x509", "-in", str(moved.certificate), "-noout", "-ext", "subjectAltName"],
+                           capture_output=True, text=True, check=True).stdout
+    assert "IP Address:10.213.0.12" in shown and "10.213.0.11" not in shown
+    moved.key.unlink()
+    assert ensure_lab_tls(folder, ["10.213.0.10", "10.213.0.12"]).key.is_file()
+    assert moved.ca_key.stat().st_mode & 0o077 == 0 and folder.stat().st_mode & 0o077 == 0
 
 
 def test_https_with_the_lab_ca_works_and_plain_http_on_the_router_port_gets_no_answer(tls_edge: Edge) -> None:

@@ -21,6 +21,8 @@ def test_addresses_start_at_dot_11_after_the_bridge() -> None:
     net = network.parse_subnet("10.213.0.0/24")
     assert str(network.bridge_address(net)) == "10.213.0.1"
     assert [str(a) for a in network.node_addresses(net, 3)] == ["10.213.0.11", "10.213.0.12", "10.213.0.13"]
+    # the routers' virtual address: on the bridge's network, neither the bridge's nor any node's
+    assert str(network.virtual_address(net)) == "10.213.0.10"
 
 
 @pytest.mark.parametrize(
