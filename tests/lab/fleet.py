@@ -183,9 +183,10 @@ def wait_router_status(lab: Lab, server: str, status: str, timeout: float) -> No
 
 
 def router_counter(lab: Lab, name: str) -> float:
-    """The sum of one of HAProxy's Prometheus counters over its backends, read from the bridge."""
-    text = metrics(lab.nodes[0], ROUTER_METRICS_PORT)
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+    """The sum of one of HAProxy's Prometheus counters over its backends and both routers (clients reach the one
+    that holds the virtual address), read from the bridge."""
+    return sum(float(line.rsplit(" ", 1)[1]) for router in lab.nodes[:2]
+               for line in metrics(router, ROUTER_METRICS_PORT).splitlines() if line.startswith(name + "{"))
 
 
 def router_retries(lab: Lab) -> float:

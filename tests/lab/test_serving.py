@@ -107,7 +107,8 @@ def _targets_by_job(lab: Lab) -> dict[str, dict[str, dict[str, str]]]:
                                 "role": "rank0"},
             f"{rank0}:{PORT}": {"node": rank0, "pool": "lab_pipeline", "model": model, "replica": PIPELINE,
                                 "role": "rank0"}}
-    router = {f"{first}:{ROUTER_METRICS_PORT}": {"node": first, "pool": "lab_single"}}
+    router = {f"{n.address}:{ROUTER_METRICS_PORT}": {"node": n.address, "pool": pools[n.address]}
+              for n in lab.nodes[:2]}  # the routers: lab1 and lab2
     return {"node": node, "dcgm": dcgm, "vllm": vllm, "router": router}
 
 
@@ -204,11 +205,12 @@ def test_the_router_spreads_one_models_requests_over_both_replicas(lab: Lab, ser
         thread.join(300)
     assert len(done) == 6 and all(done), done
     assert router_counter(lab, "haproxy_server_http_responses_total") >= before + 6
-    text = metrics(lab.nodes[0], ROUTER_METRICS_PORT)
     for server in (single(lab), PIPELINE):  # each replica answered some (2xx responses counted per server)
-        answered = [line for line in text.splitlines() if line.startswith("haproxy_server_http_responses_total{")
-                    and f'server="{server}"' in line and 'code="2xx"' in line]
-        assert answered and float(answered[0].rsplit(" ", 1)[1]) > 0, (server, answered)
+        answered = [float(line.rsplit(" ", 1)[1]) for router in lab.nodes[:2]
+                    for line in metrics(router, ROUTER_METRICS_PORT).splitlines()
+                    if line.startswith("haproxy_server_http_responses_total{") and f'server="{server}"' in line
+                    and 'code="2xx"' in line]
+        assert sum(answered) > 0, (server, answered)
 
 
 # The series of the routers' clients (router_admin.py client-metrics): written only where router_clients is set.
