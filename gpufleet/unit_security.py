@@ -29,6 +29,7 @@ UNITS: tuple[str, ...] = (
     "haproxy.service",
     "keepalived.service",
     "gpufleet-router-health.service",
+    "gpufleet-router-clients.service",
     "prometheus.service",
     "prometheus-alertmanager.service",
 )

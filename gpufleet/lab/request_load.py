@@ -4,21 +4,39 @@ A few streams, each sending one request, waiting for its whole answer, then ``pa
 completion, or (with ``chat``) a completion and a streamed chat in turn. Every stream stops by itself after
 ``limit_s`` or ``limit`` requests, whichever comes first, or when :meth:`RequestLoad.stop` is called. An answer
 counts as failed when it is not a 200, when a completion returns no token, or when a stream does not end with
-``data: [DONE]``. Standard library only; the lab's tests and ``bench/`` drive it.
+``data: [DONE]``. Each answer keeps when it was sent and its status, so that a test can tell the requests sent
+before a fault from those sent after it. :func:`burst` sends many requests at one instant instead: what admission
+control must answer at once. Standard library only; the lab's tests and ``bench/`` drive it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import ssl
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
+from dataclasses import dataclass
 from typing import Any
 
 PROMPT = "The fleet is"
+BURST_MAX = 400  # requests one burst may send
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One request: when it was sent (monotonic clock), how long its answer took, its HTTP status (None: none came),
+    its Retry-After header, and why it failed (None: it did not)."""
+
+    sent: float
+    took_s: float
+    status: int | None
+    failure: str | None = None
+    retry_after: str | None = None
 
 
 class RequestLoad:
@@ -38,6 +56,7 @@ class RequestLoad:
         self.sent = 0
         self.failures: list[str] = []
         self.latencies: list[float] = []
+        self.answers: list[Answer] = []
 
     def start(self) -> RequestLoad:
         for thread in self._threads:
@@ -83,19 +102,28 @@ class RequestLoad:
         while not self._done.is_set() and time.monotonic() < end and n < self.limit:
             n += 1
             started = time.monotonic()
-            failure = None
+            failure: str | None = None
+            status: int | None = 200
             try:
                 self.one(n)
             except (OSError, ValueError, KeyError, TypeError, http.client.HTTPException) as exc:
                 detail = exc.read().decode(errors="replace")[:200] if isinstance(exc, urllib.error.HTTPError) else ""
                 failure = f"{type(exc).__name__}: {str(exc)[:200]} {detail}".rstrip()
+                status = exc.code if isinstance(exc, urllib.error.HTTPError) else None
+            took = time.monotonic() - started
             with self._lock:
                 self.sent += 1
+                self.answers.append(Answer(started, took, status, failure))
                 if failure is None:
-                    self.latencies.append(time.monotonic() - started)
+                    self.latencies.append(took)
                 else:
                     self.failures.append(failure)
             self._done.wait(self.pause_s)
+
+    def failures_sent_after(self, moment: float) -> list[str]:
+        """Why each request sent at or after ``moment`` (monotonic clock) failed."""
+        with self._lock:
+            return [a.failure for a in self.answers if a.failure is not None and a.sent >= moment]
 
     def figures(self) -> dict[str, Any]:
         """Requests sent and failed, and the latency of the answered ones (median and 99th percentile, s)."""
@@ -106,3 +134,57 @@ class RequestLoad:
             return {"requests": sent, "failed": failed, "p50_s": None, "p99_s": None}
         return {"requests": sent, "failed": failed, "p50_s": round(times[len(times) // 2], 2),
                 "p99_s": round(times[min(len(times) - 1, int(len(times) * 0.99))], 2)}
+
+
+def burst(url: str, model: str, key: str | None, count: int, *, max_tokens: int = 8, timeout_s: float = 60.0,
+          ca_file: str | None = None) -> list[Answer]:
+    """``count`` completions (at most BURST_MAX) sent at one instant: each on a connection of its own, opened
+    beforehand (TLS included), so that all of them reach the server within a few milliseconds. Each answer is kept
+    as it came, a refusal included; the completions are ``max_tokens`` long whatever the model samples."""
+    if not 0 < count <= BURST_MAX:
+        raise ValueError(f"a burst sends 1 to {BURST_MAX} requests, not {count}")
+    parsed = urllib.parse.urlsplit(url.rstrip("/"))
+    host, port = parsed.hostname or "", parsed.port or (443 if parsed.scheme == "https" else 80)
+    tls = ssl.create_default_context(cafile=ca_file) if parsed.scheme == "https" else None
+    body = json.dumps({"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "ignore_eos": True}).encode()
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    ready = threading.Barrier(count + 1, timeout=timeout_s)
+    answers: list[Answer | None] = [None] * count
+
+    def one(index: int) -> None:
+        connection: http.client.HTTPConnection = (
+            http.client.HTTPSConnection(host, port, timeout=timeout_s, context=tls) if tls is not None
+            else http.client.HTTPConnection(host, port, timeout=timeout_s))
+        failure = None
+        try:
+            connection.connect()
+        except OSError as exc:
+            failure = f"{type(exc).__name__}: {str(exc)[:200]}"
+        try:
+            ready.wait()
+        except threading.BrokenBarrierError:
+            failure = failure or "the burst's connections were not all open in time"
+        sent = time.monotonic()
+        try:
+            if failure is not None:
+                answers[index] = Answer(sent, 0.0, None, failure)
+                return
+            connection.request("POST", parsed.path + "/v1/completions", body, headers)
+            response = connection.getresponse()
+            text = response.read().decode(errors="replace")
+            answers[index] = Answer(sent, time.monotonic() - sent, response.status,
+                                    None if response.status == 200 else f"HTTP {response.status}: {text[:200]}",
+                                    response.getheader("Retry-After"))
+        except (OSError, http.client.HTTPException) as exc:
+            answers[index] = Answer(sent, time.monotonic() - sent, None, f"{type(exc).__name__}: {str(exc)[:200]}")
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=one, args=(index,), daemon=True) for index in range(count)]
+    for thread in threads:
+        thread.start()
+    with contextlib.suppress(threading.BrokenBarrierError):  # each connection says why it was not sent
+        ready.wait()
+    for thread in threads:
+        thread.join(timeout_s + 10)
+    return [answer for answer in answers if answer is not None]

@@ -28,6 +28,7 @@ from types import FrameType
 from urllib.parse import urlsplit
 
 PASSED, REFUSED, FAILED = "passed", "refused", "failed"
+INTERVAL_S = 1.0  # between two checks, unless --interval says otherwise
 
 
 def check(url: str, timeout_s: float) -> str:
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", required=True, help="HAProxy's health URL (http://ADDRESS:PORT/health)")
     parser.add_argument("--state", required=True, help="the file keepalived reads: 1 healthy, 0 not")
-    parser.add_argument("--interval", type=_positive, default=1.0, help="seconds between checks")
+    parser.add_argument("--interval", type=_positive, default=INTERVAL_S, help="seconds between checks")
     parser.add_argument("--timeout", type=_positive, default=1.0, help="seconds one check may take")
     parser.add_argument("--fall", type=_count, default=2, help="slow or wrong answers in a row that fail it")
     parser.add_argument("--rise", type=_count, default=2, help="passed checks in a row that make it healthy")

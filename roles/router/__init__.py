@@ -66,6 +66,7 @@ from gpufleet.deploy import access
 from gpufleet.deploy import vllm_files as vf
 from gpufleet.deploy.context import context, fleet, host_config
 from gpufleet.netaddr import host_port
+from gpufleet.node import router_health
 from gpufleet.node_paths import NODE_PYTHON, NODE_TOOLS_DIR, ROUTER_ADMIN_SOCKET, TEXTFILE_DIR, node_tool, unit_path
 from gpufleet.node_paths import ROUTER_SERVICE as SERVICE
 from gpufleet.operations import apt, files, node, server, systemd
@@ -256,8 +257,18 @@ def open_files(cfg: HostConfig) -> int:
     return 2 * cfg.router_max_connections + 1024
 
 
+def restart_after_s(cfg: HostConfig) -> float | None:
+    """How long systemd waits before it starts a HAProxy that died again (None: Debian's 100 ms). Behind a virtual
+    address, two of its health checks' intervals: the check sees nothing listening (a refused connection fails at
+    once), keepalived hands the address to a router that serves, and this one comes back a backup. Restarted at once,
+    HAProxy would be back between two checks as often as not, and the address would stay on the router whose crash
+    cut its connections."""
+    return None if cfg.router_virtual_address is None else 2 * router_health.INTERVAL_S
+
+
 def drop_in(cfg: HostConfig) -> str:
-    return templates.render("router/haproxy-override.conf.j2", open_files=open_files(cfg), ip_access="")
+    return templates.render("router/haproxy-override.conf.j2", open_files=open_files(cfg), ip_access="",
+                            restart_after_s=restart_after_s(cfg))
 
 
 def clients_service_values() -> dict[str, object]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import shlex
+import shutil
 import socket
 import ssl
 import subprocess
@@ -18,6 +19,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -82,6 +84,17 @@ def deploy(lab: Lab, *options: str, playbook: str = DEPLOY, inventory: str = INV
     return run([str(PYINFRA), inventory, playbook, "-y", *options], lab.env, timeout)
 
 
+def lab_copy(directory: Path, extra: dict[str, str]) -> str:
+    """The lab inventory and group_vars copied into ``directory``, each group file named in ``extra`` (by group)
+    with that YAML text added; the copy's inventory path."""
+    shutil.copytree(ROOT / "inventories", directory / "inventories")  # group_vars name groups of each of them
+    shutil.copytree(ROOT / "group_vars", directory / "group_vars")
+    for group, text in extra.items():
+        with (directory / "group_vars" / f"{group}.yml").open("a") as handle:
+            handle.write(text)
+    return str(directory / INVENTORY)
+
+
 def single(lab: Lab) -> str:
     """lab1's replica (pool lab_single): named after its node's address."""
     return SINGLE.format(lab.nodes[0].address.replace(".", "-"))
@@ -113,13 +126,14 @@ def router_url(lab: Lab) -> str:
     return f"https://{router_address(lab)}:{ROUTER_PORT}"
 
 
+def holds_address(lab: Lab, router: NodeRecord) -> bool:
+    """Whether ``router``'s interface holds the routers' virtual address now."""
+    return f" {router_address(lab)}/" in lab.host(router).run("ip -4 -o address show dev host0").stdout
+
+
 def address_holder(lab: Lab) -> NodeRecord | None:
     """The router whose interface holds the virtual address now (None: no router does)."""
-    vip = router_address(lab)
-    for node in lab.nodes[:2]:
-        if f" {vip}/" in lab.host(node).run("ip -4 -o address show dev host0").stdout:
-            return node
-    return None
+    return next((node for node in lab.nodes[:2] if holds_address(lab, node)), None)
 
 
 def tls(lab: Lab) -> ssl.SSLContext:

@@ -34,13 +34,15 @@ class Scenario:
 
 # What test_changing_one_groups_setting_restarts_only_that_groups_replicas leaves: lab_single on other settings.
 GROUP_CHANGED = "serving, a group's settings changed"
+# What tests/lab/test_edge.py leaves: the routers on other clients and admission, every replica as deployed.
+EDGE_CHANGED = "serving, the routers' settings changed"
 SCENARIOS = (
     Scenario("bare", "bare", "the lab as booted: nothing deployed"),
     Scenario("serving", "serving", "deploys/vllm.py from bare nodes, the lab's default: read-only checks"),
     Scenario("watched", "serving", "the same fleet, untouched: no alert fired since it was healthy"),
     Scenario("faults", "serving", "the same fleet: faults that heal, alerts, upgrades and rollbacks"),
     Scenario("changed", "serving", "the same fleet: tests that leave it changed for the next deploy to replace",
-             accepts=(GROUP_CHANGED,)),
+             accepts=(EDGE_CHANGED, GROUP_CHANGED)),
     Scenario("ray", "ray", "deploys/vllm.py with the pipeline pool on Ray"),
 )
 BY_NAME = {scenario.name: scenario for scenario in SCENARIOS}

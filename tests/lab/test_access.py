@@ -57,10 +57,21 @@ def test_only_the_replicas_nodes_reach_its_rendezvous(lab: Lab, mp_replica: tupl
     assert not lab.host(rank0).file(f"/etc/systemd/system/{ray_role.unit_name(PIPELINE)}").exists
 
 
+# The units of the serving edge on a router node (Debian's haproxy and keepalived with gpufleet's drop-ins).
+EDGE_UNITS = ("haproxy.service", "keepalived.service", "gpufleet-router-health.service",
+              "gpufleet-router-clients.service", "gpufleet-router-clients.timer")
+
+
 def test_every_unit_gpufleet_writes_is_confined(lab: Lab, mp_replica: tuple[NodeRecord, ...]) -> None:
+    """Every unit gpufleet writes or changes is rated within the exposure bound on the nodes (the edge's included,
+    present on both routers), and systemd-analyze verify accepts the edge's units as a router node loads them."""
     worst = exposures(lab)
-    for unit in ("vllm@*.service", "node_exporter.service", "dcgm-exporter.service"):
+    for unit in ("vllm@*.service", "node_exporter.service", "dcgm-exporter.service",
+                 *(name for name in EDGE_UNITS if name.endswith(".service"))):
         assert worst.get(unit, 10.0) <= EXPOSURE_BOUND, worst
+    for router in lab.nodes[:2]:
+        verified = lab.host(router).run(f"systemd-analyze verify --man=no {' '.join(EDGE_UNITS)}")
+        assert verified.rc == 0, verified.stdout + verified.stderr
 
 
 def _ask(lab: Lab, method: str, path: str, key: str | None, marker: str) -> int:

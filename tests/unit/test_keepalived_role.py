@@ -22,6 +22,7 @@ import roles.router as router_role
 from gpufleet.cli import main
 from gpufleet.config.inventory_shape import ROUTERS_GROUP
 from gpufleet.config.problems import ConfigError
+from gpufleet.node import router_health
 from gpufleet.node_paths import ROUTER_HEALTH_STATE
 from gpufleet.plan import virtual_address
 from gpufleet.plan.virtual_address import VirtualAddress
@@ -263,3 +264,15 @@ def test_no_interface_holding_the_address_exits_2_before_any_change(monkeypatch:
     assert raised.value.code == 2
     assert capsys.readouterr().err == ("r1: router_virtual_interface: expected an interface that holds the router's"
                                        " address 10.0.0.1, found none on the router; set router_virtual_interface\n")
+
+
+@pytest.mark.parametrize(("values", "restart_sec"), [
+    ({}, None),
+    ({"router_virtual_address": "10.0.0.100"}, f"{2 * router_health.INTERVAL_S}s"),
+])
+def test_behind_the_address_a_dead_haproxy_stays_down_for_two_health_checks(values: dict[str, Any],
+                                                                              restart_sec: str | None) -> None:
+    """A HAProxy that died is started again after two of router_health.py's intervals when a virtual address is in
+    use (its check then sees nothing listening and the address moves), at Debian's pace without one."""
+    found = [value for _, key, value in unit_settings(router_role.drop_in(_config(**values))) if key == "RestartSec"]
+    assert found == ([restart_sec] if restart_sec else [])

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from gpufleet.lab.request_load import RequestLoad
+from gpufleet.lab.request_load import BURST_MAX, RequestLoad, burst
 from tests.loopback_http import QuietHandler, loopback_server
 
 KEY = 'sk-"lab"$HOME'
@@ -83,3 +83,55 @@ def test_a_load_without_an_answer_stops_by_itself_within_its_time() -> None:
     figures = load.figures()
     assert figures["requests"] == figures["failed"] > 0 and figures["p50_s"] is None
     assert load.failures[0].startswith("URLError")
+
+
+def test_each_answer_keeps_when_it_was_sent_and_its_status(vllm: tuple[str, Seen]) -> None:
+    url, seen = vllm
+    seen.chat_status = 401
+    load = RequestLoad(url, "m", None, pause_s=0.01, limit=4, chat=True).start()
+    assert load.join(10)
+    assert [a.status for a in load.answers] == [401, 200, 401, 200]  # a streamed chat first, then a completion
+    assert [a.sent for a in load.answers] == sorted(a.sent for a in load.answers)
+    assert load.failures_sent_after(load.answers[1].sent) == [load.answers[2].failure]
+    assert load.failures_sent_after(time.monotonic()) == []
+
+
+def test_a_burst_reaches_the_server_at_one_instant_and_keeps_every_refusal() -> None:
+    admitted, lock, bodies = [0], threading.Lock(), []
+
+    class Handler(QuietHandler):
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            with lock:
+                bodies.append(body)
+                admitted[0] += 1
+                first = admitted[0] <= 3
+            if first:
+                time.sleep(0.3)
+                self.answer(200, json.dumps({"usage": {"completion_tokens": body["max_tokens"]}}).encode())
+            else:
+                self.send_response(429)
+                self.send_header("Retry-After", "1")
+                self.send_header("Content-Length", "2")
+                self.end_headers()
+                self.wfile.write(b"{}")
+
+    with loopback_server(Handler) as url:
+        answers = burst(url, "tiny llama $HOME 100%", KEY, 12, max_tokens=5, timeout_s=10)
+    assert sorted(a.status or 0 for a in answers) == [200] * 3 + [429] * 9
+    assert {a.retry_after for a in answers if a.status == 429} == {"1"}
+    assert all(a.failure is None for a in answers if a.status == 200)
+    assert max(a.sent for a in answers) - min(a.sent for a in answers) < 0.2
+    assert max(a.took_s for a in answers if a.status == 429) < max(a.took_s for a in answers if a.status == 200)
+    assert {(b["model"], b["max_tokens"], b["ignore_eos"]) for b in bodies} == {("tiny llama $HOME 100%", 5, True)}
+
+
+@pytest.mark.parametrize("count", [0, BURST_MAX + 1])
+def test_a_burst_is_bounded(count: int) -> None:
+    with pytest.raises(ValueError, match="a burst sends"):
+        burst("http://127.0.0.1:9", "m", None, count)
+
+
+def test_a_burst_without_a_server_says_why_each_request_was_not_sent() -> None:
+    answers = burst("http://127.0.0.1:9", "m", None, 3, timeout_s=2)
+    assert len(answers) == 3 and all(a.status is None and a.failure for a in answers)

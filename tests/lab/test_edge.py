@@ -1,0 +1,154 @@
+"""The serving edge changed by a deploy under load (scenario ``changed``): a client's key rotated and a client added
+with HAProxy reloaded, not restarted; a client over its rate limit; admission control under a burst.
+
+The deploy (a copy of the lab's inventory, and ``--data``) sets the routers' admission small (``router_server_maxconn``
+2 in each pool, a 0.5 s queue) so that a burst of ten times what the replicas take at once fits the lab, and keeps
+vLLM's own limit at what each replica runs: no replica restarts. The fleet is left so (the next deploy puts the
+inventory's edge back; the rotated key stays the lab's).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import time
+from pathlib import Path
+
+import pytest
+
+from gpufleet.lab.nodes import CLIENT_KEY_FILE
+from gpufleet.lab.request_load import Answer, burst
+from tests.lab.checks import assert_no_errors, main_pid
+from tests.lab.fleet import (
+    PIPELINE,
+    client_key,
+    deploy,
+    http,
+    lab_ca,
+    lab_copy,
+    record_figure,
+    requests_to,
+    router_url,
+    served_name,
+    single,
+    tls,
+)
+from tests.lab.harness import Completed, Lab
+from tests.lab.prometheus import Prometheus, wait_for
+from tests.lab.scenarios import EDGE_CHANGED, LabStates
+
+pytestmark = pytest.mark.filterwarnings("ignore:Unknown ssh-ed25519 host key:UserWarning")
+
+MAXCONN = 2  # the routers' maxconn for each replica in this test
+QUEUE_S = 0.5  # how long a request waits in the router's queue before its 503
+BURST_FACTOR = 10
+TOKENS = 32  # each burst request's completion: long enough (seconds) that no request queued QUEUE_S gets a place
+CLIENTS_METRICS = "systemctl start gpufleet-router-clients.service"
+
+
+def _write_secret(path: Path, text: str) -> None:
+    """A client key file as the lab keeps them: 0600, one line."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(text + "\n")
+
+
+def _queued_reqs(lab: Lab) -> dict[str, int]:
+    """vLLM's --max-num-queued-reqs as each pool's replica runs it now (from the plan: they differ)."""
+    found = {}
+    for group, node, replica in (("lab_single", lab.nodes[0], single(lab)), ("lab_pipeline", lab.nodes[1], PIPELINE)):
+        config = lab.host(node).file(f"/etc/gpufleet/vllm/{replica}/config.yaml").content_string
+        found[group] = int(re.findall(r"^max-num-queued-reqs: (\d+)$", config, re.MULTILINE)[0])
+    return found
+
+
+def _p99(answers: list[Answer]) -> float:
+    times = sorted(a.took_s for a in answers)
+    return times[min(len(times) - 1, int(len(times) * 0.99))]
+
+
+def test_the_edge_rotates_a_key_under_load_limits_a_client_and_sheds_a_burst_fast(
+        lab: Lab, changed: Completed | None, lab_states: LabStates, tmp_path: Path,
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """One deploy, under load through the virtual address with the client's old key, rotates that key, adds a client
+    ``capped`` (1 request/s, 1 at once) and sets the routers' admission small: both routers reload (same main
+    process), no replica restarts, and no request fails but the old key's 401s once the routers have the new one.
+    Then: the new key is served and the old one gets 401; ``capped`` over its rate gets 429 with Retry-After, and
+    its counter reaches Prometheus; a burst of ten times what the replicas take at once gets its excess refused
+    (429 over the client's concurrency, 503 past the router's queue) within 1 s, each with Retry-After, while the
+    admitted requests keep the latency of the same requests unloaded (p99 within 2x)."""
+    routers = lab.nodes[:2]
+    old_key = client_key(lab)
+    haproxy = {node.name: main_pid(lab, node, "haproxy") for node in routers}
+    replicas = {node.name: main_pid(lab, node, f"vllm@{single(lab) if node == lab.nodes[0] else PIPELINE}")
+                for node in lab.nodes}
+    key_file = lab.directory / CLIENT_KEY_FILE
+    capped_file, capped_key = tmp_path / "capped-key", secrets.token_urlsafe(32)
+    _write_secret(capped_file, capped_key)
+    clients = {"lab": {"api_key": {"file": str(key_file)}, "requests_per_s": 200, "concurrent_requests": 32},
+               "capped": {"api_key": {"file": str(capped_file)}, "requests_per_s": 1, "concurrent_requests": 1}}
+    # each pool's routers' maxconn small, and vLLM's own limit kept at what its replica runs (no restart)
+    inventory = lab_copy(tmp_path, {group: f"router_server_maxconn: {MAXCONN}\nvllm_max_num_queued_reqs: {queued}\n"
+                                    for group, queued in _queued_reqs(lab).items()})
+    options = ("--data", f"router_clients={json.dumps(clients)}", "--data", f"router_queue_timeout_s={QUEUE_S}")
+    lab_states.changed(EDGE_CHANGED)
+    load = requests_to(lab, None, streams=2, pause_s=0.5, chat=True, timeout_s=60).start()
+    try:
+        time.sleep(2)
+        _write_secret(key_file, secrets.token_urlsafe(32))
+        assert_no_errors(deploy(lab, *options, inventory=inventory))
+    finally:
+        load.stop()
+    new_key = client_key(lab)
+    assert new_key != old_key
+    assert {node.name: main_pid(lab, node, "haproxy") for node in routers} == haproxy  # reloaded, not restarted
+    assert {node.name: main_pid(lab, node, f"vllm@{single(lab) if node == lab.nodes[0] else PIPELINE}")
+            for node in lab.nodes} == replicas
+    # in flight at the reload or before it: answered; after it, the old key is no client's
+    assert [a.failure for a in load.answers if a.status != 401 and a.failure] == []
+    assert sum(1 for a in load.answers if a.status == 200) >= 4
+    after = requests_to(lab, None, streams=2, pause_s=0.2, chat=True, limit=4).start()
+    assert after.join(120) and after.sent == 8 and after.failures == [], after.failures[:3]
+    completion = {"model": served_name("lab"), "prompt": "The fleet is", "max_tokens": 2}
+    assert http(f"{router_url(lab)}/v1/completions", completion, old_key, context=tls(lab))[0] == 401
+
+    # a client over its rate: 429 from the router, and its counter in Prometheus
+    limited = [http(f"{router_url(lab)}/v1/completions", completion, capped_key, context=tls(lab))[0]
+               for _ in range(6)]
+    assert limited[0] == 200 and 429 in limited, limited
+    for node in routers:
+        lab.host(node).check_output(CLIENTS_METRICS)  # the counters now, not at the timer's next turn
+    prometheus = Prometheus(lab.nodes[0])
+
+    def counted_429s() -> float | None:
+        found = sum(float(r["value"][1]) for r in prometheus.query(
+            'gpufleet_router_client_limited_total{client="capped"}'))
+        return found if found >= limited.count(429) else None
+
+    counted, counted_after_s = wait_for("capped's 429s in Prometheus", counted_429s, timeout=60)
+
+    # admission: the replicas take MAXCONN each at once; a burst of ten times that
+    at_once = MAXCONN * 2
+    url, model = router_url(lab), served_name("lab")
+    unloaded = burst(url, model, new_key, at_once, max_tokens=TOKENS, ca_file=lab_ca(lab))
+    assert [a.status for a in unloaded] == [200] * at_once, [a.failure for a in unloaded]
+    answers = burst(url, model, new_key, BURST_FACTOR * at_once, max_tokens=TOKENS, ca_file=lab_ca(lab))
+    admitted = [a for a in answers if a.status == 200]
+    refused = [a for a in answers if a.status != 200]
+    assert len(answers) == BURST_FACTOR * at_once
+    assert {a.status for a in refused} <= {429, 503}, [a.failure for a in refused if a.status not in (429, 503)]
+    assert at_once <= len(admitted) < len(answers) and all(a.retry_after for a in refused)
+    assert max(a.took_s for a in refused) < 1.0, sorted(a.took_s for a in refused)[-3:]
+    assert _p99(admitted) <= 2 * _p99(unloaded), (_p99(admitted), _p99(unloaded))
+    record_figure(tmp_path_factory, {
+        "fault": "the edge changed by a deploy under load (key rotated, client added, admission set small), then a"
+                 " client over its rate and a burst", "load_through_the_deploy": load.figures(),
+        "old_key_401s_after_the_reload": sum(1 for a in load.answers if a.status == 401),
+        "capped_answers": limited, "capped_429s_in_prometheus_after_s": round(counted_after_s, 1),
+        "capped_429s_counted": counted, "burst": len(answers), "admitted": len(admitted),
+        "refused_429": sum(1 for a in refused if a.status == 429),
+        "refused_503": sum(1 for a in refused if a.status == 503),
+        "refused_slowest_s": round(max(a.took_s for a in refused), 3),
+        "admitted_p99_s": round(_p99(admitted), 3), "unloaded_p99_s": round(_p99(unloaded), 3)})
