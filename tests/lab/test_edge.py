@@ -103,6 +103,13 @@ def test_the_edge_rotates_a_key_under_load_limits_a_client_and_sheds_a_burst_fas
         load.stop()
     new_key = client_key(lab)
     assert new_key != old_key
+    for node in routers:  # the keys are nowhere a process list, the journal or the configuration shows them
+        host = lab.host(node)
+        shown = host.check_output("ps -eo args; journalctl -q -o cat --no-pager --since=-10min -u haproxy"
+                                  " -u 'gpufleet-router-*'; cat /etc/haproxy/haproxy.cfg /etc/haproxy/gpufleet-edge/*")
+        assert not [key for key in (old_key, new_key, capped_key) if key in shown], f"a client key shown on {node.name}"
+        modes = host.check_output("stat -c '%a %U:%G %n' /etc/haproxy/gpufleet-edge/*").splitlines()
+        assert modes and all(line.startswith("640 root:haproxy ") for line in modes), modes
     assert {node.name: main_pid(lab, node, "haproxy") for node in routers} == haproxy  # reloaded, not restarted
     assert {node.name: main_pid(lab, node, f"vllm@{single(lab) if node == lab.nodes[0] else PIPELINE}")
             for node in lab.nodes} == replicas

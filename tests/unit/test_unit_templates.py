@@ -102,7 +102,7 @@ VALUES: dict[str, dict[str, object]] = {
         "node_tools": "/opt/gpufleet/node", "marker": "/run/gpufleet/gpu-gate-failed",
         "node_env": "/etc/gpufleet/node.env", "exec_start": "/usr/bin/python3 /opt/gpufleet/node/gpu_watch.py",
         "timeout": 300, "run_dir": "gpufleet"},
-    "router/haproxy-override.conf.j2": {"open_files": 9216},
+    "router/haproxy-override.conf.j2": {"open_files": 9216, "restart_after_s": 2.0},
     "router/gpufleet-router-clients.service.j2": {
         "timer": "gpufleet-router-clients.timer", "node_tools": "/opt/gpufleet/node",
         "textfile": "/var/lib/node_exporter/textfile_collector/gpufleet_router_clients.prom",
