@@ -49,6 +49,7 @@ READY_STATES = ("running", "degraded")
 NSPAWN_PROPAGATE = "/run/systemd/nspawn/propagate"  # where nspawn keeps each machine's mount propagation
 BOOT_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 30.0
+LINK_DOWN_S = 0.5  # power_off: the node takes its link down this long after it is asked (its answer gets out)
 MODEL_DISK = "models"  # in a node's directory: its model directory's own filesystem (container.start)
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
@@ -272,13 +273,15 @@ def _one_node(name: str, base: Path | None) -> Iterator[tuple[LabState, NodeReco
         save_state(state, directory)
 
 
-def power_off(name: str, base: Path | None = None) -> None:
+def power_off(name: str, base: Path | None = None) -> float:
     """Cut one node's power, as a node lost to a hardware or power fault: its link goes down first (nothing more
-    leaves it, not even the resets of its closing connections), then it is killed without a shutdown."""
+    leaves it, not even the resets of its closing connections), then it is killed without a shutdown. Returns the
+    monotonic clock's reading at or before the moment the link went down (the cut, for figures measured from it)."""
     with _one_node(name, base) as (state, node):
+        asked = time.monotonic()  # the node runs the command after this, and takes its link down LINK_DOWN_S later
         _, peer = ssh.run(node.address, Path(state.ssh_key), Path(state.known_hosts),
-                          "cat /sys/class/net/host0/iflink; nohup sh -c 'sleep 0.5; ip link set host0 down'"
-                          " >/dev/null 2>&1 &")
+                          "cat /sys/class/net/host0/iflink;"
+                          f" nohup sh -c 'sleep {LINK_DOWN_S}; ip link set host0 down' >/dev/null 2>&1 &")
         time.sleep(1.5)
         container.stop([(node.process, Path(node.root))], grace=0)
         node.process = None
@@ -286,6 +289,7 @@ def power_off(name: str, base: Path | None = None) -> None:
         if veth is not None:  # a killed nspawn leaves its veth behind, and the next boot could not add it
             network.delete_link(veth)
         shutil.rmtree(Path(NSPAWN_PROPAGATE) / node.machine, ignore_errors=True)  # and its mount propagation dir
+    return asked + LINK_DOWN_S
 
 
 def power_on(name: str, base: Path | None = None, timeout: float = 120) -> None:
