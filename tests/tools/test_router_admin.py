@@ -125,7 +125,10 @@ def _config(port: int, admin: Path, servers: dict[str, tuple[str, int]]) -> str:
         backends.setdefault(backend, []).append(f"    server {name} 127.0.0.1:{replica_port}")
     text = [
         "global", f"    stats socket {admin} mode 600 level admin",
+        # a check every 100 ms, each with 2 s to answer: without "timeout check" HAProxy gives a check only its
+        # interval, and a stand-in replica starved by the lab beside it (CI) answered late: "UP 1/2", L7TOUT
         "defaults", "    mode http", "    timeout connect 2s", "    timeout client 30s", "    timeout server 30s",
+        "    timeout check 2s",
         "frontend api", f"    bind 127.0.0.1:{port}", f"    default_backend {BACKEND}",
     ]
     for backend, lines in backends.items():
