@@ -75,10 +75,10 @@ def test_the_edge_rotates_a_key_under_load_limits_a_client_and_sheds_a_burst_fas
     """One deploy, under load through the virtual address with the client's old key, rotates that key, adds a client
     ``capped`` (1 request/s, 1 at once) and sets the routers' admission small: both routers reload (same main
     process), no replica restarts, and no request fails but the old key's 401s once the routers have the new one.
-    Then: the new key is served and the old one gets 401; ``capped`` over its rate gets 429 with Retry-After, and
-    its counter reaches Prometheus; a burst of ten times what the replicas take at once gets its excess refused
-    (429 over the client's concurrency, 503 past the router's queue) within 1 s, each with Retry-After, while the
-    admitted requests keep the latency of the same requests unloaded (p99 within 2x)."""
+    Then: the new key is served and the old one gets 401; ``capped`` over its rate gets 429s, and its counter
+    reaches Prometheus; a burst of ten times what the replicas take at once gets its excess refused (429 over the
+    client's concurrency, 503 past the router's queue) within 1 s, each with Retry-After, while the admitted
+    requests keep the latency of the same requests unloaded (p99 within 2x)."""
     routers = lab.nodes[:2]
     old_key = client_key(lab)
     haproxy = {node.name: main_pid(lab, node, "haproxy") for node in routers}
