@@ -22,6 +22,7 @@ import roles.router as router_role
 from gpufleet.cli import main
 from gpufleet.config.inventory_shape import ROUTERS_GROUP
 from gpufleet.config.problems import ConfigError
+from gpufleet.lab.tls import make_lab_tls
 from gpufleet.node import router_health
 from gpufleet.node_paths import ROUTER_HEALTH_STATE
 from gpufleet.plan import virtual_address
@@ -152,11 +153,9 @@ def test_gpufleet_plan_prints_the_virtual_address_as_the_endpoint(monkeypatch: p
     assert plain.exit_code == 0 and "endpoint:" not in plain.output
     data = ["router_virtual_address=10.40.9.100", 'router_vrrp_password={"env": "GPUFLEET_TEST_VRRP"}']
     if tls:
-        (tmp_path / "router.crt").write_text("-----BEGIN CERTIFICATE-----\nx\n-----END CERTIFICATE-----\n")
-        (tmp_path / "router.key").write_text("-----BEGIN PRIVATE KEY-----\nx\n-----END PRIVATE KEY-----\n")
-        (tmp_path / "router.key").chmod(0o600)
-        data += [f'router_tls_certificate={{"file": "{tmp_path / "router.crt"}"}}',
-                 f'router_tls_key={{"file": "{tmp_path / "router.key"}"}}']
+        made = make_lab_tls(tmp_path / "tls", ["10.40.9.100"])  # a throwaway CA and key, made now
+        data += [f'router_tls_certificate={{"file": "{made.certificate}"}}',
+                 f'router_tls_key={{"file": "{made.key}"}}']
     done = CliRunner().invoke(main, ["plan", fleet, *(a for d in data for a in ("--data", d))],
                               catch_exceptions=False)
     assert done.exit_code == 0, done.output
