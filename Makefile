@@ -15,8 +15,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e .
 	touch $(STAMP)
 
-$(LAB_STAMP): $(STAMP) pyproject.toml
-	$(BIN)/pip install -q -e '.[test,lab]'
+$(LAB_STAMP): $(STAMP) pyproject.toml lab/pyproject.toml
+	$(BIN)/pip install -q -e ./lab -e '.[test,lab]'
 	touch $(LAB_STAMP)
 
 setup: $(STAMP)

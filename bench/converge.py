@@ -43,9 +43,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from gpufleet.lab import network, nodes
-from gpufleet.lab.errors import LabError
-from gpufleet.lab.state import LAB_DIR_ENV
+from gpufleet_lab import network, nodes
+from gpufleet_lab.errors import LabError
+from gpufleet_lab.state import LAB_DIR_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 PYINFRA = Path(sys.executable).parent / "pyinfra"

@@ -20,9 +20,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpufleet.lab import nodes, rootfs
-from gpufleet.lab.errors import LabError
-from gpufleet.lab.state import cache_dir
+from gpufleet_lab import nodes, rootfs
+from gpufleet_lab.errors import LabError
+from gpufleet_lab.state import cache_dir
 
 BRIDGE = "gflabb0"
 SUBNET = "10.213.250.0/24"

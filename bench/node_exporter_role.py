@@ -25,9 +25,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from converge import PYINFRA, ROOT, boot_lab, machine
-
-from gpufleet.lab import nodes
-from gpufleet.lab.state import LAB_DIR_ENV
+from gpufleet_lab import nodes
+from gpufleet_lab.state import LAB_DIR_ENV
 
 DEPLOYS = {"role": "bench/deploys/node_exporter_role.py", "plain": "bench/deploys/node_exporter_plain.py"}
 

@@ -20,10 +20,10 @@ from typing import Any
 
 import yaml
 
-from gpufleet.hardware_profiles import GPU_MODELS, framework_memory_bytes
-from gpufleet.model_arch import load_arch
-from gpufleet.model_memory import GIB, stage_weights_per_gpu, weight_bytes
+from gpufleet.gpu.profiles import GPU_MODELS, framework_memory_bytes
 from gpufleet.plan import layout
+from gpufleet.plan.model_arch import load_arch
+from gpufleet.plan.model_memory import GIB, stage_weights_per_gpu, weight_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = ROOT / "tests" / "data" / "plan_accuracy" / "reference.yml"

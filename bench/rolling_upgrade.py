@@ -7,7 +7,7 @@ move every replica to another vLLM release and back.
 Needs the lab up and deployed (``make lab``; ``$GPUFLEET_LAB_DIR`` picks another lab) on the release it starts
 from. For each size (the number of client streams through the router on lab1, each a completion and a streamed
 chat in turn, one request a second) it runs ``gpufleet upgrade inventories/lab.py --data vllm_version=TO``, then
-``gpufleet rollback inventories/lab.py``, each under that load (``gpufleet.lab.request_load``, bounded by the
+``gpufleet rollback inventories/lab.py``, each under that load (``gpufleet_lab.request_load``, bounded by the
 rollout's own time limit). Prints JSON: per rollout its exit, wall seconds, requests sent and failed, latency
 median and 99th percentile, the requests the router retried or redispatched (its Prometheus counters), and each
 replica's outcome and step times from the rollout's own report. A rollout that fails ends the run (the fleet is
@@ -28,10 +28,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-
-from gpufleet.lab.nodes import API_KEY_FILE
-from gpufleet.lab.request_load import RequestLoad
-from gpufleet.lab.state import LAB_DIR_ENV, lab_dir, load_state
+from gpufleet_lab.nodes import API_KEY_FILE
+from gpufleet_lab.request_load import RequestLoad
+from gpufleet_lab.state import LAB_DIR_ENV, lab_dir, load_state
 
 ROOT = Path(__file__).resolve().parents[1]
 INVENTORY = "inventories/lab.py"
@@ -56,7 +55,7 @@ def rollout(args: list[str], load: RequestLoad, router: str, directory: Path) ->
         started = time.monotonic()
         try:
             time.sleep(3)  # requests in flight before the first drain
-            done = subprocess.run([sys.executable, "-m", "gpufleet.cli", *args, "--report", str(report_path)],
+            done = subprocess.run([sys.executable, "-m", "gpufleet.cli.main", *args, "--report", str(report_path)],
                                   cwd=ROOT, env={**os.environ, LAB_DIR_ENV: str(directory)}, capture_output=True,
                                   text=True, timeout=ROLLOUT_LIMIT_S)
         finally:

@@ -30,9 +30,9 @@ from pathlib import Path
 from typing import Any
 
 import paramiko
+from gpufleet_lab.state import LabState, cache_dir, load_state
 
-from gpufleet.lab.state import LabState, cache_dir, load_state
-from gpufleet.unit_security import EXPOSURE_BOUND, UNITS, exposure, node_report
+from gpufleet.units.security import EXPOSURE_BOUND, UNITS, exposure, node_report
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the roles, when run as a script
@@ -67,8 +67,8 @@ def rendered_units() -> dict[str, str]:
     from gpufleet.deploy import access
     from gpufleet.node_paths import ray_env_file, ray_token_file
     from gpufleet.plan.commands import ray_start_argv
-    from gpufleet.systemd_text import exec_line
     from gpufleet.templates import render
+    from gpufleet.units.escape import exec_line
     from roles import dcgm_exporter, gpu_watch, monitoring, node_exporter, ray, vllm
 
     layers, _ = role_default_layers()

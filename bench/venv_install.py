@@ -40,11 +40,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from gpufleet_lab import wheelhouse
+
 from gpufleet.config.layers import HostLayers, Layer, role_default_layers
 from gpufleet.config.schema import HostConfig
 from gpufleet.config.validate import validate_host
 from gpufleet.deploy import vllm_files as vf
-from gpufleet.lab import wheelhouse
 
 DEFAULT_WHEELHOUSE = Path("/var/cache/gpufleet-lab/www/wheels")
 INSTALLERS = ("pip", "uv", "uv-no-bytecode")

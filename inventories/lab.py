@@ -19,12 +19,11 @@ Ray token, VRRP password and CA, its bridge address as the monitoring host and A
 import ipaddress
 import sys
 
-from gpufleet.config.inventory import apply_group_vars
-from gpufleet.lab.errors import LabError
-from gpufleet.lab.hooks import mirror_base_url
-from gpufleet.lab.mirror import MirrorUrls, keyring_fingerprint, node_exporter_sources
-from gpufleet.lab.network import virtual_address
-from gpufleet.lab.nodes import (
+from gpufleet_lab.errors import LabError
+from gpufleet_lab.hooks import mirror_base_url
+from gpufleet_lab.mirror import MirrorUrls, keyring_fingerprint, node_exporter_sources
+from gpufleet_lab.network import virtual_address
+from gpufleet_lab.nodes import (
     API_KEY_FILE,
     CLIENT_KEY_FILE,
     RAY_TOKEN_FILE,
@@ -32,8 +31,10 @@ from gpufleet.lab.nodes import (
     VRRP_PASSWORD_FILE,
     ensure_api_key,
 )
-from gpufleet.lab.state import cache_dir, lab_dir, load_state
-from gpufleet.lab.tls import ensure_lab_tls
+from gpufleet_lab.state import cache_dir, lab_dir, load_state
+from gpufleet_lab.tls import ensure_lab_tls
+
+from gpufleet.config.inventory import apply_group_vars
 
 try:
     _state = load_state()

@@ -368,7 +368,7 @@ def _commands(command: click.Command, ctx: click.Context) -> Iterator[tuple[clic
 
 def commands_page() -> str:
     """docs/reference/commands.md: every ``gpufleet`` command's ``--help``."""
-    from gpufleet.cli import main
+    from gpufleet.cli.main import main
 
     root = click.Context(main, info_name="gpufleet", terminal_width=HELP_WIDTH, max_content_width=HELP_WIDTH)
     found = list(_commands(main, root))

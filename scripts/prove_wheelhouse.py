@@ -24,9 +24,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from gpufleet.lab import mirror
-from gpufleet.lab.tiny_model import make_tiny_model
-from gpufleet.lab.wheelhouse import LAB_VLLM_VERSIONS, build_wheelhouse, install_args
+from gpufleet_lab import mirror
+from gpufleet_lab.tiny_model import make_tiny_model
+from gpufleet_lab.wheelhouse import LAB_VLLM_VERSIONS, build_wheelhouse, install_args
 
 CHECK_IMPORT = """
 import importlib.metadata, importlib.util, json

@@ -24,7 +24,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data"  # the tests' inputs and expected outputs, by subject
-GPUFLEET = [sys.executable, "-m", "gpufleet.cli"]
+GPUFLEET = [sys.executable, "-m", "gpufleet.cli.main"]
 TIERS = ("unit", "tools", "lab")
 REQUIRED_ENV = "GPUFLEET_TESTS_REQUIRED"
 

@@ -20,6 +20,7 @@ from typing import Any
 
 from gpufleet.config import grammar, limits
 from gpufleet.config.edge import edge_problems
+from gpufleet.config.fleet import Fleet
 from gpufleet.config.group_vars_files import group_vars_file_problems
 from gpufleet.config.inventory_shape import ROLE_GROUPS, SourceLines, late_problems, membership_problems, read_groups
 from gpufleet.config.layers import (
@@ -34,8 +35,7 @@ from gpufleet.config.problems import EXIT_BAD_INPUT, ConfigError, Problem, exit_
 from gpufleet.config.schema import API_PORTS_WHEN_AUTO, HostConfig, SecretRef
 from gpufleet.config.secrets import ENV_FILE_SECRETS, unfit_secret
 from gpufleet.config.validate import validate_host
-from gpufleet.fleet import Fleet
-from gpufleet.hardware_profiles import ProfileError, profile_facts
+from gpufleet.gpu.profiles import ProfileError, profile_facts
 from gpufleet.input_files import json_depth_problem
 from gpufleet.node.health_rules import HealthPolicy
 from gpufleet.node_paths import replica_host_part

@@ -20,10 +20,10 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 from gpufleet.config import env_names, grammar, limits
 from gpufleet.config.apt_source import apt_source
 from gpufleet.config.problems import KeyedError, shown_key
-from gpufleet.hardware_profiles import ProfileError, parse_profile
+from gpufleet.config.vllm_flags import SUPPORTED_VLLM_VERSIONS, load_catalog
+from gpufleet.gpu.profiles import ProfileError, parse_profile
 from gpufleet.input_files import tree_problem
 from gpufleet.node.health_rules import HealthPolicy, policy_problems
-from gpufleet.vllm_flags import SUPPORTED_VLLM_VERSIONS, load_catalog
 
 Auto = Literal["auto"]
 FIRST_UNPRIVILEGED_PORT = 1024
@@ -128,7 +128,7 @@ def _each(check: Callable[[str], str | None]) -> Callable[[Any], Any]:
 
 
 def _profile(value: str) -> str | None:
-    """A hardware profile, ``<count>x<GPU>[-SXM|-PCIe|-PCIe-pairs]`` (:mod:`gpufleet.hardware_profiles`), e.g.
+    """A hardware profile, ``<count>x<GPU>[-SXM|-PCIe|-PCIe-pairs]`` (:mod:`gpufleet.gpu.profiles`), e.g.
     ``8xH100-SXM``, ``8xL40S-PCIe``, ``4xA100-PCIe-pairs``, ``2xRTX4090``."""
     try:
         parse_profile(value)
@@ -468,7 +468,7 @@ class HostConfig(BaseModel):
     @field_validator("vllm_version")
     @classmethod
     def _supported_version(cls, value: str) -> str:
-        """A version gpufleet has a flag catalog for (:data:`gpufleet.vllm_flags.SUPPORTED_VLLM_VERSIONS`)."""
+        """A version gpufleet has a flag catalog for (:data:`gpufleet.config.vllm_flags.SUPPORTED_VLLM_VERSIONS`)."""
         if value not in SUPPORTED_VLLM_VERSIONS:
             raise ValueError(f"expected one of {', '.join(SUPPORTED_VLLM_VERSIONS)}, found {grammar.show(value)}")
         return value

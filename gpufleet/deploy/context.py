@@ -21,13 +21,13 @@ from pyinfra.api.host import Host
 from pyinfra.api.operation import OperationMeta
 from pyinfra.context import host as current_host
 
+from gpufleet.config.fleet import Fleet
 from gpufleet.config.inventory import fleet_from_state
 from gpufleet.config.schema import HostConfig
 from gpufleet.deploy import lost_nodes, op_order
-from gpufleet.facts import NvmlGpuFacts
-from gpufleet.fleet import Fleet
-from gpufleet.gpu_facts import FactsError, NodeFacts, parse_facts
-from gpufleet.hardware_profiles import profile_facts
+from gpufleet.facts.gpu import NvmlGpuFacts
+from gpufleet.gpu.profiles import profile_facts
+from gpufleet.gpu.report import FactsError, NodeFacts, parse_facts
 from gpufleet.node import health_rules
 from gpufleet.operations.node import current_host as current_host_object
 from gpufleet.operations.node import current_state, set_read_only

@@ -18,8 +18,8 @@ from gpufleet.netaddr import host_port
 from gpufleet.node_paths import node_tool, ray_unit, replica_dir
 from gpufleet.plan.commands import NodeRole
 from gpufleet.plan.planner import Replica
-from gpufleet.systemd_text import exec_line, unit_value
 from gpufleet.templates import render
+from gpufleet.units.escape import exec_line, unit_value
 
 TEMPLATE = "vllm/ray.conf.j2"
 # vllm@.service allows 5 starts in 300 s (StartLimitBurst, StartLimitIntervalSec) and restarts 5 s after a

@@ -38,7 +38,7 @@ from gpufleet.node_paths import (
     cuda_home,
 )
 from gpufleet.operations.files import local_tree
-from gpufleet.systemd_text import env_file  # noqa: F401  (re-exported: what roles write with vf.env_file)
+from gpufleet.units.escape import env_file  # noqa: F401  (re-exported: what roles write with vf.env_file)
 
 INSTALL_LOCK_TIMEOUT = 1800  # seconds a second install of one version waits for the first
 
@@ -64,7 +64,7 @@ def model_identity(cfg: HostConfig) -> str | None:
     """What names the model a node serves, to compare a replica's nodes: a digest of the files pushed from
     ``vllm_model_source`` (their relative names and SHA-256, the digests the push compares, taken once per run),
     or the hub id at the revision the node downloads; None for a path the site provides (the node reports a
-    digest of its file names and sizes instead: :class:`gpufleet.facts.ReplicaStack`)."""
+    digest of its file names and sizes instead: :class:`gpufleet.facts.vllm.ReplicaStack`)."""
     if cfg.vllm_model_source:
         _, found = local_tree(cfg.vllm_model_source)
         manifest = "".join(f"{relative}\t{file_sha256(path)}\n" for relative, path in found.items())

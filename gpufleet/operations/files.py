@@ -184,7 +184,7 @@ def pruned(pattern: str, keep: list[str]) -> Commands:
     """
     Remove what matches ``pattern`` except the paths in ``keep`` (superseded downloads, stale units).
 
-    + pattern: an absolute glob (see :class:`gpufleet.facts.NodeState` ``listings``)
+    + pattern: an absolute glob (see :class:`gpufleet.facts.node.NodeState` ``listings``)
     + keep: paths to leave alone
     """
     stale = [found for found in node.listing(pattern) if found not in keep]

@@ -1,7 +1,7 @@
 """What the operations know of a node: one reading per role at most, kept per host and forgotten where they change it.
 
 :func:`observe` reads every path, unit, package and account a role manages with one
-:class:`~gpufleet.facts.NodeState` command. The first reading on a host covers what every role of the deploy
+:class:`~gpufleet.facts.node.NodeState` command. The first reading on a host covers what every role of the deploy
 will observe there; while no operation has run a command on the host, a later role finds its items already read
 and reads nothing. Once one has, every later role reads all its items again (a package's install changes more than
 its own files). An operation asking about something not read (or forgotten, because an earlier operation of this
@@ -24,7 +24,7 @@ from pyinfra.api.operation import OperationMeta, operation
 from pyinfra.api.state import State
 from pyinfra.context import host, state
 
-from gpufleet.facts import AccountState, NodeState, NodeStateValue, PathState, UnitState, empty_node_state
+from gpufleet.facts.node import AccountState, NodeState, NodeStateValue, PathState, UnitState, empty_node_state
 
 _readings: WeakKeyDictionary[Host, NodeStateValue] = WeakKeyDictionary()
 _observed: WeakKeyDictionary[Host, dict[str, set[str]]] = WeakKeyDictionary()  # every role's observe, per host
@@ -118,7 +118,7 @@ def observe(name: str, paths: Iterable[str] = (), texts: Iterable[str] = (), uni
             listings: Iterable[str] = ()) -> OperationMeta:
     """Add :func:`read_state` for a role's items, and count them into the host's first reading.
 
-    + paths, texts, units, packages, users, groups, listings: see :class:`gpufleet.facts.NodeState`
+    + paths, texts, units, packages, users, groups, listings: see :class:`gpufleet.facts.node.NodeState`
     """
     wanted = _wanted(paths, texts, units, packages, users, groups, listings)
     planned = _observed.setdefault(current_host(), {})
@@ -138,7 +138,7 @@ def read_state(paths: Iterable[str] = (), texts: Iterable[str] = (), units: Iter
     The host's first reading also takes in what every later :func:`observe` on it asks for; a later one reads
     what is not known yet, or all its items again once an operation of this deploy ran a command on the host.
 
-    + paths, texts, units, packages, users, groups, listings: see :class:`gpufleet.facts.NodeState`
+    + paths, texts, units, packages, users, groups, listings: see :class:`gpufleet.facts.node.NodeState`
     """
     wanted = _wanted(paths, texts, units, packages, users, groups, listings)
     current = current_host()

@@ -12,8 +12,10 @@ from pyinfra.api.command import StringCommand
 from pyinfra.api.operation import OperationMeta
 from pyinfra.context import host, state
 
-from gpufleet.facts import AptCandidate, KeyFingerprints, NvmlGpuFacts, key_fingerprints_command
-from gpufleet.gpu_facts import NodeFacts, parse_facts
+from gpufleet.facts.apt import AptCandidate
+from gpufleet.facts.gpu import NvmlGpuFacts
+from gpufleet.facts.nvidia import KeyFingerprints, key_fingerprints_command
+from gpufleet.gpu.report import NodeFacts, parse_facts
 from gpufleet.operations import apt, node, server
 from gpufleet.operations.node import Commands, fail, gpufleet_operation
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pyinfra.api.command import StringCommand
 from pyinfra.context import host
 
-from gpufleet.facts import RayActiveNodes, ray_count_command
+from gpufleet.facts.ray import RayActiveNodes, ray_count_command
 from gpufleet.operations.node import Commands, gpufleet_operation
 
 

@@ -9,7 +9,7 @@ from typing import Any
 from pyinfra.api.command import FunctionCommand, QuoteString, StringCommand
 from pyinfra.context import host
 
-from gpufleet.facts import BootId
+from gpufleet.facts.server import BootId
 from gpufleet.operations import node
 from gpufleet.operations.node import Commands, gpufleet_operation
 

@@ -12,10 +12,10 @@ from pyinfra.api.command import QuoteString, StringCommand
 from pyinfra.context import host, state
 
 from gpufleet.deploy.lost_nodes import connection_lost
-from gpufleet.facts import STACK_KEYS, ReplicaStack
-from gpufleet.kv_observed import observed_line
+from gpufleet.facts.vllm import STACK_KEYS, ReplicaStack
 from gpufleet.operations import node
 from gpufleet.operations.node import Commands, current_host, fail, gpufleet_operation, read_only
+from gpufleet.plan.kv_observed import observed_line
 
 NodeStack = dict[str, str | None]  # vllm, torch, python, ray, model -> its value on one node (None: none there)
 AGREE_KEYS = (*STACK_KEYS, "model")
@@ -45,7 +45,7 @@ def restart_record(marker: str, changed: Callable[[], bool], pending: Callable[[
 @gpufleet_operation(counts_as_drift=False, runs_when_read_only=True)
 def node_stack(python: str, package: str, model: str | None, model_dir: str, stacks: dict[str, NodeStack]) -> Commands:
     """
-    Read what this node runs its replica with (:class:`~gpufleet.facts.ReplicaStack`) and record it in ``stacks``
+    Read what this node runs its replica with (:class:`~gpufleet.facts.vllm.ReplicaStack`) and record it in ``stacks``
     under the host's name, for :func:`nodes_agree`; changes nothing.
 
     + python: the replica's virtualenv Python on this node

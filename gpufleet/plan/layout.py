@@ -9,7 +9,7 @@
 - TP across nodes only when asked: a TP size above one node's GPUs spreads every TP group evenly over
   ``TP / GPUs per node`` nodes (planner.py).
 - GPU sets are carved from islands, so every TP group stays on NVLink.
-- A layout's memory is its worst pipeline stage's: each stage's weights and reserve (gpufleet.vllm_memory)
+- A layout's memory is its worst pipeline stage's: each stage's weights and reserve (gpufleet.plan.vllm_memory)
   leave its own KV pool, and the stage with the fewest blocks sizes the cache, as in vLLM.
 """
 
@@ -19,10 +19,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gpufleet.gpu_facts import NodeFacts
-from gpufleet.hardware_profiles import framework_memory_bytes
-from gpufleet.model_arch import ModelArch
-from gpufleet.model_memory import (
+from gpufleet.config.vllm_flags import human_int
+from gpufleet.gpu.profiles import framework_memory_bytes
+from gpufleet.gpu.report import NodeFacts
+from gpufleet.gpu.topology import nvlink_islands
+from gpufleet.plan.model_arch import ModelArch
+from gpufleet.plan.model_memory import (
     KvBudget,
     kv_budget,
     kv_bytes_per_token,
@@ -30,9 +32,7 @@ from gpufleet.model_memory import (
     kv_tokens_per_sequence,
     stage_weights_per_gpu,
 )
-from gpufleet.topology import nvlink_islands
-from gpufleet.vllm_flags import human_int
-from gpufleet.vllm_memory import Accounting, accounting, batch_defaults, gpu_reserve
+from gpufleet.plan.vllm_memory import Accounting, accounting, batch_defaults, gpu_reserve
 
 
 @dataclass(frozen=True)

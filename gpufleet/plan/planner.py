@@ -10,16 +10,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gpufleet.config.fleet import Fleet
 from gpufleet.config.schema import HostConfig
-from gpufleet.fleet import Fleet
-from gpufleet.gpu_facts import NodeFacts
-from gpufleet.model_arch import ModelArch, ModelConfigError, load_arch
-from gpufleet.model_memory import GIB, KvBudget, bytes_per_param, safetensors_total_size, weight_bytes
+from gpufleet.config.vllm_flags import load_catalog
+from gpufleet.gpu.report import NodeFacts
 from gpufleet.node_paths import replica_host_part
 from gpufleet.plan import layout
 from gpufleet.plan.admission import Admission, UnsupportedLimitError, admission
 from gpufleet.plan.commands import NodeRole, Process, extra_flags, replica_roles, secret_env_names
-from gpufleet.vllm_flags import load_catalog
+from gpufleet.plan.model_arch import ModelArch, ModelConfigError, load_arch
+from gpufleet.plan.model_memory import GIB, KvBudget, bytes_per_param, safetensors_total_size, weight_bytes
 
 # Settings every host of one pool must share (one model, one layout).
 POOL_WIDE = (

@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from gpufleet.kv_observed import parse_observed
 from gpufleet.node_paths import observed_file
+from gpufleet.plan.kv_observed import parse_observed
 from gpufleet.plan.planner import Replica
 from gpufleet.rollout.node_releases import RecordFailure, read_texts
 from gpufleet.rollout.remote import Remote

@@ -17,11 +17,11 @@ from pyinfra.context import host
 from pyinfra.facts.server import Hostname
 
 from gpufleet.deploy.context import gpu_facts, host_config
-from gpufleet.facts import controller_pynvml
+from gpufleet.facts.gpu import controller_pynvml
 from gpufleet.node_paths import CONFIG_DIR, NODE_ENV, NODE_PYNVML, NODE_TOOL_FILES, NODE_TOOLS_DIR, node_tool
 from gpufleet.operations import apt, files, node
-from gpufleet.systemd_text import env_value
 from gpufleet.templates import render
+from gpufleet.units.escape import env_value
 
 NODE_SOURCES = Path(__file__).resolve().parents[2] / "gpufleet" / "node"
 BASE_PACKAGES = ["procps", "ca-certificates"]

@@ -28,7 +28,7 @@ from pyinfra.operations.util import any_changed
 from gpufleet.config.problems import ConfigError, exit_with
 from gpufleet.deploy import access
 from gpufleet.deploy.context import gpu_facts, host_config
-from gpufleet.gpu_facts import NodeFacts
+from gpufleet.gpu.report import NodeFacts
 from gpufleet.netaddr import bracketed
 from gpufleet.node_paths import DCGM_EXPORTER_COUNTERS, unit_path
 from gpufleet.node_paths import DCGM_EXPORTER_SERVICE as SERVICE

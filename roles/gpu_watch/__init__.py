@@ -33,8 +33,8 @@ from gpufleet.node_paths import (
     unit_path,
 )
 from gpufleet.operations import files, node, systemd
-from gpufleet.systemd_text import exec_line
 from gpufleet.templates import render
+from gpufleet.units.escape import exec_line
 
 SERVICE_FILE = unit_path(GPU_WATCH_SERVICE)
 TIMER_FILE = unit_path(GPU_WATCH_TIMER)

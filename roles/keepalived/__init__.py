@@ -40,7 +40,7 @@ from gpufleet.config.problems import ConfigError, Problem, exit_with
 from gpufleet.config.schema import HostConfig
 from gpufleet.deploy import access
 from gpufleet.deploy.context import fleet, host_config
-from gpufleet.facts import AddressInterface
+from gpufleet.facts.network import AddressInterface
 from gpufleet.netaddr import host_port
 from gpufleet.node_paths import (
     NODE_PYTHON,
@@ -53,7 +53,7 @@ from gpufleet.node_paths import (
 from gpufleet.operations import apt, files, node, server, systemd
 from gpufleet.operations.server import checked_install  # shell text, not an operation
 from gpufleet.plan.virtual_address import PASSWORD_KEY, VirtualAddress, group, password_problem, read_password
-from gpufleet.systemd_text import exec_line
+from gpufleet.units.escape import exec_line
 
 PACKAGE = "keepalived"
 SERVICE = "keepalived.service"

@@ -11,9 +11,10 @@ After it, a monitoring host has:
 - ``/etc/prometheus/gpufleet/`` (root, 0755):
 
   - ``prometheus.yml`` (0644): every scrape job and target from the inventory and the plan
-    (:mod:`gpufleet.scrape_config`), the Alertmanager, and the rule files with the SHA-256 they were checked with;
-  - ``rules/``: gpufleet's recording and alert rules (:mod:`gpufleet.alert_rules`) and ``gpufleet-plan.yml``, the
-    plan's facts (:mod:`gpufleet.plan_facts`);
+    (:mod:`gpufleet.monitoring.scrape_config`), the Alertmanager, and the rule files with the SHA-256 they were
+    checked with;
+  - ``rules/``: gpufleet's recording and alert rules (:mod:`gpufleet.monitoring.alert_rules`) and
+    ``gpufleet-plan.yml``, the plan's facts (:mod:`gpufleet.monitoring.plan_rules`);
   - ``alertmanager.yml`` (root:prometheus, 0640): one receiver, the alert log and ``alertmanager_webhook_url``'s
     webhook when one is set;
 
@@ -27,7 +28,8 @@ After it, a monitoring host has:
 - Prometheus on ``<fleet address>:prometheus_port``, its samples kept ``prometheus_retention``; Alertmanager on
   ``alertmanager_listen_address:alertmanager_port`` (127.0.0.1:9093), without clustering.
 - where Grafana is installed (``/etc/grafana/provisioning/dashboards/`` exists): gpufleet's dashboards
-  (:mod:`gpufleet.dashboards`) in ``/var/lib/grafana/dashboards/gpufleet/`` and the file provider that loads them.
+  (:mod:`gpufleet.monitoring.dashboards`) in ``/var/lib/grafana/dashboards/gpufleet/`` and the file provider that
+  loads them.
 
 A changed configuration or rule file is reloaded (SIGHUP: no restart, no gap in the samples); a changed drop-in
 restarts its service. Variables: roles/monitoring/defaults.yml. The fleet lets the monitoring hosts in
@@ -47,24 +49,20 @@ from pyinfra.api.deploy import deploy
 from pyinfra.api.operation import OperationMeta
 from pyinfra.context import host
 
-from gpufleet import dashboards, templates
-from gpufleet.alert_rules import render_rules
+from gpufleet import templates
+from gpufleet.config.fleet import Fleet
 from gpufleet.config.inventory import loaded_inventory
 from gpufleet.config.inventory_shape import MONITORING_GROUP, ROUTERS_GROUP
 from gpufleet.config.problems import ConfigError, exit_with
 from gpufleet.config.schema import HostConfig
 from gpufleet.deploy import access
 from gpufleet.deploy.context import DeployContext, context, fleet, host_config
-from gpufleet.fleet import Fleet
-from gpufleet.gpu_facts import NodeFacts
-from gpufleet.hardware_profiles import profile_facts
-from gpufleet.netaddr import host_port
-from gpufleet.node_paths import ALERT_LOG_SERVICE, NODE_PYTHON, NODE_TOOLS_DIR, node_tool, unit_path
-from gpufleet.operations import apt, files, node, server, systemd
-from gpufleet.operations.node import current_state
-from gpufleet.plan.planner import Replica, plan_fleet
-from gpufleet.plan_facts import plan_rules
-from gpufleet.scrape_config import (
+from gpufleet.gpu.profiles import profile_facts
+from gpufleet.gpu.report import NodeFacts
+from gpufleet.monitoring import dashboards
+from gpufleet.monitoring.alert_rules import render_rules
+from gpufleet.monitoring.plan_rules import plan_rules
+from gpufleet.monitoring.scrape_config import (
     Target,
     host_targets,
     prometheus_config,
@@ -72,7 +70,12 @@ from gpufleet.scrape_config import (
     router_models,
     scrape_configs,
 )
-from gpufleet.systemd_text import exec_line
+from gpufleet.netaddr import host_port
+from gpufleet.node_paths import ALERT_LOG_SERVICE, NODE_PYTHON, NODE_TOOLS_DIR, node_tool, unit_path
+from gpufleet.operations import apt, files, node, server, systemd
+from gpufleet.operations.node import current_state
+from gpufleet.plan.planner import Replica, plan_fleet
+from gpufleet.units.escape import exec_line
 from roles.common import NODE_SOURCES
 
 GRAFANA_UNIT = "grafana-server.service"  # Grafana's Debian package (Grafana's own repository)
@@ -149,8 +152,8 @@ def targets(view: FleetView) -> list[Target]:
 
 def rule_files(cfg: HostConfig, view: FleetView) -> dict[str, str]:
     """Every rule file's text by its name: gpufleet's rules with this host's thresholds, and the plan's facts."""
-    header = ("# Written by gpufleet (role monitoring) from the plan (gpufleet.plan_facts): the facts gpufleet's\n"
-              "# rules compare with.\n")
+    header = ("# Written by gpufleet (role monitoring) from the plan (gpufleet.monitoring.plan_rules): the facts\n"
+              "# gpufleet's rules compare with.\n")
     return {**render_rules(cfg), PLAN_RULES: plan_rules(view.node_gpus, view.replicas, view.configs,
                                                         cfg.alert_model_replicas_min_ratio, header)}
 

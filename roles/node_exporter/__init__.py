@@ -51,7 +51,7 @@ from gpufleet.node_paths import NODE_EXPORTER_CACHE, TEXTFILE_DIR, unit_path
 from gpufleet.node_paths import NODE_EXPORTER_PACKAGE_UNIT as PACKAGE_UNIT
 from gpufleet.node_paths import NODE_EXPORTER_UNIT as UNIT
 from gpufleet.operations import apt, files, node, server, systemd
-from gpufleet.systemd_text import exec_arg, unit_value
+from gpufleet.units.escape import exec_arg, unit_value
 
 USER = "node_exporter"
 # tarball
@@ -95,7 +95,7 @@ def tarball_url(cfg: HostConfig) -> str:
 
 def unit_context(cfg: HostConfig, host_name: str, monitoring: Iterable[str] = ()) -> dict[str, Any]:
     """The variables of both templates: our unit (tarball) and the drop-in for Debian's unit (package), every
-    value escaped for systemd (a value with a line break raises :class:`~gpufleet.systemd_text.UnitValueError`)."""
+    value escaped for systemd (a value with a line break raises :class:`~gpufleet.units.escape.UnitValueError`)."""
     package = cfg.node_exporter_install == "package"
     return {
         "unit": PACKAGE_UNIT if package else UNIT,

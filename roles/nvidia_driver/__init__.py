@@ -48,8 +48,8 @@ from pyinfra.api.deploy import deploy
 from pyinfra.operations.util import any_changed
 
 from gpufleet.deploy.context import driver_changed, host_config, probed_facts
-from gpufleet.gpu_facts import NodeFacts
-from gpufleet.hardware_profiles import ProfileError, parse_profile
+from gpufleet.gpu.profiles import ProfileError, parse_profile
+from gpufleet.gpu.report import NodeFacts
 from gpufleet.node_paths import FABRICMANAGER, KEYRING_DIR
 from gpufleet.operations import apt, files, node, nvidia, systemd
 from gpufleet.templates import render

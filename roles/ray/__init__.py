@@ -45,8 +45,8 @@ from gpufleet.node_paths import RAY_UNIT_PREFIX as UNIT_PREFIX
 from gpufleet.node_paths import ray_unit as unit_name
 from gpufleet.operations import files, node, systemd
 from gpufleet.operations import ray as ray_ops
-from gpufleet.systemd_text import env_file, exec_line
 from gpufleet.templates import render
+from gpufleet.units.escape import env_file, exec_line
 
 
 def _restart_due(changed: Callable[[], bool], started: OperationMeta) -> bool:

@@ -73,7 +73,7 @@ from gpufleet.operations import apt, files, node, server, systemd
 from gpufleet.operations.server import checked_install  # shell text, not an operation
 from gpufleet.plan.backends import Backend, backends
 from gpufleet.plan.planner import Replica
-from gpufleet.systemd_text import exec_line
+from gpufleet.units.escape import exec_line
 
 PACKAGE = "haproxy"
 CONFIG = "/etc/haproxy/haproxy.cfg"

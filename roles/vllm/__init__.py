@@ -76,8 +76,8 @@ from gpufleet.operations import apt, files, node, server, systemd, vllm
 from gpufleet.plan.commands import NodeRole, Process
 from gpufleet.plan.planner import Replica
 from gpufleet.rollout.release import release_json, release_of
-from gpufleet.systemd_text import env_file
 from gpufleet.templates import render
+from gpufleet.units.escape import env_file
 
 HUB_SECRET = replica_secrets("hub")
 

@@ -7,7 +7,8 @@ import re
 import time
 import urllib.request
 
-from gpufleet.lab.state import NodeRecord
+from gpufleet_lab.state import NodeRecord
+
 from tests.lab.harness import Completed, Lab
 
 

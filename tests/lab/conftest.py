@@ -13,9 +13,9 @@ from pathlib import Path
 
 import paramiko
 import pytest
+from gpufleet_lab import network, ssh
+from gpufleet_lab.state import LAB_DIR_ENV, NodeRecord, load_state
 
-from gpufleet.lab import network, ssh
-from gpufleet.lab.state import LAB_DIR_ENV, NodeRecord, load_state
 from tests.conftest import skip_or_fail
 from tests.lab.fleet import OLD_MODULE, SIM_PROFILE
 from tests.lab.harness import LAB_CLI, LAB_NODES, LAB_PROFILES, Completed, Lab, cannot_run_lab, run

@@ -24,12 +24,12 @@ from typing import Any
 
 import pytest
 import yaml
+from gpufleet_lab.hooks import SIM_PROFILE_PATH
+from gpufleet_lab.network import virtual_address
+from gpufleet_lab.nodes import API_KEY_FILE, CLIENT_KEY_FILE, TLS_DIR
+from gpufleet_lab.request_load import RequestLoad
+from gpufleet_lab.state import NodeRecord
 
-from gpufleet.lab.hooks import SIM_PROFILE_PATH
-from gpufleet.lab.network import virtual_address
-from gpufleet.lab.nodes import API_KEY_FILE, CLIENT_KEY_FILE, TLS_DIR
-from gpufleet.lab.request_load import RequestLoad
-from gpufleet.lab.state import NodeRecord
 from tests.lab.checks import main_pid, metrics
 from tests.lab.harness import PYINFRA, ROOT, Completed, Lab, run
 

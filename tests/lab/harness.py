@@ -17,14 +17,13 @@ from typing import Any
 
 import paramiko
 import yaml
-
-from gpufleet.lab import preflight, ssh
-from gpufleet.lab.nodes import power_on
-from gpufleet.lab.state import LAB_DIR_ENV, LabState, NodeRecord, load_state
+from gpufleet_lab import preflight, ssh
+from gpufleet_lab.nodes import power_on
+from gpufleet_lab.state import LAB_DIR_ENV, LabState, NodeRecord, load_state
 
 ROOT = Path(__file__).resolve().parents[2]
 PYINFRA = Path(sys.executable).parent / "pyinfra"
-LAB_CLI = [sys.executable, "-m", "gpufleet.cli_lab"]
+LAB_CLI = [sys.executable, "-m", "gpufleet_lab.cli"]
 LAB_NODES = 3
 LAB_PROFILES = ("8xH100NVL-PCIe", "8xH100-SXM", "8xH100-SXM")  # one per node
 # The values every lab node gets (group_vars/lab.yml): the lab's vLLM release, its alerts' short waits, ...
@@ -86,7 +85,7 @@ class Lab:
         testinfra.host.Host._host_cache.clear()
 
     def power_on(self, node: NodeRecord) -> None:
-        """Boot a node the test powered off (gpufleet.lab.nodes.power_off) and reload the lab's state."""
+        """Boot a node the test powered off (gpufleet_lab.nodes.power_off) and reload the lab's state."""
         power_on(node.name, self.directory)
         self.state = load_state(self.directory) or self.state
         self.forget_connections()

@@ -9,10 +9,10 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from gpufleet.lab.state import NodeRecord
+from gpufleet_lab.state import NodeRecord
 
 PORT = 9090  # prometheus_port's default
-SCRAPE_INTERVAL_S = 15  # gpufleet.scrape_config's global scrape_interval
+SCRAPE_INTERVAL_S = 15  # gpufleet.monitoring.scrape_config's global scrape_interval
 T = TypeVar("T")
 
 

@@ -16,9 +16,9 @@ import uuid
 
 import pytest
 import yaml
+from gpufleet_lab.state import NodeRecord
 
-from gpufleet.lab.state import NodeRecord
-from gpufleet.unit_security import EXPOSURE_BOUND
+from gpufleet.units.security import EXPOSURE_BOUND
 from roles import ray as ray_role
 from tests.conftest import DATA
 from tests.lab import fleet

@@ -29,9 +29,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from gpufleet_lab.sim_profile import write_sim_profile
+from gpufleet_lab.state import NodeRecord
 
-from gpufleet.lab.sim_profile import write_sim_profile
-from gpufleet.lab.state import NodeRecord
 from gpufleet.node.alert_log import shown
 from tests.lab.checks import main_pid
 from tests.lab.fleet import (

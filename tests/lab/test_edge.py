@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 
 import pytest
+from gpufleet_lab.nodes import CLIENT_KEY_FILE
+from gpufleet_lab.request_load import Answer, burst
 
-from gpufleet.lab.nodes import CLIENT_KEY_FILE
-from gpufleet.lab.request_load import Answer, burst
 from tests.lab.checks import assert_no_errors, main_pid
 from tests.lab.fleet import (
     PIPELINE,

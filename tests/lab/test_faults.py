@@ -14,10 +14,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from gpufleet_lab.nodes import power_off
+from gpufleet_lab.sim_profile import write_sim_profile
+from gpufleet_lab.state import NodeRecord
 
-from gpufleet.lab.nodes import power_off
-from gpufleet.lab.sim_profile import write_sim_profile
-from gpufleet.lab.state import NodeRecord
 from tests.lab.checks import assert_no_errors, assert_nothing_changed, main_pid
 from tests.lab.fleet import (
     DEPLOY,

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import paramiko
 import pytest
+from gpufleet_lab import container, rootfs, ssh
 
-from gpufleet.lab import container, rootfs, ssh
 from tests.lab.checks import results
 from tests.lab.harness import Completed, Lab
 from tests.lab.scenarios import LabStates

@@ -19,10 +19,10 @@ import uuid
 from pathlib import Path
 
 import pytest
+from gpufleet_lab import debian_extras
+from gpufleet_lab.state import NodeRecord, cache_dir
 
-from gpufleet.lab import debian_extras
-from gpufleet.lab.state import NodeRecord, cache_dir
-from gpufleet.unit_security import EXPOSURE_BOUND, exposure_score
+from gpufleet.units.security import EXPOSURE_BOUND, exposure_score
 from roles import node_exporter as role
 from tests.lab.checks import assert_no_errors, assert_nothing_changed, metrics
 from tests.lab.fleet import deploy

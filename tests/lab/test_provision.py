@@ -14,9 +14,9 @@ from __future__ import annotations
 import re
 
 import pytest
+from gpufleet_lab.state import NodeRecord
 
-from gpufleet.hardware_profiles import parse_profile
-from gpufleet.lab.state import NodeRecord
+from gpufleet.gpu.profiles import parse_profile
 from tests.lab.checks import assert_no_errors, assert_nothing_changed, main_pid, metrics, results
 from tests.lab.fleet import INVENTORY, OLD_MODULE, PROVISION
 from tests.lab.harness import Completed, Lab

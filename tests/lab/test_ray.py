@@ -17,11 +17,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import yaml
+from gpufleet_lab.nodes import RAY_TOKEN_FILE
+from gpufleet_lab.state import NodeRecord
 
 from gpufleet import node_paths
-from gpufleet.lab.nodes import RAY_TOKEN_FILE
-from gpufleet.lab.state import NodeRecord
-from gpufleet.unit_security import EXPOSURE_BOUND
+from gpufleet.units.security import EXPOSURE_BOUND
 from roles import ray as ray_role
 from tests.lab.checks import assert_no_errors, metrics
 from tests.lab.fleet import DCGM_EXPORTER, NODE_EXPORTER, PIPELINE, RAY_PORT, exposures, reach

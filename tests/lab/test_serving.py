@@ -18,9 +18,9 @@ from http.client import HTTPException
 import pytest
 import yaml
 
-from gpufleet import dashboards
-from gpufleet.dashboards import Query
-from gpufleet.unit_security import EXPOSURE_BOUND, exposure_score
+from gpufleet.monitoring import dashboards
+from gpufleet.monitoring.dashboards import Query
+from gpufleet.units.security import EXPOSURE_BOUND, exposure_score
 from tests.lab.checks import assert_no_errors, main_pid, metrics
 from tests.lab.fleet import (
     INVENTORY,

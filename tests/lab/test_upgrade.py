@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from gpufleet_lab.request_load import RequestLoad
+from gpufleet_lab.wheelhouse import LAB_VLLM_VERSIONS
 
-from gpufleet.lab.request_load import RequestLoad
-from gpufleet.lab.wheelhouse import LAB_VLLM_VERSIONS
 from tests.lab.fleet import (
     PIPELINE,
     client_key,
@@ -37,7 +37,7 @@ from tests.lab.harness import LAB_VLLM_VERSION, ROOT, Completed, Lab
 
 pytestmark = pytest.mark.filterwarnings("ignore:Unknown ssh-ed25519 host key:UserWarning")
 
-GPUFLEET = [sys.executable, "-m", "gpufleet.cli"]
+GPUFLEET = [sys.executable, "-m", "gpufleet.cli.main"]
 START_VERSION = LAB_VLLM_VERSION
 OTHER_VERSION = max(set(LAB_VLLM_VERSIONS) - {START_VERSION})  # the release the fleet is upgraded to
 ROLLOUT_TIMEOUT_S = 2400

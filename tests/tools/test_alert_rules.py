@@ -1,4 +1,4 @@
-"""gpufleet's Prometheus rules (``templates/monitoring/rules/``, :mod:`gpufleet.alert_rules`) under promtool.
+"""gpufleet's Prometheus rules (``templates/monitoring/rules/``, :mod:`gpufleet.monitoring.alert_rules`) under promtool.
 
 The rules are rendered as a deploy renders them, from a host's configuration (every role's defaults), and must pass
 ``promtool check rules``. ``tests/data/alert_rules/`` holds promtool's unit tests as data:
@@ -24,9 +24,9 @@ from typing import Any
 
 import pytest
 import yaml
+from gpufleet_lab.double_programs.dcgm_exporter import read_counters
 
-from gpufleet.alert_rules import RULE_FILES, THRESHOLDS, render_rules
-from gpufleet.lab.double_programs.dcgm_exporter import read_counters
+from gpufleet.monitoring.alert_rules import RULE_FILES, THRESHOLDS, render_rules
 from gpufleet.templates import render
 from tests.conftest import DATA, host_tool
 from tests.unit.test_vllm_role import _config

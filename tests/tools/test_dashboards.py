@@ -1,4 +1,4 @@
-"""gpufleet's Grafana dashboards (``templates/monitoring/dashboards/``, :mod:`gpufleet.dashboards`).
+"""gpufleet's Grafana dashboards (``templates/monitoring/dashboards/``, :mod:`gpufleet.monitoring.dashboards`).
 
 Every dashboard is Grafana JSON that imports anywhere (a Prometheus datasource variable, no ``__inputs``), with unique
 panel ids and a query in every panel. Every query must parse and return data: all of them, filled in with
@@ -20,10 +20,10 @@ from typing import Any
 
 import pytest
 import yaml
+from gpufleet_lab.double_programs.dcgm_exporter import read_counters
 
-from gpufleet import dashboards as dash
-from gpufleet.alert_rules import RULE_FILES, render_rules
-from gpufleet.lab.double_programs.dcgm_exporter import read_counters
+from gpufleet.monitoring import dashboards as dash
+from gpufleet.monitoring.alert_rules import RULE_FILES, render_rules
 from gpufleet.templates import render
 from tests.conftest import DATA
 from tests.tools.test_alert_rules import _promtool

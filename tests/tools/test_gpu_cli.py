@@ -11,16 +11,16 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from gpufleet_lab.nvml_sim import build_library, sim_environ
+from gpufleet_lab.sim_profile import apply_fault, write_sim_profile
 from pyinfra.api.exceptions import FactProcessError
 from pyinfra.context import ctx_host, ctx_state
 
-from gpufleet.cli_gpu import make_gate_command
-from gpufleet.facts import NvmlGpuFacts
-from gpufleet.gpu_facts import NodeFacts, load_facts, parse_facts
-from gpufleet.gpu_probe import gate_report
-from gpufleet.hardware_profiles import profile_facts
-from gpufleet.lab.nvml_sim import build_library, sim_environ
-from gpufleet.lab.sim_profile import apply_fault, write_sim_profile
+from gpufleet.cli.gpu import make_gate_command
+from gpufleet.facts.gpu import NvmlGpuFacts
+from gpufleet.gpu.live_probe import gate_report
+from gpufleet.gpu.profiles import profile_facts
+from gpufleet.gpu.report import NodeFacts, load_facts, parse_facts
 from gpufleet.node.health_rules import HealthPolicy, evaluate
 from gpufleet.operations import gates
 from tests.conftest import DATA, host_tool
@@ -40,7 +40,7 @@ def local_inventory(tmp_path: Path) -> Path:
 
 def gpufleet(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     """The real ``gpufleet`` command in a subprocess (the simulator loads only at process start)."""
-    return subprocess.run([sys.executable, "-m", "gpufleet.cli", *args], env=env, cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "gpufleet.cli.main", *args], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
 
 
@@ -234,14 +234,14 @@ def test_fact_parses_the_probe_output() -> None:
 
 def test_importing_the_commands_leaves_the_stdlib_unpatched() -> None:
     # pyinfra_cli's import monkey-patches the process for gevent; the probe must not drag it in.
-    code = ("import sys, gpufleet.cli_gpu; from gevent import monkey; "
+    code = ("import sys, gpufleet.cli.gpu; from gevent import monkey; "
             "print(monkey.is_module_patched('socket'), 'pyinfra_cli' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.stdout.split() == ["False", "False"], result.stderr
 
 
 def test_inventory_groups_and_host_data(tmp_path: Path) -> None:
-    from gpufleet.gpu_probe import load_inventory
+    from gpufleet.gpu.live_probe import load_inventory
 
     path = tmp_path / "prod.py"
     path.write_text('gpu_a = ([("gpu-a01", {"ssh_port": 2201}), "gpu-a02"], {"ssh_user": "ops"})\n'

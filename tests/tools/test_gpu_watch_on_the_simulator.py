@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from gpufleet_lab.nvml_sim import sim_environ
+from gpufleet_lab.sim_profile import write_sim_profile
 
-from gpufleet.lab.nvml_sim import sim_environ
-from gpufleet.lab.sim_profile import write_sim_profile
 from gpufleet.node import gpu_watch
 from gpufleet.node.health_rules import HealthPolicy, policy_json
 from tests.conftest import ROOT

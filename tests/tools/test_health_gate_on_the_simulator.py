@@ -13,10 +13,10 @@ from dataclasses import asdict
 from pathlib import Path
 
 import pytest
+from gpufleet_lab.nvml_sim import sim_environ
+from gpufleet_lab.sim_profile import write_sim_profile
 
-from gpufleet.hardware_profiles import profile_facts
-from gpufleet.lab.nvml_sim import sim_environ
-from gpufleet.lab.sim_profile import write_sim_profile
+from gpufleet.gpu.profiles import profile_facts
 from gpufleet.node.health_rules import HealthPolicy, policy_json
 from tests.unit.test_health_rules import PROBE
 

@@ -32,7 +32,7 @@ import roles.keepalived as role
 import roles.router as router_role
 from gpufleet import node_paths
 from gpufleet.plan.virtual_address import VirtualAddress
-from gpufleet.unit_security import EXPOSURE_BOUND, exposure
+from gpufleet.units.security import EXPOSURE_BOUND, exposure
 from tests.conftest import ROOT, host_tool, skip_or_fail
 from tests.polling import until
 from tests.tools.test_units_pass_systemd_analyze import _stub_root, _verify

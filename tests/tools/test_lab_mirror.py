@@ -23,16 +23,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+from gpufleet_lab import mirror, nvml_sim, standin_debs, tiny_model, wheelhouse
+from gpufleet_lab.double_programs import dcgm_exporter
+from gpufleet_lab.errors import LabError
+from gpufleet_lab.state import cache_dir
 from packaging.utils import parse_wheel_filename
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
+from gpufleet.config.vllm_flags import SUPPORTED_VLLM_VERSIONS
 from gpufleet.digest import file_sha256
-from gpufleet.lab import mirror, nvml_sim, standin_debs, tiny_model, wheelhouse
-from gpufleet.lab.double_programs import dcgm_exporter
-from gpufleet.lab.errors import LabError
-from gpufleet.lab.state import cache_dir
-from gpufleet.vllm_flags import SUPPORTED_VLLM_VERSIONS
 from tests.conftest import DATA, ROOT, host_tool, skip_or_fail
 
 # One worker builds the module's cache (fixture ``cache``: a minute of apt and gpg) for every test that reads it.
@@ -362,8 +362,8 @@ def _wait_for_port(port: int, timeout: float = 15.0) -> None:
 
 
 def test_exporter_double_serves_dcgm_metrics_from_the_nvml_simulator(tmp_path: Path) -> None:
-    nvml_sim = pytest.importorskip("gpufleet.lab.nvml_sim", reason="the NVML simulator (gpufleet.lab.nvml_sim)")
-    sim_profile = pytest.importorskip("gpufleet.lab.sim_profile", reason="simulator profiles")
+    nvml_sim = pytest.importorskip("gpufleet_lab.nvml_sim", reason="the NVML simulator (gpufleet_lab.nvml_sim)")
+    sim_profile = pytest.importorskip("gpufleet_lab.sim_profile", reason="simulator profiles")
     host_tool("gcc", "gcc")
     library = nvml_sim.build_library(tmp_path / "lib")
     facts = sim_profile.write_sim_profile(tmp_path / "profile", "8xH100-SXM", ["pending_row_remap"], hostname="lab7")
@@ -683,8 +683,8 @@ def test_a_new_signing_key_gets_the_index_signed_again(tmp_path: Path) -> None:
 
 
 def test_planner_reads_the_tiny_model_as_written(model: Path) -> None:
-    from gpufleet.model_arch import load_arch
-    from gpufleet.model_memory import param_count
+    from gpufleet.plan.model_arch import load_arch
+    from gpufleet.plan.model_memory import param_count
 
     arch = load_arch(model)
     assert (arch.head_dim, arch.num_kv_heads, arch.num_layers) == (64, 1, 2)

@@ -16,13 +16,13 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from gpufleet_lab import nvml_sim
+from gpufleet_lab.double_programs import dcgm_exporter
+from gpufleet_lab.sim_profile import NVLINK_ERRORS, Fault, FaultError, apply_fault, write_sim_profile
 
 from gpufleet import templates
-from gpufleet.gpu_facts import parse_facts
-from gpufleet.hardware_profiles import profile_facts
-from gpufleet.lab import nvml_sim
-from gpufleet.lab.double_programs import dcgm_exporter
-from gpufleet.lab.sim_profile import NVLINK_ERRORS, Fault, FaultError, apply_fault, write_sim_profile
+from gpufleet.gpu.profiles import profile_facts
+from gpufleet.gpu.report import parse_facts
 from tests.tools.test_lab_mirror import _free_port, _get, _wait_for_port
 from tests.tools.test_nvml_probe import run_probe
 

@@ -27,10 +27,10 @@ import yaml
 
 import roles.monitoring as role
 from gpufleet import node_paths
+from gpufleet.monitoring.scrape_config import JOB_LABELS, RAY_METRICS_OFFSET
 from gpufleet.plan import backends as plan_backends
-from gpufleet.scrape_config import JOB_LABELS, RAY_METRICS_OFFSET
-from gpufleet.systemd_text import exec_line
-from gpufleet.unit_security import EXPOSURE_BOUND, exposure_score
+from gpufleet.units.escape import exec_line
+from gpufleet.units.security import EXPOSURE_BOUND, exposure_score
 from tests.conftest import ROOT, host_tool, skip_or_fail
 from tests.loopback_http import QuietHandler, loopback_server
 from tests.tools.test_units_pass_systemd_analyze import _stub_root, _verify

@@ -12,9 +12,9 @@ import tarfile
 from pathlib import Path
 
 import pytest
+from gpufleet_lab import debian_extras
 
-from gpufleet.lab import debian_extras
-from gpufleet.unit_security import exposure_score
+from gpufleet.units.security import exposure_score
 from roles import node_exporter as role
 from tests.conftest import host_tool
 from tests.unit.test_node_exporter import _config, _problems
@@ -85,7 +85,7 @@ def test_lab_tarball_is_reproducible(fake_deb: Path, tmp_path: Path) -> None:
 
 
 def test_lab_inventory_data_points_at_the_mirror(fake_deb: Path, tmp_path: Path) -> None:
-    from gpufleet.lab.mirror import node_exporter_sources
+    from gpufleet_lab.mirror import node_exporter_sources
 
     assert "node_exporter_tarball_sha256" not in node_exporter_sources("http://10.9.0.1:8080/", tmp_path)
     built = debian_extras.build_node_exporter_tarball(fake_deb, tmp_path / "www/node_exporter")

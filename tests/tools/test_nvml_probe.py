@@ -10,12 +10,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+from gpufleet_lab.nvml_sim import build_library, sim_environ
+from gpufleet_lab.sim_profile import FAULTS, FaultError, apply_fault, sim_profile_text, write_sim_profile
 
-from gpufleet.gpu_facts import NodeFacts, parse_facts
-from gpufleet.hardware_profiles import profile_facts
-from gpufleet.lab.nvml_sim import build_library, sim_environ
-from gpufleet.lab.sim_profile import FAULTS, FaultError, apply_fault, sim_profile_text, write_sim_profile
-from gpufleet.topology import nvlink_islands
+from gpufleet.gpu.profiles import profile_facts
+from gpufleet.gpu.report import NodeFacts, parse_facts
+from gpufleet.gpu.topology import nvlink_islands
 
 ROOT = Path(__file__).resolve().parents[2]
 PROBE = ROOT / "gpufleet" / "node" / "nvml_probe.py"
@@ -237,8 +237,7 @@ def test_node_files_import_only_stdlib_and_pynvml(name: str) -> None:
 def _bindings_used(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, node_copy: bytes | None) -> str:
     """Which ``pynvml`` the deploy's probe command imports on a node whose Python has none (``-S``: no
     site-packages), with ``node_copy`` (or nothing) at the node tools' pynvml.py."""
-    from gpufleet import facts
-
+    from gpufleet.facts import gpu as facts
     tools = tmp_path / "tools"
     tools.mkdir()
     if node_copy is not None:
@@ -254,8 +253,7 @@ def _bindings_used(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, node_copy: b
 
 def test_the_probe_imports_the_node_copy_of_the_controllers_bindings(tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    from gpufleet.facts import controller_pynvml
-
+    from gpufleet.facts.gpu import controller_pynvml
     ours = controller_pynvml().read_bytes()
     assert _bindings_used(tmp_path, monkeypatch, ours) == str(tmp_path / "tools" / "pynvml.py")
 

@@ -21,8 +21,9 @@ def test_plan_from_probe_output_of_the_simulator(
     import subprocess
     import sys
 
-    from gpufleet.lab.nvml_sim import build_library, sim_environ
-    from gpufleet.lab.sim_profile import write_sim_profile
+    from gpufleet_lab.nvml_sim import build_library, sim_environ
+    from gpufleet_lab.sim_profile import write_sim_profile
+
     from tests.conftest import ROOT
 
     host_tool("gcc", "gcc")

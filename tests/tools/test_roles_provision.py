@@ -11,10 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from gpufleet_lab import nvml_sim, sim_profile
+from gpufleet_lab.double_programs import dcgm_exporter as exporter_double
 
-from gpufleet.facts import KeyFingerprints
-from gpufleet.lab import nvml_sim, sim_profile
-from gpufleet.lab.double_programs import dcgm_exporter as exporter_double
+from gpufleet.facts.nvidia import KeyFingerprints
 from gpufleet.operations.nvidia import fetch_key_script
 from tests.conftest import host_tool
 from tests.tools.test_lab_mirror import _free_port, _get, _wait_for_port

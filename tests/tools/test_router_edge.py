@@ -25,9 +25,9 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from gpufleet_lab.tls import ensure_lab_tls, make_lab_tls
 
 import roles.router as router_role
-from gpufleet.lab.tls import ensure_lab_tls, make_lab_tls
 from gpufleet.node import router_admin
 from gpufleet.plan import backends as plan_backends
 from tests.conftest import host_tool

@@ -5,7 +5,7 @@ as on the nodes). Who may connect to the units: tests/unit/test_unit_access.py.
 
 from __future__ import annotations
 
-from gpufleet.unit_security import EXPOSURE_BOUND
+from gpufleet.units.security import EXPOSURE_BOUND
 from tests.conftest import host_tool
 from tests.unit.test_unit_access import bench
 

@@ -17,11 +17,12 @@ from pathlib import Path
 import pytest
 
 import roles.router as router_role
-from gpufleet import node_paths, systemd_text
-from gpufleet.cli_input import fleet_facts
+from gpufleet import node_paths
+from gpufleet.cli.inputs import fleet_facts
 from gpufleet.config.inventory import load_fleet
 from gpufleet.deploy import ray_drop_in
 from gpufleet.plan.planner import plan_fleet
+from gpufleet.units import escape as systemd_text
 from tests.conftest import ROOT, host_tool
 from tests.unit.test_hostile_templates import HOSTILE, UNIT_CASES, Unit, _ray, _vllm, exec_argv, unit_settings
 from tests.unit.test_vllm_role import _config

@@ -12,10 +12,10 @@ import pytest
 from click.testing import CliRunner
 
 import roles.router as router_role
-from gpufleet.cli import main
+from gpufleet.cli.main import main
 from gpufleet.config.inventory import load_fleet
-from gpufleet.hardware_profiles import profile_facts
-from gpufleet.model_memory import KvBudget, kv_space_budget
+from gpufleet.config.vllm_flags import SUPPORTED_VLLM_VERSIONS, FlagCatalog, load_catalog
+from gpufleet.gpu.profiles import profile_facts
 from gpufleet.plan import backends as plan_backends
 from gpufleet.plan.admission import (
     QUEUED_REQS_FLAG,
@@ -24,8 +24,8 @@ from gpufleet.plan.admission import (
     admission,
     planned_concurrency,
 )
+from gpufleet.plan.model_memory import KvBudget, kv_space_budget
 from gpufleet.plan.planner import FleetPlan, plan_fleet
-from gpufleet.vllm_flags import SUPPORTED_VLLM_VERSIONS, FlagCatalog, load_catalog
 from tests.conftest import DATA, Project
 from tests.unit.test_vllm_role import _config
 

@@ -74,7 +74,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 import gpufleet.config.inventory as gpufleet_inventory
-from gpufleet.cli import main as gpufleet_main
+from gpufleet.cli.main import main as gpufleet_main
 from tests.conftest import DATA
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -291,7 +291,7 @@ def test_pyinfra_keys_are_read_from_pyinfra() -> None:
 def test_a_bad_command_line_is_one_line_and_exit_2(argv: list[str], line: str) -> None:
     from click.testing import CliRunner
 
-    from gpufleet.cli import main
+    from gpufleet.cli.main import main
 
     result = CliRunner().invoke(main, argv, prog_name="gpufleet")
     assert (result.exit_code, result.stderr.splitlines()) == (2, [line]), result.output

@@ -12,10 +12,10 @@ from types import ModuleType
 
 import pytest
 import yaml
+from gpufleet_lab.wheelhouse import LAB_VLLM_VERSIONS
 
 from gpufleet.config.schema import SCHEMA_KEYS
-from gpufleet.lab.wheelhouse import LAB_VLLM_VERSIONS
-from gpufleet.vllm_flags import DEFAULT_VLLM_VERSION, SUPPORTED_VLLM_VERSIONS
+from gpufleet.config.vllm_flags import DEFAULT_VLLM_VERSION, SUPPORTED_VLLM_VERSIONS
 from tests.conftest import ROOT
 
 README_MAX_LINES = 200

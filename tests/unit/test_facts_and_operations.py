@@ -20,6 +20,7 @@ earlier operation's outcome; ``{"$loaded": {"version": V, "why_unknown": W}}`` a
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import re
@@ -33,13 +34,26 @@ from pyinfra.api import FileUploadCommand, FunctionCommand, StringCommand
 from pyinfra.api.exceptions import FactProcessError
 from pyinfra.context import ctx_host, ctx_state
 
-from gpufleet import facts as facts_module
-from gpufleet.facts import empty_node_state
+from gpufleet.facts.node import empty_node_state
 from gpufleet.operations import node
 from gpufleet.operations.nvidia import LoadedModule
 from tests.conftest import DATA, ROOT
 
 FACT_CASES = sorted((DATA / "facts").glob("*/*.json"))
+
+
+@functools.cache
+def _fact_classes() -> dict[str, type]:
+    """Every fact class of gpufleet's facts package (``gpufleet/facts/<domain>.py``), by name."""
+    from pyinfra.api.facts import FactBase
+
+    found: dict[str, type] = {}
+    for module_path in sorted((ROOT / "gpufleet" / "facts").glob("[!_]*.py")):
+        module = importlib.import_module(f"gpufleet.facts.{module_path.stem}")
+        found |= {name: value for name, value in vars(module).items()
+                  if isinstance(value, type) and issubclass(value, FactBase) and value is not FactBase
+                  and value.__module__ == module.__name__}
+    return found
 OPERATION_CASES = sorted((DATA / "operations").glob("*/*.json"))
 
 
@@ -54,7 +68,7 @@ def _raw(command: object) -> object:
 @pytest.mark.parametrize("path", FACT_CASES, ids=_case_id)
 def test_fact(path: Path) -> None:
     case = json.loads(path.read_text())
-    fact = getattr(facts_module, path.parent.name)()
+    fact = _fact_classes()[path.parent.name]()
     if "command" in case:
         assert _raw(fact.command(**case.get("arguments", {}))) == case["command"]
     if "error" in case:
@@ -174,11 +188,8 @@ def test_operation(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_every_fact_and_operation_has_cases() -> None:
     """Each fact class of gpufleet.facts and each operation of gpufleet.operations has at least one case."""
-    from pyinfra.api.facts import FactBase
-
-    facts = {name for name, value in vars(facts_module).items()
-             if isinstance(value, type) and issubclass(value, FactBase) and value is not FactBase
-             and value.__module__ == facts_module.__name__}
+    facts = set(_fact_classes())
+    assert len(facts) >= 8, facts  # the package's modules were found
     assert facts <= {path.parent.name for path in FACT_CASES}, facts - {path.parent.name for path in FACT_CASES}
     operations = set()
     for module_path in sorted((ROOT / "gpufleet" / "operations").glob("*.py")):

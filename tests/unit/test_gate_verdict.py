@@ -7,15 +7,15 @@ from typing import Any
 
 import pytest
 
+from gpufleet.config.fleet import Fleet
 from gpufleet.config.inventory import HostLayers, Layer
 from gpufleet.config.layers import role_default_layers
 from gpufleet.config.schema import HostConfig
 from gpufleet.config.validate import validate_host
 from gpufleet.deploy import context as context_module
 from gpufleet.deploy.context import DeployContext, gate_verdict, profile_mismatch
-from gpufleet.fleet import Fleet
-from gpufleet.gpu_facts import NodeFacts
-from gpufleet.hardware_profiles import profile_facts
+from gpufleet.gpu.profiles import profile_facts
+from gpufleet.gpu.report import NodeFacts
 from tests.recorded_ops import RecordedOp
 
 HOST = "10.0.0.5"

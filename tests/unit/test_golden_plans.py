@@ -23,12 +23,12 @@ from typing import Any
 import pytest
 import yaml
 
-from gpufleet.cli_input import fleet_facts
+from gpufleet.cli.inputs import fleet_facts
 from gpufleet.config.inventory import load_fleet
 from gpufleet.config.schema import SECRET_KEYS
 from gpufleet.deploy import vllm_files as vf
 from gpufleet.plan.planner import plan_fleet
-from gpufleet.systemd_text import env_file
+from gpufleet.units.escape import env_file
 from tests.conftest import DATA, ROOT
 
 PLANS = DATA / "plans"
@@ -105,7 +105,7 @@ def test_golden_inputs_are_the_projects(shape: str) -> None:
 
 
 def test_the_tiny_model_is_the_labs() -> None:
-    tiny = pytest.importorskip("gpufleet.lab.tiny_model")
+    tiny = pytest.importorskip("gpufleet_lab.tiny_model")
     arch = tiny.TinyLlama()
     assert json.loads((PLANS / "tiny-llama" / "config.json").read_text()) == arch.config()
     index = json.loads((PLANS / "tiny-llama" / "model.safetensors.index.json").read_text())

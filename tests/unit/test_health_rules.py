@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from gpufleet_lab.nvml_sim import sim_environ
 from pydantic import BaseModel, Field, ValidationError
 
-from gpufleet.hardware_profiles import profile_facts
-from gpufleet.lab.nvml_sim import sim_environ
+from gpufleet.gpu.profiles import profile_facts
 from gpufleet.node.health_rules import (
     Failure,
     HealthPolicy,

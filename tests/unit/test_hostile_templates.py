@@ -32,12 +32,13 @@ import roles.node_exporter as node_exporter_role
 import roles.ray as ray_role
 import roles.router as router_role
 import roles.vllm as vllm_role
-from gpufleet import node_paths, systemd_text, templates
+from gpufleet import node_paths, templates
 from gpufleet.config.problems import ConfigError
 from gpufleet.deploy import access
 from gpufleet.deploy import vllm_files as vf
 from gpufleet.node import vllm_ready
 from gpufleet.plan.commands import ray_start_argv, serve_flags, serve_process
+from gpufleet.units import escape as systemd_text
 from tests.conftest import ROOT
 from tests.unit.test_vllm_role import _config
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gpufleet.gpu_facts import FactsError, load_facts
+from gpufleet.gpu.report import FactsError, load_facts
 
 DEEP = "[" * 5000 + "]" * 5000
 
@@ -57,7 +57,7 @@ def test_gpufleet_plan_facts_fifo_exits_2(tmp_path: Path) -> None:
     """``gpufleet plan --facts DIR`` with a FIFO as a host's facts: one line, exit 2."""
     from click.testing import CliRunner
 
-    from gpufleet.cli import main
+    from gpufleet.cli.main import main
     from tests.conftest import DATA
 
     facts = tmp_path / "facts"

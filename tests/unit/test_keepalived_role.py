@@ -15,19 +15,19 @@ from typing import Any
 import pytest
 import yaml
 from click.testing import CliRunner
+from gpufleet_lab.tls import make_lab_tls
 
 import gpufleet.config.inventory as gpufleet_inventory
 import roles.keepalived as role
 import roles.router as router_role
-from gpufleet.cli import main
+from gpufleet.cli.main import main
 from gpufleet.config.inventory_shape import ROUTERS_GROUP
 from gpufleet.config.problems import ConfigError
-from gpufleet.lab.tls import make_lab_tls
 from gpufleet.node import router_health
 from gpufleet.node_paths import ROUTER_HEALTH_STATE
 from gpufleet.plan import virtual_address
 from gpufleet.plan.virtual_address import VirtualAddress
-from gpufleet.systemd_text import exec_line
+from gpufleet.units.escape import exec_line
 from tests.conftest import DATA
 from tests.recorded_ops import Recorder
 from tests.unit.test_hostile_templates import unit_settings

@@ -8,11 +8,10 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-
-from gpufleet.cli_lab import lab_group
-from gpufleet.lab import network, nodes, preflight, rootfs, supervise, tiny_model
-from gpufleet.lab.errors import LabError
-from gpufleet.lab.state import CACHE_DIR_ENV, LabState, NodeRecord, ProcessRecord, load_state, save_state
+from gpufleet_lab import network, nodes, preflight, rootfs, supervise, tiny_model
+from gpufleet_lab.cli import lab_group
+from gpufleet_lab.errors import LabError
+from gpufleet_lab.state import CACHE_DIR_ENV, LabState, NodeRecord, ProcessRecord, load_state, save_state
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -23,68 +23,46 @@ import pytest
 # longest prefix of its name listed in LAYER_OF.
 LAYERS = (
     "node",  # the node tools: shipped to the GPU nodes and run by their own python3, standard library only
-    "base",  # what every layer shares: paths and unit names on a node, addresses, GPU and model facts
-    "config",  # one host's settings: the schema, their layers and their checks
-    "plan",  # replicas, their memory and commands, the routers' backends and virtual address
+    "base",  # what every layer shares: paths and unit names on a node, addresses, files, units' text, GPU documents
+    "config",  # one host's settings: the schema, their layers and their checks, the fleet they make
+    "plan",  # replicas, their memory and commands, the models' maths, the routers' backends and virtual address
     "inventory",  # an inventory file read as a fleet, checked with the config's and the plan's rules
-    "deploy",  # what a deploy adds: pyinfra facts and operations, deploy helpers, the files monitoring renders
+    "deploy",  # what a deploy adds: pyinfra facts and operations, deploy helpers, monitoring's files, live probes
     "rollout",  # a rolling upgrade or rollback: SSH to the nodes and routers, batches, the canary
     "cli",  # the gpufleet command: an entry point, imported by no other layer
-    "lab",  # the local lab and its command: may import the product, imported by no other layer
+    "lab",  # gpufleet_lab, its own distribution (lab/): may import the product, imported by nothing of it
     "roles",  # roles/: each role's operations, and the site sequence that calls them in order
     "deploys",  # deploys/: the files pyinfra runs
 )
 ENTRY_LAYERS = {"cli", "lab"}  # only their own layer imports them (ALLOWED aside)
 
+# A module belongs to the layer of the longest prefix of its name listed here.
 LAYER_OF = {
     "gpufleet.node": "node",
-    "gpufleet.node_paths": "base",
-    "gpufleet.netaddr": "base",
-    "gpufleet.digest": "base",
-    "gpufleet.input_files": "base",
-    "gpufleet.systemd_text": "base",
-    "gpufleet.templates": "base",
-    "gpufleet.unit_security": "base",
-    "gpufleet.gpu_facts": "base",
-    "gpufleet.hardware_profiles": "base",
-    "gpufleet.topology": "base",
-    "gpufleet.model_arch": "base",
-    "gpufleet.model_memory": "base",
-    "gpufleet.vllm_memory": "base",
-    "gpufleet.vllm_flags": "base",
-    "gpufleet.kv_observed": "base",
-    "gpufleet": "base",  # the package's own __init__
+    "gpufleet": "base",  # the package's own __init__ and the modules at its top: node_paths, netaddr, digest, ...
+    "gpufleet.units": "base",
+    "gpufleet.gpu": "base",
     "gpufleet.config": "config",
-    "gpufleet.fleet": "config",  # the Fleet: validated configs by host, serving pools
     "gpufleet.plan": "plan",
-    "gpufleet.plan_facts": "plan",
     "gpufleet.config.inventory": "inventory",
     "gpufleet.deploy": "deploy",
     "gpufleet.operations": "deploy",
     "gpufleet.facts": "deploy",
-    "gpufleet.gpu_probe": "deploy",
-    "gpufleet.alert_rules": "deploy",
-    "gpufleet.scrape_config": "deploy",
-    "gpufleet.dashboards": "deploy",
+    "gpufleet.monitoring": "deploy",
+    "gpufleet.gpu.live_probe": "deploy",  # runs the GPU fact (gpufleet.facts.gpu) on an inventory's hosts
     "gpufleet.rollout": "rollout",
     "gpufleet.cli": "cli",
-    "gpufleet.cli_input": "cli",
-    "gpufleet.cli_gpu": "cli",
-    "gpufleet.cli_rollout": "cli",
-    "gpufleet.lab": "lab",
-    "gpufleet.cli_lab": "lab",  # the `gpufleet lab` command: the lab's side, not the product's
+    "gpufleet_lab": "lab",
     "roles": "roles",
     "deploys": "deploys",
 }
 # Imports allowed across the order, each with why.
-ALLOWED = {
-    ("gpufleet.cli", "gpufleet.cli_lab"): "the `gpufleet lab` command's entry, loaded only when it is called",
-}
+ALLOWED: dict[tuple[str, str], str] = {}
 NODE_THIRD_PARTY = {"pynvml"}  # the node tools' one import beyond the standard library (the node's NVML bindings)
 
 ROOT = Path(os.environ.get("GPUFLEET_LAYERS_ROOT", Path(__file__).resolve().parents[2]))
-SOURCES = ("gpufleet", "roles", "deploys")
-_ENTRY = re.compile(r"((?:gpufleet|roles|deploys)(?:\.\w+)*):\w+")
+SOURCES = {"gpufleet": "gpufleet", "gpufleet_lab": "lab/gpufleet_lab", "roles": "roles", "deploys": "deploys"}
+_ENTRY = re.compile(r"((?:gpufleet|gpufleet_lab|roles|deploys)(?:\.\w+)*):\w+")
 
 
 @dataclass(frozen=True)
@@ -100,13 +78,14 @@ class Import:
         return f"{self.path.relative_to(ROOT)}:{self.line}"
 
 
-def _module_name(path: Path) -> str:
-    parts = path.relative_to(ROOT).with_suffix("").parts
+def _module_name(package: str, path: Path) -> str:
+    parts = (package, *path.relative_to(ROOT / SOURCES[package]).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def _modules() -> dict[str, Path]:
-    return {_module_name(path): path for source in SOURCES for path in sorted((ROOT / source).rglob("*.py"))}
+    return {_module_name(package, path): path
+            for package, folder in SOURCES.items() for path in sorted((ROOT / folder).rglob("*.py"))}
 
 
 def _named(node: ast.AST, importer: str, is_package: bool) -> list[str]:

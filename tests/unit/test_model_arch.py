@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gpufleet.model_arch import ModelArch, ModelConfigError, arch_from_config, bundled_models, load_arch
+from gpufleet.plan.model_arch import ModelArch, ModelConfigError, arch_from_config, bundled_models, load_arch
 
 BUNDLED = [
     "DeepSeek-V3",

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from gpufleet.model_arch import ModelConfigError, arch_from_config, load_arch
-from gpufleet.model_memory import (
+from gpufleet.plan.model_arch import ModelConfigError, arch_from_config, load_arch
+from gpufleet.plan.model_memory import (
     bytes_per_param,
     kv_budget,
     kv_bytes_per_token,

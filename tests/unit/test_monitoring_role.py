@@ -25,15 +25,16 @@ import yaml
 from pyinfra.api import Inventory
 
 import roles.monitoring as role
-from gpufleet import dashboards, node_paths
-from gpufleet.cli_input import fleet_facts
+from gpufleet import node_paths
+from gpufleet.cli.inputs import fleet_facts
+from gpufleet.config.fleet import Fleet
 from gpufleet.config.inventory import load_fleet, loaded_inventory
 from gpufleet.deploy.context import DeployContext
-from gpufleet.fleet import Fleet
+from gpufleet.monitoring import dashboards
+from gpufleet.monitoring.plan_rules import replicas_min
+from gpufleet.monitoring.scrape_config import JOB_LABELS, RAY_METRICS_OFFSET
 from gpufleet.plan import backends as plan_backends
 from gpufleet.plan.planner import plan_fleet
-from gpufleet.plan_facts import replicas_min
-from gpufleet.scrape_config import JOB_LABELS, RAY_METRICS_OFFSET
 from tests.conftest import ROOT
 from tests.recorded_ops import Recorder
 from tests.unit.test_hostile_templates import unit_settings

@@ -14,14 +14,14 @@ import tarfile
 from pathlib import Path
 
 import pytest
+from gpufleet_lab import debian_extras
+from gpufleet_lab.errors import LabError
 
 from gpufleet.config.layers import HostLayers, Layer, role_default_layers
 from gpufleet.config.schema import HostConfig
 from gpufleet.config.validate import validate_host
 from gpufleet.deploy.download import DownloadError, fetch_verified
-from gpufleet.lab import debian_extras
-from gpufleet.lab.errors import LabError
-from gpufleet.unit_security import ExposureParseError, exposure, exposure_score, node_report
+from gpufleet.units.security import ExposureParseError, exposure, exposure_score, node_report
 from roles import node_exporter as role
 
 UPSTREAM_1_9_1_AMD64 = "becb950ee80daa8ae7331d77966d94a611af79ad0d3307380907e0ec08f5b4e8"

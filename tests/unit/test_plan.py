@@ -9,8 +9,8 @@ import pytest
 import yaml
 
 from gpufleet.config.inventory import load_fleet
-from gpufleet.gpu_facts import NodeFacts
-from gpufleet.hardware_profiles import profile_facts
+from gpufleet.gpu.profiles import profile_facts
+from gpufleet.gpu.report import NodeFacts
 from gpufleet.plan.layout import gpu_sets, node_shape
 from gpufleet.plan.planner import FleetPlan, PlanProblem, plan_fleet
 from tests.conftest import Project, run_cli

@@ -7,12 +7,12 @@ import math
 import pytest
 
 from gpufleet.config.inventory import load_fleet
-from gpufleet.hardware_profiles import GPU_MODELS, MIB, framework_memory_bytes, profile_facts
-from gpufleet.model_arch import load_arch
-from gpufleet.model_memory import GIB, kv_bytes_per_token, weight_bytes
+from gpufleet.gpu.profiles import GPU_MODELS, MIB, framework_memory_bytes, profile_facts
 from gpufleet.plan import layout
+from gpufleet.plan.model_arch import load_arch
+from gpufleet.plan.model_memory import GIB, kv_bytes_per_token, weight_bytes
 from gpufleet.plan.planner import FleetPlan, plan_fleet
-from gpufleet.vllm_memory import accounting, batch_defaults, gpu_reserve
+from gpufleet.plan.vllm_memory import accounting, batch_defaults, gpu_reserve
 from tests.conftest import Project, run_cli
 
 LLAMA_8B = "vllm_model: meta-llama/Llama-3.1-8B-Instruct\nvllm_max_model_len: 8192\nvllm_tensor_parallel_size: 1\n"

@@ -1,5 +1,5 @@
 """``gpufleet plan --observed``: each replica's plan beside the KV cache vLLM reported at its last start, read from
-the ``observed.json`` the readiness wait left on its first node (gpufleet/kv_observed.py), over a stand-in for the
+the ``observed.json`` the readiness wait left on its first node (gpufleet/plan/kv_observed.py), over a stand-in for the
 connections (one ``head`` per node, as on a node)."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from collections.abc import Collection, Sequence
 import pytest
 from click.testing import CliRunner, Result
 
-from gpufleet.cli import main
-from gpufleet.kv_observed import observed_line
+from gpufleet.cli.main import main
 from gpufleet.node_paths import observed_file
+from gpufleet.plan.kv_observed import observed_line
 from gpufleet.rollout import remote as remote_module
 from gpufleet.rollout.remote import RemoteResult, command_line
 from tests.conftest import DATA

@@ -18,16 +18,16 @@ import pytest
 import roles.ray as ray_role
 import roles.vllm as vllm_role
 from gpufleet import node_paths, templates
-from gpufleet.cli_input import fleet_facts
+from gpufleet.cli.inputs import fleet_facts
+from gpufleet.config.fleet import Fleet
 from gpufleet.config.inventory import load_fleet
 from gpufleet.config.schema import HostConfig
 from gpufleet.deploy import access, ray_drop_in
 from gpufleet.deploy import vllm_files as vf
 from gpufleet.deploy.context import DeployContext
-from gpufleet.fleet import Fleet
 from gpufleet.plan.commands import NodeRole, ray_start_argv
 from gpufleet.plan.planner import Replica, plan_fleet
-from gpufleet.systemd_text import exec_line
+from gpufleet.units.escape import exec_line
 from tests.conftest import DATA
 from tests.recorded_ops import Recorder
 from tests.unit.test_hostile_templates import exec_argv, unit_settings

@@ -19,10 +19,10 @@ import pytest
 from pyinfra.context import ctx_host, ctx_state
 
 import roles.vllm as vllm_role
+from gpufleet.config.fleet import Fleet
 from gpufleet.deploy import vllm_files as vf
 from gpufleet.deploy.context import DeployContext
-from gpufleet.facts import ReplicaStack
-from gpufleet.fleet import Fleet
+from gpufleet.facts.vllm import ReplicaStack
 from gpufleet.operations import vllm as vllm_ops
 from gpufleet.plan.commands import NodeRole, Process
 from tests.unit.test_facts_and_operations import FakeHost, FakeState

@@ -23,7 +23,8 @@ import pytest
 
 import roles.vllm as vllm_role
 from gpufleet import node_paths, templates
-from gpufleet.cli_input import fleet_facts
+from gpufleet.cli.inputs import fleet_facts
+from gpufleet.config.fleet import Fleet
 from gpufleet.config.inventory import load_fleet
 from gpufleet.config.layers import HostLayers, Layer, role_default_layers
 from gpufleet.config.schema import HostConfig
@@ -31,7 +32,6 @@ from gpufleet.config.validate import validate_host
 from gpufleet.deploy import access
 from gpufleet.deploy import vllm_files as vf
 from gpufleet.deploy.context import DeployContext
-from gpufleet.fleet import Fleet
 from gpufleet.node import replica_watchdog as wd
 from gpufleet.plan.commands import secret_env_names
 from gpufleet.plan.planner import Replica, plan_fleet

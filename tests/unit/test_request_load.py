@@ -1,4 +1,4 @@
-"""The lab's bounded request load (gpufleet/lab/request_load.py) against a small HTTP stand-in for vLLM."""
+"""The lab's bounded request load (lab/gpufleet_lab/request_load.py) against a small HTTP stand-in for vLLM."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from gpufleet_lab.request_load import BURST_MAX, RequestLoad, burst
 
-from gpufleet.lab.request_load import BURST_MAX, RequestLoad, burst
 from tests.loopback_http import QuietHandler, loopback_server
 
 KEY = 'sk-"lab"$HOME'

@@ -14,14 +14,14 @@ from typing import Any
 
 import pytest
 import yaml
+from gpufleet_lab import standin_debs
+from gpufleet_lab.double_programs import dcgm_exporter as exporter_double
+from gpufleet_lab.sim_profile import apply_fault
 
 from gpufleet import templates
-from gpufleet.facts import AptCandidate
-from gpufleet.gpu_facts import SCHEMA, NodeFacts, NvmlStatus
-from gpufleet.hardware_profiles import profile_facts
-from gpufleet.lab import standin_debs
-from gpufleet.lab.double_programs import dcgm_exporter as exporter_double
-from gpufleet.lab.sim_profile import apply_fault
+from gpufleet.facts.apt import AptCandidate
+from gpufleet.gpu.profiles import profile_facts
+from gpufleet.gpu.report import SCHEMA, NodeFacts, NvmlStatus
 from gpufleet.operations.nvidia import (
     LoadedModule,
     reboot_action,

@@ -1,4 +1,4 @@
-"""``gpufleet upgrade`` and ``gpufleet rollback`` (gpufleet/cli_rollout.py) on a real inventory and plan
+"""``gpufleet upgrade`` and ``gpufleet rollback`` (gpufleet/cli/rollout.py) on a real inventory and plan
 (tests/data/rollout_fleet: two routers, three nodes of two replicas each), with the hosts and the pyinfra runs
 replaced by a recorded fleet (tests/rollout_world.py): what is refused before anything runs, and what runs."""
 
@@ -17,9 +17,9 @@ import yaml
 from click.testing import CliRunner, Result
 
 import gpufleet.config.inventory as gpufleet_inventory
-from gpufleet import cli_rollout
-from gpufleet.cli import main
-from gpufleet.cli_input import fleet_facts
+from gpufleet.cli import rollout as cli_rollout
+from gpufleet.cli.inputs import fleet_facts
+from gpufleet.cli.main import main
 from gpufleet.config.inventory import load_fleet
 from gpufleet.plan import backends as plan_backends
 from gpufleet.plan.planner import plan_fleet

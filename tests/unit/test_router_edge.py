@@ -9,14 +9,14 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from gpufleet_lab.errors import LabError
+from gpufleet_lab.tls import subject_alt_names
 
 import roles.router as router_role
 from gpufleet import node_paths, templates
 from gpufleet.config.edge import client_keys, edge_problems
 from gpufleet.config.layers import HostLayers, Layer
 from gpufleet.config.problems import ConfigError
-from gpufleet.lab.errors import LabError
-from gpufleet.lab.tls import subject_alt_names
 from gpufleet.plan import backends as plan_backends
 from tests.recorded_ops import Recorder
 from tests.unit.test_hostile_templates import unit_settings

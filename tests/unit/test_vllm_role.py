@@ -22,21 +22,22 @@ from typing import Any
 
 import pytest
 import yaml
+from gpufleet_lab import wheelhouse
 
 import roles.ray as ray_role
 import roles.vllm as vllm_role
 from gpufleet import node_paths, templates
-from gpufleet.cli_input import fleet_facts
+from gpufleet.cli.inputs import fleet_facts
+from gpufleet.config.fleet import Fleet
 from gpufleet.config.inventory import load_fleet
 from gpufleet.config.layers import HostLayers, Layer, role_default_layers
 from gpufleet.config.problems import ConfigError
 from gpufleet.config.schema import HostConfig
 from gpufleet.config.validate import validate_host
+from gpufleet.config.vllm_flags import load_catalog
 from gpufleet.deploy import access
 from gpufleet.deploy import vllm_files as vf
 from gpufleet.deploy.context import DeployContext
-from gpufleet.fleet import Fleet
-from gpufleet.lab import wheelhouse
 from gpufleet.node import vllm_ready
 from gpufleet.operations import ray as ray_ops
 from gpufleet.plan.commands import (
@@ -52,7 +53,6 @@ from gpufleet.plan.commands import (
     serve_flags,
 )
 from gpufleet.plan.planner import plan_fleet
-from gpufleet.vllm_flags import load_catalog
 from tests.conftest import ROOT
 from tests.loopback_http import QuietHandler, loopback_server
 

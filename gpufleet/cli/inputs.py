@@ -1,0 +1,72 @@
+"""What the ``gpufleet`` commands share: the inventory's fleet with ``--data``, each host's GPU facts, and the
+one-line refusal (exit 2)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import NoReturn
+
+import click
+
+from gpufleet.config.fleet import Fleet
+from gpufleet.config.inventory import cli_data_override as _data_override
+from gpufleet.config.inventory import load_fleet, loaded_inventory, parse_data_args, set_data_override
+from gpufleet.config.layers import is_role_default
+from gpufleet.config.problems import EXIT_BAD_INPUT, ConfigError, exit_with
+from gpufleet.gpu.profiles import ProfileError, profile_facts
+from gpufleet.gpu.report import FactsError, NodeFacts, load_facts
+
+
+def fail_lines(lines: list[str]) -> NoReturn:
+    """Refuse: each line on stderr, exit 2."""
+    for line in lines:
+        click.echo(line, err=True)
+    raise SystemExit(EXIT_BAD_INPUT)
+
+
+def cli_fleet(inventory: str, data: tuple[str, ...] = ()) -> Fleet:
+    """The inventory's fleet with the command's ``--data``, validated as pyinfra would (bad input: exit 2)."""
+    try:
+        override = parse_data_args(list(data)) if data else None
+        set_data_override(override)
+        return load_fleet(inventory, override)
+    except ConfigError as error:
+        exit_with(error)
+
+
+DATA_OPTION = click.option("--data", "data", multiple=True, metavar="KEY=VALUE",
+                            help="Override a variable as `pyinfra --data` does (validated the same way).")
+
+
+def _source_of(fleet: Fleet, host: str, key: str) -> str:
+    """The file that set ``key`` for ``host`` (a role's default or nothing: the inventory, where it goes)."""
+    loaded = loaded_inventory(host)
+    source = loaded.source_of(host, key, _data_override()) if loaded is not None else fleet.inventory
+    return fleet.inventory if is_role_default(source) else source
+
+
+def fleet_facts(fleet: Fleet, facts_dir: Path | None) -> dict[str, NodeFacts]:
+    """Each host's GPU facts: probed JSON from ``facts_dir``, else its declared ``gpu_profile``."""
+    facts: dict[str, NodeFacts] = {}
+    problems: list[str] = []
+    for host in fleet.hosts:
+        cfg = fleet.configs[host]
+        try:
+            if facts_dir is not None:
+                facts[host] = load_facts(facts_dir / f"{host}.json")
+            elif cfg.gpu_profile:
+                facts[host] = profile_facts(cfg.gpu_profile, host)
+            else:
+                problems.append(f"{_source_of(fleet, host, 'gpu_profile')}: gpu_profile: expected a hardware profile"
+                                f" for {host} (or gpufleet plan --facts DIR), found null")
+        except (FactsError, ProfileError) as exc:
+            where = "" if facts_dir is not None else f"{_source_of(fleet, host, 'gpu_profile')}: gpu_profile: "
+            problems.append(f"{where}{exc}")
+    if problems:
+        fail_lines(problems)
+    for host, node in facts.items():
+        if not node.nvml.available:
+            problems.append(f"{host}: no NVML on this node: {node.nvml.error}")
+    if problems:
+        fail_lines(problems)
+    return facts

@@ -1,0 +1,217 @@
+"""The ``gpufleet`` command: check, plan and inspect a fleet before any host is touched."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+import click
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from gpufleet.cli.inputs import DATA_OPTION, cli_fleet, fail_lines, fleet_facts
+from gpufleet.config.inventory import (
+    configured_health_policy,
+    loaded_inventory,
+    parse_data_args,
+)
+from gpufleet.node.vllm_ready import kv_summary
+from gpufleet.plan import virtual_address
+from gpufleet.plan.model_arch import ModelConfigError, load_arch
+from gpufleet.plan.model_memory import GIB, model_info
+from gpufleet.plan.planner import FleetPlan, Replica, plan_fleet
+
+EXIT_UNREAD = 1  # gpufleet plan --observed: a node whose observations could not be read
+
+
+PLUGIN_GROUP = "gpufleet.commands"  # entry points of other distributions that add a command (gpufleet-lab: lab)
+
+
+def _plugins() -> dict[str, importlib.metadata.EntryPoint]:
+    """Commands other installed distributions add, by name; gpufleet imports none of them until one is called."""
+    return {point.name: point for point in importlib.metadata.entry_points(group=PLUGIN_GROUP)}
+
+
+class _Commands(click.Group):
+    """Commands whose modules load only when called (they import pyinfra's SSH stack): check stays fast. Commands
+    of other distributions (:data:`PLUGIN_GROUP`) load the same way."""
+
+    LAZY: ClassVar[dict[str, str]] = {
+        "probe": "gpufleet.cli.gpu:probe_command", "gate": "gpufleet.cli.gpu:make_gate_command",
+        "upgrade": "gpufleet.cli.rollout:upgrade_command", "rollback": "gpufleet.cli.rollout:rollback_command",
+    }
+
+    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None, complete_var: str | None = None,
+             standalone_mode: bool = True, **extra: Any) -> Any:
+        """Click's main, with a usage error said in one line (``gpufleet check: no such option '--x'``), exit 2,
+        instead of click's usage block."""
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            result = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.UsageError as exc:
+            where = exc.ctx.command_path if exc.ctx is not None else "gpufleet"
+            message = " ".join(exc.format_message().split()).removesuffix(".")
+            click.echo(f"{where}: {message[:1].lower()}{message[1:]} (see {where} --help)", err=True)
+            sys.exit(exc.exit_code)
+        except click.ClickException as exc:
+            click.echo(f"gpufleet: {' '.join(exc.format_message().split())}", err=True)
+            sys.exit(exc.exit_code)
+        except click.Abort:
+            click.echo("Aborted!", err=True)
+            sys.exit(1)
+        sys.exit(result if isinstance(result, int) else 0)  # an int: click's Exit (--help, --version)
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *self.LAZY, *_plugins()})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in self.LAZY:
+            found_here = super().get_command(ctx, cmd_name)
+            plugin = None if found_here is not None else _plugins().get(cmd_name)
+            loaded = plugin.load() if plugin is not None else None
+            return loaded if isinstance(loaded, click.Command) else found_here
+        module, name = self.LAZY[cmd_name].split(":")
+        found = getattr(importlib.import_module(module), name)
+        command: click.Command = found(configured_health_policy) if name == "make_gate_command" else found
+        return command
+
+
+@click.group(cls=_Commands)
+@click.version_option(package_name="gpufleet")
+def main() -> None:
+    """Plan, provision and check vLLM serving fleets on NVIDIA GPU servers."""
+
+
+@main.command()
+@click.argument("inventory")
+@DATA_OPTION
+def check(inventory: str, data: tuple[str, ...]) -> None:
+    """Validate an inventory, its group_vars and the plan on declared gpu_profiles; exit 0, or 2 with one
+    line per problem."""
+    fleet = cli_fleet(inventory, data)
+    click.echo(f"{inventory}: {len(fleet.hosts)} hosts in {len(fleet.pools)} pools: configuration valid")
+
+
+def _observed_cells(r: Replica, doc: dict[str, Any] | None, tolerance: float) -> tuple[str, str]:
+    """The plan's table with what vLLM reported of a replica's KV cache: (its sequences at max length, its KV
+    tokens), each with the plan's figure first."""
+    seqs = f"{r.budget.max_concurrency * r.dp:,.1f}"
+    tokens = f"{r.budget.kv_tokens:,}"
+    if doc is None:
+        return seqs, f"{tokens}\nvLLM: not recorded"
+    ratio, off, _ = kv_summary(r.budget.kv_tokens, doc.get("kv_cache_tokens"), tolerance)
+    if ratio is None:
+        return seqs, f"{tokens}\nvLLM: no figure"
+    concurrency = doc.get("max_concurrency")
+    if isinstance(concurrency, (int, float)) and not isinstance(concurrency, bool):
+        seqs += f"\nvLLM {concurrency:,.1f}"
+    return seqs, (f"{tokens}\nvLLM {doc['kv_cache_tokens']:,}\nratio {ratio:.3f}"
+                  + (f"\n> {tolerance * 100:g}% off" if off else ""))
+
+
+def _print_table(plan: FleetPlan, observed: dict[str, tuple[dict[str, Any] | None, float]] | None = None) -> None:
+    """The plan as a table; with ``observed`` (replica -> what vLLM reported, vllm_plan_tolerance), its KV cache
+    tokens and sequences as planned and as vLLM reported them."""
+    console = Console(width=160)
+    table = Table(title="gpufleet plan", show_lines=True)
+    columns = ["replica", "model", "nodes (role: GPUs)", "TP", "PP", "DP", "port", "weights/GPU", "KV pool/GPU",
+               "KV B/token/GPU", "seqs @ max len"]
+    for col in columns + (["KV tokens"] if observed is not None else []):
+        table.add_column(col, min_width=max((len(r.name) for r in plan.replicas), default=0) if col == "replica"
+                         else None)
+    for r in plan.replicas:
+        nodes = "\n".join(f"{x.host} ({x.role}): {','.join(map(str, x.gpus))}" for x in r.roles)
+        seqs, *tokens = [f"{r.budget.max_concurrency * r.dp:,.1f}"] if observed is None else _observed_cells(
+            r, *observed[r.name])
+        seqs += f"\n{r.admission.cell()}"
+        table.add_row(r.name, f"{r.model}\nmax_model_len {r.max_model_len:,}", nodes, str(r.tp), str(r.pp),
+                      str(r.dp), str(r.port), f"{r.budget.weights_bytes_per_gpu / GIB:,.1f} GiB",
+                      f"{r.budget.kv_pool_bytes / GIB:,.1f} GiB", f"{r.kv_bytes_per_token:,}", seqs, *tokens)
+    console.print(table)
+    for r in plan.replicas:
+        for role in r.roles:
+            for proc in role.processes:
+                line = Text(r.process_line(role, proc))  # plain text: an address in brackets is no markup
+                line.stylize("bold", 0, len(r.name))
+                console.print(line, soft_wrap=True, highlight=False)
+
+
+@main.command()
+@click.argument("inventory")
+@click.option("--facts", "facts_dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Directory of probed facts (<host>.json from `gpufleet probe`); default: declared gpu_profile.")
+@click.option("--json", "as_json", is_flag=True, help="Print the replicas as JSON.")
+@click.option("--observed", is_flag=True,
+              help="Also show the KV cache vLLM reported at each replica's last start, read from its first node.")
+@DATA_OPTION
+def plan(inventory: str, facts_dir: Path | None, as_json: bool, observed: bool, data: tuple[str, ...]) -> None:
+    """Compute replicas: nodes, TP/PP/DP, GPU sets, ports, argv and env per node; with --observed, beside what
+    vLLM reported (exit 1 when a node could not be read)."""
+    fleet = cli_fleet(inventory, data)
+    result = plan_fleet(fleet, fleet_facts(fleet, facts_dir))
+    for warning in result.warnings:
+        click.echo(f"warning: {warning}", err=True)
+    if result.problems:
+        fail_lines([problem.line() for problem in result.problems])
+    seen, unread = _read_observed(inventory, data, result) if observed else (None, [])
+    if as_json:
+        click.echo(json.dumps([{**r.to_json(), **({"observed": seen.get(r.name)} if seen is not None else {})}
+                               for r in result.replicas], indent=2))
+    else:
+        _print_table(result, None if seen is None else {
+            r.name: (seen[r.name], fleet.configs[r.nodes[0]].vllm_plan_tolerance) for r in result.replicas})
+        loaded = loaded_inventory(fleet.hosts[0]) if fleet.hosts else None
+        routers = virtual_address.routers_of(loaded.groups) if loaded is not None else []
+        if endpoint := virtual_address.endpoint_line(routers, fleet.configs):
+            click.echo(endpoint)
+    for line in unread:
+        click.echo(f"gpufleet plan: {line}", err=True)
+    if unread:
+        raise SystemExit(EXIT_UNREAD)
+
+
+def _read_observed(inventory: str, data: tuple[str, ...],
+                   plan: FleetPlan) -> tuple[dict[str, dict[str, Any] | None], list[str]]:
+    """Each replica's observed.json from its first node, over pyinfra's connections as the inventory gives them."""
+    from gpufleet.gpu.live_probe import load_inventory  # pyinfra's SSH stack: loaded only when asked
+    from gpufleet.rollout.observed import read_observed
+    from gpufleet.rollout.remote import PyinfraRemote
+
+    remote = PyinfraRemote(load_inventory(inventory, parse_data_args(list(data)) or None))
+    try:
+        return read_observed(remote, plan.replicas)
+    finally:
+        remote.close()
+
+
+@main.command("model-info")
+@click.argument("config")
+@click.option("--kv-dtype", type=click.Choice(["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]), default="auto")
+@click.option("--dtype", "model_dtype", default="bfloat16", show_default=True, help="Model dtype for auto KV.")
+@click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--pp", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def model_info_command(config: str, kv_dtype: str, model_dtype: str, tp: int, pp: int, as_json: bool) -> None:
+    """Architecture and KV-cache size of a model (config.json, model directory or bundled name)."""
+    try:
+        info = model_info(load_arch(config), kv_dtype=kv_dtype, model_dtype=model_dtype, tp=tp, pp=pp)
+    except (ModelConfigError, ValueError) as exc:
+        fail_lines([str(exc)])
+    if as_json:
+        click.echo(json.dumps(info, indent=2))
+    else:
+        for key, value in info.items():
+            click.echo(f"{key}: {value:,}" if isinstance(value, int) and not isinstance(value, bool)
+                       else f"{key}: {value}")
+
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,196 @@
+"""``gpufleet upgrade`` and ``gpufleet rollback``: roll a change through the fleet behind its routers, batch by
+batch, with drain, canary watch and automatic rollback (:mod:`gpufleet.rollout.runner`).
+
+Before anything changes: the inventory is validated (``--data`` included) and planned as ``gpufleet plan`` plans it,
+the routers and the nodes' release records are read, and the batches are planned; any refusal is one line per
+problem and exit 2. Then the rollout runs; exit 0 when it is done, 1 when it stopped (its report says where and
+why), 130 when interrupted (drained replicas put back first).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import click
+
+from gpufleet.cli.inputs import DATA_OPTION, cli_fleet, fail_lines, fleet_facts
+from gpufleet.config.inventory import load_fleet, parse_data_args, set_data_override
+from gpufleet.config.inventory_shape import ROUTERS_GROUP
+from gpufleet.config.problems import ConfigError
+from gpufleet.gpu.live_probe import load_inventory
+from gpufleet.plan import virtual_address
+from gpufleet.plan.backends import backends as plan_backends
+from gpufleet.plan.planner import plan_fleet
+from gpufleet.rollout.batches import DEFAULT_BATCHES, RolloutError, plan_rollout
+from gpufleet.rollout.canary import DEFAULT_MAX_ERROR_RATIO, DEFAULT_MAX_LATENCY_RATIO, Thresholds
+from gpufleet.rollout.node_releases import RecordFailure, read_records
+from gpufleet.rollout.options import check_options
+from gpufleet.rollout.pyinfra_run import DEPLOY, PROJECT_ROOT, PyinfraDeploy, pyinfra_program
+from gpufleet.rollout.release import changes
+from gpufleet.rollout.remote import PyinfraRemote
+from gpufleet.rollout.replicas import ROLLBACK, UPGRADE, Rollable, rollable
+from gpufleet.rollout.report import ROLLED
+from gpufleet.rollout.router_control import RouterControl, RouterFailure
+from gpufleet.rollout.runner import DEFAULT_CANARY_S, Options, Rollout
+
+EXIT_FAILED = 1
+
+
+def _options(command: Callable[..., None]) -> Callable[..., None]:
+    for option in reversed([
+        click.option("--batches", default=DEFAULT_BATCHES, show_default=True,
+                     help="Batch sizes, canary first: replicas (N) or a share of them (P%); the last repeats."),
+        click.option("--max-unavailable", default="1", show_default=True,
+                     help="Most replicas of a model out at once: N or P% of its replicas."),
+        click.option("--min-available", default="1", show_default=True,
+                     help="Fewest replicas of a model serving at any time: N or P%; refused when rolling would"
+                          " go below it."),
+        click.option("--canary-s", default=str(DEFAULT_CANARY_S), show_default=True,
+                     help="Seconds the first batch is watched after it is back in the routers (0: no watch; at most"
+                          " 86400)."),
+        click.option("--canary-every-batch", is_flag=True, help="Watch every batch, not only the first."),
+        click.option("--max-error-ratio", default=str(DEFAULT_MAX_ERROR_RATIO),
+                     show_default=True, help="How much more of its requests a canary may answer 5xx than the"
+                                             " model's replicas not rolled yet (0 to 1)."),
+        click.option("--max-latency-ratio", default=str(DEFAULT_MAX_LATENCY_RATIO),
+                     show_default=True, help="How many times as much as theirs a canary's mean response"
+                                             " time may grow over the watch (1 to 1000)."),
+        click.option("--facts", "facts_dir", type=click.Path(file_okay=False, path_type=Path),
+                     help="Plan from probed facts (<host>.json from `gpufleet probe`); default: declared gpu_profile."),
+        click.option("--report", "report_path", type=click.Path(path_type=Path),
+                     help="Also write the report as JSON to this file (in a directory that exists)."),
+        DATA_OPTION,
+    ]):
+        command = option(command)
+    return command
+
+
+@click.command("upgrade")
+@click.argument("inventory")
+@_options
+def upgrade_command(inventory: str, **options: Any) -> None:
+    """Roll the inventory's configuration through the fleet, batch by batch behind the routers: drain, deploy,
+    put back, canary watch; any failure rolls that batch's replicas back and stops."""
+    _roll(UPGRADE, inventory, **options)
+
+
+@click.command("rollback")
+@click.argument("inventory")
+@_options
+def rollback_command(inventory: str, **options: Any) -> None:
+    """Return every replica to its previous release (release.previous.json on its nodes) the same rolling way;
+    replicas without one are left untouched. The inventory still says otherwise: change it too."""
+    _roll(ROLLBACK, inventory, **options)
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+def _check_targets(mode: str, inventory: str, data: tuple[str, ...], found: Rollable) -> None:
+    """A rollback's ``--data`` of every distinct previous release must pass the same validation as the deploy
+    that gets it: exit 2 (the problems said) before anything changes."""
+    if mode != ROLLBACK:
+        return
+    operator = parse_data_args(list(data))
+    checked: set[str] = set()
+    for member in (m for members in found.members.values() for m in members if m.target is not None):
+        given = {**operator, **member.data(member.target or {})}
+        if repr(sorted(given.items())) in checked:
+            continue
+        checked.add(repr(sorted(given.items())))
+        set_data_override(given)
+        try:
+            load_fleet(inventory, given)
+        except (ConfigError, SystemExit) as exc:
+            lines = exc.problems if isinstance(exc, ConfigError) else []
+            fail_lines([*(p.line() for p in lines), f"replica {member.name}: its previous release"
+                   f" ({changes(member.inventory, member.target)}) does not pass the inventory's validation"])
+        finally:
+            set_data_override(operator)
+
+
+def _roll(mode: str, inventory: str, batches: str, max_unavailable: str, min_available: str, canary_s: str,
+          canary_every_batch: bool, max_error_ratio: str, max_latency_ratio: str, facts_dir: Path | None,
+          report_path: Path | None, data: tuple[str, ...]) -> None:
+    try:
+        checked = check_options(batches, max_unavailable, min_available, canary_s, max_error_ratio,
+                                max_latency_ratio, report_path)
+    except RolloutError as exc:
+        fail_lines(exc.problems)
+    fleet = cli_fleet(inventory, data)
+    override = parse_data_args(list(data)) or None
+    hosts = load_inventory(inventory, override)
+    routers = [host.name for host in hosts.get_group(ROUTERS_GROUP, [])]
+    if not routers:
+        fail_lines([f"{inventory}: no `{ROUTERS_GROUP}` group: a rolling {mode} takes each replica out of the routers"
+               f" before it changes it; add routers (docs/guide/routers.md) or use the plain deploy"
+               f" (pyinfra {inventory} {DEPLOY})"])
+    plan = plan_fleet(fleet, fleet_facts(fleet, facts_dir))
+    if plan.problems:
+        fail_lines([problem.line() for problem in plan.problems])
+    if endpoint := virtual_address.endpoint_line(routers, fleet.configs):
+        click.echo(f"gpufleet {mode}: {endpoint}; each replica is drained on every router, through its own"
+                   f" HAProxy: {', '.join(routers)}")
+    program = pyinfra_program()
+    if program is None or not (PROJECT_ROOT / DEPLOY).is_file():
+        fail_lines([f"gpufleet {mode}: expected pyinfra beside {sys.executable} and {DEPLOY} in {PROJECT_ROOT}"])
+    backends = {server: backend.name for backend in plan_backends(plan.replicas, fleet.configs)
+                for server, _ in backend.servers}
+    remote = PyinfraRemote(hosts)
+    try:
+        router = RouterControl(remote, routers)
+        try:
+            view = router.show()
+            recorded: dict[str, list[str]] = {}
+            for replica in plan.replicas:
+                for role in replica.roles:
+                    if any(process.unit == "vllm" for process in role.processes):
+                        recorded.setdefault(role.host, []).append(replica.name)
+            records = {node: read_records(remote, node, names) for node, names in recorded.items()}
+        except (RouterFailure, RecordFailure) as exc:
+            click.echo(f"gpufleet {mode}: {exc}", err=True)
+            raise SystemExit(EXIT_FAILED) from None
+        found, problems = rollable(plan.replicas, fleet.configs, backends, view, records, mode)
+        if problems:
+            fail_lines(problems)
+        _check_targets(mode, inventory, data, found)
+        models = {unit.model for unit in found.units}
+        try:
+            planned = plan_rollout(found.units, batches, ready=found.ready,
+                                   max_unavailable=dict.fromkeys(models, checked.max_unavailable),
+                                   min_available=dict.fromkeys(models, checked.min_available))
+        except RolloutError as exc:
+            fail_lines(exc.problems)
+        for member in (m for members in found.members.values() for m in members):
+            if member.target is not None and member.before is None:
+                click.echo(f"warning: replica {member.name}: no release.json on {member.recorded_on[0]} (deployed by"
+                           " a gpufleet without release records?): a failure there is left drained, not rolled"
+                           " back", err=True)
+        options = Options(checked.canary_s, canary_every_batch,
+                          Thresholds(checked.max_error_ratio, checked.max_latency_ratio))
+        deployer = PyinfraDeploy(program or "pyinfra", Path(inventory), data)
+        previous = signal.signal(signal.SIGTERM, _interrupt)
+        try:
+            report = Rollout(mode, found, planned, router, remote, deployer, options,
+                             say=lambda line: click.echo(line)).run()
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+    finally:
+        remote.close()
+    click.echo(report.text())
+    if report_path is not None:
+        report_path.write_text(json.dumps(report.to_json(), indent=2) + "\n")
+    moved = [m for members in found.members.values() for m in members if report.outcomes[m.name].state == ROLLED]
+    if mode == ROLLBACK and any(m.target != m.inventory for m in moved):
+        click.echo(f"gpufleet rollback: {inventory} still says otherwise: the next plain deploy (or upgrade) gives"
+                   " the replicas what it says again; change the inventory to keep the previous release")
+    if report.status:
+        raise SystemExit(report.status)
+
