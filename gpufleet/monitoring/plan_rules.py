@@ -1,4 +1,4 @@
-"""The plan's facts as Prometheus recording rules (``gpufleet-plan.yml``): what gpufleet's alert rules compare with.
+"""The plan's figures as Prometheus recording rules (``gpufleet-plan.yml``): what gpufleet's alert rules compare with.
 
 - ``gpufleet:node_gpus_expected{node}``: the GPUs each host should report (its facts' GPUs; 0 for a host that
   serves nothing, such as a dedicated router);

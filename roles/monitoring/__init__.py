@@ -14,7 +14,7 @@ After it, a monitoring host has:
     (:mod:`gpufleet.monitoring.scrape_config`), the Alertmanager, and the rule files with the SHA-256 they were
     checked with;
   - ``rules/``: gpufleet's recording and alert rules (:mod:`gpufleet.monitoring.alert_rules`) and
-    ``gpufleet-plan.yml``, the plan's facts (:mod:`gpufleet.monitoring.plan_rules`);
+    ``gpufleet-plan.yml``, the plan's figures (:mod:`gpufleet.monitoring.plan_rules`);
   - ``alertmanager.yml`` (root:prometheus, 0640): one receiver, the alert log and ``alertmanager_webhook_url``'s
     webhook when one is set;
 
@@ -151,7 +151,7 @@ def targets(view: FleetView) -> list[Target]:
 
 
 def rule_files(cfg: HostConfig, view: FleetView) -> dict[str, str]:
-    """Every rule file's text by its name: gpufleet's rules with this host's thresholds, and the plan's facts."""
+    """Every rule file's text by its name: gpufleet's rules with this host's thresholds, and the plan's figures."""
     header = ("# Written by gpufleet (role monitoring) from the plan (gpufleet.monitoring.plan_rules): the facts\n"
               "# gpufleet's rules compare with.\n")
     return {**render_rules(cfg), PLAN_RULES: plan_rules(view.node_gpus, view.replicas, view.configs,

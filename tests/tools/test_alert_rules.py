@@ -167,7 +167,7 @@ def test_every_recording_rule_is_explained_by_a_comment(default_rules: dict[str,
                 assert lines[i - 1].lstrip().startswith("#"), f"{name}: {line.strip()} has no comment above it"
 
 
-def test_rule_files_name_the_plan_facts_they_read(default_rules: dict[str, str]) -> None:
+def test_rule_files_name_the_plan_figures_they_read(default_rules: dict[str, str]) -> None:
     read = set(re.findall(r"gpufleet:\w+", "".join(str(rule["expr"]) for rule in _rules(default_rules).values())))
     assert read == {"gpufleet:node_gpus_expected", "gpufleet:model_replicas_min", "gpufleet:replica_ranks_expected"}
     for text in default_rules.values():

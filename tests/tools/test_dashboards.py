@@ -33,7 +33,7 @@ CASES = DATA / "dashboards"
 EXPECTED_VARIABLES = {"gpufleet-fleet.json": [], "gpufleet-model.json": ["model"], "gpufleet-node-gpus.json": ["node"]}
 """Every dashboard shipped, and its variables besides the datasource."""
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
-PLAN_FACTS = {"gpufleet:node_gpus_expected", "gpufleet:model_replicas_min", "gpufleet:replica_ranks_expected"}
+PLAN_FIGURES = {"gpufleet:node_gpus_expected", "gpufleet:model_replicas_min", "gpufleet:replica_ranks_expected"}
 
 
 def _series() -> dict[str, Any]:
@@ -130,7 +130,7 @@ def test_the_dashboards_read_every_recording_rule_and_only_rules_that_exist(rule
     read = {name for query in QUERIES for name in re.findall(r"\b[a-z_]+:[\w:]+", query.expr)
             if not name.startswith("vllm:")}
     assert sorted(recorded - read) == [], "recording rules no dashboard reads"
-    assert sorted(read - recorded - PLAN_FACTS) == [], "rules the dashboards read that nothing records"
+    assert sorted(read - recorded - PLAN_FIGURES) == [], "rules the dashboards read that nothing records"
 
 
 def test_the_dcgm_fields_the_dashboards_read_are_turned_on(tmp_path: Path) -> None:

@@ -1,8 +1,8 @@
-"""The monitoring role: Prometheus's scrape configuration, the plan's facts and Alertmanager's configuration.
+"""The monitoring role: Prometheus's scrape configuration, the plan's figures and Alertmanager's configuration.
 
 ``tests/data/monitoring/fleet/`` is a small fleet with every kind of target (single-node replicas under a hostile served
 name, an mp and a Ray multi-node replica of one model, routers, a monitoring host); ``expected/`` holds its
-``scrape_configs`` and its plan's facts. Every target must carry the labels the rules' header promises, and the
+``scrape_configs`` and its plan's figures. Every target must carry the labels the rules' header promises, and the
 role's operations are recorded (tests/recorded_ops.py). What promtool, amtool, systemd-analyze and a real Prometheus
 make of the rendered files: tests/tools/test_monitoring_role.py.
 
@@ -71,7 +71,7 @@ def _files(inventory: Path = FLEET / "inventory.py", **values: Any) -> tuple[rol
 
 # --- the configuration, as data ----------------------------------------------------------------------------------
 
-def test_the_scrape_configuration_and_the_plan_facts_are_the_golden_ones() -> None:
+def test_the_scrape_configuration_and_the_plan_figures_are_the_golden_ones() -> None:
     _, files = _files()
     rendered = {"scrape_configs.yml": yaml.safe_load(files.configs[role.PROMETHEUS_YML])["scrape_configs"],
                 role.PLAN_RULES: yaml.safe_load(files.configs[f"{role.RULES_DIR}/{role.PLAN_RULES}"])}
