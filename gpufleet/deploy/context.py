@@ -29,11 +29,12 @@ from gpufleet.fleet import Fleet
 from gpufleet.gpu_facts import FactsError, NodeFacts, parse_facts
 from gpufleet.hardware_profiles import profile_facts
 from gpufleet.node import health_rules
-from gpufleet.operations.node import current_host as current_host_object
-from gpufleet.operations.node import current_state, set_read_only
+from gpufleet.operations.node import set_read_only
 from gpufleet.plan.commands import NodeRole
 from gpufleet.plan.layout import NodeShape, node_shape
 from gpufleet.plan.planner import FleetPlan, Replica, plan_fleet
+from gpufleet.pyinfra_seam import current_host as current_host_object
+from gpufleet.pyinfra_seam import current_state
 
 
 @dataclass

@@ -25,6 +25,7 @@ from pyinfra.api.state import State
 from pyinfra.context import host, state
 
 from gpufleet.facts import AccountState, NodeState, NodeStateValue, PathState, UnitState, empty_node_state
+from gpufleet.pyinfra_seam import current_host, current_state
 
 _readings: WeakKeyDictionary[Host, NodeStateValue] = WeakKeyDictionary()
 _observed: WeakKeyDictionary[Host, dict[str, set[str]]] = WeakKeyDictionary()  # every role's observe, per host
@@ -37,26 +38,13 @@ Commands = Generator[Any, None, None]
 P = ParamSpec("P")
 
 
-def current_host() -> Host:
-    """The host pyinfra works on now: the object behind its ``host`` context proxy, the same key for the whole
-    deploy (the proxy itself stands for a different host in each greenlet)."""
-    found: Host = host._get_module() if hasattr(host, "_get_module") else host
-    return found
-
-
-def current_state() -> State:
-    """The state of the running deploy: the object behind pyinfra's ``state`` context proxy."""
-    found: State = state._get_module() if hasattr(state, "_get_module") else state
-    return found
-
-
 def set_read_only(target: State) -> None:
     """Operations of this state run nothing; each that would change something is recorded as drift."""
     _read_only.add(target)
 
 
 def read_only() -> bool:
-    return current_state() in _read_only if hasattr(state, "_get_module") else False
+    return current_state() in _read_only
 
 
 def drift(target: Host) -> list[str]:

@@ -61,9 +61,9 @@ from gpufleet.hardware_profiles import profile_facts
 from gpufleet.netaddr import host_port
 from gpufleet.node_paths import ALERT_LOG_SERVICE, NODE_PYTHON, NODE_TOOLS_DIR, node_tool, unit_path
 from gpufleet.operations import apt, files, node, server, systemd
-from gpufleet.operations.node import current_state
 from gpufleet.plan.planner import Replica, plan_fleet
 from gpufleet.plan_facts import plan_rules
+from gpufleet.pyinfra_seam import current_state
 from gpufleet.scrape_config import (
     Target,
     host_targets,

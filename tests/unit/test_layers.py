@@ -53,6 +53,7 @@ LAYER_OF = {
     "gpufleet.vllm_memory": "base",
     "gpufleet.vllm_flags": "base",
     "gpufleet.kv_observed": "base",
+    "gpufleet.pyinfra_seam": "base",  # every private surface of pyinfra, its CLI and paramiko: no gpufleet import
     "gpufleet": "base",  # the package's own __init__
     "gpufleet.config": "config",
     "gpufleet.fleet": "config",  # the Fleet: validated configs by host, serving pools
