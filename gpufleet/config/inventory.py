@@ -13,7 +13,7 @@ import json
 import runpy
 import sys
 import traceback
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,6 +41,7 @@ from gpufleet.node.health_rules import HealthPolicy
 from gpufleet.node_paths import replica_host_part
 from gpufleet.plan import virtual_address
 from gpufleet.plan.planner import PlanProblem, plan_fleet
+from gpufleet.pyinfra_seam import cli_file_error, under_pyinfra_cli, wrap_inventory_exec
 
 
 @dataclass(frozen=True)
@@ -284,7 +285,7 @@ def cli_data_override(argv: list[str] | None = None) -> dict[str, Any] | None:
     if _DATA_OVERRIDE is not None:
         return _DATA_OVERRIDE
     if argv is None:
-        if "pyinfra_cli" not in sys.modules:
+        if not under_pyinfra_cli():
             return None
         argv = sys.argv[1:]
     items: list[str] = []
@@ -386,15 +387,15 @@ def report_inventory_errors() -> None:
     pyinfra's parser recurses into it. Only the inventory file is covered: deploy files keep
     pyinfra's own report.
     """
-    import pyinfra_cli.inventory as cli_inventory
-
     try:
         cli_data_override(sys.argv[1:])  # pyinfra reads --data next, and would recurse into JSON nested too deep
     except ConfigError as error:
         exit_with(error)
-    original = cli_inventory.exec_file
-    if getattr(original, "_gpufleet", False):
-        return
+    wrap_inventory_exec(_reporting_errors)
+
+
+def _reporting_errors(original: Callable[..., Any]) -> Callable[..., Any]:
+    """pyinfra's CLI's ``exec_file`` for the inventory, its failures and late additions reported as bad input."""
 
     def exec_inventory(filename: str, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -402,16 +403,14 @@ def report_inventory_errors() -> None:
         except SystemExit:
             raise
         except Exception as exc:  # noqa: BLE001 - pyinfra wraps the file's own error; report the original
-            cause = getattr(exc, "exception", None) or exc
-            exit_with(ConfigError([_failure(Path(filename).resolve(), cause)]))
+            exit_with(ConfigError([_failure(Path(filename).resolve(), cli_file_error(exc))]))
         resolved = Path(filename).resolve()
         loaded = _BY_FILE.get(resolved)
         if isinstance(attrs, dict) and loaded is not None and (problems := _late_additions(resolved, attrs, loaded)):
             exit_with(ConfigError(problems))
         return attrs
 
-    exec_inventory._gpufleet = True  # type: ignore[attr-defined]
-    cli_inventory.exec_file = exec_inventory
+    return exec_inventory
 
 
 def _fleet_from_layers(inventory: str, hosts: list[str], override: dict[str, Any] | None) -> Fleet:

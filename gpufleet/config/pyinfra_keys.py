@@ -8,14 +8,10 @@ from __future__ import annotations
 
 import functools
 
+from gpufleet.pyinfra_seam import connector_data_keys, global_argument_names
+
 
 @functools.cache
 def pyinfra_keys() -> frozenset[str]:
     """Every data key a pyinfra connector declares, and every global argument (those that start with ``_``)."""
-    from pyinfra.api.arguments import all_global_arguments
-    from pyinfra.api.connectors import get_all_connectors
-
-    keys = {name for name, _ in all_global_arguments() if name.startswith("_")}
-    for connector in get_all_connectors().values():
-        keys.update(getattr(connector, "data_meta", None) or {})
-    return frozenset(keys)
+    return frozenset({name for name in global_argument_names() if name.startswith("_")} | connector_data_keys())

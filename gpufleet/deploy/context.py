@@ -4,7 +4,8 @@ operations tell each other across hosts.
 Every role reads its variables through :func:`host_config` and every node's part in the serving plan through
 :func:`assignments`. :func:`fleet` validates the whole fleet (exit 2 on bad input, before any operation runs);
 :func:`context` probes every host's GPUs once, all hosts at the same time, judges each with its ``gpu_health``
-policy and plans the fleet from the hosts that pass; all of it is kept for the rest of the deploy.
+policy and plans the fleet from the hosts that pass; all of it is kept for the rest of the deploy, in the one
+:class:`DeployState` of its pyinfra state (:func:`deploy_state`), with what its operations know of each node.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from weakref import WeakKeyDictionary
 import gevent
 from pyinfra.api.host import Host
 from pyinfra.api.operation import OperationMeta
+from pyinfra.api.state import State
 from pyinfra.context import host as current_host
 
 from gpufleet.config.fleet import Fleet
@@ -26,14 +28,15 @@ from gpufleet.config.inventory import fleet_from_state
 from gpufleet.config.schema import HostConfig
 from gpufleet.deploy import lost_nodes, op_order
 from gpufleet.facts.gpu import NvmlGpuFacts
+from gpufleet.facts.node import NodeStateValue, empty_node_state
 from gpufleet.gpu.profiles import profile_facts
 from gpufleet.gpu.report import FactsError, NodeFacts, parse_facts
 from gpufleet.node import health_rules
-from gpufleet.operations.node import current_host as current_host_object
-from gpufleet.operations.node import current_state, set_read_only
 from gpufleet.plan.commands import NodeRole
 from gpufleet.plan.layout import NodeShape, node_shape
 from gpufleet.plan.planner import FleetPlan, Replica, plan_fleet
+from gpufleet.pyinfra_seam import current_host as current_host_object
+from gpufleet.pyinfra_seam import current_state
 
 
 @dataclass
@@ -45,7 +48,6 @@ class DeployContext:
     # host -> lines saying why its GPUs fail the gate (or could not be probed); absent: passed
     gate_failures: dict[str, list[str]] = field(default_factory=dict)
     plan: FleetPlan = field(default_factory=FleetPlan)
-    read_only: bool = False
     # replica -> the operations on any of its nodes whose change means "restart it"
     replica_changes: dict[str, list[OperationMeta]] = field(default_factory=dict)
     # replica -> the operations on its first node whose change means "restart its watchdog" (not the replica)
@@ -70,17 +72,55 @@ class DeployContext:
         return wait is not None and wait.is_complete() and wait.executed and wait.did_succeed()
 
 
-_contexts: WeakKeyDictionary[Any, DeployContext] = WeakKeyDictionary()  # pyinfra state -> its deploy's context
-_fleets: WeakKeyDictionary[Any, Fleet] = WeakKeyDictionary()
+@dataclass
+class NodeMemory:
+    """What one deploy's operations know of one node (gpufleet.operations.node), and what they did there."""
+
+    reading: NodeStateValue = field(default_factory=empty_node_state)  # items read, and not changed since
+    absent: set[tuple[str, str]] = field(default_factory=set)  # (kind, name): packages, users, groups found absent
+    observed: dict[str, set[str]] = field(default_factory=dict)  # kind -> every role's observed items
+    first_read: bool = False  # the first reading (everything observed) is done
+    ran_commands: bool = False  # an operation of this deploy ran a command on the node
+    drift: dict[str, str] = field(default_factory=dict)  # read-only: operation hash -> name, of those that would change
+
+
+@dataclass
+class DeployState:
+    """Everything one deploy keeps (one per pyinfra state): its fleet, its context once built, whether it only
+    reads (deploys/check.py), and what its operations know of each node."""
+
+    fleet: Fleet | None = None
+    context: DeployContext | None = None
+    read_only: bool = False
+    nodes: dict[str, NodeMemory] = field(default_factory=dict)  # host name -> what is known of it
+
+    def node(self, name: str) -> NodeMemory:
+        """What is known of host ``name``, empty at first."""
+        found = self.nodes.get(name)
+        if found is None:
+            found = self.nodes[name] = NodeMemory()
+        return found
+
+
+_states: WeakKeyDictionary[State, DeployState] = WeakKeyDictionary()  # pyinfra state -> its deploy's state
 _LOCK = threading.Lock()  # a gevent lock once pyinfra has patched threading
+
+
+def deploy_state(st: State | None = None) -> DeployState:
+    """The state of the deploy ``st`` (by default the running one), made empty on first use."""
+    key = current_state() if st is None else st
+    found = _states.get(key)
+    if found is None:
+        found = _states[key] = DeployState()
+    return found
 
 
 def fleet() -> Fleet:
     """The fleet's validated configuration (``--data`` included); exits 2 on bad input."""
-    st = current_state()
-    if st not in _fleets:
-        _fleets[st] = fleet_from_state(st)
-    return _fleets[st]
+    state = deploy_state()
+    if state.fleet is None:
+        state.fleet = fleet_from_state(current_state())
+    return state.fleet
 
 
 def host_config(host: Host | None = None) -> HostConfig:
@@ -113,16 +153,16 @@ def context(read_only: bool = False) -> DeployContext:
     st = current_state()
     op_order.install()  # before the deploy file adds its first operation
     with _LOCK:  # pyinfra loads the deploy file for every host at once: the first builds, the others wait
-        found = _contexts.get(st)
-        if found is None:
-            found = _contexts[st] = _build(st, read_only)
-    return found
+        state = deploy_state(st)
+        if state.context is None:
+            state.context = _build(st, read_only)
+        return state.context
 
 
-def _build(st: Any, read_only: bool) -> DeployContext:
-    ctx = DeployContext(fleet(), read_only=read_only)
+def _build(st: State, read_only: bool) -> DeployContext:
+    ctx = DeployContext(fleet())
     if read_only:
-        set_read_only(st)
+        deploy_state(st).read_only = True
     lost_nodes.watch(st)  # a node lost during the deploy fails its operation within a bound, and is named
     targets = [target for target in st.inventory if ctx.fleet.serves(target.name)]  # routers: no GPUs to probe
     probes = [gevent.spawn(_probe, target) for target in targets]  # every host at once

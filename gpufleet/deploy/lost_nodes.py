@@ -21,6 +21,8 @@ from paramiko import SSHException
 from pyinfra.api.host import Host
 from pyinfra.api.state import BaseStateCallback, State
 
+from gpufleet.pyinfra_seam import ssh_client, ssh_transport, transport_socket, wrap_connector_commands
+
 KEEPALIVE_S = 5
 LOST_AFTER_S = 30
 
@@ -43,19 +45,13 @@ def _lost_as_ssh_error(name: str, method: Callable[..., Any]) -> Callable[..., A
 def watch_connection(host: Host) -> bool:
     """Give ``host``'s SSH connection its keepalive and its bound; False when it has no plain TCP socket (a
     connector other than SSH, or a proxied connection), which keeps pyinfra's defaults."""
-    connector = host.connector
-    if connector is not None and not getattr(connector, "_gpufleet_watched", False):
-        for method in ("run_shell_command", "put_file", "get_file"):
-            if callable(getattr(connector, method, None)):
-                setattr(connector, method, _lost_as_ssh_error(host.name, getattr(connector, method)))
-        connector._gpufleet_watched = True  # type: ignore[attr-defined]
-    client = getattr(connector, "client", None)
-    transport = client.get_transport() if client is not None else None
+    wrap_connector_commands(host, lambda method: _lost_as_ssh_error(host.name, method))
+    transport = ssh_transport(host)
     if transport is None:
         return False
     transport.set_keepalive(KEEPALIVE_S)
-    sock = getattr(transport, "sock", None)
-    if not isinstance(sock, socket.socket) or sock.family not in (socket.AF_INET, socket.AF_INET6):
+    sock = transport_socket(transport)
+    if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
         return False
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE_S)
@@ -67,9 +63,8 @@ def watch_connection(host: Host) -> bool:
 
 def connection_lost(host: Host) -> bool:
     """Whether ``host`` had an SSH connection and it is closed now (the node stopped answering)."""
-    client = getattr(getattr(host, "connector", None), "client", None)
-    transport = client.get_transport() if client is not None else None
-    return client is not None and (transport is None or not transport.is_active())
+    transport = ssh_transport(host)
+    return ssh_client(host) is not None and (transport is None or not transport.is_active())
 
 
 class _Watch(BaseStateCallback):

@@ -8,7 +8,8 @@ host: three quarters of the time the full deploy spends adding operations, and w
 eight nodes take twice as long as on one.
 
 :func:`operation_order` computes the same list from the frames' code objects and line numbers; :func:`install`
-gives it to pyinfra when pyinfra's own reader is the one it replaces (tests prove the two agree).
+gives it to pyinfra (through :mod:`gpufleet.pyinfra_seam`) when pyinfra's own reader is the one it replaces
+(tests prove the two agree).
 """
 
 from __future__ import annotations
@@ -18,10 +19,8 @@ from types import FrameType
 from typing import Any
 
 import pyinfra
-from pyinfra.api import util as pyinfra_util
 
-_PYINFRA_READER = pyinfra_util.get_operation_order_from_stack
-_OPERATION_MODULE = "pyinfra.api.operation"  # where pyinfra calls the reader (the name is bound there)
+from gpufleet.pyinfra_seam import install_operation_order, pyinfra_install_dir
 
 
 def _frames_outermost_first(start: FrameType | None) -> list[FrameType]:
@@ -43,7 +42,7 @@ def operation_order(state: Any) -> list[int]:
         start = next((i for i, f in enumerate(frames) if f.f_code.co_filename == state.current_deploy_filename),
                      len(frames))
     order = [state.current_op_file_number] if pyinfra.is_cli else []
-    pyinfra_dir = pyinfra_util.PYINFRA_INSTALL_DIR
+    pyinfra_dir = pyinfra_install_dir()
     order += [f.f_lineno for f in frames[start:] if not f.f_code.co_filename.startswith(pyinfra_dir)]
     return order
 
@@ -51,9 +50,4 @@ def operation_order(state: Any) -> list[int]:
 def install() -> bool:
     """Make pyinfra use :func:`operation_order`; False (pyinfra left as it is) when pyinfra does not call the
     reader this module was checked against."""
-    module = sys.modules.get(_OPERATION_MODULE)
-    if module is None or getattr(module, "get_operation_order_from_stack", None) not in (_PYINFRA_READER,
-                                                                                          operation_order):
-        return False
-    module.get_operation_order_from_stack = operation_order  # type: ignore[attr-defined]
-    return True
+    return install_operation_order(operation_order)

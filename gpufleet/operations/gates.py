@@ -7,7 +7,8 @@ from collections.abc import Callable
 
 from pyinfra.context import host
 
-from gpufleet.operations.node import Commands, current_host, drift, fail, gpufleet_operation
+from gpufleet.operations.node import Commands, drift, fail, gpufleet_operation
+from gpufleet.pyinfra_seam import current_host
 
 
 @gpufleet_operation(counts_as_drift=False)

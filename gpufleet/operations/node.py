@@ -15,53 +15,34 @@ from __future__ import annotations
 from collections.abc import Callable, Generator, Iterable
 from functools import wraps
 from typing import Any, ParamSpec
-from weakref import WeakKeyDictionary, WeakSet
 
 from pyinfra.api.arguments_typed import PyinfraOperation
 from pyinfra.api.command import QuoteString, StringCommand
 from pyinfra.api.host import Host
 from pyinfra.api.operation import OperationMeta, operation
-from pyinfra.api.state import State
 from pyinfra.context import host, state
 
-from gpufleet.facts.node import AccountState, NodeState, NodeStateValue, PathState, UnitState, empty_node_state
-
-_readings: WeakKeyDictionary[Host, NodeStateValue] = WeakKeyDictionary()
-_observed: WeakKeyDictionary[Host, dict[str, set[str]]] = WeakKeyDictionary()  # every role's observe, per host
-_first_read: WeakSet[Host] = WeakSet()  # hosts whose first reading (everything observed) is done
-_ran_commands: WeakSet[Host] = WeakSet()  # hosts where an operation of this deploy ran a command
-_read_only: WeakSet[State] = WeakSet()
-_drift: WeakKeyDictionary[Host, dict[str, str]] = WeakKeyDictionary()  # host -> operation hash -> name
+from gpufleet.deploy.context import NodeMemory, deploy_state
+from gpufleet.facts.node import AccountState, NodeState, NodeStateValue, PathState, UnitState
+from gpufleet.pyinfra_seam import current_host, current_state
 
 Commands = Generator[Any, None, None]
 P = ParamSpec("P")
 
 
-def current_host() -> Host:
-    """The host pyinfra works on now: the object behind its ``host`` context proxy, the same key for the whole
-    deploy (the proxy itself stands for a different host in each greenlet)."""
-    found: Host = host._get_module() if hasattr(host, "_get_module") else host
-    return found
-
-
-def current_state() -> State:
-    """The state of the running deploy: the object behind pyinfra's ``state`` context proxy."""
-    found: State = state._get_module() if hasattr(state, "_get_module") else state
-    return found
-
-
-def set_read_only(target: State) -> None:
-    """Operations of this state run nothing; each that would change something is recorded as drift."""
-    _read_only.add(target)
-
-
 def read_only() -> bool:
-    return current_state() in _read_only if hasattr(state, "_get_module") else False
+    """Whether the running deploy only reads (deploys/check.py): its operations run nothing, and record drift."""
+    return current_state() is not None and deploy_state().read_only
 
 
 def drift(target: Host) -> list[str]:
     """The names of ``target``'s operations that would have changed something, in order (read-only mode)."""
-    return list(_drift.get(target, {}).values())
+    return list(deploy_state().node(target.name).drift.values())
+
+
+def _memory() -> NodeMemory:
+    """What this deploy's operations know of the current host."""
+    return deploy_state().node(current_host().name)
 
 
 def gpufleet_operation(counts_as_drift: bool = True, runs_when_read_only: bool = False,
@@ -76,7 +57,7 @@ def gpufleet_operation(counts_as_drift: bool = True, runs_when_read_only: bool =
             if runs_when_read_only or not read_only():
                 for command in commands:
                     if state.is_executing:
-                        _ran_commands.add(current_host())
+                        _memory().ran_commands = True
                     yield command
                 return
             for _ in commands:
@@ -84,7 +65,7 @@ def gpufleet_operation(counts_as_drift: bool = True, runs_when_read_only: bool =
                     op_hash = host.current_op_hash
                     assert op_hash is not None, "pyinfra sets the operation's hash while its commands are made"
                     meta = state.get_op_meta(op_hash)
-                    _drift.setdefault(current_host(), {})[op_hash] = ", ".join(sorted(meta.names))
+                    _memory().drift[op_hash] = ", ".join(sorted(meta.names))
                 break
         return operation(is_idempotent=idempotent)(body)
 
@@ -92,11 +73,7 @@ def gpufleet_operation(counts_as_drift: bool = True, runs_when_read_only: bool =
 
 
 def _reading() -> NodeStateValue:
-    current = current_host()
-    found = _readings.get(current)
-    if found is None:
-        found = _readings[current] = empty_node_state()
-    return found
+    return _memory().reading
 
 
 def _merge(value: NodeStateValue) -> None:
@@ -121,7 +98,7 @@ def observe(name: str, paths: Iterable[str] = (), texts: Iterable[str] = (), uni
     + paths, texts, units, packages, users, groups, listings: see :class:`gpufleet.facts.node.NodeState`
     """
     wanted = _wanted(paths, texts, units, packages, users, groups, listings)
-    planned = _observed.setdefault(current_host(), {})
+    planned = _memory().observed
     for kind, items in wanted.items():
         planned.setdefault(kind, set()).update(items)
     return read_state(name=name, paths=wanted["paths"], texts=wanted["texts"], units=wanted["units"],
@@ -141,12 +118,12 @@ def read_state(paths: Iterable[str] = (), texts: Iterable[str] = (), units: Iter
     + paths, texts, units, packages, users, groups, listings: see :class:`gpufleet.facts.node.NodeState`
     """
     wanted = _wanted(paths, texts, units, packages, users, groups, listings)
-    current = current_host()
-    if current in _ran_commands:
+    memory = _memory()
+    if memory.ran_commands:
         asked = wanted
-    elif current not in _first_read:
-        _first_read.add(current)
-        planned = _observed.get(current, {})
+    elif not memory.first_read:
+        memory.first_read = True
+        planned = memory.observed
         asked = {kind: sorted(set(items) | planned.get(kind, set())) for kind, items in wanted.items()}
     else:
         asked = {kind: [item for item in items if not _known(kind, item)] for kind, items in wanted.items()}
@@ -220,12 +197,9 @@ def group_id(name: str) -> int | None:
     return found
 
 
-_absent: WeakKeyDictionary[Host, set[tuple[str, str]]] = WeakKeyDictionary()
-
-
 def _absent_items() -> set[tuple[str, str]]:
     """Packages, users and groups read and found absent (an absent one has no key in a reading)."""
-    return _absent.setdefault(current_host(), set())
+    return _memory().absent
 
 
 def _keyed(kind: str, name: str) -> Any:

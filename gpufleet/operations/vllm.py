@@ -14,8 +14,9 @@ from pyinfra.context import host, state
 from gpufleet.deploy.lost_nodes import connection_lost
 from gpufleet.facts.vllm import STACK_KEYS, ReplicaStack
 from gpufleet.operations import node
-from gpufleet.operations.node import Commands, current_host, fail, gpufleet_operation, read_only
+from gpufleet.operations.node import Commands, fail, gpufleet_operation, read_only
 from gpufleet.plan.kv_observed import observed_line
+from gpufleet.pyinfra_seam import current_host
 
 NodeStack = dict[str, str | None]  # vllm, torch, python, ray, model -> its value on one node (None: none there)
 AGREE_KEYS = (*STACK_KEYS, "model")

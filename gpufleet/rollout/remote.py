@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from paramiko import SSHException
-from pyinfra.api.arguments import CONNECTOR_ARGUMENT_KEYS, pop_global_arguments
 from pyinfra.api.command import StringCommand
 from pyinfra.api.config import Config
 from pyinfra.api.exceptions import ConnectError
@@ -27,6 +26,7 @@ from pyinfra.api.inventory import Inventory
 from pyinfra.api.state import State
 
 from gpufleet.deploy.lost_nodes import watch_connection
+from gpufleet.pyinfra_seam import connector_arguments
 
 _WORD = re.compile(r"[A-Za-z0-9_./:=@%+,-]{1,4096}")  # names, paths, numbers, KEY=VALUE: no shell syntax
 
@@ -96,8 +96,7 @@ class PyinfraRemote:
         try:
             target = self._host(host)
             given: dict[str, Any] = {"_timeout": max(1, round(timeout_s)), "_success_exit_codes": list(ok_status)}
-            arguments, _ = pop_global_arguments(self.state, target, given)
-            connector = {key: value for key, value in arguments.items() if key in CONNECTOR_ARGUMENT_KEYS}
+            connector = connector_arguments(self.state, target, given)
             ok, output = target.run_shell_command(StringCommand(line), **connector)
         except ConnectError as exc:
             return RemoteResult(False, "", f"{host}: cannot connect: {' '.join(str(exc).split())}"), False

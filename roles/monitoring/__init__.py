@@ -73,8 +73,8 @@ from gpufleet.monitoring.scrape_config import (
 from gpufleet.netaddr import host_port
 from gpufleet.node_paths import ALERT_LOG_SERVICE, NODE_PYTHON, NODE_TOOLS_DIR, node_tool, unit_path
 from gpufleet.operations import apt, files, node, server, systemd
-from gpufleet.operations.node import current_state
 from gpufleet.plan.planner import Replica, plan_fleet
+from gpufleet.pyinfra_seam import current_state
 from gpufleet.units.escape import exec_line
 from roles.common import NODE_SOURCES
 

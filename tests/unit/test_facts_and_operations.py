@@ -34,6 +34,7 @@ from pyinfra.api import FileUploadCommand, FunctionCommand, StringCommand
 from pyinfra.api.exceptions import FactProcessError
 from pyinfra.context import ctx_host, ctx_state
 
+from gpufleet.deploy.context import deploy_state
 from gpufleet.facts.node import empty_node_state
 from gpufleet.operations import node
 from gpufleet.operations.nvidia import LoadedModule
@@ -170,13 +171,14 @@ def test_operation(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     operation = getattr(importlib.import_module(f"gpufleet.operations.{module_name}"), op_name)
     fake, fake_state = FakeHost(case.get("facts", {})), FakeState()
     if case.get("read_only"):
-        node.set_read_only(fake_state)  # type: ignore[arg-type]
+        deploy_state(fake_state).read_only = True  # type: ignore[arg-type]
     arguments = {key: _argument(value) for key, value in case.get("arguments", {}).items()}
     with ctx_host.use(fake), ctx_state.use(fake_state):
         commands = [_shown(c) for c in operation._inner(**arguments)]
     if case.get("read_only"):
         assert commands == []
-        assert bool(node.drift(fake)) is case["drift"]  # type: ignore[arg-type]
+        with ctx_state.use(fake_state):
+            assert bool(node.drift(fake)) is case["drift"]  # type: ignore[arg-type]
         return
     assert commands == case.get("commands", [])
     assert fake.logged == case.get("log", [])

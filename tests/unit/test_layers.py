@@ -42,6 +42,7 @@ LAYER_OF = {
     "gpufleet": "base",  # the package's own __init__ and the modules at its top: node_paths, netaddr, digest, ...
     "gpufleet.units": "base",
     "gpufleet.gpu": "base",
+    "gpufleet.pyinfra_seam": "base",  # every private surface of pyinfra, its CLI and paramiko: no gpufleet import
     "gpufleet.config": "config",
     "gpufleet.plan": "plan",
     "gpufleet.config.inventory": "inventory",

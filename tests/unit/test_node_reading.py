@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 from pyinfra.context import ctx_host, ctx_state
 
+from gpufleet.deploy.context import deploy_state
 from gpufleet.operations import files, node
 from tests.unit.test_facts_and_operations import FakeHost, FakeState
 
@@ -76,7 +77,7 @@ def test_after_a_command_each_role_reads_its_items_again(monkeypatch: pytest.Mon
 
 def test_read_only_reads_again_only_what_an_operation_forgot(monkeypatch: pytest.MonkeyPatch) -> None:
     fake, fake_state = CountingHost({}), FakeState()
-    node.set_read_only(fake_state)  # type: ignore[arg-type]
+    deploy_state(fake_state).read_only = True  # type: ignore[arg-type]
     with ctx_host.use(fake), ctx_state.use(fake_state):
         added = _add_roles(monkeypatch)
         _read(added[0])
