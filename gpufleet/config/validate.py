@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import functools
 from typing import Any
 
 from pydantic import ValidationError
@@ -10,8 +11,17 @@ from pydantic import ValidationError
 from gpufleet.config import grammar, limits
 from gpufleet.config.layers import HostLayers, is_role_default
 from gpufleet.config.problems import KeyedError, Problem, shown_key
-from gpufleet.config.pyinfra_keys import pyinfra_keys
 from gpufleet.config.schema import SCHEMA_KEYS, SECRET_KEYS, HostConfig
+from gpufleet.pyinfra_seam import connector_data_keys, global_argument_names
+
+
+@functools.cache
+def pyinfra_keys() -> frozenset[str]:
+    """The host data keys pyinfra itself reads, from the installed pyinfra (so an upgrade that adds or drops one
+    changes what gpufleet accepts with it): its connectors' data keys (``ssh_user``…) and its global operation
+    arguments (``_sudo``…)."""
+    return frozenset({name for name in global_argument_names() if name.startswith("_")} | connector_data_keys())
+
 
 # How to say what a field accepts when pydantic reports one error per union member.
 _UNION_EXPECTED = {

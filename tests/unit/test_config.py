@@ -273,7 +273,7 @@ def test_pyinfra_keys_are_read_from_pyinfra() -> None:
     from pyinfra.api.arguments import all_argument_meta
     from pyinfra.connectors.ssh import connector_data_meta
 
-    from gpufleet.config.pyinfra_keys import pyinfra_keys
+    from gpufleet.config.validate import pyinfra_keys
 
     assert set(connector_data_meta) <= pyinfra_keys()
     assert {key for key in all_argument_meta if key.startswith("_")} <= pyinfra_keys()
