@@ -87,6 +87,14 @@ OWNED_FLAGS = {
     "--shutdown-timeout": "vllm_shutdown_timeout_s", "--max-num-queued-reqs": "vllm_max_num_queued_reqs",
 }
 
+# vllm_extra_args switches gpufleet needs off, and why.
+REFUSED_SWITCHES = {
+    "--disable-log-stats": "gpufleet's watchdog, readiness check and alerts read vLLM's stats from /metrics",
+}
+
+NODE_PATH_SOURCES = frozenset({"vllm_wheelhouse_url", "vllm_requirements_url"})
+"""Install sources that may be a URL or an absolute path on the nodes (pip and uv read either)."""
+
 CPU_KV_SPACE = "VLLM_CPU_KVCACHE_SPACE"
 """The ``vllm_env`` variable that sizes the KV cache of vLLM's CPU build, in whole GiB per worker."""
 
@@ -666,7 +674,13 @@ class HostConfig(BaseModel):
                 "node_exporter_tarball_url": self.node_exporter_tarball_url}
         for key, value in urls.items():
             hint = grammar.PIP_CREDENTIALS if key.startswith("vllm_") else grammar.NOT_SECRET_URL
-            if value is not None and (problem := grammar.url(value, plain, credentials_hint=hint)):
+            if key in NODE_PATH_SOURCES and value is not None and value.startswith("/"):
+                problem = grammar.node_dir(value)  # on the nodes: pip and uv read a --find-links or -r path
+            elif key in NODE_PATH_SOURCES and value is not None and "://" not in value:
+                problem = f"expected a URL or an absolute path on the nodes, found {grammar.show(value)}"
+            else:
+                problem = grammar.url(value, plain, credentials_hint=hint) if value is not None else None
+            if problem:
                 found.append(((key,), problem))
         webhook = self.alertmanager_webhook_url
         if webhook and (problem := grammar.url(webhook, plain, ("https", "http"), grammar.NOT_SECRET_URL)):
@@ -700,6 +714,9 @@ class HostConfig(BaseModel):
             elif flag in OWNED_FLAGS:
                 found.append((where, f"expected a flag gpufleet does not own, found {flag};"
                                      f" set {OWNED_FLAGS[flag]} instead"))
+            elif flag in REFUSED_SWITCHES and value is not False:
+                found.append((where, f"expected {flag} left out ({REFUSED_SWITCHES[flag]}),"
+                                     f" found {grammar.show(value)}"))
             elif grammar.looks_secret(base):
                 found.append((where, "expected no secret in vllm_extra_args (config.yaml is 0644), found a"
                                      " secret-looking flag; use a secret reference"))
