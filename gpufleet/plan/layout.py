@@ -32,6 +32,7 @@ from gpufleet.plan.model_memory import (
     kv_tokens_per_sequence,
     stage_weights_per_gpu,
 )
+from gpufleet.plan.quantization import capability
 from gpufleet.plan.vllm_memory import Accounting, accounting, batch_defaults, gpu_reserve
 
 
@@ -45,6 +46,7 @@ class NodeShape:
     nvml_memory_bytes: int  # the smallest GPU's, as NVML reports it
     islands: tuple[tuple[int, ...], ...]
     numa: tuple[int, ...]
+    compute_capability: str | None = None  # the lowest of its GPUs' (``9.0``); None when the facts lack it
 
     @property
     def count(self) -> int:
@@ -65,7 +67,14 @@ def node_shape(host: str, facts: NodeFacts) -> NodeShape:
         nvml_memory_bytes=min((g.memory_total_bytes for g in gpus), default=0),
         islands=tuple(tuple(i) for i in nvlink_islands(facts)),
         numa=tuple(g.numa_node if g.numa_node is not None else 0 for g in gpus),
+        compute_capability=_lowest_capability([g.compute_capability for g in gpus]),
     )
+
+
+def _lowest_capability(values: list[str | None]) -> str | None:
+    """The lowest compute capability of a node's GPUs; None when any is unknown."""
+    known = [(cc, value) for value in values if (cc := capability(value)) is not None]
+    return min(known)[1] if known and len(known) == len(values) else None
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from gpufleet.config.schema import HostConfig
 from gpufleet.config.vllm_flags import load_catalog
 from gpufleet.gpu.report import NodeFacts
 from gpufleet.node_paths import replica_host_part
-from gpufleet.plan import layout
+from gpufleet.plan import layout, quantization
 from gpufleet.plan.admission import Admission, UnsupportedLimitError, admission
 from gpufleet.plan.commands import NodeRole, Process, extra_flags, replica_roles, secret_env_names
 from gpufleet.plan.model_arch import ModelArch, ModelConfigError, load_arch
@@ -168,6 +168,8 @@ def _arch_and_weights(cfg: HostConfig) -> tuple[ModelArch, int, str]:
             bytes_per_param("bfloat16", cfg.vllm_quantization)
         except ValueError as exc:  # a quantization the planner has no weight size for
             raise PoolError(str(exc), ("vllm_quantization",)) from None
+        if conflict := quantization.checkpoint_conflict(cfg.vllm_quantization, arch.checkpoint_quant_method):
+            raise _about("vllm_quantization", ": ", conflict)
     path = Path(source)
     exact = safetensors_total_size(path if path.is_dir() else path.parent) if path.exists() else None
     total = weight_bytes(arch, cfg.vllm_dtype, cfg.vllm_quantization, exact)
@@ -249,6 +251,7 @@ def _plan_pool(pool: str, hosts: list[str], fleet: Fleet, facts: dict[str, NodeF
     for shape in shapes:
         if shape.count == 0:
             raise PoolError(f"{shape.host}: no GPUs in its facts")
+    _check_fp8(pool, cfg, arch, shapes, plan.warnings)
     npr = cfg.vllm_nodes_per_replica
     smallest = min(shapes, key=lambda x: x.memory_bytes)
     dp = cfg.vllm_data_parallel_size
@@ -291,6 +294,30 @@ def _plan_pool(pool: str, hosts: list[str], fleet: Fleet, facts: dict[str, NodeF
     raise PoolError(
         f"{arch.name} does not fit on {nodes} node(s) of {smallest.count} x {smallest.gpu_names[0]} at TP {tp}"
         f" x PP {nodes}: weights {_gib(weights_total)} ({how}); " + "; ".join(b.lines()), (_TP, _PP))
+
+
+def _check_fp8(pool: str, cfg: HostConfig, arch: ModelArch, shapes: list[layout.NodeShape],
+               warnings: list[str]) -> None:
+    """fp8 where the pool's GPUs have none (gpufleet.plan.quantization): an fp8 KV cache refused below 8.9, fp8
+    weights refused below 7.5 and warned below 8.9 (weight-only)."""
+    known = [(cc, s) for s in shapes if (cc := quantization.capability(s.compute_capability)) is not None]
+    if not known:
+        return
+    cc, shape = min(known, key=lambda found: found[0])
+    gpu = f"{shape.gpu_names[0]} (compute capability {quantization.shown(cc)}, on {shape.host})"
+    need = quantization.shown(quantization.FP8_COMPUTE)
+    if cfg.vllm_kv_cache_dtype.startswith("fp8") and cc < quantization.FP8_COMPUTE:
+        raise _about("vllm_kv_cache_dtype", ": ", f"expected auto, bfloat16 or float16 on {gpu}: an fp8 KV cache needs"
+                     f" compute capability {need} (Ada, Hopper or newer), found {cfg.vllm_kv_cache_dtype}")
+    method = cfg.vllm_quantization or arch.quant_method
+    if not quantization.fp8_weights(method) or cc >= quantization.FP8_COMPUTE:
+        return
+    key = "vllm_quantization" if cfg.vllm_quantization else "vllm_model"
+    if cc < quantization.FP8_MARLIN:
+        raise _about(key, ": ", f"expected weights other than fp8 on {gpu}: vLLM runs fp8 weights from compute"
+                     f" capability {quantization.shown(quantization.FP8_MARLIN)}, found {method}")
+    warnings.append(f"pool {pool}: fp8 weights on {gpu} run weight-only (W8A16, FP8 Marlin): no fp8 compute below"
+                    f" compute capability {need}")
 
 
 def _sizing(cfg: HostConfig, cfgs: list[HostConfig], arch: ModelArch, weights_total: int, max_len: int,

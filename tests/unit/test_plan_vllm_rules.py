@@ -1,0 +1,77 @@
+"""What the plan refuses because vLLM would: a quantization against the checkpoint's, fp8 on GPUs without it; and
+what it says of flags that move memory and of a long default context."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from gpufleet.gpu.profiles import profile_facts
+from gpufleet.plan import quantization
+from tests.conftest import Project, run_cli
+
+
+@pytest.mark.parametrize(("asked", "checkpoint", "refused"), [
+    ("fp8", None, False), ("FP8", None, False), ("awq", None, True), ("gptq", None, True),
+    ("awq", "awq", False), ("awq_marlin", "awq", False), ("gptq_marlin", "gptq", False),
+    ("modelopt_fp4", "modelopt", False), ("gptq", "awq", True), ("fp8", "awq", True),
+    ("fp8", "compressed_tensors", True), ("compressed-tensors", "compressed_tensors", False),
+])
+def test_checkpoint_conflict(asked: str, checkpoint: str | None, refused: bool) -> None:
+    assert (quantization.checkpoint_conflict(asked, checkpoint) is not None) is refused
+
+
+def test_capability_reads_major_minor_only() -> None:
+    assert quantization.capability("8.6") == (8, 6)
+    assert quantization.capability("9.0") == (9, 0)
+    assert quantization.capability(None) is None
+    assert quantization.capability("sm90") is None
+
+
+def _facts_dir(tmp: Path, host: str, capability: str | None) -> Path:
+    """Probed facts of an 8 x A100 node whose GPUs report ``capability``."""
+    facts = json.loads(profile_facts("8xA100-SXM", host).to_json())
+    for gpu in facts["gpus"]:
+        gpu["compute_capability"] = capability
+    folder = tmp / "facts"
+    folder.mkdir(exist_ok=True)
+    (folder / f"{host}.json").write_text(json.dumps(facts))
+    return folder
+
+
+@pytest.mark.parametrize(("capability", "rc", "said"), [
+    ("7.0", 2, "vllm_quantization: expected weights other than fp8 on NVIDIA A100-SXM4-80GB (compute capability 7.0,"
+               " on g1): vLLM runs fp8 weights from compute capability 7.5, found fp8"),
+    ("8.6", 0, "warning: pool pool: fp8 weights on NVIDIA A100-SXM4-80GB (compute capability 8.6, on g1) run"
+               " weight-only (W8A16, FP8 Marlin): no fp8 compute below compute capability 8.9"),
+    ("9.0", 0, ""),
+    (None, 0, ""),  # facts without a compute capability: nothing to decide from
+])
+def test_fp8_weights_by_probed_capability(project: Project, tmp_path: Path, capability: str | None, rc: int,
+                                          said: str) -> None:
+    project.group_vars("all", """
+        vllm_model: meta-llama/Llama-3.1-8B-Instruct
+        vllm_quantization: fp8
+        vllm_max_model_len: 8192
+    """)
+    project.inventory('pool = ["g1"]')
+    result = run_cli("plan", "inventories/fleet.py", "--json", "--facts", str(_facts_dir(tmp_path, "g1", capability)),
+                     cwd=project.root)
+    assert result.rc == rc, result.err
+    assert (said in result.err) if said else "fp8" not in result.err
+
+
+def test_fp8_kv_cache_refused_on_probed_ampere(project: Project, tmp_path: Path) -> None:
+    project.group_vars("all", """
+        vllm_model: meta-llama/Llama-3.1-8B-Instruct
+        vllm_kv_cache_dtype: fp8_e5m2
+        vllm_max_model_len: 8192
+    """)
+    project.inventory('pool = ["g1"]')
+    result = run_cli("plan", "inventories/fleet.py", "--facts", str(_facts_dir(tmp_path, "g1", "8.6")),
+                     cwd=project.root)
+    assert result.rc == 2
+    assert "vllm_kv_cache_dtype: expected auto, bfloat16 or float16 on NVIDIA A100-SXM4-80GB (compute capability 8.6" \
+        in result.err
