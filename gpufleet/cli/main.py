@@ -135,6 +135,9 @@ def _print_table(plan: FleetPlan, observed: dict[str, tuple[dict[str, Any] | Non
                       str(r.dp), str(r.port), f"{r.budget.weights_bytes_per_gpu / GIB:,.1f} GiB",
                       f"{r.budget.kv_pool_bytes / GIB:,.1f} GiB", f"{r.kv_bytes_per_token:,}", seqs, *tokens)
     console.print(table)
+    for pool, flags in dict.fromkeys((r.pool, r.not_modelled) for r in plan.replicas if r.not_modelled):
+        console.print(f"pool {pool}: not modelled in the plan's memory: {', '.join(flags)} (vLLM's KV pool may be"
+                      " smaller than planned)", soft_wrap=True, highlight=False, markup=False)
     for r in plan.replicas:
         for role in r.roles:
             for proc in role.processes:

@@ -49,6 +49,7 @@ class Replica:
     roles: list[NodeRole]
     secret_env: list[str]
     admission: Admission
+    not_modelled: tuple[str, ...] = ()  # its flags that move memory the plan does not model (layout.NOT_MODELLED)
 
     @property
     def nodes(self) -> list[str]:
@@ -76,6 +77,7 @@ class Replica:
                           for r in self.roles},
             "secret_env": self.secret_env,
             "budget": self.budget.lines(),
+            **({"not_modelled": list(self.not_modelled)} if self.not_modelled else {}),
         }
 
     def process_line(self, role: NodeRole, process: Process) -> str:
@@ -413,7 +415,8 @@ def _single_node_replicas(pool: str, hosts: list[str], fleet: Fleet, shapes: lis
                                   tp, pp, cfg.vllm_data_parallel_size, max_len, queued_reqs=admit.queued_reqs)
             plan.replicas.append(Replica(name, pool, cfg.checkpoint(), tp, pp, cfg.vllm_data_parallel_size,
                                          host_cfg.vllm_port + k, "single-node", max_len, per_token, b, roles,
-                                         secret_env_names(host_cfg), admit))
+                                         secret_env_names(host_cfg), admit,
+                                         layout.not_modelled(cfg.vllm_extra_args)))
 
 
 def _multi_node_replicas(pool: str, hosts: list[str], fleet: Fleet, shapes: list[layout.NodeShape],
@@ -440,7 +443,7 @@ def _multi_node_replicas(pool: str, hosts: list[str], fleet: Fleet, shapes: list
                               tp, pp, 1, max_len, queued_reqs=admit.queued_reqs)
         plan.replicas.append(Replica(f"{pool}-{k}", pool, cfg.checkpoint(), tp, pp, 1, cfgs[0].vllm_port,
                                      cfg.vllm_distributed_backend, max_len, per_token, b, roles,
-                                     secret_env_names(cfgs[0]), admit))
+                                     secret_env_names(cfgs[0]), admit, layout.not_modelled(cfg.vllm_extra_args)))
     spare = hosts[(len(hosts) // nodes) * nodes:]
     if spare:
         plan.idle += spare

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -75,3 +76,61 @@ def test_fp8_kv_cache_refused_on_probed_ampere(project: Project, tmp_path: Path)
     assert result.rc == 2
     assert "vllm_kv_cache_dtype: expected auto, bfloat16 or float16 on NVIDIA A100-SXM4-80GB (compute capability 8.6" \
         in result.err
+
+
+def _json_plan(project: Project, extra_args: str, *more: str) -> tuple[list[dict[str, Any]], str, str]:
+    project.group_vars("all", f"""
+        vllm_model: meta-llama/Llama-3.1-8B-Instruct
+        gpu_profile: 8xH100-SXM
+        vllm_max_model_len: 8192
+        vllm_replicas_per_node: 1
+        vllm_extra_args: {extra_args}
+    """)
+    project.inventory('pool = ["g1"]')
+    result = run_cli("plan", "inventories/fleet.py", "--json", *more, cwd=project.root)
+    assert result.rc == 0, result.err
+    text = run_cli("plan", "inventories/fleet.py", cwd=project.root)
+    assert text.rc == 0, text.err
+    return json.loads(result.out), text.out, result.err
+
+
+def test_kv_cache_memory_bytes_is_the_pool(project: Project) -> None:
+    (plain,), _, _ = _json_plan(project, "{}")
+    (fixed,), _, _ = _json_plan(project, '{"kv-cache-memory-bytes": "20G"}')
+    assert fixed["kv_pool_bytes_per_gpu"] == 20 * 2**30 < plain["kv_pool_bytes_per_gpu"]
+    assert fixed["weights_bytes_per_gpu"] == plain["weights_bytes_per_gpu"]
+    # 20 GiB / 128 KiB per token, in blocks of 16, without the margin the profiled pool keeps
+    assert fixed["kv_tokens_per_gpu"] == 20 * 2**30 // 131_072 // 16 * 16
+    assert fixed["budget"][0].startswith("--kv-cache-memory-bytes 20.0 GiB KV pool beside")
+    assert "not_modelled" not in fixed
+
+
+def test_kv_cache_memory_bytes_beyond_the_gpu_is_refused(project: Project) -> None:
+    project.group_vars("all", """
+        vllm_model: meta-llama/Llama-3.1-8B-Instruct
+        gpu_profile: 8xH100-SXM
+        vllm_max_model_len: 8192
+        vllm_tensor_parallel_size: 1
+        vllm_extra_args: {kv-cache-memory-bytes: 80G}
+    """)
+    project.inventory('pool = ["g1"]')
+    result = run_cli("plan", "inventories/fleet.py", cwd=project.root)
+    assert result.rc == 2
+    assert "no KV pool: weights, reserve and that pool exceed the GPU's memory by" in result.err
+
+
+def test_cpu_offload_lowers_the_weights_on_each_gpu(project: Project) -> None:
+    (plain,), _, _ = _json_plan(project, "{}")
+    (offload,), _, _ = _json_plan(project, '{"cpu-offload-gb": 4}')
+    assert offload["weights_bytes_per_gpu"] == plain["weights_bytes_per_gpu"] - 4 * 2**30
+    assert offload["kv_pool_bytes_per_gpu"] > plain["kv_pool_bytes_per_gpu"]
+
+
+def test_flags_not_modelled_are_named(project: Project) -> None:
+    (replica,), text, _ = _json_plan(project, '{"enable-lora": true, "max-loras": 4, "speculative-config":'
+                                              ' {"method": "ngram", "num_speculative_tokens": 3}}')
+    assert replica["not_modelled"] == ["--enable-lora", "--max-loras", "--speculative-config"]
+    assert ("pool pool: not modelled in the plan's memory: --enable-lora, --max-loras, --speculative-config"
+            " (vLLM's KV pool may be smaller than planned)") in text
+    (off,), text, _ = _json_plan(project, '{"enable-lora": false}')
+    assert "not_modelled" not in off and "not modelled" not in text
