@@ -19,7 +19,14 @@ from gpufleet.plan import layout, quantization
 from gpufleet.plan.admission import Admission, UnsupportedLimitError, admission
 from gpufleet.plan.commands import NodeRole, Process, extra_flags, replica_roles, secret_env_names
 from gpufleet.plan.model_arch import ModelArch, ModelConfigError, load_arch
-from gpufleet.plan.model_memory import GIB, KvBudget, bytes_per_param, safetensors_total_size, weight_bytes
+from gpufleet.plan.model_memory import (
+    GIB,
+    KvBudget,
+    bytes_per_param,
+    kv_tokens_per_sequence,
+    safetensors_total_size,
+    weight_bytes,
+)
 
 # Settings every host of one pool must share (one model, one layout).
 POOL_WIDE = (
@@ -125,6 +132,7 @@ class FleetPlan:
     warnings: list[str] = field(default_factory=list)
     problems: list[PlanProblem] = field(default_factory=list)
     idle: list[str] = field(default_factory=list)
+    context_warnings: list[str] = field(default_factory=list)  # a long max_model_len by default (long_context_warning)
 
     def problems_of(self, host: str, pool: str | None) -> list[PlanProblem]:
         """The problems that keep ``host`` (of ``pool``) from serving."""
@@ -241,7 +249,32 @@ def _no_fit_message(cfg: HostConfig, s: layout.Sizing, node: layout.NodeShape, h
             + "; ".join(b.lines()))
 
 
-def _plan_pool(pool: str, hosts: list[str], fleet: Fleet, facts: dict[str, NodeFacts], plan: FleetPlan) -> None:
+LONG_DEFAULT_CONTEXT = 32768
+"""A model default context from which ``vllm_max_model_len`` left unset is warned."""
+CONTEXT_LENGTHS = (4096, 8192, 16384, 32768)
+"""The lengths the warning's table shows, with the model's full length."""
+
+
+def long_context_warning(pool: str, cfg: HostConfig, arch: ModelArch, replica: Replica) -> str | None:
+    """A warning, with a table of the sequences one replica's KV pool holds at 4k, 8k, 16k, 32k and full length,
+    when ``vllm_max_model_len`` is unset and the model's default context is ``LONG_DEFAULT_CONTEXT`` or more."""
+    full = arch.max_position_embeddings
+    if cfg.vllm_max_model_len is not None or full is None or full < LONG_DEFAULT_CONTEXT:
+        return None
+    b = replica.budget
+    blocks = b.kv_tokens // b.block_size
+    rows = [f"  {length:>11,} {blocks / -(-kv_tokens_per_sequence(arch, length) // b.block_size) * replica.dp:>10,.1f}"
+            + (" (the model's default)" if length == full else "")
+            for length in sorted({*(n for n in CONTEXT_LENGTHS if n < full), full})]
+    return (f"pool {pool}: vllm_max_model_len unset: vLLM takes {arch.name}'s default, {full:,} tokens"
+            " (max_position_embeddings), and the plan admits as many sequences of that length as the KV pool holds;"
+            " set vllm_max_model_len to the longest request clients send. Sequences one replica holds at once:\n"
+            f"  {'tokens':>11} {'sequences':>10}\n" + "\n".join(rows))
+
+
+def _plan_pool(pool: str, hosts: list[str], fleet: Fleet, facts: dict[str, NodeFacts], plan: FleetPlan
+               ) -> ModelArch:
+    """Plan one pool's replicas into ``plan``; returns its model's architecture."""
     cfg = _pool_config(pool, hosts, fleet.configs)
     arch, weights_total, how = _arch_and_weights(cfg)
     limit = arch.max_position_embeddings
@@ -267,7 +300,7 @@ def _plan_pool(pool: str, hosts: list[str], fleet: Fleet, facts: dict[str, NodeF
     if tp_fixed != "auto" and tp_fixed > smallest.count:
         _check_same_gpus(shapes)
         _tp_across_nodes(pool, hosts, fleet, shapes, cfg, s, tp_fixed, how, plan)
-        return
+        return arch
 
     single = None if npr not in ("auto", 1) else _fit_single_node(cfg, s, smallest, plan.warnings)
     if single is not None:
@@ -278,7 +311,7 @@ def _plan_pool(pool: str, hosts: list[str], fleet: Fleet, facts: dict[str, NodeF
                             (_TP, _PP, _DP, "vllm_nodes_per_replica"))
         admit = _admission(pool, cfg, b, layout.max_num_seqs(s, smallest.memory_bytes, tp, pp), dp, plan)
         _single_node_replicas(pool, hosts, fleet, shapes, cfg, tp, pp, b, per_token, max_len, admit, plan)
-        return
+        return arch
     if npr == 1 or (npr == "auto" and len(hosts) == 1):
         raise PoolError(_no_fit_message(cfg, s, smallest, how), (_TP, _PP))
     _check_same_gpus(shapes)
@@ -290,7 +323,7 @@ def _plan_pool(pool: str, hosts: list[str], fleet: Fleet, facts: dict[str, NodeF
             admit = _admission(pool, cfg, b, layout.max_num_seqs(s, smallest.memory_bytes, tp, nodes), 1, plan)
             _multi_node_replicas(pool, hosts, fleet, shapes, cfg, (tp, nodes, nodes, tp), b, per_token, max_len,
                                  admit, plan)
-            return
+            return arch
     nodes = counts[-1]
     b, _ = layout.budget(s, smallest.memory_bytes, tp, nodes)
     raise PoolError(
@@ -468,7 +501,10 @@ def plan_fleet(fleet: Fleet, facts: dict[str, NodeFacts]) -> FleetPlan:
     plan = FleetPlan()
     for pool, hosts in fleet.pools.items():
         try:
-            _plan_pool(pool, hosts, fleet, facts, plan)
+            arch = _plan_pool(pool, hosts, fleet, facts, plan)
+            first = next((r for r in plan.replicas if r.pool == pool), None)
+            if first and (warning := long_context_warning(pool, fleet.configs[hosts[0]], arch, first)):
+                plan.context_warnings.append(warning)
         except PoolError as exc:
             plan.problems.append(exc.problem(pool))
         except ValueError as exc:  # a value the planner cannot size

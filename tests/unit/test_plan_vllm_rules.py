@@ -134,3 +134,38 @@ def test_flags_not_modelled_are_named(project: Project) -> None:
             " (vLLM's KV pool may be smaller than planned)") in text
     (off,), text, _ = _json_plan(project, '{"enable-lora": false}')
     assert "not_modelled" not in off and "not modelled" not in text
+
+
+def _long_context(project: Project, model: str, max_len: str = "") -> tuple[str, str]:
+    """(check's stderr, plan's stderr) of one 8 x H100 node serving ``model``."""
+    project.group_vars("all", f"""
+        vllm_model: {model}
+        gpu_profile: 8xH100-SXM
+        vllm_tensor_parallel_size: 8
+        {max_len}
+    """)
+    project.inventory('pool = ["g1"]')
+    check = run_cli("check", "inventories/fleet.py", cwd=project.root)
+    plan = run_cli("plan", "inventories/fleet.py", "--json", cwd=project.root)
+    assert check.rc == 0 and plan.rc == 0, (check.err, plan.err)
+    assert check.out.endswith("configuration valid\n")
+    return check.err, plan.err
+
+
+def test_long_default_context_is_warned_with_a_table(project: Project) -> None:
+    check, plan = _long_context(project, "meta-llama/Llama-3.1-70B-Instruct")
+    assert check == plan
+    lines = check.splitlines()
+    assert lines[0].startswith("warning: pool pool: vllm_max_model_len unset: vLLM takes Llama-3.1-70B's default,"
+                               " 131,072 tokens (max_position_embeddings)")
+    assert lines[1].split() == ["tokens", "sequences"]
+    table = [line.split() for line in lines[2:7]]
+    assert [row[0] for row in table] == ["4,096", "8,192", "16,384", "32,768", "131,072"]
+    seqs = [float(row[1].replace(",", "")) for row in table]
+    assert seqs == sorted(seqs, reverse=True) and seqs[0] == pytest.approx(32 * seqs[4], rel=0.01)
+    assert lines[6].endswith("(the model's default)")
+
+
+def test_no_long_context_warning_when_set_or_short(project: Project) -> None:
+    assert _long_context(project, "meta-llama/Llama-3.1-70B-Instruct", "vllm_max_model_len: 131072") == ("", "")
+    assert "vllm_max_model_len unset" not in _long_context(project, "meta-llama/Meta-Llama-3-70B")[1]
