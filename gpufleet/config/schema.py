@@ -439,9 +439,9 @@ class HostConfig(BaseModel):
     alertmanager_port: Port
     alertmanager_webhook_url: str | None
     alertmanager_log_port: Port
-    alertmanager_group_wait_s: Annotated[int, Field(ge=0, le=3600)]
-    alertmanager_group_interval_s: Annotated[int, Field(ge=1, le=86400)]
-    alertmanager_repeat_interval_s: Annotated[int, Field(ge=60, le=604800)]
+    alertmanager_group_wait_s: Annotated[int, Field(ge=0, le=3600), _limit(limits.alertmanager_wait)]
+    alertmanager_group_interval_s: Annotated[int, Field(ge=1, le=86400), _limit(limits.alertmanager_interval)]
+    alertmanager_repeat_interval_s: Annotated[int, Field(ge=60, le=604800), _limit(limits.alertmanager_interval)]
 
     _check_secret = field_validator("vllm_api_key", "vllm_hf_token", "ray_auth_token", "vllm_pip_index_credentials",
                                     "router_tls_certificate", "router_tls_key", mode="before")(_secret_ref)
