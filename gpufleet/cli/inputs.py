@@ -15,6 +15,7 @@ from gpufleet.config.layers import is_role_default
 from gpufleet.config.problems import EXIT_BAD_INPUT, ConfigError, exit_with
 from gpufleet.gpu.profiles import ProfileError, profile_facts
 from gpufleet.gpu.report import FactsError, NodeFacts, load_facts
+from gpufleet.plan.planner import FleetPlan, plan_fleet
 
 
 def fail_lines(lines: list[str]) -> NoReturn:
@@ -70,3 +71,12 @@ def fleet_facts(fleet: Fleet, facts_dir: Path | None) -> dict[str, NodeFacts]:
     if problems:
         fail_lines(problems)
     return facts
+
+
+def declared_plan(fleet: Fleet) -> FleetPlan:
+    """The plan of the pools whose hosts all declare a ``gpu_profile`` (what ``gpufleet check`` plans on)."""
+    pools = {pool: hosts for pool, hosts in fleet.pools.items()
+             if all(fleet.configs[h].gpu_profile for h in hosts)}
+    hosts = [h for members in pools.values() for h in members]
+    facts = {h: profile_facts(str(fleet.configs[h].gpu_profile), h) for h in hosts}
+    return plan_fleet(Fleet(fleet.inventory, hosts, {h: fleet.configs[h] for h in hosts}, pools), facts)

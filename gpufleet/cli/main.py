@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from gpufleet.cli.inputs import DATA_OPTION, cli_fleet, fail_lines, fleet_facts
+from gpufleet.cli.inputs import DATA_OPTION, cli_fleet, declared_plan, fail_lines, fleet_facts
 from gpufleet.config.inventory import (
     configured_health_policy,
     loaded_inventory,
@@ -96,6 +96,8 @@ def check(inventory: str, data: tuple[str, ...]) -> None:
     """Validate an inventory, its group_vars and the plan on declared gpu_profiles; exit 0, or 2 with one
     line per problem."""
     fleet = cli_fleet(inventory, data)
+    for warning in declared_plan(fleet).context_warnings:
+        click.echo(f"warning: {warning}", err=True)
     click.echo(f"{inventory}: {len(fleet.hosts)} hosts in {len(fleet.pools)} pools: configuration valid")
 
 
@@ -135,6 +137,9 @@ def _print_table(plan: FleetPlan, observed: dict[str, tuple[dict[str, Any] | Non
                       str(r.dp), str(r.port), f"{r.budget.weights_bytes_per_gpu / GIB:,.1f} GiB",
                       f"{r.budget.kv_pool_bytes / GIB:,.1f} GiB", f"{r.kv_bytes_per_token:,}", seqs, *tokens)
     console.print(table)
+    for pool, flags in dict.fromkeys((r.pool, r.not_modelled) for r in plan.replicas if r.not_modelled):
+        console.print(f"pool {pool}: not modelled in the plan's memory: {', '.join(flags)} (vLLM's KV pool may be"
+                      " smaller than planned)", soft_wrap=True, highlight=False, markup=False)
     for r in plan.replicas:
         for role in r.roles:
             for proc in role.processes:
@@ -156,7 +161,7 @@ def plan(inventory: str, facts_dir: Path | None, as_json: bool, observed: bool, 
     vLLM reported (exit 1 when a node could not be read)."""
     fleet = cli_fleet(inventory, data)
     result = plan_fleet(fleet, fleet_facts(fleet, facts_dir))
-    for warning in result.warnings:
+    for warning in result.warnings + result.context_warnings:
         click.echo(f"warning: {warning}", err=True)
     if result.problems:
         fail_lines([problem.line() for problem in result.problems])

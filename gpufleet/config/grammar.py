@@ -73,6 +73,16 @@ def model_path(value: str) -> str | None:
     return None
 
 
+def node_dir(value: str) -> str | None:
+    """An absolute path on the nodes: normalised (no ``.``, ``..`` or repeated ``/``; a final ``/`` allowed), no
+    blank or control character."""
+    bad = any(ch.isspace() for ch in value) or control_char(value) is not None
+    path = value.rstrip("/") or "/"  # a directory may end in /
+    if bad or not path.startswith("/") or posixpath.normpath(path) != path or path.startswith("//"):
+        return f"expected an absolute normalised path on the nodes, found {show(value)}"
+    return None
+
+
 def controller_path(value: str) -> str | None:
     """A path on the controller: absolute, ``~/…`` or relative; no empty text."""
     if not value.strip() or value != value.strip():

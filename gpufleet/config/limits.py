@@ -22,6 +22,11 @@ PROMQL_MAX_INT = 2**53
 """The largest integer a PromQL number holds exactly: promtool reads numbers as 64-bit floats (a number beyond
 about 1.8e308 does not parse at all; one beyond 2**53 compares as another)."""
 
+DURATION_MAX_SECONDS = (2**63 - 1) // 10**9
+"""The longest duration in seconds Prometheus's duration type holds (Alertmanager's ``group_wait``,
+``group_interval``, ``repeat_interval``): nanoseconds in a signed 64-bit integer; ``amtool check-config`` refuses a
+second more."""
+
 NODE_MAX_GPUS = 16
 """The most GPUs a node has (a hardware profile holds 1 to 16): the most replicas a node can serve."""
 
@@ -66,6 +71,22 @@ def promql_int(value: int) -> str | None:
     if abs(value) > PROMQL_MAX_INT:
         return f"expected at most {PROMQL_MAX_INT} (the largest integer a PromQL number holds), found {_digits(value)}"
     return None
+
+
+def alertmanager_wait(seconds: int) -> str | None:
+    """Seconds amtool takes as a route's wait (``group_wait``): from 0 to Prometheus's longest duration."""
+    if not 0 <= seconds <= DURATION_MAX_SECONDS:
+        return (f"expected 0 to {DURATION_MAX_SECONDS} seconds (Alertmanager's longest duration),"
+                f" found {_digits(seconds)}")
+    return None
+
+
+def alertmanager_interval(seconds: int) -> str | None:
+    """Seconds amtool takes as a route's interval (``group_interval``, ``repeat_interval``): not zero, at most
+    Prometheus's longest duration."""
+    if seconds == 0:
+        return "expected at least 1 second (amtool refuses a zero interval), found 0"
+    return alertmanager_wait(seconds)
 
 
 def replica_name(pool: str, longest: str) -> str | None:

@@ -87,6 +87,14 @@ OWNED_FLAGS = {
     "--shutdown-timeout": "vllm_shutdown_timeout_s", "--max-num-queued-reqs": "vllm_max_num_queued_reqs",
 }
 
+# vllm_extra_args switches gpufleet needs off, and why.
+REFUSED_SWITCHES = {
+    "--disable-log-stats": "gpufleet's watchdog, readiness check and alerts read vLLM's stats from /metrics",
+}
+
+NODE_PATH_SOURCES = frozenset({"vllm_wheelhouse_url", "vllm_requirements_url"})
+"""Install sources that may be a URL or an absolute path on the nodes (pip and uv read either)."""
+
 CPU_KV_SPACE = "VLLM_CPU_KVCACHE_SPACE"
 """The ``vllm_env`` variable that sizes the KV cache of vLLM's CPU build, in whole GiB per worker."""
 
@@ -431,9 +439,9 @@ class HostConfig(BaseModel):
     alertmanager_port: Port
     alertmanager_webhook_url: str | None
     alertmanager_log_port: Port
-    alertmanager_group_wait_s: Annotated[int, Field(ge=0, le=3600)]
-    alertmanager_group_interval_s: Annotated[int, Field(ge=1, le=86400)]
-    alertmanager_repeat_interval_s: Annotated[int, Field(ge=60, le=604800)]
+    alertmanager_group_wait_s: Annotated[int, Field(ge=0, le=3600), _limit(limits.alertmanager_wait)]
+    alertmanager_group_interval_s: Annotated[int, Field(ge=1, le=86400), _limit(limits.alertmanager_interval)]
+    alertmanager_repeat_interval_s: Annotated[int, Field(ge=60, le=604800), _limit(limits.alertmanager_interval)]
 
     _check_secret = field_validator("vllm_api_key", "vllm_hf_token", "ray_auth_token", "vllm_pip_index_credentials",
                                     "router_tls_certificate", "router_tls_key", mode="before")(_secret_ref)
@@ -666,7 +674,13 @@ class HostConfig(BaseModel):
                 "node_exporter_tarball_url": self.node_exporter_tarball_url}
         for key, value in urls.items():
             hint = grammar.PIP_CREDENTIALS if key.startswith("vllm_") else grammar.NOT_SECRET_URL
-            if value is not None and (problem := grammar.url(value, plain, credentials_hint=hint)):
+            if key in NODE_PATH_SOURCES and value is not None and value.startswith("/"):
+                problem = grammar.node_dir(value)  # on the nodes: pip and uv read a --find-links or -r path
+            elif key in NODE_PATH_SOURCES and value is not None and "://" not in value:
+                problem = f"expected a URL or an absolute path on the nodes, found {grammar.show(value)}"
+            else:
+                problem = grammar.url(value, plain, credentials_hint=hint) if value is not None else None
+            if problem:
                 found.append(((key,), problem))
         webhook = self.alertmanager_webhook_url
         if webhook and (problem := grammar.url(webhook, plain, ("https", "http"), grammar.NOT_SECRET_URL)):
@@ -700,6 +714,9 @@ class HostConfig(BaseModel):
             elif flag in OWNED_FLAGS:
                 found.append((where, f"expected a flag gpufleet does not own, found {flag};"
                                      f" set {OWNED_FLAGS[flag]} instead"))
+            elif flag in REFUSED_SWITCHES and value is not False:
+                found.append((where, f"expected {flag} left out ({REFUSED_SWITCHES[flag]}),"
+                                     f" found {grammar.show(value)}"))
             elif grammar.looks_secret(base):
                 found.append((where, "expected no secret in vllm_extra_args (config.yaml is 0644), found a"
                                      " secret-looking flag; use a secret reference"))

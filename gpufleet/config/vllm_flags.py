@@ -49,6 +49,18 @@ _HUMAN_IN_JSON = re.compile(r"\b\d+(?:\.\d+)?[kKmMgGtT]\b")
 _JSON_STRING = re.compile(r'("(?:[^"\\]|\\.)*")')
 _OPTIMIZATION_LEVEL = "--optimization-level"
 
+FLAG_FLOORS: dict[str, tuple[int, str]] = {
+    "--max-num-seqs": (1, "SchedulerConfig"), "--max-num-batched-tokens": (1, "SchedulerConfig"),
+    "--max-num-partial-prefills": (1, "SchedulerConfig"), "--max-long-partial-prefills": (1, "SchedulerConfig"),
+    "--num-lookahead-slots": (0, "SchedulerConfig"), "--stream-interval": (1, "SchedulerConfig"),
+    "--block-size": (1, "CacheConfig"), "--max-loras": (1, "LoRAConfig"),
+    "--cpu-offload-gb": (0, "OffloadConfig"), "--offload-group-size": (0, "OffloadConfig"),
+    "--offload-num-in-group": (1, "OffloadConfig"), "--offload-prefetch-step": (0, "OffloadConfig"),
+}
+"""The smallest value vLLM's config classes take for a count (their pydantic ``Field(ge=…)``/``gt=0``; the catalogs
+record types only): flag -> (least value, the class that refuses less). The sizes gpufleet owns (tensor, pipeline,
+data parallel, max-model-len) are its own variables, with their own ranges."""
+
 
 class UnsupportedVersionError(ValueError):
     """A vLLM version without a flag catalog."""
@@ -382,6 +394,9 @@ class FlagCatalog:
             return FlagProblem(flag, f"expects {detail}, got {raw!r}{extra}")
         if isinstance(value, dict) and spec.config_class:
             return next(iter(self.config_problems(flag, spec, value)), None)
+        if (floor := FLAG_FLOORS.get(spec.name)) and isinstance(value, (int, float)) and value < floor[0]:
+            detail = _TYPE_WORDS.get(spec.type, spec.type).split(" (")[0]
+            return FlagProblem(flag, f"expects {detail} >= {floor[0]} (vLLM's {floor[1]}), got {raw!r}")
         if spec.choices is not None and value not in spec.choices:
             return FlagProblem(flag, self._choice_text(value, spec.choices, "invalid choice", ""))
         if (

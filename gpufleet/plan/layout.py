@@ -25,13 +25,16 @@ from gpufleet.gpu.report import NodeFacts
 from gpufleet.gpu.topology import nvlink_islands
 from gpufleet.plan.model_arch import ModelArch
 from gpufleet.plan.model_memory import (
+    GIB,
     KvBudget,
     kv_budget,
     kv_bytes_per_token,
+    kv_fixed_budget,
     kv_space_budget,
     kv_tokens_per_sequence,
     stage_weights_per_gpu,
 )
+from gpufleet.plan.quantization import capability
 from gpufleet.plan.vllm_memory import Accounting, accounting, batch_defaults, gpu_reserve
 
 
@@ -45,6 +48,7 @@ class NodeShape:
     nvml_memory_bytes: int  # the smallest GPU's, as NVML reports it
     islands: tuple[tuple[int, ...], ...]
     numa: tuple[int, ...]
+    compute_capability: str | None = None  # the lowest of its GPUs' (``9.0``); None when the facts lack it
 
     @property
     def count(self) -> int:
@@ -65,7 +69,14 @@ def node_shape(host: str, facts: NodeFacts) -> NodeShape:
         nvml_memory_bytes=min((g.memory_total_bytes for g in gpus), default=0),
         islands=tuple(tuple(i) for i in nvlink_islands(facts)),
         numa=tuple(g.numa_node if g.numa_node is not None else 0 for g in gpus),
+        compute_capability=_lowest_capability([g.compute_capability for g in gpus]),
     )
+
+
+def _lowest_capability(values: list[str | None]) -> str | None:
+    """The lowest compute capability of a node's GPUs; None when any is unknown."""
+    known = [(cc, value) for value in values if (cc := capability(value)) is not None]
+    return min(known)[1] if known and len(known) == len(values) else None
 
 
 @dataclass(frozen=True)
@@ -94,6 +105,24 @@ class Sizing:
     block_size: int | None = None
     reserve_bytes: int | None = None
     kv_space_bytes: int | None = None
+    kv_cache_bytes: int | None = None
+    cpu_offload_bytes: int = 0
+
+
+NOT_MODELLED = ("--speculative-config", "--enable-lora", "--max-loras", "--max-lora-rank", "--max-cpu-loras",
+                "--lora-modules", "--kv-offloading-size", "--kv-transfer-config", "--num-gpu-blocks-override",
+                "--offload-group-size", "--offload-num-in-group", "--offload-prefetch-step", "--offload-params",
+                "--cpu-offload-params")
+"""``vllm serve`` flags that move GPU memory and that the plan's memory does not model: a draft model and its KV
+cache, LoRA adapters' slots, KV offloading and transfer buffers, a forced block count, layer prefetch offloading."""
+
+
+def not_modelled(flags: Mapping[str, Any]) -> tuple[str, ...]:
+    """The `NOT_MODELLED` flags among ``flags`` (names without dashes), in their order; a switch set false or a null
+    value is no flag."""
+    found = ["--" + name.partition(".")[0].replace("_", "-") for name, value in flags.items()
+             if value is not False and value is not None]
+    return tuple(dict.fromkeys(flag for flag in found if flag in NOT_MODELLED))
 
 
 def _int_flag(flags: Mapping[str, Any], name: str) -> int | None:
@@ -113,16 +142,22 @@ def sizing(arch: ModelArch, weights_total: int, *, dtype: str, kv_dtype: str, ut
            max_model_len: int, version: str, flags: Mapping[str, Any], platform: str = "cuda", gpu_name: str = "",
            reserve_bytes: int | None = None, kv_space_bytes: int | None = None) -> Sizing:
     """A pool's `Sizing`: ``dtype`` ``auto`` is the checkpoint's; of the ``vllm serve`` ``flags`` (names without
-    dashes), those that move memory: max-num-batched-tokens, max-num-seqs, enforce-eager, enable-chunked-prefill,
-    block-size."""
+    dashes), those that move memory and are modelled: max-num-batched-tokens, max-num-seqs, enforce-eager,
+    enable-chunked-prefill, block-size, kv-cache-memory-bytes (the pool's size), cpu-offload-gb (weights kept in
+    RAM, per GPU)."""
     named = {name.replace("_", "-"): value for name, value in flags.items()}
+    kv_cache = _int_flag(named, "kv-cache-memory-bytes")
+    offload = named.get("cpu-offload-gb")
+    offload_gib = offload if isinstance(offload, (int, float)) and not isinstance(offload, bool) else 0
     return Sizing(
         arch, weights_total, dtype if dtype != "auto" else (arch.torch_dtype or "bfloat16"), kv_dtype, utilization,
         max_model_len, accounting(version), platform=platform, gpu_name=gpu_name,
         batched_tokens=_int_flag(named, "max-num-batched-tokens"), max_num_seqs=_int_flag(named, "max-num-seqs"),
         enforce_eager=named.get("enforce-eager") is True,
         chunked_prefill=named.get("enable-chunked-prefill") is not False, block_size=_int_flag(named, "block-size"),
-        reserve_bytes=reserve_bytes, kv_space_bytes=kv_space_bytes)
+        reserve_bytes=reserve_bytes, kv_space_bytes=kv_space_bytes,
+        kv_cache_bytes=kv_cache if kv_cache is not None and kv_cache > 0 else None,
+        cpu_offload_bytes=max(0, int(offload_gib * GIB)))
 
 
 def _stage_budget(s: Sizing, memory_bytes: int, tp: int, pp: int, stage: int, weights: int) -> KvBudget:
@@ -139,6 +174,10 @@ def _stage_budget(s: Sizing, memory_bytes: int, tp: int, pp: int, stage: int, we
     reserve = gpu_reserve(s.arch, stage=stage, stages=pp, tp=tp, batched_tokens=s.batched_tokens or tokens,
                           max_num_seqs=s.max_num_seqs or seqs, enforce_eager=s.enforce_eager, rules=s.rules)
     size, parts = (reserve.total, reserve.parts()) if s.reserve_bytes is None else (s.reserve_bytes, ())
+    if s.kv_cache_bytes is not None:
+        return kv_fixed_budget(memory_bytes, s.kv_cache_bytes, weights, size, per_token, per_sequence,
+                               block_size=s.block_size or s.rules.gpu_block_size, reserve_parts=parts, stage=stage,
+                               stages=pp)
     return kv_budget(memory_bytes, s.utilization, weights, size, per_token, per_sequence,
                      block_size=s.block_size or s.rules.gpu_block_size, reserve_parts=parts, stage=stage, stages=pp,
                      kv_margin=s.rules.kv_margin)
@@ -147,7 +186,8 @@ def _stage_budget(s: Sizing, memory_bytes: int, tp: int, pp: int, stage: int, we
 def budget(s: Sizing, memory_bytes: int, tp: int, pp: int) -> tuple[KvBudget, int]:
     """The KV budget of one GPU of the stage that sizes the cache at this layout (the fewest tokens; the
     smallest pool when none fits), and that stage's KV bytes per token per GPU."""
-    weights = stage_weights_per_gpu(s.arch, s.weights_total, tp, pp, s.model_dtype)
+    weights = [max(0, w - s.cpu_offload_bytes)
+               for w in stage_weights_per_gpu(s.arch, s.weights_total, tp, pp, s.model_dtype)]
     stages = [_stage_budget(s, memory_bytes, tp, pp, k, w) for k, w in enumerate(weights)]
     worst = min(stages, key=lambda b: (b.kv_tokens, b.kv_pool_bytes))
     return worst, worst.kv_bytes_per_token

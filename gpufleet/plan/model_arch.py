@@ -101,6 +101,13 @@ class ModelArch:
         )
 
     @property
+    def checkpoint_quant_method(self) -> str | None:
+        """``quantization_config.quant_method`` as written (lower case, ``-`` as ``_``), or None: what vLLM compares
+        ``--quantization`` with."""
+        method = (self.quantization_config or {}).get("quant_method")
+        return str(method).strip().lower().replace("-", "_") or None if method else None
+
+    @property
     def quant_method(self) -> str | None:
         """The checkpoint's quantization, normalised to a name `bytes_per_param` knows, or None.
 

@@ -28,6 +28,7 @@ __all__ = [
     "bytes_per_param",
     "kv_budget",
     "kv_bytes_per_token",
+    "kv_fixed_budget",
     "kv_space_budget",
     "kv_tokens_per_sequence",
     "model_info",
@@ -339,6 +340,7 @@ class KvBudget:
     reserve_parts: tuple[tuple[str, int], ...] = ()
     kv_space_bytes: int | None = None
     kv_margin: float = 0.0
+    kv_cache_bytes: int | None = None  # --kv-cache-memory-bytes: the pool's fixed size
 
     @property
     def full_sequences(self) -> int:
@@ -356,6 +358,10 @@ class KvBudget:
             return (f"{where}VLLM_CPU_KVCACHE_SPACE {_size(self.kv_space_bytes)} = {_size(self.kv_pool_bytes)}"
                     f" KV pool (weights {_size(self.weights_bytes_per_gpu)} beside it in RAM)")
         parts = ", ".join(f"{name} {size / GIB:,.2f}" for name, size in self.reserve_parts)
+        if self.kv_cache_bytes is not None:
+            return (f"{where}--kv-cache-memory-bytes {_size(self.kv_cache_bytes)} KV pool beside"
+                    f" {_size(self.weights_bytes_per_gpu)} weights and {_size(self.reserve_bytes)} reserve"
+                    f"{f' ({parts})' if parts else ''} in {_size(self.gpu_memory_bytes)}")
         return (f"{where}{_size(self.gpu_memory_bytes)} x {self.gpu_memory_utilization:g} = {_size(self.usable_bytes)}"
                 f" usable; - {_size(self.weights_bytes_per_gpu)} weights; - {_size(self.reserve_bytes)} reserve"
                 f"{f' ({parts})' if parts else ''} = {_size(self.kv_pool_bytes)} KV pool")
@@ -364,9 +370,9 @@ class KvBudget:
         """The arithmetic, one step per line, for reports."""
         out = [self._first_line()]
         if self.kv_pool_bytes <= 0:
-            out.append(
-                f"no KV pool: weights and reserve exceed usable memory by {_size(-self.kv_pool_bytes)}"
-            )
+            what = "weights, reserve and that pool exceed the GPU's memory" if self.kv_cache_bytes is not None else (
+                "weights and reserve exceed usable memory")
+            out.append(f"no KV pool: {what} by {_size(-self.kv_pool_bytes)}")
             return out
         blocks = f" in blocks of {self.block_size}" if self.block_size > 1 else ""
         margin = f" x (1 - {self.kv_margin:g} margin)" if self.kv_margin else ""
@@ -432,6 +438,26 @@ def kv_budget(
         stages=stages,
         reserve_parts=reserve_parts,
         kv_margin=kv_margin,
+    )
+
+
+def kv_fixed_budget(gpu_memory_bytes: int, kv_cache_bytes: int, weights_bytes_per_gpu: int, reserve_bytes: int,
+                    kv_bytes_per_token: int, tokens_per_sequence: int, *, block_size: int,
+                    reserve_parts: tuple[tuple[str, int], ...] = (), stage: int = 0, stages: int = 1) -> KvBudget:
+    """A KV pool of exactly ``kv_cache_bytes`` (vLLM's ``--kv-cache-memory-bytes``, which sets aside
+    gpu_memory_utilization): it fits when weights, reserve and the pool fit the GPU's memory; else the pool is
+    minus what they exceed it by."""
+    if min(gpu_memory_bytes, kv_cache_bytes, weights_bytes_per_gpu, reserve_bytes) < 0:
+        raise ValueError("memory, pool, weight and reserve sizes must be >= 0")
+    over = weights_bytes_per_gpu + reserve_bytes + kv_cache_bytes - gpu_memory_bytes
+    pool = kv_cache_bytes if over <= 0 else -over
+    tokens, sequences = _sized(pool, kv_bytes_per_token, tokens_per_sequence, block_size)
+    return KvBudget(
+        gpu_memory_bytes=gpu_memory_bytes, gpu_memory_utilization=1.0, usable_bytes=gpu_memory_bytes,
+        weights_bytes_per_gpu=weights_bytes_per_gpu, reserve_bytes=reserve_bytes, kv_pool_bytes=pool,
+        kv_bytes_per_token=kv_bytes_per_token, tokens_per_sequence=tokens_per_sequence, kv_tokens=tokens,
+        max_concurrency=sequences, block_size=block_size, stage=stage, stages=stages, reserve_parts=reserve_parts,
+        kv_cache_bytes=kv_cache_bytes,
     )
 
 

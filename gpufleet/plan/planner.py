@@ -15,11 +15,18 @@ from gpufleet.config.schema import HostConfig
 from gpufleet.config.vllm_flags import load_catalog
 from gpufleet.gpu.report import NodeFacts
 from gpufleet.node_paths import replica_host_part
-from gpufleet.plan import layout
+from gpufleet.plan import layout, quantization
 from gpufleet.plan.admission import Admission, UnsupportedLimitError, admission
 from gpufleet.plan.commands import NodeRole, Process, extra_flags, replica_roles, secret_env_names
 from gpufleet.plan.model_arch import ModelArch, ModelConfigError, load_arch
-from gpufleet.plan.model_memory import GIB, KvBudget, bytes_per_param, safetensors_total_size, weight_bytes
+from gpufleet.plan.model_memory import (
+    GIB,
+    KvBudget,
+    bytes_per_param,
+    kv_tokens_per_sequence,
+    safetensors_total_size,
+    weight_bytes,
+)
 
 # Settings every host of one pool must share (one model, one layout).
 POOL_WIDE = (
@@ -49,6 +56,7 @@ class Replica:
     roles: list[NodeRole]
     secret_env: list[str]
     admission: Admission
+    not_modelled: tuple[str, ...] = ()  # its flags that move memory the plan does not model (layout.NOT_MODELLED)
 
     @property
     def nodes(self) -> list[str]:
@@ -76,6 +84,7 @@ class Replica:
                           for r in self.roles},
             "secret_env": self.secret_env,
             "budget": self.budget.lines(),
+            **({"not_modelled": list(self.not_modelled)} if self.not_modelled else {}),
         }
 
     def process_line(self, role: NodeRole, process: Process) -> str:
@@ -123,6 +132,7 @@ class FleetPlan:
     warnings: list[str] = field(default_factory=list)
     problems: list[PlanProblem] = field(default_factory=list)
     idle: list[str] = field(default_factory=list)
+    context_warnings: list[str] = field(default_factory=list)  # a long max_model_len by default (long_context_warning)
 
     def problems_of(self, host: str, pool: str | None) -> list[PlanProblem]:
         """The problems that keep ``host`` (of ``pool``) from serving."""
@@ -168,6 +178,8 @@ def _arch_and_weights(cfg: HostConfig) -> tuple[ModelArch, int, str]:
             bytes_per_param("bfloat16", cfg.vllm_quantization)
         except ValueError as exc:  # a quantization the planner has no weight size for
             raise PoolError(str(exc), ("vllm_quantization",)) from None
+        if conflict := quantization.checkpoint_conflict(cfg.vllm_quantization, arch.checkpoint_quant_method):
+            raise _about("vllm_quantization", ": ", conflict)
     path = Path(source)
     exact = safetensors_total_size(path if path.is_dir() else path.parent) if path.exists() else None
     total = weight_bytes(arch, cfg.vllm_dtype, cfg.vllm_quantization, exact)
@@ -237,7 +249,32 @@ def _no_fit_message(cfg: HostConfig, s: layout.Sizing, node: layout.NodeShape, h
             + "; ".join(b.lines()))
 
 
-def _plan_pool(pool: str, hosts: list[str], fleet: Fleet, facts: dict[str, NodeFacts], plan: FleetPlan) -> None:
+LONG_DEFAULT_CONTEXT = 32768
+"""A model default context from which ``vllm_max_model_len`` left unset is warned."""
+CONTEXT_LENGTHS = (4096, 8192, 16384, 32768)
+"""The lengths the warning's table shows, with the model's full length."""
+
+
+def long_context_warning(pool: str, cfg: HostConfig, arch: ModelArch, replica: Replica) -> str | None:
+    """A warning, with a table of the sequences one replica's KV pool holds at 4k, 8k, 16k, 32k and full length,
+    when ``vllm_max_model_len`` is unset and the model's default context is ``LONG_DEFAULT_CONTEXT`` or more."""
+    full = arch.max_position_embeddings
+    if cfg.vllm_max_model_len is not None or full is None or full < LONG_DEFAULT_CONTEXT:
+        return None
+    b = replica.budget
+    blocks = b.kv_tokens // b.block_size
+    rows = [f"  {length:>11,} {blocks / -(-kv_tokens_per_sequence(arch, length) // b.block_size) * replica.dp:>10,.1f}"
+            + (" (the model's default)" if length == full else "")
+            for length in sorted({*(n for n in CONTEXT_LENGTHS if n < full), full})]
+    return (f"pool {pool}: vllm_max_model_len unset: vLLM takes {arch.name}'s default, {full:,} tokens"
+            " (max_position_embeddings), and the plan admits as many sequences of that length as the KV pool holds;"
+            " set vllm_max_model_len to the longest request clients send. Sequences one replica holds at once:\n"
+            f"  {'tokens':>11} {'sequences':>10}\n" + "\n".join(rows))
+
+
+def _plan_pool(pool: str, hosts: list[str], fleet: Fleet, facts: dict[str, NodeFacts], plan: FleetPlan
+               ) -> ModelArch:
+    """Plan one pool's replicas into ``plan``; returns its model's architecture."""
     cfg = _pool_config(pool, hosts, fleet.configs)
     arch, weights_total, how = _arch_and_weights(cfg)
     limit = arch.max_position_embeddings
@@ -249,6 +286,7 @@ def _plan_pool(pool: str, hosts: list[str], fleet: Fleet, facts: dict[str, NodeF
     for shape in shapes:
         if shape.count == 0:
             raise PoolError(f"{shape.host}: no GPUs in its facts")
+    _check_fp8(pool, cfg, arch, shapes, plan.warnings)
     npr = cfg.vllm_nodes_per_replica
     smallest = min(shapes, key=lambda x: x.memory_bytes)
     dp = cfg.vllm_data_parallel_size
@@ -262,7 +300,7 @@ def _plan_pool(pool: str, hosts: list[str], fleet: Fleet, facts: dict[str, NodeF
     if tp_fixed != "auto" and tp_fixed > smallest.count:
         _check_same_gpus(shapes)
         _tp_across_nodes(pool, hosts, fleet, shapes, cfg, s, tp_fixed, how, plan)
-        return
+        return arch
 
     single = None if npr not in ("auto", 1) else _fit_single_node(cfg, s, smallest, plan.warnings)
     if single is not None:
@@ -273,7 +311,7 @@ def _plan_pool(pool: str, hosts: list[str], fleet: Fleet, facts: dict[str, NodeF
                             (_TP, _PP, _DP, "vllm_nodes_per_replica"))
         admit = _admission(pool, cfg, b, layout.max_num_seqs(s, smallest.memory_bytes, tp, pp), dp, plan)
         _single_node_replicas(pool, hosts, fleet, shapes, cfg, tp, pp, b, per_token, max_len, admit, plan)
-        return
+        return arch
     if npr == 1 or (npr == "auto" and len(hosts) == 1):
         raise PoolError(_no_fit_message(cfg, s, smallest, how), (_TP, _PP))
     _check_same_gpus(shapes)
@@ -285,12 +323,36 @@ def _plan_pool(pool: str, hosts: list[str], fleet: Fleet, facts: dict[str, NodeF
             admit = _admission(pool, cfg, b, layout.max_num_seqs(s, smallest.memory_bytes, tp, nodes), 1, plan)
             _multi_node_replicas(pool, hosts, fleet, shapes, cfg, (tp, nodes, nodes, tp), b, per_token, max_len,
                                  admit, plan)
-            return
+            return arch
     nodes = counts[-1]
     b, _ = layout.budget(s, smallest.memory_bytes, tp, nodes)
     raise PoolError(
         f"{arch.name} does not fit on {nodes} node(s) of {smallest.count} x {smallest.gpu_names[0]} at TP {tp}"
         f" x PP {nodes}: weights {_gib(weights_total)} ({how}); " + "; ".join(b.lines()), (_TP, _PP))
+
+
+def _check_fp8(pool: str, cfg: HostConfig, arch: ModelArch, shapes: list[layout.NodeShape],
+               warnings: list[str]) -> None:
+    """fp8 where the pool's GPUs have none (gpufleet.plan.quantization): an fp8 KV cache refused below 8.9, fp8
+    weights refused below 7.5 and warned below 8.9 (weight-only)."""
+    known = [(cc, s) for s in shapes if (cc := quantization.capability(s.compute_capability)) is not None]
+    if not known:
+        return
+    cc, shape = min(known, key=lambda found: found[0])
+    gpu = f"{shape.gpu_names[0]} (compute capability {quantization.shown(cc)}, on {shape.host})"
+    need = quantization.shown(quantization.FP8_COMPUTE)
+    if cfg.vllm_kv_cache_dtype.startswith("fp8") and cc < quantization.FP8_COMPUTE:
+        raise _about("vllm_kv_cache_dtype", ": ", f"expected auto, bfloat16 or float16 on {gpu}: an fp8 KV cache needs"
+                     f" compute capability {need} (Ada, Hopper or newer), found {cfg.vllm_kv_cache_dtype}")
+    method = cfg.vllm_quantization or arch.quant_method
+    if not quantization.fp8_weights(method) or cc >= quantization.FP8_COMPUTE:
+        return
+    key = "vllm_quantization" if cfg.vllm_quantization else "vllm_model"
+    if cc < quantization.FP8_MARLIN:
+        raise _about(key, ": ", f"expected weights other than fp8 on {gpu}: vLLM runs fp8 weights from compute"
+                     f" capability {quantization.shown(quantization.FP8_MARLIN)}, found {method}")
+    warnings.append(f"pool {pool}: fp8 weights on {gpu} run weight-only (W8A16, FP8 Marlin): no fp8 compute below"
+                    f" compute capability {need}")
 
 
 def _sizing(cfg: HostConfig, cfgs: list[HostConfig], arch: ModelArch, weights_total: int, max_len: int,
@@ -386,7 +448,8 @@ def _single_node_replicas(pool: str, hosts: list[str], fleet: Fleet, shapes: lis
                                   tp, pp, cfg.vllm_data_parallel_size, max_len, queued_reqs=admit.queued_reqs)
             plan.replicas.append(Replica(name, pool, cfg.checkpoint(), tp, pp, cfg.vllm_data_parallel_size,
                                          host_cfg.vllm_port + k, "single-node", max_len, per_token, b, roles,
-                                         secret_env_names(host_cfg), admit))
+                                         secret_env_names(host_cfg), admit,
+                                         layout.not_modelled(cfg.vllm_extra_args)))
 
 
 def _multi_node_replicas(pool: str, hosts: list[str], fleet: Fleet, shapes: list[layout.NodeShape],
@@ -413,7 +476,7 @@ def _multi_node_replicas(pool: str, hosts: list[str], fleet: Fleet, shapes: list
                               tp, pp, 1, max_len, queued_reqs=admit.queued_reqs)
         plan.replicas.append(Replica(f"{pool}-{k}", pool, cfg.checkpoint(), tp, pp, 1, cfgs[0].vllm_port,
                                      cfg.vllm_distributed_backend, max_len, per_token, b, roles,
-                                     secret_env_names(cfgs[0]), admit))
+                                     secret_env_names(cfgs[0]), admit, layout.not_modelled(cfg.vllm_extra_args)))
     spare = hosts[(len(hosts) // nodes) * nodes:]
     if spare:
         plan.idle += spare
@@ -438,7 +501,10 @@ def plan_fleet(fleet: Fleet, facts: dict[str, NodeFacts]) -> FleetPlan:
     plan = FleetPlan()
     for pool, hosts in fleet.pools.items():
         try:
-            _plan_pool(pool, hosts, fleet, facts, plan)
+            arch = _plan_pool(pool, hosts, fleet, facts, plan)
+            first = next((r for r in plan.replicas if r.pool == pool), None)
+            if first and (warning := long_context_warning(pool, fleet.configs[hosts[0]], arch, first)):
+                plan.context_warnings.append(warning)
         except PoolError as exc:
             plan.problems.append(exc.problem(pool))
         except ValueError as exc:  # a value the planner cannot size

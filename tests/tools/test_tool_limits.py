@@ -1,5 +1,6 @@
 """The limits ``gpufleet check`` holds values to (:mod:`gpufleet.config.limits`) are the tools' own: systemd-analyze,
-promtool and haproxy accept a value at the limit and refuse one past it, and gpufleet agrees with them on names."""
+promtool, amtool and haproxy accept a value at the limit and refuse one past it, and gpufleet agrees with them on names
+and zero intervals."""
 
 from __future__ import annotations
 
@@ -55,3 +56,32 @@ def test_haproxy_and_gpufleet_agree_on_a_pool_name(tmp_path: Path, pool: str) ->
                       f"    server {server} 127.0.0.1:9\n")
     accepted = _ok([haproxy, "-c", "-q", "-f", str(config)])
     assert (limits.replica_name(pool, server) is None) is accepted
+
+
+def _alertmanager_yml(path: Path, wait: int, interval: int, repeat: int) -> Path:
+    path.write_text(f"route:\n  receiver: r\n  group_wait: {wait}s\n  group_interval: {interval}s\n"
+                    f"  repeat_interval: {repeat}s\nreceivers:\n- name: r\n")
+    return path
+
+
+@pytest.mark.parametrize(("seconds", "ok"), [(limits.DURATION_MAX_SECONDS, True),
+                                             (limits.DURATION_MAX_SECONDS + 1, False)])
+def test_amtool_takes_durations_up_to_the_limit(tmp_path: Path, seconds: int, ok: bool) -> None:
+    amtool = host_tool("amtool", "prometheus-alertmanager")
+    for wait, interval, repeat in ((seconds, 1, 1), (0, seconds, seconds)):
+        config = _alertmanager_yml(tmp_path / "alertmanager.yml", wait, interval, repeat)
+        assert _ok([amtool, "check-config", str(config)]) is ok
+    assert (limits.alertmanager_wait(seconds) is None) is ok
+    assert (limits.alertmanager_interval(seconds) is None) is ok
+
+
+@pytest.mark.parametrize(("wait", "interval", "repeat", "ok"), [
+    (0, 1, 1, True), (0, 0, 60, False), (0, 60, 0, False), (30, 86400, 60, True),  # repeat below interval: taken
+])
+def test_amtool_refuses_a_zero_interval_and_gpufleet_too(tmp_path: Path, wait: int, interval: int, repeat: int,
+                                                         ok: bool) -> None:
+    amtool = host_tool("amtool", "prometheus-alertmanager")
+    config = _alertmanager_yml(tmp_path / "alertmanager.yml", wait, interval, repeat)
+    assert _ok([amtool, "check-config", str(config)]) is ok
+    found = [limits.alertmanager_wait(wait), *map(limits.alertmanager_interval, (interval, repeat))]
+    assert (found == [None, None, None]) is ok

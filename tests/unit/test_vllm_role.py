@@ -368,6 +368,15 @@ def test_pip_args_wheelhouse_and_lock_install_offline_exact_pins() -> None:
     assert not any(a.startswith(("vllm==", "ray==")) for a in args)
 
 
+def test_wheelhouse_on_the_node_is_found_links_for_pip_and_uv() -> None:
+    cfg = _config(vllm_wheelhouse_url="/srv/wheels", vllm_requirements_url="/srv/wheels/requirements-{version}.lock")
+    expected = ["--no-index", "--find-links", "/srv/wheels", "--no-deps", "--require-hashes", "-r",
+                "/srv/wheels/requirements-0.33.0.lock"]
+    assert vf.pip_install_args(cfg)[-len(expected):] == expected
+    assert vf.uv_install_args(cfg)[-len(expected):] == expected
+    assert not any(a in ("--trusted-host", "--allow-insecure-host") for a in vf.uv_install_args(cfg))
+
+
 def test_pip_args_trust_only_plain_http_hosts() -> None:
     cfg = _config(vllm_wheelhouse_url="https://mirror.example/wheels/",
                   vllm_requirements_url="http://pins.example/requirements.lock")
