@@ -228,7 +228,11 @@ def _accept(server: socket.socket, selector: selectors.BaseSelector, pending: di
         sock, address = server.accept()
     except OSError:
         return
-    waiting = Pending(sock, str(address[0]))
+    try:
+        waiting = Pending(sock, str(address[0]))
+    except OSError:  # gone already
+        sock.close()
+        return
     selector.register(sock, selectors.EVENT_READ, waiting)
     pending[sock] = waiting
     if len(pending) > MAX_PENDING:
