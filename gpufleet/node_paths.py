@@ -14,7 +14,7 @@ SYSTEMD_DIR = "/etc/systemd/system"
 CONFIG_DIR = "/etc/gpufleet"
 NODE_ENV = f"{CONFIG_DIR}/node.env"  # the node's name and declared hardware profile
 GATE_POLICY = f"{CONFIG_DIR}/gpu-health.json"  # the GPU health gate's policy, read by units' ExecStartPre
-SECRETS_DIR = f"{CONFIG_DIR}/secrets"  # root 0700: API key, hub token, Ray token, pip index credentials
+SECRETS_DIR = f"{CONFIG_DIR}/secrets"  # root 0700: API key, hub token, Ray token, rank secret, pip index credentials
 PIP_SECRET = f"{SECRETS_DIR}/pip.env"  # PIP_INDEX_URL with credentials, read by the vLLM install
 VLLM_ETC = f"{CONFIG_DIR}/vllm"  # one directory per replica: config.yaml, vllm.env, venv link
 RAY_ENV_DIR = f"{CONFIG_DIR}/ray"  # one environment file per Ray replica
@@ -135,6 +135,12 @@ def watchdog_enabled_link(replica: str) -> str:
 def replica_secrets(replica: str) -> str:
     """The replica's API key and hub token as an EnvironmentFile (root 0600)."""
     return f"{SECRETS_DIR}/{replica}.env"
+
+
+def rank_secret_file(replica: str) -> str:
+    """On each node of a multi-node mp replica, its rank secret as an EnvironmentFile (``GPUFLEET_RANK_SECRET=...``,
+    root 0600): what its ranks prove to each other (``gpufleet/node/replica_rank.py``)."""
+    return f"{SECRETS_DIR}/{replica}.rank.env"
 
 
 def ray_token_file(replica: str) -> str:

@@ -8,7 +8,12 @@
     {"rank": 1, "nodes": 2, "leader": "10.0.0.2", "port": 29590, "bind": "10.0.0.3", "stop_grace_s": 75}
 
 A single-node replica (``nodes`` 1) simply becomes vLLM. In a multi-node replica (the mp backend) rank 0, the
-leader, listens on ``port``; each other rank connects to it and says its rank. When every rank is connected the
+leader, listens on ``port``; each other rank connects to it and proves that it holds the replica's rank secret
+(``GPUFLEET_RANK_SECRET``, from the unit's 0600 EnvironmentFile; taken out of the environment before vLLM starts):
+the leader sends ``hello NONCE``, the follower answers ``rank N ITS_NONCE HMAC`` and the leader, once it checked
+that, proves the secret in turn (``ok HMAC``), each HMAC-SHA256 over both nonces, the rank and who speaks. A peer
+that answers wrong, speaks another protocol or stays silent for 5 s is dropped with one line in the log (its
+address, nothing of the proof) while the leader goes on accepting. When every rank is connected the
 leader starts a generation: it tells each follower to start vLLM and starts its own. From then on the ranks send
 each other a heartbeat every 2 s. Whatever ends first on a rank, its own vLLM, the connection to a peer, or a
 peer's heartbeat (silent for 15 s: a node that died or was cut off), the rank stops its vLLM (the whole process
@@ -23,6 +28,8 @@ Standard library only; every line it logs goes to stderr (the journal).
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
 import json
 import os
 import secrets
@@ -32,7 +39,7 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 HEARTBEAT_S = 2.0
 SILENT_LIMIT_S = 15.0  # a peer silent this long is gone
@@ -40,6 +47,11 @@ CONNECT_RETRY_S = 1.0
 STOP_GRACE_S = 20.0  # SIGTERM, then SIGKILL, when the replica ends: nothing left to drain
 REPORT_EVERY_S = 30.0
 PEER_LOST = 75  # the exit status that asks systemd for a restart (Restart=on-failure)
+SECRET_ENV = "GPUFLEET_RANK_SECRET"  # the replica's rank secret, the same on each of its nodes
+HANDSHAKE_S = 5.0  # a peer that has not proved the rank secret by then is dropped
+REFUSED_PAUSE_S = 5.0  # a follower the leader refused tries again after this long
+MAX_PENDING = 16  # connections still proving at once: beyond that the oldest is dropped
+LINE_LIMIT = 512  # bytes a peer may send before its first line ends
 
 
 class Stopped(Exception):
@@ -83,6 +95,8 @@ class Peer:
         self.heard = time.monotonic()
         self.buffer += data
         *complete, self.buffer = self.buffer.split(b"\n")
+        if len(self.buffer) > LINE_LIMIT:
+            raise ConnectionError("a line too long")
         return [line.decode(errors="replace").strip() for line in complete]
 
     def read_line(self, timeout: float | None) -> str:
@@ -105,12 +119,58 @@ class Peer:
             self.sock.close()
 
 
-def gather_followers(bind: str, port: int, nodes: int) -> dict[int, Peer]:
-    """Rank 0: accept one connection per follower rank (a rank that connects again replaces its old one)."""
+def proof(secret: bytes, speaker: str, leader_nonce: str, follower_nonce: str, rank: int) -> bytes:
+    """What ``speaker`` (leader or follower) sends to prove the rank secret for this exchange: HMAC-SHA256, hex."""
+    message = f"gpufleet replica_rank {speaker} {leader_nonce} {follower_nonce} {rank}".encode()
+    return hmac.new(secret, message, hashlib.sha256).hexdigest().encode()
+
+
+class Refused(Exception):
+    """Why a peer was not let in (never anything of the secret or of its answer)."""
+
+
+class Pending:
+    """A connection to the leader that has not proved the rank secret yet."""
+
+    def __init__(self, sock: socket.socket, address: str) -> None:
+        self.peer = Peer(sock)
+        self.address = address
+        self.nonce = secrets.token_hex(16)
+        self.deadline = time.monotonic() + HANDSHAKE_S
+
+    def answer(self, line: str, secret: bytes, nodes: int) -> int:
+        """The rank the peer proved (its ``ok`` sent); raises Refused."""
+        parts = line.split(" ")
+        if len(parts) != 4 or parts[0] != "rank" or not (parts[1].isascii() and parts[1].isdigit()):
+            raise Refused("spoke another protocol (not a rank, or an older replica_rank)")
+        rank, theirs = int(parts[1]), parts[2]
+        if not hmac.compare_digest(parts[3].encode(), proof(secret, "follower", self.nonce, theirs, rank)):
+            raise Refused("failed to prove the replica's rank secret")
+        if not 1 <= rank < nodes:
+            raise Refused(f"said it is rank {rank}; expected 1..{nodes - 1}")
+        self.peer.send("ok " + proof(secret, "leader", self.nonce, theirs, rank).decode())
+        return rank
+
+
+def gather_followers(bind: str, port: int, nodes: int, secret: bytes) -> dict[int, Peer]:
+    """Rank 0: accept one connection per follower rank that proves the rank secret (a rank that connects again
+    replaces its old one). Handshakes run side by side: a wrong or silent peer never holds up another."""
     server = socket.create_server((bind, port))
-    server.settimeout(1.0)
+    selector = selectors.DefaultSelector()
+    selector.register(server, selectors.EVENT_READ, None)
+    pending: dict[socket.socket, Pending] = {}  # oldest first
     peers: dict[int, Peer] = {}
     last_report = time.monotonic()
+
+    def refuse(waiting: Pending, why: str) -> None:
+        log(f"refused {waiting.address}: {why}")
+        settle(waiting)
+        waiting.peer.close()
+
+    def settle(waiting: Pending) -> None:
+        selector.unregister(waiting.peer.sock)
+        del pending[waiting.peer.sock]
+
     try:
         while len(peers) < nodes - 1:
             for rank, peer in list(peers.items()):  # a follower that left while the others were awaited
@@ -122,29 +182,66 @@ def gather_followers(bind: str, port: int, nodes: int) -> dict[int, Peer]:
                 missing = sorted(set(range(1, nodes)) - set(peers))
                 log(f"waiting for rank(s) {', '.join(map(str, missing))} to connect to {bind}:{port}")
                 last_report = time.monotonic()
-            try:
-                sock, (address, _) = server.accept()
-            except TimeoutError:
-                continue
-            peer = Peer(sock)
-            try:
-                word, _, value = peer.read_line(5.0).partition(" ")
-                rank = int(value) if word == "rank" and value.isdigit() else -1
-            except (OSError, ConnectionError):
-                peer.close()
-                continue
-            if not 1 <= rank < nodes:
-                log(f"{address} said it is rank {value!r}; expected 1..{nodes - 1}")
-                peer.close()
-                continue
-            if rank in peers:
-                peers[rank].close()
-            peer.rank = rank
-            peers[rank] = peer
-            log(f"rank {rank} connected from {address}")
+            for key, _ in selector.select(timeout=0.5):
+                if key.data is None:
+                    _accept(server, selector, pending, refuse)
+                    continue
+                waiting = key.data
+                if waiting.peer.sock not in pending:  # dropped earlier in this round
+                    continue
+                try:
+                    lines = waiting.peer.lines()
+                except (OSError, ConnectionError) as exc:
+                    refuse(waiting, f"did not prove the rank secret ({exc})")
+                    continue
+                if not lines:
+                    continue
+                try:
+                    rank = waiting.answer(lines[0], secret, nodes)
+                except Refused as why:
+                    refuse(waiting, str(why))
+                    continue
+                except OSError as exc:
+                    refuse(waiting, f"left before it was let in ({exc})")
+                    continue
+                settle(waiting)
+                if rank in peers:
+                    peers[rank].close()
+                waiting.peer.rank = rank
+                peers[rank] = waiting.peer
+                log(f"rank {rank} connected from {waiting.address}")
+            now = time.monotonic()
+            for waiting in [w for w in pending.values() if now > w.deadline]:
+                refuse(waiting, f"did not prove the rank secret within {HANDSHAKE_S:.0f} s")
     finally:
+        for waiting in list(pending.values()):
+            refuse(waiting, "had not proved the rank secret when the waiting ended")
+        selector.close()
         server.close()
     return peers
+
+
+def _accept(server: socket.socket, selector: selectors.BaseSelector, pending: dict[socket.socket, Pending],
+            refuse: Callable[[Pending, str], None]) -> None:
+    """Take a new connection and challenge it; beyond MAX_PENDING, the oldest still proving is dropped."""
+    try:
+        sock, address = server.accept()
+    except OSError:
+        return
+    try:
+        waiting = Pending(sock, str(address[0]))
+    except OSError:  # gone already
+        sock.close()
+        return
+    selector.register(sock, selectors.EVENT_READ, waiting)
+    pending[sock] = waiting
+    if len(pending) > MAX_PENDING:
+        refuse(next(iter(pending.values())), f"still proving while {MAX_PENDING} more connections came")
+    try:
+        waiting.peer.send(f"hello {waiting.nonce}")
+    except OSError as exc:
+        if sock in pending:
+            refuse(waiting, f"left before it was challenged ({exc})")
 
 
 def _closed(peer: Peer) -> bool:
@@ -159,8 +256,9 @@ def _closed(peer: Peer) -> bool:
         peer.sock.setblocking(True)
 
 
-def join_leader(leader: str, port: int, rank: int) -> tuple[Peer, str]:
-    """Rank > 0: connect to the leader (retrying until it listens), say the rank, wait for its generation."""
+def join_leader(leader: str, port: int, rank: int, secret: bytes) -> tuple[Peer, str]:
+    """Rank > 0: connect to the leader (retrying until it listens), prove the rank secret and have the leader
+    prove it, then wait for its generation."""
     last_report = 0.0
     while True:
         try:
@@ -174,15 +272,33 @@ def join_leader(leader: str, port: int, rank: int) -> tuple[Peer, str]:
         sock.settimeout(None)
         peer = Peer(sock, 0)
         try:
-            peer.send(f"rank {rank}")
+            if not _prove(peer, rank, secret):
+                log(f"refused the leader at {leader}:{port}: it failed to prove the replica's rank secret")
+                peer.close()
+                time.sleep(REFUSED_PAUSE_S)
+                continue
             word, _, generation = peer.read_line(None).partition(" ")
-        except (OSError, ConnectionError):
+        except (OSError, ConnectionError) as exc:
+            if time.monotonic() - last_report > REPORT_EVERY_S:
+                log(f"the leader at {leader}:{port} let this rank go before its generation started ({exc})")
+                last_report = time.monotonic()
             peer.close()
             time.sleep(CONNECT_RETRY_S)
             continue
         if word == "go" and generation:
             return peer, generation
         peer.close()
+
+
+def _prove(peer: Peer, rank: int, secret: bytes) -> bool:
+    """The follower's half of the handshake: answer the leader's nonce, check its answer to ours."""
+    word, _, nonce = peer.read_line(HANDSHAKE_S).partition(" ")
+    if word != "hello" or not nonce:
+        return False
+    mine = secrets.token_hex(16)
+    peer.send(f"rank {rank} {mine} {proof(secret, 'follower', nonce, mine, rank).decode()}")
+    word, _, answer = peer.read_line(HANDSHAKE_S).partition(" ")
+    return word == "ok" and hmac.compare_digest(answer.encode(), proof(secret, "leader", nonce, mine, rank))
 
 
 def start_vllm(argv: list[str]) -> subprocess.Popen[bytes]:
@@ -235,20 +351,24 @@ def watch(child: subprocess.Popen[bytes], peers: list[Peer]) -> str:
 
 def run(config: dict[str, Any], argv: list[str]) -> int:
     nodes, rank = int(config["nodes"]), int(config["rank"])
+    secret = os.environ.pop(SECRET_ENV, "").strip().encode()  # vLLM does not inherit it
     if nodes <= 1:
         os.execv(argv[0], argv)
+    if not secret:
+        log(f"rank {rank}: no rank secret in {SECRET_ENV} (the deploy writes it for the unit); not binding ranks")
+        return 2
     port = int(config["port"])
     peers: list[Peer] = []
     child: subprocess.Popen[bytes] | None = None
     try:
         if rank == 0:
-            followers = gather_followers(str(config["bind"]), port, nodes)
+            followers = gather_followers(str(config["bind"]), port, nodes, secret)
             generation = secrets.token_hex(4)
             for peer in followers.values():
                 peer.send(f"go {generation}")
             peers = list(followers.values())
         else:
-            leader, generation = join_leader(str(config["leader"]), port, rank)
+            leader, generation = join_leader(str(config["leader"]), port, rank, secret)
             peers = [leader]
         log(f"rank {rank} of {nodes}: generation {generation}, starting vLLM")
         child = start_vllm(argv)

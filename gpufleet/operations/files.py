@@ -124,6 +124,11 @@ def secret_file(dest: str, content: str, mode: str = "0600", group: str = "root"
     + mode: octal mode
     + group: the file's group (a service account that reads it: ``haproxy``, ``keepalived``)
     """
+    yield from secret_commands(dest, content, mode, group)
+
+
+def secret_commands(dest: str, content: str, mode: str = "0600", group: str = "root") -> Commands:
+    """What :func:`secret_file` yields, for an operation that decides the secret itself."""
     found = node.path(dest)
     if found["type"] not in ("file", "missing"):  # touch, chown, chmod and cp would follow a link
         yield fail(f"{dest}: expected a file, found a {found['type']}")
@@ -138,9 +143,14 @@ def secret_file(dest: str, content: str, mode: str = "0600", group: str = "root"
         yield FileUploadCommand(BytesIO(content.encode()), dest, remote_temp_filename=f"{staging}/upload")
         yield StringCommand("rm", "-rf", QuoteString(staging), **AS_SSH_USER)
         return
-    changes = list(_owner_and_mode(dest, "root", group, mode))
+    yield from owner_and_mode(dest, "root", group, mode, f"{dest} holds the secret")
+
+
+def owner_and_mode(path: str, user: str, group: str, mode: str, kept: str) -> Commands:
+    """Give ``path`` this owner and mode; ``kept`` is the noop's line when it has them already."""
+    changes = list(_owner_and_mode(path, user, group, mode))
     if not changes:
-        host.noop(f"{dest} holds the secret")
+        host.noop(kept)
     yield from changes
 
 

@@ -8,10 +8,12 @@ revision into a temporary directory moved into place when complete); the templat
 ``vllm@.service`` (on a Ray replica's head with the drop-in ``vllm@<replica>.service.d/ray.conf``:
 :mod:`gpufleet.deploy.ray_drop_in`); per replica ``/etc/gpufleet/vllm/<replica>/`` with ``config.yaml`` (``--config``),
 ``vllm.env``, a ``venv`` link and ``release.json`` (what it runs: :mod:`gpufleet.rollout.release`; writing
-it restarts nothing), and the API key and hub token in ``/etc/gpufleet/secrets/<replica>.env``
-(0600, root); the template unit of replicas' watchdogs ``vllm-watchdog@.service`` and, on a replica's first
-node, its ``watchdog.json``; replicas this node no longer runs are stopped and removed. The vllm user owns
-nothing of it: only ``/var/lib/vllm`` (its home and caches). Last, the nodes of each multi-node replica must
+it restarts nothing), the API key and hub token in ``/etc/gpufleet/secrets/<replica>.env``
+(0600, root) and, on each node of a multi-node mp replica, the rank secret its ranks prove to each other in
+``/etc/gpufleet/secrets/<replica>.rank.env`` (0600, root: drawn by the deploy, kept while its nodes agree); the
+template unit of replicas' watchdogs ``vllm-watchdog@.service`` and, on a replica's first node, its
+``watchdog.json``; replicas this node no longer runs are stopped and removed. The vllm user owns nothing of it:
+only ``/var/lib/vllm`` (its home and caches). Last, the nodes of each multi-node replica must
 agree on vLLM, torch, Python, Ray and the model, or all of them stop before any starts it.
 
 ``vllm_serve()`` — starts each replica (``vllm_start``), restarts one only when its files changed on
@@ -61,6 +63,7 @@ from gpufleet.node_paths import (
     WATCHDOG_UNIT_TEMPLATE,
     node_tool,
     observed_file,
+    rank_secret_file,
     release_file,
     replica_dir,
     replica_secrets,
@@ -146,8 +149,8 @@ def _run_watchdog(replica: Replica, role: NodeRole) -> None:
 def _replica_paths(replica: str) -> list[str]:
     directory = replica_dir(replica)
     return [directory, f"{directory}/config.yaml", f"{directory}/vllm.env", f"{directory}/ranks.json",
-            f"{directory}/venv", replica_secrets(replica), restart_marker(replica), vllm_ray_drop_in(replica),
-            watchdog_config(replica), release_file(replica)]
+            f"{directory}/venv", replica_secrets(replica), rank_secret_file(replica), restart_marker(replica),
+            vllm_ray_drop_in(replica), watchdog_config(replica), release_file(replica)]
 
 
 def _ray_drop_in(replica: Replica, role: NodeRole) -> OperationMeta:
@@ -162,11 +165,27 @@ def _ray_drop_in(replica: Replica, role: NodeRole) -> OperationMeta:
 def _ranks_json(replica: Replica, role: NodeRole, cfg: HostConfig) -> str:
     """The node's ranks.json: on a multi-node mp replica its rank among the replica's nodes; else alone (a Ray
     replica's one vLLM process drives its workers through Ray)."""
-    if not role.role.startswith("mp-rank-"):
+    if not _bound(role):
         return vf.ranks_json(0, [role.address], cfg.vllm_rank_port)
     addresses = [r.address for r in replica.roles]
     return vf.ranks_json(addresses.index(role.address), addresses, cfg.vllm_rank_port,
                          vf.stop_timeout_s(cfg) - 15)
+
+
+def _bound(role: NodeRole) -> bool:
+    """Whether the node is a rank of a multi-node mp replica (its ranks prove the replica's rank secret)."""
+    return role.role.startswith("mp-rank-")
+
+
+def _rank_secret(replica: Replica, role: NodeRole) -> OperationMeta:
+    """On a multi-node mp replica's node, its rank secret (the same on all its nodes); else none."""
+    path = rank_secret_file(replica.name)
+    if not _bound(role):
+        return files.absent(name=f"{replica.name}: no rank secret on this node", path=path)
+    ctx = context()
+    return vllm.rank_secret(name=f"{replica.name}: keep its rank secret (0600, the same on all its nodes)",
+                            replica=replica.name, path=path, nodes=replica.nodes,
+                            seen=ctx.rank_secrets_seen.setdefault(replica.name, {}), chosen=ctx.rank_secrets)
 
 
 def _stage_model() -> OperationMeta | None:
@@ -247,6 +266,11 @@ def vllm_install() -> None:
     files.directory(name=f"Create {VLLM_ETC}", path=VLLM_ETC)
 
     shared = [m for m in (venv, model, unit, gate) if m is not None]
+    for replica, role, _ in mine:  # every node's, before any node's rank secret is decided
+        if _bound(role):
+            vllm.rank_secret_seen(name=f"{replica.name}: read its rank secret's digest",
+                                  path=rank_secret_file(replica.name),
+                                  seen=ctx.rank_secrets_seen.setdefault(replica.name, {}))
     drop_ins: list[OperationMeta] = []
     for replica, role, process in mine:
         directory = replica_dir(replica.name)
@@ -265,6 +289,7 @@ def vllm_install() -> None:
                               content=env_file(secrets, f"secrets of replica {replica.name}"))
             if secrets else
             files.absent(name=f"{replica.name}: no secrets file", path=replica_secrets(replica.name)),
+            _rank_secret(replica, role),
         ]
         ops.append(_ray_drop_in(replica, role))
         drop_ins.append(ops[-1])
@@ -280,8 +305,8 @@ def vllm_install() -> None:
                             pending=partial(ctx.pending_restarts.add, replica.name))
     retired = systemd.retired(name="Stop and remove replicas no longer planned here", pattern=f"{VLLM_ETC}/*",
                               keep=[replica.name for replica, _, _ in mine], unit="vllm@{name}.service",
-                              paths=[replica_dir("{name}"), replica_secrets("{name}"), vllm_ray_drop_in("{name}"),
-                                     watchdog_enabled_link("{name}")])
+                              paths=[replica_dir("{name}"), replica_secrets("{name}"), rank_secret_file("{name}"),
+                                     vllm_ray_drop_in("{name}"), watchdog_enabled_link("{name}")])
     systemd.daemon_reload(name="Reload systemd after the unit or a drop-in changed",
                           _if=_changed([unit, watchdog, retired, *drop_ins]))
     _nodes_agree()

@@ -40,6 +40,7 @@ from tests.lab.fleet import (
     served_name,
     single,
     tls,
+    vllm_child,
 )
 from tests.lab.harness import LAB_VARS, LAB_VENV, LAB_VLLM_VERSION, PYINFRA, ROOT, Completed, Lab, run
 from tests.lab.prometheus import SCRAPE_INTERVAL_S, Prometheus, wait_for
@@ -276,6 +277,24 @@ def test_vllm_runs_as_its_own_user_and_secrets_stay_out_of_sight(lab: Lab, servi
         assert journal.stdout.strip() == "0"
         unreadable = host.run(f"runuser -u vllm -- cat /etc/gpufleet/secrets/{replica}.env")
         assert unreadable.rc != 0
+
+
+def test_the_pipeline_ranks_share_a_rank_secret_that_vllm_never_sees(lab: Lab, serving: Completed | None) -> None:
+    """The pipeline's two nodes hold one rank secret (root 0600), drawn by the deploy; it is in no argv, no
+    journal line of the unit and not in vLLM's environment (replica_rank.py took it out)."""
+    path, held = f"/etc/gpufleet/secrets/{PIPELINE}.rank.env", set()
+    for node in lab.nodes[1:]:
+        host = lab.host(node)
+        found = host.file(path)
+        assert (found.user, found.group, found.mode) == ("root", "root", 0o600)
+        secret = host.check_output(f"sed -n 's/^GPUFLEET_RANK_SECRET=\"\\(.*\\)\"$/\\1/p' {path}").strip()
+        assert re.fullmatch(r"[0-9a-f]{64}", secret)
+        held.add(secret)
+        assert secret not in host.check_output("ps -eo args")
+        assert host.run(f"journalctl --no-pager -u vllm@{PIPELINE} | grep -c -- {secret}").stdout.strip() == "0"
+        child = vllm_child(lab, node, f"vllm@{PIPELINE}")
+        assert child and "GPUFLEET_RANK_SECRET" not in host.check_output(f"tr '\\0' '\\n' < /proc/{child}/environ")
+    assert len(held) == 1
 
 
 def test_the_served_model_name_is_served_literally(lab: Lab, serving: Completed | None) -> None:

@@ -1,10 +1,12 @@
-"""replica_rank.py binds a multi-node replica's ranks: any rank that ends stops every rank, each exits for a
-restart. Real processes on loopback; a stand-in for vLLM that records its pid and sleeps."""
+"""replica_rank.py binds a multi-node replica's ranks: only peers that prove the replica's rank secret join, any
+rank that ends stops every rank, each exits for a restart. Real processes on loopback; a stand-in for vLLM that
+records its pid and sleeps."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -18,6 +20,9 @@ import pytest
 TOOL = Path(__file__).resolve().parents[2] / "gpufleet" / "node" / "replica_rank.py"
 FAKE_VLLM = "import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(600)"
 PEER_LOST = 75
+SECRET_ENV = "GPUFLEET_RANK_SECRET"
+SECRET = "5ec7e7" * 10
+HANDSHAKE_S = 5.0
 
 
 def _free_port() -> int:
@@ -52,12 +57,17 @@ class Replica:
         self.ranks: dict[int, subprocess.Popen[bytes]] = {}
         self.config = {"nodes": 2, "leader": "127.0.0.1", "port": port, "bind": "127.0.0.1"}
 
-    def start(self, rank: int) -> None:
-        config = self.tmp / f"ranks{rank}.json"
+    def start(self, rank: int, secret: str | None = SECRET, key: int | None = None) -> None:
+        """Start ``rank`` (kept under ``key``, by default the rank) holding ``secret`` (None: none)."""
+        key = rank if key is None else key
+        config = self.tmp / f"ranks{key}.json"
         config.write_text(json.dumps({**self.config, "rank": rank}))
-        self.ranks[rank] = subprocess.Popen(
+        env = {name: value for name, value in os.environ.items() if name != SECRET_ENV}
+        if secret is not None:
+            env[SECRET_ENV] = secret
+        self.ranks[key] = subprocess.Popen(
             [sys.executable, str(TOOL), str(config), "--", sys.executable, "-c", FAKE_VLLM,
-             str(self.pidfile(rank))], stderr=subprocess.PIPE)
+             str(self.pidfile(key))], stderr=subprocess.PIPE, env=env)
 
     def pidfile(self, rank: int) -> Path:
         return self.tmp / f"vllm{rank}.pid"
@@ -87,9 +97,11 @@ def test_one_node_becomes_vllm(tmp_path: Path) -> None:
     config = tmp_path / "ranks.json"
     config.write_text(json.dumps({"rank": 0, "nodes": 1}))
     done = subprocess.run([sys.executable, str(TOOL), str(config), "--", sys.executable, "-c",
-                           "import os; print(os.getppid())"], capture_output=True, text=True, timeout=30)
+                           f"import os; print(os.getppid(), os.environ.get({SECRET_ENV!r}))"],
+                          capture_output=True, text=True, timeout=30, env={**os.environ, SECRET_ENV: SECRET})
     assert done.returncode == 0
-    assert done.stdout.strip() == str(os.getpid())  # exec'd: vLLM's parent is the tool's own parent, this test
+    # exec'd: vLLM's parent is the tool's own parent, this test; and vLLM's environment has no rank secret
+    assert done.stdout.split() == [str(os.getpid()), "None"]
 
 
 def test_vllm_starts_only_once_every_rank_is_there(replica: Replica) -> None:
@@ -139,3 +151,123 @@ def test_a_restarted_follower_joins_a_new_generation(replica: Replica) -> None:
     second = {rank: _wait_for(replica.pidfile(rank)) for rank in (0, 1)}
     assert set(second.values()).isdisjoint(first.values())
     assert all(_alive(pid) for pid in second.values())
+
+
+def _environ(pid: int) -> list[bytes]:
+    return Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+
+
+def _leader_log_after_stop(replica: Replica) -> str:
+    """Stop every rank as systemctl stop does (each stops its vLLM, which holds its stderr too); the leader's log."""
+    for process in replica.ranks.values():
+        process.send_signal(signal.SIGTERM)
+    for process in replica.ranks.values():
+        process.wait(30)
+    return replica.log(0)
+
+
+def test_the_secret_is_in_no_argv_no_log_and_not_in_vllms_environment(replica: Replica) -> None:
+    replica.start(0)
+    replica.start(1)
+    pids = {rank: _wait_for(replica.pidfile(rank)) for rank in (0, 1)}
+    for pid in (*pids.values(), *(process.pid for process in replica.ranks.values())):
+        assert SECRET.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
+    for pid in pids.values():  # vLLM does not inherit it
+        assert not any(entry.startswith(SECRET_ENV.encode()) for entry in _environ(pid))
+    replica.ranks[0].send_signal(signal.SIGTERM)
+    replica.exit_status(0)
+    replica.exit_status(1)
+    logs = replica.log(0) + replica.log(1)
+    assert "rank 1 connected from 127.0.0.1" in logs
+    assert SECRET not in logs
+    assert not re.search(r"[0-9a-f]{32}", logs)  # no nonce, no proof
+
+
+def test_a_wrong_secret_is_refused_and_the_real_follower_joins(replica: Replica) -> None:
+    replica.start(0)
+    replica.start(1, secret="not-" + SECRET, key=9)  # an impostor: says rank 1, holds another secret
+    time.sleep(1.0)
+    replica.start(1)
+    assert _alive(_wait_for(replica.pidfile(0)))
+    assert _alive(_wait_for(replica.pidfile(1)))
+    assert not replica.pidfile(9).exists()
+    log = _leader_log_after_stop(replica)
+    assert "refused 127.0.0.1: failed to prove the replica's rank secret" in log
+    assert "rank 1 connected from 127.0.0.1" in log
+
+
+def test_old_silent_and_garbled_peers_neither_join_nor_stall_the_real_follower(replica: Replica) -> None:
+    replica.start(0)
+    port = int(replica.config["port"])
+    deadline = time.monotonic() + 15
+    while True:  # the leader listens
+        try:
+            silent = [socket.create_connection(("127.0.0.1", port))]
+            break
+        except ConnectionRefusedError:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    silent += [socket.create_connection(("127.0.0.1", port)) for _ in range(3)]  # each would hold a 5 s wait
+    old = socket.create_connection(("127.0.0.1", port))
+    old.sendall(b"rank 1\n")  # the protocol before the handshake
+    garbled = socket.create_connection(("127.0.0.1", port))
+    garbled.sendall(b"x" * 4096)
+    started = time.monotonic()
+    replica.start(1)
+    _wait_for(replica.pidfile(0))
+    _wait_for(replica.pidfile(1))
+    assert time.monotonic() - started < HANDSHAKE_S  # nobody waited out a silent peer
+    for sock in (*silent, old, garbled):
+        sock.close()
+    log = _leader_log_after_stop(replica)
+    assert "refused 127.0.0.1: spoke another protocol (not a rank, or an older replica_rank)" in log
+    assert "refused 127.0.0.1: did not prove the rank secret (a line too long)" in log
+    assert log.count("refused 127.0.0.1: had not proved the rank secret when the waiting ended") == 4
+    assert log.count("rank 1 connected") == 1
+
+
+def test_a_silent_peer_is_dropped_after_the_handshake_bound(replica: Replica) -> None:
+    replica.start(0)
+    port = int(replica.config["port"])
+    deadline = time.monotonic() + 15
+    while True:
+        try:
+            silent = socket.create_connection(("127.0.0.1", port))
+            break
+        except ConnectionRefusedError:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    silent.settimeout(HANDSHAKE_S + 5)
+    connected = time.monotonic()
+    assert silent.recv(4096).startswith(b"hello ")
+    assert silent.recv(4096) == b""  # the leader hung up on it
+    assert HANDSHAKE_S - 0.5 < time.monotonic() - connected < HANDSHAKE_S + 3
+    silent.close()
+    replica.start(1)  # the leader is still waiting for its follower
+    _wait_for(replica.pidfile(1))
+    assert f"refused 127.0.0.1: did not prove the rank secret within {HANDSHAKE_S:.0f} s" in (
+        _leader_log_after_stop(replica))
+
+
+def test_a_follower_refuses_a_leader_that_cannot_prove_the_secret(replica: Replica) -> None:
+    server = socket.create_server(("127.0.0.1", int(replica.config["port"])))
+    replica.start(1)
+    server.settimeout(15)
+    fake, _ = server.accept()
+    with fake:
+        fake.sendall(b"hello " + b"0" * 32 + b"\n")
+        assert fake.recv(4096).startswith(b"rank 1 ")
+        fake.sendall(b"ok " + b"0" * 64 + b"\n" + b"go 1234\n")
+        time.sleep(1.0)
+    server.close()
+    assert not replica.pidfile(1).exists()
+    replica.ranks[1].send_signal(signal.SIGTERM)
+    assert replica.exit_status(1) == 0
+    assert "refused the leader at 127.0.0.1" in replica.log(1)
+
+
+def test_a_rank_without_its_secret_does_not_start(replica: Replica) -> None:
+    replica.start(1, secret=None)
+    assert replica.exit_status(1) == 2
+    assert f"no rank secret in {SECRET_ENV}" in replica.log(1)
+    assert not replica.pidfile(1).exists()

@@ -949,6 +949,60 @@ def test_the_kv_report_reads_observed_json_again_only_after_the_wait_ran(fresh: 
     assert level == ("warning" if fresh else "info")
 
 
+def test_each_node_of_an_mp_replica_keeps_the_rank_secret_decided_for_all(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every node of a multi-node mp replica records its rank secret's digest before any node's secret is decided
+    (one record and one draw for the replica, shared by its nodes), and a change of it restarts the replica; the
+    file is read with the replica's others and removed with a retired replica. A one-node replica has none."""
+    from tests.unit.test_replica_watchdog import _planned, _run_role
+
+    _, (replica, *_) = _planned("b_two_nodes_mp")
+    path = node_paths.rank_secret_file(replica.name)
+    ctx = None
+    for host in replica.nodes:
+        ops, ctx = _run_role(monkeypatch, "b_two_nodes_mp", host, ctx)
+        (seen,) = ops.named("vllm.rank_secret_seen", path=path)
+        (kept,) = ops.named("vllm.rank_secret", path=path)
+        assert ops.calls.index(seen) < ops.calls.index(kept)
+        assert kept.kwargs["seen"] is seen.kwargs["seen"] is ctx.rank_secrets_seen[replica.name]
+        assert (kept.kwargs["replica"], kept.kwargs["nodes"]) == (replica.name, replica.nodes)
+        assert kept.kwargs["chosen"] is ctx.rank_secrets
+        assert any(op is kept for op in ctx.replica_changes[replica.name])
+        assert any(path in o.kwargs.get("paths", []) for o in ops.named("node.observe"))
+        (retired,) = ops.named("systemd.retired")
+        assert node_paths.rank_secret_file("{name}") in retired.kwargs["paths"]
+    _, (single, *_) = _planned("a_single_node_70b")
+    ops, _ = _run_role(monkeypatch, "a_single_node_70b", single.nodes[0])
+    assert not ops.named("vllm.rank_secret") and not ops.named("vllm.rank_secret_seen")
+    assert ops.named("files.absent", path=node_paths.rank_secret_file(single.name))
+
+
+def test_a_rank_secret_is_drawn_once_per_replica_and_only_uploaded() -> None:
+    """Nodes of one replica that need a new rank secret get the same one, another replica another; it is 32
+    random bytes in hex, and only the upload carries it (no command line, no noop)."""
+    from pyinfra.api import FileUploadCommand
+    from pyinfra.context import ctx_host, ctx_state
+
+    from gpufleet.operations import vllm as vllm_ops
+    from tests.unit.test_facts_and_operations import FakeHost, FakeState
+
+    chosen: dict[str, str] = {}
+    written: dict[tuple[str, str], str] = {}
+    for replica in ("r1", "r2"):
+        path = node_paths.rank_secret_file(replica)
+        for name in ("lab2", "lab3"):
+            fake = FakeHost({"NodeState": {"paths": {path: {"type": "missing"}}}})
+            fake.name = name
+            with ctx_host.use(fake), ctx_state.use(FakeState()):
+                commands = list(vllm_ops.rank_secret._inner(replica=replica, path=path, nodes=["lab2", "lab3"],
+                                                            seen={"lab2": None, "lab3": None}, chosen=chosen))
+            (upload,) = [c for c in commands if isinstance(c, FileUploadCommand)]
+            written[(replica, name)] = upload.src.read().decode()
+            assert not any(chosen[replica] in str(c) for c in commands if c is not upload)
+            assert not any(chosen[replica] in line for line in fake.noops)
+    assert written[("r1", "lab2")] == written[("r1", "lab3")] != written[("r2", "lab2")] == written[("r2", "lab3")]
+    assert re.fullmatch(r'# rank secret of replica r1\nGPUFLEET_RANK_SECRET="[0-9a-f]{64}"\n', written[("r1", "lab2")])
+
+
 def test_pyinfras_sudo_upload_lands_where_secret_file_says() -> None:
     """What files.secret_file relies on in pyinfra's SSH connector: with ``_sudo`` the SFTP upload goes to the
     ``remote_temp_filename`` given (inside the fresh 0700 directory the operation makes as the SSH user, a new
@@ -1154,7 +1208,9 @@ def test_vllm_unit_holds_no_secret_only_the_optional_root_file() -> None:
         assert secret.lower() not in text.lower(), secret
     env_files = [line for line in _directives(text) if line.startswith("EnvironmentFile=")]
     assert env_files == [f"EnvironmentFile={node_paths.VLLM_ETC}/%i/vllm.env",
-                         f"EnvironmentFile=-{node_paths.SECRETS_DIR}/%i.env"]
+                         f"EnvironmentFile=-{node_paths.SECRETS_DIR}/%i.env",
+                         f"EnvironmentFile=-{node_paths.SECRETS_DIR}/%i.rank.env"]
+    assert node_paths.rank_secret_file("%i") == f"{node_paths.SECRETS_DIR}/%i.rank.env"
 
 
 @pytest.mark.parametrize("kind", ["head", "worker"])
