@@ -4,6 +4,7 @@ records its pid and sleeps."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -80,10 +81,15 @@ class Replica:
         return stderr.read().decode() if stderr is not None else ""
 
     def stop(self) -> None:
+        """Kill every rank, then every stand-in vLLM a rank started (a rank killed by SIGKILL leaves its vLLM,
+        which runs in a process group of its own)."""
         for process in self.ranks.values():
             if process.poll() is None:
                 process.kill()
                 process.wait()
+        for pidfile in self.tmp.glob("vllm*.pid"):
+            with contextlib.suppress(ValueError, ProcessLookupError):
+                os.kill(int(pidfile.read_text()), signal.SIGKILL)
 
 
 @pytest.fixture
