@@ -333,17 +333,22 @@ def _plan_pool(pool: str, hosts: list[str], fleet: Fleet, facts: dict[str, NodeF
 
 def _check_fp8(pool: str, cfg: HostConfig, arch: ModelArch, shapes: list[layout.NodeShape],
                warnings: list[str]) -> None:
-    """fp8 where the pool's GPUs have none (gpufleet.plan.quantization): an fp8 KV cache refused below 8.9, fp8
-    weights refused below 7.5 and warned below 8.9 (weight-only)."""
+    """fp8 where the pool's GPUs have none (gpufleet.plan.quantization): an fp8 KV cache refused below 7.0 and
+    warned below 8.9 (converted in software), fp8 weights refused below 7.5 and warned below 8.9 (weight-only)."""
     known = [(cc, s) for s in shapes if (cc := quantization.capability(s.compute_capability)) is not None]
     if not known:
         return
     cc, shape = min(known, key=lambda found: found[0])
     gpu = f"{shape.gpu_names[0]} (compute capability {quantization.shown(cc)}, on {shape.host})"
     need = quantization.shown(quantization.FP8_COMPUTE)
+    if cfg.vllm_kv_cache_dtype.startswith("fp8") and cc < quantization.FP8_KV_SOFTWARE:
+        raise _about("vllm_kv_cache_dtype", ": ", f"expected auto, bfloat16 or float16 on {gpu}: vLLM keeps an fp8 KV"
+                     f" cache from compute capability {quantization.shown(quantization.FP8_KV_SOFTWARE)}, found"
+                     f" {cfg.vllm_kv_cache_dtype}")
     if cfg.vllm_kv_cache_dtype.startswith("fp8") and cc < quantization.FP8_COMPUTE:
-        raise _about("vllm_kv_cache_dtype", ": ", f"expected auto, bfloat16 or float16 on {gpu}: an fp8 KV cache needs"
-                     f" compute capability {need} (Ada, Hopper or newer), found {cfg.vllm_kv_cache_dtype}")
+        warnings.append(f"pool {pool}: the fp8 KV cache on {gpu} is converted in software (no fp8 below compute"
+                        f" capability {need}): twice the tokens, no speed-up; vLLM needs an attention backend with an"
+                        " fp8 cache there")
     method = cfg.vllm_quantization or arch.quant_method
     if not quantization.fp8_weights(method) or cc >= quantization.FP8_COMPUTE:
         return

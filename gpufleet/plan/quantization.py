@@ -6,8 +6,9 @@
   ``fp8`` is quantized while loading (online); any other method expects tensors the checkpoint lacks.
 - fp8 by compute capability (vLLM's FP8 W8A8 page): fp8 compute needs 8.9 (Ada, Hopper and newer). fp8
   *weights* run weight-only (W8A16, FP8 Marlin) from 7.5 (Turing, Ampere): accepted below 8.9 with a warning.
-  An fp8 *KV cache* has no weight-only path: gpufleet asks for 8.9 (below it vLLM's default FlashAttention 2
-  backend has no fp8 cache and Triton has no e4m3 type), and refuses it on Ampere.
+  An fp8 *KV cache* is stored in fp8 and converted in software below 8.9 (vLLM's fp8 cache was proven on Volta
+  and Ampere when it was added): accepted from 7.0, vLLM's least, with a warning below 8.9 (it holds twice the
+  tokens and speeds nothing up, and vLLM must pick an attention backend that has an fp8 cache on that GPU).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ FP8_COMPUTE = (8, 9)
 """The least compute capability with fp8 in hardware (Ada Lovelace 8.9, Hopper 9.0)."""
 FP8_MARLIN = (7, 5)
 """The least compute capability on which vLLM runs fp8 weights weight-only (FP8 Marlin)."""
+FP8_KV_SOFTWARE = (7, 0)
+"""The least compute capability on which vLLM keeps an fp8 KV cache (converted in software below 8.9)."""
 
 ONLINE = frozenset({"fp8"})
 """Methods vLLM applies while loading an unquantized (16- or 32-bit) checkpoint."""

@@ -64,18 +64,25 @@ def test_fp8_weights_by_probed_capability(project: Project, tmp_path: Path, capa
     assert (said in result.err) if said else "fp8" not in result.err
 
 
-def test_fp8_kv_cache_refused_on_probed_ampere(project: Project, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("capability", "rc", "said"), [
+    ("6.1", 2, "vllm_kv_cache_dtype: expected auto, bfloat16 or float16 on NVIDIA A100-SXM4-80GB (compute capability"
+               " 6.1, on g1): vLLM keeps an fp8 KV cache from compute capability 7.0, found fp8_e5m2"),
+    ("8.6", 0, "warning: pool pool: the fp8 KV cache on NVIDIA A100-SXM4-80GB (compute capability 8.6, on g1) is"
+               " converted in software (no fp8 below compute capability 8.9)"),
+    ("8.9", 0, ""),
+])
+def test_fp8_kv_cache_by_probed_capability(project: Project, tmp_path: Path, capability: str, rc: int,
+                                           said: str) -> None:
     project.group_vars("all", """
         vllm_model: meta-llama/Llama-3.1-8B-Instruct
         vllm_kv_cache_dtype: fp8_e5m2
         vllm_max_model_len: 8192
     """)
     project.inventory('pool = ["g1"]')
-    result = run_cli("plan", "inventories/fleet.py", "--facts", str(_facts_dir(tmp_path, "g1", "8.6")),
+    result = run_cli("plan", "inventories/fleet.py", "--facts", str(_facts_dir(tmp_path, "g1", capability)),
                      cwd=project.root)
-    assert result.rc == 2
-    assert "vllm_kv_cache_dtype: expected auto, bfloat16 or float16 on NVIDIA A100-SXM4-80GB (compute capability 8.6" \
-        in result.err
+    assert result.rc == rc, result.err
+    assert (said in result.err) if said else "fp8" not in result.err
 
 
 def _json_plan(project: Project, extra_args: str, *more: str) -> tuple[list[dict[str, Any]], str, str]:
