@@ -11,7 +11,7 @@ import pytest
 
 from gpufleet.gpu.profiles import profile_facts
 from gpufleet.plan import quantization
-from tests.conftest import Project, run_cli
+from tests.conftest import Project, Result, run_cli
 
 
 @pytest.mark.parametrize(("asked", "checkpoint", "refused"), [
@@ -42,6 +42,18 @@ def _facts_dir(tmp: Path, host: str, capability: str | None) -> Path:
     return folder
 
 
+def _plan_on_probed(project: Project, tmp_path: Path, capability: str | None, setting: str, *more: str) -> Result:
+    """``gpufleet plan`` of one pool with ``setting`` on an 8 x A100 node whose probed GPUs report ``capability``."""
+    project.group_vars("all", f"""
+        vllm_model: meta-llama/Llama-3.1-8B-Instruct
+        {setting}
+        vllm_max_model_len: 8192
+    """)
+    project.inventory('pool = ["g1"]')
+    return run_cli("plan", "inventories/fleet.py", *more, "--facts", str(_facts_dir(tmp_path, "g1", capability)),
+                   cwd=project.root)
+
+
 @pytest.mark.parametrize(("capability", "rc", "said"), [
     ("7.0", 2, "vllm_quantization: expected weights other than fp8 on NVIDIA A100-SXM4-80GB (compute capability 7.0,"
                " on g1): vLLM runs fp8 weights from compute capability 7.5, found fp8"),
@@ -52,14 +64,7 @@ def _facts_dir(tmp: Path, host: str, capability: str | None) -> Path:
 ])
 def test_fp8_weights_by_probed_capability(project: Project, tmp_path: Path, capability: str | None, rc: int,
                                           said: str) -> None:
-    project.group_vars("all", """
-        vllm_model: meta-llama/Llama-3.1-8B-Instruct
-        vllm_quantization: fp8
-        vllm_max_model_len: 8192
-    """)
-    project.inventory('pool = ["g1"]')
-    result = run_cli("plan", "inventories/fleet.py", "--json", "--facts", str(_facts_dir(tmp_path, "g1", capability)),
-                     cwd=project.root)
+    result = _plan_on_probed(project, tmp_path, capability, "vllm_quantization: fp8", "--json")
     assert result.rc == rc, result.err
     assert (said in result.err) if said else "fp8" not in result.err
 
@@ -73,14 +78,7 @@ def test_fp8_weights_by_probed_capability(project: Project, tmp_path: Path, capa
 ])
 def test_fp8_kv_cache_by_probed_capability(project: Project, tmp_path: Path, capability: str, rc: int,
                                            said: str) -> None:
-    project.group_vars("all", """
-        vllm_model: meta-llama/Llama-3.1-8B-Instruct
-        vllm_kv_cache_dtype: fp8_e5m2
-        vllm_max_model_len: 8192
-    """)
-    project.inventory('pool = ["g1"]')
-    result = run_cli("plan", "inventories/fleet.py", "--facts", str(_facts_dir(tmp_path, "g1", capability)),
-                     cwd=project.root)
+    result = _plan_on_probed(project, tmp_path, capability, "vllm_kv_cache_dtype: fp8_e5m2")
     assert result.rc == rc, result.err
     assert (said in result.err) if said else "fp8" not in result.err
 
