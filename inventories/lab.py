@@ -11,14 +11,21 @@ the tiny model under one name; ``routers`` puts the router (HAProxy) on lab1 and
 behind the virtual address .10 of the lab bridge (keepalived), serving HTTPS with the lab's own CA (``<lab
 dir>/tls``) to one client, ``lab``, with a key of its own; ``monitoring`` puts Prometheus and Alertmanager on lab1,
 scraping every node. A lab of one node has one router and no virtual address.
+With ``GPUFLEET_LAB_DEDICATED=1`` (three nodes or more), lab1 serves no model: there is no ``lab_single``, and lab1
+is a dedicated router and monitoring host beside the pipeline pair, in no group but ``routers`` and ``monitoring``
+(any other group would be its serving pool): it takes ``group_vars/lab.yml``'s values as its host data, less the
+model, and has no model to push.
 Values that depend on the running lab (its mirror's address and signing key, its cache, its API key, client key,
 Ray token, VRRP password and CA, its bridge address as the monitoring host and API client) are host data.
 ``GPUFLEET_LAB_DIR`` selects a lab other than the default one.
 """
 
 import ipaddress
+import os
 import sys
+from pathlib import Path
 
+import yaml
 from gpufleet_lab.errors import LabError
 from gpufleet_lab.hooks import mirror_base_url
 from gpufleet_lab.mirror import MirrorUrls, keyring_fingerprint, node_exporter_sources
@@ -48,6 +55,15 @@ _mirror = mirror_base_url(_state.bridge_address)
 _mirror_key = {"nvidia_repo_key_fingerprint": _key} if (_key := keyring_fingerprint()) else {}
 _ray_token = ensure_api_key(lab_dir(), RAY_TOKEN_FILE)  # a lab made before Ray tokens gets one here
 _model = str(cache_dir() / "models" / "tiny-llama")
+_dedicated = os.environ.get("GPUFLEET_LAB_DEDICATED") == "1" and len(_state.nodes) >= 3  # lab1 serves nothing
+
+
+def _lab_values_less_the_model() -> dict[str, object]:
+    """group_vars/lab.yml's values without ``vllm_model``: a dedicated lab1's own (it is in no group lab.yml is for)."""
+    values = yaml.safe_load((Path(__file__).resolve().parent.parent / "group_vars" / "lab.yml").read_text())
+    values.pop("vllm_model")
+    return dict(values)
+
 _routers = [node.address for node in _state.nodes[:2]]  # HAProxy on lab1 and lab2
 _vip = str(virtual_address(ipaddress.ip_network(_state.subnet))) if len(_routers) >= 2 else None
 try:
@@ -85,9 +101,9 @@ _hosts = [
             # (wheels/requirements-{version}.lock), {version} filled with the host's vllm_version
             "vllm_wheelhouse_url": _mirror + "wheels/",
             "vllm_requirements_url": MirrorUrls(_mirror).wheel_lock("{version}"),
-            # the tiny model the mirror built: planned from here, pushed from here
-            "vllm_model_config": _model,
-            "vllm_model_source": _model,
+            # the tiny model the mirror built: planned from here, pushed from here (a dedicated lab1 has none)
+            **({"vllm_model_config": _model, "vllm_model_source": _model}
+               if not (_dedicated and node is _state.nodes[0]) else _lab_values_less_the_model()),
             "vllm_api_key": {"file": str(lab_dir() / API_KEY_FILE)},
             "ray_auth_token": {"file": str(_ray_token)},
             # the controller's side of the lab (the bridge) scrapes the exporters and calls the APIs, as do the
@@ -104,11 +120,14 @@ _hosts = [
     for node in _state.nodes
 ]
 
-lab = [address for address, _ in _hosts]
+lab = [address for address, _ in _hosts[1 if _dedicated else 0:]]
 routers = _routers  # HAProxy on lab1 and lab2, in front of every replica (a role group, not a serving pool)
-monitoring = [_hosts[0][0]]  # Prometheus and Alertmanager on lab1 (a role group, not a serving pool)
+# Prometheus and Alertmanager on lab1 (a role group, not a serving pool); a dedicated lab1's data comes with it here
+monitoring = [_hosts[0] if _dedicated else _hosts[0][0]]
 _pipeline = _hosts[-2:] if len(_hosts) >= 3 else []
-lab_single = [h for h in _hosts if h not in _pipeline]
+_single = [h for h in _hosts[1 if _dedicated else 0:] if h not in _pipeline]
+if _single:
+    lab_single = _single
 if _pipeline:
     lab_pipeline = _pipeline
 

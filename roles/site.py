@@ -1,8 +1,9 @@
 """The site sequence: every role in the order a deploy converges them, shared by deploys/vllm.py (which runs it)
 and deploys/check.py (which works it out read-only and reports the gate and the drift). A host that serves in
 no pool (a dedicated router or monitoring host) gets common, node_exporter, router, keepalived and monitoring only:
-no driver, no GPU gate, no vLLM. The router, keepalived and monitoring roles act on the hosts of their inventory groups
-only (keepalived where the routers have a virtual address; elsewhere it retires what it set up)."""
+no driver, no GPU gate, no vLLM; the vLLM replicas and Ray units it ran while it served are retired. The router,
+keepalived and monitoring roles act on the hosts of their inventory groups only (keepalived where the routers have
+a virtual address; elsewhere it retires what it set up)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from roles.node_exporter import node_exporter
 from roles.nvidia_driver import nvidia_driver
 from roles.ray import ray
 from roles.router import router
-from roles.vllm import vllm_install, vllm_serve
+from roles.vllm import vllm_install, vllm_retire, vllm_serve
 
 
 @deploy("GPU health gate")
@@ -42,6 +43,8 @@ def site() -> None:
     if not fleet().serves(host.name):  # a dedicated router or monitoring host
         common()
         node_exporter()
+        vllm_retire()
+        ray()  # plans no Ray unit here: retires those left
         router()
         keepalived()
         monitoring()

@@ -16,6 +16,9 @@ template unit of replicas' watchdogs ``vllm-watchdog@.service`` and, on a replic
 only ``/var/lib/vllm`` (its home and caches). Last, the nodes of each multi-node replica must
 agree on vLLM, torch, Python, Ray and the model, or all of them stop before any starts it.
 
+``vllm_retire()`` — on a host that serves in no pool (it may have served before): every replica left on it is
+stopped and removed.
+
 ``vllm_serve()`` — starts each replica (``vllm_start``), restarts one only when its files changed on
 any of its nodes, and waits on its first node for ``/health`` and one real completion; that wait then records
 the KV cache vLLM reports (``observed.json`` in the replica's directory), which every run shows beside the plan's
@@ -303,13 +306,27 @@ def vllm_install() -> None:
         vllm.restart_record(name=f"{replica.name}: record that it must restart", marker=restart_marker(replica.name),
                             changed=_changed(changes),
                             pending=partial(ctx.pending_restarts.add, replica.name))
-    retired = systemd.retired(name="Stop and remove replicas no longer planned here", pattern=f"{VLLM_ETC}/*",
-                              keep=[replica.name for replica, _, _ in mine], unit="vllm@{name}.service",
-                              paths=[replica_dir("{name}"), replica_secrets("{name}"), rank_secret_file("{name}"),
-                                     vllm_ray_drop_in("{name}"), watchdog_enabled_link("{name}")])
+    retired = _retire_replicas(keep=[replica.name for replica, _, _ in mine])
     systemd.daemon_reload(name="Reload systemd after the unit or a drop-in changed",
                           _if=_changed([unit, watchdog, retired, *drop_ins]))
     _nodes_agree()
+
+
+def _retire_replicas(keep: list[str]) -> OperationMeta:
+    """Stop and remove every replica on this node that ``keep`` does not name: its unit and all its files."""
+    return systemd.retired(name="Stop and remove replicas no longer planned here", pattern=f"{VLLM_ETC}/*",
+                           keep=keep, unit="vllm@{name}.service",
+                           paths=[replica_dir("{name}"), replica_secrets("{name}"), rank_secret_file("{name}"),
+                                  vllm_ray_drop_in("{name}"), watchdog_enabled_link("{name}")])
+
+
+@deploy("vLLM: retire the replicas of a host that serves in no pool")
+def vllm_retire() -> None:
+    """On a host in no serving pool (a dedicated router or monitoring host): the replicas it ran while it served
+    are stopped and removed, as on a serving node the plan gives fewer; vLLM's installs and model stay."""
+    node.observe(name="Read the replicas left on this node", listings=[f"{VLLM_ETC}/*"])
+    retired = _retire_replicas(keep=[])
+    systemd.daemon_reload(name="Reload systemd after replicas were removed", _if=retired.did_change)
 
 
 def _nodes_agree() -> None:

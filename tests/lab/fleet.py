@@ -65,8 +65,8 @@ print(json.dumps(dict(zip(sys.argv[3:], ThreadPoolExecutor(16).map(reach, sys.ar
 """
 RAY = ("--data", "vllm_distributed_backend=ray", "--data", "vllm_start=false", "--limit", "lab_pipeline")
 """The pipeline pool on Ray: the CPU build refuses vLLM's Ray executor, so vLLM is staged, not started. Only the
-pool's nodes are deployed: lab1 stands for any other machine (its replica, stopped by the last ``changed`` test,
-is not started again for a scenario that does not use it)."""
+pool's nodes are deployed: lab1 stands for any other machine (in a full run, the last ``changed`` test leaves it
+a dedicated router host, its replica retired)."""
 
 
 def served_name(group: str) -> str:

@@ -25,8 +25,10 @@ from tests.lab.fleet import (
     PIPELINE,
     PORT,
     PROVISION,
+    ROUTER_PORT,
     SIM_PROFILE,
     address_holder,
+    client_key,
     deploy,
     holds_address,
     http,
@@ -34,7 +36,10 @@ from tests.lab.fleet import (
     record_figure,
     requests_to,
     router_retries,
+    router_servers,
+    served_name,
     single,
+    tls,
     vllm_child,
     wait_router_status,
     wait_serving,
@@ -412,7 +417,7 @@ def test_a_node_failing_the_gpu_gate_is_not_started_and_is_named(
     """lab1 loses a GPU: the deploy names it and does not start its replica, nor does the unit's own gate; the
     pipeline replica runs on. It runs as well on the fleet the group-setting test left (lab1's replica on other
     settings, which this deploy would put back): no deploy first. The fleet is left with lab1's replica stopped: the
-    next scenario's deploy starts it."""
+    next test retires it."""
     node, unit = lab.nodes[0], f"vllm@{single(lab)}"
     host = lab.host(node)
     lab_states.changed()
@@ -436,3 +441,30 @@ def test_a_node_failing_the_gpu_gate_is_not_started_and_is_named(
         host.check_output(f"mv {profile}.saved {profile}")
         host.run(f"systemctl reset-failed {unit}")
 
+
+
+def test_a_dedicated_router_host_converges_next_to_the_serving_nodes(
+        lab: Lab, changed: Completed | None, lab_states: LabStates) -> None:
+    """lab1 leaves every serving pool (inventories/lab.py with GPUFLEET_LAB_DEDICATED=1): in ``routers`` and
+    ``monitoring`` only, with no model, one deploy converges it as a dedicated router host. Its replica (stopped by
+    the GPU-gate test) is retired, the pipeline replica runs on untouched, lab1's router sends requests to it alone,
+    and a second run changes nothing. The fleet is left so: the ray scenario deploys the pipeline pair only."""
+    node, replica = lab.nodes[0], single(lab)
+    host = lab.host(node)
+    pipeline = {n.name: main_pid(lab, n, f"vllm@{PIPELINE}") for n in lab.nodes[1:]}
+    lab_states.changed()
+    dedicated = {**lab.env, "GPUFLEET_LAB_DEDICATED": "1"}
+    done = run([str(PYINFRA), INVENTORY, DEPLOY, "-y"], dedicated, 1800)
+    assert_no_errors(done)
+    assert not re.search(rf"\[{re.escape(node.address)}\].*GPU health gate", done.output), done.output[-4000:]
+    assert not host.file(f"/etc/gpufleet/vllm/{replica}").exists
+    assert host.run(f"systemctl is-enabled vllm@{replica}").stdout.strip() != "enabled"
+    assert not host.service(f"vllm@{replica}").is_running
+    assert {n.name: main_pid(lab, n, f"vllm@{PIPELINE}") for n in lab.nodes[1:]} == pipeline
+    assert host.service("haproxy").is_running
+    assert [name.split("/")[-1] for name in router_servers(lab)] == [PIPELINE], router_servers(lab)
+    status, body = http(f"https://{node.address}:{ROUTER_PORT}/v1/completions",
+                        {"model": served_name("lab"), "prompt": "The fleet is", "max_tokens": 4},
+                        client_key(lab), context=tls(lab))
+    assert status == 200, body
+    assert_nothing_changed(run([str(PYINFRA), INVENTORY, DEPLOY, "-y"], dedicated, 600))

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import ast
 import inspect
+from types import SimpleNamespace
+
+import pytest
 
 from roles import site
 
@@ -28,3 +31,27 @@ def test_every_role_is_called_from_a_line_of_its_own() -> None:
     assert len(roles) >= 10
     lines = [call.lineno for call in roles]
     assert len(lines) == len(set(lines)), lines
+
+
+def _called_roles(monkeypatch: pytest.MonkeyPatch, serves: bool) -> list[str]:
+    """The roles ``site()`` calls, in order, for a host that serves in a pool or in none."""
+    called: list[str] = []
+    for name, value in vars(site).items():
+        if getattr(value, "__module__", "").startswith("roles.") and callable(value) and name != "site":
+            monkeypatch.setattr(site, name, lambda name=name: called.append(name))
+    monkeypatch.setattr(site, "fleet", lambda: SimpleNamespace(serves=lambda _: serves))
+    monkeypatch.setattr(site, "host", SimpleNamespace(name="router-1"))
+    site.site()
+    return called
+
+
+def test_a_host_in_no_pool_gets_the_edge_and_monitoring_and_loses_what_it_served() -> None:
+    """A dedicated router or monitoring host: no driver, GPU gate or vLLM install, but the replicas and Ray units
+    it ran while it served are retired; a serving host gets every role."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        dedicated = _called_roles(monkeypatch, serves=False)
+    assert dedicated == ["common", "node_exporter", "vllm_retire", "ray", "router", "keepalived", "monitoring"]
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        serving = _called_roles(monkeypatch, serves=True)
+    assert serving == ["common", "nvidia_driver", "dcgm", "gpu_gate", "node_exporter", "dcgm_exporter",
+                       "vllm_install", "ray", "vllm_serve", "gpu_watch", "router", "keepalived", "monitoring"]

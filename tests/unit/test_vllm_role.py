@@ -55,6 +55,7 @@ from gpufleet.plan.commands import (
 from gpufleet.plan.planner import plan_fleet
 from tests.conftest import ROOT
 from tests.loopback_http import QuietHandler, loopback_server
+from tests.recorded_ops import Recorder
 
 TEMPLATES = ROOT / "templates"
 
@@ -974,6 +975,29 @@ def test_each_node_of_an_mp_replica_keeps_the_rank_secret_decided_for_all(monkey
     ops, _ = _run_role(monkeypatch, "a_single_node_70b", single.nodes[0])
     assert not ops.named("vllm.rank_secret") and not ops.named("vllm.rank_secret_seen")
     assert ops.named("files.absent", path=node_paths.rank_secret_file(single.name))
+
+
+def test_a_host_in_no_pool_retires_every_replica_left_on_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vllm_retire (a dedicated router or monitoring host, which may have served before) reads the replicas'
+    directory and retires every replica there, with the same unit and files a serving node retires; systemd is
+    reloaded only when something was removed."""
+    from tests.unit.test_replica_watchdog import _first_node, _run_role
+
+    serving, _ = _run_role(monkeypatch, "b_two_nodes_mp", _first_node("b_two_nodes_mp")[1])
+    (kept,) = serving.named("systemd.retired")
+    ops = Recorder()
+    for name in ("node", "systemd"):
+        monkeypatch.setattr(vllm_role, name, ops.module(name))
+    vllm_role.vllm_retire.__wrapped__()  # type: ignore[attr-defined]
+    (observe,) = ops.named("node.observe")
+    (retired,) = ops.named("systemd.retired")
+    assert retired.kwargs["pattern"] in observe.kwargs["listings"]
+    assert retired.kwargs["keep"] == [] and kept.kwargs["keep"]
+    assert {k: v for k, v in retired.kwargs.items() if k not in ("keep",)} == {
+        k: v for k, v in kept.kwargs.items() if k not in ("keep",)}
+    (reload,) = ops.named("systemd.daemon_reload")
+    assert reload.kwargs["_if"] == retired.did_change
+    assert [c.op for c in ops.calls] == ["node.observe", "systemd.retired", "systemd.daemon_reload"]
 
 
 def test_a_rank_secret_is_drawn_once_per_replica_and_only_uploaded() -> None:
