@@ -395,6 +395,9 @@ class HostConfig(BaseModel):
     router_max_connections: Annotated[int, Field(ge=1, le=500_000)]
     router_server_maxconn: Annotated[int, Field(ge=1, le=50_000)] | None
     router_queue_timeout_s: Annotated[float, Field(gt=0, le=3600)]
+    # how a model's backend picks a replica (the same for every pool that serves the model)
+    router_policy: Literal["leastconn", "prefix"]
+    router_prefix_balance: Annotated[float, Field(gt=1, le=10)]
 
     # router: the edge (client keys and limits, TLS)
     router_clients: Annotated[dict[str, RouterClient], BeforeValidator(_client_names)]
