@@ -11,10 +11,12 @@ the tiny model under one name; ``routers`` puts the router (HAProxy) on lab1 and
 behind the virtual address .10 of the lab bridge (keepalived), serving HTTPS with the lab's own CA (``<lab
 dir>/tls``) to one client, ``lab``, with a key of its own; ``monitoring`` puts Prometheus and Alertmanager on lab1,
 scraping every node. A lab of one node has one router and no virtual address.
-With ``GPUFLEET_LAB_DEDICATED=1`` (three nodes or more), lab1 serves no model: there is no ``lab_single``, and lab1
-is a dedicated router and monitoring host beside the pipeline pair, in no group but ``routers`` and ``monitoring``
-(any other group would be its serving pool): it takes ``group_vars/lab.yml``'s values as its host data, less the
-model, and has no model to push.
+``GPUFLEET_LAB_LAYOUT`` picks another layout of the same nodes (three or more):
+``dedicated``: lab1 serves no model: there is no ``lab_single``, and lab1 is a dedicated router and monitoring
+host beside the pipeline pair, in no group but ``routers`` and ``monitoring`` (any other group would be its serving
+pool): it takes ``group_vars/lab.yml``'s values as its host data, less the model, and has no model to push.
+``singles``: no pipeline pair: every node serves one replica of its own (``lab_single``), replicas of one shape
+(what bench/prefix_routing.py compares routing policies on).
 Values that depend on the running lab (its mirror's address and signing key, its cache, its API key, client key,
 Ray token, VRRP password and CA, its bridge address as the monitoring host and API client) are host data.
 ``GPUFLEET_LAB_DIR`` selects a lab other than the default one.
@@ -55,7 +57,14 @@ _mirror = mirror_base_url(_state.bridge_address)
 _mirror_key = {"nvidia_repo_key_fingerprint": _key} if (_key := keyring_fingerprint()) else {}
 _ray_token = ensure_api_key(lab_dir(), RAY_TOKEN_FILE)  # a lab made before Ray tokens gets one here
 _model = str(cache_dir() / "models" / "tiny-llama")
-_dedicated = os.environ.get("GPUFLEET_LAB_DEDICATED") == "1" and len(_state.nodes) >= 3  # lab1 serves nothing
+_LAYOUTS = ("default", "dedicated", "singles")
+_layout = os.environ.get("GPUFLEET_LAB_LAYOUT") or "default"
+if _layout not in _LAYOUTS:
+    sys.exit(f"inventories/lab.py: GPUFLEET_LAB_LAYOUT: expected one of {', '.join(_LAYOUTS)}, found {_layout!r}")
+if _layout != "default" and len(_state.nodes) < 3:
+    sys.exit(f"inventories/lab.py: GPUFLEET_LAB_LAYOUT: expected a lab of three nodes or more for {_layout},"
+             f" found {len(_state.nodes)}")
+_dedicated = _layout == "dedicated"  # lab1 serves nothing
 
 
 def _lab_values_less_the_model() -> dict[str, object]:
@@ -124,7 +133,7 @@ lab = [address for address, _ in _hosts[1 if _dedicated else 0:]]
 routers = _routers  # HAProxy on lab1 and lab2, in front of every replica (a role group, not a serving pool)
 # Prometheus and Alertmanager on lab1 (a role group, not a serving pool); a dedicated lab1's data comes with it here
 monitoring = [_hosts[0] if _dedicated else _hosts[0][0]]
-_pipeline = _hosts[-2:] if len(_hosts) >= 3 else []
+_pipeline = _hosts[-2:] if len(_hosts) >= 3 and _layout != "singles" else []
 _single = [h for h in _hosts[1 if _dedicated else 0:] if h not in _pipeline]
 if _single:
     lab_single = _single

@@ -1,12 +1,14 @@
 """A bounded load of OpenAI API requests: what must keep answering while the lab's fleet is changed under it.
 
 A few streams, each sending one request, waiting for its whole answer, then ``pause_s`` before the next: a
-completion, or (with ``chat``) a completion and a streamed chat in turn. Every stream stops by itself after
-``limit_s`` or ``limit`` requests, whichever comes first, or when :meth:`RequestLoad.stop` is called. An answer
-counts as failed when it is not a 200, when a completion returns no token, or when a stream does not end with
-``data: [DONE]``. Each answer keeps when it was sent and its status, so that a test can tell the requests sent
-before a fault from those sent after it. :func:`burst` sends many requests at one instant instead: what admission
-control must answer at once. Standard library only; the lab's tests and ``bench/`` drive it.
+completion, or (with ``chat``) a completion and a streamed chat in turn. A stream's chats are the turns of its
+conversation: each resends the history (its opening, unique to the conversation, the answers and the user's
+messages) with a new message, and after CONVERSATION_TURNS turns the stream opens another. Every stream stops
+by itself after ``limit_s`` or ``limit`` requests, whichever comes first, or when :meth:`RequestLoad.stop` is
+called. An answer counts as failed when it is not a 200, when a completion returns no token, or when a stream does
+not end with ``data: [DONE]``. Each answer keeps when it was sent and its status, so that a test can tell the
+requests sent before a fault from those sent after it. :func:`burst` sends many requests at one instant instead:
+what admission control must answer at once. Standard library only; the lab's tests and ``bench/`` drive it.
 """
 
 from __future__ import annotations
@@ -20,11 +22,13 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
 PROMPT = "The fleet is"
 BURST_MAX = 400  # requests one burst may send
+CONVERSATION_TURNS = 3  # chats of one conversation (the lab's max_model_len holds them)
 
 
 @dataclass(frozen=True)
@@ -76,13 +80,20 @@ class RequestLoad:
         for thread in self._threads:
             thread.join(self.timeout_s + 10)
 
-    def one(self, n: int) -> None:
-        """Request ``n`` of a stream; raises on a failed answer."""
+    def one(self, n: int, conversation: list[dict[str, str]] | None = None) -> None:
+        """Request ``n`` of a stream; raises on a failed answer. A streamed chat is the next turn of
+        ``conversation`` (its messages so far), which gains the turn and its answer."""
         streamed = self.chat and n % 2 == 1
+        turn: list[dict[str, str]] = []
         if streamed:
+            history = conversation if conversation is not None else []
+            if len(history) >= 2 * CONVERSATION_TURNS:
+                history.clear()
+            turn = [{"role": "user", "content": f"Say hello, {uuid.uuid4().hex[:12]}" if not history
+                     else f"And then? ({len(history) // 2})"}]
             path = "/v1/chat/completions"
             body: dict[str, Any] = {"model": self.model, "max_tokens": 8, "stream": True,
-                                    "messages": [{"role": "user", "content": "Say hello"}]}
+                                    "messages": [*history, *turn]}
         else:
             path, body = "/v1/completions", {"model": self.model, "prompt": PROMPT, "max_tokens": 8}
         request = urllib.request.Request(self.url + path, data=json.dumps(body).encode(), method="POST",
@@ -94,18 +105,21 @@ class RequestLoad:
         if streamed:
             if not text.rstrip().endswith("data: [DONE]"):
                 raise ValueError(f"the stream ended without data: [DONE]: {text[-200:]!r}")
+            if conversation is not None:
+                conversation.extend([*turn, {"role": "assistant", "content": streamed_text(text)}])
         elif not json.loads(text)["usage"]["completion_tokens"]:
             raise ValueError(f"no completion token: {text[:200]!r}")
 
     def _loop(self) -> None:
         end, n = time.monotonic() + self.limit_s, 0
+        conversation: list[dict[str, str]] = []
         while not self._done.is_set() and time.monotonic() < end and n < self.limit:
             n += 1
             started = time.monotonic()
             failure: str | None = None
             status: int | None = 200
             try:
-                self.one(n)
+                self.one(n, conversation)
             except (OSError, ValueError, KeyError, TypeError, http.client.HTTPException) as exc:
                 detail = exc.read().decode(errors="replace")[:200] if isinstance(exc, urllib.error.HTTPError) else ""
                 failure = f"{type(exc).__name__}: {str(exc)[:200]} {detail}".rstrip()
@@ -134,6 +148,16 @@ class RequestLoad:
             return {"requests": sent, "failed": failed, "p50_s": None, "p99_s": None}
         return {"requests": sent, "failed": failed, "p50_s": round(times[len(times) // 2], 2),
                 "p99_s": round(times[min(len(times) - 1, int(len(times) * 0.99))], 2)}
+
+
+def streamed_text(stream: str) -> str:
+    """The text of a streamed chat completion: its chunks' content deltas, joined."""
+    parts = []
+    for line in stream.splitlines():
+        if line.startswith("data: {"):
+            for choice in json.loads(line[6:]).get("choices", []):
+                parts.append(choice.get("delta", {}).get("content") or "")
+    return "".join(parts)
 
 
 def burst(url: str, model: str, key: str | None, count: int, *, max_tokens: int = 8, timeout_s: float = 60.0,

@@ -445,7 +445,7 @@ def test_a_node_failing_the_gpu_gate_is_not_started_and_is_named(
 
 def test_a_dedicated_router_host_converges_next_to_the_serving_nodes(
         lab: Lab, changed: Completed | None, lab_states: LabStates) -> None:
-    """lab1 leaves every serving pool (inventories/lab.py with GPUFLEET_LAB_DEDICATED=1): in ``routers`` and
+    """lab1 leaves every serving pool (inventories/lab.py with GPUFLEET_LAB_LAYOUT=dedicated): in ``routers`` and
     ``monitoring`` only, with no model, one deploy converges it as a dedicated router host. Its replica (stopped by
     the GPU-gate test) is retired, the pipeline replica runs on untouched, lab1's router sends requests to it alone,
     and a second run changes nothing. The fleet is left so: the ray scenario deploys the pipeline pair only."""
@@ -453,7 +453,7 @@ def test_a_dedicated_router_host_converges_next_to_the_serving_nodes(
     host = lab.host(node)
     pipeline = {n.name: main_pid(lab, n, f"vllm@{PIPELINE}") for n in lab.nodes[1:]}
     lab_states.changed()
-    dedicated = {**lab.env, "GPUFLEET_LAB_DEDICATED": "1"}
+    dedicated = {**lab.env, "GPUFLEET_LAB_LAYOUT": "dedicated"}
     done = run([str(PYINFRA), INVENTORY, DEPLOY, "-y"], dedicated, 1800)
     assert_no_errors(done)
     assert not re.search(rf"\[{re.escape(node.address)}\].*GPU health gate", done.output), done.output[-4000:]

@@ -8,7 +8,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from gpufleet_lab.request_load import BURST_MAX, RequestLoad, burst
+from gpufleet_lab.request_load import BURST_MAX, CONVERSATION_TURNS, RequestLoad, burst
 
 from tests.loopback_http import QuietHandler, loopback_server
 
@@ -24,6 +24,7 @@ class Seen:
         self.auth: set[str | None] = set()
         self.chat_status = 200
         self.chat_done = True
+        self.chats: list[list[dict[str, str]]] = []
 
 
 @pytest.fixture
@@ -38,8 +39,12 @@ def vllm() -> Iterator[tuple[str, Seen]]:
                 seen.auth.add(self.headers.get("Authorization"))
             if self.path == "/v1/chat/completions":
                 assert body["stream"] is True
+                with seen.lock:
+                    seen.chats.append(body["messages"])
+                    n = len(seen.chats)
                 status = seen.chat_status
-                text = 'data: {"choices": []}\n\n' + ("data: [DONE]\n\n" if seen.chat_done else "")
+                chunk = json.dumps({"choices": [{"delta": {"content": f"hi {n}"}}]})
+                text = f"data: {chunk}\n\n" + ("data: [DONE]\n\n" if seen.chat_done else "")
             else:
                 status, text = 200, json.dumps({"usage": {"completion_tokens": body["max_tokens"]}})
             self.answer(status, text.encode())
@@ -57,6 +62,20 @@ def test_streams_alternate_completions_and_streamed_chats_up_to_their_limit(vllm
     assert figures["p50_s"] is not None and figures["p99_s"] >= figures["p50_s"]
     assert sorted(seen.paths) == ["/v1/chat/completions"] * 4 + ["/v1/completions"] * 4
     assert seen.auth == {f"Bearer {KEY}"}
+
+
+def test_a_streams_chats_are_the_turns_of_its_conversations(vllm: tuple[str, Seen]) -> None:
+    """Each chat resends its conversation (a unique opening, the answers, the user's turns) with a new message;
+    after CONVERSATION_TURNS turns the stream opens a new conversation."""
+    url, seen = vllm
+    load = RequestLoad(url, "m", None, pause_s=0.01, limit=2 * (CONVERSATION_TURNS + 1), chat=True).start()
+    assert load.join(10) and load.failures == []
+    chats = seen.chats
+    assert [len(messages) for messages in chats] == [1, 3, 5, 1]
+    assert chats[1][:2] == [chats[0][0], {"role": "assistant", "content": "hi 1"}]
+    assert chats[2][:4] == chats[1] + [{"role": "assistant", "content": "hi 2"}]
+    assert [m["role"] for m in chats[2]] == ["user", "assistant"] * 2 + ["user"]
+    assert chats[3][0]["content"] != chats[0][0]["content"]  # a new conversation opens differently
 
 
 @pytest.mark.parametrize(("status", "done", "failure"), [
