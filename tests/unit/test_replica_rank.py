@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import re
+import select
 import signal
 import socket
 import subprocess
@@ -56,6 +57,7 @@ class Replica:
         self.tmp = tmp
         port = _free_port()
         self.ranks: dict[int, subprocess.Popen[bytes]] = {}
+        self.read: dict[int, str] = {}  # what wait_logged read of each rank's log
         self.config = {"nodes": 2, "leader": "127.0.0.1", "port": port, "bind": "127.0.0.1"}
 
     def start(self, rank: int, secret: str | None = SECRET, key: int | None = None) -> None:
@@ -78,7 +80,17 @@ class Replica:
 
     def log(self, rank: int) -> str:
         stderr = self.ranks[rank].stderr
-        return stderr.read().decode() if stderr is not None else ""
+        return self.read.get(rank, "") + (stderr.read().decode() if stderr is not None else "")
+
+    def wait_logged(self, rank: int, pattern: str, timeout: float = 15) -> None:
+        """Wait until ``rank``'s log has a line that matches ``pattern``."""
+        stderr = self.ranks[rank].stderr
+        assert stderr is not None
+        deadline = time.monotonic() + timeout
+        while not re.search(pattern, self.read.get(rank, "")):
+            left = deadline - time.monotonic()
+            assert left > 0 and select.select([stderr], [], [], left)[0], f"rank {rank} never logged {pattern!r}"
+            self.read[rank] = self.read.get(rank, "") + os.read(stderr.fileno(), 65536).decode()
 
     def stop(self) -> None:
         """Kill every rank, then every stand-in vLLM a rank started (a rank killed by SIGKILL leaves its vLLM,
@@ -192,7 +204,7 @@ def test_the_secret_is_in_no_argv_no_log_and_not_in_vllms_environment(replica: R
 def test_a_wrong_secret_is_refused_and_the_real_follower_joins(replica: Replica) -> None:
     replica.start(0)
     replica.start(1, secret="not-" + SECRET, key=9)  # an impostor: says rank 1, holds another secret
-    time.sleep(1.0)
+    replica.wait_logged(9, "refused the leader|let this rank go")  # the leader turned it away
     replica.start(1)
     assert _alive(_wait_for(replica.pidfile(0)))
     assert _alive(_wait_for(replica.pidfile(1)))
