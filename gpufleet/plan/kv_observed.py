@@ -15,8 +15,6 @@ from typing import Any
 from gpufleet.node.vllm_ready import kv_summary
 
 NOT_YET = "vLLM's figure is not recorded yet (observed.json is written when the replica starts)"
-
-
 PREFIX_CACHING_OFF = ("under router_policy prefix, which sends each request to the replica that has its prefix cached:"
                       " turn vLLM's prefix caching on (vllm_extra_args enable-prefix-caching: true) or route by"
                       " leastconn")

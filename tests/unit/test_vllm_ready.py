@@ -2,7 +2,7 @@
 for vLLM, a stand-in ``systemctl`` whose answers are each case's data (one ``systemctl show`` answer per look,
 the last one repeated) and a stand-in ``journalctl`` that prints the unit's journal from tests/data/vllm_ready/.
 Once ready, it records what vLLM reports of its KV cache: the stand-in's ``/metrics`` is a file of
-tests/data/vllm_ready/ (``*.metrics``, as vLLM's CPU build 0.31 answers on the lab)."""
+tests/data/vllm_ready/ (``*.metrics``, as vLLM's CPU build 0.31 answers on the lab, and variants of it)."""
 
 from __future__ import annotations
 
