@@ -430,6 +430,7 @@ class HostConfig(BaseModel):
     alert_ttft_p95_s: Annotated[float, Field(gt=0, le=3600)]
     alert_itl_p95_s: Annotated[float, Field(gt=0, le=60)]
     alert_error_ratio_max: Annotated[float, Field(gt=0, lt=1)]
+    alert_prefix_hit_ratio_drop: Annotated[float, Field(gt=0, lt=1)]
     alert_model_disk_free_ratio_min: Annotated[float, Field(gt=0, lt=1)]
     alert_unit_restarts_max: Annotated[int, Field(ge=0, le=1000)]
     alert_model_replicas_min_ratio: Annotated[float, Field(gt=0, le=1)]

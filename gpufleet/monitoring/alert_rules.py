@@ -2,7 +2,8 @@
 
 The thresholds are the ``alert_*`` variables (``roles/monitoring/defaults.yml``), passed under their own names.
 The rest comes from gpufleet's own names, so the rules follow them: the mounts that may hold the model
-directory, the systemd units gpufleet runs, and the critical XIDs as a PromQL regex.
+directory, the systemd units gpufleet runs, the critical XIDs as a PromQL regex, and the windows of a prefix cache
+collapse.
 """
 
 from __future__ import annotations
@@ -30,6 +31,12 @@ GPUFLEET_UNITS = (
 
 RANK_UNIT_PREFIXES = (node_paths.VLLM_UNIT_TEMPLATE.removesuffix(".service"), node_paths.RAY_UNIT_PREFIX)
 """What a replica's rank unit on a node is named before ``<replica>.service``: its vLLM (mp) or its Ray node."""
+
+PREFIX_COLLAPSE_FOR = "15m"
+"""How long a prefix-routed model's cache hit ratio stays collapsed before it alerts; its baseline ends there."""
+
+PREFIX_BASELINE = "6h"
+"""The window whose average hit ratio a collapse is measured against, before the collapse's own."""
 
 GPU_SERVICES = (node_paths.DCGM_HOSTENGINE, f"{node_paths.FABRICMANAGER}.service")
 """Services the GPUs need: DCGM's host engine and, on NVSwitch systems, the fabric manager."""
@@ -60,6 +67,8 @@ def rule_values(cfg: HostConfig) -> dict[str, Any]:
         "gpu_services": unit_regex(GPU_SERVICES),
         "rank_unit_prefixes": "|".join(RANK_UNIT_PREFIXES),
         "model_mounts": model_dir_mounts(),
+        "prefix_collapse_for": PREFIX_COLLAPSE_FOR,
+        "prefix_baseline": PREFIX_BASELINE,
     }
 
 

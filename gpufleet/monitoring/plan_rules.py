@@ -4,7 +4,9 @@
   serves nothing, such as a dedicated router);
 - ``gpufleet:model_replicas_min{model}``: the fewest ready replicas each served model may have,
   ``ceil(alert_model_replicas_min_ratio x its planned replicas)``;
-- ``gpufleet:replica_ranks_expected{model, replica}``: the ranks (nodes) each replica runs on.
+- ``gpufleet:replica_ranks_expected{model, replica}``: the ranks (nodes) each replica runs on;
+- ``gpufleet:model_prefix_routed{model}``: 1 for each served model whose pools route by prefix
+  (``router_policy: prefix``), none for the others: only those alert when their prefix cache hit ratio collapses.
 
 Each is a constant, ``vector(N)`` with its labels; the file is written from the plan on every deploy. A replica
 whose ``vllm_start`` is false is not meant to serve: it counts for no model and has no ranks expected.
@@ -30,13 +32,24 @@ def replicas_min(planned: int, ratio: float) -> int:
     return math.ceil(Fraction(repr(ratio)) * planned)
 
 
+def replica_config(replica: Replica, configs: Mapping[str, HostConfig]) -> HostConfig:
+    """The configuration of the pool that serves ``replica`` (its first node's)."""
+    return configs[replica.roles[0].host]
+
+
 def model_replicas(replicas: Iterable[Replica], configs: Mapping[str, HostConfig]) -> dict[str, int]:
     """Planned replicas per served model name (pools serving one name count together)."""
     found: dict[str, int] = {}
     for replica in replicas:
-        model = configs[replica.roles[0].host].served_model_name()
+        model = replica_config(replica, configs).served_model_name()
         found[model] = found.get(model, 0) + 1
     return found
+
+
+def prefix_routed_models(replicas: Iterable[Replica], configs: Mapping[str, HostConfig]) -> list[str]:
+    """The served model names of the replicas whose pool routes by prefix (``router_policy: prefix``), sorted."""
+    return sorted({cfg.served_model_name() for cfg in (replica_config(r, configs) for r in replicas)
+                   if cfg.router_policy == "prefix"})
 
 
 def _fact(record: str, value: int, labels: dict[str, str]) -> dict[str, Any]:
@@ -46,11 +59,13 @@ def _fact(record: str, value: int, labels: dict[str, str]) -> dict[str, Any]:
 def plan_rules(node_gpus: Mapping[str, int], replicas: list[Replica], configs: Mapping[str, HostConfig],
                ratio: float, header: str) -> str:
     """The rule file's text: ``header`` (comment lines), then one rule per node, model and replica, sorted."""
-    replicas = [r for r in replicas if configs[r.roles[0].host].vllm_start]
+    replicas = [r for r in replicas if replica_config(r, configs).vllm_start]
     rules = [_fact("gpufleet:node_gpus_expected", count, {"node": node}) for node, count in sorted(node_gpus.items())]
     rules += [_fact("gpufleet:model_replicas_min", replicas_min(planned, ratio), {"model": model})
               for model, planned in sorted(model_replicas(replicas, configs).items())]
     rules += [_fact("gpufleet:replica_ranks_expected", len(replica.roles),
-                    {"model": configs[replica.roles[0].host].served_model_name(), "replica": replica.name})
+                    {"model": replica_config(replica, configs).served_model_name(), "replica": replica.name})
               for replica in sorted(replicas, key=lambda r: r.name)]
+    rules += [_fact("gpufleet:model_prefix_routed", 1, {"model": model})
+              for model in prefix_routed_models(replicas, configs)]
     return header + yaml.safe_dump({"groups": [{"name": GROUP, "rules": rules}]}, sort_keys=False, width=1000)

@@ -23,10 +23,11 @@ With ``--observed``, once ready it reads what vLLM itself reports of its KV cach
 ``vllm:cache_config_info`` gauge on ``/metrics`` (``kv_cache_size_tokens`` and ``kv_cache_max_concurrency``, the
 figures of its "KV cache size: N tokens" and "Maximum concurrency for N tokens per request" start-up lines, else
 ``num_gpu_blocks`` x ``block_size`` and that over ``--max-model-len``), or, without the gauge, those lines in the
-unit's journal; and ``/version``. It writes them beside the plan's figure to that file (0644, replaced whole), and
-its JSON line gains ``kv_cache_tokens`` (planned, observed, ratio) and a ``warning`` when they differ by more than
-``--tolerance``. A replica that reports no figure is still ready. The controller summarises the comparison with
-:func:`kv_summary`.
+unit's journal; whether it caches prefixes and with which hash (the gauge's ``enable_prefix_caching`` and
+``prefix_caching_hash_algo``: null without the label); and ``/version``. It writes them beside the plan's figure to
+that file (0644, replaced whole), and its JSON line gains ``kv_cache_tokens`` (planned, observed, ratio) and a
+``warning`` when they differ by more than ``--tolerance``. A replica that reports no figure is still ready. The
+controller summarises the comparison with :func:`kv_summary`.
 """
 
 from __future__ import annotations
@@ -202,6 +203,19 @@ def kv_figures(labels: dict[str, str], max_model_len: int | None) -> dict[str, A
             "max_concurrency": None if concurrency is None else round(concurrency, 2)}
 
 
+def _flag(value: str | None) -> bool | None:
+    """A label's bool (vLLM writes Python's ``True`` and ``False``); None when it is neither."""
+    return {"true": True, "false": False}.get((value or "").lower())
+
+
+def prefix_caching(labels: dict[str, str]) -> dict[str, Any]:
+    """Whether vLLM caches prefixes and the hash it keys its cached blocks with, from the labels of
+    ``vllm:cache_config_info`` (None: a label it lacks)."""
+    algo = labels.get("prefix_caching_hash_algo")
+    return {"enable_prefix_caching": _flag(labels.get("enable_prefix_caching")),
+            "prefix_caching_hash_algo": algo if algo and algo != "None" else None}
+
+
 def journal_figures(journal: str) -> dict[str, Any]:
     """KV cache tokens and maximum concurrency from vLLM's last start-up lines in ``journal`` (None: no line)."""
     tokens, concurrency = _KV_LINE.findall(journal), _CONCURRENCY_LINE.findall(journal)
@@ -235,7 +249,8 @@ def vllm_version(url: str) -> str | None:
 
 def observe(url: str, unit: str | None, since: float, planned: int, max_model_len: int | None,
             tolerance: float) -> dict[str, Any]:
-    """What vLLM reports of its KV cache (``/metrics``, else the unit's journal since ``since``) beside the plan."""
+    """What vLLM reports of its KV cache (``/metrics``, else the unit's journal since ``since``) beside the plan, and
+    of its prefix caching (``/metrics`` only)."""
     labels = None
     with contextlib.suppress(OSError, http.client.HTTPException):  # no answer: no figure
         status, body = request(f"{url}/metrics", None, None, 10)
@@ -248,9 +263,10 @@ def observe(url: str, unit: str | None, since: float, planned: int, max_model_le
     if figures["kv_cache_tokens"] is None:
         source = None
     ratio, _, _ = kv_summary(planned, figures["kv_cache_tokens"], tolerance)
-    return {**figures, "max_model_len": max_model_len, "planned_kv_cache_tokens": planned,
-            "ratio": None if ratio is None else round(ratio, 4), "tolerance": tolerance, "source": source,
-            "vllm_version": vllm_version(url), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    return {**figures, **prefix_caching(labels or {}), "max_model_len": max_model_len,
+            "planned_kv_cache_tokens": planned, "ratio": None if ratio is None else round(ratio, 4),
+            "tolerance": tolerance, "source": source, "vllm_version": vllm_version(url),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
 def write_json(path: str, doc: dict[str, Any]) -> None:

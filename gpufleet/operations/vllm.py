@@ -154,16 +154,19 @@ def rank_secret(replica: str, path: str, nodes: list[str], seen: dict[str, str |
 
 
 @gpufleet_operation(counts_as_drift=False, runs_when_read_only=True)
-def kv_report(replica: str, observed: str, planned: int, tolerance: float, fresh: Callable[[], bool]) -> Commands:
+def kv_report(replica: str, observed: str, planned: int, tolerance: float, router_policy: str,
+              fresh: Callable[[], bool]) -> Commands:
     """
     Log one line: the replica's KV cache tokens as planned beside what vLLM reported at its last start (its
-    ``observed.json``, which the readiness wait writes), as a warning when they differ by more than ``tolerance``;
-    changes nothing, and is never drift.
+    ``observed.json``, which the readiness wait writes), and what vLLM reported of its prefix caching; a warning
+    when the tokens differ by more than ``tolerance``, or when the pool routes by prefix and vLLM caches none.
+    Changes nothing, and is never drift.
 
     + replica: the replica's name
     + observed: its observed.json on this node (its first)
     + planned: the plan's KV cache tokens
     + tolerance: ``vllm_plan_tolerance``
+    + router_policy: its pool's ``router_policy`` (``leastconn`` or ``prefix``)
     + fresh: whether the readiness wait ran in this run (then the file is read again)
     """
     if not state.is_executing:  # pyinfra's look ahead when ops are added: the wait has not run yet
@@ -171,7 +174,7 @@ def kv_report(replica: str, observed: str, planned: int, tolerance: float, fresh
         return
     if fresh():
         node.forget("texts", observed)
-    off, line = observed_line(planned, node.text(observed), tolerance)
+    off, line = observed_line(planned, node.text(observed), tolerance, prefix_routed=router_policy == "prefix")
     host.log(f"{replica}: {line}", logger.warning if off else logger.info)
     host.noop(line)
     yield from ()

@@ -390,7 +390,7 @@ def vllm_serve() -> None:
             )
             vllm.kv_report(name=f"{replica.name}: show the KV cache vLLM reports beside the plan's",
                            replica=replica.name, observed=kv.observed, planned=kv.planned_tokens,
-                           tolerance=kv.tolerance, fresh=_changed([wait]))
+                           tolerance=kv.tolerance, router_policy=cfg.router_policy, fresh=_changed([wait]))
         _run_watchdog(replica, role)
         files.absent(name=f"{replica.name}: restarted and serving, clear its restart record", path=marker,
                      _if=partial(ctx.served, replica.name))

@@ -80,7 +80,8 @@ def test_deploy_converges_bare_nodes_to_serving(lab: Lab, serving: Completed | N
 
 def test_vllm_reports_the_kv_cache_the_plan_planned(lab: Lab, serving: Completed | None) -> None:
     """The converge's readiness waits recorded what vLLM reports of each replica's KV cache on its first node
-    (observed.json): within 2% of the plan, as the file says and as ``gpufleet plan --observed`` plans and reads it."""
+    (observed.json): within 2% of the plan, as the file says and as ``gpufleet plan --observed`` plans and reads it,
+    and that it caches prefixes."""
     done = run([str(PYINFRA.parent / "gpufleet"), "plan", INVENTORY, "--json", "--observed"], lab.env, 300)
     assert done.rc == 0, done.output[-4000:]
     plan = {replica["name"]: replica for replica in json.loads(done.out)}
@@ -94,6 +95,8 @@ def test_vllm_reports_the_kv_cache_the_plan_planned(lab: Lab, serving: Completed
         assert observed["kv_cache_tokens"] == pytest.approx(planned, rel=0.02), observed
         assert observed["max_concurrency"] == pytest.approx(plan[replica]["max_concurrency"], rel=0.02), observed
         assert observed["vllm_version"].startswith(LAB_VLLM_VERSION), observed
+        # vLLM caches prefixes by default (tests/data/vllm_ready/cache_config_0.31.metrics is the lab's answer)
+        assert (observed["enable_prefix_caching"], observed["prefix_caching_hash_algo"]) == (True, "sha256"), observed
 
 
 def _targets_by_job(lab: Lab) -> dict[str, dict[str, dict[str, str]]]:

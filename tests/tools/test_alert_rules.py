@@ -92,7 +92,7 @@ def _changed_values() -> dict[str, Any]:
     {"alert_gpu_critical_xids": [9999], "alert_gpu_thermal_throttle_ratio": 1e-9, "alert_kv_cache_usage_max": 0.999999,
      "alert_ttft_p95_s": 3600, "alert_itl_p95_s": 0.0001, "alert_engine_stall_s": 86400,
      "alert_engine_stall_for_s": 0, "alert_serving_for_s": 0,
-     "alert_replica_down_for_s": 0, "alert_unit_restarts_max": 0},
+     "alert_replica_down_for_s": 0, "alert_unit_restarts_max": 0, "alert_prefix_hit_ratio_drop": 1e-9},
 ], ids=["defaults", "changed", "extremes"])
 def test_rules_pass_promtool_check(tmp_path: Path, values: dict[str, Any]) -> None:
     texts = render_rules(_config(**values))
@@ -169,7 +169,8 @@ def test_every_recording_rule_is_explained_by_a_comment(default_rules: dict[str,
 
 def test_rule_files_name_the_plan_figures_they_read(default_rules: dict[str, str]) -> None:
     read = set(re.findall(r"gpufleet:\w+", "".join(str(rule["expr"]) for rule in _rules(default_rules).values())))
-    assert read == {"gpufleet:node_gpus_expected", "gpufleet:model_replicas_min", "gpufleet:replica_ranks_expected"}
+    assert read == {"gpufleet:node_gpus_expected", "gpufleet:model_replicas_min", "gpufleet:replica_ranks_expected",
+                    "gpufleet:model_prefix_routed"}
     for text in default_rules.values():
         header = text.split("\ngroups:", 1)[0]
         assert all(fact + "{" in header for fact in read)

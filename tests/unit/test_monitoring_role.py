@@ -29,9 +29,11 @@ from gpufleet import node_paths
 from gpufleet.cli.inputs import fleet_facts
 from gpufleet.config.fleet import Fleet
 from gpufleet.config.inventory import load_fleet, loaded_inventory
+from gpufleet.config.layers import HostLayers, Layer, role_default_layers
+from gpufleet.config.validate import validate_host
 from gpufleet.deploy.context import DeployContext
 from gpufleet.monitoring import dashboards
-from gpufleet.monitoring.plan_rules import replicas_min
+from gpufleet.monitoring.plan_rules import plan_rules, replicas_min
 from gpufleet.monitoring.scrape_config import JOB_LABELS, RAY_METRICS_OFFSET
 from gpufleet.plan import backends as plan_backends
 from gpufleet.plan.planner import plan_fleet
@@ -149,6 +151,39 @@ def test_a_replica_that_is_not_started_is_not_scraped_nor_expected() -> None:
     assert len(jobs["ray"]["static_configs"]) == 2  # the Ray units run all the same
     facts = yaml.safe_load(files.configs[f"{role.RULES_DIR}/{role.PLAN_RULES}"])["groups"][0]["rules"]
     assert {rule["record"] for rule in facts} == {"gpufleet:node_gpus_expected"}
+
+
+def _plan_facts(fleet: Fleet, view: role.FleetView, prefix_pools: set[str]) -> list[dict[str, Any]]:
+    """The plan's figures of ``view`` with ``prefix_pools`` routed by prefix."""
+    prefix_hosts = {host for pool in prefix_pools for host in fleet.pools[pool]}
+    configs = {host: cfg.model_copy(update={"router_policy": "prefix"}) if host in prefix_hosts else cfg
+               for host, cfg in fleet.configs.items()}
+    text = plan_rules(view.node_gpus, view.replicas, configs, 1.0, "")
+    rules: list[dict[str, Any]] = yaml.safe_load(text)["groups"][0]["rules"]
+    return rules
+
+
+@pytest.mark.parametrize(("prefix_pools", "marked"), [
+    (set(), []),  # every pool by leastconn (the golden plan): no model gets the prefix cache alert
+    ({"chat"}, ["chat $HOME 100% 'q' \"x\""]),
+    ({"pipeline", "raypool"}, ["llama-8b"]),  # two pools of one model: one fact
+])
+def test_only_the_models_routed_by_prefix_are_marked_for_the_prefix_cache_alert(prefix_pools: set[str],
+                                                                                 marked: list[str]) -> None:
+    fleet, view = _view(FLEET / "inventory.py")
+    facts = _plan_facts(fleet, view, prefix_pools)
+    assert [rule for rule in facts if rule["record"] == "gpufleet:model_prefix_routed"] == [
+        {"record": "gpufleet:model_prefix_routed", "expr": "vector(1)", "labels": {"model": model}} for model in marked]
+
+
+@pytest.mark.parametrize(("value", "problem"), [(0, "a number > 0, found 0"), (1, "a number < 1, found 1"),
+                                              ("half", "a number, found 'half'")])
+def test_the_prefix_hit_ratio_drop_is_a_fraction_between_0_and_1(value: object, problem: str) -> None:
+    assert _config(alert_prefix_hit_ratio_drop=0.25).alert_prefix_hit_ratio_drop == 0.25
+    layers, _ = role_default_layers()
+    _, found = validate_host(HostLayers("10.0.0.5", [*layers, Layer("test", {
+        "vllm_model": "org/model", "allow_plain_http": True, "alert_prefix_hit_ratio_drop": value})]), "test")
+    assert [p.line() for p in found] == [f"test: alert_prefix_hit_ratio_drop: expected {problem} (host 10.0.0.5)"]
 
 
 @pytest.mark.parametrize(("planned", "ratio", "minimum"), [(10, 0.7, 7), (3, 0.5, 2), (4, 1.0, 4), (1, 0.01, 1),

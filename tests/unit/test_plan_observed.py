@@ -143,3 +143,37 @@ def test_without_observed_no_node_is_contacted(monkeypatch: pytest.MonkeyPatch) 
 ])
 def test_the_deploys_line(text: str | None, off: bool, line: str) -> None:
     assert observed_line(1000, text, 0.05) == (off, line)
+
+
+KV_LINE = "KV cache planned 1,000 tokens, vLLM reports 1,000 (ratio 1.000)"
+CACHING_OFF = ("prefix caching off under router_policy prefix, which sends each request to the replica that has its"
+               " prefix cached: turn vLLM's prefix caching on (vllm_extra_args enable-prefix-caching: true) or route"
+               " by leastconn")
+
+
+@pytest.mark.parametrize(("reported", "prefix_routed", "off", "line"), [
+    ({"enable_prefix_caching": True, "prefix_caching_hash_algo": "sha256", "block_size": 16}, True, False,
+     f"{KV_LINE}; prefix caching on (sha256, block 16)"),
+    ({"enable_prefix_caching": True, "prefix_caching_hash_algo": None, "block_size": None}, True, False,
+     f"{KV_LINE}; prefix caching on"),
+    ({"enable_prefix_caching": False, "prefix_caching_hash_algo": "sha256", "block_size": 16}, False, False,
+     f"{KV_LINE}; prefix caching off"),
+    ({"enable_prefix_caching": False, "prefix_caching_hash_algo": "sha256", "block_size": 16}, True, True,
+     f"{KV_LINE}; {CACHING_OFF}"),
+    ({"enable_prefix_caching": None, "prefix_caching_hash_algo": None, "block_size": 16}, True, False, KV_LINE),
+    ({"kv_cache_tokens": 1100, "enable_prefix_caching": False}, True, True,
+     "KV cache planned 1,000 tokens, vLLM reports 1,100 (ratio 1.100): more than 5% off the plan"
+     f" (vllm_plan_tolerance); {CACHING_OFF}"),
+], ids=["on", "on_without_details", "off_under_leastconn", "off_under_prefix_is_a_warning", "not_reported",
+        "off_the_plan_and_off_under_prefix"])
+def test_the_deploys_line_says_what_vllm_reports_of_prefix_caching(reported: dict[str, object], prefix_routed: bool,
+                                                                    off: bool, line: str) -> None:
+    text = json.dumps({"kv_cache_tokens": 1000, **reported})
+    assert observed_line(1000, text, 0.05, prefix_routed=prefix_routed) == (off, line)
+
+
+@pytest.mark.parametrize(("key", "value"), [("enable_prefix_caching", "True"), ("prefix_caching_hash_algo", 5),
+                                            ("block_size", True), ("block_size", "16")])
+def test_a_prefix_caching_record_of_another_type_is_named(key: str, value: object) -> None:
+    assert observed_line(1000, json.dumps({"kv_cache_tokens": 1000, key: value}), 0.05) == (
+        True, f"KV cache planned 1,000 tokens; observed.json holds {key} {value!r}")

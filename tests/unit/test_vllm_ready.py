@@ -2,7 +2,7 @@
 for vLLM, a stand-in ``systemctl`` whose answers are each case's data (one ``systemctl show`` answer per look,
 the last one repeated) and a stand-in ``journalctl`` that prints the unit's journal from tests/data/vllm_ready/.
 Once ready, it records what vLLM reports of its KV cache: the stand-in's ``/metrics`` is a file of
-tests/data/vllm_ready/ (``*.metrics``, as vLLM's CPU build 0.31 answers on the lab)."""
+tests/data/vllm_ready/ (``*.metrics``, as vLLM's CPU build 0.31 answers on the lab, and variants of it)."""
 
 from __future__ import annotations
 
@@ -127,7 +127,8 @@ def test_the_readiness_wait(case: str, tmp_path: Path) -> None:
 # tiny Llama at max_model_len 256, 1 GiB of KV cache in blocks of 128 tokens.
 PLANNED, MAX_MODEL_LEN = 2_097_152, 256
 VLLM_0_31 = {"kv_cache_tokens": 2_097_152, "block_size": 128, "num_blocks": 16_384, "max_concurrency": 8192.0,
-             "source": "vllm:cache_config_info"}
+             "source": "vllm:cache_config_info", "enable_prefix_caching": True, "prefix_caching_hash_algo": "sha256"}
+NOT_REPORTED = {"enable_prefix_caching": None, "prefix_caching_hash_algo": None}
 OFF = ("KV cache planned 2,400,000 tokens, vLLM reports 2,097,152 (ratio 0.874): more than 5% off the plan"
        " (vllm_plan_tolerance)")
 OBSERVED: dict[str, tuple[str, str | None, int, dict[str, object], str | None]] = {
@@ -138,15 +139,25 @@ OBSERVED: dict[str, tuple[str, str | None, int, dict[str, object], str | None]] 
         "cache_config_0.31.metrics", None, 2_150_000, {**VLLM_0_31, "ratio": 0.9754}, None),
     "blocks_times_block_size_without_vllms_own_figure": (
         "blocks_only.metrics", None, PLANNED, {"kv_cache_tokens": 2_097_152, "block_size": 16, "num_blocks": 131_072,
-                                               "max_concurrency": 8192.0, "ratio": 1.0}, None),
+                                               "max_concurrency": 8192.0, "ratio": 1.0,
+                                               "enable_prefix_caching": True, "prefix_caching_hash_algo": "sha256"},
+        None),
     "a_missing_metric_is_tolerated": (
         "without_cache_config.metrics", None, PLANNED, {"kv_cache_tokens": None, "block_size": None,
                                                         "num_blocks": None, "max_concurrency": None, "ratio": None,
-                                                        "source": None}, None),
+                                                        "source": None, **NOT_REPORTED}, None),
     "a_missing_metric_is_read_from_the_start_up_lines": (
         "without_cache_config.metrics", "kv_cache_size.journal", PLANNED,
         {"kv_cache_tokens": 2_097_152, "block_size": None, "max_concurrency": 8192.0, "ratio": 1.0,
-         "source": "journal"}, None),
+         "source": "journal", **NOT_REPORTED}, None),
+    # prefix caching turned off (vllm_extra_args enable-prefix-caching: false): vLLM still names its default hash
+    "prefix_caching_off_recorded": (
+        "prefix_caching_off.metrics", None, PLANNED, {"kv_cache_tokens": 2_097_152, "block_size": 16, "ratio": 1.0,
+                                                      "enable_prefix_caching": False,
+                                                      "prefix_caching_hash_algo": "sha256"}, None),
+    "prefix_caching_unknown_without_its_labels": (
+        "without_prefix_labels.metrics", None, PLANNED, {"kv_cache_tokens": 2_097_152, "block_size": 16,
+                                                         "ratio": 1.0, **NOT_REPORTED}, None),
 }
 
 

@@ -917,8 +917,8 @@ def test_the_first_node_records_and_reports_the_kv_cache_vllm_reports(monkeypatc
         "--observed", path, "--planned-kv-tokens", str(planned), "--max-model-len", str(replica.max_model_len),
         "--tolerance", str(tolerance)]
     (report,) = ops.named("vllm.kv_report", observed=path)
-    assert (report.kwargs["replica"], report.kwargs["planned"], report.kwargs["tolerance"]) == (
-        replica.name, planned, tolerance)
+    assert (report.kwargs["replica"], report.kwargs["planned"], report.kwargs["tolerance"],
+            report.kwargs["router_policy"]) == (replica.name, planned, tolerance, fleet.configs[first].router_policy)
     assert ops.calls.index(report) == ops.calls.index(wait) + 1
     assert not report.kwargs["fresh"]()
     wait.changed = True  # the wait ran: the file is read again
@@ -944,7 +944,7 @@ def test_the_kv_report_reads_observed_json_again_only_after_the_wait_ran(fresh: 
     with ctx_host.use(fake), ctx_state.use(FakeState()):
         list(node.read_state._inner(texts=[path]))
         assert list(vllm_ops.kv_report._inner(replica="r1", observed=path, planned=2_097_152, tolerance=0.05,
-                                              fresh=lambda: fresh)) == []
+                                              router_policy="leastconn", fresh=lambda: fresh)) == []
     (level, line), = fake.logged
     assert line.startswith(f"r1: KV cache planned 2,097,152 tokens, vLLM reports {shown} (ratio ")
     assert level == ("warning" if fresh else "info")
