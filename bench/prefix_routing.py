@@ -161,19 +161,21 @@ class Workload:
     prefixes: list[int]  # per conversation, the prefix it shares with others (its own, or its system prompt's)
 
 
-def workload(name: str, size: int, turns: int, prompts: int, rng: random.Random) -> Workload:
-    """``name``'s conversations for ``size`` conversations (users), shuffled by ``rng``."""
+def workload(name: str, size: int, turns: int, prompts: int, rng: random.Random, opening: int = 40,
+             turn: int = 8) -> Workload:
+    """``name``'s conversations for ``size`` conversations (users), shuffled by ``rng``; ``opening`` and ``turn``:
+    the words of an opening (or system prompt) and of a later user message."""
     if name == "multi_turn":
-        openers = [[{"role": "user", "content": text(rng, 90)}] for _ in range(size)]
-        follow_ups = [[text(rng, 12) for _ in range(turns - 1)] for _ in range(size)]
+        openers = [[{"role": "user", "content": text(rng, opening)}] for _ in range(size)]
+        follow_ups = [[text(rng, turn) for _ in range(turns - 1)] for _ in range(size)]
         rounds = [rng.sample(range(size), size) for _ in range(turns)]
         return Workload(name, rounds, openers, follow_ups, list(range(size)))
-    systems = [text(rng, 90) for _ in range(prompts)]
+    systems = [text(rng, opening) for _ in range(prompts)]
     if name == "skewed":  # one system prompt in half of the requests, the others share the rest
         which = [0 if i < size // 2 else 1 + i % (prompts - 1) for i in range(size)]
     else:
         which = [i % prompts for i in range(size)]
-    openers = [[{"role": "system", "content": systems[k]}, {"role": "user", "content": text(rng, 12)}]
+    openers = [[{"role": "system", "content": systems[k]}, {"role": "user", "content": text(rng, turn)}]
                for k in which]
     return Workload(name, [rng.sample(range(size), size)], openers, [[] for _ in range(size)], which)
 
@@ -227,9 +229,11 @@ def figures(before: dict[str, dict[str, float]], after: dict[str, dict[str, floa
             "failures": tally.failures[:3]}
 
 
-def deploy_policy(policy: str, layout: str) -> None:
-    """Deploy the lab with ``router_policy`` = ``policy`` (only the routers change once the layout is in place)."""
-    done = subprocess.run([str(PYINFRA), "-y", INVENTORY, DEPLOY, "--data", f"router_policy={policy}"], cwd=ROOT,
+def deploy_policy(policy: str, layout: str, max_model_len: int) -> None:
+    """Deploy the lab with ``router_policy`` = ``policy`` and ``vllm_max_model_len`` (only the routers change once
+    the layout and the length are in place)."""
+    done = subprocess.run([str(PYINFRA), "-y", INVENTORY, DEPLOY, "--data", f"router_policy={policy}", "--data",
+                           f"vllm_max_model_len={max_model_len}"], cwd=ROOT,
                           env={**os.environ, "GPUFLEET_LAB_LAYOUT": layout}, capture_output=True, text=True,
                           timeout=DEPLOY_LIMIT_S)
     if done.returncode != 0:
@@ -272,6 +276,12 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=3, help="system prompts of the shared-prompt workloads")
     parser.add_argument("--concurrency", type=int, default=4, help="requests in flight at once (default 4)")
     parser.add_argument("--max-tokens", type=int, default=8, help="tokens per answer (default 8)")
+    parser.add_argument("--max-model-len", type=int, default=512,
+                        help="the replicas' vllm_max_model_len (default 512: the tiny model's positions; the CPU"
+                             " build caches blocks of 128 tokens)")
+    parser.add_argument("--opening-words", type=int, default=40,
+                        help="words of a conversation's opening or a system prompt (default 40: ~140 tokens)")
+    parser.add_argument("--turn-words", type=int, default=8, help="words of a user's later message (default 8)")
     parser.add_argument("--policies", default="leastconn,prefix,pinned", help=f"of {', '.join(POLICIES)}")
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"of {', '.join(WORKLOADS)}")
     parser.add_argument("--layout", default="singles", help="GPUFLEET_LAB_LAYOUT of the deploys (default singles)")
@@ -295,14 +305,19 @@ def main() -> int:
                   (lab_dir() / CLIENT_KEY_FILE).read_text().strip(), str(lab_dir() / TLS_DIR / "ca.crt"))
     model, rng = served_model(), random.Random(args.seed)
     report: dict[str, Any] = {"replicas": replicas, "turns": args.turns, "prompts": args.prompts,
-                              "concurrency": args.concurrency, "max_tokens": args.max_tokens, "sizes": {}}
+                              "concurrency": args.concurrency, "max_tokens": args.max_tokens,
+                              "max_model_len": args.max_model_len, "opening_words": args.opening_words,
+                              "turn_words": args.turn_words, "sizes": {}}
+    deployed = False
     for policy in policies:
-        if policy in ROUTER_POLICIES:
-            deploy_policy(policy, args.layout)
+        if policy in ROUTER_POLICIES or not deployed:
+            deploy_policy(policy if policy in ROUTER_POLICIES else "leastconn", args.layout, args.max_model_len)
+            deployed = True
         with (vllm_router(args.vllm_router, replicas) if policy == "vllm-router" else _nothing()) as local:
             for size in (int(s) for s in args.sizes.split(",")):
                 for name in workloads:
-                    load = workload(name, size, args.turns, args.prompts, random.Random(rng.random()))
+                    load = workload(name, size, args.turns, args.prompts, random.Random(rng.random()),
+                                    args.opening_words, args.turn_words)
                     pick = _picker(policy, edge, local, replicas, replica_key, load.prefixes)
                     before = {a: counters(a) for a in replicas}
                     tally = run_workload(load, pick, model, args.concurrency, args.max_tokens, args.limit_s)
