@@ -1,0 +1,98 @@
+"""router_policy: the planner's rules for a model's routing (its pools agree; with ``prefix`` its replicas share
+cache keys) and the router's configuration for each policy. The refusals as users see them:
+tests/data/corpus/router_policy.yaml; HAProxy running the configuration: tests/tools/test_router_prefix.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from gpufleet.config.vllm_flags import load_catalog
+from gpufleet.plan.planner import FleetPlan, PlanProblem
+from tests.conftest import Project
+from tests.unit.test_plan import _fleet_plan
+
+MODEL = '"meta-llama/Llama-3.1-8B-Instruct"'
+
+# vllm_extra_args -> what FlagCatalog.given finds for --enable-prefix-caching: (the key as written, its meaning)
+PREFIX_CACHING_GIVEN: list[tuple[str, dict[str, Any], tuple[str, object] | None]] = [
+    ("0.33.0", {}, None),
+    ("0.33.0", {"max-num-seqs": 8}, None),
+    ("0.33.0", {"enable-prefix-caching": False}, ("enable-prefix-caching", False)),
+    ("0.33.0", {"enable_prefix_caching": True}, ("enable_prefix_caching", True)),
+    ("0.33.0", {"no-enable-prefix-caching": True}, ("no-enable-prefix-caching", False)),
+    ("0.33.0", {"no_enable_prefix_caching": True}, ("no_enable_prefix_caching", False)),
+    ("0.33.0", {"disable-prefix-caching": True}, ("disable-prefix-caching", False)),  # 0.33's alias
+    ("0.31.0", {"disable-prefix-caching": True}, None),  # no such option in 0.31: its own check refuses it
+    ("0.33.0", {"enable-prefix-caching.x": False}, None),  # a sub-key is no setting of the option
+]
+
+
+@pytest.mark.parametrize(("version", "extra", "expected"), PREFIX_CACHING_GIVEN)
+def test_the_catalog_reads_an_option_as_vllm_does(version: str, extra: dict[str, Any],
+                                                   expected: tuple[str, object] | None) -> None:
+    assert load_catalog(version).given(extra, "--enable-prefix-caching") == expected
+
+
+def test_the_catalog_reads_block_size_and_hash_algorithm_under_either_spelling() -> None:
+    catalog = load_catalog("0.33.0")
+    assert catalog.given({"block_size": 32}, "--block-size") == ("block_size", 32)
+    assert catalog.given({"prefix-caching-hash-algo": "xxhash"}, "--prefix-caching-hash-algo") == (
+        "prefix-caching-hash-algo", "xxhash")
+    defaults = {option: spec.default for option in ("--block-size", "--prefix-caching-hash-algo")
+                if (spec := catalog.spec(option)) is not None}
+    assert defaults == {"--block-size": None, "--prefix-caching-hash-algo": "sha256"}
+
+
+def _two_pools(project: Project, all_yml: str, a: dict[str, Any], b: dict[str, Any]) -> FleetPlan:
+    """Pools a (host h1) and b (host h2) of one model, ``a`` and ``b`` their hosts' data."""
+    return _fleet_plan(project, "vllm_model: meta-llama/Llama-3.1-8B-Instruct\nvllm_max_model_len: 8192\n"
+                       + all_yml, f'a = [("h1", {a!r})]\nb = [("h2", {b!r})]\n')
+
+
+def test_the_pool_that_differs_from_the_first_is_refused_and_the_first_serves(project: Project) -> None:
+    plan = _two_pools(project, "router_policy: prefix\n", {"vllm_extra_args": {"block-size": 16}},
+                      {"vllm_extra_args": {"block_size": 32}})
+    key = "vllm_extra_args.block-size"
+    detail = (f"expected the same block size on every pool that serves {MODEL} with router_policy prefix (its"
+              " replicas share cache keys), found 16 in pool a and 32 in pool b")
+    assert plan.problems == [PlanProblem("b", f"{key}: {detail}", keys=(key,), detail=detail, also=("a",))]
+    assert plan.problems_of("h1", "a") == [] and plan.problems_of("h2", "b") == plan.problems
+    assert {r.pool for r in plan.replicas} == {"a", "b"}  # both planned: only b's hosts are kept from serving
+
+
+# (all.yml, pool a's data, pool b's data) -> the problems' lines, as `gpufleet plan` prints them
+ROUTING: list[tuple[str, dict[str, Any], dict[str, Any], list[str]]] = [
+    ("", {}, {}, []),
+    ("router_policy: prefix\n", {}, {}, []),
+    ("", {"router_policy": "prefix"}, {}, [
+        f"pool b: router_policy: expected the same router_policy on every pool that serves {MODEL} (the router has"
+        " one backend per served model), found prefix in pool a and leastconn in pool b"]),
+    ("", {}, {"router_prefix_balance": 3}, [  # with leastconn too: both pools' configuration must say one thing
+        f"pool b: router_prefix_balance: expected the same router_prefix_balance on every pool that serves {MODEL}"
+        " (the router has one backend per served model), found 1.25 in pool a and 3.0 in pool b"]),
+    ("router_policy: prefix\n", {}, {"vllm_extra_args": {"prefix_caching_hash_algo": "sha256"}}, []),  # default
+    ("router_policy: prefix\n", {"vllm_version": "0.31.0"}, {"vllm_version": "0.33.0"}, []),  # sha256 in both
+    ("router_policy: prefix\n", {"vllm_extra_args": {"block-size": 16}}, {"vllm_extra_args": {"block-size": "16"}},
+     []),
+    ("router_policy: prefix\n", {}, {"vllm_extra_args": {"prefix-caching-hash-algo": "xxhash_cbor"}}, [
+        f"pool b: vllm_extra_args.prefix-caching-hash-algo: expected the same prefix caching hash algorithm on every"
+        f" pool that serves {MODEL} with router_policy prefix (its replicas share cache keys), found sha256 in pool a"
+        " and xxhash_cbor in pool b"]),
+    ("router_policy: prefix\n", {"vllm_extra_args": {"block-size": 32}}, {}, [
+        f"pool b: vllm_extra_args.block-size: expected the same block size on every pool that serves {MODEL} with"
+        " router_policy prefix (its replicas share cache keys), found 32 in pool a and the default in pool b"]),
+    ("router_policy: prefix\n", {"vllm_extra_args": {"no-enable-prefix-caching": True}}, {}, [
+        "pool a: vllm_extra_args.no-enable-prefix-caching: expected prefix caching on with router_policy prefix (the"
+        " router sends requests that share a prefix to the replica that has it cached), found it off"]),
+    ("vllm_extra_args: {enable-prefix-caching: false}\n", {}, {}, []),  # leastconn: no cache to aim at
+    # another served name: another backend, with a policy of its own
+    ("", {"router_policy": "prefix"}, {"vllm_served_model_name": "other", "vllm_extra_args": {"block-size": 32}}, []),
+]
+
+
+@pytest.mark.parametrize(("all_yml", "a", "b", "expected"), ROUTING)
+def test_the_pools_of_one_model_agree_on_its_routing(project: Project, all_yml: str, a: dict[str, Any],
+                                                    b: dict[str, Any], expected: list[str]) -> None:
+    assert [problem.line() for problem in _two_pools(project, all_yml, a, b).problems] == expected
