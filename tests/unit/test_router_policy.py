@@ -4,16 +4,25 @@ tests/data/corpus/router_policy.yaml; HAProxy running the configuration: tests/t
 
 from __future__ import annotations
 
+import os
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
+import roles.router as router_role
 from gpufleet.config.vllm_flags import load_catalog
+from gpufleet.plan import backends as plan_backends
 from gpufleet.plan.planner import FleetPlan, PlanProblem
-from tests.conftest import Project
+from tests.conftest import DATA, Project
 from tests.unit.test_plan import _fleet_plan
+from tests.unit.test_vllm_role import _config
 
 MODEL = '"meta-llama/Llama-3.1-8B-Instruct"'
+REGOLD = os.environ.get("GPUFLEET_REGOLD") == "1"  # rewrite the golden configurations (review their diff)
+CHAT, TINY = "chat-model", "tiny llama $HOME 100%"
+# the router's replicas: name -> (served model, address, API port)
+REPLICAS = {"a-h1": (CHAT, "10.0.0.1", 8000), "a-h2": (CHAT, "10.0.0.2", 8000), "b-h3": (TINY, "10.0.0.3", 8001)}
 
 # vllm_extra_args -> what FlagCatalog.given finds for --enable-prefix-caching: (the key as written, its meaning)
 PREFIX_CACHING_GIVEN: list[tuple[str, dict[str, Any], tuple[str, object] | None]] = [
@@ -96,3 +105,33 @@ ROUTING: list[tuple[str, dict[str, Any], dict[str, Any], list[str]]] = [
 def test_the_pools_of_one_model_agree_on_its_routing(project: Project, all_yml: str, a: dict[str, Any],
                                                     b: dict[str, Any], expected: list[str]) -> None:
     assert [problem.line() for problem in _two_pools(project, all_yml, a, b).problems] == expected
+
+
+# --- the router's configuration ---------------------------------------------------------------------------------
+
+def _render(**chat: object) -> str:
+    """The router's configuration for REPLICAS, the hosts that serve CHAT set with ``chat``."""
+    configs = {name: _config(vllm_served_model_name=model, **(chat if model == CHAT else {}))
+               for name, (model, _, _) in REPLICAS.items()}
+    plan = [SimpleNamespace(name=name, port=port, roles=[SimpleNamespace(host=name, address=address)])
+            for name, (_, address, port) in REPLICAS.items()]
+    found = plan_backends.backends(plan, configs)  # type: ignore[arg-type]
+    values = router_role.config_values(_config(), "10.0.0.9", found, router_role.model_lists({None: [CHAT, TINY]}),
+                                       ["10.0.0.8"], dict.fromkeys(REPLICAS, 16))
+    return router_role.render(values)
+
+
+# (golden file of tests/data/router/, the CHAT hosts' variables); leastconn's file is the configuration from before
+# router_policy, byte for byte
+GOLDEN = [
+    ("haproxy-leastconn.cfg", {}),
+    ("haproxy-leastconn.cfg", {"router_policy": "leastconn", "router_prefix_balance": 3}),
+]
+
+
+@pytest.mark.parametrize(("golden", "chat"), GOLDEN)
+def test_the_router_configuration_of_each_policy(golden: str, chat: dict[str, object]) -> None:
+    path = DATA / "router" / golden
+    if REGOLD:
+        path.write_text(_render(**chat))
+    assert _render(**chat) == path.read_text()
