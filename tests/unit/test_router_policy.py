@@ -126,6 +126,7 @@ def _render(**chat: object) -> str:
 GOLDEN = [
     ("haproxy-leastconn.cfg", {}),
     ("haproxy-leastconn.cfg", {"router_policy": "leastconn", "router_prefix_balance": 3}),
+    ("haproxy-prefix.cfg", {"router_policy": "prefix", "router_prefix_balance": 1.5}),  # TINY's backend unchanged
 ]
 
 
@@ -135,3 +136,21 @@ def test_the_router_configuration_of_each_policy(golden: str, chat: dict[str, ob
     if REGOLD:
         path.write_text(_render(**chat))
     assert _render(**chat) == path.read_text()
+
+
+# router_prefix_balance -> HAProxy's hash-balance-factor (percent; HAProxy refuses 1 to 100)
+BALANCE_FACTORS = [(1.25, 125), (1.5, 150), (1.1, 110), (10, 1000), (1.004, 101), (1.001, 101)]
+
+
+@pytest.mark.parametrize(("balance", "factor"), BALANCE_FACTORS)
+def test_the_balance_is_hashings_bound_in_percent(balance: float, factor: int) -> None:
+    assert plan_backends.Backend("m", "m", (), policy="prefix", prefix_balance=balance).hash_balance_factor == factor
+    assert plan_backends.Backend("m", "m", ()).hash_balance_factor is None
+
+
+def test_a_backend_takes_the_policy_of_its_models_first_replica() -> None:
+    text = _render(router_policy="prefix", router_prefix_balance=2)
+    chat, tiny = (text.split(f"backend {name}\n")[1].split("\n\n")[0] for name in ("model-chat-model",
+                                                                                    "model-tiny_llama__HOME_100_"))
+    assert "    balance hash var(txn.prefix_key)\n    hash-type consistent\n    hash-balance-factor 200\n" in chat
+    assert "balance leastconn" not in chat and "prefix" not in tiny and "    balance leastconn\n" in tiny
