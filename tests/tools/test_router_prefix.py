@@ -159,6 +159,8 @@ def test_completions_that_share_their_first_256_bytes_go_to_one_replica(router: 
     answered = {head: {router.complete(head[:PROMPT_KEY_BYTES] + tail) for tail in tails} for head in heads}
     assert all(len(replicas) == 1 for replicas in answered.values()), answered
     assert len(set().union(*answered.values())) > 1, answered  # the key is the prompt's, not one for all
+    tokens = [router.answered_by("/v1/completions", {"prompt": [1, 2, 3]}) for _ in range(6)]
+    assert len(set(tokens)) > 1, tokens  # no key in a prompt of token ids: round robin
 
 
 def _home(opened: dict[int, tuple[Chat, str]]) -> str:
