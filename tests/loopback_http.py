@@ -3,6 +3,7 @@ exactly as written, for tests of what a router lets through."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import ssl
@@ -14,10 +15,15 @@ from typing import Any
 
 
 class QuietHandler(BaseHTTPRequestHandler):
-    """A test server's request handler that keeps the test's output clean (no access log)."""
+    """A test server's request handler that keeps the test's output clean (no access log, no traceback when the
+    peer resets a kept-alive connection, as a router that stops does)."""
 
     def log_message(self, format: str, *args: object) -> None:
         pass
+
+    def handle(self) -> None:
+        with contextlib.suppress(ConnectionResetError):
+            super().handle()
 
     def answer(self, status: int, body: bytes) -> None:
         """Send ``status`` with ``body`` as the whole answer."""
@@ -44,9 +50,9 @@ class ReplicaHandler(QuietHandler):
 
 
 @contextmanager
-def loopback_server(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
-    """Serve ``handler`` until the block ends; yields the server's base URL."""
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+def loopback_server(handler: type[BaseHTTPRequestHandler], port: int = 0) -> Iterator[str]:
+    """Serve ``handler`` on ``port`` (0: a free one) until the block ends; yields the server's base URL."""
+    server = ThreadingHTTPServer(("127.0.0.1", port), handler)
     # a short poll interval: shutdown() waits for the serving loop's next look (0.5 s by default)
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()

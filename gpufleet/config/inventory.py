@@ -450,10 +450,13 @@ def _plan_problem(problem: PlanProblem, loaded: InventoryLayers, override: dict[
         return Problem(source(problem.host, key), key, problem.text)
     if not problem.keys:
         return Problem(loaded.path, f"pool {problem.pool}", problem.text)
-    host = pools[problem.pool][0]
-    # the key someone set; when the planner names only defaults, the model that does not fit them
-    key = next((k for k in [*problem.keys, "vllm_model"] if not is_role_default(source(host, k))), problem.keys[0])
-    return Problem(source(host, key), key, f"{problem.said_of(key)} (pool {problem.pool})")
+    # the key someone set, on a host of its pool or of the pools it must agree with; when the planner names only
+    # defaults, the model that does not fit them
+    hosts = [(pool, host) for pool in (problem.pool, *problem.also) for host in pools[pool]]
+    named = [(pool, host, key) for key in problem.keys for pool, host in hosts]
+    pool, host, key = next((found for found in [*named, (*hosts[0], "vllm_model")]
+                            if not is_role_default(source(found[1], found[2]))), named[0])
+    return Problem(source(host, key), key, f"{problem.said_of(key)} (pool {pool})")
 
 
 def declared_plan_problems(loaded: InventoryLayers, configs: dict[str, HostConfig],

@@ -342,6 +342,17 @@ class FlagCatalog:
         found = self._resolve(flag)
         return found[0] if found else None
 
+    def given(self, args: Mapping[str, object], flag: str) -> tuple[str, object] | None:
+        """Where ``args`` (``vllm_extra_args``: names without dashes, with ``-`` or ``_``, an alias or a negation)
+        sets option ``flag``: the key as written and the value it means (a negation's true is false); None where
+        nothing sets it (vLLM takes the option's ``default``)."""
+        for key, value in args.items():
+            found = None if "." in key else self._resolve(key.lstrip("-"))
+            if found is not None and found[0].name == flag:
+                negated = found[1] and isinstance(value, bool)
+                return key, not value if negated else value
+        return None
+
     def _resolve(self, flag: str) -> tuple[FlagSpec, bool] | None:
         if not flag.startswith("-"):
             flag = "--" + flag

@@ -11,6 +11,7 @@ import json
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Literal
 
 from gpufleet.config.schema import HostConfig
 from gpufleet.netaddr import host_port
@@ -31,10 +32,18 @@ class Backend:
     model: str  # the served model name clients ask for
     servers: tuple[tuple[str, str], ...]  # (replica name, ADDRESS:PORT of its API)
     task: str = "generate"  # which of TASK_ROUTES its clients may use
+    policy: Literal["leastconn", "prefix"] = "leastconn"  # router_policy of the pools that serve it (they agree)
+    prefix_balance: float | None = None  # with prefix, their router_prefix_balance
 
     @property
     def routes(self) -> tuple[str, ...]:
         return TASK_ROUTES[self.task]
+
+    @property
+    def hash_balance_factor(self) -> int | None:
+        """HAProxy's ``hash-balance-factor`` of prefix: the balance in percent, at least 101 (HAProxy takes no
+        factor from 1 to 100); None with leastconn."""
+        return None if self.prefix_balance is None else max(101, round(self.prefix_balance * 100))
 
     @property
     def model_sha256(self) -> str:
@@ -48,12 +57,15 @@ class Backend:
 
 
 def backends(replicas: Iterable[Replica], configs: dict[str, HostConfig]) -> list[Backend]:
-    """One backend per served model, in model order, each with its replicas' first nodes' APIs."""
+    """One backend per served model, in model order, each with its replicas' first nodes' APIs and the routing
+    policy of the first replica's first node (every pool of a model has the same: the planner checks it)."""
     by_model: dict[str, list[tuple[str, str]]] = {}
+    routing: dict[str, HostConfig] = {}
     for replica in replicas:
         first = replica.roles[0]
-        by_model.setdefault(configs[first.host].served_model_name(), []).append(
-            (replica.name, host_port(first.address, replica.port)))
+        model = configs[first.host].served_model_name()
+        routing.setdefault(model, configs[first.host])
+        by_model.setdefault(model, []).append((replica.name, host_port(first.address, replica.port)))
     found: list[Backend] = []
     taken: set[str] = set()
     for model in sorted(by_model):
@@ -62,5 +74,7 @@ def backends(replicas: Iterable[Replica], configs: dict[str, HostConfig]) -> lis
         while name in taken:
             name, suffix = f"{base}-{suffix}", suffix + 1
         taken.add(name)
-        found.append(Backend(name, model, tuple(sorted(by_model[model]))))
+        cfg = routing[model]
+        found.append(Backend(name, model, tuple(sorted(by_model[model])), policy=cfg.router_policy,
+                             prefix_balance=cfg.router_prefix_balance if cfg.router_policy == "prefix" else None))
     return found

@@ -6,11 +6,13 @@ variables it names.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from gpufleet.config.fleet import Fleet
+from gpufleet.config.problems import shown_key
 from gpufleet.config.schema import HostConfig
 from gpufleet.config.vllm_flags import load_catalog
 from gpufleet.gpu.report import NodeFacts
@@ -35,7 +37,13 @@ POOL_WIDE = (
     "vllm_kv_cache_dtype", "vllm_tensor_parallel_size", "vllm_pipeline_parallel_size",
     "vllm_data_parallel_size", "vllm_nodes_per_replica", "vllm_distributed_backend", "vllm_extra_args",
     "vllm_platform", "vllm_memory_reserve_gib", "vllm_max_num_queued_reqs", "router_server_maxconn",
+    "router_policy", "router_prefix_balance",
 )
+# Settings every pool that serves one model name must share: the router has one backend per served model.
+MODEL_WIDE = ("router_policy", "router_prefix_balance")
+# vLLM's options that make a prefix's cache keys, which every replica of a model routed by prefix must share.
+CACHE_KEY_OPTIONS = {"--block-size": "block size", "--prefix-caching-hash-algo": "prefix caching hash algorithm"}
+PREFIX_CACHING = "--enable-prefix-caching"
 
 
 @dataclass(frozen=True)
@@ -109,6 +117,7 @@ class PlanProblem:
     replica: str | None = None
     keys: tuple[str, ...] = ()
     detail: str | None = None
+    also: tuple[str, ...] = ()  # the other pools it is about (pools that must agree): where the keys may be set
 
     def line(self) -> str:
         """As ``gpufleet plan`` and a deploy print it."""
@@ -501,6 +510,64 @@ def _check_flags(plan: FleetPlan, fleet: Fleet) -> None:
                                                      replica.name, ("vllm_extra_args",)))
 
 
+def _check_routing(plan: FleetPlan, fleet: Fleet) -> None:
+    """Each served model's routing: the pools that serve it agree on MODEL_WIDE; with router_policy prefix, each
+    has prefix caching on and they agree on CACHE_KEY_OPTIONS (a problem of each pool that differs from the first)."""
+    by_model: dict[str, list[tuple[str, HostConfig]]] = {}
+    for pool, hosts in fleet.pools.items():
+        cfg = fleet.configs[hosts[0]]
+        by_model.setdefault(cfg.served_model_name(), []).append((pool, cfg))
+    for model, pools in by_model.items():
+        plan.problems += _routing_problems(json.dumps(model), pools)
+
+
+def _routing_problems(model: str, pools: list[tuple[str, HostConfig]]) -> list[PlanProblem]:
+    """The problems of one served model's routing (``model``: its name as JSON)."""
+    one_backend = " (the router has one backend per served model)"
+    found = [problem for key in MODEL_WIDE for problem in _disagreements(
+        model, key, key, one_backend, {pool: str(getattr(cfg, key)) for pool, cfg in pools})]
+    if found or pools[0][1].router_policy != "prefix":
+        return found
+    found += [problem for pool, cfg in pools if (problem := _prefix_caching_off(pool, cfg))]
+    shared = " with router_policy prefix (its replicas share cache keys)"
+    for option, what in CACHE_KEY_OPTIONS.items():
+        found += _disagreements(model, f"vllm_extra_args.{option.removeprefix('--')}", what, shared,
+                                {pool: _cache_key_value(cfg, option) for pool, cfg in pools})
+    return found
+
+
+def _disagreements(model: str, key: str, what: str, why: str, values: dict[str, str]) -> list[PlanProblem]:
+    """A problem of each pool whose value (``values``: by pool, as shown) differs from the first pool's."""
+    (first, expected), *others = values.items()
+    found = []
+    for pool, shown in others:
+        if shown != expected:
+            detail = (f"expected the same {what} on every pool that serves {model}{why}, found {expected} in pool"
+                      f" {first} and {shown} in pool {pool}")
+            found.append(PlanProblem(pool, f"{key}: {detail}", keys=(key,), detail=detail, also=(first,)))
+    return found
+
+
+def _cache_key_value(cfg: HostConfig, option: str) -> str:
+    """A cache key option's value on a pool's replicas as a problem shows it: set, else its vLLM's default."""
+    catalog = load_catalog(cfg.vllm_version)
+    given = catalog.given(cfg.vllm_extra_args, option)
+    spec = catalog.spec(option)
+    value = given[1] if given is not None else spec.default if spec is not None else None
+    return "the default" if value is None else str(value)
+
+
+def _prefix_caching_off(pool: str, cfg: HostConfig) -> PlanProblem | None:
+    """A problem when ``vllm_extra_args`` turns prefix caching off on a pool whose router_policy is prefix."""
+    given = load_catalog(cfg.vllm_version).given(cfg.vllm_extra_args, PREFIX_CACHING)
+    if given is None or given[1] is not False:
+        return None
+    key = f"vllm_extra_args.{shown_key(given[0])}"
+    detail = ("expected prefix caching on with router_policy prefix (the router sends requests that share a prefix"
+              " to the replica that has it cached), found it off")
+    return PlanProblem(pool, f"{key}: {detail}", keys=(key, "router_policy"), detail=detail)
+
+
 def plan_fleet(fleet: Fleet, facts: dict[str, NodeFacts]) -> FleetPlan:
     """Plan every pool; a pool that cannot be planned adds a problem and no replicas."""
     plan = FleetPlan()
@@ -515,4 +582,5 @@ def plan_fleet(fleet: Fleet, facts: dict[str, NodeFacts]) -> FleetPlan:
         except ValueError as exc:  # a value the planner cannot size
             plan.problems.append(PlanProblem(pool, str(exc)))
     _check_flags(plan, fleet)
+    _check_routing(plan, fleet)
     return plan

@@ -17,10 +17,12 @@ After it, a router host has:
     other path and method (``/invocations``, ``/tokenize``, ``/metrics``, ``/sleep``, ``/collective_rpc``, ...: vLLM
     checks its API key on ``/v1/`` routes only) is answered 404 by the router;
   - one backend per served model, holding its replicas (each replica's first node, its API port; the server is
-    named after the replica), ``balance leastconn``, a health check ``GET /health`` every
-    ``router_check_interval_s``, a request retried on another replica when its replica refused the connection,
-    answered nothing or answered 503 (``router_retries``, ``option redispatch``), timeouts for long streams
-    (``router_timeout_s``);
+    named after the replica), ``balance leastconn`` (``router_policy`` leastconn) or, with ``router_policy``
+    prefix, ``balance hash`` of the request's prefix (a chat's system and first user message, a completion's
+    first 256 bytes of prompt) on a consistent ring bounded by ``router_prefix_balance``, a health check
+    ``GET /health`` every ``router_check_interval_s``, a request retried on another replica when its replica
+    refused the connection, answered nothing or answered 503 (``router_retries``, ``option redispatch``), timeouts
+    for long streams (``router_timeout_s``);
   - admission: each server takes at most the plan's ``maxconn`` of its replica at once
     (:mod:`gpufleet.plan.admission`); the other requests wait in the backend's queue, at most
     ``router_queue_timeout_s``, then get a 503 with ``Retry-After`` (every 503 the router makes itself does);
@@ -168,6 +170,7 @@ def config_values(cfg: HostConfig, address: str, found: list[Backend], lists: li
         "model_lists": lists,
         "not_found": NOT_FOUND,
         "backends": [{"name": b.name, "comment": b.comment, "model_sha256": b.model_sha256, "routes": b.routes,
+                      "policy": b.policy, "hash_balance_factor": b.hash_balance_factor,
                       "servers": [{"name": n, "address": a, "maxconn": maxconn[n]} for n, a in b.servers]}
                      for b in found],
     }

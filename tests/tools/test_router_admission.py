@@ -9,7 +9,6 @@ from __future__ import annotations
 import concurrent.futures
 import http.client
 import json
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -25,9 +24,8 @@ import pytest
 import roles.router as router_role
 from gpufleet.node import router_admin
 from gpufleet.plan import backends as plan_backends
-from tests.conftest import host_tool
 from tests.loopback_http import ReplicaHandler, loopback_server
-from tests.tools.test_router_role import _free_port, _wait
+from tests.tools.test_router_role import _free_port, _wait, running_haproxy
 from tests.unit.test_vllm_role import _config
 
 MODEL = "slow-model"
@@ -97,7 +95,6 @@ class Router:
 @pytest.fixture
 def router(tmp_path: Path) -> Iterator[Router]:
     """HAProxy with the role's configuration: one model, one slow replica of maxconn 1."""
-    haproxy = host_tool("haproxy", "haproxy")
     replica = SlowReplica()
     with ExitStack() as stack:
         port = int(stack.enter_context(loopback_server(replica.handler())).rsplit(":", 1)[1])
@@ -107,16 +104,8 @@ def router(tmp_path: Path) -> Iterator[Router]:
         (backend,) = plan_backends.backends(plan, {"n1": _config(vllm_served_model_name=MODEL)})  # type: ignore[arg-type]
         values = router_role.config_values(cfg, "127.0.0.1", [backend], router_role.model_lists({None: [MODEL]}), [],
                                            {REPLICA: 1})
-        values["admin_socket"] = str(tmp_path / "admin.sock")
-        config = tmp_path / "haproxy.cfg"
-        config.write_text(router_role.render(values))
-        checked = subprocess.run([haproxy, "-c", "-f", str(config)], capture_output=True, text=True)
-        assert checked.returncode == 0, checked.stdout + checked.stderr
-        with (tmp_path / "haproxy.log").open("w") as log:
-            proc = subprocess.Popen([haproxy, "-db", "-f", str(config)], stdout=log, stderr=subprocess.STDOUT)
-        stack.callback(proc.wait, 10)
-        stack.callback(proc.terminate)
-        started = Router(cfg.router_port, tmp_path / "admin.sock", backend.name, replica)
+        started = Router(cfg.router_port, stack.enter_context(running_haproxy(values, tmp_path)), backend.name,
+                         replica)
         _wait(lambda: started.socket.exists() and started.status() == "UP", "the replica UP")
         yield started
 

@@ -15,7 +15,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
@@ -26,6 +26,7 @@ import pytest
 import yaml
 
 import roles.router as router_role
+from gpufleet.config.schema import HostConfig
 from gpufleet.node import router_admin
 from gpufleet.plan import backends as plan_backends
 from tests.conftest import DATA, host_tool
@@ -39,10 +40,11 @@ ROUTES = yaml.safe_load((DATA / "router" / "routes.yaml").read_text())
 
 
 class FakeReplica:
-    """A replica that answers like vLLM; ``mode``: ok, 503 (busy), drop (closes without an answer)."""
+    """A replica that answers like vLLM; ``mode``: ok, 503 (busy), drop (closes without an answer); ``delay``:
+    seconds it takes to answer a completion."""
 
     def __init__(self, name: str) -> None:
-        self.name, self.mode, self.posts = name, "ok", 0
+        self.name, self.mode, self.posts, self.delay = name, "ok", 0, 0.0
         self.seen: list[tuple[str, str]] = []  # (method, path) of every request that reached it
         self.lock = threading.Lock()
 
@@ -81,6 +83,7 @@ class FakeReplica:
                 request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 with replica.lock:
                     replica.posts += 1
+                time.sleep(replica.delay)
                 if replica.mode == "503":
                     self._answer(503, {"error": "busy"})
                 elif replica.mode == "drop":
@@ -137,40 +140,64 @@ def _wait(condition: Any, what: str, timeout: float = 15) -> None:
         time.sleep(0.1)
 
 
-@pytest.fixture
-def router(tmp_path: Path) -> Iterator[Router]:
-    """HAProxy with the role's configuration for two models: HOSTILE on two replicas, PLAIN (API key) on one."""
+@contextmanager
+def running_haproxy(values: dict[str, Any], workdir: Path) -> Iterator[Path]:
+    """Debian's HAProxy running the role's configuration rendered from ``values`` (checked with ``haproxy -c``
+    first), its files in ``workdir``; yields its runtime socket's path, and stops it after the block."""
     haproxy = host_tool("haproxy", "haproxy")
-    names = ("pool_a-0", "pool_b-0", "plain-0")
+    config = workdir / "haproxy.cfg"
+    config.write_text(router_role.render({**values, "admin_socket": str(workdir / "admin.sock")}))
+    checked = subprocess.run([haproxy, "-c", "-f", str(config)], capture_output=True, text=True)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    with (workdir / "haproxy.log").open("w") as log:
+        proc = subprocess.Popen([haproxy, "-db", "-f", str(config)], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        yield workdir / "admin.sock"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def stand_ins(names: tuple[str, ...]) -> tuple[dict[str, FakeReplica], dict[str, ExitStack], dict[str, int]]:
+    """A FakeReplica for each name, serving on 127.0.0.1: the replicas, what stops each, their ports."""
     replicas = {name: FakeReplica(name) for name in names}
     stops = {name: ExitStack() for name in names}
     ports = {name: int(stops[name].enter_context(loopback_server(replicas[name].handler())).rsplit(":", 1)[1])
              for name in names}
+    return replicas, stops, ports
+
+
+def loopback_plan(ports: dict[str, int]) -> list[Any]:
+    """The plan's replicas as the router role reads them: each on a host of its own, at 127.0.0.1:its port."""
+    return [SimpleNamespace(name=name, port=port, roles=[SimpleNamespace(host=name, address="127.0.0.1")])
+            for name, port in ports.items()]
+
+
+def loopback_router_config(**values: object) -> HostConfig:
+    """A router's config on free loopback ports, checking every second (one check takes a replica out or back)."""
+    return _config(router_port=_free_port(), router_metrics_port=_free_port(), router_check_interval_s=1,
+                   router_check_fall=1, router_check_rise=1, **values)
+
+
+@pytest.fixture
+def router(tmp_path: Path) -> Iterator[Router]:
+    """HAProxy with the role's configuration for two models: HOSTILE on two replicas, PLAIN (API key) on one."""
+    names = ("pool_a-0", "pool_b-0", "plain-0")
+    replicas, stops, ports = stand_ins(names)
     hostile, plain = _config(vllm_served_model_name=HOSTILE), _config(vllm_served_model_name=PLAIN)
-    plan = [SimpleNamespace(name=name, port=ports[name], roles=[SimpleNamespace(host=name, address="127.0.0.1")])
-            for name in names]
     configs = {"pool_a-0": hostile, "pool_b-0": hostile, "plain-0": plain}
-    cfg = _config(router_port=_free_port(), router_metrics_port=_free_port(), router_check_interval_s=1,
-                  router_check_fall=1, router_check_rise=1, router_max_request_bytes=16384)
+    cfg = loopback_router_config(router_max_request_bytes=16384)
     values = router_role.config_values(
-        cfg, "127.0.0.1", plan_backends.backends(plan, configs),  # type: ignore[arg-type]
+        cfg, "127.0.0.1", plan_backends.backends(loopback_plan(ports), configs),
         router_role.model_lists({None: [HOSTILE], router_role.key_sha256(KEY): [PLAIN]}), [],
         dict.fromkeys(names, 64))
-    values["admin_socket"] = str(tmp_path / "admin.sock")
-    (tmp_path / "haproxy.cfg").write_text(router_role.render(values))
-    checked = subprocess.run([haproxy, "-c", "-f", str(tmp_path / "haproxy.cfg")], capture_output=True, text=True)
-    assert checked.returncode == 0, checked.stdout + checked.stderr
-    with (tmp_path / "haproxy.log").open("w") as log:
-        proc = subprocess.Popen([haproxy, "-db", "-f", str(tmp_path / "haproxy.cfg")], stdout=log,
-                                stderr=subprocess.STDOUT)
     started = Router(f"http://127.0.0.1:{cfg.router_port}", f"http://127.0.0.1:{cfg.router_metrics_port}/metrics",
                      tmp_path / "admin.sock", replicas, stops)
     try:
-        _wait(lambda: started.socket.exists() and set(started.status().values()) == {"UP"}, "every replica UP")
-        yield started
+        with running_haproxy(values, tmp_path):
+            _wait(lambda: started.socket.exists() and set(started.status().values()) == {"UP"}, "every replica UP")
+            yield started
     finally:
-        proc.terminate()
-        proc.wait(10)
         for stack in stops.values():
             stack.close()
 
