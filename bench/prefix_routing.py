@@ -36,6 +36,7 @@ import json
 import os
 import random
 import re
+import shlex
 import shutil
 import signal
 import ssl
@@ -229,11 +230,12 @@ def figures(before: dict[str, dict[str, float]], after: dict[str, dict[str, floa
             "failures": tally.failures[:3]}
 
 
-def deploy_policy(policy: str, layout: str, max_model_len: int) -> None:
-    """Deploy the lab with ``router_policy`` = ``policy`` and ``vllm_max_model_len`` (only the routers change once
-    the layout and the length are in place)."""
+def deploy_policy(policy: str, layout: str, max_model_len: int, data: list[str]) -> None:
+    """Deploy the lab with ``router_policy`` = ``policy``, ``vllm_max_model_len`` and the further ``--data``
+    arguments ``data`` (only the routers change once the layout and the length are in place)."""
+    extra = [arg for item in data for arg in ("--data", item)]
     done = subprocess.run([str(PYINFRA), "-y", INVENTORY, DEPLOY, "--data", f"router_policy={policy}", "--data",
-                           f"vllm_max_model_len={max_model_len}"], cwd=ROOT,
+                           f"vllm_max_model_len={max_model_len}", *extra], cwd=ROOT,
                           env={**os.environ, "GPUFLEET_LAB_LAYOUT": layout}, capture_output=True, text=True,
                           timeout=DEPLOY_LIMIT_S)
     if done.returncode != 0:
@@ -242,10 +244,12 @@ def deploy_policy(policy: str, layout: str, max_model_len: int) -> None:
 
 
 @contextmanager
-def vllm_router(binary: str, replicas: list[str]) -> Iterator[str]:
-    """The vLLM project's router (cache_aware) on loopback in front of ``replicas``; its base URL."""
+def vllm_router(binary: str, replicas: list[str], options: list[str]) -> Iterator[str]:
+    """The vLLM project's router on loopback in front of ``replicas`` (``options``: its own, after the default
+    ``--policy cache_aware``); its base URL."""
     process = subprocess.Popen([binary, "--host", "127.0.0.1", "--port", str(LOCAL_ROUTER_PORT), "--policy",
-                                "cache_aware", "--worker-urls", *(f"http://{a}:{REPLICA_PORT}" for a in replicas)],
+                                "cache_aware", *options, "--worker-urls",
+                                *(f"http://{a}:{REPLICA_PORT}" for a in replicas)],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     url = f"http://127.0.0.1:{LOCAL_ROUTER_PORT}"
     try:
@@ -286,6 +290,12 @@ def main() -> int:
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"of {', '.join(WORKLOADS)}")
     parser.add_argument("--layout", default="singles", help="GPUFLEET_LAB_LAYOUT of the deploys (default singles)")
     parser.add_argument("--vllm-router", help="the vllm-router binary (policy vllm-router)")
+    parser.add_argument("--vllm-router-options", default="",
+                        help="the vLLM project's router's options, after --policy cache_aware (one string)")
+    parser.add_argument("--data", action="append", default=[], metavar="KEY=VALUE",
+                        help="more --data for the deploys (router_prefix_balance=2, say); repeatable")
+    parser.add_argument("--no-deploy", action="store_true",
+                        help="bench the lab as it is deployed (one router policy: the one it runs)")
     parser.add_argument("--limit-s", type=float, default=600, help="seconds one workload may send for")
     parser.add_argument("--seed", type=int, default=None, help="the text's seed (default: a fresh one)")
     args = parser.parse_args()
@@ -307,13 +317,16 @@ def main() -> int:
     report: dict[str, Any] = {"replicas": replicas, "turns": args.turns, "prompts": args.prompts,
                               "concurrency": args.concurrency, "max_tokens": args.max_tokens,
                               "max_model_len": args.max_model_len, "opening_words": args.opening_words,
-                              "turn_words": args.turn_words, "sizes": {}}
+                              "turn_words": args.turn_words, "data": args.data,
+                              "vllm_router_options": args.vllm_router_options, "sizes": {}}
     deployed = False
     for policy in policies:
-        if policy in ROUTER_POLICIES or not deployed:
-            deploy_policy(policy if policy in ROUTER_POLICIES else "leastconn", args.layout, args.max_model_len)
+        if not args.no_deploy and (policy in ROUTER_POLICIES or not deployed):
+            deploy_policy(policy if policy in ROUTER_POLICIES else "leastconn", args.layout, args.max_model_len,
+                          args.data)
             deployed = True
-        with (vllm_router(args.vllm_router, replicas) if policy == "vllm-router" else _nothing()) as local:
+        with (vllm_router(args.vllm_router, replicas, shlex.split(args.vllm_router_options))
+              if policy == "vllm-router" else _nothing()) as local:
             for size in (int(s) for s in args.sizes.split(",")):
                 for name in workloads:
                     load = workload(name, size, args.turns, args.prompts, random.Random(rng.random()),

@@ -5,18 +5,20 @@ move every replica to another vLLM release and back.
     python bench/rolling_upgrade.py --streams 2 --to 0.32.0 --canary-s 20
 
 Needs the lab up and deployed (``make lab``; ``$GPUFLEET_LAB_DIR`` picks another lab) on the release it starts
-from. For each size (the number of client streams through the router on lab1, each a completion and a streamed
-chat in turn, one request a second) it runs ``gpufleet upgrade inventories/lab.py --data vllm_version=TO``, then
-``gpufleet rollback inventories/lab.py``, each under that load (``gpufleet_lab.request_load``, bounded by the
-rollout's own time limit). Prints JSON: per rollout its exit, wall seconds, requests sent and failed, latency
-median and 99th percentile, the requests the router retried or redispatched (its Prometheus counters), and each
-replica's outcome and step times from the rollout's own report. A rollout that fails ends the run (the fleet is
+from. For each size (the number of client streams through the routers' virtual address, over TLS with the lab
+client's key, each a completion and a turn of its conversation in turn, one request a second) it runs
+``gpufleet upgrade inventories/lab.py --data vllm_version=TO``, then ``gpufleet rollback inventories/lab.py``,
+each under that load (``gpufleet_lab.request_load``, bounded by the rollout's own time limit). Prints JSON: per
+rollout its exit, wall seconds, requests sent and failed, latency median and 99th percentile, the requests the
+router retried or redispatched (its Prometheus counters), and each replica's outcome and step times from the
+rollout's own report. A rollout that fails ends the run (the fleet is
 then on whatever the report says).
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import os
 import subprocess
@@ -28,7 +30,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from gpufleet_lab.nodes import API_KEY_FILE
+from gpufleet_lab.network import virtual_address
+from gpufleet_lab.nodes import CLIENT_KEY_FILE, TLS_DIR
 from gpufleet_lab.request_load import RequestLoad
 from gpufleet_lab.state import LAB_DIR_ENV, lab_dir, load_state
 
@@ -85,17 +88,21 @@ def main() -> int:
     if state is None or not state.nodes:
         print(f"bench/rolling_upgrade.py: no lab in {directory} (make lab)", file=sys.stderr)
         return 2
-    router = state.nodes[0].address  # inventories/lab.py: routers = [lab1]
+    router = state.nodes[0].address  # inventories/lab.py: a router on lab1 (its metrics)
+    # clients reach the routers through their virtual address (a lab of one node: lab1's own), over TLS, with
+    # the key of the routers' client "lab"
+    edge = (str(virtual_address(ipaddress.IPv4Network(state.subnet))) if len(state.nodes) > 1 else router)
     lab_vars = yaml.safe_load((ROOT / "group_vars" / "lab.yml").read_text())
-    model, key = lab_vars["vllm_served_model_name"], (directory / API_KEY_FILE).read_text().strip()
+    model, key = lab_vars["vllm_served_model_name"], (directory / CLIENT_KEY_FILE).read_text().strip()
     rollout_args = ["--batches", args.batches, "--canary-s", args.canary_s]
     commands = [["upgrade", INVENTORY, *rollout_args, "--data", f"vllm_version={args.to}"],
                 ["rollback", INVENTORY, *rollout_args]]
     planned = [(int(n), command) for n in args.streams.split(",") for command in commands]
     runs: list[dict[str, Any]] = []
     for streams, command in planned:
-        load = RequestLoad(f"http://{router}:{ROUTER_PORT}", model, key, streams=streams, pause_s=1.0,
-                           chat=True, limit_s=ROLLOUT_LIMIT_S, limit=10 * ROLLOUT_LIMIT_S)
+        load = RequestLoad(f"https://{edge}:{ROUTER_PORT}", model, key, streams=streams, pause_s=1.0,
+                           chat=True, limit_s=ROLLOUT_LIMIT_S, limit=10 * ROLLOUT_LIMIT_S,
+                           ca_file=str(directory / TLS_DIR / "ca.crt"))
         runs.append({"streams": streams, **rollout(command, load, router, directory)})
         print(json.dumps(runs[-1]), file=sys.stderr, flush=True)  # progress: each rollout as it ends
         if runs[-1]["exit"] != 0:

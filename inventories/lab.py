@@ -16,7 +16,7 @@ scraping every node. A lab of one node has one router and no virtual address.
 host beside the pipeline pair, in no group but ``routers`` and ``monitoring`` (any other group would be its serving
 pool): it takes ``group_vars/lab.yml``'s values as its host data, less the model, and has no model to push.
 ``singles``: no pipeline pair: every node serves one replica of its own (``lab_single``), replicas of one shape
-(what bench/prefix_routing.py compares routing policies on).
+routed by ``router_policy: prefix`` (what bench/prefix_routing.py compares routing policies on).
 Values that depend on the running lab (its mirror's address and signing key, its cache, its API key, client key,
 Ray token, VRRP password and CA, its bridge address as the monitoring host and API client) are host data.
 ``GPUFLEET_LAB_DIR`` selects a lab other than the default one.
@@ -88,6 +88,8 @@ _edge = {
                                # limits far above what the tests send (the route matrix: ~40 requests in a second)
                                "requests_per_s": 200, "concurrent_requests": 32}},
 }
+if _layout == "singles":  # three replicas of one shape, routed by their prompts' prefixes
+    _edge["router_policy"] = "prefix"
 if _vip:  # the routers' virtual address on the bridge, moved between them by keepalived
     _edge["router_virtual_address"] = _vip
     _edge["router_vrrp_password"] = {"file": str(ensure_api_key(lab_dir(), VRRP_PASSWORD_FILE, nbytes=6))}
