@@ -204,7 +204,7 @@ def test_the_secret_is_in_no_argv_no_log_and_not_in_vllms_environment(replica: R
 def test_a_wrong_secret_is_refused_and_the_real_follower_joins(replica: Replica) -> None:
     replica.start(0)
     replica.start(1, secret="not-" + SECRET, key=9)  # an impostor: says rank 1, holds another secret
-    replica.wait_logged(9, "refused the leader|let this rank go")  # the leader turned it away
+    replica.wait_logged(0, "refused 127.0.0.1: failed to prove")  # the leader turned it away
     replica.start(1)
     assert _alive(_wait_for(replica.pidfile(0)))
     assert _alive(_wait_for(replica.pidfile(1)))
