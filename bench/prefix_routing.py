@@ -48,7 +48,7 @@ import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -326,7 +326,7 @@ def main() -> int:
                           args.data)
             deployed = True
         with (vllm_router(args.vllm_router, replicas, shlex.split(args.vllm_router_options))
-              if policy == "vllm-router" else _nothing()) as local:
+              if policy == "vllm-router" else nullcontext()) as local:
             for size in (int(s) for s in args.sizes.split(",")):
                 for name in workloads:
                     load = workload(name, size, args.turns, args.prompts, random.Random(rng.random()),
@@ -342,11 +342,6 @@ def main() -> int:
                           file=sys.stderr)
     print(json.dumps(report, indent=1))
     return 0
-
-
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield None
 
 
 def _picker(policy: str, edge: Target, local: str | None, replicas: list[str], key: str,

@@ -131,12 +131,13 @@ _hosts = [
     for node in _state.nodes
 ]
 
-lab = [address for address, _ in _hosts[1 if _dedicated else 0:]]
+_serving = _hosts[1:] if _dedicated else _hosts  # the hosts of the lab's serving pools
+lab = [address for address, _ in _serving]
 routers = _routers  # HAProxy on lab1 and lab2, in front of every replica (a role group, not a serving pool)
 # Prometheus and Alertmanager on lab1 (a role group, not a serving pool); a dedicated lab1's data comes with it here
 monitoring = [_hosts[0] if _dedicated else _hosts[0][0]]
 _pipeline = _hosts[-2:] if len(_hosts) >= 3 and _layout != "singles" else []
-_single = [h for h in _hosts[1 if _dedicated else 0:] if h not in _pipeline]
+_single = [h for h in _serving if h not in _pipeline]
 if _single:
     lab_single = _single
 if _pipeline:
