@@ -5,10 +5,14 @@ token and the spread of requests over the replicas, per routing policy and workl
     python bench/prefix_routing.py                 # 12 and 24 conversations; leastconn, prefix, pinned
     python bench/prefix_routing.py --sizes 24 --policies leastconn,prefix,pinned,vllm-router \
         --vllm-router /opt/vllm-router/bin/vllm-router
+    python bench/prefix_routing.py --repeat 3    # each row over three runs: steadier TTFT figures
 
 Needs the lab up (``$GPUFLEET_LAB_DIR`` picks another). Before each router policy's rows it deploys that policy with
 ``pyinfra -y inventories/lab.py deploys/vllm.py --data router_policy=POLICY`` under ``GPUFLEET_LAB_LAYOUT``
 (default ``singles``: every node one replica of the same shape; only HAProxy reloads when the layout is in place).
+The replicas serve ``--model``: by default ``wide``, a wider random-weight model than the lab's (see
+``gpufleet_lab.tiny_model.WIDE``), whose prefill takes time enough for a cached prefix to show in TTFT; the first
+deploy restarts the replicas on it, and a plain deploy afterwards puts the lab's own model back.
 Policies: ``leastconn`` and ``prefix`` through the routers' virtual address with the client key; ``pinned``, the
 ideal router, sends every conversation (every user of a system prompt) straight to one replica, chosen in turn;
 ``vllm-router`` runs the vLLM project's router (``--policy cache_aware``, the binary given) on this machine's
@@ -56,7 +60,8 @@ from typing import Any
 import yaml
 from gpufleet_lab.network import virtual_address
 from gpufleet_lab.nodes import API_KEY_FILE, CLIENT_KEY_FILE, TLS_DIR
-from gpufleet_lab.state import lab_dir, load_state
+from gpufleet_lab.state import cache_dir, lab_dir, load_state
+from gpufleet_lab.tiny_model import WIDE, make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 PYINFRA = Path(sys.executable).parent / "pyinfra"
@@ -72,6 +77,9 @@ WORDS = ("fleet", "node", "replica", "router", "cache", "prefix", "token", "mode
          "metric", "alert", "queue", "batch", "kernel", "tensor", "pipeline", "rank", "shard", "block", "memory",
          "latency", "budget", "window", "engine")
 DEPLOY_LIMIT_S = 1800
+NODE_MODELS = "/var/lib/gpufleet/models"  # where the replicas' model is pushed (group_vars/lab.yml's vllm_model)
+# --model: (the model's data for the deploys, or none: the lab's own; --max-model-len, --opening-words defaults)
+MODELS = {"tiny": (512, 40), "wide": (2048, 300)}
 
 
 @dataclass(frozen=True)
@@ -111,7 +119,8 @@ def counters(address: str) -> dict[str, float]:
 
 def chat(target: Target, model: str, messages: list[dict[str, str]], max_tokens: int,
          timeout_s: float) -> tuple[float, str]:
-    """One streamed chat completion: seconds to its first token, and the answer's text."""
+    """One streamed chat completion: seconds to its first chunk (vLLM sends none before the first token: a random
+    model's tokens may be bytes that make no text yet), and the answer's text."""
     parts = urllib.parse.urlsplit(target.url)
     connection: http.client.HTTPConnection
     if parts.scheme == "https":
@@ -139,12 +148,12 @@ def chat(target: Target, model: str, messages: list[dict[str, str]], max_tokens:
             if line == "data: [DONE]":
                 done = True
                 break
-            delta = json.loads(line[6:])["choices"][0]["delta"].get("content")
-            if delta:
+            choices = json.loads(line[6:])["choices"]
+            if choices:  # vLLM sends its first chunk (the role) with the first token, text or not
                 first = first if first is not None else time.monotonic() - started
-                answer.append(delta)
+                answer.append(choices[0]["delta"].get("content") or "")
         if not done or first is None:
-            raise ValueError("the stream ended without a token or without data: [DONE]")
+            raise ValueError("the stream ended without a chunk or without data: [DONE]")
     finally:
         connection.close()
     return first, "".join(answer)
@@ -182,10 +191,11 @@ def workload(name: str, size: int, turns: int, prompts: int, rng: random.Random,
 
 
 def run_workload(load: Workload, pick: Callable[[int], Target], model: str, concurrency: int, max_tokens: int,
-                 limit_s: float) -> Tally:
+                 limit_s: float, tally: Tally | None = None) -> Tally:
     """Send every round of ``load``, ``concurrency`` at a time, a round after the last one's answers; each
-    conversation to ``pick(conversation)``. Stops sending once ``limit_s`` is spent."""
-    tally = Tally()
+    conversation to ``pick(conversation)``. Stops sending once ``limit_s`` is spent. Counts into ``tally`` (a new
+    one by default)."""
+    tally = Tally() if tally is None else tally
     history = [list(opener) for opener in load.openers]
     deadline = time.monotonic() + limit_s
 
@@ -268,6 +278,15 @@ def vllm_router(binary: str, replicas: list[str], options: list[str]) -> Iterato
         process.wait(30)
 
 
+def model_data(model: str) -> list[str]:
+    """The deploys' ``--data`` that serve ``model``: none for ``tiny`` (the lab's own); for ``wide``, the wider
+    random-weight model, built on this machine (deterministic: the same bytes each time) and pushed to the nodes."""
+    if model == "tiny":
+        return []
+    built = make_tiny_model(cache_dir() / "models" / "wide-llama", WIDE)
+    return [f"vllm_model={NODE_MODELS}/wide-llama", f"vllm_model_source={built}", f"vllm_model_config={built}"]
+
+
 def served_model() -> str:
     """The name the lab serves its model under (group_vars/lab.yml)."""
     return str(yaml.safe_load((ROOT / "group_vars" / "lab.yml").read_text())["vllm_served_model_name"])
@@ -280,11 +299,16 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=3, help="system prompts of the shared-prompt workloads")
     parser.add_argument("--concurrency", type=int, default=4, help="requests in flight at once (default 4)")
     parser.add_argument("--max-tokens", type=int, default=8, help="tokens per answer (default 8)")
-    parser.add_argument("--max-model-len", type=int, default=512,
-                        help="the replicas' vllm_max_model_len (default 512: the tiny model's positions; the CPU"
-                             " build caches blocks of 128 tokens)")
-    parser.add_argument("--opening-words", type=int, default=40,
-                        help="words of a conversation's opening or a system prompt (default 40: ~140 tokens)")
+    parser.add_argument("--model", choices=sorted(MODELS), default="wide",
+                        help="wide (default): a random-weight model whose prefill of 1,000 tokens takes about 0.15 s"
+                             " on a lab replica, so that a cached prefix shows in TTFT; tiny: the lab's own, whose"
+                             " prefill takes 15 ms cached or not (TTFT then shows only how requests queue)")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="the replicas' vllm_max_model_len (default: the model's positions, 2048 or 512; the"
+                             " CPU build caches blocks of 128 tokens)")
+    parser.add_argument("--opening-words", type=int, default=None,
+                        help="words of a conversation's opening or a system prompt (default: 300, ~1,000 tokens,"
+                             " with wide; 40, ~140 tokens, with tiny)")
     parser.add_argument("--turn-words", type=int, default=8, help="words of a user's later message (default 8)")
     parser.add_argument("--policies", default="leastconn,prefix,pinned", help=f"of {', '.join(POLICIES)}")
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"of {', '.join(WORKLOADS)}")
@@ -296,44 +320,51 @@ def main() -> int:
                         help="more --data for the deploys (router_prefix_balance=2, say); repeatable")
     parser.add_argument("--no-deploy", action="store_true",
                         help="bench the lab as it is deployed (one router policy: the one it runs)")
-    parser.add_argument("--limit-s", type=float, default=600, help="seconds one workload may send for")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="runs of each workload per row, each with fresh text; a row counts them all (default 1)")
+    parser.add_argument("--limit-s", type=float, default=600, help="seconds one workload run may send for")
     parser.add_argument("--seed", type=int, default=None, help="the text's seed (default: a fresh one)")
     args = parser.parse_args()
     policies = [p for p in args.policies.split(",") if p]
     workloads = [w for w in args.workloads.split(",") if w]
     unknown = sorted(set(policies) - set(POLICIES)) + sorted(set(workloads) - set(WORKLOADS))
-    if unknown or args.turns < 2 or args.prompts < 2 or args.concurrency < 1:
-        parser.error(f"unknown policies or workloads {unknown}, or --turns/--prompts below 2")
+    if unknown or args.turns < 2 or args.prompts < 2 or args.concurrency < 1 or args.repeat < 1:
+        parser.error(f"unknown policies or workloads {unknown}, --turns/--prompts below 2 or --repeat below 1")
     if "vllm-router" in policies and not (args.vllm_router and shutil.which(args.vllm_router)):
         parser.error("policy vllm-router needs --vllm-router BINARY")
     state = load_state()
     if state is None:
         sys.exit(f"no lab is up in {lab_dir()}")
+    max_model_len, opening_words = MODELS[args.model]
+    args.max_model_len = args.max_model_len or max_model_len
+    args.opening_words = args.opening_words or opening_words
+    data = [*([] if args.no_deploy else model_data(args.model)), *args.data]
     replicas = [node.address for node in state.nodes]
     replica_key = (lab_dir() / API_KEY_FILE).read_text().strip()
     edge = Target(f"https://{virtual_address(ipaddress.IPv4Network(state.subnet))}:{ROUTER_PORT}",
                   (lab_dir() / CLIENT_KEY_FILE).read_text().strip(), str(lab_dir() / TLS_DIR / "ca.crt"))
     model, rng = served_model(), random.Random(args.seed)
-    report: dict[str, Any] = {"replicas": replicas, "turns": args.turns, "prompts": args.prompts,
+    report: dict[str, Any] = {"replicas": replicas, "model": args.model, "turns": args.turns, "prompts": args.prompts,
                               "concurrency": args.concurrency, "max_tokens": args.max_tokens,
                               "max_model_len": args.max_model_len, "opening_words": args.opening_words,
-                              "turn_words": args.turn_words, "data": args.data,
+                              "turn_words": args.turn_words, "repeat": args.repeat, "data": args.data,
                               "vllm_router_options": args.vllm_router_options, "sizes": {}}
     deployed = False
     for policy in policies:
         if not args.no_deploy and (policy in ROUTER_POLICIES or not deployed):
             deploy_policy(policy if policy in ROUTER_POLICIES else "leastconn", args.layout, args.max_model_len,
-                          args.data)
+                          data)
             deployed = True
         with (vllm_router(args.vllm_router, replicas, shlex.split(args.vllm_router_options))
               if policy == "vllm-router" else nullcontext()) as local:
             for size in (int(s) for s in args.sizes.split(",")):
                 for name in workloads:
-                    load = workload(name, size, args.turns, args.prompts, random.Random(rng.random()),
-                                    args.opening_words, args.turn_words)
-                    pick = _picker(policy, edge, local, replicas, replica_key, load.prefixes)
-                    before = {a: counters(a) for a in replicas}
-                    tally = run_workload(load, pick, model, args.concurrency, args.max_tokens, args.limit_s)
+                    before, tally = {a: counters(a) for a in replicas}, Tally()
+                    for _ in range(args.repeat):  # fresh text each time: no run hits another's cache
+                        load = workload(name, size, args.turns, args.prompts, random.Random(rng.random()),
+                                        args.opening_words, args.turn_words)
+                        pick = _picker(policy, edge, local, replicas, replica_key, load.prefixes)
+                        run_workload(load, pick, model, args.concurrency, args.max_tokens, args.limit_s, tally)
                     after = {a: counters(a) for a in replicas}
                     row = figures(before, after, tally)
                     report["sizes"].setdefault(str(size), {}).setdefault(name, {})[policy] = row

@@ -15,7 +15,8 @@ server of every backend: its ``status`` as HAProxy's statistics say it (UP, DOWN
 ``weight`` and ``initial_weight``, its last ``check_status``, and for a canary watch its counters since the
 router's worker started: requests (``req_tot``; sessions, ``stot``, where HAProxy counts no requests), 5xx
 responses (``hrsp_5xx``), and its average response time in ms over its last 1024 requests (``rtime``).
-``set-state`` and ``set-weight`` read the server back until it says what was set. ``wait-drained`` polls until
+``set-state`` and ``set-weight`` read the server back until it says what was set; ``set-state drain`` also sets
+the weight to 0 and ``ready`` sets the configured weight back. ``wait-drained`` polls until
 the server has nothing in flight and nothing queued; its ``--timeout`` is in seconds (0: look once).
 
 ``client-metrics`` writes the counters of every client of the edge (``router_clients``: the stick table
@@ -250,9 +251,19 @@ def settle(read: Callable[[], Server], done: Callable[[Server], bool], what: str
 
 
 def set_state(api: Runtime, backend: str, server: str, state: str) -> dict[str, object]:
+    """``drain`` sets the weight to 0 first (a backend with router_policy prefix sends a key's requests to its
+    replica only while its weight is above 0: HAProxy's drain alone keeps such requests coming); ``ready`` sets
+    the state, then the configured weight back."""
     was = api.server(backend, server)
+    weight = 0 if state == "drain" else was.initial_weight
+    if state == "drain":
+        api.change("set", "weight", f"{backend}/{server}", "0")
     api.change("set", "server", f"{backend}/{server}", "state", state)
-    now = settle(lambda: api.server(backend, server), lambda found: found.admin == state, f"state {state}")
+    if state == "ready":
+        api.change("set", "weight", f"{backend}/{server}", str(weight))
+    now = settle(lambda: api.server(backend, server),
+                 lambda found: found.admin == state and (state == "maint" or found.weight == weight),
+                 f"state {state}")
     return {**asdict(now), "was": was.admin}
 
 

@@ -40,9 +40,9 @@ class Backend:
         return TASK_ROUTES[self.task]
 
     @property
-    def hash_balance_factor(self) -> int | None:
-        """HAProxy's ``hash-balance-factor`` of prefix: the balance in percent, at least 101 (HAProxy takes no
-        factor from 1 to 100); None with leastconn."""
+    def bound_percent(self) -> int | None:
+        """prefix's bound in whole percent, at least 101 (a replica may always hold its share); None with
+        leastconn."""
         return None if self.prefix_balance is None else max(101, round(self.prefix_balance * 100))
 
     @property

@@ -86,6 +86,12 @@ class TinyLlama:
         return shapes
 
 
+# A wider one (about 8.5 M parameters, 2048 positions) for benches where a prompt's prefill must take measurable
+# time on the CPU build (a prompt of 1,000 tokens: about 0.15 s on an idle lab replica, where the tiny model's
+# takes 15 ms whether its prefix is cached or not): bench/prefix_routing.py's default.
+WIDE = TinyLlama(layers=4, hidden=512, heads=8, head_dim=64, intermediate=1024, max_positions=2048)
+
+
 def make_tiny_model(out_dir: Path | str, arch: TinyLlama = TinyLlama()) -> Path:
     """Write the tiny model (config, bf16 safetensors, tokenizer) into ``out_dir`` and return it."""
     import numpy as np

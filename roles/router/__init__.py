@@ -18,8 +18,9 @@ After it, a router host has:
     checks its API key on ``/v1/`` routes only) is answered 404 by the router;
   - one backend per served model, holding its replicas (each replica's first node, its API port; the server is
     named after the replica), ``balance leastconn`` (``router_policy`` leastconn) or, with ``router_policy``
-    prefix, ``balance hash`` of the request's prefix (a chat's system and first user message, a completion's
-    first 256 bytes of prompt) on a consistent ring bounded by ``router_prefix_balance``, a health check
+    prefix, the replica that answered the request's prefix last (a chat's system and first user message, a
+    completion's first 256 bytes of prompt; a table by the prefix's SHA-1) unless it is drained or past the bound
+    ``router_prefix_balance``, else round robin, a health check
     ``GET /health`` every ``router_check_interval_s``, a request retried on another replica when its replica
     refused the connection, answered nothing or answered 503 (``router_retries``, ``option redispatch``), timeouts
     for long streams (``router_timeout_s``);
@@ -89,6 +90,10 @@ EDGE_MAPS = ("clients", "grants", "models", "rates", "concurrency", "upstream") 
 TLS_PEM = "router.pem"  # <EDGE_DIR>/router.pem: the certificate, its chain and its key, 0640
 CLIENT_TABLE = "gpufleet-clients"  # the stick table of the clients' counters (gpufleet/node/router_admin.py reads it)
 CLIENT_TABLE_SIZE = 10000
+# router_policy prefix: each backend's table of keys (a prefix's SHA-1 -> the replica that answered it last); an
+# entry a key has not used for PREFIX_TABLE_EXPIRE is dropped, and the least recently used go when it is full.
+PREFIX_TABLE_SIZE = 200000  # keys (conversations, shared prompts) per model, about 30 MB at most
+PREFIX_TABLE_EXPIRE = "1h"  # longer than a user reads an answer; vLLM's cache drops a prefix sooner under load
 LIMIT_RETRY_AFTER_S = 1  # a client over its limit may try again after a second (rates are per second)
 # The clients' counters for Prometheus: a timer has router_admin.py write them for node_exporter's textfile collector.
 CLIENTS_SERVICE = "gpufleet-router-clients.service"
@@ -168,9 +173,11 @@ def config_values(cfg: HostConfig, address: str, found: list[Backend], lists: li
         "check_fall": cfg.router_check_fall,
         "check_rise": cfg.router_check_rise,
         "model_lists": lists,
+        "prefix_table_size": PREFIX_TABLE_SIZE,
+        "prefix_table_expire": PREFIX_TABLE_EXPIRE,
         "not_found": NOT_FOUND,
         "backends": [{"name": b.name, "comment": b.comment, "model_sha256": b.model_sha256, "routes": b.routes,
-                      "policy": b.policy, "hash_balance_factor": b.hash_balance_factor,
+                      "policy": b.policy, "bound_percent": b.bound_percent,
                       "servers": [{"name": n, "address": a, "maxconn": maxconn[n]} for n, a in b.servers]}
                      for b in found],
     }

@@ -20,9 +20,10 @@ import pytest
 from gpufleet_lab.nodes import CLIENT_KEY_FILE
 from gpufleet_lab.request_load import Answer, burst
 
-from tests.lab.checks import assert_no_errors, main_pid
+from tests.lab.checks import assert_no_errors, main_pid, metrics
 from tests.lab.fleet import (
     PIPELINE,
+    ROUTER_PORT,
     client_key,
     deploy,
     http,
@@ -30,6 +31,7 @@ from tests.lab.fleet import (
     lab_copy,
     record_figure,
     requests_to,
+    router_servers,
     router_url,
     served_name,
     single,
@@ -46,6 +48,7 @@ QUEUE_S = 0.5  # how long a request waits in the router's queue before its 503
 BURST_FACTOR = 10
 TOKENS = 32  # each burst request's completion: long enough (seconds) that no request queued QUEUE_S gets a place
 CLIENTS_METRICS = "systemctl start gpufleet-router-clients.service"
+REPLICA_PORT = 8000  # the lab's replicas' API
 
 
 def _write_secret(path: Path, text: str) -> None:
@@ -159,3 +162,44 @@ def test_the_edge_rotates_a_key_under_load_limits_a_client_and_sheds_a_burst_fas
         "refused_503": sum(1 for a in refused if a.status == 503),
         "refused_slowest_s": round(max(a.took_s for a in refused), 3),
         "admitted_p99_s": round(_p99(admitted), 3), "unloaded_p99_s": round(_p99(unloaded), 3)})
+
+
+def _prefix_hits(lab: Lab) -> dict[str, float]:
+    """Each replica's ``vllm:prefix_cache_hits_total`` (tokens), read on its API node."""
+    found = {}
+    for node, replica in ((lab.nodes[0], single(lab)), (lab.nodes[1], PIPELINE)):
+        lines = metrics(node, REPLICA_PORT).splitlines()
+        found[replica] = sum(float(line.rsplit(" ", 1)[1]) for line in lines
+                             if line.startswith("vllm:prefix_cache_hits_total{"))
+    return found
+
+
+def test_prefix_routing_keeps_each_conversation_on_the_replica_that_caches_it(
+        lab: Lab, changed: Completed | None, lab_states: LabStates) -> None:
+    """router_policy prefix, deployed over the edge's settings (only HAProxy reloads, no replica restarts): four
+    conversations of three turns, each turn resending the history, through lab1's router; each conversation's
+    turns all reach one replica, whose vLLM counts prefix cache hits, and the conversations spread over both."""
+    replicas = {node.name: main_pid(lab, node, f"vllm@{single(lab) if node == lab.nodes[0] else PIPELINE}")
+                for node in lab.nodes}
+    lab_states.changed(EDGE_CHANGED)
+    assert_no_errors(deploy(lab, "--data", "router_policy=prefix"))
+    assert {node.name: main_pid(lab, node, f"vllm@{single(lab) if node == lab.nodes[0] else PIPELINE}")
+            for node in lab.nodes} == replicas
+    url = f"https://{lab.nodes[0].address}:{ROUTER_PORT}/v1/chat/completions"
+    hits, homes = _prefix_hits(lab), []
+    for number in range(4):  # an opening of about 150 tokens: the CPU build caches whole blocks of 128
+        messages = [{"role": "user", "content": f"Conversation {number}: " + "tell me about the fleet, " * 28}]
+        before = {name: server["req_tot"] for name, server in router_servers(lab).items()}
+        for turn in range(3):
+            status, text = http(url, {"model": served_name("lab"), "messages": messages, "max_tokens": 4},
+                                client_key(lab), context=tls(lab))
+            assert status == 200, text
+            answer = json.loads(text)["choices"][0]["message"]["content"]
+            messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": f"And {turn}?"}]
+        counted = {name: int(str(server["req_tot"])) - int(str(before[name]))
+                   for name, server in router_servers(lab).items()}
+        assert sorted(counted.values()) == [0, 3], counted
+        homes.append(max(counted, key=lambda name: counted[name]))
+    assert set(homes) == {single(lab), PIPELINE}, homes  # new conversations go round robin
+    gained = {replica: count - hits[replica] for replica, count in _prefix_hits(lab).items()}
+    assert all(gained[replica] >= 128 for replica in set(homes)), gained

@@ -266,13 +266,13 @@ def test_show_counts_each_servers_requests_5xx_and_response_time(router: Router)
 def test_a_drained_server_gets_no_new_request_and_ready_brings_it_back(router: Router) -> None:
     assert router.answered_by(4) == {FIRST, SECOND}
     drained = _ok(router.tool("set-state", BACKEND, FIRST, "drain"))
-    assert (drained["admin"], drained["was"], drained["server"]) == ("drain", "ready", FIRST)
+    assert (drained["admin"], drained["was"], drained["server"], drained["weight"]) == ("drain", "ready", FIRST, 0)
     shown = router.servers()
-    assert (shown[FIRST]["status"], shown[FIRST]["admin"]) == ("DRAIN", "drain")
+    assert (shown[FIRST]["status"], shown[FIRST]["admin"], shown[FIRST]["weight"]) == ("DRAIN", "drain", 0)
     assert (shown[SECOND]["status"], shown[SECOND]["admin"]) == ("UP", "ready")
     assert router.answered_by(6) == {SECOND}
     back = _ok(router.tool("set-state", BACKEND, FIRST, "ready"))
-    assert (back["admin"], back["was"], back["status"]) == ("ready", "drain", "UP")
+    assert (back["admin"], back["was"], back["status"], back["weight"]) == ("ready", "drain", "UP", 1)
     assert router.answered_by(4) == {FIRST, SECOND}
 
 

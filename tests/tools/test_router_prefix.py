@@ -193,36 +193,45 @@ def test_a_stopped_replicas_conversations_are_answered_by_the_others_and_come_ba
     router.stop(home)
     moved = {chat.turn(router) for chat in mine}  # retried on another at once, before the check sees it down
     _wait(lambda: router.status()[home] == "DOWN", f"{home} DOWN")
-    moved |= {chat.turn(router) for chat in mine}
-    assert home not in moved, moved
+    away = [[chat.turn(router) for _ in range(3)] for chat in mine]
+    assert home not in moved | set().union(*away), (moved, away)
+    assert all(len(set(turns)) == 1 for turns in away), away  # each stays where it went: its cache is there now
     router.start(home)
     _wait(lambda: router.status()[home] == "UP", f"{home} UP again (its health check passed)")
     assert {chat.turn(router) for chat in mine} == {home}
 
 
-def test_the_bound_passes_requests_on_from_a_replica_that_holds_too_many(tmp_path: Path) -> None:
-    """The default bound (router_prefix_balance 1.25): six completions of one prompt at once, each answered after a
-    second, are spread, where without a bound all six would wait on one replica (a replica holds at most 1.25 times
-    the average of the requests in flight, rounded up, while another has room)."""
-    with _router(tmp_path, "prefix") as router:
+@pytest.mark.parametrize(("balance", "most_at_home"), [(1.25, 4), (WIDE_BALANCE, 6)])
+def test_the_bound_passes_requests_on_from_a_replica_that_holds_too_many(tmp_path: Path, balance: float,
+                                                                          most_at_home: int) -> None:
+    """One prompt answered once (its home is known), then six completions of it at once, each answered after a
+    second. With a tight bound (router_prefix_balance 1.25: a replica holds at most 1.25 times its share of the
+    requests in flight, rounded up) they are spread: 3 at home as they arrive one by one, one more where two
+    arrive on HAProxy's two threads at the same moment; with the widest bound all six wait at home."""
+    with _router(tmp_path, "prefix", balance) as router:
+        home = router.complete("one shared prompt")
         for replica in router.replicas.values():
             replica.delay = 1.0
         with concurrent.futures.ThreadPoolExecutor(6) as pool:
             answered = list(pool.map(lambda _: router.complete("one shared prompt"), range(6)))
-    assert max(answered.count(name) for name in NAMES) <= 3, answered
+    assert answered.count(home) <= most_at_home and max(answered.count(name) for name in NAMES) <= most_at_home
+    assert (answered.count(home) == 6) == (balance == WIDE_BALANCE), answered
 
 
 def test_with_leastconn_the_configuration_is_what_it_was(tmp_path: Path) -> None:
     """leastconn: a conversation's turns go to whichever replica has the fewest requests, and its backend holds what
-    it held before router_policy: prefix's differs from it by the key and the hash alone."""
+    it held before router_policy: prefix's differs from it by the key's table, its rules and the servers' ids."""
     with _router(tmp_path, "leastconn") as router:
         chat = Chat(0)
         assert {chat.turn(router) for _ in range(6)} == set(NAMES)
         texts = [router_role.render(_values(router.cfg, router.ports, policy)) for policy in ("leastconn", "prefix")]
     changed = [line for line in difflib.ndiff(*(text.splitlines() for text in texts)) if line[:2] in ("- ", "+ ")]
-    assert [line for line in changed if line.startswith("- ")] == ["-     balance leastconn"]
-    added = [line[2:].strip() for line in changed if line.startswith("+ ") and not line[2:].startswith("#")]
-    directives = [line for line in added if not line.startswith("#")]
-    assert [d.split(" ")[0] for d in directives] == ["http-request"] * 3 + ["balance", "hash-type",
-                                                                            "hash-balance-factor"], directives
-    assert directives[3:] == ["balance hash var(txn.prefix_key)", "hash-type consistent", "hash-balance-factor 125"]
+    servers = [f"server {name} 127.0.0.1:{router.ports[name]}" for name in NAMES]
+    assert [line[2:].strip() for line in changed if line.startswith("- ")] == [
+        "balance leastconn", *(f"{server} maxconn 8" for server in servers)]
+    added = [line[2:].strip() for line in changed if line.startswith("+ ") and not line[2:].strip().startswith("#")]
+    assert added[-4:] == ["balance roundrobin", *(f"{server} id {n} maxconn 8" for n, server in enumerate(servers, 1))]
+    words = [line.split(" ")[0] for line in added[:-4]]
+    assert words == (["stick-table"] + ["http-request"] * 6 + ["acl", "acl"] * len(NAMES)
+                     + ["use-server"] * 2 * len(NAMES) + ["http-response"] * 2), added
+    assert "mul(125),add(txn.prefix_slots)" in added[6]

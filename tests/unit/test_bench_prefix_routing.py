@@ -91,6 +91,17 @@ def test_a_failed_answer_is_counted_and_the_conversation_goes_on() -> None:
     assert all("HTTP 503" in failure for failure in tally.failures)
 
 
+def test_a_repeated_run_counts_into_the_same_tally() -> None:
+    _StreamingReplica.seen, _StreamingReplica.fail_every = [], 0
+    tally = bench.Tally()
+    with loopback_server(_StreamingReplica) as url:
+        for seed in (5, 6):
+            load = bench.workload("multi_turn", 3, 2, 2, random.Random(seed))
+            assert bench.run_workload(load, lambda _: bench.Target(url, "k"), "m", 2, 4, 60, tally) is tally
+    assert tally.sent == 12 and len(tally.ttft_s) == 12 and not tally.failures
+    assert len({messages[0]["content"] for messages in _StreamingReplica.seen}) == 6  # fresh text each run
+
+
 def test_a_row_reads_the_counters_differences() -> None:
     before = {"a": {"hits": 100.0, "queries": 400.0, "requests": 10.0},
               "b": {"hits": 0.0, "queries": 0.0, "requests": 0.0},

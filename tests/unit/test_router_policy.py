@@ -80,7 +80,7 @@ ROUTING: list[tuple[str, dict[str, Any], dict[str, Any], list[str]]] = [
         " one backend per served model), found prefix in pool a and leastconn in pool b"]),
     ("", {}, {"router_prefix_balance": 3}, [  # with leastconn too: both pools' configuration must say one thing
         f"pool b: router_prefix_balance: expected the same router_prefix_balance on every pool that serves {MODEL}"
-        " (the router has one backend per served model), found 1.25 in pool a and 3.0 in pool b"]),
+        " (the router has one backend per served model), found 2.0 in pool a and 3.0 in pool b"]),
     ("router_policy: prefix\n", {}, {"vllm_extra_args": {"prefix_caching_hash_algo": "sha256"}}, []),  # default
     ("router_policy: prefix\n", {"vllm_version": "0.31.0"}, {"vllm_version": "0.33.0"}, []),  # sha256 in both
     ("router_policy: prefix\n", {"vllm_extra_args": {"block-size": 16}}, {"vllm_extra_args": {"block-size": "16"}},
@@ -138,19 +138,19 @@ def test_the_router_configuration_of_each_policy(golden: str, chat: dict[str, ob
     assert _render(**chat) == path.read_text()
 
 
-# router_prefix_balance -> HAProxy's hash-balance-factor (percent; HAProxy refuses 1 to 100)
+# router_prefix_balance -> the bound in whole percent, at least 101 (a replica may always hold its share)
 BALANCE_FACTORS = [(1.25, 125), (1.5, 150), (1.1, 110), (10, 1000), (1.004, 101), (1.001, 101)]
 
 
 @pytest.mark.parametrize(("balance", "factor"), BALANCE_FACTORS)
-def test_the_balance_is_hashings_bound_in_percent(balance: float, factor: int) -> None:
-    assert plan_backends.Backend("m", "m", (), policy="prefix", prefix_balance=balance).hash_balance_factor == factor
-    assert plan_backends.Backend("m", "m", ()).hash_balance_factor is None
+def test_the_balance_is_the_bound_in_percent(balance: float, factor: int) -> None:
+    assert plan_backends.Backend("m", "m", (), policy="prefix", prefix_balance=balance).bound_percent == factor
+    assert plan_backends.Backend("m", "m", ()).bound_percent is None
 
 
 def test_a_backend_takes_the_policy_of_its_models_first_replica() -> None:
     text = _render(router_policy="prefix", router_prefix_balance=2)
     chat, tiny = (text.split(f"backend {name}\n")[1].split("\n\n")[0] for name in ("model-chat-model",
                                                                                     "model-tiny_llama__HOME_100_"))
-    assert "    balance hash var(txn.prefix_key)\n    hash-type consistent\n    hash-balance-factor 200\n" in chat
+    assert ",mul(200),add(txn.prefix_slots)," in chat and "    balance roundrobin\n" in chat
     assert "balance leastconn" not in chat and "prefix" not in tiny and "    balance leastconn\n" in tiny
