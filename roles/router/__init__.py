@@ -18,9 +18,9 @@ After it, a router host has:
     checks its API key on ``/v1/`` routes only) is answered 404 by the router;
   - one backend per served model, holding its replicas (each replica's first node, its API port; the server is
     named after the replica), ``balance leastconn`` (``router_policy`` leastconn) or, with ``router_policy``
-    prefix, the replica that answered the request's prefix last (a chat's system and first user message, a
-    completion's first 256 bytes of prompt; a table by the prefix's SHA-1) unless it is drained or past the bound
-    ``router_prefix_balance``, else round robin, a health check
+    prefix, the prefix's home (the replica that answered it first), else the one that answered it last (a table
+    by the SHA-1 of a chat's system and first user message, a completion's first 256 bytes of prompt), while that
+    replica is ready and within the bound ``router_prefix_balance``, else round robin, a health check
     ``GET /health`` every ``router_check_interval_s``, a request retried on another replica when its replica
     refused the connection, answered nothing or answered 503 (``router_retries``, ``option redispatch``), timeouts
     for long streams (``router_timeout_s``);
@@ -90,8 +90,8 @@ EDGE_MAPS = ("clients", "grants", "models", "rates", "concurrency", "upstream") 
 TLS_PEM = "router.pem"  # <EDGE_DIR>/router.pem: the certificate, its chain and its key, 0640
 CLIENT_TABLE = "gpufleet-clients"  # the stick table of the clients' counters (gpufleet/node/router_admin.py reads it)
 CLIENT_TABLE_SIZE = 10000
-# router_policy prefix: each backend's table of keys (a prefix's SHA-1 -> the replica that answered it last); an
-# entry a key has not used for PREFIX_TABLE_EXPIRE is dropped, and the least recently used go when it is full.
+# router_policy prefix: each backend's table of keys (a prefix's SHA-1 -> its home and the replica that answered it
+# last); an entry a key has not used for PREFIX_TABLE_EXPIRE is dropped, and the oldest go when it is full.
 PREFIX_TABLE_SIZE = 200000  # keys (conversations, shared prompts) per model, about 30 MB at most
 PREFIX_TABLE_EXPIRE = "1h"  # longer than a user reads an answer; vLLM's cache drops a prefix sooner under load
 LIMIT_RETRY_AFTER_S = 1  # a client over its limit may try again after a second (rates are per second)
