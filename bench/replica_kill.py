@@ -10,11 +10,10 @@ routers' virtual address, over TLS with the lab client's key, each a completion 
 conversation in turn, one request a second: ``gpufleet_lab.request_load``) it loads the fleet for ``--before-s``,
 reads on the routers how many requests each replica holds, kills the busiest one's vLLM main process, waits until
 systemd has restarted it and the router shows it UP again, then loads the fleet for ``--after-s`` more. Prints
-JSON per size:
-the requests sent and failed, and why; the requests in flight on the replica at the kill (the routers' count on
-lab1 and lab2, read just before it); seconds until the router took it out and until it was UP again; and the
-requests the replica answered after it was back (its ``vllm:request_success_total``) against the mean of the
-others.
+JSON per size: the requests sent and failed, and why; the requests in flight on the replica at the kill (the
+routers' count on lab1 and lab2, read just before it); seconds until the router took it out and until it was UP
+again; and the requests the replica answered after it was back (its ``vllm:request_success_total``) against the
+mean of the others.
 """
 
 from __future__ import annotations
@@ -58,22 +57,26 @@ def replica_unit(node: NodeRecord) -> str:
     return found[0]
 
 
-def router_server(router: NodeRecord, server: str) -> dict[str, Any]:
-    """``server`` as ``router`` shows it (status, admin, scur: requests in flight)."""
-    shown = json.loads(ssh(router, f"{ROUTER_ADMIN} show"))
-    return next(entry for entry in shown["servers"] if entry["server"] == server)
+def router_servers(router: NodeRecord) -> dict[str, dict[str, Any]]:
+    """Every server as ``router`` shows it (status, admin, scur: requests in flight), by name."""
+    return {entry["server"]: entry for entry in json.loads(ssh(router, f"{ROUTER_ADMIN} show"))["servers"]}
 
 
-def in_flight(routers: list[NodeRecord], server: str) -> int:
-    """The requests ``server`` holds, over every router (the one with the virtual address has them)."""
-    return sum(int(router_server(router, server)["scur"]) for router in routers)
+def in_flight(routers: list[NodeRecord]) -> dict[str, int]:
+    """The requests each server holds, over every router (the one with the virtual address has them): one
+    ``show`` per router."""
+    held: dict[str, int] = {}
+    for router in routers:
+        for name, entry in router_servers(router).items():
+            held[name] = held.get(name, 0) + int(entry["scur"])
+    return held
 
 
 def wait_status(router: NodeRecord, server: str, status: str, limit_s: float) -> float | None:
     """Seconds until the router shows ``server`` with ``status`` (None: not within ``limit_s``)."""
     started = time.monotonic()
     while time.monotonic() - started < limit_s:
-        if router_server(router, server)["status"] == status:
+        if router_servers(router)[server]["status"] == status:
             return time.monotonic() - started
         time.sleep(0.5)
     return None
@@ -96,7 +99,8 @@ def kill_run(streams: int, nodes: list[NodeRecord], chosen: NodeRecord | None, r
     load.start()
     try:
         time.sleep(before_s)
-        held = {node.name: in_flight(routers, servers[node.name]) for node in nodes}
+        counts = in_flight(routers)
+        held = {node.name: counts.get(servers[node.name], 0) for node in nodes}
         victim = chosen or max(nodes, key=lambda node: held[node.name])
         pid = int(ssh(victim, f"systemctl show -p MainPID --value {units[victim.name]}").strip())
         ssh(victim, f"kill -{int(signal.SIGKILL)} {pid}")

@@ -67,6 +67,12 @@ def _queued_reqs(lab: Lab) -> dict[str, int]:
     return found
 
 
+def _replica_pids(lab: Lab) -> dict[str, int]:
+    """Each node's vLLM main process (lab1: the single replica; lab2 and lab3: the pipeline's ranks)."""
+    return {node.name: main_pid(lab, node, f"vllm@{single(lab) if node == lab.nodes[0] else PIPELINE}")
+            for node in lab.nodes}
+
+
 def _p99(answers: list[Answer]) -> float:
     times = sorted(a.took_s for a in answers)
     return times[min(len(times) - 1, int(len(times) * 0.99))]
@@ -85,8 +91,7 @@ def test_the_edge_rotates_a_key_under_load_limits_a_client_and_sheds_a_burst_fas
     routers = lab.nodes[:2]
     old_key = client_key(lab)
     haproxy = {node.name: main_pid(lab, node, "haproxy") for node in routers}
-    replicas = {node.name: main_pid(lab, node, f"vllm@{single(lab) if node == lab.nodes[0] else PIPELINE}")
-                for node in lab.nodes}
+    replicas = _replica_pids(lab)
     key_file = lab.directory / CLIENT_KEY_FILE
     capped_file, capped_key = tmp_path / "capped-key", secrets.token_urlsafe(32)
     _write_secret(capped_file, capped_key)
@@ -114,8 +119,7 @@ def test_the_edge_rotates_a_key_under_load_limits_a_client_and_sheds_a_burst_fas
         modes = host.check_output("stat -c '%a %U:%G %n' /etc/haproxy/gpufleet-edge/*").splitlines()
         assert modes and all(line.startswith("640 root:haproxy ") for line in modes), modes
     assert {node.name: main_pid(lab, node, "haproxy") for node in routers} == haproxy  # reloaded, not restarted
-    assert {node.name: main_pid(lab, node, f"vllm@{single(lab) if node == lab.nodes[0] else PIPELINE}")
-            for node in lab.nodes} == replicas
+    assert _replica_pids(lab) == replicas
     # in flight at the reload or before it: answered; after it, the old key is no client's
     assert [a.failure for a in load.answers if a.status != 401 and a.failure] == []
     assert sum(1 for a in load.answers if a.status == 200) >= 4
@@ -179,12 +183,10 @@ def test_prefix_routing_keeps_each_conversation_on_the_replica_that_caches_it(
     """router_policy prefix, deployed over the edge's settings (only HAProxy reloads, no replica restarts): four
     conversations of three turns, each turn resending the history, through lab1's router; each conversation's
     turns all reach one replica, whose vLLM counts prefix cache hits, and the conversations spread over both."""
-    replicas = {node.name: main_pid(lab, node, f"vllm@{single(lab) if node == lab.nodes[0] else PIPELINE}")
-                for node in lab.nodes}
+    replicas = _replica_pids(lab)
     lab_states.changed(EDGE_CHANGED)
     assert_no_errors(deploy(lab, "--data", "router_policy=prefix"))
-    assert {node.name: main_pid(lab, node, f"vllm@{single(lab) if node == lab.nodes[0] else PIPELINE}")
-            for node in lab.nodes} == replicas
+    assert _replica_pids(lab) == replicas
     url = f"https://{lab.nodes[0].address}:{ROUTER_PORT}/v1/chat/completions"
     hits, homes = _prefix_hits(lab), []
     # an opening of about 155 tokens (of the 256 the lab serves): the CPU build caches whole blocks of 128
