@@ -9,12 +9,23 @@ exits non-zero and names it. Operations that only follow another's change (resta
 waits) are not counted; a replica restart that a deploy decided on and did not complete (its
 ``restart-pending`` record is on the node) is drift naming the replica, and so is a multi-node replica whose nodes
 disagree on vLLM, torch, Python, Ray or the model (the line names each node's value).
+
+A monitoring host also names each served model whose planned release has no bench record (``gpufleet bench``) while
+an earlier release has one: its ceiling, alert and capacity figures still come from the release before. That line
+fails nothing.
 """
+
+import sys
+
+from pyinfra import host
 
 from gpufleet.deploy.context import context, serve_blockers
 from gpufleet.operations import gates
+from roles.monitoring import bench_notices
 from roles.site import site
 
 context(read_only=True)
 site()
+for _line in bench_notices():
+    print(f"[{host.name}] bench: {_line}", file=sys.stderr)
 gates.check_report(name="Gate verdict and drift", gate_failures=serve_blockers())

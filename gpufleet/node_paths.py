@@ -65,6 +65,7 @@ DCGM_HOSTENGINE = "nvidia-dcgm.service"  # DCGM's host engine (roles dcgm and dc
 DCGM_EXPORTER_SERVICE = "dcgm-exporter.service"  # role dcgm_exporter
 NODE_EXPORTER_UNIT = "node_exporter.service"  # role node_exporter, the release tarball's (gpufleet's own unit)
 NODE_EXPORTER_PACKAGE_UNIT = "prometheus-node-exporter.service"  # role node_exporter, the distribution's package
+PROMETHEUS_UNIT = "prometheus.service"  # role monitoring, the distribution's package
 FABRICMANAGER = "nvidia-fabricmanager"  # role nvidia_driver: the fabric manager's package (versioned) and service
 ROUTER_SERVICE = "haproxy.service"  # role router
 

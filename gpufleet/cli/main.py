@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import json
+import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -16,11 +17,13 @@ from rich.table import Table
 from rich.text import Text
 
 from gpufleet.cli.inputs import DATA_OPTION, cli_fleet, declared_plan, fail_lines, fleet_facts
+from gpufleet.config.fleet import Fleet
 from gpufleet.config.inventory import (
     configured_health_policy,
     loaded_inventory,
     parse_data_args,
 )
+from gpufleet.config.inventory_shape import MONITORING_GROUP
 from gpufleet.node.vllm_ready import kv_summary
 from gpufleet.plan import virtual_address
 from gpufleet.plan.model_arch import ModelConfigError, load_arch
@@ -45,6 +48,7 @@ class _Commands(click.Group):
     LAZY: ClassVar[dict[str, str]] = {
         "probe": "gpufleet.cli.gpu:probe_command", "gate": "gpufleet.cli.gpu:make_gate_command",
         "upgrade": "gpufleet.cli.rollout:upgrade_command", "rollback": "gpufleet.cli.rollout:rollback_command",
+        "bench": "gpufleet.cli.bench:bench_command",
     }
 
     def main(self, args: Sequence[str] | None = None, prog_name: str | None = None, complete_var: str | None = None,
@@ -154,11 +158,18 @@ def _print_table(plan: FleetPlan, observed: dict[str, tuple[dict[str, Any] | Non
               help="Directory of probed facts (<host>.json from `gpufleet probe`); default: declared gpu_profile.")
 @click.option("--json", "as_json", is_flag=True, help="Print the replicas as JSON.")
 @click.option("--observed", is_flag=True,
-              help="Also show the KV cache vLLM reported at each replica's last start, read from its first node.")
+              help="Also show the KV cache vLLM reported at each replica's last start, read from its first node, and"
+                   " each model's measured ceiling (gpufleet bench), read from the monitoring hosts.")
+@click.option("--target-rps", type=float, metavar="RPS",
+              help="With --observed: the replicas each model needs for this many requests per second.")
 @DATA_OPTION
-def plan(inventory: str, facts_dir: Path | None, as_json: bool, observed: bool, data: tuple[str, ...]) -> None:
+def plan(inventory: str, facts_dir: Path | None, as_json: bool, observed: bool, target_rps: float | None,
+         data: tuple[str, ...]) -> None:
     """Compute replicas: nodes, TP/PP/DP, GPU sets, ports, argv and env per node; with --observed, beside what
-    vLLM reported (exit 1 when a node could not be read)."""
+    vLLM reported and what the bench measured (exit 1 when a node could not be read)."""
+    if target_rps is not None and not (observed and math.isfinite(target_rps) and target_rps > 0):
+        fail_lines([f"gpufleet plan: --target-rps: expected requests per second above 0 with --observed, found"
+                    f" {target_rps:g}{'' if observed else ' without --observed'}"])
     fleet = cli_fleet(inventory, data)
     result = plan_fleet(fleet, fleet_facts(fleet, facts_dir))
     for warning in result.warnings + result.context_warnings:
@@ -176,10 +187,43 @@ def plan(inventory: str, facts_dir: Path | None, as_json: bool, observed: bool, 
         routers = virtual_address.routers_of(loaded.groups) if loaded is not None else []
         if endpoint := virtual_address.endpoint_line(routers, fleet.configs):
             click.echo(endpoint)
+        if observed:
+            unread += _print_ceilings(inventory, data, fleet, result, target_rps)
     for line in unread:
         click.echo(f"gpufleet plan: {line}", err=True)
     if unread:
         raise SystemExit(EXIT_UNREAD)
+
+
+def _print_ceilings(inventory: str, data: tuple[str, ...], fleet: Fleet, plan: FleetPlan,
+                    target_rps: float | None) -> list[str]:
+    """Each model's measured ceiling over its planned replicas (and the replicas ``target_rps`` needs), from the bench
+    records on the monitoring hosts; the lines of what could not be read."""
+    from gpufleet.bench.capacity import model_capacities  # pyinfra's SSH stack: loaded only when asked
+    from gpufleet.bench.store import read_records
+    from gpufleet.gpu.live_probe import load_inventory
+
+    loaded = loaded_inventory(fleet.hosts[0]) if fleet.hosts else None
+    hosts = next((list(m) for name, m in loaded.groups if name == MONITORING_GROUP), []) if loaded else []
+    if not hosts:
+        click.echo("ceilings: no monitoring group holds bench records")
+        return []
+    records, unread = read_records(load_inventory(inventory, parse_data_args(list(data)) or None), hosts)
+    found = model_capacities(plan.replicas, fleet.configs, records)
+    served = sorted({fleet.configs[r.nodes[0]].served_model_name() for r in plan.replicas})
+    for model in served:
+        cap = found.get(model)
+        if cap is None:
+            click.echo(f"ceiling of {json.dumps(model)}: not measured (gpufleet bench)")
+            continue
+        dates = ", ".join(sorted({r.date for r in cap.sources}))
+        note = "" if cap.current else f"; measured on vLLM {cap.release}, not the release planned: bench again"
+        line = (f"ceiling of {json.dumps(model)}: {cap.ceiling_rps:g} req/s over {cap.replicas} replicas"
+                f" ({cap.ceiling_rps / cap.replicas:.3g} each; measured {dates}{note})")
+        if target_rps is not None:
+            line += f"; {target_rps:g} req/s needs {cap.replicas_for(target_rps)} replicas"
+        click.echo(line)
+    return unread
 
 
 def _read_observed(inventory: str, data: tuple[str, ...],

@@ -342,6 +342,8 @@ class HostConfig(BaseModel):
     vllm_ready_timeout: SystemdSeconds
     vllm_plan_tolerance: Annotated[float, Field(ge=0, le=1)]
     vllm_watchdog_stall_s: int
+    vllm_slo_ttft_p99_s: Annotated[float, Field(gt=0, le=3600)]
+    vllm_slo_itl_p99_s: Annotated[float, Field(gt=0, le=60)]
     vllm_shutdown_timeout_s: Annotated[int, Field(ge=0, le=3600)]
     vllm_max_num_queued_reqs: Annotated[int, Field(ge=1, le=100_000)] | None
     vllm_api_allowed_from: Annotated[list[str], BeforeValidator(_each(grammar.ip_network))] | None
@@ -427,9 +429,9 @@ class HostConfig(BaseModel):
     alert_serving_for_s: Annotated[int, Field(ge=0, le=86400)]
     alert_queue_waiting_max: Annotated[int, Field(ge=1, le=1_000_000)]
     alert_kv_cache_usage_max: Annotated[float, Field(gt=0, lt=1)]
-    alert_ttft_p95_s: Annotated[float, Field(gt=0, le=3600)]
-    alert_itl_p95_s: Annotated[float, Field(gt=0, le=60)]
     alert_error_ratio_max: Annotated[float, Field(gt=0, lt=1)]
+    alert_capacity_ratio: Annotated[float, Field(gt=0, le=10)]
+    alert_capacity_for_s: Annotated[int, Field(ge=0, le=86400)]
     alert_prefix_hit_ratio_drop: Annotated[float, Field(gt=0, lt=1)]
     alert_model_disk_free_ratio_min: Annotated[float, Field(gt=0, lt=1)]
     alert_unit_restarts_max: Annotated[int, Field(ge=0, le=1000)]

@@ -6,7 +6,10 @@
   ``ceil(alert_model_replicas_min_ratio x its planned replicas)``;
 - ``gpufleet:replica_ranks_expected{model, replica}``: the ranks (nodes) each replica runs on;
 - ``gpufleet:model_prefix_routed{model}``: 1 for each served model whose pools route by prefix
-  (``router_policy: prefix``), none for the others: only those alert when their prefix cache hit ratio collapses.
+  (``router_policy: prefix``), none for the others: only those alert when their prefix cache hit ratio collapses;
+- ``gpufleet:model_slo_ttft_p99_seconds{model}`` and ``gpufleet:model_slo_itl_p99_seconds{model}``: each served
+  model's objective (its pools' ``vllm_slo_ttft_p99_s`` and ``vllm_slo_itl_p99_s``, which the plan makes agree):
+  the latency alerts compare its p99 with them.
 
 Each is a constant, ``vector(N)`` with its labels; the file is written from the plan on every deploy. A replica
 whose ``vllm_start`` is false is not meant to serve: it counts for no model and has no ranks expected.
@@ -52,8 +55,18 @@ def prefix_routed_models(replicas: Iterable[Replica], configs: Mapping[str, Host
                    if cfg.router_policy == "prefix"})
 
 
-def _fact(record: str, value: int, labels: dict[str, str]) -> dict[str, Any]:
-    return {"record": record, "expr": f"vector({value})", "labels": labels}
+def model_objectives(replicas: Iterable[Replica], configs: Mapping[str, HostConfig]) -> dict[str, HostConfig]:
+    """The configuration of each served model's first replica's pool, by model name: its objectives (pools serving
+    one name have the same, see ``gpufleet.plan.planner.MODEL_WIDE``)."""
+    found: dict[str, HostConfig] = {}
+    for replica in replicas:
+        cfg = replica_config(replica, configs)
+        found.setdefault(cfg.served_model_name(), cfg)
+    return found
+
+
+def _fact(record: str, value: float, labels: dict[str, str]) -> dict[str, Any]:
+    return {"record": record, "expr": f"vector({value!r})", "labels": labels}
 
 
 def plan_rules(node_gpus: Mapping[str, int], replicas: list[Replica], configs: Mapping[str, HostConfig],
@@ -68,4 +81,9 @@ def plan_rules(node_gpus: Mapping[str, int], replicas: list[Replica], configs: M
               for replica in sorted(replicas, key=lambda r: r.name)]
     rules += [_fact("gpufleet:model_prefix_routed", 1, {"model": model})
               for model in prefix_routed_models(replicas, configs)]
+    objectives = sorted(model_objectives(replicas, configs).items())
+    rules += [_fact("gpufleet:model_slo_ttft_p99_seconds", cfg.vllm_slo_ttft_p99_s, {"model": model})
+              for model, cfg in objectives]
+    rules += [_fact("gpufleet:model_slo_itl_p99_seconds", cfg.vllm_slo_itl_p99_s, {"model": model})
+              for model, cfg in objectives]
     return header + yaml.safe_dump({"groups": [{"name": GROUP, "rules": rules}]}, sort_keys=False, width=1000)

@@ -40,7 +40,13 @@ POOL_WIDE = (
     "router_policy", "router_prefix_balance",
 )
 # Settings every pool that serves one model name must share: the router has one backend per served model.
-MODEL_WIDE = ("router_policy", "router_prefix_balance")
+MODEL_WIDE = {
+    "router_policy": " (the router has one backend per served model)",
+    "router_prefix_balance": " (the router has one backend per served model)",
+    "vllm_slo_ttft_p99_s": " (one objective per served model: its alerts and its ceiling)",
+    "vllm_slo_itl_p99_s": " (one objective per served model: its alerts and its ceiling)",
+}
+"""Values every pool that serves one model name must share, each with why."""
 # vLLM's options that make a prefix's cache keys, which every replica of a model routed by prefix must share.
 CACHE_KEY_OPTIONS = {"--block-size": "block size", "--prefix-caching-hash-algo": "prefix caching hash algorithm"}
 PREFIX_CACHING = "--enable-prefix-caching"
@@ -511,8 +517,9 @@ def _check_flags(plan: FleetPlan, fleet: Fleet) -> None:
 
 
 def _check_routing(plan: FleetPlan, fleet: Fleet) -> None:
-    """Each served model's routing: the pools that serve it agree on MODEL_WIDE; with router_policy prefix, each
-    has prefix caching on and they agree on CACHE_KEY_OPTIONS (a problem of each pool that differs from the first)."""
+    """Each served model's routing and objective: the pools that serve it agree on MODEL_WIDE; with router_policy
+    prefix, each has prefix caching on and they agree on CACHE_KEY_OPTIONS (a problem of each pool that differs
+    from the first)."""
     by_model: dict[str, list[tuple[str, HostConfig]]] = {}
     for pool, hosts in fleet.pools.items():
         cfg = fleet.configs[hosts[0]]
@@ -523,9 +530,8 @@ def _check_routing(plan: FleetPlan, fleet: Fleet) -> None:
 
 def _routing_problems(model: str, pools: list[tuple[str, HostConfig]]) -> list[PlanProblem]:
     """The problems of one served model's routing (``model``: its name as JSON)."""
-    one_backend = " (the router has one backend per served model)"
-    found = [problem for key in MODEL_WIDE for problem in _disagreements(
-        model, key, key, one_backend, {pool: str(getattr(cfg, key)) for pool, cfg in pools})]
+    found = [problem for key, why in MODEL_WIDE.items() for problem in _disagreements(
+        model, key, key, why, {pool: str(getattr(cfg, key)) for pool, cfg in pools})]
     if found or pools[0][1].router_policy != "prefix":
         return found
     found += [problem for pool, cfg in pools if (problem := _prefix_caching_off(pool, cfg))]

@@ -11,6 +11,7 @@ the shell as anything but itself.
 
 from __future__ import annotations
 
+import io
 import re
 import shlex
 from collections.abc import Collection, Sequence
@@ -105,6 +106,18 @@ class PyinfraRemote:
         except (OSError, EOFError, SSHException) as exc:
             return RemoteResult(False, "", f"{host}: {type(exc).__name__}: {' '.join(str(exc).split())}"), True
         return RemoteResult(bool(ok), output.stdout, output.stderr), False
+
+    def put_text(self, host: str, path: str, text: str) -> RemoteResult:
+        """Write ``text`` to ``path`` on ``host`` (a file the connection's user, or its ``_sudo``, may write)."""
+        try:
+            target = self._host(host)
+            connector = connector_arguments(self.state, target, {"_timeout": 60})
+            ok = target.put_file(io.BytesIO(text.encode()), path, **connector)
+        except ConnectError as exc:
+            return RemoteResult(False, "", f"{host}: cannot connect: {' '.join(str(exc).split())}")
+        except (OSError, EOFError, SSHException, TimeoutError) as exc:
+            return RemoteResult(False, "", f"{host}: {type(exc).__name__}: {' '.join(str(exc).split())}")
+        return RemoteResult(bool(ok), "", "" if ok else f"{host}: could not write {path}")
 
     def close(self) -> None:
         """Close every connection made."""

@@ -50,6 +50,8 @@ from pyinfra.api.operation import OperationMeta
 from pyinfra.context import host
 
 from gpufleet import templates
+from gpufleet.bench.capacity import releases_without_bench
+from gpufleet.bench.records import Record
 from gpufleet.config.fleet import Fleet
 from gpufleet.config.inventory import loaded_inventory
 from gpufleet.config.inventory_shape import MONITORING_GROUP, ROUTERS_GROUP
@@ -57,9 +59,10 @@ from gpufleet.config.problems import ConfigError, exit_with
 from gpufleet.config.schema import HostConfig
 from gpufleet.deploy import access
 from gpufleet.deploy.context import DeployContext, context, fleet, host_config
+from gpufleet.facts.bench import BenchRecords
 from gpufleet.gpu.profiles import profile_facts
 from gpufleet.gpu.report import NodeFacts
-from gpufleet.monitoring import dashboards
+from gpufleet.monitoring import ceiling_rules, dashboards
 from gpufleet.monitoring.alert_rules import render_rules
 from gpufleet.monitoring.plan_rules import plan_rules
 from gpufleet.monitoring.scrape_config import (
@@ -71,7 +74,7 @@ from gpufleet.monitoring.scrape_config import (
     scrape_configs,
 )
 from gpufleet.netaddr import host_port
-from gpufleet.node_paths import ALERT_LOG_SERVICE, NODE_PYTHON, NODE_TOOLS_DIR, node_tool, unit_path
+from gpufleet.node_paths import ALERT_LOG_SERVICE, NODE_PYTHON, NODE_TOOLS_DIR, PROMETHEUS_UNIT, node_tool, unit_path
 from gpufleet.operations import apt, files, node, server, systemd
 from gpufleet.plan.planner import Replica, plan_fleet
 from gpufleet.pyinfra_seam import current_state
@@ -114,7 +117,8 @@ class Service:
         return f"{self.drop_in_dir}/gpufleet.conf"
 
 
-PROMETHEUS = Service("prometheus", "/usr/bin/prometheus", f"{CONFIG_DIR}/{PROMETHEUS_YML}", "prometheus/metrics2")
+PROMETHEUS = Service(PROMETHEUS_UNIT.removesuffix(".service"), "/usr/bin/prometheus", f"{CONFIG_DIR}/{PROMETHEUS_YML}",
+                     "prometheus/metrics2")
 ALERTMANAGER = Service("prometheus-alertmanager", "/usr/bin/prometheus-alertmanager",
                        f"{CONFIG_DIR}/{ALERTMANAGER_YML}", "prometheus/alertmanager")
 SERVICES = (PROMETHEUS, ALERTMANAGER)
@@ -173,9 +177,10 @@ def prometheus_yml(cfg: HostConfig, view: FleetView, rules: Mapping[str, str]) -
     digests = "".join(f"#   {name} sha256:{hashlib.sha256(text.encode()).hexdigest()}\n"
                       for name, text in zip(names, rules.values(), strict=True))
     header = ("# Written by gpufleet (role monitoring) from the inventory and the plan, and checked with promtool\n"
-              "# (with these rule files) before it replaced the one in use:\n" + digests)
+              "# (with these rule files) before it replaced the one in use:\n" + digests +
+              f"# and the models' measured ceilings, {ceiling_rules.RULE_PATTERN}, written by gpufleet bench\n")
     jobs = scrape_configs(targets(view), router_models(view.replicas, view.configs))
-    return prometheus_config(jobs, alertmanager_target(cfg), names, header)
+    return prometheus_config(jobs, alertmanager_target(cfg), [*names, ceiling_rules.RULE_PATTERN], header)
 
 
 def alert_log_url(cfg: HostConfig) -> str:
@@ -342,6 +347,16 @@ def grafana_dashboards() -> None:
 
 
 @deploy("Monitoring (Prometheus, Alertmanager)")
+def bench_notices() -> list[str]:
+    """On a monitoring host: a line for each served model whose planned release has no bench record while an
+    earlier release has one (``deploys/check.py`` prints them; they fail nothing)."""
+    if not is_monitoring():
+        return []
+    records = [Record.from_json(doc) for doc in host.get_fact(BenchRecords)]
+    ctx = context()
+    return releases_without_bench(ctx.plan.replicas, ctx.fleet.configs, records)
+
+
 def monitoring() -> None:
     """Converge Prometheus and Alertmanager on a monitoring host: packages, sandboxed units, checked configuration."""
     if not is_monitoring():

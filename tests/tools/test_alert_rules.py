@@ -26,6 +26,8 @@ import pytest
 import yaml
 from gpufleet_lab.double_programs.dcgm_exporter import read_counters
 
+from gpufleet.bench.capacity import ModelCapacity
+from gpufleet.monitoring import ceiling_rules
 from gpufleet.monitoring.alert_rules import RULE_FILES, THRESHOLDS, render_rules
 from gpufleet.templates import render
 from tests.conftest import DATA, host_tool
@@ -90,7 +92,7 @@ def _changed_values() -> dict[str, Any]:
     {},
     _changed_values(),
     {"alert_gpu_critical_xids": [9999], "alert_gpu_thermal_throttle_ratio": 1e-9, "alert_kv_cache_usage_max": 0.999999,
-     "alert_ttft_p95_s": 3600, "alert_itl_p95_s": 0.0001, "alert_engine_stall_s": 86400,
+     "alert_engine_stall_s": 86400,
      "alert_engine_stall_for_s": 0, "alert_serving_for_s": 0,
      "alert_replica_down_for_s": 0, "alert_unit_restarts_max": 0, "alert_prefix_hit_ratio_drop": 1e-9},
 ], ids=["defaults", "changed", "extremes"])
@@ -170,7 +172,8 @@ def test_every_recording_rule_is_explained_by_a_comment(default_rules: dict[str,
 def test_rule_files_name_the_plan_figures_they_read(default_rules: dict[str, str]) -> None:
     read = set(re.findall(r"gpufleet:\w+", "".join(str(rule["expr"]) for rule in _rules(default_rules).values())))
     assert read == {"gpufleet:node_gpus_expected", "gpufleet:model_replicas_min", "gpufleet:replica_ranks_expected",
-                    "gpufleet:model_prefix_routed"}
+                    "gpufleet:model_prefix_routed", "gpufleet:model_slo_ttft_p99_seconds",
+                    "gpufleet:model_slo_itl_p99_seconds", "gpufleet:model_ceiling_rps"}
     for text in default_rules.values():
         header = text.split("\ngroups:", 1)[0]
         assert all(fact + "{" in header for fact in read)
@@ -183,3 +186,13 @@ def test_the_dcgm_fields_the_rules_read_are_turned_on(default_rules: dict[str, s
     exported = {field for field, _, _ in read_counters(str(counters))}
     read = set(re.findall(r"\bDCGM_\w+", "".join(str(rule["expr"]) for rule in _rules(default_rules).values())))
     assert read and sorted(read - exported) == []
+
+
+def test_the_ceiling_file_gpufleet_bench_writes_feeds_the_capacity_alert(tmp_path: Path,
+                                                                       default_rules: dict[str, str]) -> None:
+    capacity = ModelCapacity("chat $HOME 100%", "0.32.0", 2, 4.0, (), True)
+    ceilings = ceiling_rules.ceiling_rules({capacity.model: capacity}, "# the test's\n")
+    _promtool_test(tmp_path, {**default_rules, "ceilings.yml": ceilings}, "ceilings.test.yml")
+    done = subprocess.run([_promtool(), "check", "rules", "ceilings.yml"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr

@@ -22,6 +22,7 @@ import pytest
 import yaml
 from gpufleet_lab.double_programs.dcgm_exporter import read_counters
 
+from gpufleet.monitoring import ceiling_rules
 from gpufleet.monitoring import dashboards as dash
 from gpufleet.monitoring.alert_rules import RULE_FILES, render_rules
 from gpufleet.templates import render
@@ -33,7 +34,8 @@ CASES = DATA / "dashboards"
 EXPECTED_VARIABLES = {"gpufleet-fleet.json": [], "gpufleet-model.json": ["model"], "gpufleet-node-gpus.json": ["node"]}
 """Every dashboard shipped, and its variables besides the datasource."""
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
-PLAN_FIGURES = {"gpufleet:node_gpus_expected", "gpufleet:model_replicas_min", "gpufleet:replica_ranks_expected"}
+PLAN_FIGURES = {"gpufleet:node_gpus_expected", "gpufleet:model_replicas_min", "gpufleet:replica_ranks_expected",
+                ceiling_rules.RECORD}  # the last from gpufleet bench (gpufleet.monitoring.ceiling_rules)
 
 
 def _series() -> dict[str, Any]:

@@ -45,6 +45,7 @@ LAYER_OF = {
     "gpufleet.pyinfra_seam": "base",  # every private surface of pyinfra, its CLI and paramiko: no gpufleet import
     "gpufleet.config": "config",
     "gpufleet.plan": "plan",
+    "gpufleet.bench": "plan",  # the measured ceiling: a ramp, its client, its records and what they say of the plan
     "gpufleet.config.inventory": "inventory",
     "gpufleet.deploy": "deploy",
     "gpufleet.operations": "deploy",
@@ -52,6 +53,7 @@ LAYER_OF = {
     "gpufleet.monitoring": "deploy",
     "gpufleet.gpu.live_probe": "deploy",  # runs the GPU fact (gpufleet.facts.gpu) on an inventory's hosts
     "gpufleet.rollout": "rollout",
+    "gpufleet.bench.store": "rollout",  # the records on the monitoring hosts, over the rollout's SSH commands
     "gpufleet.cli": "cli",
     "gpufleet_lab": "lab",
     "roles": "roles",

@@ -1,0 +1,204 @@
+"""The benchmark client: guidellm (the vLLM project's LLM benchmark, pinned to :data:`VERSION`), run on the
+controller from a virtual environment of its own, one run per step of the ramp.
+
+Each step is one ``guidellm run`` with a scenario file (mode 0600 in a private temporary directory, removed after)
+that holds the target, the key and the step: a constant rate for ``step_s`` seconds, bounded by ``rate x step_s``
+requests and by a hard stop (:func:`step_bound_s`) for the requests still running. Nothing secret is on its command
+line. Requests not answered at the hard stop count as failed. Latencies come from guidellm's JSON report over the
+requests that succeeded: TTFT and end-to-end per request, ITL as each request's mean time between tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gpufleet.bench.ramp import Step
+
+VERSION = "0.8.1"
+"""The guidellm release gpufleet drives (its scenario schema and JSON report are version-specific)."""
+
+CLIENT_ENV = "GPUFLEET_GUIDELLM"
+"""An environment variable naming a guidellm executable to use instead of gpufleet's own virtual environment."""
+
+PIP_ARGS_ENV = "GPUFLEET_BENCH_PIP_ARGS"
+"""Extra pip arguments for the first install (for example where a CPU build of torch comes from)."""
+
+WORKER_PROCESSES_MAX = 8
+"""guidellm's sending processes: half the controller's CPUs, 1 to this many (each imports torch on start; the
+async workers of one process keep hundreds of streams open)."""
+
+GRACE_S = 60.0
+"""Seconds a step's requests get after its last one is sent before the step stops (unanswered: failed)."""
+
+
+class ClientError(RuntimeError):
+    """The client could not be installed or did not produce a report (message: one line)."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where the requests go: an OpenAI-compatible base URL, the served model name, the bearer key (a secret),
+    the CA file that signs the target's certificate (None: the system's), and the tokenizer guidellm counts
+    and makes prompts with (a local directory or a Hugging Face name)."""
+
+    base_url: str
+    model: str
+    api_key: str | None
+    ca_file: str | None
+    tokenizer: str
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What each request asks: synthetic prompts and outputs of random lengths (token counts: mean, spread,
+    bounds), or the rows of a dataset file already in guidellm's columns (``dataset``)."""
+
+    prompt_tokens: tuple[int, int, int, int] = (64, 16, 1, 128)
+    output_tokens: tuple[int, int, int, int] = (32, 8, 1, 64)
+    dataset: Path | None = None
+
+
+def workload_for(max_model_len: int) -> Workload:
+    """Random lengths from a model length: prompts around a quarter of it (at most 1024 tokens), outputs around an
+    eighth (at most 256), each up to twice its mean, prompt and output together within ``max_model_len``."""
+    prompt = max(1, min(max_model_len // 4, 1024))
+    output = max(1, min(max_model_len // 8, 256))
+    return Workload((prompt, max(1, prompt // 4), 1, min(2 * prompt, max_model_len // 2)),
+                    (output, max(1, output // 4), 1, min(2 * output, max_model_len // 4)))
+
+
+def step_bound_s(step_s: float) -> float:
+    """The longest one step may take: its sending time and :data:`GRACE_S`."""
+    return step_s + GRACE_S
+
+
+def step_requests(rate: float, step_s: float) -> int:
+    """The requests one step sends: ``rate x step_s``, at least one."""
+    return max(1, math.ceil(rate * step_s))
+
+
+def scenario(target: Target, workload: Workload, rate: float, step_s: float, report: Path) -> dict[str, Any]:
+    """guidellm's scenario for one step (its ``spec``)."""
+    data: dict[str, Any]
+    if workload.dataset is not None:
+        data = {"kind": "json_file", "path": str(workload.dataset)}
+    else:
+        (p_mean, p_sd, p_min, p_max), (o_mean, o_sd, o_min, o_max) = workload.prompt_tokens, workload.output_tokens
+        data = {"kind": "synthetic_text", "prompt_tokens": p_mean, "prompt_tokens_stdev": p_sd,
+                "prompt_tokens_min": p_min, "prompt_tokens_max": p_max, "output_tokens": o_mean,
+                "output_tokens_stdev": o_sd, "output_tokens_min": o_min, "output_tokens_max": o_max}
+    backend: dict[str, Any] = {
+        "kind": "openai_http", "target": target.base_url, "model": target.model,
+        "request_format": "/v1/completions", "verify": target.base_url.startswith("https://"),
+        "validate_backend": False,  # its check asks /health, which a closed edge does not route
+        "http2": False, "timeout": step_bound_s(step_s),
+    }
+    if target.api_key:
+        backend["api_key"] = target.api_key
+    return {"spec": {
+        "backend": backend,
+        "profile": {"kind": "constant", "rate": [rate]},
+        "data": [data],
+        "tokenizer": {"kind": "huggingface_auto", "model": target.tokenizer},
+        "constraints": [{"kind": "max_requests", "count": step_requests(rate, step_s)},
+                        {"kind": "max_duration", "seconds": step_bound_s(step_s)}],
+        "outputs": [{"kind": "json", "path": str(report)}],
+    }}
+
+
+def step_from_report(doc: dict[str, Any], rate: float) -> Step:
+    """A :class:`Step` from guidellm's JSON report of one constant-rate benchmark."""
+    benchmarks = doc.get("benchmarks") or []
+    if len(benchmarks) != 1:
+        raise ClientError(f"expected one benchmark in guidellm's report, found {len(benchmarks)}")
+    bench = benchmarks[0]
+    metrics = bench["metrics"]
+    totals = metrics["request_totals"]
+    seconds = float(bench.get("duration") or 0.0)
+
+    def pct(name: str, which: str, scale: float) -> float | None:
+        dist = (metrics.get(name) or {}).get("successful") or {}
+        if not dist.get("count"):
+            return None
+        return float(dist["percentiles"][which]) * scale
+
+    output = (metrics.get("output_token_count") or {}).get("successful") or {}
+    succeeded = int(totals.get("successful", 0))
+    return Step(
+        rate=rate,
+        achieved_rps=succeeded / seconds if seconds > 0 else 0.0,
+        ttft_p50_s=pct("time_to_first_token_ms", "p50", 1e-3), ttft_p99_s=pct("time_to_first_token_ms", "p99", 1e-3),
+        itl_p50_s=pct("inter_token_latency_ms", "p50", 1e-3), itl_p99_s=pct("inter_token_latency_ms", "p99", 1e-3),
+        e2e_p50_s=pct("request_latency", "p50", 1.0), e2e_p99_s=pct("request_latency", "p99", 1.0),
+        output_tokens_per_s=float(output.get("total_sum") or 0.0) / seconds if seconds > 0 else 0.0,
+        succeeded=succeeded,
+        failed=int(totals.get("errored", 0)) + int(totals.get("incomplete", 0)),
+        seconds=seconds,
+    )
+
+
+def cache_home() -> Path:
+    """Where gpufleet keeps what it builds on the controller: ``$XDG_CACHE_HOME/gpufleet`` (``~/.cache/gpufleet``)."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "gpufleet"
+
+
+def client_path(say: Callable[[str], None]) -> Path:
+    """The guidellm executable: :data:`CLIENT_ENV`, else gpufleet's own virtual environment, installed on first use
+    (``pip install guidellm==VERSION`` and :data:`PIP_ARGS_ENV`); an install cut short is made again."""
+    if given := os.environ.get(CLIENT_ENV):
+        return Path(given)
+    venv = cache_home() / f"guidellm-{VERSION}"
+    done = venv / ".installed"
+    if done.exists():
+        return venv / "bin" / "guidellm"
+    say(f"installing guidellm {VERSION} into {venv} (once)")
+    shutil.rmtree(venv, ignore_errors=True)
+    try:
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True)
+        extra = shlex.split(os.environ.get(PIP_ARGS_ENV, ""))
+        subprocess.run([str(venv / "bin" / "pip"), "install", "-q", f"guidellm=={VERSION}", *extra],
+                       check=True, capture_output=True, text=True)
+    except subprocess.CalledProcessError as exc:
+        tail = (exc.stderr or "").strip().splitlines()[-1:] or ["no output"]
+        raise ClientError(f"could not install guidellm {VERSION} into {venv}: {tail[0]}") from None
+    done.touch()
+    return venv / "bin" / "guidellm"
+
+
+def run_step(client: Path, target: Target, workload: Workload, rate: float, step_s: float) -> Step:
+    """One step against ``target``: guidellm at a constant ``rate`` for ``step_s`` seconds, stopped by itself."""
+    with tempfile.TemporaryDirectory(prefix="gpufleet-bench-") as tmp:
+        folder = Path(tmp)
+        report = folder / "report.json"
+        path = folder / "scenario.json"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as out:
+            json.dump(scenario(target, workload, rate, step_s, report), out)
+        processes = max(1, min(WORKER_PROCESSES_MAX, (os.cpu_count() or 2) // 2))
+        env = {**os.environ, "HF_HUB_DISABLE_TELEMETRY": "1", "GUIDELLM__LOGGING__CONSOLE_LOG_LEVEL": "ERROR",
+               "GUIDELLM__MAX_WORKER_PROCESSES": str(processes),
+               "GUIDELLM__LOGGING__LOG_FILE": str(folder / "guidellm.log")}
+        if target.ca_file:
+            env["SSL_CERT_FILE"] = target.ca_file
+        try:
+            done = subprocess.run([str(client), "run", "--scenario", str(path), "--disable-console"],
+                                  cwd=folder, env=env, capture_output=True, text=True,
+                                  timeout=step_bound_s(step_s) + 120)
+        except subprocess.TimeoutExpired:
+            raise ClientError(f"guidellm did not end within {step_bound_s(step_s) + 120:g} s") from None
+        if done.returncode != 0 or not report.exists():
+            lines = [line.strip() for line in (done.stderr + done.stdout).splitlines() if line.strip()]
+            raise ClientError(f"guidellm failed (exit {done.returncode}): {lines[-1] if lines else 'no output'}")
+        return step_from_report(json.loads(report.read_text()), rate)

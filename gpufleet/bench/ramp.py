@@ -1,0 +1,156 @@
+"""The ramp: the request rates a bench steps through, what each step measured, and the ceiling they give.
+
+A step passes when no request failed and its p99 time to first token and p99 inter-token latency are within the
+objective; the ramp stops at the first step that does not. The **ceiling** is the highest rate whose step passed;
+the limit that stopped the ramp is named (``ttft``, ``itl``, ``errors``, or ``none`` when every rate passed).
+Without ``--rates`` the ramp doubles from :data:`FIRST_RATE` and, once a step fails, tries :data:`REFINE_STEPS`
+rates between the last that passed and the first that failed (halving the gap each time), so that the ceiling is
+known to within an eighth of the last doubling rather than a factor of two.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+FIRST_RATE = 0.5
+"""Requests per second of the first step of a ramp without ``--rates``."""
+
+MAX_DOUBLINGS = 12
+"""Steps of a ramp without ``--rates`` before it gives up finding a limit (0.5 to 1024 requests/s)."""
+
+REFINE_STEPS = 2
+"""Rates tried between the last passing and the first failing step of a doubling ramp."""
+
+LIMITS = ("ttft", "itl", "errors")
+"""What can stop a ramp, in the order a failing step names them."""
+
+
+class RampError(ValueError):
+    """A rate list or objective that cannot be used (its message is the one-line refusal, without a prefix)."""
+
+
+@dataclass(frozen=True)
+class Slo:
+    """A model's objective: p99 time to first token and p99 inter-token latency, in seconds."""
+
+    ttft_p99_s: float
+    itl_p99_s: float
+
+
+@dataclass(frozen=True)
+class Step:
+    """What one step of the ramp measured: the rate asked and achieved (successful requests a second), latency
+    percentiles in seconds, output tokens a second, requests that succeeded and that failed (errored, or not
+    answered within the step's time bound), and the replicas' KV cache usage (highest, 0 to 1) and preemptions over
+    the step (None where the metrics could not be read)."""
+
+    rate: float
+    achieved_rps: float
+    ttft_p50_s: float | None
+    ttft_p99_s: float | None
+    itl_p50_s: float | None
+    itl_p99_s: float | None
+    e2e_p50_s: float | None
+    e2e_p99_s: float | None
+    output_tokens_per_s: float
+    succeeded: int
+    failed: int
+    seconds: float
+    kv_usage_max: float | None = None
+    preemptions: float | None = None
+
+    def missed(self, slo: Slo) -> list[str]:
+        """The limits this step missed (of :data:`LIMITS`); none: it passed."""
+        found = []
+        if self.ttft_p99_s is None or self.ttft_p99_s > slo.ttft_p99_s:
+            found.append("ttft")
+        if self.itl_p99_s is None or self.itl_p99_s > slo.itl_p99_s:
+            found.append("itl")
+        if self.failed or not self.succeeded:
+            found.append("errors")
+        return found
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> Step:
+        return cls(**doc)
+
+
+@dataclass(frozen=True)
+class Ceiling:
+    """The highest rate that met the objective (None: not even the first), and what stopped the ramp: the first
+    failing step's missed limits joined with ``+`` (``none``: no step failed)."""
+
+    rate: float | None
+    stopped_by: str
+
+
+def ceiling(steps: list[Step], slo: Slo) -> Ceiling:
+    """The ceiling of ``steps`` (in the order they ran): the highest passing rate below the lowest failing one."""
+    failing = [step for step in steps if step.missed(slo)]
+    lowest_fail = min(failing, key=lambda s: s.rate) if failing else None
+    below = [s.rate for s in steps if not s.missed(slo) and (lowest_fail is None or s.rate < lowest_fail.rate)]
+    return Ceiling(max(below) if below else None,
+                   "+".join(lowest_fail.missed(slo)) if lowest_fail is not None else "none")
+
+
+def parse_slo(text: str, default: Slo) -> Slo:
+    """``ttft_p99_s=..,itl_p99_s=..`` (either or both) over ``default``; RampError unless each is a positive
+    number."""
+    values = {"ttft_p99_s": default.ttft_p99_s, "itl_p99_s": default.itl_p99_s}
+    for part in text.split(","):
+        key, sep, value = part.partition("=")
+        key = key.strip()
+        if not sep or key not in values:
+            raise RampError(f"expected ttft_p99_s=SECONDS and/or itl_p99_s=SECONDS, found {part.strip()!r}")
+        number = _number(value.strip())
+        if number is None or number <= 0:
+            raise RampError(f"{key}: expected a number of seconds above 0, found {value.strip()!r}")
+        values[key] = number
+    return Slo(**values)
+
+
+def parse_rates(text: str) -> list[float]:
+    """Comma-separated requests per second, each above 0, each above the one before; RampError otherwise."""
+    rates: list[float] = []
+    for part in text.split(","):
+        rate = _number(part.strip())
+        if rate is None or rate <= 0:
+            raise RampError(f"expected requests per second above 0, found {part.strip()!r}")
+        if rates and rate <= rates[-1]:
+            raise RampError(f"expected rates that increase, found {rate:g} after {rates[-1]:g}")
+        rates.append(rate)
+    return rates
+
+
+def _number(text: str) -> float | None:
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+def next_rate(done: list[Step], slo: Slo, given: list[float] | None) -> float | None:
+    """The rate of the next step after ``done``, or None when the ramp is over: with ``given`` rates, the next one
+    until a step fails; else doubling from :data:`FIRST_RATE` until one fails, then :data:`REFINE_STEPS` rates
+    halving the gap between the last that passed and the first that failed."""
+    failed = [s for s in done if s.missed(slo)]
+    if given is not None:
+        return None if failed or len(done) >= len(given) else given[len(done)]
+    if not done:
+        return FIRST_RATE
+    if not failed:
+        return None if len(done) >= MAX_DOUBLINGS else done[-1].rate * 2
+    refined = len(done) - (done.index(failed[0]) + 1)
+    if refined >= REFINE_STEPS:
+        return None
+    top = ceiling(done, slo).rate
+    low = min(s.rate for s in failed)
+    if top is None:
+        return None
+    return round((top + low) / 2, 6)

@@ -1,0 +1,223 @@
+"""``gpufleet bench``: ramp a model's request rate through its routers (or against one replica) with guidellm until
+a step misses the objective, print the ceiling, and keep the record on the monitoring hosts."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+
+from gpufleet.bench import guidellm_client as client
+from gpufleet.bench.dataset import DatasetError, load_dataset, write_for_client
+from gpufleet.bench.plot import render_svg
+from gpufleet.bench.ramp import (
+    MAX_DOUBLINGS,
+    REFINE_STEPS,
+    RampError,
+    Slo,
+    Step,
+    next_rate,
+    parse_rates,
+    parse_slo,
+)
+from gpufleet.bench.records import RECORDS_DIR, Record, RecordKey, layout_name
+from gpufleet.cli.inputs import DATA_OPTION, cli_fleet, fail_lines, fleet_facts
+from gpufleet.config.fleet import Fleet
+from gpufleet.config.inventory import loaded_inventory, parse_data_args
+from gpufleet.config.inventory_shape import MONITORING_GROUP
+from gpufleet.config.problems import ConfigError
+from gpufleet.config.secrets import read_secret
+from gpufleet.plan import virtual_address
+from gpufleet.plan.planner import Replica, plan_fleet
+
+DEFAULT_STEP_S = 60.0
+
+
+@dataclass(frozen=True)
+class Chosen:
+    """What a bench measures: the model, the replicas behind the target, and the record's key."""
+
+    model: str
+    replicas: list[Replica]
+    key: RecordKey
+
+
+def _choose(fleet: Fleet, replicas: list[Replica], model: str | None, replica: str | None) -> Chosen:
+    """The model and replicas ``--model`` / ``--replica`` name (one line, exit 2, when they cannot be used)."""
+    served = {fleet.configs[r.nodes[0]].served_model_name(): None for r in replicas}
+    if replica is not None:
+        found = [r for r in replicas if r.name == replica]
+        if not found:
+            fail_lines([f"gpufleet bench: --replica: expected one of {', '.join(r.name for r in replicas)},"
+                        f" found {replica!r}"])
+        name = fleet.configs[found[0].nodes[0]].served_model_name()
+        if model is not None and model != name:
+            fail_lines([f"gpufleet bench: --replica: {replica} serves {json.dumps(name)}, not --model"
+                        f" {json.dumps(model)}"])
+        model, scope, chosen = name, "replica", found
+    else:
+        if model is None:
+            if len(served) != 1:
+                fail_lines([f"gpufleet bench: --model: expected one of {', '.join(map(json.dumps, served))}"
+                            " (the fleet serves several), found none"])
+            model = next(iter(served))
+        if model not in served:
+            fail_lines([f"gpufleet bench: --model: expected a model a pool serves"
+                        f" ({', '.join(map(json.dumps, served))}), found {json.dumps(model)}"])
+        scope = "routers"
+        chosen = [r for r in replicas if fleet.configs[r.nodes[0]].served_model_name() == model]
+    first = fleet.configs[chosen[0].nodes[0]]
+    layouts = sorted({layout_name(r.tp, r.pp, r.dp) for r in chosen})
+    profiles = sorted({str(fleet.configs[n].gpu_profile or "probed") for r in chosen for n in r.nodes})
+    key = RecordKey(model, first.vllm_version, "+".join(layouts), "+".join(profiles), scope)
+    return Chosen(model, chosen, key)
+
+
+def _target(fleet: Fleet, chosen: Chosen, client_name: str | None, ca_file: str | None) -> client.Target:
+    """Where the requests go, and with which key: the routers' endpoint and a router client's key, or the one
+    replica's own API and its ``vllm_api_key``."""
+    first_cfg = fleet.configs[chosen.replicas[0].nodes[0]]
+    tokenizer = str(first_cfg.vllm_model_config or first_cfg.vllm_model)
+    try:
+        if chosen.key.scope == "replica":
+            replica = chosen.replicas[0]
+            address = virtual_address.host_address(replica.nodes[0], first_cfg) or replica.nodes[0]
+            key = read_secret(first_cfg.vllm_api_key, "vllm_api_key") if first_cfg.vllm_api_key else None
+            host = f"[{address}]" if ":" in address else address
+            return client.Target(f"http://{host}:{replica.port}", chosen.model, key, ca_file, tokenizer)
+        loaded = loaded_inventory(fleet.hosts[0]) if fleet.hosts else None
+        routers = virtual_address.routers_of(loaded.groups) if loaded is not None else []
+        routers = [r for r in routers if r in fleet.configs]
+        if not routers:
+            fail_lines(["gpufleet bench: the inventory has no routers group: bench one replica with --replica"])
+        cfg = fleet.configs[routers[0]]
+        vip = virtual_address.group(routers, fleet.configs)
+        address = vip.address if vip is not None else (virtual_address.host_address(routers[0], cfg) or routers[0])
+        scheme = "https" if cfg.router_tls_certificate is not None else "http"
+        allowed = [name for name, c in cfg.router_clients.items() if c.models is None or chosen.model in c.models]
+        if client_name is not None and client_name not in allowed:
+            fail_lines([f"gpufleet bench: --client: expected a router client allowed {json.dumps(chosen.model)}"
+                        f" ({', '.join(allowed) or 'none is'}), found {client_name!r}"])
+        name = client_name or (allowed[0] if allowed else None)
+        key = (read_secret(cfg.router_clients[name].api_key, f"router_clients.{name}.api_key")
+               if name is not None else None)
+        return client.Target(f"{scheme}://{address}:{cfg.router_port}", chosen.model, key, ca_file, tokenizer)
+    except ConfigError as error:
+        fail_lines([problem.line() for problem in error.problems])
+
+
+def _progress(step: Step, slo: Slo) -> str:
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value * 1000:,.0f} ms"
+
+    missed = step.missed(slo)
+    return (f"step {step.rate:g} req/s: {step.achieved_rps:.2f} req/s done, {step.output_tokens_per_s:,.1f} tok/s,"
+            f" TTFT p99 {ms(step.ttft_p99_s)}, ITL p99 {ms(step.itl_p99_s)}, {step.failed} failed:"
+            f" {'missed ' + '+'.join(missed) if missed else 'within the objective'}")
+
+
+def _store(inventory: str, data: tuple[str, ...], fleet: Fleet, record: Record, replicas: list[Replica]) -> list[str]:
+    """Write ``record`` and the ceiling rules on every monitoring host; a line for each host it could not be written
+    on."""
+    from gpufleet.bench.store import store_record  # pyinfra's SSH stack: loaded only when asked
+    from gpufleet.gpu.live_probe import load_inventory
+
+    loaded = loaded_inventory(fleet.hosts[0]) if fleet.hosts else None
+    hosts = next((list(m) for name, m in loaded.groups if name == MONITORING_GROUP), []) if loaded else []
+    if not hosts:
+        return ["no monitoring group: the record is only printed (and in --report)"]
+    return store_record(load_inventory(inventory, parse_data_args(list(data)) or None), hosts, record, replicas,
+                        fleet.configs)
+
+
+@click.command("bench")
+@click.argument("inventory")
+@click.option("--model", help="The served model name to measure (default: the fleet's only one).")
+@click.option("--replica", help="Measure one replica on its own API instead of the model through its routers.")
+@click.option("--slo", "slo_text", metavar="ttft_p99_s=S,itl_p99_s=S",
+              help="The objective (default: the pool's vllm_slo_ttft_p99_s and vllm_slo_itl_p99_s).")
+@click.option("--rates", "rates_text", metavar="R1,R2,..",
+              help="Requests per second of each step, increasing (default: doubling from 0.5, then refined).")
+@click.option("--dataset", type=click.Path(dir_okay=False, path_type=Path),
+              help="JSONL requests: {\"prompt\": ..., \"output_tokens\": N} (default: random lengths from"
+                   " max_model_len).")
+@click.option("--step-s", type=click.FloatRange(min=5, max=3600), default=DEFAULT_STEP_S, show_default=True,
+              help="Seconds each step sends requests.")
+@click.option("--client", "client_name", help="The router client whose key the bench uses (default: the first"
+                                              " allowed the model).")
+@click.option("--ca-file", type=click.Path(exists=True, dir_okay=False), help="CA of the routers' certificate.")
+@click.option("--report", type=click.Path(dir_okay=False, path_type=Path), help="Also write the record here (JSON).")
+@click.option("--plot", type=click.Path(dir_okay=False, path_type=Path),
+              help="Draw latency against rate, objective and ceiling marked (SVG).")
+@click.option("--no-store", is_flag=True, help="Do not write the record on the monitoring hosts.")
+@DATA_OPTION
+def bench_command(inventory: str, model: str | None, replica: str | None, slo_text: str | None,
+                  rates_text: str | None, dataset: Path | None, step_s: float, client_name: str | None,
+                  ca_file: str | None, report: Path | None, plot: Path | None, no_store: bool,
+                  data: tuple[str, ...]) -> None:
+    """Measure a model's serving ceiling: the highest request rate whose p99 TTFT and ITL meet the objective with
+    no failed request. The client (guidellm) runs here, on the controller."""
+    fleet = cli_fleet(inventory, data)
+    plan = plan_fleet(fleet, fleet_facts(fleet, None))
+    if plan.problems:
+        fail_lines([problem.line() for problem in plan.problems])
+    chosen = _choose(fleet, plan.replicas, model, replica)
+    cfg = fleet.configs[chosen.replicas[0].nodes[0]]
+    default_slo = Slo(cfg.vllm_slo_ttft_p99_s, cfg.vllm_slo_itl_p99_s)
+    try:
+        slo = parse_slo(slo_text, default_slo) if slo_text is not None else default_slo
+    except RampError as exc:
+        fail_lines([f"gpufleet bench: --slo: {exc}"])
+    try:
+        rates = parse_rates(rates_text) if rates_text is not None else None
+    except RampError as exc:
+        fail_lines([f"gpufleet bench: --rates: {exc}"])
+    max_len = min(r.max_model_len for r in chosen.replicas)
+    try:
+        rows = load_dataset(dataset, max_len) if dataset is not None else None
+    except DatasetError as exc:
+        fail_lines([f"gpufleet bench: --dataset: {exc}"])
+    target = _target(fleet, chosen, client_name, ca_file)
+    steps_max = len(rates) if rates is not None else MAX_DOUBLINGS + REFINE_STEPS
+    click.echo(f"gpufleet bench: {chosen.key.line()}, {len(chosen.replicas)} replica(s) at {target.base_url};"
+               f" objective TTFT p99 {slo.ttft_p99_s:g} s, ITL p99 {slo.itl_p99_s:g} s; at most {steps_max} steps"
+               f" of {step_s:g} s (each bounded to {client.step_bound_s(step_s):g} s)")
+    exe = client.client_path(lambda line: click.echo(f"gpufleet bench: {line}"))
+    steps: list[Step] = []
+    with tempfile.TemporaryDirectory(prefix="gpufleet-bench-data-") as tmp:
+        workload = (client.Workload(dataset=write_for_client(rows, Path(tmp) / "requests.jsonl"))
+                    if rows is not None else client.workload_for(max_len))
+        while (rate := next_rate(steps, slo, rates)) is not None:
+            try:
+                step = client.run_step(exe, target, workload, rate, step_s)
+            except client.ClientError as exc:
+                fail_lines([f"gpufleet bench: step {rate:g} req/s: {exc}"])
+            steps.append(step)
+            click.echo(_progress(step, slo))
+    shape = ({"dataset": str(dataset), "requests": len(rows)} if rows is not None else
+             {"prompt_tokens": list(workload.prompt_tokens), "output_tokens": list(workload.output_tokens)})
+    record = Record(chosen.key, len(chosen.replicas), slo, sorted(steps, key=lambda s: s.rate), shape,
+                    f"guidellm {client.VERSION}", datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                    step_s)
+    found = record.ceiling
+    if found.rate is None:
+        click.echo(f"ceiling: none: the first step ({steps[0].rate:g} req/s) missed {found.stopped_by}")
+    else:
+        per = record.per_replica_rps() or 0.0
+        bound = "at least " if found.stopped_by == "none" else ""
+        why = "no step missed: rerun with higher --rates" if found.stopped_by == "none" else (
+            f"stopped by {found.stopped_by}")
+        click.echo(f"ceiling: {bound}{found.rate:g} req/s ({per:.3g} per replica), {why}")
+    text = json.dumps(record.to_json(), sort_keys=True)
+    if report is not None:
+        report.write_text(json.dumps(record.to_json(), indent=2, sort_keys=True) + "\n")
+    if plot is not None:
+        plot.write_text(render_svg(record))
+    if not no_store:
+        for line in _store(inventory, data, fleet, record, plan.replicas):
+            click.echo(f"gpufleet bench: {line}", err=True)
+        click.echo(f"record: {RECORDS_DIR}/{chosen.key.file_name()} on the monitoring hosts ({len(text):,} bytes)")

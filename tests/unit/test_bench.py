@@ -1,0 +1,240 @@
+"""``gpufleet bench`` (gpufleet/bench/, gpufleet/cli/bench.py): the ramp and its ceiling as data
+(tests/data/bench/ramps.yaml), guidellm's report as it writes it (a real 0.8.1 report of a lab replica), the
+scenario a step runs, the refusals before any host is touched (tests/data/bench/options.yaml), and a whole ramp with
+the client replaced by a replica whose latency grows with the rate."""
+
+from __future__ import annotations
+
+import json
+import stat
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from gpufleet.bench import guidellm_client as client
+from gpufleet.bench.capacity import model_capacities, releases_without_bench
+from gpufleet.bench.plot import render_svg
+from gpufleet.bench.ramp import Slo, Step, ceiling, next_rate, parse_rates
+from gpufleet.bench.records import Record, RecordKey, latest, parse_records
+from gpufleet.cli import bench as cli_bench
+from gpufleet.cli.inputs import fleet_facts
+from gpufleet.cli.main import main
+from gpufleet.config.inventory import load_fleet
+from gpufleet.plan.planner import plan_fleet
+from tests.conftest import DATA
+
+BENCH = DATA / "bench"
+FLEET = str(DATA / "rollout_fleet" / "inventory.py")
+RAMPS = yaml.safe_load((BENCH / "ramps.yaml").read_text())
+OPTIONS = yaml.safe_load((BENCH / "options.yaml").read_text())
+
+
+def _step(rate: float, ttft: float | None, itl: float | None, failed: int = 0) -> Step:
+    answered = ttft is not None
+    return Step(rate=rate, achieved_rps=rate if answered else 0.0, ttft_p50_s=ttft, ttft_p99_s=ttft,
+                itl_p50_s=itl, itl_p99_s=itl, e2e_p50_s=ttft, e2e_p99_s=ttft, output_tokens_per_s=10.0 * rate,
+                succeeded=10 if answered else 0, failed=failed, seconds=20.0)
+
+
+@pytest.mark.parametrize("case", RAMPS, ids=[c["id"] for c in RAMPS])
+def test_ramp_ceiling_and_next_step(case: dict[str, Any]) -> None:
+    slo = Slo(*case["slo"])
+    steps = [_step(*row) for row in case["steps"]]
+    found = ceiling(steps, slo)
+    assert (found.rate, found.stopped_by) == (case["ceiling"], case["stopped_by"])
+    assert next_rate(steps, slo, None) == case["next"]
+
+
+def test_given_rates_run_in_order_and_stop_at_the_first_miss() -> None:
+    slo, rates = Slo(1.0, 0.2), parse_rates("1, 2.5,4")
+    assert rates == [1.0, 2.5, 4.0]
+    assert next_rate([], slo, rates) == 1.0
+    assert next_rate([_step(1, 0.5, 0.1)], slo, rates) == 2.5
+    assert next_rate([_step(1, 0.5, 0.1), _step(2.5, 2.0, 0.1)], slo, rates) is None
+    assert next_rate([_step(r, 0.5, 0.1) for r in rates], slo, rates) is None
+
+
+def test_a_guidellm_report_becomes_a_step() -> None:
+    """A real report (guidellm 0.8.1, constant 2 req/s for 15 s against a lab replica, trimmed to what is read):
+    20 answered, 10 still running at the step's stop; TTFT and ITL in ms become seconds."""
+    doc = json.loads((BENCH / "guidellm-0.8.1-constant-2.json").read_text())
+    step = client.step_from_report(doc, 2.0)
+    assert (step.succeeded, step.failed, step.seconds) == (20, 10, 15.0)
+    assert step.ttft_p99_s == pytest.approx(1.3572068, rel=1e-6)
+    assert step.itl_p50_s == pytest.approx(0.1214862, rel=1e-6)
+    assert step.e2e_p99_s == pytest.approx(7.2316303, rel=1e-6)
+    assert step.achieved_rps == pytest.approx(20 / 15)
+    assert step.output_tokens_per_s > 0
+    assert step.missed(Slo(2.0, 0.3)) == ["errors"]
+
+
+def test_a_report_of_no_benchmark_is_refused() -> None:
+    with pytest.raises(client.ClientError, match="expected one benchmark"):
+        client.step_from_report({"benchmarks": []}, 1.0)
+
+
+def test_a_step_is_bounded_in_requests_and_time_and_keeps_the_key_off_its_command_line(tmp_path: Path) -> None:
+    target = client.Target("https://10.0.0.10:8080", "m x", "sk-secret", "/etc/ca.pem", "/models/m")
+    spec = client.scenario(target, client.workload_for(256), 2.5, 20.0, tmp_path / "r.json")["spec"]
+    assert spec["constraints"] == [{"kind": "max_requests", "count": 50},
+                                   {"kind": "max_duration", "seconds": 20.0 + client.GRACE_S}]
+    assert spec["profile"] == {"kind": "constant", "rate": [2.5]}
+    assert spec["backend"]["api_key"] == "sk-secret" and spec["backend"]["verify"] is True
+    data = spec["data"][0]
+    assert data["prompt_tokens_max"] + data["output_tokens_max"] <= 256
+    assert client.step_requests(0.01, 5.0) == 1
+
+
+def test_random_lengths_follow_the_model_length() -> None:
+    assert client.workload_for(256) == client.Workload((64, 16, 1, 128), (32, 8, 1, 64))
+    big = client.workload_for(131072)
+    assert big.prompt_tokens[0] == 1024 and big.output_tokens[0] == 256
+    assert big.prompt_tokens[3] + big.output_tokens[3] <= 131072
+
+
+@pytest.mark.parametrize("case", OPTIONS, ids=[c["id"] for c in OPTIONS])
+def test_bad_options_get_one_line_and_exit_2_before_any_host(case: dict[str, Any], tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(client, "client_path", _never)
+    monkeypatch.setattr(client, "run_step", _never)
+    args = list(case.get("args", []))
+    if "dataset" in case:
+        (tmp_path / "requests.jsonl").write_text(case["dataset"])
+        args += ["--dataset", str(tmp_path / "requests.jsonl")]
+    result = CliRunner().invoke(main, ["bench", FLEET, *args], prog_name="gpufleet")
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().splitlines() == [case["expect"].replace("{dir}", str(tmp_path))]
+
+
+def _never(*args: object, **kwargs: object) -> Any:
+    raise AssertionError("refused input must not reach the client")
+
+
+class _Replica:
+    """Stands in for guidellm against a replica whose p99 TTFT is 0.2 s up to 3 req/s and grows 1 s per req/s
+    above; the steps it was asked for, in order."""
+
+    def __init__(self) -> None:
+        self.asked: list[float] = []
+
+    def run_step(self, exe: Path, target: client.Target, workload: client.Workload, rate: float,
+                 step_s: float) -> Step:
+        self.asked.append(rate)
+        return _step(rate, 0.2 + max(0.0, rate - 3.0), 0.05)
+
+
+def test_a_ramp_finds_the_ceiling_prints_a_line_per_step_and_keeps_the_record(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    replica, stored = _Replica(), []
+    monkeypatch.setattr(client, "client_path", lambda say: Path("/usr/bin/false"))
+    monkeypatch.setattr(client, "run_step", replica.run_step)
+    monkeypatch.setattr(cli_bench, "_store",
+                        lambda inventory, data, fleet, record, replicas: stored.append(record) or [])
+    report, plot = tmp_path / "record.json", tmp_path / "ramp.svg"
+    result = CliRunner().invoke(main, ["bench", FLEET, "--slo", "ttft_p99_s=1", "--step-s", "10",
+                                       "--report", str(report), "--plot", str(plot)])
+    assert result.exit_code == 0, result.output
+    assert replica.asked == [0.5, 1.0, 2.0, 4.0, 3.0, 3.5]
+    lines = result.output.splitlines()
+    assert sum(line.startswith("step ") for line in lines) == 6
+    assert "ceiling: 3.5 req/s (0.583 per replica), stopped by ttft" in lines
+    doc = json.loads(report.read_text())
+    assert (doc["ceiling_rps"], doc["stopped_by"], doc["scope"], doc["replicas"]) == (3.5, "ttft", "routers", 6)
+    assert (doc["model"], doc["release"], doc["layout"], doc["gpu_profile"]) == (
+        "llama-3.1-70b", "0.32.0", "tp4-pp1", "8xH100-SXM")
+    assert doc["slo"] == {"ttft_p99_s": 1.0, "itl_p99_s": 0.1}
+    assert [s["rate"] for s in doc["steps"]] == [0.5, 1.0, 2.0, 3.0, 3.5, 4.0]
+    assert stored and Record.from_json(stored[0].to_json()) == stored[0]
+    svg = plot.read_text()
+    assert svg.startswith("<svg") and "ceiling 3.5" in svg and "objective 1 s" in svg
+
+
+def test_records_round_trip_and_the_newest_of_a_key_wins() -> None:
+    key = RecordKey("m", "0.32.0", "tp1-pp1", "8xH100-SXM", "routers")
+    old = Record(key, 2, Slo(1, 0.1), [_step(1, 0.5, 0.05), _step(2, 2.0, 0.05)], {}, "guidellm 0.8.1",
+                 "2026-11-01T00:00:00+00:00", 20.0)
+    new = Record(key, 2, Slo(1, 0.1), [_step(1, 0.5, 0.05)], {}, "guidellm 0.8.1", "2026-11-20T00:00:00+00:00", 20.0)
+    text = "\n".join(json.dumps(r.to_json()) for r in (new, old)) + "\n{\"schema\": 9}\n\n"
+    found, bad = parse_records(text)
+    assert found == [new, old]
+    assert bad == ["line 3: not a bench record (ValueError: expected a bench record of schema 1, found 9)"]
+    assert latest(found) == {key: new}
+    assert old.ceiling.rate == 1 and old.per_replica_rps() == 0.5
+    assert key.file_name() != RecordKey("m", "0.33.0", "tp1-pp1", "8xH100-SXM", "routers").file_name()
+
+
+def test_the_plot_marks_the_missed_steps() -> None:
+    key = RecordKey("a <b> & c", "0.32.0", "tp1-pp1", "8xH100-SXM", "replica")
+    record = Record(key, 1, Slo(1, 0.1), [_step(1, 0.5, 0.05), _step(2, 2.0, 0.05)], {}, "guidellm 0.8.1",
+                    "2026-11-01T00:00:00+00:00", 20.0)
+    svg = render_svg(record)
+    assert "a &lt;b&gt; &amp; c" in svg
+    assert svg.count('fill="red"/>') == 2  # the 2 req/s step on both panels
+    assert "ceiling 1" in svg
+
+
+def test_the_scenario_file_is_private(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The step's scenario holds the key: it is written 0600 and handed to guidellm by path only."""
+    seen: dict[str, Any] = {}
+
+    def fake_run(argv: list[str], **kwargs: Any) -> Any:
+        path = Path(argv[argv.index("--scenario") + 1])
+        seen["mode"] = stat.S_IMODE(path.stat().st_mode)
+        seen["argv"] = argv
+        spec = json.loads(path.read_text())["spec"]
+        Path(spec["outputs"][0]["path"]).write_text((BENCH / "guidellm-0.8.1-constant-2.json").read_text())
+
+        class Done:
+            returncode, stdout, stderr = 0, "", ""
+        return Done()
+
+    monkeypatch.setattr(client.subprocess, "run", fake_run)
+    target = client.Target("http://10.0.0.1:8000", "m", "sk-secret", None, "/models/m")
+    step = client.run_step(Path("/opt/guidellm"), target, client.workload_for(256), 2.0, 15.0)
+    assert step.succeeded == 20
+    assert seen["mode"] == 0o600
+    assert not any("sk-secret" in word for word in seen["argv"])
+
+
+def _planned() -> tuple[list[Any], dict[str, Any]]:
+    fleet = load_fleet(FLEET)
+    return plan_fleet(fleet, fleet_facts(fleet, None)).replicas, dict(fleet.configs)
+
+
+def _record(release: str, scope: str, rates: list[float], replicas: int, date: str = "2026-11-20T00:00:00+00:00",
+            layout: str = "tp4-pp1") -> Record:
+    key = RecordKey("llama-3.1-70b", release, layout, "8xH100-SXM", scope)
+    steps = [_step(r, 0.5, 0.05) for r in rates] + [_step(rates[-1] * 2, 5.0, 0.05)]
+    return Record(key, replicas, Slo(2.0, 0.1), steps, {}, "guidellm 0.8.1", date, 60.0)
+
+
+def test_a_routers_record_gives_the_model_its_rate_per_replica_times_its_replicas() -> None:
+    replicas, configs = _planned()  # six replicas of tp4-pp1 on vLLM 0.32.0
+    found = model_capacities(replicas, configs, [_record("0.32.0", "routers", [1, 2, 3], replicas=3)])
+    cap = found["llama-3.1-70b"]
+    assert (cap.ceiling_rps, cap.replicas, cap.release, cap.current) == (6.0, 6, "0.32.0", True)
+    assert cap.replicas_for(10.0) == 10 and cap.replicas_for(6.0) == 6
+    assert releases_without_bench(replicas, configs, [_record("0.32.0", "routers", [1], replicas=3)]) == []
+
+
+def test_without_a_routers_record_each_replica_takes_its_shapes_one_replica_ceiling() -> None:
+    replicas, configs = _planned()
+    found = model_capacities(replicas, configs, [_record("0.32.0", "replica", [0.5, 0.75], replicas=1),
+                                                 _record("0.32.0", "replica", [9], replicas=1, layout="tp8-pp1")])
+    assert found["llama-3.1-70b"].ceiling_rps == pytest.approx(4.5)
+
+
+def test_a_release_without_a_record_falls_back_to_the_newest_earlier_one_and_is_named() -> None:
+    replicas, configs = _planned()
+    records = [_record("0.30.0", "routers", [1], replicas=6), _record("0.31.0", "routers", [1, 2], replicas=6),
+               _record("0.33.0", "routers", [4], replicas=6)]
+    cap = model_capacities(replicas, configs, records)["llama-3.1-70b"]
+    assert (cap.release, cap.current, cap.ceiling_rps) == ("0.33.0", False, 4.0)
+    assert model_capacities(replicas, configs, records[:2])["llama-3.1-70b"].release == "0.31.0"
+    assert releases_without_bench(replicas, configs, records[:2]) == [
+        '"llama-3.1-70b": vLLM 0.31.0 has a measured ceiling (2 req/s), its successor 0.32.0 none: run gpufleet'
+        ' bench']
+    assert model_capacities(replicas, configs, []) == {}
