@@ -145,6 +145,9 @@ def step_from_report(doc: dict[str, Any], rate: float) -> Step:
         succeeded=succeeded,
         failed=int(totals.get("errored", 0)) + int(totals.get("incomplete", 0)),
         seconds=seconds,
+        ttft_p95_s=pct("time_to_first_token_ms", "p95", 1e-3), itl_p95_s=pct("inter_token_latency_ms", "p95", 1e-3),
+        started_at=float(bench.get("start_time") or 0.0),
+        ended_at=float(bench.get("end_time") or 0.0),
     )
 
 

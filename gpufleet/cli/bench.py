@@ -13,6 +13,7 @@ import click
 
 from gpufleet.bench import guidellm_client as client
 from gpufleet.bench.dataset import DatasetError, load_dataset, write_for_client
+from gpufleet.bench.engine_metrics import with_engine_metrics
 from gpufleet.bench.plot import render_svg
 from gpufleet.bench.ramp import (
     MAX_DOUBLINGS,
@@ -31,8 +32,10 @@ from gpufleet.config.inventory import loaded_inventory, parse_data_args
 from gpufleet.config.inventory_shape import MONITORING_GROUP
 from gpufleet.config.problems import ConfigError
 from gpufleet.config.secrets import read_secret
+from gpufleet.netaddr import host_port
 from gpufleet.plan import virtual_address
 from gpufleet.plan.planner import Replica, plan_fleet
+from gpufleet.prometheus_api import PrometheusError
 
 DEFAULT_STEP_S = 60.0
 
@@ -120,6 +123,33 @@ def _progress(step: Step, slo: Slo) -> str:
             f" {'missed ' + '+'.join(missed) if missed else 'within the objective'}")
 
 
+def _share(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"
+
+
+def _count(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
+def _engine_metrics(fleet: Fleet, chosen: Chosen, steps: list[Step]) -> tuple[list[Step], list[str]]:
+    """``steps`` with vLLM's KV cache usage and preemptions from the first monitoring host's Prometheus, and a note
+    when they could not be read."""
+    loaded = loaded_inventory(fleet.hosts[0]) if fleet.hosts else None
+    hosts = next((list(m) for name, m in loaded.groups if name == MONITORING_GROUP), []) if loaded else []
+    if not hosts or hosts[0] not in fleet.configs:
+        return steps, ["KV cache usage and preemptions: no monitoring host"]
+    cfg = fleet.configs[hosts[0]]
+    address = virtual_address.host_address(hosts[0], cfg) or hosts[0]
+    url = f"http://{host_port(address, cfg.prometheus_port)}"
+    replica = chosen.replicas[0].name if chosen.key.scope == "replica" else None
+    try:
+        return with_engine_metrics(steps, url, chosen.model, replica), []
+    except PrometheusError as exc:
+        note = f"KV cache usage and preemptions: {exc} (prometheus_allowed_from must let this host in)"
+        click.echo(f"gpufleet bench: {note}", err=True)
+        return steps, [note]
+
+
 def _store(inventory: str, data: tuple[str, ...], fleet: Fleet, record: Record, replicas: list[Replica]) -> list[str]:
     """Write ``record`` and the ceiling rules on every monitoring host; a line for each host it could not be written
     on."""
@@ -198,11 +228,15 @@ def bench_command(inventory: str, model: str | None, replica: str | None, slo_te
                 fail_lines([f"gpufleet bench: step {rate:g} req/s: {exc}"])
             steps.append(step)
             click.echo(_progress(step, slo))
+    steps, notes = _engine_metrics(fleet, chosen, steps)
+    for step in steps if not notes else []:
+        click.echo(f"vLLM at {step.rate:g} req/s: KV cache usage up to {_share(step.kv_usage_max)},"
+                   f" {_count(step.preemptions)} preemptions")
     shape = ({"dataset": str(dataset), "requests": len(rows)} if rows is not None else
              {"prompt_tokens": list(workload.prompt_tokens), "output_tokens": list(workload.output_tokens)})
     record = Record(chosen.key, len(chosen.replicas), slo, sorted(steps, key=lambda s: s.rate), shape,
                     f"guidellm {client.VERSION}", datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                    step_s)
+                    step_s, notes)
     found = record.ceiling
     if found.rate is None:
         click.echo(f"ceiling: none: the first step ({steps[0].rate:g} req/s) missed {found.stopped_by}")

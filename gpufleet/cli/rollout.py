@@ -18,17 +18,22 @@ from types import FrameType
 from typing import Any
 
 import click
+from pyinfra.api.inventory import Inventory
 
+from gpufleet.bench.store import read_records as read_bench_records
 from gpufleet.cli.inputs import DATA_OPTION, cli_fleet, fail_lines, fleet_facts
+from gpufleet.config.fleet import Fleet
 from gpufleet.config.inventory import load_fleet, parse_data_args, set_data_override
-from gpufleet.config.inventory_shape import ROUTERS_GROUP
+from gpufleet.config.inventory_shape import MONITORING_GROUP, ROUTERS_GROUP
 from gpufleet.config.problems import ConfigError
 from gpufleet.gpu.live_probe import load_inventory
+from gpufleet.netaddr import host_port
 from gpufleet.plan import virtual_address
 from gpufleet.plan.backends import backends as plan_backends
 from gpufleet.plan.planner import plan_fleet
 from gpufleet.rollout.batches import DEFAULT_BATCHES, RolloutError, plan_rollout
 from gpufleet.rollout.canary import DEFAULT_MAX_ERROR_RATIO, DEFAULT_MAX_LATENCY_RATIO, Thresholds
+from gpufleet.rollout.latency import DEFAULT_MIN_REQUESTS, PrometheusLatency
 from gpufleet.rollout.node_releases import RecordFailure, read_records
 from gpufleet.rollout.options import check_options
 from gpufleet.rollout.pyinfra_run import DEPLOY, PROJECT_ROOT, PyinfraDeploy, pyinfra_program
@@ -37,7 +42,7 @@ from gpufleet.rollout.remote import PyinfraRemote
 from gpufleet.rollout.replicas import ROLLBACK, UPGRADE, Rollable, rollable
 from gpufleet.rollout.report import ROLLED
 from gpufleet.rollout.router_control import RouterControl, RouterFailure
-from gpufleet.rollout.runner import DEFAULT_CANARY_S, Options, Rollout
+from gpufleet.rollout.runner import DEFAULT_CANARY_S, LatencyJudge, Options, Rollout
 
 EXIT_FAILED = 1
 
@@ -59,8 +64,14 @@ def _options(command: Callable[..., None]) -> Callable[..., None]:
                      show_default=True, help="How much more of its requests a canary may answer 5xx than the"
                                              " model's replicas not rolled yet (0 to 1)."),
         click.option("--max-latency-ratio", default=str(DEFAULT_MAX_LATENCY_RATIO),
-                     show_default=True, help="How many times as much as theirs a canary's mean response"
-                                             " time may grow over the watch (1 to 1000)."),
+                     show_default=True, help="How many times a canary's p95 time to first token or inter-token"
+                                             " latency (vLLM's, from the monitoring hosts' Prometheus) may be that of"
+                                             " its shape's replicas not rolled yet or of its release's bench record;"
+                                             " without a monitoring group, how many times as much as theirs the"
+                                             " routers' mean response time may grow (1 to 1000)."),
+        click.option("--canary-min-requests", "min_requests", default=str(DEFAULT_MIN_REQUESTS), show_default=True,
+                     help="Requests a canary (and its peers) must serve over the watch before its latency is"
+                          " judged."),
         click.option("--facts", "facts_dir", type=click.Path(file_okay=False, path_type=Path),
                      help="Plan from probed facts (<host>.json from `gpufleet probe`); default: declared gpu_profile."),
         click.option("--report", "report_path", type=click.Path(path_type=Path),
@@ -87,6 +98,21 @@ def rollback_command(inventory: str, **options: Any) -> None:
     """Return every replica to its previous release (release.previous.json on its nodes) the same rolling way;
     replicas without one are left untouched. The inventory still says otherwise: change it too."""
     _roll(ROLLBACK, inventory, **options)
+
+
+def _latency_judge(hosts: Inventory, fleet: Fleet, max_ratio: float, min_requests: int) -> LatencyJudge | None:
+    """The canary's latency judge on the first monitoring host's Prometheus, with the bench records kept there;
+    None without a monitoring group (the routers' mean response time is judged then)."""
+    monitors = [host.name for host in hosts.get_group(MONITORING_GROUP, [])]
+    if not monitors or monitors[0] not in fleet.configs:
+        return None
+    cfg = fleet.configs[monitors[0]]
+    address = virtual_address.host_address(monitors[0], cfg) or monitors[0]
+    records, unread = read_bench_records(hosts, monitors)
+    for line in unread:
+        click.echo(f"warning: {line}: canaries are compared with their peers only", err=True)
+    return LatencyJudge(PrometheusLatency(f"http://{host_port(address, cfg.prometheus_port)}"), records, max_ratio,
+                        min_requests)
 
 
 def _interrupt(signum: int, frame: FrameType | None) -> None:
@@ -117,11 +143,11 @@ def _check_targets(mode: str, inventory: str, data: tuple[str, ...], found: Roll
 
 
 def _roll(mode: str, inventory: str, batches: str, max_unavailable: str, min_available: str, canary_s: str,
-          canary_every_batch: bool, max_error_ratio: str, max_latency_ratio: str, facts_dir: Path | None,
-          report_path: Path | None, data: tuple[str, ...]) -> None:
+          canary_every_batch: bool, max_error_ratio: str, max_latency_ratio: str, min_requests: str,
+          facts_dir: Path | None, report_path: Path | None, data: tuple[str, ...]) -> None:
     try:
         checked = check_options(batches, max_unavailable, min_available, canary_s, max_error_ratio,
-                                max_latency_ratio, report_path)
+                                max_latency_ratio, report_path, min_requests)
     except RolloutError as exc:
         fail_lines(exc.problems)
     fleet = cli_fleet(inventory, data)
@@ -174,7 +200,8 @@ def _roll(mode: str, inventory: str, batches: str, max_unavailable: str, min_ava
                            " a gpufleet without release records?): a failure there is left drained, not rolled"
                            " back", err=True)
         options = Options(checked.canary_s, canary_every_batch,
-                          Thresholds(checked.max_error_ratio, checked.max_latency_ratio))
+                          Thresholds(checked.max_error_ratio, checked.max_latency_ratio),
+                          _latency_judge(hosts, fleet, checked.max_latency_ratio, checked.min_requests))
         deployer = PyinfraDeploy(program or "pyinfra", Path(inventory), data)
         previous = signal.signal(signal.SIGTERM, _interrupt)
         try:

@@ -27,7 +27,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 DEFAULT_MAX_ERROR_RATIO = 0.05
-DEFAULT_MAX_LATENCY_RATIO = 2.0
+DEFAULT_MAX_LATENCY_RATIO = 1.5
 MIN_LATENCY_REQUESTS = 10
 
 
@@ -85,8 +85,9 @@ def traffic(pairs: Iterable[tuple[Counters, Counters]]) -> Traffic:
     return Traffic(requests, min(errors, requests), weighed / requests, weighed_before / requests)
 
 
-def verdict(canary: Traffic, baseline: Traffic | None, limits: Thresholds) -> str | None:
-    """Why the canary is worse than the baseline, or None when it is not."""
+def verdict(canary: Traffic, baseline: Traffic | None, limits: Thresholds, judge_rtime: bool = True) -> str | None:
+    """Why the canary is worse than the baseline, or None when it is not; without ``judge_rtime`` on its 5xx only
+    (its latency is judged on vLLM's percentiles instead: :mod:`gpufleet.rollout.latency`)."""
     if canary.requests == 0:
         return None
     base = baseline or Traffic()
@@ -95,7 +96,7 @@ def verdict(canary: Traffic, baseline: Traffic | None, limits: Thresholds) -> st
                 f" rolled {base.errors} of {base.requests} ({base.error_ratio:.1%}); at most"
                 f" {limits.max_error_ratio:.1%} more is allowed (--max-error-ratio)")
     grown = canary.latency_growth
-    if grown is None or canary.requests < MIN_LATENCY_REQUESTS:
+    if not judge_rtime or grown is None or canary.requests < MIN_LATENCY_REQUESTS:
         return None
     if baseline is None:
         if grown > limits.max_latency_ratio:

@@ -16,6 +16,7 @@ from gpufleet.rollout.batches import Limit, RolloutError, parse_batches, parse_l
 CANARY_S = (0.0, 86400.0)
 MAX_ERROR_RATIO = (0.0, 1.0)
 MAX_LATENCY_RATIO = (1.0, 1000.0)
+MIN_REQUESTS = (1, 1_000_000)
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,7 @@ class Checked:
     max_latency_ratio: float
     max_unavailable: Limit
     min_available: Limit
+    min_requests: int = 20
 
 
 def _number(option: str, text: str, bounds: tuple[float, float], problems: list[str]) -> float:
@@ -67,8 +69,16 @@ def _report(path: Path | None, problems: list[str]) -> None:
         problems.append(f"--report: expected a regular file to write, found something else at {str(path)!r}")
 
 
+def _count(option: str, text: str, bounds: tuple[int, int], problems: list[str]) -> int:
+    low, high = bounds
+    if not (text.isascii() and text.isdigit() and len(text) <= 9 and low <= int(text) <= high):
+        problems.append(f"{option}: expected a whole number from {low:,} to {high:,}, found {text!r}")
+        return low
+    return int(text)
+
+
 def check_options(batches: str, max_unavailable: str, min_available: str, canary_s: str, max_error_ratio: str,
-                  max_latency_ratio: str, report: Path | None) -> Checked:
+                  max_latency_ratio: str, report: Path | None, min_requests: str = "20") -> Checked:
     """Every option checked; raises :class:`RolloutError` with one line per problem."""
     problems: list[str] = []
     try:
@@ -80,7 +90,7 @@ def check_options(batches: str, max_unavailable: str, min_available: str, canary
     checked = Checked(_number("--canary-s", canary_s, CANARY_S, problems),
                       _number("--max-error-ratio", max_error_ratio, MAX_ERROR_RATIO, problems),
                       _number("--max-latency-ratio", max_latency_ratio, MAX_LATENCY_RATIO, problems),
-                      unavailable, available)
+                      unavailable, available, _count("--canary-min-requests", min_requests, MIN_REQUESTS, problems))
     _report(report, problems)
     if problems:
         raise RolloutError(problems)

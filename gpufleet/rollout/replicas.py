@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
+from gpufleet.bench.records import layout_name
 from gpufleet.config.schema import HostConfig
 from gpufleet.plan.planner import Replica
 from gpufleet.rollout.batches import Unit
@@ -41,6 +42,9 @@ class Member:
     before: Release | None  # its first node's release.json when the rollout started (None: not recorded)
     target: Release | None  # what the rollout gives it; None: left untouched
     recorded: frozenset[str] = frozenset()  # the nodes where its release.json exists
+    model: str = ""  # its served model name
+    layout: str = ""  # tp<T>-pp<P>[-dp<D>] (gpufleet.bench.records.layout_name), and its nodes' GPU profile:
+    profile: str = ""  # what its latency is compared across (a canary's peers, its bench record)
 
     def data(self, release: Release) -> Release:
         """The ``--data`` a deploy needs to give it ``release``."""
@@ -135,8 +139,10 @@ def _member(replica: Replica, configs: Mapping[str, HostConfig], backends: Mappi
     target = inventory if mode == UPGRADE else (first.previous if first else None)
     recorded = frozenset(node for node in recorded_on
                          if (found := records.get(node, {}).get(replica.name)) and found.current is not None)
+    profile = "+".join(sorted({str(configs[n].gpu_profile or "probed") for n in replica.nodes}))
     return Member(replica.name, backends[replica.name], tuple(replica.nodes), recorded_on, cfg.vllm_ready_timeout,
-                  cfg.vllm_shutdown_timeout_s + DRAIN_GRACE_S, inventory, before, target, recorded)
+                  cfg.vllm_shutdown_timeout_s + DRAIN_GRACE_S, inventory, before, target, recorded,
+                  cfg.served_model_name(), layout_name(replica.tp, replica.pp, replica.dp), profile)
 
 
 def _router_problems(member: Member, view: RouterView) -> list[str]:

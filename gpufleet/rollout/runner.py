@@ -28,9 +28,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from gpufleet.bench.records import Record
+from gpufleet.prometheus_api import PrometheusError
 from gpufleet.rollout import report as rp
 from gpufleet.rollout.batches import Batch
 from gpufleet.rollout.canary import Thresholds, traffic, verdict
+from gpufleet.rollout.latency import (
+    DEFAULT_MIN_REQUESTS,
+    LatencySource,
+    baseline_record,
+    latency_verdict,
+    stored_percentiles,
+)
 from gpufleet.rollout.node_releases import RecordFailure, drop_staged, keep_previous, stage_previous
 from gpufleet.rollout.release import Release
 from gpufleet.rollout.remote import Remote
@@ -49,10 +58,22 @@ class Deployer(Protocol):
 
 
 @dataclass(frozen=True)
+class LatencyJudge:
+    """How a canary's latency is judged (:mod:`gpufleet.rollout.latency`): the percentiles' source, the bench
+    records of the fleet, the largest ratio and the fewest requests."""
+
+    source: LatencySource
+    records: Sequence[Record] = ()
+    max_ratio: float = 1.5
+    min_requests: int = DEFAULT_MIN_REQUESTS
+
+
+@dataclass(frozen=True)
 class Options:
     canary_s: float = DEFAULT_CANARY_S
     canary_every_batch: bool = False
     thresholds: Thresholds = field(default_factory=Thresholds)
+    latency: LatencyJudge | None = None  # None: the routers' mean response time is the latency judged
 
 
 def _names(members: Sequence[Member]) -> str:
@@ -285,7 +306,37 @@ class Rollout:
             self._outcome(member).notes.append(
                 f"canary: {seen.requests} requests, {seen.errors} 5xx, {seen.rtime_ms:.0f} ms"
                 + (f" (not rolled: {base.requests}, {base.errors}, {base.rtime_ms:.0f} ms)" if others else ""))
-            why = verdict(seen, base if others else None, self.options.thresholds)
+            why = verdict(seen, base if others else None, self.options.thresholds,
+                          judge_rtime=self.options.latency is None)
+            if why:
+                return f"replica {member.name}: canary: {why}"
+        if self.options.latency is not None:
+            return self._judge_latency(members, self.clock() - started)
+        return None
+
+    def _judge_latency(self, members: Sequence[Member], watched_s: float) -> str | None:
+        """Each canary's p95 TTFT and ITL against its shape's replicas not rolled and its release's bench record."""
+        judge = self.options.latency
+        assert judge is not None
+        self.sleep(judge.source.wait_s)  # the watch's last samples reach Prometheus
+        window = watched_s + judge.source.wait_s
+        wave = {m.name for m in members}
+        for member in members:
+            peers = [m.name for m in self.members.values() if m.backend == member.backend and m.name not in wave
+                     and m.name not in self.rolled and (m.layout, m.profile) == (member.layout, member.profile)]
+            try:
+                seen = judge.source.percentiles([member.name], window)
+                base = judge.source.percentiles(peers, window) if peers else None
+            except PrometheusError as exc:
+                return f"replica {member.name}: canary: its latency could not be read: {exc}"
+            release = str((member.before or {}).get("vllm_version", ""))
+            record = baseline_record(judge.records, member.model, release, member.layout, member.profile)
+            stored = stored_percentiles(record, seen.requests / window if window > 0 else 0.0)
+            self._outcome(member).notes.append(
+                f"canary latency: {seen.requests:.0f} requests, {seen.line()}"
+                + (f"; not rolled ({len(peers)} of its shape): {base.line()}" if base is not None else "")
+                + (f"; vLLM {release}'s bench at {stored.requests:.3g} req/s: {stored.line()}" if stored else ""))
+            why = latency_verdict(seen, base, stored, judge.max_ratio, judge.min_requests)
             if why:
                 return f"replica {member.name}: canary: {why}"
         return None

@@ -27,8 +27,10 @@ import yaml
 from gpufleet_lab.double_programs.dcgm_exporter import read_counters
 
 from gpufleet.bench.capacity import ModelCapacity
+from gpufleet.bench.engine_metrics import queries
 from gpufleet.monitoring import ceiling_rules
 from gpufleet.monitoring.alert_rules import RULE_FILES, THRESHOLDS, render_rules
+from gpufleet.rollout.latency import PrometheusLatency
 from gpufleet.templates import render
 from tests.conftest import DATA, host_tool
 from tests.unit.test_vllm_role import _config
@@ -194,5 +196,61 @@ def test_the_ceiling_file_gpufleet_bench_writes_feeds_the_capacity_alert(tmp_pat
     ceilings = ceiling_rules.ceiling_rules({capacity.model: capacity}, "# the test's\n")
     _promtool_test(tmp_path, {**default_rules, "ceilings.yml": ceilings}, "ceilings.test.yml")
     done = subprocess.run([_promtool(), "check", "rules", "ceilings.yml"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_benchs_engine_queries_read_one_models_replicas_over_the_step(tmp_path: Path) -> None:
+    """gpufleet bench's PromQL (gpufleet.bench.engine_metrics) under promtool: the highest KV cache usage and the
+    preemptions of one model's replicas over a 2-minute step (not another model's, not before the step), and of
+    one replica with --replica; a hostile model name is quoted."""
+    model = 'chat $HOME 100% "x"'
+    labels = 'job="vllm", model="chat $HOME 100% \\"x\\"", replica="{replica}"'
+    series = []
+    for replica, kv, preempted in (("r0", "0.2x5 0.9 0.5x4", "0x5 0+2x5"), ("r1", "0.3x10", "0x10")):
+        series += [{"series": "vllm:kv_cache_usage_perc{" + labels.format(replica=replica) + "}", "values": kv},
+                   {"series": "vllm:num_preemptions_total{" + labels.format(replica=replica) + "}",
+                    "values": preempted}]
+    series.append({"series": 'vllm:kv_cache_usage_perc{job="vllm", model="other", replica="o0"}', "values": "1x10"})
+    whole, one = queries(model, None, 120), queries(model, "r1", 120)
+
+    def case(expr: str, value: float) -> dict[str, Any]:
+        return {"eval_time": "10m", "expr": expr, "exp_samples": [{"labels": "{}", "value": value}]}
+
+    tests = {"rule_files": [], "evaluation_interval": "1m", "tests": [{
+        "interval": "1m", "input_series": series,
+        "promql_expr_test": [case(whole["kv_usage_max"], 0.5), case(whole["preemptions"], 4),
+                             case(one["kv_usage_max"], 0.3), case(one["preemptions"], 0)]}]}
+    (tmp_path / "engine.test.yml").write_text(yaml.safe_dump(tests, sort_keys=False))
+    done = subprocess.run([_promtool(), "test", "rules", "engine.test.yml"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_canarys_percentile_queries_read_only_the_replicas_named(tmp_path: Path) -> None:
+    """A rollout's canary queries (gpufleet.rollout.latency.PrometheusLatency) under promtool: replica r1's requests
+    and p95 over the last 2 minutes, not r10's (the names are anchored) nor those of r.1 (a dot is no wildcard)."""
+    series = []
+    for replica, per_minute_fast, per_minute_slow in (("r1", 10, 0), ("r10", 0, 10), ("rx1", 0, 10)):
+        labels = f'job="vllm", model="m", replica="{replica}"'
+        for le, count in (("0.1", per_minute_fast), ("1.0", per_minute_fast + per_minute_slow),
+                          ("+Inf", per_minute_fast + per_minute_slow)):
+            series.append({"series": f'vllm:time_to_first_token_seconds_bucket{{{labels}, le="{le}"}}',
+                           "values": f"0+{count}x10"})
+        series.append({"series": f"vllm:time_to_first_token_seconds_count{{{labels}}}",
+                       "values": f"0+{per_minute_fast + per_minute_slow}x10"})
+    asked = PrometheusLatency.queries(["r1"], 120)
+    dotted = PrometheusLatency.queries(["r.1"], 120)
+
+    def case(expr: str, value: float | None) -> dict[str, Any]:
+        samples = [{"labels": "{}", "value": value}] if value is not None else []
+        return {"eval_time": "10m", "expr": expr, "exp_samples": samples}
+
+    tests = {"rule_files": [], "evaluation_interval": "1m", "tests": [{
+        "interval": "1m", "input_series": series,
+        "promql_expr_test": [case(asked["requests"], 20), case(asked["ttft"], 0.095),
+                             case(dotted["requests"], None)]}]}
+    (tmp_path / "canary.test.yml").write_text(yaml.safe_dump(tests, sort_keys=False))
+    done = subprocess.run([_promtool(), "test", "rules", "canary.test.yml"], cwd=tmp_path, capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr

@@ -15,6 +15,7 @@ the end) and ``timed`` (replica -> the steps its outcome timed).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,12 +28,13 @@ from gpufleet.rollout.canary import DEFAULT_MAX_ERROR_RATIO, DEFAULT_MAX_LATENCY
 from gpufleet.rollout.replicas import ROLLBACK, UPGRADE, Member, Rollable, units_of
 from gpufleet.rollout.report import Report
 from gpufleet.rollout.router_control import DRAIN_GRACE_S, RouterControl
-from gpufleet.rollout.runner import DEFAULT_CANARY_S, Options, Rollout
+from gpufleet.rollout.latency import Percentiles
+from gpufleet.rollout.runner import DEFAULT_CANARY_S, LatencyJudge, Options, Rollout
 from tests.conftest import DATA
 from tests.rollout_world import Behaviour, World
 
 CASES = sorted((DATA / "rollout_runs").glob("*.yml"))
-CASE_KEYS = {"command", "routers", "replicas", "releases", "inventory", "running", "previous", "behaviour", "busy",
+CASE_KEYS = {"latency", "command", "routers", "replicas", "releases", "inventory", "running", "previous", "behaviour", "busy",
              "interrupt_at", "ready_timeout_s", "options", "expect"}
 RELEASES = {"old": {"vllm_version": "0.31.0"}, "new": {"vllm_version": "0.32.0"}}
 SHUTDOWN_TIMEOUT_S = 60
@@ -78,6 +80,23 @@ def _rollable(case: dict[str, Any], world: World, mode: str) -> Rollable:
     return Rollable(units, members, ready)
 
 
+class _Percentiles:
+    """The case's ``latency``: each replica's [requests, TTFT p95 s, ITL p95 s] over the watch, as vLLM's histograms
+    would give them (several replicas together: their requests summed, the slowest p95s); the windows asked."""
+
+    wait_s = 15.0
+
+    def __init__(self, table: dict[str, list[float]]) -> None:
+        self.table, self.asked = table, []
+
+    def percentiles(self, replicas: Sequence[str], window_s: float) -> Percentiles:
+        self.asked.append((tuple(replicas), window_s))
+        rows = [self.table[name] for name in replicas if name in self.table]
+        if not rows:
+            return Percentiles(0.0, None, None)
+        return Percentiles(sum(r[0] for r in rows), max(r[1] for r in rows), max(r[2] for r in rows))
+
+
 def _run(case: dict[str, Any]) -> tuple[World, Report]:
     mode = case.get("command", UPGRADE)
     world = _world(case)
@@ -87,9 +106,12 @@ def _run(case: dict[str, Any]) -> tuple[World, Report]:
     batches = plan_rollout(found.units, given.get("batches", DEFAULT_BATCHES), ready=found.ready,
                            max_unavailable=dict.fromkeys(models, given.get("max_unavailable", 1)),
                            min_available=dict.fromkeys(models, given.get("min_available", 1)))
+    latency = case.get("latency")
     options = Options(given.get("canary_s", DEFAULT_CANARY_S), given.get("canary_every_batch", False),
                       Thresholds(given.get("max_error_ratio", DEFAULT_MAX_ERROR_RATIO),
-                                 given.get("max_latency_ratio", DEFAULT_MAX_LATENCY_RATIO)))
+                                 given.get("max_latency_ratio", DEFAULT_MAX_LATENCY_RATIO)),
+                      LatencyJudge(_Percentiles(latency), max_ratio=given.get("max_latency_ratio", 1.5))
+                      if latency is not None else None)
     router = RouterControl(world, world.routers, clock=world.now)
     report = Rollout(mode, found, batches, router, world, world, options, clock=world.now, sleep=world.sleep,
                      say=world.say).run()

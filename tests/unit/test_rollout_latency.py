@@ -1,0 +1,67 @@
+"""The canary's latency verdict as data (tests/data/rollout_latency/cases.yml), the stored baseline a bench record
+gives at the canary's rate, and the record a canary is compared with."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import yaml
+
+from gpufleet.bench.ramp import Slo, Step
+from gpufleet.bench.records import Record, RecordKey
+from gpufleet.rollout.latency import Percentiles, baseline_record, latency_verdict, stored_percentiles
+from tests.conftest import DATA
+
+CASES = yaml.safe_load((DATA / "rollout_latency" / "cases.yml").read_text())
+
+
+def _percentiles(row: list[Any] | None) -> Percentiles | None:
+    return None if row is None else Percentiles(*row)
+
+
+def test_there_are_cases_of_both_verdicts() -> None:
+    assert {case["verdict"] is None for case in CASES} == {True, False}
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case["name"] for case in CASES])
+def test_case(case: dict[str, Any]) -> None:
+    canary = _percentiles(case["canary"])
+    assert canary is not None
+    found = latency_verdict(canary, _percentiles(case.get("peers")), _percentiles(case.get("stored")),
+                            case.get("ratio", 1.5), case.get("min_requests", 20))
+    if case["verdict"] is None:
+        assert found is None
+    else:
+        assert found is not None and case["verdict"] in found, found
+
+
+def _step(rate: float, ttft_p95: float) -> Step:
+    return Step(rate, rate, ttft_p95, ttft_p95, 0.02, 0.03, 1.0, 2.0, 30.0, 20, 0, 60.0, ttft_p95_s=ttft_p95,
+                itl_p95_s=0.025)
+
+
+def _record(release: str, scope: str, replicas: int, date: str = "2026-11-20T00:00:00+00:00") -> Record:
+    key = RecordKey("m", release, "tp1-pp1", "8xH100-SXM", scope)
+    return Record(key, replicas, Slo(1, 0.1), [_step(1, 0.1), _step(2, 0.2), _step(4, 0.5)], {}, "guidellm 0.8.1",
+                  date, 60.0)
+
+
+def test_the_stored_baseline_is_the_lowest_step_at_or_above_the_canarys_rate_per_replica() -> None:
+    one = _record("0.31.0", "replica", 1)
+    assert stored_percentiles(one, 0.3) == Percentiles(1.0, 0.1, 0.025)
+    assert stored_percentiles(one, 1.5) == Percentiles(2.0, 0.2, 0.025)
+    assert stored_percentiles(one, 4.5) is None  # busier than any step measured: not comparable
+    assert stored_percentiles(None, 1.0) is None
+    two = _record("0.31.0", "routers", 2)  # 0.5, 1 and 2 req/s per replica
+    assert stored_percentiles(two, 0.75) == Percentiles(1.0, 0.2, 0.025)
+
+
+def test_a_canary_is_compared_with_its_release_shape_and_profile() -> None:
+    routers, replica = _record("0.31.0", "routers", 2), _record("0.31.0", "replica", 1)
+    assert baseline_record([routers, replica], "m", "0.31.0", "tp1-pp1", "8xH100-SXM") == replica
+    assert baseline_record([routers], "m", "0.31.0", "tp1-pp1", "8xH100-SXM") == routers
+    assert baseline_record([routers, replica], "m", "0.32.0", "tp1-pp1", "8xH100-SXM") is None
+    assert baseline_record([routers, replica], "m", "0.31.0", "tp1-pp2", "8xH100-SXM") is None
+    newer = _record("0.31.0", "replica", 1, date="2026-11-25T00:00:00+00:00")
+    assert baseline_record([replica, newer], "m", "0.31.0", "tp1-pp1", "8xH100-SXM") is newer
