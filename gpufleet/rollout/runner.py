@@ -294,6 +294,7 @@ class Rollout:
         for member in members:
             self._outcome(member).took("watch", self.clock() - started)
         wave = {m.name for m in members}
+        served: dict[str, int] = {}
         for member in members:
             others = [m.name for m in self.members.values() if m.backend == member.backend
                       and m.name not in self.rolled and m.name not in wave
@@ -306,18 +307,28 @@ class Rollout:
             self._outcome(member).notes.append(
                 f"canary: {seen.requests} requests, {seen.errors} 5xx, {seen.rtime_ms:.0f} ms"
                 + (f" (not rolled: {base.requests}, {base.errors}, {base.rtime_ms:.0f} ms)" if others else ""))
+            served[member.name] = seen.requests
             why = verdict(seen, base if others else None, self.options.thresholds,
                           judge_rtime=self.options.latency is None)
             if why:
                 return f"replica {member.name}: canary: {why}"
         if self.options.latency is not None:
-            return self._judge_latency(members, self.clock() - started)
+            return self._judge_latency(members, served, self.clock() - started)
         return None
 
-    def _judge_latency(self, members: Sequence[Member], watched_s: float) -> str | None:
-        """Each canary's p95 TTFT and ITL against its shape's replicas not rolled and its release's bench record."""
+    def _judge_latency(self, members: Sequence[Member], served: dict[str, int], watched_s: float) -> str | None:
+        """Each canary's p95 TTFT and ITL against its shape's replicas not rolled (or its release's bench record);
+        a canary the routers sent fewer than the minimum of requests is not judged (and not waited for)."""
         judge = self.options.latency
         assert judge is not None
+        for member in members:
+            if served.get(member.name, 0) < judge.min_requests:
+                self._outcome(member).notes.append(
+                    f"canary latency: not judged, {served.get(member.name, 0)} requests over the watch (fewer than"
+                    f" {judge.min_requests}, --canary-min-requests)")
+        members = [m for m in members if served.get(m.name, 0) >= judge.min_requests]
+        if not members:
+            return None
         self.sleep(judge.source.wait_s)  # the watch's last samples reach Prometheus
         window = watched_s + judge.source.wait_s
         wave = {m.name for m in members}

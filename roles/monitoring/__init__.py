@@ -346,7 +346,6 @@ def grafana_dashboards() -> None:
                     _if=lambda: installed() and provider.did_change())
 
 
-@deploy("Monitoring (Prometheus, Alertmanager)")
 def bench_notices() -> list[str]:
     """On a monitoring host: a line for each served model whose planned release has no bench record while an
     earlier release has one (``deploys/check.py`` prints them; they fail nothing)."""
@@ -357,6 +356,7 @@ def bench_notices() -> list[str]:
     return releases_without_bench(ctx.plan.replicas, ctx.fleet.configs, records)
 
 
+@deploy("Monitoring (Prometheus, Alertmanager)")
 def monitoring() -> None:
     """Converge Prometheus and Alertmanager on a monitoring host: packages, sandboxed units, checked configuration."""
     if not is_monitoring():

@@ -25,17 +25,17 @@ import yaml
 
 from gpufleet.rollout.batches import DEFAULT_BATCHES, Unit, plan_rollout
 from gpufleet.rollout.canary import DEFAULT_MAX_ERROR_RATIO, DEFAULT_MAX_LATENCY_RATIO, Thresholds
+from gpufleet.rollout.latency import Percentiles
 from gpufleet.rollout.replicas import ROLLBACK, UPGRADE, Member, Rollable, units_of
 from gpufleet.rollout.report import Report
 from gpufleet.rollout.router_control import DRAIN_GRACE_S, RouterControl
-from gpufleet.rollout.latency import Percentiles
 from gpufleet.rollout.runner import DEFAULT_CANARY_S, LatencyJudge, Options, Rollout
 from tests.conftest import DATA
 from tests.rollout_world import Behaviour, World
 
 CASES = sorted((DATA / "rollout_runs").glob("*.yml"))
-CASE_KEYS = {"latency", "command", "routers", "replicas", "releases", "inventory", "running", "previous", "behaviour", "busy",
-             "interrupt_at", "ready_timeout_s", "options", "expect"}
+CASE_KEYS = {"command", "routers", "replicas", "releases", "inventory", "running", "previous", "behaviour", "busy",
+             "interrupt_at", "ready_timeout_s", "options", "latency", "expect"}
 RELEASES = {"old": {"vllm_version": "0.31.0"}, "new": {"vllm_version": "0.32.0"}}
 SHUTDOWN_TIMEOUT_S = 60
 
