@@ -20,19 +20,22 @@ from typing import Any
 import click
 from pyinfra.api.inventory import Inventory
 
+from gpufleet.bench.guidellm_client import ClientError, Target, client_path, workload_for
 from gpufleet.bench.store import read_records as read_bench_records
 from gpufleet.cli.inputs import DATA_OPTION, cli_fleet, fail_lines, fleet_facts
 from gpufleet.config.fleet import Fleet
 from gpufleet.config.inventory import load_fleet, parse_data_args, set_data_override
 from gpufleet.config.inventory_shape import MONITORING_GROUP, ROUTERS_GROUP
 from gpufleet.config.problems import ConfigError
+from gpufleet.config.secrets import read_secret
 from gpufleet.gpu.live_probe import load_inventory
 from gpufleet.netaddr import host_port
 from gpufleet.plan import virtual_address
 from gpufleet.plan.backends import backends as plan_backends
-from gpufleet.plan.planner import plan_fleet
+from gpufleet.plan.planner import Replica, plan_fleet
 from gpufleet.rollout.batches import DEFAULT_BATCHES, RolloutError, plan_rollout
 from gpufleet.rollout.canary import DEFAULT_MAX_ERROR_RATIO, DEFAULT_MAX_LATENCY_RATIO, Thresholds
+from gpufleet.rollout.canary_bench import GuidellmCanaryBench
 from gpufleet.rollout.latency import DEFAULT_MIN_REQUESTS, PrometheusLatency
 from gpufleet.rollout.node_releases import RecordFailure, read_records
 from gpufleet.rollout.options import check_options
@@ -69,6 +72,10 @@ def _options(command: Callable[..., None]) -> Callable[..., None]:
                                              " its shape's replicas not rolled yet or of its release's bench record;"
                                              " without a monitoring group, how many times as much as theirs the"
                                              " routers' mean response time may grow (1 to 1000)."),
+        click.option("--canary-bench", is_flag=True,
+                     help="Before a canary takes traffic, bench it on its own API for 20 s at half its release's"
+                          " measured ceiling per replica (gpufleet bench's record; the controller runs the client and"
+                          " must be in vllm_api_allowed_from) and judge it like the watch."),
         click.option("--canary-min-requests", "min_requests", default=str(DEFAULT_MIN_REQUESTS), show_default=True,
                      help="Requests a canary (and its peers) must serve over the watch before its latency is"
                           " judged."),
@@ -100,19 +107,44 @@ def rollback_command(inventory: str, **options: Any) -> None:
     _roll(ROLLBACK, inventory, **options)
 
 
-def _latency_judge(hosts: Inventory, fleet: Fleet, max_ratio: float, min_requests: int) -> LatencyJudge | None:
-    """The canary's latency judge on the first monitoring host's Prometheus, with the bench records kept there;
-    None without a monitoring group (the routers' mean response time is judged then)."""
+def _latency_judge(hosts: Inventory, fleet: Fleet, replicas: list[Replica], max_ratio: float, min_requests: int,
+                   canary_bench: bool) -> LatencyJudge | None:
+    """The canary's latency judge on the first monitoring host's Prometheus, with the bench records kept there
+    (and, with ``canary_bench``, the client that benches each canary); None without a monitoring group (the routers'
+    mean response time is judged then)."""
     monitors = [host.name for host in hosts.get_group(MONITORING_GROUP, [])]
     if not monitors or monitors[0] not in fleet.configs:
+        if canary_bench:
+            fail_lines(["--canary-bench: expected a monitoring group (where the bench records are kept), found none"])
         return None
     cfg = fleet.configs[monitors[0]]
     address = virtual_address.host_address(monitors[0], cfg) or monitors[0]
     records, unread = read_bench_records(hosts, monitors)
     for line in unread:
         click.echo(f"warning: {line}: canaries are compared with their peers only", err=True)
+    bench = _canary_bench(fleet, replicas) if canary_bench else None
     return LatencyJudge(PrometheusLatency(f"http://{host_port(address, cfg.prometheus_port)}"), records, max_ratio,
-                        min_requests)
+                        min_requests, bench)
+
+
+def _canary_bench(fleet: Fleet, replicas: list[Replica]) -> GuidellmCanaryBench:
+    """The client and each replica's own API, key and workload, for ``--canary-bench``."""
+    targets, workloads = {}, {}
+    for replica in replicas:
+        cfg = fleet.configs[replica.nodes[0]]
+        address = virtual_address.host_address(replica.nodes[0], cfg) or replica.nodes[0]
+        try:
+            key = read_secret(cfg.vllm_api_key, "vllm_api_key") if cfg.vllm_api_key else None
+        except ConfigError as error:
+            fail_lines([problem.line() for problem in error.problems])
+        targets[replica.name] = Target(f"http://{host_port(address, replica.port)}", cfg.served_model_name(), key,
+                                       None, str(cfg.vllm_model_config or cfg.vllm_model))
+        workloads[replica.name] = workload_for(replica.max_model_len)
+    try:
+        exe = client_path(lambda line: click.echo(f"gpufleet: {line}"))
+    except ClientError as exc:
+        fail_lines([f"--canary-bench: {exc}"])
+    return GuidellmCanaryBench(exe, targets, workloads)
 
 
 def _interrupt(signum: int, frame: FrameType | None) -> None:
@@ -143,8 +175,8 @@ def _check_targets(mode: str, inventory: str, data: tuple[str, ...], found: Roll
 
 
 def _roll(mode: str, inventory: str, batches: str, max_unavailable: str, min_available: str, canary_s: str,
-          canary_every_batch: bool, max_error_ratio: str, max_latency_ratio: str, min_requests: str,
-          facts_dir: Path | None, report_path: Path | None, data: tuple[str, ...]) -> None:
+          canary_every_batch: bool, max_error_ratio: str, max_latency_ratio: str, canary_bench: bool,
+          min_requests: str, facts_dir: Path | None, report_path: Path | None, data: tuple[str, ...]) -> None:
     try:
         checked = check_options(batches, max_unavailable, min_available, canary_s, max_error_ratio,
                                 max_latency_ratio, report_path, min_requests)
@@ -201,7 +233,8 @@ def _roll(mode: str, inventory: str, batches: str, max_unavailable: str, min_ava
                            " back", err=True)
         options = Options(checked.canary_s, canary_every_batch,
                           Thresholds(checked.max_error_ratio, checked.max_latency_ratio),
-                          _latency_judge(hosts, fleet, checked.max_latency_ratio, checked.min_requests))
+                          _latency_judge(hosts, fleet, plan.replicas, checked.max_latency_ratio, checked.min_requests,
+                                         canary_bench))
         deployer = PyinfraDeploy(program or "pyinfra", Path(inventory), data)
         previous = signal.signal(signal.SIGTERM, _interrupt)
         try:

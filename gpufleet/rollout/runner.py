@@ -28,14 +28,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from gpufleet.bench.guidellm_client import ClientError
 from gpufleet.bench.records import Record
 from gpufleet.prometheus_api import PrometheusError
 from gpufleet.rollout import report as rp
 from gpufleet.rollout.batches import Batch
 from gpufleet.rollout.canary import Thresholds, traffic, verdict
+from gpufleet.rollout.canary_bench import bench_plan, stored_at
 from gpufleet.rollout.latency import (
     DEFAULT_MIN_REQUESTS,
     LatencySource,
+    Percentiles,
     baseline_record,
     latency_verdict,
     stored_percentiles,
@@ -66,6 +69,13 @@ class LatencyJudge:
     records: Sequence[Record] = ()
     max_ratio: float = 1.5
     min_requests: int = DEFAULT_MIN_REQUESTS
+    bench: CanaryBench | None = None  # --canary-bench: a fixed-rate bench of each canary before it takes traffic
+
+
+class CanaryBench(Protocol):
+    """Benches one canary at a fixed rate on its own API (:mod:`gpufleet.rollout.canary_bench`)."""
+
+    def bench(self, replica: str, rate: float) -> tuple[Percentiles, str]: ...
 
 
 @dataclass(frozen=True)
@@ -150,6 +160,8 @@ class Rollout:
                     break
         except RecordFailure as exc:
             failure = str(exc)
+        if failure is None and watch > 0:
+            failure = self._bench_canaries(members)
         if failure is None:
             failure = self._back_in(members)
         if failure is None and watch > 0:
@@ -314,6 +326,31 @@ class Rollout:
                 return f"replica {member.name}: canary: {why}"
         if self.options.latency is not None:
             return self._judge_latency(members, served, self.clock() - started)
+        return None
+
+    def _bench_canaries(self, members: Sequence[Member]) -> str | None:
+        """``--canary-bench``: each canary benched on its own API before it is put back, against its release's
+        bench record at half that record's ceiling per replica."""
+        judge = self.options.latency
+        if judge is None or judge.bench is None:
+            return None
+        for member in members:
+            release = str((member.before or {}).get("vllm_version", ""))
+            planned = bench_plan(judge.records, member.model, release, member.layout, member.profile)
+            outcome = self._outcome(member)
+            if planned.rate is None:
+                outcome.notes.append(f"canary bench: not run, {planned.why_not}")
+                continue
+            self._tell(f"canary bench of {member.name} at {planned.rate:g} req/s")
+            try:
+                seen, line = judge.bench.bench(member.name, planned.rate)
+            except ClientError as exc:
+                return f"replica {member.name}: canary bench: {exc}"
+            stored = stored_at(planned)
+            outcome.notes.append(line + (f"; vLLM {release}'s bench: {stored.line()}" if stored else ""))
+            why = latency_verdict(seen, None, stored, judge.max_ratio, judge.min_requests)
+            if why:
+                return f"replica {member.name}: canary bench: {why}"
         return None
 
     def _judge_latency(self, members: Sequence[Member], served: dict[str, int], watched_s: float) -> str | None:

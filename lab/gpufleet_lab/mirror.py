@@ -27,6 +27,7 @@ import gzip
 import itertools
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -49,7 +50,7 @@ from gpufleet_lab.debian_extras import (
 from gpufleet_lab.errors import LabError
 from gpufleet_lab.standin_debs import build_debs
 from gpufleet_lab.tiny_model import make_tiny_model
-from gpufleet_lab.wheelhouse import build_wheelhouse, lock_name
+from gpufleet_lab.wheelhouse import EXTRA_REQUIREMENTS, build_wheelhouse, lock_name
 
 WWW = "www"
 KEYRING_NAME = "gpufleet-lab.gpg"
@@ -197,6 +198,13 @@ def node_exporter_sources(base_url: str, cache_dir: Path | str | None = None) ->
         found["node_exporter_tarball_url"] = urls.base + tarball.relative_url.replace(tarball.version, "{version}")
         found["node_exporter_tarball_sha256"] = tarball.sha256
     return found
+
+
+def bench_client_pip_args(cache_dir: Path | str | None = None) -> str:
+    """``GPUFLEET_BENCH_PIP_ARGS`` for ``gpufleet bench``'s first install of its client on this machine: torch's CPU
+    build from the wheelhouse (guidellm needs torch, and the package index has only its CUDA builds)."""
+    torch = next(r for r in EXTRA_REQUIREMENTS if r.startswith("torch=="))
+    return f"--find-links {shlex.quote(str(_cache(cache_dir) / WWW / 'wheels'))} {torch}"
 
 
 def keyring_file(cache_dir: Path | str | None = None) -> Path:

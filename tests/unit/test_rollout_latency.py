@@ -10,6 +10,7 @@ import yaml
 
 from gpufleet.bench.ramp import Slo, Step
 from gpufleet.bench.records import Record, RecordKey
+from gpufleet.rollout.canary_bench import bench_plan, stored_at
 from gpufleet.rollout.latency import Percentiles, baseline_record, latency_verdict, stored_percentiles
 from tests.conftest import DATA
 
@@ -65,3 +66,13 @@ def test_a_canary_is_compared_with_its_release_shape_and_profile() -> None:
     assert baseline_record([routers, replica], "m", "0.31.0", "tp1-pp2", "8xH100-SXM") is None
     newer = _record("0.31.0", "replica", 1, date="2026-11-25T00:00:00+00:00")
     assert baseline_record([replica, newer], "m", "0.31.0", "tp1-pp1", "8xH100-SXM") is newer
+
+
+def test_a_canary_is_benched_at_half_its_releases_ceiling_per_replica_or_not_at_all() -> None:
+    two = _record("0.31.0", "routers", 2)  # passes at 1, 2 and 4 req/s over 2 replicas: 2 each
+    planned = bench_plan([two], "m", "0.31.0", "tp1-pp1", "8xH100-SXM")
+    assert planned.rate == 1.0 and planned.record is two
+    assert stored_at(planned) == Percentiles(1.0, 0.2, 0.025)
+    missing = bench_plan([two], "m", "0.32.0", "tp1-pp1", "8xH100-SXM")
+    assert (missing.rate, missing.why_not) == (None, "no bench record of vLLM 0.32.0 tp1-pp1 on 8xH100-SXM")
+    assert stored_at(missing) is None

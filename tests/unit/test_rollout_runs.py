@@ -23,6 +23,8 @@ from typing import Any
 import pytest
 import yaml
 
+from gpufleet.bench.ramp import Slo, Step
+from gpufleet.bench.records import Record, RecordKey
 from gpufleet.rollout.batches import DEFAULT_BATCHES, Unit, plan_rollout
 from gpufleet.rollout.canary import DEFAULT_MAX_ERROR_RATIO, DEFAULT_MAX_LATENCY_RATIO, Thresholds
 from gpufleet.rollout.latency import Percentiles
@@ -35,7 +37,7 @@ from tests.rollout_world import Behaviour, World
 
 CASES = sorted((DATA / "rollout_runs").glob("*.yml"))
 CASE_KEYS = {"command", "routers", "replicas", "releases", "inventory", "running", "previous", "behaviour", "busy",
-             "interrupt_at", "ready_timeout_s", "options", "latency", "expect"}
+             "interrupt_at", "ready_timeout_s", "options", "latency", "canary_bench", "expect"}
 RELEASES = {"old": {"vllm_version": "0.31.0"}, "new": {"vllm_version": "0.32.0"}}
 SHUTDOWN_TIMEOUT_S = 60
 
@@ -97,6 +99,29 @@ class _Percentiles:
         return Percentiles(sum(r[0] for r in rows), max(r[1] for r in rows), max(r[2] for r in rows))
 
 
+class _Bench:
+    """The case's ``canary_bench.seen``: what a fixed-rate bench of each canary gives [answered, TTFT p95 s, ITL p95
+    s]; the (replica, rate) pairs asked."""
+
+    def __init__(self, seen: dict[str, list[float]]) -> None:
+        self.seen, self.asked = seen, []
+
+    def bench(self, replica: str, rate: float) -> tuple[Percentiles, str]:
+        self.asked.append((replica, rate))
+        return Percentiles(*self.seen[replica]), f"benched at {rate:g} req/s"
+
+
+def _record(steps: list[list[float]]) -> Record:
+    """The release replaced's bench record (vLLM 0.31.0, one replica): [rate, TTFT p95 s, ITL p95 s] per step, every
+    step within an objective of 1 s and 0.1 s but the last, which fails."""
+    rows = [Step(r, r, t, t, i, i, 1.0, 2.0, 10.0, 10, 0, 20.0, ttft_p95_s=t, itl_p95_s=i) for r, t, i in steps]
+    last = rows[-1]
+    rows[-1] = Step(last.rate, last.rate, 5.0, 5.0, 0.5, 0.5, 1.0, 2.0, 10.0, 10, 0, 20.0, ttft_p95_s=5.0,
+                    itl_p95_s=0.5)
+    return Record(RecordKey("", "0.31.0", "", "", "replica"), 1, Slo(1.0, 0.1), rows, {}, "guidellm 0.8.1",
+                  "2026-11-20T00:00:00+00:00", 20.0)
+
+
 def _run(case: dict[str, Any]) -> tuple[World, Report]:
     mode = case.get("command", UPGRADE)
     world = _world(case)
@@ -106,11 +131,14 @@ def _run(case: dict[str, Any]) -> tuple[World, Report]:
     batches = plan_rollout(found.units, given.get("batches", DEFAULT_BATCHES), ready=found.ready,
                            max_unavailable=dict.fromkeys(models, given.get("max_unavailable", 1)),
                            min_available=dict.fromkeys(models, given.get("min_available", 1)))
-    latency = case.get("latency")
+    latency, benched = case.get("latency"), case.get("canary_bench")
+    bench = _Bench(benched["seen"]) if benched else None
+    records = [_record(benched["stored"])] if benched and benched.get("stored") else []
     options = Options(given.get("canary_s", DEFAULT_CANARY_S), given.get("canary_every_batch", False),
                       Thresholds(given.get("max_error_ratio", DEFAULT_MAX_ERROR_RATIO),
                                  given.get("max_latency_ratio", DEFAULT_MAX_LATENCY_RATIO)),
-                      LatencyJudge(_Percentiles(latency), max_ratio=given.get("max_latency_ratio", 1.5))
+                      LatencyJudge(_Percentiles(latency), records, given.get("max_latency_ratio", 1.5),
+                                   given.get("canary_min_requests", 20), bench)
                       if latency is not None else None)
     router = RouterControl(world, world.routers, clock=world.now)
     report = Rollout(mode, found, batches, router, world, world, options, clock=world.now, sleep=world.sleep,
