@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from gpufleet_lab.state import NodeRecord
+
+from gpufleet.monitoring import ceiling_rules
+from gpufleet.monitoring.dashboards import Query
 
 PORT = 9090  # prometheus_port's default
 SCRAPE_INTERVAL_S = 15  # gpufleet.monitoring.scrape_config's global scrape_interval
@@ -69,3 +73,25 @@ def wait_for(what: str, probe: Callable[[], T | None], timeout: float, every: fl
         if time.monotonic() - start > timeout:
             raise AssertionError(f"{what}: not within {timeout:.0f} s")
         time.sleep(every)
+
+
+def needs_a_bench(query: Query) -> bool:
+    """A query that reads a model's measured ceiling: data only once gpufleet bench ran (tests/lab/test_bench.py
+    asks these after it)."""
+    return ceiling_rules.RECORD in query.expr
+
+
+def queries_without_data(prometheus: Prometheus, queries: list[Query], values: dict[str, str]) -> dict[str, str]:
+    """The queries that return nothing, or NaN only, on the lab's Prometheus now: name -> the query as run. A
+    query Prometheus cannot parse fails the test at once."""
+    empty = {}
+    for query in queries:
+        expr = query.resolve(values)
+        try:
+            result = prometheus.query(expr)
+        except urllib.error.HTTPError as exc:
+            raise AssertionError(f"{query.name}: Prometheus refused {expr!r}: {exc.read().decode()[:300]}") from None
+        numbers = [float((r.get("value") or r["values"][-1])[1]) for r in result]
+        if not any(n == n for n in numbers):  # NaN != NaN
+            empty[query.name] = expr
+    return empty

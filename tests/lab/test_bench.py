@@ -22,9 +22,10 @@ from gpufleet_lab.mirror import bench_client_pip_args
 
 from gpufleet.bench.guidellm_client import PIP_ARGS_ENV
 from gpufleet.bench.records import RECORDS_DIR
+from gpufleet.monitoring import dashboards
 from tests.lab.fleet import PIPELINE, lab_ca, served_name, single
 from tests.lab.harness import ROOT, Completed, Lab
-from tests.lab.prometheus import Prometheus, wait_for
+from tests.lab.prometheus import Prometheus, needs_a_bench, queries_without_data, wait_for
 
 pytestmark = pytest.mark.filterwarnings("ignore:Unknown ssh-ed25519 host key:UserWarning")
 
@@ -66,6 +67,11 @@ def test_bench_finds_each_shapes_ceiling_alike_twice_and_keeps_it(lab: Lab, faul
                         lambda: prometheus.query("gpufleet:model_ceiling_rps") or None, timeout=60)
     assert found[0]["metric"]["model"] == served_name("lab")
     assert float(found[0]["value"][1]) == pytest.approx(ceiling)
+    benched = [q for q in dashboards.panel_queries() if needs_a_bench(q)]
+    assert benched
+    _, router_load = wait_for("the routers' request rate", lambda: prometheus.query("model:router_requests:rate1m")
+                              or None, timeout=90)
+    assert queries_without_data(prometheus, benched, {"model": served_name("lab")}) == {}, router_load
     planned = subprocess.run([*GPUFLEET, "plan", "inventories/lab.py", "--observed", "--target-rps",
                               str(2 * ceiling)], cwd=ROOT, env=lab.env, capture_output=True, text=True, timeout=300)
     assert planned.returncode == 0, planned.stderr[-2000:]

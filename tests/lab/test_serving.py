@@ -12,14 +12,12 @@ import json
 import re
 import threading
 import time
-import urllib.error
 from http.client import HTTPException
 
 import pytest
 import yaml
 
 from gpufleet.monitoring import dashboards
-from gpufleet.monitoring.dashboards import Query
 from gpufleet.units.security import EXPOSURE_BOUND, exposure_score
 from tests.lab.checks import assert_no_errors, main_pid, metrics
 from tests.lab.fleet import (
@@ -43,7 +41,7 @@ from tests.lab.fleet import (
     vllm_child,
 )
 from tests.lab.harness import LAB_VARS, LAB_VENV, LAB_VLLM_VERSION, PYINFRA, ROOT, Completed, Lab, run
-from tests.lab.prometheus import SCRAPE_INTERVAL_S, Prometheus, wait_for
+from tests.lab.prometheus import SCRAPE_INTERVAL_S, Prometheus, needs_a_bench, queries_without_data, wait_for
 from tests.lab.scenarios import LabStates
 
 pytestmark = pytest.mark.filterwarnings("ignore:Unknown ssh-ed25519 host key:UserWarning")
@@ -221,33 +219,17 @@ def test_the_router_spreads_one_models_requests_over_both_replicas(lab: Lab, ser
 CLIENT_SERIES = "gpufleet_router_client_"
 
 
-def _without_data(prometheus: Prometheus, queries: list[Query], values: dict[str, str]) -> dict[str, str]:
-    """The queries that return nothing, or NaN only, on the lab's Prometheus now: name -> the query as run. A
-    query Prometheus cannot parse fails the test at once."""
-    empty = {}
-    for query in queries:
-        expr = query.resolve(values)
-        try:
-            result = prometheus.query(expr)
-        except urllib.error.HTTPError as exc:
-            raise AssertionError(f"{query.name}: Prometheus refused {expr!r}: {exc.read().decode()[:300]}") from None
-        numbers = [float((r.get("value") or r["values"][-1])[1]) for r in result]
-        if not any(n == n for n in numbers):  # NaN != NaN
-            empty[query.name] = expr
-    return empty
-
-
 def test_every_dashboard_query_parses_and_returns_data_on_the_lab(lab: Lab, serving: Completed | None) -> None:
     """Each panel's and variable's query of the shipped dashboards, with the lab's model and an NVLink node, on the
     lab's Prometheus while requests flow through the router (latency and rate panels need recent requests)."""
     prometheus = Prometheus(lab.nodes[0])
-    queries = dashboards.panel_queries() + dashboards.variable_queries()
+    queries = [q for q in dashboards.panel_queries() + dashboards.variable_queries() if not needs_a_bench(q)]
     values = {"model": served_name("lab"), "node": lab.nodes[1].address}  # lab2: 8xH100-SXM, NVLink
 
     def needing_data() -> dict[str, str]:
         """Every query without data (the Clients row's come from the routers' clients' counters: the requests below
         are the lab client's)."""
-        return _without_data(prometheus, queries, values)
+        return queries_without_data(prometheus, queries, values)
 
     def all_answer() -> bool | None:
         for _ in range(4):
