@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import socket
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,6 +114,29 @@ def _target(fleet: Fleet, chosen: Chosen, client_name: str | None, ca_file: str 
         fail_lines([problem.line() for problem in error.problems])
 
 
+def local_addresses(candidates: list[str]) -> list[str]:
+    """Those of ``candidates`` (IP addresses) that belong to this machine: a socket binds to them."""
+    found = []
+    for address in candidates:
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            try:
+                probe.bind((address, 0))
+            except OSError:
+                continue
+        found.append(address)
+    return found
+
+
+def _not_on_a_serving_node(fleet: Fleet) -> None:
+    """Refuse to run the client on a host of a serving pool: its load would compete with what it measures."""
+    serving = {virtual_address.host_address(h, fleet.configs[h]) or "": h for h in fleet.hosts if fleet.serves(h)}
+    if here := local_addresses([a for a in serving if a]):
+        fail_lines([f"gpufleet bench: this machine is the serving node {serving[here[0]]} ({here[0]}): run the bench"
+                    " from the controller or another host that serves nothing (its load would compete with what it"
+                    " measures)"])
+
+
 def _progress(step: Step, slo: Slo) -> str:
     def ms(value: float | None) -> str:
         return "-" if value is None else f"{value * 1000:,.0f} ms"
@@ -211,6 +235,7 @@ def bench_command(inventory: str, model: str | None, replica: str | None, slo_te
         rows = load_dataset(dataset, max_len) if dataset is not None else None
     except DatasetError as exc:
         fail_lines([f"gpufleet bench: --dataset: {exc}"])
+    _not_on_a_serving_node(fleet)
     target = _target(fleet, chosen, client_name, ca_file)
     steps_max = len(rates) if rates is not None else MAX_DOUBLINGS + REFINE_STEPS
     click.echo(f"gpufleet bench: {chosen.key.line()}, {len(chosen.replicas)} replica(s) at {target.base_url};"

@@ -238,3 +238,15 @@ def test_a_release_without_a_record_falls_back_to_the_newest_earlier_one_and_is_
         '"llama-3.1-70b": vLLM 0.31.0 has a measured ceiling (2 req/s), its successor 0.32.0 none: run gpufleet'
         ' bench']
     assert model_capacities(replicas, configs, []) == {}
+
+
+def test_the_client_never_runs_on_a_serving_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fleet whose serving node gpu-a01 is this machine (127.0.0.1): refused before the client is touched."""
+    monkeypatch.setattr(client, "client_path", _never)
+    monkeypatch.setattr(client, "run_step", _never)
+    result = CliRunner().invoke(main, ["bench", str(BENCH / "on_a_serving_node" / "inventory.py")],
+                                prog_name="gpufleet")
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith("gpufleet bench: this machine is the serving node gpu-a01.dc1.example.net"
+                                    " (127.0.0.1): run the bench from the controller")
+    assert cli_bench.local_addresses(["127.0.0.1", "192.0.2.1"]) == ["127.0.0.1"]
