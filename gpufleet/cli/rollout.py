@@ -18,7 +18,6 @@ from types import FrameType
 from typing import Any
 
 import click
-from pyinfra.api.inventory import Inventory
 
 from gpufleet.bench.guidellm_client import ClientError, Target, client_path, workload_for
 from gpufleet.bench.store import read_records as read_bench_records
@@ -107,11 +106,13 @@ def rollback_command(inventory: str, **options: Any) -> None:
     _roll(ROLLBACK, inventory, **options)
 
 
-def _latency_judge(hosts: Inventory, fleet: Fleet, replicas: list[Replica], max_ratio: float, min_requests: int,
-                   canary_bench: bool) -> LatencyJudge | None:
+def _latency_judge(inventory: str, override: dict[str, Any] | None, fleet: Fleet, replicas: list[Replica],
+                   max_ratio: float, min_requests: int, canary_bench: bool) -> LatencyJudge | None:
     """The canary's latency judge on the first monitoring host's Prometheus, with the bench records kept there
     (and, with ``canary_bench``, the client that benches each canary); None without a monitoring group (the routers'
-    mean response time is judged then)."""
+    mean response time is judged then). The records are read over an inventory of their own (pyinfra's states do
+    not share one)."""
+    hosts = load_inventory(inventory, override)
     monitors = [host.name for host in hosts.get_group(MONITORING_GROUP, [])]
     if not monitors or monitors[0] not in fleet.configs:
         if canary_bench:
@@ -233,8 +234,8 @@ def _roll(mode: str, inventory: str, batches: str, max_unavailable: str, min_ava
                            " back", err=True)
         options = Options(checked.canary_s, canary_every_batch,
                           Thresholds(checked.max_error_ratio, checked.max_latency_ratio),
-                          _latency_judge(hosts, fleet, plan.replicas, checked.max_latency_ratio, checked.min_requests,
-                                         canary_bench))
+                          _latency_judge(inventory, override, fleet, plan.replicas, checked.max_latency_ratio,
+                                         checked.min_requests, canary_bench))
         deployer = PyinfraDeploy(program or "pyinfra", Path(inventory), data)
         previous = signal.signal(signal.SIGTERM, _interrupt)
         try:
