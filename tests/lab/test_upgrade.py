@@ -43,24 +43,11 @@ OTHER_VERSION = max(set(LAB_VLLM_VERSIONS) - {START_VERSION})  # the release the
 ROLLOUT_TIMEOUT_S = 2400
 # The good rollouts' canary latency bound. A CPU replica's first requests after its start answer several times
 # slower than before (lab, a good release: the canary's mean 883 ms after a 20 s watch of 8 requests, the replica
-# not rolled 281 ms), more so while the unit tiers share the two cores: the default 2.0 can stop a good release.
-# The bound that judges a slow release is tests/data/rollout_runs' (canary_latency_*); these tests are about
-# rolling with no request lost.
+# not rolled 281 ms), more so while the unit tiers share the two cores: the default 1.5 can stop a good release.
+# With the lab's monitoring group a canary is judged on vLLM's p95 once it served --canary-min-requests (20), which
+# a 10 s watch of this load does not reach. The bounds that judge a slow release are tests/data/rollout_runs'
+# (canary_latency_*, canary_p95_*, canary_bench_*); these tests are about rolling with no request lost.
 LAB_LATENCY_RATIO = "10"
-
-
-# The release slower per token: the same vLLM with eight OpenMP threads per engine where the lab gives one (three
-# engines on two cores: their threads spin against each other). gpufleet bench on lab1's replica, 1 to 8 req/s:
-# inter-token latency p99 37 ms against 4 to 14 ms with one thread.
-SLOW_ENV = json.dumps({"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "8"})
-# A watch that judges latency: the canary serves --canary-min-requests within it under _busy_traffic.
-LATENCY_WATCH = ("--canary-s", "30", "--canary-min-requests", "10")
-
-
-def _busy_traffic(lab: Lab) -> RequestLoad:
-    """Four streams, 1 s apart: about 1.5 requests a second reach each replica, enough for a canary's percentiles."""
-    return RequestLoad(router_url(lab), served_name("lab"), client_key(lab), streams=4, pause_s=1.0, chat=True,
-                       limit_s=ROLLOUT_TIMEOUT_S, limit=6000, ca_file=lab_ca(lab))
 
 
 def _traffic(lab: Lab) -> RequestLoad:
@@ -108,12 +95,11 @@ def _served_versions(lab: Lab, count: int = 6) -> set[str]:
 
 
 def _rolled(lab: Lab, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, name: str,
-            *args: str, busy: bool = False) -> tuple[subprocess.CompletedProcess[str], dict[str, Any], RequestLoad]:
-    """Run ``gpufleet ARGS --report ...`` under load (``busy``: :func:`_busy_traffic`): its exit, its JSON report and
-    the load's outcome."""
+            *args: str) -> tuple[subprocess.CompletedProcess[str], dict[str, Any], RequestLoad]:
+    """Run ``gpufleet ARGS --report ...`` under load: its exit, its JSON report and the load's outcome."""
     report = tmp_path / "report.json"
     retried = router_retries(lab)
-    traffic = (_busy_traffic(lab) if busy else _traffic(lab)).start()
+    traffic = _traffic(lab).start()
     started = time.monotonic()
     try:
         time.sleep(3)
@@ -131,33 +117,15 @@ def _states(report: dict[str, Any]) -> dict[str, str]:
     return {entry["replica"]: entry["state"] for entry in report["replicas"]}
 
 
-def test_a_release_slower_per_token_is_rolled_back_at_the_canary(
-        lab: Lab, faults: Completed | None, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
-    """lab1's replica has no other replica of its shape: its p95 from Prometheus is compared with its release's bench
-    record (tests/lab/test_bench.py kept it), and the slower release fails the watch; it is rolled back, no request
-    fails, the pipeline replica is untouched."""
-    before = _running(lab)
-    done, report, traffic = _rolled(lab, tmp_path, tmp_path_factory, "a release slower per token",
-                                    "upgrade", "inventories/lab.py", "--batches", "1,100%", *LATENCY_WATCH,
-                                    "--data", f"vllm_env={SLOW_ENV}", busy=True)
-    assert done.returncode == 1, done.stdout[-4000:] + done.stderr[-4000:]
-    assert _states(report) == {single(lab): "rolled back", PIPELINE: "untouched"}, done.stdout[-4000:]
-    assert "canary: " in report["failure"] and "times the stored baseline" in report["failure"], report["failure"]
-    assert traffic.figures()["requests"] > 0 and traffic.failures == [], traffic.failures[:5]
-    assert _running(lab) == before
-
-
 def test_an_upgrade_under_load_rolls_both_replicas_and_loses_no_request(
         lab: Lab, faults: Completed | None, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     assert _releases(lab) == {single(lab): START_VERSION, PIPELINE: START_VERSION}
     assert _served_versions(lab) == {START_VERSION}
     done, report, traffic = _rolled(lab, tmp_path, tmp_path_factory, f"upgrade {START_VERSION} -> {OTHER_VERSION}",
-                                    "upgrade", "inventories/lab.py", "--batches", "1,100%", *LATENCY_WATCH,
-                                    "--data", f"vllm_version={OTHER_VERSION}", busy=True)
+                                    "upgrade", "inventories/lab.py", "--batches", "1,100%", "--canary-s", "10",
+                                    "--max-latency-ratio", LAB_LATENCY_RATIO, "--data", f"vllm_version={OTHER_VERSION}")
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert _states(report) == {single(lab): "rolled", PIPELINE: "rolled"}, done.stdout[-4000:]
-    judged = [note for entry in report["replicas"] for note in entry["notes"] if note.startswith("canary latency: ")]
-    assert judged and "not judged" not in judged[0] and "bench" in judged[0], judged  # judged on the stored baseline
     assert traffic.figures()["requests"] > 0 and traffic.failures == [], traffic.failures[:5]
     assert _releases(lab) == {single(lab): OTHER_VERSION, PIPELINE: OTHER_VERSION}
     assert set(_running(lab).values()) == {OTHER_VERSION}, _running(lab)
