@@ -45,6 +45,7 @@ from tests.lab.fleet import (
     wait_serving,
 )
 from tests.lab.harness import LAB_VENV, LAB_VLLM_VERSION, PYINFRA, ROOT, Completed, Lab, run
+from tests.lab.prometheus import wait_for
 from tests.lab.scenarios import GROUP_CHANGED, LabStates
 
 pytestmark = pytest.mark.filterwarnings("ignore:Unknown ssh-ed25519 host key:UserWarning")
@@ -154,6 +155,10 @@ def test_kill_9_of_any_rank_restarts_the_whole_pipeline_replica_once(lab: Lab, f
     try:
         killed = time.monotonic()
         lab.host(ranks[rank]).check_output(f"kill -{int(signal.SIGKILL)} {before[ranks[rank].name]}")
+        # rank 0 may answer a moment longer (through the killed rank's engine processes, until its unit's cgroup is
+        # stopped): serving again counts once rank 0's vLLM was replaced too
+        wait_for(f"{unit}'s rank 0 stopped with the killed rank", lambda: True if vllm_child(
+            lab, ranks[0], unit) != before[ranks[0].name] else None, timeout=120, every=1)
         wait_serving(lab, ranks[0], timeout=600)
         recovered = time.monotonic() - killed
     finally:
