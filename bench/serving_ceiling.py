@@ -1,7 +1,7 @@
 """How repeatable ``gpufleet bench`` is on the running lab: each replica shape's ceiling, measured several times.
 
     python bench/serving_ceiling.py                                  # 2 runs of each shape, the ramp's defaults
-    python bench/serving_ceiling.py --runs 3 --slo ttft_p99_s=0.25,itl_p99_s=0.05 --step-s 10
+    python bench/serving_ceiling.py --runs 3 --slo ttft_p99_s=0.25,itl_p99_s=0.05 --step-s 10 --dataset FILE
 
 Needs the lab up and deployed (``make lab``; ``$GPUFLEET_LAB_DIR`` picks another lab). For each replica of the
 lab's default layout (lab1's one-node replica, the pipeline over lab2 and lab3) it runs ``gpufleet bench
@@ -45,7 +45,8 @@ def _run(replica: str, args: argparse.Namespace, folder: Path) -> dict[str, Any]
     report = folder / f"{replica}-{time.monotonic_ns()}.json"
     argv = [sys.executable, "-m", "gpufleet.cli.main", "bench", INVENTORY, "--replica", replica, "--step-s",
             str(args.step_s), "--ca-file", str(lab_dir() / TLS_DIR / "ca.crt"), "--report", str(report)]
-    argv += [*(["--slo", args.slo] if args.slo else []), *(["--rates", args.rates] if args.rates else [])]
+    argv += [*(["--slo", args.slo] if args.slo else []), *(["--rates", args.rates] if args.rates else []),
+             *(["--dataset", args.dataset] if args.dataset else [])]
     env = {**os.environ, LAB_DIR_ENV: str(lab_dir()), PIP_ARGS_ENV: bench_client_pip_args()}
     started = time.monotonic()
     done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
@@ -65,8 +66,10 @@ def main() -> None:
     parser.add_argument("--slo", help="gpufleet bench --slo (default: the pools' objective)")
     parser.add_argument("--rates", help="gpufleet bench --rates (default: its doubling ramp)")
     parser.add_argument("--step-s", type=float, default=10.0, help="seconds a step sends (default 10)")
+    parser.add_argument("--dataset", help="gpufleet bench --dataset (default: random lengths from max_model_len)")
     args = parser.parse_args()
-    found: dict[str, Any] = {"slo": args.slo, "rates": args.rates, "step_s": args.step_s, "shapes": {}}
+    found: dict[str, Any] = {"slo": args.slo, "rates": args.rates, "step_s": args.step_s, "dataset": args.dataset,
+                             "shapes": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for layout, replica in _replicas().items():
             runs = [_run(replica, args, Path(tmp)) for _ in range(args.runs)]

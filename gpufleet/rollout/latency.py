@@ -3,9 +3,9 @@ the watch, from the fleet's Prometheus (vLLM's histograms, per replica), against
 
 - its model's replicas of the same shape not rolled yet, over the same window (a pipeline replica answers slower
   than a one-node one: shapes are not compared with each other): the same load at the same time;
-- without such peers (a model of one replica of its shape, or the last batch with ``--canary-every-batch``), the
-  stored baseline of the release being replaced: the bench record of its model, that release, its shape and GPU
-  profile (``gpufleet bench``), at the lowest measured rate per replica at or above the canary's own.
+- with ``--canary-bench`` (:mod:`gpufleet.rollout.canary_bench`), the stored baseline of the release being
+  replaced: the bench record of its model, that release, its shape and GPU profile (``gpufleet bench``), at the
+  lowest measured rate per replica at or above the bench's own, against the canary's figures from the same client.
 
 The canary fails when either figure is more than ``--max-latency-ratio`` times the reference, judged once it served
 at least ``--canary-min-requests`` requests over the watch (a peer group with fewer is not a reference). Pure but
