@@ -27,10 +27,10 @@ from gpufleet.bench.ramp import (
     parse_slo,
 )
 from gpufleet.bench.records import RECORDS_DIR, Record, RecordKey, layout_name
-from gpufleet.cli.inputs import DATA_OPTION, cli_fleet, fail_lines, fleet_facts
+from gpufleet.cli.inputs import DATA_OPTION, cli_fleet, fail_lines, fleet_facts, group_hosts
 from gpufleet.config.fleet import Fleet
-from gpufleet.config.inventory import loaded_inventory, parse_data_args
-from gpufleet.config.inventory_shape import MONITORING_GROUP
+from gpufleet.config.inventory import parse_data_args
+from gpufleet.config.inventory_shape import MONITORING_GROUP, ROUTERS_GROUP
 from gpufleet.config.problems import ConfigError
 from gpufleet.config.secrets import read_secret
 from gpufleet.netaddr import host_port
@@ -91,11 +91,8 @@ def _target(fleet: Fleet, chosen: Chosen, client_name: str | None, ca_file: str 
             replica = chosen.replicas[0]
             address = virtual_address.host_address(replica.nodes[0], first_cfg) or replica.nodes[0]
             key = read_secret(first_cfg.vllm_api_key, "vllm_api_key") if first_cfg.vllm_api_key else None
-            host = f"[{address}]" if ":" in address else address
-            return client.Target(f"http://{host}:{replica.port}", chosen.model, key, ca_file, tokenizer)
-        loaded = loaded_inventory(fleet.hosts[0]) if fleet.hosts else None
-        routers = virtual_address.routers_of(loaded.groups) if loaded is not None else []
-        routers = [r for r in routers if r in fleet.configs]
+            return client.Target(f"http://{host_port(address, replica.port)}", chosen.model, key, ca_file, tokenizer)
+        routers = [r for r in group_hosts(fleet, ROUTERS_GROUP) if r in fleet.configs]
         if not routers:
             fail_lines(["gpufleet bench: the inventory has no routers group: bench one replica with --replica"])
         cfg = fleet.configs[routers[0]]
@@ -158,8 +155,7 @@ def _count(value: float | None) -> str:
 def _engine_metrics(fleet: Fleet, chosen: Chosen, steps: list[Step]) -> tuple[list[Step], list[str]]:
     """``steps`` with vLLM's KV cache usage and preemptions from the first monitoring host's Prometheus, and a note
     when they could not be read."""
-    loaded = loaded_inventory(fleet.hosts[0]) if fleet.hosts else None
-    hosts = next((list(m) for name, m in loaded.groups if name == MONITORING_GROUP), []) if loaded else []
+    hosts = group_hosts(fleet, MONITORING_GROUP)
     if not hosts or hosts[0] not in fleet.configs:
         return steps, ["KV cache usage and preemptions: no monitoring host"]
     cfg = fleet.configs[hosts[0]]
@@ -180,8 +176,7 @@ def _store(inventory: str, data: tuple[str, ...], fleet: Fleet, record: Record, 
     from gpufleet.bench.store import store_record  # pyinfra's SSH stack: loaded only when asked
     from gpufleet.gpu.live_probe import load_inventory
 
-    loaded = loaded_inventory(fleet.hosts[0]) if fleet.hosts else None
-    hosts = next((list(m) for name, m in loaded.groups if name == MONITORING_GROUP), []) if loaded else []
+    hosts = group_hosts(fleet, MONITORING_GROUP)
     if not hosts:
         return ["no monitoring group: the record is only printed (and in --report)"]
     return store_record(load_inventory(inventory, parse_data_args(list(data)) or None), hosts, record, replicas,

@@ -39,6 +39,12 @@ DATA_OPTION = click.option("--data", "data", multiple=True, metavar="KEY=VALUE",
                             help="Override a variable as `pyinfra --data` does (validated the same way).")
 
 
+def group_hosts(fleet: Fleet, group: str) -> list[str]:
+    """The hosts of the inventory group ``group`` (the routers, the monitoring hosts), in its order; [] without one."""
+    loaded = loaded_inventory(fleet.hosts[0]) if fleet.hosts else None
+    return next((list(members) for name, members in loaded.groups if name == group), []) if loaded else []
+
+
 def _source_of(fleet: Fleet, host: str, key: str) -> str:
     """The file that set ``key`` for ``host`` (a role's default or nothing: the inventory, where it goes)."""
     loaded = loaded_inventory(host)

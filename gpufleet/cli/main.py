@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from gpufleet.cli.inputs import DATA_OPTION, cli_fleet, declared_plan, fail_lines, fleet_facts
+from gpufleet.cli.inputs import DATA_OPTION, cli_fleet, declared_plan, fail_lines, fleet_facts, group_hosts
 from gpufleet.config.fleet import Fleet
 from gpufleet.config.inventory import (
     configured_health_policy,
@@ -203,8 +203,7 @@ def _print_ceilings(inventory: str, data: tuple[str, ...], fleet: Fleet, plan: F
     from gpufleet.bench.store import read_records
     from gpufleet.gpu.live_probe import load_inventory
 
-    loaded = loaded_inventory(fleet.hosts[0]) if fleet.hosts else None
-    hosts = next((list(m) for name, m in loaded.groups if name == MONITORING_GROUP), []) if loaded else []
+    hosts = group_hosts(fleet, MONITORING_GROUP)
     if not hosts:
         click.echo("ceilings: no monitoring group holds bench records")
         return []
