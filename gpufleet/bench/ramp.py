@@ -43,8 +43,9 @@ class Slo:
 class Step:
     """What one step of the ramp measured: the rate asked and achieved (successful requests a second), latency
     percentiles in seconds, output tokens a second, requests that succeeded and that failed (errored, or not
-    answered within the step's time bound), and the replicas' KV cache usage (highest, 0 to 1) and preemptions over
-    the step (None where the metrics could not be read), and when the step began and ended (Unix time)."""
+    answered within the step's time bound), and the replicas' KV cache usage (highest, 0 to 1), preemptions and p95
+    TTFT and ITL by vLLM's own histograms over the step (None where the metrics could not be read), and when the step
+    began and ended (Unix time)."""
 
     rate: float
     achieved_rps: float
@@ -58,12 +59,14 @@ class Step:
     succeeded: int
     failed: int
     seconds: float
-    ttft_p95_s: float | None = None  # what a rollout's canary is compared with (vLLM's p95 from Prometheus)
+    ttft_p95_s: float | None = None  # the client's: what --canary-bench's canary is compared with
     itl_p95_s: float | None = None
     started_at: float = 0.0  # Unix time of the step's first request and of its end
     ended_at: float = 0.0
     kv_usage_max: float | None = None
     preemptions: float | None = None
+    engine_ttft_p95_s: float | None = None  # vLLM's: what a canary's watch is compared with
+    engine_itl_p95_s: float | None = None
 
     def missed(self, slo: Slo) -> list[str]:
         """The limits this step missed (of :data:`LIMITS`); none: it passed."""

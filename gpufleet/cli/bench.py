@@ -7,13 +7,14 @@ import datetime
 import json
 import socket
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import click
 
 from gpufleet.bench import guidellm_client as client
 from gpufleet.bench.dataset import DatasetError, load_dataset, write_for_client
+from gpufleet.bench.engine_histograms import Buckets, p95_between, read_buckets
 from gpufleet.bench.engine_metrics import with_engine_metrics
 from gpufleet.bench.plot import render_svg
 from gpufleet.bench.ramp import (
@@ -139,9 +140,36 @@ def _progress(step: Step, slo: Slo) -> str:
         return "-" if value is None else f"{value * 1000:,.0f} ms"
 
     missed = step.missed(slo)
+    engine = (f" (vLLM's p95: TTFT {ms(step.engine_ttft_p95_s)}, ITL {ms(step.engine_itl_p95_s)})"
+              if step.engine_itl_p95_s is not None else "")
     return (f"step {step.rate:g} req/s: {step.achieved_rps:.2f} req/s done, {step.output_tokens_per_s:,.1f} tok/s,"
-            f" TTFT p99 {ms(step.ttft_p99_s)}, ITL p99 {ms(step.itl_p99_s)}, {step.failed} failed:"
+            f" TTFT p99 {ms(step.ttft_p99_s)}, ITL p99 {ms(step.itl_p99_s)}, {step.failed} failed{engine}:"
             f" {'missed ' + '+'.join(missed) if missed else 'within the objective'}")
+
+
+def _metrics_urls(fleet: Fleet, chosen: Chosen) -> list[str]:
+    """Each benched replica's ``/metrics`` (its first node's API port)."""
+    urls = []
+    for replica in chosen.replicas:
+        cfg = fleet.configs[replica.nodes[0]]
+        address = virtual_address.host_address(replica.nodes[0], cfg) or replica.nodes[0]
+        urls.append(f"http://{host_port(address, replica.port)}/metrics")
+    return urls
+
+
+def _buckets(urls: list[str]) -> Buckets | None:
+    try:
+        return read_buckets(urls)
+    except OSError:
+        return None
+
+
+def _with_engine_latency(step: Step, before: Buckets | None, after: Buckets | None) -> Step:
+    """``step`` with vLLM's own p95s between two readings of its histograms (unchanged without both)."""
+    if before is None or after is None:
+        return step
+    p95 = p95_between(before, after)
+    return replace(step, engine_ttft_p95_s=p95["ttft"], engine_itl_p95_s=p95["itl"])
 
 
 def _share(value: float | None) -> str:
@@ -238,20 +266,30 @@ def bench_command(inventory: str, model: str | None, replica: str | None, slo_te
                f" of {step_s:g} s (each bounded to {client.step_bound_s(step_s):g} s)")
     exe = client.client_path(lambda line: click.echo(f"gpufleet bench: {line}"))
     steps: list[Step] = []
+    metrics = _metrics_urls(fleet, chosen)
+    unread = False
     with tempfile.TemporaryDirectory(prefix="gpufleet-bench-data-") as tmp:
         workload = (client.Workload(dataset=write_for_client(rows, Path(tmp) / "requests.jsonl"))
                     if rows is not None else client.workload_for(max_len))
         while (rate := next_rate(steps, slo, rates)) is not None:
+            before = _buckets(metrics)
             try:
                 step = client.run_step(exe, target, workload, rate, step_s)
             except client.ClientError as exc:
                 fail_lines([f"gpufleet bench: step {rate:g} req/s: {exc}"])
+            after = _buckets(metrics)
+            unread = unread or before is None or after is None
+            step = _with_engine_latency(step, before, after)
             steps.append(step)
             click.echo(_progress(step, slo))
     steps, notes = _engine_metrics(fleet, chosen, steps)
     for step in steps if not notes else []:
         click.echo(f"vLLM at {step.rate:g} req/s: KV cache usage up to {_share(step.kv_usage_max)},"
                    f" {_count(step.preemptions)} preemptions")
+    if unread:
+        notes.append("vLLM's own latency: a replica's /metrics could not be read (vllm_api_allowed_from must let this"
+                     " host in): a rollout's watch has no stored baseline from this record")
+        click.echo(f"gpufleet bench: {notes[-1]}", err=True)
     shape = ({"dataset": str(dataset), "requests": len(rows)} if rows is not None else
              {"prompt_tokens": list(workload.prompt_tokens), "output_tokens": list(workload.output_tokens)})
     record = Record(chosen.key, len(chosen.replicas), slo, sorted(steps, key=lambda s: s.rate), shape,

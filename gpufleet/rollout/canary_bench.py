@@ -69,4 +69,4 @@ def _ms(value: float | None) -> str:
 
 def stored_at(plan: BenchPlan) -> Percentiles | None:
     """The record's percentiles at the plan's rate."""
-    return stored_percentiles(plan.record, plan.rate) if plan.rate is not None else None
+    return stored_percentiles(plan.record, plan.rate, engine=False) if plan.rate is not None else None

@@ -39,7 +39,9 @@ from gpufleet.rollout.latency import (
     DEFAULT_MIN_REQUESTS,
     LatencySource,
     Percentiles,
+    baseline_record,
     latency_verdict,
+    stored_percentiles,
 )
 from gpufleet.rollout.node_releases import RecordFailure, drop_staged, keep_previous, stage_previous
 from gpufleet.rollout.release import Release
@@ -352,8 +354,8 @@ class Rollout:
         return None
 
     def _judge_latency(self, members: Sequence[Member], served: dict[str, int], watched_s: float) -> str | None:
-        """Each canary's p95 TTFT and ITL against its shape's replicas not rolled (or its release's bench record);
-        a canary the routers sent fewer than the minimum of requests is not judged (and not waited for)."""
+        """Each canary's p95 TTFT and ITL against its shape's replicas not rolled, and its ITL against its release's
+        bench record; a canary the routers sent fewer than the minimum of requests is not judged (nor waited for)."""
         judge = self.options.latency
         assert judge is not None
         for member in members:
@@ -375,16 +377,16 @@ class Rollout:
                 base = judge.source.percentiles(peers, window) if peers else None
             except PrometheusError as exc:
                 return f"replica {member.name}: canary: its latency could not be read: {exc}"
-            # The watch's figures are vLLM's histograms; a bench record's are its client's (guidellm, from the first
-            # byte it reads, on the bench's own workload): not the same measure (lab: a good release's canary read
-            # 4.4 times its record's TTFT p95). The watch compares with its peers only; --canary-bench compares the
-            # client's figures with the record's.
+            release = str((member.before or {}).get("vllm_version", ""))
+            record = baseline_record(judge.records, member.model, release, member.layout, member.profile)
+            stored = stored_percentiles(record, seen.requests / window, engine=True)
             self._outcome(member).notes.append(
                 f"canary latency: {seen.requests:.0f} requests, {seen.line()}"
                 + (f"; not rolled ({len(peers)} of its shape): {base.line()}" if base is not None else
-                   "; no replica of its shape left unrolled to compare with (--canary-bench compares with its"
-                   " release's bench record)"))
-            why = latency_verdict(seen, base, None, judge.max_ratio, judge.min_requests)
+                   "; no replica of its shape left unrolled to compare with")
+                + (f"; vLLM {release}'s bench at {stored.requests:.3g} req/s per replica: {stored.line()}"
+                   if stored is not None else f"; no bench of vLLM {release} at this load to compare with"))
+            why = latency_verdict(seen, base, stored, judge.max_ratio, judge.min_requests, stored_keys=("itl",))
             if why:
                 return f"replica {member.name}: canary: {why}"
         return None

@@ -6,6 +6,7 @@ the client replaced by a replica whose latency grows with the rate."""
 from __future__ import annotations
 
 import json
+import math
 import stat
 from pathlib import Path
 from typing import Any
@@ -133,6 +134,15 @@ def test_a_ramp_finds_the_ceiling_prints_a_line_per_step_and_keeps_the_record(
     monkeypatch.setattr(client, "run_step", replica.run_step)
     monkeypatch.setattr(cli_bench, "_store",
                         lambda inventory, data, fleet, record, replicas: stored.append(record) or [])
+    pages: list[list[str]] = []
+
+    def read_buckets(urls: list[str]) -> dict[str, dict[float, float]]:
+        """Each reading finds ten more first tokens within 100 ms and a hundred more tokens within 10 ms."""
+        pages.append(urls)
+        n = len(pages)
+        return {"ttft": {0.1: 10.0 * n, math.inf: 10.0 * n}, "itl": {0.01: 100.0 * n, math.inf: 100.0 * n}}
+
+    monkeypatch.setattr(cli_bench, "read_buckets", read_buckets)
     report, plot = tmp_path / "record.json", tmp_path / "ramp.svg"
     result = CliRunner().invoke(main, ["bench", FLEET, "--slo", "ttft_p99_s=1", "--step-s", "10",
                                        "--report", str(report), "--plot", str(plot)])
@@ -147,6 +157,8 @@ def test_a_ramp_finds_the_ceiling_prints_a_line_per_step_and_keeps_the_record(
         "llama-3.1-70b", "0.32.0", "tp4-pp1", "8xH100-SXM")
     assert doc["slo"] == {"ttft_p99_s": 1.0, "itl_p99_s": 0.1}
     assert [s["rate"] for s in doc["steps"]] == [0.5, 1.0, 2.0, 3.0, 3.5, 4.0]
+    assert len(pages) == 12 and len(pages[0]) == 6  # before and after each step, every replica's /metrics
+    assert all((s["engine_ttft_p95_s"], s["engine_itl_p95_s"]) == pytest.approx((0.095, 0.0095)) for s in doc["steps"])
     assert stored and Record.from_json(stored[0].to_json()) == stored[0]
     svg = plot.read_text()
     assert svg.startswith("<svg") and "ceiling 3.5" in svg and "objective 1 s" in svg

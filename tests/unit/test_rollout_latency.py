@@ -3,6 +3,7 @@ gives at the canary's rate, and the record a canary is compared with."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -30,7 +31,8 @@ def test_case(case: dict[str, Any]) -> None:
     canary = _percentiles(case["canary"])
     assert canary is not None
     found = latency_verdict(canary, _percentiles(case.get("peers")), _percentiles(case.get("stored")),
-                            case.get("ratio", 1.5), case.get("min_requests", 20))
+                            case.get("ratio", 1.5), case.get("min_requests", 20),
+                            tuple(case.get("stored_keys", ("ttft", "itl"))))
     if case["verdict"] is None:
         assert found is None
     else:
@@ -39,7 +41,7 @@ def test_case(case: dict[str, Any]) -> None:
 
 def _step(rate: float, ttft_p95: float) -> Step:
     return Step(rate, rate, ttft_p95, ttft_p95, 0.02, 0.03, 1.0, 2.0, 30.0, 20, 0, 60.0, ttft_p95_s=ttft_p95,
-                itl_p95_s=0.025)
+                itl_p95_s=0.025, engine_ttft_p95_s=ttft_p95 / 2, engine_itl_p95_s=0.02 * rate)
 
 
 def _record(release: str, scope: str, replicas: int, date: str = "2026-11-20T00:00:00+00:00") -> Record:
@@ -50,12 +52,16 @@ def _record(release: str, scope: str, replicas: int, date: str = "2026-11-20T00:
 
 def test_the_stored_baseline_is_the_lowest_step_at_or_above_the_canarys_rate_per_replica() -> None:
     one = _record("0.31.0", "replica", 1)
-    assert stored_percentiles(one, 0.3) == Percentiles(1.0, 0.1, 0.025)
-    assert stored_percentiles(one, 1.5) == Percentiles(2.0, 0.2, 0.025)
-    assert stored_percentiles(one, 4.5) is None  # busier than any step measured: not comparable
-    assert stored_percentiles(None, 1.0) is None
+    assert stored_percentiles(one, 0.3, engine=False) == Percentiles(1.0, 0.1, 0.025)
+    assert stored_percentiles(one, 1.5, engine=False) == Percentiles(2.0, 0.2, 0.025)
+    assert stored_percentiles(one, 1.5, engine=True) == Percentiles(2.0, 0.1, 0.04)  # vLLM's own histograms
+    assert stored_percentiles(one, 4.5, engine=False) is None  # busier than any step measured: not comparable
+    assert stored_percentiles(None, 1.0, engine=True) is None
     two = _record("0.31.0", "routers", 2)  # 0.5, 1 and 2 req/s per replica
-    assert stored_percentiles(two, 0.75) == Percentiles(1.0, 0.2, 0.025)
+    assert stored_percentiles(two, 0.75, engine=False) == Percentiles(1.0, 0.2, 0.025)
+    unread = Record(one.key, 1, one.slo, [replace(s, engine_ttft_p95_s=None, engine_itl_p95_s=None) for s in one.steps],
+                    {}, "guidellm 0.8.1", one.date, 60.0)  # Prometheus could not be read during its bench
+    assert stored_percentiles(unread, 0.3, engine=True) is None
 
 
 def test_a_canary_is_compared_with_its_release_shape_and_profile() -> None:

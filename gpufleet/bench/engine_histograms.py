@@ -1,0 +1,76 @@
+"""vLLM's own latency over one step of a bench: its time-to-first-token and inter-token latency histograms, read
+from each replica's ``/metrics`` just before and just after the step, and the p95 of the difference (estimated
+within a bucket as Prometheus's ``histogram_quantile`` does, so that a record reads like the canary's watch).
+
+Read directly rather than from Prometheus: a step of a few seconds is shorter than a scrape interval, and the
+replica has counted every answer of the step once the client has it.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import urllib.request
+from collections.abc import Mapping, Sequence
+
+HISTOGRAMS = {"ttft": "vllm:time_to_first_token_seconds", "itl": "vllm:inter_token_latency_seconds"}
+"""vLLM's latency histograms, by the short name of the figure."""
+
+TIMEOUT_S = 10.0
+_BUCKET = re.compile(r'^(?P<name>[a-z_:]+)_bucket\{(?P<labels>[^}]*)\}\s+(?P<value>\S+)')
+_LE = re.compile(r'(?:^|,)le="(?P<le>[^"]+)"')
+
+Buckets = dict[str, dict[float, float]]
+"""Per figure (``ttft``, ``itl``): cumulative count per upper bound, summed over the replica's engines."""
+
+
+def parse_buckets(text: str) -> Buckets:
+    """The latency histograms' buckets in a ``/metrics`` page (Prometheus's text format)."""
+    by_name = {name: key for key, name in HISTOGRAMS.items()}
+    found: Buckets = {key: {} for key in HISTOGRAMS}
+    for line in text.splitlines():
+        match = _BUCKET.match(line)
+        if match is None or match["name"] not in by_name:
+            continue
+        le = _LE.search(match["labels"])
+        if le is not None:
+            counts, bound = found[by_name[match["name"]]], float(le["le"])
+            counts[bound] = counts.get(bound, 0.0) + float(match["value"])
+    return found
+
+
+def read_buckets(urls: Sequence[str]) -> Buckets:
+    """The sum of the histograms of the ``/metrics`` pages at ``urls`` (OSError when one cannot be read)."""
+    total: Buckets = {key: {} for key in HISTOGRAMS}
+    for url in urls:
+        with urllib.request.urlopen(url, timeout=TIMEOUT_S) as answer:
+            page = parse_buckets(answer.read().decode("utf-8", "replace"))
+        for key, counts in page.items():
+            for bound, count in counts.items():
+                total[key][bound] = total[key].get(bound, 0.0) + count
+    return total
+
+
+def quantile(q: float, cumulative: Mapping[float, float]) -> float | None:
+    """The ``q`` quantile of a histogram's cumulative bucket counts, by linear interpolation within its bucket
+    (the highest finite bound when it falls in ``+Inf``); None without observations."""
+    bounds = sorted(cumulative)
+    if not bounds or cumulative[bounds[-1]] <= 0:
+        return None
+    rank = q * cumulative[bounds[-1]]
+    lower, below = 0.0, 0.0
+    for bound in bounds:
+        count = cumulative[bound]
+        if count >= rank:
+            if math.isinf(bound):
+                return lower
+            inside = count - below
+            return bound if inside <= 0 else lower + (bound - lower) * (rank - below) / inside
+        lower, below = bound, count
+    return lower
+
+
+def p95_between(before: Buckets, after: Buckets) -> dict[str, float | None]:
+    """Each figure's p95 over what was observed between two readings."""
+    return {key: quantile(0.95, {le: after[key][le] - before[key].get(le, 0.0) for le in after[key]})
+            for key in HISTOGRAMS}

@@ -1,0 +1,57 @@
+"""vLLM's own p95 over a bench step: the latency histograms of a real lab replica's ``/metrics`` page
+(tests/data/engine_histograms), and what a step observed between two readings of it."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from gpufleet.bench.engine_histograms import HISTOGRAMS, p95_between, parse_buckets, quantile
+from tests.conftest import DATA
+
+PAGE = (DATA / "engine_histograms" / "lab-single-before.txt").read_text()
+
+
+def _counts(name: str, text: str = PAGE) -> dict[float, float]:
+    """The page's cumulative buckets of ``name``, read independently of the module."""
+    found: dict[float, float] = {}
+    for line in text.splitlines():
+        if line.startswith(f"{name}_bucket{{"):
+            le = line.split('le="')[1].split('"')[0]
+            found[float(le)] = found.get(float(le), 0.0) + float(line.rsplit(" ", 1)[1])
+    return found
+
+
+def test_a_real_page_gives_both_histograms_and_nothing_else() -> None:
+    buckets = parse_buckets(PAGE)
+    assert set(buckets) == set(HISTOGRAMS)
+    for key, name in HISTOGRAMS.items():
+        assert buckets[key] == _counts(name) and math.inf in buckets[key]
+        count = [line for line in PAGE.splitlines() if line.startswith(f"{name}_count{{")]
+        assert buckets[key][math.inf] == float(count[0].rsplit(" ", 1)[1])
+
+
+@pytest.mark.parametrize(("cumulative", "expected"), [
+    ({0.01: 0, 0.025: 50, 0.05: 100, math.inf: 100}, 0.025 + 0.025 * 45 / 50),  # within a bucket
+    ({0.01: 100, math.inf: 100}, 0.0095),  # the first bucket starts at 0
+    ({0.01: 0, 0.05: 90, math.inf: 100}, 0.05),  # in +Inf: the highest finite bound
+    ({0.01: 0, math.inf: 0}, None),  # nothing observed
+])
+def test_the_quantile_interpolates_within_its_bucket_as_prometheus_does(cumulative: dict[float, float],
+                                                                          expected: float | None) -> None:
+    found = quantile(0.95, cumulative)
+    assert found == (pytest.approx(expected) if expected is not None else None)
+
+
+def test_a_step_is_what_it_added_to_the_histograms() -> None:
+    before = parse_buckets(PAGE)
+    after = {key: dict(counts) for key, counts in before.items()}
+    for bound in after["itl"]:  # 100 tokens: 90 within 25 ms, 10 between 50 and 75 ms
+        after["itl"][bound] += 100 if bound >= 0.075 else 90 if bound >= 0.025 else 0
+    for bound in after["ttft"]:  # 20 first tokens, all between 20 and 40 ms
+        after["ttft"][bound] += 20 if bound >= 0.04 else 0
+    p95 = p95_between(before, after)
+    assert p95["itl"] == pytest.approx(0.05 + 0.025 * 5 / 10)
+    assert p95["ttft"] == pytest.approx(0.02 + 0.02 * 19 / 20)
+    assert p95_between(before, before) == {"ttft": None, "itl": None}
