@@ -42,6 +42,12 @@ GRACE_S = 60.0
 """Seconds a step's requests get after its last one is sent before the step stops (unanswered: failed)."""
 
 
+UNPARSED = "JSONDecodeError("
+"""How guidellm's report names an answer it could not read: a streamed chunk whose text holds a character Python
+takes for a line break (U+0085, U+2028 and the like, which vLLM sends as they are; its line reader splits the chunk
+there). The replica answered: such requests are counted apart (``unparsed``), not as failed."""
+
+
 class ClientError(RuntimeError):
     """The client could not be installed or did not produce a report (message: one line)."""
 
@@ -135,6 +141,8 @@ def step_from_report(doc: dict[str, Any], rate: float) -> Step:
 
     output = (metrics.get("output_token_count") or {}).get("successful") or {}
     succeeded = int(totals.get("successful", 0))
+    unparsed = sum(1 for request in (bench.get("requests") or {}).get("errored") or []
+                   if str((request.get("info") or {}).get("error") or "").startswith(UNPARSED))
     return Step(
         rate=rate,
         achieved_rps=succeeded / seconds if seconds > 0 else 0.0,
@@ -143,11 +151,12 @@ def step_from_report(doc: dict[str, Any], rate: float) -> Step:
         e2e_p50_s=pct("request_latency", "p50", 1.0), e2e_p99_s=pct("request_latency", "p99", 1.0),
         output_tokens_per_s=float(output.get("total_sum") or 0.0) / seconds if seconds > 0 else 0.0,
         succeeded=succeeded,
-        failed=int(totals.get("errored", 0)) + int(totals.get("incomplete", 0)),
+        failed=int(totals.get("errored", 0)) - unparsed + int(totals.get("incomplete", 0)),
         seconds=seconds,
         ttft_p95_s=pct("time_to_first_token_ms", "p95", 1e-3), itl_p95_s=pct("inter_token_latency_ms", "p95", 1e-3),
         started_at=float(bench.get("start_time") or 0.0),
         ended_at=float(bench.get("end_time") or 0.0),
+        unparsed=unparsed,
     )
 
 

@@ -67,6 +67,7 @@ class Step:
     preemptions: float | None = None
     engine_ttft_p95_s: float | None = None  # vLLM's: what a canary's watch is compared with
     engine_itl_p95_s: float | None = None
+    unparsed: int = 0  # answers the client could not read (gpufleet.bench.guidellm_client.UNPARSED): not failed
 
     def missed(self, slo: Slo) -> list[str]:
         """The limits this step missed (of :data:`LIMITS`); none: it passed."""

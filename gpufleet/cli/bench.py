@@ -140,10 +140,11 @@ def _progress(step: Step, slo: Slo) -> str:
         return "-" if value is None else f"{value * 1000:,.0f} ms"
 
     missed = step.missed(slo)
+    unread = f" ({step.unparsed} answered but unreadable to the client)" if step.unparsed else ""
     engine = (f" (vLLM's p95: TTFT {ms(step.engine_ttft_p95_s)}, ITL {ms(step.engine_itl_p95_s)})"
               if step.engine_itl_p95_s is not None else "")
     return (f"step {step.rate:g} req/s: {step.achieved_rps:.2f} req/s done, {step.output_tokens_per_s:,.1f} tok/s,"
-            f" TTFT p99 {ms(step.ttft_p99_s)}, ITL p99 {ms(step.itl_p99_s)}, {step.failed} failed{engine}:"
+            f" TTFT p99 {ms(step.ttft_p99_s)}, ITL p99 {ms(step.itl_p99_s)}, {step.failed} failed{unread}{engine}:"
             f" {'missed ' + '+'.join(missed) if missed else 'within the objective'}")
 
 

@@ -3,8 +3,10 @@ while a bounded load generator sends completions and streamed chats through thei
 client's key) the whole time.
 
 Scenario ``faults``: the lab's default deployment, both replicas of the tiny model (lab1's, and
-lab2+lab3's pipeline replica) serve vLLM 0.31.0 behind the routers. The mirror also holds 0.32.0: the tests upgrade
-the fleet to it, try a broken release on top of it (caught at the canary), then roll the fleet back to 0.31.0.
+lab2+lab3's pipeline replica) serve vLLM 0.31.0 behind the routers, benched (tests/lab/test_bench.py). The tests
+first roll a release slower per token to lab1's replica (caught at the canary on latency, against its bench record)
+and a good one (judged on the same record, rolled). The mirror also holds 0.32.0: the tests upgrade the fleet to
+it, try a broken release on top of it (caught at the canary), then roll the fleet back to 0.31.0.
 Each rollout's figures go to the session's lab-fault-figures.jsonl.
 """
 
@@ -21,11 +23,13 @@ import pytest
 from gpufleet_lab.request_load import RequestLoad
 from gpufleet_lab.wheelhouse import LAB_VLLM_VERSIONS
 
+from tests.lab.benching import kept_records, ramp
 from tests.lab.fleet import (
     PIPELINE,
     client_key,
     http,
     lab_ca,
+    lab_copy,
     record_figure,
     router_retries,
     router_url,
@@ -34,6 +38,7 @@ from tests.lab.fleet import (
     tls,
 )
 from tests.lab.harness import LAB_VLLM_VERSION, ROOT, Completed, Lab
+from tests.lab.prometheus import Prometheus
 
 pytestmark = pytest.mark.filterwarnings("ignore:Unknown ssh-ed25519 host key:UserWarning")
 
@@ -48,6 +53,36 @@ ROLLOUT_TIMEOUT_S = 2400
 # a 10 s watch of this load does not reach. The bounds that judge a slow release are tests/data/rollout_runs'
 # (canary_latency_*, canary_p95_*, canary_bench_*); these tests are about rolling with no request lost.
 LAB_LATENCY_RATIO = "10"
+
+# The releases judged on latency change lab1's replica alone (a copy of the lab's inventory where lab_single's
+# vllm_env differs): it is the canary, and its bench record (tests/lab/test_bench.py) is the stored baseline of
+# the release it runs. The pipeline replica is left out on purpose: on the lab's two shared cores its inter-token
+# latency depends on what the other replica serves at the time (vLLM's p95: 16 ms benched alone, 76 to 89 ms beside
+# this traffic), while lab1's holds (10 ms both ways).
+# The slower release: eight OpenMP threads per engine where the lab gives one (three engines on two cores: their
+# threads spin against each other). Measured: vLLM's inter-token p95 on lab1's replica, tests/lab/test_bench.py's
+# workload at 2 req/s, 10 ms with one thread.
+SLOW = ('  OMP_NUM_THREADS: "1"\n', '  OMP_NUM_THREADS: "8"\n')
+# The good release: the same engine, with one more variable in its environment.
+GOOD = ('  OMP_NUM_THREADS: "1"\n', '  OMP_NUM_THREADS: "1"\n  GPUFLEET_LAB_RELEASE: good\n')
+# A watch that judges latency: lab1's replica serves --canary-min-requests within it under _busy_traffic.
+LATENCY_WATCH = ("--canary-s", "20", "--canary-min-requests", "10")
+
+
+def _busy_traffic(lab: Lab) -> RequestLoad:
+    """Four streams, 1 s apart: about 1.5 requests a second reach each replica, enough for a canary's percentiles."""
+    return RequestLoad(router_url(lab), served_name("lab"), client_key(lab), streams=4, pause_s=1.0, chat=True,
+                       limit_s=ROLLOUT_TIMEOUT_S, limit=6000, ca_file=lab_ca(lab))
+
+
+def _single_changed(tmp_path: Path, change: tuple[str, str]) -> str:
+    """A copy of the lab's inventory whose lab_single pool runs ``change`` (old, new text of its group_vars)."""
+    inventory = lab_copy(tmp_path / "copy", {})
+    pool = tmp_path / "copy" / "group_vars" / "lab_single.yml"
+    text = pool.read_text()
+    assert change[0] in text, text
+    pool.write_text(text.replace(change[0], change[1]))
+    return inventory
 
 
 def _traffic(lab: Lab) -> RequestLoad:
@@ -95,11 +130,12 @@ def _served_versions(lab: Lab, count: int = 6) -> set[str]:
 
 
 def _rolled(lab: Lab, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, name: str,
-            *args: str) -> tuple[subprocess.CompletedProcess[str], dict[str, Any], RequestLoad]:
-    """Run ``gpufleet ARGS --report ...`` under load: its exit, its JSON report and the load's outcome."""
+            *args: str, busy: bool = False) -> tuple[subprocess.CompletedProcess[str], dict[str, Any], RequestLoad]:
+    """Run ``gpufleet ARGS --report ...`` under load (``busy``: :func:`_busy_traffic`): its exit, its JSON report and
+    the load's outcome."""
     report = tmp_path / "report.json"
     retried = router_retries(lab)
-    traffic = _traffic(lab).start()
+    traffic = (_busy_traffic(lab) if busy else _traffic(lab)).start()
     started = time.monotonic()
     try:
         time.sleep(3)
@@ -115,6 +151,62 @@ def _rolled(lab: Lab, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, 
 
 def _states(report: dict[str, Any]) -> dict[str, str]:
     return {entry["replica"]: entry["state"] for entry in report["replicas"]}
+
+
+def _benched(lab: Lab, tmp_path: Path) -> None:
+    """Each replica shape has a bench record of the release it runs (tests/lab/test_bench.py keeps them; a test run
+    on its own benches them here)."""
+    kept = {(doc["release"], doc["layout"], doc["scope"]) for doc in kept_records(lab)}
+    for layout, replica in (("tp1-pp1", single(lab)), ("tp1-pp2", PIPELINE)):
+        if (START_VERSION, layout, "replica") not in kept:
+            ramp(lab, tmp_path, replica)
+
+
+def _judged(report: dict[str, Any], replica: str) -> str:
+    notes = [n for e in report["replicas"] if e["replica"] == replica for n in e["notes"]
+             if n.startswith("canary latency: ")]
+    assert notes and "not judged" not in notes[0] and f"vLLM {START_VERSION}'s bench at" in notes[0], notes
+    return str(notes[0])
+
+
+def test_a_release_slower_per_token_is_rolled_back_at_the_canary(
+        lab: Lab, faults: Completed | None, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """lab1's replica has no other replica of its shape: vLLM's inter-token p95 over the watch is compared with its
+    release's bench record, and the slower release fails the watch; it is rolled back, no request fails."""
+    _benched(lab, tmp_path)
+    before = _running(lab)
+    done, report, traffic = _rolled(lab, tmp_path, tmp_path_factory, "a release slower per token",
+                                    "upgrade", _single_changed(tmp_path, SLOW), "--batches", "1,100%",
+                                    *LATENCY_WATCH, busy=True)
+    assert done.returncode == 1, done.stdout[-4000:] + done.stderr[-4000:]
+    assert _states(report).get(single(lab)) == "rolled back", done.stdout[-4000:]
+    assert "canary: inter-token latency p95" in report["failure"], report["failure"]
+    assert "times the stored baseline" in report["failure"], report["failure"]
+    print(json.dumps({"slow_release_canary": _judged(report, single(lab)), "failure": report["failure"]}))
+    assert traffic.figures()["requests"] > 0 and traffic.failures == [], traffic.failures[:5]
+    assert _running(lab) == before
+
+
+def test_a_good_release_judged_on_its_baseline_passes(
+        lab: Lab, faults: Completed | None, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The same engine with one more environment variable: judged on the same record, within 1.5 times, rolled.
+    The traffic stayed below 80% of the model's measured ceiling all along: the capacity alert never went pending
+    (tests/lab/test_bench.py saw it fire above)."""
+    _benched(lab, tmp_path)
+    started = time.monotonic()
+    done, report, traffic = _rolled(lab, tmp_path, tmp_path_factory, "a good release judged on its baseline",
+                                    "upgrade", _single_changed(tmp_path, GOOD), "--batches", "1,100%",
+                                    *LATENCY_WATCH, busy=True)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert _states(report).get(single(lab)) == "rolled", done.stdout[-4000:]
+    assert traffic.figures()["requests"] > 0 and traffic.failures == [], traffic.failures[:5]
+    prometheus, span = Prometheus(lab.nodes[0]), f"{round(time.monotonic() - started)}s"
+    ceiling = float(prometheus.query("gpufleet:model_ceiling_rps")[0]["value"][1])
+    peak = float(prometheus.query(f"max_over_time(model:router_requests:rate1m[{span}])")[0]["value"][1])
+    assert 0 < peak < 0.8 * ceiling, (peak, ceiling)
+    assert prometheus.query(f'max_over_time(ALERTS{{alertname="ModelNearItsCeiling"}}[{span}])') == []
+    print(json.dumps({"good_release_canary": _judged(report, single(lab)), "load_peak_rps": peak,
+                      "ceiling_rps": ceiling}))
 
 
 def test_an_upgrade_under_load_rolls_both_replicas_and_loses_no_request(

@@ -262,3 +262,16 @@ def test_the_client_never_runs_on_a_serving_node(monkeypatch: pytest.MonkeyPatch
     assert result.output.startswith("gpufleet bench: this machine is the serving node gpu-a01.dc1.example.net"
                                     " (127.0.0.1): run the bench from the controller")
     assert cli_bench.local_addresses(["127.0.0.1", "192.0.2.1"]) == ["127.0.0.1"]
+
+
+def test_an_answer_the_client_could_not_read_is_not_a_failure() -> None:
+    """A real report (constant 16 req/s for 10 s against a lab replica, trimmed to what is read): one of the 160
+    answers held a character Python's line reader breaks a line at, and guidellm could not parse the chunk: the
+    replica answered, so the step counts it apart and passes."""
+    doc = json.loads((BENCH / "guidellm-0.8.1-constant-16-unparsed.json").read_text())
+    assert doc["benchmarks"][0]["metrics"]["request_totals"]["errored"] == 1
+    step = client.step_from_report(doc, 16.0)
+    assert (step.succeeded, step.failed, step.unparsed) == (159, 0, 1)
+    assert step.missed(Slo(2.0, 0.3)) == []
+    other = json.loads(json.dumps(doc).replace("JSONDecodeError(", "ReadTimeout("))  # any other error is a failure
+    assert (client.step_from_report(other, 16.0).failed, client.step_from_report(other, 16.0).unparsed) == (1, 0)

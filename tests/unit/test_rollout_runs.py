@@ -7,10 +7,11 @@ default ``old`` = vLLM 0.31.0, ``new`` = 0.32.0) and ``inventory`` (what a plain
 ``old`` and none); ``behaviour`` (release name -> :class:`~tests.rollout_world.Behaviour` fields); ``busy``
 (replicas that never drain); ``interrupt_at`` (an event after which Ctrl-C comes); ``ready_timeout_s``;
 ``options`` (batches, max_unavailable, min_available, canary_s, canary_every_batch, max_error_ratio,
-max_latency_ratio). ``expect`` holds ``status`` and ``outcomes`` (replica -> state), and optionally ``events``
-(every change, in order), ``failure`` (what the report's failure starts with), ``records`` (replica -> [its
-release.json, its release.previous.json] at the end, by name), ``admin`` (replica -> its state in the routers at
-the end) and ``timed`` (replica -> the steps its outcome timed).
+max_latency_ratio); ``latency`` (each replica's vLLM p95s over a watch), ``stored`` (the bench record of the release
+replaced: [rate, TTFT p95 s, ITL p95 s] per step) and ``canary_bench``. ``expect`` holds ``status`` and ``outcomes``
+(replica -> state), and optionally ``events`` (every change, in order), ``failure`` (what the report's failure
+starts with), ``records`` (replica -> [its release.json, its release.previous.json] at the end, by name), ``admin``
+(replica -> its state in the routers at the end) and ``timed`` (replica -> the steps its outcome timed).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from tests.rollout_world import Behaviour, World
 
 CASES = sorted((DATA / "rollout_runs").glob("*.yml"))
 CASE_KEYS = {"command", "routers", "replicas", "releases", "inventory", "running", "previous", "behaviour", "busy",
-             "interrupt_at", "ready_timeout_s", "options", "latency", "canary_bench", "expect"}
+             "interrupt_at", "ready_timeout_s", "options", "latency", "canary_bench", "stored", "expect"}
 RELEASES = {"old": {"vllm_version": "0.31.0"}, "new": {"vllm_version": "0.32.0"}}
 SHUTDOWN_TIMEOUT_S = 60
 
@@ -112,9 +113,10 @@ class _Bench:
 
 
 def _record(steps: list[list[float]]) -> Record:
-    """The release replaced's bench record (vLLM 0.31.0, one replica): [rate, TTFT p95 s, ITL p95 s] per step, every
-    step within an objective of 1 s and 0.1 s but the last, which fails."""
-    rows = [Step(r, r, t, t, i, i, 1.0, 2.0, 10.0, 10, 0, 20.0, ttft_p95_s=t, itl_p95_s=i) for r, t, i in steps]
+    """The release replaced's bench record (vLLM 0.31.0, one replica): [rate, TTFT p95 s, ITL p95 s] per step (the
+    client's and vLLM's alike), every step within an objective of 1 s and 0.1 s but the last, which fails."""
+    rows = [Step(r, r, t, t, i, i, 1.0, 2.0, 10.0, 10, 0, 20.0, ttft_p95_s=t, itl_p95_s=i, engine_ttft_p95_s=t,
+                 engine_itl_p95_s=i) for r, t, i in steps]
     last = rows[-1]
     rows[-1] = Step(last.rate, last.rate, 5.0, 5.0, 0.5, 0.5, 1.0, 2.0, 10.0, 10, 0, 20.0, ttft_p95_s=5.0,
                     itl_p95_s=0.5)
@@ -133,7 +135,8 @@ def _run(case: dict[str, Any]) -> tuple[World, Report]:
                            min_available=dict.fromkeys(models, given.get("min_available", 1)))
     latency, benched = case.get("latency"), case.get("canary_bench")
     bench = _Bench(benched["seen"]) if benched else None
-    records = [_record(benched["stored"])] if benched and benched.get("stored") else []
+    stored = case.get("stored") or (benched or {}).get("stored")
+    records = [_record(stored)] if stored else []
     options = Options(given.get("canary_s", DEFAULT_CANARY_S), given.get("canary_every_batch", False),
                       Thresholds(given.get("max_error_ratio", DEFAULT_MAX_ERROR_RATIO),
                                  given.get("max_latency_ratio", DEFAULT_MAX_LATENCY_RATIO)),

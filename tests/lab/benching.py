@@ -1,0 +1,64 @@
+"""``gpufleet bench`` as the lab tests run it: the client on the controller (guidellm, installed once under
+~/.cache/gpufleet with torch's CPU build from the lab's wheelhouse), a short ramp of each replica shape on a
+workload of long answers, and the records it keeps (the stored baseline of the upgrades' canaries)."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from gpufleet_lab.mirror import bench_client_pip_args
+
+from gpufleet.bench.guidellm_client import PIP_ARGS_ENV
+from gpufleet.bench.records import RECORDS_DIR
+from tests.lab.fleet import lab_ca
+from tests.lab.harness import ROOT, Lab
+
+GPUFLEET = [sys.executable, "-m", "gpufleet.cli.main"]
+SLO = "ttft_p99_s=2,itl_p99_s=0.5"
+# A rate every shape meets with room to spare (the lab's client-side TTFT p99 jumps to most of a second now and
+# then on its two shared cores), one it meets, and one far past what two cores answer (its queue grows by hundreds
+# of requests): the ceiling is 4 req/s for each shape. How repeatable a finer ramp's ceiling is, is
+# bench/serving_ceiling.py's to measure.
+RATES = "2,4,96"
+CEILING_RPS = 4.0
+STEP_S = "5"
+
+
+def dataset(path: Path, rows: int, words: tuple[int, int], output_tokens: tuple[int, int]) -> Path:
+    """Prompts of random words and the output tokens each asks for, in gpufleet bench's --dataset form."""
+    pick = random.Random(29)
+    vocabulary = ["the", "fleet", "serves", "many", "routers", "while", "replicas", "answer", "across", "a", "model"]
+    with path.open("w") as out:
+        for _ in range(rows):
+            prompt = " ".join(pick.choice(vocabulary) for _ in range(pick.randint(*words)))
+            out.write(json.dumps({"prompt": prompt, "output_tokens": pick.randint(*output_tokens)}) + "\n")
+    return path
+
+
+def bench_argv(lab: Lab, *args: str) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment of ``gpufleet bench inventories/lab.py ARGS`` against the lab."""
+    return ([*GPUFLEET, "bench", "inventories/lab.py", "--ca-file", lab_ca(lab), *args],
+            {**lab.env, PIP_ARGS_ENV: bench_client_pip_args()})
+
+
+def ramp(lab: Lab, folder: Path, replica: str) -> tuple[dict[str, Any], str]:
+    """The lab's ramp of one replica, its record kept: the record (``--report``) and what the bench printed; the
+    plot is ``folder/<replica>.svg``."""
+    report = folder / f"{replica}.json"
+    rows = dataset(folder / "long-outputs.jsonl", 500, (6, 16), (96, 112))
+    argv, env = bench_argv(lab, "--replica", replica, "--slo", SLO, "--rates", RATES, "--step-s", STEP_S,
+                           "--dataset", str(rows), "--report", str(report), "--plot", str(folder / f"{replica}.svg"))
+    done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads(report.read_text()), done.stdout
+
+
+def kept_records(lab: Lab) -> list[dict[str, Any]]:
+    """The records on the monitoring host (lab1)."""
+    text = lab.host(lab.nodes[0]).run(f"cat {RECORDS_DIR}/*.json").stdout
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
