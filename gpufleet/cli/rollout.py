@@ -224,7 +224,9 @@ def _roll(mode: str, inventory: str, batches: str, max_unavailable: str, min_ava
         try:
             planned = plan_rollout(found.units, batches, ready=found.ready,
                                    max_unavailable=dict.fromkeys(models, checked.max_unavailable),
-                                   min_available=dict.fromkeys(models, checked.min_available))
+                                   min_available=dict.fromkeys(models, checked.min_available),
+                                   changing={name for name, members in found.members.items()
+                                             if any(m.changes_release for m in members)})
         except RolloutError as exc:
             fail_lines(exc.problems)
         for member in (m for members in found.members.values() for m in members):

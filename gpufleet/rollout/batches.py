@@ -175,12 +175,14 @@ def _natural(name: str) -> tuple[str, str]:
     return _DIGITS.sub(lambda m: m[0].zfill(20), name), name
 
 
-def _round_robin(units: Sequence[Unit], ready: Collection[str]) -> list[Unit]:
-    """Every unit in rollout order: models by name, round-robin; in a model, not ready first, then by name."""
+def _round_robin(units: Sequence[Unit], ready: Collection[str], changing: Collection[str]) -> list[Unit]:
+    """Every unit in rollout order: models by name, round-robin; in a model, not ready first, then those whose
+    release changes (a canary that keeps its release shows nothing of the new one), then by name."""
     by_model: dict[str, list[Unit]] = {}
     for unit in units:
         by_model.setdefault(unit.model, []).append(unit)
-    queues = [sorted(by_model[m], key=lambda u: (u.name in ready, _natural(u.name))) for m in sorted(by_model)]
+    queues = [sorted(by_model[m], key=lambda u: (u.name in ready, u.name not in changing, _natural(u.name)))
+              for m in sorted(by_model)]
     return [q[rank] for rank in range(max(map(len, queues), default=0)) for q in queues if rank < len(q)]
 
 
@@ -208,10 +210,11 @@ def _waves(batch: Sequence[Unit], models: Mapping[str, _Model], down: set[Unit])
 
 def plan_rollout(units: Sequence[Unit], batches: str = DEFAULT_BATCHES, *, ready: Collection[str],
                  max_unavailable: Mapping[str, Limit] | None = None,
-                 min_available: Mapping[str, Limit] | None = None) -> list[Batch]:
+                 min_available: Mapping[str, Limit] | None = None, changing: Collection[str] = ()) -> list[Batch]:
     """The batches to roll ``units`` in, canary first; raises :class:`RolloutError` with every problem found.
 
-    ``ready``: the names of the replicas serving now. ``max_unavailable``/``min_available``: per model name.
+    ``ready``: the names of the replicas serving now; ``changing``: of the units whose release changes.
+    ``max_unavailable``/``min_available``: per model name.
     """
     problems: list[str] = []
     try:
@@ -239,7 +242,7 @@ def plan_rollout(units: Sequence[Unit], batches: str = DEFAULT_BATCHES, *, ready
         models[model] = limits
     if problems:
         raise RolloutError(problems)
-    order = _round_robin(units, ready)
+    order = _round_robin(units, ready, changing)
     down = {u for u in units if u.name not in ready}
     plan: list[Batch] = []
     for size in batch_sizes(items, len(order)):

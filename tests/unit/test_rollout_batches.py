@@ -1,9 +1,9 @@
 """The rollout's batches and waves (gpufleet/rollout/batches.py): cases as data, and random fleets.
 
 Each case (tests/data/rollout_cases/*.yml) gives ``replicas`` (``[name, model]`` or ``[name, model, [nodes]]``),
-optionally ``ready`` (names; all when left out), ``batches``, ``max_unavailable`` and ``min_available`` (per
-model; the defaults when left out), and either ``expect`` (batches, each a list of waves, each a list of names)
-or ``problems`` (the lines the refusal must hold, in order).
+optionally ``ready`` (names; all when left out), ``changing`` (the names whose release changes), ``batches``,
+``max_unavailable`` and ``min_available`` (per model; the defaults when left out), and either ``expect`` (batches,
+each a list of waves, each a list of names) or ``problems`` (the lines the refusal must hold, in order).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from gpufleet.rollout.batches import (
 from tests.conftest import DATA
 
 CASES = sorted((DATA / "rollout_cases").glob("*.yml"))
-CASE_KEYS = {"replicas", "ready", "batches", "max_unavailable", "min_available", "expect", "problems"}
+CASE_KEYS = {"replicas", "ready", "changing", "batches", "max_unavailable", "min_available", "expect", "problems"}
 
 
 def _unit(item: list[Any]) -> Unit:
@@ -52,7 +52,8 @@ def test_case(path: Path) -> None:
 
     def run() -> list[Batch]:
         return plan_rollout(units, case.get("batches", DEFAULT_BATCHES), ready=ready,
-                            max_unavailable=case.get("max_unavailable"), min_available=case.get("min_available"))
+                            max_unavailable=case.get("max_unavailable"), min_available=case.get("min_available"),
+                            changing=set(case.get("changing", ())))
 
     if "problems" in case:
         with pytest.raises(RolloutError) as refused:
