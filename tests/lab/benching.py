@@ -15,7 +15,7 @@ from gpufleet_lab.mirror import bench_client_pip_args
 
 from gpufleet.bench.guidellm_client import PIP_ARGS_ENV
 from gpufleet.bench.records import RECORDS_DIR
-from tests.lab.fleet import lab_ca
+from tests.lab.fleet import PIPELINE, lab_ca, single
 from tests.lab.harness import ROOT, Lab
 
 GPUFLEET = [sys.executable, "-m", "gpufleet.cli.main"]
@@ -62,3 +62,12 @@ def kept_records(lab: Lab) -> list[dict[str, Any]]:
     """The records on the monitoring host (lab1)."""
     text = lab.host(lab.nodes[0]).run(f"cat {RECORDS_DIR}/*.json").stdout
     return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def ensure_records(lab: Lab, folder: Path, release: str) -> None:
+    """Each replica shape has a record of ``release`` on the monitoring host (tests/lab/test_bench.py keeps them;
+    a test run on its own benches here what is missing)."""
+    kept = {(doc["release"], doc["layout"], doc["scope"]) for doc in kept_records(lab)}
+    for layout, replica in (("tp1-pp1", single(lab)), ("tp1-pp2", PIPELINE)):
+        if (release, layout, "replica") not in kept:
+            ramp(lab, folder, replica)

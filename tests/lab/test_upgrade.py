@@ -23,7 +23,7 @@ import pytest
 from gpufleet_lab.request_load import RequestLoad
 from gpufleet_lab.wheelhouse import LAB_VLLM_VERSIONS
 
-from tests.lab.benching import kept_records, ramp
+from tests.lab.benching import ensure_records
 from tests.lab.fleet import (
     PIPELINE,
     client_key,
@@ -65,6 +65,8 @@ LAB_LATENCY_RATIO = "10"
 SLOW = ('  OMP_NUM_THREADS: "1"\n', '  OMP_NUM_THREADS: "8"\n')
 # The good release: the same engine, with one more variable in its environment.
 GOOD = ('  OMP_NUM_THREADS: "1"\n', '  OMP_NUM_THREADS: "1"\n  GPUFLEET_LAB_RELEASE: good\n')
+# A release that does not start: a KV cache larger than the node's memory.
+BROKEN = ('  VLLM_CPU_KVCACHE_SPACE: "1"\n', '  VLLM_CPU_KVCACHE_SPACE: "4096"\n')
 # A watch that judges latency: lab1's replica serves --canary-min-requests within it under _busy_traffic.
 LATENCY_WATCH = ("--canary-s", "20", "--canary-min-requests", "10")
 
@@ -153,15 +155,6 @@ def _states(report: dict[str, Any]) -> dict[str, str]:
     return {entry["replica"]: entry["state"] for entry in report["replicas"]}
 
 
-def _benched(lab: Lab, tmp_path: Path) -> None:
-    """Each replica shape has a bench record of the release it runs (tests/lab/test_bench.py keeps them; a test run
-    on its own benches them here)."""
-    kept = {(doc["release"], doc["layout"], doc["scope"]) for doc in kept_records(lab)}
-    for layout, replica in (("tp1-pp1", single(lab)), ("tp1-pp2", PIPELINE)):
-        if (START_VERSION, layout, "replica") not in kept:
-            ramp(lab, tmp_path, replica)
-
-
 def _judged(report: dict[str, Any], replica: str) -> str:
     notes = [n for e in report["replicas"] if e["replica"] == replica for n in e["notes"]
              if n.startswith("canary latency: ")]
@@ -169,11 +162,12 @@ def _judged(report: dict[str, Any], replica: str) -> str:
     return str(notes[0])
 
 
+@pytest.mark.proof
 def test_a_release_slower_per_token_is_rolled_back_at_the_canary(
         lab: Lab, faults: Completed | None, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     """lab1's replica has no other replica of its shape: vLLM's inter-token p95 over the watch is compared with its
     release's bench record, and the slower release fails the watch; it is rolled back, no request fails."""
-    _benched(lab, tmp_path)
+    ensure_records(lab, tmp_path, START_VERSION)
     before = _running(lab)
     done, report, traffic = _rolled(lab, tmp_path, tmp_path_factory, "a release slower per token",
                                     "upgrade", _single_changed(tmp_path, SLOW), "--batches", "1,100%",
@@ -187,12 +181,13 @@ def test_a_release_slower_per_token_is_rolled_back_at_the_canary(
     assert _running(lab) == before
 
 
+@pytest.mark.proof
 def test_a_good_release_judged_on_its_baseline_passes(
         lab: Lab, faults: Completed | None, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     """The same engine with one more environment variable: judged on the same record, within 1.5 times, rolled.
     The traffic stayed below 80% of the model's measured ceiling all along: the capacity alert never went pending
     (tests/lab/test_bench.py saw it fire above)."""
-    _benched(lab, tmp_path)
+    ensure_records(lab, tmp_path, START_VERSION)
     started = time.monotonic()
     done, report, traffic = _rolled(lab, tmp_path, tmp_path_factory, "a good release judged on its baseline",
                                     "upgrade", _single_changed(tmp_path, GOOD), "--batches", "1,100%",
@@ -226,15 +221,15 @@ def test_an_upgrade_under_load_rolls_both_replicas_and_loses_no_request(
 
 def test_a_release_that_does_not_start_is_rolled_back_at_the_canary(
         lab: Lab, faults: Completed | None, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
-    """vLLM refuses to start with a KV cache larger than the node's memory: the canary never serves, the rollout
-    puts it back on the release it ran, stops, and says so; no request fails, and no other replica is touched."""
+    """vLLM refuses to start with a KV cache larger than the node's memory: the canary (lab1's replica, the one the
+    release changes) never serves, the rollout puts it back on the release it ran, stops, and says so; no request
+    fails, and no other replica is touched."""
     before = _running(lab)
     done, report, traffic = _rolled(lab, tmp_path, tmp_path_factory, "a release that does not start",
-                                    "upgrade", "inventories/lab.py", "--batches", "1,100%", "--canary-s", "10",
-                                    "--data", f"vllm_version={OTHER_VERSION}",
-                                    "--data", 'vllm_env={"VLLM_CPU_KVCACHE_SPACE": "4096"}')
+                                    "upgrade", _single_changed(tmp_path, BROKEN), "--batches", "1,100%",
+                                    "--canary-s", "10", "--data", f"vllm_version={OTHER_VERSION}")
     assert done.returncode == 1, done.stdout[-4000:] + done.stderr[-4000:]
-    assert sorted(_states(report).values()) == ["rolled back", "untouched"], done.stdout[-4000:]
+    assert _states(report) == {single(lab): "rolled back", PIPELINE: "untouched"}, done.stdout[-4000:]
     assert "gpufleet upgrade: stopped: " in done.stdout, done.stdout[-4000:]
     assert traffic.figures()["requests"] > 0 and traffic.failures == [], traffic.failures[:5]
     assert _running(lab) == before
