@@ -41,7 +41,7 @@ def test_bench_finds_each_shapes_ceiling_and_keeps_it(
     for replica, record in records.items():
         steps = record["steps"]
         assert (record["ceiling_rps"], record["scope"]) == (CEILING_RPS, "replica"), steps
-        assert record["stopped_by"] != "none" and steps[-1]["rate"] == 192.0, steps
+        assert record["stopped_by"] != "none" and steps[-1]["rate"] == 128.0, steps
         assert all(s["kv_usage_max"] is not None and s["engine_itl_p95_s"] is not None for s in steps), steps
         assert sum(line.startswith("step ") for line in shown[replica].splitlines()) == len(steps)
         assert f"ceiling: {CEILING_RPS:g} req/s" in shown[replica]
