@@ -79,9 +79,6 @@ def overrides(target: Mapping[str, Any], inventory: Mapping[str, Any]) -> Releas
     return {key: target[key] for key in RELEASE_KEYS if key in target and target[key] != inventory.get(key)}
 
 
-UNCHANGED = "unchanged"
-
-
 def changes(before: Mapping[str, Any] | None, after: Mapping[str, Any] | None) -> str:
     """``before -> after`` in a few words: the keys whose values differ, or ``unchanged``."""
     if before is None or after is None:
@@ -90,4 +87,4 @@ def changes(before: Mapping[str, Any] | None, after: Mapping[str, Any] | None) -
         return f"unknown -> {side}" if before is None else f"{side} -> unknown"
     differ = [f"{key} {data_value(before.get(key))} -> {data_value(after.get(key))}"
               for key in RELEASE_KEYS if key in after and before.get(key) != after[key]]
-    return "; ".join(differ) or UNCHANGED
+    return "; ".join(differ) or "unchanged"

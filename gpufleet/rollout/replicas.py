@@ -22,7 +22,7 @@ from gpufleet.config.schema import HostConfig
 from gpufleet.plan.planner import Replica
 from gpufleet.rollout.batches import Unit
 from gpufleet.rollout.node_releases import NodeRecords
-from gpufleet.rollout.release import UNCHANGED, Release, changes, overrides, release_of
+from gpufleet.rollout.release import Release, overrides, release_of
 from gpufleet.rollout.router_control import DRAIN_GRACE_S, RouterView
 
 UPGRADE, ROLLBACK = "upgrade", "rollback"
@@ -53,7 +53,7 @@ class Member:
     @property
     def changes_release(self) -> bool:
         """Whether the rollout gives it another release than it runs (or one it did not record)."""
-        return self.target is not None and (self.before is None or changes(self.before, self.target) != UNCHANGED)
+        return self.target is not None and (self.before is None or bool(overrides(self.target, self.before)))
 
 
 @dataclass(frozen=True)

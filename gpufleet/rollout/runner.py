@@ -380,16 +380,16 @@ class Rollout:
             release = str((member.before or {}).get("vllm_version", ""))
             # The record is the release it replaces: a replica that keeps its release replaces none (slower than its
             # record, it met a load, not a release).
-            record = (baseline_record(judge.records, member.model, release, member.layout, member.profile)
-                      if member.changes_release else None)
-            stored = stored_percentiles(record, seen.requests / window, engine=True)
+            stored, against = None, "; its release does not change: not compared with a bench record"
+            if member.changes_release:
+                record = baseline_record(judge.records, member.model, release, member.layout, member.profile)
+                stored = stored_percentiles(record, seen.requests / window, engine=True)
+                against = (f"; vLLM {release}'s bench at {stored.requests:.3g} req/s per replica: {stored.line()}"
+                           if stored is not None else f"; no bench of vLLM {release} at this load to compare with")
             self._outcome(member).notes.append(
                 f"canary latency: {seen.requests:.0f} requests, {seen.line()}"
                 + (f"; not rolled ({len(peers)} of its shape): {base.line()}" if base is not None else
-                   "; no replica of its shape left unrolled to compare with")
-                + (f"; vLLM {release}'s bench at {stored.requests:.3g} req/s per replica: {stored.line()}"
-                   if stored is not None else f"; no bench of vLLM {release} at this load to compare with"
-                   if member.changes_release else "; its release does not change: not compared with a bench record"))
+                   "; no replica of its shape left unrolled to compare with") + against)
             why = latency_verdict(seen, base, stored, judge.max_ratio, judge.min_requests, stored_keys=("itl",))
             if why:
                 return f"replica {member.name}: canary: {why}"
