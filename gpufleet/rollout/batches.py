@@ -9,7 +9,8 @@ is the size of one batch, in order; the last item repeats until every replica is
 than what is left takes the rest (Ansible's ``serial:`` list). The first batch is the canary.
 
 Order: models by name; within a model, the replicas not ready first (taking them out costs no capacity, and
-rolling them early gives back the budget they hold), then by name, numbers in names compared as numbers. Batches
+rolling them early gives back the budget they hold), then those whose release changes, then those on the fewest
+nodes, then by name, numbers in names compared as numbers. Batches
 are filled round-robin over the models (the first replica of every model, then the second of every model, ...),
 so a canary of 1 touches one model, the first by name, and later batches mix models.
 
@@ -177,11 +178,13 @@ def _natural(name: str) -> tuple[str, str]:
 
 def _round_robin(units: Sequence[Unit], ready: Collection[str], changing: Collection[str]) -> list[Unit]:
     """Every unit in rollout order: models by name, round-robin; in a model, not ready first, then those whose
-    release changes (a canary that keeps its release shows nothing of the new one), then by name."""
+    release changes (a canary that keeps its release shows nothing of the new one), then those on the fewest nodes
+    (the canary that restarts soonest, and holds the fewest GPUs if its release is bad), then by name."""
     by_model: dict[str, list[Unit]] = {}
     for unit in units:
         by_model.setdefault(unit.model, []).append(unit)
-    queues = [sorted(by_model[m], key=lambda u: (u.name in ready, u.name not in changing, _natural(u.name)))
+    queues = [sorted(by_model[m], key=lambda u: (u.name in ready, u.name not in changing, len(u.nodes),
+                                                _natural(u.name)))
               for m in sorted(by_model)]
     return [q[rank] for rank in range(max(map(len, queues), default=0)) for q in queues if rank < len(q)]
 
