@@ -3,9 +3,10 @@
 A step passes when no request failed and its p99 time to first token and p99 inter-token latency are within the
 objective; the ramp stops at the first step that does not. The **ceiling** is the highest rate whose step passed;
 the limit that stopped the ramp is named (``ttft``, ``itl``, ``errors``, or ``none`` when every rate passed).
-Without ``--rates`` the ramp doubles from :data:`FIRST_RATE` and, once a step fails, tries :data:`REFINE_STEPS`
-rates between the last that passed and the first that failed (halving the gap each time), so that the ceiling is
-known to within an eighth of the last doubling rather than a factor of two.
+Without ``--rates`` the ramp doubles from :data:`FIRST_RATE` and, once a step fails, tries rates between the
+highest that passed and the lowest that failed (halving the gap each time) until that gap is within
+:data:`REFINE_GAP` of the ceiling (at most :data:`REFINE_STEPS` of them), so that the ceiling is known to within
+5% rather than a factor of two, and two ramps of the same replicas agree as closely as the replicas do.
 """
 
 from __future__ import annotations
@@ -20,8 +21,12 @@ FIRST_RATE = 0.5
 MAX_DOUBLINGS = 12
 """Steps of a ramp without ``--rates`` before it gives up finding a limit (0.5 to 1024 requests/s)."""
 
-REFINE_STEPS = 2
-"""Rates tried between the last passing and the first failing step of a doubling ramp."""
+REFINE_STEPS = 5
+"""Most rates tried between the highest passing and the lowest failing step of a doubling ramp."""
+
+REFINE_GAP = 0.05
+"""A doubling ramp's refinement stops once the lowest failing rate is within this share of the ceiling (a gap of a
+quarter of the last doubling, what two halvings leave, let two runs of one replica differ by a third)."""
 
 LIMITS = ("ttft", "itl", "errors")
 """What can stop a ramp, in the order a failing step names them."""
@@ -67,6 +72,8 @@ class Step:
     preemptions: float | None = None
     engine_ttft_p95_s: float | None = None  # vLLM's: what a canary's watch is compared with
     engine_itl_p95_s: float | None = None
+    engine_ttft_mean_s: float | None = None  # vLLM's means (exact, where a p95 is estimated within a bucket)
+    engine_itl_mean_s: float | None = None
     unparsed: int = 0  # answers the client could not read (gpufleet.bench.guidellm_client.UNPARSED): not failed
 
     def missed(self, slo: Slo) -> list[str]:
@@ -145,8 +152,9 @@ def _number(text: str) -> float | None:
 
 def next_rate(done: list[Step], slo: Slo, given: list[float] | None) -> float | None:
     """The rate of the next step after ``done``, or None when the ramp is over: with ``given`` rates, the next one
-    until a step fails; else doubling from :data:`FIRST_RATE` until one fails, then :data:`REFINE_STEPS` rates
-    halving the gap between the last that passed and the first that failed."""
+    until a step fails; else doubling from :data:`FIRST_RATE` until one fails, then rates halving the gap between
+    the highest that passed and the lowest that failed until it is within :data:`REFINE_GAP` of the former (at most
+    :data:`REFINE_STEPS`)."""
     failed = [s for s in done if s.missed(slo)]
     if given is not None:
         return None if failed or len(done) >= len(given) else given[len(done)]
@@ -159,6 +167,6 @@ def next_rate(done: list[Step], slo: Slo, given: list[float] | None) -> float | 
         return None
     top = ceiling(done, slo).rate
     low = min(s.rate for s in failed)
-    if top is None:
+    if top is None or low - top <= REFINE_GAP * top:
         return None
     return round((top + low) / 2, 6)
