@@ -1,6 +1,7 @@
 """vLLM's own latency over one step of a bench: its time-to-first-token and inter-token latency histograms, read
 from each replica's ``/metrics`` just before and just after the step, and the p95 of the difference (estimated
-within a bucket as Prometheus's ``histogram_quantile`` does, so that a record reads like the canary's watch).
+within a bucket as Prometheus's ``histogram_quantile`` does, so that a record reads like the canary's watch) and
+its mean (exact: the histogram's sum over its count).
 
 Read directly rather than from Prometheus: a step of a few seconds is shorter than a scrape interval, and the
 replica has counted every answer of the step once the client has it.
@@ -12,16 +13,26 @@ import math
 import re
 import urllib.request
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 HISTOGRAMS = {"ttft": "vllm:time_to_first_token_seconds", "itl": "vllm:inter_token_latency_seconds"}
 """vLLM's latency histograms, by the short name of the figure."""
 
 TIMEOUT_S = 10.0
 _BUCKET = re.compile(r'^(?P<name>[a-z_:]+)_bucket\{(?P<labels>[^}]*)\}\s+(?P<value>\S+)')
+_SUM = re.compile(r'^(?P<name>[a-z_:]+)_sum(?:\{[^}]*\})?\s+(?P<value>\S+)')
 _LE = re.compile(r'(?:^|,)le="(?P<le>[^"]+)"')
 
 Buckets = dict[str, dict[float, float]]
 """Per figure (``ttft``, ``itl``): cumulative count per upper bound, summed over the replica's engines."""
+
+
+@dataclass(frozen=True)
+class Reading:
+    """The histograms of one or more ``/metrics`` pages: cumulative buckets, and each figure's sum of seconds."""
+
+    buckets: Buckets
+    sums: dict[str, float]
 
 
 def parse_buckets(text: str) -> Buckets:
@@ -39,16 +50,30 @@ def parse_buckets(text: str) -> Buckets:
     return found
 
 
-def read_buckets(urls: Sequence[str]) -> Buckets:
+def parse_sums(text: str) -> dict[str, float]:
+    """The latency histograms' sums (``_sum``) in a ``/metrics`` page, summed over its engines."""
+    by_name = {name: key for key, name in HISTOGRAMS.items()}
+    found = dict.fromkeys(HISTOGRAMS, 0.0)
+    for line in text.splitlines():
+        match = _SUM.match(line)
+        if match is not None and match["name"] in by_name:
+            found[by_name[match["name"]]] += float(match["value"])
+    return found
+
+
+def read(urls: Sequence[str]) -> Reading:
     """The sum of the histograms of the ``/metrics`` pages at ``urls`` (OSError when one cannot be read)."""
     total: Buckets = {key: {} for key in HISTOGRAMS}
+    sums = dict.fromkeys(HISTOGRAMS, 0.0)
     for url in urls:
         with urllib.request.urlopen(url, timeout=TIMEOUT_S) as answer:
-            page = parse_buckets(answer.read().decode("utf-8", "replace"))
-        for key, counts in page.items():
+            text = answer.read().decode("utf-8", "replace")
+        for key, counts in parse_buckets(text).items():
             for bound, count in counts.items():
                 total[key][bound] = total[key].get(bound, 0.0) + count
-    return total
+        for key, value in parse_sums(text).items():
+            sums[key] += value
+    return Reading(total, sums)
 
 
 def quantile(q: float, cumulative: Mapping[float, float]) -> float | None:
@@ -74,3 +99,12 @@ def p95_between(before: Buckets, after: Buckets) -> dict[str, float | None]:
     """Each figure's p95 over what was observed between two readings."""
     return {key: quantile(0.95, {le: after[key][le] - before[key].get(le, 0.0) for le in after[key]})
             for key in HISTOGRAMS}
+
+
+def mean_between(before: Reading, after: Reading) -> dict[str, float | None]:
+    """Each figure's mean over what was observed between two readings (None when nothing was)."""
+    found: dict[str, float | None] = {}
+    for key in HISTOGRAMS:
+        count = after.buckets[key].get(math.inf, 0.0) - before.buckets[key].get(math.inf, 0.0)
+        found[key] = (after.sums[key] - before.sums[key]) / count if count > 0 else None
+    return found

@@ -14,7 +14,7 @@ import click
 
 from gpufleet.bench import guidellm_client as client
 from gpufleet.bench.dataset import DatasetError, load_dataset, write_for_client
-from gpufleet.bench.engine_histograms import Buckets, p95_between, read_buckets
+from gpufleet.bench.engine_histograms import Reading, mean_between, p95_between, read
 from gpufleet.bench.engine_metrics import with_engine_metrics
 from gpufleet.bench.plot import render_svg
 from gpufleet.bench.ramp import (
@@ -158,19 +158,20 @@ def _metrics_urls(fleet: Fleet, chosen: Chosen) -> list[str]:
     return urls
 
 
-def _buckets(urls: list[str]) -> Buckets | None:
+def _reading(urls: list[str]) -> Reading | None:
     try:
-        return read_buckets(urls)
+        return read(urls)
     except OSError:
         return None
 
 
-def _with_engine_latency(step: Step, before: Buckets | None, after: Buckets | None) -> Step:
-    """``step`` with vLLM's own p95s between two readings of its histograms (unchanged without both)."""
+def _with_engine_latency(step: Step, before: Reading | None, after: Reading | None) -> Step:
+    """``step`` with vLLM's own p95s and means between two readings of its histograms (unchanged without both)."""
     if before is None or after is None:
         return step
-    p95 = p95_between(before, after)
-    return replace(step, engine_ttft_p95_s=p95["ttft"], engine_itl_p95_s=p95["itl"])
+    p95, mean = p95_between(before.buckets, after.buckets), mean_between(before, after)
+    return replace(step, engine_ttft_p95_s=p95["ttft"], engine_itl_p95_s=p95["itl"],
+                   engine_ttft_mean_s=mean["ttft"], engine_itl_mean_s=mean["itl"])
 
 
 def _share(value: float | None) -> str:
@@ -273,12 +274,12 @@ def bench_command(inventory: str, model: str | None, replica: str | None, slo_te
         workload = (client.Workload(dataset=write_for_client(rows, Path(tmp) / "requests.jsonl"))
                     if rows is not None else client.workload_for(max_len))
         while (rate := next_rate(steps, slo, rates)) is not None:
-            before = _buckets(metrics)
+            before = _reading(metrics)
             try:
                 step = client.run_step(exe, target, workload, rate, step_s)
             except client.ClientError as exc:
                 fail_lines([f"gpufleet bench: step {rate:g} req/s: {exc}"])
-            after = _buckets(metrics)
+            after = _reading(metrics)
             unread = unread or before is None or after is None
             step = _with_engine_latency(step, before, after)
             steps.append(step)

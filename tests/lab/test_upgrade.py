@@ -65,13 +65,17 @@ LAB_LATENCY_RATIO = "10"
 SLOW = ('  OMP_NUM_THREADS: "1"\n', '  OMP_NUM_THREADS: "8"\n')
 # The good release: the same engine, with one more variable in its environment.
 GOOD = ('  OMP_NUM_THREADS: "1"\n', '  OMP_NUM_THREADS: "1"\n  GPUFLEET_LAB_RELEASE: good\n')
-# A watch that judges latency: lab1's replica serves --canary-min-requests within it under _busy_traffic.
+# A watch that judges latency: lab1's replica serves --canary-min-requests within it under _busy_traffic. The good
+# release's runs under two streams, the slower one's under four (a slow canary answers few): the bench record is
+# lab1's replica alone, and on the lab's two cores the pipeline replica's answers slow it per token (a good canary
+# under four streams: vLLM's mean inter-token latency 4 ms against the record's 2 ms, twice it).
 LATENCY_WATCH = ("--canary-s", "20", "--canary-min-requests", "10")
 
 
-def _busy_traffic(lab: Lab) -> RequestLoad:
-    """Four streams, 1 s apart: about 1.5 requests a second reach each replica, enough for a canary's percentiles."""
-    return RequestLoad(router_url(lab), served_name("lab"), client_key(lab), streams=4, pause_s=1.0, chat=True,
+def _busy_traffic(lab: Lab, streams: int = 4) -> RequestLoad:
+    """``streams`` streams, 1 s apart: four bring about 1.5 requests a second to each replica, enough for a canary's
+    percentiles even when it answers slowly; two, about 0.75."""
+    return RequestLoad(router_url(lab), served_name("lab"), client_key(lab), streams=streams, pause_s=1.0, chat=True,
                        limit_s=ROLLOUT_TIMEOUT_S, limit=6000, ca_file=lab_ca(lab))
 
 
@@ -130,12 +134,12 @@ def _served_versions(lab: Lab, count: int = 6) -> set[str]:
 
 
 def _rolled(lab: Lab, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, name: str,
-            *args: str, busy: bool = False) -> tuple[subprocess.CompletedProcess[str], dict[str, Any], RequestLoad]:
-    """Run ``gpufleet ARGS --report ...`` under load (``busy``: :func:`_busy_traffic`): its exit, its JSON report and
-    the load's outcome."""
+            *args: str, busy: int = 0) -> tuple[subprocess.CompletedProcess[str], dict[str, Any], RequestLoad]:
+    """Run ``gpufleet ARGS --report ...`` under load (``busy``: :func:`_busy_traffic` of that many streams): its
+    exit, its JSON report and the load's outcome."""
     report = tmp_path / "report.json"
     retried = router_retries(lab)
-    traffic = (_busy_traffic(lab) if busy else _traffic(lab)).start()
+    traffic = (_busy_traffic(lab, busy) if busy else _traffic(lab)).start()
     started = time.monotonic()
     try:
         time.sleep(3)
@@ -169,7 +173,7 @@ def test_a_release_slower_per_token_is_rolled_back_at_the_canary(
     before = _running(lab)
     done, report, traffic = _rolled(lab, tmp_path, tmp_path_factory, "a release slower per token",
                                     "upgrade", _single_changed(tmp_path, SLOW), "--batches", "1,100%",
-                                    *LATENCY_WATCH, busy=True)
+                                    *LATENCY_WATCH, busy=4)
     assert done.returncode == 1, done.stdout[-4000:] + done.stderr[-4000:]
     assert _states(report).get(single(lab)) == "rolled back", done.stdout[-4000:]
     assert "canary: inter-token latency p95" in report["failure"], report["failure"]
@@ -189,7 +193,7 @@ def test_a_good_release_judged_on_its_baseline_passes(
     started = time.monotonic()
     done, report, traffic = _rolled(lab, tmp_path, tmp_path_factory, "a good release judged on its baseline",
                                     "upgrade", _single_changed(tmp_path, GOOD), "--batches", "1,100%",
-                                    *LATENCY_WATCH, busy=True)
+                                    *LATENCY_WATCH, busy=2)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert _states(report).get(single(lab)) == "rolled", done.stdout[-4000:]
     assert traffic.figures()["requests"] > 0 and traffic.failures == [], traffic.failures[:5]

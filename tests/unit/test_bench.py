@@ -17,6 +17,7 @@ from click.testing import CliRunner
 
 from gpufleet.bench import guidellm_client as client
 from gpufleet.bench.capacity import model_capacities, releases_without_bench
+from gpufleet.bench.engine_histograms import Reading
 from gpufleet.bench.plot import render_svg
 from gpufleet.bench.ramp import Slo, Step, ceiling, next_rate, parse_rates
 from gpufleet.bench.records import Record, RecordKey, latest, parse_records
@@ -136,32 +137,35 @@ def test_a_ramp_finds_the_ceiling_prints_a_line_per_step_and_keeps_the_record(
                         lambda inventory, data, fleet, record, replicas: stored.append(record) or [])
     pages: list[list[str]] = []
 
-    def read_buckets(urls: list[str]) -> dict[str, dict[float, float]]:
-        """Each reading finds ten more first tokens within 100 ms and a hundred more tokens within 10 ms."""
+    def read(urls: list[str]) -> Reading:
+        """Each reading finds ten more first tokens within 100 ms (0.6 s in all) and a hundred more tokens within
+        10 ms (0.4 s in all)."""
         pages.append(urls)
         n = len(pages)
-        return {"ttft": {0.1: 10.0 * n, math.inf: 10.0 * n}, "itl": {0.01: 100.0 * n, math.inf: 100.0 * n}}
+        return Reading({"ttft": {0.1: 10.0 * n, math.inf: 10.0 * n}, "itl": {0.01: 100.0 * n, math.inf: 100.0 * n}},
+                       {"ttft": 0.6 * n, "itl": 0.4 * n})
 
-    monkeypatch.setattr(cli_bench, "read_buckets", read_buckets)
+    monkeypatch.setattr(cli_bench, "read", read)
     report, plot = tmp_path / "record.json", tmp_path / "ramp.svg"
     result = CliRunner().invoke(main, ["bench", FLEET, "--slo", "ttft_p99_s=1", "--step-s", "10",
                                        "--report", str(report), "--plot", str(plot)])
     assert result.exit_code == 0, result.output
-    assert replica.asked == [0.5, 1.0, 2.0, 4.0, 3.0, 3.5]
+    assert replica.asked == [0.5, 1.0, 2.0, 4.0, 3.0, 3.5, 3.75, 3.875]
     lines = result.output.splitlines()
-    assert sum(line.startswith("step ") for line in lines) == 6
-    assert "ceiling: 3.5 req/s (0.583 per replica), stopped by ttft" in lines
+    assert sum(line.startswith("step ") for line in lines) == 8
+    assert "ceiling: 3.75 req/s (0.625 per replica), stopped by ttft" in lines
     doc = json.loads(report.read_text())
-    assert (doc["ceiling_rps"], doc["stopped_by"], doc["scope"], doc["replicas"]) == (3.5, "ttft", "routers", 6)
+    assert (doc["ceiling_rps"], doc["stopped_by"], doc["scope"], doc["replicas"]) == (3.75, "ttft", "routers", 6)
     assert (doc["model"], doc["release"], doc["layout"], doc["gpu_profile"]) == (
         "llama-3.1-70b", "0.32.0", "tp4-pp1", "8xH100-SXM")
     assert doc["slo"] == {"ttft_p99_s": 1.0, "itl_p99_s": 0.1}
-    assert [s["rate"] for s in doc["steps"]] == [0.5, 1.0, 2.0, 3.0, 3.5, 4.0]
-    assert len(pages) == 12 and len(pages[0]) == 6  # before and after each step, every replica's /metrics
+    assert [s["rate"] for s in doc["steps"]] == [0.5, 1.0, 2.0, 3.0, 3.5, 3.75, 3.875, 4.0]
+    assert len(pages) == 16 and len(pages[0]) == 6  # before and after each step, every replica's /metrics
     assert all((s["engine_ttft_p95_s"], s["engine_itl_p95_s"]) == pytest.approx((0.095, 0.0095)) for s in doc["steps"])
+    assert all((s["engine_ttft_mean_s"], s["engine_itl_mean_s"]) == pytest.approx((0.06, 0.004)) for s in doc["steps"])
     assert stored and Record.from_json(stored[0].to_json()) == stored[0]
     svg = plot.read_text()
-    assert svg.startswith("<svg") and "ceiling 3.5" in svg and "objective 1 s" in svg
+    assert svg.startswith("<svg") and "ceiling 3.75" in svg and "objective 1 s" in svg
 
 
 def test_records_round_trip_and_the_newest_of_a_key_wins() -> None:

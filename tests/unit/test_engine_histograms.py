@@ -7,7 +7,15 @@ import math
 
 import pytest
 
-from gpufleet.bench.engine_histograms import HISTOGRAMS, p95_between, parse_buckets, quantile
+from gpufleet.bench.engine_histograms import (
+    HISTOGRAMS,
+    Reading,
+    mean_between,
+    p95_between,
+    parse_buckets,
+    parse_sums,
+    quantile,
+)
 from tests.conftest import DATA
 
 PAGE = (DATA / "engine_histograms" / "lab-single-before.txt").read_text()
@@ -55,3 +63,14 @@ def test_a_step_is_what_it_added_to_the_histograms() -> None:
     assert p95["itl"] == pytest.approx(0.05 + 0.025 * 5 / 10)
     assert p95["ttft"] == pytest.approx(0.02 + 0.02 * 19 / 20)
     assert p95_between(before, before) == {"ttft": None, "itl": None}
+
+
+def test_the_page_sums_and_a_steps_mean() -> None:
+    sums = parse_sums(PAGE)
+    for key, name in HISTOGRAMS.items():
+        line = [line for line in PAGE.splitlines() if line.startswith(f"{name}_sum{{")]
+        assert sums[key] == float(line[0].rsplit(" ", 1)[1]) and sums[key] > 0
+    before = Reading(parse_buckets(PAGE), sums)
+    after = Reading({key: {le: n + (50 if key == "itl" else 0) for le, n in counts.items()}
+                     for key, counts in before.buckets.items()}, {**sums, "itl": sums["itl"] + 0.75})
+    assert mean_between(before, after) == {"ttft": None, "itl": pytest.approx(0.015)}  # 50 tokens, 0.75 s

@@ -84,8 +84,9 @@ def _rollable(case: dict[str, Any], world: World, mode: str) -> Rollable:
 
 
 class _Percentiles:
-    """The case's ``latency``: each replica's [requests, TTFT p95 s, ITL p95 s] over the watch, as vLLM's histograms
-    would give them (several replicas together: their requests summed, the slowest p95s); the windows asked."""
+    """The case's ``latency``: each replica's [requests, TTFT p95 s, ITL p95 s] over the watch (then, where given,
+    the means of both), as vLLM's histograms would give them (several replicas together: their requests summed,
+    the slowest figures); the windows asked."""
 
     wait_s = 15.0
 
@@ -97,7 +98,8 @@ class _Percentiles:
         rows = [self.table[name] for name in replicas if name in self.table]
         if not rows:
             return Percentiles(0.0, None, None)
-        return Percentiles(sum(r[0] for r in rows), max(r[1] for r in rows), max(r[2] for r in rows))
+        means = [max(r[i] for r in rows) if all(len(r) == 5 for r in rows) else None for i in (3, 4)]
+        return Percentiles(sum(r[0] for r in rows), max(r[1] for r in rows), max(r[2] for r in rows), *means)
 
 
 class _Bench:
@@ -114,9 +116,11 @@ class _Bench:
 
 def _record(steps: list[list[float]]) -> Record:
     """The release replaced's bench record (vLLM 0.31.0, one replica): [rate, TTFT p95 s, ITL p95 s] per step (the
-    client's and vLLM's alike), every step within an objective of 1 s and 0.1 s but the last, which fails."""
+    client's and vLLM's alike; then, where given, vLLM's means of both), every step within an objective of 1 s and
+    0.1 s but the last, which fails."""
     rows = [Step(r, r, t, t, i, i, 1.0, 2.0, 10.0, 10, 0, 20.0, ttft_p95_s=t, itl_p95_s=i, engine_ttft_p95_s=t,
-                 engine_itl_p95_s=i) for r, t, i in steps]
+                 engine_itl_p95_s=i, engine_ttft_mean_s=means[0] if means else None,
+                 engine_itl_mean_s=means[1] if means else None) for r, t, i, *means in steps]
     last = rows[-1]
     rows[-1] = Step(last.rate, last.rate, 5.0, 5.0, 0.5, 0.5, 1.0, 2.0, 10.0, 10, 0, 20.0, ttft_p95_s=5.0,
                     itl_p95_s=0.5)
