@@ -107,8 +107,8 @@ def baseline_record(records: Sequence[Record], model: str, release: str, layout:
 
 def stored_percentiles(record: Record | None, rps_per_replica: float, *, engine: bool) -> Percentiles | None:
     """The record's p95s at the lowest measured rate per replica at or above ``rps_per_replica`` (``engine``:
-    vLLM's histograms, else the bench client's); None without a record or those figures, or when the canary served
-    more than every step (its latency is not comparable then)."""
+    vLLM's histograms, with their means where the record has them, else the bench client's); None without a
+    record or those figures, or when the canary served more than every step (its latency is not comparable then)."""
     if record is None:
         return None
     each = max(1, record.replicas)
