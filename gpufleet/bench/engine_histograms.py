@@ -35,30 +35,20 @@ class Reading:
     sums: dict[str, float]
 
 
-def parse_buckets(text: str) -> Buckets:
-    """The latency histograms' buckets in a ``/metrics`` page (Prometheus's text format)."""
+def parse(text: str) -> Reading:
+    """The latency histograms of a ``/metrics`` page (Prometheus's text format): buckets and sums, each summed
+    over the page's engines."""
     by_name = {name: key for key, name in HISTOGRAMS.items()}
     found: Buckets = {key: {} for key in HISTOGRAMS}
+    sums = dict.fromkeys(HISTOGRAMS, 0.0)
     for line in text.splitlines():
-        match = _BUCKET.match(line)
-        if match is None or match["name"] not in by_name:
-            continue
-        le = _LE.search(match["labels"])
-        if le is not None:
-            counts, bound = found[by_name[match["name"]]], float(le["le"])
-            counts[bound] = counts.get(bound, 0.0) + float(match["value"])
-    return found
-
-
-def parse_sums(text: str) -> dict[str, float]:
-    """The latency histograms' sums (``_sum``) in a ``/metrics`` page, summed over its engines."""
-    by_name = {name: key for key, name in HISTOGRAMS.items()}
-    found = dict.fromkeys(HISTOGRAMS, 0.0)
-    for line in text.splitlines():
-        match = _SUM.match(line)
-        if match is not None and match["name"] in by_name:
-            found[by_name[match["name"]]] += float(match["value"])
-    return found
+        if (match := _BUCKET.match(line)) is not None and match["name"] in by_name:
+            if (le := _LE.search(match["labels"])) is not None:
+                counts, bound = found[by_name[match["name"]]], float(le["le"])
+                counts[bound] = counts.get(bound, 0.0) + float(match["value"])
+        elif (match := _SUM.match(line)) is not None and match["name"] in by_name:
+            sums[by_name[match["name"]]] += float(match["value"])
+    return Reading(found, sums)
 
 
 def read(urls: Sequence[str]) -> Reading:
@@ -67,12 +57,11 @@ def read(urls: Sequence[str]) -> Reading:
     sums = dict.fromkeys(HISTOGRAMS, 0.0)
     for url in urls:
         with urllib.request.urlopen(url, timeout=TIMEOUT_S) as answer:
-            text = answer.read().decode("utf-8", "replace")
-        for key, counts in parse_buckets(text).items():
+            page = parse(answer.read().decode("utf-8", "replace"))
+        for key, counts in page.buckets.items():
             for bound, count in counts.items():
                 total[key][bound] = total[key].get(bound, 0.0) + count
-        for key, value in parse_sums(text).items():
-            sums[key] += value
+            sums[key] += page.sums[key]
     return Reading(total, sums)
 
 

@@ -10,9 +10,9 @@ than what is left takes the rest (Ansible's ``serial:`` list). The first batch i
 
 Order: models by name; within a model, the replicas not ready first (taking them out costs no capacity, and
 rolling them early gives back the budget they hold), then those whose release changes, then those on the fewest
-nodes, then by name, numbers in names compared as numbers. Batches
-are filled round-robin over the models (the first replica of every model, then the second of every model, ...),
-so a canary of 1 touches one model, the first by name, and later batches mix models.
+nodes, then by name, numbers in names compared as numbers. Batches are filled round-robin over the models (the
+first replica of every model, then the second of every model, ...), so a canary of 1 touches one model, the first
+by name, and later batches mix models.
 
 Waves: a batch runs as waves, one after the other; a wave's replicas go out together and are ready again before
 the next wave starts (the runner waits for that, or stops). For each model, a wave takes the batch's replicas in

@@ -12,8 +12,7 @@ from gpufleet.bench.engine_histograms import (
     Reading,
     mean_between,
     p95_between,
-    parse_buckets,
-    parse_sums,
+    parse,
     quantile,
 )
 from tests.conftest import DATA
@@ -32,7 +31,7 @@ def _counts(name: str, text: str = PAGE) -> dict[float, float]:
 
 
 def test_a_real_page_gives_both_histograms_and_nothing_else() -> None:
-    buckets = parse_buckets(PAGE)
+    buckets = parse(PAGE).buckets
     assert set(buckets) == set(HISTOGRAMS)
     for key, name in HISTOGRAMS.items():
         assert buckets[key] == _counts(name) and math.inf in buckets[key]
@@ -53,7 +52,7 @@ def test_the_quantile_interpolates_within_its_bucket_as_prometheus_does(cumulati
 
 
 def test_a_step_is_what_it_added_to_the_histograms() -> None:
-    before = parse_buckets(PAGE)
+    before = parse(PAGE).buckets
     after = {key: dict(counts) for key, counts in before.items()}
     for bound in after["itl"]:  # 100 tokens: 90 within 25 ms, 10 between 50 and 75 ms
         after["itl"][bound] += 100 if bound >= 0.075 else 90 if bound >= 0.025 else 0
@@ -66,11 +65,11 @@ def test_a_step_is_what_it_added_to_the_histograms() -> None:
 
 
 def test_the_page_sums_and_a_steps_mean() -> None:
-    sums = parse_sums(PAGE)
+    sums = parse(PAGE).sums
     for key, name in HISTOGRAMS.items():
         line = [line for line in PAGE.splitlines() if line.startswith(f"{name}_sum{{")]
         assert sums[key] == float(line[0].rsplit(" ", 1)[1]) and sums[key] > 0
-    before = Reading(parse_buckets(PAGE), sums)
+    before = Reading(parse(PAGE).buckets, sums)
     after = Reading({key: {le: n + (50 if key == "itl" else 0) for le, n in counts.items()}
                      for key, counts in before.buckets.items()}, {**sums, "itl": sums["itl"] + 0.75})
     assert mean_between(before, after) == {"ttft": None, "itl": pytest.approx(0.015)}  # 50 tokens, 0.75 s
