@@ -7,7 +7,8 @@ STAMP     := $(VENV)/.installed
 LAB_STAMP := $(VENV)/.installed-lab
 NODES     ?= 1
 
-.PHONY: setup setup-lab deps test test-fast test-proofs lab lab-down bench plan check catalogs docs clean
+.PHONY: setup setup-lab deps test test-fast test-proofs lab lab-down bench bench-client bench-client-lock plan check \
+	catalogs docs clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -58,6 +59,12 @@ bench: $(LAB_STAMP) deps
 	$(BIN)/python bench/lab_boot.py --nodes $(NODES)
 	$(BIN)/python bench/converge.py --nodes $(NODES)
 
+# gpufleet bench's client (guidellm) on this machine, from its hash lock in gpufleet/data/guidellm/ (gpufleet bench
+# installs nothing). torch's CPU build is not on PyPI: pip's configuration, PIP_FIND_LINKS or PIP_EXTRA_INDEX_URL
+# say where it is; GPUFLEET_BENCH_WHEELHOUSE=DIR installs offline, from that directory of wheels alone.
+bench-client: $(STAMP)
+	$(BIN)/gpufleet bench-client
+
 plan: $(STAMP)
 	$(BIN)/gpufleet plan inventories/prod.py
 
@@ -67,6 +74,11 @@ check: $(STAMP)
 # Maintainers: regenerate the committed vLLM flag catalogs from the vLLM wheels.
 catalogs: $(STAMP)
 	$(BIN)/python scripts/gen_vllm_catalog.py 0.33.0 0.32.0 0.31.0
+
+# Maintainers: regenerate the bench client's lock from PyPI, torch's CPU build from TORCH_FROM (pip options).
+TORCH_FROM ?= --extra-index-url https://download.pytorch.org/whl/cpu
+bench-client-lock: $(LAB_STAMP)
+	$(BIN)/python scripts/gen_bench_client_lock.py $(TORCH_FROM)
 
 # The reference pages of docs/reference/ (variables, commands, roles), written from the code; never edit them by
 # hand: tests/unit/test_docs.py fails when one is stale.

@@ -23,11 +23,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpufleet_lab.mirror import bench_client_pip_args
+from gpufleet_lab.mirror import bench_client_find_links
 from gpufleet_lab.nodes import TLS_DIR
 from gpufleet_lab.state import LAB_DIR_ENV, lab_dir, load_state
-
-from gpufleet.bench.guidellm_client import PIP_ARGS_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 INVENTORY = "inventories/lab.py"
@@ -47,7 +45,7 @@ def _run(replica: str, args: argparse.Namespace, folder: Path) -> dict[str, Any]
             str(args.step_s), "--ca-file", str(lab_dir() / TLS_DIR / "ca.crt"), "--report", str(report)]
     argv += [*(["--slo", args.slo] if args.slo else []), *(["--rates", args.rates] if args.rates else []),
              *(["--dataset", args.dataset] if args.dataset else [])]
-    env = {**os.environ, LAB_DIR_ENV: str(lab_dir()), PIP_ARGS_ENV: bench_client_pip_args()}
+    env = {**os.environ, LAB_DIR_ENV: str(lab_dir())}
     started = time.monotonic()
     done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
     took = time.monotonic() - started
@@ -68,6 +66,10 @@ def main() -> None:
     parser.add_argument("--step-s", type=float, default=10.0, help="seconds a step sends (default 10)")
     parser.add_argument("--dataset", help="gpufleet bench --dataset (default: random lengths from max_model_len)")
     args = parser.parse_args()
+    installed = subprocess.run([sys.executable, "-m", "gpufleet.cli.main", "bench-client", "--find-links",
+                                bench_client_find_links()], cwd=ROOT, capture_output=True, text=True)
+    if installed.returncode != 0:
+        sys.exit(f"bench/serving_ceiling.py: {(installed.stderr or installed.stdout).strip()}")
     found: dict[str, Any] = {"slo": args.slo, "rates": args.rates, "step_s": args.step_s, "dataset": args.dataset,
                              "shapes": {}}
     with tempfile.TemporaryDirectory() as tmp:

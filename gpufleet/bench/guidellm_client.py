@@ -1,5 +1,6 @@
 """The benchmark client: guidellm (the vLLM project's LLM benchmark, pinned to :data:`VERSION`), run on the
-controller from a virtual environment of its own, one run per step of the ramp.
+controller from a virtual environment of its own, installed from a hash-pinned lock by ``gpufleet bench-client``
+(:mod:`gpufleet.bench.client_env`), one run per step of the ramp.
 
 Each step is one ``guidellm run`` with a scenario file (mode 0600 in a private temporary directory, removed after)
 that holds the target, the key and the step: a constant rate for ``step_s`` seconds, bounded by ``rate x step_s``
@@ -13,26 +14,25 @@ from __future__ import annotations
 import json
 import math
 import os
-import shlex
-import shutil
 import subprocess
-import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gpufleet.bench import client_env
 from gpufleet.bench.ramp import Step
 
 VERSION = "0.8.1"
 """The guidellm release gpufleet drives (its scenario schema and JSON report are version-specific)."""
 
 CLIENT_ENV = "GPUFLEET_GUIDELLM"
-"""An environment variable naming a guidellm executable to use instead of gpufleet's own virtual environment."""
+"""An environment variable naming a guidellm executable to use instead of gpufleet's own virtual environment: one
+the operator installed and answers for (gpufleet installs nothing for it, and does not check it against its lock)."""
 
-PIP_ARGS_ENV = "GPUFLEET_BENCH_PIP_ARGS"
-"""Extra pip arguments for the first install (for example where a CPU build of torch comes from)."""
+WHEELHOUSE_ENV = "GPUFLEET_BENCH_WHEELHOUSE"
+"""A directory of wheels ``gpufleet bench-client`` installs the client from, offline (its ``--wheelhouse``)."""
 
 WORKER_PROCESSES_MAX = 8
 """guidellm's sending processes: half the controller's CPUs, 1 to this many (each imports torch on start; the
@@ -49,7 +49,7 @@ there). The replica answered: such requests are counted apart (``unparsed``), no
 
 
 class ClientError(RuntimeError):
-    """The client could not be installed or did not produce a report (message: one line)."""
+    """The client is not installed as gpufleet's lock says, or did not produce a report (message: one line)."""
 
 
 @dataclass(frozen=True)
@@ -166,27 +166,24 @@ def cache_home() -> Path:
     return Path(base) / "gpufleet"
 
 
+def client_venv() -> Path:
+    """gpufleet's own virtual environment of the client: ``<cache>/guidellm-VERSION``."""
+    return cache_home() / f"guidellm-{VERSION}"
+
+
 def client_path(say: Callable[[str], None]) -> Path:
-    """The guidellm executable: :data:`CLIENT_ENV`, else gpufleet's own virtual environment, installed on first use
-    (``pip install guidellm==VERSION`` and :data:`PIP_ARGS_ENV`); an install cut short is made again."""
+    """The guidellm executable: :data:`CLIENT_ENV`'s (said with ``say``), else that of gpufleet's own virtual
+    environment (:func:`client_venv`) when it was installed from the lock gpufleet ships (``gpufleet bench-client``
+    installs it; nothing is installed here). :class:`ClientError` (one line naming that command) when it is
+    missing or was installed from another lock, or when :data:`CLIENT_ENV` names no executable."""
     if given := os.environ.get(CLIENT_ENV):
+        if not (os.path.isfile(given) and os.access(given, os.X_OK)):
+            raise ClientError(f"{CLIENT_ENV}: expected a guidellm executable, found {given!r}")
+        say(f"the client is {CLIENT_ENV}'s {given} (not checked against gpufleet's lock)")
         return Path(given)
-    venv = cache_home() / f"guidellm-{VERSION}"
-    done = venv / ".installed"
-    if done.exists():
-        return venv / "bin" / "guidellm"
-    say(f"installing guidellm {VERSION} into {venv} (once)")
-    shutil.rmtree(venv, ignore_errors=True)
-    try:
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True)
-        extra = shlex.split(os.environ.get(PIP_ARGS_ENV, ""))
-        subprocess.run([str(venv / "bin" / "pip"), "install", "-q", f"guidellm=={VERSION}", *extra],
-                       check=True, capture_output=True, text=True)
-    except subprocess.CalledProcessError as exc:
-        tail = (exc.stderr or "").strip().splitlines()[-1:] or ["no output"]
-        raise ClientError(f"could not install guidellm {VERSION} into {venv}: {tail[0]}") from None
-    done.touch()
-    return venv / "bin" / "guidellm"
+    if problem := client_env.check(client_venv(), client_env.lock_path(VERSION), "guidellm"):
+        raise ClientError(problem)
+    return client_venv() / "bin" / "guidellm"
 
 
 def run_step(client: Path, target: Target, workload: Workload, rate: float, step_s: float) -> Step:

@@ -266,7 +266,10 @@ def bench_command(inventory: str, model: str | None, replica: str | None, slo_te
     click.echo(f"gpufleet bench: {chosen.key.line()}, {len(chosen.replicas)} replica(s) at {target.base_url};"
                f" objective TTFT p99 {slo.ttft_p99_s:g} s, ITL p99 {slo.itl_p99_s:g} s; at most {steps_max} steps"
                f" of {step_s:g} s (each bounded to {client.step_bound_s(step_s):g} s)")
-    exe = client.client_path(lambda line: click.echo(f"gpufleet bench: {line}"))
+    try:
+        exe = client.client_path(lambda line: click.echo(f"gpufleet bench: {line}"))
+    except client.ClientError as exc:
+        fail_lines([f"gpufleet bench: {exc}"])
     steps: list[Step] = []
     metrics = _metrics_urls(fleet, chosen)
     unread = False

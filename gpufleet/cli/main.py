@@ -48,7 +48,7 @@ class _Commands(click.Group):
     LAZY: ClassVar[dict[str, str]] = {
         "probe": "gpufleet.cli.gpu:probe_command", "gate": "gpufleet.cli.gpu:make_gate_command",
         "upgrade": "gpufleet.cli.rollout:upgrade_command", "rollback": "gpufleet.cli.rollout:rollback_command",
-        "bench": "gpufleet.cli.bench:bench_command",
+        "bench": "gpufleet.cli.bench:bench_command", "bench-client": "gpufleet.cli.bench_client:bench_client_command",
     }
 
     def main(self, args: Sequence[str] | None = None, prog_name: str | None = None, complete_var: str | None = None,

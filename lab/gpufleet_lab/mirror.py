@@ -27,7 +27,6 @@ import gzip
 import itertools
 import json
 import os
-import shlex
 import signal
 import socket
 import subprocess
@@ -50,7 +49,7 @@ from gpufleet_lab.debian_extras import (
 from gpufleet_lab.errors import LabError
 from gpufleet_lab.standin_debs import build_debs
 from gpufleet_lab.tiny_model import make_tiny_model
-from gpufleet_lab.wheelhouse import EXTRA_REQUIREMENTS, build_wheelhouse, lock_name
+from gpufleet_lab.wheelhouse import build_wheelhouse, lock_name
 
 WWW = "www"
 KEYRING_NAME = "gpufleet-lab.gpg"
@@ -200,11 +199,11 @@ def node_exporter_sources(base_url: str, cache_dir: Path | str | None = None) ->
     return found
 
 
-def bench_client_pip_args(cache_dir: Path | str | None = None) -> str:
-    """``GPUFLEET_BENCH_PIP_ARGS`` for ``gpufleet bench``'s first install of its client on this machine: torch's CPU
-    build from the wheelhouse (guidellm needs torch, and the package index has only its CUDA builds)."""
-    torch = next(r for r in EXTRA_REQUIREMENTS if r.startswith("torch=="))
-    return f"--find-links {shlex.quote(str(_cache(cache_dir) / WWW / 'wheels'))} {torch}"
+def bench_client_find_links(cache_dir: Path | str | None = None) -> str:
+    """``gpufleet bench-client --find-links`` on this machine: the wheelhouse, where pip finds torch's CPU build
+    (guidellm needs torch, the package index has only its CUDA builds; the client's lock pins the wheelhouse's
+    ``EXTRA_REQUIREMENTS`` torch by its sha256)."""
+    return str(_cache(cache_dir) / WWW / "wheels")
 
 
 def keyring_file(cache_dir: Path | str | None = None) -> Path:

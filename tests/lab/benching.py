@@ -1,9 +1,11 @@
-"""``gpufleet bench`` as the lab tests run it: the client on the controller (guidellm, installed once under
-~/.cache/gpufleet with torch's CPU build from the lab's wheelhouse), a short ramp of each replica shape on a
-workload of long answers, and the records it keeps (the stored baseline of the upgrades' canaries)."""
+"""``gpufleet bench`` as the lab tests run it: the client on the controller (guidellm, installed once a session by
+``gpufleet bench-client`` from its lock, torch's CPU build found in the lab's wheelhouse), a short ramp of each
+replica shape on a workload of long answers, and the records it keeps (the stored baseline of the upgrades'
+canaries)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import subprocess
@@ -11,9 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from gpufleet_lab.mirror import bench_client_pip_args
+from gpufleet_lab.mirror import bench_client_find_links
 
-from gpufleet.bench.guidellm_client import PIP_ARGS_ENV
 from gpufleet.bench.records import RECORDS_DIR
 from tests.lab.fleet import PIPELINE, lab_ca, single
 from tests.lab.harness import ROOT, Lab
@@ -41,10 +42,19 @@ def dataset(path: Path, rows: int, words: tuple[int, int], output_tokens: tuple[
     return path
 
 
+@functools.cache
+def install_client() -> None:
+    """``gpufleet bench-client``, once a session (a client installed from the current lock is left as it is)."""
+    done = subprocess.run([*GPUFLEET, "bench-client", "--find-links", bench_client_find_links()], cwd=ROOT,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
 def bench_argv(lab: Lab, *args: str) -> tuple[list[str], dict[str, str]]:
-    """The command line and environment of ``gpufleet bench inventories/lab.py ARGS`` against the lab."""
-    return ([*GPUFLEET, "bench", "inventories/lab.py", "--ca-file", lab_ca(lab), *args],
-            {**lab.env, PIP_ARGS_ENV: bench_client_pip_args()})
+    """The command line and environment of ``gpufleet bench inventories/lab.py ARGS`` against the lab, its client
+    installed."""
+    install_client()
+    return [*GPUFLEET, "bench", "inventories/lab.py", "--ca-file", lab_ca(lab), *args], lab.env
 
 
 def ramp(lab: Lab, folder: Path, replica: str) -> tuple[dict[str, Any], str]:
