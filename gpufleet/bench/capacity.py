@@ -1,17 +1,22 @@
-"""What the records say of the fleet as planned now: each served model's measured ceiling for the replicas it has,
-and how many replicas a target rate needs.
+"""What the records say of the fleet as planned now: each served model's measured ceiling per replica of each of its
+shapes, its ceiling over the replicas it has, and how many replicas a target rate needs.
 
-A model's replicas are matched to records of their own release, layout and GPU profile: a record through the
-routers of exactly the model's replicas' shapes gives a rate per replica (its ceiling over the replicas it was
-measured with); failing that, each shape's record of one replica. A model whose current release has none is given
-the newest record of an earlier release, named as such (``gpufleet bench`` again after an upgrade: ``deploys/check.py``
-names the release that lacks one).
+A model's replicas are matched to records of their own release, layout and GPU profile (their shape,
+:func:`replica_shape`): a record through the routers of exactly the model's replicas' shapes gives a rate per
+replica (its ceiling over the replicas it was measured with), shared among the shapes in proportion to their
+one-replica records where each has one, else the same for each; failing that, each shape's record of one replica.
+A model whose current release has none is given the newest record of an earlier release, named as such
+(``gpufleet bench`` again after an upgrade: ``deploys/check.py`` names the release that lacks one).
+
+The rate per replica of each shape is what Prometheus multiplies by the replicas of that shape in service
+(:mod:`gpufleet.monitoring.ceiling_rules`): the model's capacity follows a replica added, drained or lost.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -19,11 +24,25 @@ from gpufleet.bench.records import Record, RecordKey, latest, layout_name
 from gpufleet.config.schema import HostConfig
 from gpufleet.plan.planner import Replica
 
+Shape = tuple[str, str]
+"""A replica's layout (``tp1-pp2``) and GPU profile: what a record's rate per replica is a rate of."""
+
+
+@dataclass(frozen=True)
+class ShapeCeiling:
+    """One shape of a model's replicas: the requests/s one replica of it serves within the objective, and how many
+    of the model's planned replicas have it."""
+
+    layout: str
+    gpu_profile: str
+    per_replica_rps: float
+    replicas: int
+
 
 @dataclass(frozen=True)
 class ModelCapacity:
-    """A served model's ceiling over its planned replicas (requests/s), from which records, and whether those are of
-    the release it runs (``current``)."""
+    """A served model's ceiling over its planned replicas (requests/s), each of its shapes' rate per replica, from
+    which records, and whether those are of the release it runs (``current``)."""
 
     model: str
     release: str
@@ -31,6 +50,7 @@ class ModelCapacity:
     ceiling_rps: float
     sources: tuple[Record, ...]
     current: bool
+    shapes: tuple[ShapeCeiling, ...] = ()
 
     def replicas_for(self, target_rps: float) -> int:
         """Replicas of the model's average measured rate that ``target_rps`` needs."""
@@ -38,27 +58,34 @@ class ModelCapacity:
         return math.ceil(target_rps / per) if per > 0 else 0
 
 
-def _shape(replica: Replica, configs: Mapping[str, HostConfig]) -> tuple[str, str]:
+def replica_shape(replica: Replica, configs: Mapping[str, HostConfig]) -> Shape:
+    """The replica's layout and the GPU profile of its nodes (``probed`` where none is declared; nodes of several
+    profiles joined by ``+``): the key its records and its ceiling in Prometheus share."""
     return layout_name(replica.tp, replica.pp, replica.dp), "+".join(
         sorted({str(configs[n].gpu_profile or "probed") for n in replica.nodes}))
 
 
 def _for_release(model: str, release: str, replicas: list[Replica], configs: Mapping[str, HostConfig],
-                 newest: dict[RecordKey, Record]) -> tuple[float, tuple[Record, ...]] | None:
-    shapes = [_shape(r, configs) for r in replicas]
-    whole = RecordKey(model, release, "+".join(sorted({s[0] for s in shapes})),
-                      "+".join(sorted({p for s in shapes for p in s[1].split("+")})), "routers")
+                 newest: dict[RecordKey, Record]) -> tuple[tuple[ShapeCeiling, ...], tuple[Record, ...]] | None:
+    counts = Counter(replica_shape(r, configs) for r in replicas)
+    singles = {shape: one for shape in counts
+               if (one := newest.get(RecordKey(model, release, *shape, "replica"))) is not None
+               and one.ceiling.rate}
+    whole = RecordKey(model, release, "+".join(sorted({s[0] for s in counts})),
+                      "+".join(sorted({p for s in counts for p in s[1].split("+")})), "routers")
     record = newest.get(whole)
     if record is not None and (per := record.per_replica_rps()) is not None:
-        return per * len(replicas), (record,)
-    total, used = 0.0, []
-    for layout, profile in shapes:
-        one = newest.get(RecordKey(model, release, layout, profile, "replica"))
-        if one is None or one.ceiling.rate is None:
-            return None
-        total += one.ceiling.rate
-        used.append(one)
-    return total, tuple({record.key: record for record in used}.values())
+        if len(counts) == 1 or len(singles) < len(counts):
+            return tuple(ShapeCeiling(*shape, per, n) for shape, n in sorted(counts.items())), (record,)
+        rates = {shape: float(one.ceiling.rate or 0.0) for shape, one in singles.items()}
+        scale = per * len(replicas) / sum(rates[shape] * n for shape, n in counts.items())
+        return (tuple(ShapeCeiling(*shape, rates[shape] * scale, n) for shape, n in sorted(counts.items())),
+                (record, *(singles[shape] for shape in sorted(singles))))
+    if len(singles) < len(counts):
+        return None
+    return (tuple(ShapeCeiling(*shape, float(singles[shape].ceiling.rate or 0.0), n)
+                  for shape, n in sorted(counts.items())),
+            tuple(singles[shape] for shape in sorted(singles)))
 
 
 def _version_key(version: str) -> list[int]:
@@ -78,14 +105,21 @@ def model_capacities(replicas: list[Replica], configs: Mapping[str, HostConfig],
     for model, served in sorted(by_model.items()):
         release = configs[served[0].nodes[0]].vllm_version
         if (now := _for_release(model, release, served, configs, newest)) is not None:
-            found[model] = ModelCapacity(model, release, len(served), now[0], now[1], True)
+            found[model] = _capacity(model, release, now, True)
             continue
         older = {k.release for k in newest if k.model == model and k.release != release}
         for earlier in sorted(older, key=_version_key, reverse=True):
             if (then := _for_release(model, earlier, served, configs, newest)) is not None:
-                found[model] = ModelCapacity(model, earlier, len(served), then[0], then[1], False)
+                found[model] = _capacity(model, earlier, then, False)
                 break
     return found
+
+
+def _capacity(model: str, release: str, measured: tuple[tuple[ShapeCeiling, ...], tuple[Record, ...]],
+              current: bool) -> ModelCapacity:
+    shapes, sources = measured
+    return ModelCapacity(model, release, sum(s.replicas for s in shapes),
+                         sum(s.per_replica_rps * s.replicas for s in shapes), sources, current, shapes)
 
 
 def releases_without_bench(replicas: list[Replica], configs: Mapping[str, HostConfig],

@@ -197,8 +197,9 @@ def plan(inventory: str, facts_dir: Path | None, as_json: bool, observed: bool, 
 
 def _print_ceilings(inventory: str, data: tuple[str, ...], fleet: Fleet, plan: FleetPlan,
                     target_rps: float | None) -> list[str]:
-    """Each model's measured ceiling over its planned replicas (and the replicas ``target_rps`` needs), from the bench
-    records on the monitoring hosts; the lines of what could not be read."""
+    """Each model's measured ceiling over its planned replicas (each shape's per replica where they differ; and the
+    replicas ``target_rps`` needs), from the bench records on the monitoring hosts; the lines of what could not be
+    read."""
     from gpufleet.bench.capacity import model_capacities  # pyinfra's SSH stack: loaded only when asked
     from gpufleet.bench.store import read_records
     from gpufleet.gpu.live_probe import load_inventory
@@ -217,8 +218,10 @@ def _print_ceilings(inventory: str, data: tuple[str, ...], fleet: Fleet, plan: F
             continue
         dates = ", ".join(sorted({r.date for r in cap.sources}))
         note = "" if cap.current else f"; measured on vLLM {cap.release}, not the release planned: bench again"
+        each = (f"{cap.ceiling_rps / cap.replicas:.3g} each" if len(cap.shapes) < 2 else ", ".join(
+            f"{s.replicas} {s.layout} on {s.gpu_profile} at {s.per_replica_rps:.3g} each" for s in cap.shapes))
         line = (f"ceiling of {json.dumps(model)}: {cap.ceiling_rps:g} req/s over {cap.replicas} replicas"
-                f" ({cap.ceiling_rps / cap.replicas:.3g} each; measured {dates}{note})")
+                f" ({each}; measured {dates}{note})")
         if target_rps is not None:
             line += f"; {target_rps:g} req/s needs {cap.replicas_for(target_rps)} replicas"
         click.echo(line)

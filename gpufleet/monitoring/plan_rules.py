@@ -5,6 +5,10 @@
 - ``gpufleet:model_replicas_min{model}``: the fewest ready replicas each served model may have,
   ``ceil(alert_model_replicas_min_ratio x its planned replicas)``;
 - ``gpufleet:replica_ranks_expected{model, replica}``: the ranks (nodes) each replica runs on;
+- ``gpufleet:replica_shape{model, replica, layout, gpu_profile}``: 1 for each replica, with its shape (its layout and
+  its nodes' GPU profile, :func:`gpufleet.bench.capacity.replica_shape`): the capacity rule counts each replica in
+  service at its shape's ceiling per replica (``gpufleet:replica_ceiling_rps``, from ``gpufleet bench``:
+  :mod:`gpufleet.monitoring.ceiling_rules`);
 - ``gpufleet:model_prefix_routed{model}``: 1 for each served model whose pools route by prefix
   (``router_policy: prefix``), none for the others: only those alert when their prefix cache hit ratio collapses;
 - ``gpufleet:model_slo_ttft_p99_seconds{model}`` and ``gpufleet:model_slo_itl_p99_seconds{model}``: each served
@@ -24,6 +28,7 @@ from typing import Any
 
 import yaml
 
+from gpufleet.bench.capacity import replica_shape
 from gpufleet.config.schema import HostConfig
 from gpufleet.plan.planner import Replica
 
@@ -69,6 +74,12 @@ def _fact(record: str, value: float, labels: dict[str, str]) -> dict[str, Any]:
     return {"record": record, "expr": f"vector({value!r})", "labels": labels}
 
 
+def _shape_fact(replica: Replica, configs: Mapping[str, HostConfig]) -> dict[str, Any]:
+    layout, profile = replica_shape(replica, configs)
+    return _fact("gpufleet:replica_shape", 1, {"model": replica_config(replica, configs).served_model_name(),
+                                               "replica": replica.name, "layout": layout, "gpu_profile": profile})
+
+
 def plan_rules(node_gpus: Mapping[str, int], replicas: list[Replica], configs: Mapping[str, HostConfig],
                ratio: float, header: str) -> str:
     """The rule file's text: ``header`` (comment lines), then one rule per node, model and replica, sorted."""
@@ -79,6 +90,7 @@ def plan_rules(node_gpus: Mapping[str, int], replicas: list[Replica], configs: M
     rules += [_fact("gpufleet:replica_ranks_expected", len(replica.roles),
                     {"model": replica_config(replica, configs).served_model_name(), "replica": replica.name})
               for replica in sorted(replicas, key=lambda r: r.name)]
+    rules += [_shape_fact(replica, configs) for replica in sorted(replicas, key=lambda r: r.name)]
     rules += [_fact("gpufleet:model_prefix_routed", 1, {"model": model})
               for model in prefix_routed_models(replicas, configs)]
     objectives = sorted(model_objectives(replicas, configs).items())

@@ -26,7 +26,7 @@ import pytest
 import yaml
 from gpufleet_lab.double_programs.dcgm_exporter import read_counters
 
-from gpufleet.bench.capacity import ModelCapacity
+from gpufleet.bench.capacity import ModelCapacity, ShapeCeiling
 from gpufleet.bench.engine_metrics import queries
 from gpufleet.monitoring import ceiling_rules
 from gpufleet.monitoring.alert_rules import RULE_FILES, THRESHOLDS, render_rules
@@ -175,7 +175,8 @@ def test_rule_files_name_the_plan_figures_they_read(default_rules: dict[str, str
     read = set(re.findall(r"gpufleet:\w+", "".join(str(rule["expr"]) for rule in _rules(default_rules).values())))
     assert read == {"gpufleet:node_gpus_expected", "gpufleet:model_replicas_min", "gpufleet:replica_ranks_expected",
                     "gpufleet:model_prefix_routed", "gpufleet:model_slo_ttft_p99_seconds",
-                    "gpufleet:model_slo_itl_p99_seconds", "gpufleet:model_ceiling_rps"}
+                    "gpufleet:model_slo_itl_p99_seconds", "gpufleet:model_ceiling_rps", "gpufleet:replica_shape",
+                    "gpufleet:replica_ceiling_rps"}
     for text in default_rules.values():
         header = text.split("\ngroups:", 1)[0]
         assert all(fact + "{" in header for fact in read)
@@ -192,8 +193,14 @@ def test_the_dcgm_fields_the_rules_read_are_turned_on(default_rules: dict[str, s
 
 def test_the_ceiling_file_gpufleet_bench_writes_feeds_the_capacity_alert(tmp_path: Path,
                                                                        default_rules: dict[str, str]) -> None:
-    capacity = ModelCapacity("chat $HOME 100%", "0.32.0", 2, 4.0, (), True)
-    ceilings = ceiling_rules.ceiling_rules({capacity.model: capacity}, "# the test's\n")
+    """The ceilings of tests/data/alert_rules/ceilings.test.yml's models, one replica of each shape measured."""
+    two = (ShapeCeiling("tp1-pp1", "8xH100-SXM", 2.0, 2),)
+    capacities = {model: ModelCapacity(model, "0.32.0", 2, 4.0, (), True, two)
+                  for model in ("chat $HOME 100%", "drained", "lost")}
+    capacities["mix"] = ModelCapacity("mix", "0.32.0", 3, 8.0, (), True,
+                                      (ShapeCeiling("tp1-pp1", "lab-cpu", 3.0, 1),
+                                       ShapeCeiling("tp1-pp2", "lab-cpu", 5.0, 1)))
+    ceilings = ceiling_rules.ceiling_rules(capacities, "# the test's\n")
     _promtool_test(tmp_path, {**default_rules, "ceilings.yml": ceilings}, "ceilings.test.yml")
     done = subprocess.run([_promtool(), "check", "rules", "ceilings.yml"], cwd=tmp_path, capture_output=True,
                           text=True, timeout=60)

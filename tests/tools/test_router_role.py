@@ -8,6 +8,7 @@ three replicas); the replicas are small HTTP servers on 127.0.0.1 that answer li
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import threading
@@ -246,6 +247,24 @@ def test_the_metrics_endpoint_speaks_prometheus(router: Router) -> None:
         text = response.read().decode()
     assert 'haproxy_backend_http_responses_total{proxy="model-meta-llama_Llama-3.1-8B",code="2xx"}' in text
     assert 'haproxy_server_status{proxy="model-tiny_llama__HOME_100___q___x_",server="pool_a-0",state="UP"} 1' in text
+
+
+def test_a_drained_replica_is_not_up_on_the_metrics_endpoint(router: Router) -> None:
+    """What the capacity rule reads (replica:in_service:bool, templates/monitoring/rules/recording.yml.j2): a replica
+    drained as a rollout drains it (router_admin.py) leaves state UP for DRAIN, the others stay UP; ready again, it is
+    UP."""
+    api, backend = router_admin.Runtime(str(router.socket)), "model-tiny_llama__HOME_100___q___x_"
+
+    def states(server: str) -> dict[str, str]:
+        with urllib.request.urlopen(router.metrics, timeout=10) as response:
+            text = response.read().decode()
+        line = re.escape(f'haproxy_server_status{{proxy="{backend}",server="{server}",state="')
+        return dict(re.findall(rf'^{line}(\w+)"}} (\d)$', text, re.MULTILINE))
+
+    router_admin.set_state(api, backend, "pool_a-0", "drain")
+    assert (states("pool_a-0")["UP"], states("pool_a-0")["DRAIN"], states("pool_b-0")["UP"]) == ("0", "1", "1")
+    router_admin.set_state(api, backend, "pool_a-0", "ready")
+    assert (states("pool_a-0")["UP"], states("pool_a-0")["DRAIN"]) == ("1", "0")
 
 
 
