@@ -84,6 +84,7 @@ _edge = {
     # between the routers and the replicas)
     "router_tls_certificate": {"file": str(_tls.certificate)},
     "router_tls_key": {"file": str(_tls.key)},
+    "router_tls_ca": str(_tls.ca_certificate),  # what the bench trusts for the routers
     "router_clients": {"lab": {"api_key": {"file": str(ensure_api_key(lab_dir(), CLIENT_KEY_FILE))},
                                # limits far above what the tests send (the route matrix: ~40 requests in a second)
                                "requests_per_s": 200, "concurrent_requests": 32}},

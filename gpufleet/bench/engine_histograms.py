@@ -1,7 +1,7 @@
 """vLLM's own latency over one step of a bench: its time-to-first-token and inter-token latency histograms, read
-from each replica's ``/metrics`` just before and just after the step, and the p95 of the difference (estimated
-within a bucket as Prometheus's ``histogram_quantile`` does, so that a record reads like the canary's watch) and
-its mean (exact: the histogram's sum over its count).
+from each replica's ``/metrics`` just before and just after the step, and the p99 and p95 of the difference (estimated
+within a bucket as Prometheus's ``histogram_quantile`` does, so that a step is judged as the alerts judge a model and
+a record reads like the canary's watch) and its mean (exact: the histogram's sum over its count).
 
 Read directly rather than from Prometheus: a step of a few seconds is shorter than a scrape interval, and the
 replica has counted every answer of the step once the client has it.
@@ -84,9 +84,9 @@ def quantile(q: float, cumulative: Mapping[float, float]) -> float | None:
     return lower
 
 
-def p95_between(before: Buckets, after: Buckets) -> dict[str, float | None]:
-    """Each figure's p95 over what was observed between two readings."""
-    return {key: quantile(0.95, {le: after[key][le] - before[key].get(le, 0.0) for le in after[key]})
+def quantile_between(q: float, before: Buckets, after: Buckets) -> dict[str, float | None]:
+    """Each figure's ``q`` quantile over what was observed between two readings."""
+    return {key: quantile(q, {le: after[key][le] - before[key].get(le, 0.0) for le in after[key]})
             for key in HISTOGRAMS}
 
 

@@ -5,8 +5,10 @@ controller from a virtual environment of its own, installed from a hash-pinned l
 Each step is one ``guidellm run`` with a scenario file (mode 0600 in a private temporary directory, removed after)
 that holds the target, the key and the step: a constant rate for ``step_s`` seconds, bounded by ``rate x step_s``
 requests and by a hard stop (:func:`step_bound_s`) for the requests still running. Nothing secret is on its command
-line. Requests not answered at the hard stop count as failed. Latencies come from guidellm's JSON report over the
-requests that succeeded: TTFT and end-to-end per request, ITL as each request's mean time between tokens.
+line. Requests not answered at the hard stop are not answered (the step's ``offered`` less those answered and
+failed). The client's latencies come from guidellm's JSON report over the requests that succeeded: TTFT and
+end-to-end per request, ITL as each request's mean time between tokens (the step is judged on vLLM's own histograms
+instead: :mod:`gpufleet.bench.ramp`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import os
 import subprocess
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +48,13 @@ UNPARSED = "JSONDecodeError("
 """How guidellm's report names an answer it could not read: a streamed chunk whose text holds a character Python
 takes for a line break (U+0085, U+2028 and the like, which vLLM sends as they are; its line reader splits the chunk
 there). The replica answered: such requests are counted apart (``unparsed``), not as failed."""
+
+
+REASONS_MAX = 3
+"""Distinct failure reasons a step keeps and prints."""
+
+REASON_CHARS = 200
+"""The longest reason kept (guidellm's exception text can carry a whole response)."""
 
 
 class ClientError(RuntimeError):
@@ -123,8 +132,26 @@ def scenario(target: Target, workload: Workload, rate: float, step_s: float, rep
     }}
 
 
-def step_from_report(doc: dict[str, Any], rate: float) -> Step:
-    """A :class:`Step` from guidellm's JSON report of one constant-rate benchmark."""
+def failure_reasons(bench: dict[str, Any], limit: int = REASONS_MAX) -> list[str]:
+    """The first ``limit`` distinct reasons of a benchmark's errored requests, as guidellm wrote them (a refused
+    certificate, an HTTP status, a timeout: it names the URL, never the key), with how many requests gave each; the
+    requests still running at the step's bound as one more reason."""
+    counts: dict[str, int] = {}
+    requests = bench.get("requests") or {}
+    for request in requests.get("errored") or []:
+        error = " ".join(str((request.get("info") or {}).get("error") or "no reason given").split())
+        if not error.startswith(UNPARSED):
+            counts[error[:REASON_CHARS]] = counts.get(error[:REASON_CHARS], 0) + 1
+    found = [f"{n} x {reason}" for reason, n in counts.items()][:limit]
+    incomplete = int(((bench.get("metrics") or {}).get("request_totals") or {}).get("incomplete", 0))
+    if incomplete:
+        found.append(f"{incomplete} x not answered within the step's bound")
+    return found
+
+
+def step_from_report(doc: dict[str, Any], rate: float, offered: int) -> Step:
+    """A :class:`Step` from guidellm's JSON report of one constant-rate benchmark that offered ``offered``
+    requests."""
     benchmarks = doc.get("benchmarks") or []
     if len(benchmarks) != 1:
         raise ClientError(f"expected one benchmark in guidellm's report, found {len(benchmarks)}")
@@ -145,18 +172,20 @@ def step_from_report(doc: dict[str, Any], rate: float) -> Step:
                    if str((request.get("info") or {}).get("error") or "").startswith(UNPARSED))
     return Step(
         rate=rate,
-        achieved_rps=succeeded / seconds if seconds > 0 else 0.0,
+        achieved_rps=(succeeded + unparsed) / seconds if seconds > 0 else 0.0,
         ttft_p50_s=pct("time_to_first_token_ms", "p50", 1e-3), ttft_p99_s=pct("time_to_first_token_ms", "p99", 1e-3),
         itl_p50_s=pct("inter_token_latency_ms", "p50", 1e-3), itl_p99_s=pct("inter_token_latency_ms", "p99", 1e-3),
         e2e_p50_s=pct("request_latency", "p50", 1.0), e2e_p99_s=pct("request_latency", "p99", 1.0),
         output_tokens_per_s=float(output.get("total_sum") or 0.0) / seconds if seconds > 0 else 0.0,
         succeeded=succeeded,
-        failed=int(totals.get("errored", 0)) - unparsed + int(totals.get("incomplete", 0)),
+        failed=int(totals.get("errored", 0)) - unparsed,
         seconds=seconds,
+        offered=offered,
         ttft_p95_s=pct("time_to_first_token_ms", "p95", 1e-3), itl_p95_s=pct("inter_token_latency_ms", "p95", 1e-3),
         started_at=float(bench.get("start_time") or 0.0),
         ended_at=float(bench.get("end_time") or 0.0),
         unparsed=unparsed,
+        failure_reasons=failure_reasons(bench),
     )
 
 
@@ -210,4 +239,7 @@ def run_step(client: Path, target: Target, workload: Workload, rate: float, step
         if done.returncode != 0 or not report.exists():
             lines = [line.strip() for line in (done.stderr + done.stdout).splitlines() if line.strip()]
             raise ClientError(f"guidellm failed (exit {done.returncode}): {lines[-1] if lines else 'no output'}")
-        return step_from_report(json.loads(report.read_text()), rate)
+        step = step_from_report(json.loads(report.read_text()), rate, step_requests(rate, step_s))
+        if target.api_key and any(target.api_key in reason for reason in step.failure_reasons):
+            step = replace(step, failure_reasons=[r.replace(target.api_key, "(the key)") for r in step.failure_reasons])
+        return step

@@ -17,7 +17,9 @@ from gpufleet.bench.ramp import Ceiling, Slo, Step, ceiling
 RECORDS_DIR = "/var/lib/gpufleet/bench"
 """Where each monitoring host keeps the records (one line of JSON each, mode 0644: no secret is in one)."""
 
-SCHEMA = 1
+SCHEMA = 2
+"""2: steps judged on vLLM's own p99s and on the requests answered (a record of 1 was judged on the client's figures:
+bench again)."""
 
 
 @dataclass(frozen=True)
@@ -75,13 +77,15 @@ class Record:
         found = self.ceiling
         return {"schema": SCHEMA, **self.key.__dict__, "replicas": self.replicas,
                 "slo": {"ttft_p99_s": self.slo.ttft_p99_s, "itl_p99_s": self.slo.itl_p99_s},
-                "ceiling_rps": found.rate, "stopped_by": found.stopped_by,
+                "ceiling_rps": found.rate, "ceiling_offered_rps": found.offered, "stopped_by": found.stopped_by,
                 "steps": [step.to_json() for step in self.steps], "workload": self.workload,
                 "client": self.client, "date": self.date, "step_s": self.step_s, "notes": self.notes}
 
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> Record:
         """A record from its JSON; ValueError (or KeyError, TypeError) for one that is not."""
+        if doc.get("schema") == 1:
+            raise ValueError("a record of schema 1 judged the client's latencies and the offered rate: bench again")
         if doc.get("schema") != SCHEMA:
             raise ValueError(f"expected a bench record of schema {SCHEMA}, found {doc.get('schema')!r}")
         key = RecordKey(*(str(doc[name]) for name in ("model", "release", "layout", "gpu_profile", "scope")))

@@ -14,7 +14,7 @@ import click
 
 from gpufleet.bench import guidellm_client as client
 from gpufleet.bench.dataset import DatasetError, load_dataset, write_for_client
-from gpufleet.bench.engine_histograms import Reading, mean_between, p95_between, read
+from gpufleet.bench.engine_histograms import Reading, mean_between, quantile_between, read
 from gpufleet.bench.engine_metrics import with_engine_metrics
 from gpufleet.bench.plot import render_svg
 from gpufleet.bench.ramp import (
@@ -26,6 +26,7 @@ from gpufleet.bench.ramp import (
     next_rate,
     parse_rates,
     parse_slo,
+    step_problem,
 )
 from gpufleet.bench.records import RECORDS_DIR, Record, RecordKey, layout_name
 from gpufleet.cli.inputs import DATA_OPTION, cli_fleet, fail_lines, fleet_facts, group_hosts
@@ -83,8 +84,9 @@ def _choose(fleet: Fleet, replicas: list[Replica], model: str | None, replica: s
 
 
 def _target(fleet: Fleet, chosen: Chosen, client_name: str | None, ca_file: str | None) -> client.Target:
-    """Where the requests go, and with which key: the routers' endpoint and a router client's key, or the one
-    replica's own API and its ``vllm_api_key``."""
+    """Where the requests go, and with which key: the routers' endpoint, a router client's key and the CA that signs
+    the routers' certificate (``--ca-file``, else ``router_tls_ca``), or the one replica's own API and its
+    ``vllm_api_key``."""
     first_cfg = fleet.configs[chosen.replicas[0].nodes[0]]
     tokenizer = str(first_cfg.vllm_model_config or first_cfg.vllm_model)
     try:
@@ -100,6 +102,7 @@ def _target(fleet: Fleet, chosen: Chosen, client_name: str | None, ca_file: str 
         vip = virtual_address.group(routers, fleet.configs)
         address = vip.address if vip is not None else (virtual_address.host_address(routers[0], cfg) or routers[0])
         scheme = "https" if cfg.router_tls_certificate is not None else "http"
+        ca_file = ca_file or cfg.router_tls_ca
         allowed = [name for name, c in cfg.router_clients.items() if c.models is None or chosen.model in c.models]
         if client_name is not None and client_name not in allowed:
             fail_lines([f"gpufleet bench: --client: expected a router client allowed {json.dumps(chosen.model)}"
@@ -141,11 +144,12 @@ def _progress(step: Step, slo: Slo) -> str:
 
     missed = step.missed(slo)
     unread = f" ({step.unparsed} answered but unreadable to the client)" if step.unparsed else ""
-    engine = (f" (vLLM's p95: TTFT {ms(step.engine_ttft_p95_s)}, ITL {ms(step.engine_itl_p95_s)})"
-              if step.engine_itl_p95_s is not None else "")
-    return (f"step {step.rate:g} req/s: {step.achieved_rps:.2f} req/s done, {step.output_tokens_per_s:,.1f} tok/s,"
-            f" TTFT p99 {ms(step.ttft_p99_s)}, ITL p99 {ms(step.itl_p99_s)}, {step.failed} failed{unread}{engine}:"
-            f" {'missed ' + '+'.join(missed) if missed else 'within the objective'}")
+    reasons = f"; first reasons: {'; '.join(step.failure_reasons)}" if step.failure_reasons else ""
+    return (f"step {step.rate:g} req/s: {step.answered} of {step.offered} answered ({step.achieved_rps:.2f} req/s),"
+            f" {step.failed} failed{unread}, {step.output_tokens_per_s:,.1f} tok/s; vLLM's TTFT p99"
+            f" {ms(step.engine_ttft_p99_s)}, ITL p99 {ms(step.engine_itl_p99_s)} (the client's: TTFT p99"
+            f" {ms(step.ttft_p99_s)}, per-request mean ITL p99 {ms(step.itl_p99_s)}):"
+            f" {'missed ' + '+'.join(missed) if missed else 'within the objective'}{reasons}")
 
 
 def _metrics_urls(fleet: Fleet, chosen: Chosen) -> list[str]:
@@ -166,12 +170,15 @@ def _reading(urls: list[str]) -> Reading | None:
 
 
 def _with_engine_latency(step: Step, before: Reading | None, after: Reading | None) -> Step:
-    """``step`` with vLLM's own p95s and means between two readings of its histograms (unchanged without both)."""
+    """``step`` with vLLM's own p99s, p95s and means between two readings of its histograms (unchanged without both:
+    the step then misses both latency limits)."""
     if before is None or after is None:
         return step
-    p95, mean = p95_between(before.buckets, after.buckets), mean_between(before, after)
-    return replace(step, engine_ttft_p95_s=p95["ttft"], engine_itl_p95_s=p95["itl"],
-                   engine_ttft_mean_s=mean["ttft"], engine_itl_mean_s=mean["itl"])
+    p99 = quantile_between(0.99, before.buckets, after.buckets)
+    p95 = quantile_between(0.95, before.buckets, after.buckets)
+    mean = mean_between(before, after)
+    return replace(step, engine_ttft_p99_s=p99["ttft"], engine_itl_p99_s=p99["itl"], engine_ttft_p95_s=p95["ttft"],
+                   engine_itl_p95_s=p95["itl"], engine_ttft_mean_s=mean["ttft"], engine_itl_mean_s=mean["itl"])
 
 
 def _share(value: float | None) -> str:
@@ -225,10 +232,11 @@ def _store(inventory: str, data: tuple[str, ...], fleet: Fleet, record: Record, 
               help="JSONL requests: {\"prompt\": ..., \"output_tokens\": N} (default: random lengths from"
                    " max_model_len).")
 @click.option("--step-s", type=click.FloatRange(min=5, max=3600), default=DEFAULT_STEP_S, show_default=True,
-              help="Seconds each step sends requests.")
+              help="Seconds each step sends requests (at least 10 TTFT objectives).")
 @click.option("--client", "client_name", help="The router client whose key the bench uses (default: the first"
                                               " allowed the model).")
-@click.option("--ca-file", type=click.Path(exists=True, dir_okay=False), help="CA of the routers' certificate.")
+@click.option("--ca-file", type=click.Path(exists=True, dir_okay=False),
+              help="CA of the routers' certificate (default: the inventory's router_tls_ca, else the system's).")
 @click.option("--report", type=click.Path(dir_okay=False, path_type=Path), help="Also write the record here (JSON).")
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path),
               help="Draw latency against rate, objective and ceiling marked (SVG).")
@@ -238,8 +246,9 @@ def bench_command(inventory: str, model: str | None, replica: str | None, slo_te
                   rates_text: str | None, dataset: Path | None, step_s: float, client_name: str | None,
                   ca_file: str | None, report: Path | None, plot: Path | None, no_store: bool,
                   data: tuple[str, ...]) -> None:
-    """Measure a model's serving ceiling: the highest request rate whose p99 TTFT and ITL meet the objective with
-    no failed request. The client (guidellm) runs here, on the controller."""
+    """Measure a model's serving ceiling: the highest request rate the replicas sustain, answering at least 95% of
+    it within each step with no failed request, while vLLM's p99 TTFT and ITL over the step meet the objective. The
+    client (guidellm) runs here, on the controller."""
     fleet = cli_fleet(inventory, data)
     plan = plan_fleet(fleet, fleet_facts(fleet, None))
     if plan.problems:
@@ -255,6 +264,8 @@ def bench_command(inventory: str, model: str | None, replica: str | None, slo_te
         rates = parse_rates(rates_text) if rates_text is not None else None
     except RampError as exc:
         fail_lines([f"gpufleet bench: --rates: {exc}"])
+    if problem := step_problem(step_s, slo):
+        fail_lines([f"gpufleet bench: --step-s: {problem}"])
     max_len = min(r.max_model_len for r in chosen.replicas)
     try:
         rows = load_dataset(dataset, max_len) if dataset is not None else None
@@ -272,7 +283,11 @@ def bench_command(inventory: str, model: str | None, replica: str | None, slo_te
         fail_lines([f"gpufleet bench: {exc}"])
     steps: list[Step] = []
     metrics = _metrics_urls(fleet, chosen)
-    unread = False
+    try:
+        read(metrics)
+    except OSError as exc:
+        fail_lines([f"gpufleet bench: vLLM's /metrics could not be read ({exc}): each step is judged on vLLM's own"
+                    " latency histograms (vllm_api_allowed_from must let this host in)"])
     with tempfile.TemporaryDirectory(prefix="gpufleet-bench-data-") as tmp:
         workload = (client.Workload(dataset=write_for_client(rows, Path(tmp) / "requests.jsonl"))
                     if rows is not None else client.workload_for(max_len))
@@ -283,7 +298,6 @@ def bench_command(inventory: str, model: str | None, replica: str | None, slo_te
             except client.ClientError as exc:
                 fail_lines([f"gpufleet bench: step {rate:g} req/s: {exc}"])
             after = _reading(metrics)
-            unread = unread or before is None or after is None
             step = _with_engine_latency(step, before, after)
             steps.append(step)
             click.echo(_progress(step, slo))
@@ -291,10 +305,6 @@ def bench_command(inventory: str, model: str | None, replica: str | None, slo_te
     for step in steps if not notes else []:
         click.echo(f"vLLM at {step.rate:g} req/s: KV cache usage up to {_share(step.kv_usage_max)},"
                    f" {_count(step.preemptions)} preemptions")
-    if unread:
-        notes.append("vLLM's own latency: a replica's /metrics could not be read (vllm_api_allowed_from must let this"
-                     " host in): a rollout's watch has no stored baseline from this record")
-        click.echo(f"gpufleet bench: {notes[-1]}", err=True)
     shape = ({"dataset": str(dataset), "requests": len(rows)} if rows is not None else
              {"prompt_tokens": list(workload.prompt_tokens), "output_tokens": list(workload.output_tokens)})
     record = Record(chosen.key, len(chosen.replicas), slo, sorted(steps, key=lambda s: s.rate), shape,
@@ -308,7 +318,8 @@ def bench_command(inventory: str, model: str | None, replica: str | None, slo_te
         bound = "at least " if found.stopped_by == "none" else ""
         why = "no step missed: rerun with higher --rates" if found.stopped_by == "none" else (
             f"stopped by {found.stopped_by}")
-        click.echo(f"ceiling: {bound}{found.rate:g} req/s ({per:.3g} per replica), {why}")
+        click.echo(f"ceiling: {bound}{found.rate:.3g} req/s answered at {found.offered:g} offered ({per:.3g} per"
+                   f" replica), {why}")
     text = json.dumps(record.to_json(), sort_keys=True)
     if report is not None:
         report.write_text(json.dumps(record.to_json(), indent=2, sort_keys=True) + "\n")

@@ -2,13 +2,14 @@
 
 What one host's schema cannot see: a client allowed a model no pool serves, two clients with one key (the
 resolved keys are compared, never shown), a key or TLS file the controller cannot read, a certificate without
-its key, a plain HTTP port without TLS or on another port's number. The router role reads the same secrets
-through :func:`client_keys` and :func:`tls_pem`.
+its key, a plain HTTP port without TLS or on another port's number, a CA file for clients that is not one. The
+router role reads the same secrets through :func:`client_keys` and :func:`tls_pem`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from gpufleet.config.grammar import show
@@ -96,6 +97,12 @@ def _tls_problems(cfg: HostConfig, sources: dict[str, str], cache: _Read) -> Ite
         yield sources.get(given, "controller"), missing, f"expected a secret reference with {given}, found null"
         return
     plain = cfg.router_plain_http_port
+    if cfg.router_tls_ca is not None and certificate is None:
+        yield (sources.get("router_tls_ca", "controller"), "router_tls_ca",
+               "expected router_tls_certificate and router_tls_key with it (the CA clients trust for the routers'"
+               f" TLS), found {show(cfg.router_tls_ca)} without them")
+    elif cfg.router_tls_ca is not None and (problem := _ca_problem(cfg.router_tls_ca)):
+        yield sources.get("router_tls_ca", "controller"), "router_tls_ca", problem
     if plain is not None and certificate is None:
         yield (sources.get("router_plain_http_port", "controller"), "router_plain_http_port",
                "expected router_tls_certificate and router_tls_key with it (without TLS plain HTTP is on"
@@ -111,6 +118,21 @@ def _tls_problems(cfg: HostConfig, sources: dict[str, str], cache: _Read) -> Ite
             yield sources.get(name, "controller"), name, f"expected {what} ({mark.strip('-')}), found none in it"
 
 
+def _ca_problem(path: str) -> str | None:
+    """Why the file at ``path`` is not a CA certificate the controller can read (it is no secret: it may be shown)."""
+    file = Path(path).expanduser()
+    if not file.is_file():
+        return f"expected a readable PEM certificate file on the controller, found no file at {show(path)}"
+    try:
+        text = file.read_text(errors="replace")
+    except OSError as exc:
+        return f"expected a readable PEM certificate file on the controller, found {show(path)} unreadable" \
+               f" ({exc.strerror})"
+    if CERTIFICATE_MARK not in text:
+        return f"expected a PEM certificate ({CERTIFICATE_MARK.strip('-')}), found none in {show(path)}"
+    return None
+
+
 def _served_models(configs: dict[str, HostConfig], serving: list[str]) -> set[str]:
     return {configs[host].served_model_name() for host in serving if host in configs}
 
@@ -124,7 +146,7 @@ def edge_problems(hosts: dict[str, HostLayers], serving: list[str], configs: dic
     problems: list[Problem] = []
     for host, config in configs.items():
         if not config.router_clients and config.router_tls_certificate is None and config.router_tls_key is None \
-                and config.router_plain_http_port is None:
+                and config.router_plain_http_port is None and config.router_tls_ca is None:
             continue
         layers = hosts[host].layers + ([Layer("--data", override)] if override else [])
         sources = HostLayers(host, layers).merged()[1]

@@ -405,6 +405,7 @@ class HostConfig(BaseModel):
     router_clients: Annotated[dict[str, RouterClient], BeforeValidator(_client_names)]
     router_tls_certificate: SecretRef | None
     router_tls_key: SecretRef | None
+    router_tls_ca: _text(grammar.controller_path) | None  # type: ignore[valid-type]
     router_plain_http_port: Port | None
 
     # keepalived: the routers' virtual address (the rules across hosts: gpufleet.plan.virtual_address)
@@ -433,6 +434,7 @@ class HostConfig(BaseModel):
     alert_capacity_ratio: Annotated[float, Field(gt=0, le=10)]
     alert_capacity_for_s: Annotated[int, Field(ge=0, le=86400)]
     alert_prefix_hit_ratio_drop: Annotated[float, Field(gt=0, lt=1)]
+    alert_start_time_ratio: Annotated[float, Field(gt=1, le=10)]
     alert_model_disk_free_ratio_min: Annotated[float, Field(gt=0, lt=1)]
     alert_unit_restarts_max: Annotated[int, Field(ge=0, le=1000)]
     alert_model_replicas_min_ratio: Annotated[float, Field(gt=0, le=1)]

@@ -16,19 +16,18 @@ from typing import Any
 from gpufleet_lab.mirror import bench_client_find_links
 
 from gpufleet.bench.records import RECORDS_DIR
-from tests.lab.fleet import PIPELINE, lab_ca, single
+from tests.lab.fleet import PIPELINE, single
 from tests.lab.harness import ROOT, Lab
 
 GPUFLEET = [sys.executable, "-m", "gpufleet.cli.main"]
 SLO = "ttft_p99_s=2,itl_p99_s=0.5"
-# A rate every shape meets (the lab's client-side TTFT p99 jumps to most of a second now and then on its two shared
-# cores: the objective leaves room for it), and one far past what two cores answer (about 60 of these requests a
-# second: at 96 req/s lab1's replica once kept its TTFT p99 at the objective's 2 s; at 128 its queue grows by
-# hundreds of requests): the ceiling is 4 req/s for each shape. How repeatable a finer ramp's ceiling is, is
-# bench/serving_ceiling.py's to measure.
-RATES = "4,128"
-CEILING_RPS = 4.0
-STEP_S = "5"
+# A rate every shape meets (the lab's TTFT p99 jumps to most of a second now and then on its two shared cores: the
+# objective leaves room for it), and one far past what two cores answer (about 50 of these requests a second: at 96
+# req/s the queue grows by over 40 requests a second, 20 s of TTFT by the step's end): the ceiling is what each
+# shape answered at 4 req/s. Steps of 20 s: the shortest a 2 s TTFT objective allows (gpufleet.bench.ramp).
+RATES = "4,96"
+OFFERED_RPS = 4.0
+STEP_S = "20"
 
 
 def dataset(path: Path, rows: int, words: tuple[int, int], output_tokens: tuple[int, int]) -> Path:
@@ -51,10 +50,10 @@ def install_client() -> None:
 
 
 def bench_argv(lab: Lab, *args: str) -> tuple[list[str], dict[str, str]]:
-    """The command line and environment of ``gpufleet bench inventories/lab.py ARGS`` against the lab, its client
-    installed."""
+    """The command line and environment of ``gpufleet bench inventories/lab.py ARGS`` against the lab (the routers'
+    CA from the inventory's router_tls_ca, as the README runs it)."""
     install_client()
-    return [*GPUFLEET, "bench", "inventories/lab.py", "--ca-file", lab_ca(lab), *args], lab.env
+    return [*GPUFLEET, "bench", "inventories/lab.py", *args], lab.env
 
 
 def ramp(lab: Lab, folder: Path, replica: str) -> tuple[dict[str, Any], str]:

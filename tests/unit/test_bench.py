@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import stat
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from gpufleet.cli import bench as cli_bench
 from gpufleet.cli.inputs import fleet_facts
 from gpufleet.cli.main import main
 from gpufleet.config.inventory import load_fleet
+from gpufleet.config.schema import SecretRef
 from gpufleet.plan.planner import plan_fleet
 from tests.conftest import DATA
 
@@ -34,11 +36,14 @@ RAMPS = yaml.safe_load((BENCH / "ramps.yaml").read_text())
 OPTIONS = yaml.safe_load((BENCH / "options.yaml").read_text())
 
 
-def _step(rate: float, ttft: float | None, itl: float | None, failed: int = 0) -> Step:
-    answered = ttft is not None
-    return Step(rate=rate, achieved_rps=rate if answered else 0.0, ttft_p50_s=ttft, ttft_p99_s=ttft,
+def _step(rate: float, ttft: float | None, itl: float | None, failed: int = 0, answered: int = 100) -> Step:
+    """A step of 100 offered requests, ``answered`` of them (none when ``ttft`` is None), judged on vLLM's p99s
+    ``ttft`` and ``itl``."""
+    answered = answered if ttft is not None else 0
+    return Step(rate=rate, achieved_rps=rate * answered / 100, ttft_p50_s=ttft, ttft_p99_s=ttft,
                 itl_p50_s=itl, itl_p99_s=itl, e2e_p50_s=ttft, e2e_p99_s=ttft, output_tokens_per_s=10.0 * rate,
-                succeeded=10 if answered else 0, failed=failed, seconds=20.0)
+                succeeded=answered, failed=failed, seconds=20.0, offered=100, engine_ttft_p99_s=ttft,
+                engine_itl_p99_s=itl)
 
 
 @pytest.mark.parametrize("case", RAMPS, ids=[c["id"] for c in RAMPS])
@@ -61,21 +66,25 @@ def test_given_rates_run_in_order_and_stop_at_the_first_miss() -> None:
 
 def test_a_guidellm_report_becomes_a_step() -> None:
     """A real report (guidellm 0.8.1, constant 2 req/s for 15 s against a lab replica, trimmed to what is read):
-    20 answered, 10 still running at the step's stop; TTFT and ITL in ms become seconds."""
+    20 answered, 10 still running at the step's stop; TTFT and ITL in ms become seconds. Two thirds answered is
+    not sustained, whatever the latencies of those answered."""
     doc = json.loads((BENCH / "guidellm-0.8.1-constant-2.json").read_text())
-    step = client.step_from_report(doc, 2.0)
-    assert (step.succeeded, step.failed, step.seconds) == (20, 10, 15.0)
+    step = client.step_from_report(doc, 2.0, 30)
+    assert (step.succeeded, step.failed, step.offered, step.seconds) == (20, 0, 30, 15.0)
+    assert step.failure_reasons == ["10 x not answered within the step's bound"]
     assert step.ttft_p99_s == pytest.approx(1.3572068, rel=1e-6)
     assert step.itl_p50_s == pytest.approx(0.1214862, rel=1e-6)
     assert step.e2e_p99_s == pytest.approx(7.2316303, rel=1e-6)
     assert step.achieved_rps == pytest.approx(20 / 15)
     assert step.output_tokens_per_s > 0
-    assert step.missed(Slo(2.0, 0.3)) == ["errors"]
+    assert step.missed(Slo(2.0, 0.3)) == ["ttft", "itl", "unanswered"]  # vLLM's histograms not read: not judged
+    judged = replace(step, engine_ttft_p99_s=1.0, engine_itl_p99_s=0.1)
+    assert judged.missed(Slo(2.0, 0.3)) == ["unanswered"]
 
 
 def test_a_report_of_no_benchmark_is_refused() -> None:
     with pytest.raises(client.ClientError, match="expected one benchmark"):
-        client.step_from_report({"benchmarks": []}, 1.0)
+        client.step_from_report({"benchmarks": []}, 1.0, 1)
 
 
 def test_a_step_is_bounded_in_requests_and_time_and_keeps_the_key_off_its_command_line(tmp_path: Path) -> None:
@@ -136,14 +145,20 @@ def test_a_ramp_finds_the_ceiling_prints_a_line_per_step_and_keeps_the_record(
     monkeypatch.setattr(cli_bench, "_store",
                         lambda inventory, data, fleet, record, replicas: stored.append(record) or [])
     pages: list[list[str]] = []
+    bounds = [round(0.05 * i, 2) for i in range(1, 61)] + [math.inf]
+    first_tokens: list[float] = []
 
     def read(urls: list[str]) -> Reading:
-        """Each reading finds ten more first tokens within 100 ms (0.6 s in all) and a hundred more tokens within
-        10 ms (0.4 s in all)."""
+        """vLLM's histograms as the replica leaves them: each reading after a step finds ten more first tokens, at
+        the TTFT of the rate last asked (0.2 s up to 3 req/s, 1 s more per req/s above), and a hundred more tokens
+        within 10 ms (0.4 s in all)."""
         pages.append(urls)
+        if replica.asked:
+            first_tokens.extend([0.2 + max(0.0, replica.asked[-1] - 3.0)] * 10)
         n = len(pages)
-        return Reading({"ttft": {0.1: 10.0 * n, math.inf: 10.0 * n}, "itl": {0.01: 100.0 * n, math.inf: 100.0 * n}},
-                       {"ttft": 0.6 * n, "itl": 0.4 * n})
+        ttft = {le: float(sum(v <= le for v in first_tokens)) for le in bounds}
+        return Reading({"ttft": ttft, "itl": {0.01: 100.0 * n, math.inf: 100.0 * n}},
+                       {"ttft": sum(first_tokens), "itl": 0.4 * n})
 
     monkeypatch.setattr(cli_bench, "read", read)
     report, plot = tmp_path / "record.json", tmp_path / "ramp.svg"
@@ -153,16 +168,19 @@ def test_a_ramp_finds_the_ceiling_prints_a_line_per_step_and_keeps_the_record(
     assert replica.asked == [0.5, 1.0, 2.0, 4.0, 3.0, 3.5, 3.75, 3.875]
     lines = result.output.splitlines()
     assert sum(line.startswith("step ") for line in lines) == 8
-    assert "ceiling: 3.75 req/s (0.625 per replica), stopped by ttft" in lines
+    assert "ceiling: 3.75 req/s answered at 3.75 offered (0.625 per replica), stopped by ttft" in lines
     doc = json.loads(report.read_text())
     assert (doc["ceiling_rps"], doc["stopped_by"], doc["scope"], doc["replicas"]) == (3.75, "ttft", "routers", 6)
     assert (doc["model"], doc["release"], doc["layout"], doc["gpu_profile"]) == (
         "llama-3.1-70b", "0.32.0", "tp4-pp1", "8xH100-SXM")
     assert doc["slo"] == {"ttft_p99_s": 1.0, "itl_p99_s": 0.1}
     assert [s["rate"] for s in doc["steps"]] == [0.5, 1.0, 2.0, 3.0, 3.5, 3.75, 3.875, 4.0]
-    assert len(pages) == 16 and len(pages[0]) == 6  # before and after each step, every replica's /metrics
-    assert all((s["engine_ttft_p95_s"], s["engine_itl_p95_s"]) == pytest.approx((0.095, 0.0095)) for s in doc["steps"])
-    assert all((s["engine_ttft_mean_s"], s["engine_itl_mean_s"]) == pytest.approx((0.06, 0.004)) for s in doc["steps"])
+    assert len(pages) == 17 and len(pages[0]) == 6  # once first, before and after each step, every replica's /metrics
+    judged = {s["rate"]: s["engine_ttft_p99_s"] for s in doc["steps"]}  # within the 50 ms bucket of vLLM's TTFT
+    assert judged[3.75] == pytest.approx(0.9 + 0.05 * 0.99) and judged[3.875] == pytest.approx(1.05 + 0.05 * 0.99)
+    assert all(s["engine_itl_p99_s"] == pytest.approx(0.0099) for s in doc["steps"])
+    assert all(s["engine_itl_p95_s"] == pytest.approx(0.0095) for s in doc["steps"])
+    assert all(s["engine_ttft_mean_s"] == pytest.approx(0.2 + max(0.0, s["rate"] - 3)) for s in doc["steps"])
     assert stored and Record.from_json(stored[0].to_json()) == stored[0]
     svg = plot.read_text()
     assert svg.startswith("<svg") and "ceiling 3.75" in svg and "objective 1 s" in svg
@@ -176,7 +194,7 @@ def test_records_round_trip_and_the_newest_of_a_key_wins() -> None:
     text = "\n".join(json.dumps(r.to_json()) for r in (new, old)) + "\n{\"schema\": 9}\n\n"
     found, bad = parse_records(text)
     assert found == [new, old]
-    assert bad == ["line 3: not a bench record (ValueError: expected a bench record of schema 1, found 9)"]
+    assert bad == ["line 3: not a bench record (ValueError: expected a bench record of schema 2, found 9)"]
     assert latest(found) == {key: new}
     assert old.ceiling.rate == 1 and old.per_replica_rps() == 0.5
     assert key.file_name() != RecordKey("m", "0.33.0", "tp1-pp1", "8xH100-SXM", "routers").file_name()
@@ -274,8 +292,30 @@ def test_an_answer_the_client_could_not_read_is_not_a_failure() -> None:
     replica answered, so the step counts it apart and passes."""
     doc = json.loads((BENCH / "guidellm-0.8.1-constant-16-unparsed.json").read_text())
     assert doc["benchmarks"][0]["metrics"]["request_totals"]["errored"] == 1
-    step = client.step_from_report(doc, 16.0)
-    assert (step.succeeded, step.failed, step.unparsed) == (159, 0, 1)
-    assert step.missed(Slo(2.0, 0.3)) == []
+    step = replace(client.step_from_report(doc, 16.0, 160), engine_ttft_p99_s=0.5, engine_itl_p99_s=0.1)
+    assert (step.succeeded, step.failed, step.unparsed, step.answered) == (159, 0, 1, 160)
+    assert step.missed(Slo(2.0, 0.3)) == [] and step.failure_reasons == []
     other = json.loads(json.dumps(doc).replace("JSONDecodeError(", "ReadTimeout("))  # any other error is a failure
-    assert (client.step_from_report(other, 16.0).failed, client.step_from_report(other, 16.0).unparsed) == (1, 0)
+    failed = client.step_from_report(other, 16.0, 160)
+    assert (failed.failed, failed.unparsed) == (1, 0)
+    reason = "1 x ReadTimeout('Unterminated string starting at: line 1 column 140 (char 139)')"
+    assert failed.failure_reasons == [reason]
+
+
+def test_the_bench_trusts_the_inventorys_ca_for_the_routers(tmp_path: Path) -> None:
+    """The README's ``gpufleet bench inventories/lab.py`` needs no --ca-file: the routers' TLS brings the CA clients
+    trust (router_tls_ca); --ca-file still wins, and a replica reached on its own API needs none."""
+    fleet = load_fleet(FLEET)
+    ca = tmp_path / "ca.crt"
+    ca.write_text("-----BEGIN CERTIFICATE-----\nx\n-----END CERTIFICATE-----\n")
+    tls = {"router_tls_certificate": SecretRef(file=str(ca)), "router_tls_key": SecretRef(file=str(ca)),
+           "router_tls_ca": str(ca)}
+    for host, cfg in list(fleet.configs.items()):
+        fleet.configs[host] = cfg.model_copy(update=tls)
+    replicas = plan_fleet(fleet, fleet_facts(fleet, None)).replicas
+    routed = cli_bench._target(fleet, cli_bench._choose(fleet, replicas, None, None), None, None)
+    assert routed.base_url.startswith("https://") and routed.ca_file == str(ca)
+    assert cli_bench._target(fleet, cli_bench._choose(fleet, replicas, None, None), None, "/etc/other.pem").ca_file \
+        == "/etc/other.pem"
+    alone = cli_bench._target(fleet, cli_bench._choose(fleet, replicas, None, replicas[0].name), None, None)
+    assert alone.base_url.startswith("http://") and alone.ca_file is None

@@ -1,5 +1,6 @@
 """The canary's latency verdict as data (tests/data/rollout_latency/cases.yml), the stored baseline a bench record
-gives at the canary's rate, and the record a canary is compared with."""
+gives at the canary's rate, the record a canary is compared with, and whether a canary served enough to be judged
+at all (tests/data/rollout_latency/evidence.yml)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,15 @@ import yaml
 from gpufleet.bench.ramp import Slo, Step
 from gpufleet.bench.records import Record, RecordKey
 from gpufleet.rollout.canary_bench import bench_plan, stored_at
-from gpufleet.rollout.latency import Percentiles, baseline_record, latency_verdict, stored_percentiles
+from gpufleet.rollout.latency import (
+    DEFAULT_MIN_REQUESTS,
+    Evidence,
+    Percentiles,
+    baseline_record,
+    evidence,
+    latency_verdict,
+    stored_percentiles,
+)
 from tests.conftest import DATA
 
 CASES = yaml.safe_load((DATA / "rollout_latency" / "cases.yml").read_text())
@@ -40,8 +49,9 @@ def test_case(case: dict[str, Any]) -> None:
 
 
 def _step(rate: float, ttft_p95: float) -> Step:
-    return Step(rate, rate, ttft_p95, ttft_p95, 0.02, 0.03, 1.0, 2.0, 30.0, 20, 0, 60.0, ttft_p95_s=ttft_p95,
-                itl_p95_s=0.025, engine_ttft_p95_s=ttft_p95 / 2, engine_itl_p95_s=0.02 * rate)
+    return Step(rate, rate, ttft_p95, ttft_p95, 0.02, 0.03, 1.0, 2.0, 30.0, 20, 0, 60.0, offered=20,
+                ttft_p95_s=ttft_p95, itl_p95_s=0.025, engine_ttft_p99_s=ttft_p95, engine_itl_p99_s=0.03,
+                engine_ttft_p95_s=ttft_p95 / 2, engine_itl_p95_s=0.02 * rate)
 
 
 def _record(release: str, scope: str, replicas: int, date: str = "2026-11-20T00:00:00+00:00") -> Record:
@@ -82,3 +92,23 @@ def test_a_canary_is_benched_at_half_its_releases_ceiling_per_replica_or_not_at_
     missing = bench_plan([two], "m", "0.32.0", "tp1-pp1", "8xH100-SXM")
     assert (missing.rate, missing.why_not) == (None, "no bench record of vLLM 0.32.0 tp1-pp1 on 8xH100-SXM")
     assert stored_at(missing) is None
+
+
+EVIDENCE = yaml.safe_load((DATA / "rollout_latency" / "evidence.yml").read_text())
+
+
+@pytest.mark.parametrize("case", EVIDENCE, ids=[case["name"] for case in EVIDENCE])
+def test_a_canary_is_judged_on_enough_requests_or_says_why_not(case: dict[str, Any]) -> None:
+    assert set(case) <= {"name", "served", "watched_s", "extended", "min_requests", "benched", "hint", "judged",
+                         "line"}
+    hint = {"hint": case["hint"]} if "hint" in case else {}
+    found = evidence(case["served"], case["watched_s"], case.get("min_requests", DEFAULT_MIN_REQUESTS),
+                     extended=case.get("extended", False), benched=case.get("benched"), **hint)
+    assert found == Evidence(case["judged"], case["line"])
+
+
+def test_the_evidence_cases_cover_each_way() -> None:
+    lines = [case["line"] or "" for case in EVIDENCE]
+    assert {case["judged"] for case in EVIDENCE} == {True, False}
+    for words in ("judged after extending the watch", "judged on the canary bench", "not judged: only"):
+        assert any(words in line for line in lines), words

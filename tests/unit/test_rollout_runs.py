@@ -7,11 +7,13 @@ default ``old`` = vLLM 0.31.0, ``new`` = 0.32.0) and ``inventory`` (what a plain
 ``old`` and none); ``behaviour`` (release name -> :class:`~tests.rollout_world.Behaviour` fields); ``busy``
 (replicas that never drain); ``interrupt_at`` (an event after which Ctrl-C comes); ``ready_timeout_s``;
 ``options`` (batches, max_unavailable, min_available, canary_s, canary_every_batch, max_error_ratio,
-max_latency_ratio); ``latency`` (each replica's vLLM p95s over a watch), ``stored`` (the bench record of the release
-replaced: [rate, TTFT p95 s, ITL p95 s] per step) and ``canary_bench``. ``expect`` holds ``status`` and ``outcomes``
-(replica -> state), and optionally ``events`` (every change, in order), ``failure`` (what the report's failure
-starts with), ``records`` (replica -> [its release.json, its release.previous.json] at the end, by name), ``admin``
-(replica -> its state in the routers at the end) and ``timed`` (replica -> the steps its outcome timed).
+max_latency_ratio, canary_min_requests, canary_max_s); ``latency`` (each replica's vLLM p95s over a watch),
+``stored`` (the bench record of the release replaced: [rate, TTFT p95 s, ITL p95 s] per step) and ``canary_bench``.
+``expect`` holds ``status`` and ``outcomes`` (replica -> state), and optionally ``events`` (every change, in order),
+``failure`` (what the report's failure starts with), ``records`` (replica -> [its release.json, its
+release.previous.json] at the end, by name), ``admin`` (replica -> its state in the routers at the end), ``timed``
+(replica -> the steps its outcome timed), ``watched`` (replica -> the seconds its canary watch lasted) and ``notes``
+(replica -> texts each found in one of its report's notes).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from gpufleet.bench.ramp import Slo, Step
 from gpufleet.bench.records import Record, RecordKey
 from gpufleet.rollout.batches import DEFAULT_BATCHES, Unit, plan_rollout
 from gpufleet.rollout.canary import DEFAULT_MAX_ERROR_RATIO, DEFAULT_MAX_LATENCY_RATIO, Thresholds
-from gpufleet.rollout.latency import Percentiles
+from gpufleet.rollout.latency import DEFAULT_MIN_REQUESTS, Percentiles
 from gpufleet.rollout.replicas import ROLLBACK, UPGRADE, Member, Rollable, units_of
 from gpufleet.rollout.report import Report
 from gpufleet.rollout.router_control import DRAIN_GRACE_S, RouterControl
@@ -118,12 +120,13 @@ def _record(steps: list[list[float]]) -> Record:
     """The release replaced's bench record (vLLM 0.31.0, one replica): [rate, TTFT p95 s, ITL p95 s] per step (the
     client's and vLLM's alike; then, where given, vLLM's means of both), every step within an objective of 1 s and
     0.1 s but the last, which fails."""
-    rows = [Step(r, r, t, t, i, i, 1.0, 2.0, 10.0, 10, 0, 20.0, ttft_p95_s=t, itl_p95_s=i, engine_ttft_p95_s=t,
-                 engine_itl_p95_s=i, engine_ttft_mean_s=means[0] if means else None,
-                 engine_itl_mean_s=means[1] if means else None) for r, t, i, *means in steps]
+    rows = [Step(r, r, t, t, i, i, 1.0, 2.0, 10.0, 10, 0, 20.0, offered=10, ttft_p95_s=t, itl_p95_s=i,
+                 engine_ttft_p99_s=t, engine_itl_p99_s=i, engine_ttft_p95_s=t, engine_itl_p95_s=i,
+                 engine_ttft_mean_s=means[0] if means else None, engine_itl_mean_s=means[1] if means else None)
+            for r, t, i, *means in steps]
     last = rows[-1]
-    rows[-1] = Step(last.rate, last.rate, 5.0, 5.0, 0.5, 0.5, 1.0, 2.0, 10.0, 10, 0, 20.0, ttft_p95_s=5.0,
-                    itl_p95_s=0.5)
+    rows[-1] = Step(last.rate, last.rate, 5.0, 5.0, 0.5, 0.5, 1.0, 2.0, 10.0, 10, 0, 20.0, offered=10, ttft_p95_s=5.0,
+                    itl_p95_s=0.5, engine_ttft_p99_s=5.0, engine_itl_p99_s=0.5)
     return Record(RecordKey("", "0.31.0", "", "", "replica"), 1, Slo(1.0, 0.1), rows, {}, "guidellm 0.8.1",
                   "2026-11-20T00:00:00+00:00", 20.0)
 
@@ -144,9 +147,9 @@ def _run(case: dict[str, Any]) -> tuple[World, Report]:
     options = Options(given.get("canary_s", DEFAULT_CANARY_S), given.get("canary_every_batch", False),
                       Thresholds(given.get("max_error_ratio", DEFAULT_MAX_ERROR_RATIO),
                                  given.get("max_latency_ratio", DEFAULT_MAX_LATENCY_RATIO)),
-                      LatencyJudge(_Percentiles(latency), records, given.get("max_latency_ratio", 1.5),
-                                   given.get("canary_min_requests", 20), bench)
-                      if latency is not None else None)
+                      LatencyJudge(_Percentiles(latency), records, given.get("max_latency_ratio", 1.5), bench)
+                      if latency is not None else None, given.get("canary_min_requests", DEFAULT_MIN_REQUESTS),
+                      given.get("canary_max_s"))
     router = RouterControl(world, world.routers, clock=world.now)
     report = Rollout(mode, found, batches, router, world, world, options, clock=world.now, sleep=world.sleep,
                      say=world.say).run()
@@ -179,6 +182,11 @@ def test_case(path: Path) -> None:
         assert {world.admin[(router, name)] for router in world.routers} == {state}, name
     for name, steps in expect.get("timed", {}).items():
         assert list(report.outcomes[name].seconds) == steps, name
+    for name, seconds in expect.get("watched", {}).items():
+        assert report.outcomes[name].seconds.get("watch") == seconds, report.text()
+    for name, texts in expect.get("notes", {}).items():
+        for text in texts:
+            assert any(text in note for note in report.outcomes[name].notes), (text, report.text())
 
 
 def test_every_rollout_leaves_no_replica_drained_unless_it_says_so() -> None:
