@@ -35,7 +35,7 @@ from gpufleet.plan.planner import Replica, plan_fleet
 from gpufleet.rollout.batches import DEFAULT_BATCHES, RolloutError, plan_rollout
 from gpufleet.rollout.canary import DEFAULT_MAX_ERROR_RATIO, DEFAULT_MAX_LATENCY_RATIO, Thresholds
 from gpufleet.rollout.canary_bench import GuidellmCanaryBench
-from gpufleet.rollout.latency import DEFAULT_MIN_REQUESTS, PrometheusLatency
+from gpufleet.rollout.latency import DEFAULT_MIN_REQUESTS, MAX_WATCH_FACTOR, PrometheusLatency
 from gpufleet.rollout.node_releases import RecordFailure, read_records
 from gpufleet.rollout.options import check_options
 from gpufleet.rollout.pyinfra_run import DEPLOY, PROJECT_ROOT, PyinfraDeploy, pyinfra_program
@@ -74,10 +74,15 @@ def _options(command: Callable[..., None]) -> Callable[..., None]:
         click.option("--canary-bench", is_flag=True,
                      help="Before a canary takes traffic, bench it on its own API for 20 s at half its release's"
                           " measured ceiling per replica (gpufleet bench's record; the controller runs the client and"
-                          " must be in vllm_api_allowed_from) and judge it like the watch."),
+                          " must be in vllm_api_allowed_from) and judge it like the watch: a canary its bench judged"
+                          " needs no --canary-min-requests from the routers."),
         click.option("--canary-min-requests", "min_requests", default=str(DEFAULT_MIN_REQUESTS), show_default=True,
-                     help="Requests a canary (and its peers) must serve over the watch before its latency is"
-                          " judged."),
+                     help="Requests a canary must serve over its watch to be judged (its peers too, to be its"
+                          " reference). Short of them the watch goes on, up to --canary-max-s; a canary still short"
+                          " then fails, unless its --canary-bench judged it."),
+        click.option("--canary-max-s", "canary_max_s", metavar="SECONDS",
+                     help=f"The longest a watch goes on while a canary has served fewer than --canary-min-requests"
+                          f" (default: {MAX_WATCH_FACTOR:g} times --canary-s; from --canary-s to 86400)."),
         click.option("--facts", "facts_dir", type=click.Path(file_okay=False, path_type=Path),
                      help="Plan from probed facts (<host>.json from `gpufleet probe`); default: declared gpu_profile."),
         click.option("--report", "report_path", type=click.Path(path_type=Path),
@@ -107,7 +112,7 @@ def rollback_command(inventory: str, **options: Any) -> None:
 
 
 def _latency_judge(inventory: str, override: dict[str, Any] | None, fleet: Fleet, replicas: list[Replica],
-                   max_ratio: float, min_requests: int, canary_bench: bool) -> LatencyJudge | None:
+                   max_ratio: float, canary_bench: bool) -> LatencyJudge | None:
     """The canary's latency judge on the first monitoring host's Prometheus, with the bench records kept there
     (and, with ``canary_bench``, the client that benches each canary); None without a monitoring group (the routers'
     mean response time is judged then). The records are read over an inventory of their own (pyinfra's states do
@@ -125,7 +130,7 @@ def _latency_judge(inventory: str, override: dict[str, Any] | None, fleet: Fleet
         click.echo(f"warning: {line}: canaries are compared with their peers only", err=True)
     bench = _canary_bench(fleet, replicas) if canary_bench else None
     return LatencyJudge(PrometheusLatency(f"http://{host_port(address, cfg.prometheus_port)}"), records, max_ratio,
-                        min_requests, bench)
+                        bench)
 
 
 def _canary_bench(fleet: Fleet, replicas: list[Replica]) -> GuidellmCanaryBench:
@@ -177,10 +182,11 @@ def _check_targets(mode: str, inventory: str, data: tuple[str, ...], found: Roll
 
 def _roll(mode: str, inventory: str, batches: str, max_unavailable: str, min_available: str, canary_s: str,
           canary_every_batch: bool, max_error_ratio: str, max_latency_ratio: str, canary_bench: bool,
-          min_requests: str, facts_dir: Path | None, report_path: Path | None, data: tuple[str, ...]) -> None:
+          min_requests: str, canary_max_s: str | None, facts_dir: Path | None, report_path: Path | None,
+          data: tuple[str, ...]) -> None:
     try:
         checked = check_options(batches, max_unavailable, min_available, canary_s, max_error_ratio,
-                                max_latency_ratio, report_path, min_requests)
+                                max_latency_ratio, report_path, min_requests, canary_max_s)
     except RolloutError as exc:
         fail_lines(exc.problems)
     fleet = cli_fleet(inventory, data)
@@ -237,7 +243,7 @@ def _roll(mode: str, inventory: str, batches: str, max_unavailable: str, min_ava
         options = Options(checked.canary_s, canary_every_batch,
                           Thresholds(checked.max_error_ratio, checked.max_latency_ratio),
                           _latency_judge(inventory, override, fleet, plan.replicas, checked.max_latency_ratio,
-                                         checked.min_requests, canary_bench))
+                                         canary_bench), checked.min_requests, checked.canary_max_s)
         deployer = PyinfraDeploy(program or "pyinfra", Path(inventory), data)
         previous = signal.signal(signal.SIGTERM, _interrupt)
         try:

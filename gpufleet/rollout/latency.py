@@ -18,6 +18,11 @@ within a bucket (vLLM's inter-token buckets start at 10 and 25 ms: a few tokens 
 near 10 ms by half a bucket), while the mean is exact (the histogram's sum) and moves with the time of every
 token; against peers, at the same time under the same load, a tail that grew is the release's, and the p95
 alone judges. Pure but for :class:`PrometheusLatency`.
+
+A canary is never passed on no evidence (:func:`evidence`): one the routers sent fewer than
+``--canary-min-requests`` requests over its watch is watched on, up to ``--canary-max-s`` (three times the watch
+unless given), until it has; one its ``--canary-bench`` judged needs no more; one still short at the bound fails,
+and is rolled back, saying so (``--canary-bench`` gives it a load of its own).
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ from gpufleet.bench.records import Record, RecordKey, latest
 from gpufleet.prometheus_api import SCRAPE_WAIT_S, query_value
 
 DEFAULT_MIN_REQUESTS = 20
+MAX_WATCH_FACTOR = 3.0
+"""``--canary-max-s`` unless given: this many times the watch (``--canary-s``)."""
 WHAT = {"ttft": "time to first token", "itl": "inter-token latency"}
 
 
@@ -154,3 +161,28 @@ def latency_verdict(canary: Percentiles, peers: Percentiles | None, stored: Perc
                 f" times {label} ({theirs * 1000:.0f} ms){means}; at most {max_ratio:g} times is allowed"
                 " (--max-latency-ratio)")
     return None
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """Whether a canary served enough to be judged, and the report's words for how (None: over its watch as asked),
+    or, not judged, why (the rollout's failure)."""
+
+    judged: bool
+    line: str | None = None
+
+
+def evidence(served: int, watched_s: float, min_requests: int, *, extended: bool = False, benched: int | None = None,
+             hint: str = "--canary-bench gives it a load of its own") -> Evidence:
+    """What a canary that the routers sent ``served`` requests over a watch of ``watched_s`` seconds (``extended``:
+    past the watch asked, because it had served too few then) was judged on: those requests when at least
+    ``min_requests``; else its canary bench's, when that served ``benched`` of at least as many and judged them;
+    else nothing, and ``hint`` says what would give it a load."""
+    if served >= min_requests:
+        return Evidence(True, f"judged after extending the watch to {watched_s:.0f} s ({served} requests)"
+                              if extended else None)
+    if benched is not None and benched >= min_requests:
+        return Evidence(True, f"judged on the canary bench ({benched} requests); the watch saw {served} in"
+                              f" {watched_s:.0f} s")
+    return Evidence(False, f"not judged: only {served} requests after {watched_s:.0f} s (fewer than {min_requests},"
+                           f" --canary-min-requests); {hint}")

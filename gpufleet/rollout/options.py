@@ -1,8 +1,9 @@
 """The options of ``gpufleet upgrade`` and ``gpufleet rollback``, checked before anything is read from a host.
 
 Numbers are finite and in range (``nan`` compares false with every bound, so a range check alone lets it
-through), batches and limits parse (:mod:`gpufleet.rollout.batches`), and ``--report`` names a file in a directory
-that exists. Each problem is one line; the command exits 2 on any of them without connecting to a host.
+through), ``--canary-max-s`` is at least ``--canary-s``, batches and limits parse (:mod:`gpufleet.rollout.batches`),
+and ``--report`` names a file in a directory that exists. Each problem is one line; the command exits 2 on any of
+them without connecting to a host.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpufleet.rollout.batches import Limit, RolloutError, parse_batches, parse_limit
+from gpufleet.rollout.latency import DEFAULT_MIN_REQUESTS
 
 CANARY_S = (0.0, 86400.0)
 MAX_ERROR_RATIO = (0.0, 1.0)
@@ -28,7 +30,8 @@ class Checked:
     max_latency_ratio: float
     max_unavailable: Limit
     min_available: Limit
-    min_requests: int = 20
+    min_requests: int = DEFAULT_MIN_REQUESTS
+    canary_max_s: float | None = None  # None: not given
 
 
 def _number(option: str, text: str, bounds: tuple[float, float], problems: list[str]) -> float:
@@ -77,8 +80,21 @@ def _count(option: str, text: str, bounds: tuple[int, int], problems: list[str])
     return int(text)
 
 
+def _canary_max(text: str | None, canary_s: float, problems: list[str]) -> float | None:
+    """``--canary-max-s``: from ``--canary-s`` to the longest watch; None when not given (the rollout watches up to
+    :data:`~gpufleet.rollout.latency.MAX_WATCH_FACTOR` times each watch)."""
+    if text is None:
+        return None
+    before = len(problems)
+    value = _number("--canary-max-s", text, CANARY_S, problems)
+    if len(problems) == before and CANARY_S[0] <= canary_s <= CANARY_S[1] and value < canary_s:
+        problems.append(f"--canary-max-s: expected at least --canary-s ({canary_s:g}), found {text}")
+    return value
+
+
 def check_options(batches: str, max_unavailable: str, min_available: str, canary_s: str, max_error_ratio: str,
-                  max_latency_ratio: str, report: Path | None, min_requests: str = "20") -> Checked:
+                  max_latency_ratio: str, report: Path | None, min_requests: str = str(DEFAULT_MIN_REQUESTS),
+                  canary_max_s: str | None = None) -> Checked:
     """Every option checked; raises :class:`RolloutError` with one line per problem."""
     problems: list[str] = []
     try:
@@ -87,10 +103,11 @@ def check_options(batches: str, max_unavailable: str, min_available: str, canary
         problems += exc.problems
     unavailable = _limit("--max-unavailable", max_unavailable, problems)
     available = _limit("--min-available", min_available, problems)
-    checked = Checked(_number("--canary-s", canary_s, CANARY_S, problems),
-                      _number("--max-error-ratio", max_error_ratio, MAX_ERROR_RATIO, problems),
+    watch = _number("--canary-s", canary_s, CANARY_S, problems)
+    checked = Checked(watch, _number("--max-error-ratio", max_error_ratio, MAX_ERROR_RATIO, problems),
                       _number("--max-latency-ratio", max_latency_ratio, MAX_LATENCY_RATIO, problems),
-                      unavailable, available, _count("--canary-min-requests", min_requests, MIN_REQUESTS, problems))
+                      unavailable, available, _count("--canary-min-requests", min_requests, MIN_REQUESTS, problems),
+                      _canary_max(canary_max_s, watch, problems))
     _report(report, problems)
     if problems:
         raise RolloutError(problems)

@@ -12,7 +12,9 @@ For each wave (its units' replicas together):
 3. put them back (ready) on every router, and wait until every router shows them UP, for at most their
    ``vllm_ready_timeout``;
 4. in the first batch (every batch with ``canary_every_batch``), watch them for ``canary_s`` seconds: UP all the
-   while, and no worse than their model's replicas not rolled yet (:mod:`gpufleet.rollout.canary`).
+   while, and no worse than their model's replicas not rolled yet (:mod:`gpufleet.rollout.canary`). A canary the
+   routers sent fewer than ``min_requests`` requests is watched on, up to ``canary_max_s``, until it has; one still
+   short then fails, unless its canary bench (``--canary-bench``) judged it (:func:`gpufleet.rollout.latency.evidence`).
 
 A failure (a router or node that does not answer, a deploy that exits non-zero, a replica not UP in time, a bad
 canary) stops the rollout: the wave's deployed replicas are drained again and deployed back to the release they
@@ -37,9 +39,11 @@ from gpufleet.rollout.canary import Thresholds, traffic, verdict
 from gpufleet.rollout.canary_bench import bench_plan, stored_at
 from gpufleet.rollout.latency import (
     DEFAULT_MIN_REQUESTS,
+    MAX_WATCH_FACTOR,
     LatencySource,
     Percentiles,
     baseline_record,
+    evidence,
     latency_verdict,
     stored_percentiles,
 )
@@ -63,12 +67,11 @@ class Deployer(Protocol):
 @dataclass(frozen=True)
 class LatencyJudge:
     """How a canary's latency is judged (:mod:`gpufleet.rollout.latency`): the percentiles' source, the bench
-    records of the fleet, the largest ratio and the fewest requests."""
+    records of the fleet and the largest ratio (the fewest requests: :attr:`Options.min_requests`)."""
 
     source: LatencySource
     records: Sequence[Record] = ()
     max_ratio: float = 1.5
-    min_requests: int = DEFAULT_MIN_REQUESTS
     bench: CanaryBench | None = None  # --canary-bench: a fixed-rate bench of each canary before it takes traffic
 
 
@@ -84,6 +87,12 @@ class Options:
     canary_every_batch: bool = False
     thresholds: Thresholds = field(default_factory=Thresholds)
     latency: LatencyJudge | None = None  # None: the routers' mean response time is the latency judged
+    min_requests: int = DEFAULT_MIN_REQUESTS  # what a canary must serve over its watch to be judged
+    canary_max_s: float | None = None  # the longest watch of a canary short of them; None: MAX_WATCH_FACTOR x watch
+
+    def watch_bound(self, watch_s: float) -> float:
+        """How long a watch of ``watch_s`` seconds may go on while a canary has served too few requests."""
+        return max(watch_s, MAX_WATCH_FACTOR * watch_s if self.canary_max_s is None else self.canary_max_s)
 
 
 def _names(members: Sequence[Member]) -> str:
@@ -107,6 +116,8 @@ class Rollout:
         self.staged: list[tuple[str, str]] = []  # (node, replica): release.json copied, not yet the previous one
         self.in_wave: list[Member] = []  # the wave under way
         self.rolled: set[str] = set()
+        self.benched: dict[str, int] = {}  # canaries their --canary-bench judged: the requests it served
+        self.unbenched: dict[str, str] = {}  # canaries --canary-bench did not judge: why
 
     def _outcome(self, member: Member) -> rp.Outcome:
         return self.report.outcomes[member.name]
@@ -290,21 +301,38 @@ class Rollout:
                 if m.name not in shown or not shown[m.name].up]
 
     def _watch(self, members: Sequence[Member], seconds: float) -> str | None:
-        """The canary watch: UP on every router all along, then no worse than the model's replicas not rolled."""
+        """The canary watch: UP on every router all along, long enough for each canary to serve the fewest requests
+        it is judged on (up to the options' bound), then no worse than the model's replicas not rolled."""
         self._tell(f"canary watch of {_names(members)} for {seconds:g} s")
         started = self.clock()
+        bound = self.options.watch_bound(seconds)
+        extended: set[str] = set()  # the canaries short of requests when the watch asked was over
         try:
             before = after = self.router.show()
-            while (elapsed := self.clock() - started) < seconds:
-                self.sleep(min(WATCH_POLL_S, seconds - elapsed))
+            while True:
+                elapsed = self.clock() - started
+                if elapsed < seconds:
+                    self.sleep(min(WATCH_POLL_S, seconds - elapsed))
+                else:
+                    short = [m for m in members if m.name not in self.benched
+                             and self._served(before, after, m.name) < self.options.min_requests]
+                    if not short or elapsed >= bound:
+                        break
+                    if not extended:
+                        extended = {m.name for m in short}
+                        self._tell(f"{_names(short)}: fewer than {self.options.min_requests} requests after"
+                                   f" {elapsed:.0f} s (--canary-min-requests); watching on, up to {bound:g} s"
+                                   " (--canary-max-s)")
+                    self.sleep(min(WATCH_POLL_S, bound - elapsed))
                 after = self.router.show()
                 down = self._not_up(after, members)
                 if down:
                     return f"{down[0]} during the canary watch"
         except RouterFailure as exc:
             return str(exc)
+        watched = self.clock() - started
         for member in members:
-            self._outcome(member).took("watch", self.clock() - started)
+            self._outcome(member).took("watch", watched)
         wave = {m.name for m in members}
         served: dict[str, int] = {}
         for member in members:
@@ -324,9 +352,29 @@ class Rollout:
                           judge_rtime=self.options.latency is None)
             if why:
                 return f"replica {member.name}: canary: {why}"
+            found = evidence(seen.requests, watched, self.options.min_requests, extended=member.name in extended,
+                             benched=self.benched.get(member.name), hint=self._bench_hint(member))
+            if not found.judged:
+                return f"replica {member.name}: canary: {found.line}"
+            if found.line:
+                self._outcome(member).notes.append(f"canary: {found.line}")
         if self.options.latency is not None:
-            return self._judge_latency(members, served, self.clock() - started)
+            return self._judge_latency(members, served, watched)
         return None
+
+    @staticmethod
+    def _served(before: RouterView, after: RouterView, name: str) -> int:
+        """Requests the routers sent ``name`` between the two views."""
+        return traffic((before[r][name].counters(), after[r][name].counters()) for r in after
+                       if name in before.get(r, {}) and name in after[r]).requests
+
+    def _bench_hint(self, member: Member) -> str:
+        """What would give ``member`` a load of its own, for a canary not judged."""
+        if member.name in self.unbenched:
+            return f"its canary bench did not judge it: {self.unbenched[member.name]}"
+        if self.options.latency is None:
+            return "--canary-bench gives it a load of its own (with a monitoring group, where the bench records are)"
+        return "--canary-bench gives it a load of its own"
 
     def _bench_canaries(self, members: Sequence[Member]) -> str | None:
         """``--canary-bench``: each canary benched on its own API before it is put back, against its release's
@@ -340,6 +388,7 @@ class Rollout:
             outcome = self._outcome(member)
             if planned.rate is None:
                 outcome.notes.append(f"canary bench: not run, {planned.why_not}")
+                self.unbenched[member.name] = f"not run, {planned.why_not}"
                 continue
             self._tell(f"canary bench of {member.name} at {planned.rate:g} req/s")
             try:
@@ -348,22 +397,25 @@ class Rollout:
                 return f"replica {member.name}: canary bench: {exc}"
             stored = stored_at(planned)
             outcome.notes.append(line + (f"; vLLM {release}'s bench: {stored.line()}" if stored else ""))
-            why = latency_verdict(seen, None, stored, judge.max_ratio, judge.min_requests)
+            why = latency_verdict(seen, None, stored, judge.max_ratio, self.options.min_requests)
             if why:
                 return f"replica {member.name}: canary bench: {why}"
+            if stored is None:
+                self.unbenched[member.name] = f"no step of vLLM {release}'s bench at {planned.rate:g} req/s"
+            elif seen.requests < self.options.min_requests:
+                self.unbenched[member.name] = (f"it served {seen.requests:.0f} requests (fewer than"
+                                               f" {self.options.min_requests})")
+            else:
+                self.benched[member.name] = round(seen.requests)
         return None
 
     def _judge_latency(self, members: Sequence[Member], served: dict[str, int], watched_s: float) -> str | None:
         """Each canary's p95 TTFT and ITL against its shape's replicas not rolled, and its ITL against its release's
-        bench record; a canary the routers sent fewer than the minimum of requests is not judged (nor waited for)."""
+        bench record; a canary the routers sent fewer than the minimum of requests was judged on its canary bench
+        (:meth:`_watch` failed the others)."""
         judge = self.options.latency
         assert judge is not None
-        for member in members:
-            if served.get(member.name, 0) < judge.min_requests:
-                self._outcome(member).notes.append(
-                    f"canary latency: not judged, {served.get(member.name, 0)} requests over the watch (fewer than"
-                    f" {judge.min_requests}, --canary-min-requests)")
-        members = [m for m in members if served.get(m.name, 0) >= judge.min_requests]
+        members = [m for m in members if served.get(m.name, 0) >= self.options.min_requests]
         if not members:
             return None
         self.sleep(judge.source.wait_s)  # the watch's last samples reach Prometheus
@@ -390,7 +442,7 @@ class Rollout:
                 f"canary latency: {seen.requests:.0f} requests, {seen.line()}"
                 + (f"; not rolled ({len(peers)} of its shape): {base.line()}" if base is not None else
                    "; no replica of its shape left unrolled to compare with") + against)
-            why = latency_verdict(seen, base, stored, judge.max_ratio, judge.min_requests, stored_keys=("itl",))
+            why = latency_verdict(seen, base, stored, judge.max_ratio, self.options.min_requests, stored_keys=("itl",))
             if why:
                 return f"replica {member.name}: canary: {why}"
         return None

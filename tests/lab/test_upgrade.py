@@ -49,10 +49,13 @@ ROLLOUT_TIMEOUT_S = 2400
 # The good rollouts' canary latency bound. A CPU replica's first requests after its start answer several times
 # slower than before (lab, a good release: the canary's mean 883 ms after a 20 s watch of 8 requests, the replica
 # not rolled 281 ms), more so while the unit tiers share the two cores: the default 1.5 can stop a good release.
-# With the lab's monitoring group a canary is judged on vLLM's p95 once it served --canary-min-requests (20), which
-# a 10 s watch of this load does not reach. The bounds that judge a slow release are tests/data/rollout_runs'
-# (canary_latency_*, canary_p95_*, canary_bench_*); these tests are about rolling with no request lost.
+# The bounds that judge a slow release are tests/data/rollout_runs' (canary_latency_*, canary_p95_*,
+# canary_bench_*); these tests are about rolling with no request lost.
 LAB_LATENCY_RATIO = "10"
+# A canary is judged once it served --canary-min-requests, its watch extended up to --canary-max-s until it has, and
+# fails when it has not by then. Under _traffic each replica gets about 0.3 requests a second: 5 take about 17 s,
+# well within 60; the default 20 would add about a minute to each of these rollouts.
+LIGHT_WATCH = ("--canary-min-requests", "5", "--canary-max-s", "60")
 
 # The releases judged on latency change lab1's replica alone (a copy of the lab's inventory where lab_single's
 # vllm_env differs): it is the canary, and its bench record (tests/lab/test_bench.py) is the stored baseline of
@@ -212,7 +215,8 @@ def test_an_upgrade_under_load_rolls_both_replicas_and_loses_no_request(
     assert _served_versions(lab) == {START_VERSION}
     done, report, traffic = _rolled(lab, tmp_path, tmp_path_factory, f"upgrade {START_VERSION} -> {OTHER_VERSION}",
                                     "upgrade", "inventories/lab.py", "--batches", "1,100%", "--canary-s", "10",
-                                    "--max-latency-ratio", LAB_LATENCY_RATIO, "--data", f"vllm_version={OTHER_VERSION}")
+                                    *LIGHT_WATCH, "--max-latency-ratio", LAB_LATENCY_RATIO,
+                                    "--data", f"vllm_version={OTHER_VERSION}")
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert _states(report) == {single(lab): "rolled", PIPELINE: "rolled"}, done.stdout[-4000:]
     assert traffic.figures()["requests"] > 0 and traffic.failures == [], traffic.failures[:5]
@@ -244,7 +248,7 @@ def test_rollback_returns_the_fleet_to_the_previous_release(
     """The release before the good upgrade: the broken one, rolled back, did not become "previous"."""
     done, report, traffic = _rolled(lab, tmp_path, tmp_path_factory, f"rollback {OTHER_VERSION} -> {START_VERSION}",
                                     "rollback", "inventories/lab.py", "--batches", "1,100%", "--canary-s", "5",
-                                    "--max-latency-ratio", LAB_LATENCY_RATIO)
+                                    *LIGHT_WATCH, "--max-latency-ratio", LAB_LATENCY_RATIO)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert _states(report) == {single(lab): "rolled", PIPELINE: "rolled"}, done.stdout[-4000:]
     assert traffic.figures()["requests"] > 0 and traffic.failures == [], traffic.failures[:5]

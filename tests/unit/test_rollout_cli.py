@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -26,6 +27,7 @@ from gpufleet.plan.planner import plan_fleet
 from gpufleet.rollout.pyinfra_run import DEPLOY, PROJECT_ROOT, PyinfraDeploy
 from gpufleet.rollout.release import Release, release_of
 from gpufleet.rollout.remote import RemoteResult
+from gpufleet.rollout.runner import Rollout
 from tests.conftest import DATA
 from tests.rollout_world import Behaviour, World
 
@@ -302,3 +304,38 @@ def test_behind_a_virtual_address_a_rollout_still_drains_on_every_router(world: 
     assert [e for e in first if e.startswith("drain ")] == [f"drain {r} llama_70b-gpu-a01-{k}" for k in (0, 1)
                                                           for r in ROUTERS]
     assert "s3cret" not in done.output + done.stderr
+
+
+def _on_the_worlds_clock(world: _Fleet, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The command's rollout on the recorded fleet's clock: its watch takes no time."""
+    real = cli_rollout.Rollout
+
+    def rollout(*args: Any, **kwargs: Any) -> Rollout:
+        return real(*args, **kwargs, clock=world.now, sleep=world.sleep)
+
+    monkeypatch.setattr(cli_rollout, "Rollout", rollout)
+
+
+def test_a_canary_short_of_requests_is_watched_on_up_to_canary_max_s(world: _Fleet,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The new release gets 0.2 requests a second from each router: 4 after the 10 s watch, 6 at 15 s."""
+    _on_the_worlds_clock(world, monkeypatch)
+    world.behaviour["new"] = Behaviour(rps=0.2)
+    done = _run("upgrade", FLEET, "--batches", "1", "--canary-s", "10", "--canary-min-requests", "6",
+                "--canary-max-s", "25")
+    assert done.exit_code == 0, done.output + done.stderr
+    assert "fewer than 6 requests after 10 s (--canary-min-requests); watching on, up to 25 s" in done.output
+    assert done.output.count("canary: judged after extending the watch to 15 s (6 requests)") == 2  # gpu-a01's two
+
+
+def test_a_canary_never_given_enough_requests_fails_and_says_why(world: _Fleet,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    _on_the_worlds_clock(world, monkeypatch)
+    world.behaviour["new"] = Behaviour(rps=0.2)
+    done = _run("upgrade", FLEET, "--canary-s", "10", "--canary-max-s", "25")
+    assert done.exit_code == 1, done.output + done.stderr
+    assert done.output.splitlines()[-1] == (
+        "gpufleet upgrade: stopped: 2 rolled back, 4 untouched; replica llama_70b-gpu-a01-0: canary: not judged:"
+        " only 10 requests after 25 s (fewer than 20, --canary-min-requests); --canary-bench gives it a load of its"
+        " own (with a monitoring group, where the bench records are)")
+    assert all((world.running(name) or {}).get("vllm_version") == "0.31.0" for name in world.replicas)
