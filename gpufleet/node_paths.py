@@ -71,6 +71,8 @@ ROUTER_SERVICE = "haproxy.service"  # role router
 
 # exporters
 TEXTFILE_DIR = "/var/lib/node_exporter/textfile_collector"  # node_exporter's textfile collector
+# on a monitoring host: the start record of each release on each shape (gpufleet.bench.starts), for the alert
+START_RECORDS_TEXTFILE = f"{TEXTFILE_DIR}/gpufleet-start-records.prom"
 NODE_EXPORTER_CACHE = "/var/cache/gpufleet/node_exporter"  # the checked release tarball, pushed
 DCGM_EXPORTER_COUNTERS = "/etc/dcgm-exporter/gpufleet-counters.csv"
 
@@ -106,6 +108,12 @@ def observed_file(replica: str) -> str:
     first node): written by the readiness wait (``vllm_ready.py --observed``), read by the deploy's report and
     ``gpufleet plan --observed``."""
     return f"{replica_dir(replica)}/observed.json"
+
+
+def start_textfile(replica: str) -> str:
+    """The phases of the replica's last start the deploy waited for, on its first node, for node_exporter's textfile
+    collector (root, 0644): written by the readiness wait (``vllm_ready.py --start-textfile``)."""
+    return f"{TEXTFILE_DIR}/gpufleet-replica-start-{replica}.prom"
 
 
 def watchdog_config(replica: str) -> str:

@@ -3,7 +3,8 @@ and deploys/check.py (which works it out read-only and reports the gate and the 
 no pool (a dedicated router or monitoring host) gets common, node_exporter, router, keepalived and monitoring only:
 no driver, no GPU gate, no vLLM; the vLLM replicas and Ray units it ran while it served are retired. The router,
 keepalived and monitoring roles act on the hosts of their inventory groups only (keepalived where the routers have
-a virtual address; elsewhere it retires what it set up)."""
+a virtual address; elsewhere it retires what it set up). Last, every host adds the monitoring hosts' start records
+(``start_records``), from one line."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from roles.dcgm import dcgm
 from roles.dcgm_exporter import dcgm_exporter
 from roles.gpu_watch import gpu_watch
 from roles.keepalived import keepalived
-from roles.monitoring import monitoring
+from roles.monitoring import monitoring, start_records
 from roles.node_exporter import node_exporter
 from roles.nvidia_driver import nvidia_driver
 from roles.ray import ray
@@ -48,17 +49,20 @@ def site() -> None:
         router()
         keepalived()
         monitoring()
-        return
-    common()
-    nvidia_driver()
-    dcgm()
-    gpu_gate()
-    node_exporter()
-    dcgm_exporter()
-    vllm_install()
-    ray()
-    vllm_serve()
-    gpu_watch()
-    router()
-    keepalived()
-    monitoring()
+    else:
+        common()
+        nvidia_driver()
+        dcgm()
+        gpu_gate()
+        node_exporter()
+        dcgm_exporter()
+        vllm_install()
+        ray()
+        vllm_serve()
+        gpu_watch()
+        router()
+        keepalived()
+        monitoring()
+    # Every host, from this one line: its operations then follow every host's earlier ones, the serving nodes'
+    # readiness waits among them, also on a dedicated monitoring host.
+    start_records()

@@ -2,8 +2,8 @@
 
 The thresholds are the ``alert_*`` variables (``roles/monitoring/defaults.yml``), passed under their own names.
 The rest comes from gpufleet's own names, so the rules follow them: the mounts that may hold the model
-directory, the systemd units gpufleet runs, the critical XIDs as a PromQL regex, and the windows of a prefix cache
-collapse.
+directory, the systemd units gpufleet runs, the critical XIDs as a PromQL regex, the windows of a prefix cache
+collapse, and how long a slow start is judged.
 """
 
 from __future__ import annotations
@@ -38,6 +38,9 @@ PREFIX_COLLAPSE_FOR = "15m"
 PREFIX_BASELINE = "6h"
 """The window whose average hit ratio a collapse is measured against, before the collapse's own."""
 
+START_ALERT_WINDOW_S = 3600
+"""How long after a replica's start ReplicaStartSlow judges it (seconds): a slow start is news for an hour."""
+
 GPU_SERVICES = (node_paths.DCGM_HOSTENGINE, f"{node_paths.FABRICMANAGER}.service")
 """Services the GPUs need: DCGM's host engine and, on NVSwitch systems, the fabric manager."""
 
@@ -69,6 +72,7 @@ def rule_values(cfg: HostConfig) -> dict[str, Any]:
         "model_mounts": model_dir_mounts(),
         "prefix_collapse_for": PREFIX_COLLAPSE_FOR,
         "prefix_baseline": PREFIX_BASELINE,
+        "start_alert_window_s": START_ALERT_WINDOW_S,
     }
 
 

@@ -28,6 +28,16 @@ unit's journal; whether it caches prefixes and with which hash (the gauge's ``en
 that file (0644, replaced whole), and its JSON line gains ``kv_cache_tokens`` (planned, observed, ratio) and a
 ``warning`` when they differ by more than ``--tolerance``. A replica that reports no figure is still ready. The
 controller summarises the comparison with :func:`kv_summary`.
+
+With ``--start-textfile`` (and ``--start-labels``, a JSON object of label values: the replica, its model, release,
+layout and GPU profile), once ready it times the start it waited for: seconds from the unit's main process start
+(systemd's ``ExecMainStartTimestampMonotonic``) to each of :data:`START_PHASES`: vLLM's weights in place and its KV
+cache sized (the times of its last "Loading weights took" or "Model loading took" and "KV cache size" lines in the
+unit's journal since that start), ``/health`` answering 200 and the first completion returning tokens (what this
+wait saw). A phase not seen since the start is null, never guessed (every one where systemd gives no start). It
+writes them for node_exporter's textfile collector to that file (0644, replaced whole:
+``gpufleet_replica_start_seconds{phase}`` and ``gpufleet_replica_start_time_seconds``), and its JSON line, and
+``observed.json`` with ``--observed``, gain ``start`` (``labels``, ``started``: Unix time, ``phases``).
 """
 
 from __future__ import annotations
@@ -97,15 +107,22 @@ def completion(url: str, model: str, key: str | None, max_tokens: int = 4,
     return status, tokens, f"/v1/completions returned {tokens} tokens"
 
 
-def check_once(url: str, model: str, key: str | None) -> tuple[bool, str]:
-    """One readiness attempt: (ready, what was seen)."""
+def check_once(url: str, model: str, key: str | None, seen_at: dict[str, float] | None = None) -> tuple[bool, str]:
+    """One readiness attempt: (ready, what was seen). ``seen_at`` gets the time (Unix) ``ready`` since which
+    ``/health`` has answered 200 without a break, and ``first_completion`` once a completion returned tokens."""
+    seen_at = {} if seen_at is None else seen_at
     try:
         status, _ = request(f"{url}/health", None, None, 10)
     except (OSError, urllib.error.URLError, http.client.HTTPException) as exc:
+        seen_at.pop("ready", None)
         return False, f"not answering: {exc}"
     if status != 200:
+        seen_at.pop("ready", None)
         return False, f"/health answered {status}"
+    seen_at.setdefault("ready", time.time())
     _, tokens, seen = completion(url, model, key)
+    if tokens > 0:
+        seen_at["first_completion"] = time.time()
     return tokens > 0, seen
 
 
@@ -269,14 +286,113 @@ def observe(url: str, unit: str | None, since: float, planned: int, max_model_le
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
+START_PHASES = ("weights_loaded", "kv_cache_sized", "ready", "first_completion")
+"""What a start goes through, in order, each timed in seconds from the unit's main process start."""
+START_METRIC = "gpufleet_replica_start_seconds"
+START_TIME_METRIC = "gpufleet_replica_start_time_seconds"
+# vLLM's model loader logs "Loading weights took 1.23 seconds" (CPU and GPU builds) and its GPU runner "Model loading
+# took 14.99 GiB memory and 5.12 seconds" after it: the last of them is when the weights are in place (every worker's)
+_WEIGHTS_LINE = re.compile(r"\b(?:Loading weights took|Model loading took) ")
+
+
+def main_start(unit: str) -> float | None:
+    """When the unit's main process started (Unix time), from systemd's monotonic timestamp of it (the clock this
+    process's ``time.monotonic`` reads); None when systemd gives none (the unit does not run)."""
+    shown = subprocess.run(["systemctl", "show", "--property=ExecMainStartTimestampMonotonic", unit],
+                           capture_output=True, text=True).stdout
+    value = shown.strip().partition("=")[2]
+    if not value.isdigit() or int(value) == 0:
+        return None
+    return time.time() - (time.monotonic() - int(value) / 1e6)
+
+
+def parse_journal(text: str) -> list[tuple[float, str]]:
+    """Each entry of ``journalctl -o json`` output: its time (Unix) and message (a message journald keeps as bytes,
+    not being UTF-8, decoded with replacements); lines that are not entries are left out."""
+    found: list[tuple[float, str]] = []
+    for line in text.splitlines():
+        try:
+            doc = json.loads(line)
+            at = int(doc["__REALTIME_TIMESTAMP"]) / 1e6
+            message = doc.get("MESSAGE")
+            if isinstance(message, list):
+                message = bytes(message).decode("utf-8", "replace")
+        except (ValueError, KeyError, TypeError, AttributeError):
+            continue
+        if isinstance(message, str):
+            found.append((at, message))
+    return found
+
+
+def journal_entries(unit: str, since: float) -> list[tuple[float, str]]:
+    """The unit's journal since ``since`` (Unix time): each entry's time and message."""
+    return parse_journal(subprocess.run(["journalctl", "-q", "-o", "json", "--output-fields=MESSAGE",
+                                         f"--since=@{int(since)}", "-u", unit], capture_output=True, text=True).stdout)
+
+
+def start_phases(started: float | None, entries: list[tuple[float, str]], ready_at: float | None,
+                 completed_at: float | None) -> dict[str, float | None]:
+    """Seconds from ``started`` (the unit's main process start, Unix time) to each of :data:`START_PHASES`: the last
+    weights line and the last KV cache line of ``entries`` (the unit's journal: time, message) since the start, and
+    ``ready_at`` (since when ``/health`` answered 200) and ``completed_at`` (the first completion that returned
+    tokens). None for a phase not seen since the start (each of them without ``started``)."""
+    def after_start(at: float | None) -> float | None:
+        return None if started is None or at is None or at < started else round(at - started, 2)
+
+    def last(line: re.Pattern[str]) -> float | None:
+        times = [at for at, message in entries if started is not None and at >= started and line.search(message)]
+        return max(times) if times else None
+
+    return {"weights_loaded": after_start(last(_WEIGHTS_LINE)), "kv_cache_sized": after_start(last(_KV_LINE)),
+            "ready": after_start(ready_at), "first_completion": after_start(completed_at)}
+
+
+def prometheus_labels(labels: dict[str, str]) -> str:
+    """``name="value",...`` as Prometheus's text format writes labels (backslash, double quote and newline escaped)."""
+    escaped = {name: value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+               for name, value in labels.items()}
+    return ",".join(f'{name}="{value}"' for name, value in escaped.items())
+
+
+def start_textfile(labels: dict[str, str], started: float | None, phases: dict[str, float | None]) -> str:
+    """The start's phases (those known) and its time, for node_exporter's textfile collector."""
+    lines = [f"# HELP {START_METRIC} Seconds from the replica's process start to each phase of its last start the"
+             " deploy waited for (vllm_ready.py).", f"# TYPE {START_METRIC} gauge"]
+    lines += [f"{START_METRIC}{{{prometheus_labels({**labels, 'phase': phase})}}} {value!r}"
+              for phase in START_PHASES if (value := phases.get(phase)) is not None]
+    lines += [f"# HELP {START_TIME_METRIC} When that start began: its unit's main process start (Unix time).",
+              f"# TYPE {START_TIME_METRIC} gauge"]
+    if started is not None:
+        lines.append(f"{START_TIME_METRIC}{{{prometheus_labels(labels)}}} {started:.3f}")
+    return "\n".join(lines) + "\n"
+
+
+def time_start(unit: str | None, labels: dict[str, str], seen_at: dict[str, float]) -> dict[str, Any]:
+    """The start this wait saw through (``seen_at``: :func:`check_once`'s times), timed from ``unit``'s main process
+    start and journal: ``labels``, ``started`` (Unix time, None when unknown) and ``phases``."""
+    started = main_start(unit) if unit else None
+    entries: list[tuple[float, str]] = []
+    if unit and started is not None:
+        with contextlib.suppress(OSError, subprocess.SubprocessError):  # no journal: no line seen
+            entries = journal_entries(unit, started)
+    phases = start_phases(started, entries, seen_at.get("ready"), seen_at.get("first_completion"))
+    return {"labels": labels, "started": None if started is None else round(started, 3), "phases": phases}
+
+
 def write_json(path: str, doc: dict[str, Any]) -> None:
     """Replace ``path`` whole with ``doc`` (0644): written to a new file beside it, then renamed over it."""
+    write_text(path, json.dumps(doc, indent=2) + "\n")
+
+
+def write_text(path: str, text: str) -> None:
+    """Replace ``path`` whole with ``text`` (0644): written to a new file beside it, then renamed over it (a reader,
+    node_exporter's textfile collector among them, never sees half a file)."""
     directory, name = os.path.split(os.path.abspath(path))
     handle, temporary = tempfile.mkstemp(prefix=f".{name}.", dir=directory)
     try:
         with os.fdopen(handle, "w", encoding="utf-8") as out:
             os.fchmod(out.fileno(), 0o644)
-            out.write(json.dumps(doc, indent=2) + "\n")
+            out.write(text)
             out.flush()
             os.fsync(out.fileno())
         os.replace(temporary, path)
@@ -286,9 +402,12 @@ def write_json(path: str, doc: dict[str, Any]) -> None:
         raise
 
 
-def _record(args: argparse.Namespace, since: float) -> dict[str, Any]:
-    """Observe vLLM's KV cache, write it to ``--observed``, and say what the JSON line adds."""
+def _record(args: argparse.Namespace, since: float, start: dict[str, Any] | None) -> dict[str, Any]:
+    """Observe vLLM's KV cache, write it (and ``start``, when timed) to ``--observed``, and say what the JSON line
+    adds."""
     doc = observe(args.url.rstrip("/"), args.unit, since, args.planned_kv_tokens, args.max_model_len, args.tolerance)
+    if start is not None:
+        doc["start"] = start
     _, off, line = kv_summary(args.planned_kv_tokens, doc["kv_cache_tokens"], args.tolerance)
     added: dict[str, Any] = {"kv_cache_tokens": {"planned": args.planned_kv_tokens,
                                                  "observed": doc["kv_cache_tokens"], "ratio": doc["ratio"]}}
@@ -299,6 +418,28 @@ def _record(args: argparse.Namespace, since: float) -> dict[str, Any]:
     if off:
         added["warning"] = "; ".join(filter(None, [line, added.get("warning")]))
     return added
+
+
+def _record_start(args: argparse.Namespace, seen_at: dict[str, float]) -> dict[str, Any]:
+    """Time the start, write it to ``--start-textfile``, and say what the JSON line adds."""
+    start = time_start(args.unit, args.start_labels, seen_at)
+    added: dict[str, Any] = {"start": start}
+    try:
+        write_text(args.start_textfile, start_textfile(start["labels"], start["started"], start["phases"]))
+    except OSError as exc:
+        added["warning"] = f"cannot write {args.start_textfile}: {exc}"
+    return added
+
+
+def _labels(text: str) -> dict[str, str]:
+    """``--start-labels``: a JSON object of text values."""
+    try:
+        found = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected a JSON object of labels, found invalid JSON: {exc}") from None
+    if not isinstance(found, dict) or not all(isinstance(v, str) for v in found.values()):
+        raise argparse.ArgumentTypeError(f"expected a JSON object of text values, found {text!r}")
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -317,18 +458,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-model-len", type=int, help="the replica's max_model_len")
     parser.add_argument("--tolerance", type=float, default=0.05,
                         help="warn when vLLM's KV cache tokens differ from the plan's by more than this fraction")
+    parser.add_argument("--start-textfile", help="once ready, write the start's phases to this file for"
+                        " node_exporter's textfile collector")
+    parser.add_argument("--start-labels", type=_labels, default={},
+                        help="the labels of the start's series, as a JSON object")
     args = parser.parse_args(argv)
     key = read_env_file(args.env_file).get("VLLM_API_KEY") if args.env_file else None
     started, since = time.monotonic(), time.time()
     recorded = record_time(args.restart_record)
     first_restarts = unit_state(args.unit)[1] if args.unit else 0
     seen = "not tried"
+    seen_at: dict[str, float] = {}
     while True:
-        ready, seen = check_once(args.url.rstrip("/"), args.model, key)
+        ready, seen = check_once(args.url.rstrip("/"), args.model, key, seen_at)
         waited = round(time.monotonic() - started, 1)
         if ready:
-            observed = _record(args, since) if args.observed else {}
-            print(json.dumps({"ready": True, "url": args.url, "seconds": waited, "seen": seen, **observed}))
+            timed = _record_start(args, seen_at) if args.start_textfile else {}
+            observed = _record(args, since, timed.get("start")) if args.observed else {}
+            line = {"ready": True, "url": args.url, "seconds": waited, "seen": seen, **timed, **observed}
+            if warning := "; ".join(filter(None, [observed.get("warning"), timed.get("warning")])):
+                line["warning"] = warning
+            print(json.dumps(line))
             return 0
         failed, restarts = unit_state(args.unit) if args.unit else (False, first_restarts)
         crashing = restarts - first_restarts >= args.max_restarts

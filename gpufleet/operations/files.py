@@ -90,6 +90,12 @@ def file(dest: str, content: str | bytes | None = None, src: str | None = None, 
     yield from changes
 
 
+def file_commands(dest: str, content: str, user: str = "root", group: str = "root", mode: str = "0644") -> Commands:
+    """What :func:`file` yields to keep ``dest`` holding ``content``, for an operation that decides the content
+    itself when it runs (nothing when the node's reading has it so already)."""
+    yield from _file(dest, *_content(content, None), user, group, mode)
+
+
 def _file(dest: str, digest: str, data: Callable[[], bytes], user: str, group: str, mode: str) -> Commands:
     """What :func:`file` yields (without its noop: :func:`tree` reports once for all)."""
     found = node.path(dest)

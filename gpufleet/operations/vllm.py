@@ -1,6 +1,7 @@
 """vLLM replicas: the restart record that makes an interrupted restart happen on the next run, the check that
 the nodes of a multi-node replica run the same vLLM, torch, Python, Ray and model before any of them starts it, the
-rank secret its nodes share, and the report of the KV cache vLLM reports beside the plan's."""
+rank secret its nodes share, the report of the KV cache vLLM reports beside the plan's, and each replica's start as
+the readiness wait timed it, kept on the monitoring hosts as each release's start record."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ import hashlib
 import secrets
 import sys
 from collections.abc import Callable
+from typing import Any
 
 from pyinfra import logger
 from pyinfra.api.command import QuoteString, StringCommand
 from pyinfra.context import host, state
 
+from gpufleet.bench.starts import Start, StartKey, fastest, measured_start, read_record, record_text, records_textfile
 from gpufleet.deploy.lost_nodes import connection_lost
 from gpufleet.facts.vllm import STACK_KEYS, ReplicaStack
 from gpufleet.node.replica_rank import SECRET_ENV as RANK_SECRET_ENV
@@ -178,6 +181,74 @@ def kv_report(replica: str, observed: str, planned: int, tolerance: float, route
     host.log(f"{replica}: {line}", logger.warning if off else logger.info)
     host.noop(line)
     yield from ()
+
+
+@gpufleet_operation(counts_as_drift=False, runs_when_read_only=True)
+def start_seen(replica: str, observed: str, starts: dict[str, dict[str, Any]], fresh: Callable[[], bool]) -> Commands:
+    """
+    Record in ``starts`` the replica's last start as the readiness wait timed it (the ``start`` of its
+    ``observed.json``: seconds from its process start to each phase), for :func:`start_records` on the monitoring
+    hosts; log it when the wait ran in this run. Changes nothing, and is never drift.
+
+    + replica: the replica's name
+    + observed: its observed.json on this node (its first)
+    + starts: replica -> its start (:class:`~gpufleet.bench.starts.Start`'s JSON), shared by the run's hosts
+    + fresh: whether the readiness wait ran in this run (then the file is read again)
+    """
+    if not state.is_executing:  # pyinfra's look ahead when ops are added: the wait has not run yet
+        host.noop("read when the run gets here")
+        return
+    if fresh():
+        node.forget("texts", observed)
+    found = measured_start(node.text(observed), host.name)
+    if found is None:
+        host.noop(f"{replica}: no start timed yet (the readiness wait times the next one)")
+        return
+    starts[replica] = found.to_json()
+    line = f"{replica}: {found.line()}"
+    if fresh():
+        host.log(line, logger.info)
+    host.noop(line)
+    yield from ()
+
+
+@gpufleet_operation()
+def start_records(directory: str, textfile: str, planned: list[dict[str, str]],
+                  starts: dict[str, dict[str, Any]]) -> Commands:
+    """
+    On a monitoring host, keep each release's start record on each shape: for each key (model, release, layout,
+    GPU profile), the fastest start the deploys have timed, from its process start to its first completion (one
+    file per key in ``directory``, replaced only by a faster start), and the records of the keys the plan serves in
+    ``textfile``, for node_exporter's textfile collector: what ReplicaStartSlow compares each start with. Nothing is
+    written while no start beats its record.
+
+    + directory: where the records are kept (:data:`~gpufleet.bench.starts.START_RECORDS_DIR`)
+    + textfile: the records for node_exporter
+    + planned: the keys the plan serves (:meth:`~gpufleet.bench.starts.StartKey.labels`)
+    + starts: each replica's last start, from :func:`start_seen` on its first node earlier in the run
+    """
+    if not state.is_executing:  # pyinfra's look ahead when ops are added: no start has been read yet
+        host.noop("kept when the run gets here, once every replica's start has been read")
+        return
+    seen = [Start.from_json(doc) for doc in starts.values()]
+    served = {StartKey(**labels) for labels in planned}
+    kept: list[Start] = []
+    changes: list[Any] = []
+    for key in sorted(served | {start.key for start in seen}):
+        path = f"{directory}/{key.file_name()}"
+        record = read_record(node.text(path))
+        best = fastest(record, [start for start in seen if start.key == key])
+        if best is None:
+            continue
+        if best is not record:
+            changes += files.file_commands(path, record_text(best))
+        if key in served:
+            kept.append(best)
+    changes += files.file_commands(textfile, records_textfile(kept))
+    if not changes:
+        host.noop(f"{len(kept)} start record(s) kept, none beaten in this run")
+        return
+    yield from changes
 
 
 def disagreement(replica: str, stacks: dict[str, NodeStack]) -> str | None:

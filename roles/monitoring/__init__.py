@@ -32,7 +32,15 @@ After it, a monitoring host has:
   loads them.
 
 A changed configuration or rule file is reloaded (SIGHUP: no restart, no gap in the samples); a changed drop-in
-restarts its service. Variables: roles/monitoring/defaults.yml. The fleet lets the monitoring hosts in
+restarts its service.
+
+``start_records()``, last in the site sequence: on a monitoring host, the start record of each release on each shape
+(:mod:`gpufleet.bench.starts`), the fastest start of each the deploys have timed, one JSON file each in
+``/var/lib/gpufleet/starts/`` (root, 0644), replaced only by a faster start; the records of the releases and shapes
+the plan serves for node_exporter in ``/var/lib/node_exporter/textfile_collector/gpufleet-start-records.prom``
+(``gpufleet_replica_start_record_seconds``), what the alert ReplicaStartSlow compares each replica's start with.
+
+Variables: roles/monitoring/defaults.yml. The fleet lets the monitoring hosts in
 (:func:`gpufleet.deploy.access.monitoring_sources`).
 """
 
@@ -52,6 +60,7 @@ from pyinfra.context import host
 from gpufleet import templates
 from gpufleet.bench.capacity import releases_without_bench
 from gpufleet.bench.records import Record
+from gpufleet.bench.starts import START_RECORDS_DIR, start_key
 from gpufleet.config.fleet import Fleet
 from gpufleet.config.inventory import loaded_inventory
 from gpufleet.config.inventory_shape import MONITORING_GROUP, ROUTERS_GROUP
@@ -74,8 +83,16 @@ from gpufleet.monitoring.scrape_config import (
     scrape_configs,
 )
 from gpufleet.netaddr import host_port
-from gpufleet.node_paths import ALERT_LOG_SERVICE, NODE_PYTHON, NODE_TOOLS_DIR, PROMETHEUS_UNIT, node_tool, unit_path
-from gpufleet.operations import apt, files, node, server, systemd
+from gpufleet.node_paths import (
+    ALERT_LOG_SERVICE,
+    NODE_PYTHON,
+    NODE_TOOLS_DIR,
+    PROMETHEUS_UNIT,
+    START_RECORDS_TEXTFILE,
+    node_tool,
+    unit_path,
+)
+from gpufleet.operations import apt, files, node, server, systemd, vllm
 from gpufleet.plan.planner import Replica, plan_fleet
 from gpufleet.pyinfra_seam import current_state
 from gpufleet.units.escape import exec_line
@@ -424,3 +441,21 @@ def monitoring() -> None:
         systemd.service(name=f"Ensure {service.unit} runs and starts at boot", unit=service.unit, running=True,
                         enabled=True)
     grafana_dashboards()
+
+
+@deploy("Monitoring: keep each release's start record")
+def start_records() -> None:
+    """Every host adds it, from one line of the site sequence after every role: pyinfra then runs it once every
+    host's earlier operations have run, each replica's readiness wait and the reading of its start among them (on a
+    dedicated monitoring host, the monitoring role's operations come before the serving nodes' waits). It keeps
+    the start records on the monitoring hosts and is skipped on every other host."""
+    ctx = context()
+    keeps = is_monitoring()
+    planned = sorted({start_key(replica, ctx.fleet.configs) for replica in ctx.plan.replicas})
+    records = [f"{START_RECORDS_DIR}/{key.file_name()}" for key in planned]
+    if keeps:
+        node.observe(name="Read the start records of the releases served", paths=[*records, START_RECORDS_TEXTFILE],
+                     texts=records)
+    vllm.start_records(name="Keep each release's start record on each shape (the fastest start timed)",
+                       directory=START_RECORDS_DIR, textfile=START_RECORDS_TEXTFILE,
+                       planned=[key.labels() for key in planned], starts=ctx.starts, _if=lambda: keeps)

@@ -22,17 +22,21 @@ stopped and removed.
 ``vllm_serve()`` — starts each replica (``vllm_start``), restarts one only when its files changed on
 any of its nodes, and waits on its first node for ``/health`` and one real completion; that wait then records
 the KV cache vLLM reports (``observed.json`` in the replica's directory), which every run shows beside the plan's
-(a warning beyond ``vllm_plan_tolerance``). A restart the deploy decided on is first recorded on every node of
-the replica (``restart-pending`` in its directory) and cleared only once the replica serves again, so a run
-interrupted in between restarts it next time (and ``deploys/check.py`` reports it as drift). On its first node,
-the replica's watchdog runs with it (``vllm_watchdog_stall_s``; ``gpufleet/node/replica_watchdog.py``) and
-restarts it when it is wedged.
+(a warning beyond ``vllm_plan_tolerance``), and times the start: seconds from the unit's main process start to vLLM's
+weights loaded, its KV cache sized, ``/health`` answering and the first completion (in ``observed.json`` too, and
+for node_exporter in ``/var/lib/node_exporter/textfile_collector/gpufleet-replica-start-<replica>.prom``: the
+monitoring hosts keep each release's start record from them, role monitoring). A restart the deploy decided on
+is first recorded on every node of the replica (``restart-pending`` in its directory) and cleared only once the
+replica serves again, so a run interrupted in between restarts it next time (and ``deploys/check.py`` reports it
+as drift). On its first node, the replica's watchdog runs with it (``vllm_watchdog_stall_s``;
+``gpufleet/node/replica_watchdog.py``) and restarts it when it is wedged.
 
 Variables: roles/vllm/defaults.yml. The layout comes from the plan (``gpufleet.deploy.context``).
 """
 
 from __future__ import annotations
 
+import json
 import shlex
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,6 +47,7 @@ from pyinfra.api.deploy import deploy
 from pyinfra.api.operation import OperationMeta
 from pyinfra.context import host
 
+from gpufleet.bench.starts import start_key
 from gpufleet.config.inventory_shape import ROUTERS_GROUP
 from gpufleet.config.problems import ConfigError, Problem, exit_with
 from gpufleet.config.schema import HostConfig
@@ -71,6 +76,7 @@ from gpufleet.node_paths import (
     replica_dir,
     replica_secrets,
     restart_marker,
+    start_textfile,
     unit_path,
     venv_dir,
     vllm_ray_drop_in,
@@ -317,7 +323,8 @@ def _retire_replicas(keep: list[str]) -> OperationMeta:
     return systemd.retired(name="Stop and remove replicas no longer planned here", pattern=f"{VLLM_ETC}/*",
                            keep=keep, unit="vllm@{name}.service",
                            paths=[replica_dir("{name}"), replica_secrets("{name}"), rank_secret_file("{name}"),
-                                  vllm_ray_drop_in("{name}"), watchdog_enabled_link("{name}")])
+                                  vllm_ray_drop_in("{name}"), watchdog_enabled_link("{name}"),
+                                  start_textfile("{name}")])
 
 
 @deploy("vLLM: retire the replicas of a host that serves in no pool")
@@ -381,16 +388,20 @@ def vllm_serve() -> None:
             url = _api_url(replica, role)
             kv = KvCheck(observed_file(replica.name), replica.budget.kv_tokens, replica.max_model_len,
                          cfg.vllm_plan_tolerance)
+            timed = StartCheck(start_textfile(replica.name),
+                               {"replica": replica.name, **start_key(replica, ctx.fleet.configs).labels()})
             wait = ctx.readiness[replica.name] = server.script(
                 name=f"{replica.name}: wait for /health and one real completion on {url}",
                 script=ready_command(cfg.served_model_name(), url, unit, marker,
                                      replica_secrets(replica.name) if replica.secret_env else None,
-                                     cfg.vllm_ready_timeout, kv),
+                                     cfg.vllm_ready_timeout, kv, timed),
                 _if=_changed(starts),  # a rank (re)started on any of its nodes
             )
             vllm.kv_report(name=f"{replica.name}: show the KV cache vLLM reports beside the plan's",
                            replica=replica.name, observed=kv.observed, planned=kv.planned_tokens,
                            tolerance=kv.tolerance, router_policy=cfg.router_policy, fresh=_changed([wait]))
+            vllm.start_seen(name=f"{replica.name}: read its last start's phases (for the start records)",
+                            replica=replica.name, observed=kv.observed, starts=ctx.starts, fresh=_changed([wait]))
         _run_watchdog(replica, role)
         files.absent(name=f"{replica.name}: restarted and serving, clear its restart record", path=marker,
                      _if=partial(ctx.served, replica.name))
@@ -410,13 +421,26 @@ class KvCheck:
                 "--max-model-len", str(self.max_model_len), "--tolerance", str(self.tolerance)]
 
 
+@dataclass(frozen=True)
+class StartCheck:
+    """Where the readiness wait writes the phases of the start it waited for, and the labels they carry."""
+
+    textfile: str  # the replica's start for node_exporter, on its first node
+    labels: dict[str, str]  # replica, model, release, layout, gpu_profile
+
+    def argv(self) -> list[str]:
+        return ["--start-textfile", self.textfile, "--start-labels", json.dumps(self.labels, sort_keys=True)]
+
+
 def ready_command(served: str, url: str, unit: str, record: str, secrets: str | None, timeout: int,
-                  kv: KvCheck | None = None) -> str:
+                  kv: KvCheck | None = None, timed: StartCheck | None = None) -> str:
     """The readiness check's shell line on the first node, every argument quoted for the shell; with ``kv``, it
-    then records the KV cache vLLM reports beside the plan's. ``record``: the replica's restart record, which the
-    deploy touches before it stops the replica (a start refused before the wait began then counts)."""
+    then records the KV cache vLLM reports beside the plan's, and with ``timed`` the start's phases.
+    ``record``: the replica's restart record, which the deploy touches before it stops the replica (a start refused
+    before the wait began then counts)."""
     argv = ["python3", node_tool("vllm_ready.py"), "--url", url, "--model", served, "--unit", unit,
             "--restart-record", record]
     if secrets:
         argv += ["--env-file", secrets]
-    return shlex.join([*argv, "--timeout", str(timeout), *(kv.argv() if kv else [])])
+    return shlex.join([*argv, *(timed.argv() if timed else []), "--timeout", str(timeout),
+                       *(kv.argv() if kv else [])])

@@ -50,8 +50,10 @@ def test_a_host_in_no_pool_gets_the_edge_and_monitoring_and_loses_what_it_served
     it ran while it served are retired; a serving host gets every role."""
     with pytest.MonkeyPatch.context() as monkeypatch:
         dedicated = _called_roles(monkeypatch, serves=False)
-    assert dedicated == ["common", "node_exporter", "vllm_retire", "ray", "router", "keepalived", "monitoring"]
+    assert dedicated == ["common", "node_exporter", "vllm_retire", "ray", "router", "keepalived", "monitoring",
+                         "start_records"]
     with pytest.MonkeyPatch.context() as monkeypatch:
         serving = _called_roles(monkeypatch, serves=True)
     assert serving == ["common", "nvidia_driver", "dcgm", "gpu_gate", "node_exporter", "dcgm_exporter",
-                       "vllm_install", "ray", "vllm_serve", "gpu_watch", "router", "keepalived", "monitoring"]
+                       "vllm_install", "ray", "vllm_serve", "gpu_watch", "router", "keepalived", "monitoring",
+                       "start_records"]

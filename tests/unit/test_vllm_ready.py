@@ -6,12 +6,15 @@ tests/data/vllm_ready/ (``*.metrics``, as vLLM's CPU build 0.31 answers on the l
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -196,3 +199,147 @@ def test_an_observation_that_cannot_be_written_is_a_warning_not_a_failure(tmp_pa
     verdict = json.loads(done.stdout)
     assert (done.returncode, verdict["ready"]) == (0, True), done.stderr
     assert verdict["warning"].startswith(f"cannot write {tmp_path / 'gone' / 'observed.json'}: ")
+
+
+# --- the start's phases -------------------------------------------------------------------------------------------
+# A start of each lab shape on its first node, as ``journalctl -o json`` gives it: lab1's one-node replica and rank 0
+# of the pipeline replica (lab2), vLLM 0.31's CPU build. The messages are the lab's (kv_cache_size.journal and the
+# refused_*.journal above: systemd's, replica_rank's, the API server's and the engine's lines), with vLLM's loader
+# line as its default loader writes it ("Loading weights took %.2f seconds"); an earlier process's lines come before
+# the start, and the one-node journal ends with a message journald keeps as bytes (not UTF-8).
+STARTED = 1795410588.412345  # systemd's "Started vllm@<replica>.service" entry: the unit's main process start
+STARTS = {  # journal, when /health first answered 200 and the first completion came (seconds after the start),
+    # the phases
+    "one_node": ("start_one_node.journal.json", 52.5, 53.75,
+                 {"weights_loaded": 23.36, "kv_cache_sized": 40.13, "ready": 52.5, "first_completion": 53.75}),
+    "pipeline_rank0": ("start_pipeline_rank0.journal.json", 62.0, 63.1,
+                       {"weights_loaded": 32.14, "kv_cache_sized": 49.86, "ready": 62.0, "first_completion": 63.1}),
+}
+
+
+def _ready_tool() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("vllm_ready", TOOL)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("case", sorted(STARTS))
+def test_a_starts_phases_from_its_journal_and_what_the_wait_saw(case: str) -> None:
+    tool = _ready_tool()
+    journal, ready, completed, phases = STARTS[case]
+    entries = tool.parse_journal((JOURNALS / journal).read_text())
+    assert tool.start_phases(STARTED, entries, STARTED + ready, STARTED + completed) == phases
+
+
+def test_only_what_came_since_the_start_counts_and_nothing_is_guessed() -> None:
+    tool = _ready_tool()
+    entries = tool.parse_journal((JOURNALS / "start_one_node.journal.json").read_text())
+    before = [(at, message) for at, message in entries if at < STARTED]
+    assert before and tool.start_phases(STARTED, before, STARTED + 52.5, None) == {
+        "weights_loaded": None, "kv_cache_sized": None, "ready": 52.5, "first_completion": None}
+    # a /health seen before the start (the process before it), no process start at all
+    assert tool.start_phases(STARTED, entries, STARTED - 1, STARTED + 3)["ready"] is None
+    assert set(tool.start_phases(None, entries, STARTED + 52.5, STARTED + 53.75).values()) == {None}
+
+
+def test_vllms_gpu_lines_and_the_journals_bytes() -> None:
+    """On GPUs the runner's "Model loading took" line follows the loader's: the weights are in place at the later;
+    "GPU KV cache size" sizes the cache. A message journald keeps as bytes is decoded, a line that is no entry
+    skipped."""
+    tool = _ready_tool()
+    lines = [(3.0, "(EngineCore_DP0 pid=90) INFO [default_loader.py:267] Loading weights took 41.87 seconds"),
+             (44.5, "(EngineCore_DP0 pid=90) INFO [gpu_model_runner.py:2653] Model loading took 14.99 GiB memory and"
+                    " 43.012 seconds"),
+             (97.25, "(EngineCore_DP0 pid=90) INFO [kv_cache_utils.py:1087] GPU KV cache size: 476,016 tokens")]
+    text = "\n".join(json.dumps({"__REALTIME_TIMESTAMP": str(int((STARTED + at) * 1e6)), "MESSAGE": message})
+                     for at, message in lines) + "\nnot json\n"
+    phases = tool.start_phases(STARTED, tool.parse_journal(text), None, None)
+    assert (phases["weights_loaded"], phases["kv_cache_sized"]) == (44.5, 97.25)
+    (_, decoded), = [e for e in tool.parse_journal((JOURNALS / "start_one_node.journal.json").read_text())
+                     if "Received request" in e[1]]
+    assert decoded.endswith("The fleet is \ufffd'")
+
+
+def test_the_textfile_holds_the_phases_known_and_escapes_the_labels() -> None:
+    tool = _ready_tool()
+    labels = {"replica": "lab_single-10-213-0-11", "model": 'tiny llama $HOME 100% "x" \\', "release": "0.31.0",
+              "layout": "tp1-pp1", "gpu_profile": "lab-pcie"}
+    text = tool.start_textfile(labels, STARTED, {"weights_loaded": None, "kv_cache_sized": 40.13, "ready": 52.5,
+                                                 "first_completion": 53.75})
+    shown = ('replica="lab_single-10-213-0-11",model="tiny llama $HOME 100% \\"x\\" \\\\",release="0.31.0",'
+             'layout="tp1-pp1",gpu_profile="lab-pcie"')
+    samples = [line for line in text.splitlines() if not line.startswith("#")]
+    assert samples == [f'gpufleet_replica_start_seconds{{{shown},phase="kv_cache_sized"}} 40.13',
+                       f'gpufleet_replica_start_seconds{{{shown},phase="ready"}} 52.5',
+                       f'gpufleet_replica_start_seconds{{{shown},phase="first_completion"}} 53.75',
+                       f"gpufleet_replica_start_time_seconds{{{shown}}} 1795410588.412"]
+    assert "# TYPE gpufleet_replica_start_seconds gauge" in text.splitlines()
+
+
+def _timing_stand_ins(tmp_path: Path, ago: float) -> Path:
+    """A ``systemctl`` whose unit runs, its main process started ``ago`` seconds ago, and a ``journalctl`` that
+    gives the one-node start's journal (``-o json``) moved to that start; the directory to put first on PATH."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "systemctl").write_text(
+        f"#!{sys.executable}\nimport sys, time\n"
+        f"if sys.argv[1:] == ['show', '--property=ExecMainStartTimestampMonotonic', {UNIT!r}]:\n"
+        f"    print(f'ExecMainStartTimestampMonotonic={{int((time.monotonic() - {ago}) * 1e6)}}')\n"
+        f"elif sys.argv[1:] == ['show', '--property=ActiveState,NRestarts', {UNIT!r}]:\n"
+        "    print('ActiveState=active\\nNRestarts=0')\n"
+        "else:\n    sys.exit(9)\n")
+    (bin_dir / "journalctl").write_text(
+        f"#!{sys.executable}\nimport json, sys, time\n"
+        f"if sys.argv[1:5] != ['-q', '-o', 'json', '--output-fields=MESSAGE'] or sys.argv[-2:] != ['-u', {UNIT!r}]:\n"
+        "    sys.exit(0)\n"
+        f"shift = time.time() - {ago} - {STARTED!r}\n"
+        f"for line in open({str(JOURNALS / 'start_one_node.journal.json')!r}):\n"
+        "    entry = json.loads(line)\n"
+        "    entry['__REALTIME_TIMESTAMP'] = str(int(int(entry['__REALTIME_TIMESTAMP']) + shift * 1e6))\n"
+        "    print(json.dumps(entry))\n")
+    for tool in ("systemctl", "journalctl"):
+        (bin_dir / tool).chmod(0o755)
+    return bin_dir
+
+
+def test_the_wait_times_the_start_it_saw_through(tmp_path: Path) -> None:
+    """Run as the deploy runs it: the start's phases go to the textfile (0644), the JSON line and observed.json."""
+    bin_dir = _timing_stand_ins(tmp_path, ago=60)
+    textfile, observed = tmp_path / "gpufleet-replica-start-pool-0.prom", tmp_path / "observed.json"
+    labels = {"replica": "pool-0", "model": "tiny", "release": "0.31.0", "layout": "tp1-pp1", "gpu_profile": "probed"}
+    with loopback_server(_serving(True, (JOURNALS / "cache_config_0.31.metrics").read_bytes())) as url:
+        done = subprocess.run([sys.executable, "-I", str(TOOL), "--url", url, "--model", "tiny", "--unit", UNIT,
+                               "--start-textfile", str(textfile), "--start-labels", json.dumps(labels),
+                               "--timeout", "10", "--observed", str(observed), "--planned-kv-tokens", str(PLANNED),
+                               "--max-model-len", str(MAX_MODEL_LEN)],
+                              capture_output=True, text=True, timeout=60, env={"PATH": f"{bin_dir}:/usr/bin:/bin"})
+    verdict = json.loads(done.stdout)
+    assert (done.returncode, verdict["ready"], verdict.get("warning")) == (0, True, None), done.stderr
+    start = verdict["start"]
+    assert start == json.loads(observed.read_text())["start"]
+    assert start["labels"] == labels and abs(start["started"] + 60 - time.time()) < 10
+    phases = start["phases"]
+    # the journal's lines, 23.36 and 40.13 s after the start (as far as the stand-ins' clocks agree); the wait saw
+    # /health and the completion at once, 60 s after it
+    assert phases["weights_loaded"] == pytest.approx(23.36, abs=2)
+    assert phases["kv_cache_sized"] == pytest.approx(40.13, abs=2)
+    assert 59 < phases["ready"] <= phases["first_completion"] < 70
+    text = textfile.read_text()
+    assert [line.split("{")[0] for line in text.splitlines() if not line.startswith("#")] == [
+        "gpufleet_replica_start_seconds"] * 4 + ["gpufleet_replica_start_time_seconds"]
+    assert textfile.stat().st_mode & 0o777 == 0o644
+
+
+def test_a_start_that_cannot_be_written_is_a_warning_and_without_a_start_nothing_is_guessed(tmp_path: Path) -> None:
+    bin_dir = _stand_ins(tmp_path, ["ActiveState=active\nNRestarts=0"], None)  # answers no ExecMainStart...
+    with loopback_server(_serving(True)) as url:
+        done = subprocess.run([sys.executable, "-I", str(TOOL), "--url", url, "--model", "tiny", "--unit", UNIT,
+                               "--start-textfile", str(tmp_path / "gone" / "start.prom"), "--timeout", "10"],
+                              capture_output=True, text=True, timeout=60, env={"PATH": f"{bin_dir}:/usr/bin:/bin"})
+    verdict = json.loads(done.stdout)
+    assert (done.returncode, verdict["ready"]) == (0, True), done.stderr
+    assert verdict["start"] == {"labels": {}, "started": None, "phases": dict.fromkeys(
+        ("weights_loaded", "kv_cache_sized", "ready", "first_completion"))}
+    assert verdict["warning"].startswith(f"cannot write {tmp_path / 'gone' / 'start.prom'}: ")
