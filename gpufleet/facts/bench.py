@@ -17,7 +17,7 @@ class BenchRecords(FactBase[list[dict[str, Any]]]):
 
     .. code:: python
 
-        [{"schema": 1, "model": "llama-3.1-70b", "release": "0.32.0", "layout": "tp4-pp1", "ceiling_rps": 3.5, ...}]
+        [{"schema": 2, "model": "llama-3.1-70b", "release": "0.32.0", "layout": "tp4-pp1", "ceiling_rps": 3.5, ...}]
     """
 
     @staticmethod
