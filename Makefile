@@ -7,7 +7,7 @@ STAMP     := $(VENV)/.installed
 LAB_STAMP := $(VENV)/.installed-lab
 NODES     ?= 1
 
-.PHONY: setup setup-lab deps test test-fast test-proofs lab lab-down bench bench-client bench-client-lock plan check \
+.PHONY: setup setup-lab deps test test-fast lab lab-down bench bench-client bench-client-lock plan check \
 	catalogs docs clean
 
 $(STAMP): pyproject.toml
@@ -38,11 +38,6 @@ test: $(LAB_STAMP) deps
 # The inner loop, no root needed: lint, then the unit and tools tiers on every core (a missing tool skips, with why).
 test-fast: $(LAB_STAMP)
 	$(BIN)/python scripts/run_tiers.py --fast --workers auto
-
-# The lab proofs make test leaves out (marked proof: the suite has no room for them within its 25 minutes yet), in
-# a test lab of their own, with what they need before them (about 12 minutes). Needs root.
-test-proofs: $(LAB_STAMP) deps
-	$(BIN)/pytest -q tests/lab -m proof -s
 
 # The main job on the embedded default fleet: a 3-node lab on this machine (booted unless one is up),
 # then the full stack deployed to it. Needs root (the lab's containers and network).

@@ -139,8 +139,7 @@ def main() -> int:
     fast = Tier("unit+tools", [pytest_argv(scratch / "fast.xml", "tests/unit", "tests/tools", *workers)],
                 report=scratch / "fast.xml")
     waits = scratch / "lab-waits"  # the lab tier touches it (tests/lab/conftest.py: --waits-signal)
-    # tests marked proof are left out (deselected, counted in the summary): make test-proofs runs them
-    lab = Tier("lab", [pytest_argv(scratch / "lab.xml", "tests/lab", "-m", "not proof", f"--waits-signal={waits}")],
+    lab = Tier("lab", [pytest_argv(scratch / "lab.xml", "tests/lab", f"--waits-signal={waits}")],
                report=scratch / "lab.xml")
     lab_done = threading.Event()
     started = time.monotonic()

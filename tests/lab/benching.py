@@ -56,13 +56,15 @@ def bench_argv(lab: Lab, *args: str) -> tuple[list[str], dict[str, str]]:
     return [*GPUFLEET, "bench", "inventories/lab.py", *args], lab.env
 
 
-def ramp(lab: Lab, folder: Path, replica: str) -> tuple[dict[str, Any], str]:
-    """The lab's ramp of one replica, its record kept: the record (``--report``) and what the bench printed; the
-    plot is ``folder/<replica>.svg``."""
+def ramp(lab: Lab, folder: Path, replica: str, store: bool = True) -> tuple[dict[str, Any], str]:
+    """The lab's ramp of one replica, its record kept on the monitoring host unless ``store`` is false: the record
+    (``--report``) and what the bench printed; the plot is ``folder/<replica>.svg``."""
+    folder.mkdir(parents=True, exist_ok=True)
     report = folder / f"{replica}.json"
     rows = dataset(folder / "long-outputs.jsonl", 1000, (6, 16), (96, 112))
     argv, env = bench_argv(lab, "--replica", replica, "--slo", SLO, "--rates", RATES, "--step-s", STEP_S,
-                           "--dataset", str(rows), "--report", str(report), "--plot", str(folder / f"{replica}.svg"))
+                           "--dataset", str(rows), "--report", str(report), "--plot", str(folder / f"{replica}.svg"),
+                           *(() if store else ("--no-store",)))
     done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return json.loads(report.read_text()), done.stdout

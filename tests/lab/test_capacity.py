@@ -2,8 +2,8 @@
 tests/lab/test_bench.py kept each shape's record): lab1's one-node replica drained on both routers, as a rollout
 drains it, takes its shape's ceiling out of ``gpufleet:model_ceiling_rps`` (templates/monitoring/rules/recording.yml.j2)
 and puts it back once ready again; with it drained, a load above 80% of the pipeline's ceiling alone (below 80% of
-both) fires the capacity alert. Both are proofs make test leaves out (make test-proofs): they need the bench's
-records, and the second a load through the routers for minutes.
+both) fires the capacity alert. Both need the bench's records, and the second a load through the routers for
+minutes.
 
 The drain is router_admin.py's, on each router (lab1 and lab2), as gpufleet upgrade runs it; each test puts the
 replica back (ready) whatever happens, and waits until the router shows it UP.
@@ -67,7 +67,6 @@ def _drained(lab: Lab, replica: str) -> Iterator[None]:
         wait_router_status(lab, replica, "UP", timeout=60)
 
 
-@pytest.mark.proof
 def test_a_drained_replica_leaves_the_models_capacity_and_comes_back(
         lab: Lab, faults: Completed | None, tmp_path: Path) -> None:
     ensure_records(lab, tmp_path, LAB_VLLM_VERSION)
@@ -87,7 +86,6 @@ def test_a_drained_replica_leaves_the_models_capacity_and_comes_back(
                       "followed_drain_after_s": round(took, 1), "followed_return_after_s": round(back, 1)}))
 
 
-@pytest.mark.proof
 def test_with_a_replica_drained_the_capacity_alert_fires_at_a_load_the_fleet_carried(
         lab: Lab, faults: Completed | None, tmp_path: Path) -> None:
     """1.25 times the pipeline's ceiling: above 80% of it alone, below 80% of both replicas' (about 62%): with lab1's

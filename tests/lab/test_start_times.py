@@ -6,7 +6,7 @@ times").
   replica (tp1-pp1) and the pipeline replica over lab2 and lab3 (tp1-pp2, timed on lab2, its rank 0): each phase
   known and in order, in the node_exporter textfile, in observed.json and in Prometheus; each is its key's record on
   lab1; no ReplicaStartSlow.
-- Scenario ``faults`` (a proof make test leaves out: two deploys, each restarting lab1's replica): lab1's model reads
+- Scenario ``faults`` (two deploys, each restarting lab1's replica): lab1's model reads
   slowed (a drop-in gives its unit a ``sitecustomize`` that holds every ``safetensors.safe_open`` of the model's
   files for a while, as a throttled model disk would) and the replica restarted by the deploy (its restart record):
   the start's weights phase grows by the hold, its whole start passes alert_start_time_ratio times the record, the
@@ -177,7 +177,6 @@ def _restart_by_the_deploy(lab: Lab, node: NodeRecord, replica: str) -> float:
     return time.time()
 
 
-@pytest.mark.proof
 def test_a_start_slowed_by_the_models_reads_raises_replica_start_slow_and_heals(
         lab: Lab, faults: Completed | None, tmp_path_factory: pytest.TempPathFactory) -> None:
     node, replica = lab.nodes[0], single(lab)

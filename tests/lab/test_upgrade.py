@@ -39,6 +39,7 @@ from tests.lab.fleet import (
 )
 from tests.lab.harness import LAB_VLLM_VERSION, ROOT, Completed, Lab
 from tests.lab.prometheus import Prometheus
+from tests.lab.readme_tour import starting
 
 pytestmark = pytest.mark.filterwarnings("ignore:Unknown ssh-ed25519 host key:UserWarning")
 
@@ -46,16 +47,15 @@ GPUFLEET = [sys.executable, "-m", "gpufleet.cli.main"]
 START_VERSION = LAB_VLLM_VERSION
 OTHER_VERSION = max(set(LAB_VLLM_VERSIONS) - {START_VERSION})  # the release the fleet is upgraded to
 ROLLOUT_TIMEOUT_S = 2400
-# The good rollouts' canary latency bound. A CPU replica's first requests after its start answer several times
-# slower than before (lab, a good release: the canary's mean 883 ms after a 20 s watch of 8 requests, the replica
-# not rolled 281 ms), more so while the unit tiers share the two cores: the default 1.5 can stop a good release.
-# The bounds that judge a slow release are tests/data/rollout_runs' (canary_latency_*, canary_p95_*,
-# canary_bench_*); these tests are about rolling with no request lost.
-LAB_LATENCY_RATIO = "10"
-# A canary is judged once it served --canary-min-requests, its watch extended up to --canary-max-s until it has, and
-# fails when it has not by then. Under _traffic each replica gets about 0.3 requests a second: 5 take about 17 s,
-# well within 60; the default 20 would add about a minute to each of these rollouts.
-LIGHT_WATCH = ("--canary-min-requests", "5", "--canary-max-s", "60")
+# The README's upgrade and rollback (tests/lab/readme_tour.py), as the lab runs them under _traffic:
+# - --max-latency-ratio 10: a CPU replica's first requests after its start answer several times slower than before
+#   (lab, a good release: the canary's mean 883 ms after a 20 s watch of 8 requests, the replica not rolled 281 ms),
+#   more so while the unit tiers share the two cores: the default 1.5 can stop a good release. The bounds that judge
+#   a slow release are tests/data/rollout_runs' (canary_latency_*, canary_p95_*, canary_bench_*) and the slower
+#   release's below; these tests are about rolling with no request lost.
+# - --canary-min-requests 5 --canary-max-s 60: a canary is judged once it served that many, its watch extended until
+#   it has, and fails when it has not by then. Under _traffic each replica gets about 0.3 requests a second: 5 take
+#   about 17 s, well within 60; the default 20 would add about a minute to each of these rollouts.
 
 # The releases judged on latency change lab1's replica alone (a copy of the lab's inventory where lab_single's
 # vllm_env differs): it is the canary, and its bench record (tests/lab/test_bench.py) is the stored baseline of
@@ -167,7 +167,6 @@ def _judged(report: dict[str, Any], replica: str) -> str:
     return str(notes[0])
 
 
-@pytest.mark.proof
 def test_a_release_slower_per_token_is_rolled_back_at_the_canary(
         lab: Lab, faults: Completed | None, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     """lab1's replica has no other replica of its shape: vLLM's inter-token p95 over the watch is compared with its
@@ -186,7 +185,6 @@ def test_a_release_slower_per_token_is_rolled_back_at_the_canary(
     assert _running(lab) == before
 
 
-@pytest.mark.proof
 def test_a_good_release_judged_on_its_baseline_passes(
         lab: Lab, faults: Completed | None, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     """The same engine with one more environment variable: judged on the same record, within 1.5 times, rolled.
@@ -211,12 +209,13 @@ def test_a_good_release_judged_on_its_baseline_passes(
 
 def test_an_upgrade_under_load_rolls_both_replicas_and_loses_no_request(
         lab: Lab, faults: Completed | None, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The README's upgrade, as written (its report also written, to read each replica's state)."""
     assert _releases(lab) == {single(lab): START_VERSION, PIPELINE: START_VERSION}
     assert _served_versions(lab) == {START_VERSION}
+    readme = starting("gpufleet upgrade").argv
+    assert f"vllm_version={OTHER_VERSION}" in readme, readme
     done, report, traffic = _rolled(lab, tmp_path, tmp_path_factory, f"upgrade {START_VERSION} -> {OTHER_VERSION}",
-                                    "upgrade", "inventories/lab.py", "--batches", "1,100%", "--canary-s", "10",
-                                    *LIGHT_WATCH, "--max-latency-ratio", LAB_LATENCY_RATIO,
-                                    "--data", f"vllm_version={OTHER_VERSION}")
+                                    *readme[1:])
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert _states(report) == {single(lab): "rolled", PIPELINE: "rolled"}, done.stdout[-4000:]
     assert traffic.figures()["requests"] > 0 and traffic.failures == [], traffic.failures[:5]
@@ -245,12 +244,17 @@ def test_a_release_that_does_not_start_is_rolled_back_at_the_canary(
 
 def test_rollback_returns_the_fleet_to_the_previous_release(
         lab: Lab, faults: Completed | None, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
-    """The release before the good upgrade: the broken one, rolled back, did not become "previous"."""
+    """The README's rollback, as written: the release before the good upgrade (the broken one, rolled back, did not
+    become "previous"). The canary's
+    5 s watch sees about 1.5 of the 5 requests it needs under _traffic: it is watched on until it has them, and
+    judged then, never passed unjudged."""
     done, report, traffic = _rolled(lab, tmp_path, tmp_path_factory, f"rollback {OTHER_VERSION} -> {START_VERSION}",
-                                    "rollback", "inventories/lab.py", "--batches", "1,100%", "--canary-s", "5",
-                                    *LIGHT_WATCH, "--max-latency-ratio", LAB_LATENCY_RATIO)
+                                    *starting("gpufleet rollback").argv[1:])
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert _states(report) == {single(lab): "rolled", PIPELINE: "rolled"}, done.stdout[-4000:]
+    evidence = [n for e in report["replicas"] for n in e["notes"] if n.startswith(("canary: judged", "canary: not"))]
+    assert evidence and all("judged after extending the watch to" in n for n in evidence), evidence
+    print(json.dumps({"rollback_canary_evidence": evidence}))
     assert traffic.figures()["requests"] > 0 and traffic.failures == [], traffic.failures[:5]
     assert _releases(lab) == {single(lab): START_VERSION, PIPELINE: START_VERSION}
     assert set(_running(lab).values()) == {START_VERSION}, _running(lab)
