@@ -1,10 +1,11 @@
 """``gpufleet upgrade`` and ``gpufleet rollback``: roll a change through the fleet behind its routers, batch by
 batch, with drain, canary watch and automatic rollback (:mod:`gpufleet.rollout.runner`).
 
-Before anything changes: the inventory is validated (``--data`` included) and planned as ``gpufleet plan`` plans it,
-the routers and the nodes' release records are read, and the batches are planned; any refusal is one line per
-problem and exit 2. Then the rollout runs; exit 0 when it is done, 1 when it stopped (its report says where and
-why), 130 when interrupted (drained replicas put back first).
+Before anything changes: the options are checked, the inventory is validated (``--data`` included) and planned as
+``gpufleet plan`` plans it, ``--canary-bench``'s prerequisites are checked (a monitoring group, each replica's API
+key, the client), all before any host is contacted; then the routers and the nodes' release records are read, and
+the batches are planned; any refusal is one line per problem and exit 2. Then the rollout runs; exit 0 when it is
+done, 1 when it stopped (its report says where and why), 130 when interrupted (drained replicas put back first).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from types import FrameType
 from typing import Any
 
 import click
+from click.core import ParameterSource
+from pyinfra.api.inventory import Inventory
 
 from gpufleet.bench.guidellm_client import ClientError, Target, client_path, workload_for
 from gpufleet.bench.store import read_records as read_bench_records
@@ -35,7 +38,7 @@ from gpufleet.plan.planner import Replica, plan_fleet
 from gpufleet.rollout.batches import DEFAULT_BATCHES, RolloutError, plan_rollout
 from gpufleet.rollout.canary import DEFAULT_MAX_ERROR_RATIO, DEFAULT_MAX_LATENCY_RATIO, Thresholds
 from gpufleet.rollout.canary_bench import GuidellmCanaryBench
-from gpufleet.rollout.latency import DEFAULT_MIN_REQUESTS, MAX_WATCH_FACTOR, PrometheusLatency
+from gpufleet.rollout.latency import DEFAULT_MIN_REQUESTS, MAX_WATCH_FACTOR, MAX_WATCH_S, PrometheusLatency
 from gpufleet.rollout.node_releases import RecordFailure, read_records
 from gpufleet.rollout.options import check_options
 from gpufleet.rollout.pyinfra_run import DEPLOY, PROJECT_ROOT, PyinfraDeploy, pyinfra_program
@@ -59,8 +62,9 @@ def _options(command: Callable[..., None]) -> Callable[..., None]:
                      help="Fewest replicas of a model serving at any time: N or P%; refused when rolling would"
                           " go below it."),
         click.option("--canary-s", default=str(DEFAULT_CANARY_S), show_default=True,
-                     help="Seconds the first batch is watched after it is back in the routers (0: no watch; at most"
-                          " 86400)."),
+                     help="Seconds the first batch is watched after it is back in the routers (at most 86400). 0: no"
+                          " canary watch, the one way to roll without judging a canary (refused with the other"
+                          " --canary-* options)."),
         click.option("--canary-every-batch", is_flag=True, help="Watch every batch, not only the first."),
         click.option("--max-error-ratio", default=str(DEFAULT_MAX_ERROR_RATIO),
                      show_default=True, help="How much more of its requests a canary may answer 5xx than the"
@@ -82,7 +86,8 @@ def _options(command: Callable[..., None]) -> Callable[..., None]:
                           " then fails, unless its --canary-bench judged it."),
         click.option("--canary-max-s", "canary_max_s", metavar="SECONDS",
                      help=f"The longest a watch goes on while a canary has served fewer than --canary-min-requests"
-                          f" (default: {MAX_WATCH_FACTOR:g} times --canary-s; from --canary-s to 86400)."),
+                          f" (default: {MAX_WATCH_FACTOR:g} times --canary-s, at most {MAX_WATCH_S:g}; from --canary-s"
+                          f" to {MAX_WATCH_S:g})."),
         click.option("--facts", "facts_dir", type=click.Path(file_okay=False, path_type=Path),
                      help="Plan from probed facts (<host>.json from `gpufleet probe`); default: declared gpu_profile."),
         click.option("--report", "report_path", type=click.Path(path_type=Path),
@@ -111,24 +116,33 @@ def rollback_command(inventory: str, **options: Any) -> None:
     _roll(ROLLBACK, inventory, **options)
 
 
-def _latency_judge(inventory: str, override: dict[str, Any] | None, fleet: Fleet, replicas: list[Replica],
-                   max_ratio: float, canary_bench: bool) -> LatencyJudge | None:
-    """The canary's latency judge on the first monitoring host's Prometheus, with the bench records kept there
-    (and, with ``canary_bench``, the client that benches each canary); None without a monitoring group (the routers'
-    mean response time is judged then). The records are read over an inventory of their own (pyinfra's states do
-    not share one)."""
-    hosts = load_inventory(inventory, override)
+def _canary_prerequisites(hosts: Inventory, fleet: Fleet, replicas: list[Replica],
+                          canary_bench: bool) -> tuple[list[str], GuidellmCanaryBench | None]:
+    """The monitoring hosts (where the bench records are kept; none without a monitoring group) and, with
+    ``canary_bench``, the client that benches each canary: checked before any host is contacted, one line and exit 2
+    when ``--canary-bench`` has no monitoring group, a replica's ``vllm_api_key`` cannot be read, or the client is
+    not installed."""
     monitors = [host.name for host in hosts.get_group(MONITORING_GROUP, [])]
     if not monitors or monitors[0] not in fleet.configs:
         if canary_bench:
             fail_lines(["--canary-bench: expected a monitoring group (where the bench records are kept), found none"])
+        return [], None
+    return monitors, _canary_bench(fleet, replicas) if canary_bench else None
+
+
+def _latency_judge(inventory: str, override: dict[str, Any] | None, fleet: Fleet, monitors: list[str],
+                   max_ratio: float, bench: GuidellmCanaryBench | None) -> LatencyJudge | None:
+    """The canary's latency judge on the first monitoring host's Prometheus, with the bench records kept there
+    (and ``bench``, the client that benches each canary with ``--canary-bench``); None without a monitoring group
+    (the routers' mean response time is judged then). The records are read over an inventory of their own (pyinfra's
+    states do not share one)."""
+    if not monitors:
         return None
     cfg = fleet.configs[monitors[0]]
     address = virtual_address.host_address(monitors[0], cfg) or monitors[0]
-    records, unread = read_bench_records(hosts, monitors)
+    records, unread = read_bench_records(load_inventory(inventory, override), monitors)
     for line in unread:
         click.echo(f"warning: {line}: canaries are compared with their peers only", err=True)
-    bench = _canary_bench(fleet, replicas) if canary_bench else None
     return LatencyJudge(PrometheusLatency(f"http://{host_port(address, cfg.prometheus_port)}"), records, max_ratio,
                         bench)
 
@@ -184,9 +198,14 @@ def _roll(mode: str, inventory: str, batches: str, max_unavailable: str, min_ava
           canary_every_batch: bool, max_error_ratio: str, max_latency_ratio: str, canary_bench: bool,
           min_requests: str, canary_max_s: str | None, facts_dir: Path | None, report_path: Path | None,
           data: tuple[str, ...]) -> None:
+    source = click.get_current_context().get_parameter_source("min_requests")
+    watch_options = [option for option, on in (("--canary-every-batch", canary_every_batch),
+                                               ("--canary-bench", canary_bench),
+                                               ("--canary-min-requests", source not in (None, ParameterSource.DEFAULT)))
+                     if on]
     try:
         checked = check_options(batches, max_unavailable, min_available, canary_s, max_error_ratio,
-                                max_latency_ratio, report_path, min_requests, canary_max_s)
+                                max_latency_ratio, report_path, min_requests, canary_max_s, watch_options)
     except RolloutError as exc:
         fail_lines(exc.problems)
     fleet = cli_fleet(inventory, data)
@@ -206,6 +225,7 @@ def _roll(mode: str, inventory: str, batches: str, max_unavailable: str, min_ava
     program = pyinfra_program()
     if program is None or not (PROJECT_ROOT / DEPLOY).is_file():
         fail_lines([f"gpufleet {mode}: expected pyinfra beside {sys.executable} and {DEPLOY} in {PROJECT_ROOT}"])
+    monitors, bench = _canary_prerequisites(hosts, fleet, plan.replicas, canary_bench)
     backends = {server: backend.name for backend in plan_backends(plan.replicas, fleet.configs)
                 for server, _ in backend.servers}
     remote = PyinfraRemote(hosts)
@@ -242,8 +262,8 @@ def _roll(mode: str, inventory: str, batches: str, max_unavailable: str, min_ava
                            " back", err=True)
         options = Options(checked.canary_s, canary_every_batch,
                           Thresholds(checked.max_error_ratio, checked.max_latency_ratio),
-                          _latency_judge(inventory, override, fleet, plan.replicas, checked.max_latency_ratio,
-                                         canary_bench), checked.min_requests, checked.canary_max_s)
+                          _latency_judge(inventory, override, fleet, monitors, checked.max_latency_ratio, bench),
+                          checked.min_requests, checked.canary_max_s)
         deployer = PyinfraDeploy(program or "pyinfra", Path(inventory), data)
         previous = signal.signal(signal.SIGTERM, _interrupt)
         try:

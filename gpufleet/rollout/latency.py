@@ -39,7 +39,9 @@ from gpufleet.prometheus_api import SCRAPE_WAIT_S, query_value
 
 DEFAULT_MIN_REQUESTS = 20
 MAX_WATCH_FACTOR = 3.0
-"""``--canary-max-s`` unless given: this many times the watch (``--canary-s``)."""
+"""``--canary-max-s`` unless given: this many times the watch (``--canary-s``), at most :data:`MAX_WATCH_S`."""
+MAX_WATCH_S = 86400.0
+"""The longest a watch may be (``--canary-s``) or go on (``--canary-max-s``, given or not): a day."""
 WHAT = {"ttft": "time to first token", "itl": "inter-token latency"}
 
 

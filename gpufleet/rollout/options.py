@@ -1,21 +1,23 @@
 """The options of ``gpufleet upgrade`` and ``gpufleet rollback``, checked before anything is read from a host.
 
 Numbers are finite and in range (``nan`` compares false with every bound, so a range check alone lets it
-through), ``--canary-max-s`` is at least ``--canary-s``, batches and limits parse (:mod:`gpufleet.rollout.batches`),
-and ``--report`` names a file in a directory that exists. Each problem is one line; the command exits 2 on any of
-them without connecting to a host.
+through), ``--canary-max-s`` is at least ``--canary-s``, no option of a canary watch comes with ``--canary-s 0``
+(which rolls without one: nothing is judged, so ``--canary-max-s``, ``--canary-bench`` and the like would be
+ignored), batches and limits parse (:mod:`gpufleet.rollout.batches`), and ``--report`` names a file in a directory
+that exists. Each problem is one line; the command exits 2 on any of them without connecting to a host.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from gpufleet.rollout.batches import Limit, RolloutError, parse_batches, parse_limit
-from gpufleet.rollout.latency import DEFAULT_MIN_REQUESTS
+from gpufleet.rollout.latency import DEFAULT_MIN_REQUESTS, MAX_WATCH_S
 
-CANARY_S = (0.0, 86400.0)
+CANARY_S = (0.0, MAX_WATCH_S)
 MAX_ERROR_RATIO = (0.0, 1.0)
 MAX_LATENCY_RATIO = (1.0, 1000.0)
 MIN_REQUESTS = (1, 1_000_000)
@@ -82,7 +84,8 @@ def _count(option: str, text: str, bounds: tuple[int, int], problems: list[str])
 
 def _canary_max(text: str | None, canary_s: float, problems: list[str]) -> float | None:
     """``--canary-max-s``: from ``--canary-s`` to the longest watch; None when not given (the rollout watches up to
-    :data:`~gpufleet.rollout.latency.MAX_WATCH_FACTOR` times each watch)."""
+    :data:`~gpufleet.rollout.latency.MAX_WATCH_FACTOR` times each watch, at most
+    :data:`~gpufleet.rollout.latency.MAX_WATCH_S`)."""
     if text is None:
         return None
     before = len(problems)
@@ -94,8 +97,10 @@ def _canary_max(text: str | None, canary_s: float, problems: list[str]) -> float
 
 def check_options(batches: str, max_unavailable: str, min_available: str, canary_s: str, max_error_ratio: str,
                   max_latency_ratio: str, report: Path | None, min_requests: str = str(DEFAULT_MIN_REQUESTS),
-                  canary_max_s: str | None = None) -> Checked:
-    """Every option checked; raises :class:`RolloutError` with one line per problem."""
+                  canary_max_s: str | None = None, watch_options: Sequence[str] = ()) -> Checked:
+    """Every option checked; raises :class:`RolloutError` with one line per problem. ``watch_options``: the other
+    options of a canary watch the operator gave (``--canary-bench``, ``--canary-every-batch``,
+    ``--canary-min-requests``), refused with ``--canary-s 0`` as ``--canary-max-s`` is."""
     problems: list[str] = []
     try:
         parse_batches(batches)
@@ -108,6 +113,10 @@ def check_options(batches: str, max_unavailable: str, min_available: str, canary
                       _number("--max-latency-ratio", max_latency_ratio, MAX_LATENCY_RATIO, problems),
                       unavailable, available, _count("--canary-min-requests", min_requests, MIN_REQUESTS, problems),
                       _canary_max(canary_max_s, watch, problems))
+    if watch == 0:
+        given = [*watch_options, *(["--canary-max-s"] if canary_max_s is not None else [])]
+        problems += [f"{option}: expected a canary watch (--canary-s above 0), found --canary-s 0 (no canary watch:"
+                     " nothing is judged)" for option in given]
     _report(report, problems)
     if problems:
         raise RolloutError(problems)

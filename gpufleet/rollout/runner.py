@@ -40,6 +40,7 @@ from gpufleet.rollout.canary_bench import bench_plan, stored_at
 from gpufleet.rollout.latency import (
     DEFAULT_MIN_REQUESTS,
     MAX_WATCH_FACTOR,
+    MAX_WATCH_S,
     LatencySource,
     Percentiles,
     baseline_record,
@@ -88,11 +89,13 @@ class Options:
     thresholds: Thresholds = field(default_factory=Thresholds)
     latency: LatencyJudge | None = None  # None: the routers' mean response time is the latency judged
     min_requests: int = DEFAULT_MIN_REQUESTS  # what a canary must serve over its watch to be judged
-    canary_max_s: float | None = None  # the longest watch of a canary short of them; None: MAX_WATCH_FACTOR x watch
+    canary_max_s: float | None = None  # the longest watch of a canary short of them; None: 3 x watch, at most a day
 
     def watch_bound(self, watch_s: float) -> float:
-        """How long a watch of ``watch_s`` seconds may go on while a canary has served too few requests."""
-        return max(watch_s, MAX_WATCH_FACTOR * watch_s if self.canary_max_s is None else self.canary_max_s)
+        """How long a watch of ``watch_s`` seconds may go on while a canary has served too few requests:
+        ``canary_max_s``, else :data:`MAX_WATCH_FACTOR` times the watch, at most :data:`MAX_WATCH_S`."""
+        default = min(MAX_WATCH_FACTOR * watch_s, MAX_WATCH_S)
+        return max(watch_s, default if self.canary_max_s is None else self.canary_max_s)
 
 
 def _names(members: Sequence[Member]) -> str:

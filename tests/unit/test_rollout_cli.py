@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import threading
 import time
@@ -16,8 +17,11 @@ from typing import Any
 import pytest
 import yaml
 from click.testing import CliRunner, Result
+from pyinfra.api.host import Host as PyinfraHost
 
 import gpufleet.config.inventory as gpufleet_inventory
+from gpufleet.bench.client_env import INSTALL_COMMAND
+from gpufleet.bench.guidellm_client import CLIENT_ENV, client_venv
 from gpufleet.cli import rollout as cli_rollout
 from gpufleet.cli.inputs import fleet_facts
 from gpufleet.cli.main import main
@@ -27,7 +31,7 @@ from gpufleet.plan.planner import plan_fleet
 from gpufleet.rollout.pyinfra_run import DEPLOY, PROJECT_ROOT, PyinfraDeploy
 from gpufleet.rollout.release import Release, release_of
 from gpufleet.rollout.remote import RemoteResult
-from gpufleet.rollout.runner import Rollout
+from gpufleet.rollout.runner import Options, Rollout
 from tests.conftest import DATA
 from tests.rollout_world import Behaviour, World
 
@@ -287,6 +291,88 @@ def test_bad_options_are_one_line_each_before_the_inventory_or_any_host_is_read(
     done = CliRunner().invoke(main, [command, FLEET, *(a.replace("{tmp}", str(tmp_path)) for a in case["args"])])
     assert done.exit_code == 2 and done.stdout == "", done.output
     assert done.stderr.splitlines() == [line.replace("{tmp}", str(tmp_path)) for line in case["expect"]]
+
+
+WATCH_CASES = yaml.safe_load((DATA / "rollout_options" / "watch_bounds.yaml").read_text())
+
+
+class _Started(Exception):
+    """The rollout was about to start (its options are what the test reads)."""
+
+
+@pytest.mark.parametrize("case", WATCH_CASES, ids=[" ".join(c["args"]) or "defaults" for c in WATCH_CASES])
+def test_the_watch_and_its_bound_are_the_options_or_their_defaults(world: _Fleet, case: dict[str, Any],
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    got: list[Options] = []
+
+    def rollout(*args: Any, **kwargs: Any) -> Rollout:
+        got.append(args[6])
+        raise _Started
+
+    monkeypatch.setattr(cli_rollout, "Rollout", rollout)
+    done = CliRunner().invoke(main, ["upgrade", FLEET, *case["args"]])
+    assert isinstance(done.exception, _Started), done.output + done.stderr
+    (options,) = got
+    assert (options.canary_s, options.watch_bound(options.canary_s)) == (case["watch_s"], case["bound_s"])
+    assert world.closed
+
+
+def _never(*args: object, **kwargs: object) -> None:
+    raise AssertionError("connected to a host")
+
+
+def _no_host_contacted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Any connection (the routers, the nodes' release records, the bench records, pyinfra itself) fails the test."""
+    for name in ("PyinfraRemote", "PyinfraDeploy", "RouterControl", "read_records", "read_bench_records"):
+        monkeypatch.setattr(cli_rollout, name, _never)
+    monkeypatch.setattr(PyinfraHost, "connect", _never)
+
+
+def _with_monitoring(tmp_path: Path) -> str:
+    """The rollout fleet with a monitoring host, where the bench records are kept."""
+    folder = shutil.copytree(DATA / "rollout_fleet", tmp_path / "fleet")
+    inventory = folder / "inventory.py"
+    inventory.write_text(inventory.read_text().replace(
+        "apply_group_vars(globals())",
+        'monitoring = [("mon1.dc1.example.net", {"fleet_address": "10.40.9.3"})]\napply_group_vars(globals())'))
+    return str(inventory)
+
+
+@pytest.mark.parametrize("command", ["upgrade", "rollback"])
+def test_canary_bench_without_a_monitoring_group_is_refused_before_any_host_is_contacted(
+        command: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    _no_host_contacted(monkeypatch)
+    done = _run(command, FLEET, "--canary-bench")
+    assert done.exit_code == 2 and done.stdout == ""
+    assert done.stderr.splitlines() == [
+        "--canary-bench: expected a monitoring group (where the bench records are kept), found none"]
+
+
+@pytest.mark.parametrize("command", ["upgrade", "rollback"])
+def test_canary_bench_without_its_client_is_refused_before_any_host_is_contacted(
+        command: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _no_host_contacted(monkeypatch)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # nothing installed there
+    monkeypatch.delenv(CLIENT_ENV, raising=False)
+    done = _run(command, _with_monitoring(tmp_path), "--canary-bench")
+    assert done.exit_code == 2 and done.stdout == ""
+    assert done.stderr.splitlines() == [
+        f"--canary-bench: the bench client is not installed in {client_venv()}: install it with {INSTALL_COMMAND}"]
+    assert str(client_venv()).startswith(str(tmp_path / "cache"))
+
+
+@pytest.mark.parametrize("command", ["upgrade", "rollback"])
+def test_canary_bench_with_an_unreadable_api_key_is_refused_before_any_host_is_contacted(
+        command: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _no_host_contacted(monkeypatch)
+    monkeypatch.setattr(gpufleet_inventory, "_DATA_OVERRIDE", None)  # the command's --data goes with the test
+    monkeypatch.setenv(CLIENT_ENV, shutil.which("true") or "/bin/true")  # a client, were it asked for
+    missing = tmp_path / "no-such-key"
+    done = _run(command, _with_monitoring(tmp_path), "--canary-bench", "--data",
+                f'vllm_api_key={{"file": "{missing}"}}')
+    assert done.exit_code == 2 and done.stdout == ""
+    assert done.stderr.splitlines() == [
+        f"controller: vllm_api_key: expected a readable secret file {missing}, found: No such file or directory"]
 
 
 def test_behind_a_virtual_address_a_rollout_still_drains_on_every_router(world: _Fleet,
