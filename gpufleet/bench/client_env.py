@@ -11,15 +11,22 @@ the lab's vLLM locks do; its ``# target:`` line names the interpreter and platfo
 installed: a requirement without its hash is refused by pip in that mode. The environment's stamp (:data:`STAMP`),
 written last, holds the lock's sha256; a client whose stamp is missing or holds another digest is refused by
 ``gpufleet bench`` (:func:`check`), which installs nothing itself.
+
+A client already there (``--force``, or one from another lock) is kept aside (:func:`previous_path`) while its
+replacement is built at the environment's own path (an environment cannot be moved once made), and is removed only
+once the new one is stamped; a failed install puts it back as it was, stamp and all (:func:`recover` does so after
+an install that was killed).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import platform
 import re
 import shutil
+import stat
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
@@ -215,23 +222,97 @@ def output_problem(output: str) -> str:
     return last
 
 
+def previous_path(venv: Path) -> Path:
+    """Where an install keeps the client it replaces until the new one is stamped: ``.<name>.previous`` beside it."""
+    return venv.with_name(f".{venv.name}.previous")
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        path.unlink()
+
+
+def recover(venv: Path) -> str | None:
+    """Finish an install that was killed before it ended: the client it had kept aside (:func:`previous_path`) is put
+    back in place of an environment without its stamp (the new one, cut short), or removed when the new one was
+    stamped. What was put back (one line), or None."""
+    aside = previous_path(venv)
+    if not os.path.lexists(aside):
+        return None
+    if (venv / STAMP).is_file():
+        _remove(aside)
+        return None
+    _remove(venv)
+    os.replace(aside, venv)
+    return f"put back the client {venv} an install that did not end had kept aside"
+
+
 def install(venv: Path, lock_file: Path, client: str, *, wheelhouse: str | None = None,
             find_links: Sequence[str] = (), say: Callable[[str], None] = lambda line: None) -> None:
     """Make ``venv`` anew with this interpreter and install exactly ``lock_file`` into it (pip's hash-checking mode,
     no dependency resolution, wheels only), from ``wheelhouse`` alone or the index and ``find_links``; check that
-    ``bin/<client> --help`` runs; write the stamp last. :class:`InstallError` when a step fails (no stamp then)."""
+    ``bin/<client> --help`` runs; write the stamp last. A client already at ``venv`` is kept aside meanwhile and
+    removed only then. :class:`InstallError` when a step fails: ``venv`` is then as it was (the client kept aside
+    back in place, with its stamp; nothing when there was none)."""
     say(f"installing {lock_file.name} into {venv}"
         + (f" from the wheelhouse {wheelhouse} (offline)" if wheelhouse else ""))
-    shutil.rmtree(venv, ignore_errors=True)
     venv.parent.mkdir(parents=True, exist_ok=True)
-    _run([sys.executable, "-m", "venv", str(venv)], f"python -m venv {venv}", 300)
-    _run([str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", "--no-input", "--no-deps",
-          "--require-hashes", "--only-binary=:all:", *_sources(wheelhouse, find_links), "-r", str(lock_file)],
-         f"pip install -r {lock_file.name}", 3600)
-    _run([str(venv / "bin" / client), "--help"], f"{client} --help", 300)
-    partial = venv / f"{STAMP}.new"
-    partial.write_text(stamp_text(lock_file))
-    partial.replace(venv / STAMP)
+    if put_back := recover(venv):
+        say(put_back)
+    aside = previous_path(venv)
+    kept = os.path.lexists(venv)
+    if kept:
+        os.replace(venv, aside)
+    try:
+        _run([sys.executable, "-m", "venv", str(venv)], f"python -m venv {venv}", 300)
+        _run([str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", "--no-input", "--no-deps",
+              "--require-hashes", "--only-binary=:all:", *_sources(wheelhouse, find_links), "-r", str(lock_file)],
+             f"pip install -r {lock_file.name}", 3600)
+        _run([str(venv / "bin" / client), "--help"], f"{client} --help", 300)
+        partial = venv / f"{STAMP}.new"
+        partial.write_text(stamp_text(lock_file))
+        partial.replace(venv / STAMP)
+    except BaseException as failed:
+        try:
+            _remove(venv)
+            if kept:
+                os.replace(aside, venv)
+        except OSError as exc:
+            raise InstallError(f"{failed}; the client it replaces is kept in {aside} ({exc.strerror or exc}): the"
+                               f" next {INSTALL_COMMAND} puts it back") from None
+        raise
+    if kept:
+        _remove(aside)
+
+
+def _kind(path: str) -> str:
+    """What ``path``, which is not a directory, is."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return "a symlink loop"
+        return "a symlink to nothing" if os.path.islink(path) else exc.strerror or str(exc)
+    kinds = [(stat.S_ISREG, "a regular file"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")]
+    return next((name for test, name in kinds if test(mode)), "not a directory")
+
+
+def directory_problem(path: Path, shown: Path | None = None) -> str | None:
+    """Why ``path`` cannot be a directory this user writes in, made with its parents when missing: a few words on
+    what it is, or on which of its parents is what, when it is not ``shown`` (default: ``path``). None when it can."""
+    existing = path
+    while not os.path.lexists(existing) and existing != existing.parent:
+        existing = existing.parent
+    if not os.path.isdir(existing):
+        what = _kind(str(existing))
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        what = "a directory this user cannot write in"
+    else:
+        return None
+    return what if existing == (shown or path) else f"{str(existing)!r} is {what}"
 
 
 def download(lock_file: Path, lock: Lock, dest: Path, find_links: Sequence[str] = ()) -> list[Path]:

@@ -201,15 +201,17 @@ def client_venv() -> Path:
 
 
 def client_path(say: Callable[[str], None]) -> Path:
-    """The guidellm executable: :data:`CLIENT_ENV`'s (said with ``say``), else that of gpufleet's own virtual
-    environment (:func:`client_venv`) when it was installed from the lock gpufleet ships (``gpufleet bench-client``
-    installs it; nothing is installed here). :class:`ClientError` (one line naming that command) when it is
-    missing or was installed from another lock, or when :data:`CLIENT_ENV` names no executable."""
+    """The guidellm executable: :data:`CLIENT_ENV`'s (said with ``say``; a relative path is taken from the current
+    directory, made absolute here since the client runs in a directory of its own), else that of gpufleet's own
+    virtual environment (:func:`client_venv`) when it was installed from the lock gpufleet ships (``gpufleet
+    bench-client`` installs it; nothing is installed here). :class:`ClientError` (one line naming that command) when
+    it is missing or was installed from another lock, or when :data:`CLIENT_ENV` names no executable."""
     if given := os.environ.get(CLIENT_ENV):
         if not (os.path.isfile(given) and os.access(given, os.X_OK)):
             raise ClientError(f"{CLIENT_ENV}: expected a guidellm executable, found {given!r}")
-        say(f"the client is {CLIENT_ENV}'s {given} (not checked against gpufleet's lock)")
-        return Path(given)
+        found = Path(os.path.abspath(given))
+        say(f"the client is {CLIENT_ENV}'s {found} (not checked against gpufleet's lock)")
+        return found
     if problem := client_env.check(client_venv(), client_env.lock_path(VERSION), "guidellm"):
         raise ClientError(problem)
     return client_venv() / "bin" / "guidellm"

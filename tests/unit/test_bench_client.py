@@ -1,13 +1,17 @@
 """The bench client's lock and install (gpufleet/bench/client_env.py, ``gpufleet bench-client``): locks as data
 (tests/data/bench_client/locks.yaml), the installed client as ``gpufleet bench`` finds it (stamps.yaml: each refusal
-is one line, exit 2, before any host), pip's failures in one line (pip_outputs.yaml), the lock gpufleet ships, and
-an install from a lock of one small wheel, offline, that pip refuses once the wheel is not the one pinned."""
+is one line, exit 2, before any host), a client the operator names (given_clients.yaml), pip's failures in one line
+(pip_outputs.yaml), ``gpufleet bench-client``'s refusals of bad input (refusals.yaml) and its installs over a client
+already there (reinstalls.yaml: a failed one leaves it as it was), the lock gpufleet ships, and an install from a
+lock of one small wheel, offline, that pip refuses once the wheel is not the one pinned."""
 
 from __future__ import annotations
 
 import base64
 import hashlib
 import json
+import os
+import subprocess
 import sys
 import zipfile
 from pathlib import Path
@@ -29,6 +33,9 @@ CASES = DATA / "bench_client"
 LOCKS = yaml.safe_load((CASES / "locks.yaml").read_text())
 STAMPS = yaml.safe_load((CASES / "stamps.yaml").read_text())
 PIP_OUTPUTS = yaml.safe_load((CASES / "pip_outputs.yaml").read_text())
+REFUSALS = yaml.safe_load((CASES / "refusals.yaml").read_text())
+REINSTALLS = yaml.safe_load((CASES / "reinstalls.yaml").read_text())
+GIVEN_CLIENTS = yaml.safe_load((CASES / "given_clients.yaml").read_text())
 FLEET = str(DATA / "rollout_fleet" / "inventory.py")
 H, OTHER_H = "a" * 64, "b" * 64
 
@@ -114,22 +121,41 @@ def test_the_bench_refuses_a_missing_or_mismatched_client_in_one_line_before_any
     assert result.stderr.splitlines() == [f"gpufleet bench: {_expected(case, venv, lock)}"]
 
 
-def test_a_given_client_must_be_an_executable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``GPUFLEET_GUIDELLM`` names a guidellm the operator answers for: said, not checked against the lock; one
-    that is no executable is refused like a missing client."""
-    monkeypatch.setattr(cli_bench, "read", _never)
-    monkeypatch.setattr(client, "run_step", _never)
-    monkeypatch.setenv(client.CLIENT_ENV, str(tmp_path / "guidellm"))
-    result = CliRunner().invoke(main, ["bench", FLEET], prog_name="gpufleet")
-    assert result.exit_code == 2, result.output
-    assert result.stderr.splitlines() == [
-        f"gpufleet bench: {client.CLIENT_ENV}: expected a guidellm executable, found '{tmp_path / 'guidellm'}'"]
+def _report_writer(path: Path) -> None:
+    """A guidellm that writes a report of one benchmark into its working directory, as ``run_step`` reads it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    report = {"benchmarks": [{"duration": 1.0, "metrics": {"request_totals": {"successful": 1}}}]}
+    path.write_text(f"#!/bin/sh\nprintf '%s' '{json.dumps(report)}' > report.json\n")
+    path.chmod(0o755)
+
+
+@pytest.mark.parametrize("case", GIVEN_CLIENTS, ids=[c["id"] for c in GIVEN_CLIENTS])
+def test_a_given_client_is_an_executable_run_by_its_absolute_path(
+        case: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``GPUFLEET_GUIDELLM`` names a guidellm the operator answers for: said, not checked against the lock, and run
+    by its absolute path (each step runs in a directory of its own); one that is no executable is refused like a
+    missing client."""
+    def at(text: str) -> str:
+        return text.replace("{tmp}", str(tmp_path))
+
+    if "executable" in case:
+        _report_writer(tmp_path / case["executable"])
+    Path(at(case["cwd"])).mkdir(parents=True, exist_ok=True)
+    monkeypatch.chdir(at(case["cwd"]))
+    monkeypatch.setenv(client.CLIENT_ENV, at(case["env"]))
+    if "expect" in case:
+        monkeypatch.setattr(cli_bench, "read", _never)
+        monkeypatch.setattr(client, "run_step", _never)
+        result = CliRunner().invoke(main, ["bench", FLEET], prog_name="gpufleet")
+        assert result.exit_code == 2, result.output
+        assert result.stderr.splitlines() == [f"gpufleet bench: {at(case['expect'])}"]
+        return
     said: list[str] = []
-    (tmp_path / "guidellm").write_text("#!/bin/sh\n")
-    (tmp_path / "guidellm").chmod(0o755)
-    assert client.client_path(said.append) == tmp_path / "guidellm"
-    assert said == [f"the client is {client.CLIENT_ENV}'s {tmp_path / 'guidellm'} (not checked against gpufleet's"
-                    " lock)"]
+    found = client.client_path(said.append)
+    assert found == Path(at(case["path"])) and found.is_absolute()
+    assert said == [f"the client is {client.CLIENT_ENV}'s {found} (not checked against gpufleet's lock)"]
+    target = client.Target("http://127.0.0.1:9", "m", None, None, "tok")
+    assert client.run_step(found, target, client.Workload(), 1.0, 5.0).succeeded == 1
 
 
 @pytest.mark.parametrize("case", PIP_OUTPUTS, ids=[c["id"] for c in PIP_OUTPUTS])
@@ -150,27 +176,120 @@ def test_bench_client_leaves_a_client_installed_from_the_lock_as_it_is(
         f"gpufleet bench-client: guidellm {client.VERSION} in {venv} is installed from {lock.name}"]
 
 
-@pytest.mark.parametrize(("args", "lock_text", "expect"), [
-    (["--wheelhouse", "{tmp}/none"], None, "--wheelhouse: expected a directory of wheels, found '{tmp}/none'"),
-    (["--wheelhouse", "{tmp}", "--download", "{tmp}/w"], None, "--download: expected no --wheelhouse with it (it"
-                                                                " fills one)"),
-    ([], f"# target: cp311-manylinux_2_36_x86_64\nguidellm==0.8.1 --hash=sha256:{H}\ntorch==2.13.0+cpu\n",
-     "requirements-0.8.1.lock: line 3: expected name==version --hash=sha256:<64 hex digits>, found"
-     " 'torch==2.13.0+cpu'"),
-    ([], "", "requirements-0.8.1.lock: expected a '# target: cp3XX-manylinux_2_NN_ARCH' line, found none"),
-], ids=["wheelhouse-missing", "download-and-wheelhouse", "an-unhashed-pin-in-the-lock", "an-empty-lock"])
-def test_bench_client_refuses_bad_input_in_one_line(args: list[str], lock_text: str | None, expect: str,
-                                                    tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+def _make(tmp_path: Path, made: dict[str, str]) -> None:
+    for name, kind in made.items():
+        path = tmp_path / name
+        if kind == "dir":
+            path.mkdir(parents=True)
+        elif kind == "file":
+            path.write_text("")
+        elif kind == "fifo":
+            os.mkfifo(path)
+        else:
+            path.symlink_to(kind.removeprefix("symlink "))
+
+
+@pytest.mark.parametrize("case", REFUSALS, ids=[c["id"] for c in REFUSALS])
+def test_bench_client_refuses_bad_input_in_one_line(case: dict[str, Any], tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    def at(text: str) -> str:
+        return text.replace("{tmp}", str(tmp_path))
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv(client.WHEELHOUSE_ENV, raising=False)
+    for name, value in (case.get("env") or {}).items():
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, at(value))
     monkeypatch.setattr(client_env, "install", _never)
     monkeypatch.setattr(client_env, "download", _never)
-    if lock_text is not None:
+    monkeypatch.setattr(client_env, "interpreter_problem", lambda target: None)
+    monkeypatch.chdir(tmp_path)
+    if "lock" in case:
         monkeypatch.setattr(client_env, "LOCK_DIR", tmp_path)
-        client_env.lock_path(client.VERSION).write_text(lock_text)
-    result = CliRunner().invoke(main, ["bench-client", *(a.replace("{tmp}", str(tmp_path)) for a in args)],
-                                prog_name="gpufleet")
+        client_env.lock_path(client.VERSION).write_text(case["lock"])
+    _make(tmp_path, case.get("make") or {})
+    made = sorted(tmp_path.rglob("*"))
+    result = CliRunner().invoke(main, ["bench-client", *(at(a) for a in case.get("args", []))], prog_name="gpufleet")
     assert result.exit_code == 2, result.output
-    assert result.stderr.splitlines() == [f"gpufleet bench-client: {expect.replace('{tmp}', str(tmp_path))}"]
+    assert result.stdout == ""
+    assert result.stderr.splitlines() == [f"gpufleet bench-client: {at(case['expect'])}"]
+    assert sorted(tmp_path.rglob("*")) == made
+
+
+_STEP_FAILURES = {
+    "venv": "Error: [Errno 28] No space left on device\n",
+    "pip": ("ERROR: Could not find a version that satisfies the requirement aiofiles==25.1.0 (from versions: none)\n"
+            "ERROR: No matching distribution found for aiofiles==25.1.0\n"),
+    "help": "Traceback (most recent call last):\nModuleNotFoundError: No module named 'torch'\n",
+}
+_NEW_CLIENT = "#!/bin/sh\n# new\n"
+
+
+def _steps(fails: str | None) -> Any:
+    """subprocess.run as the install's steps: python -m venv, pip and guidellm --help each make their part of the
+    environment (a new bin/guidellm), and the one named ``fails`` fails after it."""
+    def run(argv: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+        if argv[1:3] == ["-m", "venv"]:
+            step, venv = "venv", Path(argv[3])
+            (venv / "bin").mkdir(parents=True)
+            (venv / "pyvenv.cfg").write_text("home = /usr/bin\n")
+        elif argv[1:3] == ["-m", "pip"]:
+            step, venv = "pip", Path(argv[0]).parents[1]
+            (venv / "bin" / "guidellm").write_text(_NEW_CLIENT)
+            (venv / "bin" / "guidellm").chmod(0o755)
+        else:
+            assert argv[1:] == ["--help"], argv
+            step = "help"
+        return subprocess.CompletedProcess(argv, 1 if step == fails else 0, "",
+                                           _STEP_FAILURES[step] if step == fails else "")
+    return run
+
+
+@pytest.mark.parametrize("case", REINSTALLS, ids=[c["id"] for c in REINSTALLS])
+def test_a_failed_install_leaves_the_client_there_as_it_was(case: dict[str, Any], tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    lock = client_env.lock_path(client.VERSION)
+    venv = tmp_path / "gpufleet" / f"guidellm-{client.VERSION}"
+    aside = client_env.previous_path(venv)
+    previous = ""
+    if case["before"] == "stamped":
+        _client_as_found(STAMPS[0], tmp_path, lock)
+        previous = (venv / client_env.STAMP).read_text()
+    if "left" in case:
+        venv.rename(aside)
+        (venv / "bin").mkdir(parents=True)
+        (venv / "bin" / "guidellm").write_text(_NEW_CLIENT)
+        (venv / "bin" / "guidellm").chmod(0o755)
+        if case["left"] == "stamped":
+            (venv / client_env.STAMP).write_text(client_env.stamp_text(lock))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv(client.WHEELHOUSE_ENV, raising=False)
+    monkeypatch.setattr(client_env, "interpreter_problem", lambda target: None)
+    monkeypatch.setattr(subprocess, "run", _steps(case.get("fails")))
+    result = CliRunner().invoke(main, ["bench-client", *case.get("args", ["--force"])], prog_name="gpufleet")
+    assert result.exit_code == case["exit"], result.output
+
+    def lines(text: str) -> list[str]:
+        return [line for line in text.splitlines() if not line.endswith(" s)")] + [
+            line.rsplit(" (", 1)[0] for line in text.splitlines() if line.endswith(" s)")]
+
+    assert lines(result.stdout) == [f"gpufleet bench-client: {line.replace('{venv}', str(venv))}"
+                                    for line in case.get("stdout", [])]
+    assert result.stderr.splitlines() == [f"gpufleet bench-client: {line.replace('{venv}', str(venv))}"
+                                          for line in case.get("stderr", [])]
+    assert not os.path.lexists(aside)
+    if case["client"] == "none":
+        assert not os.path.lexists(venv)
+        return
+    assert client_env.check(venv, lock, "guidellm") is None
+    if case["client"] == "previous":
+        assert (venv / "bin" / "guidellm").read_text() == "#!/bin/sh\n"
+        assert (venv / client_env.STAMP).read_text() == previous
+    else:
+        assert (venv / "bin" / "guidellm").read_text() == _NEW_CLIENT
+        assert (venv / client_env.STAMP).read_text() == client_env.stamp_text(lock)
 
 
 def _small_client_wheel(folder: Path) -> Path:
@@ -196,7 +315,7 @@ def _small_client_wheel(folder: Path) -> Path:
 def test_an_install_is_the_locks_wheels_offline_and_a_wheel_not_pinned_is_refused(tmp_path: Path) -> None:
     """The real install, offline from a wheelhouse: the environment is stamped with the lock's digest and passes
     the bench's check; the same lock over a wheel that is not the one it pins fails in pip, one line naming it, and
-    leaves no stamp."""
+    leaves the client installed before it as it was (it runs, with its stamp)."""
     wheels = tmp_path / "wheels"
     wheels.mkdir()
     wheel = _small_client_wheel(wheels)
@@ -209,9 +328,12 @@ def test_an_install_is_the_locks_wheels_offline_and_a_wheel_not_pinned_is_refuse
     assert json.loads((venv / client_env.STAMP).read_text()) == {"lock": lock.name, "sha256": file_sha256(lock)}
     with zipfile.ZipFile(wheel, "a") as zf:
         zf.writestr("gpufleet_test_client_extra.py", "")
+    stamp = (venv / client_env.STAMP).read_text()
     with pytest.raises(client_env.InstallError) as failed:
         client_env.install(venv, lock, "guidellm", wheelhouse=str(wheels))
     assert str(failed.value) == (f"pip install -r {lock.name} failed (exit 1): not the wheel the lock pins (its sha256"
                                  f" differs): gpufleet-test-client==1.0 ({wheel.as_uri()})")
-    assert client_env.check(venv, lock, "guidellm") == (f"the bench client is not installed in {venv}: install it"
-                                                        f" with {client_env.INSTALL_COMMAND}")
+    assert client_env.check(venv, lock, "guidellm") is None
+    assert (venv / client_env.STAMP).read_text() == stamp
+    assert sorted(p.name for p in venv.parent.iterdir()) == [venv.name]
+    assert subprocess.run([venv / "bin" / "guidellm", "--help"], check=False).returncode == 0
