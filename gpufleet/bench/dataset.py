@@ -5,10 +5,17 @@ whole before any request is sent, and written again in guidellm's own columns (`
 from __future__ import annotations
 
 import json
+import stat
 from pathlib import Path
 
 FIELDS = {"prompt", "output_tokens"}
 MAX_ROWS = 1_000_000
+MAX_BYTES = 1 << 30
+
+
+def _kind(mode: int) -> str:
+    return ("a directory" if stat.S_ISDIR(mode) else "a named pipe" if stat.S_ISFIFO(mode)
+            else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket or other special file")
 
 
 class DatasetError(ValueError):
@@ -16,8 +23,14 @@ class DatasetError(ValueError):
 
 
 def load_dataset(path: Path, max_model_len: int) -> list[dict[str, object]]:
-    """The rows of ``path`` in guidellm's columns; DatasetError at the first line that is not one."""
+    """The rows of ``path`` in guidellm's columns; DatasetError at the first line that is not one (or for a file
+    that is not a regular one of at most :data:`MAX_BYTES`: a pipe or a device would be read without end)."""
     try:
+        found = path.stat()
+        if not stat.S_ISREG(found.st_mode):
+            raise DatasetError(f"{path}: expected a regular JSONL file, found {_kind(found.st_mode)}")
+        if found.st_size > MAX_BYTES:
+            raise DatasetError(f"{path}: expected at most {MAX_BYTES:,} bytes, found {found.st_size:,}")
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise DatasetError(f"{path}: expected a readable UTF-8 JSONL file, found {type(exc).__name__}") from None

@@ -240,7 +240,10 @@ def run_step(client: Path, target: Target, workload: Workload, rate: float, step
             raise ClientError(f"guidellm did not end within {step_bound_s(step_s) + 120:g} s") from None
         if done.returncode != 0 or not report.exists():
             lines = [line.strip() for line in (done.stderr + done.stdout).splitlines() if line.strip()]
-            raise ClientError(f"guidellm failed (exit {done.returncode}): {lines[-1] if lines else 'no output'}")
+            last = lines[-1][:REASON_CHARS] if lines else "no output"
+            if target.api_key:
+                last = last.replace(target.api_key, "(the key)")
+            raise ClientError(f"guidellm failed (exit {done.returncode}): {last}")
         step = step_from_report(json.loads(report.read_text()), rate, step_requests(rate, step_s))
         if target.api_key and any(target.api_key in reason for reason in step.failure_reasons):
             step = replace(step, failure_reasons=[r.replace(target.api_key, "(the key)") for r in step.failure_reasons])

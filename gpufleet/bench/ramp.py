@@ -22,6 +22,7 @@ objective within the step.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -43,6 +44,15 @@ ANSWERED_MIN = 0.95
 
 STEP_PER_TTFT = 10.0
 """The shortest step, in TTFT objectives (see the module's docstring): 10 x a 2 s objective is 20 s."""
+
+SLO_MAX_S = {"ttft_p99_s": 360.0, "itl_p99_s": 60.0}
+"""The largest objectives (vllm_slo_ttft_p99_s and vllm_slo_itl_p99_s's bounds): 10 TTFT objectives of 360 s are
+the longest step, an hour."""
+
+MAX_RATE = 100_000.0
+"""The highest rate a step may offer (requests a second): a step holds rate x step requests."""
+
+_DECIMAL = re.compile(r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
 
 LIMITS = ("ttft", "itl", "errors", "unanswered")
 """What can stop a ramp, in the order a failing step names them."""
@@ -149,14 +159,19 @@ def parse_slo(text: str, default: Slo) -> Slo:
     """``ttft_p99_s=..,itl_p99_s=..`` (either or both) over ``default``; RampError unless each is a positive
     number."""
     values = {"ttft_p99_s": default.ttft_p99_s, "itl_p99_s": default.itl_p99_s}
+    given: set[str] = set()
     for part in text.split(","):
         key, sep, value = part.partition("=")
         key = key.strip()
         if not sep or key not in values:
             raise RampError(f"expected ttft_p99_s=SECONDS and/or itl_p99_s=SECONDS, found {part.strip()!r}")
+        if key in given:
+            raise RampError(f"{key}: expected it once, found it twice")
+        given.add(key)
         number = _number(value.strip())
-        if number is None or number <= 0:
-            raise RampError(f"{key}: expected a number of seconds above 0, found {value.strip()!r}")
+        if number is None or not 0 < number <= SLO_MAX_S[key]:
+            raise RampError(f"{key}: expected a number of seconds above 0, at most {SLO_MAX_S[key]:g},"
+                            f" found {value.strip()!r}")
         values[key] = number
     return Slo(**values)
 
@@ -166,8 +181,8 @@ def parse_rates(text: str) -> list[float]:
     rates: list[float] = []
     for part in text.split(","):
         rate = _number(part.strip())
-        if rate is None or rate <= 0:
-            raise RampError(f"expected requests per second above 0, found {part.strip()!r}")
+        if rate is None or not 0 < rate <= MAX_RATE:
+            raise RampError(f"expected requests per second above 0, at most {MAX_RATE:g}, found {part.strip()!r}")
         if rates and rate <= rates[-1]:
             raise RampError(f"expected rates that increase, found {rate:g} after {rates[-1]:g}")
         rates.append(rate)
@@ -177,6 +192,8 @@ def parse_rates(text: str) -> list[float]:
 def step_problem(step_s: float, slo: Slo) -> str | None:
     """Why a step of ``step_s`` seconds cannot judge ``slo`` (shorter than :data:`STEP_PER_TTFT` TTFT objectives: a
     growing queue would not reach the objective within it), or None."""
+    if not math.isfinite(step_s):
+        return f"expected a number of seconds, found {step_s!r}"
     shortest = STEP_PER_TTFT * slo.ttft_p99_s
     if step_s < shortest:
         return (f"expected at least {shortest:g} seconds for a TTFT objective of {slo.ttft_p99_s:g} s"
@@ -185,10 +202,10 @@ def step_problem(step_s: float, slo: Slo) -> str | None:
 
 
 def _number(text: str) -> float | None:
-    try:
-        value = float(text)
-    except ValueError:
+    """A finite decimal number written in ASCII (``float`` would also take ``1_0`` and other scripts' digits)."""
+    if not _DECIMAL.fullmatch(text):
         return None
+    value = float(text)
     return value if math.isfinite(value) else None
 
 

@@ -30,6 +30,7 @@ from gpufleet.bench.ramp import (
 )
 from gpufleet.bench.records import RECORDS_DIR, Record, RecordKey, layout_name
 from gpufleet.cli.inputs import DATA_OPTION, cli_fleet, fail_lines, fleet_facts, group_hosts
+from gpufleet.config.edge import ca_path, ca_problem
 from gpufleet.config.fleet import Fleet
 from gpufleet.config.inventory import parse_data_args
 from gpufleet.config.inventory_shape import MONITORING_GROUP, ROUTERS_GROUP
@@ -102,7 +103,8 @@ def _target(fleet: Fleet, chosen: Chosen, client_name: str | None, ca_file: str 
         vip = virtual_address.group(routers, fleet.configs)
         address = vip.address if vip is not None else (virtual_address.host_address(routers[0], cfg) or routers[0])
         scheme = "https" if cfg.router_tls_certificate is not None else "http"
-        ca_file = ca_file or cfg.router_tls_ca
+        trusted = ca_file or cfg.router_tls_ca
+        ca_file = ca_path(trusted) if trusted else None
         allowed = [name for name, c in cfg.router_clients.items() if c.models is None or chosen.model in c.models]
         if client_name is not None and client_name not in allowed:
             fail_lines([f"gpufleet bench: --client: expected a router client allowed {json.dumps(chosen.model)}"
@@ -235,7 +237,7 @@ def _store(inventory: str, data: tuple[str, ...], fleet: Fleet, record: Record, 
               help="Seconds each step sends requests (at least 10 TTFT objectives).")
 @click.option("--client", "client_name", help="The router client whose key the bench uses (default: the first"
                                               " allowed the model).")
-@click.option("--ca-file", type=click.Path(exists=True, dir_okay=False),
+@click.option("--ca-file",
               help="CA of the routers' certificate (default: the inventory's router_tls_ca, else the system's).")
 @click.option("--report", type=click.Path(dir_okay=False, path_type=Path), help="Also write the record here (JSON).")
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path),
@@ -266,6 +268,8 @@ def bench_command(inventory: str, model: str | None, replica: str | None, slo_te
         fail_lines([f"gpufleet bench: --rates: {exc}"])
     if problem := step_problem(step_s, slo):
         fail_lines([f"gpufleet bench: --step-s: {problem}"])
+    if ca_file is not None and (problem := ca_problem(ca_file)):
+        fail_lines([f"gpufleet bench: --ca-file: {problem}"])
     max_len = min(r.max_model_len for r in chosen.replicas)
     try:
         rows = load_dataset(dataset, max_len) if dataset is not None else None

@@ -8,6 +8,9 @@ router role reads the same secrets through :func:`client_keys` and :func:`tls_pe
 
 from __future__ import annotations
 
+import ssl
+import stat
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -101,7 +104,7 @@ def _tls_problems(cfg: HostConfig, sources: dict[str, str], cache: _Read) -> Ite
         yield (sources.get("router_tls_ca", "controller"), "router_tls_ca",
                "expected router_tls_certificate and router_tls_key with it (the CA clients trust for the routers'"
                f" TLS), found {show(cfg.router_tls_ca)} without them")
-    elif cfg.router_tls_ca is not None and (problem := _ca_problem(cfg.router_tls_ca)):
+    elif cfg.router_tls_ca is not None and (problem := ca_problem(cfg.router_tls_ca)):
         yield sources.get("router_tls_ca", "controller"), "router_tls_ca", problem
     if plain is not None and certificate is None:
         yield (sources.get("router_plain_http_port", "controller"), "router_plain_http_port",
@@ -109,6 +112,7 @@ def _tls_problems(cfg: HostConfig, sources: dict[str, str], cache: _Read) -> Ite
                f" router_port), found {plain} without them")
     if certificate is None or key is None:
         return
+    pems: list[str] = []
     for name, ref, mark, what in (("router_tls_certificate", certificate, CERTIFICATE_MARK, "a PEM certificate"),
                                   ("router_tls_key", key, PRIVATE_KEY_MARK, "a PEM private key")):
         value = _read(ref, name, cache)
@@ -116,20 +120,88 @@ def _tls_problems(cfg: HostConfig, sources: dict[str, str], cache: _Read) -> Ite
             yield _unreadable(value, sources.get(name, "controller"), name)
         elif mark not in value:
             yield sources.get(name, "controller"), name, f"expected {what} ({mark.strip('-')}), found none in it"
+        else:
+            pems.append(value)
+    ca = cfg.router_tls_ca
+    if len(pems) == 2 and ca is not None and ca_problem(ca) is None and (problem := chain_problem(ca, *pems)):
+        yield sources.get("router_tls_ca", "controller"), "router_tls_ca", problem
 
 
-def _ca_problem(path: str) -> str | None:
-    """Why the file at ``path`` is not a CA certificate the controller can read (it is no secret: it may be shown)."""
-    file = Path(path).expanduser()
-    if not file.is_file():
-        return f"expected a readable PEM certificate file on the controller, found no file at {show(path)}"
+CA_MAX_BYTES = 1 << 20
+"""The largest CA file read (a bundle of certificates is kilobytes)."""
+
+PATH_SHOWN = 200
+"""The characters of a CA file's path a message shows (a path is no secret: shown whole where it fits)."""
+
+
+def ca_path(path: str) -> str:
+    """A CA file's path as the client is handed it: ``~`` expanded and absolute (the client runs elsewhere)."""
+    return str(Path(path).expanduser().absolute())
+
+
+def ca_problem(path: str) -> str | None:
+    """Why the file at ``path`` is not CA certificates a client can trust (no secret: the path may be shown, never
+    what the file holds): not a regular readable file, larger than :data:`CA_MAX_BYTES`, holding a private key, or
+    not PEM certificates Python's TLS loads."""
+    file, shown = Path(path).expanduser(), show(path, PATH_SHOWN)
     try:
+        regular = stat.S_ISREG(file.stat().st_mode)
+    except (OSError, ValueError):
+        regular = False
+    if not regular:
+        return f"expected a readable PEM certificate file on the controller, found no regular file at {shown}"
+    try:
+        if file.stat().st_size > CA_MAX_BYTES:
+            return f"expected PEM certificates of at most {CA_MAX_BYTES:,} bytes, found a larger file {shown}"
         text = file.read_text(errors="replace")
     except OSError as exc:
-        return f"expected a readable PEM certificate file on the controller, found {show(path)} unreadable" \
+        return f"expected a readable PEM certificate file on the controller, found {shown} unreadable" \
                f" ({exc.strerror})"
+    if PRIVATE_KEY_MARK in text:
+        return f"expected certificates only, found a private key in {shown} (not shown; clients need no key)"
     if CERTIFICATE_MARK not in text:
-        return f"expected a PEM certificate ({CERTIFICATE_MARK.strip('-')}), found none in {show(path)}"
+        return f"expected a PEM certificate ({CERTIFICATE_MARK.strip('-')}), found none in {shown}"
+    try:
+        ssl.create_default_context(cafile=str(file))
+    except (ssl.SSLError, ValueError) as exc:
+        return f"expected PEM certificates TLS can load, found {shown} refused ({exc.__class__.__name__})"
+    return None
+
+
+def chain_problem(ca: str, certificate_pem: str, key_pem: str) -> str | None:
+    """Why a client trusting the CA file ``ca`` refuses a server that presents ``certificate_pem`` with
+    ``key_pem`` (a TLS handshake between the two in memory; names are not compared: clients reach the routers by
+    address or name), or None. The key goes to a 0600 file in a private temporary directory, removed after."""
+    client = ssl.create_default_context(cafile=ca_path(ca))
+    client.check_hostname = False
+    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    with tempfile.TemporaryDirectory(prefix="gpufleet-tls-") as folder:
+        pem = Path(folder) / "server.pem"
+        pem.touch(mode=0o600)
+        pem.write_text(f"{certificate_pem}\n{key_pem}\n")
+        try:
+            server.load_cert_chain(str(pem))
+        except (ssl.SSLError, ValueError):
+            return None  # the pair itself is the certificate's and key's problem, told with them
+    pipes = [ssl.MemoryBIO() for _ in range(4)]
+    ends = (client.wrap_bio(pipes[0], pipes[1]), server.wrap_bio(pipes[2], pipes[3], server_side=True))
+    for _ in range(20):
+        done = 0
+        for end in ends:
+            try:
+                end.do_handshake()
+                done += 1
+            except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
+                pass
+            except ssl.SSLError as exc:
+                return f"expected the CA router_tls_certificate chains to, found one a client refuses it with" \
+                       f" ({exc.reason or exc.__class__.__name__})"
+        if pipes[1].pending:
+            pipes[2].write(pipes[1].read())
+        if pipes[3].pending:
+            pipes[0].write(pipes[3].read())
+        if done == 2:
+            return None
     return None
 
 
@@ -138,9 +210,11 @@ def _served_models(configs: dict[str, HostConfig], serving: list[str]) -> set[st
 
 
 def edge_problems(hosts: dict[str, HostLayers], serving: list[str], configs: dict[str, HostConfig],
-                  override: dict[str, Any] | None = None) -> list[Problem]:
-    """Every host's edge problems (each host's layers, ``serving``: the hosts of serving pools); each secret is
-    read once, and none is shown."""
+                  override: dict[str, Any] | None = None, routers: list[str] | None = None) -> list[Problem]:
+    """Every host's edge problems (each host's layers, ``serving``: the hosts of serving pools, ``routers``: those
+    of the routers group, which must agree on the CA clients trust); each secret is read once, and none is
+    shown."""
+    routers = routers or []
     served = _served_models(configs, serving)
     cache: _Read = {}
     problems: list[Problem] = []
@@ -158,4 +232,13 @@ def edge_problems(hosts: dict[str, HostLayers], serving: list[str], configs: dic
                                   f"expected a model a pool serves ({', '.join(map(show, sorted(served)))}),"
                                   f" found {show(model)}"))
         problems += [Problem(source, key, message, (host,)) for source, key, message in found]
+    cas = {host: configs[host].router_tls_ca for host in routers if host in configs}
+    if len(set(cas.values())) > 1:
+        first, *others = sorted(cas)
+        host = next(h for h in others if cas[h] != cas[first])
+        host = host if cas[host] is not None else first  # where a CA was set, not the default's file
+        shown = ", ".join(f"{h}: {show(v) if v else 'none'}" for h, v in sorted(cas.items()))
+        source = HostLayers(host, hosts[host].layers).merged()[1].get("router_tls_ca", "controller")
+        problems.append(Problem(source, "router_tls_ca", "expected one CA on every router (the clients of the routers"
+                                f" trust one), found {shown}", tuple(sorted(cas))))
     return problems

@@ -22,7 +22,14 @@ from gpufleet.config import grammar, limits
 from gpufleet.config.edge import edge_problems
 from gpufleet.config.fleet import Fleet
 from gpufleet.config.group_vars_files import group_vars_file_problems
-from gpufleet.config.inventory_shape import ROLE_GROUPS, SourceLines, late_problems, membership_problems, read_groups
+from gpufleet.config.inventory_shape import (
+    ROLE_GROUPS,
+    ROUTERS_GROUP,
+    SourceLines,
+    late_problems,
+    membership_problems,
+    read_groups,
+)
 from gpufleet.config.layers import (
     HostLayers,
     Layer,
@@ -310,7 +317,8 @@ def apply_group_vars(namespace: dict[str, Any]) -> None:
         override = cli_data_override()
         configs = validate_layers(loaded, override)
         serving = [host for host in loaded.hosts if loaded.pool_of(host) is not None]
-        plan_problems = edge_problems(loaded.hosts, serving, configs, override) or declared_plan_problems(
+        routers = [host for name, members in loaded.groups if name == ROUTERS_GROUP for host in members]
+        plan_problems = edge_problems(loaded.hosts, serving, configs, override, routers) or declared_plan_problems(
             loaded, configs, override)
         if plan_problems:
             raise ConfigError(plan_problems)

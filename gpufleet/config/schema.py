@@ -342,7 +342,7 @@ class HostConfig(BaseModel):
     vllm_ready_timeout: SystemdSeconds
     vllm_plan_tolerance: Annotated[float, Field(ge=0, le=1)]
     vllm_watchdog_stall_s: int
-    vllm_slo_ttft_p99_s: Annotated[float, Field(gt=0, le=3600)]
+    vllm_slo_ttft_p99_s: Annotated[float, Field(gt=0, le=360)]
     vllm_slo_itl_p99_s: Annotated[float, Field(gt=0, le=60)]
     vllm_shutdown_timeout_s: Annotated[int, Field(ge=0, le=3600)]
     vllm_max_num_queued_reqs: Annotated[int, Field(ge=1, le=100_000)] | None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import stat
 from dataclasses import replace
 from pathlib import Path
@@ -112,9 +113,14 @@ def test_bad_options_get_one_line_and_exit_2_before_any_host(case: dict[str, Any
     monkeypatch.setattr(client, "client_path", _never)
     monkeypatch.setattr(client, "run_step", _never)
     args = list(case.get("args", []))
-    if "dataset" in case:
-        (tmp_path / "requests.jsonl").write_text(case["dataset"])
-        args += ["--dataset", str(tmp_path / "requests.jsonl")]
+    for option, name, given in (("--dataset", "requests.jsonl", case.get("dataset")),
+                                ("--ca-file", "ca.pem", case.get("ca_file"))):
+        if given == "|fifo":  # a named pipe: refused, never opened (it would wait for a writer)
+            os.mkfifo(tmp_path / name)
+        elif given is not None:
+            (tmp_path / name).write_text(given)
+        if given is not None:
+            args += [option, str(tmp_path / name)]
     result = CliRunner().invoke(main, ["bench", FLEET, *args], prog_name="gpufleet")
     assert result.exit_code == 2, result.output
     assert result.output.strip().splitlines() == [case["expect"].replace("{dir}", str(tmp_path))]
