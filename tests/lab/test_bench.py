@@ -41,7 +41,9 @@ def test_bench_finds_each_shapes_ceiling_and_keeps_it(
     for replica, record in records.items():
         steps = record["steps"]
         assert (record["ceiling_offered_rps"], record["scope"]) == (OFFERED_RPS, "replica"), steps
-        assert 0.95 * OFFERED_RPS <= record["ceiling_rps"] <= OFFERED_RPS, steps  # what it answered, not offered
+        # what it answered over the step's span, first request to last answer (lab: 80 answered in 19.9 s, 4.02 a
+        # second, at 4 offered)
+        assert 0.95 * OFFERED_RPS <= record["ceiling_rps"] <= 1.05 * OFFERED_RPS, steps
         assert record["stopped_by"] != "none" and steps[-1]["rate"] == 96.0, steps
         assert all(s["offered"] == s["rate"] * float(STEP_S) for s in steps), steps
         assert all(s["kv_usage_max"] is not None and s["engine_itl_p99_s"] is not None for s in steps), steps
@@ -62,12 +64,13 @@ def test_bench_finds_each_shapes_ceiling_and_keeps_it(
                         lambda: prometheus.query("gpufleet:model_ceiling_rps") or None, timeout=60)
     assert found[0]["metric"]["model"] == served_name("lab")
     assert float(found[0]["value"][1]) == pytest.approx(ceiling)
+    target = 1.99 * ceiling  # four replicas' worth, whatever the last digit of the sums
     planned = subprocess.run([*GPUFLEET, "plan", "inventories/lab.py", "--observed", "--target-rps",
-                              str(2 * ceiling)], cwd=ROOT, env=lab.env, capture_output=True, text=True, timeout=300)
+                              repr(target)], cwd=ROOT, env=lab.env, capture_output=True, text=True, timeout=300)
     assert planned.returncode == 0, planned.stderr[-2000:]
     said = re.search(rf'ceiling of "{re.escape(served_name("lab"))}": ([0-9.]+) req/s over 2 replicas', planned.stdout)
     assert said and float(said[1]) == pytest.approx(ceiling, rel=1e-3), planned.stdout
-    assert f"; {2 * ceiling:g} req/s needs 4 replicas" in planned.stdout
+    assert f"; {target:g} req/s needs 4 replicas" in planned.stdout, planned.stdout
 
 
 def test_the_capacity_alert_fires_under_a_load_above_80_percent_of_the_measured_ceiling(
