@@ -275,6 +275,9 @@ def bench_command(inventory: str, model: str | None, replica: str | None, slo_te
         rows = load_dataset(dataset, max_len) if dataset is not None else None
     except DatasetError as exc:
         fail_lines([f"gpufleet bench: --dataset: {exc}"])
+    if rows is not None and rates is not None and (need := client.step_requests(max(rates), step_s)) > len(rows):
+        fail_lines([f"gpufleet bench: --dataset: {dataset}: expected at least {need:,} requests (each is sent once;"
+                    f" the step of {max(rates):g} req/s over {step_s:g} s sends {need:,}), found {len(rows):,}"])
     _not_on_a_serving_node(fleet)
     target = _target(fleet, chosen, client_name, ca_file)
     steps_max = len(rates) if rates is not None else MAX_DOUBLINGS + REFINE_STEPS
@@ -296,6 +299,10 @@ def bench_command(inventory: str, model: str | None, replica: str | None, slo_te
         workload = (client.Workload(dataset=write_for_client(rows, Path(tmp) / "requests.jsonl"))
                     if rows is not None else client.workload_for(max_len))
         while (rate := next_rate(steps, slo, rates)) is not None:
+            if rows is not None and client.step_requests(rate, step_s) > len(rows):
+                click.echo(f"gpufleet bench: the ramp ends before {rate:g} req/s: its step would send"
+                           f" {client.step_requests(rate, step_s):,} requests, the dataset holds {len(rows):,}")
+                break
             before = _reading(metrics)
             try:
                 step = client.run_step(exe, target, workload, rate, step_s)

@@ -5,11 +5,15 @@ canaries)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import os
 import random
+import signal
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +28,12 @@ SLO = "ttft_p99_s=2,itl_p99_s=0.5"
 # A rate every shape meets (the lab's TTFT p99 jumps to most of a second now and then on its two shared cores: the
 # objective leaves room for it), and one far past what two cores answer (about 50 of these requests a second: at 96
 # req/s the queue grows by over 40 requests a second, 20 s of TTFT by the step's end): the ceiling is what each
-# shape answered at 4 req/s. Steps of 20 s: the shortest a 2 s TTFT objective allows (gpufleet.bench.ramp).
+# shape answered at 4 req/s. Steps of 20 s: the shortest a 2 s TTFT objective allows (gpufleet.bench.ramp). The
+# README's bench ramps the pipeline replica the same way, on the bench's own workload.
 RATES = "4,96"
 OFFERED_RPS = 4.0
 STEP_S = "20"
+ROWS = 2000  # the step at 96 req/s sends 1,920: each request its own prompt (gpufleet bench refuses fewer)
 
 
 def dataset(path: Path, rows: int, words: tuple[int, int], output_tokens: tuple[int, int]) -> Path:
@@ -56,18 +62,52 @@ def bench_argv(lab: Lab, *args: str) -> tuple[list[str], dict[str, str]]:
     return [*GPUFLEET, "bench", "inventories/lab.py", *args], lab.env
 
 
-def ramp(lab: Lab, folder: Path, replica: str, store: bool = True) -> tuple[dict[str, Any], str]:
-    """The lab's ramp of one replica, its record kept on the monitoring host unless ``store`` is false: the record
-    (``--report``) and what the bench printed; the plot is ``folder/<replica>.svg``."""
+def run_bench(lab: Lab, folder: Path, name: str, args: list[str]) -> tuple[dict[str, Any], str]:
+    """``gpufleet bench inventories/lab.py ARGS --report folder/NAME.json --plot folder/NAME.svg``: the record and
+    what the bench printed."""
     folder.mkdir(parents=True, exist_ok=True)
-    report = folder / f"{replica}.json"
-    rows = dataset(folder / "long-outputs.jsonl", 1000, (6, 16), (96, 112))
-    argv, env = bench_argv(lab, "--replica", replica, "--slo", SLO, "--rates", RATES, "--step-s", STEP_S,
-                           "--dataset", str(rows), "--report", str(report), "--plot", str(folder / f"{replica}.svg"),
-                           *(() if store else ("--no-store",)))
+    report = folder / f"{name}.json"
+    argv, env = bench_argv(lab, *args, "--report", str(report), "--plot", str(folder / f"{name}.svg"))
     done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return json.loads(report.read_text()), done.stdout
+
+
+def ramp(lab: Lab, folder: Path, replica: str, store: bool = True) -> tuple[dict[str, Any], str]:
+    """The lab's ramp of one replica on long answers, its record kept on the monitoring host unless ``store`` is
+    false: the record and what the bench printed; the plot is ``folder/<replica>.svg``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = dataset(folder / "long-outputs.jsonl", ROWS, (6, 16), (96, 112))
+    return run_bench(lab, folder, replica, ["--replica", replica, "--slo", SLO, "--rates", RATES, "--step-s", STEP_S,
+                                            "--dataset", str(rows), *(() if store else ("--no-store",))])
+
+
+@contextlib.contextmanager
+def steady_load(lab: Lab, folder: Path, rps: float, seconds: int) -> Iterator[Callable[[], None]]:
+    """One-token completions through the routers at ``rps`` for at most ``seconds``, from the bench's client (one
+    step of ``gpufleet bench``, not stored: bounded, and it stops by itself), stopped when the block ends. Yields a
+    check that fails, with what the bench printed, once the sender has ended before the block."""
+    rows = dataset(folder / "one-token.jsonl", int(rps * seconds) + 10, (2, 4), (1, 1))
+    argv, env = bench_argv(lab, "--rates", f"{rps:g}", "--step-s", str(seconds), "--slo",
+                           f"ttft_p99_s={seconds / 10:g},itl_p99_s=60", "--dataset", str(rows), "--no-store")
+    sender = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True)
+
+    printed: list[str] = []
+
+    def sending() -> None:
+        if sender.poll() is not None:
+            printed.append(sender.communicate()[0])
+            raise AssertionError(f"the load ended early (exit {sender.returncode}): {printed[0][-3000:]}")
+
+    try:
+        yield sending
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(sender.pid, signal.SIGTERM)  # the bench and the client it runs
+        if not printed:
+            printed.append(sender.communicate(timeout=120)[0])
+    assert "Traceback" not in printed[0], printed[0][-2000:]
 
 
 def kept_records(lab: Lab) -> list[dict[str, Any]]:

@@ -17,14 +17,11 @@ webhook: log only). Each fault's time to fire and to resolve goes to the session
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
 import threading
 import time
 import urllib.request
-from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +29,7 @@ import pytest
 from gpufleet_lab.sim_profile import write_sim_profile
 from gpufleet_lab.state import NodeRecord
 
-from gpufleet.node.alert_log import shown
+from tests.lab.alerting import Expected, logged, wait_resolved, watch_fired
 from tests.lab.checks import main_pid
 from tests.lab.fleet import (
     INVENTORY,
@@ -51,78 +48,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:Unknown ssh-ed25519 host key:Use
 
 PROFILE = "/etc/gpufleet/nvml-sim-profile"
 GATE_FAILED = "/run/gpufleet/gpu-gate-failed"
-RESOLVE_S = 240
 LOST_GPU, XID_GPU, XID, NVLINK_GPU = 7, 1, 79, 2
-
-
-@dataclass
-class Expected:
-    """An alert the fault must fire: its name, labels it must carry, and the rule's wait (its ``for``, or the
-    window its expression needs) in seconds."""
-
-    alert: str
-    labels: dict[str, str]
-    wait_s: int
-    fired_s: float | None = field(default=None)
-
-    def matches(self, labels: dict[str, str]) -> bool:
-        return labels.get("alertname") == self.alert and all(labels.get(k) == v for k, v in self.labels.items())
-
-
-def _fired_at(alert: dict[str, Any], waits: dict[str, float]) -> float:
-    """When a firing alert fired (wall clock), as Prometheus timed it: the evaluation that found it true first
-    (``activeAt``) plus its rule's ``for`` (the lab's are whole evaluation intervals)."""
-    active = datetime.fromisoformat(alert["activeAt"].replace("Z", "+00:00")).timestamp()
-    return active + waits[alert["labels"]["alertname"]]
-
-
-def _watch(prometheus: Prometheus, expected: list[Expected], injected: float) -> None:
-    """Wait until every expected alert fires, each within its wait plus two scrape intervals of ``injected`` (wall
-    clock), as Prometheus's own timestamps say (not when this loop happened to look)."""
-    limit = max(e.wait_s for e in expected) + 2 * SCRAPE_INTERVAL_S
-    waits = prometheus.alert_waits()
-
-    def all_fired() -> bool | None:
-        firing = [a for a in prometheus.alerts() if a["state"] == "firing"]
-        for e in expected:
-            fired = [_fired_at(a, waits) for a in firing if e.matches(a["labels"])]
-            if e.fired_s is None and fired:
-                e.fired_s = min(fired) - injected
-        return True if all(e.fired_s is not None for e in expected) else None
-
-    with contextlib.suppress(AssertionError):  # judged below, alert by alert
-        wait_for("the faults' alerts", all_fired, timeout=limit + 60, every=2)
-    late = {e.alert: e.fired_s for e in expected if e.fired_s is None or e.fired_s > e.wait_s + 2 * SCRAPE_INTERVAL_S}
-    assert not late, f"fired late or not at all (s): {late}; firing now: {prometheus.firing()}"
-
-
-def _resolved(prometheus: Prometheus, expected: list[Expected], cleared: float) -> float:
-    """Wait until none of the expected alerts is pending or firing; the seconds since ``cleared``."""
-    def gone() -> bool | None:
-        active = [a["labels"] for a in prometheus.alerts()]
-        return True if not any(e.matches(labels) for e in expected for labels in active) else None
-
-    wait_for(f"{[e.alert for e in expected]} resolved", gone, timeout=RESOLVE_S, every=2)
-    return time.monotonic() - cleared
-
-
-def _logged(lab: Lab, expected: list[Expected], since: float) -> None:
-    """Every expected alert has a FIRING line with its labels in the alert log of the monitoring host (lab1) since
-    ``since`` (wall clock), within the lab's group wait and group interval and two evaluations. The fault holds
-    until then: Alertmanager never sends an alert that resolved within its group's wait."""
-    host = lab.host(lab.nodes[0])
-
-    def missing() -> list[str]:
-        lines = host.check_output(f"journalctl -u gpufleet-alert-log -o cat --no-pager --since @{int(since)}")
-        firing = [line for line in lines.splitlines() if line.startswith("FIRING ")]
-        return [e.alert for e in expected  # a value as the log writes it (the lab's model name is a JSON string)
-                if not any(line.startswith(f"FIRING {e.alert} ")
-                           and all(f" {k}={shown(v)} " in line for k, v in e.labels.items()) for line in firing)]
-
-    limit = LAB_VARS["alertmanager_group_wait_s"] + LAB_VARS["alertmanager_group_interval_s"] + 2 * SCRAPE_INTERVAL_S
-    with contextlib.suppress(AssertionError):  # judged below, naming what is missing
-        wait_for("the fired alerts in the alert log", lambda: True if not missing() else None, timeout=limit, every=5)
-    assert not missing(), f"not in the alert log after {limit} s: {missing()}"
 
 
 def _figures(expected: list[Expected], resolved_s: float) -> dict[str, Any]:
@@ -221,7 +147,7 @@ def test_gpu_faults_a_stalled_engine_and_a_silent_exporter_fire_and_resolve(
                         LAB_VARS["alert_engine_stall_s"] + LAB_VARS["alert_engine_stall_for_s"])]
     silent = [Expected("DcgmExporterDown", {"node": third.address}, LAB_VARS["alert_exporter_down_for_s"])]
     expected = replica_down + gpu_faults + stalled + silent
-    _resolved(prometheus, expected, time.monotonic())  # none of them active yet (the earlier tests' faults)
+    wait_resolved(prometheus, expected, time.monotonic())  # none of them active yet (the earlier tests' faults)
     # increase() sees errors only on a counter sampled before them: lab2's must be scraped before the fault (a fresh
     # Prometheus may not have it yet)
     counter = (f'DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL{{job="dcgm", node="{second.address}", '
@@ -257,17 +183,17 @@ def test_gpu_faults_a_stalled_engine_and_a_silent_exporter_fire_and_resolve(
         check = lab.pyinfra(INVENTORY, "deploys/check.py")
         assert check.rc != 0 and f"[{first.address}] gate: fail" in check.output, check.output[-4000:]
         assert "GPU is lost" in check.output, check.output[-4000:]
-        _watch(prometheus, gpu_faults, injected)
-        _watch(prometheus, replica_down, injected + stopped)
-        _logged(lab, gpu_faults + replica_down, began)
+        watch_fired(prometheus, gpu_faults, injected)
+        watch_fired(prometheus, replica_down, injected + stopped)
+        logged(lab, gpu_faults + replica_down, began)
         # the GPUs are back as soon as their alerts are in the log: lab1's watch starts its replica while the stall
         # and the silent exporter are still waited for
         _restore(lab, first)
         _restore(lab, second)
         gpus_back = time.monotonic()
-        _watch(prometheus, silent, silenced)
-        _watch(prometheus, stalled, stopped_engine)
-        _logged(lab, silent + stalled, began)
+        watch_fired(prometheus, silent, silenced)
+        watch_fired(prometheus, stalled, stopped_engine)
+        logged(lab, silent + stalled, began)
         # the NVLink errors stopped nothing: the pipeline's ranks run the processes they ran before the round
         assert {n.name: main_pid(lab, n, f"vllm@{PIPELINE}") for n in (second, third)} == pipeline_pids
     finally:
@@ -286,7 +212,7 @@ def test_gpu_faults_a_stalled_engine_and_a_silent_exporter_fire_and_resolve(
     assert outcomes and all(o == "complete" for o in outcomes), outcomes  # the stalled requests finish
     wait_serving(lab, second)
     assert {n.name: main_pid(lab, n, f"vllm@{PIPELINE}") for n in (second, third)} == pipeline_pids
-    resolved = _resolved(prometheus, expected, cleared)
+    resolved = wait_resolved(prometheus, expected, cleared)
     record_figure(tmp_path_factory, {"alerts": "GPU lost, XID 79 (lab1, its replica stopped by the watch); NVLink"
                                                " errors (lab2); stalled engine (SIGSTOP, lab2's pipeline replica);"
                                                " stopped dcgm-exporter (lab3)", **_figures(expected, resolved)})

@@ -33,11 +33,11 @@ from gpufleet_lab.state import NodeRecord
 
 from gpufleet import node_paths
 from gpufleet.bench.starts import START_RECORDS_DIR
+from tests.lab.alerting import Expected, logged, wait_resolved, watch_fired
 from tests.lab.checks import assert_no_errors, main_pid
 from tests.lab.fleet import PIPELINE, deploy, record_figure, single, wait_serving
 from tests.lab.harness import LAB_VARS, ROOT, Completed, Lab
 from tests.lab.prometheus import SCRAPE_INTERVAL_S, Prometheus, wait_for
-from tests.lab.test_alerts import Expected, _logged, _resolved, _watch
 
 pytestmark = pytest.mark.filterwarnings("ignore:Unknown ssh-ed25519 host key:UserWarning")
 
@@ -46,6 +46,7 @@ KEY = ("model", "release", "layout", "gpu_profile")
 RATIO: float = LAB_VARS.get("alert_start_time_ratio", yaml.safe_load(
     (ROOT / "roles" / "monitoring" / "defaults.yml").read_text())["alert_start_time_ratio"])
 SLOW_DIR = "/run/gpufleet-lab-slow-model-reads"
+HOLD_MARGIN_S = 10
 SLOW_DROP_IN = "zz-lab-slow-model-reads.conf"
 # Loaded by every Python process of the unit (PYTHONPATH): vLLM's loader opens the model's safetensors files with
 # safetensors.safe_open (lazy loading, vLLM's default), imported after this runs
@@ -177,19 +178,19 @@ def _restart_by_the_deploy(lab: Lab, node: NodeRecord, replica: str) -> float:
     return time.time()
 
 
-@pytest.mark.skip(reason="not yet proven on the lab: its first run held the model's reads 202 s and the weights phase"
-                         " grew 144 s, the start short of 3 times its 86 s record (issue 47 stays open)")
 def test_a_start_slowed_by_the_models_reads_raises_replica_start_slow_and_heals(
         lab: Lab, faults: Completed | None, tmp_path_factory: pytest.TempPathFactory) -> None:
     node, replica = lab.nodes[0], single(lab)
     host, prometheus = lab.host(node), Prometheus(node)
     key, _, normal = _timed(lab, node, replica)
     record = _records(lab)[tuple(key[k] for k in KEY)]
-    # held long enough that even a start as fast as the record passes the ratio, by a margin the lab's noise leaves
-    hold = math.ceil((RATIO - 1) * record["first_completion"]) + 30
+    # held past the ratio times the record by itself: the restart's own work (lab: 35 to 50 s alone, its record the
+    # deploy's first start beside two more engines, 86 s) adds to it (a first run held (ratio - 1) times the record
+    # plus 30 s, 202 s, and the start took 2.8 times it: short of 3)
+    hold = math.ceil(RATIO * record["first_completion"]) + HOLD_MARGIN_S
     expected = [Expected("ReplicaStartSlow", {"replica": replica, "layout": key["layout"]},
                          SCRAPE_INTERVAL_S)]  # no `for`: the first evaluation that sees the scraped textfile
-    _resolved(prometheus, expected, time.monotonic())  # not active before the fault
+    wait_resolved(prometheus, expected, time.monotonic())  # not active before the fault
     began = time.time()
     try:
         _slow_model_reads(lab, node, replica, hold)
@@ -198,12 +199,12 @@ def test_a_start_slowed_by_the_models_reads_raises_replica_start_slow_and_heals(
         assert slow_started > began
         assert list(slow) == list(PHASES), slow
         # the hold shows where a slow disk shows: in the weights, and every phase after them
-        assert slow["weights_loaded"] - normal["weights_loaded"] >= hold - 5, (normal, slow)
+        assert slow["weights_loaded"] >= hold, (normal, slow)
         assert slow["first_completion"] > RATIO * record["first_completion"], (record, slow)
         assert _records(lab)[tuple(key[k] for k in KEY)] == record  # a slower start is not a record
         written = float(host.check_output(f"stat -c %Y {node_paths.start_textfile(replica)}"))
-        _watch(prometheus, expected, written)
-        _logged(lab, expected, began)
+        watch_fired(prometheus, expected, written)
+        logged(lab, expected, began)
     finally:
         _normal_model_reads(lab, node, replica)
     cleared = time.monotonic()
@@ -211,7 +212,7 @@ def test_a_start_slowed_by_the_models_reads_raises_replica_start_slow_and_heals(
     _, healed_started, healed = _timed(lab, node, replica)
     assert healed_started > began and healed["first_completion"] <= RATIO * record["first_completion"], (
         f"the start after the fault was slow too (the lab busy?): {healed}, record {record}")
-    resolved = _resolved(prometheus, expected, cleared)
+    resolved = wait_resolved(prometheus, expected, cleared)
     wait_serving(lab, node)
     record_figure(tmp_path_factory, {
         "fault": f"lab1's model reads held {hold} s (safetensors.safe_open), its replica restarted by the deploy",

@@ -196,6 +196,33 @@ def test_a_ramp_finds_the_ceiling_prints_a_line_per_step_and_keeps_the_record(
     assert svg.startswith("<svg") and "ceiling 3.75" in svg and "objective 1 s" in svg
 
 
+def test_an_automatic_ramp_ends_before_a_step_its_dataset_cannot_fill(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each request of a step is its own row: 25 rows fill the steps of 0.5, 1 and 2 req/s over 10 s (5, 10 and 20
+    requests), not the 40 of 4 req/s; the ramp ends there and says why."""
+    replica = _Replica()
+    monkeypatch.setattr(client, "client_path", lambda say: Path("/usr/bin/false"))
+    monkeypatch.setattr(client, "run_step", replica.run_step)
+    readings: list[int] = []
+
+    def read(urls: list[str]) -> Reading:
+        """Ten more first tokens at 0.2 s and a hundred more tokens within 10 ms at each reading: every step meets
+        its objective."""
+        readings.append(len(readings) + 1)
+        n = readings[-1]
+        return Reading({"ttft": {0.25: 10.0 * n, math.inf: 10.0 * n}, "itl": {0.01: 100.0 * n, math.inf: 100.0 * n}},
+                       {"ttft": 2.0 * n, "itl": 0.4 * n})
+
+    monkeypatch.setattr(cli_bench, "read", read)
+    rows = tmp_path / "requests.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"prompt {i}"}) + "\n" for i in range(25)))
+    result = CliRunner().invoke(main, ["bench", FLEET, "--slo", "ttft_p99_s=1", "--step-s", "10", "--dataset",
+                                       str(rows), "--no-store"])
+    assert replica.asked == [0.5, 1.0, 2.0], result.output
+    assert ("gpufleet bench: the ramp ends before 4 req/s: its step would send 40 requests, the dataset holds 25"
+            in result.output.splitlines()), result.output
+
+
 def test_records_round_trip_and_the_newest_of_a_key_wins() -> None:
     key = RecordKey("m", "0.32.0", "tp1-pp1", "8xH100-SXM", "routers")
     old = Record(key, 2, Slo(1, 0.1), [_step(1, 0.5, 0.05), _step(2, 2.0, 0.05)], {}, "guidellm 0.8.1",
