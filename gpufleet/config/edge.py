@@ -2,16 +2,18 @@
 
 What one host's schema cannot see: a client allowed a model no pool serves, two clients with one key (the
 resolved keys are compared, never shown), a key or TLS file the controller cannot read, a certificate without
-its key, a plain HTTP port without TLS or on another port's number, a CA file for clients that is not one. The
-router role reads the same secrets through :func:`client_keys` and :func:`tls_pem`.
+its key or with another (the pair is parsed: :mod:`gpufleet.config.tls_pair`), a plain HTTP port without TLS or
+on another port's number, a CA file for clients that is not one. The router role reads the same secrets through
+:func:`client_keys` and :func:`tls_pem`.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import ssl
 import stat
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,7 @@ from gpufleet.config.layers import HostLayers, Layer
 from gpufleet.config.problems import ConfigError, Problem
 from gpufleet.config.schema import HostConfig, SecretRef
 from gpufleet.config.secrets import read_secret
+from gpufleet.config.tls_pair import pair_problems
 
 MIN_KEY_CHARS = 16
 """The shortest client key: a key is all that stands between a client and the fleet's GPUs."""
@@ -91,8 +94,10 @@ def _client_problems(cfg: HostConfig, sources: dict[str, str], cache: _Read) -> 
             owner[value] = name
 
 
-def _tls_problems(cfg: HostConfig, sources: dict[str, str], cache: _Read) -> Iterator[tuple[str, str, str]]:
-    """(source, key path, problem) for TLS and the plain HTTP port (its collisions: the port rule of HostConfig)."""
+def _tls_problems(cfg: HostConfig, sources: dict[str, str], cache: _Read,
+                  routers: Sequence[str] = ()) -> Iterator[tuple[str, str, str]]:
+    """(source, key path, problem) for TLS and the plain HTTP port (its collisions: the port rule of HostConfig);
+    ``routers``: the routers group's hosts, whose addresses a certificate names when there is no virtual address."""
     certificate, key = cfg.router_tls_certificate, cfg.router_tls_key
     if (certificate is None) != (key is None):
         given, missing = ("router_tls_certificate", "router_tls_key") if key is None else (
@@ -122,9 +127,30 @@ def _tls_problems(cfg: HostConfig, sources: dict[str, str], cache: _Read) -> Ite
             yield sources.get(name, "controller"), name, f"expected {what} ({mark.strip('-')}), found none in it"
         else:
             pems.append(value)
+    if len(pems) != 2:
+        return
+    paired = pair_problems(pems[0], pems[1], _named(cfg, routers))
+    for name, problem in paired:
+        yield sources.get(name, "controller"), name, problem
     ca = cfg.router_tls_ca
-    if len(pems) == 2 and ca is not None and ca_problem(ca) is None and (problem := chain_problem(ca, *pems)):
+    if not paired and ca is not None and ca_problem(ca) is None and (problem := chain_problem(ca, *pems)):
         yield sources.get("router_tls_ca", "controller"), "router_tls_ca", problem
+
+
+def _named(cfg: HostConfig, routers: Sequence[str]) -> list[str]:
+    """The addresses the routers' certificate must name: their virtual address, or each router's (those given as
+    IP addresses)."""
+    if cfg.router_virtual_address is not None:
+        return [cfg.router_virtual_address]
+    return [host for host in routers if _is_address(host)]
+
+
+def _is_address(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
 
 
 CA_MAX_BYTES = 1 << 20
@@ -224,7 +250,7 @@ def edge_problems(hosts: dict[str, HostLayers], serving: list[str], configs: dic
             continue
         layers = hosts[host].layers + ([Layer("--data", override)] if override else [])
         sources = HostLayers(host, layers).merged()[1]
-        found = list(_tls_problems(config, sources, cache)) + list(_client_problems(config, sources, cache))
+        found = list(_tls_problems(config, sources, cache, routers)) + list(_client_problems(config, sources, cache))
         for name, client in config.router_clients.items():
             for i, model in enumerate(client.models or []):
                 if model not in served:

@@ -13,8 +13,9 @@ there, which nothing may wait to read), ``file`` (which file:
 ``hosts`` (more ``[name, data]`` entries in the same group), ``groups`` (more inventory lines),
 ``after`` (inventory lines after its ``apply_group_vars(globals())``), ``paths`` (more files in the project, by
 relative path: ``dir/`` a directory, ``-> TARGET`` a link, ``|fifo`` a named pipe, ``|private-key`` a key made
-for the run, else the file's text), ``data`` (``--data KEY=VALUE`` arguments). ``expect`` is the exact first line
-on stderr (pyinfra's ``--> …`` progress lines skipped). The project holds gpufleet's ``config.py``, as a user's
+for the run, ``|tls:KIND`` a TLS file made for the run (tests/unit/tls_files.py), else the file's text),
+``data`` (``--data KEY=VALUE`` arguments). ``expect`` is the exact first line on stderr (pyinfra's ``--> …``
+progress lines skipped). The project holds gpufleet's ``config.py``, as a user's
 does: pyinfra runs it before the inventory, so an inventory file that does not compile or run is one line and exit 2
 there too.
 
@@ -76,6 +77,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 import gpufleet.config.inventory as gpufleet_inventory
 from gpufleet.cli.main import main as gpufleet_main
 from tests.conftest import DATA
+from tests.unit import tls_files
 
 ROOT = Path(__file__).resolve().parents[2]
 CORPUS_DIR = DATA / "corpus"
@@ -188,6 +190,8 @@ def build_project(case: dict[str, Any], root: Path, port: int) -> list[str]:
             os.mkfifo(path)
         elif spec == "|private-key":
             path.write_bytes(_throwaway_key())
+        elif spec.startswith("|tls:"):
+            path.write_text(tls_files.pem(spec.removeprefix("|tls:")))
         else:
             path.write_text(spec)
     return [arg for item in case.get("data") or [] for arg in ("--data", item)]
