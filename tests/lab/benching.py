@@ -29,7 +29,8 @@ SLO = "ttft_p99_s=2,itl_p99_s=0.5"
 # objective leaves room for it), and one far past what two cores answer (about 50 of these requests a second: at 96
 # req/s the queue grows by over 40 requests a second, 20 s of TTFT by the step's end): the ceiling is what each
 # shape answered at 4 req/s. Steps of 20 s: the shortest a 2 s TTFT objective allows (gpufleet.bench.ramp). The
-# README's bench ramps the pipeline replica the same way, on the bench's own workload.
+# README's bench ramps the pipeline replica on the bench's own workload (outputs of about 32 tokens): 4 req/s, then
+# 192 (at 96 it answered all 1,920 requests within 2.7 s of the step, 85 a second, TTFT p99 0.9 s: no knee).
 RATES = "4,96"
 OFFERED_RPS = 4.0
 STEP_S = "20"
