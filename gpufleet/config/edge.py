@@ -20,6 +20,7 @@ from typing import Any
 from gpufleet.config.grammar import show
 from gpufleet.config.layers import HostLayers, Layer
 from gpufleet.config.problems import ConfigError, Problem
+from gpufleet.config.router_wide import router_wide_problems, wide_networks
 from gpufleet.config.schema import HostConfig, SecretRef
 from gpufleet.config.secrets import read_secret
 from gpufleet.config.tls_pair import pair_problems
@@ -258,13 +259,50 @@ def edge_problems(hosts: dict[str, HostLayers], serving: list[str], configs: dic
                                   f"expected a model a pool serves ({', '.join(map(show, sorted(served)))}),"
                                   f" found {show(model)}"))
         problems += [Problem(source, key, message, (host,)) for source, key, message in found]
-    cas = {host: configs[host].router_tls_ca for host in routers if host in configs}
-    if len(set(cas.values())) > 1:
-        first, *others = sorted(cas)
-        host = next(h for h in others if cas[h] != cas[first])
-        host = host if cas[host] is not None else first  # where a CA was set, not the default's file
-        shown = ", ".join(f"{h}: {show(v) if v else 'none'}" for h, v in sorted(cas.items()))
-        source = HostLayers(host, hosts[host].layers).merged()[1].get("router_tls_ca", "controller")
-        problems.append(Problem(source, "router_tls_ca", "expected one CA on every router (the clients of the routers"
-                                f" trust one), found {shown}", tuple(sorted(cas))))
+    problems += router_wide_problems(hosts, configs, routers, override)
+    problems += _past_the_client_keys(hosts, serving, configs, routers, override, cache)
+    return problems
+
+
+def _past_the_client_keys(hosts: dict[str, HostLayers], serving: list[str], configs: dict[str, HostConfig],
+                          routers: list[str], override: dict[str, Any] | None, cache: _Read) -> list[Problem]:
+    """With client keys on the routers: a serving host without the replicas' key, a client whose key is a replicas'
+    key, a serving host that lets a wide network reach its replicas past the routers."""
+    edge = [r for r in routers if r in configs and configs[r].router_clients]
+    if not edge:
+        return []
+
+    def source(host: str, key: str) -> str:
+        layers = hosts[host].layers + ([Layer("--data", override)] if override else [])
+        return HostLayers(host, layers).merged()[1].get(key, "controller")
+
+    problems: list[Problem] = []
+    keyless = [h for h in serving if h in configs and configs[h].vllm_api_key is None]
+    if keyless:
+        problems.append(Problem(source(keyless[0], "vllm_api_key"), "vllm_api_key",
+                                "expected the replicas' own key with router_clients (the routers pass requests on"
+                                " with it; a replica without one answers whoever reaches it), found null",
+                                tuple(keyless)))
+    replica_keys: dict[str, str] = {}
+    for host in serving:
+        ref = configs[host].vllm_api_key if host in configs else None
+        value = _read(ref, "vllm_api_key", cache) if ref is not None else None
+        if isinstance(value, str):
+            replica_keys.setdefault(value.strip(), configs[host].served_model_name())
+    router = configs[edge[0]]
+    for name, client in router.router_clients.items():
+        value = _read(client.api_key, f"router_clients.{name}.api_key", cache)
+        if isinstance(value, str) and (model := replica_keys.get(value.strip())) is not None:
+            problems.append(Problem(source(edge[0], "router_clients"), f"router_clients.{name}.api_key",
+                                    f"expected a key other than the replicas' (vllm_api_key of {show(model)}: the"
+                                    " routers keep it in clear, in their upstream map), found the same (not shown)",
+                                    tuple(edge)))
+    for host in serving:
+        allowed = configs[host].vllm_api_allowed_from if host in configs else None
+        if allowed and (wide := wide_networks(allowed)):
+            problems.append(Problem(source(host, "vllm_api_allowed_from"), "vllm_api_allowed_from",
+                                    "expected a site's hosts beside router_clients (IPv4 /16 or narrower, IPv6 /48"
+                                    " or narrower: whoever it lets in reaches the replicas past the client keys),"
+                                    f" found {', '.join(wide)}", (host,)))
+            break
     return problems

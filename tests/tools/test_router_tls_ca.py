@@ -57,6 +57,6 @@ def test_routers_that_disagree_on_the_ca_are_refused(tmp_path: Path) -> None:
     code, lines = _check(_fleet(tmp_path / "one", ours, {"router1.dc1.example.net": right,
                                                          "router2.dc1.example.net": None}))
     assert code == 2, lines
-    assert lines == [f"{tmp_path / 'one' / 'inventory.py'}: router_tls_ca: expected one CA on every router (the clients"
-                     f" of the routers trust one), found router1.dc1.example.net: {show(right)},"
+    assert lines == [f"{tmp_path / 'one' / 'inventory.py'}: router_tls_ca: expected one value on every router (clients"
+                     f" reach any of them), found router1.dc1.example.net: {show(right)},"
                      " router2.dc1.example.net: none (hosts router1.dc1.example.net, router2.dc1.example.net)"], lines

@@ -1,0 +1,98 @@
+"""The edge is the routers', and one: what clients see of it is the same on every router of the fleet (they reach
+any of them, and the virtual address moves), it is set for no host that routes nothing (where it would do nothing,
+silently), and it leaves no way around the client keys.
+
+- :data:`ROUTER_WIDE`: one value on every host of the group ``routers`` (secrets compared by their reference,
+  never shown);
+- :data:`EDGE_ONLY`: set for a host outside ``routers`` by a file (or ``--data``) that sets it for no router:
+  refused, naming the routers;
+- with client keys: every serving pool has a replicas' key (``vllm_api_key``; without one the replicas answer
+  anyone), no client's key is a replicas' key (it would sit in clear in the routers' upstream map), and
+  ``vllm_api_allowed_from`` lets no wide network reach the replicas past the routers (:data:`WIDEST_PREFIX`).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from gpufleet.config.grammar import show
+from gpufleet.config.layers import HostLayers, Layer, is_role_default
+from gpufleet.config.problems import Problem
+from gpufleet.config.schema import HostConfig
+
+ROUTER_WIDE = ("router_port", "router_plain_http_port", "router_max_request_bytes", "router_clients",
+               "router_tls_certificate", "router_tls_key", "router_tls_ca")
+"""What clients see of the edge: one value on every router."""
+
+EDGE_ONLY = ("router_clients", "router_tls_certificate", "router_tls_key", "router_tls_ca",
+             "router_plain_http_port")
+"""Settings only a router reads (a router-wide setting a serving host also reads, ``router_port``, is left out)."""
+
+SECRET_HOLDING = frozenset({"router_clients", "router_tls_certificate", "router_tls_key"})
+
+WIDEST_PREFIX = {4: 16, 6: 48}
+"""The widest network ``vllm_api_allowed_from`` may name beside client keys, by IP version: a site's hosts (the
+controller, a bench host), not a provider's or the Internet."""
+
+
+def router_wide_problems(hosts: dict[str, HostLayers], configs: dict[str, HostConfig], routers: Sequence[str],
+                         override: dict[str, Any] | None) -> list[Problem]:
+    """The edge's settings across the fleet (``routers``: the hosts of the group ``routers``)."""
+    sources = {host: HostLayers(host, layers.layers + ([Layer("--data", override)] if override else [])).merged()[1]
+               for host, layers in hosts.items() if host in configs}
+    problems = _differences([r for r in routers if r in configs], configs, lambda h, k: sources[h].get(k, "controller"))
+    problems += _outside(configs, routers, sources)
+    return problems
+
+
+def _differences(routers: Sequence[str], configs: dict[str, HostConfig],
+                 source: Callable[[str, str], str]) -> list[Problem]:
+    found = []
+    for key in ROUTER_WIDE:
+        values = {r: getattr(configs[r], key) for r in routers}
+        other = next((r for r in routers if values[r] != values[routers[0]]), None)
+        if other is None:
+            continue
+        first = routers[0]
+        shown = (f"another value on {other} than on {first} (not shown: it holds secrets)" if key in SECRET_HOLDING
+                 else f"{first}: {_shown(values[first])}, {other}: {_shown(values[other])}")
+        where = source(other, key)
+        where = source(first, key) if is_role_default(where) else where  # the file that set a value
+        found.append(Problem(where, key, f"expected one value on every router (clients reach any of them), found"
+                                         f" {shown}", tuple(routers)))
+    return found
+
+
+def _shown(value: object) -> str:
+    return "none" if value is None else show(value)
+
+
+def _outside(configs: dict[str, HostConfig], routers: Sequence[str],
+             sources: dict[str, dict[str, str]]) -> list[Problem]:
+    """EDGE_ONLY keys set for hosts that route nothing, by a file that sets them for no router."""
+    found: dict[tuple[str, str], list[str]] = {}
+    for host in configs:
+        if host in routers:
+            continue
+        for key in EDGE_ONLY:
+            source = sources[host].get(key)
+            if source is None or is_role_default(source):
+                continue
+            if not any(sources[r].get(key) == source for r in routers if r in sources):
+                found.setdefault((source, key), []).append(host)
+    listed = ", ".join(routers) if routers else "none"
+    return [Problem(source, key, f"expected it on the routers (group routers: {listed}), found it set for"
+                                 f" {', '.join(others)}, which route nothing", tuple(others))
+            for (source, key), others in found.items()]
+
+
+def wide_networks(networks: Sequence[str]) -> list[str]:
+    """The networks of ``networks`` wider than :data:`WIDEST_PREFIX`."""
+    wide = []
+    for text in networks:
+        network = ipaddress.ip_network(text, strict=False)
+        if network.prefixlen < WIDEST_PREFIX[network.version]:
+            wide.append(text)
+    return wide
