@@ -67,8 +67,15 @@ WATCHDOG_MIN_STALL_S = 10
 """The shortest ``vllm_watchdog_stall_s``: the watchdog looks every 5 s, and a real completion gets that long."""
 
 SECRET_KEYS = frozenset({"vllm_api_key", "vllm_hf_token", "ray_auth_token", "vllm_pip_index_credentials",
-                         "router_vrrp_password", "router_tls_key"})
+                         "router_vrrp_password", "router_tls_key", "router_tls_certificate"})
 """Variables whose values are secret references; a value found there is never shown."""
+
+SECRET_TREES = frozenset({"router_clients"})
+"""Variables that hold secret references among other values: no value under them is ever shown (a client written
+``name: <key>``, a key under ``token:``, a list of keys), but a number among :data:`SHOWN_NUMBERS`."""
+
+SHOWN_NUMBERS = frozenset({"requests_per_s", "concurrent_requests"})
+"""A client's limits: a number found there is shown (a key is text of at least 16 characters)."""
 
 # vllm_extra_args flags whose value gpufleet writes itself, and the variable that sets each.
 OWNED_FLAGS = {

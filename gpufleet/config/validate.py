@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from gpufleet.config import grammar, limits
 from gpufleet.config.layers import HostLayers, is_role_default
 from gpufleet.config.problems import KeyedError, Problem, shown_key
-from gpufleet.config.schema import SCHEMA_KEYS, SECRET_KEYS, HostConfig
+from gpufleet.config.schema import SCHEMA_KEYS, SECRET_KEYS, SECRET_TREES, SHOWN_NUMBERS, HostConfig
 from gpufleet.pyinfra_seam import connector_data_keys, global_argument_names
 
 
@@ -40,10 +40,15 @@ def _found(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def is_secret_path(key: str) -> bool:
-    """Whether the value at a key path may be a secret, and must never be shown."""
+def is_secret_path(key: str, value: Any = None) -> bool:
+    """Whether ``value``, found at a key path, may be a secret, and must never be shown: a secret variable's, any
+    under :data:`SECRET_TREES` (a number among :data:`SHOWN_NUMBERS` aside), or one whose key names a secret
+    (``*_TOKEN``, or a bare ``key``, ``token``, ``secret``)."""
     parts = key.replace("[", ".").split(".")
-    return parts[0] in SECRET_KEYS or any(grammar.looks_secret(p) for p in parts[1:])
+    if parts[0] in SECRET_TREES:
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return not (number and parts[-1] in SHOWN_NUMBERS)
+    return parts[0] in SECRET_KEYS or any(grammar.names_secret(p) for p in parts[1:])
 
 
 def _control_problems(key: str, value: Any, depth: int = 0) -> list[tuple[str, str]]:
@@ -189,7 +194,7 @@ def validate_host(layers: HostLayers, fallback_source: str, api_ports: int | Non
             if top in _UNION_EXPECTED and err["type"] != "missing":
                 message = f"expected {_UNION_EXPECTED[top]}, found {_found(values.get(top))}"
             else:
-                message = _message(err, is_secret_path(key))
+                message = _message(err, is_secret_path(key, err.get("input")))
             source = sources.get(top, fallback_source)
             if values.get(top) is None and is_role_default(source):
                 source = fallback_source  # a required value nobody set: the inventory must set it

@@ -15,7 +15,8 @@ there, which nothing may wait to read), ``file`` (which file:
 relative path: ``dir/`` a directory, ``-> TARGET`` a link, ``|fifo`` a named pipe, ``|private-key`` a key made
 for the run, ``|tls:KIND`` a TLS file made for the run (tests/unit/tls_files.py), else the file's text),
 ``data`` (``--data KEY=VALUE`` arguments). ``expect`` is the exact first line on stderr (pyinfra's ``--> …``
-progress lines skipped). The project holds gpufleet's ``config.py``, as a user's
+progress lines skipped); ``never_shown``, a secret the case plants, is on no line of it. The project holds
+gpufleet's ``config.py``, as a user's
 does: pyinfra runs it before the inventory, so an inventory file that does not compile or run is one line and exit 2
 there too.
 
@@ -328,6 +329,8 @@ def assert_refused(case: dict[str, Any], check: Run, pyinfra: Run, accepted: int
     for name, result in (("gpufleet check", check), ("pyinfra", pyinfra)):
         assert (result.rc, result.first_line) == (2, case["expect"]), f"{name}:\n{result.stderr}"
         assert "Traceback" not in result.stderr, f"{name}:\n{result.stderr}"
+        if "never_shown" in case:  # a secret the case plants: on no line, not only the first
+            assert case["never_shown"] not in result.stderr, name
         assert result.seconds < max_seconds, f"{name} used {result.seconds:.2f} s of CPU"
     assert accepted == 0, "pyinfra connected to the host"
 

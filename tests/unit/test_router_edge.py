@@ -99,7 +99,7 @@ def test_two_clients_with_one_key_from_two_references_are_refused_without_showin
     clients = {"alice": {"api_key": {"env": "ALICE_KEY"}}, "bob": {"api_key": {"file": str(tmp_path / "bob.key")}}}
     cfg = _config(router_clients=clients)
     layers = {"h": HostLayers("h", [Layer("group_vars/routers.yml", {"router_clients": clients})])}
-    problems = edge_problems(layers, ["h"], {"h": cfg})
+    problems = edge_problems(layers, [], {"h": cfg}, routers=["h"])  # a router that serves nothing
     assert [p.line() for p in problems] == [
         "group_vars/routers.yml: router_clients.bob.api_key: expected a key of its own per client, found client"
         " alice's key (not shown) (host h)"]
