@@ -79,9 +79,20 @@ class FakeReplica:
                 self._seen()
                 self._answer(200, {})
 
+            def _body(self) -> bytes:
+                """The request's body, with a length or chunked (as uvicorn, vLLM's server, reads both)."""
+                if "Content-Length" in self.headers:
+                    return self.rfile.read(int(self.headers["Content-Length"]))
+                body = b""
+                while size := int(self.rfile.readline().split(b";")[0], 16):
+                    body += self.rfile.read(size)
+                    self.rfile.readline()
+                self.rfile.readline()
+                return body
+
             def do_POST(self) -> None:
                 self._seen()
-                request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                request = json.loads(self._body())
                 with replica.lock:
                     replica.posts += 1
                 time.sleep(replica.delay)
@@ -104,9 +115,12 @@ class Router:
     replicas: dict[str, FakeReplica]
     stops: dict[str, ExitStack]
 
-    def post(self, model: str, size: int = 0) -> tuple[int, dict[str, Any]]:
+    def post(self, model: str, size: int = 0, chunked: bool = False) -> tuple[int, dict[str, Any]]:
+        """A completion whose prompt is ``size`` bytes; ``chunked``: its body without a length, in 4 KiB chunks
+        (Transfer-Encoding: chunked)."""
         body = json.dumps({"model": model, "prompt": "x" * size, "max_tokens": 1}).encode()
-        request = urllib.request.Request(f"{self.url}/v1/completions", data=body, method="POST",
+        data = iter([body[i:i + 4096] for i in range(0, len(body), 4096)]) if chunked else body
+        request = urllib.request.Request(f"{self.url}/v1/completions", data=data, method="POST",
                                          headers={"Content-Type": "application/json"})
         return _open(request)
 
@@ -211,6 +225,9 @@ def test_a_request_goes_to_its_models_replicas_whatever_the_name(router: Router)
     status, body = router.post("tiny llama")  # a prefix of a served name is another model
     assert status == 404 and body["error"]["code"] == 404
     assert router.post(HOSTILE, size=20000)[0] == 413  # over router_max_request_bytes
+    # the same held for a body without a length (chunked): what the router's buffer holds of it is measured
+    assert router.post(HOSTILE, size=20000, chunked=True)[0] == 413
+    assert router.post(HOSTILE, size=8000, chunked=True)[1]["model"] == HOSTILE
 
 
 def test_the_model_list_shows_what_the_key_opens(router: Router) -> None:
