@@ -84,6 +84,12 @@ CANDIDATE = "/etc/haproxy/gpufleet-candidate.cfg"  # checked with haproxy -c bef
 DROP_IN_DIR = f"{unit_path(SERVICE)}.d"
 DROP_IN = f"{DROP_IN_DIR}/gpufleet.conf"
 HEADER_BYTES = 32768  # room in HAProxy's buffer for the request line and headers besides the body
+TLS12_CIPHERS = ("ECDHE-ECDSA-AES128-GCM-SHA256", "ECDHE-RSA-AES128-GCM-SHA256", "ECDHE-ECDSA-AES256-GCM-SHA384",
+                 "ECDHE-RSA-AES256-GCM-SHA384", "ECDHE-ECDSA-CHACHA20-POLY1305", "ECDHE-RSA-CHACHA20-POLY1305")
+"""TLS 1.2's ciphers at the edge: forward secrecy (ECDHE) and AEAD only, Mozilla's "intermediate" profile less its
+DHE suites (which need parameters of their own); no static RSA key exchange, no CBC, no SHA-1."""
+TLS13_SUITES = ("TLS_AES_128_GCM_SHA256", "TLS_AES_256_GCM_SHA384", "TLS_CHACHA20_POLY1305_SHA256")
+"""TLS 1.3's suites at the edge: all three of the standard's, every one forward secret and AEAD."""
 # The edge (router_clients, TLS): files the deploy writes from the controller's secrets, read by HAProxy only.
 EDGE_DIR = "/etc/haproxy/gpufleet-edge"  # root:haproxy 0750
 EDGE_MAPS = ("clients", "grants", "models", "rates", "concurrency", "upstream")  # <EDGE_DIR>/<name>.map, 0640
@@ -163,6 +169,8 @@ def config_values(cfg: HostConfig, address: str, found: list[Backend], lists: li
         "max_connections": cfg.router_max_connections,
         "max_request_bytes": cfg.router_max_request_bytes,
         "buffer_bytes": cfg.router_max_request_bytes + HEADER_BYTES,
+        "tls12_ciphers": ":".join(TLS12_CIPHERS),
+        "tls13_suites": ":".join(TLS13_SUITES),
         "timeout_s": cfg.router_timeout_s,
         "connect_timeout_s": cfg.router_connect_timeout_s,
         "queue_timeout_ms": max(1, round(cfg.router_queue_timeout_s * 1000)),

@@ -316,6 +316,32 @@ def test_https_with_the_lab_ca_works_and_plain_http_on_the_router_port_gets_no_a
     assert tls_edge.request("GET", "/health", port=tls_edge.plain_port, tls=False).status == 200  # the plain port
 
 
+def _handshake(edge: Edge, version: ssl.TLSVersion, ciphers: str | None = None) -> str:
+    """The cipher a client trusting the lab CA gets at TLS ``version`` offering ``ciphers`` (OpenSSL's names)."""
+    assert edge.tls is not None
+    context = ssl.create_default_context(cafile=str(edge.tls.ca_certificate))
+    context.minimum_version = context.maximum_version = version
+    if ciphers:
+        context.set_ciphers(ciphers)
+    with socket.create_connection(("127.0.0.1", edge.port), timeout=10) as raw, \
+            context.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
+        found = tls.cipher()
+        assert found is not None
+        return found[0]
+
+
+def test_tls_offers_forward_secret_aead_ciphers_only(tls_edge: Edge) -> None:
+    """The lab's certificate is ECDSA: a TLS 1.2 client offering only CBC (with SHA-1 or SHA-256, ECDHE or not) is
+    refused, one offering an ECDHE AEAD cipher gets it; TLS 1.3 gets one of its suites."""
+    for cbc in ("ECDHE-ECDSA-AES128-SHA", "ECDHE-ECDSA-AES256-SHA384", "AES128-SHA:AES256-GCM-SHA384"):
+        with pytest.raises(ssl.SSLError):
+            _handshake(tls_edge, ssl.TLSVersion.TLSv1_2, cbc)
+    assert _handshake(tls_edge, ssl.TLSVersion.TLSv1_2, "ECDHE-ECDSA-AES128-GCM-SHA256:ECDHE-ECDSA-AES128-SHA") \
+        == "ECDHE-ECDSA-AES128-GCM-SHA256"
+    assert _handshake(tls_edge, ssl.TLSVersion.TLSv1_2) in router_role.TLS12_CIPHERS
+    assert _handshake(tls_edge, ssl.TLSVersion.TLSv1_3) in router_role.TLS13_SUITES
+
+
 def test_the_clients_counters_reach_a_textfile(edge: Edge, tmp_path: Path) -> None:
     for _ in range(2 * RATE):
         edge.post(KEYS["carol"])
