@@ -110,6 +110,14 @@ CLIENTS_INTERVAL_S = 15
 NOT_FOUND = '{"error":{"message":"not found","type":"NotFoundError","code":404}}'
 # What HAProxy answers itself with 503 (a request that waited router_queue_timeout_s for a free replica, or no
 # replica up), with a Retry-After header.
+# A body the router would read otherwise than vLLM: the router routes and authorises by the first "model" of a body,
+# vLLM reads the last; and a key spelled with \u escapes ("\u006dodel") is "model" to vLLM, not to the router. No
+# JSON encoder writes either: "model" twice with a value that is not an object or a list (a JSON schema's property
+# named model is one), or printable ASCII as a \u escape (an odd run of backslashes before it), anywhere in the body.
+MODEL_TWICE = r'(^|[^\\])"model"\s*:\s*[^\s{\[][\s\S]*(^|[^\\])"model"\s*:\s*[^\s{\[]'
+ESCAPED_ASCII = r'(^|[^\\])(\\\\)*\\u00[2-7][0-9a-fA-F]'
+AMBIGUOUS = ('{"error":{"message":"the body names its model twice, or spells printable characters as unicode escapes;'
+             ' send it as plain JSON","type":"BadRequestError","code":400}}')
 UNAVAILABLE = ('{"error":{"message":"every replica of the model is busy or down; retry later",'
                '"type":"ServiceUnavailableError","code":503}}')
 UNAUTHORIZED = ('{"error":{"message":"a known API key is needed (Authorization: Bearer <key>)",'
@@ -184,6 +192,9 @@ def config_values(cfg: HostConfig, address: str, found: list[Backend], lists: li
         "prefix_table_size": PREFIX_TABLE_SIZE,
         "prefix_table_expire": PREFIX_TABLE_EXPIRE,
         "not_found": NOT_FOUND,
+        "ambiguous": AMBIGUOUS,
+        "model_twice": MODEL_TWICE,
+        "escaped_ascii": ESCAPED_ASCII,
         "backends": [{"name": b.name, "comment": b.comment, "model_sha256": b.model_sha256, "routes": b.routes,
                       "policy": b.policy, "bound_percent": b.bound_percent,
                       "servers": [{"name": n, "address": a, "maxconn": maxconn[n]} for n, a in b.servers]}

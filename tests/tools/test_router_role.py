@@ -124,6 +124,12 @@ class Router:
                                          headers={"Content-Type": "application/json"})
         return _open(request)
 
+    def post_body(self, body: str) -> int:
+        """The status of a completion whose body is ``body`` as written."""
+        request = urllib.request.Request(f"{self.url}/v1/completions", data=body.encode(), method="POST",
+                                         headers={"Content-Type": "application/json"})
+        return _open(request)[0]
+
     def models(self, key: str | None) -> tuple[int, dict[str, Any]]:
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         return _open(urllib.request.Request(f"{self.url}/v1/models", headers=headers))
@@ -228,6 +234,30 @@ def test_a_request_goes_to_its_models_replicas_whatever_the_name(router: Router)
     # the same held for a body without a length (chunked): what the router's buffer holds of it is measured
     assert router.post(HOSTILE, size=20000, chunked=True)[0] == 413
     assert router.post(HOSTILE, size=8000, chunked=True)[1]["model"] == HOSTILE
+
+
+# Bodies as written (each valid JSON) and what the router answers: 400 where vLLM would read another model than the
+# router (the last "model" of a body, or a key spelled with \u escapes), 200 otherwise.
+BODIES = [
+    ('{"model": "%s", "prompt": "x", "max_tokens": 1}', 200),
+    ('{"model": "%s", "prompt": "x", "model": "other"}', 400),
+    ('{"model": "%s",\n "prompt": "x",\n "model" : "other"}', 400),
+    ('{"model": "%s", "model": null}', 400),
+    ('{"model": "%s", "\\u006dodel": "other"}', 400),
+    ('{"model": "%s", "prompt": "\\\\\\u0041"}', 400),
+    ('{"model": "%s", "prompt": "say \\"model\\": \\"other\\" please"}', 200),
+    ('{"model": "%s", "prompt": "x\\\\", "max_tokens": 1}', 200),
+    ('{"model": "%s", "prompt": "caf\\u00e9 \\u4e16 \\u0001 and a literal \\\\u0041"}', 200),
+    ('{"model": "%s", "response_format": {"type": "json_schema", "json_schema": {"schema": {"properties": {"model":'
+     ' {"type": "string"}}}}}}', 200),
+]
+
+
+@pytest.mark.parametrize(("body", "status"), BODIES)
+def test_a_body_vllm_would_read_otherwise_gets_400(router: Router, body: str, status: int) -> None:
+    text = body.replace("%s", PLAIN)
+    json.loads(text)  # every case is JSON a client may send
+    assert router.post_body(text) == status
 
 
 def test_the_model_list_shows_what_the_key_opens(router: Router) -> None:
