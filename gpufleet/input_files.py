@@ -21,11 +21,13 @@ MAX_JSON_DEPTH = 64
 
 
 class InputFileError(ValueError):
-    """A file or text that cannot be read as one: ``message`` says what was expected and found."""
+    """A file or text that cannot be read as one: ``message`` says what was expected and found, ``found`` the
+    latter alone."""
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, found: str = "") -> None:
         super().__init__(message)
         self.message = message
+        self.found = found
 
 
 def kind(mode: int) -> str:
@@ -43,15 +45,15 @@ def read_regular(path: Path, what: str = "a file", limit: int = MAX_FILE_BYTES) 
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
-        raise InputFileError(f"expected a readable file, found {exc.strerror}") from None
+        raise InputFileError(f"expected a readable file, found {exc.strerror}", str(exc.strerror)) from None
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(fd)
-        raise InputFileError(f"expected {what}, found {kind(mode)}")
+        raise InputFileError(f"expected {what}, found {kind(mode)}", kind(mode))
     with os.fdopen(fd, "rb") as handle:
         data = handle.read(limit + 1)
     if len(data) > limit:
-        raise InputFileError(f"expected {what} of at most {limit:,} bytes, found more")
+        raise InputFileError(f"expected {what} of at most {limit:,} bytes, found more", f"more than {limit:,} bytes")
     return data
 
 

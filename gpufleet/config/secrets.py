@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import os
+import stat
 import unicodedata
 from pathlib import Path
 
 from gpufleet.config.problems import ConfigError, Problem
 from gpufleet.config.schema import SecretRef
+from gpufleet.input_files import InputFileError, read_regular
 
 ENV_FILE_SECRETS = ("vllm_api_key", "vllm_hf_token", "ray_auth_token", "vllm_pip_index_credentials")
 """Secrets that reach a node in a systemd EnvironmentFile (one ``NAME="value"`` line each)."""
+
+SECRET_MAX_BYTES = 1 << 20
+"""The largest secret file read (a key, a token or a TLS pair with its chain is a few KiB)."""
 
 
 def _where(ref: SecretRef) -> str:
@@ -28,10 +33,10 @@ def _read(ref: SecretRef, key: str) -> str:
         return value
     path = Path(os.path.expanduser(str(ref.file)))
     try:
-        value = path.read_text().strip()
-    except OSError as exc:
+        value = read_regular(path, "a regular file", SECRET_MAX_BYTES).decode().strip()
+    except InputFileError as exc:
         raise ConfigError([Problem("controller", key, f"expected a readable secret file {path},"
-                                                   f" found: {exc.strerror}")]) from None
+                                                   f" found: {exc.found}")]) from None
     except UnicodeDecodeError:
         raise ConfigError([Problem("controller", key, f"expected a text secret in {path},"
                                                    " found binary data")]) from None
@@ -64,10 +69,21 @@ def read_secret(ref: SecretRef, key: str, one_line: bool = True) -> str:
 
 
 def unfit_secret(ref: SecretRef) -> str | None:
-    """Why the secret ``ref`` names cannot go into an environment file, when the controller can read it now;
-    None when it can, or cannot be read now (the deploy reads it and says why)."""
+    """Why the secret ``ref`` names cannot go into an environment file, when the controller can read it now or
+    names something that is not a regular file (a pipe, a directory, a device: it never will be); None when it
+    can, or cannot be read now (the deploy reads it and says why)."""
     try:
         value = _read(ref, "")
-    except ConfigError:
-        return None
+    except ConfigError as error:
+        return error.problems[0].message if _not_a_file(ref) else None
     return line_problem(value, ref)
+
+
+def _not_a_file(ref: SecretRef) -> bool:
+    """Whether ``ref`` names a path that exists as something other than a regular file."""
+    if ref.file is None:
+        return False
+    try:
+        return not stat.S_ISREG(Path(os.path.expanduser(str(ref.file))).stat().st_mode)
+    except (OSError, ValueError):
+        return False

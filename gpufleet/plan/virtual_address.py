@@ -10,8 +10,8 @@ at a time, by VRRP version 2 (the version whose group has a password) unicast be
 - a virtual address outside the routers' network (each router's address with ``router_virtual_prefix``), that
   network's own or broadcast address, or the address of any host of the inventory;
 - no ``router_vrrp_password``, or one that keepalived's ``auth_pass`` cannot hold (1 to 8 printable ASCII
-  characters, no blank, quote, ``#`` or ``!``): checked when the controller can read the secret now; the deploy
-  reads it again and stops on the same problem before it changes anything.
+  characters, no blank, quote, ``#`` or ``!``), or one the controller cannot read now (unset, not a regular file,
+  empty, two lines): the deploy reads it again and stops on the same problem before it changes anything.
 
 :func:`group` gives the deploy and the CLI the VRRP group as data: the address, each router's own address, its
 priority (the group's order: the first router listed has the highest) and its peers; :func:`endpoint_line` the
@@ -139,14 +139,6 @@ def read_password(ref: SecretRef | None) -> str:
     return value
 
 
-def readable_password(ref: SecretRef) -> str | None:
-    """The password as the controller reads it now; None when it cannot (the deploy reads it and says why)."""
-    try:
-        return read_secret(ref, PASSWORD_KEY)
-    except ConfigError:
-        return None
-
-
 def problems(routers: Sequence[str], configs: Mapping[str, HostConfig],
              source: Callable[[str, str], str]) -> list[Problem]:
     """What no single host shows about the virtual address; ``source(host, key)``: the file that set the key."""
@@ -210,6 +202,8 @@ def _password_problems(router: str, cfg: HostConfig, source: Callable[[str, str]
         return [Problem(source(router, PASSWORD_KEY), PASSWORD_KEY,
                         f"expected a secret reference ({{env: NAME}} or {{file: PATH}}) with {KEY}"
                         " (the VRRP group's password), found null")]
-    password = readable_password(cfg.router_vrrp_password)
-    problem = password_problem(password) if password is not None else None
+    try:
+        problem = password_problem(read_secret(cfg.router_vrrp_password, PASSWORD_KEY))
+    except ConfigError as error:
+        problem = error.problems[0].message
     return [Problem(source(router, PASSWORD_KEY), PASSWORD_KEY, problem)] if problem else []

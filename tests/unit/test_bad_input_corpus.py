@@ -14,7 +14,8 @@ there, which nothing may wait to read), ``file`` (which file:
 ``after`` (inventory lines after its ``apply_group_vars(globals())``), ``paths`` (more files in the project, by
 relative path: ``dir/`` a directory, ``-> TARGET`` a link, ``|fifo`` a named pipe, ``|private-key`` a key made
 for the run, ``|tls:KIND`` a TLS file made for the run (tests/unit/tls_files.py), else the file's text),
-``data`` (``--data KEY=VALUE`` arguments). ``expect`` is the exact first line on stderr (pyinfra's ``--> …``
+``data`` (``--data KEY=VALUE`` arguments), ``env`` (environment variables set for the commands, over :data:`ENV`,
+whose VRRP password the virtual address's cases name). ``expect`` is the exact first line on stderr (pyinfra's ``--> …``
 progress lines skipped); ``never_shown``, a secret the case plants, is on no line of it. The project holds
 gpufleet's ``config.py``, as a user's
 does: pyinfra runs it before the inventory, so an inventory file that does not compile or run is one line and exit 2
@@ -93,6 +94,8 @@ HANG_SECONDS = 30
 MAX_SECONDS = 2.0
 MAX_SUBPROCESS_SECONDS = 4.0
 INVENTORY = "inventories/fleet.py"
+ENV = {"GPUFLEET_CORPUS_VRRP": "corpus-1"}
+"""Set for every case (a case's ``env`` adds to it or overrides it)."""
 
 
 @dataclass
@@ -212,10 +215,15 @@ def _first_line(stderr: str) -> str:
 
 # -- the real commands, as subprocesses -----------------------------------------------------------------
 
-def run(argv: list[str], cwd: Path) -> Run:
+def case_env(case: dict[str, Any]) -> dict[str, str]:
+    """The environment variables a case's commands see beside the test's own."""
+    return {**ENV, **(case.get("env") or {})}
+
+
+def run(argv: list[str], cwd: Path, case: dict[str, Any]) -> Run:
     """Run a command; its time is the CPU time it used (user + system, from wait4), which other load on
     the machine does not inflate; a hang is cut at HANG_SECONDS of wall time."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "NO_COLOR": "1"}
+    env = {**os.environ, **case_env(case), "PYTHONPATH": str(ROOT), "NO_COLOR": "1"}
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         proc = subprocess.Popen(argv, cwd=cwd, stdout=out, stderr=err, env=env)
         watchdog = threading.Timer(HANG_SECONDS, proc.kill)
@@ -234,8 +242,8 @@ def run_case(case: dict[str, Any], root: Path, port: int) -> tuple[Run, Run]:
     """The case through ``gpufleet check`` and through ``pyinfra -y <inventory> <empty deploy>``, side by side."""
     data = build_project(case, root, port)
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        check = pool.submit(run, [str(BIN / "gpufleet"), "check", *data, INVENTORY], root)
-        pyinfra = pool.submit(run, [str(BIN / "pyinfra"), "-y", *data, INVENTORY, "deploy.py"], root)
+        check = pool.submit(run, [str(BIN / "gpufleet"), "check", *data, INVENTORY], root, case)
+        pyinfra = pool.submit(run, [str(BIN / "pyinfra"), "-y", *data, INVENTORY, "deploy.py"], root, case)
         return check.result(), pyinfra.result()
 
 
@@ -321,6 +329,8 @@ def pyinfra_in_process(root: Path, data: list[str], monkeypatch: pytest.MonkeyPa
 def run_in_process(case: dict[str, Any], root: Path, port: int, monkeypatch: pytest.MonkeyPatch) -> tuple[Run, Run]:
     """The case through ``gpufleet check`` and through pyinfra's inventory loading, in this process."""
     data = build_project(case, root, port)
+    for name, value in case_env(case).items():
+        monkeypatch.setenv(name, value)
     return check_in_process(root, data, monkeypatch), pyinfra_in_process(root, data, monkeypatch)
 
 
