@@ -18,15 +18,19 @@ from pathlib import Path
 from typing import Any
 
 from gpufleet.config.grammar import show
-from gpufleet.config.layers import HostLayers, Layer
+from gpufleet.config.layers import HostLayers, Layer, is_role_default
 from gpufleet.config.problems import ConfigError, Problem
-from gpufleet.config.router_wide import router_wide_problems, wide_networks
+from gpufleet.config.router_wide import address_problems, router_wide_problems, wide_networks
 from gpufleet.config.schema import HostConfig, SecretRef
 from gpufleet.config.secrets import read_secret
 from gpufleet.config.tls_pair import pair_problems
 
 MIN_KEY_CHARS = 16
 """The shortest client key: a key is all that stands between a client and the fleet's GPUs."""
+
+MAX_KEY_CHARS = 4096
+"""The longest client key: its ``Authorization`` header shares the 32 KiB the routers' buffer keeps for a request's
+line and headers (roles/router HEADER_BYTES); an eighth of it leaves the rest to the request's other headers."""
 
 CERTIFICATE_MARK = "-----BEGIN CERTIFICATE-----"
 PRIVATE_KEY_MARK = "PRIVATE KEY-----"
@@ -37,6 +41,9 @@ def _key_problem(value: str) -> str | None:
     if len(value) < MIN_KEY_CHARS or not all("!" <= ch <= "~" for ch in value):
         return (f"expected a key of at least {MIN_KEY_CHARS} visible ASCII characters without blanks,"
                 " found one that is not (not shown)")
+    if len(value) > MAX_KEY_CHARS:
+        return (f"expected a key of at most {MAX_KEY_CHARS:,} characters (it travels in a header the routers"
+                f" buffer), found {len(value):,} (not shown)")
     return None
 
 
@@ -237,7 +244,8 @@ def _served_models(configs: dict[str, HostConfig], serving: list[str]) -> set[st
 
 
 def edge_problems(hosts: dict[str, HostLayers], serving: list[str], configs: dict[str, HostConfig],
-                  override: dict[str, Any] | None = None, routers: list[str] | None = None) -> list[Problem]:
+                  override: dict[str, Any] | None = None, routers: list[str] | None = None,
+                  inventory: str = "controller") -> list[Problem]:
     """Every host's edge problems (each host's layers, ``serving``: the hosts of serving pools, ``routers``: those
     of the routers group, which must agree on the CA clients trust); each secret is read once, and none is
     shown."""
@@ -260,8 +268,19 @@ def edge_problems(hosts: dict[str, HostLayers], serving: list[str], configs: dic
                                   f" found {show(model)}"))
         problems += [Problem(source, key, message, (host,)) for source, key, message in found]
     problems += router_wide_problems(hosts, configs, routers, override)
+    problems += address_problems(configs, routers, serving, lambda host, key: _source(hosts, override, host, key,
+                                                                                       inventory))
     problems += _past_the_client_keys(hosts, serving, configs, routers, override, cache)
     return problems
+
+
+def _source(hosts: dict[str, HostLayers], override: dict[str, Any] | None, host: str, key: str,
+            unset: str | None = None) -> str:
+    """The file that set ``key`` for ``host`` (``--data`` last; "controller" for none); ``unset``, when given, for
+    a value no file of the project set (a role's default)."""
+    layers = hosts[host].layers + ([Layer("--data", override)] if override else [])
+    found = HostLayers(host, layers).merged()[1].get(key, "controller")
+    return unset if unset is not None and is_role_default(found) else found
 
 
 def _past_the_client_keys(hosts: dict[str, HostLayers], serving: list[str], configs: dict[str, HostConfig],
@@ -273,8 +292,7 @@ def _past_the_client_keys(hosts: dict[str, HostLayers], serving: list[str], conf
         return []
 
     def source(host: str, key: str) -> str:
-        layers = hosts[host].layers + ([Layer("--data", override)] if override else [])
-        return HostLayers(host, layers).merged()[1].get(key, "controller")
+        return _source(hosts, override, host, key)
 
     problems: list[Problem] = []
     keyless = [h for h in serving if h in configs and configs[h].vllm_api_key is None]
@@ -289,6 +307,7 @@ def _past_the_client_keys(hosts: dict[str, HostLayers], serving: list[str], conf
         value = _read(ref, "vllm_api_key", cache) if ref is not None else None
         if isinstance(value, str):
             replica_keys.setdefault(value.strip(), configs[host].served_model_name())
+    in_clear = {value.strip(): (host, name) for host, cfg in configs.items() for name, value in cfg.vllm_env.items()}
     router = configs[edge[0]]
     for name, client in router.router_clients.items():
         value = _read(client.api_key, f"router_clients.{name}.api_key", cache)
@@ -296,6 +315,11 @@ def _past_the_client_keys(hosts: dict[str, HostLayers], serving: list[str], conf
             problems.append(Problem(source(edge[0], "router_clients"), f"router_clients.{name}.api_key",
                                     f"expected a key other than the replicas' (vllm_api_key of {show(model)}: the"
                                     " routers keep it in clear, in their upstream map), found the same (not shown)",
+                                    tuple(edge)))
+        elif isinstance(value, str) and (where := in_clear.get(value.strip())) is not None:
+            problems.append(Problem(source(edge[0], "router_clients"), f"router_clients.{name}.api_key",
+                                    f"expected a key no setting holds in clear, found the value of vllm_env.{where[1]}"
+                                    f" on {where[0]} (not shown; it is written to that host's unit files)",
                                     tuple(edge)))
     for host in serving:
         allowed = configs[host].vllm_api_allowed_from if host in configs else None

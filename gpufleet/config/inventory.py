@@ -210,7 +210,9 @@ def _virtual_address_problems(loaded: InventoryLayers, configs: Mapping[str, Hos
                 return found
         return loaded.path
 
-    return virtual_address.problems(virtual_address.routers_of(loaded.groups), configs, source)
+    ssh = {host: str(address) for host in configs
+           if isinstance(address := loaded.hosts[host].merged()[0].get("ssh_hostname"), str)}
+    return virtual_address.problems(virtual_address.routers_of(loaded.groups), configs, source, ssh)
 
 
 def validate_layers(loaded: InventoryLayers, override: dict[str, Any] | None = None) -> dict[str, HostConfig]:
@@ -318,8 +320,8 @@ def apply_group_vars(namespace: dict[str, Any]) -> None:
         configs = validate_layers(loaded, override)
         serving = [host for host in loaded.hosts if loaded.pool_of(host) is not None]
         routers = [host for name, members in loaded.groups if name == ROUTERS_GROUP for host in members]
-        plan_problems = edge_problems(loaded.hosts, serving, configs, override, routers) or declared_plan_problems(
-            loaded, configs, override)
+        plan_problems = (edge_problems(loaded.hosts, serving, configs, override, routers, loaded.path)
+                         or declared_plan_problems(loaded, configs, override))
         if plan_problems:
             raise ConfigError(plan_problems)
     except ConfigError as error:

@@ -6,6 +6,8 @@ silently), and it leaves no way around the client keys.
   never shown);
 - :data:`EDGE_ONLY`: set for a host outside ``routers`` by a file (or ``--data``) that sets it for no router:
   refused, naming the routers;
+- every router has an IP address (``fleet_address``, else an inventory name that is one) where replicas are
+  served (their filters let the routers in by address), and none listens on another router's address;
 - with client keys: every serving pool has a replicas' key (``vllm_api_key``; without one the replicas answer
   anyone), no client's key is a replicas' key (it would sit in clear in the routers' upstream map), and
   ``vllm_api_allowed_from`` lets no wide network reach the replicas past the routers (:data:`WIDEST_PREFIX`).
@@ -45,6 +47,36 @@ def router_wide_problems(hosts: dict[str, HostLayers], configs: dict[str, HostCo
     problems = _differences([r for r in routers if r in configs], configs, lambda h, k: sources[h].get(k, "controller"))
     problems += _outside(configs, routers, sources)
     return problems
+
+
+def own_address(host: str, cfg: HostConfig) -> str | None:
+    """A host's own IP address: ``fleet_address``, else its inventory name when that is one."""
+    try:
+        return str(ipaddress.ip_address(cfg.fleet_address or host))
+    except ValueError:
+        return None
+
+
+def address_problems(configs: dict[str, HostConfig], routers: Sequence[str], serving: Sequence[str],
+                     source: Callable[[str, str], str]) -> list[Problem]:
+    """A router known by name only beside replicas (their units filter on addresses), or listening on another
+    router's address."""
+    found: list[Problem] = []
+    valid = [r for r in routers if r in configs]
+    owners = {address: r for r in valid if (address := own_address(r, configs[r])) is not None}
+    for router in valid:
+        cfg = configs[router]
+        if serving and own_address(router, cfg) is None:
+            found.append(Problem(source(router, "fleet_address"), "fleet_address",
+                                 "expected the router's IP address (fleet_address, or an inventory name that is one:"
+                                 " the replicas let the routers in by address), found the host name"
+                                 f" {show(cfg.fleet_address or router)}", (router,)))
+        owner = owners.get(cfg.router_listen_address or "")
+        if owner is not None and owner != router:
+            found.append(Problem(source(router, "router_listen_address"), "router_listen_address",
+                                 f"expected the router's own address or 0.0.0.0, found {cfg.router_listen_address},"
+                                 f" the address of router {owner}", (router,)))
+    return found
 
 
 def _differences(routers: Sequence[str], configs: dict[str, HostConfig],

@@ -279,6 +279,16 @@ def _client_names(value: Any) -> Any:
     return value
 
 
+def _client_models(value: Any) -> Any:
+    """A client's ``models`` given is a list of one model or more: every served model is ``models`` left out, never
+    a key left empty (``models:`` alone reads as null) or an empty list (a client that could use nothing)."""
+    if value is None or value == []:
+        found = "models: with nothing after it (null)" if value is None else "an empty list"
+        raise ValueError(f"expected a list of the served models the client may use (leave models out for every"
+                         f" served model), found {found}")
+    return value
+
+
 class RouterClient(BaseModel):
     """One client of the routers: its key, the served models it may use, its limits (None: no limit)."""
 
@@ -290,6 +300,7 @@ class RouterClient(BaseModel):
     concurrent_requests: Annotated[int, Field(ge=1, le=100_000)] | None = None
 
     _check_secret = field_validator("api_key", mode="before")(_secret_ref)
+    _check_models = field_validator("models", mode="before")(_client_models)
 
 
 class HostConfig(BaseModel):

@@ -140,8 +140,9 @@ def read_password(ref: SecretRef | None) -> str:
 
 
 def problems(routers: Sequence[str], configs: Mapping[str, HostConfig],
-             source: Callable[[str, str], str]) -> list[Problem]:
-    """What no single host shows about the virtual address; ``source(host, key)``: the file that set the key."""
+             source: Callable[[str, str], str], ssh: Mapping[str, str] | None = None) -> list[Problem]:
+    """What no single host shows about the virtual address; ``source(host, key)``: the file that set the key;
+    ``ssh``: each host's SSH address where the inventory gives one (pyinfra's ``ssh_hostname``)."""
     setting = [h for h, cfg in configs.items() if cfg.router_virtual_address is not None]
     if not setting:
         return []
@@ -171,11 +172,50 @@ def problems(routers: Sequence[str], configs: Mapping[str, HostConfig],
         elif network.prefixlen < 31 and vip in (network.network_address, network.broadcast_address):
             found.append(Problem(source(router, KEY), KEY, f"expected a host address of the routers' network"
                                                            f" {network}, found its own address {vip}"))
-    for host, cfg in configs.items():
-        if host_address(host, cfg) == str(vip):
-            found.append(Problem(source(valid[0], KEY), KEY, f"expected an address no host has, found {vip},"
-                                                             f" the address of {host}"))
+    found += _taken(vip, configs, ssh or {}, lambda key: source(valid[0], key))
+    found += _router_side_problems(valid, configs, source)
     found += _password_problems(valid[0], first, source)
+    return found
+
+
+LISTENERS = ("node_exporter_listen_address", "alertmanager_listen_address")
+"""The addresses a host's own services listen on (``router_listen_address``: :func:`_router_side_problems`)."""
+
+
+def _taken(vip: ipaddress.IPv4Address, configs: Mapping[str, HostConfig], ssh: Mapping[str, str],
+           source: Callable[[str], str]) -> list[Problem]:
+    """The virtual address where a host already is: its own address, its SSH address, one its services listen on."""
+    for host, cfg in configs.items():
+        for what, address in (("the address", host_address(host, cfg)), ("the SSH address", ssh.get(host)),
+                              *((f"{key}", getattr(cfg, key)) for key in LISTENERS)):
+            if address is not None and _same(address, vip):
+                return [Problem(source(KEY), KEY, f"expected an address no host has, found {vip}, {what} of {host}")]
+    return []
+
+
+def _same(address: str, vip: ipaddress.IPv4Address) -> bool:
+    try:
+        return ipaddress.ip_address(address) == vip
+    except ValueError:
+        return False
+
+
+def _router_side_problems(routers: Sequence[str], configs: Mapping[str, HostConfig],
+                          source: Callable[[str, str], str]) -> list[Problem]:
+    """A router listening on the virtual address (HAProxy binds it as well, on every router), or keeping the
+    address on the loopback interface (no neighbour would reach it there)."""
+    found: list[Problem] = []
+    vip = configs[routers[0]].router_virtual_address
+    for router in routers:
+        cfg = configs[router]
+        if cfg.router_listen_address is not None and cfg.router_listen_address == vip:
+            found.append(Problem(source(router, "router_listen_address"), "router_listen_address",
+                                 f"expected the router's own address or 0.0.0.0 beside {KEY} (every router binds the"
+                                 f" virtual address as well), found the virtual address {vip}", (router,)))
+        if cfg.router_virtual_interface == "lo":
+            found.append(Problem(source(router, "router_virtual_interface"), "router_virtual_interface",
+                                 "expected the interface on the routers' network (keepalived answers ARP for the"
+                                 " virtual address there), found lo, the loopback", (router,)))
     return found
 
 
