@@ -4,13 +4,15 @@ A named pipe, a device, a socket or a directory where a file is expected is refu
 is read (opening a FIFO for reading blocks until a writer comes; here it is opened non-blocking and only its
 type is looked at). JSON nested deeper than :data:`MAX_JSON_DEPTH` is refused from its text, before a parser
 recurses into it. A model directory pushed to the nodes holds directories, regular files and links that stay
-inside it, nothing else.
+inside it, nothing else. A file a command is to write once its work is done (a report, a plot) is checked before
+the work starts: somewhere a regular file can be written.
 """
 
 from __future__ import annotations
 
 import os
 import stat
+import tempfile
 from pathlib import Path
 
 MAX_FILE_BYTES = 16 * 2**20
@@ -55,6 +57,29 @@ def read_regular(path: Path, what: str = "a file", limit: int = MAX_FILE_BYTES) 
     if len(data) > limit:
         raise InputFileError(f"expected {what} of at most {limit:,} bytes, found more", f"more than {limit:,} bytes")
     return data
+
+
+def output_file_problem(path: Path) -> str | None:
+    """Why a command could not write ``path`` once its work is done: a directory, a named pipe, a device or a socket
+    there, no such directory, or one this user may not write; None when it can."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        mode = None
+    except OSError as exc:
+        return f"expected a file to write, found {str(path)!r} unreadable ({exc.strerror})"
+    if mode is not None and not stat.S_ISREG(mode):
+        return f"expected a regular file to write, found {kind(mode)} at {str(path)!r}"
+    if mode is None and not path.parent.is_dir():
+        return f"expected a file in a directory that exists, found no directory {str(path.parent)!r}"
+    try:  # tried, not read from modes: the superuser passes every mode check, never a read-only file system
+        if mode is not None:
+            os.close(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK))
+        else:
+            tempfile.TemporaryFile(dir=path.parent).close()
+    except OSError as exc:
+        return f"expected a file this user may write, found {str(path)!r} not writable ({exc.strerror})"
+    return None
 
 
 def json_depth_problem(text: str, limit: int = MAX_JSON_DEPTH) -> str | None:

@@ -34,6 +34,7 @@ from gpufleet_lab.mirror import MirrorUrls, keyring_fingerprint, node_exporter_s
 from gpufleet_lab.network import virtual_address
 from gpufleet_lab.nodes import (
     API_KEY_FILE,
+    BENCH_KEY_FILE,
     CLIENT_KEY_FILE,
     RAY_TOKEN_FILE,
     TLS_DIR,
@@ -87,7 +88,9 @@ _edge = {
     "router_tls_ca": str(_tls.ca_certificate),  # what the bench trusts for the routers
     "router_clients": {"lab": {"api_key": {"file": str(ensure_api_key(lab_dir(), CLIENT_KEY_FILE))},
                                # limits far above what the tests send (the route matrix: ~40 requests in a second)
-                               "requests_per_s": 200, "concurrent_requests": 32}},
+                               "requests_per_s": 200, "concurrent_requests": 32},
+                       # gpufleet bench's: a client limited below a ramp would have its 429s measured as the ceiling
+                       "bench": {"api_key": {"file": str(ensure_api_key(lab_dir(), BENCH_KEY_FILE))}}},
 }
 if _layout == "singles":  # three replicas of one shape, routed by their prompts' prefixes
     _edge["router_policy"] = "prefix"

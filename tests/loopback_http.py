@@ -8,7 +8,7 @@ import http.client
 import json
 import ssl
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -63,10 +63,10 @@ def loopback_server(handler: type[BaseHTTPRequestHandler], port: int = 0) -> Ite
         server.server_close()
 
 
-def raw_request(host: str, port: int, method: str, path: str, body: bytes,
+def raw_request(host: str, port: int, method: str, path: str, body: bytes | Iterable[bytes],
                 headers: dict[str, str], tls: ssl.SSLContext | None = None) -> tuple[int, bytes]:
     """One request with ``path`` as written (no client library normalizes it), over TLS with ``tls``: the status
-    and the answer."""
+    and the answer; a body given as chunks goes without a length (Transfer-Encoding: chunked)."""
     connection = (http.client.HTTPSConnection(host, port, timeout=120, context=tls) if tls is not None
                   else http.client.HTTPConnection(host, port, timeout=120))
     try:

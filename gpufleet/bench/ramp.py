@@ -22,15 +22,19 @@ objective within the step.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from gpufleet.config.grammar import decimal
 
 FIRST_RATE = 0.5
 """Requests per second of the first step of a ramp without ``--rates``."""
 
 MAX_DOUBLINGS = 12
 """Steps of a ramp without ``--rates`` before it gives up finding a limit (0.5 to 1024 requests/s)."""
+
+RAMP_TOP_RPS = FIRST_RATE * 2 ** (MAX_DOUBLINGS - 1)
+"""The highest rate a ramp without ``--rates`` may offer."""
 
 REFINE_STEPS = 5
 """Most rates tried between the highest passing and the lowest failing step of a doubling ramp."""
@@ -51,8 +55,6 @@ the longest step, an hour."""
 
 MAX_RATE = 100_000.0
 """The highest rate a step may offer (requests a second): a step holds rate x step requests."""
-
-_DECIMAL = re.compile(r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
 
 LIMITS = ("ttft", "itl", "errors", "unanswered")
 """What can stop a ramp, in the order a failing step names them."""
@@ -168,7 +170,7 @@ def parse_slo(text: str, default: Slo) -> Slo:
         if key in given:
             raise RampError(f"{key}: expected it once, found it twice")
         given.add(key)
-        number = _number(value.strip())
+        number = decimal(value.strip())
         if number is None or not 0 < number <= SLO_MAX_S[key]:
             raise RampError(f"{key}: expected a number of seconds above 0, at most {SLO_MAX_S[key]:g},"
                             f" found {value.strip()!r}")
@@ -180,7 +182,7 @@ def parse_rates(text: str) -> list[float]:
     """Comma-separated requests per second, each above 0, each above the one before; RampError otherwise."""
     rates: list[float] = []
     for part in text.split(","):
-        rate = _number(part.strip())
+        rate = decimal(part.strip())
         if rate is None or not 0 < rate <= MAX_RATE:
             raise RampError(f"expected requests per second above 0, at most {MAX_RATE:g}, found {part.strip()!r}")
         if rates and rate <= rates[-1]:
@@ -199,14 +201,6 @@ def step_problem(step_s: float, slo: Slo) -> str | None:
         return (f"expected at least {shortest:g} seconds for a TTFT objective of {slo.ttft_p99_s:g} s"
                 f" ({STEP_PER_TTFT:g} objectives: a queue must be able to show within a step), found {step_s:g}")
     return None
-
-
-def _number(text: str) -> float | None:
-    """A finite decimal number written in ASCII (``float`` would also take ``1_0`` and other scripts' digits)."""
-    if not _DECIMAL.fullmatch(text):
-        return None
-    value = float(text)
-    return value if math.isfinite(value) else None
 
 
 def next_rate(done: list[Step], slo: Slo, given: list[float] | None) -> float | None:

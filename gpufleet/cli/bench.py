@@ -19,6 +19,7 @@ from gpufleet.bench.engine_metrics import with_engine_metrics
 from gpufleet.bench.plot import render_svg
 from gpufleet.bench.ramp import (
     MAX_DOUBLINGS,
+    RAMP_TOP_RPS,
     REFINE_STEPS,
     RampError,
     Slo,
@@ -29,13 +30,15 @@ from gpufleet.bench.ramp import (
     step_problem,
 )
 from gpufleet.bench.records import RECORDS_DIR, Record, RecordKey, layout_name
-from gpufleet.cli.inputs import DATA_OPTION, cli_fleet, fail_lines, fleet_facts, group_hosts
+from gpufleet.cli.inputs import DATA_OPTION, Number, cli_fleet, fail_lines, fleet_facts, group_hosts
 from gpufleet.config.edge import ca_path, ca_problem
 from gpufleet.config.fleet import Fleet
 from gpufleet.config.inventory import parse_data_args
 from gpufleet.config.inventory_shape import MONITORING_GROUP, ROUTERS_GROUP
 from gpufleet.config.problems import ConfigError
+from gpufleet.config.schema import RouterClient
 from gpufleet.config.secrets import read_secret
+from gpufleet.input_files import output_file_problem
 from gpufleet.netaddr import host_port
 from gpufleet.plan import virtual_address
 from gpufleet.plan.planner import Replica, plan_fleet
@@ -84,10 +87,24 @@ def _choose(fleet: Fleet, replicas: list[Replica], model: str | None, replica: s
     return Chosen(model, chosen, key)
 
 
-def _target(fleet: Fleet, chosen: Chosen, client_name: str | None, ca_file: str | None) -> client.Target:
-    """Where the requests go, and with which key: the routers' endpoint, a router client's key and the CA that signs
-    the routers' certificate (``--ca-file``, else ``router_tls_ca``), or the one replica's own API and its
-    ``vllm_api_key``."""
+def _limits_the_ramp(router_client: RouterClient, rates: list[float] | None) -> str | None:
+    """How a router client's limits would cap a ramp offering ``rates`` (None: the doubling ramp, up to
+    :data:`RAMP_TOP_RPS`), or None: a rate limit below the ramp's top, or any concurrency limit (it caps the rate at
+    the limit over a request's duration, which only the ramp measures)."""
+    top = max(rates) if rates else RAMP_TOP_RPS
+    limits = []
+    if router_client.requests_per_s is not None and router_client.requests_per_s < top:
+        limits.append(f"limited to {router_client.requests_per_s:g} req/s (the ramp offers up to {top:g})")
+    if router_client.concurrent_requests is not None:
+        limits.append(f"limited to {router_client.concurrent_requests:,} requests at once")
+    return " and ".join(limits) or None
+
+
+def _target(fleet: Fleet, chosen: Chosen, client_name: str | None, ca_file: str | None,
+            rates: list[float] | None) -> client.Target:
+    """Where the requests go, and with which key: the routers' endpoint, a router client's key (``--client``, else
+    the first allowed the model whose limits let the ramp through) and the CA that signs the routers' certificate
+    (``--ca-file``, else ``router_tls_ca``), or the one replica's own API and its ``vllm_api_key``."""
     first_cfg = fleet.configs[chosen.replicas[0].nodes[0]]
     tokenizer = str(first_cfg.vllm_model_config or first_cfg.vllm_model)
     try:
@@ -109,7 +126,12 @@ def _target(fleet: Fleet, chosen: Chosen, client_name: str | None, ca_file: str 
         if client_name is not None and client_name not in allowed:
             fail_lines([f"gpufleet bench: --client: expected a router client allowed {json.dumps(chosen.model)}"
                         f" ({', '.join(allowed) or 'none is'}), found {client_name!r}"])
-        name = client_name or (allowed[0] if allowed else None)
+        limited = {name: why for name in allowed if (why := _limits_the_ramp(cfg.router_clients[name], rates))}
+        name = client_name or next((n for n in allowed if n not in limited), allowed[0] if allowed else None)
+        if name is not None and name in limited:
+            fail_lines([f"gpufleet bench: --client: expected a router client whose limits let the ramp through (the"
+                        f" routers' 429s would be measured as the ceiling), found {name} {limited[name]}: give the"
+                        " bench a client of its own without limits"])
         key = (read_secret(cfg.router_clients[name].api_key, f"router_clients.{name}.api_key")
                if name is not None else None)
         return client.Target(f"{scheme}://{address}:{cfg.router_port}", chosen.model, key, ca_file, tokenizer)
@@ -233,7 +255,7 @@ def _store(inventory: str, data: tuple[str, ...], fleet: Fleet, record: Record, 
 @click.option("--dataset", type=click.Path(dir_okay=False, path_type=Path),
               help="JSONL requests: {\"prompt\": ..., \"output_tokens\": N} (default: random lengths from"
                    " max_model_len).")
-@click.option("--step-s", type=click.FloatRange(min=5, max=3600), default=DEFAULT_STEP_S, show_default=True,
+@click.option("--step-s", type=Number(5, 3600, what="a number of seconds"), default=DEFAULT_STEP_S, show_default=True,
               help="Seconds each step sends requests (at least 10 TTFT objectives).")
 @click.option("--client", "client_name", help="The router client whose key the bench uses (default: the first"
                                               " allowed the model).")
@@ -270,6 +292,9 @@ def bench_command(inventory: str, model: str | None, replica: str | None, slo_te
         fail_lines([f"gpufleet bench: --step-s: {problem}"])
     if ca_file is not None and (problem := ca_problem(ca_file)):
         fail_lines([f"gpufleet bench: --ca-file: {problem}"])
+    for option, path in (("--report", report), ("--plot", plot)):
+        if path is not None and (problem := output_file_problem(path)):
+            fail_lines([f"gpufleet bench: {option}: {problem}"])
     max_len = min(r.max_model_len for r in chosen.replicas)
     try:
         rows = load_dataset(dataset, max_len) if dataset is not None else None
@@ -279,7 +304,7 @@ def bench_command(inventory: str, model: str | None, replica: str | None, slo_te
         fail_lines([f"gpufleet bench: --dataset: {dataset}: expected at least {need:,} requests (each is sent once;"
                     f" the step of {max(rates):g} req/s over {step_s:g} s sends {need:,}), found {len(rows):,}"])
     _not_on_a_serving_node(fleet)
-    target = _target(fleet, chosen, client_name, ca_file)
+    target = _target(fleet, chosen, client_name, ca_file, rates)
     steps_max = len(rates) if rates is not None else MAX_DOUBLINGS + REFINE_STEPS
     click.echo(f"gpufleet bench: {chosen.key.line()}, {len(chosen.replicas)} replica(s) at {target.base_url};"
                f" objective TTFT p99 {slo.ttft_p99_s:g} s, ITL p99 {slo.itl_p99_s:g} s; at most {steps_max} steps"

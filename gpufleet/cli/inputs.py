@@ -4,11 +4,12 @@ one-line refusal (exit 2)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import click
 
 from gpufleet.config.fleet import Fleet
+from gpufleet.config.grammar import decimal
 from gpufleet.config.inventory import cli_data_override as _data_override
 from gpufleet.config.inventory import load_fleet, loaded_inventory, parse_data_args, set_data_override
 from gpufleet.config.layers import is_role_default
@@ -33,6 +34,28 @@ def cli_fleet(inventory: str, data: tuple[str, ...] = ()) -> Fleet:
         return load_fleet(inventory, override)
     except ConfigError as error:
         exit_with(error)
+
+
+class Number(click.ParamType[float | int, Any]):
+    """A number option read as every command reads numbers (:func:`gpufleet.config.grammar.decimal`: ASCII digits,
+    finite), from ``low`` to ``high``; ``whole``: digits only, an integer."""
+
+    name = "number"
+
+    def __init__(self, low: float, high: float, whole: bool = False, what: str = "a number") -> None:
+        self.low, self.high, self.whole, self.what = low, high, whole, what
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float | int:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):  # a default
+            number: float | None = float(value)
+        else:
+            text = str(value)
+            number = (float(text) if text.isascii() and text.isdigit() and len(text) <= 9 else None) if self.whole \
+                else decimal(text)
+        if number is None or not self.low <= number <= self.high:
+            kind = "a whole number" if self.whole else self.what
+            self.fail(f"expected {kind} from {self.low:g} to {self.high:g}, found {str(value)!r}", param, ctx)
+        return int(number) if self.whole else number
 
 
 DATA_OPTION = click.option("--data", "data", multiple=True, metavar="KEY=VALUE",

@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import json
-import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -16,8 +15,10 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from gpufleet.cli.inputs import DATA_OPTION, cli_fleet, declared_plan, fail_lines, fleet_facts, group_hosts
+from gpufleet.bench.ramp import MAX_RATE
+from gpufleet.cli.inputs import DATA_OPTION, Number, cli_fleet, declared_plan, fail_lines, fleet_facts, group_hosts
 from gpufleet.config.fleet import Fleet
+from gpufleet.config.grammar import decimal
 from gpufleet.config.inventory import (
     configured_health_policy,
     loaded_inventory,
@@ -160,16 +161,17 @@ def _print_table(plan: FleetPlan, observed: dict[str, tuple[dict[str, Any] | Non
 @click.option("--observed", is_flag=True,
               help="Also show the KV cache vLLM reported at each replica's last start, read from its first node, and"
                    " each model's measured ceiling (gpufleet bench), read from the monitoring hosts.")
-@click.option("--target-rps", type=float, metavar="RPS",
+@click.option("--target-rps", "target_text", metavar="RPS",
               help="With --observed: the replicas each model needs for this many requests per second.")
 @DATA_OPTION
-def plan(inventory: str, facts_dir: Path | None, as_json: bool, observed: bool, target_rps: float | None,
+def plan(inventory: str, facts_dir: Path | None, as_json: bool, observed: bool, target_text: str | None,
          data: tuple[str, ...]) -> None:
     """Compute replicas: nodes, TP/PP/DP, GPU sets, ports, argv and env per node; with --observed, beside what
     vLLM reported and what the bench measured (exit 1 when a node could not be read)."""
-    if target_rps is not None and not (observed and math.isfinite(target_rps) and target_rps > 0):
-        fail_lines([f"gpufleet plan: --target-rps: expected requests per second above 0 with --observed, found"
-                    f" {target_rps:g}{'' if observed else ' without --observed'}"])
+    target_rps = decimal(target_text) if target_text is not None else None
+    if target_text is not None and not (observed and target_rps is not None and 0 < target_rps <= MAX_RATE):
+        fail_lines([f"gpufleet plan: --target-rps: expected requests per second above 0, at most {MAX_RATE:g}, with"
+                    f" --observed, found {target_text!r}{'' if observed else ' without --observed'}"])
     fleet = cli_fleet(inventory, data)
     result = plan_fleet(fleet, fleet_facts(fleet, facts_dir))
     for warning in result.warnings + result.context_warnings:
@@ -246,8 +248,8 @@ def _read_observed(inventory: str, data: tuple[str, ...],
 @click.argument("config")
 @click.option("--kv-dtype", type=click.Choice(["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]), default="auto")
 @click.option("--dtype", "model_dtype", default="bfloat16", show_default=True, help="Model dtype for auto KV.")
-@click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True)
-@click.option("--pp", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--tp", type=Number(1, 1024, whole=True), default=1, show_default=True)
+@click.option("--pp", type=Number(1, 1024, whole=True), default=1, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def model_info_command(config: str, kv_dtype: str, model_dtype: str, tp: int, pp: int, as_json: bool) -> None:
     """Architecture and KV-cache size of a model (config.json, model directory or bundled name)."""

@@ -7,6 +7,7 @@ Each check returns ``None`` when the value is fine, else the text of the problem
 from __future__ import annotations
 
 import ipaddress
+import math
 import posixpath
 import re
 import unicodedata
@@ -28,6 +29,7 @@ IFNAME = re.compile(r"^(?!\.{1,2}$)[A-Za-z0-9_.-]{1,15}$")
 HOST_LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$")
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 DEB_NAME = re.compile(r"^[a-z0-9][a-z0-9+.-]+$")
+_DECIMAL = re.compile(r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
 DEB_VERSION = re.compile(r"^(?:[0-9]+:)?[0-9][A-Za-z0-9.+~]*(?:-[A-Za-z0-9.+~]+)?$")
 PIP_NAME = re.compile(r"^(?:[A-Za-z0-9]|[A-Za-z0-9][A-Za-z0-9._-]*[A-Za-z0-9])$")
 PIP_VERSION = re.compile(
@@ -42,6 +44,15 @@ def show(value: Any, limit: int = 60) -> str:
         return "null"
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def decimal(text: str) -> float | None:
+    """A number as every command reads one: finite, in ASCII decimal digits (``float`` would also take ``1_0``,
+    ``nan`` and other scripts' digits, which YAML reads as text); None for anything else."""
+    if not _DECIMAL.fullmatch(text):
+        return None
+    value = float(text)
+    return value if math.isfinite(value) else None
 
 
 def _matching(pattern: re.Pattern[str], expected: str) -> Callable[[str], str | None]:

@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpufleet.config.grammar import decimal
+from gpufleet.input_files import output_file_problem
 from gpufleet.rollout.batches import Limit, RolloutError, parse_batches, parse_limit
 from gpufleet.rollout.latency import DEFAULT_MIN_REQUESTS, MAX_WATCH_S
 
@@ -21,6 +23,7 @@ CANARY_S = (0.0, MAX_WATCH_S)
 MAX_ERROR_RATIO = (0.0, 1.0)
 MAX_LATENCY_RATIO = (1.0, 1000.0)
 MIN_REQUESTS = (1, 1_000_000)
+_NOT_FINITE = {"nan", "inf", "-inf", "+inf", "infinity", "-infinity", "+infinity"}
 
 
 @dataclass(frozen=True)
@@ -38,15 +41,11 @@ class Checked:
 
 def _number(option: str, text: str, bounds: tuple[float, float], problems: list[str]) -> float:
     low, high = bounds
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-        found = repr(text)
-    else:
-        found = text
-    if not math.isfinite(value) or not low <= value <= high:
-        problems.append(f"{option}: expected a number from {low:g} to {high:g}, found {found}")
+    value = decimal(text)
+    if value is None or not low <= value <= high:
+        shown = text if value is not None or text.strip().lower() in _NOT_FINITE else repr(text)
+        problems.append(f"{option}: expected a number from {low:g} to {high:g}, found {shown}")
+        return math.nan
     return value
 
 
@@ -63,15 +62,8 @@ def _limit(option: str, text: str, problems: list[str]) -> Limit:
 
 
 def _report(path: Path | None, problems: list[str]) -> None:
-    if path is None:
-        return
-    if path.is_dir():
-        problems.append(f"--report: expected a file to write, found the directory {str(path)!r}")
-    elif not path.parent.is_dir():
-        problems.append(f"--report: expected a file in a directory that exists, found no directory"
-                        f" {str(path.parent)!r}")
-    elif path.exists() and not path.is_file():
-        problems.append(f"--report: expected a regular file to write, found something else at {str(path)!r}")
+    if path is not None and (problem := output_file_problem(path)):
+        problems.append(f"--report: {problem}")
 
 
 def _count(option: str, text: str, bounds: tuple[int, int], problems: list[str]) -> int:

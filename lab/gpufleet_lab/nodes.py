@@ -76,6 +76,7 @@ def resolve_profiles(count: int, profiles: list[str] | None) -> list[str]:
 API_KEY_FILE = "vllm-api-key"
 RAY_TOKEN_FILE = "ray-auth-token"
 CLIENT_KEY_FILE = "router-client-key"  # the key of the routers' client "lab" (router_clients)
+BENCH_KEY_FILE = "router-bench-key"  # the key of the routers' client "bench", without limits (gpufleet bench's)
 VRRP_PASSWORD_FILE = "vrrp-password"  # the routers' VRRP group (router_vrrp_password: at most 8 characters)
 TLS_DIR = "tls"  # the lab CA and the routers' certificate (gpufleet_lab.tls)
 

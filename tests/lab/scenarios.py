@@ -45,6 +45,7 @@ SCENARIOS = (
              accepts=(EDGE_CHANGED, GROUP_CHANGED)),
     Scenario("ray", "ray", "deploys/vllm.py with the pipeline pool on Ray"),
 )
+FAILED_TAIL = 4000  # characters of a failed deploy's output a test shows
 BY_NAME = {scenario.name: scenario for scenario in SCENARIOS}
 RANK = {scenario.name: rank for rank, scenario in enumerate(SCENARIOS)}
 # The options of the deploy (deploys/vllm.py) that brings any lab into a state: it converges from wherever the lab is.
@@ -58,12 +59,17 @@ class LabStates:
     lab: Lab
     current: str = "bare"
     reached: dict[str, Completed] = field(default_factory=dict)  # state -> the deploy that last brought it there
+    failed: dict[str, str] = field(default_factory=dict)  # state -> the end of the deploy that failed to reach it
     _healthy_since: float | None = None
 
     def reach(self, scenario: Scenario) -> Completed | None:
         """Bring the lab into ``scenario``'s state unless it is there; the deploy that brought it there (None for
-        ``bare``). A deploy that fails leaves the state unknown: the test that needed it fails on its output."""
+        ``bare``). A deploy that fails fails the test that needed it, with its output's end, and every later test
+        of that state at once: a deploy that fails would fail again, minutes each time."""
         wanted = scenario.state
+        if wanted in self.failed:
+            pytest.fail(f"the deploy to {wanted!r} failed earlier in this session:\n{self.failed[wanted]}",
+                        pytrace=False)
         if wanted == self.current:
             return self.reached.get(wanted)
         if self.current in scenario.accepts:
@@ -74,7 +80,8 @@ class LabStates:
         self.changed()
         done = deploy(self.lab, *DEPLOYS[wanted])
         if done.rc != 0:
-            return done
+            self.failed[wanted] = done.output[-FAILED_TAIL:]
+            pytest.fail(f"the deploy to {wanted!r} exited {done.rc}:\n{self.failed[wanted]}", pytrace=False)
         self.current = wanted
         self.reached[wanted] = done
         return done

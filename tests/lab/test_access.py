@@ -11,6 +11,8 @@ from __future__ import annotations
 import ipaddress
 import json
 import re
+import socket
+import ssl
 import time
 import uuid
 
@@ -18,15 +20,17 @@ import pytest
 import yaml
 from gpufleet_lab.state import NodeRecord
 
+import roles.router as router_role
 from gpufleet.units.security import EXPOSURE_BOUND
 from roles import ray as ray_role
 from tests.conftest import DATA
 from tests.lab import fleet
 from tests.lab.fleet import PIPELINE, PORT, RENDEZVOUS, controller_reaches, exposures, reach
-from tests.lab.harness import Completed, Lab
+from tests.lab.harness import ROOT, Completed, Lab
 from tests.loopback_http import raw_request
 
 ROUTES = yaml.safe_load((DATA / "router" / "routes.yaml").read_text())
+ROUTER_DEFAULTS = yaml.safe_load((ROOT / "roles" / "router" / "defaults.yml").read_text())
 ACCESS_LINE = re.compile(r'"([A-Z]+) (\S+) HTTP/1\.[01]"')  # uvicorn's access log, in the replicas' journal
 
 pytestmark = pytest.mark.filterwarnings("ignore:Unknown ssh-ed25519 host key:UserWarning")
@@ -83,6 +87,46 @@ def _ask(lab: Lab, method: str, path: str, key: str | None, marker: str) -> int:
     status, _ = raw_request(fleet.router_address(lab), fleet.ROUTER_PORT, method,
                             f"{path}{'&' if '?' in path else '?'}{marker}", body, headers, tls=fleet.tls(lab))
     return status
+
+
+def _handshake(address: str, name: str, context: ssl.SSLContext) -> tuple[str, list[str]]:
+    """The cipher a TLS client with ``context`` gets at the routers' ``address`` asking for ``name``, and the IP
+    addresses the certificate it was shown names."""
+    with socket.create_connection((address, fleet.ROUTER_PORT), timeout=10) as raw, \
+            context.wrap_socket(raw, server_hostname=name) as conn:
+        cipher, certificate = conn.cipher(), conn.getpeercert()
+    assert cipher is not None and certificate is not None
+    return cipher[0], [str(value) for kind, value in certificate.get("subjectAltName", ()) if kind == "IP Address"]
+
+
+def test_the_edge_at_the_virtual_address_verifies_and_refuses_what_it_must(lab: Lab, serving: Completed | None) -> None:
+    """At the routers' virtual address: a client that verifies the chain (the lab CA) and the name (the virtual
+    address, in the certificate's names) is served, one that trusts another CA or asks for another name is refused;
+    TLS 1.2 offering only ciphers without forward secrecy (static RSA) or without AEAD (CBC) is refused, an ECDHE
+    AEAD one is chosen; a chunked body over router_max_request_bytes gets 413 while the same request at a tenth of
+    the size is served."""
+    address, limit = fleet.router_address(lab), ROUTER_DEFAULTS["router_max_request_bytes"]
+    cipher, names = _handshake(address, address, fleet.tls(lab))
+    assert address in names and cipher in router_role.TLS13_SUITES
+    for context, name in ((ssl.create_default_context(), address), (fleet.tls(lab), "router.example.net")):
+        with pytest.raises(ssl.SSLCertVerificationError):
+            _handshake(address, name, context)
+    for offered in ("AES128-GCM-SHA256:AES256-GCM-SHA384:AES128-SHA", "ECDHE-ECDSA-AES128-SHA:ECDHE-RSA-AES128-SHA"):
+        weak = fleet.tls(lab)
+        weak.maximum_version = ssl.TLSVersion.TLSv1_2
+        weak.set_ciphers(offered)
+        with pytest.raises(ssl.SSLError):
+            _handshake(address, address, weak)
+    strong = fleet.tls(lab)
+    strong.maximum_version = ssl.TLSVersion.TLSv1_2
+    assert _handshake(address, address, strong)[0] in router_role.TLS12_CIPHERS
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {fleet.client_key(lab)}"}
+    for size, expected in ((limit + 4096, 413), (limit // 10, 200)):
+        body = json.dumps({"model": fleet.served_name("lab"), "prompt": "x" * size, "max_tokens": 1}).encode()
+        chunks = iter([body[i:i + 4096] for i in range(0, len(body), 4096)])  # no length: chunked
+        status, answer = raw_request(address, fleet.ROUTER_PORT, "POST", "/v1/completions", chunks, headers,
+                                     tls=fleet.tls(lab))
+        assert status == expected, (size, answer[:300])
 
 
 def test_the_router_passes_only_the_routes_of_the_models_task(lab: Lab, serving: Completed | None) -> None:

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from gpufleet_lab.nodes import CLIENT_KEY_FILE
+from gpufleet_lab.nodes import BENCH_KEY_FILE, CLIENT_KEY_FILE
 from gpufleet_lab.request_load import Answer, burst
 
 from tests.lab.checks import assert_no_errors, main_pid, metrics
@@ -99,7 +99,8 @@ def test_the_edge_rotates_a_key_under_load_limits_a_client_and_sheds_a_burst_fas
     capped_file, capped_key = tmp_path / "capped-key", secrets.token_urlsafe(32)
     _write_secret(capped_file, capped_key)
     clients = {"lab": {"api_key": {"file": str(key_file)}, "requests_per_s": 200, "concurrent_requests": 32},
-               "capped": {"api_key": {"file": str(capped_file)}, "requests_per_s": 1, "concurrent_requests": 1}}
+               "capped": {"api_key": {"file": str(capped_file)}, "requests_per_s": 1, "concurrent_requests": 1},
+               "bench": {"api_key": {"file": str(lab.directory / BENCH_KEY_FILE)}}}  # as the lab has it
     # each pool's routers' maxconn small, and vLLM's own limit kept at what its replica runs (no restart)
     inventory = lab_copy(tmp_path, {group: f"router_server_maxconn: {MAXCONN}\nvllm_max_num_queued_reqs: {queued}\n"
                                     for group, queued in _queued_reqs(lab).items()})

@@ -32,6 +32,7 @@ from gpufleet.node import router_admin
 from gpufleet.plan import backends as plan_backends
 from tests.conftest import host_tool
 from tests.loopback_http import ReplicaHandler, loopback_server
+from tests.memory_rule import deny_write_execute, memory_rule
 from tests.tools.test_router_role import _free_port, _wait
 from tests.unit.test_vllm_role import _config
 
@@ -179,12 +180,14 @@ def _start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tls: bool, plain: bo
         values["admin_socket"] = str(tmp_path / "admin.sock")
         config = tmp_path / "haproxy.cfg"
         config.write_text(router_role.render(values))
-        checked = subprocess.run([haproxy, "-c", "-f", str(config)], capture_output=True, text=True)
+        as_its_unit = memory_rule(router_role.drop_in(cfg))  # the drop-in's memory rule, as on a router
+        checked = subprocess.run([haproxy, "-c", "-f", str(config)], capture_output=True, text=True,
+                                 preexec_fn=as_its_unit)
         assert checked.returncode == 0, checked.stdout + checked.stderr
         master = tmp_path / "master.sock"
         with (tmp_path / "haproxy.log").open("w") as log:
             proc = subprocess.Popen([haproxy, "-W", "-db", "-S", str(master), "-f", str(config)], stdout=log,
-                                    stderr=subprocess.STDOUT)
+                                    stderr=subprocess.STDOUT, preexec_fn=as_its_unit)
         stack.callback(proc.wait, 10)
         stack.callback(proc.terminate)
         started = Edge(cfg.router_port, plain_port, lab_tls, tmp_path / "admin.sock", master, proc, config,
@@ -380,3 +383,14 @@ def test_a_renewed_certificate_is_served_after_a_reload_and_the_request_in_fligh
         tls_edge.tls = renewed
         assert tls_edge.post(KEYS["alice"]).status == 200
         assert in_flight.result().status == 200
+
+
+def test_the_body_checks_start_under_the_units_memory_rule_and_need_it_lifted(edge: Edge) -> None:
+    """HAProxy JIT-compiles the body checks' regular expressions: it starts under its drop-in (as the edge fixture
+    ran it), and the same configuration is refused under MemoryDenyWriteExecute=yes, which the drop-in therefore
+    leaves out (a router that refused to start it passed ``haproxy -c``, run outside the unit)."""
+    haproxy = host_tool("haproxy", "haproxy")
+    assert "req.body -m reg" in edge.config.read_text()
+    denied = subprocess.run([haproxy, "-c", "-f", str(edge.config)], capture_output=True, text=True,
+                            preexec_fn=deny_write_execute())
+    assert denied.returncode != 0 and "jit compilation failed" in denied.stdout + denied.stderr, denied.stderr

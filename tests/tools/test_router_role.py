@@ -32,6 +32,7 @@ from gpufleet.node import router_admin
 from gpufleet.plan import backends as plan_backends
 from tests.conftest import DATA, host_tool
 from tests.loopback_http import QuietHandler, loopback_server, raw_request
+from tests.memory_rule import memory_rule
 from tests.unit.test_vllm_role import _config
 
 HOSTILE = "tiny llama $HOME 100% 'q' \"x\""
@@ -164,14 +165,18 @@ def _wait(condition: Any, what: str, timeout: float = 15) -> None:
 @contextmanager
 def running_haproxy(values: dict[str, Any], workdir: Path) -> Iterator[Path]:
     """Debian's HAProxy running the role's configuration rendered from ``values`` (checked with ``haproxy -c``
-    first), its files in ``workdir``; yields its runtime socket's path, and stops it after the block."""
+    first), under its drop-in's memory rule (tests/memory_rule.py), its files in ``workdir``; yields its runtime
+    socket's path, and stops it after the block."""
     haproxy = host_tool("haproxy", "haproxy")
     config = workdir / "haproxy.cfg"
     config.write_text(router_role.render({**values, "admin_socket": str(workdir / "admin.sock")}))
-    checked = subprocess.run([haproxy, "-c", "-f", str(config)], capture_output=True, text=True)
+    as_its_unit = memory_rule(router_role.drop_in(_config()))  # the drop-in's memory rule, as on a router
+    checked = subprocess.run([haproxy, "-c", "-f", str(config)], capture_output=True, text=True,
+                             preexec_fn=as_its_unit)
     assert checked.returncode == 0, checked.stdout + checked.stderr
     with (workdir / "haproxy.log").open("w") as log:
-        proc = subprocess.Popen([haproxy, "-db", "-f", str(config)], stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen([haproxy, "-db", "-f", str(config)], stdout=log, stderr=subprocess.STDOUT,
+                                preexec_fn=as_its_unit)
     try:
         yield workdir / "admin.sock"
     finally:

@@ -28,7 +28,7 @@ from gpufleet.cli import bench as cli_bench
 from gpufleet.cli.inputs import fleet_facts
 from gpufleet.cli.main import main
 from gpufleet.config.inventory import load_fleet
-from gpufleet.config.schema import SecretRef
+from gpufleet.config.schema import RouterClient, SecretRef
 from gpufleet.plan.planner import plan_fleet
 from tests.conftest import DATA
 
@@ -113,7 +113,12 @@ def test_bad_options_get_one_line_and_exit_2_before_any_host(case: dict[str, Any
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(client, "client_path", _never)
     monkeypatch.setattr(client, "run_step", _never)
-    args = list(case.get("args", []))
+    args = [arg.replace("{dir}", str(tmp_path)) for arg in case.get("args", [])]
+    for name, text in case.get("files", {}).items():  # more files in the test's folder ("|fifo": a named pipe)
+        if text == "|fifo":
+            os.mkfifo(tmp_path / name)
+        else:
+            (tmp_path / name).write_text(text)
     for option, name, given in (("--dataset", "requests.jsonl", case.get("dataset")),
                                 ("--ca-file", "ca.pem", case.get("ca_file"))):
         if given == "|fifo":  # a named pipe: refused, never opened (it would wait for a writer)
@@ -350,9 +355,27 @@ def test_the_bench_trusts_the_inventorys_ca_for_the_routers(tmp_path: Path) -> N
     for host, cfg in list(fleet.configs.items()):
         fleet.configs[host] = cfg.model_copy(update=tls)
     replicas = plan_fleet(fleet, fleet_facts(fleet, None)).replicas
-    routed = cli_bench._target(fleet, cli_bench._choose(fleet, replicas, None, None), None, None)
+    routed = cli_bench._target(fleet, cli_bench._choose(fleet, replicas, None, None), None, None, None)
     assert routed.base_url.startswith("https://") and routed.ca_file == str(ca)
-    assert cli_bench._target(fleet, cli_bench._choose(fleet, replicas, None, None), None, "/etc/other.pem").ca_file \
-        == "/etc/other.pem"
-    alone = cli_bench._target(fleet, cli_bench._choose(fleet, replicas, None, replicas[0].name), None, None)
+    other = cli_bench._target(fleet, cli_bench._choose(fleet, replicas, None, None), None, "/etc/other.pem", None)
+    assert other.ca_file == "/etc/other.pem"
+    alone = cli_bench._target(fleet, cli_bench._choose(fleet, replicas, None, replicas[0].name), None, None, None)
     assert alone.base_url.startswith("http://") and alone.ca_file is None
+
+
+def test_the_bench_takes_the_first_client_whose_limits_let_the_ramp_through(tmp_path: Path) -> None:
+    """Clients limited below the ramp are passed over for the first that is not (their 429s would be measured as the
+    ceiling); given rates within a rate limit let that client through; a concurrency limit never does."""
+    keys = {name: tmp_path / f"{name}.key" for name in ("batch", "slow", "open")}
+    for name, path in keys.items():
+        path.write_text(f"{name}-key-0123456789abcdef\n")
+    clients = {"batch": RouterClient(api_key=SecretRef(file=str(keys["batch"])), concurrent_requests=8),
+               "slow": RouterClient(api_key=SecretRef(file=str(keys["slow"])), requests_per_s=20),
+               "open": RouterClient(api_key=SecretRef(file=str(keys["open"])))}
+    fleet = load_fleet(FLEET)
+    for host, cfg in list(fleet.configs.items()):
+        fleet.configs[host] = cfg.model_copy(update={"router_clients": clients})
+    chosen = cli_bench._choose(fleet, plan_fleet(fleet, fleet_facts(fleet, None)).replicas, None, None)
+    assert cli_bench._target(fleet, chosen, None, None, None).api_key == "open-key-0123456789abcdef"
+    assert cli_bench._target(fleet, chosen, None, None, [1.0, 20.0]).api_key == "slow-key-0123456789abcdef"
+    assert cli_bench._target(fleet, chosen, "slow", None, [1.0, 20.0]).api_key == "slow-key-0123456789abcdef"

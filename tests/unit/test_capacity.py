@@ -163,3 +163,15 @@ def test_plan_observed_from_a_routers_record_gives_each_shape_the_average(monkey
             f" {PROFILE} at 10 each; measured {DATE}); 25 req/s needs 3 replicas") in done.stdout.splitlines()
     unmeasured = _plan(monkeypatch, [])
     assert f'ceiling of "{MODEL}": not measured (gpufleet bench)' in unmeasured.stdout.splitlines()
+
+
+@pytest.mark.parametrize(("given", "observed"), [("0", True), ("nan", True), ("٤٨", True), ("4_8", True),
+                                                 ("1e9", True), ("48", False)])
+def test_a_target_rate_is_a_number_read_as_every_command_reads_one(monkeypatch: pytest.MonkeyPatch, given: str,
+                                                                   observed: bool) -> None:
+    args = ["plan", FLEET, *(["--observed"] if observed else []), "--target-rps", given]
+    done = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert done.exit_code == 2
+    assert done.output.splitlines() == [
+        f"gpufleet plan: --target-rps: expected requests per second above 0, at most 100000, with --observed, found"
+        f" {given!r}{'' if observed else ' without --observed'}"]

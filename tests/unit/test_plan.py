@@ -317,6 +317,9 @@ def test_model_info_json() -> None:
     assert ds["kv_bytes_per_token"] == 1152 * 61
     bad = run_cli("model-info", "/nonexistent/config.json", "--json")
     assert bad.rc == 2 and "Traceback" not in bad.err and "no such file" in bad.err
+    for tp in ("٨", "0", "8.0", "2048"):  # numbers are read one way: ASCII digits, in range
+        refused = run_cli("model-info", "Llama-3-70B", "--tp", tp)
+        assert refused.rc == 2 and f"expected a whole number from 1 to 1024, found {tp!r}" in refused.err, refused.err
 
 
 def test_plan_problems_are_objects_printed_as_lines(project: Project) -> None:

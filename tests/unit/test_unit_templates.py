@@ -173,10 +173,10 @@ EXPECTED = {
         "UMask=0077", "ProtectHome=yes", "ProtectClock=yes", "ProtectProc=invisible", "MemoryDenyWriteExecute=yes",
         "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6", f"{DENY} @resources", "SystemCallErrorNumber=EPERM",
         "DeviceAllow=char-nvidia-frontend rw", "DeviceAllow=char-nvidia-caps r"},
-    # HAProxy as its own account: no device, W^X memory, no @resources (EPERM: its limits come from the unit),
-    # no netlink; Debian's bind mount of /dev/log dropped
+    # HAProxy as its own account: no device, no @resources (EPERM: its limits come from the unit), no netlink;
+    # Debian's bind mount of /dev/log dropped; memory it may make executable (PCRE2's JIT compiles its regexes)
     "router/haproxy-override.conf.j2": BASE | {
-        "UMask=0077", "ProtectHome=yes", "ProtectClock=yes", "ProtectProc=invisible", "MemoryDenyWriteExecute=yes",
+        "UMask=0077", "ProtectHome=yes", "ProtectClock=yes", "ProtectProc=invisible",
         "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6", f"{DENY} @resources", "SystemCallErrorNumber=EPERM",
         "PrivateDevices=yes", "BindReadOnlyPaths="},
     # root with no capability, for HAProxy's runtime socket; writes node_exporter's textfile (0644) and nothing
