@@ -1,13 +1,16 @@
-"""A test's HTTP server on 127.0.0.1 (a free port), for node tools that talk to a replica's API; and a request sent
-exactly as written, for tests of what a router lets through."""
+"""A test's HTTP server on 127.0.0.1 (a free port), for node tools that talk to a replica's API; a free port of
+127.0.0.1 for a server the test starts itself; and requests: a GET, and one sent exactly as written, for tests of what
+a router lets through."""
 
 from __future__ import annotations
 
 import contextlib
 import http.client
 import json
+import socket
 import ssl
 import threading
+import urllib.request
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -49,6 +52,13 @@ class ReplicaHandler(QuietHandler):
         raise NotImplementedError
 
 
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
 @contextmanager
 def loopback_server(handler: type[BaseHTTPRequestHandler], port: int = 0) -> Iterator[str]:
     """Serve ``handler`` on ``port`` (0: a free one) until the block ends; yields the server's base URL."""
@@ -75,3 +85,9 @@ def raw_request(host: str, port: int, method: str, path: str, body: bytes | Iter
         return answer.status, answer.read()
     finally:
         connection.close()
+
+
+def http_get(url: str) -> bytes:
+    """The body of a GET of ``url`` (an error status raises)."""
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return response.read()

@@ -1,7 +1,9 @@
-"""Waiting for a condition in tests that run real processes: polled, bounded, and failing with what was awaited."""
+"""Waiting in tests that run real processes, polled and bounded: for a condition (failing with what was awaited),
+or for a server to accept connections."""
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Callable
 
@@ -17,3 +19,17 @@ def until(condition: Callable[[], bool], what: str, timeout_s: float = 10, every
             pytest.fail(f"not within {timeout_s} s: {what}")
         time.sleep(every)
     return time.monotonic() - started
+
+
+def wait_for_port(port: int, timeout: float = 15.0) -> None:
+    """Wait until a server accepts connections on ``port`` of 127.0.0.1; the last refusal raises after ``timeout``
+    seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)

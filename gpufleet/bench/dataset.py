@@ -8,14 +8,13 @@ import json
 import stat
 from pathlib import Path
 
+from gpufleet.input_files import json_depth_problem, kind
+
 FIELDS = {"prompt", "output_tokens"}
 MAX_ROWS = 1_000_000
 MAX_BYTES = 1 << 30
-
-
-def _kind(mode: int) -> str:
-    return ("a directory" if stat.S_ISDIR(mode) else "a named pipe" if stat.S_ISFIFO(mode)
-            else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket or other special file")
+ROW_DEPTH = 2
+"""The deepest a row nests: an object of strings and numbers (a deeper one is refused before it is parsed)."""
 
 
 class DatasetError(ValueError):
@@ -28,7 +27,7 @@ def load_dataset(path: Path, max_model_len: int) -> list[dict[str, object]]:
     try:
         found = path.stat()
         if not stat.S_ISREG(found.st_mode):
-            raise DatasetError(f"{path}: expected a regular JSONL file, found {_kind(found.st_mode)}")
+            raise DatasetError(f"{path}: expected a regular JSONL file, found {kind(found.st_mode)}")
         if found.st_size > MAX_BYTES:
             raise DatasetError(f"{path}: expected at most {MAX_BYTES:,} bytes, found {found.st_size:,}")
         text = path.read_text(encoding="utf-8")
@@ -39,10 +38,14 @@ def load_dataset(path: Path, max_model_len: int) -> list[dict[str, object]]:
         if not line.strip():
             continue
         where = f"{path}: line {number}"
+        if problem := json_depth_problem(line, ROW_DEPTH):
+            raise DatasetError(f"{where}: {problem}")
         try:
             doc = json.loads(line)
         except json.JSONDecodeError as exc:
             raise DatasetError(f"{where}: expected one JSON object, found invalid JSON ({exc.msg})") from None
+        except ValueError:  # an integer of more digits than Python converts
+            raise DatasetError(f"{where}: expected one JSON object, found a number too long to read") from None
         if not isinstance(doc, dict):
             raise DatasetError(f"{where}: expected a JSON object, found {type(doc).__name__}")
         if unknown := sorted(set(doc) - FIELDS):

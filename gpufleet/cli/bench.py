@@ -295,6 +295,11 @@ def bench_command(inventory: str, model: str | None, replica: str | None, slo_te
     for option, path in (("--report", report), ("--plot", plot)):
         if path is not None and (problem := output_file_problem(path)):
             fail_lines([f"gpufleet bench: {option}: {problem}"])
+    if report is not None and plot is not None and report.resolve() == plot.resolve():
+        fail_lines([f"gpufleet bench: --plot: expected another file than --report's, found the same {str(plot)!r}"])
+    if rates is not None and (few := next((r for r in rates if r * step_s < 1), None)):
+        fail_lines([f"gpufleet bench: --rates: expected rates whose step of {step_s:g} s sends a request or more,"
+                    f" found {few:g}"])
     max_len = min(r.max_model_len for r in chosen.replicas)
     try:
         rows = load_dataset(dataset, max_len) if dataset is not None else None

@@ -20,7 +20,7 @@ from typing import Any
 from gpufleet.config.grammar import show
 from gpufleet.config.layers import HostLayers, Layer, is_role_default
 from gpufleet.config.problems import ConfigError, Problem
-from gpufleet.config.router_wide import address_problems, router_wide_problems, wide_networks
+from gpufleet.config.router_wide import address_problems, pool_read_problems, router_wide_problems, wide_networks
 from gpufleet.config.schema import HostConfig, SecretRef
 from gpufleet.config.secrets import read_secret
 from gpufleet.config.tls_pair import pair_problems
@@ -268,6 +268,7 @@ def edge_problems(hosts: dict[str, HostLayers], serving: list[str], configs: dic
                                   f" found {show(model)}"))
         problems += [Problem(source, key, message, (host,)) for source, key, message in found]
     problems += router_wide_problems(hosts, configs, routers, override)
+    problems += pool_read_problems(hosts, configs, routers, serving, override)
     problems += address_problems(configs, routers, serving, lambda host, key: _source(hosts, override, host, key,
                                                                                        inventory))
     problems += _past_the_client_keys(hosts, serving, configs, routers, override, cache)

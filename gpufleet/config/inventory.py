@@ -42,6 +42,7 @@ from gpufleet.config.problems import EXIT_BAD_INPUT, ConfigError, Problem, exit_
 from gpufleet.config.schema import API_PORTS_WHEN_AUTO, HostConfig, SecretRef
 from gpufleet.config.secrets import ENV_FILE_SECRETS, unfit_secret
 from gpufleet.config.validate import validate_host
+from gpufleet.config.yaml_strict import DECIMAL_INT
 from gpufleet.gpu.profiles import ProfileError, profile_facts
 from gpufleet.input_files import json_depth_problem
 from gpufleet.node.health_rules import HealthPolicy
@@ -200,19 +201,22 @@ def _virtual_address_problems(loaded: InventoryLayers, configs: Mapping[str, Hos
     """:func:`gpufleet.plan.virtual_address.problems` for an inventory as ``apply_group_vars`` read it (``--data``
     included)."""
 
+    def set_by(host: str, key: str) -> str | None:
+        """The file that set ``key`` for ``host`` (a role's defaults.yml, or None, where none did)."""
+        layers = loaded.hosts[host].layers + ([Layer("--data", override)] if override else [])
+        return HostLayers(host, layers).merged()[1].get(key)
+
     def source(host: str, key: str) -> str:
         """The file that set ``key`` for ``host``; for a role's default, the file that set the virtual address
         (else the inventory)."""
-        layers = loaded.hosts[host].layers + ([Layer("--data", override)] if override else [])
-        sources = HostLayers(host, layers).merged()[1]
-        for found in (sources.get(key), sources.get(virtual_address.KEY)):
+        for found in (set_by(host, key), set_by(host, virtual_address.KEY)):
             if found is not None and not is_role_default(found):
                 return found
         return loaded.path
 
     ssh = {host: str(address) for host in configs
            if isinstance(address := loaded.hosts[host].merged()[0].get("ssh_hostname"), str)}
-    return virtual_address.problems(virtual_address.routers_of(loaded.groups), configs, source, ssh)
+    return virtual_address.problems(virtual_address.routers_of(loaded.groups), configs, source, ssh, set_by)
 
 
 def validate_layers(loaded: InventoryLayers, override: dict[str, Any] | None = None) -> dict[str, HostConfig]:
@@ -245,9 +249,14 @@ def data_value(text: str) -> Any:
     if text.lower() in ("true", "false"):
         return text.lower() == "true"
     try:
-        return int(text)
+        number = int(text)
     except ValueError:
         pass
+    else:  # int() also takes other scripts' digits, underscores, blanks and leading zeros: read one way only
+        if not DECIMAL_INT.match(text):
+            raise ValueError(f"expected an integer in ASCII decimal digits (no leading zero, no underscore), found"
+                             f" {text!r}")
+        return number
     try:
         return json.loads(text)
     except ValueError:

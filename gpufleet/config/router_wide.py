@@ -5,7 +5,8 @@ silently), and it leaves no way around the client keys.
 - :data:`ROUTER_WIDE`: one value on every host of the group ``routers`` (secrets compared by their reference,
   never shown);
 - :data:`EDGE_ONLY`: set for a host outside ``routers`` by a file (or ``--data``) that sets it for no router:
-  refused, naming the routers;
+  refused, naming the routers; :data:`POOL_READ`, read from the serving hosts, set only for routers that serve
+  nothing: refused, naming the serving hosts;
 - every router has an IP address (``fleet_address``, else an inventory name that is one) where replicas are
   served (their filters let the routers in by address), and none listens on another router's address;
 - with client keys: every serving pool has a replicas' key (``vllm_api_key``; without one the replicas answer
@@ -29,8 +30,17 @@ ROUTER_WIDE = ("router_port", "router_plain_http_port", "router_max_request_byte
 """What clients see of the edge: one value on every router."""
 
 EDGE_ONLY = ("router_clients", "router_tls_certificate", "router_tls_key", "router_tls_ca",
-             "router_plain_http_port")
+             "router_plain_http_port", "router_listen_address", "router_metrics_port", "router_max_request_bytes",
+             "router_max_connections", "router_check_interval_s", "router_check_fall", "router_check_rise",
+             "router_timeout_s", "router_connect_timeout_s", "router_retries", "router_queue_timeout_s",
+             "router_virtual_address", "router_virtual_interface", "router_virtual_prefix", "router_virtual_router_id",
+             "router_vrrp_password")
 """Settings only a router reads (a router-wide setting a serving host also reads, ``router_port``, is left out)."""
+
+POOL_READ = ("router_policy", "router_prefix_balance", "router_server_maxconn", "vllm_api_key",
+             "vllm_api_allowed_from")
+"""Settings of the routing that are read from the serving pools' hosts (each backend's policy and admission, the
+replicas' key and filter), never from a router's own."""
 
 SECRET_HOLDING = frozenset({"router_clients", "router_tls_certificate", "router_tls_key"})
 
@@ -47,6 +57,28 @@ def router_wide_problems(hosts: dict[str, HostLayers], configs: dict[str, HostCo
     problems = _differences([r for r in routers if r in configs], configs, lambda h, k: sources[h].get(k, "controller"))
     problems += _outside(configs, routers, sources)
     return problems
+
+
+def pool_read_problems(hosts: dict[str, HostLayers], configs: dict[str, HostConfig], routers: Sequence[str],
+                       serving: Sequence[str], override: dict[str, Any] | None) -> list[Problem]:
+    """:data:`POOL_READ` keys set by a file (or ``--data``) for routers that serve nothing and for no serving host:
+    the routers never read them, and the pools keep their own."""
+    sources = {host: HostLayers(host, layers.layers + ([Layer("--data", override)] if override else [])).merged()[1]
+               for host, layers in hosts.items() if host in configs}
+    idle = [r for r in routers if r in sources and r not in serving]
+    found: dict[tuple[str, str], list[str]] = {}
+    for router in idle:
+        for key in POOL_READ:
+            source = sources[router].get(key)
+            if source is None or is_role_default(source):
+                continue
+            if not any(sources[h].get(key) == source for h in serving if h in sources):
+                found.setdefault((source, key), []).append(router)
+    pools = ", ".join(serving) if serving else "none"
+    return [Problem(source, key, f"expected it for the serving pools' hosts, where it is read"
+                                 f" ({pools}), found it set for {', '.join(idle_set)} only, which serve nothing",
+                    tuple(idle_set))
+            for (source, key), idle_set in found.items()]
 
 
 def own_address(host: str, cfg: HostConfig) -> str | None:

@@ -45,25 +45,25 @@ def _read(ref: SecretRef, key: str) -> str:
     return value
 
 
-def line_problem(value: str, ref: SecretRef) -> str | None:
-    """Why ``value`` cannot be one line of an environment file (a line break, NUL or another control or format
-    character inside it), naming the character's kind, never the value; None when it can."""
+def line_problem(value: str, ref: SecretRef, into: str = "an environment file") -> str | None:
+    """Why ``value`` cannot be one line of ``into`` (a line break, NUL or another control or format character
+    inside it), naming the character's kind, never the value; None when it can."""
     for ch in value:
         if unicodedata.category(ch) in ("Cc", "Cf", "Zl", "Zp"):
             kind = {"\n": "a line break", "\r": "a carriage return", "\x00": "a NUL byte"}.get(ch) or {
                 "Cf": "a format character", "Zl": "a line separator", "Zp": "a paragraph separator"}.get(
                 unicodedata.category(ch), "a control character") + f" (U+{ord(ch):04X})"
-            return (f"expected a secret that fits one line of an environment file, found {kind} inside the one in"
+            return (f"expected a secret that fits one line of {into}, found {kind} inside the one in"
                     f" {_where(ref)} (not shown)")
     return None
 
 
-def read_secret(ref: SecretRef, key: str, one_line: bool = True) -> str:
+def read_secret(ref: SecretRef, key: str, one_line: bool = True, into: str = "an environment file") -> str:
     """The secret ``ref`` names, stripped; ConfigError naming ``key`` (never the value) when it is unset,
-    unreadable, empty, or (``one_line``: bound for an environment file or a configuration line) holds a line
-    break or another control character."""
+    unreadable, empty, or (``one_line``: bound for one line of ``into``, an environment file or a configuration)
+    holds a line break or another control character."""
     value = _read(ref, key)
-    if one_line and (problem := line_problem(value, ref)):
+    if one_line and (problem := line_problem(value, ref, into)):
         raise ConfigError([Problem("controller", key, problem)])
     return value
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import ipaddress
+import re
 from collections.abc import Iterator, Sequence
 
 from cryptography import x509
@@ -31,6 +32,17 @@ CURVES = ("secp256r1", "secp384r1", "secp521r1")
 CERTIFICATE = "router_tls_certificate"
 KEY = "router_tls_key"
 _PEM_KEY = "PRIVATE KEY-----"
+_PEM_BLOCK = re.compile(r"-----BEGIN ([A-Z0-9 ]+)-----\r?\n.*?-----END \1-----", re.DOTALL)
+WEAK_HASHES = ("md5", "sha1")
+"""Signature hashes no current client accepts in a server's chain (a root's own signature is not checked)."""
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
 
 
 def pair_problems(certificate_pem: str, key_pem: str, addresses: Sequence[str],
@@ -47,17 +59,38 @@ def pair_problems(certificate_pem: str, key_pem: str, addresses: Sequence[str],
     return problems
 
 
+def _blocks_problem(pem: str) -> str | None:
+    """Anything in the certificate file besides certificate blocks and blanks (never shown)."""
+    labels: list[str] = _PEM_BLOCK.findall(pem)
+    other = next((label for label in labels if label != "CERTIFICATE"), None)
+    if other is not None:
+        return (f"expected certificates only (the server's, then its chain), found a PEM block labelled {other!r}"
+                " (not shown: a key belongs in router_tls_key, and a CA's key on no router)")
+    if _PEM_BLOCK.sub("", pem).strip():
+        return "expected certificates only (the server's, then its chain), found text outside them (not shown)"
+    return None
+
+
 def _leaf(pem: str, addresses: Sequence[str],
           now: datetime.datetime) -> tuple[x509.Certificate | None, list[str]]:
     """The server's certificate (the file's first) and the problems of the file."""
     if _PEM_KEY in pem:
         return None, [f"expected certificates only (the server's, then its chain), found a private key in it (not"
                       f" shown: it belongs in {KEY}, and a CA's key on no router)"]
+    if problem := _blocks_problem(pem):
+        return None, [problem]
     try:
         chain = x509.load_pem_x509_certificates(pem.encode())
     except ValueError:
         return None, ["expected PEM certificates that parse, found one that does not"]
     leaf = chain[0]
+    weak = next((c for c in chain if c.issuer != c.subject and c.signature_hash_algorithm is not None
+                 and c.signature_hash_algorithm.name in WEAK_HASHES), None)
+    if weak is not None:
+        algorithm = weak.signature_hash_algorithm.name.upper() if weak.signature_hash_algorithm else ""
+        which = "the server's certificate" if weak is leaf else "a certificate of its chain"
+        return None, [f"expected certificates signed with SHA-256 or stronger (clients refuse {algorithm}), found"
+                      f" {which} signed with {algorithm}"]
     with contextlib.suppress(x509.ExtensionNotFound):
         if leaf.extensions.get_extension_for_class(x509.BasicConstraints).value.ca:
             return None, ["expected the server's certificate first, then its chain, found a CA's (basicConstraints"
@@ -79,6 +112,11 @@ def _name_problems(leaf: x509.Certificate, addresses: Sequence[str]) -> Iterator
         return
     dns = names.get_values_for_type(x509.DNSName)
     ips = set(names.get_values_for_type(x509.IPAddress))
+    for name in dns:
+        if _is_ip(name) or name == "*" or (name.startswith("*.") and name.count(".") < 2):
+            yield (f"expected DNS names in the certificate's subjectAltName that clients match (an IP address goes in"
+                   f" an IP entry; a wildcard covers one label of a domain), found the DNS name {name!r}")
+            return
     wanted = [ipaddress.ip_address(a) for a in addresses]
     missing = [str(a) for a in wanted if a not in ips]
     if missing and not dns:

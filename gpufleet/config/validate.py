@@ -101,10 +101,19 @@ def _number(value: float) -> str:
     return str(int(value)) if isinstance(value, int) or value.is_integer() else repr(value)
 
 
+def _kind(value: Any) -> str:
+    """What a value is, as a message names it without showing it."""
+    for types, name in ((bool, "a boolean"), (int, "an integer"), (float, "a number"), (str, "text"),
+                        (list, "a list"), (dict, "a mapping")):
+        if isinstance(value, types):
+            return name
+    return "a value"
+
+
 def _message(err: dict[str, Any], secret: bool) -> str:
     if err["type"] == "missing" or (err.get("input", "") is None and err["type"].endswith("_type")):
         return "expected a value, found nothing (required)"
-    hidden = "a value (not shown: it may be a secret)"
+    hidden = f"{_kind(err.get('input'))} (not shown: it may be a secret)"
     if err["type"] == "value_error":
         error = err.get("ctx", {}).get("error", err["msg"])
         text = error.message if isinstance(error, KeyedError) else str(error)

@@ -1,4 +1,6 @@
-"""Reading YAML variable files strictly: UTF-8 only, each key once, aliases that cannot blow up.
+"""Reading YAML variable files strictly: UTF-8 only, each key once, aliases that cannot blow up, numbers in
+decimal only (YAML 1.1's octal, hexadecimal, binary, underscored and base-60 integers are text, refused where a
+number is expected).
 
 PyYAML's ``safe_load`` keeps the last of two equal keys, decodes with a traceback on a bad byte, and
 lets a few lines of anchors expand into billions of values when anything walks the result.
@@ -6,6 +8,7 @@ lets a few lines of anchors expand into billions of values when anything walks t
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import yaml
@@ -59,6 +62,14 @@ def _expanded_size(node: Node, memo: dict[int, int]) -> int:
     return memo[id(node)]
 
 
+_INT_TAG, _FLOAT_TAG = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
+DECIMAL_INT = re.compile(r"^[-+]?(?:0|[1-9][0-9]*)$")
+"""An integer as every gpufleet input spells one: ASCII decimal digits, no leading zero (YAML 1.1 would read
+``017`` as octal, ``0x1F``, ``0b101``, ``1_000`` and ``1:30`` as numbers too, where ``--data`` reads them otherwise)."""
+_DECIMAL_FLOAT = re.compile(r"^[-+]?(?:[0-9]+\.[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?$|^[-+]?\.(?:inf|Inf|INF)$"
+                            r"|^\.(?:nan|NaN|NAN)$")
+
+
 class _StrictLoader(yaml.SafeLoader):
     def construct_mapping(self, node: MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: dict[Any, int] = {}
@@ -76,6 +87,13 @@ class _StrictLoader(yaml.SafeLoader):
                                   f":{line}")
             seen[key] = line
         return super().construct_mapping(node, deep=deep)
+
+
+_StrictLoader.yaml_implicit_resolvers = {  # SafeLoader's, less YAML 1.1's numbers: decimal ones only
+    first: [(tag, regexp) for tag, regexp in resolvers if tag not in (_INT_TAG, _FLOAT_TAG)]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_StrictLoader.add_implicit_resolver(_INT_TAG, DECIMAL_INT, list("-+0123456789"))
+_StrictLoader.add_implicit_resolver(_FLOAT_TAG, _DECIMAL_FLOAT, list("-+0123456789."))
 
 
 def load_yaml(data: bytes) -> Any:

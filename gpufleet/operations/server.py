@@ -50,7 +50,7 @@ def system_account(user: str, home: str = "/nonexistent", shell: str = "/usr/sbi
 
 @gpufleet_operation()
 def script(script: str, done_file: str | None = None, done_text: str | None = None,
-           done_sha256: str | None = None) -> Commands:
+           done_sha256: str | None = None, pending: bool = False) -> Commands:
     """
     Run a shell script unless ``done_file`` already holds ``done_text`` (a marker the script writes when it
     finished) or has the SHA-256 ``done_sha256`` (a file the script installs); without them, give it an ``_if``
@@ -60,7 +60,13 @@ def script(script: str, done_file: str | None = None, done_text: str | None = No
     + done_file: the marker or file the script leaves
     + done_text: what a finished run wrote there, or
     + done_sha256: the digest of the file a finished run installed
+    + pending: run it though ``done_file`` says done (something else it puts in place is not)
     """
+    if pending:
+        if done_file is not None:
+            node.forget("paths" if done_sha256 is not None else "texts", done_file)
+        yield StringCommand(script)
+        return
     if done_file is not None and done_sha256 is not None:
         if node.path(done_file).get("sha256") == done_sha256:
             host.noop(f"{done_file} is the wanted file")

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from gpufleet.config import grammar
 from gpufleet.config.inventory_shape import ROUTERS_GROUP
+from gpufleet.config.layers import is_role_default
 from gpufleet.config.problems import ConfigError, Problem
 from gpufleet.config.schema import HostConfig, SecretRef
 from gpufleet.config.secrets import read_secret
@@ -35,6 +36,9 @@ from gpufleet.config.secrets import read_secret
 KEY = "router_virtual_address"
 PASSWORD_KEY = "router_vrrp_password"
 SHARED = (KEY, "router_virtual_prefix", "router_virtual_router_id", PASSWORD_KEY)  # the same on every router
+KEEPALIVED_CONF = "keepalived's configuration"  # where the VRRP password goes
+VRRP_ONLY = ("router_virtual_prefix", "router_virtual_router_id", PASSWORD_KEY, "router_virtual_interface")
+"""keepalived's settings beside the virtual address, which nothing else reads."""
 TOP_PRIORITY = 250  # the first router's VRRP priority; each next one is one lower (255 is the address owner's)
 PASSWORD = re.compile(r"[A-Za-z0-9$%&()*+,./:;<=>?@\[\]^_`{|}~-]{1,8}")
 """What keepalived's ``auth_pass`` holds: VRRP 2 carries 8 bytes; a blank, a quote, ``#`` or ``!`` (comments) or a
@@ -133,26 +137,30 @@ def read_password(ref: SecretRef | None) -> str:
     if ref is None:
         raise ConfigError([Problem("controller", PASSWORD_KEY, f"expected a secret reference with {KEY},"
                                                                " found null")])
-    value = read_secret(ref, PASSWORD_KEY)
+    value = read_secret(ref, PASSWORD_KEY, into=KEEPALIVED_CONF)
     if problem := password_problem(value):
         raise ConfigError([Problem("controller", PASSWORD_KEY, problem)])
     return value
 
 
 def problems(routers: Sequence[str], configs: Mapping[str, HostConfig],
-             source: Callable[[str, str], str], ssh: Mapping[str, str] | None = None) -> list[Problem]:
-    """What no single host shows about the virtual address; ``source(host, key)``: the file that set the key;
-    ``ssh``: each host's SSH address where the inventory gives one (pyinfra's ``ssh_hostname``)."""
+             source: Callable[[str, str], str], ssh: Mapping[str, str] | None = None,
+             set_by: Callable[[str, str], str | None] | None = None) -> list[Problem]:
+    """What no single host shows about the virtual address; ``source(host, key)``: the file to name for the key;
+    ``ssh``: each host's SSH address where the inventory gives one (pyinfra's ``ssh_hostname``); ``set_by(host,
+    key)``: the file that set the key itself (None or a role's defaults where none did)."""
     setting = [h for h, cfg in configs.items() if cfg.router_virtual_address is not None]
     if not setting:
-        return []
+        return _without_address(configs, set_by) if set_by is not None else []
     if len(routers) < 2:
         listed = f"{len(routers)} ({', '.join(routers)})" if routers else "none"
         return [Problem(source(setting[0], KEY), KEY, f"expected two or more hosts in the group {ROUTERS_GROUP}"
                                                       f" (keepalived moves the address between them), found {listed}")]
-    valid = [r for r in routers if r in configs]
+    valid = [r for r in routers if r in configs]  # a router whose own values were refused is named by those
+    if not valid:
+        return []
     found = _differences(valid, configs, source)
-    if found or not valid or configs[valid[0]].router_virtual_address is None:
+    if found or configs[valid[0]].router_virtual_address is None:
         return found
     first = configs[valid[0]]
     vip = ipaddress.IPv4Address(first.router_virtual_address)
@@ -200,6 +208,19 @@ def _same(address: str, vip: ipaddress.IPv4Address) -> bool:
         return False
 
 
+def _without_address(configs: Mapping[str, HostConfig], set_by: Callable[[str, str], str | None]) -> list[Problem]:
+    """keepalived's settings set by a file where no virtual address is, which keepalived alone reads: named once
+    per file and key, never ignored."""
+    found: dict[tuple[str, str], list[str]] = {}
+    for host in configs:
+        for key in VRRP_ONLY:
+            where = set_by(host, key)
+            if where is not None and not is_role_default(where):
+                found.setdefault((where, key), []).append(host)
+    return [Problem(where, key, f"expected it only beside {KEY} (keepalived reads it), found it set without one",
+                    tuple(hosts)) for (where, key), hosts in found.items()]
+
+
 def _router_side_problems(routers: Sequence[str], configs: Mapping[str, HostConfig],
                           source: Callable[[str, str], str]) -> list[Problem]:
     """A router listening on the virtual address (HAProxy binds it as well, on every router), or keeping the
@@ -208,10 +229,12 @@ def _router_side_problems(routers: Sequence[str], configs: Mapping[str, HostConf
     vip = configs[routers[0]].router_virtual_address
     for router in routers:
         cfg = configs[router]
-        if cfg.router_listen_address is not None and cfg.router_listen_address == vip:
+        listen = cfg.router_listen_address
+        if listen is not None and listen not in ("0.0.0.0", router_address(router, cfg)):
+            what = "the virtual address" if listen == vip else "another address"
             found.append(Problem(source(router, "router_listen_address"), "router_listen_address",
                                  f"expected the router's own address or 0.0.0.0 beside {KEY} (every router binds the"
-                                 f" virtual address as well), found the virtual address {vip}", (router,)))
+                                 f" virtual address as well), found {what} {listen}", (router,)))
         if cfg.router_virtual_interface == "lo":
             found.append(Problem(source(router, "router_virtual_interface"), "router_virtual_interface",
                                  "expected the interface on the routers' network (keepalived answers ARP for the"
@@ -243,7 +266,7 @@ def _password_problems(router: str, cfg: HostConfig, source: Callable[[str, str]
                         f"expected a secret reference ({{env: NAME}} or {{file: PATH}}) with {KEY}"
                         " (the VRRP group's password), found null")]
     try:
-        problem = password_problem(read_secret(cfg.router_vrrp_password, PASSWORD_KEY))
+        problem = password_problem(read_secret(cfg.router_vrrp_password, PASSWORD_KEY, into=KEEPALIVED_CONF))
     except ConfigError as error:
         problem = error.problems[0].message
     return [Problem(source(router, PASSWORD_KEY), PASSWORD_KEY, problem)] if problem else []

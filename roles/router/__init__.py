@@ -41,9 +41,11 @@ After it, a router host has:
     (``router_admin.py client-metrics``); with ``router_tls_certificate`` and ``router_tls_key``, HTTPS on
     ``router_port`` from ``EDGE_DIR/router.pem`` (0640), plain HTTP only on ``router_plain_http_port`` when set.
 
-A changed configuration or edge file is checked with ``haproxy -c`` and reloaded (HAProxy's hitless reload:
-requests in flight finish on the old workers; a new, removed or rotated client key changes only the edge's
-files); a changed drop-in restarts HAProxy. Variables: roles/router/defaults.yml. The replicas let the routers in
+The configuration and the edge's files are written as candidates (:data:`CANDIDATE`, :data:`EDGE_CANDIDATE_DIR`),
+checked together with ``haproxy -c`` and only then put in place (:func:`edge_install`): a file HAProxy refuses never
+reaches the directory the running router reads. A change is reloaded (HAProxy's hitless reload: requests in flight
+finish on the old workers; a new, removed or rotated client key changes only the edge's files); a changed drop-in
+restarts HAProxy. Variables: roles/router/defaults.yml. The replicas let the routers in
 (:func:`gpufleet.deploy.access.vllm_sources`).
 """
 
@@ -92,6 +94,7 @@ TLS13_SUITES = ("TLS_AES_128_GCM_SHA256", "TLS_AES_256_GCM_SHA384", "TLS_CHACHA2
 """TLS 1.3's suites at the edge: all three of the standard's, every one forward secret and AEAD."""
 # The edge (router_clients, TLS): files the deploy writes from the controller's secrets, read by HAProxy only.
 EDGE_DIR = "/etc/haproxy/gpufleet-edge"  # root:haproxy 0750
+EDGE_CANDIDATE_DIR = "/etc/haproxy/gpufleet-edge-candidate"  # the edge's files as written, checked before EDGE_DIR's
 EDGE_MAPS = ("clients", "grants", "models", "rates", "concurrency", "upstream")  # <EDGE_DIR>/<name>.map, 0640
 TLS_PEM = "router.pem"  # <EDGE_DIR>/router.pem: the certificate, its chain and its key, 0640
 CLIENT_TABLE = "gpufleet-clients"  # the stick table of the clients' counters (gpufleet/node/router_admin.py reads it)
@@ -343,6 +346,44 @@ def fleet_edge_files(cfg: HostConfig) -> dict[str, str]:
         exit_with(error)
 
 
+def edge_install(names: list[str], stale: list[str]) -> str:
+    """The shell text that puts the configuration and the edge's files in place once HAProxy accepted them together:
+    ``haproxy -c`` on :data:`CANDIDATE` with :data:`EDGE_CANDIDATE_DIR` mounted over :data:`EDGE_DIR` (in a mount
+    namespace of its own, which nothing else sees), then each of ``names`` installed from the candidates and renamed
+    into :data:`EDGE_DIR` (a reader never sees half a file), the ``stale`` files removed, and the configuration
+    installed last; without edge files, :data:`EDGE_DIR` goes once the configuration that used it is replaced."""
+    candidate, edge_dir, cand_dir = shlex.quote(CANDIDATE), shlex.quote(EDGE_DIR), shlex.quote(EDGE_CANDIDATE_DIR)
+    check = f"haproxy -c -q -f {candidate}"
+    if not names:
+        return f"{checked_install(check, CANDIDATE, CONFIG, 'haproxy')}; rm -rf -- {edge_dir}"
+    inner = shlex.quote(f"mount --bind {cand_dir} {edge_dir} && {check}")
+    moves = "; ".join(
+        f"install -o root -g haproxy -m 0640 {shlex.quote(f'{EDGE_CANDIDATE_DIR}/{name}')}"
+        f" {shlex.quote(f'{EDGE_DIR}/.{name}.gpufleet-new')}; "
+        f"mv -fT {shlex.quote(f'{EDGE_DIR}/.{name}.gpufleet-new')} {shlex.quote(f'{EDGE_DIR}/{name}')}"
+        for name in names)
+    removed = f"; rm -rf -- {' '.join(shlex.quote(path) for path in stale)}" if stale else ""
+    return (f"set -e; unshare --mount --propagation private sh -c {inner}; {moves}{removed}; "
+            f"{checked_install('true', CANDIDATE, CONFIG, 'haproxy')}")
+
+
+def _edge_in_place(wanted: Mapping[str, str]) -> bool:
+    """Whether :data:`EDGE_DIR` holds exactly the wanted edge files (none: it is gone), as the deploy began."""
+    if not wanted:
+        return node.path(EDGE_DIR)["type"] == "missing"
+    return not _stale_edge_files(wanted) and all(
+        node.path(f"{EDGE_DIR}/{name}").get("sha256") == hashlib.sha256(content.encode()).hexdigest()
+        for name, content in wanted.items())
+
+
+def _stale_edge_files(wanted: Mapping[str, str]) -> list[str]:
+    """What :data:`EDGE_DIR` holds beyond the wanted edge files."""
+    if not wanted:
+        return []
+    keep = {f"{EDGE_DIR}/{name}" for name in wanted}
+    return [path for path in node.listing(f"{EDGE_DIR}/*") if path not in keep]
+
+
 # --- the deploy ----------------------------------------------------------------------------------------------------
 
 def is_router() -> bool:
@@ -364,37 +405,36 @@ def router() -> None:
     clients_service, clients_timer = unit_path(CLIENTS_SERVICE), unit_path(CLIENTS_TIMER)
     node.observe(name="Read the router's package, unit, configuration and edge files", packages=[PACKAGE],
                  units=[SERVICE, CLIENTS_TIMER],
-                 paths=[CONFIG, CANDIDATE, DROP_IN_DIR, DROP_IN, EDGE_DIR, clients_service, clients_timer,
-                        *(f"{EDGE_DIR}/{name}" for name in edge_wanted)],
-                 listings=[f"{EDGE_DIR}/*"])
+                 paths=[CONFIG, CANDIDATE, DROP_IN_DIR, DROP_IN, EDGE_DIR, EDGE_CANDIDATE_DIR, clients_service,
+                        clients_timer, *(f"{folder}/{name}" for folder in (EDGE_DIR, EDGE_CANDIDATE_DIR)
+                                         for name in edge_wanted)],
+                 listings=[f"{EDGE_DIR}/*", f"{EDGE_CANDIDATE_DIR}/*"])
     apt.packages(name="Install HAProxy (the distribution's package)", packages=[PACKAGE], update_first=True)
     files.directory(name=f"Create {DROP_IN_DIR}", path=DROP_IN_DIR)
     unit = files.file(name=f"Write the drop-in {DROP_IN} (account, sockets, sandbox)", dest=DROP_IN,
                       content=drop_in(cfg))
     systemd.daemon_reload(name="Reload systemd: HAProxy's drop-in changed", _if=unit.did_change)
-    edge_changes = []
     if edge_wanted:
-        edge_changes.append(files.directory(name=f"Create {EDGE_DIR} (root:haproxy, 0750)", path=EDGE_DIR,
-                                            group="haproxy", mode="0750"))
-        edge_changes += [files.secret_file(name=f"Write the edge's {name} (root:haproxy, 0640)",
-                                           dest=f"{EDGE_DIR}/{name}", content=content, mode="0640", group="haproxy")
-                         for name, content in sorted(edge_wanted.items())]
-        edge_changes.append(files.pruned(name=f"Remove what the edge no longer uses from {EDGE_DIR}",
-                                         pattern=f"{EDGE_DIR}/*", keep=[f"{EDGE_DIR}/{n}" for n in edge_wanted]))
+        for folder in (EDGE_CANDIDATE_DIR, EDGE_DIR):
+            files.directory(name=f"Create {folder} (root:haproxy, 0750)", path=folder, group="haproxy", mode="0750")
+        for name, content in sorted(edge_wanted.items()):
+            files.secret_file(name=f"Write the edge's {name} as a candidate (root:haproxy, 0640)",
+                              dest=f"{EDGE_CANDIDATE_DIR}/{name}", content=content, mode="0640", group="haproxy")
+        files.pruned(name=f"Remove what the edge no longer uses from {EDGE_CANDIDATE_DIR}",
+                     pattern=f"{EDGE_CANDIDATE_DIR}/*", keep=[f"{EDGE_CANDIDATE_DIR}/{n}" for n in edge_wanted])
     else:
-        edge_changes.append(files.absent(name=f"Remove {EDGE_DIR}: no clients, no TLS", path=EDGE_DIR))
+        files.absent(name=f"Remove {EDGE_CANDIDATE_DIR}: no clients, no TLS", path=EDGE_CANDIDATE_DIR)
     files.file(name=f"Write the router's configuration to check ({CANDIDATE})", dest=CANDIDATE, content=text,
                group="haproxy", mode="0640")
     config = server.script(
-        name=f"Check the configuration with haproxy -c, then put it in place ({CONFIG})",
-        script=checked_install(f"haproxy -c -q -f {shlex.quote(CANDIDATE)}", CANDIDATE, CONFIG, "haproxy"),
-        done_file=CONFIG, done_sha256=wanted,
+        name=f"Check the configuration with the edge's candidate files (haproxy -c), then put them in place ({CONFIG},"
+             f" {EDGE_DIR})",
+        script=edge_install(sorted(edge_wanted), _stale_edge_files(edge_wanted)),
+        done_file=CONFIG, done_sha256=wanted, pending=not _edge_in_place(edge_wanted),
     )
-    server.script(name="Check the configuration with the edge's new files (haproxy -c)",
-                  script=f"haproxy -c -q -f {shlex.quote(CONFIG)}", _if=any_changed(*edge_changes))
     systemd.restart(name=f"Restart {SERVICE}: its drop-in changed", unit=SERVICE, _if=unit.did_change)
     systemd.reload(name=f"Reload {SERVICE}: its configuration or edge files changed (requests in flight finish)",
-                   unit=SERVICE, _if=any_changed(config, *edge_changes))
+                   unit=SERVICE, _if=config.did_change)
     systemd.service(name=f"Ensure {SERVICE} runs and starts at boot", unit=SERVICE, running=True, enabled=True)
     _clients_counters(bool(cfg.router_clients), clients_service, clients_timer)
 

@@ -33,7 +33,7 @@ from gpufleet.monitoring.alert_rules import RULE_FILES, THRESHOLDS, render_rules
 from gpufleet.rollout.latency import PrometheusLatency
 from gpufleet.templates import render
 from tests.conftest import DATA, host_tool
-from tests.unit.test_vllm_role import _config
+from tests.unit.configs import host_config
 
 CASES = DATA / "alert_rules"
 FIRING_FILES = ("gpu.test.yml", "serving.test.yml", "node.test.yml", "healthy.test.yml")
@@ -80,7 +80,7 @@ def _promtool_test(tmp_path: Path, texts: dict[str, str], case: str, annotations
 
 @pytest.fixture(scope="module")
 def default_rules() -> dict[str, str]:
-    return render_rules(_config())
+    return render_rules(host_config())
 
 
 def _changed_values() -> dict[str, Any]:
@@ -99,7 +99,7 @@ def _changed_values() -> dict[str, Any]:
      "alert_replica_down_for_s": 0, "alert_unit_restarts_max": 0, "alert_prefix_hit_ratio_drop": 1e-9},
 ], ids=["defaults", "changed", "extremes"])
 def test_rules_pass_promtool_check(tmp_path: Path, values: dict[str, Any]) -> None:
-    texts = render_rules(_config(**values))
+    texts = render_rules(host_config(**values))
     assert sorted(texts) == sorted(RULE_FILES)
     for name, text in texts.items():
         (tmp_path / name).write_text(text)
@@ -118,7 +118,7 @@ def test_annotations_as_alertmanager_gets_them(tmp_path: Path, default_rules: di
 
 
 def test_changed_thresholds_change_what_fires(tmp_path: Path) -> None:
-    _promtool_test(tmp_path, render_rules(_config(**_changed_values())), "changed.test.yml")
+    _promtool_test(tmp_path, render_rules(host_config(**_changed_values())), "changed.test.yml")
 
 
 # --- what the cases cover ---------------------------------------------------------------------------------------
@@ -147,7 +147,7 @@ def test_each_threshold_reaches_its_rules_and_no_other(default_rules: dict[str, 
     assert sorted(cases) == sorted(THRESHOLDS)
     before = _rules(default_rules)
     for variable, case in cases.items():
-        after = _rules(render_rules(_config(**{variable: case["value"]})))
+        after = _rules(render_rules(host_config(**{variable: case["value"]})))
         changed = {name for name, rule in after.items()
                    if (rule["expr"], rule.get("for")) != (before[name]["expr"], before[name].get("for"))}
         assert sorted(changed) == sorted(case["rules"]), variable

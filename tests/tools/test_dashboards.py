@@ -26,9 +26,8 @@ from gpufleet.monitoring import ceiling_rules
 from gpufleet.monitoring import dashboards as dash
 from gpufleet.monitoring.alert_rules import RULE_FILES, render_rules
 from gpufleet.templates import render
-from tests.conftest import DATA
-from tests.tools.test_alert_rules import _promtool
-from tests.unit.test_vllm_role import _config
+from tests.conftest import DATA, host_tool
+from tests.unit.configs import host_config
 
 CASES = DATA / "dashboards"
 EXPECTED_VARIABLES = {"gpufleet-fleet.json": [], "gpufleet-model.json": ["model"], "gpufleet-node-gpus.json": ["node"]}
@@ -123,7 +122,7 @@ def test_queries_use_only_their_dashboards_variables_as_exact_label_values() -> 
 
 @pytest.fixture(scope="module")
 def rules() -> dict[str, str]:
-    return render_rules(_config())
+    return render_rules(host_config())
 
 
 def test_the_dashboards_read_every_recording_rule_and_only_rules_that_exist(rules: dict[str, str]) -> None:
@@ -252,7 +251,8 @@ def _check(queries: dict[str, str], where: Path, rule_texts: dict[str, str]) -> 
             "tests": [{"interval": series["interval"], "input_series": series["input_series"],
                        "promql_expr_test": checks}]}
     (where / "dashboards.test.yml").write_text(yaml.safe_dump(test, sort_keys=False, width=1000))
-    done = subprocess.run([_promtool(), "test", "rules", "dashboards.test.yml"], cwd=where, capture_output=True,
+    promtool = host_tool("promtool", "prometheus")
+    done = subprocess.run([promtool, "test", "rules", "dashboards.test.yml"], cwd=where, capture_output=True,
                           text=True, timeout=120)
     output = done.stdout + done.stderr
     blocks = re.split(r"\n(?=\s*expr: )", output)

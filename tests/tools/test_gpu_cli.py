@@ -24,7 +24,7 @@ from gpufleet.gpu.report import NodeFacts, load_facts, parse_facts
 from gpufleet.node.health_rules import HealthPolicy, evaluate
 from gpufleet.operations import gates
 from tests.conftest import DATA, host_tool
-from tests.unit.test_facts_and_operations import FakeHost, FakeState
+from tests.unit.fake_hosts import FakeHost, FakeState
 
 ROOT = Path(__file__).resolve().parents[2]
 PYTHON = ["--python", sys.executable]  # the nodes' python: here, one that has nvidia-ml-py

@@ -1,6 +1,6 @@
 """The GPU health watch (``gpufleet/node/gpu_watch.py``) with the real gate on the NVML simulator, which gcc builds
 (tests/tools/conftest.py): the judge probes afresh each run, and the script runs once as the timer runs it, with a
-fake ``systemctl`` on its PATH (tests/unit/test_gpu_watch.py's).
+fake ``systemctl`` on its PATH (tests/unit/gpu_watch_run.py's).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from gpufleet_lab.sim_profile import write_sim_profile
 from gpufleet.node import gpu_watch
 from gpufleet.node.health_rules import HealthPolicy, policy_json
 from tests.conftest import ROOT
-from tests.unit.test_gpu_watch import WATCH
+from tests.unit.gpu_watch_run import WATCH
 
 
 @pytest.fixture
@@ -54,7 +54,7 @@ def test_the_script_as_the_timer_runs_it(sim_node: tuple[Path, Path], tmp_path: 
     bin_dir.mkdir()
     (bin_dir / "systemctl").write_text(
         f"#!{sys.executable}\nimport json, sys\nsys.path.insert(0, {str(ROOT)!r})\n"
-        "from tests.unit.test_gpu_watch import FakeSystemctl\n"
+        "from tests.unit.gpu_watch_run import FakeSystemctl\n"
         f"state = json.load(open({str(state)!r}))\nfake = FakeSystemctl(state['units'])\n"
         "status, out, err = fake.run(['systemctl', *sys.argv[1:]])\nstate['calls'] += fake.calls\n"
         f"json.dump(state, open({str(state)!r}, 'w'))\nprint(out, end='')\nprint(err, end='', file=sys.stderr)\n"

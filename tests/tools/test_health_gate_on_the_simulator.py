@@ -18,7 +18,7 @@ from gpufleet_lab.sim_profile import write_sim_profile
 
 from gpufleet.gpu.profiles import profile_facts
 from gpufleet.node.health_rules import HealthPolicy, policy_json
-from tests.unit.test_health_rules import PROBE
+from tests.nvml_probe_run import PROBE
 
 
 def gate(sim_lib: Path, tmp_path: Path, name: str, faults: Sequence[tuple[str, int]] = (), *args: str,

@@ -37,9 +37,9 @@ from gpufleet.plan.virtual_address import VirtualAddress
 from gpufleet.units.security import EXPOSURE_BOUND, exposure
 from tests.conftest import ROOT, host_tool, skip_or_fail
 from tests.polling import until
-from tests.tools.test_units_pass_systemd_analyze import _stub_root, _verify
-from tests.unit.test_hostile_templates import Unit
-from tests.unit.test_vllm_role import _config
+from tests.tools.systemd_verify import stub_root, verify_unit
+from tests.unit.configs import host_config
+from tests.unit.unit_files import Unit
 
 DEBIAN_UNIT = Path("/lib/systemd/system/keepalived.service")
 PASSWORD = "s3cret-8"
@@ -102,7 +102,7 @@ def test_keepalived_accepts_the_rendered_configuration(namespace: str, router: s
 # --- systemd -----------------------------------------------------------------------------------------------------
 
 def _units() -> tuple[Unit, Unit]:
-    cfg = _config(router_metrics_port=8405)
+    cfg = host_config(router_metrics_port=8405)
     health = Unit(node_paths.ROUTER_HEALTH_SERVICE, role.health_unit(cfg, "10.0.0.5"), [node_paths.NODE_PYTHON])
     drop_in = Unit(role.DROP_IN.removeprefix(node_paths.SYSTEMD_DIR + "/"), role.drop_in(
         _group("10.0.0.5", "10.0.0.6", vip="10.0.0.100"), "r1"), [role.KEEPALIVED, "/bin/kill"],
@@ -114,9 +114,9 @@ def test_the_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
     _keepalived()
     host_tool("systemd-analyze", "systemd")
     health, drop_in = _units()
-    _stub_root(tmp_path, [health, drop_in])
-    _verify(tmp_path, role.SERVICE)
-    _verify(tmp_path, node_paths.ROUTER_HEALTH_SERVICE)
+    stub_root(tmp_path, [health, drop_in])
+    verify_unit(tmp_path, role.SERVICE)
+    verify_unit(tmp_path, node_paths.ROUTER_HEALTH_SERVICE)
 
 
 def test_the_units_are_within_the_exposure_bound(tmp_path: Path) -> None:
@@ -263,8 +263,8 @@ def _lab() -> Iterator[Lab]:
             router = Router(name, names[name], address, base / name)
             router.dir.mkdir()
             shutil.chown(router.dir, unprivileged, pwd.getpwnam(unprivileged).pw_gid)
-            cfg = _config(fleet_address=address, router_virtual_address=VIP, router_port=8080,
-                          router_metrics_port=8405)
+            cfg = host_config(fleet_address=address, router_virtual_address=VIP, router_port=8080,
+                              router_metrics_port=8405)
             values = router_role.config_values(cfg, address, [], [], [f"{address}/32"], {})  # the check: itself
             values["admin_socket"] = str(router.dir / "admin.sock")
             (router.dir / "haproxy.cfg").write_text(router_role.render(values))

@@ -14,7 +14,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 import zipfile
 from importlib.metadata import PathDistribution
@@ -34,6 +33,8 @@ from tokenizers import Tokenizer
 from gpufleet.config.vllm_flags import SUPPORTED_VLLM_VERSIONS
 from gpufleet.digest import file_sha256
 from tests.conftest import DATA, ROOT, host_tool, skip_or_fail
+from tests.loopback_http import free_port, http_get
+from tests.polling import wait_for_port
 
 # One worker builds the module's cache (fixture ``cache``: a minute of apt and gpg) for every test that reads it.
 pytestmark = pytest.mark.xdist_group("lab_mirror")
@@ -71,12 +72,6 @@ def _contents(deb: Path) -> list[tuple[str, str]]:
     return [(line.split()[1], line.split()[-1].lstrip(".")) for line in listing.splitlines()]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _listening(pid: int) -> set[tuple[str, int]]:
     """The TCP (v4 and v6) addresses a process listens on, from its socket inodes and /proc/net."""
     inodes = set()
@@ -98,11 +93,6 @@ def _listening(pid: int) -> set[tuple[str, int]]:
                                         b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4)))
                 found.add((host, int(port, 16)))
     return found
-
-
-def _get(url: str) -> bytes:
-    with urllib.request.urlopen(url, timeout=10) as response:
-        return response.read()
 
 
 def _lab_cache_writable() -> None:
@@ -131,7 +121,7 @@ def debs(cache: Path) -> dict[str, Path]:
 
 @pytest.fixture
 def served(cache: Path):
-    handle = mirror.start("127.0.0.1", _free_port(), cache_dir=cache)
+    handle = mirror.start("127.0.0.1", free_port(), cache_dir=cache)
     yield handle
     handle.stop()
 
@@ -251,14 +241,14 @@ def test_mirror_listens_on_the_given_address_only(served: mirror.MirrorHandle) -
 
 def test_mirror_serves_the_url_layout(served: mirror.MirrorHandle, cache: Path) -> None:
     urls = served.urls
-    assert _get(urls.keyring) == (cache / "www/keys/gpufleet-lab.gpg").read_bytes()
-    assert _get(urls.apt + "InRelease") == (cache / "www/apt/InRelease").read_bytes()
+    assert http_get(urls.keyring) == (cache / "www/keys/gpufleet-lab.gpg").read_bytes()
+    assert http_get(urls.apt + "InRelease") == (cache / "www/apt/InRelease").read_bytes()
     with pytest.raises(urllib.error.HTTPError):
-        _get(served.url + "../gnupg/pubring.kbx")
+        http_get(served.url + "../gnupg/pubring.kbx")
 
 
 def test_start_reuses_a_running_mirror_and_stop_ends_it(cache: Path) -> None:
-    port = _free_port()
+    port = free_port()
     first = mirror.start("127.0.0.1", port, cache_dir=cache)
     try:
         assert mirror.start("127.0.0.1", port, cache_dir=cache).pid == first.pid
@@ -272,15 +262,15 @@ def test_start_reuses_a_running_mirror_and_stop_ends_it(cache: Path) -> None:
 
 def test_start_refuses_every_interface_and_reports_a_foreign_address(cache: Path) -> None:
     with pytest.raises(LabError, match="not every interface"):
-        mirror.start("0.0.0.0", _free_port(), cache_dir=cache)
+        mirror.start("0.0.0.0", free_port(), cache_dir=cache)
     with pytest.raises(LabError, match=r"could not serve on 192\.0\.2\.254"):  # TEST-NET-1: not on this host
-        mirror.start("192.0.2.254", _free_port(), cache_dir=cache)
+        mirror.start("192.0.2.254", free_port(), cache_dir=cache)
     assert mirror.running(cache) == []
 
 
 def test_apt_sees_the_packages_through_signed_by(served: mirror.MirrorHandle, cache: Path, tmp_path: Path) -> None:
     keyring = tmp_path / "gpufleet-lab.gpg"
-    keyring.write_bytes(_get(served.urls.keyring))
+    keyring.write_bytes(http_get(served.urls.keyring))
     apt = _apt(tmp_path / "good", served.urls.apt_source(str(keyring)))
     update = apt("apt-get", "update")
     assert update.returncode == 0, update.stdout + update.stderr
@@ -338,27 +328,15 @@ def test_counters_file_rejects_malformed_lines(tmp_path: Path) -> None:
 
 
 def test_hostengine_double_accepts_connections_on_its_port() -> None:
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, str(PROGRAMS / "nv_hostengine.py"), "-n", "-p", str(port)],
                             stderr=subprocess.PIPE)
     try:
-        _wait_for_port(port)
+        wait_for_port(port)
         assert _listening(proc.pid) == {("127.0.0.1", port)}
     finally:
         proc.terminate()
         assert proc.wait(timeout=10) == 0
-
-
-def _wait_for_port(port: int, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
 
 
 def test_exporter_double_serves_dcgm_metrics_from_the_nvml_simulator(tmp_path: Path) -> None:
@@ -368,7 +346,7 @@ def test_exporter_double_serves_dcgm_metrics_from_the_nvml_simulator(tmp_path: P
     library = nvml_sim.build_library(tmp_path / "lib")
     facts = sim_profile.write_sim_profile(tmp_path / "profile", "8xH100-SXM", ["pending_row_remap"], hostname="lab7")
     env = nvml_sim.sim_environ(library, tmp_path / "profile")
-    engine_port, port = _free_port(), _free_port()
+    engine_port, port = free_port(), free_port()
     counters = tmp_path / "counters.csv"
     counters.write_text(standin_debs.DEFAULT_COUNTERS.replace("# DCGM_", "DCGM_"))
     engine = subprocess.Popen([sys.executable, str(PROGRAMS / "nv_hostengine.py"), "-n", "-p", str(engine_port)])
@@ -378,8 +356,8 @@ def test_exporter_double_serves_dcgm_metrics_from_the_nvml_simulator(tmp_path: P
         env=env, stderr=subprocess.PIPE, text=True,
     )
     try:
-        _wait_for_port(port)
-        text = _get(f"http://127.0.0.1:{port}/metrics").decode()
+        wait_for_port(port)
+        text = http_get(f"http://127.0.0.1:{port}/metrics").decode()
     finally:
         exporter.terminate()
         engine.terminate()

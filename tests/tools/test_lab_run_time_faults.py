@@ -23,8 +23,9 @@ from gpufleet_lab.sim_profile import NVLINK_ERRORS, Fault, FaultError, apply_fau
 from gpufleet import templates
 from gpufleet.gpu.profiles import profile_facts
 from gpufleet.gpu.report import parse_facts
-from tests.tools.test_lab_mirror import _free_port, _get, _wait_for_port
-from tests.tools.test_nvml_probe import run_probe
+from tests.loopback_http import free_port, http_get
+from tests.nvml_probe_run import run_probe
+from tests.polling import wait_for_port
 
 PROFILE, HOST = "8xH100-SXM", "lab1"
 EXPORTER = Path(dcgm_exporter.__file__)
@@ -40,12 +41,12 @@ def _exporter(sim_lib: Path, profile: Path, tmp_path: Path) -> Iterator[str]:
     """The exporter double with gpufleet's counters (NVLink on) reading the simulated node; yields its metrics URL."""
     counters = tmp_path / "counters.csv"
     counters.write_text(templates.render("dcgm_exporter/counters.csv.j2", nvlink=True))
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, str(EXPORTER), "-f", str(counters), "-a", f"127.0.0.1:{port}",
                              "-x", str(WINDOW_MS)], env=nvml_sim.sim_environ(sim_lib, profile),
                             stderr=subprocess.DEVNULL)
     try:
-        _wait_for_port(port)
+        wait_for_port(port)
         yield f"http://127.0.0.1:{port}/metrics"
     finally:
         proc.terminate()
@@ -54,7 +55,7 @@ def _exporter(sim_lib: Path, profile: Path, tmp_path: Path) -> Iterator[str]:
 
 def _scrape(url: str) -> Scrape:
     found: Scrape = {}
-    for line in _get(url).decode().splitlines():
+    for line in http_get(url).decode().splitlines():
         if line.startswith("DCGM_"):
             name, rest = line.split("{", 1)
             labels_text, value = rest.rsplit("} ", 1)

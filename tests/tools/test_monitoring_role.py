@@ -33,10 +33,10 @@ from gpufleet.units.escape import exec_line
 from gpufleet.units.security import EXPOSURE_BOUND, exposure_score
 from tests.conftest import ROOT, host_tool, skip_or_fail
 from tests.loopback_http import QuietHandler, loopback_server
-from tests.tools.test_units_pass_systemd_analyze import _stub_root, _verify
-from tests.unit.test_hostile_templates import Unit, exec_argv, unit_settings
-from tests.unit.test_monitoring_role import _files
-from tests.unit.test_vllm_role import _config
+from tests.tools.systemd_verify import stub_root, verify_unit
+from tests.unit.configs import host_config
+from tests.unit.monitoring_files import monitoring_host_files
+from tests.unit.unit_files import Unit, exec_argv, unit_settings
 
 DEBIAN_UNITS = Path("/lib/systemd/system")
 
@@ -51,7 +51,7 @@ def _write(tmp_path: Path, files: role.MonitoringFiles) -> Path:
 # --- what promtool and amtool accept -------------------------------------------------------------------------
 
 def test_promtool_accepts_the_configuration_with_its_rule_files(tmp_path: Path) -> None:
-    _, files = _files(prometheus_retention="30d")
+    _, files = monitoring_host_files(prometheus_retention="30d")
     _write(tmp_path, files)
     promtool = host_tool("promtool", "prometheus")
     rules = [n for n in files.configs if n.startswith(f"{role.RULES_DIR}/")]
@@ -78,7 +78,7 @@ def test_the_swap_in_script_puts_nothing_in_place_that_promtool_refuses(tmp_path
     monkeypatch.setattr(role, "CANDIDATE_DIR", str(candidate))
     monkeypatch.setattr(role, "CONFIG_DIR", str(live))
     service = dataclasses.replace(role.PROMETHEUS, config=str(live / role.PROMETHEUS_YML))
-    _, files = _files()
+    _, files = monitoring_host_files()
     _write(candidate, files)
     (live / role.RULES_DIR).mkdir(parents=True)
     names = [n for n in files.configs if n.startswith(f"{role.RULES_DIR}/")] + [role.PROMETHEUS_YML]
@@ -95,7 +95,7 @@ def test_the_swap_in_script_puts_nothing_in_place_that_promtool_refuses(tmp_path
 
 @pytest.mark.parametrize("webhook", [None, "", "https://hooks.example.net/alerts?team=gpu%20fleet"])
 def test_amtool_accepts_alertmanagers_configuration(tmp_path: Path, webhook: str | None) -> None:
-    _, files = _files(alertmanager_webhook_url=webhook)
+    _, files = monitoring_host_files(alertmanager_webhook_url=webhook)
     text = files.configs[role.ALERTMANAGER_YML]
     (tmp_path / role.ALERTMANAGER_YML).write_text(text)
     done = subprocess.run([host_tool("amtool", "prometheus-alertmanager"), "check-config", role.ALERTMANAGER_YML],
@@ -115,7 +115,7 @@ def test_the_drop_ins_pass_systemd_analyze_on_debians_units_within_the_bound(tmp
     """Debian's units (as the packages install them) with gpufleet's drop-ins: systemd accepts them, each runs the
     literal command line, and each rates at most gpufleet's exposure bound (Debian's alone: 4.0 and 9.2).
     Prometheus is always behind its IP filter; Alertmanager once it listens beyond loopback."""
-    _, files = _files(**values)
+    _, files = monitoring_host_files(**values)
     texts = {role.PROMETHEUS: files.prometheus_drop_in, role.ALERTMANAGER: files.alertmanager_drop_in}
     units = []
     for service, text in texts.items():
@@ -124,15 +124,15 @@ def test_the_drop_ins_pass_systemd_analyze_on_debians_units_within_the_bound(tmp
         assert debian.is_file(), f"Debian's {service.package} package is needed (scripts/install-lab-deps.sh)"
         units.append(Unit(service.drop_in.removeprefix(node_paths.SYSTEMD_DIR + "/"), text,
                           [service.program, "/bin/kill"], extra={service.unit: debian.read_text()}))
-    _stub_root(tmp_path, units)
+    stub_root(tmp_path, units)
     (tmp_path / role.PROMETHEUS.config.lstrip("/")).parent.mkdir(parents=True)
     for service in texts:
         (tmp_path / service.config.lstrip("/")).write_text("")  # its condition holds
-        _verify(tmp_path, service.unit)
+        verify_unit(tmp_path, service.unit)
         done = subprocess.run(["systemd-analyze", "security", "--offline=yes", f"--root={tmp_path}", "--no-pager",
                                service.unit], capture_output=True, text=True, timeout=120)
         assert exposure_score(done.stdout) <= EXPOSURE_BOUND, done.stdout
-    cfg = _config(fleet_address="10.40.9.1", **values)
+    cfg = host_config(fleet_address="10.40.9.1", **values)
     expected = {role.PROMETHEUS: role.prometheus_argv(cfg, "10.40.9.1"), role.ALERTMANAGER: role.alertmanager_argv(cfg)}
     for service, text in texts.items():
         settings = unit_settings(text)
@@ -193,14 +193,14 @@ def scraped(tmp_path: Path) -> Iterator[tuple[str, role.FleetView]]:
                 SimpleNamespace(host="n1", address="127.0.0.1", role="ray-head", gpus=[1]),
                 SimpleNamespace(host="n2", address="127.0.0.1", role="ray-worker", gpus=[0])]),
         ]
-        (backend,) = plan_backends.backends(replicas, {"n1": _config(vllm_served_model_name=HOSTILE)})  # type: ignore[arg-type]
+        (backend,) = plan_backends.backends(replicas, {"n1": host_config(vllm_served_model_name=HOSTILE)})  # type: ignore[arg-type]
         router_body = f'haproxy_backend_http_responses_total{{proxy="{backend.name}",code="2xx"}} 5\n'
         hosts = {}
         for name in ("n1", "n2", "r1"):
             ray = serve()
-            hosts[name] = _config(fleet_address="127.0.0.1", node_exporter_port=serve(), dcgm_exporter_port=serve(),
-                                  router_metrics_port=serve(router_body), ray_port=ray - RAY_METRICS_OFFSET,
-                                  vllm_served_model_name=HOSTILE)
+            hosts[name] = host_config(fleet_address="127.0.0.1", node_exporter_port=serve(), dcgm_exporter_port=serve(),
+                                      router_metrics_port=serve(router_body), ray_port=ray - RAY_METRICS_OFFSET,
+                                      vllm_served_model_name=HOSTILE)
         view = role.FleetView(hosts, {"n1": "p", "n2": "q", "r1": "routers"}, ["n1", "n2"], ["r1"],
                               replicas, {"n1": 2, "n2": 1, "r1": 0})  # type: ignore[arg-type]
         config = yaml.safe_load(role.prometheus_yml(hosts["r1"], view, {}))
@@ -306,13 +306,13 @@ def _promtool_alerts(tmp_path: Path, files: role.MonitoringFiles, series: list[d
     "b_two_nodes_mp",
 ])
 def test_the_series_of_a_healthy_fleets_targets_fire_no_alert(tmp_path: Path, shape: str) -> None:
-    view, files = _files(ROOT / "tests" / "data" / "plans" / shape / "inventory.py")
+    view, files = monitoring_host_files(ROOT / "tests" / "data" / "plans" / shape / "inventory.py")
     done = _promtool_alerts(tmp_path, files, _series(files, view, None), {})
     assert done.returncode == 0, done.stdout + done.stderr
 
 
 def test_a_replica_whose_api_is_down_fires_its_alerts(tmp_path: Path) -> None:
-    view, files = _files(ROOT / "tests" / "data" / "plans" / "a_single_node_70b" / "inventory.py")
+    view, files = monitoring_host_files(ROOT / "tests" / "data" / "plans" / "a_single_node_70b" / "inventory.py")
     replica = view.replicas[0]
     (group,) = [g for j in yaml.safe_load(files.configs[role.PROMETHEUS_YML])["scrape_configs"]
                 if j["job_name"] == "vllm" for g in j["static_configs"] if g["labels"]["replica"] == replica.name]

@@ -17,7 +17,7 @@ from gpufleet_lab import debian_extras
 from gpufleet.units.security import exposure_score
 from roles import node_exporter as role
 from tests.conftest import host_tool
-from tests.unit.test_node_exporter import _config, _problems
+from tests.unit.configs import config_problems, https_host_config
 
 # The exposure the lab test holds the unit to (tests/lab/test_monitoring.py explains the number).
 EXPOSURE_BOUND = 2.0
@@ -27,7 +27,7 @@ EXPOSURE_BOUND = 2.0
 def test_rendered_unit_scores_within_the_bound_offline(tmp_path: Path) -> None:
     host_tool("systemd-analyze", "systemd")
     unit = tmp_path / "node_exporter.service"
-    unit.write_text(role.render(_config(), "10.0.0.5"))
+    unit.write_text(role.render(https_host_config(), "10.0.0.5"))
     done = subprocess.run(["systemd-analyze", "security", "--offline=yes", "--no-pager", str(unit)],
                           capture_output=True, text=True)
     assert exposure_score(done.stdout) <= EXPOSURE_BOUND, done.stdout
@@ -98,4 +98,4 @@ def test_lab_inventory_data_points_at_the_mirror(fake_deb: Path, tmp_path: Path)
         "deb [signed-by=/usr/share/keyrings/gpufleet-lab.gpg] http://10.9.0.1:8080/debian/ /"
     )
     assert data["node_exporter_apt_keyring"] == str(tmp_path / "www/keys/gpufleet-lab.gpg")
-    assert _problems(**data, node_exporter_version="1.5.0", allow_plain_http=True) == []
+    assert config_problems(**data, node_exporter_version="1.5.0", allow_plain_http=True) == []

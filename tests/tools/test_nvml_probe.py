@@ -16,15 +16,10 @@ from gpufleet_lab.sim_profile import FAULTS, FaultError, apply_fault, sim_profil
 from gpufleet.gpu.profiles import profile_facts
 from gpufleet.gpu.report import NodeFacts, parse_facts
 from gpufleet.gpu.topology import nvlink_islands
+from tests.nvml_probe_run import run_probe
 
 ROOT = Path(__file__).resolve().parents[2]
-PROBE = ROOT / "gpufleet" / "node" / "nvml_probe.py"
 PROFILES = ["8xH100-SXM", "8xH200-SXM", "8xA100-SXM", "8xL40S-PCIe", "4xA100-PCIe-pairs", "2xRTX4090"]
-
-
-def run_probe(env: dict[str, str], *args: str,
-              python: tuple[str, ...] = (sys.executable,)) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*python, str(PROBE), *args], env=env, capture_output=True, text=True, timeout=60)
 
 
 def probe_profile(sim_lib: Path, tmp_path: Path, name: str,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import Project, host_tool
-from tests.unit.test_plan import _plan
+from tests.unit.project_plans import cli_plan
 
 
 @pytest.mark.parametrize(
@@ -36,7 +36,7 @@ def test_plan_from_probe_output_of_the_simulator(
     facts = project.root / "facts"
     facts.mkdir()
     (facts / "h1.json").write_text(probe.stdout)
-    rc, replicas, err = _plan(project, f"""
+    rc, replicas, err = cli_plan(project, f"""
         vllm_model: meta-llama/Llama-3.1-70B-Instruct
         vllm_tensor_parallel_size: {tp}
         vllm_max_model_len: 4096

@@ -16,9 +16,11 @@ from gpufleet_lab.double_programs import dcgm_exporter as exporter_double
 
 from gpufleet.facts.nvidia import KeyFingerprints
 from gpufleet.operations.nvidia import fetch_key_script
+from gpufleet.templates import render
 from tests.conftest import host_tool
-from tests.tools.test_lab_mirror import _free_port, _get, _wait_for_port
-from tests.unit.test_roles_provision import DEFAULTS, render
+from tests.loopback_http import free_port, http_get
+from tests.polling import wait_for_port
+from tests.unit.nvidia_driver_defaults import DEFAULTS
 
 # --- dcgm_exporter: the counters, served from the simulator ------------------------------------------------
 
@@ -30,7 +32,7 @@ def test_exporter_double_serves_every_counter_from_the_simulator(tmp_path: Path)
     facts = sim_profile.write_sim_profile(tmp_path / "profile", "8xH100-SXM", ["pending_row_remap"], hostname="n1")
     counters = tmp_path / "counters.csv"
     counters.write_text(render("dcgm_exporter/counters.csv.j2", nvlink=True))
-    engine_port, port = _free_port(), _free_port()
+    engine_port, port = free_port(), free_port()
     programs = Path(exporter_double.__file__).parent
     engine = subprocess.Popen([sys.executable, str(programs / "nv_hostengine.py"), "-n", "-p", str(engine_port)])
     exporter = subprocess.Popen(
@@ -39,8 +41,8 @@ def test_exporter_double_serves_every_counter_from_the_simulator(tmp_path: Path)
         env=nvml_sim.sim_environ(library, tmp_path / "profile"), stderr=subprocess.PIPE, text=True,
     )
     try:
-        _wait_for_port(port)
-        text = _get(f"http://127.0.0.1:{port}/metrics").decode()
+        wait_for_port(port)
+        text = http_get(f"http://127.0.0.1:{port}/metrics").decode()
     finally:
         exporter.terminate()
         engine.terminate()

@@ -1,5 +1,5 @@
 """What a rollout runs on the routers (gpufleet/rollout/router_control.py): the real ``router_admin.py``, run here as
-the node would run it, against a real HAProxy (Debian's ``haproxy``; tests/tools/test_router_admin.py's). The rest of
+the node would run it, against a real HAProxy (Debian's ``haproxy``; tests/tools/router_admin_haproxy.py's). The rest of
 what a rollout runs on hosts: tests/unit/test_rollout_remote.py."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 
 from gpufleet.rollout.remote import RemoteResult, command_line
 from gpufleet.rollout.router_control import ROUTER_ADMIN, RouterControl, RouterFailure
-from tests.tools.test_router_admin import BACKEND, FIRST, SECOND, TOOL, Router, running_router
+from tests.tools.router_admin_haproxy import BACKEND, FIRST, SECOND, TOOL, Router, running_router
 
 
 class _ToolOnThisMachine:

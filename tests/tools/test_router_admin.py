@@ -1,9 +1,7 @@
 """router_admin.py, the router node's tool, against a real HAProxy (Debian's package) started for the tests.
 
-The fixtures run ``haproxy -db`` in the foreground (never the system service) with its admin socket in a test
-directory, a frontend on a free port of 127.0.0.1 and two backends: ``lab_single`` with two loopback replicas and
-``lab_pipeline`` with one. A replica answers its own name, ``/hold`` once the test releases it, ``/slow`` after
-``SLOW_S`` and ``/fail`` with a 500.
+The fixtures run tests/tools/router_admin_haproxy.py's: ``haproxy -db`` in the foreground (never the system
+service) with its admin socket in a test directory, and two backends of loopback replicas.
 ``tests/data/router_admin/refused.json`` holds command lines the tool must refuse: ``argv``, the one ``line`` it prints
 (after its prefix) and the commands ``sent`` to the socket, read through a relay that records them.
 """
@@ -21,9 +19,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -31,83 +27,10 @@ import pytest
 
 from gpufleet import node_paths
 from gpufleet.node import router_admin
-from tests.conftest import DATA, ROOT, host_tool
-from tests.loopback_http import QuietHandler, loopback_server
+from tests.conftest import DATA
+from tests.tools.router_admin_haproxy import BACKEND, FIRST, SECOND, SLOW_S, TOOL, Router, ok_json, running_router
 
-TOOL = ROOT / "gpufleet" / "node" / "router_admin.py"
 REFUSED = DATA / "router_admin" / "refused.json"
-BACKEND = "lab_single"
-FIRST, SECOND = "lab_single-lab1-0", "lab_single-lab2-0"
-HOLD_MAX_S = 10.0
-SLOW_S = 0.3
-
-
-class Replica:
-    """A loopback replica: it answers its name; ``/hold`` once released."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.arrived = threading.Event()  # a /hold request reached it
-        self.release = threading.Event()
-
-    def handler(self) -> type[BaseHTTPRequestHandler]:
-        replica = self
-
-        class Handler(QuietHandler):
-            def do_GET(self) -> None:
-                if self.path == "/hold":
-                    replica.arrived.set()
-                    replica.release.wait(HOLD_MAX_S)
-                elif self.path == "/slow":
-                    time.sleep(SLOW_S)
-                body = replica.name.encode()
-                try:
-                    self.send_response(500 if self.path == "/fail" else 200)
-                    self.send_header("Content-Length", str(len(body)))
-                    self.end_headers()
-                    self.wfile.write(body)
-                except ConnectionError:
-                    pass  # a health check HAProxy dropped as it stopped
-
-        return Handler
-
-
-@dataclass
-class Router:
-    """The running HAProxy: its frontend's URL, admin socket and replicas."""
-
-    url: str
-    socket: Path
-    replicas: dict[str, Replica] = field(default_factory=dict)
-
-    def tool(self, *argv: str, socket_path: Path | None = None) -> subprocess.CompletedProcess[str]:
-        """router_admin.py as a node runs it (``python3 -I``), on this router's socket unless told otherwise."""
-        return subprocess.run([sys.executable, "-I", str(TOOL), *argv, "--socket", str(socket_path or self.socket)],
-                              capture_output=True, text=True, timeout=30)
-
-    def get(self, path: str = "/") -> str:
-        """One request through the frontend, on its own connection: the replica that answered."""
-        with urllib.request.urlopen(f"{self.url}{path}", timeout=HOLD_MAX_S + 5) as response:
-            return str(response.read().decode())
-
-    def answered_by(self, requests: int) -> set[str]:
-        return {self.get() for _ in range(requests)}
-
-    def servers(self) -> dict[str, dict[str, Any]]:
-        return {entry["server"]: entry for entry in _ok(self.tool("show"))["servers"]}
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
-def _ok(done: subprocess.CompletedProcess[str]) -> dict[str, Any]:
-    assert (done.returncode, done.stderr) == (0, ""), done
-    doc: dict[str, Any] = json.loads(done.stdout)
-    return doc
 
 
 def _refused(done: subprocess.CompletedProcess[str]) -> str:
@@ -117,55 +40,6 @@ def _refused(done: subprocess.CompletedProcess[str]) -> str:
     lines = done.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("router_admin: "), done.stderr
     return lines[0].removeprefix("router_admin: ")
-
-
-def _config(port: int, admin: Path, servers: dict[str, tuple[str, int]]) -> str:
-    backends: dict[str, list[str]] = {}
-    for name, (backend, replica_port) in servers.items():
-        backends.setdefault(backend, []).append(f"    server {name} 127.0.0.1:{replica_port}")
-    text = [
-        "global", f"    stats socket {admin} mode 600 level admin",
-        # a check every 100 ms, each with 2 s to answer: without "timeout check" HAProxy gives a check only its
-        # interval, and a stand-in replica starved by the lab beside it (CI) answered late: "UP 1/2", L7TOUT
-        "defaults", "    mode http", "    timeout connect 2s", "    timeout client 30s", "    timeout server 30s",
-        "    timeout check 2s",
-        "frontend api", f"    bind 127.0.0.1:{port}", f"    default_backend {BACKEND}",
-    ]
-    for backend, lines in backends.items():
-        text += [f"backend {backend}", "    balance roundrobin", "    option httpchk GET /health",
-                 "    default-server check inter 100ms rise 1 fall 2", *lines]
-    return "\n".join(text) + "\n"
-
-
-@contextmanager
-def running_router(tmp_path: Path) -> Iterator[Router]:
-    """HAProxy and its replicas, up until the block ends."""
-    haproxy = host_tool("haproxy", "haproxy")
-    replicas = {name: Replica(name) for name in (FIRST, SECOND, "lab_pipeline-lab3-0")}
-    with ExitStack() as stack:
-        urls = {name: stack.enter_context(loopback_server(replica.handler())) for name, replica in replicas.items()}
-        ports = {name: int(url.rsplit(":", 1)[1]) for name, url in urls.items()}
-        port, admin = _free_port(), tmp_path / "admin.sock"
-        config = tmp_path / "haproxy.cfg"
-        config.write_text(_config(port, admin, {FIRST: (BACKEND, ports[FIRST]), SECOND: (BACKEND, ports[SECOND]),
-                                                "lab_pipeline-lab3-0": ("lab_pipeline", ports["lab_pipeline-lab3-0"])}))
-        log = tmp_path / "haproxy.log"
-        with log.open("w") as out:
-            proc = subprocess.Popen([haproxy, "-db", "-f", str(config)], stdout=out, stderr=subprocess.STDOUT)
-        stack.callback(_stop, proc, replicas.values())
-        api, deadline = router_admin.Runtime(str(admin)), time.monotonic() + 10
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"haproxy exited {proc.returncode}: {log.read_text()}")
-            try:
-                if {found.status for found in api.servers()} == {"UP"}:
-                    break
-            except router_admin.RouterError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"haproxy's servers are not UP after 10 s: {log.read_text()}")
-            time.sleep(0.05)
-        yield Router(f"http://127.0.0.1:{port}", admin, replicas)
 
 
 @pytest.fixture
@@ -180,17 +54,6 @@ def unchanged_router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Route
     """One router for the tests that must leave it as it is (they check they did)."""
     with running_router(tmp_path_factory.mktemp("router")) as started:
         yield started
-
-
-def _stop(proc: subprocess.Popen[bytes], replicas: Any) -> None:
-    for replica in replicas:
-        replica.release.set()
-    proc.terminate()
-    try:
-        proc.wait(5)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(5)
 
 
 class _Relay(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
@@ -230,7 +93,7 @@ def relaying(path: Path, target: Path) -> Iterator[_Relay]:
 
 
 def test_show_lists_every_server_of_every_backend_up(unchanged_router: Router) -> None:
-    shown = _ok(unchanged_router.tool("show"))["servers"]
+    shown = ok_json(unchanged_router.tool("show"))["servers"]
     assert [(s["backend"], s["server"]) for s in shown] == [(BACKEND, FIRST), (BACKEND, SECOND),
                                                              ("lab_pipeline", "lab_pipeline-lab3-0")]
     for entry in shown:
@@ -250,14 +113,14 @@ def _status(router: Router, path: str) -> int:
 
 
 def test_show_counts_each_servers_requests_5xx_and_response_time(router: Router) -> None:
-    _ok(router.tool("set-state", BACKEND, SECOND, "maint"))  # FIRST takes every request
+    ok_json(router.tool("set-state", BACKEND, SECOND, "maint"))  # FIRST takes every request
     assert [_status(router, path) for path in ["/", "/fail", "/", "/fail", "/fail", "/slow"]] == \
         [200, 500, 200, 500, 500, 200]
     shown = router.servers()
     assert (shown[FIRST]["req_tot"], shown[FIRST]["hrsp_5xx"]) == (6, 3)
     assert shown[FIRST]["rtime"] >= SLOW_S * 1000 / 6  # an average over its requests, the slow one among them
     assert (shown[SECOND]["req_tot"], shown[SECOND]["hrsp_5xx"], shown[SECOND]["rtime"]) == (0, 0, 0)
-    _ok(router.tool("set-state", BACKEND, SECOND, "ready"))
+    ok_json(router.tool("set-state", BACKEND, SECOND, "ready"))
     assert router.answered_by(4) == {FIRST, SECOND}
     shown = router.servers()
     assert shown[FIRST]["req_tot"] + shown[SECOND]["req_tot"] == 10 and shown[SECOND]["hrsp_5xx"] == 0
@@ -265,37 +128,37 @@ def test_show_counts_each_servers_requests_5xx_and_response_time(router: Router)
 
 def test_a_drained_server_gets_no_new_request_and_ready_brings_it_back(router: Router) -> None:
     assert router.answered_by(4) == {FIRST, SECOND}
-    drained = _ok(router.tool("set-state", BACKEND, FIRST, "drain"))
+    drained = ok_json(router.tool("set-state", BACKEND, FIRST, "drain"))
     assert (drained["admin"], drained["was"], drained["server"], drained["weight"]) == ("drain", "ready", FIRST, 0)
     shown = router.servers()
     assert (shown[FIRST]["status"], shown[FIRST]["admin"], shown[FIRST]["weight"]) == ("DRAIN", "drain", 0)
     assert (shown[SECOND]["status"], shown[SECOND]["admin"]) == ("UP", "ready")
     assert router.answered_by(6) == {SECOND}
-    back = _ok(router.tool("set-state", BACKEND, FIRST, "ready"))
+    back = ok_json(router.tool("set-state", BACKEND, FIRST, "ready"))
     assert (back["admin"], back["was"], back["status"], back["weight"]) == ("ready", "drain", "UP", 1)
     assert router.answered_by(4) == {FIRST, SECOND}
 
 
 def test_maint_takes_a_server_out_and_ready_brings_it_back(router: Router) -> None:
-    assert _ok(router.tool("set-state", BACKEND, SECOND, "maint"))["status"] == "MAINT"
+    assert ok_json(router.tool("set-state", BACKEND, SECOND, "maint"))["status"] == "MAINT"
     assert router.answered_by(4) == {FIRST}
-    assert _ok(router.tool("set-state", BACKEND, SECOND, "ready"))["admin"] == "ready"
+    assert ok_json(router.tool("set-state", BACKEND, SECOND, "ready"))["admin"] == "ready"
     assert router.answered_by(4) == {FIRST, SECOND}
 
 
 def test_weight_zero_takes_no_traffic_and_reads_back(router: Router) -> None:
-    weighed = _ok(router.tool("set-weight", BACKEND, FIRST, "0"))
+    weighed = ok_json(router.tool("set-weight", BACKEND, FIRST, "0"))
     assert (weighed["weight"], weighed["initial_weight"], weighed["was"], weighed["admin"]) == (0, 1, 1, "ready")
     assert router.answered_by(6) == {SECOND}
-    assert _ok(router.tool("set-weight", BACKEND, FIRST, "256"))["weight"] == 256
+    assert ok_json(router.tool("set-weight", BACKEND, FIRST, "256"))["weight"] == 256
     assert router.servers()[FIRST]["weight"] == 256
-    assert _ok(router.tool("set-weight", BACKEND, FIRST, "1"))["was"] == 256
+    assert ok_json(router.tool("set-weight", BACKEND, FIRST, "1"))["was"] == 256
     assert router.answered_by(4) == {FIRST, SECOND}
 
 
 def _in_flight(router: Router, path: str) -> tuple[threading.Thread, list[str]]:
     """A request to ``path`` through the frontend that FIRST serves (SECOND is in maintenance), under way."""
-    _ok(router.tool("set-state", BACKEND, SECOND, "maint"))
+    ok_json(router.tool("set-state", BACKEND, SECOND, "maint"))
     answers: list[str] = []
     thread = threading.Thread(target=lambda: answers.append(router.get(path)), daemon=True)
     thread.start()
@@ -306,7 +169,7 @@ def _in_flight(router: Router, path: str) -> tuple[threading.Thread, list[str]]:
 def test_wait_drained_returns_once_the_request_in_flight_has_finished(router: Router, tmp_path: Path) -> None:
     thread, answers = _in_flight(router, "/hold")
     assert router.servers()[FIRST]["scur"] == 1
-    _ok(router.tool("set-state", BACKEND, FIRST, "drain"))
+    ok_json(router.tool("set-state", BACKEND, FIRST, "drain"))
     with relaying(tmp_path / "relay.sock", router.socket) as relay:
         waiting = subprocess.Popen([sys.executable, "-I", str(TOOL), "wait-drained", BACKEND, FIRST, "--timeout", "10",
                                     "--socket", str(relay.server_address)], stdout=subprocess.PIPE,
@@ -317,7 +180,7 @@ def test_wait_drained_returns_once_the_request_in_flight_has_finished(router: Ro
         assert waiting.poll() is None, "wait-drained returned while a request was in flight"
         router.replicas[FIRST].release.set()
         out, err = waiting.communicate(timeout=10)
-    waited = _ok(subprocess.CompletedProcess(waiting.args, waiting.returncode, out, err))
+    waited = ok_json(subprocess.CompletedProcess(waiting.args, waiting.returncode, out, err))
     assert (waited["drained"], waited["scur"], waited["qcur"], waited["admin"]) == (True, 0, 0, "drain")
     assert waited["waited_s"] >= 2 * router_admin.POLL_S
     thread.join(5)
@@ -326,7 +189,7 @@ def test_wait_drained_returns_once_the_request_in_flight_has_finished(router: Ro
 
 def test_wait_drained_times_out_while_a_request_stays_open(router: Router) -> None:
     thread, answers = _in_flight(router, "/hold")
-    _ok(router.tool("set-state", BACKEND, FIRST, "drain"))
+    ok_json(router.tool("set-state", BACKEND, FIRST, "drain"))
     started = time.monotonic()
     line = _refused(router.tool("wait-drained", BACKEND, FIRST, "--timeout", "0.5"))
     assert 0.5 <= time.monotonic() - started < 5
@@ -334,7 +197,7 @@ def test_wait_drained_times_out_while_a_request_stays_open(router: Router) -> No
     router.replicas[FIRST].release.set()
     thread.join(5)
     assert answers == [FIRST]
-    assert _ok(router.tool("wait-drained", BACKEND, FIRST, "--timeout", "5"))["scur"] == 0
+    assert ok_json(router.tool("wait-drained", BACKEND, FIRST, "--timeout", "5"))["scur"] == 0
 
 
 @pytest.mark.parametrize("case", json.loads(REFUSED.read_text()), ids=lambda case: " ".join(case["argv"])[:60])

@@ -24,9 +24,9 @@ import pytest
 import roles.router as router_role
 from gpufleet.node import router_admin
 from gpufleet.plan import backends as plan_backends
-from tests.loopback_http import ReplicaHandler, loopback_server
-from tests.tools.test_router_role import _free_port, _wait, running_haproxy
-from tests.unit.test_vllm_role import _config
+from tests.loopback_http import ReplicaHandler, free_port, loopback_server
+from tests.tools.haproxy_run import running_haproxy, wait
+from tests.unit.configs import host_config
 
 MODEL = "slow-model"
 REPLICA = "slow-0"
@@ -99,14 +99,14 @@ def router(tmp_path: Path) -> Iterator[Router]:
     with ExitStack() as stack:
         port = int(stack.enter_context(loopback_server(replica.handler())).rsplit(":", 1)[1])
         plan = [SimpleNamespace(name=REPLICA, port=port, roles=[SimpleNamespace(host="n1", address="127.0.0.1")])]
-        cfg = _config(router_port=_free_port(), router_metrics_port=_free_port(), router_check_interval_s=1,
-                      router_check_fall=1, router_check_rise=1, router_queue_timeout_s=QUEUE_TIMEOUT_S)
-        (backend,) = plan_backends.backends(plan, {"n1": _config(vllm_served_model_name=MODEL)})  # type: ignore[arg-type]
+        cfg = host_config(router_port=free_port(), router_metrics_port=free_port(), router_check_interval_s=1,
+                          router_check_fall=1, router_check_rise=1, router_queue_timeout_s=QUEUE_TIMEOUT_S)
+        (backend,) = plan_backends.backends(plan, {"n1": host_config(vllm_served_model_name=MODEL)})  # type: ignore[arg-type]
         values = router_role.config_values(cfg, "127.0.0.1", [backend], router_role.model_lists({None: [MODEL]}), [],
                                            {REPLICA: 1})
         started = Router(cfg.router_port, stack.enter_context(running_haproxy(values, tmp_path)), backend.name,
                          replica)
-        _wait(lambda: started.socket.exists() and started.status() == "UP", "the replica UP")
+        wait(lambda: started.socket.exists() and started.status() == "UP", "the replica UP")
         yield started
 
 

@@ -31,10 +31,10 @@ import roles.router as router_role
 from gpufleet.node import router_admin
 from gpufleet.plan import backends as plan_backends
 from tests.conftest import host_tool
-from tests.loopback_http import ReplicaHandler, loopback_server
+from tests.loopback_http import ReplicaHandler, free_port, loopback_server
 from tests.memory_rule import deny_write_execute, memory_rule
-from tests.tools.test_router_role import _free_port, _wait
-from tests.unit.test_vllm_role import _config
+from tests.tools.haproxy_run import wait
+from tests.unit.configs import host_config
 
 OPEN, CLOSED = "model-open", "model-closed"  # every client may use OPEN; CLOSED only those that name it
 REPLICA_KEY = "replica-internal-key-0123456789"
@@ -123,7 +123,7 @@ class Edge:
         configuration and the edge files again; the old workers finish what they hold."""
         before = self.workers()
         self.proc.send_signal(signal.SIGUSR2)
-        _wait(lambda: self.workers() - before, "a new worker after the reload")
+        wait(lambda: self.workers() - before, "a new worker after the reload")
 
     def workers(self) -> set[int]:
         """The worker processes' ids, from the master's CLI (none while the master re-executes itself)."""
@@ -158,19 +158,19 @@ def _start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tls: bool, plain: bo
     lab_tls = make_lab_tls(tmp_path / "ca", ["127.0.0.1", "localhost"]) if tls else None
     tls_values: dict[str, Any] = {"router_tls_certificate": {"file": str(lab_tls.certificate)},
                                   "router_tls_key": {"file": str(lab_tls.key)}} if lab_tls else {}
-    plain_port = _free_port() if plain else None
+    plain_port = free_port() if plain else None
     replicas = {model: KeyedReplica(f"{model}-0") for model in (OPEN, CLOSED)}
     with ExitStack() as stack:
         ports = {model: int(stack.enter_context(loopback_server(replicas[model].handler())).rsplit(":", 1)[1])
                  for model in replicas}
-        configs = {f"{m}-0": _config(vllm_served_model_name=m, vllm_api_key={"env": "EDGE_REPLICA_KEY"})
+        configs = {f"{m}-0": host_config(vllm_served_model_name=m, vllm_api_key={"env": "EDGE_REPLICA_KEY"})
                    for m in replicas}
         plan = [SimpleNamespace(name=f"{m}-0", port=ports[m], roles=[SimpleNamespace(host=f"{m}-0",
                                                                                         address="127.0.0.1")])
                 for m in replicas]
-        cfg = _config(router_port=_free_port(), router_metrics_port=_free_port(), router_check_interval_s=1,
-                      router_check_fall=1, router_check_rise=1, router_clients=CLIENTS,
-                      router_plain_http_port=plain_port, **tls_values)
+        cfg = host_config(router_port=free_port(), router_metrics_port=free_port(), router_check_interval_s=1,
+                          router_check_fall=1, router_check_rise=1, router_clients=CLIENTS,
+                          router_plain_http_port=plain_port, **tls_values)
         found = plan_backends.backends(plan, configs)  # type: ignore[arg-type]
         upstream = router_role.upstream_keys(plan, configs)  # type: ignore[arg-type]
         edge_dir = tmp_path / "edge"
@@ -193,7 +193,7 @@ def _start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tls: bool, plain: bo
         started = Edge(cfg.router_port, plain_port, lab_tls, tmp_path / "admin.sock", master, proc, config,
                        edge_dir, replicas)
         runtime = router_admin.Runtime(str(started.socket))
-        _wait(lambda: started.socket.exists() and {s.status for s in runtime.servers()} == {"UP"}, "replicas UP")
+        wait(lambda: started.socket.exists() and {s.status for s in runtime.servers()} == {"UP"}, "replicas UP")
         yield started
 
 
@@ -258,7 +258,7 @@ def test_over_the_rate_limit_gets_429_with_retry_after(edge: Edge) -> None:
 def test_over_the_concurrency_limit_gets_429_and_a_finished_request_frees_its_place(edge: Edge) -> None:
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         slow = pool.submit(edge.post, KEYS["dave"], OPEN, "sleep:2")
-        _wait(lambda: len(edge.replicas[OPEN].authorizations) == 1, "the slow request at the replica")
+        wait(lambda: len(edge.replicas[OPEN].authorizations) == 1, "the slow request at the replica")
         second = edge.post(KEYS["dave"])
         assert second.status == 429 and second.headers.get("retry-after") == "1", second
         assert edge.post(KEYS["alice"]).status == 200  # others are not held back
@@ -272,9 +272,9 @@ def test_a_key_rotated_by_a_reload_keeps_the_request_in_flight_and_the_old_key_g
     new_key = "alice-rotated-0123456789abcdef"
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         in_flight = pool.submit(edge.post, KEYS["alice"], OPEN, "sleep:3")
-        _wait(lambda: len(edge.replicas[OPEN].authorizations) == 1, "the request in flight at the replica")
+        wait(lambda: len(edge.replicas[OPEN].authorizations) == 1, "the request in flight at the replica")
         monkeypatch.setenv("EDGE_ALICE_KEY", new_key)
-        cfg = _config(router_clients=CLIENTS)
+        cfg = host_config(router_clients=CLIENTS)
         plan_models = {OPEN: REPLICA_KEY, CLOSED: REPLICA_KEY}
         found = [plan_backends.Backend(f"model-{m}", m, ()) for m in sorted(plan_models)]
         written = router_role.edge_files(cfg, found, plan_models)
@@ -367,15 +367,15 @@ def test_the_clients_counters_reach_a_textfile(edge: Edge, tmp_path: Path) -> No
 def test_a_renewed_certificate_is_served_after_a_reload_and_the_request_in_flight_finishes(
         tls_edge: Edge, tmp_path: Path) -> None:
     renewed = make_lab_tls(tmp_path / "renewed", ["127.0.0.1"])
-    cfg = _config(router_clients=CLIENTS, router_tls_certificate={"file": str(renewed.certificate)},
-                  router_tls_key={"file": str(renewed.key)})
+    cfg = host_config(router_clients=CLIENTS, router_tls_certificate={"file": str(renewed.certificate)},
+                      router_tls_key={"file": str(renewed.key)})
     found = [plan_backends.Backend(f"model-{m}", m, ()) for m in (CLOSED, OPEN)]
     written = router_role.edge_files(cfg, found, {OPEN: REPLICA_KEY, CLOSED: REPLICA_KEY})
     assert {name for name, text in written.items()
             if (tls_edge.edge_dir / name).read_text() != text} == {router_role.TLS_PEM}
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         in_flight = pool.submit(tls_edge.post, KEYS["alice"], OPEN, "sleep:3")
-        _wait(lambda: len(tls_edge.replicas[OPEN].authorizations) == 1, "the request in flight at the replica")
+        wait(lambda: len(tls_edge.replicas[OPEN].authorizations) == 1, "the request in flight at the replica")
         _write_edge(tls_edge.edge_dir, written)
         tls_edge.reload()
         with pytest.raises(ssl.SSLCertVerificationError):  # the old CA no longer verifies the router
@@ -394,3 +394,32 @@ def test_the_body_checks_start_under_the_units_memory_rule_and_need_it_lifted(ed
     denied = subprocess.run([haproxy, "-c", "-f", str(edge.config)], capture_output=True, text=True,
                             preexec_fn=deny_write_execute())
     assert denied.returncode != 0 and "jit compilation failed" in denied.stdout + denied.stderr, denied.stderr
+
+
+def test_edge_files_haproxy_refuses_never_reach_the_edge_directory(tls_edge: Edge, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The deploy's install script (roles/router edge_install) on this host: the edge's candidate files are checked
+    with the configuration by a real ``haproxy -c`` (the candidate directory mounted over the edge's, for the check
+    alone), then moved into place with the configuration; a candidate HAProxy refuses (a certificate file cut
+    short) leaves the edge directory and the configuration as they were, and the script fails."""
+    candidates, installed = tmp_path / "candidates", tmp_path / "installed.cfg"
+    monkeypatch.setattr(router_role, "EDGE_DIR", str(tls_edge.edge_dir))
+    monkeypatch.setattr(router_role, "EDGE_CANDIDATE_DIR", str(candidates))
+    monkeypatch.setattr(router_role, "CANDIDATE", str(tls_edge.config))
+    monkeypatch.setattr(router_role, "CONFIG", str(installed))
+    names = sorted(path.name for path in tls_edge.edge_dir.iterdir())
+    before = {name: (tls_edge.edge_dir / name).read_bytes() for name in names}
+    candidates.mkdir()
+    for name in names:
+        (candidates / name).write_bytes(before[name] if name != router_role.TLS_PEM else before[name][:200])
+    script = router_role.edge_install(names, [])
+    env = {**os.environ, "PATH": f"{Path(host_tool('haproxy', 'haproxy')).parent}:{os.environ['PATH']}"}
+    refused = subprocess.run(["sh", "-c", script], capture_output=True, text=True, env=env, timeout=60)
+    assert refused.returncode != 0
+    assert {name: (tls_edge.edge_dir / name).read_bytes() for name in names} == before and not installed.exists()
+    (candidates / "clients.map").write_text(before["clients.map"].decode() + "# rotated\n")
+    (candidates / router_role.TLS_PEM).write_bytes(before[router_role.TLS_PEM])
+    accepted = subprocess.run(["sh", "-c", script], capture_output=True, text=True, env=env, timeout=60)
+    assert accepted.returncode == 0, accepted.stderr
+    assert (tls_edge.edge_dir / "clients.map").read_text().endswith("# rotated\n")
+    assert installed.read_text() == tls_edge.config.read_text()

@@ -1,5 +1,5 @@
 """router_policy prefix, run by a real HAProxy (Debian's) on loopback with the configuration the router role renders
-for one model on three stand-in replicas (:class:`tests.tools.test_router_role.FakeReplica`: ``/health``, and each
+for one model on three stand-in replicas (:class:`tests.tools.haproxy_run.FakeReplica`: ``/health``, and each
 completion answered with the replica's name). A chat client resends a conversation's history with every turn.
 The planner's rules and the rendered text: tests/unit/test_router_policy.py."""
 
@@ -22,16 +22,16 @@ from gpufleet.config.schema import HostConfig
 from gpufleet.node import router_admin
 from gpufleet.plan import backends as plan_backends
 from tests.loopback_http import loopback_server
-from tests.tools.test_router_role import (
+from tests.tools.haproxy_run import (
     FakeReplica,
-    _open,
-    _wait,
+    json_answer,
     loopback_plan,
     loopback_router_config,
     running_haproxy,
     stand_ins,
+    wait,
 )
-from tests.unit.test_vllm_role import _config
+from tests.unit.configs import host_config
 
 MODEL = "chat-model"
 NAMES = ("r-0", "r-1", "r-2")
@@ -55,7 +55,7 @@ class PrefixRouter:
         request = urllib.request.Request(f"http://127.0.0.1:{self.cfg.router_port}{path}", method="POST",
                                          data=json.dumps({"model": MODEL, **body}).encode(),
                                          headers={"Content-Type": "application/json"})
-        status, answer = _open(request)
+        status, answer = json_answer(request)
         assert status == 200, answer
         return str(answer["replica"])
 
@@ -101,7 +101,7 @@ class Chat:
 def _values(cfg: HostConfig, ports: dict[str, int], policy: str, balance: float = 1.25) -> dict[str, Any]:
     """The role's configuration values for MODEL on the NAMES stand-ins (at ``ports``), with ``policy`` and
     router_prefix_balance ``balance``."""
-    configs = {name: _config(vllm_served_model_name=MODEL, router_policy=policy, router_prefix_balance=balance)
+    configs = {name: host_config(vllm_served_model_name=MODEL, router_policy=policy, router_prefix_balance=balance)
                for name in NAMES}
     found = plan_backends.backends(loopback_plan(ports), configs)  # type: ignore[arg-type]
     return router_role.config_values(cfg, "127.0.0.1", found, router_role.model_lists({None: [MODEL]}), [],
@@ -117,7 +117,7 @@ def _router(workdir: Path, policy: str, balance: float = 1.25) -> Iterator[Prefi
     try:
         with running_haproxy(values, workdir) as socket:
             started = PrefixRouter(cfg, socket, values["backends"][0]["name"], replicas, ports, stops)
-            _wait(lambda: socket.exists() and set(started.status().values()) == {"UP"}, "every replica UP")
+            wait(lambda: socket.exists() and set(started.status().values()) == {"UP"}, "every replica UP")
             yield started
     finally:
         for stack in stops.values():
@@ -182,7 +182,7 @@ def test_a_drained_replica_gets_no_new_request_and_its_conversations_come_back(r
     assert all(now == before for now, before in stayed.values()), stayed  # only its conversations move
     assert router.replicas[home].posts == posts
     router.set_state(home, "ready")
-    _wait(lambda: router.status()[home] == "UP", f"{home} UP")
+    wait(lambda: router.status()[home] == "UP", f"{home} UP")
     assert {opened[number][0].turn(router) for number in moved} == {home}
 
 
@@ -192,12 +192,12 @@ def test_a_stopped_replicas_conversations_are_answered_by_the_others_and_come_ba
     mine = [chat for chat, replica in opened.values() if replica == home]
     router.stop(home)
     moved = {chat.turn(router) for chat in mine}  # retried on another at once, before the check sees it down
-    _wait(lambda: router.status()[home] == "DOWN", f"{home} DOWN")
+    wait(lambda: router.status()[home] == "DOWN", f"{home} DOWN")
     away = [[chat.turn(router) for _ in range(3)] for chat in mine]
     assert home not in moved | set().union(*away), (moved, away)
     assert all(len(set(turns)) == 1 for turns in away), away  # each stays where it went: its cache is there now
     router.start(home)
-    _wait(lambda: router.status()[home] == "UP", f"{home} UP again (its health check passed)")
+    wait(lambda: router.status()[home] == "UP", f"{home} UP again (its health check passed)")
     assert {chat.turn(router) for chat in mine} == {home}
 
 

@@ -9,103 +9,37 @@ from __future__ import annotations
 
 import json
 import re
-import socket
-import subprocess
-import threading
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import yaml
 
 import roles.router as router_role
-from gpufleet.config.schema import HostConfig
 from gpufleet.node import router_admin
 from gpufleet.plan import backends as plan_backends
-from tests.conftest import DATA, host_tool
-from tests.loopback_http import QuietHandler, loopback_server, raw_request
-from tests.memory_rule import memory_rule
-from tests.unit.test_vllm_role import _config
+from tests.conftest import DATA
+from tests.loopback_http import raw_request
+from tests.tools.haproxy_run import (
+    FakeReplica,
+    json_answer,
+    loopback_plan,
+    loopback_router_config,
+    running_haproxy,
+    stand_ins,
+    wait,
+)
+from tests.unit.configs import host_config
 
 HOSTILE = "tiny llama $HOME 100% 'q' \"x\""
 PLAIN = "meta-llama/Llama-3.1-8B"
 KEY = "router-test-key"
 ROUTES = yaml.safe_load((DATA / "router" / "routes.yaml").read_text())
-
-
-class FakeReplica:
-    """A replica that answers like vLLM; ``mode``: ok, 503 (busy), drop (closes without an answer); ``delay``:
-    seconds it takes to answer a completion."""
-
-    def __init__(self, name: str) -> None:
-        self.name, self.mode, self.posts, self.delay = name, "ok", 0, 0.0
-        self.seen: list[tuple[str, str]] = []  # (method, path) of every request that reached it
-        self.lock = threading.Lock()
-
-    def handler(self) -> type[BaseHTTPRequestHandler]:
-        replica = self
-
-        class Handler(QuietHandler):
-            protocol_version = "HTTP/1.1"
-
-            def _answer(self, status: int, body: dict[str, Any]) -> None:
-                data = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def _seen(self) -> None:
-                with replica.lock:
-                    replica.seen.append((self.command, self.path))
-
-            def do_GET(self) -> None:
-                self._seen()
-                self._answer(200, {})
-
-            def do_PUT(self) -> None:
-                self._seen()
-                self._answer(200, {})
-
-            def do_DELETE(self) -> None:
-                self._seen()
-                self._answer(200, {})
-
-            def _body(self) -> bytes:
-                """The request's body, with a length or chunked (as uvicorn, vLLM's server, reads both)."""
-                if "Content-Length" in self.headers:
-                    return self.rfile.read(int(self.headers["Content-Length"]))
-                body = b""
-                while size := int(self.rfile.readline().split(b";")[0], 16):
-                    body += self.rfile.read(size)
-                    self.rfile.readline()
-                self.rfile.readline()
-                return body
-
-            def do_POST(self) -> None:
-                self._seen()
-                request = json.loads(self._body())
-                with replica.lock:
-                    replica.posts += 1
-                time.sleep(replica.delay)
-                if replica.mode == "503":
-                    self._answer(503, {"error": "busy"})
-                elif replica.mode == "drop":
-                    self.close_connection = True
-                    self.connection.shutdown(socket.SHUT_RDWR)
-                else:
-                    self._answer(200, {"replica": replica.name, "model": request.get("model")})
-
-        return Handler
 
 
 @dataclass
@@ -123,86 +57,20 @@ class Router:
         data = iter([body[i:i + 4096] for i in range(0, len(body), 4096)]) if chunked else body
         request = urllib.request.Request(f"{self.url}/v1/completions", data=data, method="POST",
                                          headers={"Content-Type": "application/json"})
-        return _open(request)
+        return json_answer(request)
 
     def post_body(self, body: str) -> int:
         """The status of a completion whose body is ``body`` as written."""
         request = urllib.request.Request(f"{self.url}/v1/completions", data=body.encode(), method="POST",
                                          headers={"Content-Type": "application/json"})
-        return _open(request)[0]
+        return json_answer(request)[0]
 
     def models(self, key: str | None) -> tuple[int, dict[str, Any]]:
         headers = {"Authorization": f"Bearer {key}"} if key else {}
-        return _open(urllib.request.Request(f"{self.url}/v1/models", headers=headers))
+        return json_answer(urllib.request.Request(f"{self.url}/v1/models", headers=headers))
 
     def status(self) -> dict[str, str]:
         return {s.server: s.status for s in router_admin.Runtime(str(self.socket)).servers()}
-
-
-def _open(request: urllib.request.Request) -> tuple[int, dict[str, Any]]:
-    try:
-        with urllib.request.urlopen(request, timeout=20) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        text = error.read()
-        return error.code, json.loads(text) if text.startswith(b"{") else {}
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-def _wait(condition: Any, what: str, timeout: float = 15) -> None:
-    end = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > end:
-            pytest.fail(f"not within {timeout} s: {what}")
-        time.sleep(0.1)
-
-
-@contextmanager
-def running_haproxy(values: dict[str, Any], workdir: Path) -> Iterator[Path]:
-    """Debian's HAProxy running the role's configuration rendered from ``values`` (checked with ``haproxy -c``
-    first), under its drop-in's memory rule (tests/memory_rule.py), its files in ``workdir``; yields its runtime
-    socket's path, and stops it after the block."""
-    haproxy = host_tool("haproxy", "haproxy")
-    config = workdir / "haproxy.cfg"
-    config.write_text(router_role.render({**values, "admin_socket": str(workdir / "admin.sock")}))
-    as_its_unit = memory_rule(router_role.drop_in(_config()))  # the drop-in's memory rule, as on a router
-    checked = subprocess.run([haproxy, "-c", "-f", str(config)], capture_output=True, text=True,
-                             preexec_fn=as_its_unit)
-    assert checked.returncode == 0, checked.stdout + checked.stderr
-    with (workdir / "haproxy.log").open("w") as log:
-        proc = subprocess.Popen([haproxy, "-db", "-f", str(config)], stdout=log, stderr=subprocess.STDOUT,
-                                preexec_fn=as_its_unit)
-    try:
-        yield workdir / "admin.sock"
-    finally:
-        proc.terminate()
-        proc.wait(10)
-
-
-def stand_ins(names: tuple[str, ...]) -> tuple[dict[str, FakeReplica], dict[str, ExitStack], dict[str, int]]:
-    """A FakeReplica for each name, serving on 127.0.0.1: the replicas, what stops each, their ports."""
-    replicas = {name: FakeReplica(name) for name in names}
-    stops = {name: ExitStack() for name in names}
-    ports = {name: int(stops[name].enter_context(loopback_server(replicas[name].handler())).rsplit(":", 1)[1])
-             for name in names}
-    return replicas, stops, ports
-
-
-def loopback_plan(ports: dict[str, int]) -> list[Any]:
-    """The plan's replicas as the router role reads them: each on a host of its own, at 127.0.0.1:its port."""
-    return [SimpleNamespace(name=name, port=port, roles=[SimpleNamespace(host=name, address="127.0.0.1")])
-            for name, port in ports.items()]
-
-
-def loopback_router_config(**values: object) -> HostConfig:
-    """A router's config on free loopback ports, checking every second (one check takes a replica out or back)."""
-    return _config(router_port=_free_port(), router_metrics_port=_free_port(), router_check_interval_s=1,
-                   router_check_fall=1, router_check_rise=1, **values)
 
 
 @pytest.fixture
@@ -210,7 +78,7 @@ def router(tmp_path: Path) -> Iterator[Router]:
     """HAProxy with the role's configuration for two models: HOSTILE on two replicas, PLAIN (API key) on one."""
     names = ("pool_a-0", "pool_b-0", "plain-0")
     replicas, stops, ports = stand_ins(names)
-    hostile, plain = _config(vllm_served_model_name=HOSTILE), _config(vllm_served_model_name=PLAIN)
+    hostile, plain = host_config(vllm_served_model_name=HOSTILE), host_config(vllm_served_model_name=PLAIN)
     configs = {"pool_a-0": hostile, "pool_b-0": hostile, "plain-0": plain}
     cfg = loopback_router_config(router_max_request_bytes=16384)
     values = router_role.config_values(
@@ -221,7 +89,7 @@ def router(tmp_path: Path) -> Iterator[Router]:
                      tmp_path / "admin.sock", replicas, stops)
     try:
         with running_haproxy(values, tmp_path):
-            _wait(lambda: started.socket.exists() and set(started.status().values()) == {"UP"}, "every replica UP")
+            wait(lambda: started.socket.exists() and set(started.status().values()) == {"UP"}, "every replica UP")
             yield started
     finally:
         for stack in stops.values():
@@ -289,7 +157,7 @@ def test_a_replica_answering_503_or_nothing_costs_no_request(router: Router) -> 
 def test_a_stopped_replica_is_taken_out_and_put_back(router: Router) -> None:
     router.stops["pool_b-0"].close()  # its port refuses connections now
     assert {router.post(HOSTILE)[0] for _ in range(6)} == {200}  # retried at once, before the check notices
-    _wait(lambda: router.status()["pool_b-0"] == "DOWN", "pool_b-0 DOWN")
+    wait(lambda: router.status()["pool_b-0"] == "DOWN", "pool_b-0 DOWN")
     assert router.status()["pool_a-0"] == "UP"
 
 

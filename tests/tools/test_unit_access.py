@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from gpufleet.units.security import EXPOSURE_BOUND
 from tests.conftest import host_tool
-from tests.unit.test_unit_access import bench
+from tests.unit.unit_security_bench import bench
 
 
 def test_every_unit_is_confined() -> None:

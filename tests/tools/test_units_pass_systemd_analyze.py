@@ -1,16 +1,13 @@
 """Every systemd unit gpufleet writes, rendered with hostile values that pass validation, accepted by
 ``systemd-analyze verify`` (Debian's ``systemd``) from a throwaway root with stub programs at the paths the units run
 (systemd checks that they are executable) and stub targets for their dependencies; each ``ExecStart=`` reads back as
-the literal argv. The units, the hostile values and the strict reader of systemd's rules:
-tests/unit/test_hostile_templates.py.
+the literal argv. The units, the hostile values and the strict reader of systemd's rules: tests/unit/unit_files.py;
+the throwaway root and the verification: tests/tools/systemd_verify.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
-import shutil
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,43 +21,9 @@ from gpufleet.deploy import ray_drop_in
 from gpufleet.plan.planner import plan_fleet
 from gpufleet.units import escape as systemd_text
 from tests.conftest import ROOT, host_tool
-from tests.unit.test_hostile_templates import HOSTILE, UNIT_CASES, Unit, _ray, _vllm, exec_argv, unit_settings
-from tests.unit.test_vllm_role import _config
-
-
-def _stub_root(root: Path, units: list[Unit]) -> None:
-    """A root where systemd-analyze finds our units, stub programs, and stub units for their dependencies."""
-    system = root / "etc" / "systemd" / "system"
-    system.mkdir(parents=True)
-    for stub in ("sysinit.target", "basic.target", "shutdown.target", "multi-user.target", "network-online.target",
-                 "sockets.target", "paths.target", "timers.target", "system.slice", "-.slice",
-                 "nvidia-dcgm.service", "vllm@.service"):  # vllm@ for its watchdog (a unit overwrites it)
-        (system / stub).write_text("[Unit]\nDescription=stub\n" +
-                                   ("[Service]\nExecStart=/bin/true\n" if stub.endswith(".service") else ""))
-    (root / "bin").mkdir()
-    shutil.copy("/bin/true", root / "bin" / "true")
-    for unit in units:
-        for program in unit.programs:
-            path = root / program.lstrip("/")
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text("#!/bin/sh\n")
-            path.chmod(0o755)
-        if unit.drop_in_for:
-            (system / unit.drop_in_for).write_text(
-                f"[Unit]\nDescription=Debian's unit\n[Service]\nExecStart={unit.programs[0]}\n")
-        (system / unit.name).parent.mkdir(parents=True, exist_ok=True)
-        (system / unit.name).write_text(unit.text)
-        for name, text in unit.extra.items():
-            (system / name).write_text(text)
-
-
-def _verify(root: Path, name: str) -> None:
-    systemd_analyze = host_tool("systemd-analyze", "systemd")
-    done = subprocess.run([systemd_analyze, "verify", "--man=no", f"--root={root}", name],
-                          capture_output=True, text=True, timeout=120)
-    complaints = [line for line in (done.stdout + done.stderr).splitlines()
-                  if re.search(r"Unknown|ignoring|Unbalanced|Invalid|Failed|not executable|bad", line, re.I)]
-    assert done.returncode == 0 and not complaints, done.stdout + done.stderr
+from tests.tools.systemd_verify import stub_root, verify_unit
+from tests.unit.configs import host_config
+from tests.unit.unit_files import HOSTILE, UNIT_CASES, Unit, exec_argv, ray_head_unit, unit_settings, vllm_service_unit
 
 
 @pytest.mark.parametrize("address", ["10.0.0.5", "fd00::5"])
@@ -68,11 +31,11 @@ def _verify(root: Path, name: str) -> None:
 def test_units_pass_systemd_analyze_and_run_the_literal_argv(tmp_path: Path, case: str,
                                                              make: Callable[[str], Unit], address: str) -> None:
     unit = make(address)
-    _stub_root(tmp_path, [unit])
+    stub_root(tmp_path, [unit])
     instance_name = unit.name.replace("@.", f"@{unit.instance}.") if unit.instance else unit.name
-    _verify(tmp_path, unit.drop_in_for or instance_name)
+    verify_unit(tmp_path, unit.drop_in_for or instance_name)
     for name in unit.extra:
-        _verify(tmp_path, name)
+        verify_unit(tmp_path, name)
     exec_starts = [value for section, key, value in unit_settings(unit.text) if key == "ExecStart" and value]
     assert len(exec_starts) == 1, exec_starts
     assert exec_argv(exec_starts[0], unit.instance, unit.env) == unit.argv
@@ -85,11 +48,11 @@ def test_the_router_drop_in_passes_systemd_analyze_on_debians_unit(tmp_path: Pat
     """Debian's haproxy.service (as the package installs it) with the router's drop-in: systemd accepts both."""
     host_tool("haproxy", "haproxy")
     assert DEBIAN_HAPROXY_UNIT.is_file(), "Debian's haproxy package is needed (scripts/install-lab-deps.sh)"
-    cfg = _config()
+    cfg = host_config()
     drop_in = Unit(f"{router_role.DROP_IN.removeprefix(node_paths.SYSTEMD_DIR + '/')}", router_role.drop_in(cfg),
                    ["/usr/sbin/haproxy", "/bin/kill"], extra={"haproxy.service": DEBIAN_HAPROXY_UNIT.read_text()})
-    _stub_root(tmp_path, [drop_in])
-    _verify(tmp_path, "haproxy.service")
+    stub_root(tmp_path, [drop_in])
+    verify_unit(tmp_path, "haproxy.service")
     settings = {key: value for _, key, value in unit_settings(drop_in.text)}
     assert settings["User"] == "haproxy" and settings["LimitNOFILE"] == str(2 * cfg.router_max_connections + 1024)
 
@@ -100,17 +63,17 @@ def test_the_ray_drop_in_passes_systemd_analyze_with_its_units_and_runs_the_lite
     """vllm@<replica> with the Ray head's drop-in, beside the Ray head's unit it requires and is ordered after."""
     fleet = load_fleet(str(ROOT / "tests" / "data" / "plans" / "b_two_nodes_ray" / "inventory.py"))
     (replica,) = plan_fleet(fleet, fleet_facts(fleet, None)).replicas
-    replica = dataclasses.replace(replica, name="pool-0")  # the replica _vllm and _ray render for
+    replica = dataclasses.replace(replica, name="pool-0")  # the replica vllm_service_unit and ray_head_unit render for
     head = dataclasses.replace(replica.roles[0], address=address)
     cfg = fleet.configs[head.host]
     text = ray_drop_in.drop_in(cfg, replica, head)
     assert text is not None
-    vllm_unit, ray_unit = _vllm(address), _ray(address)
+    vllm_unit, ray_unit = vllm_service_unit(address), ray_head_unit(address)
     assert ray_unit.name == node_paths.ray_unit(replica.name)
     drop_in = Unit(node_paths.vllm_ray_drop_in(replica.name).removeprefix(node_paths.SYSTEMD_DIR + "/"), text,
                    vllm_unit.programs)
-    _stub_root(tmp_path, [vllm_unit, ray_unit, drop_in])
-    _verify(tmp_path, f"vllm@{replica.name}.service")
+    stub_root(tmp_path, [vllm_unit, ray_unit, drop_in])
+    verify_unit(tmp_path, f"vllm@{replica.name}.service")
     (wait,) = [value for _, key, value in unit_settings(text) if key == "ExecStartPre"]
     assert exec_argv(wait, replica.name) == ray_drop_in.join_wait_argv(replica, head, cfg.ray_port,
                                                                        cfg.ray_ready_timeout)
@@ -122,6 +85,6 @@ def test_hostile_words_pass_systemd_analyze_and_read_back_literally(tmp_path: Pa
     line = systemd_text.exec_line(argv)
     unit = Unit("hostile@.service", f"[Unit]\nDescription={systemd_text.unit_value('100% $HOME')}\n"
                                     f"[Service]\nExecStart={line}\n", [argv[0]], instance="x")
-    _stub_root(tmp_path, [unit])
-    _verify(tmp_path, "hostile@x.service")
+    stub_root(tmp_path, [unit])
+    verify_unit(tmp_path, "hostile@x.service")
     assert exec_argv(line, "x") == argv

@@ -8,7 +8,7 @@ import subprocess
 
 from gpufleet import node_paths
 from tests.conftest import host_tool
-from tests.unit.test_vllm_role import UNIT_PATH
+from tests.unit.unit_files import UNIT_PATH
 
 
 def test_unit_default_path_is_what_systemd_gives_a_unit() -> None:

@@ -27,7 +27,7 @@ from gpufleet.plan.admission import (
 from gpufleet.plan.model_memory import KvBudget, kv_space_budget
 from gpufleet.plan.planner import FleetPlan, plan_fleet
 from tests.conftest import DATA, Project
-from tests.unit.test_vllm_role import _config
+from tests.unit.configs import host_config
 
 SHAPE_A = DATA / "plans" / "a_single_node_70b" / "inventory.py"
 
@@ -65,7 +65,7 @@ ADMISSION = [
 
 @pytest.mark.parametrize(("values", "expected"), ADMISSION)
 def test_admission_from_the_plan_and_its_variables(values: dict[str, Any], expected: tuple[int, int]) -> None:
-    found = admission(_config(**values), _budget(13.57), 256, 1, load_catalog("0.33.0"))
+    found = admission(host_config(**values), _budget(13.57), 256, 1, load_catalog("0.33.0"))
     assert found == Admission(13, *expected)
 
 
@@ -78,10 +78,10 @@ def _without_the_flag() -> FlagCatalog:
 
 def test_a_release_without_the_flag_gets_none_and_refuses_a_set_limit() -> None:
     catalog = _without_the_flag()
-    assert admission(_config(), _budget(13.57), 256, 1, catalog) == Admission(13, 13, None)
+    assert admission(host_config(), _budget(13.57), 256, 1, catalog) == Admission(13, 13, None)
     with pytest.raises(UnsupportedLimitError, match=r"^expected null with vLLM 0.33.0-without \(it has no"
                                                     r" --max-num-queued-reqs\), found 64$"):
-        admission(_config(vllm_max_num_queued_reqs=64), _budget(13.57), 256, 1, catalog)
+        admission(host_config(vllm_max_num_queued_reqs=64), _budget(13.57), 256, 1, catalog)
 
 
 def test_every_supported_release_has_the_flag() -> None:
@@ -165,7 +165,7 @@ def test_gpufleet_plan_shows_the_figures_of_every_replica() -> None:
 def _router_config(queue_timeout_s: float = 5) -> tuple[str, FleetPlan]:
     fleet = load_fleet(str(SHAPE_A))
     plan = plan_fleet(fleet, {h: profile_facts("8xH100-SXM", h) for h in fleet.hosts})
-    cfg = _config(router_queue_timeout_s=queue_timeout_s)
+    cfg = host_config(router_queue_timeout_s=queue_timeout_s)
     values = router_role.config_values(cfg, "10.40.0.5", plan_backends.backends(plan.replicas, fleet.configs),
                                        router_role.model_lists({None: ["llama-3.1-70b"]}), [],
                                        router_role.replica_maxconn(plan.replicas))

@@ -53,8 +53,6 @@ from __future__ import annotations
 import base64
 import concurrent.futures
 import contextlib
-import functools
-import importlib
 import io
 import os
 import shutil
@@ -67,7 +65,6 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -80,6 +77,7 @@ import gpufleet.config.inventory as gpufleet_inventory
 from gpufleet.cli.main import main as gpufleet_main
 from tests.conftest import DATA
 from tests.unit import tls_files
+from tests.unit.pyinfra_cli_modules import pyinfra_cli_modules
 
 ROOT = Path(__file__).resolve().parents[2]
 CORPUS_DIR = DATA / "corpus"
@@ -249,19 +247,6 @@ def run_case(case: dict[str, Any], root: Path, port: int) -> tuple[Run, Run]:
 
 # -- the same entry points, in this process -------------------------------------------------------------
 
-@functools.cache
-def _pyinfra_cli() -> dict[str, ModuleType]:
-    """pyinfra's CLI modules, imported once without gevent's monkey-patching, then taken out of ``sys.modules``
-    (where gpufleet looks to know it runs under pyinfra's CLI): :func:`pyinfra_in_process` puts them back."""
-    from gevent import monkey
-
-    if "pyinfra_cli" in sys.modules:  # imported by someone else in this process: theirs stays
-        return {name: module for name, module in sys.modules.items() if name.split(".")[0] == "pyinfra_cli"}
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(monkey, "patch_all", lambda *args, **kwargs: None)
-        importlib.import_module("pyinfra_cli.cli")  # and with it .inventory and .util
-    return {name: sys.modules.pop(name) for name in list(sys.modules) if name.split(".")[0] == "pyinfra_cli"}
-
 
 def _fresh_process(monkeypatch: pytest.MonkeyPatch, argv: list[str]) -> None:
     """gpufleet's per-process state as a new process has it, and that process's ``sys.argv``."""
@@ -296,7 +281,7 @@ def pyinfra_in_process(root: Path, data: list[str], monkeypatch: pytest.MonkeyPa
     from pyinfra.api.state import State
     from pyinfra.context import ctx_config, ctx_state
 
-    modules = _pyinfra_cli()
+    modules = pyinfra_cli_modules()
     for name, module in modules.items():
         monkeypatch.setitem(sys.modules, name, module)
     cli, cli_inventory, cli_util = (modules[f"pyinfra_cli.{name}"] for name in ("cli", "inventory", "util"))

@@ -30,7 +30,7 @@ from gpufleet.monitoring.plan_rules import plan_rules
 from gpufleet.plan.planner import Replica, plan_fleet
 from gpufleet.rollout import remote as remote_module
 from tests.conftest import DATA
-from tests.unit.test_plan_observed import _Nodes
+from tests.unit.node_files import NodeFiles
 
 FLEET = str(DATA / "capacity" / "inventory.py")
 MODEL = "llama-8b"
@@ -143,7 +143,7 @@ def _plan(monkeypatch: pytest.MonkeyPatch, records: Sequence[Any], *args: str) -
         assert hosts == ["mon-1.example.net"]
         return list(records), []
 
-    monkeypatch.setattr(remote_module, "PyinfraRemote", lambda inventory: _Nodes({}))  # no observed.json yet
+    monkeypatch.setattr(remote_module, "PyinfraRemote", lambda inventory: NodeFiles({}))  # no observed.json yet
     monkeypatch.setattr(live_probe, "load_inventory", lambda *given, **named: None)
     monkeypatch.setattr(store, "read_records", read)
     return CliRunner().invoke(main, ["plan", FLEET, "--observed", *args], catch_exceptions=False)

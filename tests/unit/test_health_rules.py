@@ -23,9 +23,7 @@ from gpufleet.node.health_rules import (
     policy_from_dict,
     policy_json,
 )
-
-ROOT = Path(__file__).resolve().parents[2]
-PROBE = ROOT / "gpufleet" / "node" / "nvml_probe.py"
+from tests.nvml_probe_run import PROBE
 
 
 def facts(name: str = "8xH100-SXM") -> dict[str, Any]:

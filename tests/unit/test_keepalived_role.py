@@ -30,8 +30,8 @@ from gpufleet.plan.virtual_address import VirtualAddress
 from gpufleet.units.escape import exec_line
 from tests.conftest import DATA
 from tests.recorded_ops import Recorder
-from tests.unit.test_hostile_templates import unit_settings
-from tests.unit.test_vllm_role import _config
+from tests.unit.configs import host_config
+from tests.unit.unit_files import unit_settings
 
 CASES = yaml.safe_load((DATA / "keepalived" / "configs.yaml").read_text())
 
@@ -86,8 +86,8 @@ def test_a_password_keepalived_cannot_hold_is_refused_unshown(password: str) -> 
 
 
 def test_the_group_follows_the_routers_order() -> None:
-    configs = {name: _config(fleet_address=address, router_virtual_address="10.0.0.100",
-                             router_virtual_router_id=7, router_virtual_prefix=16)
+    configs = {name: host_config(fleet_address=address, router_virtual_address="10.0.0.100",
+                                 router_virtual_router_id=7, router_virtual_prefix=16)
                for name, address in (("r-b", "10.0.1.2"), ("r-a", "10.0.0.1"), ("gpu", "10.0.5.5"))}
     vip = virtual_address.group(["r-b", "r-a"], configs)
     assert vip is not None and vip.routers == (("r-b", "10.0.1.2"), ("r-a", "10.0.0.1"))
@@ -117,7 +117,7 @@ def test_keepalived_runs_vrrp_only_as_its_account_with_the_network_capabilities_
 
 
 def test_the_check_asks_haproxy_on_the_routers_own_address_only() -> None:
-    cfg = _config(router_metrics_port=8405)
+    cfg = host_config(router_metrics_port=8405)
     settings = unit_settings_of(role.health_unit(cfg, "10.0.0.2"))
     assert settings["ExecStart"] == [exec_line(role.health_argv(cfg, "10.0.0.2"))]
     assert role.health_argv(cfg, "10.0.0.2")[3:] == ["--url", "http://10.0.0.2:8405/health",
@@ -134,7 +134,7 @@ def test_the_check_asks_haproxy_on_the_routers_own_address_only() -> None:
     ({"router_virtual_address": "10.0.0.100", "router_listen_address": "10.0.0.1"}, "10.0.0.100:8080"),
 ])
 def test_haproxy_binds_the_virtual_address_on_every_router(values: dict[str, Any], expected: str | None) -> None:
-    cfg = _config(router_port=8080, **values)
+    cfg = host_config(router_port=8080, **values)
     assert router_role.virtual_listen(cfg) == expected
     text = router_role.render(router_role.config_values(cfg, "10.0.0.1", [], [], [], {}))
     binds = [line.strip() for line in text.splitlines() if line.strip().startswith("bind ")]
@@ -180,7 +180,7 @@ def _run_role(monkeypatch: pytest.MonkeyPatch, host: str, vip: VirtualAddress | 
                                                       path=lambda path: paths.get(path, {"type": "missing"})))
     monkeypatch.setattr(role, "fleet_group", lambda: vip)
     monkeypatch.setattr(role, "host", SimpleNamespace(name=host, get_fact=lambda fact, address: "bond0"))
-    monkeypatch.setattr(role, "host_config", lambda *_: _config(
+    monkeypatch.setattr(role, "host_config", lambda *_: host_config(
         router_virtual_address="10.0.0.100", router_vrrp_password={"env": "GPUFLEET_TEST_VRRP"}))
     monkeypatch.setenv("GPUFLEET_TEST_VRRP", PASSWORD)
     role.keepalived.__wrapped__()  # type: ignore[attr-defined]
@@ -251,7 +251,7 @@ def test_the_interface_is_the_given_one_else_the_one_holding_the_routers_address
     asked: list[str] = []
     monkeypatch.setattr(role, "host", SimpleNamespace(name="r1", get_fact=lambda f, address: asked.append(address)
                                                       or fact))
-    assert role.interface(_config(**values), "10.0.0.1") == expected
+    assert role.interface(host_config(**values), "10.0.0.1") == expected
     assert asked == ([] if values else ["10.0.0.1"])
 
 
@@ -259,7 +259,7 @@ def test_no_interface_holding_the_address_exits_2_before_any_change(monkeypatch:
                                                                     capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(role, "host", SimpleNamespace(name="r1", get_fact=lambda f, address: None))
     with pytest.raises(SystemExit) as raised:
-        role.interface(_config(), "10.0.0.1")
+        role.interface(host_config(), "10.0.0.1")
     assert raised.value.code == 2
     assert capsys.readouterr().err == ("r1: router_virtual_interface: expected an interface that holds the router's"
                                        " address 10.0.0.1, found none on the router; set router_virtual_interface\n")
@@ -273,5 +273,6 @@ def test_behind_the_address_a_dead_haproxy_stays_down_for_two_health_checks(valu
                                                                               restart_sec: str | None) -> None:
     """A HAProxy that died is started again after two of router_health.py's intervals when a virtual address is in
     use (its check then sees nothing listening and the address moves), at Debian's pace without one."""
-    found = [value for _, key, value in unit_settings(router_role.drop_in(_config(**values))) if key == "RestartSec"]
+    found = [value for _, key, value in unit_settings(router_role.drop_in(host_config(**values)))
+             if key == "RestartSec"]
     assert found == ([restart_sec] if restart_sec else [])

@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -28,7 +27,7 @@ import roles.monitoring as role
 from gpufleet import node_paths
 from gpufleet.cli.inputs import fleet_facts
 from gpufleet.config.fleet import Fleet
-from gpufleet.config.inventory import load_fleet, loaded_inventory
+from gpufleet.config.inventory import load_fleet
 from gpufleet.config.layers import HostLayers, Layer, role_default_layers
 from gpufleet.config.validate import validate_host
 from gpufleet.deploy.context import DeployContext
@@ -39,42 +38,19 @@ from gpufleet.plan import backends as plan_backends
 from gpufleet.plan.planner import plan_fleet
 from tests.conftest import ROOT
 from tests.recorded_ops import Recorder
-from tests.unit.test_hostile_templates import unit_settings
-from tests.unit.test_vllm_role import _config
+from tests.unit.configs import host_config
+from tests.unit.monitoring_files import FLEET, MONITORING_HOST, group_hosts, monitoring_host_files, planned_view
+from tests.unit.unit_files import unit_settings
 
-FLEET = ROOT / "tests" / "data" / "monitoring" / "fleet"
 EXPECTED = FLEET / "expected"
 HEADER = ROOT / "templates" / "monitoring" / "rules" / "_header.j2"
 REGOLD = os.environ.get("GPUFLEET_REGOLD") == "1"
-MONITORING_HOST = "mon-1.example.net"
-
-
-def _group(fleet: Fleet, group: str) -> list[str]:
-    """The hosts an inventory group lists, as the inventory file defined it."""
-    return [h for h in fleet.hosts if any(name == group and h in members
-                                          for name, members in loaded_inventory(h).groups)]  # type: ignore[union-attr]
-
-
-def _view(inventory: Path, override: dict[str, Any] | None = None) -> tuple[Fleet, role.FleetView]:
-    """A fleet planned offline from its declared profiles, as the monitoring hosts see it."""
-    fleet = load_fleet(str(inventory), override)
-    facts = fleet_facts(fleet, None)
-    plan = plan_fleet(fleet, {h: f for h, f in facts.items() if fleet.serves(h)})
-    assert plan.problems == []
-    return fleet, role.fleet_view(fleet, plan.replicas, facts, _group(fleet, "routers"))
-
-
-def _files(inventory: Path = FLEET / "inventory.py", **values: Any) -> tuple[role.FleetView, role.MonitoringFiles]:
-    fleet, view = _view(inventory)
-    cfg = fleet.configs[MONITORING_HOST].model_copy(update=values) if MONITORING_HOST in fleet.configs else _config(
-        **values)
-    return view, role.monitoring_files(cfg, cfg.fleet_address or "10.40.9.1", view, ["10.40.9.1"])
 
 
 # --- the configuration, as data ----------------------------------------------------------------------------------
 
 def test_the_scrape_configuration_and_the_plan_figures_are_the_golden_ones() -> None:
-    _, files = _files()
+    _, files = monitoring_host_files()
     rendered = {"scrape_configs.yml": yaml.safe_load(files.configs[role.PROMETHEUS_YML])["scrape_configs"],
                 role.PLAN_RULES: yaml.safe_load(files.configs[f"{role.RULES_DIR}/{role.PLAN_RULES}"])}
     for name, data in rendered.items():
@@ -102,7 +78,7 @@ def _header_promises() -> dict[str, set[str]]:
 def test_every_target_carries_the_labels_the_rules_header_promises() -> None:
     promised = _header_promises()
     assert promised == {job: set(labels) for job, labels in JOB_LABELS.items()}
-    view, files = _files()
+    view, files = monitoring_host_files()
     jobs = {job["job_name"]: job for job in yaml.safe_load(files.configs[role.PROMETHEUS_YML])["scrape_configs"]}
     assert set(jobs) == set(promised)
     for name, job in jobs.items():
@@ -117,7 +93,7 @@ def test_every_target_carries_the_labels_the_rules_header_promises() -> None:
 
 
 def test_the_routers_series_get_their_models_name_from_the_router_roles_backends() -> None:
-    view, files = _files()
+    view, files = monitoring_host_files()
     (router,) = [j for j in yaml.safe_load(files.configs[role.PROMETHEUS_YML])["scrape_configs"]
                  if j["job_name"] == "router"]
     found = [(r["source_labels"], r["regex"], r["target_label"], r["replacement"])
@@ -128,7 +104,7 @@ def test_the_routers_series_get_their_models_name_from_the_router_roles_backends
 
 
 def test_only_rank_0_of_an_mp_replica_serves_http_and_every_ray_node_exports_metrics() -> None:
-    view, files = _files()
+    view, files = monitoring_host_files()
     jobs = {j["job_name"]: j for j in yaml.safe_load(files.configs[role.PROMETHEUS_YML])["scrape_configs"]}
 
     def groups(job: str, replica: str) -> list[tuple[str, str, str]]:
@@ -144,7 +120,7 @@ def test_only_rank_0_of_an_mp_replica_serves_http_and_every_ray_node_exports_met
 
 
 def test_a_replica_that_is_not_started_is_not_scraped_nor_expected() -> None:
-    fleet, view = _view(FLEET / "inventory.py", {"vllm_start": False})
+    fleet, view = planned_view(FLEET / "inventory.py", {"vllm_start": False})
     files = role.monitoring_files(fleet.configs[MONITORING_HOST], "10.40.9.1", view, [])
     jobs = {j["job_name"]: j for j in yaml.safe_load(files.configs[role.PROMETHEUS_YML])["scrape_configs"]}
     assert "vllm" not in jobs and "router" in jobs
@@ -170,7 +146,7 @@ def _plan_facts(fleet: Fleet, view: role.FleetView, prefix_pools: set[str]) -> l
 ])
 def test_only_the_models_routed_by_prefix_are_marked_for_the_prefix_cache_alert(prefix_pools: set[str],
                                                                                  marked: list[str]) -> None:
-    fleet, view = _view(FLEET / "inventory.py")
+    fleet, view = planned_view(FLEET / "inventory.py")
     facts = _plan_facts(fleet, view, prefix_pools)
     assert [rule for rule in facts if rule["record"] == "gpufleet:model_prefix_routed"] == [
         {"record": "gpufleet:model_prefix_routed", "expr": "vector(1)", "labels": {"model": model}} for model in marked]
@@ -179,7 +155,7 @@ def test_only_the_models_routed_by_prefix_are_marked_for_the_prefix_cache_alert(
 @pytest.mark.parametrize(("value", "problem"), [(0, "a number > 0, found 0"), (1, "a number < 1, found 1"),
                                               ("half", "a number, found 'half'")])
 def test_the_prefix_hit_ratio_drop_is_a_fraction_between_0_and_1(value: object, problem: str) -> None:
-    assert _config(alert_prefix_hit_ratio_drop=0.25).alert_prefix_hit_ratio_drop == 0.25
+    assert host_config(alert_prefix_hit_ratio_drop=0.25).alert_prefix_hit_ratio_drop == 0.25
     layers, _ = role_default_layers()
     _, found = validate_host(HostLayers("10.0.0.5", [*layers, Layer("test", {
         "vllm_model": "org/model", "allow_plain_http": True, "alert_prefix_hit_ratio_drop": value})]), "test")
@@ -218,7 +194,7 @@ def _deploy_context(monkeypatch: pytest.MonkeyPatch, **values: Any) -> Fleet:
     ctx = DeployContext(fleet, facts=facts, plan=plan_fleet(fleet, facts))
     monkeypatch.setattr(role, "context", lambda *_: ctx)
     monkeypatch.setattr(role, "fleet", lambda: fleet)
-    inventory = Inventory(([(h, {}) for h in fleet.hosts], {}), routers=(_group(fleet, "routers"), {}),
+    inventory = Inventory(([(h, {}) for h in fleet.hosts], {}), routers=(group_hosts(fleet, "routers"), {}),
                           monitoring=([MONITORING_HOST], {}))
     monkeypatch.setattr(role, "current_state", lambda: SimpleNamespace(inventory=inventory))
     monkeypatch.setattr(role.access, "deploy_group", lambda group="monitoring": ["10.40.9.1"])
@@ -229,7 +205,7 @@ def test_the_deploy_configures_prometheus_from_its_own_plan_and_groups(monkeypat
     fleet = _deploy_context(monkeypatch)
     assert sorted(role.group_members("routers")) == ["gpu-a01.example.net", "router-1.example.net"]
     assert role.group_members("no-such-group") == []
-    _, expected = _files()
+    _, expected = monitoring_host_files()
     assert role.deploy_files(fleet.configs[MONITORING_HOST], "10.40.9.1") == expected
 
 
@@ -254,7 +230,7 @@ def test_a_filter_the_deploy_cannot_write_exits_2_before_any_change(monkeypatch:
 ])
 def test_alertmanager_groups_and_repeats_as_its_variables_say(values: dict[str, int],
                                                               expected: tuple[str, str, str]) -> None:
-    _, files = _files(**values)
+    _, files = monitoring_host_files(**values)
     route = yaml.safe_load(files.configs[role.ALERTMANAGER_YML])["route"]
     assert (route["group_wait"], route["group_interval"], route["repeat_interval"]) == expected
     assert route["group_by"] == ["alertname", "model", "node"]
@@ -266,7 +242,7 @@ def test_alertmanager_groups_and_repeats_as_its_variables_say(values: dict[str, 
 def test_prometheus_filters_its_traffic_to_the_hosts_it_scrapes_and_its_readers(
         allowed_from: list[str] | None) -> None:
     """Closed by default: with prometheus_allowed_from unset, only the monitoring hosts and the hosts it scrapes."""
-    view, files = _files(prometheus_allowed_from=allowed_from)
+    view, files = monitoring_host_files(prometheus_allowed_from=allowed_from)
     settings = unit_settings(files.prometheus_drop_in)
     (line,) = [v for _, k, v in settings if k == "IPAddressAllow"]
     scraped = {t.host for t in role.targets(view)}
@@ -284,7 +260,7 @@ def test_prometheus_filters_its_traffic_to_the_hosts_it_scrapes_and_its_readers(
 ])
 def test_alertmanager_off_loopback_admits_only_the_monitoring_hosts_readers_and_webhook(
         values: dict[str, object], allowed: set[str] | None) -> None:
-    _, files = _files(**values)
+    _, files = monitoring_host_files(**values)
     lines = [v for _, k, v in unit_settings(files.alertmanager_drop_in) if k == "IPAddressAllow"]
     if allowed is None:
         assert lines == []
@@ -295,7 +271,7 @@ def test_alertmanager_off_loopback_admits_only_the_monitoring_hosts_readers_and_
 # --- the role's operations, recorded ------------------------------------------------------------------------
 
 def _run_role(monkeypatch: pytest.MonkeyPatch, monitoring_host: bool = True) -> tuple[Recorder, role.MonitoringFiles]:
-    fleet, view = _view(FLEET / "inventory.py")
+    fleet, view = planned_view(FLEET / "inventory.py")
     cfg = fleet.configs[MONITORING_HOST]
     wanted = role.monitoring_files(cfg, "10.40.9.1", view, ["10.40.9.1"])
     recorder = Recorder()
@@ -399,7 +375,7 @@ def _sha256(text: str) -> str:
 
 
 def test_prometheus_yml_changes_whenever_a_rule_file_does() -> None:
-    _, files = _files()
-    _, other = _files(alert_queue_waiting_max=7)  # only serving.yml differs
+    _, files = monitoring_host_files()
+    _, other = monitoring_host_files(alert_queue_waiting_max=7)  # only serving.yml differs
     assert files.configs[f"{role.RULES_DIR}/serving.yml"] != other.configs[f"{role.RULES_DIR}/serving.yml"]
     assert files.configs[role.PROMETHEUS_YML] != other.configs[role.PROMETHEUS_YML]

@@ -17,31 +17,12 @@ import pytest
 from gpufleet_lab import debian_extras
 from gpufleet_lab.errors import LabError
 
-from gpufleet.config.layers import HostLayers, Layer, role_default_layers
-from gpufleet.config.schema import HostConfig
-from gpufleet.config.validate import validate_host
 from gpufleet.deploy.download import DownloadError, fetch_verified
 from gpufleet.units.security import ExposureParseError, exposure, exposure_score, node_report
 from roles import node_exporter as role
+from tests.unit.configs import config_problems, https_host_config
 
 UPSTREAM_1_9_1_AMD64 = "becb950ee80daa8ae7331d77966d94a611af79ad0d3307380907e0ec08f5b4e8"
-
-
-def _config(**values: object) -> HostConfig:
-    """A host's config from every role's defaults, a model, and ``values``; fails on any problem."""
-    layers, problems = role_default_layers()
-    assert problems == []
-    test_layer = Layer("test", {"vllm_model": "org/model", **values})
-    config, found = validate_host(HostLayers("10.0.0.5", [*layers, test_layer]), "test")
-    assert found == [], [p.line() for p in found]
-    assert config is not None
-    return config
-
-
-def _problems(**values: object) -> list[str]:
-    layers, _ = role_default_layers()
-    _, found = validate_host(HostLayers("h", [*layers, Layer("test", {"vllm_model": "org/model", **values})]), "test")
-    return [p.line() for p in found]
 
 
 def _service_lines(text: str) -> list[str]:
@@ -54,7 +35,7 @@ def _service_lines(text: str) -> list[str]:
 # --- variables ---------------------------------------------------------------------------------------------------
 
 def test_defaults_install_the_pinned_upstream_tarball() -> None:
-    cfg = _config()
+    cfg = https_host_config()
     assert cfg.node_exporter_install == "tarball"
     assert role.tarball_url(cfg) == (
         "https://github.com/prometheus/node_exporter/releases/download/v1.9.1/node_exporter-1.9.1.linux-amd64.tar.gz"
@@ -76,13 +57,13 @@ def test_defaults_install_the_pinned_upstream_tarball() -> None:
     ],
 )
 def test_bad_values_are_one_line_problems(values: dict[str, object], expected: str) -> None:
-    found = _problems(**values)
+    found = config_problems(**values)
     assert len(found) == 1 and expected in found[0], found
 
 
 def test_an_apt_source_must_name_its_keyring() -> None:
     source = "deb [arch=amd64 signed-by=/usr/share/keyrings/site.gpg] http://mirror.example/debian/ /"
-    assert _problems(node_exporter_apt_source=source, allow_plain_http=True) == []
+    assert config_problems(node_exporter_apt_source=source, allow_plain_http=True) == []
     assert role.signed_by(source) == "/usr/share/keyrings/site.gpg"
     assert role.signed_by("deb [signed-by=/k.gpg] http://m/ bookworm main") == "/k.gpg"
 
@@ -90,15 +71,15 @@ def test_an_apt_source_must_name_its_keyring() -> None:
 # --- what it renders -----------------------------------------------------------------------------------------------
 
 def test_listens_on_the_fleet_address_unless_told_otherwise() -> None:
-    assert role.listen_address(_config(), "10.0.0.5") == "10.0.0.5:9100"
-    assert role.listen_address(_config(fleet_address="10.40.0.11"), "gpu-a01") == "10.40.0.11:9100"
-    told = _config(node_exporter_listen_address="0.0.0.0", node_exporter_port=9200)
+    assert role.listen_address(https_host_config(), "10.0.0.5") == "10.0.0.5:9100"
+    assert role.listen_address(https_host_config(fleet_address="10.40.0.11"), "gpu-a01") == "10.40.0.11:9100"
+    told = https_host_config(node_exporter_listen_address="0.0.0.0", node_exporter_port=9200)
     assert role.listen_address(told, "h") == "0.0.0.0:9200"
-    assert role.listen_address(_config(fleet_address="fd00::11"), "h") == "[fd00::11]:9100"
+    assert role.listen_address(https_host_config(fleet_address="fd00::11"), "h") == "[fd00::11]:9100"
 
 
 def test_tarball_unit_runs_our_binary_as_its_own_user_with_both_collectors() -> None:
-    text = role.render(_config(fleet_address="10.40.0.11"), "gpu-a01")
+    text = role.render(https_host_config(fleet_address="10.40.0.11"), "gpu-a01")
     lines = _service_lines(text)
     assert "User=node_exporter" in lines and "Group=node_exporter" in lines
     (exec_start,) = [line for line in lines if line.startswith("ExecStart=")]
@@ -115,7 +96,7 @@ def test_tarball_unit_runs_our_binary_as_its_own_user_with_both_collectors() -> 
 
 def test_both_units_carry_the_sandbox() -> None:
     for install in ("tarball", "package"):
-        lines = _service_lines(role.render(_config(node_exporter_install=install), "10.0.0.5"))
+        lines = _service_lines(role.render(https_host_config(node_exporter_install=install), "10.0.0.5"))
         for directive in (
             "NoNewPrivileges=yes", "CapabilityBoundingSet=", "AmbientCapabilities=", "ProtectSystem=strict",
             "ProtectHome=read-only", "PrivateTmp=yes", "PrivateDevices=yes", "ProtectKernelTunables=yes",
@@ -131,7 +112,7 @@ def test_both_units_carry_the_sandbox() -> None:
 
 
 def test_package_drop_in_replaces_debians_command_and_user() -> None:
-    lines = _service_lines(role.render(_config(node_exporter_install="package"), "10.0.0.5"))
+    lines = _service_lines(role.render(https_host_config(node_exporter_install="package"), "10.0.0.5"))
     starts = [line for line in lines if line.startswith("ExecStart=")]
     assert starts[0] == "ExecStart="  # clears Debian's ExecStart before setting ours
     assert starts[1].startswith("ExecStart=/usr/bin/prometheus-node-exporter --web.listen-address=10.0.0.5:9100")

@@ -10,7 +10,7 @@ from pyinfra.context import ctx_host, ctx_state
 
 from gpufleet.deploy.context import deploy_state
 from gpufleet.operations import files, node
-from tests.unit.test_facts_and_operations import FakeHost, FakeState
+from tests.unit.fake_hosts import FakeHost, FakeState
 
 
 class CountingHost(FakeHost):

@@ -3,29 +3,20 @@
 from __future__ import annotations
 
 import json
-from typing import Any
 
 import pytest
 import yaml
 
-from gpufleet.config.inventory import load_fleet
 from gpufleet.gpu.profiles import profile_facts
 from gpufleet.gpu.report import NodeFacts
 from gpufleet.plan.layout import gpu_sets, node_shape
-from gpufleet.plan.planner import FleetPlan, PlanProblem, plan_fleet
+from gpufleet.plan.planner import FleetPlan, PlanProblem
 from tests.conftest import Project, run_cli
-
-
-def _plan(project: Project, all_yml: str, inventory: str, *extra: str) -> tuple[int, list[dict[str, Any]], str]:
-    project.group_vars("all", all_yml)
-    project.inventory(inventory)
-    result = run_cli("plan", "inventories/fleet.py", "--json", *extra, cwd=project.root)
-    replicas = json.loads(result.out) if result.rc == 0 else []
-    return result.rc, replicas, result.err
+from tests.unit.project_plans import cli_plan, fleet_plan
 
 
 def test_bridged_pairs_tp2_four_replicas_on_pairs(project: Project) -> None:
-    rc, replicas, err = _plan(project, """
+    rc, replicas, err = cli_plan(project, """
         vllm_model: meta-llama/Llama-3.1-8B-Instruct
         gpu_profile: 8xA100-PCIe-pairs
         vllm_tensor_parallel_size: 2
@@ -39,7 +30,7 @@ def test_bridged_pairs_tp2_four_replicas_on_pairs(project: Project) -> None:
 
 
 def test_small_model_auto_one_gpu_per_replica_eight_per_node(project: Project) -> None:
-    rc, replicas, err = _plan(project, """
+    rc, replicas, err = cli_plan(project, """
         vllm_model: meta-llama/Llama-3.1-8B-Instruct
         gpu_profile: 8xH100-SXM
         vllm_max_model_len: 8192
@@ -59,7 +50,7 @@ def test_small_model_auto_one_gpu_per_replica_eight_per_node(project: Project) -
 
 
 def test_70b_auto_picks_smallest_tp_on_the_island(project: Project) -> None:
-    rc, replicas, err = _plan(project, """
+    rc, replicas, err = cli_plan(project, """
         vllm_model: meta-llama/Llama-3.1-70B-Instruct
         gpu_profile: 8xH100-SXM
         vllm_max_model_len: 32768
@@ -72,7 +63,7 @@ def test_70b_auto_picks_smallest_tp_on_the_island(project: Project) -> None:
 
 
 def test_h100_tp8_one_island(project: Project) -> None:
-    rc, replicas, err = _plan(project, """
+    rc, replicas, err = cli_plan(project, """
         vllm_model: meta-llama/Llama-3.1-70B-Instruct
         gpu_profile: 8xH100-SXM
         vllm_tensor_parallel_size: 8
@@ -83,7 +74,7 @@ def test_h100_tp8_one_island(project: Project) -> None:
 
 
 def test_pp_across_nodes_only_when_one_node_cannot_hold(project: Project) -> None:
-    rc, replicas, err = _plan(project, """
+    rc, replicas, err = cli_plan(project, """
         vllm_model: deepseek-ai/DeepSeek-V3
         gpu_profile: 8xH100-SXM
         fleet_interface: eth1
@@ -122,7 +113,7 @@ RAY_POOL = """
 
 
 def test_ray_backend_head_and_worker_processes(project: Project) -> None:
-    rc, replicas, err = _plan(project, RAY_POOL, RAY_HOSTS)
+    rc, replicas, err = cli_plan(project, RAY_POOL, RAY_HOSTS)
     assert rc == 0, err
     procs = replicas[0]["processes"]
     assert [p["unit"] for p in procs["d1"]] == ["ray-head", "vllm"]
@@ -149,7 +140,7 @@ def _flag(argv: list[str], name: str) -> str:
 @pytest.mark.parametrize("backend", ["mp", "ray"])
 def test_tp_across_nodes_is_one_tp_group_over_both_nodes(project: Project, backend: str) -> None:
     extra = "vllm_distributed_backend: ray\nray_auth_token: {env: RAY_AUTH_TOKEN}\n" if backend == "ray" else ""
-    rc, replicas, err = _plan(project, TP16_POOL + extra, TP16_HOSTS)
+    rc, replicas, err = cli_plan(project, TP16_POOL + extra, TP16_HOSTS)
     assert rc == 0, err
     (r,) = replicas
     assert (r["tp"], r["pp"], r["nodes"], r["backend"]) == (16, 1, ["d1", "d2"], backend)
@@ -172,7 +163,7 @@ def test_tp_across_nodes_is_one_tp_group_over_both_nodes(project: Project, backe
 
 def test_tp_across_nodes_times_pp(project: Project) -> None:
     hosts = 'ds = ' + str([(f"d{i}", {"fleet_address": f"10.9.0.{i}"}) for i in range(1, 6)])
-    rc, replicas, err = _plan(project, TP16_POOL + "vllm_pipeline_parallel_size: 2\n", hosts)
+    rc, replicas, err = cli_plan(project, TP16_POOL + "vllm_pipeline_parallel_size: 2\n", hosts)
     assert rc == 0, err
     (r,) = replicas
     assert (r["tp"], r["pp"], r["nodes"]) == (16, 2, ["d1", "d2", "d3", "d4"])
@@ -189,13 +180,13 @@ def test_tp_across_nodes_times_pp(project: Project) -> None:
      "does not fit at TP 16 x PP 1 on 2 node(s) of 8 x NVIDIA H100 80GB HBM3"),
 ])
 def test_tp_across_nodes_refusals(project: Project, extra: str, hosts: str, expected: str) -> None:
-    rc, _, err = _plan(project, TP16_POOL + extra, hosts)
+    rc, _, err = cli_plan(project, TP16_POOL + extra, hosts)
     assert rc == 2 and "Traceback" not in err
     assert expected in err, err
 
 
 def test_ipv6_fleet_addresses_are_bracketed_where_a_port_follows(project: Project) -> None:
-    rc, replicas, err = _plan(project, RAY_POOL, RAY_HOSTS.replace("10.9.0.", "fd00:9::"))
+    rc, replicas, err = cli_plan(project, RAY_POOL, RAY_HOSTS.replace("10.9.0.", "fd00:9::"))
     assert rc == 0, err
     procs = replicas[0]["processes"]
     assert "--node-ip-address=fd00:9::1" in procs["d1"][0]["argv"]  # an address alone stays bare
@@ -234,14 +225,14 @@ def test_ipv6_fleet_addresses_are_bracketed_where_a_port_follows(project: Projec
     ],
 )
 def test_plan_errors_show_the_arithmetic(project: Project, all_yml: str, inventory: str, expected: str) -> None:
-    rc, _, err = _plan(project, all_yml, inventory)
+    rc, _, err = cli_plan(project, all_yml, inventory)
     assert rc == 2
     assert expected in err, err
     assert "Traceback" not in err
 
 
 def test_tp_over_pcie_is_a_warning(project: Project) -> None:
-    rc, replicas, err = _plan(project, """
+    rc, replicas, err = cli_plan(project, """
         vllm_model: meta-llama/Llama-3.1-70B-Instruct
         gpu_profile: 8xL40S-PCIe
         vllm_max_model_len: 8192
@@ -252,7 +243,7 @@ def test_tp_over_pcie_is_a_warning(project: Project) -> None:
 
 
 def test_secrets_never_in_argv_or_env(project: Project) -> None:
-    rc, replicas, err = _plan(project, """
+    rc, replicas, err = cli_plan(project, """
         vllm_model: meta-llama/Llama-3.1-8B-Instruct
         gpu_profile: 1xH100-SXM
         vllm_max_model_len: 8192
@@ -268,7 +259,7 @@ def test_facts_dir_is_used_instead_of_profiles(project: Project) -> None:
     facts = project.root / "facts"
     facts.mkdir()
     (facts / "h1.json").write_text(profile_facts("4xA100-PCIe-pairs", "h1").to_json())
-    rc, replicas, err = _plan(project, """
+    rc, replicas, err = cli_plan(project, """
         vllm_model: meta-llama/Llama-3.1-8B-Instruct
         vllm_tensor_parallel_size: 2
         vllm_max_model_len: 8192
@@ -276,7 +267,8 @@ def test_facts_dir_is_used_instead_of_profiles(project: Project) -> None:
     assert rc == 0, err
     assert [r["gpus"]["h1"] for r in replicas] == [[0, 1], [2, 3]]
     (facts / "h1.json").write_text("{not json")
-    rc, _, err = _plan(project, "vllm_model: meta-llama/Llama-3.1-8B-Instruct\n", 'a = ["h1"]', "--facts", str(facts))
+    rc, _, err = cli_plan(project, "vllm_model: meta-llama/Llama-3.1-8B-Instruct\n", 'a = ["h1"]', "--facts",
+                          str(facts))
     assert rc == 2 and "h1.json:1:2: invalid JSON" in err
 
 
@@ -327,7 +319,7 @@ def test_plan_problems_are_objects_printed_as_lines(project: Project) -> None:
     facts = project.root / "facts"
     facts.mkdir()
     (facts / "h1.json").write_text(profile_facts("8xH100-SXM", "h1").to_json())
-    rc, _, err = _plan(project, """
+    rc, _, err = cli_plan(project, """
         vllm_model: meta-llama/Llama-3.1-70B-Instruct
         vllm_tensor_parallel_size: 3
     """, 'a = ["h1"]', "--facts", str(facts))
@@ -335,12 +327,6 @@ def test_plan_problems_are_objects_printed_as_lines(project: Project) -> None:
     assert err.splitlines() == [
         "pool a: vllm_tensor_parallel_size 3 does not divide Llama-3.1-70B's 64 attention heads (64 / 3 = 21.3333)"
         " with 8 KV heads; valid: 1, 2, 4, 8, 16, 32, 64"]
-
-
-def _fleet_plan(project: Project, all_yml: str, inventory: str) -> FleetPlan:
-    project.group_vars("all", all_yml)
-    fleet = load_fleet(str(project.inventory(inventory)))
-    return plan_fleet(fleet, {h: profile_facts("8xH100-SXM", h) for h in fleet.hosts})
 
 
 def test_plan_problem_says_where_and_whom_it_stops() -> None:
@@ -357,7 +343,7 @@ def test_plan_problem_says_where_and_whom_it_stops() -> None:
 
 
 def test_an_unknown_quantization_is_a_problem_of_its_pool_only(project: Project) -> None:
-    plan = _fleet_plan(project, "vllm_max_model_len: 8192\n", """
+    plan = fleet_plan(project, "vllm_max_model_len: 8192\n", """
         good = [("h1", {"vllm_model": "meta-llama/Llama-3.1-8B-Instruct"})]
         odd = [("h2", {"vllm_model": "meta-llama/Llama-3.1-8B-Instruct", "vllm_quantization": "notamethod"})]
     """)
@@ -370,7 +356,7 @@ def test_an_unknown_quantization_is_a_problem_of_its_pool_only(project: Project)
 def test_planned_config_yaml_is_typed_from_the_config(project: Project) -> None:
     """Numbers stay numbers, a name that looks like a number stays text, false, lists and mappings as argv has
     them; the model is the unit's VLLM_MODEL, not a flag."""
-    plan = _fleet_plan(project, """
+    plan = fleet_plan(project, """
         vllm_model: meta-llama/Llama-3.1-8B-Instruct
         vllm_served_model_name: "8"
         vllm_max_model_len: 8192

@@ -5,7 +5,6 @@ connections (one ``head`` per node, as on a node)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Collection, Sequence
 
 import pytest
 from click.testing import CliRunner, Result
@@ -14,42 +13,15 @@ from gpufleet.cli.main import main
 from gpufleet.node_paths import observed_file
 from gpufleet.plan.kv_observed import observed_line
 from gpufleet.rollout import remote as remote_module
-from gpufleet.rollout.remote import RemoteResult, command_line
 from tests.conftest import DATA
+from tests.unit.node_files import NodeFiles
 
 FLEET = str(DATA / "plans" / "a_single_node_70b" / "inventory.py")
 A01, A02 = "gpu-a01.dc1.example.net", "gpu-a02.dc1.example.net"
 
 
-class _Nodes:
-    """Files on the nodes, by node and path; a node in ``unreachable`` cannot be connected to."""
-
-    def __init__(self, files: dict[str, dict[str, str]], unreachable: Collection[str] = ()) -> None:
-        self.files, self.unreachable = files, set(unreachable)
-        self.commands: list[tuple[str, list[str]]] = []
-        self.closed = False
-
-    def run(self, host: str, words: Sequence[str], *, timeout_s: float,
-            ok_status: Collection[int] = (0,)) -> RemoteResult:
-        command_line(words)  # every word plain
-        self.commands.append((host, list(words)))
-        if host in self.unreachable:
-            return RemoteResult(False, "", f"{host}: cannot connect: timed out")
-        assert list(words[:3]) == ["env", "LC_ALL=C", "head"], words
-        out, err = [], []
-        for path in words[words.index("--") + 1:]:
-            if path in self.files.get(host, {}):
-                out += [f"==> {path} <==", self.files[host][path], ""]
-            else:
-                err.append(f"head: cannot open '{path}' for reading: No such file or directory")
-        return RemoteResult((1 if err else 0) in ok_status, "\n".join(out), "\n".join(err))
-
-    def close(self) -> None:
-        self.closed = True
-
-
-def _plan(monkeypatch: pytest.MonkeyPatch, nodes: _Nodes | None, *args: str) -> Result:
-    def connect(inventory: object) -> _Nodes:
+def _plan(monkeypatch: pytest.MonkeyPatch, nodes: NodeFiles | None, *args: str) -> Result:
+    def connect(inventory: object) -> NodeFiles:
         assert nodes is not None, "connected to a node"
         return nodes
 
@@ -74,15 +46,16 @@ def _doc(tokens: int | None, planned: int) -> str:
 
 
 @pytest.fixture
-def nodes() -> _Nodes:
+def nodes() -> NodeFiles:
     """On gpu-a01 both replicas started: one as planned, one with 10% fewer tokens; on gpu-a02 neither has yet."""
     planned = _planned()
     a0, a1 = "llama_70b-gpu-a01-0", "llama_70b-gpu-a01-1"
-    return _Nodes({A01: {observed_file(a0): _doc(planned[a0], planned[a0]),
-                         observed_file(a1): _doc(planned[a1] * 9 // 10, planned[a1])}})
+    return NodeFiles({A01: {observed_file(a0): _doc(planned[a0], planned[a0]),
+                            observed_file(a1): _doc(planned[a1] * 9 // 10, planned[a1])}})
 
 
-def test_json_shows_each_replicas_observation_beside_its_plan(monkeypatch: pytest.MonkeyPatch, nodes: _Nodes) -> None:
+def test_json_shows_each_replicas_observation_beside_its_plan(monkeypatch: pytest.MonkeyPatch,
+                                                              nodes: NodeFiles) -> None:
     done = _plan(monkeypatch, nodes, "--json", "--observed")
     assert done.exit_code == 0, done.stderr
     replicas = {r["name"]: r for r in json.loads(done.stdout)}
@@ -97,7 +70,7 @@ def test_json_shows_each_replicas_observation_beside_its_plan(monkeypatch: pytes
     assert nodes.closed
 
 
-def test_the_table_shows_planned_and_reported_tokens(monkeypatch: pytest.MonkeyPatch, nodes: _Nodes) -> None:
+def test_the_table_shows_planned_and_reported_tokens(monkeypatch: pytest.MonkeyPatch, nodes: NodeFiles) -> None:
     done = _plan(monkeypatch, nodes, "--observed")
     assert done.exit_code == 0, done.stderr
     planned = _planned()["llama_70b-gpu-a01-1"]
@@ -108,7 +81,7 @@ def test_the_table_shows_planned_and_reported_tokens(monkeypatch: pytest.MonkeyP
 
 
 def test_a_node_that_cannot_be_read_is_named_and_the_rest_shown(monkeypatch: pytest.MonkeyPatch,
-                                                                nodes: _Nodes) -> None:
+                                                                nodes: NodeFiles) -> None:
     nodes.unreachable.add(A01)
     done = _plan(monkeypatch, nodes, "--json", "--observed")
     assert done.exit_code == 1
@@ -117,7 +90,7 @@ def test_a_node_that_cannot_be_read_is_named_and_the_rest_shown(monkeypatch: pyt
         f"gpufleet plan: node {A01}: cannot read the KV cache vLLM reported: {A01}: cannot connect: timed out"]
 
 
-def test_a_file_that_is_not_an_observation_is_named(monkeypatch: pytest.MonkeyPatch, nodes: _Nodes) -> None:
+def test_a_file_that_is_not_an_observation_is_named(monkeypatch: pytest.MonkeyPatch, nodes: NodeFiles) -> None:
     path = observed_file("llama_70b-gpu-a02-0")
     nodes.files[A02] = {path: '{"kv_cache_tokens": "many"}'}
     done = _plan(monkeypatch, nodes, "--json", "--observed")

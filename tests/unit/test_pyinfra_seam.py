@@ -30,6 +30,7 @@ from pyinfra.operations import server
 
 from gpufleet import pyinfra_seam as seam
 from gpufleet.deploy import op_order
+from tests.unit.pyinfra_cli_modules import pyinfra_cli_modules
 
 ROOT = Path(os.environ.get("GPUFLEET_SEAM_ROOT", Path(__file__).resolve().parents[2]))
 
@@ -220,9 +221,7 @@ def test_pyinfra_orders_an_operation_it_adds_with_the_installed_reader(monkeypat
 def pyinfra_cli(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, ModuleType]]:
     """pyinfra's CLI modules in ``sys.modules`` (imported without gevent's monkey-patching) for one test, with its
     ``exec_file`` restored after it."""
-    from tests.unit.test_bad_input_corpus import _pyinfra_cli
-
-    modules = _pyinfra_cli()
+    modules = pyinfra_cli_modules()
     for name, module in modules.items():
         monkeypatch.setitem(sys.modules, name, module)
     inventory = modules["pyinfra_cli.inventory"]

@@ -18,29 +18,20 @@ import pytest
 import roles.ray as ray_role
 import roles.vllm as vllm_role
 from gpufleet import node_paths, templates
-from gpufleet.cli.inputs import fleet_facts
-from gpufleet.config.fleet import Fleet
-from gpufleet.config.inventory import load_fleet
 from gpufleet.config.schema import HostConfig
 from gpufleet.deploy import access, ray_drop_in
 from gpufleet.deploy import vllm_files as vf
 from gpufleet.deploy.context import DeployContext
 from gpufleet.plan.commands import NodeRole, ray_start_argv
-from gpufleet.plan.planner import Replica, plan_fleet
+from gpufleet.plan.planner import Replica
 from gpufleet.units.escape import exec_line
 from tests.conftest import DATA
 from tests.recorded_ops import Recorder
-from tests.unit.test_hostile_templates import exec_argv, unit_settings
+from tests.unit.unit_files import exec_argv, unit_settings
+from tests.unit.vllm_role_run import planned_shape
 
 SHAPES = sorted(path.parent.name for path in (DATA / "plans").glob("*/inventory.py"))
 RAY_SHAPE = "b_two_nodes_ray"
-
-
-def _planned(shape: str) -> tuple[Fleet, list[Replica]]:
-    fleet = load_fleet(str(DATA / "plans" / shape / "inventory.py"))
-    plan = plan_fleet(fleet, fleet_facts(fleet, None))
-    assert plan.problems == []
-    return fleet, plan.replicas
 
 
 def _settings(text: str) -> dict[tuple[str, str], list[str]]:
@@ -51,7 +42,7 @@ def _settings(text: str) -> dict[tuple[str, str], list[str]]:
 
 
 def _ray_head(shape: str = RAY_SHAPE) -> tuple[HostConfig, Replica, NodeRole]:
-    fleet, replicas = _planned(shape)
+    fleet, replicas = planned_shape(shape)
     replica = replicas[0]
     return fleet.configs[replica.roles[0].host], replica, replica.roles[0]
 
@@ -60,7 +51,7 @@ def _ray_head(shape: str = RAY_SHAPE) -> tuple[HostConfig, Replica, NodeRole]:
 
 @pytest.mark.parametrize("shape", SHAPES)
 def test_only_a_ray_head_gets_the_drop_in(shape: str) -> None:
-    fleet, replicas = _planned(shape)
+    fleet, replicas = planned_shape(shape)
     for replica in replicas:
         for role in replica.roles:
             text = ray_drop_in.drop_in(fleet.configs[role.host], replica, role)
@@ -83,7 +74,7 @@ def test_only_a_ray_head_gets_the_drop_in(shape: str) -> None:
 
 
 def test_there_is_a_ray_shape_among_the_golden_plans() -> None:
-    _, replicas = _planned(RAY_SHAPE)
+    _, replicas = planned_shape(RAY_SHAPE)
     assert [r.backend for r in replicas] == ["ray"] and len(replicas[0].roles) == 2
 
 
@@ -152,7 +143,7 @@ def test_a_ray_unit_starts_after_the_network_and_tries_again_until_it_joins(kind
     """A worker's ``ray start --address=HEAD`` fails (exit 1, "Failed to connect to GCS") while the head does not
     answer; Restart= tries again. Without a StartLimit of its own, systemd's default (5 starts in 10 s) can never
     be reached 5 s apart, so the worker keeps trying until the head is up."""
-    fleet, replicas = _planned(RAY_SHAPE)
+    fleet, replicas = planned_shape(RAY_SHAPE)
     head = replicas[0].roles[0]
     config = fleet.configs[head.host]
     argv = ray_start_argv(config, head.address if kind == "head" else "10.40.2.12",
@@ -172,7 +163,7 @@ def test_a_ray_unit_starts_after_the_network_and_tries_again_until_it_joins(kind
 
 def _run_vllm_install(monkeypatch: pytest.MonkeyPatch, shape: str, host: str) -> Recorder:
     """``vllm_install`` of one host of a shape, every operation recorded instead of run."""
-    fleet, replicas = _planned(shape)
+    fleet, replicas = planned_shape(shape)
     ctx = DeployContext(fleet=fleet)
     recorder = Recorder()
     for name in ("apt", "files", "node", "server", "systemd", "vllm"):
@@ -189,7 +180,7 @@ def _run_vllm_install(monkeypatch: pytest.MonkeyPatch, shape: str, host: str) ->
 
 def test_the_vllm_role_writes_the_drop_in_on_the_ray_head_and_restarts_and_reloads_for_it(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    _, replicas = _planned(RAY_SHAPE)
+    _, replicas = planned_shape(RAY_SHAPE)
     replica, head = replicas[0], replicas[0].roles[0]
     path = node_paths.vllm_ray_drop_in(replica.name)
     ops = _run_vllm_install(monkeypatch, RAY_SHAPE, head.host)
@@ -212,7 +203,7 @@ def test_the_vllm_role_writes_the_drop_in_on_the_ray_head_and_restarts_and_reloa
 @pytest.mark.parametrize("shape", ["b_two_nodes_mp", "a_single_node_70b"])
 def test_the_vllm_role_removes_a_drop_in_where_the_replica_is_not_ray(monkeypatch: pytest.MonkeyPatch,
                                                                       shape: str) -> None:
-    _, replicas = _planned(shape)
+    _, replicas = planned_shape(shape)
     host = replicas[0].roles[0].host
     ops = _run_vllm_install(monkeypatch, shape, host)
     mine = [r for r in replicas if host in r.nodes]
@@ -224,7 +215,7 @@ def test_the_vllm_role_removes_a_drop_in_where_the_replica_is_not_ray(monkeypatc
 def test_a_started_or_restarted_ray_head_is_a_start_of_its_replica(monkeypatch: pytest.MonkeyPatch) -> None:
     """vLLM follows its Ray head (Requires=): when the ray role starts or restarts the head, vllm_serve's readiness
     wait on the head must run, as for a start of vLLM itself."""
-    fleet, replicas = _planned(RAY_SHAPE)
+    fleet, replicas = planned_shape(RAY_SHAPE)
     replica, head = replicas[0], replicas[0].roles[0]
     ctx = DeployContext(fleet=fleet)
     recorder = Recorder()

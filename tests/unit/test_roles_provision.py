@@ -13,12 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from gpufleet_lab import standin_debs
 from gpufleet_lab.double_programs import dcgm_exporter as exporter_double
 from gpufleet_lab.sim_profile import apply_fault
 
-from gpufleet import templates
 from gpufleet.facts.apt import AptCandidate
 from gpufleet.gpu.profiles import profile_facts
 from gpufleet.gpu.report import SCHEMA, NodeFacts, NvmlStatus
@@ -28,17 +26,14 @@ from gpufleet.operations.nvidia import (
     reboot_required_message,
     upstream_version,
 )
+from gpufleet.templates import render
 from roles.dcgm import dcgm_package
 from roles.dcgm_exporter import COUNTERS_FILE, has_nvlink, unit_values
 from roles.nvidia_driver import cuda_toolkit_package, driver_package, fabricmanager_package, has_nvswitch, keyring_path
 from tests.conftest import ROOT, Project, run_cli
+from tests.unit.nvidia_driver_defaults import DEFAULTS
 
 TEMPLATES = ROOT / "templates"
-DEFAULTS = yaml.safe_load((ROOT / "roles" / "nvidia_driver" / "defaults.yml").read_text())
-
-
-def render(template: str, **values: Any) -> str:
-    return templates.render(template, **values)
 
 
 # --- nvidia_driver: repository, pin, unattended-upgrades ---------------------------------------------------

@@ -14,8 +14,8 @@ from gpufleet import node_paths
 from gpufleet.config.inventory import data_value
 from gpufleet.config.schema import SECRET_KEYS, HostConfig
 from gpufleet.rollout import release as rel
-from tests.unit.test_replica_watchdog import _planned, _run_role
-from tests.unit.test_vllm_role import _config
+from tests.unit.configs import host_config
+from tests.unit.vllm_role_run import planned_shape, run_vllm_role
 
 # Values a release can hold, the awkward ones above all: text that reads as a number, a boolean or JSON.
 SAMPLES: list[Any] = ["0123", "1.10", "true", "False", "null", "", "12", "-3", "1e3", "a=b", "with space", '"q"',
@@ -32,8 +32,8 @@ def test_a_release_holds_no_secret_and_only_configuration_keys() -> None:
 
 
 def test_the_record_is_stable_sorted_json_that_reads_back() -> None:
-    cfg = _config(vllm_version="0.32.0", vllm_extra_args={"max-num-seqs": 8, "enable-prefix-caching": True},
-                  vllm_env={"VLLM_CPU_KVCACHE_SPACE": "4"}, vllm_model_revision="0123")
+    cfg = host_config(vllm_version="0.32.0", vllm_extra_args={"max-num-seqs": 8, "enable-prefix-caching": True},
+                      vllm_env={"VLLM_CPU_KVCACHE_SPACE": "4"}, vllm_model_revision="0123")
     release = rel.release_of(cfg)
     text = rel.release_json(release)
     assert text == rel.release_json(rel.release_of(cfg)) and text.endswith("}\n") and text.isascii()
@@ -82,10 +82,10 @@ def test_data_items_and_overrides_give_only_what_differs() -> None:
 @pytest.mark.parametrize("shape", ["a_single_node_70b", "b_two_nodes_mp", "b_two_nodes_ray"])
 def test_the_role_writes_the_record_where_the_replica_runs_vllm_and_it_restarts_nothing(
         monkeypatch: pytest.MonkeyPatch, shape: str) -> None:
-    fleet, replicas = _planned(shape)
+    fleet, replicas = planned_shape(shape)
     for replica in replicas:
         for role in replica.roles:
-            ops, ctx = _run_role(monkeypatch, shape, role.host)
+            ops, ctx = run_vllm_role(monkeypatch, shape, role.host)
             path = node_paths.release_file(replica.name)
             written = ops.named("files.file", dest=path)
             if role.role == "ray-worker":  # no vLLM process, no replica directory

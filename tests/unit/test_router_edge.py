@@ -19,8 +19,8 @@ from gpufleet.config.layers import HostLayers, Layer
 from gpufleet.config.problems import ConfigError
 from gpufleet.plan import backends as plan_backends
 from tests.recorded_ops import Recorder
-from tests.unit.test_hostile_templates import unit_settings
-from tests.unit.test_vllm_role import _config
+from tests.unit.configs import host_config
+from tests.unit.unit_files import unit_settings
 
 OPEN, CLOSED = "model open", "model-closed"
 FOUND = [plan_backends.Backend("model-a", OPEN, ()), plan_backends.Backend("model-b", CLOSED, ())]
@@ -35,7 +35,7 @@ def _entries(text: str) -> list[str]:
 
 
 def test_the_maps_hold_hashes_grants_limits_and_the_replicas_key() -> None:
-    cfg = _config(router_clients={
+    cfg = host_config(router_clients={
         "alice": {"api_key": {"env": "A"}},
         "bob": {"api_key": {"env": "B"}, "models": [OPEN], "requests_per_s": 5, "concurrent_requests": 2}})
     maps = router_role.edge_maps(cfg.router_clients, {"alice": "alice-key", "bob": "bob-key"}, FOUND,
@@ -51,7 +51,7 @@ def test_the_maps_hold_hashes_grants_limits_and_the_replicas_key() -> None:
 
 
 def test_without_clients_or_tls_the_configuration_is_todays() -> None:
-    values = router_role.config_values(_config(), "10.0.0.5", FOUND, router_role.model_lists({None: [OPEN]}), [],
+    values = router_role.config_values(host_config(), "10.0.0.5", FOUND, router_role.model_lists({None: [OPEN]}), [],
                                        {})
     text = router_role.render(values)
     assert values["edge"] is None and values["tls_pem"] is None and values["plain_listen"] is None
@@ -60,8 +60,8 @@ def test_without_clients_or_tls_the_configuration_is_todays() -> None:
 
 
 def test_with_clients_and_tls_the_configuration_names_files_and_holds_no_client() -> None:
-    cfg = _config(router_clients={"alice": {"api_key": {"env": "A"}}}, router_tls_certificate={"file": "c.pem"},
-                  router_tls_key={"file": "k.pem"}, router_plain_http_port=8081)
+    cfg = host_config(router_clients={"alice": {"api_key": {"env": "A"}}}, router_tls_certificate={"file": "c.pem"},
+                      router_tls_key={"file": "k.pem"}, router_plain_http_port=8081)
     text = router_role.render(router_role.config_values(cfg, "10.0.0.5", FOUND, [], [], {}))
     assert "bind 10.0.0.5:8080 ssl crt /etc/haproxy/gpufleet-edge/router.pem" in text
     assert "bind 10.0.0.5:8081\n" in text
@@ -72,7 +72,7 @@ def test_with_clients_and_tls_the_configuration_names_files_and_holds_no_client(
 def test_the_clients_counters_reach_the_runtime_api_through_haproxys_group() -> None:
     """The counters' service is root with no capability (its sandbox): it cannot pass the owner of a 0600 socket,
     so the socket is 0660 for HAProxy's group, which the service joins (the lab found every run refused)."""
-    text = router_role.render(router_role.config_values(_config(), "10.0.0.5", FOUND, [], [], {}))
+    text = router_role.render(router_role.config_values(host_config(), "10.0.0.5", FOUND, [], [], {}))
     # no "group": HAProxy runs as its account, which may not chown, and the reload that asked it failed
     assert f"stats socket {node_paths.ROUTER_ADMIN_SOCKET} mode 660 level admin\n" in text
     service = templates.render("router/gpufleet-router-clients.service.j2", **router_role.clients_service_values())
@@ -84,7 +84,7 @@ def test_the_clients_counters_reach_the_runtime_api_through_haproxys_group() -> 
 def test_replicas_of_one_model_with_two_keys_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KEY_1", "first-replica-key")
     monkeypatch.setenv("KEY_2", "second-replica-key")
-    configs = {f"n{i}": _config(vllm_served_model_name=OPEN, vllm_api_key={"env": f"KEY_{i}"}) for i in (1, 2)}
+    configs = {f"n{i}": host_config(vllm_served_model_name=OPEN, vllm_api_key={"env": f"KEY_{i}"}) for i in (1, 2)}
     plan = [SimpleNamespace(name=f"r{i}", roles=[SimpleNamespace(host=f"n{i}")]) for i in (1, 2)]
     with pytest.raises(ConfigError) as raised:
         router_role.upstream_keys(plan, configs)  # type: ignore[arg-type]
@@ -97,7 +97,7 @@ def test_two_clients_with_one_key_from_two_references_are_refused_without_showin
     monkeypatch.setenv("ALICE_KEY", key)
     (tmp_path / "bob.key").write_text(key + "\n")
     clients = {"alice": {"api_key": {"env": "ALICE_KEY"}}, "bob": {"api_key": {"file": str(tmp_path / "bob.key")}}}
-    cfg = _config(router_clients=clients)
+    cfg = host_config(router_clients=clients)
     layers = {"h": HostLayers("h", [Layer("group_vars/routers.yml", {"router_clients": clients})])}
     problems = edge_problems(layers, [], {"h": cfg}, routers=["h"])  # a router that serves nothing
     assert [p.line() for p in problems] == [
@@ -112,13 +112,13 @@ def test_two_clients_with_one_key_from_two_references_are_refused_without_showin
 
 def test_a_client_model_must_be_served_by_a_pool_not_by_a_router_only_host() -> None:
     clients = {"alice": {"api_key": {"env": "A"}, "models": [CLOSED]}}
-    cfg = _config(router_clients=clients)
-    served = _config(vllm_served_model_name=CLOSED)
+    cfg = host_config(router_clients=clients)
+    served = host_config(vllm_served_model_name=CLOSED)
     layers = {h: HostLayers(h, [Layer("group_vars/all.yml", {"router_clients": clients})]) for h in ("gpu", "r")}
-    router_only = _config(router_clients=clients, vllm_served_model_name=CLOSED)
+    router_only = host_config(router_clients=clients, vllm_served_model_name=CLOSED)
     found = edge_problems(layers, ["gpu"], {"gpu": served, "r": router_only})
     assert all("models" not in p.key for p in found)  # served by the pool of "gpu"
-    found = edge_problems(layers, ["gpu"], {"gpu": _config(vllm_served_model_name=OPEN), "r": cfg})
+    found = edge_problems(layers, ["gpu"], {"gpu": host_config(vllm_served_model_name=OPEN), "r": cfg})
     assert [p.key for p in found if "models" in p.key] == ["router_clients.alice.models[0]"]
 
 
@@ -136,7 +136,10 @@ def test_the_lab_ca_refuses_what_is_no_address_or_name(names: list[str]) -> None
         subject_alt_names(names)
 
 
-def _run_role(monkeypatch: pytest.MonkeyPatch, cfg: object, written: dict[str, str]) -> Recorder:
+def _run_role(monkeypatch: pytest.MonkeyPatch, cfg: object, written: dict[str, str],
+              in_place: bool = True) -> Recorder:
+    """The role's operations for ``cfg`` with the edge files ``written``; ``in_place``: whether the node's edge
+    directory held them already as the deploy began."""
     recorder = Recorder()
     for name in ("apt", "files", "node", "server", "systemd"):
         monkeypatch.setattr(router_role, name, recorder.module(name))
@@ -145,40 +148,48 @@ def _run_role(monkeypatch: pytest.MonkeyPatch, cfg: object, written: dict[str, s
     monkeypatch.setattr(router_role, "fleet_values",
                         lambda c, a: router_role.config_values(c, a, FOUND, [], [], {}))
     monkeypatch.setattr(router_role, "fleet_edge_files", lambda *_: written)
+    monkeypatch.setattr(router_role, "_edge_in_place", lambda wanted: in_place)
+    monkeypatch.setattr(router_role, "_stale_edge_files", lambda wanted: [])
     router_role.router.__wrapped__()  # type: ignore[attr-defined]
     return recorder
 
 
-def test_the_deploy_writes_the_edge_files_for_haproxy_only_and_a_rotation_reloads(
+def test_the_deploy_writes_the_edge_files_as_candidates_checks_them_with_the_config_and_a_rotation_reloads(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    cfg = _config(fleet_address="10.0.0.5", router_clients={"alice": {"api_key": {"env": "A"}}})
+    cfg = host_config(fleet_address="10.0.0.5", router_clients={"alice": {"api_key": {"env": "A"}}})
     written = {"clients.map": "x alice\n", "upstream.map": "y Bearer replica-key\n"}
     ops = _run_role(monkeypatch, cfg, written)
     position = {id(c): i for i, c in enumerate(ops.calls)}
     secrets = ops.named("files.secret_file")
     assert {c.kwargs["dest"]: c.kwargs["content"] for c in secrets} == {
-        f"{router_role.EDGE_DIR}/{name}": text for name, text in written.items()}
+        f"{router_role.EDGE_CANDIDATE_DIR}/{name}": text for name, text in written.items()}
     assert all((c.kwargs["group"], c.kwargs["mode"]) == ("haproxy", "0640") for c in secrets)
-    (directory,) = ops.named("files.directory", path=router_role.EDGE_DIR)
-    assert (directory.kwargs["group"], directory.kwargs["mode"]) == ("haproxy", "0750")
+    for folder in (router_role.EDGE_DIR, router_role.EDGE_CANDIDATE_DIR):
+        (directory,) = ops.named("files.directory", path=folder)
+        assert (directory.kwargs["group"], directory.kwargs["mode"]) == ("haproxy", "0750")
     assert not any("replica-key" in repr(c.kwargs) for c in ops.calls if c not in secrets)
-    (config_check, edge_check) = ops.named("server.script")
+    (install,) = ops.named("server.script")
+    assert install.kwargs["script"] == router_role.edge_install(sorted(written), [])
+    assert (install.kwargs["done_file"], install.kwargs["pending"]) == (router_role.CONFIG, False)
     (reload,) = ops.named("systemd.reload", unit=router_role.SERVICE)
     (restart,) = ops.named("systemd.restart", unit=router_role.SERVICE)
-    assert max(position[id(c)] for c in secrets) < position[id(config_check)] < position[id(edge_check)]
-    assert position[id(edge_check)] < position[id(reload)]
-    assert not reload.kwargs["_if"]() and not edge_check.kwargs["_if"]()
-    secrets[0].changed = True  # a key added, removed or rotated: checked and reloaded, never restarted
-    assert reload.kwargs["_if"]() and edge_check.kwargs["_if"]() and not restart.kwargs["_if"]()
+    assert max(position[id(c)] for c in secrets) < position[id(install)] < position[id(reload)]
+    assert not reload.kwargs["_if"]()
+    install.changed = True  # a key added, removed or rotated: checked, put in place and reloaded, never restarted
+    assert reload.kwargs["_if"]() and not restart.kwargs["_if"]()
     (timer,) = ops.named("systemd.service", unit=router_role.CLIENTS_TIMER)
     assert (timer.kwargs["running"], timer.kwargs["enabled"]) == (True, True)
+    (rotated,) = _run_role(monkeypatch, cfg, written, in_place=False).named("server.script")
+    assert rotated.kwargs["pending"]  # the edge directory differs: installed though the configuration did not
 
 
 def test_without_clients_or_tls_the_deploy_removes_the_edge_and_its_counters(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    ops = _run_role(monkeypatch, _config(fleet_address="10.0.0.5"), {})
+    ops = _run_role(monkeypatch, host_config(fleet_address="10.0.0.5"), {})
     assert ops.named("files.secret_file") == []
-    assert ops.named("files.absent", path=router_role.EDGE_DIR)
+    assert ops.named("files.absent", path=router_role.EDGE_CANDIDATE_DIR)
+    (install,) = ops.named("server.script")
+    assert install.kwargs["script"].endswith(f"rm -rf -- {router_role.EDGE_DIR}")  # once the config no longer uses it
     assert ops.named("files.absent", path=router_role.CLIENTS_TEXTFILE)
     (timer,) = ops.named("systemd.service", unit=router_role.CLIENTS_TIMER)
     assert (timer.kwargs["running"], timer.kwargs["enabled"]) == (False, False)

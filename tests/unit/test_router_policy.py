@@ -15,8 +15,8 @@ from gpufleet.config.vllm_flags import load_catalog
 from gpufleet.plan import backends as plan_backends
 from gpufleet.plan.planner import FleetPlan, PlanProblem
 from tests.conftest import DATA, Project
-from tests.unit.test_plan import _fleet_plan
-from tests.unit.test_vllm_role import _config
+from tests.unit.configs import host_config
+from tests.unit.project_plans import fleet_plan
 
 MODEL = '"meta-llama/Llama-3.1-8B-Instruct"'
 REGOLD = os.environ.get("GPUFLEET_REGOLD") == "1"  # rewrite the golden configurations (review their diff)
@@ -56,8 +56,8 @@ def test_the_catalog_reads_block_size_and_hash_algorithm_under_either_spelling()
 
 def _two_pools(project: Project, all_yml: str, a: dict[str, Any], b: dict[str, Any]) -> FleetPlan:
     """Pools a (host h1) and b (host h2) of one model, ``a`` and ``b`` their hosts' data."""
-    return _fleet_plan(project, "vllm_model: meta-llama/Llama-3.1-8B-Instruct\nvllm_max_model_len: 8192\n"
-                       + all_yml, f'a = [("h1", {a!r})]\nb = [("h2", {b!r})]\n')
+    return fleet_plan(project, "vllm_model: meta-llama/Llama-3.1-8B-Instruct\nvllm_max_model_len: 8192\n"
+                      + all_yml, f'a = [("h1", {a!r})]\nb = [("h2", {b!r})]\n')
 
 
 def test_the_pool_that_differs_from_the_first_is_refused_and_the_first_serves(project: Project) -> None:
@@ -111,12 +111,12 @@ def test_the_pools_of_one_model_agree_on_its_routing(project: Project, all_yml: 
 
 def _render(**chat: object) -> str:
     """The router's configuration for REPLICAS, the hosts that serve CHAT set with ``chat``."""
-    configs = {name: _config(vllm_served_model_name=model, **(chat if model == CHAT else {}))
+    configs = {name: host_config(vllm_served_model_name=model, **(chat if model == CHAT else {}))
                for name, (model, _, _) in REPLICAS.items()}
     plan = [SimpleNamespace(name=name, port=port, roles=[SimpleNamespace(host=name, address=address)])
             for name, (_, address, port) in REPLICAS.items()]
     found = plan_backends.backends(plan, configs)  # type: ignore[arg-type]
-    values = router_role.config_values(_config(), "10.0.0.9", found, router_role.model_lists({None: [CHAT, TINY]}),
+    values = router_role.config_values(host_config(), "10.0.0.9", found, router_role.model_lists({None: [CHAT, TINY]}),
                                        ["10.0.0.8"], dict.fromkeys(REPLICAS, 16))
     return router_role.render(values)
 

@@ -27,7 +27,7 @@ from gpufleet.bench.starts import (
 )
 from gpufleet.deploy.context import DeployContext
 from tests.recorded_ops import Recorder
-from tests.unit.test_replica_watchdog import _planned, _run_role
+from tests.unit.vllm_role_run import planned_shape, run_vllm_role
 
 KEY = StartKey("tiny llama $HOME 100%", "0.31.0", "tp1-pp1", "probed")
 PHASES = {"weights_loaded": 23.36, "kv_cache_sized": 40.13, "ready": 52.5, "first_completion": 53.75}
@@ -48,7 +48,7 @@ def _observed(start: dict[str, Any] | None) -> str:
     ("b_two_nodes_mp", StartKey("llama-3.1-405b", "0.33.0", "tp8-pp2", "8xH100-SXM")),
 ])
 def test_a_start_is_keyed_by_model_release_layout_and_gpu_profile(shape: str, key: StartKey) -> None:
-    fleet, replicas = _planned(shape)
+    fleet, replicas = planned_shape(shape)
     assert {start_key(replica, fleet.configs) for replica in replicas} == {key}
     undeclared = {host: cfg.model_copy(update={"gpu_profile": None}) for host, cfg in fleet.configs.items()}
     assert start_key(replicas[0], undeclared).gpu_profile == "probed"
@@ -110,9 +110,9 @@ def test_the_wait_times_the_start_and_the_role_reads_it_back_for_the_records(mon
     """On the replica's first node the readiness wait writes the start for node_exporter, labelled with the
     replica's key; the start is read back after the KV cache report, into the context the monitoring hosts read.
     A retired replica loses its textfile. The other ranks do neither."""
-    _, (replica, *_) = _planned("b_two_nodes_mp")
+    _, (replica, *_) = planned_shape("b_two_nodes_mp")
     first, follower = replica.nodes
-    ops, ctx = _run_role(monkeypatch, "b_two_nodes_mp", first)
+    ops, ctx = run_vllm_role(monkeypatch, "b_two_nodes_mp", first)
     (wait,) = [c for c in ops.named("server.script") if "vllm_ready.py" in c.kwargs["script"]]
     words = wait.kwargs["script"].split(" ")
     textfile = node_paths.start_textfile(replica.name)
@@ -127,7 +127,7 @@ def test_the_wait_times_the_start_and_the_role_reads_it_back_for_the_records(mon
     assert seen.kwargs["fresh"]()
     (retired,) = ops.named("systemd.retired")
     assert node_paths.start_textfile("{name}") in retired.kwargs["paths"]
-    ops, _ = _run_role(monkeypatch, "b_two_nodes_mp", follower)
+    ops, _ = run_vllm_role(monkeypatch, "b_two_nodes_mp", follower)
     assert not ops.named("vllm.start_seen")
 
 
@@ -141,7 +141,7 @@ def test_the_start_labels_reach_the_wait_literally() -> None:
 
 
 def _records_role(monkeypatch: pytest.MonkeyPatch, monitoring_host: bool) -> tuple[Recorder, DeployContext]:
-    fleet, replicas = _planned("b_two_nodes_mp")
+    fleet, replicas = planned_shape("b_two_nodes_mp")
     ctx = DeployContext(fleet=fleet)
     ctx.plan.replicas.extend(replicas)
     recorder = Recorder()

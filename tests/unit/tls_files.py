@@ -7,7 +7,10 @@ from __future__ import annotations
 import datetime
 import functools
 import ipaddress
+import subprocess
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -42,9 +45,10 @@ def _ca() -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
 
 
 def _leaf(key: PrivateKeyTypes, names: tuple[str, ...] | None = NAMED,
-          valid: tuple[datetime.datetime, datetime.datetime] | None = None) -> x509.Certificate:
-    """A server certificate for ``key`` signed by the CA, naming ``names`` (None: no subjectAltName), valid over
-    ``valid`` (default: from yesterday for 30 days)."""
+          valid: tuple[datetime.datetime, datetime.datetime] | None = None,
+          dns: tuple[str, ...] = ()) -> x509.Certificate:
+    """A server certificate for ``key`` signed by the CA, naming ``names`` (None: no subjectAltName) and the DNS
+    names ``dns``, valid over ``valid`` (default: from yesterday for 30 days)."""
     start, end = valid or (_now() - DAY, _now() + 30 * DAY)
     ca_key, ca = _ca()
     builder = (x509.CertificateBuilder()
@@ -53,9 +57,27 @@ def _leaf(key: PrivateKeyTypes, names: tuple[str, ...] | None = NAMED,
                .serial_number(x509.random_serial_number()).not_valid_before(start).not_valid_after(end))
     if names is not None:
         builder = builder.add_extension(
-            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(n)) for n in names]), critical=False)
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(n)) for n in names]
+                                        + [x509.DNSName(n) for n in dns]), critical=False)
     signer: CertificateIssuerPrivateKeyTypes = ca_key
     return builder.sign(signer, hashes.SHA256())
+
+
+def _sha1_chain() -> str:
+    """The server's certificate for the test key signed by the CA with SHA-1, which the cryptography package no
+    longer signs with: OpenSSL's command line does, from the same CA and key, then the CA."""
+    with tempfile.TemporaryDirectory() as folder:
+        where = Path(folder)
+        (where / "ca.key").write_text(_key_pem(_ca()[0]))
+        (where / "ca.crt").write_text(_cert_pem(_ca()[1]))
+        (where / "leaf.key").write_text(_key_pem(_ec_key()))
+        (where / "san.cnf").write_text(f"subjectAltName={','.join(f'IP:{n}' for n in NAMED)}\n")
+        subprocess.run(["openssl", "req", "-new", "-key", "leaf.key", "-subj", "/CN=gpufleet router", "-out",
+                        "leaf.csr"], cwd=where, check=True, capture_output=True)
+        subprocess.run(["openssl", "x509", "-req", "-in", "leaf.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-sha1",
+                        "-days", "30", "-extfile", "san.cnf", "-out", "leaf.crt"], cwd=where, check=True,
+                       capture_output=True)
+        return (where / "leaf.crt").read_text() + _cert_pem(_ca()[1])
 
 
 @functools.cache
@@ -109,6 +131,13 @@ KINDS: dict[str, Callable[[], str]] = {
     "certificate-without-names": lambda: _chain(_leaf(_ec_key(), names=None)),
     "certificate-for-other-addresses": lambda: _chain(_leaf(_ec_key(), names=("10.1.2.3",))),
     "certificate-garbled": lambda: _chain(_good_leaf()).replace("M", "*", 3),
+    "certificate-sha1": lambda: _sha1_chain(),
+    "certificate-dns-an-address": lambda: _chain(_leaf(_ec_key(), names=(), dns=("127.0.0.1",))),
+    "certificate-dns-any-name": lambda: _chain(_leaf(_ec_key(), names=(), dns=("*",))),
+    "certificate-dns-a-name": lambda: _chain(_leaf(_ec_key(), names=(), dns=("router.example.net",))),
+    "certificate-with-a-relabelled-key": lambda: _chain(_good_leaf()) + _key_pem(_ca()[0]).replace(
+        "PRIVATE KEY", "FOO KEY"),
+    "certificate-with-text-after": lambda: _chain(_good_leaf()) + "trailing junk\n",
 }
 
 
