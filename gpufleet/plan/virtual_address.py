@@ -40,11 +40,12 @@ KEEPALIVED_CONF = "keepalived's configuration"  # where the VRRP password goes
 VRRP_ONLY = ("router_virtual_prefix", "router_virtual_router_id", PASSWORD_KEY, "router_virtual_interface")
 """keepalived's settings beside the virtual address, which nothing else reads."""
 TOP_PRIORITY = 250  # the first router's VRRP priority; each next one is one lower (255 is the address owner's)
-PASSWORD = re.compile(r"[A-Za-z0-9$%&()*+,./:;<=>?@\[\]^_`{|}~-]{1,8}")
-"""What keepalived's ``auth_pass`` holds: VRRP 2 carries 8 bytes; a blank, a quote, ``#`` or ``!`` (comments) or a
-backslash would change how keepalived reads the line."""
-PASSWORD_EXPECTED = ("expected 1 to 8 printable ASCII characters without blanks, quotes, backslashes, '#' or '!'"
-                     " (keepalived's auth_pass: VRRP 2 carries 8 bytes)")
+PASSWORD = re.compile(r"[A-Za-z0-9$%&()*+,./:;<=>?@\[\]^_`|~-]{1,8}")
+"""What keepalived's ``auth_pass`` holds: VRRP 2 carries 8 bytes; a blank, a quote, ``#`` or ``!`` (comments), a
+brace (keepalived reads one as a block's start or end, inside a word too) or a backslash would change how keepalived
+reads the line."""
+PASSWORD_EXPECTED = ("expected 1 to 8 printable ASCII characters without blanks, quotes, braces, backslashes, '#' or"
+                     " '!' (keepalived's auth_pass: VRRP 2 carries 8 bytes)")
 
 
 @dataclass(frozen=True)
