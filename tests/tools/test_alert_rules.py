@@ -40,10 +40,6 @@ FIRING_FILES = ("gpu.test.yml", "serving.test.yml", "node.test.yml", "healthy.te
 SEVERITIES = {"critical", "warning"}
 
 
-def _promtool() -> str:
-    return host_tool("promtool", "prometheus")
-
-
 def _rules(texts: dict[str, str]) -> dict[str, dict[str, Any]]:
     """Every rule of the rendered files by its name (alert or record)."""
     found: dict[str, dict[str, Any]] = {}
@@ -73,7 +69,8 @@ def _promtool_test(tmp_path: Path, texts: dict[str, str], case: str, annotations
     for name, text in texts.items():
         (tmp_path / name).write_text(text if annotations else _without_annotations(text))
     shutil.copy(CASES / case, tmp_path / case)
-    done = subprocess.run([_promtool(), "test", "rules", case], cwd=tmp_path, capture_output=True, text=True,
+    promtool = host_tool("promtool", "prometheus")
+    done = subprocess.run([promtool, "test", "rules", case], cwd=tmp_path, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
 
@@ -103,7 +100,8 @@ def test_rules_pass_promtool_check(tmp_path: Path, values: dict[str, Any]) -> No
     assert sorted(texts) == sorted(RULE_FILES)
     for name, text in texts.items():
         (tmp_path / name).write_text(text)
-    done = subprocess.run([_promtool(), "check", "rules", *RULE_FILES], cwd=tmp_path, capture_output=True, text=True,
+    promtool = host_tool("promtool", "prometheus")
+    done = subprocess.run([promtool, "check", "rules", *RULE_FILES], cwd=tmp_path, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
 
@@ -202,7 +200,8 @@ def test_the_ceiling_file_gpufleet_bench_writes_feeds_the_capacity_alert(tmp_pat
                                        ShapeCeiling("tp1-pp2", "lab-cpu", 5.0, 1)))
     ceilings = ceiling_rules.ceiling_rules(capacities, "# the test's\n")
     _promtool_test(tmp_path, {**default_rules, "ceilings.yml": ceilings}, "ceilings.test.yml")
-    done = subprocess.run([_promtool(), "check", "rules", "ceilings.yml"], cwd=tmp_path, capture_output=True,
+    promtool = host_tool("promtool", "prometheus")
+    done = subprocess.run([promtool, "check", "rules", "ceilings.yml"], cwd=tmp_path, capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
 
@@ -229,7 +228,8 @@ def test_the_benchs_engine_queries_read_one_models_replicas_over_the_step(tmp_pa
         "promql_expr_test": [case(whole["kv_usage_max"], 0.5), case(whole["preemptions"], 4),
                              case(one["kv_usage_max"], 0.3), case(one["preemptions"], 0)]}]}
     (tmp_path / "engine.test.yml").write_text(yaml.safe_dump(tests, sort_keys=False))
-    done = subprocess.run([_promtool(), "test", "rules", "engine.test.yml"], cwd=tmp_path, capture_output=True,
+    promtool = host_tool("promtool", "prometheus")
+    done = subprocess.run([promtool, "test", "rules", "engine.test.yml"], cwd=tmp_path, capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
 
@@ -262,6 +262,7 @@ def test_the_canarys_percentile_queries_read_only_the_replicas_named(tmp_path: P
         "promql_expr_test": [case(asked["requests"], 20), case(asked["ttft"], 0.095), case(asked["ttft_mean"], 0.05),
                              case(dotted["requests"], None)]}]}
     (tmp_path / "canary.test.yml").write_text(yaml.safe_dump(tests, sort_keys=False))
-    done = subprocess.run([_promtool(), "test", "rules", "canary.test.yml"], cwd=tmp_path, capture_output=True,
+    promtool = host_tool("promtool", "prometheus")
+    done = subprocess.run([promtool, "test", "rules", "canary.test.yml"], cwd=tmp_path, capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr

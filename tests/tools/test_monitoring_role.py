@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
 import subprocess
 import time
 import urllib.parse
@@ -32,7 +31,7 @@ from gpufleet.plan import backends as plan_backends
 from gpufleet.units.escape import exec_line
 from gpufleet.units.security import EXPOSURE_BOUND, exposure_score
 from tests.conftest import ROOT, host_tool, skip_or_fail
-from tests.loopback_http import QuietHandler, loopback_server
+from tests.loopback_http import QuietHandler, free_port, loopback_server
 from tests.tools.systemd_verify import stub_root, verify_unit
 from tests.unit.configs import host_config
 from tests.unit.monitoring_files import monitoring_host_files
@@ -152,12 +151,6 @@ def test_the_drop_ins_pass_systemd_analyze_on_debians_units_within_the_bound(tmp
 HOSTILE = "chat $HOME 100% 'q' \"x\" ${1}"
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def _exporter(body: str) -> type[QuietHandler]:
     class Handler(QuietHandler):
         def do_GET(self) -> None:
@@ -206,7 +199,7 @@ def scraped(tmp_path: Path) -> Iterator[tuple[str, role.FleetView]]:
         config = yaml.safe_load(role.prometheus_yml(hosts["r1"], view, {}))
         config["global"] |= {"scrape_interval": "1s", "scrape_timeout": "1s"}
         (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
-        port = _free_port()
+        port = free_port()
         with (tmp_path / "prometheus.log").open("w") as log:
             proc = subprocess.Popen([prometheus, f"--config.file={tmp_path / 'prometheus.yml'}",
                                      f"--storage.tsdb.path={tmp_path / 'data'}",

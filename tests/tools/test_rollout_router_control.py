@@ -7,14 +7,13 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
-from collections.abc import Collection, Iterator, Sequence
-from pathlib import Path
+from collections.abc import Collection, Sequence
 
 import pytest
 
 from gpufleet.rollout.remote import RemoteResult, command_line
 from gpufleet.rollout.router_control import ROUTER_ADMIN, RouterControl, RouterFailure
-from tests.tools.router_admin_haproxy import BACKEND, FIRST, SECOND, TOOL, Router, running_router
+from tests.tools.router_admin_haproxy import BACKEND, FIRST, SECOND, TOOL, Router
 
 
 class _ToolOnThisMachine:
@@ -31,12 +30,6 @@ class _ToolOnThisMachine:
         done = subprocess.run([sys.executable, "-I", str(TOOL), *words[3:], "--socket", str(self.router.socket)],
                               capture_output=True, text=True, timeout=timeout_s)
         return RemoteResult(done.returncode in ok_status, done.stdout, done.stderr)
-
-
-@pytest.fixture
-def router(tmp_path: Path) -> Iterator[Router]:
-    with running_router(tmp_path) as started:
-        yield started
 
 
 def test_the_routers_are_drained_waited_for_put_back_and_read(router: Router) -> None:

@@ -42,13 +42,6 @@ def _refused(done: subprocess.CompletedProcess[str]) -> str:
     return lines[0].removeprefix("router_admin: ")
 
 
-@pytest.fixture
-def router(tmp_path: Path) -> Iterator[Router]:
-    """A router of the test's own, for a test that changes it."""
-    with running_router(tmp_path) as started:
-        yield started
-
-
 @pytest.fixture(scope="module")
 def unchanged_router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Router]:
     """One router for the tests that must leave it as it is (they check they did)."""

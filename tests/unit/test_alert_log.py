@@ -8,7 +8,6 @@ on 127.0.0.1, and is posted to over HTTP.
 from __future__ import annotations
 
 import http.client
-import socket
 import subprocess
 import sys
 import urllib.error
@@ -19,6 +18,7 @@ import pytest
 from gpufleet import node_paths
 from gpufleet.node import alert_log
 from tests.conftest import DATA, ROOT
+from tests.loopback_http import free_port
 
 DATA = DATA / "alert_log"
 TOOL = ROOT / "gpufleet" / "node" / "alert_log.py"
@@ -40,12 +40,6 @@ def test_each_alert_of_a_notification_is_one_line_that_no_label_can_break_or_for
 def test_a_body_that_is_not_a_notification_is_refused_with_its_reason(body: bytes, why: str) -> None:
     with pytest.raises(alert_log.NotANotification, match=why):
         alert_log.notification_lines(body)
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def _post(port: int, body: bytes) -> int:
@@ -73,7 +67,7 @@ def _announce_only(port: int, length: int) -> int:
 def test_the_tool_logs_what_alertmanager_posts_and_refuses_the_rest() -> None:
     """The tool as its unit runs it: the lines on stdout (the journal), 200 for a notification, 400 and one line
     for anything else, 413 for a body over its limit."""
-    port = _free_port()
+    port = free_port()
     tool = subprocess.Popen([sys.executable, "-I", str(TOOL), "--port", str(port)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:

@@ -19,18 +19,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.loopback_http import free_port
+
 TOOL = Path(__file__).resolve().parents[2] / "gpufleet" / "node" / "replica_rank.py"
 FAKE_VLLM = "import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(600)"
 PEER_LOST = 75
 SECRET_ENV = "GPUFLEET_RANK_SECRET"
 SECRET = "5ec7e7" * 10
 HANDSHAKE_S = 5.0
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _alive(pid: int) -> bool:
@@ -55,7 +51,7 @@ class Replica:
 
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
-        port = _free_port()
+        port = free_port()
         self.ranks: dict[int, subprocess.Popen[bytes]] = {}
         self.read: dict[int, str] = {}  # what wait_logged read of each rank's log
         self.config = {"nodes": 2, "leader": "127.0.0.1", "port": port, "bind": "127.0.0.1"}

@@ -24,7 +24,6 @@ import pytest
 import roles.vllm as vllm_role
 from gpufleet import node_paths, templates
 from gpufleet.config.layers import HostLayers, Layer, role_default_layers
-from gpufleet.config.schema import HostConfig
 from gpufleet.config.validate import validate_host
 from gpufleet.deploy import access
 from gpufleet.deploy import vllm_files as vf
@@ -32,6 +31,7 @@ from gpufleet.node import replica_watchdog as wd
 from gpufleet.plan.commands import secret_env_names
 from tests.conftest import DATA, ROOT
 from tests.loopback_http import QuietHandler, loopback_server
+from tests.unit.configs import https_host_config
 from tests.unit.unit_files import exec_argv, unit_settings
 from tests.unit.vllm_role_run import first_node, planned_shape, run_vllm_role
 
@@ -287,21 +287,13 @@ def test_a_bad_config_is_one_line_and_exit_2(tmp_path: Path, doc: object, proble
 
 def test_config_as_the_role_writes_it_loads(tmp_path: Path) -> None:
     path = tmp_path / "watchdog.json"
-    path.write_text(vf.watchdog_json(_config(vllm_served_model_name="tiny"), "pool-0", "http://[fd00::5]:8000"))
+    config = https_host_config(vllm_served_model_name="tiny")
+    path.write_text(vf.watchdog_json(config, "pool-0", "http://[fd00::5]:8000"))
     assert wd.load_config(str(path)) == wd.Config("vllm@pool-0.service", "http://[fd00::5]:8000", "tiny", 120.0,
                                                   900.0, 5.0)
 
 
 # --- configuration ---------------------------------------------------------------------------------------------
-
-def _config(**values: object) -> HostConfig:
-    layers, problems = role_default_layers()
-    assert problems == []
-    config, found = validate_host(HostLayers("10.0.0.5", [*layers, Layer("test", {"vllm_model": "org/model",
-                                                                                   **values})]), "test")
-    assert found == [] and config is not None, [p.line() for p in found]
-    return config
-
 
 @pytest.mark.parametrize(("value", "problem"), [
     (0, None), (10, None), (120, None), (86400, None),
@@ -320,7 +312,7 @@ def test_stall_s_is_off_or_at_least_10_seconds(value: object, problem: str | Non
 
 
 def test_the_default_is_on() -> None:
-    assert _config().vllm_watchdog_stall_s == 120
+    assert https_host_config().vllm_watchdog_stall_s == 120
 
 
 # --- the unit -----------------------------------------------------------------------------------------------------
@@ -348,9 +340,9 @@ def test_the_unit_runs_the_tool_with_the_replicas_file_and_its_key_from_the_secr
                                           node_paths.watchdog_config("pool-0")]
     assert "replica_watchdog.py" in node_paths.NODE_TOOL_FILES  # role common installs it where the unit looks
     assert unit[("Service", "EnvironmentFile")] == [f"-{node_paths.SECRETS_DIR}/%i.env"]  # the vllm unit's
-    every_secret = secret_env_names(_config(vllm_api_key={"env": "K"}, vllm_hf_token={"env": "T"},
-                                            vllm_distributed_backend="ray", ray_auth_token={"env": "R"},
-                                            vllm_extra_args={"speculative-config": {"model": "org/draft"}}))
+    every_secret = secret_env_names(https_host_config(vllm_api_key={"env": "K"}, vllm_hf_token={"env": "T"},
+                                                      vllm_distributed_backend="ray", ray_auth_token={"env": "R"},
+                                                      vllm_extra_args={"speculative-config": {"model": "org/draft"}}))
     assert "HF_TOKEN" in every_secret  # a vLLM that fetches a draft model itself holds the hub token
     (unset,) = unit[("Service", "UnsetEnvironment")]
     assert sorted(unset.split()) == sorted(set(every_secret) - {"VLLM_API_KEY"})  # the key, and no other secret

@@ -13,42 +13,31 @@ from pathlib import Path
 import pytest
 from pyinfra.api import Inventory
 
-from gpufleet.config.layers import HostLayers, Layer, role_default_layers
 from gpufleet.config.problems import ConfigError
-from gpufleet.config.schema import HostConfig
-from gpufleet.config.validate import validate_host
 from gpufleet.deploy import access
+from tests.unit.configs import https_host_config
 from tests.unit.unit_security_bench import bench
 
 
-def _cfg(**values: object) -> HostConfig:
-    """A host's config from every role's defaults, a model, and ``values``; fails on any problem."""
-    layers, problems = role_default_layers()
-    assert problems == []
-    config, found = validate_host(
-        HostLayers("10.0.0.5", [*layers, Layer("test", {"vllm_model": "org/model", **values})]), "test")
-    assert found == [] and config is not None, [p.line() for p in found]
-    return config
-
-
 def test_exporters_admit_the_node_and_the_monitoring_hosts() -> None:
-    cfg = _cfg(monitoring_addresses=["10.9.0.0/24", "10.9.0.7"])
+    cfg = https_host_config(monitoring_addresses=["10.9.0.0/24", "10.9.0.7"])
     assert access.exporter_sources(cfg, "10.0.0.5", ["10.8.0.2"]) == [
         "10.0.0.5/32", "10.8.0.2/32", "10.9.0.0/24", "10.9.0.7/32"]
-    assert access.exporter_sources(_cfg(), "10.0.0.5") == ["10.0.0.5/32"]  # no monitoring: the node alone
+    assert access.exporter_sources(https_host_config(), "10.0.0.5") == ["10.0.0.5/32"]  # no monitoring: the node alone
 
 
 def test_ray_admits_its_replicas_nodes_and_the_monitoring_hosts_only() -> None:
-    cfg = _cfg(monitoring_addresses=["10.9.0.1"], vllm_api_allowed_from=["0.0.0.0/0"])
+    cfg = https_host_config(monitoring_addresses=["10.9.0.1"], vllm_api_allowed_from=["0.0.0.0/0"])
     assert access.ray_sources(cfg, ["10.0.0.6", "10.0.0.5"]) == ["10.0.0.5/32", "10.0.0.6/32", "10.9.0.1/32"]
 
 
 def test_vllm_is_open_until_allowed_from_is_set_or_routers_exist() -> None:
-    assert access.vllm_sources(_cfg(), "10.0.0.5", ["10.0.0.5", "10.0.0.6"]) is None
+    assert access.vllm_sources(https_host_config(), "10.0.0.5", ["10.0.0.5", "10.0.0.6"]) is None
     # with routers, clients go through them: the replica admits its nodes, monitoring and the routers only
-    assert access.vllm_sources(_cfg(monitoring_addresses=["10.9.0.1"]), "10.0.0.5", ["10.0.0.5", "10.0.0.6"],
-                               routers=["10.8.0.2"]) == ["10.0.0.5/32", "10.0.0.6/32", "10.8.0.2/32", "10.9.0.1/32"]
-    cfg = _cfg(monitoring_addresses=["10.9.0.1"], vllm_api_allowed_from=["192.168.7.0/24", "fd00::/64"])
+    cfg = https_host_config(monitoring_addresses=["10.9.0.1"])
+    assert access.vllm_sources(cfg, "10.0.0.5", ["10.0.0.5", "10.0.0.6"], routers=["10.8.0.2"]) == [
+        "10.0.0.5/32", "10.0.0.6/32", "10.8.0.2/32", "10.9.0.1/32"]
+    cfg = https_host_config(monitoring_addresses=["10.9.0.1"], vllm_api_allowed_from=["192.168.7.0/24", "fd00::/64"])
     assert access.vllm_sources(cfg, "10.0.0.5", ["10.0.0.5", "10.0.0.6"]) == [
         "10.0.0.5/32", "10.0.0.6/32", "10.9.0.1/32", "192.168.7.0/24", "fd00::/64"]
 
@@ -61,7 +50,7 @@ def test_unit_lines_deny_everything_else() -> None:
 
 def test_a_host_name_cannot_be_filtered_on() -> None:
     with pytest.raises(ConfigError) as raised:
-        access.exporter_sources(_cfg(), "gpu-a01.dc1.example.net")
+        access.exporter_sources(https_host_config(), "gpu-a01.dc1.example.net")
     assert "give the node a fleet_address" in raised.value.problems[0].line()
 
 
