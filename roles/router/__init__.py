@@ -116,9 +116,10 @@ NOT_FOUND = '{"error":{"message":"not found","type":"NotFoundError","code":404}}
 # A body the router would read otherwise than vLLM: the router routes and authorises by the first "model" of a body,
 # vLLM reads the last; and a key spelled with \u escapes ("\u006dodel") is "model" to vLLM, not to the router. No
 # JSON encoder writes either: "model" twice with a value that is not an object or a list (a JSON schema's property
-# named model is one), or printable ASCII as a \u escape (an odd run of backslashes before it), anywhere in the body.
+# named model is one), or printable ASCII (U+0020 to U+007E) as a \u escape (an odd run of backslashes before it),
+# anywhere in the body. DEL (U+007F) is a control character, which encoders escape (Python's json does).
 MODEL_TWICE = r'(^|[^\\])"model"\s*:\s*[^\s{\[][\s\S]*(^|[^\\])"model"\s*:\s*[^\s{\[]'
-ESCAPED_ASCII = r'(^|[^\\])(\\\\)*\\u00[2-7][0-9a-fA-F]'
+ESCAPED_ASCII = r'(^|[^\\])(\\\\)*\\u00([2-6][0-9a-fA-F]|7[0-9a-eA-E])'
 AMBIGUOUS = ('{"error":{"message":"the body names its model twice, or spells printable characters as unicode escapes;'
              ' send it as plain JSON","type":"BadRequestError","code":400}}')
 UNAVAILABLE = ('{"error":{"message":"every replica of the model is busy or down; retry later",'

@@ -121,6 +121,8 @@ BODIES = [
     ('{"model": "%s", "prompt": "say \\"model\\": \\"other\\" please"}', 200),
     ('{"model": "%s", "prompt": "x\\\\", "max_tokens": 1}', 200),
     ('{"model": "%s", "prompt": "caf\\u00e9 \\u4e16 \\u0001 and a literal \\\\u0041"}', 200),
+    ('{"model": "%s", "prompt": "\\u007e"}', 400),
+    ('{"model": "%s", "prompt": "\\u007f and \\u007F"}', 200),
     ('{"model": "%s", "response_format": {"type": "json_schema", "json_schema": {"schema": {"properties": {"model":'
      ' {"type": "string"}}}}}}', 200),
 ]
@@ -131,6 +133,14 @@ def test_a_body_vllm_would_read_otherwise_gets_400(router: Router, body: str, st
     text = body.replace("%s", PLAIN)
     json.loads(text)  # every case is JSON a client may send
     assert router.post_body(text) == status
+
+
+def test_every_character_as_pythons_json_writes_it_passes(router: Router) -> None:
+    """What an encoder writes is never refused as spelled otherwise: every ASCII character, DEL and the controls
+    included (json escapes those as \\u00XX), and some beyond, in one prompt (a lab client's chat history held a
+    DEL the model had written, and its next turns got 400 while the printable range took it in)."""
+    prompt = "".join(map(chr, range(128))) + "caf\u00e9 \u2028 \U0001f642"
+    assert router.post_body(json.dumps({"model": HOSTILE, "prompt": prompt, "max_tokens": 1})) == 200
 
 
 def test_the_model_list_shows_what_the_key_opens(router: Router) -> None:
