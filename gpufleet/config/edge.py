@@ -9,7 +9,6 @@ on another port's number, a CA file for clients that is not one. The router role
 
 from __future__ import annotations
 
-import ipaddress
 import ssl
 import stat
 import tempfile
@@ -23,7 +22,7 @@ from gpufleet.config.problems import ConfigError, Problem
 from gpufleet.config.router_wide import address_problems, pool_read_problems, router_wide_problems, wide_networks
 from gpufleet.config.schema import HostConfig, SecretRef
 from gpufleet.config.secrets import read_secret
-from gpufleet.config.tls_pair import pair_problems
+from gpufleet.config.tls_pair import is_ip_address, pair_problems
 
 MIN_KEY_CHARS = 16
 """The shortest client key: a key is all that stands between a client and the fleet's GPUs."""
@@ -150,15 +149,7 @@ def _named(cfg: HostConfig, routers: Sequence[str]) -> list[str]:
     IP addresses)."""
     if cfg.router_virtual_address is not None:
         return [cfg.router_virtual_address]
-    return [host for host in routers if _is_address(host)]
-
-
-def _is_address(text: str) -> bool:
-    try:
-        ipaddress.ip_address(text)
-    except ValueError:
-        return False
-    return True
+    return [host for host in routers if is_ip_address(host)]
 
 
 CA_MAX_BYTES = 1 << 20

@@ -52,8 +52,7 @@ controller, a bench host), not a provider's or the Internet."""
 def router_wide_problems(hosts: dict[str, HostLayers], configs: dict[str, HostConfig], routers: Sequence[str],
                          override: dict[str, Any] | None) -> list[Problem]:
     """The edge's settings across the fleet (``routers``: the hosts of the group ``routers``)."""
-    sources = {host: HostLayers(host, layers.layers + ([Layer("--data", override)] if override else [])).merged()[1]
-               for host, layers in hosts.items() if host in configs}
+    sources = _sources(hosts, configs, override)
     problems = _differences([r for r in routers if r in configs], configs, lambda h, k: sources[h].get(k, "controller"))
     problems += _outside(configs, routers, sources)
     return problems
@@ -63,22 +62,33 @@ def pool_read_problems(hosts: dict[str, HostLayers], configs: dict[str, HostConf
                        serving: Sequence[str], override: dict[str, Any] | None) -> list[Problem]:
     """:data:`POOL_READ` keys set by a file (or ``--data``) for routers that serve nothing and for no serving host:
     the routers never read them, and the pools keep their own."""
-    sources = {host: HostLayers(host, layers.layers + ([Layer("--data", override)] if override else [])).merged()[1]
-               for host, layers in hosts.items() if host in configs}
-    idle = [r for r in routers if r in sources and r not in serving]
+    idle = [r for r in routers if r in configs and r not in serving]
+    found = _set_elsewhere(idle, serving, POOL_READ, _sources(hosts, configs, override))
+    pools = ", ".join(serving) if serving else "none"
+    return [Problem(source, key, f"expected it for the serving pools' hosts, where it is read ({pools}), found it"
+                                 f" set for {', '.join(idle_set)} only, which serve nothing", tuple(idle_set))
+            for (source, key), idle_set in found.items()]
+
+
+def _sources(hosts: dict[str, HostLayers], configs: dict[str, HostConfig],
+             override: dict[str, Any] | None) -> dict[str, dict[str, str]]:
+    """Each valid host's key -> the file that set it (``--data`` last)."""
+    return {host: HostLayers(host, layers.layers + ([Layer("--data", override)] if override else [])).merged()[1]
+            for host, layers in hosts.items() if host in configs}
+
+
+def _set_elsewhere(hosts: Sequence[str], readers: Sequence[str], keys: Sequence[str],
+                   sources: dict[str, dict[str, str]]) -> dict[tuple[str, str], list[str]]:
+    """(file, key) -> the ``hosts`` it set ``key`` for, where that file set it for none of the ``readers``."""
     found: dict[tuple[str, str], list[str]] = {}
-    for router in idle:
-        for key in POOL_READ:
-            source = sources[router].get(key)
+    for host in hosts:
+        for key in keys:
+            source = sources.get(host, {}).get(key)
             if source is None or is_role_default(source):
                 continue
-            if not any(sources[h].get(key) == source for h in serving if h in sources):
-                found.setdefault((source, key), []).append(router)
-    pools = ", ".join(serving) if serving else "none"
-    return [Problem(source, key, f"expected it for the serving pools' hosts, where it is read"
-                                 f" ({pools}), found it set for {', '.join(idle_set)} only, which serve nothing",
-                    tuple(idle_set))
-            for (source, key), idle_set in found.items()]
+            if not any(sources[r].get(key) == source for r in readers if r in sources):
+                found.setdefault((source, key), []).append(host)
+    return found
 
 
 def own_address(host: str, cfg: HostConfig) -> str | None:
@@ -136,16 +146,7 @@ def _shown(value: object) -> str:
 def _outside(configs: dict[str, HostConfig], routers: Sequence[str],
              sources: dict[str, dict[str, str]]) -> list[Problem]:
     """EDGE_ONLY keys set for hosts that route nothing, by a file that sets them for no router."""
-    found: dict[tuple[str, str], list[str]] = {}
-    for host in configs:
-        if host in routers:
-            continue
-        for key in EDGE_ONLY:
-            source = sources[host].get(key)
-            if source is None or is_role_default(source):
-                continue
-            if not any(sources[r].get(key) == source for r in routers if r in sources):
-                found.setdefault((source, key), []).append(host)
+    found = _set_elsewhere([h for h in configs if h not in routers], routers, EDGE_ONLY, sources)
     listed = ", ".join(routers) if routers else "none"
     return [Problem(source, key, f"expected it on the routers (group routers: {listed}), found it set for"
                                  f" {', '.join(others)}, which route nothing", tuple(others))

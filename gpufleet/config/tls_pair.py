@@ -37,7 +37,8 @@ WEAK_HASHES = ("md5", "sha1")
 """Signature hashes no current client accepts in a server's chain (a root's own signature is not checked)."""
 
 
-def _is_ip(text: str) -> bool:
+def is_ip_address(text: str) -> bool:
+    """Whether ``text`` is an IP address as written (a DNS name that is one is no name)."""
     try:
         ipaddress.ip_address(text)
     except ValueError:
@@ -113,7 +114,7 @@ def _name_problems(leaf: x509.Certificate, addresses: Sequence[str]) -> Iterator
     dns = names.get_values_for_type(x509.DNSName)
     ips = set(names.get_values_for_type(x509.IPAddress))
     for name in dns:
-        if _is_ip(name) or name == "*" or (name.startswith("*.") and name.count(".") < 2):
+        if is_ip_address(name) or name == "*" or (name.startswith("*.") and name.count(".") < 2):
             yield (f"expected DNS names in the certificate's subjectAltName that clients match (an IP address goes in"
                    f" an IP entry; a wildcard covers one label of a domain), found the DNS name {name!r}")
             return

@@ -5,7 +5,6 @@ the client replaced by a replica whose latency grows with the rate."""
 
 from __future__ import annotations
 
-import base64
 import json
 import math
 import os
@@ -31,6 +30,7 @@ from gpufleet.config.inventory import load_fleet
 from gpufleet.config.schema import RouterClient, SecretRef
 from gpufleet.plan.planner import plan_fleet
 from tests.conftest import DATA
+from tests.unit import tls_files
 
 BENCH = DATA / "bench"
 FLEET = str(DATA / "rollout_fleet" / "inventory.py")
@@ -123,9 +123,8 @@ def test_bad_options_get_one_line_and_exit_2_before_any_host(case: dict[str, Any
                                 ("--ca-file", "ca.pem", case.get("ca_file"))):
         if given == "|fifo":  # a named pipe: refused, never opened (it would wait for a writer)
             os.mkfifo(tmp_path / name)
-        elif given == "|private-key":  # made here, never kept in the repository
-            body = base64.b64encode(os.urandom(48)).decode()
-            (tmp_path / name).write_text(f"-----BEGIN PRIVATE KEY-----\n{body}\n-----END PRIVATE KEY-----\n")
+        elif given == "|private-key":  # a key made for the run, never kept in the repository
+            (tmp_path / name).write_text(tls_files.pem("key"))
         elif given is not None:
             (tmp_path / name).write_text(given)
         if given is not None:
