@@ -95,3 +95,27 @@ def queries_without_data(prometheus: Prometheus, queries: list[Query], values: d
         if not any(n == n for n in numbers):  # NaN != NaN
             empty[query.name] = expr
     return empty
+
+
+# What a serving alert reads, over a window: where it went wrong (each series' lowest, or highest, value).
+HEALTH_SERIES = {
+    "node_exporter up (lowest)": 'min_over_time(up{{job="node"}}[{s}s])',
+    "systemd collector succeeded (lowest)": 'min_over_time(node_scrape_collector_success{{collector="systemd"}}[{s}s])',
+    "node scrape seconds (highest)": 'max_over_time(scrape_duration_seconds{{job="node"}}[{s}s])',
+    "vLLM up (lowest)": 'min_over_time(up{{job="vllm"}}[{s}s])',
+    "ranks up (lowest)": "min_over_time(replica:ranks_up:count[{s}s])",
+    "ready replicas (lowest)": "min_over_time(model:replicas_ready:count[{s}s])",
+    "vLLM units active (lowest)":
+        'min_over_time(node_systemd_unit_state{{job="node", state="active", name=~"vllm@.+"}}[{s}s])',
+}
+
+
+def health_story(prometheus: Prometheus, seconds: int) -> dict[str, dict[str, str]]:
+    """For an alert that went pending on a lab that should be healthy: what each series it reads did over the last
+    ``seconds`` (by its instance, node or replica)."""
+    story: dict[str, dict[str, str]] = {}
+    for name, expr in HEALTH_SERIES.items():
+        found = prometheus.query(expr.format(s=max(1, seconds)))
+        story[name] = {",".join(str(r["metric"].get(k, "")) for k in ("instance", "name", "replica")
+                                if r["metric"].get(k)): r["value"][1] for r in found}
+    return story

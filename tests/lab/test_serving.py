@@ -41,7 +41,14 @@ from tests.lab.fleet import (
     vllm_child,
 )
 from tests.lab.harness import LAB_VARS, LAB_VENV, LAB_VLLM_VERSION, PYINFRA, ROOT, Completed, Lab, run
-from tests.lab.prometheus import SCRAPE_INTERVAL_S, Prometheus, needs_a_bench, queries_without_data, wait_for
+from tests.lab.prometheus import (
+    SCRAPE_INTERVAL_S,
+    Prometheus,
+    health_story,
+    needs_a_bench,
+    queries_without_data,
+    wait_for,
+)
 from tests.lab.scenarios import LabStates
 
 pytestmark = pytest.mark.filterwarnings("ignore:Unknown ssh-ed25519 host key:UserWarning")
@@ -342,8 +349,8 @@ def test_no_alert_fires_on_the_healthy_lab(lab: Lab, watched: Completed | None, 
     time.sleep(max(0.0, healthy_since + HEALTHY_WATCH_S - time.monotonic()))
     seconds = int(time.monotonic() - healthy_since)
     fired = prometheus.query(f'max_over_time(ALERTS{{alertstate="firing"}}[{seconds}s])')
-    assert fired == [], [f["metric"] for f in fired]
+    assert fired == [], ([f["metric"] for f in fired], health_story(prometheus, seconds))
     pending = prometheus.query(f'max_over_time(ALERTS{{alertstate="pending"}}[{seconds}s])')
-    assert pending == [], [p["metric"] for p in pending]
+    assert pending == [], ([p["metric"] for p in pending], health_story(prometheus, seconds))
     assert prometheus.alerts() == []
 
