@@ -8,6 +8,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable
+from datetime import datetime
 from typing import Any, TypeVar
 
 from gpufleet_lab.state import NodeRecord
@@ -47,6 +48,12 @@ class Prometheus:
     def alerts(self) -> list[dict[str, Any]]:
         """The alerts now pending or firing: ``labels``, ``state``, ``activeAt``."""
         return list(self._get("alerts")["alerts"])
+
+    def rules_evaluated_since(self, moment: float) -> bool:
+        """Whether every rule group has been evaluated at or after ``moment`` (wall clock)."""
+        groups = self._get("rules")["groups"]
+        return bool(groups) and all(
+            datetime.fromisoformat(g["lastEvaluation"].replace("Z", "+00:00")).timestamp() >= moment for g in groups)
 
     def alert_waits(self) -> dict[str, float]:
         """Each alerting rule's ``for`` in seconds, by alert name."""
