@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -70,9 +71,11 @@ class Percentiles:
 
 
 class LatencySource(Protocol):
-    """Where the replicas' percentiles come from, and how long after a moment they are there."""
+    """Where the replicas' percentiles come from, and when what they served until now is there."""
 
-    wait_s: float
+    def settle(self, replicas: Sequence[str]) -> float:
+        """Wait until what ``replicas`` served until now can be read; the seconds waited."""
+        ...
 
     def percentiles(self, replicas: Sequence[str], window_s: float) -> Percentiles: ...
 
@@ -80,16 +83,37 @@ class LatencySource(Protocol):
 class PrometheusLatency:
     """:class:`LatencySource` over Prometheus's HTTP API at ``base_url``."""
 
-    wait_s = SCRAPE_WAIT_S
+    POLL_S = 1.0
 
-    def __init__(self, base_url: str) -> None:
-        self.base_url = base_url
+    def __init__(self, base_url: str, clock: Callable[[], float] = time.time,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        self.base_url, self.clock, self.sleep = base_url, clock, sleep
+
+    @staticmethod
+    def _labels(replicas: Sequence[str]) -> str:
+        names = "|".join(re.escape(name) for name in replicas)
+        return f'job="vllm", replica=~{json.dumps(f"^(?:{names})$")}'
+
+    @staticmethod
+    def scraped_query(replicas: Sequence[str]) -> str:
+        """PromQL of the oldest last scrape (Unix time) of the replicas' vLLM targets."""
+        return f"min(timestamp(up{{{PrometheusLatency._labels(replicas)}}}))"
+
+    def settle(self, replicas: Sequence[str]) -> float:
+        """Wait until every vLLM target of ``replicas`` was scraped after now (a scrape's samples carry the time it
+        began), at most :data:`SCRAPE_WAIT_S`: half an interval on average rather than a whole one."""
+        since = self.clock()
+        while True:
+            waited = self.clock() - since
+            scraped = query_value(self.base_url, self.scraped_query(replicas))
+            if (scraped is not None and scraped >= since) or waited >= SCRAPE_WAIT_S:
+                return waited
+            self.sleep(min(self.POLL_S, SCRAPE_WAIT_S - waited))
 
     @staticmethod
     def queries(replicas: Sequence[str], window_s: float) -> dict[str, str]:
         """PromQL of the replicas' request count, p95s and means over the last ``window_s`` seconds."""
-        names = "|".join(re.escape(name) for name in replicas)
-        labels = f'job="vllm", replica=~{json.dumps(f"^(?:{names})$")}'
+        labels = PrometheusLatency._labels(replicas)
         window = f"{max(1, round(window_s))}s"
         found = {"requests": f"sum(increase({HISTOGRAMS['ttft']}_count{{{labels}}}[{window}]))"}
         for key, name in HISTOGRAMS.items():

@@ -421,12 +421,19 @@ class Rollout:
         members = [m for m in members if served.get(m.name, 0) >= self.options.min_requests]
         if not members:
             return None
-        self.sleep(judge.source.wait_s)  # the watch's last samples reach Prometheus
-        window = watched_s + judge.source.wait_s
         wave = {m.name for m in members}
+        peers_of = {member.name: [m.name for m in self.members.values() if m.backend == member.backend
+                                  and m.name not in wave and m.name not in self.rolled
+                                  and (m.layout, m.profile) == (member.layout, member.profile)]
+                    for member in members}
+        read = dict.fromkeys([*(m.name for m in members), *(p for peers in peers_of.values() for p in peers)])
+        try:  # the watch's last samples reach Prometheus
+            waited = judge.source.settle(list(read))
+        except PrometheusError as exc:
+            return f"replica {members[0].name}: canary: its latency could not be read: {exc}"
+        window = watched_s + waited
         for member in members:
-            peers = [m.name for m in self.members.values() if m.backend == member.backend and m.name not in wave
-                     and m.name not in self.rolled and (m.layout, m.profile) == (member.layout, member.profile)]
+            peers = peers_of[member.name]
             try:
                 seen = judge.source.percentiles([member.name], window)
                 base = judge.source.percentiles(peers, window) if peers else None

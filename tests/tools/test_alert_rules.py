@@ -237,7 +237,7 @@ def test_the_benchs_engine_queries_read_one_models_replicas_over_the_step(tmp_pa
 def test_the_canarys_percentile_queries_read_only_the_replicas_named(tmp_path: Path) -> None:
     """A rollout's canary queries (gpufleet.rollout.latency.PrometheusLatency) under promtool: replica r1's requests
     and p95 and mean over the last 2 minutes, not r10's (the names are anchored) nor those of r.1 (a dot is no
-    wildcard)."""
+    wildcard); the oldest last scrape of the replicas named, which the canary waits past before it reads them."""
     series = []
     for replica, per_minute_fast, per_minute_slow in (("r1", 10, 0), ("r10", 0, 10), ("rx1", 0, 10)):
         labels = f'job="vllm", model="m", replica="{replica}"'
@@ -250,6 +250,10 @@ def test_the_canarys_percentile_queries_read_only_the_replicas_named(tmp_path: P
         # each fast first token takes 50 ms, each slow one 500 ms
         series.append({"series": f"vllm:time_to_first_token_seconds_sum{{{labels}}}",
                        "values": f"0+{per_minute_fast * 0.05 + per_minute_slow * 0.5}x10"})
+    # r1 scraped each minute through the tenth, r10 last at the eighth: the oldest last scrape of the two is the
+    # eighth minute's (a sample's time is when its scrape began)
+    series += [{"series": 'up{job="vllm", replica="r1"}', "values": "1x10"},
+               {"series": 'up{job="vllm", replica="r10"}', "values": "1x8"}]
     asked = PrometheusLatency.queries(["r1"], 120)
     dotted = PrometheusLatency.queries(["r.1"], 120)
 
@@ -260,7 +264,8 @@ def test_the_canarys_percentile_queries_read_only_the_replicas_named(tmp_path: P
     tests = {"rule_files": [], "evaluation_interval": "1m", "tests": [{
         "interval": "1m", "input_series": series,
         "promql_expr_test": [case(asked["requests"], 20), case(asked["ttft"], 0.095), case(asked["ttft_mean"], 0.05),
-                             case(dotted["requests"], None)]}]}
+                             case(dotted["requests"], None), case(PrometheusLatency.scraped_query(["r1"]), 600),
+                             case(PrometheusLatency.scraped_query(["r1", "r10"]), 480)]}]}
     (tmp_path / "canary.test.yml").write_text(yaml.safe_dump(tests, sort_keys=False))
     promtool = host_tool("promtool", "prometheus")
     done = subprocess.run([promtool, "test", "rules", "canary.test.yml"], cwd=tmp_path, capture_output=True,

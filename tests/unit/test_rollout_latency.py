@@ -1,6 +1,6 @@
 """The canary's latency verdict as data (tests/data/rollout_latency/cases.yml), the stored baseline a bench record
-gives at the canary's rate, the record a canary is compared with, and whether a canary served enough to be judged
-at all (tests/data/rollout_latency/evidence.yml)."""
+gives at the canary's rate, the record a canary is compared with, whether a canary served enough to be judged
+at all (tests/data/rollout_latency/evidence.yml), and how long its figures are waited for."""
 
 from __future__ import annotations
 
@@ -12,11 +12,14 @@ import yaml
 
 from gpufleet.bench.ramp import Slo, Step
 from gpufleet.bench.records import Record, RecordKey
+from gpufleet.prometheus_api import SCRAPE_WAIT_S
+from gpufleet.rollout import latency as latency_module
 from gpufleet.rollout.canary_bench import bench_plan, stored_at
 from gpufleet.rollout.latency import (
     DEFAULT_MIN_REQUESTS,
     Evidence,
     Percentiles,
+    PrometheusLatency,
     baseline_record,
     evidence,
     latency_verdict,
@@ -112,3 +115,25 @@ def test_the_evidence_cases_cover_each_way() -> None:
     assert {case["judged"] for case in EVIDENCE} == {True, False}
     for words in ("judged after extending the watch", "judged on the canary bench", "not judged: only"):
         assert any(words in line for line in lines), words
+
+
+@pytest.mark.parametrize(("scraped", "waited"), [
+    ([-10.0, -5.0, 1.5], 2.0),  # the third poll finds a scrape begun after the watch
+    ([0.0], 0.0),  # scraped as the watch ended: at once
+    ([None], SCRAPE_WAIT_S),  # no target of theirs: an interval's wait, as before
+    ([-1.0], SCRAPE_WAIT_S),  # never scraped again: no longer than an interval
+], ids=["after-two-polls", "at-once", "no-target", "bounded"])
+def test_the_canary_is_read_once_its_targets_were_scraped_after_its_watch(
+        monkeypatch: pytest.MonkeyPatch, scraped: list[float | None], waited: float) -> None:
+    now, asked = [1000.0], []
+
+    def oldest_scrape(base_url: str, expr: str, at: float | None = None) -> float | None:
+        asked.append(expr)
+        found = scraped[min(len(asked), len(scraped)) - 1]
+        return None if found is None else 1000.0 + found
+
+    monkeypatch.setattr(latency_module, "query_value", oldest_scrape)
+    source = PrometheusLatency("http://127.0.0.1:9", clock=lambda: now[0],
+                               sleep=lambda s: now.__setitem__(0, now[0] + s))
+    assert source.settle(["r1", "r.2"]) == waited
+    assert set(asked) == {'min(timestamp(up{job="vllm", replica=~"^(?:r1|r\\\\.2)$"}))'}

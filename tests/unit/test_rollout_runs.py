@@ -90,10 +90,11 @@ class _Percentiles:
     the means of both), as vLLM's histograms would give them (several replicas together: their requests summed,
     the slowest figures); the windows asked."""
 
-    wait_s = 15.0
-
     def __init__(self, table: dict[str, list[float]]) -> None:
         self.table, self.asked = table, []
+
+    def settle(self, replicas: Sequence[str]) -> float:
+        return 15.0  # a scrape interval: what the cases' windows were written with
 
     def percentiles(self, replicas: Sequence[str], window_s: float) -> Percentiles:
         self.asked.append((tuple(replicas), window_s))
