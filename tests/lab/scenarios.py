@@ -19,7 +19,7 @@ import pytest
 
 from tests.lab.fleet import RAY, deploy
 from tests.lab.harness import Completed, Lab
-from tests.lab.prometheus import SCRAPE_INTERVAL_S, Prometheus, wait_for
+from tests.lab.prometheus import Prometheus, wait_for
 
 
 @dataclass(frozen=True)
@@ -110,13 +110,14 @@ class LabStates:
             except AssertionError:
                 down = [(t["scrapeUrl"], t["lastError"]) for t in prometheus.targets() if t["health"] != "up"]
                 raise AssertionError(f"targets not up: {down}") from None
-            # A rule group evaluated before the last target's first scrape recorded a partial count (a rank of the
-            # pipeline not scraped yet), and an alert group evaluated after it may read that yet (seen: the healthy
-            # watch found VllmReplicaRankMissing pending once, Prometheus started by the deploy 20 s before): every
-            # group is evaluated once after every target was up, and once more for a rule reading another group's.
+            # The recording group evaluated before the last target's first scrape recorded a partial count (a rank
+            # of the pipeline not scraped yet), and an alert group evaluated after it may read that yet (seen: the
+            # healthy watch found VllmReplicaRankMissing pending once, Prometheus started by the deploy 20 s
+            # before). Once every group was evaluated after every target was up, an alert that read a partial count
+            # is pending already (and waited for below), and every later evaluation reads whole ones.
             up_at = time.time()
-            wait_for("every rule group evaluated an interval after every target was up", lambda: True if
-                     prometheus.rules_evaluated_since(up_at + SCRAPE_INTERVAL_S) else None, timeout=90)
+            wait_for("every rule group evaluated after every target was up", lambda: True if
+                     prometheus.rules_evaluated_since(up_at) else None, timeout=60, every=1)
             # Prometheus may have run before the replicas did (deploys/monitoring.py): the lab is healthy once what
             # it said then has resolved.
             wait_for("the alerts of before the deploy resolved", lambda: True if not prometheus.alerts() else None,
