@@ -10,7 +10,8 @@ output streams as it runs; the other tiers' is printed when both are done. ``--f
 tools tiers alone.
 
 The output ends with each tier's wall time, the 25 slowest tests of the run, each failed test with the first
-lines of why, and one line of counts; the exit status is 0 only when every tier passed.
+lines of why, and one line of counts; the exit status is 0 only when every tier passed. Each tier's JUnit report
+(every test's time and failure) stays in build/test-reports/, replaced by the next run.
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import xml.etree.ElementTree as ET
@@ -31,6 +32,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
+REPORTS = ROOT / "build" / "test-reports"  # the tiers' JUnit reports and the lab's signal file
 SLOWEST = 25
 WAITS_POLL_S = 1.0
 WHY_LINES = 6  # of each failed test's message, repeated at the end of the output
@@ -131,16 +133,17 @@ def main() -> int:
     parser.add_argument("--fast", action="store_true", help="lint, unit and tools tiers only (no root needed)")
     parser.add_argument("--workers", default="0", help="pytest-xdist workers for the unit and tools tiers")
     args = parser.parse_args()
-    scratch = Path(tempfile.mkdtemp(prefix="gpufleet-tiers-"))
+    shutil.rmtree(REPORTS, ignore_errors=True)
+    REPORTS.mkdir(parents=True)
     # loadgroup: tests that share a costly module fixture (a group, e.g. the lab mirror's built cache) stay on one
     # worker, which builds it once; the others spread as usual
     workers = ["-n", args.workers, "--dist", "loadgroup"] if args.workers != "0" else []
     lint = Tier("lint", [[str(BIN / "ruff"), "check", "."], [str(BIN / "mypy")]])
-    fast = Tier("unit+tools", [pytest_argv(scratch / "fast.xml", "tests/unit", "tests/tools", *workers)],
-                report=scratch / "fast.xml")
-    waits = scratch / "lab-waits"  # the lab tier touches it (tests/lab/conftest.py: --waits-signal)
-    lab = Tier("lab", [pytest_argv(scratch / "lab.xml", "tests/lab", f"--waits-signal={waits}")],
-               report=scratch / "lab.xml")
+    fast = Tier("unit+tools", [pytest_argv(REPORTS / "fast.xml", "tests/unit", "tests/tools", *workers)],
+                report=REPORTS / "fast.xml")
+    waits = REPORTS / "lab-waits"  # the lab tier touches it (tests/lab/conftest.py: --waits-signal)
+    lab = Tier("lab", [pytest_argv(REPORTS / "lab.xml", "tests/lab", f"--waits-signal={waits}")],
+               report=REPORTS / "lab.xml")
     lab_done = threading.Event()
     started = time.monotonic()
     if args.fast:
