@@ -19,11 +19,13 @@ from pathlib import Path
 import pytest
 from gpufleet_lab.nodes import BENCH_KEY_FILE, CLIENT_KEY_FILE
 from gpufleet_lab.request_load import Answer, burst
+from gpufleet_lab.state import NodeRecord
 
 from tests.lab.checks import assert_no_errors, main_pid, metrics
 from tests.lab.fleet import (
     PIPELINE,
     ROUTER_PORT,
+    address_holder,
     client_key,
     deploy,
     http,
@@ -52,6 +54,9 @@ BURST_FACTOR = 10
 TOKENS = 128
 CLIENTS_METRICS = "systemctl start gpufleet-router-clients.service"
 REPLICA_PORT = 8000  # the lab's replicas' API
+# HAProxy's httplog line (templates/router/haproxy.cfg.j2: option httplog): its timers TR/Tw/Tc/Tr/Ta in ms, then
+# the status. Ta is the request's whole time at the edge, from its first byte to the response's last.
+HTTPLOG = re.compile(r"\] \S+ \S+ -?\d+/-?\d+/-?\d+/-?\d+/(?P<ta>\d+) (?P<status>\d{3}) .*\"POST /v1/completions ")
 
 
 def _write_secret(path: Path, text: str) -> None:
@@ -152,13 +157,21 @@ def test_the_edge_rotates_a_key_under_load_limits_a_client_and_sheds_a_burst_fas
     url, model = router_url(lab), served_name("lab")
     unloaded = burst(url, model, new_key, at_once, max_tokens=TOKENS, ca_file=lab_ca(lab))
     assert [a.status for a in unloaded] == [200] * at_once, [a.failure for a in unloaded]
+    holder = address_holder(lab)
+    assert holder is not None
+    since = lab.host(holder).check_output("date +%s.%N")
     answers = burst(url, model, new_key, BURST_FACTOR * at_once, max_tokens=TOKENS, ca_file=lab_ca(lab))
     admitted = [a for a in answers if a.status == 200]
     refused = [a for a in answers if a.status != 200]
     assert len(answers) == BURST_FACTOR * at_once
     assert {a.status for a in refused} <= {429, 503}, [a.failure for a in refused if a.status not in (429, 503)]
     assert at_once <= len(admitted) < len(answers) and all(a.retry_after for a in refused)
-    assert max(a.took_s for a in refused) < 1.0, sorted(a.took_s for a in refused)[-3:]
+    # fast as the edge timed it (the client's own clock adds its threads' turns on the two cores the lab's engines
+    # keep busy: 1.16 s once late in a full run, 0.52 s alone): every refusal within 1 s of its request
+    edge, _ = wait_for("the refusals in the edge's log", lambda: (
+        found if len(found := _edge_refusals_ms(lab, holder, since)) >= len(refused) else None), timeout=15, every=1)
+    assert len(edge) == len(refused), (edge, [a.status for a in refused])
+    assert max(edge) < 1000, sorted(edge)[-3:]
     assert _p99(admitted) <= 2 * _p99(unloaded), (_p99(admitted), _p99(unloaded))
     record_figure(tmp_path_factory, {
         "fault": "the edge changed by a deploy under load (key rotated, client added, admission set small), then a"
@@ -168,8 +181,15 @@ def test_the_edge_rotates_a_key_under_load_limits_a_client_and_sheds_a_burst_fas
         "capped_429s_counted": counted, "burst": len(answers), "admitted": len(admitted),
         "refused_429": sum(1 for a in refused if a.status == 429),
         "refused_503": sum(1 for a in refused if a.status == 503),
-        "refused_slowest_s": round(max(a.took_s for a in refused), 3),
+        "refused_slowest_s": round(max(edge) / 1000, 3),
+        "refused_slowest_at_the_client_s": round(max(a.took_s for a in refused), 3),
         "admitted_p99_s": round(_p99(admitted), 3), "unloaded_p99_s": round(_p99(unloaded), 3)})
+
+
+def _edge_refusals_ms(lab: Lab, router: NodeRecord, since: str) -> list[int]:
+    """The whole time (Ta, ms) of each completion ``router``'s HAProxy refused (429, 503) since ``since``."""
+    lines = lab.host(router).check_output(f"journalctl -q -o cat --no-pager -u haproxy --since=@{since.strip()}")
+    return [int(m["ta"]) for m in map(HTTPLOG.search, lines.splitlines()) if m and m["status"] in ("429", "503")]
 
 
 def _prefix_hits(lab: Lab) -> dict[str, float]:
