@@ -4,11 +4,11 @@ controller from a virtual environment of its own, installed from a hash-pinned l
 
 Each step is one ``guidellm run`` with a scenario file (mode 0600 in a private temporary directory, removed after)
 that holds the target, the key and the step: a constant rate for ``step_s`` seconds, bounded by ``rate x step_s``
-requests and by a hard stop (:func:`step_bound_s`) for the requests still running; a request silent for ten TTFT
-objectives has failed (:data:`SILENT_OBJECTIVES`). Nothing secret is on its command line. Requests not answered at
-the hard stop are not answered (the step's ``offered`` less those answered and failed). The client's latencies
-come from guidellm's JSON report over the requests that succeeded: TTFT and end-to-end per request, ITL as each
-request's mean time between tokens (the step is judged on vLLM's own histograms instead: :mod:`gpufleet.bench.ramp`).
+requests and by a hard stop (:func:`step_bound_s`) for the requests still running. Nothing secret is on its command
+line. Requests not answered at the hard stop are not answered (the step's ``offered`` less those answered and
+failed). The client's latencies come from guidellm's JSON report over the requests that succeeded: TTFT and
+end-to-end per request, ITL as each request's mean time between tokens (the step is judged on vLLM's own histograms
+instead: :mod:`gpufleet.bench.ramp`).
 """
 
 from __future__ import annotations
@@ -42,12 +42,6 @@ async workers of one process keep hundreds of streams open)."""
 
 GRACE_S = 60.0
 """Seconds a step's requests get after its last one is sent before the step stops (unanswered: failed)."""
-
-SILENT_OBJECTIVES = 10.0
-"""A request that waits this many TTFT objectives for a byte (its first token, or the next one) has failed: the
-client gives up on it (guidellm's read timeout), and vLLM drops it. A passing step has no such request (its p99 is
-within one objective); a step offered past what the replicas sustain ends once its backlog has waited that long,
-not at its hard stop (lab, 96 req/s against a replica sustaining a few: about 40 s instead of 80)."""
 
 
 UNPARSED = "JSONDecodeError("
@@ -104,21 +98,13 @@ def step_bound_s(step_s: float) -> float:
     return step_s + GRACE_S
 
 
-def silence_s(ttft_objective_s: float, step_s: float) -> float:
-    """How long a step's request may wait for a byte (:data:`SILENT_OBJECTIVES` TTFT objectives, at most the
-    step's hard stop)."""
-    return min(step_bound_s(step_s), SILENT_OBJECTIVES * ttft_objective_s)
-
-
 def step_requests(rate: float, step_s: float) -> int:
     """The requests one step sends: ``rate x step_s``, at least one."""
     return max(1, math.ceil(rate * step_s))
 
 
-def scenario(target: Target, workload: Workload, rate: float, step_s: float, report: Path,
-             silent_s: float | None = None) -> dict[str, Any]:
-    """guidellm's scenario for one step (its ``spec``); a request waits at most ``silent_s`` for a byte (None: the
-    step's hard stop)."""
+def scenario(target: Target, workload: Workload, rate: float, step_s: float, report: Path) -> dict[str, Any]:
+    """guidellm's scenario for one step (its ``spec``)."""
     data: dict[str, Any]
     if workload.dataset is not None:
         data = {"kind": "json_file", "path": str(workload.dataset)}
@@ -131,7 +117,7 @@ def scenario(target: Target, workload: Workload, rate: float, step_s: float, rep
         "kind": "openai_http", "target": target.base_url, "model": target.model,
         "request_format": "/v1/completions", "verify": target.base_url.startswith("https://"),
         "validate_backend": False,  # its check asks /health, which a closed edge does not route
-        "http2": False, "timeout": step_bound_s(step_s) if silent_s is None else silent_s,
+        "http2": False, "timeout": step_bound_s(step_s),
     }
     if target.api_key:
         backend["api_key"] = target.api_key
@@ -231,17 +217,15 @@ def client_path(say: Callable[[str], None]) -> Path:
     return client_venv() / "bin" / "guidellm"
 
 
-def run_step(client: Path, target: Target, workload: Workload, rate: float, step_s: float,
-             silent_s: float | None = None) -> Step:
-    """One step against ``target``: guidellm at a constant ``rate`` for ``step_s`` seconds, stopped by itself; a
-    request silent for ``silent_s`` fails (None: at the step's hard stop)."""
+def run_step(client: Path, target: Target, workload: Workload, rate: float, step_s: float) -> Step:
+    """One step against ``target``: guidellm at a constant ``rate`` for ``step_s`` seconds, stopped by itself."""
     with tempfile.TemporaryDirectory(prefix="gpufleet-bench-") as tmp:
         folder = Path(tmp)
         report = folder / "report.json"
         path = folder / "scenario.json"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as out:
-            json.dump(scenario(target, workload, rate, step_s, report, silent_s), out)
+            json.dump(scenario(target, workload, rate, step_s, report), out)
         processes = max(1, min(WORKER_PROCESSES_MAX, (os.cpu_count() or 2) // 2))
         env = {**os.environ, "HF_HUB_DISABLE_TELEMETRY": "1", "GUIDELLM__LOGGING__CONSOLE_LOG_LEVEL": "ERROR",
                "GUIDELLM__MAX_WORKER_PROCESSES": str(processes),

@@ -335,7 +335,7 @@ def bench_command(inventory: str, model: str | None, replica: str | None, slo_te
                 break
             before = _reading(metrics)
             try:
-                step = client.run_step(exe, target, workload, rate, step_s, client.silence_s(slo.ttft_p99_s, step_s))
+                step = client.run_step(exe, target, workload, rate, step_s)
             except client.ClientError as exc:
                 fail_lines([f"gpufleet bench: step {rate:g} req/s: {exc}"])
             after = _reading(metrics)
