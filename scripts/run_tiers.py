@@ -10,8 +10,8 @@ output streams as it runs; the other tiers' is printed when both are done. ``--f
 tools tiers alone.
 
 The output ends with each tier's wall time, the 25 slowest tests of the run, each failed test with the first
-lines of why, and one line of counts; the exit status is 0 only when every tier passed. Each tier's JUnit report
-(every test's time and failure) stays in build/test-reports/, replaced by the next run.
+lines of why, and one line of counts; the exit status is 0 only when every tier passed. A copy of each tier's
+JUnit report (every test's time and failure) stays in build/test-reports/, replaced by the next run's.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import xml.etree.ElementTree as ET
@@ -32,7 +33,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-REPORTS = ROOT / "build" / "test-reports"  # the tiers' JUnit reports and the lab's signal file
+REPORTS = ROOT / "build" / "test-reports"  # a copy of the last run's JUnit reports
 SLOWEST = 25
 WAITS_POLL_S = 1.0
 WHY_LINES = 6  # of each failed test's message, repeated at the end of the output
@@ -128,22 +129,35 @@ def cases(report: Path | None) -> list[Case]:
     return found
 
 
+def keep_reports(tiers: list[Tier]) -> None:
+    """Copy each tier's JUnit report to :data:`REPORTS`, where it replaces the last run's (nothing when that
+    folder cannot be written: a run as another user than the last)."""
+    with contextlib.suppress(OSError):
+        REPORTS.mkdir(parents=True, exist_ok=True)
+        for tier in tiers:
+            if tier.report is not None and tier.report.exists():
+                shutil.copyfile(tier.report, REPORTS / tier.report.name)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--fast", action="store_true", help="lint, unit and tools tiers only (no root needed)")
     parser.add_argument("--workers", default="0", help="pytest-xdist workers for the unit and tools tiers")
     args = parser.parse_args()
-    shutil.rmtree(REPORTS, ignore_errors=True)
-    REPORTS.mkdir(parents=True)
+    with tempfile.TemporaryDirectory(prefix="gpufleet-tiers-") as scratch:  # this run's own: removed at its end
+        return run_all(args, Path(scratch))
+
+
+def run_all(args: argparse.Namespace, scratch: Path) -> int:
     # loadgroup: tests that share a costly module fixture (a group, e.g. the lab mirror's built cache) stay on one
     # worker, which builds it once; the others spread as usual
     workers = ["-n", args.workers, "--dist", "loadgroup"] if args.workers != "0" else []
     lint = Tier("lint", [[str(BIN / "ruff"), "check", "."], [str(BIN / "mypy")]])
-    fast = Tier("unit+tools", [pytest_argv(REPORTS / "fast.xml", "tests/unit", "tests/tools", *workers)],
-                report=REPORTS / "fast.xml")
-    waits = REPORTS / "lab-waits"  # the lab tier touches it (tests/lab/conftest.py: --waits-signal)
-    lab = Tier("lab", [pytest_argv(REPORTS / "lab.xml", "tests/lab", f"--waits-signal={waits}")],
-               report=REPORTS / "lab.xml")
+    fast = Tier("unit+tools", [pytest_argv(scratch / "fast.xml", "tests/unit", "tests/tools", *workers)],
+                report=scratch / "fast.xml")
+    waits = scratch / "lab-waits"  # the lab tier touches it (tests/lab/conftest.py: --waits-signal)
+    lab = Tier("lab", [pytest_argv(scratch / "lab.xml", "tests/lab", f"--waits-signal={waits}")],
+               report=scratch / "lab.xml")
     lab_done = threading.Event()
     started = time.monotonic()
     if args.fast:
@@ -193,6 +207,7 @@ def main() -> int:
     counts["failed"] += sum(1 for tier in tiers if tier.status != 0 and not any(
         case.outcome == "failed" for case in cases(tier.report)))
     print(f"\n{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped")
+    keep_reports(tiers)
     return 0 if all(tier.status == 0 for tier in tiers) else 1
 
 

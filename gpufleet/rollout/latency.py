@@ -85,7 +85,7 @@ class PrometheusLatency:
 
     POLL_S = 1.0
 
-    def __init__(self, base_url: str, clock: Callable[[], float] = time.time,
+    def __init__(self, base_url: str, clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], None] = time.sleep) -> None:
         self.base_url, self.clock, self.sleep = base_url, clock, sleep
 
@@ -100,13 +100,16 @@ class PrometheusLatency:
         return f"min(timestamp(up{{{PrometheusLatency._labels(replicas)}}}))"
 
     def settle(self, replicas: Sequence[str]) -> float:
-        """Wait until every vLLM target of ``replicas`` was scraped after now (a scrape's samples carry the time it
-        began), at most :data:`SCRAPE_WAIT_S`: half an interval on average rather than a whole one."""
-        since = self.clock()
+        """Wait until every vLLM target of ``replicas`` was scraped after now, as Prometheus's clock has it (a
+        scrape's samples carry the time it began), at most :data:`SCRAPE_WAIT_S`: until the latest of their next
+        scrapes (each target keeps its own offset in the interval), about half an interval for one target and
+        two thirds for two, rather than a whole interval."""
+        since = query_value(self.base_url, "vector(time())")  # a vector: query_value reads those
+        started = self.clock()
         while True:
-            waited = self.clock() - since
+            waited = self.clock() - started
             scraped = query_value(self.base_url, self.scraped_query(replicas))
-            if (scraped is not None and scraped >= since) or waited >= SCRAPE_WAIT_S:
+            if (since is not None and scraped is not None and scraped >= since) or waited >= SCRAPE_WAIT_S:
                 return waited
             self.sleep(min(self.POLL_S, SCRAPE_WAIT_S - waited))
 

@@ -63,14 +63,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def pytest_runtest_makereport(item: pytest.Item,
                               call: pytest.CallInfo[None]) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     """A lab test that failed carries each node's story (NODE_STORY): what CI printed is then enough to see why. One
-    that failed in a scenario sharing the fleet may have left it broken (a fault not healed yet): the next test's
-    scenario deploys again, and waits as after any deploy, rather than fail on what this one left (seen: a GPU
-    fault round that failed halfway left lab1's replica restarting, and the four tests after it failed on that)."""
+    that failed in a scenario sharing the fleet, in its fixtures or its body, may have left it broken (a fault not
+    healed yet): the next test's scenario deploys again, and waits as after any deploy, rather than fail on what
+    this one left (seen: a GPU fault round that failed halfway left lab1's replica restarting, and the four tests
+    after it failed on that). A deploy that failed is not run again (LabStates.reach)."""
     report = yield
     funcargs = getattr(item, "funcargs", {})
     lab = funcargs.get("lab")
     states = funcargs.get("lab_states")
-    if report.failed and report.when == "call" and isinstance(states, LabStates) and states.current != "bare":
+    if report.failed and isinstance(states, LabStates) and states.current != "bare":  # setup and teardown too
         states.changed("after a failed test")
     if report.failed and isinstance(lab, Lab):
         for node in lab.nodes:

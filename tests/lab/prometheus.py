@@ -123,6 +123,6 @@ def health_story(prometheus: Prometheus, seconds: int) -> dict[str, dict[str, st
     story: dict[str, dict[str, str]] = {}
     for name, expr in HEALTH_SERIES.items():
         found = prometheus.query(expr.format(s=max(1, seconds)))
-        story[name] = {",".join(str(r["metric"].get(k, "")) for k in ("instance", "name", "replica")
+        story[name] = {",".join(str(r["metric"][k]) for k in ("instance", "name", "replica", "model")
                                 if r["metric"].get(k)): r["value"][1] for r in found}
     return story

@@ -96,3 +96,19 @@ def test_a_tier_beside_the_lab_runs_in_a_session_of_its_own_at_a_lower_share(run
     assert leader and group.split()[0] != ours and group.endswith(f"nice {run_tiers.AUTOGROUP_NICE}"), group
     group, leader = _autogroup_of_a_command(run_tiers, yields=False)
     assert not leader and group.split()[0] == ours, group
+
+
+def test_the_reports_are_kept_where_they_can_be_and_nothing_breaks_where_they_cannot(
+        run_tiers: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    report = tmp_path / "run" / "lab.xml"
+    report.parent.mkdir()
+    report.write_text(REPORT)
+    tiers = [run_tiers.Tier("lab", [], report=report), run_tiers.Tier("lint", [])]
+    monkeypatch.setattr(run_tiers, "REPORTS", tmp_path / "kept")
+    run_tiers.keep_reports(tiers)
+    assert (tmp_path / "kept" / "lab.xml").read_text() == REPORT
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    monkeypatch.setattr(run_tiers, "REPORTS", blocked / "kept")  # a folder that cannot be made
+    run_tiers.keep_reports(tiers)
+    assert not (blocked / "kept").exists()
