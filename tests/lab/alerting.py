@@ -6,12 +6,11 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
-from datetime import datetime
 from typing import Any
 
 from gpufleet.node.alert_log import shown
 from tests.lab.harness import LAB_VARS, Lab
-from tests.lab.prometheus import SCRAPE_INTERVAL_S, Prometheus, wait_for
+from tests.lab.prometheus import SCRAPE_INTERVAL_S, Prometheus, unix_time, wait_for
 
 RESOLVE_S = 240
 
@@ -33,7 +32,7 @@ class Expected:
 def _fired_at(alert: dict[str, Any], waits: dict[str, float]) -> float:
     """When a firing alert fired (wall clock), as Prometheus timed it: the evaluation that found it true first
     (``activeAt``) plus its rule's ``for`` (the lab's are whole evaluation intervals)."""
-    active = datetime.fromisoformat(alert["activeAt"].replace("Z", "+00:00")).timestamp()
+    active = unix_time(alert["activeAt"])
     return active + waits[alert["labels"]["alertname"]]
 
 

@@ -21,6 +21,11 @@ SCRAPE_INTERVAL_S = 15  # gpufleet.monitoring.scrape_config's global scrape_inte
 T = TypeVar("T")
 
 
+def unix_time(text: str) -> float:
+    """A time as Prometheus's API writes it (RFC 3339, UTC, ``Z``), in Unix seconds."""
+    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
 class Prometheus:
     """The HTTP API of the Prometheus on ``node``."""
 
@@ -52,8 +57,7 @@ class Prometheus:
     def rules_evaluated_since(self, moment: float) -> bool:
         """Whether every rule group has been evaluated at or after ``moment`` (wall clock)."""
         groups = self._get("rules")["groups"]
-        return bool(groups) and all(
-            datetime.fromisoformat(g["lastEvaluation"].replace("Z", "+00:00")).timestamp() >= moment for g in groups)
+        return bool(groups) and all(unix_time(g["lastEvaluation"]) >= moment for g in groups)
 
     def alert_waits(self) -> dict[str, float]:
         """Each alerting rule's ``for`` in seconds, by alert name."""

@@ -174,8 +174,8 @@ def test_the_edge_rotates_a_key_under_load_limits_a_client_and_sheds_a_burst_fas
     assert at_once <= len(admitted) < len(answers) and all(a.retry_after for a in refused)
     # fast as the edge timed it: HAProxy's Ta, from the request's first byte to the response's last (the burst's
     # connections and TLS handshakes are made before its requests, so Ta is all of each request's time at the
-    # edge). The client's clock adds its own threads' turns on the two cores; it is kept as a figure (it read
-    # 1.16 s once late in a full run, which side was slow then is not known): every refusal within 1 s
+    # edge). The client's clock adds its own threads' turns on the two cores; it is kept as a figure (the edge's
+    # own Ta has reached 1.26 s once: a slow refusal is the edge's): every refusal within 1 s
     logged, _ = wait_for("both bursts in the edge's log", lambda: (
         found if len(found := _edge_log(lab, holder, before)) >= at_once + len(answers) else None),
                          timeout=15, every=1)
