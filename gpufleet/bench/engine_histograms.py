@@ -1,7 +1,9 @@
 """vLLM's own latency over one step of a bench: its time-to-first-token and inter-token latency histograms, read
 from each replica's ``/metrics`` just before and just after the step, and the p99 and p95 of the difference (estimated
 within a bucket as Prometheus's ``histogram_quantile`` does, so that a step is judged as the alerts judge a model and
-a record reads like the canary's watch) and its mean (exact: the histogram's sum over its count).
+a record reads like the canary's watch) and its mean (exact: the histogram's sum over its count). The same pages give
+the requests answered and the output tokens, and the requests in the engines, for a step stopped before its end
+(:mod:`gpufleet.bench.early_stop`).
 
 Read directly rather than from Prometheus: a step of a few seconds is shorter than a scrape interval, and the
 replica has counted every answer of the step once the client has it.
@@ -18,7 +20,16 @@ from dataclasses import dataclass
 HISTOGRAMS = {"ttft": "vllm:time_to_first_token_seconds", "itl": "vllm:inter_token_latency_seconds"}
 """vLLM's latency histograms, by the short name of the figure."""
 
+COUNTERS = {"answered": "vllm:request_success_total", "output_tokens": "vllm:generation_tokens_total",
+            "in_flight": "vllm:num_requests_running", "waiting": "vllm:num_requests_waiting"}
+"""The counters and gauges read beside the histograms, by their short name (``answered`` leaves out the requests
+that finished for :data:`NOT_ANSWERED`; ``in_flight`` adds the waiting to the running)."""
+
+NOT_ANSWERED = ('finished_reason="abort"', 'finished_reason="error"')
+"""The ``vllm:request_success_total`` series that count requests ended without an answer."""
+
 TIMEOUT_S = 10.0
+_SAMPLE = re.compile(r'^(?P<name>[a-z_:]+)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)')
 _BUCKET = re.compile(r'^(?P<name>[a-z_:]+)_bucket\{(?P<labels>[^}]*)\}\s+(?P<value>\S+)')
 _SUM = re.compile(r'^(?P<name>[a-z_:]+)_sum(?:\{[^}]*\})?\s+(?P<value>\S+)')
 _LE = re.compile(r'(?:^|,)le="(?P<le>[^"]+)"')
@@ -29,32 +40,44 @@ Buckets = dict[str, dict[float, float]]
 
 @dataclass(frozen=True)
 class Reading:
-    """The histograms of one or more ``/metrics`` pages: cumulative buckets, and each figure's sum of seconds."""
+    """The histograms of one or more ``/metrics`` pages: cumulative buckets, and each figure's sum of seconds; the
+    requests answered and output tokens so far (counters), and the requests in the engines now."""
 
     buckets: Buckets
     sums: dict[str, float]
+    answered: float = 0.0
+    output_tokens: float = 0.0
+    in_flight: float = 0.0
 
 
 def parse(text: str) -> Reading:
     """The latency histograms of a ``/metrics`` page (Prometheus's text format): buckets and sums, each summed
     over the page's engines."""
     by_name = {name: key for key, name in HISTOGRAMS.items()}
+    counter_of = {name: key for key, name in COUNTERS.items()}
     found: Buckets = {key: {} for key in HISTOGRAMS}
     sums = dict.fromkeys(HISTOGRAMS, 0.0)
+    counted = dict.fromkeys(COUNTERS, 0.0)
     for line in text.splitlines():
+        if (sample := _SAMPLE.match(line)) is not None and sample["name"] in counter_of:
+            if not any(label in (sample["labels"] or "") for label in NOT_ANSWERED):
+                counted[counter_of[sample["name"]]] += float(sample["value"])
+            continue
         if (match := _BUCKET.match(line)) is not None and match["name"] in by_name:
             if (le := _LE.search(match["labels"])) is not None:
                 counts, bound = found[by_name[match["name"]]], float(le["le"])
                 counts[bound] = counts.get(bound, 0.0) + float(match["value"])
         elif (match := _SUM.match(line)) is not None and match["name"] in by_name:
             sums[by_name[match["name"]]] += float(match["value"])
-    return Reading(found, sums)
+    return Reading(found, sums, counted["answered"], counted["output_tokens"],
+                   counted["in_flight"] + counted["waiting"])
 
 
 def read(urls: Sequence[str]) -> Reading:
     """The sum of the histograms of the ``/metrics`` pages at ``urls`` (OSError when one cannot be read)."""
     total: Buckets = {key: {} for key in HISTOGRAMS}
     sums = dict.fromkeys(HISTOGRAMS, 0.0)
+    answered = output_tokens = in_flight = 0.0
     for url in urls:
         with urllib.request.urlopen(url, timeout=TIMEOUT_S) as answer:
             page = parse(answer.read().decode("utf-8", "replace"))
@@ -62,7 +85,9 @@ def read(urls: Sequence[str]) -> Reading:
             for bound, count in counts.items():
                 total[key][bound] = total[key].get(bound, 0.0) + count
             sums[key] += page.sums[key]
-    return Reading(total, sums)
+        answered, output_tokens, in_flight = (answered + page.answered, output_tokens + page.output_tokens,
+                                              in_flight + page.in_flight)
+    return Reading(total, sums, answered, output_tokens, in_flight)
 
 
 def quantile(q: float, cumulative: Mapping[float, float]) -> float | None:
@@ -97,3 +122,14 @@ def mean_between(before: Reading, after: Reading) -> dict[str, float | None]:
         count = after.buckets[key].get(math.inf, 0.0) - before.buckets[key].get(math.inf, 0.0)
         found[key] = (after.sums[key] - before.sums[key]) / count if count > 0 else None
     return found
+
+
+def above_between(figure: str, bound: float, before: Buckets, after: Buckets) -> float:
+    """How many of ``figure``'s observations between two readings were certainly above ``bound`` seconds: those
+    above the smallest bucket bound at or over it (0 when that is ``+Inf``)."""
+    counts = after[figure]
+    edge = min((le for le in counts if le >= bound), default=math.inf)
+    if math.isinf(edge):
+        return 0.0
+    total = counts.get(math.inf, 0.0) - before[figure].get(math.inf, 0.0)
+    return total - (counts[edge] - before[figure].get(edge, 0.0))

@@ -13,11 +13,14 @@ instead: :mod:`gpufleet.bench.ramp`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import signal
 import subprocess
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -217,8 +220,19 @@ def client_path(say: Callable[[str], None]) -> Path:
     return client_venv() / "bin" / "guidellm"
 
 
-def run_step(client: Path, target: Target, workload: Workload, rate: float, step_s: float) -> Step:
-    """One step against ``target``: guidellm at a constant ``rate`` for ``step_s`` seconds, stopped by itself."""
+class StoppedEarly(Exception):
+    """The step was stopped before its end by its watch (``reason``), at ``ended_at`` (Unix time)."""
+
+    def __init__(self, reason: str, ended_at: float) -> None:
+        super().__init__(reason)
+        self.reason, self.ended_at = reason, ended_at
+
+
+def run_step(client: Path, target: Target, workload: Workload, rate: float, step_s: float,
+             watch: Callable[[], str | None] | None = None) -> Step:
+    """One step against ``target``: guidellm at a constant ``rate`` for ``step_s`` seconds, stopped by itself, or
+    ended (with its sending processes) as soon as ``watch``, asked every :data:`WATCH_EVERY_S`, gives a reason:
+    then :class:`StoppedEarly`."""
     with tempfile.TemporaryDirectory(prefix="gpufleet-bench-") as tmp:
         folder = Path(tmp)
         report = folder / "report.json"
@@ -232,19 +246,59 @@ def run_step(client: Path, target: Target, workload: Workload, rate: float, step
                "GUIDELLM__LOGGING__LOG_FILE": str(folder / "guidellm.log")}
         if target.ca_file:
             env["SSL_CERT_FILE"] = target.ca_file
-        try:
-            done = subprocess.run([str(client), "run", "--scenario", str(path), "--disable-console"],
-                                  cwd=folder, env=env, capture_output=True, text=True,
-                                  timeout=step_bound_s(step_s) + 120)
-        except subprocess.TimeoutExpired:
-            raise ClientError(f"guidellm did not end within {step_bound_s(step_s) + 120:g} s") from None
-        if done.returncode != 0 or not report.exists():
-            lines = [line.strip() for line in (done.stderr + done.stdout).splitlines() if line.strip()]
+        limit_s = step_bound_s(step_s) + 120
+        returncode, output = _run_watched([str(client), "run", "--scenario", str(path), "--disable-console"],
+                                          folder, env, limit_s, watch)
+        if returncode != 0 or not report.exists():
+            lines = [line.strip() for line in output.splitlines() if line.strip()]
             last = lines[-1][:REASON_CHARS] if lines else "no output"
             if target.api_key:
                 last = last.replace(target.api_key, "(the key)")
-            raise ClientError(f"guidellm failed (exit {done.returncode}): {last}")
+            raise ClientError(f"guidellm failed (exit {returncode}): {last}")
         step = step_from_report(json.loads(report.read_text()), rate, step_requests(rate, step_s))
         if target.api_key and any(target.api_key in reason for reason in step.failure_reasons):
             step = replace(step, failure_reasons=[r.replace(target.api_key, "(the key)") for r in step.failure_reasons])
         return step
+
+
+WATCH_EVERY_S = 2.0
+"""Seconds between two questions to a step's watch."""
+
+END_WITHIN_S = 10.0
+"""Seconds the client's processes get to end on SIGTERM before SIGKILL."""
+
+
+def _run_watched(argv: list[str], cwd: Path, env: dict[str, str], limit_s: float,
+                 watch: Callable[[], str | None] | None) -> tuple[int, str]:
+    """Run the client in a session of its own (its sending processes with it); its exit status and its output
+    (stderr, then stdout). Ended when ``watch`` gives a reason (:class:`StoppedEarly`) or at ``limit_s``
+    (:class:`ClientError`)."""
+    process = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    deadline = time.monotonic() + limit_s
+    try:
+        while True:
+            wait_s = max(0.0, deadline - time.monotonic())
+            try:
+                out, err = process.communicate(timeout=min(wait_s, WATCH_EVERY_S) if watch else wait_s)
+                return process.returncode, err + out
+            except subprocess.TimeoutExpired:
+                if time.monotonic() >= deadline:
+                    raise ClientError(f"guidellm did not end within {limit_s:g} s") from None
+                if watch is not None and (reason := watch()) is not None:
+                    raise StoppedEarly(reason, time.time()) from None
+    finally:
+        if process.returncode is None:
+            _end(process)
+
+
+def _end(process: subprocess.Popen[str]) -> None:
+    """End the client's session: SIGTERM, then SIGKILL after :data:`END_WITHIN_S`."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, sig)
+        try:
+            process.communicate(timeout=END_WITHIN_S)
+            return
+        except subprocess.TimeoutExpired:
+            continue

@@ -7,7 +7,8 @@ failed, the replicas answered at least :data:`ANSWERED_MIN` of the requests it o
 grace, and both p99s are within the objective; the ramp stops at the first step that does not. The **ceiling** is
 the answered rate (requests answered a second) of the highest offered rate whose step passed: what the replicas
 sustained, not what was sent. The limit that stopped the ramp is named (``ttft``, ``itl``, ``errors``,
-``unanswered``, or ``none`` when every rate passed). Without ``--rates`` the ramp doubles from :data:`FIRST_RATE`
+``unanswered``, or ``none`` when every rate passed). A step certain to miss its TTFT objective before its end is
+stopped there (:mod:`gpufleet.bench.early_stop`). Without ``--rates`` the ramp doubles from :data:`FIRST_RATE`
 and, once a step fails, tries rates between the highest that passed and the lowest that failed (halving the gap each
 time) until that gap is within :data:`REFINE_GAP` of the former (at most :data:`REFINE_STEPS` of them), so that the
 ceiling is known to within 5% rather than a factor of two, and two ramps of the same replicas agree as closely as

@@ -14,6 +14,7 @@ import click
 
 from gpufleet.bench import guidellm_client as client
 from gpufleet.bench.dataset import DatasetError, load_dataset, write_for_client
+from gpufleet.bench.early_stop import DRAINED_WITHIN_S, MissWatch, stopped_step
 from gpufleet.bench.engine_histograms import Reading, mean_between, quantile_between, read
 from gpufleet.bench.engine_metrics import with_engine_metrics
 from gpufleet.bench.plot import render_svg
@@ -334,10 +335,18 @@ def bench_command(inventory: str, model: str | None, replica: str | None, slo_te
                            f" {client.step_requests(rate, step_s):,} requests, the dataset holds {len(rows):,}")
                 break
             before = _reading(metrics)
+            watch = (MissWatch(lambda: _reading(metrics), before, slo.ttft_p99_s, client.step_requests(rate, step_s))
+                     if before is not None else None)
             try:
-                step = client.run_step(exe, target, workload, rate, step_s)
+                step = client.run_step(exe, target, workload, rate, step_s, watch)
             except client.ClientError as exc:
                 fail_lines([f"gpufleet bench: step {rate:g} req/s: {exc}"])
+            except client.StoppedEarly as stopped:
+                assert watch is not None
+                if not watch.drained():
+                    click.echo(f"gpufleet bench: step {rate:g} req/s: the replicas still held requests"
+                               f" {DRAINED_WITHIN_S:g} s after it was stopped")
+                step = stopped_step(rate, watch, stopped.reason, stopped.ended_at)
             after = _reading(metrics)
             step = _with_engine_latency(step, before, after)
             steps.append(step)

@@ -8,7 +8,10 @@ from __future__ import annotations
 import json
 import math
 import os
-import stat
+import sys
+import textwrap
+import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -146,7 +149,7 @@ class _Replica:
         self.asked: list[float] = []
 
     def run_step(self, exe: Path, target: client.Target, workload: client.Workload, rate: float,
-                 step_s: float) -> Step:
+                 step_s: float, watch: Callable[[], str | None] | None = None) -> Step:
         self.asked.append(rate)
         return _step(rate, 0.2 + max(0.0, rate - 3.0), 0.05)
 
@@ -251,27 +254,120 @@ def test_the_plot_marks_the_missed_steps() -> None:
     assert "ceiling 1" in svg
 
 
-def test_the_scenario_file_is_private(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def _client(path: Path, body: str) -> Path:
+    """A stand-in for guidellm: a Python script run as the client is, its ``--scenario`` at hand as ``spec``."""
+    path.write_text(f"#!{sys.executable}\nimport json, os, sys, subprocess, time\n"
+                    "path = sys.argv[sys.argv.index('--scenario') + 1]\n"
+                    "spec = json.load(open(path))['spec']\n" + textwrap.dedent(body))
+    path.chmod(0o755)
+    return path
+
+
+def test_the_scenario_file_is_private(tmp_path: Path) -> None:
     """The step's scenario holds the key: it is written 0600 and handed to guidellm by path only."""
-    seen: dict[str, Any] = {}
-
-    def fake_run(argv: list[str], **kwargs: Any) -> Any:
-        path = Path(argv[argv.index("--scenario") + 1])
-        seen["mode"] = stat.S_IMODE(path.stat().st_mode)
-        seen["argv"] = argv
-        spec = json.loads(path.read_text())["spec"]
-        Path(spec["outputs"][0]["path"]).write_text((BENCH / "guidellm-0.8.1-constant-2.json").read_text())
-
-        class Done:
-            returncode, stdout, stderr = 0, "", ""
-        return Done()
-
-    monkeypatch.setattr(client.subprocess, "run", fake_run)
+    seen = tmp_path / "seen.json"
+    exe = _client(tmp_path / "guidellm", f"""
+        json.dump({{"mode": os.stat(path).st_mode & 0o777, "argv": sys.argv}}, open({str(seen)!r}, "w"))
+        with open(spec["outputs"][0]["path"], "w") as out:
+            out.write(open({str(BENCH / "guidellm-0.8.1-constant-2.json")!r}).read())
+        """)
     target = client.Target("http://10.0.0.1:8000", "m", "sk-secret", None, "/models/m")
-    step = client.run_step(Path("/opt/guidellm"), target, client.workload_for(256), 2.0, 15.0)
+    step = client.run_step(exe, target, client.workload_for(256), 2.0, 15.0)
     assert step.succeeded == 20
-    assert seen["mode"] == 0o600
-    assert not any("sk-secret" in word for word in seen["argv"])
+    found = json.loads(seen.read_text())
+    assert found["mode"] == 0o600
+    assert not any("sk-secret" in word for word in found["argv"])
+
+
+def test_a_watched_step_ends_the_client_and_what_it_started_once_its_watch_gives_a_reason(tmp_path: Path) -> None:
+    """The client and its sending processes run in a session of their own: a watch's reason ends them all (the
+    step says why, with the time it ended), where a watch that never gives one lets the client end by itself."""
+    child = tmp_path / "child.pid"
+    exe = _client(tmp_path / "guidellm", f"""
+        sender = subprocess.Popen(["sleep", "300"])
+        open({str(child)!r}, "w").write(str(sender.pid))
+        time.sleep(300)
+        """)
+    asked: list[float] = []
+
+    def watch() -> str | None:
+        asked.append(time.monotonic())
+        return "decided" if len(asked) >= 2 and child.exists() else None
+
+    target = client.Target("http://10.0.0.1:8000", "m", None, None, "/models/m")
+    started = time.time()
+    with pytest.raises(client.StoppedEarly) as stopped:
+        client.run_step(exe, target, client.workload_for(256), 2.0, 15.0, watch)
+    assert stopped.value.reason == "decided" and started < stopped.value.ended_at <= time.time()
+    assert asked[-1] - asked[0] >= client.WATCH_EVERY_S * 0.9 * (len(asked) - 1)
+    sender = int(child.read_text())
+    for _ in range(50):  # the sleep is reaped by init once its parent is gone
+        if not Path(f"/proc/{sender}").exists() or "Z" in Path(f"/proc/{sender}/stat").read_text().split()[2]:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the client's sending process {sender} outlived the stop")
+    quiet = _client(tmp_path / "quiet", f"""
+        with open(spec["outputs"][0]["path"], "w") as out:
+            out.write(open({str(BENCH / "guidellm-0.8.1-constant-2.json")!r}).read())
+        """)
+    assert client.run_step(quiet, target, client.workload_for(256), 2.0, 15.0, lambda: None).succeeded == 20
+
+
+class _Overloaded:
+    """A replica past its ceiling from 4 req/s: at 2 req/s each reading finds ten more first tokens at 0.2 s; at
+    4 req/s, twenty-five at 5 s, and the client, asking its watch as guidellm's runner does, is stopped by it."""
+
+    def __init__(self) -> None:
+        self.asked: list[float] = []
+        self.first_tokens: list[float] = []
+        self.answered = 0.0
+        self.reasons: list[str] = []
+
+    def run_step(self, exe: Path, target: client.Target, workload: client.Workload, rate: float,
+                 step_s: float, watch: Callable[[], str | None] | None = None) -> Step:
+        self.asked.append(rate)
+        assert watch is not None
+        if rate < 4:  # ten more at 0.2 s: nothing late, and the client ends by itself
+            assert watch() is None
+            return _step(rate, 0.2, 0.05)
+        while (reason := watch()) is None:
+            assert len(self.first_tokens) < 500, "the watch never decided"
+        raise client.StoppedEarly(reason, time.time())
+
+    def read(self, urls: list[str]) -> Reading:
+        if self.asked:
+            late = self.asked[-1] >= 4
+            self.first_tokens.extend([5.0 if late else 0.2] * (25 if late else 10))
+            self.answered += 2.0
+        ttft = {le: float(sum(v <= le for v in self.first_tokens)) for le in (0.25, 2.5, 10.0, math.inf)}
+        tokens = 10 * self.answered  # each within 10 ms
+        return Reading({"ttft": ttft, "itl": {0.01: tokens, math.inf: tokens}},
+                       {"ttft": sum(self.first_tokens), "itl": 0.005 * tokens}, self.answered, tokens)
+
+
+def test_a_step_certain_to_miss_its_ttft_objective_is_stopped_and_recorded_from_vllms_counts(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--rates 2,4 over 100 s steps with a TTFT objective of 2 s: the 4 req/s step offers 400 requests; once more
+    than 4 of them (1%) waited over 2.5 s (the bucket over 2 s) for a first token its p99 has missed, and it is
+    stopped there. The step at 2 req/s never gets there: its client ends by itself."""
+    replica = _Overloaded()
+    monkeypatch.setattr(client, "client_path", lambda say: Path("/usr/bin/false"))
+    monkeypatch.setattr(client, "run_step", replica.run_step)
+    monkeypatch.setattr(cli_bench, "read", replica.read)
+    report = tmp_path / "record.json"
+    result = CliRunner().invoke(main, ["bench", FLEET, "--slo", "ttft_p99_s=2", "--step-s", "100", "--rates",
+                                       "2,4", "--no-store", "--report", str(report)])
+    assert result.exit_code == 0, result.output
+    assert replica.asked == [2, 4]
+    stopped = [line for line in result.output.splitlines() if line.startswith("step 4 req/s")]
+    assert len(stopped) == 1 and "missed ttft+unanswered" in stopped[0], result.output
+    assert ("stopped early: 25 of its 400 requests had waited over 2 s for a first token, more than 1%: its TTFT p99"
+            " missed whatever the rest did") in stopped[0], stopped[0]
+    assert "ceiling: " in result.output and "stopped by ttft+unanswered" in result.output, result.output
+    step = json.loads(report.read_text())["steps"][1]  # vLLM's counts from before the step to the deciding reading
+    assert (step["offered"], step["succeeded"], step["failed"], step["ttft_p99_s"]) == (400, 2, 0, None), step
+    assert step["engine_ttft_p99_s"] > 2.5 and step["started_at"] <= step["ended_at"], step
 
 
 def _planned() -> tuple[list[Any], dict[str, Any]]:

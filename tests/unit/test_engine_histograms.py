@@ -10,6 +10,7 @@ import pytest
 from gpufleet.bench.engine_histograms import (
     HISTOGRAMS,
     Reading,
+    above_between,
     mean_between,
     parse,
     quantile,
@@ -76,3 +77,31 @@ def test_the_page_sums_and_a_steps_mean() -> None:
     after = Reading({key: {le: n + (50 if key == "itl" else 0) for le, n in counts.items()}
                      for key, counts in before.buckets.items()}, {**sums, "itl": sums["itl"] + 0.75})
     assert mean_between(before, after) == {"ttft": None, "itl": pytest.approx(0.015)}  # 50 tokens, 0.75 s
+
+
+def test_the_counters_leave_out_the_requests_ended_unanswered_and_add_the_waiting_to_the_running() -> None:
+    page = "\n".join([
+        'vllm:request_success_total{engine="0",finished_reason="stop",model_name="m"} 7.0',
+        'vllm:request_success_total{engine="0",finished_reason="length",model_name="m"} 5.0',
+        'vllm:request_success_total{engine="0",finished_reason="abort",model_name="m"} 30.0',
+        'vllm:request_success_total{engine="0",finished_reason="error",model_name="m"} 2.0',
+        'vllm:generation_tokens_total{engine="0",model_name="m"} 640.0',
+        'vllm:num_requests_running{engine="0",model_name="m"} 3.0',
+        'vllm:num_requests_waiting{engine="0",model_name="m"} 40.0',
+        "# a comment names vllm:request_success_total 99",
+    ])
+    reading = parse(PAGE + "\n" + page)
+    assert (reading.answered, reading.output_tokens, reading.in_flight) == (12.0, 640.0, 43.0)
+    assert reading.buckets == parse(PAGE).buckets
+
+
+@pytest.mark.parametrize(("bound", "expected"), [
+    (2.0, 25.0),  # above 2.5 s, the smallest bound at or over 2 s: 25 of the step's 40
+    (2.5, 25.0),  # a bound that is a bucket's
+    (0.1, 35.0),  # those within the 1 s bucket may be under 0.1 s: the 35 above it
+    (20.0, 0.0),  # over the last finite bound: none is certainly above it
+])
+def test_the_observations_certainly_above_a_bound(bound: float, expected: float) -> None:
+    before = {"ttft": {1.0: 5.0, 2.5: 10.0, 10.0: 10.0, math.inf: 10.0}, "itl": {}}
+    after = {"ttft": {1.0: 10.0, 2.5: 25.0, 10.0: 45.0, math.inf: 50.0}, "itl": {}}
+    assert above_between("ttft", bound, before, after) == expected

@@ -1,0 +1,90 @@
+"""A step of the ramp stopped once its verdict is certain, rather than at its bound.
+
+A step offers ``rate x step`` requests. When more than 1% of them have already waited longer than the TTFT objective
+for their first token (by vLLM's histogram: above the smallest bucket bound at or over the objective), the step's
+TTFT p99 misses the objective whatever the rest do: the requests answered can only be fewer than those offered, and
+no observation leaves a histogram. An overloaded step then stops there, its client ended and its backlog dropped,
+instead of holding the replicas at full load until its bound (the step and the client's grace, 80 s for a 20 s
+step). On the lab, the pipeline replica's step at 192 req/s was decided 22 s after it began, 1,707 first tokens in
+and 200 of them late (vLLM counts a wait once its first token comes).
+
+The stopped step is recorded from vLLM's own counters over its span (requests answered, output tokens), the client's
+figures left empty, and the reason among its failure reasons; it misses ``ttft`` (and, as a rule, ``unanswered``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from gpufleet.bench.engine_histograms import Reading, above_between
+from gpufleet.bench.ramp import Step
+
+QUANTILE = 0.99
+"""The quantile the TTFT objective is a bound of (``vllm_slo_ttft_p99_s``)."""
+
+EVERY_S = 2.0
+"""Seconds between two readings of the replicas' ``/metrics`` while a step runs."""
+
+DRAINED_WITHIN_S = 30.0
+"""How long a stopped step waits for the replicas' engines to drop its backlog before the next step starts."""
+
+
+@dataclass
+class MissWatch:
+    """Watches one step from vLLM's ``/metrics`` (``read`` gives the sum of the replicas' pages, None when one could
+    not be read): called every :data:`EVERY_S` while the client runs, it returns why the step has certainly missed
+    its TTFT objective, or None. It keeps when it first saw the step's requests answered."""
+
+    read: Callable[[], Reading | None]
+    before: Reading
+    ttft_objective_s: float
+    offered: int
+    clock: Callable[[], float] = time.time
+    first_seen: float | None = None
+    last: Reading | None = None
+
+    def __call__(self) -> str | None:
+        now = self.read()
+        if now is None:
+            return None
+        self.last = now
+        arrived = now.buckets["ttft"].get(math.inf, 0.0) - self.before.buckets["ttft"].get(math.inf, 0.0)
+        if arrived > 0 and self.first_seen is None:
+            self.first_seen = self.clock()
+        late = above_between("ttft", self.ttft_objective_s, self.before.buckets, now.buckets)
+        if late <= (1 - QUANTILE) * self.offered:
+            return None
+        return (f"stopped early: {late:,.0f} of its {self.offered:,} requests had waited over"
+                f" {self.ttft_objective_s:g} s for a first token, more than {1 - QUANTILE:.0%}: its TTFT p99"
+                " missed whatever the rest did")
+
+    def drained(self, within_s: float = DRAINED_WITHIN_S, every_s: float = 0.5) -> bool:
+        """Whether the replicas' engines held no request within ``within_s`` of the client's end (the next step must
+        not inherit this one's backlog)."""
+        deadline = time.monotonic() + within_s
+        while True:
+            now = self.read()
+            if now is not None and now.in_flight == 0:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(every_s)
+
+
+def stopped_step(rate: float, watch: MissWatch, reason: str, ended_at: float) -> Step:
+    """The record of a step stopped at ``ended_at`` (Unix time) for ``reason``: what vLLM counted from the reading
+    before the step to the watch's last (the one that decided), over the span from the first answer seen to the
+    stop."""
+    last = watch.last or watch.before
+    started_at = watch.first_seen if watch.first_seen is not None else ended_at
+    seconds = max(ended_at - started_at, 0.0)
+    answered = int(last.answered - watch.before.answered)
+    tokens = last.output_tokens - watch.before.output_tokens
+    return Step(rate=rate, achieved_rps=answered / seconds if seconds > 0 else 0.0, ttft_p50_s=None, ttft_p99_s=None,
+                itl_p50_s=None, itl_p99_s=None, e2e_p50_s=None, e2e_p99_s=None,
+                output_tokens_per_s=tokens / seconds if seconds > 0 else 0.0, succeeded=answered, failed=0,
+                seconds=seconds, offered=watch.offered, started_at=started_at, ended_at=ended_at,
+                failure_reasons=[reason])
