@@ -1,8 +1,9 @@
 """vLLM's own view of each step, from the fleet's Prometheus: the replicas' highest KV cache usage and their
 preemptions over the step's window (``vllm:kv_cache_usage_perc``, ``vllm:num_preemptions_total``).
 
-Read over Prometheus's HTTP API from the controller, once the ramp is over and one more scrape has come in
-(:data:`gpufleet.prometheus_api.SCRAPE_WAIT_S`): the controller must be let in (``prometheus_allowed_from``).
+Read over Prometheus's HTTP API from the controller, once the ramp is over and every benched target has been scraped
+after it (at most :data:`gpufleet.prometheus_api.SCRAPE_WAIT_S`): the controller must be let in
+(``prometheus_allowed_from``).
 Where it is not, the steps keep None and the bench says why in one line.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 from gpufleet.bench.ramp import Step
@@ -29,18 +31,38 @@ def queries(model: str, replica: str | None, window_s: int) -> dict[str, str]:
             "preemptions": f"sum(increase(vllm:num_preemptions_total{{{labels}}}[{window_s}s]))"}
 
 
-def with_engine_metrics(steps: list[Step], base_url: str, model: str, replica: str | None) -> list[Step]:
-    """``steps`` with their KV cache usage and preemptions from Prometheus (each step's window is its own)."""
+def scraped_query(model: str, replica: str | None) -> str:
+    """PromQL of the oldest last scrape (Unix time) of the benched vLLM targets."""
+    return f"min(timestamp(up{{{_selector(model, replica)}}}))"
+
+
+POLL_S = 1.0
+"""Seconds between two questions to Prometheus while waiting for the last step's scrape."""
+
+
+def with_engine_metrics(steps: list[Step], base_url: str, model: str, replica: str | None,
+                        clock: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep,
+                        ) -> list[Step]:
+    """``steps`` with their KV cache usage and preemptions from Prometheus (each step's window is its own, up to
+    :data:`SCRAPE_WAIT_S` past its end). The last step is read once every benched target was scraped after it ended
+    (each keeps its own offset in the scrape interval: about half an interval for one target, rather than a whole
+    one), at that scrape, and at most :data:`SCRAPE_WAIT_S` after its end."""
     if not steps:
         return steps
-    wait = max(s.ended_at for s in steps) + SCRAPE_WAIT_S - time.time()
-    if wait > 0:
-        time.sleep(wait)
+    last_end = max(s.ended_at for s in steps)
+    scraped = None
+    while (scraped := query_value(base_url, scraped_query(model, replica))) is None or scraped < last_end:
+        if clock() >= last_end + SCRAPE_WAIT_S:
+            scraped = None
+            break
+        sleep(POLL_S)
+    if scraped is None and (wait := last_end + SCRAPE_WAIT_S - clock()) > 0:
+        sleep(wait)
     found = []
     for step in steps:
-        window = max(1, math.ceil(step.ended_at - step.started_at + SCRAPE_WAIT_S))
+        at = scraped if scraped is not None and step.ended_at == last_end else step.ended_at + SCRAPE_WAIT_S
+        window = max(1, math.ceil(at - step.started_at))
         asked = queries(model, replica, window)
-        at = step.ended_at + SCRAPE_WAIT_S
         found.append(replace(step, kv_usage_max=query_value(base_url, asked["kv_usage_max"], at),
                              preemptions=query_value(base_url, asked["preemptions"], at)))
     return found
