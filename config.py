@@ -4,6 +4,6 @@ gpufleet uses it for one thing: an inventory file that fails to compile or run i
 ``file:line: Error: message``, with exit status 2, the way every other bad input is.
 """
 
-from gpufleet.config.inventory import report_inventory_errors
+from gpufleet.inventory.load import report_inventory_errors
 
 report_inventory_errors()

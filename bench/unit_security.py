@@ -64,8 +64,8 @@ def rendered_units() -> dict[str, str]:
     for a sample node 10.0.0.5 of a Ray replica with 10.0.0.6, monitored from 10.0.9.0/24."""
     from gpufleet.config.layers import HostLayers, Layer, role_default_layers
     from gpufleet.config.validate import validate_host
-    from gpufleet.deploy import access
     from gpufleet.node_paths import ray_env_file, ray_token_file
+    from gpufleet.plan import access
     from gpufleet.plan.commands import ray_start_argv
     from gpufleet.templates import render
     from gpufleet.units.escape import exec_line

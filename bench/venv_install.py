@@ -4,7 +4,7 @@
     python bench/venv_install.py --nodes 1 --installers uv
     python bench/venv_install.py --wheelhouse /var/cache/gpufleet-lab/www/wheels --dir /var/tmp
 
-Runs on this machine, as root, what ``gpufleet.deploy.vllm_files.install_script`` gives a lab node (the lab's
+Runs on this machine, as root, what ``roles.vllm.files.install_script`` gives a lab node (the lab's
 version, wheelhouse and lock, the same arguments), with every node path (``/opt/vllm``, ``/opt/gpufleet/uv``,
 uv's cache, the pip credentials file) moved below a directory of its own per simulated node, in a fresh
 directory on the filesystem of /opt (removed after each run). The wheelhouse is served over HTTP on 127.0.0.1 by
@@ -45,7 +45,7 @@ from gpufleet_lab import wheelhouse
 from gpufleet.config.layers import HostLayers, Layer, role_default_layers
 from gpufleet.config.schema import HostConfig
 from gpufleet.config.validate import validate_host
-from gpufleet.deploy import vllm_files as vf
+from roles.vllm import files as vf
 
 DEFAULT_WHEELHOUSE = Path("/var/cache/gpufleet-lab/www/wheels")
 INSTALLERS = ("pip", "uv", "uv-no-bytecode")

@@ -19,8 +19,8 @@ import sys
 
 from pyinfra import host
 
-from gpufleet.deploy.context import context, serve_blockers
 from gpufleet.operations import gates
+from gpufleet.run.context import context, serve_blockers
 from roles.monitoring import bench_notices
 from roles.site import site
 

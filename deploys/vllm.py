@@ -10,7 +10,7 @@ Ray replicas, their replicas started and checked with one real completion, and t
 stops them while their GPUs fail at run time (roles/site.py).
 """
 
-from gpufleet.deploy.context import context
+from gpufleet.run.context import context
 from roles.site import site
 
 context()  # probe, gate and plan the whole fleet once, before any operation is added

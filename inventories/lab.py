@@ -44,7 +44,7 @@ from gpufleet_lab.nodes import (
 from gpufleet_lab.state import cache_dir, lab_dir, load_state
 from gpufleet_lab.tls import ensure_lab_tls
 
-from gpufleet.config.inventory import apply_group_vars
+from gpufleet.inventory.load import apply_group_vars
 
 try:
     _state = load_state()

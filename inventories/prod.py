@@ -5,7 +5,7 @@ Values come from group_vars/all.yml, then group_vars/<group>.yml, then the host 
 ``pyinfra --data key=value`` overrides them all.
 """
 
-from gpufleet.config.inventory import apply_group_vars
+from gpufleet.inventory.load import apply_group_vars
 
 # Four 8x H100 SXM servers, each serving Llama 3.1 70B on its own (the planner picks TP and how
 # many replicas fit on each node from the NVLink topology).

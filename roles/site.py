@@ -11,8 +11,8 @@ from __future__ import annotations
 from pyinfra.api.deploy import deploy
 from pyinfra.context import host
 
-from gpufleet.deploy.context import fleet, gate_verdict
 from gpufleet.operations import gates
+from gpufleet.run.context import fleet, gate_verdict
 from roles.common import common
 from roles.dcgm import dcgm
 from roles.dcgm_exporter import dcgm_exporter

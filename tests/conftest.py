@@ -83,7 +83,7 @@ class Project:
 
     def inventory(self, body: str, name: str = "fleet") -> Path:
         path = self.root / "inventories" / f"{name}.py"
-        path.write_text("from gpufleet.config.inventory import apply_group_vars\n"
+        path.write_text("from gpufleet.inventory.load import apply_group_vars\n"
                         + textwrap.dedent(body) + "\napply_group_vars(globals())\n")
         return path
 

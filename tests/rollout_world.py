@@ -3,7 +3,7 @@ from plain data and recorded, with a clock of its own.
 
 :class:`World` holds the routers' view of every replica (admin state, UP or not, counters), the release records on
 every node, and how each release behaves (named releases: whether its deploy succeeds, whether it comes UP, the
-traffic it gets and how much of it fails). It is the rollout's :class:`~gpufleet.rollout.remote.Remote` (it answers
+traffic it gets and how much of it fails). It is the rollout's :class:`~gpufleet.remote.commands.Remote` (it answers
 ``router_admin.py`` and the record commands exactly as they are built, every word checked as the real one checks
 them) and its deployer, and its ``now``/``sleep`` are the rollout's clock. Every change is an event in
 :attr:`World.events`: ``drain ROUTER REPLICA``, ``wait-drained ROUTER REPLICA``, ``ready ROUTER REPLICA``,
@@ -18,8 +18,8 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from gpufleet.node_paths import VLLM_ETC
+from gpufleet.remote.commands import RemoteResult, command_line
 from gpufleet.rollout.release import Release, data_items, release_json
-from gpufleet.rollout.remote import RemoteResult, command_line
 from gpufleet.rollout.router_control import ROUTER_ADMIN
 
 RTIME_WINDOW = 512  # HAProxy averages a server's response time over its last 512 requests (TIME_STATS_SAMPLES)

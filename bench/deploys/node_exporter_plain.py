@@ -10,10 +10,10 @@ from pyinfra.context import host
 from pyinfra.operations import files, server, systemd
 from pyinfra.operations.util import any_changed
 
-from gpufleet.deploy import access
-from gpufleet.deploy.context import host_config
-from gpufleet.deploy.download import fetch_verified
+from gpufleet.downloads import fetch_verified
 from gpufleet.node_paths import TEXTFILE_DIR
+from gpufleet.plan import access
+from gpufleet.run.context import host_config
 from roles.node_exporter import BINARY, UNIT, UNIT_PATH, USER, render, tarball_url
 
 cfg = host_config()

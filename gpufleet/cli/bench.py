@@ -34,12 +34,12 @@ from gpufleet.bench.records import RECORDS_DIR, Record, RecordKey, layout_name
 from gpufleet.cli.inputs import DATA_OPTION, Number, cli_fleet, fail_lines, fleet_facts, group_hosts
 from gpufleet.config.edge import ca_path, ca_problem
 from gpufleet.config.fleet import Fleet
-from gpufleet.config.inventory import parse_data_args
 from gpufleet.config.inventory_shape import MONITORING_GROUP, ROUTERS_GROUP
 from gpufleet.config.problems import ConfigError
 from gpufleet.config.schema import RouterClient
 from gpufleet.config.secrets import read_secret
 from gpufleet.input_files import output_file_problem
+from gpufleet.inventory.load import parse_data_args
 from gpufleet.netaddr import host_port
 from gpufleet.plan import virtual_address
 from gpufleet.plan.planner import Replica, plan_fleet
@@ -235,8 +235,8 @@ def _engine_metrics(fleet: Fleet, chosen: Chosen, steps: list[Step]) -> tuple[li
 def _store(inventory: str, data: tuple[str, ...], fleet: Fleet, record: Record, replicas: list[Replica]) -> list[str]:
     """Write ``record`` and the ceiling rules on every monitoring host; a line for each host it could not be written
     on."""
-    from gpufleet.bench.store import store_record  # pyinfra's SSH stack: loaded only when asked
-    from gpufleet.gpu.live_probe import load_inventory
+    from gpufleet.remote.bench_store import store_record  # pyinfra's SSH stack: loaded only when asked
+    from gpufleet.remote.gpu_probe import load_inventory
 
     hosts = group_hosts(fleet, MONITORING_GROUP)
     if not hosts:

@@ -13,10 +13,10 @@ from pathlib import Path
 import click
 from pyinfra.api.inventory import Inventory
 
-from gpufleet.gpu.live_probe import default_policy, gate_report, load_inventory, probe_hosts
 from gpufleet.gpu.report import FactsError, NodeFacts, load_facts, parse_facts
 from gpufleet.gpu.topology import nvlink_islands
 from gpufleet.node.health_rules import HealthPolicy
+from gpufleet.remote.gpu_probe import default_policy, gate_report, load_inventory, probe_hosts
 
 EXIT_FAILED = 1
 PYTHON_HELP = "Interpreter on the nodes that has nvidia-ml-py."

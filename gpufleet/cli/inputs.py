@@ -10,12 +10,12 @@ import click
 
 from gpufleet.config.fleet import Fleet
 from gpufleet.config.grammar import decimal
-from gpufleet.config.inventory import cli_data_override as _data_override
-from gpufleet.config.inventory import load_fleet, loaded_inventory, parse_data_args, set_data_override
 from gpufleet.config.layers import is_role_default
 from gpufleet.config.problems import EXIT_BAD_INPUT, ConfigError, exit_with
 from gpufleet.gpu.profiles import ProfileError, profile_facts
 from gpufleet.gpu.report import FactsError, NodeFacts, load_facts
+from gpufleet.inventory.load import cli_data_override as _data_override
+from gpufleet.inventory.load import load_fleet, loaded_inventory, parse_data_args, set_data_override
 from gpufleet.plan.planner import FleetPlan, plan_fleet
 
 

@@ -19,12 +19,12 @@ from gpufleet.bench.ramp import MAX_RATE
 from gpufleet.cli.inputs import DATA_OPTION, Number, cli_fleet, declared_plan, fail_lines, fleet_facts, group_hosts
 from gpufleet.config.fleet import Fleet
 from gpufleet.config.grammar import decimal
-from gpufleet.config.inventory import (
+from gpufleet.config.inventory_shape import MONITORING_GROUP
+from gpufleet.inventory.load import (
     configured_health_policy,
     loaded_inventory,
     parse_data_args,
 )
-from gpufleet.config.inventory_shape import MONITORING_GROUP
 from gpufleet.node.vllm_ready import kv_summary
 from gpufleet.plan import virtual_address
 from gpufleet.plan.model_arch import ModelConfigError, load_arch
@@ -203,8 +203,8 @@ def _print_ceilings(inventory: str, data: tuple[str, ...], fleet: Fleet, plan: F
     replicas ``target_rps`` needs), from the bench records on the monitoring hosts; the lines of what could not be
     read."""
     from gpufleet.bench.capacity import model_capacities  # pyinfra's SSH stack: loaded only when asked
-    from gpufleet.bench.store import read_records
-    from gpufleet.gpu.live_probe import load_inventory
+    from gpufleet.remote.bench_store import read_records
+    from gpufleet.remote.gpu_probe import load_inventory
 
     hosts = group_hosts(fleet, MONITORING_GROUP)
     if not hosts:
@@ -233,9 +233,9 @@ def _print_ceilings(inventory: str, data: tuple[str, ...], fleet: Fleet, plan: F
 def _read_observed(inventory: str, data: tuple[str, ...],
                    plan: FleetPlan) -> tuple[dict[str, dict[str, Any] | None], list[str]]:
     """Each replica's observed.json from its first node, over pyinfra's connections as the inventory gives them."""
-    from gpufleet.gpu.live_probe import load_inventory  # pyinfra's SSH stack: loaded only when asked
+    from gpufleet.remote.commands import PyinfraRemote
+    from gpufleet.remote.gpu_probe import load_inventory  # pyinfra's SSH stack: loaded only when asked
     from gpufleet.rollout.observed import read_observed
-    from gpufleet.rollout.remote import PyinfraRemote
 
     remote = PyinfraRemote(load_inventory(inventory, parse_data_args(list(data)) or None))
     try:

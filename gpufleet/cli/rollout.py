@@ -23,18 +23,19 @@ from click.core import ParameterSource
 from pyinfra.api.inventory import Inventory
 
 from gpufleet.bench.guidellm_client import ClientError, Target, client_path, workload_for
-from gpufleet.bench.store import read_records as read_bench_records
 from gpufleet.cli.inputs import DATA_OPTION, cli_fleet, fail_lines, fleet_facts
 from gpufleet.config.fleet import Fleet
-from gpufleet.config.inventory import load_fleet, parse_data_args, set_data_override
 from gpufleet.config.inventory_shape import MONITORING_GROUP, ROUTERS_GROUP
 from gpufleet.config.problems import ConfigError
 from gpufleet.config.secrets import read_secret
-from gpufleet.gpu.live_probe import load_inventory
+from gpufleet.inventory.load import load_fleet, parse_data_args, set_data_override
 from gpufleet.netaddr import host_port
 from gpufleet.plan import virtual_address
 from gpufleet.plan.backends import backends as plan_backends
 from gpufleet.plan.planner import Replica, plan_fleet
+from gpufleet.remote.bench_store import read_records as read_bench_records
+from gpufleet.remote.commands import PyinfraRemote
+from gpufleet.remote.gpu_probe import load_inventory
 from gpufleet.rollout.batches import DEFAULT_BATCHES, RolloutError, plan_rollout
 from gpufleet.rollout.canary import DEFAULT_MAX_ERROR_RATIO, DEFAULT_MAX_LATENCY_RATIO, Thresholds
 from gpufleet.rollout.canary_bench import GuidellmCanaryBench
@@ -43,7 +44,6 @@ from gpufleet.rollout.node_releases import RecordFailure, read_records
 from gpufleet.rollout.options import check_options
 from gpufleet.rollout.pyinfra_run import DEPLOY, PROJECT_ROOT, PyinfraDeploy, pyinfra_program
 from gpufleet.rollout.release import changes
-from gpufleet.rollout.remote import PyinfraRemote
 from gpufleet.rollout.replicas import ROLLBACK, UPGRADE, Rollable, rollable
 from gpufleet.rollout.report import ROLLED
 from gpufleet.rollout.router_control import RouterControl, RouterFailure

@@ -1,7 +1,7 @@
 """The fleet as an inventory describes it: hosts, their validated configs, and serving pools.
 
-Read from an inventory file by :func:`gpufleet.config.inventory.load_fleet` (and, in a deploy,
-:func:`gpufleet.config.inventory.fleet_from_state`)."""
+Read from an inventory file by :func:`gpufleet.inventory.load.load_fleet` (and, in a deploy,
+:func:`gpufleet.inventory.load.fleet_from_state`)."""
 
 from __future__ import annotations
 

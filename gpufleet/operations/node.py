@@ -22,9 +22,9 @@ from pyinfra.api.host import Host
 from pyinfra.api.operation import OperationMeta, operation
 from pyinfra.context import host, state
 
-from gpufleet.deploy.context import NodeMemory, deploy_state
 from gpufleet.facts.node import AccountState, NodeState, NodeStateValue, PathState, UnitState
 from gpufleet.pyinfra_seam import current_host, current_state
+from gpufleet.run.context import NodeMemory, deploy_state
 
 Commands = Generator[Any, None, None]
 P = ParamSpec("P")

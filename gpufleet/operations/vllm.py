@@ -16,13 +16,13 @@ from pyinfra.api.command import QuoteString, StringCommand
 from pyinfra.context import host, state
 
 from gpufleet.bench.starts import Start, StartKey, fastest, measured_start, read_record, record_text, records_textfile
-from gpufleet.deploy.lost_nodes import connection_lost
 from gpufleet.facts.vllm import STACK_KEYS, ReplicaStack
 from gpufleet.node.replica_rank import SECRET_ENV as RANK_SECRET_ENV
 from gpufleet.operations import files, node
 from gpufleet.operations.node import Commands, fail, gpufleet_operation, read_only
 from gpufleet.plan.kv_observed import observed_line
 from gpufleet.pyinfra_seam import current_host
+from gpufleet.run.lost_nodes import connection_lost
 from gpufleet.units.escape import env_file
 
 NodeStack = dict[str, str | None]  # vllm, torch, python, ray, model -> its value on one node (None: none there)

@@ -1,7 +1,7 @@
 """The release records on a replica's nodes (:mod:`gpufleet.rollout.release`): read them, and keep the release a
 change is about to replace as ``release.previous.json``.
 
-Both run over :mod:`gpufleet.rollout.remote` as the host's data says (root: ``_sudo`` where the SSH user is not):
+Both run over :mod:`gpufleet.remote.commands` as the host's data says (root: ``_sudo`` where the SSH user is not):
 one ``head`` for every record of a node (:func:`read_texts`, also ``gpufleet plan --observed``'s reader); ``cp``
 before a change, and ``mv`` once it held (or ``rm`` when it was rolled back), so ``release.previous.json`` is
 replaced whole, and only by a change that held.
@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gpufleet.node_paths import previous_release_file, release_file
+from gpufleet.remote.commands import Remote
 from gpufleet.rollout.release import MAX_BYTES, Release, ReleaseError, parse_release
-from gpufleet.rollout.remote import Remote
 
 TIMEOUT_S = 60.0
 _HEADER = re.compile(r"==> (.+) <==")  # what head -v prints before each file

@@ -9,8 +9,8 @@ from typing import Any
 from gpufleet.node_paths import observed_file
 from gpufleet.plan.kv_observed import parse_observed
 from gpufleet.plan.planner import Replica
+from gpufleet.remote.commands import Remote
 from gpufleet.rollout.node_releases import RecordFailure, read_texts
-from gpufleet.rollout.remote import Remote
 
 MAX_BYTES = 16384  # an observed.json is a few hundred bytes
 

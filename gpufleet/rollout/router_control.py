@@ -2,7 +2,7 @@
 (drain), wait until it has nothing in flight, put it back (ready), and read every server's state and counters.
 
 Each step runs the node tool ``router_admin.py`` (installed on every node by role common) over
-:mod:`gpufleet.rollout.remote`; a backend is a served model, a server one of its replicas, named as the plan names
+:mod:`gpufleet.remote.commands`; a backend is a served model, a server one of its replicas, named as the plan names
 it (:func:`roles.router.backends`). A change is made on every router before one that failed is reported, so a
 router that answers is never left behind by one that does not.
 """
@@ -15,8 +15,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from gpufleet.node_paths import node_tool
+from gpufleet.remote.commands import Remote, RemoteResult
 from gpufleet.rollout.canary import Counters
-from gpufleet.rollout.remote import Remote, RemoteResult
 
 ROUTER_ADMIN = ("python3", "-I", node_tool("router_admin.py"))
 COMMAND_TIMEOUT_S = 60.0  # show, set-state: the tool's own waits are a few seconds

@@ -33,6 +33,7 @@ from typing import Protocol
 from gpufleet.bench.guidellm_client import ClientError
 from gpufleet.bench.records import Record
 from gpufleet.prometheus_api import PrometheusError
+from gpufleet.remote.commands import Remote
 from gpufleet.rollout import report as rp
 from gpufleet.rollout.batches import Batch
 from gpufleet.rollout.canary import Thresholds, traffic, verdict
@@ -50,7 +51,6 @@ from gpufleet.rollout.latency import (
 )
 from gpufleet.rollout.node_releases import RecordFailure, drop_staged, keep_previous, stage_previous
 from gpufleet.rollout.release import Release
-from gpufleet.rollout.remote import Remote
 from gpufleet.rollout.replicas import Member, Rollable
 from gpufleet.rollout.router_control import RouterControl, RouterFailure, RouterView
 

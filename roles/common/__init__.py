@@ -16,10 +16,10 @@ from pyinfra.api.deploy import deploy
 from pyinfra.context import host
 from pyinfra.facts.server import Hostname
 
-from gpufleet.deploy.context import gpu_facts, host_config
 from gpufleet.facts.gpu import controller_pynvml
 from gpufleet.node_paths import CONFIG_DIR, NODE_ENV, NODE_PYNVML, NODE_TOOL_FILES, NODE_TOOLS_DIR, node_tool
 from gpufleet.operations import apt, files, node
+from gpufleet.run.context import gpu_facts, host_config
 from gpufleet.templates import render
 from gpufleet.units.escape import env_value
 

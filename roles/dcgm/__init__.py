@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from pyinfra.api.deploy import deploy
 
-from gpufleet.deploy.context import host_config
 from gpufleet.node_paths import DCGM_HOSTENGINE as HOSTENGINE
 from gpufleet.operations import apt, node, systemd
+from gpufleet.run.context import host_config
 
 
 def dcgm_package(dcgm_version: str, cuda_version: str) -> str:

@@ -11,7 +11,7 @@ After it, the node has:
   -a FLEET_ADDRESS:dcgm_exporter_port -r localhost:5555`` as ``dcgm-exporter``, reading through the running
   host engine (role ``dcgm``), sandboxed by systemd; enabled and running, serving ``/metrics`` on the node's
   fleet address to the node itself and the monitoring hosts only (``IPAddressAllow=``,
-  :mod:`gpufleet.deploy.access`).
+  :mod:`gpufleet.plan.access`).
 
 A change of the counters file, the unit or the package restarts the exporter and nothing else.
 Variables (roles/dcgm_exporter/defaults.yml): ``dcgm_exporter_version``, ``dcgm_exporter_port``.
@@ -26,14 +26,14 @@ from pyinfra.context import host
 from pyinfra.operations.util import any_changed
 
 from gpufleet.config.problems import ConfigError, exit_with
-from gpufleet.deploy import access
-from gpufleet.deploy.context import gpu_facts, host_config
 from gpufleet.gpu.report import NodeFacts
 from gpufleet.netaddr import bracketed
 from gpufleet.node_paths import DCGM_EXPORTER_COUNTERS, unit_path
 from gpufleet.node_paths import DCGM_EXPORTER_SERVICE as SERVICE
 from gpufleet.node_paths import DCGM_HOSTENGINE as HOSTENGINE
 from gpufleet.operations import apt, files, node, server, systemd
+from gpufleet.plan import access
+from gpufleet.run.context import gpu_facts, host_config
 from gpufleet.templates import render
 
 PACKAGE = "datacenter-gpu-manager-exporter"

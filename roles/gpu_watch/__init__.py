@@ -18,8 +18,6 @@ from __future__ import annotations
 from pyinfra.api.deploy import deploy
 from pyinfra.operations.util import any_changed
 
-from gpufleet.deploy import access
-from gpufleet.deploy.context import host_config
 from gpufleet.node_paths import (
     GATE_POLICY,
     GPU_WATCH_MARKER,
@@ -33,6 +31,8 @@ from gpufleet.node_paths import (
     unit_path,
 )
 from gpufleet.operations import files, node, systemd
+from gpufleet.plan import access
+from gpufleet.run.context import host_config
 from gpufleet.templates import render
 from gpufleet.units.escape import exec_line
 

@@ -38,8 +38,6 @@ from gpufleet import templates
 from gpufleet.config.inventory_shape import ROUTERS_GROUP
 from gpufleet.config.problems import ConfigError, Problem, exit_with
 from gpufleet.config.schema import HostConfig
-from gpufleet.deploy import access
-from gpufleet.deploy.context import fleet, host_config
 from gpufleet.facts.network import AddressInterface
 from gpufleet.netaddr import host_port
 from gpufleet.node_paths import (
@@ -52,7 +50,9 @@ from gpufleet.node_paths import (
 )
 from gpufleet.operations import apt, files, node, server, systemd
 from gpufleet.operations.server import checked_install  # shell text, not an operation
+from gpufleet.plan import access
 from gpufleet.plan.virtual_address import PASSWORD_KEY, VirtualAddress, group, password_problem, read_password
+from gpufleet.run.context import fleet, host_config
 from gpufleet.units.escape import exec_line
 
 PACKAGE = "keepalived"

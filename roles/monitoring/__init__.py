@@ -41,7 +41,7 @@ the plan serves for node_exporter in ``/var/lib/node_exporter/textfile_collector
 (``gpufleet_replica_start_record_seconds``), what the alert ReplicaStartSlow compares each replica's start with.
 
 Variables: roles/monitoring/defaults.yml. The fleet lets the monitoring hosts in
-(:func:`gpufleet.deploy.access.monitoring_sources`).
+(:func:`gpufleet.plan.access.monitoring_sources`).
 """
 
 from __future__ import annotations
@@ -62,15 +62,13 @@ from gpufleet.bench.capacity import releases_without_bench
 from gpufleet.bench.records import Record
 from gpufleet.bench.starts import START_RECORDS_DIR, start_key
 from gpufleet.config.fleet import Fleet
-from gpufleet.config.inventory import loaded_inventory
 from gpufleet.config.inventory_shape import MONITORING_GROUP, ROUTERS_GROUP
 from gpufleet.config.problems import ConfigError, exit_with
 from gpufleet.config.schema import HostConfig
-from gpufleet.deploy import access
-from gpufleet.deploy.context import DeployContext, context, fleet, host_config
 from gpufleet.facts.bench import BenchRecords
 from gpufleet.gpu.profiles import profile_facts
 from gpufleet.gpu.report import NodeFacts
+from gpufleet.inventory.load import loaded_inventory
 from gpufleet.monitoring import ceiling_rules, dashboards
 from gpufleet.monitoring.alert_rules import render_rules
 from gpufleet.monitoring.plan_rules import plan_rules
@@ -93,8 +91,10 @@ from gpufleet.node_paths import (
     unit_path,
 )
 from gpufleet.operations import apt, files, node, server, systemd, vllm
+from gpufleet.plan import access
 from gpufleet.plan.planner import Replica, plan_fleet
 from gpufleet.pyinfra_seam import current_state
+from gpufleet.run.context import DeployContext, context, fleet, host_config
 from gpufleet.units.escape import exec_line
 from roles.common import NODE_SOURCES
 

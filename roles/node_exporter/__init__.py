@@ -8,7 +8,7 @@ After it, the node has:
 - node_exporter running and enabled, with the systemd collector on (unit states and services' automatic
   restarts, read from systemd over D-Bus), listening on ``node_exporter_listen_address`` (default: the fleet
   address) port ``node_exporter_port``, reachable from the node itself and the monitoring hosts only
-  (``IPAddressAllow=``, :mod:`gpufleet.deploy.access`). Where it comes from is ``node_exporter_install``:
+  (``IPAddressAllow=``, :mod:`gpufleet.plan.access`). Where it comes from is ``node_exporter_install``:
 
   - ``tarball``: ``/usr/local/bin/node_exporter`` (root, 0755) from the release tarball, which the controller
     fetched once and checked against ``node_exporter_tarball_sha256`` before pushing it to
@@ -43,14 +43,14 @@ from pyinfra.operations.util import any_changed
 from gpufleet import templates
 from gpufleet.config.problems import ConfigError, exit_with
 from gpufleet.config.schema import HostConfig
-from gpufleet.deploy import access
-from gpufleet.deploy.context import host_config
-from gpufleet.deploy.download import DownloadError, fetch_verified
+from gpufleet.downloads import DownloadError, fetch_verified
 from gpufleet.netaddr import host_port
 from gpufleet.node_paths import NODE_EXPORTER_CACHE, TEXTFILE_DIR, unit_path
 from gpufleet.node_paths import NODE_EXPORTER_PACKAGE_UNIT as PACKAGE_UNIT
 from gpufleet.node_paths import NODE_EXPORTER_UNIT as UNIT
 from gpufleet.operations import apt, files, node, server, systemd
+from gpufleet.plan import access
+from gpufleet.run.context import host_config
 from gpufleet.units.escape import exec_arg, unit_value
 
 USER = "node_exporter"

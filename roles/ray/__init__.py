@@ -9,12 +9,12 @@ until ``ray status`` counts every node of the replica; only then does ``vllm_ser
 head. Run after ``vllm_install`` (Ray comes from the version's virtualenv) and before ``vllm_serve``. After a
 reboot the units keep that order without a deploy: a worker's ``ray start`` fails while the head does not answer
 and ``Restart=`` tries again, and the head's vLLM waits for every node (the vllm role's drop-in,
-:mod:`gpufleet.deploy.ray_drop_in`).
+:mod:`roles.vllm.ray_drop_in`).
 
 Access: token authentication on (``RAY_AUTH_MODE=token``; ``ray_auth_token`` read on the controller and
 written to ``/etc/gpufleet/secrets/<replica>.ray.env``, root 0600, which systemd reads for the unit), the
 Ray Client server off (it would run code for anyone, token or not), and the unit reachable only from the
-replica's nodes and the monitoring hosts (``IPAddressAllow=``, :mod:`gpufleet.deploy.access`).
+replica's nodes and the monitoring hosts (``IPAddressAllow=``, :mod:`gpufleet.plan.access`).
 """
 
 from __future__ import annotations
@@ -28,9 +28,6 @@ from pyinfra.context import host
 from pyinfra.operations.util import any_changed
 
 from gpufleet.config.problems import ConfigError, Problem, exit_with
-from gpufleet.deploy import access
-from gpufleet.deploy import vllm_files as vf
-from gpufleet.deploy.context import assignments, context, host_config
 from gpufleet.netaddr import host_port
 from gpufleet.node_paths import (
     RAY_ENV_DIR,
@@ -45,8 +42,11 @@ from gpufleet.node_paths import RAY_UNIT_PREFIX as UNIT_PREFIX
 from gpufleet.node_paths import ray_unit as unit_name
 from gpufleet.operations import files, node, systemd
 from gpufleet.operations import ray as ray_ops
+from gpufleet.plan import access
+from gpufleet.run.context import assignments, context, host_config
 from gpufleet.templates import render
 from gpufleet.units.escape import env_file, exec_line
+from roles.vllm import files as vf
 
 
 def _restart_due(changed: Callable[[], bool], started: OperationMeta) -> bool:

@@ -46,7 +46,7 @@ checked together with ``haproxy -c`` and only then put in place (:func:`edge_ins
 reaches the directory the running router reads. A change is reloaded (HAProxy's hitless reload: requests in flight
 finish on the old workers; a new, removed or rotated client key changes only the edge's files); a changed drop-in
 restarts HAProxy. Variables: roles/router/defaults.yml. The replicas let the routers in
-(:func:`gpufleet.deploy.access.vllm_sources`).
+(:func:`gpufleet.plan.access.vllm_sources`).
 """
 
 from __future__ import annotations
@@ -67,18 +67,18 @@ from gpufleet.config import edge
 from gpufleet.config.inventory_shape import ROUTERS_GROUP
 from gpufleet.config.problems import ConfigError, Problem, exit_with
 from gpufleet.config.schema import HostConfig, RouterClient
-from gpufleet.deploy import access
-from gpufleet.deploy import vllm_files as vf
-from gpufleet.deploy.context import context, fleet, host_config
 from gpufleet.netaddr import host_port
 from gpufleet.node import router_health
 from gpufleet.node_paths import NODE_PYTHON, NODE_TOOLS_DIR, ROUTER_ADMIN_SOCKET, TEXTFILE_DIR, node_tool, unit_path
 from gpufleet.node_paths import ROUTER_SERVICE as SERVICE
 from gpufleet.operations import apt, files, node, server, systemd
 from gpufleet.operations.server import checked_install  # shell text, not an operation
+from gpufleet.plan import access
 from gpufleet.plan.backends import Backend, backends
 from gpufleet.plan.planner import Replica
+from gpufleet.run.context import context, fleet, host_config
 from gpufleet.units.escape import exec_line
+from roles.vllm import files as vf
 
 PACKAGE = "haproxy"
 CONFIG = "/etc/haproxy/haproxy.cfg"

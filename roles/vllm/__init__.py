@@ -6,7 +6,7 @@ index, a wheelhouse and/or a hash-pinned lock); the model staged before any repl
 root-owned ``/var/lib/gpufleet/models/`` (pushed from the controller, or downloaded on the node at a pinned
 revision into a temporary directory moved into place when complete); the templated unit
 ``vllm@.service`` (on a Ray replica's head with the drop-in ``vllm@<replica>.service.d/ray.conf``:
-:mod:`gpufleet.deploy.ray_drop_in`); per replica ``/etc/gpufleet/vllm/<replica>/`` with ``config.yaml`` (``--config``),
+:mod:`roles.vllm.ray_drop_in`); per replica ``/etc/gpufleet/vllm/<replica>/`` with ``config.yaml`` (``--config``),
 ``vllm.env``, a ``venv`` link and ``release.json`` (what it runs: :mod:`gpufleet.rollout.release`; writing
 it restarts nothing), the API key and hub token in ``/etc/gpufleet/secrets/<replica>.env``
 (0600, root) and, on each node of a multi-node mp replica, the rank secret its ranks prove to each other in
@@ -31,7 +31,7 @@ replica serves again, so a run interrupted in between restarts it next time (and
 as drift). On its first node, the replica's watchdog runs with it (``vllm_watchdog_stall_s``;
 ``gpufleet/node/replica_watchdog.py``) and restarts it when it is wedged.
 
-Variables: roles/vllm/defaults.yml. The layout comes from the plan (``gpufleet.deploy.context``).
+Variables: roles/vllm/defaults.yml. The layout comes from the plan (``gpufleet.run.context``).
 """
 
 from __future__ import annotations
@@ -51,9 +51,6 @@ from gpufleet.bench.starts import start_key
 from gpufleet.config.inventory_shape import ROUTERS_GROUP
 from gpufleet.config.problems import ConfigError, Problem, exit_with
 from gpufleet.config.schema import HostConfig
-from gpufleet.deploy import access, ray_drop_in
-from gpufleet.deploy import vllm_files as vf
-from gpufleet.deploy.context import DeployContext, assignments, context, host_config
 from gpufleet.netaddr import host_port
 from gpufleet.node.health_rules import policy_json
 from gpufleet.node_paths import (
@@ -85,11 +82,15 @@ from gpufleet.node_paths import (
     watchdog_unit,
 )
 from gpufleet.operations import apt, files, node, server, systemd, vllm
+from gpufleet.plan import access
 from gpufleet.plan.commands import NodeRole, Process
 from gpufleet.plan.planner import Replica
 from gpufleet.rollout.release import release_json, release_of
+from gpufleet.run.context import DeployContext, assignments, context, host_config
 from gpufleet.templates import render
 from gpufleet.units.escape import env_file
+from roles.vllm import files as vf
+from roles.vllm import ray_drop_in
 
 HUB_SECRET = replica_secrets("hub")
 
@@ -112,7 +113,7 @@ def _restart_due(ctx: DeployContext, replica: str, changed: Callable[[], bool]) 
 
 def unit_values(allowed: list[str] | None = None, stop_timeout_s: int = vf.STOP_MARGIN_S) -> dict[str, object]:
     """What templates/vllm/vllm@.service.j2 is rendered with: fixed paths, who may connect (``allowed``, from
-    :func:`gpufleet.deploy.access.vllm_sources`; None: anyone) and how long a stop may take (drain included)."""
+    :func:`gpufleet.plan.access.vllm_sources`; None: anyone) and how long a stop may take (drain included)."""
     return {"etc": VLLM_ETC, "node_tools": NODE_TOOLS_DIR, "gate_policy": GATE_POLICY, "home": VLLM_HOME,
             "secrets_dir": SECRETS_DIR, "ip_access": access.unit_lines(allowed), "stop_timeout_s": stop_timeout_s}
 

@@ -18,11 +18,11 @@ from pyinfra.context import ctx_host, ctx_state
 
 from gpufleet.cli.gpu import make_gate_command
 from gpufleet.facts.gpu import NvmlGpuFacts
-from gpufleet.gpu.live_probe import gate_report
 from gpufleet.gpu.profiles import profile_facts
 from gpufleet.gpu.report import NodeFacts, load_facts, parse_facts
 from gpufleet.node.health_rules import HealthPolicy, evaluate
 from gpufleet.operations import gates
+from gpufleet.remote.gpu_probe import gate_report
 from tests.conftest import DATA, host_tool
 from tests.unit.fake_hosts import FakeHost, FakeState
 
@@ -241,7 +241,7 @@ def test_importing_the_commands_leaves_the_stdlib_unpatched() -> None:
 
 
 def test_inventory_groups_and_host_data(tmp_path: Path) -> None:
-    from gpufleet.gpu.live_probe import load_inventory
+    from gpufleet.remote.gpu_probe import load_inventory
 
     path = tmp_path / "prod.py"
     path.write_text('gpu_a = ([("gpu-a01", {"ssh_port": 2201}), "gpu-a02"], {"ssh_user": "ops"})\n'

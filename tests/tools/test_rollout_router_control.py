@@ -11,7 +11,7 @@ from collections.abc import Collection, Sequence
 
 import pytest
 
-from gpufleet.rollout.remote import RemoteResult, command_line
+from gpufleet.remote.commands import RemoteResult, command_line
 from gpufleet.rollout.router_control import ROUTER_ADMIN, RouterControl, RouterFailure
 from tests.tools.router_admin_haproxy import BACKEND, FIRST, SECOND, TOOL, Router
 

@@ -16,10 +16,10 @@ import pytest
 import roles.router as router_role
 from gpufleet import node_paths
 from gpufleet.cli.inputs import fleet_facts
-from gpufleet.config.inventory import load_fleet
-from gpufleet.deploy import ray_drop_in
+from gpufleet.inventory.load import load_fleet
 from gpufleet.plan.planner import plan_fleet
 from gpufleet.units import escape as systemd_text
+from roles.vllm import ray_drop_in
 from tests.conftest import ROOT, host_tool
 from tests.tools.systemd_verify import stub_root, verify_unit
 from tests.unit.configs import host_config

@@ -9,7 +9,7 @@ from typing import Any
 import roles.monitoring as role
 from gpufleet.cli.inputs import fleet_facts
 from gpufleet.config.fleet import Fleet
-from gpufleet.config.inventory import load_fleet, loaded_inventory
+from gpufleet.inventory.load import load_fleet, loaded_inventory
 from gpufleet.plan.planner import plan_fleet
 from tests.conftest import ROOT
 from tests.unit.configs import host_config

@@ -1,11 +1,11 @@
-"""A stand-in for the connections to the nodes (gpufleet.rollout.remote's Remote): files on the nodes, read with one
+"""A stand-in for the connections to the nodes (gpufleet.remote.commands's Remote): files on the nodes, read with one
 ``head`` per node, as on a node."""
 
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
-from gpufleet.rollout.remote import RemoteResult, command_line
+from gpufleet.remote.commands import RemoteResult, command_line
 
 
 class NodeFiles:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from gpufleet.config.inventory import load_fleet
 from gpufleet.gpu.profiles import profile_facts
+from gpufleet.inventory.load import load_fleet
 from gpufleet.plan.planner import FleetPlan, plan_fleet
 from tests.conftest import Project, run_cli
 

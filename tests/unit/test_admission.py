@@ -13,9 +13,9 @@ from click.testing import CliRunner
 
 import roles.router as router_role
 from gpufleet.cli.main import main
-from gpufleet.config.inventory import load_fleet
 from gpufleet.config.vllm_flags import SUPPORTED_VLLM_VERSIONS, FlagCatalog, load_catalog
 from gpufleet.gpu.profiles import profile_facts
+from gpufleet.inventory.load import load_fleet
 from gpufleet.plan import backends as plan_backends
 from gpufleet.plan.admission import (
     QUEUED_REQS_FLAG,

@@ -73,7 +73,7 @@ from click.testing import CliRunner
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-import gpufleet.config.inventory as gpufleet_inventory
+import gpufleet.inventory.load as gpufleet_inventory
 from gpufleet.cli.main import main as gpufleet_main
 from tests.conftest import DATA
 from tests.unit import tls_files
@@ -149,7 +149,7 @@ def _inventory(case: dict[str, Any], port: int) -> str:
     host_data = {"ssh_port": port, "ssh_user": "root", **(case.get("host") or {})}
     entries = [(HOST, host_data)] + [tuple(h) for h in case.get("hosts") or []]
     body = case.get("groups") or ""
-    return ("from gpufleet.config.inventory import apply_group_vars\n"
+    return ("from gpufleet.inventory.load import apply_group_vars\n"
             f"servers = {entries!r}\n{body}\napply_group_vars(globals())\n{case.get('after') or ''}")
 
 

@@ -29,8 +29,8 @@ from gpufleet.bench.records import Record, RecordKey, latest, parse_records
 from gpufleet.cli import bench as cli_bench
 from gpufleet.cli.inputs import fleet_facts
 from gpufleet.cli.main import main
-from gpufleet.config.inventory import load_fleet
 from gpufleet.config.schema import RouterClient, SecretRef
+from gpufleet.inventory.load import load_fleet
 from gpufleet.plan.planner import plan_fleet
 from tests.conftest import DATA
 from tests.unit import tls_files

@@ -18,17 +18,17 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-import gpufleet.bench.store as store
-import gpufleet.gpu.live_probe as live_probe
+import gpufleet.remote.bench_store as store
+import gpufleet.remote.gpu_probe as live_probe
 from gpufleet.bench.capacity import ModelCapacity, ShapeCeiling, model_capacities
 from gpufleet.bench.records import Record, RecordKey
 from gpufleet.cli.inputs import fleet_facts
 from gpufleet.cli.main import main
-from gpufleet.config.inventory import load_fleet
+from gpufleet.inventory.load import load_fleet
 from gpufleet.monitoring import ceiling_rules
 from gpufleet.monitoring.plan_rules import plan_rules
 from gpufleet.plan.planner import Replica, plan_fleet
-from gpufleet.rollout import remote as remote_module
+from gpufleet.remote import commands as remote_module
 from tests.conftest import DATA
 from tests.unit.node_files import NodeFiles
 

@@ -30,7 +30,7 @@ def _two_groups(project: Project) -> Path:
 
 
 def test_precedence_host_over_group_over_all_over_defaults(project: Project) -> None:
-    from gpufleet.config.inventory import load_fleet
+    from gpufleet.inventory.load import load_fleet
 
     fleet = load_fleet(str(_two_groups(project)))
     n1, n2 = fleet.configs["n1"], fleet.configs["n2"]
@@ -46,7 +46,7 @@ def test_pyinfra_data_overrides_everything(project: Project) -> None:
     deploy = project.root / "show.py"
     deploy.write_text(
         "from pyinfra import host, state\n"
-        "from gpufleet.config.inventory import fleet_from_state\n"
+        "from gpufleet.inventory.load import fleet_from_state\n"
         "cfg = fleet_from_state(state).configs[host.name]\n"
         "print(f'PORT {host.name} {cfg.vllm_port} UTIL {cfg.vllm_gpu_memory_utilization}')\n"
     )
@@ -148,7 +148,7 @@ def test_missing_inventory_file() -> None:
 
 
 def test_gpu_health_thresholds_are_typed(project: Project) -> None:
-    from gpufleet.config.inventory import load_fleet
+    from gpufleet.inventory.load import load_fleet
 
     project.group_vars("all", BASE + "gpu_health: {expected_gpu_count: 8, min_driver_branch: 570}\n")
     fleet = load_fleet(str(project.inventory('a = ["h1"]')))
@@ -231,7 +231,7 @@ def test_secret_values_are_never_shown(project: Project, edit: str) -> None:
 
 
 def test_data_arguments_read_as_pyinfra_reads_them() -> None:
-    from gpufleet.config.inventory import cli_data_override
+    from gpufleet.inventory.load import cli_data_override
 
     argv = ["-y", "--data", "vllm_port=8001", "--data=vllm_start=FALSE", "--data", 'vllm_env={"A": "1"}',
             "inv.py", "deploy.py"]
@@ -242,7 +242,7 @@ def test_data_arguments_read_as_pyinfra_reads_them() -> None:
             "print(json.dumps([parse_cli_arg(a) for a in json.loads(sys.argv[1])]))")
     theirs = subprocess.run([sys.executable, "-c", code, json.dumps(samples)], capture_output=True, text=True,
                             check=True).stdout
-    from gpufleet.config.inventory import data_value
+    from gpufleet.inventory.load import data_value
 
     assert json.loads(theirs) == [data_value(s) for s in samples]
 
@@ -256,7 +256,7 @@ def test_broken_inventory_file_is_one_line(project: Project) -> None:
 
 @pytest.mark.parametrize(("body", "expected"), [
     ("import sys\nsys.exit(0)", "inventories/fleet.py: expected the inventory to end with apply_group_vars(globals())"
-                                " (gpufleet.config.inventory), found no call\n"),
+                                " (gpufleet.inventory.load), found no call\n"),
     ("import sys\nsys.exit(5)", "inventories/fleet.py: expected the inventory to run through, found it exited with"
                                 " status 5\n"),
     ("import sys\nsys.exit('inventories/fleet.py: no lab is up')", "inventories/fleet.py: no lab is up\n"),

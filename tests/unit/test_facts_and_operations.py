@@ -33,9 +33,9 @@ from pyinfra.api import FileUploadCommand, FunctionCommand, StringCommand
 from pyinfra.api.exceptions import FactProcessError
 from pyinfra.context import ctx_host, ctx_state
 
-from gpufleet.deploy.context import deploy_state
 from gpufleet.operations import node
 from gpufleet.operations.nvidia import LoadedModule
+from gpufleet.run.context import deploy_state
 from tests.conftest import DATA, ROOT
 from tests.unit.fake_hosts import FakeHost, FakeState
 

@@ -8,14 +8,14 @@ from typing import Any
 import pytest
 
 from gpufleet.config.fleet import Fleet
-from gpufleet.config.inventory import HostLayers, Layer
 from gpufleet.config.layers import role_default_layers
 from gpufleet.config.schema import HostConfig
 from gpufleet.config.validate import validate_host
-from gpufleet.deploy import context as context_module
-from gpufleet.deploy.context import DeployContext, gate_verdict, profile_mismatch
 from gpufleet.gpu.profiles import profile_facts
 from gpufleet.gpu.report import NodeFacts
+from gpufleet.inventory.load import HostLayers, Layer
+from gpufleet.run import context as context_module
+from gpufleet.run.context import DeployContext, gate_verdict, profile_mismatch
 from tests.recorded_ops import RecordedOp
 
 HOST = "10.0.0.5"

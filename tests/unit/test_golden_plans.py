@@ -24,11 +24,11 @@ import pytest
 import yaml
 
 from gpufleet.cli.inputs import fleet_facts
-from gpufleet.config.inventory import load_fleet
 from gpufleet.config.schema import SECRET_KEYS
-from gpufleet.deploy import vllm_files as vf
+from gpufleet.inventory.load import load_fleet
 from gpufleet.plan.planner import plan_fleet
 from gpufleet.units.escape import env_file
+from roles.vllm import files as vf
 from tests.conftest import DATA, ROOT
 
 PLANS = DATA / "plans"

@@ -28,10 +28,10 @@ import roles.common as common_role
 import roles.node_exporter as node_exporter_role
 from gpufleet import templates
 from gpufleet.config.problems import ConfigError
-from gpufleet.deploy import vllm_files as vf
 from gpufleet.node import vllm_ready
 from gpufleet.plan.commands import serve_flags, serve_process
 from gpufleet.units import escape as systemd_text
+from roles.vllm import files as vf
 from tests.conftest import ROOT
 from tests.unit.configs import host_config
 from tests.unit.unit_files import HOSTILE, exec_argv

@@ -17,7 +17,7 @@ import yaml
 from click.testing import CliRunner
 from gpufleet_lab.tls import make_lab_tls
 
-import gpufleet.config.inventory as gpufleet_inventory
+import gpufleet.inventory.load as gpufleet_inventory
 import roles.keepalived as role
 import roles.router as router_role
 from gpufleet.cli.main import main

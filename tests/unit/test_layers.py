@@ -1,5 +1,6 @@
-"""gpufleet's layers run one way: each module imports only modules of its own layer or of the layers below it, and
-no import cycle joins gpufleet's modules.
+"""gpufleet's layers run one way, and a folder is a layer: each module imports only modules of its own folder's layer
+or of the layers below it, no two folders import each other (directly or around a loop), and no import cycle joins
+gpufleet's modules. Each check fails on a violating import added to a throwaway copy of the tree.
 
 Every import counts, wherever it sits: at the top of a module, inside a function (a lazy import), under
 ``if TYPE_CHECKING:``, an ``importlib.import_module("...")`` of a literal name and a ``"module:attribute"`` entry
@@ -16,51 +17,36 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-# The layers, bottom first: a module may import its own layer and those before it. A module belongs to the
-# longest prefix of its name listed in LAYER_OF.
-LAYERS = (
-    "node",  # the node tools: shipped to the GPU nodes and run by their own python3, standard library only
-    "base",  # what every layer shares: paths and unit names on a node, addresses, files, units' text, GPU documents
-    "config",  # one host's settings: the schema, their layers and their checks, the fleet they make
-    "plan",  # replicas, their memory and commands, the models' maths, the routers' backends and virtual address
-    "inventory",  # an inventory file read as a fleet, checked with the config's and the plan's rules
-    "deploy",  # what a deploy adds: pyinfra facts and operations, deploy helpers, monitoring's files, live probes
-    "rollout",  # a rolling upgrade or rollback: SSH to the nodes and routers, batches, the canary
-    "cli",  # the gpufleet command: an entry point, imported by no other layer
-    "lab",  # gpufleet_lab, its own distribution (lab/): may import the product, imported by nothing of it
-    "roles",  # roles/: each role's operations, and the site sequence that calls them in order
-    "deploys",  # deploys/: the files pyinfra runs
+# The layers, bottom first: a folder is a layer (a folder not listed takes its nearest listed parent's: roles/<role>/
+# are roles/), and a module may import its own folder's modules and those of the layers before it. A layer's
+# folders may import each other one way only (no cycle between folders: test_no_folder_cycle).
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("node", ("gpufleet/node",)),  # the node tools: shipped to the GPU nodes, run by their python3, stdlib only
+    ("base", ("gpufleet", "gpufleet/units", "gpufleet/gpu")),  # paths and unit names on a node, addresses, files,
+    # units' text, GPU documents and profiles: what every layer shares
+    ("config", ("gpufleet/config",)),  # one host's settings: the schema, their layers and checks, the fleet they make
+    ("plan", ("gpufleet/plan",)),  # replicas, memory, commands, the routers' backends, allow lists, virtual address
+    ("bench", ("gpufleet/bench",)),  # the measured ceiling: a ramp, its client, its records and the capacity they give
+    ("monitoring", ("gpufleet/monitoring",)),  # Prometheus's rules and scrape configuration, dashboards, from the plan
+    ("inventory", ("gpufleet/inventory",)),  # an inventory file read as a fleet, checked by config's and plan's rules
+    ("facts", ("gpufleet/facts",)),  # pyinfra facts: what a node has
+    ("run", ("gpufleet/run",)),  # one deploy run's state: the fleet, probed GPUs, the plan, lost nodes, op order
+    ("operations", ("gpufleet/operations",)),  # pyinfra operations: what a node is made to have
+    ("remote", ("gpufleet/remote",)),  # the controller on inventory hosts outside a deploy: commands, the GPU probe,
+    # the bench records' store
+    ("rollout", ("gpufleet/rollout",)),  # a rolling upgrade or rollback: batches, routers, the canary
+    ("cli", ("gpufleet/cli",)),  # the gpufleet command: an entry point, imported by no other layer
+    ("lab", ("lab/gpufleet_lab",)),  # gpufleet_lab, its own distribution: imports the product, imported by none of it
+    ("roles", ("roles",)),  # roles/<role>/: each role's operations, settings and helpers; roles/site.py, their order
+    ("deploys", ("deploys",)),  # deploys/: the files pyinfra runs
 )
-ENTRY_LAYERS = {"cli", "lab"}  # only their own layer imports them (ALLOWED aside)
-
-# A module belongs to the layer of the longest prefix of its name listed here.
-LAYER_OF = {
-    "gpufleet.node": "node",
-    "gpufleet": "base",  # the package's own __init__ and the modules at its top: node_paths, netaddr, digest, ...
-    "gpufleet.units": "base",
-    "gpufleet.gpu": "base",
-    "gpufleet.pyinfra_seam": "base",  # every private surface of pyinfra, its CLI and paramiko: no gpufleet import
-    "gpufleet.config": "config",
-    "gpufleet.plan": "plan",
-    "gpufleet.bench": "plan",  # the measured ceiling: a ramp, its client, its records and what they say of the plan
-    "gpufleet.config.inventory": "inventory",
-    "gpufleet.deploy": "deploy",
-    "gpufleet.operations": "deploy",
-    "gpufleet.facts": "deploy",
-    "gpufleet.monitoring": "deploy",
-    "gpufleet.gpu.live_probe": "deploy",  # runs the GPU fact (gpufleet.facts.gpu) on an inventory's hosts
-    "gpufleet.rollout": "rollout",
-    "gpufleet.bench.store": "rollout",  # the records on the monitoring hosts, over the rollout's SSH commands
-    "gpufleet.cli": "cli",
-    "gpufleet_lab": "lab",
-    "roles": "roles",
-    "deploys": "deploys",
-}
-# Imports allowed across the order, each with why.
-ALLOWED: dict[tuple[str, str], str] = {}
+ENTRY_LAYERS = {"cli", "lab"}  # only their own layer imports them
+LAYER_NAMES = tuple(name for name, _ in LAYERS)
+FOLDER_LAYER = {folder: name for name, folders in LAYERS for folder in folders}
 NODE_THIRD_PARTY = {"pynvml"}  # the node tools' one import beyond the standard library (the node's NVML bindings)
 
 ROOT = Path(os.environ.get("GPUFLEET_LAYERS_ROOT", Path(__file__).resolve().parents[2]))
@@ -70,25 +56,32 @@ _ENTRY = re.compile(r"((?:gpufleet|gpufleet_lab|roles|deploys)(?:\.\w+)*):\w+")
 
 @dataclass(frozen=True)
 class Import:
-    """One import of a module of the tree: where it is written and what it names."""
+    """One import of a module of the tree: where it is written, what it names, and both modules' folders."""
 
     path: Path
     line: int
     importer: str
     imported: str  # the module itself (``from package import module`` names the module)
+    importer_folder: str
+    imported_folder: str
+    root: Path
 
     def where(self) -> str:
-        return f"{self.path.relative_to(ROOT)}:{self.line}"
+        return f"{self.path.relative_to(self.root)}:{self.line}"
 
 
-def _module_name(package: str, path: Path) -> str:
-    parts = (package, *path.relative_to(ROOT / SOURCES[package]).with_suffix("").parts)
+def _module_name(root: Path, package: str, path: Path) -> str:
+    parts = (package, *path.relative_to(root / SOURCES[package]).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _modules() -> dict[str, Path]:
-    return {_module_name(package, path): path
-            for package, folder in SOURCES.items() for path in sorted((ROOT / folder).rglob("*.py"))}
+def _modules(root: Path = ROOT) -> dict[str, Path]:
+    return {_module_name(root, package, path): path
+            for package, folder in SOURCES.items() for path in sorted((root / folder).rglob("*.py"))}
+
+
+def _folder(path: Path, root: Path) -> str:
+    return path.parent.relative_to(root).as_posix()
 
 
 def _named(node: ast.AST, importer: str, is_package: bool) -> list[str]:
@@ -112,7 +105,8 @@ def _named(node: ast.AST, importer: str, is_package: bool) -> list[str]:
     return []
 
 
-def _imports(modules: dict[str, Path]) -> list[Import]:
+def _imports(root: Path = ROOT) -> list[Import]:
+    modules = _modules(root)
     found: list[Import] = []
     for importer, path in modules.items():
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -124,85 +118,143 @@ def _imports(modules: dict[str, Path]) -> list[Import]:
                 while target and target not in modules and "." in target:
                     target = target.rsplit(".", 1)[0]
                 if target in modules and target != importer:
-                    found.append(Import(path, getattr(node, "lineno", 0), importer, target))
+                    found.append(Import(path, getattr(node, "lineno", 0), importer, target, _folder(path, root),
+                                        _folder(modules[target], root), root))
     return found
 
 
-def layer_of(module: str) -> str:
-    """The layer of a module of the tree: that of the longest prefix of its name in LAYER_OF."""
-    parts = module.split(".")
-    for end in range(len(parts), 0, -1):
-        if (prefix := ".".join(parts[:end])) in LAYER_OF:
-            return LAYER_OF[prefix]
-    raise AssertionError(f"{module}: in no layer: add it to LAYER_OF in {Path(__file__).name}")
+def layer_of(folder: str) -> str:
+    """The layer of a folder of the tree: its own, else its nearest listed parent's (roles/<role>/: roles)."""
+    at = folder
+    while at not in FOLDER_LAYER:
+        if "/" not in at:
+            raise AssertionError(f"{folder}/: in no layer: add it to LAYERS in {Path(__file__).name}")
+        at = at.rsplit("/", 1)[0]
+    return FOLDER_LAYER[at]
 
 
-def _violation(found: Import) -> str | None:
-    low, high = layer_of(found.imported), layer_of(found.importer)
-    if (found.importer, found.imported) in ALLOWED:
+def violations(imports: list[Import]) -> list[str]:
+    """Each import against the order: of a layer above its own, or of an entry layer from another layer."""
+    found = []
+    for one in imports:
+        low, high = layer_of(one.imported_folder), layer_of(one.importer_folder)
+        if LAYER_NAMES.index(low) > LAYER_NAMES.index(high):
+            why = "a layer above it"
+        elif low in ENTRY_LAYERS and low != high:
+            why = "an entry layer"
+        else:
+            continue
+        found.append(f"{one.where()}: {one.importer} ({one.importer_folder}/, layer {high}) imports {one.imported}"
+                     f" ({one.imported_folder}/, layer {low}): {why}")
+    return found
+
+
+def cycle(edges: dict[str, dict[str, Import]]) -> list[str]:
+    """The first cycle of a graph of imports (its nodes modules or folders), each step with where it is written;
+    empty without one."""
+    state: dict[str, int] = {}  # 1: on the path being walked, 2: done
+    path: list[str] = []
+
+    def cycle_from(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for imported in sorted(edges.get(node, {})):
+            if state.get(imported) == 1:
+                return [*path[path.index(imported):], imported]
+            if imported not in state and (found := cycle_from(imported)) is not None:
+                return found
+        path.pop()
+        state[node] = 2
         return None
-    if LAYERS.index(low) > LAYERS.index(high):
-        why = "a layer above it"
-    elif low in ENTRY_LAYERS and low != high:
-        why = "an entry layer"
-    else:
-        return None
-    return f"{found.where()}: {found.importer} (layer {high}) imports {found.imported} (layer {low}): {why}"
+
+    for node in sorted(edges):
+        if node not in state and (found := cycle_from(node)) is not None:
+            return [" -> ".join(found)] + [f"  {edges[a][b].where()}: {a} imports {b}"
+                                            for a, b in itertools.pairwise(found)]
+    return []
+
+
+def module_cycle(imports: list[Import]) -> list[str]:
+    edges: dict[str, dict[str, Import]] = {}
+    for one in imports:
+        edges.setdefault(one.importer, {}).setdefault(one.imported, one)
+    return cycle(edges)
+
+
+def folder_cycle(imports: list[Import]) -> list[str]:
+    edges: dict[str, dict[str, Import]] = {}
+    for one in imports:
+        if one.importer_folder != one.imported_folder:
+            edges.setdefault(one.importer_folder, {}).setdefault(one.imported_folder, one)
+    return cycle(edges)
 
 
 @pytest.fixture(scope="module")
 def imports() -> list[Import]:
-    modules = _modules()
-    assert "gpufleet.plan.planner" in modules, f"no gpufleet source under {ROOT}"
-    return _imports(modules)
+    assert "gpufleet.plan.planner" in _modules(), f"no gpufleet source under {ROOT}"
+    return _imports()
 
 
-def test_every_module_is_in_a_layer() -> None:
+def test_every_folder_is_a_layer() -> None:
+    """Every folder that holds a module is in a layer; under gpufleet/ each is listed itself (a new folder is placed
+    on purpose), and every listed folder exists."""
+    folders = {_folder(path, ROOT) for path in _modules().values()}
     missing = []
-    for module in _modules():
+    for folder in sorted(folders):
         try:
-            layer_of(module)
+            layer_of(folder)
         except AssertionError as exc:
             missing.append(str(exc))
+        if folder.startswith("gpufleet") and folder not in FOLDER_LAYER:
+            missing.append(f"{folder}/: a folder of gpufleet/ not listed in LAYERS itself")
     assert not missing, "\n".join(missing)
-    assert set(LAYER_OF.values()) <= set(LAYERS)
+    assert set(FOLDER_LAYER) <= folders, set(FOLDER_LAYER) - folders
 
 
 def test_every_import_goes_down_the_layers(imports: list[Import]) -> None:
-    violations = [line for found in imports if (line := _violation(found)) is not None]
-    order = " < ".join(LAYERS)
-    assert not violations, f"imports against the layer order ({order}):\n" + "\n".join(violations)
+    order = " < ".join(LAYER_NAMES)
+    assert not (found := violations(imports)), f"imports against the layer order ({order}):\n" + "\n".join(found)
 
 
 def test_no_import_cycle(imports: list[Import]) -> None:
-    edges: dict[str, dict[str, Import]] = {}
-    for found in imports:
-        edges.setdefault(found.importer, {}).setdefault(found.imported, found)
-    state: dict[str, int] = {}  # 1: on the path being walked, 2: done
-    path: list[str] = []
+    assert not (found := module_cycle(imports)), "an import cycle: " + "\n".join(found)
 
-    def cycle_from(module: str) -> list[str] | None:
-        state[module] = 1
-        path.append(module)
-        for imported in sorted(edges.get(module, {})):
-            if state.get(imported) == 1:
-                return [*path[path.index(imported):], imported]
-            if imported not in state and (cycle := cycle_from(imported)) is not None:
-                return cycle
-        path.pop()
-        state[module] = 2
-        return None
 
-    for module in sorted(edges):
-        if module not in state and (cycle := cycle_from(module)) is not None:
-            steps = [f"  {edges[a][b].where()}: {a} imports {b}" for a, b in itertools.pairwise(cycle)]
-            pytest.fail("an import cycle: " + " -> ".join(cycle) + "\n" + "\n".join(steps))
+def test_no_folder_cycle(imports: list[Import]) -> None:
+    """Two folders of one layer import each other one way only: each folder can be read after those it imports."""
+    assert not (found := folder_cycle(imports)), "folders that import each other: " + "\n".join(found)
+
+
+# A throwaway copy of the tree with one import added: each check must fail on it, naming the import.
+BREAKS = [
+    ("gpufleet/plan/planner.py", "from gpufleet.rollout import batches", violations,
+     "gpufleet.plan.planner (gpufleet/plan/, layer plan) imports gpufleet.rollout.batches"),
+    ("gpufleet/config/schema.py", "from gpufleet.cli import main", violations, "imports gpufleet.cli.main"),
+    ("gpufleet/plan/layout.py", "from gpufleet.plan import planner", module_cycle,
+     "gpufleet.plan.layout -> gpufleet.plan.planner"),
+    ("gpufleet/netaddr.py", "from gpufleet.gpu import profiles", folder_cycle, "gpufleet -> gpufleet/gpu -> gpufleet"),
+]
+
+
+@pytest.mark.parametrize(("file", "line", "check", "expected"), BREAKS, ids=[b[2].__name__ for b in BREAKS])
+def test_each_check_fails_on_a_violating_import_in_a_copy(
+        tmp_path: Path, file: str, line: str, check: Any, expected: str) -> None:
+    for folder in SOURCES.values():
+        for path in (ROOT / folder).rglob("*.py"):
+            copy = tmp_path / path.relative_to(ROOT)
+            copy.parent.mkdir(parents=True, exist_ok=True)
+            copy.write_text(path.read_text())
+    assert not check(_imports(tmp_path))  # the copy as it is passes
+    broken = tmp_path / file
+    broken.write_text(broken.read_text() + f"\n{line}\n")
+    found = "\n".join(check(_imports(tmp_path)))
+    assert expected in found and f"{file}:" in found, found
 
 
 def test_the_node_tools_import_the_standard_library_only() -> None:
     found = []
     for module, path in _modules().items():
-        if layer_of(module) != "node":
+        if layer_of(_folder(path, ROOT)) != "node":
             continue
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)

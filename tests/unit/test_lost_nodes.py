@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from paramiko import SSHException
 
-from gpufleet.deploy import lost_nodes
+from gpufleet.run import lost_nodes
 
 
 class _Transport:

@@ -27,15 +27,15 @@ import roles.monitoring as role
 from gpufleet import node_paths
 from gpufleet.cli.inputs import fleet_facts
 from gpufleet.config.fleet import Fleet
-from gpufleet.config.inventory import load_fleet
 from gpufleet.config.layers import HostLayers, Layer, role_default_layers
 from gpufleet.config.validate import validate_host
-from gpufleet.deploy.context import DeployContext
+from gpufleet.inventory.load import load_fleet
 from gpufleet.monitoring import dashboards
 from gpufleet.monitoring.plan_rules import plan_rules, replicas_min
 from gpufleet.monitoring.scrape_config import JOB_LABELS, RAY_METRICS_OFFSET
 from gpufleet.plan import backends as plan_backends
 from gpufleet.plan.planner import plan_fleet
+from gpufleet.run.context import DeployContext
 from tests.conftest import ROOT
 from tests.recorded_ops import Recorder
 from tests.unit.configs import host_config

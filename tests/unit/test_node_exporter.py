@@ -17,7 +17,7 @@ import pytest
 from gpufleet_lab import debian_extras
 from gpufleet_lab.errors import LabError
 
-from gpufleet.deploy.download import DownloadError, fetch_verified
+from gpufleet.downloads import DownloadError, fetch_verified
 from gpufleet.units.security import ExposureParseError, exposure, exposure_score, node_report
 from roles import node_exporter as role
 from tests.unit.configs import config_problems, https_host_config
@@ -164,7 +164,7 @@ def test_a_kept_file_that_changed_is_fetched_again(tmp_path: Path) -> None:
     digest = hashlib.sha256(source.read_bytes()).hexdigest()
     kept = fetch_verified(source.as_uri(), digest, cache=tmp_path / "cache")
     kept.write_bytes(b"damaged")
-    from gpufleet.deploy import download
+    from gpufleet import downloads as download
 
     download._checked.clear()  # a new deploy (process) checks the kept copy again
     assert fetch_verified(source.as_uri(), digest, cache=tmp_path / "cache").read_bytes() == source.read_bytes()

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 from pyinfra.context import ctx_host, ctx_state
 
-from gpufleet.deploy.context import deploy_state
 from gpufleet.operations import files, node
+from gpufleet.run.context import deploy_state
 from tests.unit.fake_hosts import FakeHost, FakeState
 
 

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from gpufleet.config.inventory import load_fleet
 from gpufleet.gpu.profiles import GPU_MODELS, MIB, framework_memory_bytes, profile_facts
+from gpufleet.inventory.load import load_fleet
 from gpufleet.plan import layout
 from gpufleet.plan.model_arch import load_arch
 from gpufleet.plan.model_memory import GIB, kv_bytes_per_token, weight_bytes

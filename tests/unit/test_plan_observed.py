@@ -12,7 +12,7 @@ from click.testing import CliRunner, Result
 from gpufleet.cli.main import main
 from gpufleet.node_paths import observed_file
 from gpufleet.plan.kv_observed import observed_line
-from gpufleet.rollout import remote as remote_module
+from gpufleet.remote import commands as remote_module
 from tests.conftest import DATA
 from tests.unit.node_files import NodeFiles
 

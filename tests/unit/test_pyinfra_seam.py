@@ -29,7 +29,7 @@ from pyinfra.context import ctx_config, ctx_host, ctx_state, host, state
 from pyinfra.operations import server
 
 from gpufleet import pyinfra_seam as seam
-from gpufleet.deploy import op_order
+from gpufleet.run import op_order
 from tests.unit.pyinfra_cli_modules import pyinfra_cli_modules
 
 ROOT = Path(os.environ.get("GPUFLEET_SEAM_ROOT", Path(__file__).resolve().parents[2]))

@@ -1,5 +1,5 @@
 """Ray replicas after a reboot of every node: the drop-in that orders a Ray head's vLLM after its Ray cluster
-(templates/vllm/ray.conf.j2, :mod:`gpufleet.deploy.ray_drop_in`), the Ray units' own retry, and the vllm role
+(templates/vllm/ray.conf.j2, :mod:`roles.vllm.ray_drop_in`), the Ray units' own retry, and the vllm role
 writing the drop-in.
 
 Every golden plan shape (``tests/data/plans/``) is rendered for every node of every replica: only a Ray head gets the
@@ -19,12 +19,13 @@ import roles.ray as ray_role
 import roles.vllm as vllm_role
 from gpufleet import node_paths, templates
 from gpufleet.config.schema import HostConfig
-from gpufleet.deploy import access, ray_drop_in
-from gpufleet.deploy import vllm_files as vf
-from gpufleet.deploy.context import DeployContext
+from gpufleet.plan import access
 from gpufleet.plan.commands import NodeRole, ray_start_argv
 from gpufleet.plan.planner import Replica
+from gpufleet.run.context import DeployContext
 from gpufleet.units.escape import exec_line
+from roles.vllm import files as vf
+from roles.vllm import ray_drop_in
 from tests.conftest import DATA
 from tests.recorded_ops import Recorder
 from tests.unit.unit_files import exec_argv, unit_settings

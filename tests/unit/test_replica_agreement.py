@@ -20,11 +20,11 @@ from pyinfra.context import ctx_host, ctx_state
 
 import roles.vllm as vllm_role
 from gpufleet.config.fleet import Fleet
-from gpufleet.deploy import vllm_files as vf
-from gpufleet.deploy.context import DeployContext
 from gpufleet.facts.vllm import ReplicaStack
 from gpufleet.operations import vllm as vllm_ops
 from gpufleet.plan.commands import NodeRole, Process
+from gpufleet.run.context import DeployContext
+from roles.vllm import files as vf
 from tests.unit.configs import host_config
 from tests.unit.fake_hosts import FakeHost, FakeState
 

@@ -25,10 +25,10 @@ import roles.vllm as vllm_role
 from gpufleet import node_paths, templates
 from gpufleet.config.layers import HostLayers, Layer, role_default_layers
 from gpufleet.config.validate import validate_host
-from gpufleet.deploy import access
-from gpufleet.deploy import vllm_files as vf
 from gpufleet.node import replica_watchdog as wd
+from gpufleet.plan import access
 from gpufleet.plan.commands import secret_env_names
+from roles.vllm import files as vf
 from tests.conftest import DATA, ROOT
 from tests.loopback_http import QuietHandler, loopback_server
 from tests.unit.configs import https_host_config

@@ -19,18 +19,18 @@ import yaml
 from click.testing import CliRunner, Result
 from pyinfra.api.host import Host as PyinfraHost
 
-import gpufleet.config.inventory as gpufleet_inventory
+import gpufleet.inventory.load as gpufleet_inventory
 from gpufleet.bench.client_env import INSTALL_COMMAND
 from gpufleet.bench.guidellm_client import CLIENT_ENV, client_venv
 from gpufleet.cli import rollout as cli_rollout
 from gpufleet.cli.inputs import fleet_facts
 from gpufleet.cli.main import main
-from gpufleet.config.inventory import load_fleet
+from gpufleet.inventory.load import load_fleet
 from gpufleet.plan import backends as plan_backends
 from gpufleet.plan.planner import plan_fleet
+from gpufleet.remote.commands import RemoteResult
 from gpufleet.rollout.pyinfra_run import DEPLOY, PROJECT_ROOT, PyinfraDeploy
 from gpufleet.rollout.release import Release, release_of
-from gpufleet.rollout.remote import RemoteResult
 from gpufleet.rollout.runner import Options, Rollout
 from tests.conftest import DATA
 from tests.rollout_world import Behaviour, World

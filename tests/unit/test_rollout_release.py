@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from gpufleet import node_paths
-from gpufleet.config.inventory import data_value
 from gpufleet.config.schema import SECRET_KEYS, HostConfig
+from gpufleet.inventory.load import data_value
 from gpufleet.rollout import release as rel
 from tests.unit.configs import host_config
 from tests.unit.vllm_role_run import planned_shape, run_vllm_role

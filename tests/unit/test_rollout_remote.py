@@ -1,4 +1,4 @@
-"""What a rollout runs on hosts: the command words (gpufleet/rollout/remote.py) over pyinfra's own connection layer
+"""What a rollout runs on hosts: the command words (gpufleet/remote/commands.py) over pyinfra's own connection layer
 (here its ``@local`` connector, running real programs), and the release records on a node
 (gpufleet/rollout/node_releases.py: real ``head``, ``cp``, ``mv``). The routers, through the real ``router_admin.py``
 against a real HAProxy: tests/tools/test_rollout_router_control.py."""
@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from pyinfra.api.inventory import Inventory
 
+from gpufleet.remote.commands import PyinfraRemote, RemoteError, RemoteResult, command_line
 from gpufleet.rollout import node_releases
 from gpufleet.rollout.release import release_json
-from gpufleet.rollout.remote import PyinfraRemote, RemoteError, RemoteResult, command_line
 
 
 @pytest.fixture

@@ -25,7 +25,7 @@ from gpufleet.bench.starts import (
     records_textfile,
     start_key,
 )
-from gpufleet.deploy.context import DeployContext
+from gpufleet.run.context import DeployContext
 from tests.recorded_ops import Recorder
 from tests.unit.vllm_role_run import planned_shape, run_vllm_role
 

@@ -1,4 +1,4 @@
-"""Who may connect to gpufleet's units (gpufleet.deploy.access), without a node.
+"""Who may connect to gpufleet's units (gpufleet.plan.access), without a node.
 
 The allow lists are computed from the config and the plan's addresses; every unit template, rendered as the
 roles render it, filters by IP. How exposed each unit is, rated by ``systemd-analyze security --offline`` on this
@@ -14,7 +14,7 @@ import pytest
 from pyinfra.api import Inventory
 
 from gpufleet.config.problems import ConfigError
-from gpufleet.deploy import access
+from gpufleet.plan import access
 from tests.unit.configs import https_host_config
 from tests.unit.unit_security_bench import bench
 

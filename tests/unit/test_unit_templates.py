@@ -9,7 +9,7 @@ import pytest
 from jinja2 import UndefinedError, meta
 
 from gpufleet import templates
-from gpufleet.deploy.access import unit_lines
+from gpufleet.plan.access import unit_lines
 
 SANDBOX = "_sandbox.conf.j2"
 # Directives of systemd.exec(5)'s sandboxing and confinement, and resource-control's IP filter: written in

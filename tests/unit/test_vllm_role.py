@@ -29,17 +29,15 @@ import roles.vllm as vllm_role
 from gpufleet import node_paths, templates
 from gpufleet.cli.inputs import fleet_facts
 from gpufleet.config.fleet import Fleet
-from gpufleet.config.inventory import load_fleet
 from gpufleet.config.layers import HostLayers, Layer, role_default_layers
 from gpufleet.config.problems import ConfigError
 from gpufleet.config.schema import HostConfig
 from gpufleet.config.validate import validate_host
 from gpufleet.config.vllm_flags import load_catalog
-from gpufleet.deploy import access
-from gpufleet.deploy import vllm_files as vf
-from gpufleet.deploy.context import DeployContext
+from gpufleet.inventory.load import load_fleet
 from gpufleet.node import vllm_ready
 from gpufleet.operations import ray as ray_ops
+from gpufleet.plan import access
 from gpufleet.plan.commands import (
     RAY_START_WITHOUT_CLIENT_SERVER,
     RAY_TEMP_DIR,
@@ -53,6 +51,8 @@ from gpufleet.plan.commands import (
     serve_flags,
 )
 from gpufleet.plan.planner import plan_fleet
+from gpufleet.run.context import DeployContext
+from roles.vllm import files as vf
 from tests.conftest import ROOT
 from tests.loopback_http import QuietHandler, loopback_server
 from tests.recorded_ops import Recorder

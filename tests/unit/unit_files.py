@@ -21,11 +21,11 @@ import roles.ray as ray_role
 import roles.router as router_role
 import roles.vllm as vllm_role
 from gpufleet import node_paths
-from gpufleet.deploy import access
-from gpufleet.deploy import vllm_files as vf
+from gpufleet.plan import access
 from gpufleet.plan.commands import ray_start_argv
 from gpufleet.templates import render
 from gpufleet.units import escape as systemd_text
+from roles.vllm import files as vf
 from tests.unit.configs import host_config
 
 UNIT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"  # systemd's, for a unit that sets none

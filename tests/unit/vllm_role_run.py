@@ -8,11 +8,11 @@ import pytest
 import roles.vllm as vllm_role
 from gpufleet.cli.inputs import fleet_facts
 from gpufleet.config.fleet import Fleet
-from gpufleet.config.inventory import load_fleet
-from gpufleet.deploy import access
-from gpufleet.deploy import vllm_files as vf
-from gpufleet.deploy.context import DeployContext
+from gpufleet.inventory.load import load_fleet
+from gpufleet.plan import access
 from gpufleet.plan.planner import Replica, plan_fleet
+from gpufleet.run.context import DeployContext
+from roles.vllm import files as vf
 from tests.conftest import DATA
 from tests.recorded_ops import Recorder
 

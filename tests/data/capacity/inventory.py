@@ -1,7 +1,7 @@
 """One model served by two shapes under one name, as the lab serves it: a one-node replica (TP 8) on each of two nodes
 and one pipeline replica (PP 2, mp) over two more; a router and a monitoring host, where the bench records are."""
 
-from gpufleet.config.inventory import apply_group_vars
+from gpufleet.inventory.load import apply_group_vars
 
 single = [
     ("gpu-s01.example.net", {"fleet_address": "10.50.0.11"}),

@@ -1,7 +1,7 @@
 """A fleet behind two dedicated routers, for ``gpufleet upgrade`` and ``rollback``: three 8xH100 nodes serving
 Llama 3.1 70B, two replicas on each node (so each node's two replicas are one unit of the rollout)."""
 
-from gpufleet.config.inventory import apply_group_vars
+from gpufleet.inventory.load import apply_group_vars
 
 llama_70b = [
     ("gpu-a01.dc1.example.net", {"fleet_address": "10.40.0.11"}),

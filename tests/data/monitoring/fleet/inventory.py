@@ -2,7 +2,7 @@
 served name, a multi-node mp replica and a multi-node Ray replica of one model, a dedicated router on IPv6 and a
 serving node that routes too, and a dedicated monitoring host."""
 
-from gpufleet.config.inventory import apply_group_vars
+from gpufleet.inventory.load import apply_group_vars
 
 chat = [
     ("gpu-a01.example.net", {"fleet_address": "10.40.0.11"}),

@@ -3,7 +3,7 @@
 inventories/prod.py's ``llama_70b`` pool, with the project's group_vars/all.yml and llama_70b.yml.
 """
 
-from gpufleet.config.inventory import apply_group_vars
+from gpufleet.inventory.load import apply_group_vars
 
 llama_70b = [
     ("gpu-a01.dc1.example.net", {"fleet_address": "10.40.0.11"}),

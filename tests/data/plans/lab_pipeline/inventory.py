@@ -7,7 +7,7 @@ directory's secret files, and the tiny model's config (tests/plans/tiny-llama, a
 
 from pathlib import Path
 
-from gpufleet.config.inventory import apply_group_vars
+from gpufleet.inventory.load import apply_group_vars
 
 _mirror = "http://10.213.0.1:8080/"
 _model = str(Path(__file__).resolve().parent.parent / "tiny-llama")

@@ -444,7 +444,7 @@ def _fleet_from_layers(inventory: str, hosts: list[str], override: dict[str, Any
     if missing:
         raise ConfigError([Problem(
             inventory, "",
-            "expected the inventory to end with apply_group_vars(globals()) (gpufleet.config.inventory),"
+            "expected the inventory to end with apply_group_vars(globals()) (gpufleet.inventory.load),"
             f" found hosts it never saw: {', '.join(missing)}",
         )])
     configs: dict[str, HostConfig] = {}
@@ -512,7 +512,7 @@ def load_fleet(inventory_path: str, override: dict[str, Any] | None = None) -> F
     loaded = read_inventory(path)
     if loaded is None:
         raise ConfigError([Problem(inventory_path, "", "expected the inventory to end with"
-                                   " apply_group_vars(globals()) (gpufleet.config.inventory), found no call")])
+                                   " apply_group_vars(globals()) (gpufleet.inventory.load), found no call")])
     return _fleet_from_layers(inventory_path, list(loaded.hosts), override)
 
 

@@ -3,7 +3,7 @@
 A rollout drives the routers and reads the replicas' release records between pyinfra runs. It connects the way a
 deploy does: pyinfra's ``State`` over the inventory, each host's connector and its ``ssh_*`` data (known_hosts
 checking as configured), privilege escalation (``_sudo`` ...) from the host's data, and gpufleet's bound on a
-lost connection (:func:`gpufleet.deploy.lost_nodes.watch_connection`). A host is connected on its first command.
+lost connection (:func:`gpufleet.run.lost_nodes.watch_connection`). A host is connected on its first command.
 
 A command is a list of words, each checked (:func:`command_line`) and quoted for the shell: no word can be read by
 the shell as anything but itself.
@@ -26,8 +26,8 @@ from pyinfra.api.host import Host
 from pyinfra.api.inventory import Inventory
 from pyinfra.api.state import State
 
-from gpufleet.deploy.lost_nodes import watch_connection
 from gpufleet.pyinfra_seam import connector_arguments
+from gpufleet.run.lost_nodes import watch_connection
 
 _WORD = re.compile(r"[A-Za-z0-9_./:=@%+,-]{1,4096}")  # names, paths, numbers, KEY=VALUE: no shell syntax
 

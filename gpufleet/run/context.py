@@ -24,19 +24,19 @@ from pyinfra.api.state import State
 from pyinfra.context import host as current_host
 
 from gpufleet.config.fleet import Fleet
-from gpufleet.config.inventory import fleet_from_state
 from gpufleet.config.schema import HostConfig
-from gpufleet.deploy import lost_nodes, op_order
 from gpufleet.facts.gpu import NvmlGpuFacts
 from gpufleet.facts.node import NodeStateValue, empty_node_state
 from gpufleet.gpu.profiles import profile_facts
 from gpufleet.gpu.report import FactsError, NodeFacts, parse_facts
+from gpufleet.inventory.load import fleet_from_state
 from gpufleet.node import health_rules
 from gpufleet.plan.commands import NodeRole
 from gpufleet.plan.layout import NodeShape, node_shape
 from gpufleet.plan.planner import FleetPlan, Replica, plan_fleet
 from gpufleet.pyinfra_seam import current_host as current_host_object
 from gpufleet.pyinfra_seam import current_state
+from gpufleet.run import lost_nodes, op_order
 
 
 @dataclass

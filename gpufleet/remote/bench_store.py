@@ -14,7 +14,7 @@ from gpufleet.config.schema import HostConfig
 from gpufleet.monitoring.ceiling_rules import CEILINGS_DIR, CEILINGS_FILE, ceiling_rules
 from gpufleet.node_paths import PROMETHEUS_UNIT
 from gpufleet.plan.planner import Replica
-from gpufleet.rollout.remote import PyinfraRemote, Remote, RemoteResult
+from gpufleet.remote.commands import PyinfraRemote, Remote, RemoteResult
 
 HEADER = ("# Written by gpufleet bench from the bench records of this host (/var/lib/gpufleet/bench) and the plan\n"
           "# of the time (gpufleet.monitoring.ceiling_rules), checked with promtool: the capacity alert reads it.\n")
