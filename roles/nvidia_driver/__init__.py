@@ -21,7 +21,7 @@ After it, the node has:
   switch) or, on a node whose NVML cannot answer yet, from its declared ``gpu_profile`` (``-SXM``);
 - with ``cuda_toolkit`` only, NVIDIA's CUDA toolkit ``cuda-toolkit-<major>-<minor>`` of ``cuda_version`` from the
   same repository, in ``/usr/local/cuda-<major>.<minor>`` (vLLM's processes get its ``CUDA_HOME`` and ``PATH``:
-  :func:`roles.vllm.files.process_env`), installed after the driver's services;
+  :func:`roles.vllm.replica_files.process_env`), installed after the driver's services;
 - a kernel module that matches the driver package: when the version NVML reports (the loaded module)
   differs from the installed package, ``nvidia_driver_reboot`` decides (see :func:`reboot_action`):
   reboot and probe again, or stop the node with ``reboot required: ...``. A stopped node runs no later

@@ -46,7 +46,7 @@ from gpufleet.plan import access
 from gpufleet.run.context import assignments, context, host_config
 from gpufleet.templates import render
 from gpufleet.units.escape import env_file, exec_line
-from roles.vllm import files as vf
+from roles.vllm import replica_files as vf
 
 
 def _restart_due(changed: Callable[[], bool], started: OperationMeta) -> bool:

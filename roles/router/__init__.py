@@ -78,7 +78,7 @@ from gpufleet.plan.backends import Backend, backends
 from gpufleet.plan.planner import Replica
 from gpufleet.run.context import context, fleet, host_config
 from gpufleet.units.escape import exec_line
-from roles.vllm import files as vf
+from roles.vllm import replica_files as vf
 
 PACKAGE = "haproxy"
 CONFIG = "/etc/haproxy/haproxy.cfg"

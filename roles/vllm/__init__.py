@@ -89,8 +89,8 @@ from gpufleet.rollout.release import release_json, release_of
 from gpufleet.run.context import DeployContext, assignments, context, host_config
 from gpufleet.templates import render
 from gpufleet.units.escape import env_file
-from roles.vllm import files as vf
 from roles.vllm import ray_drop_in
+from roles.vllm import replica_files as vf
 
 HUB_SECRET = replica_secrets("hub")
 

@@ -1,6 +1,6 @@
 """The node gate (``nvml_probe.py --gate``) on the NVML simulator, which gcc builds (tests/tools/conftest.py).
 
-The rules themselves, over facts dicts, and the gate without NVML: tests/unit/test_health_rules.py.
+The rules themselves, over facts dicts, and the gate without NVML: tests/unit/node/test_health_rules.py.
 """
 
 from __future__ import annotations

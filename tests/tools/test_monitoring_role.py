@@ -3,7 +3,7 @@
 script puts nothing in place that promtool refuses, the drop-ins pass ``systemd-analyze`` on Debian's units within
 gpufleet's exposure bound, a real Prometheus scrapes loopback targets with the rendered configuration, and promtool
 runs the rules on the series a fleet's targets give. The configuration as data, and the role's operations:
-tests/unit/test_monitoring_role.py.
+tests/unit/roles/test_monitoring_role.py.
 """
 
 from __future__ import annotations

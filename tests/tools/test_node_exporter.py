@@ -1,6 +1,6 @@
 """Role node_exporter with host tools: its rendered unit rated by ``systemd-analyze security --offline``, and the
 lab's tarball repackaged from a stand-in for Debian's .deb, which dpkg-deb builds. The rest of the role:
-tests/unit/test_node_exporter.py.
+tests/unit/roles/test_node_exporter.py.
 """
 
 from __future__ import annotations

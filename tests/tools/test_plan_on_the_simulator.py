@@ -1,5 +1,5 @@
 """The planner on facts the real NVML probe printed for a simulated node (the NVML simulator, which gcc builds).
-The planner's rules: tests/unit/test_plan.py.
+The planner's rules: tests/unit/plan/test_plan.py.
 """
 
 from __future__ import annotations

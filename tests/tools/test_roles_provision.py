@@ -1,6 +1,6 @@
 """Roles dcgm_exporter and nvidia_driver with host tools: the counters file served by the exporter double against
 the NVML simulator (which gcc builds), and the repository key pinned by its fingerprint, with keys gpg makes. Their
-templates, pins, counters and decisions: tests/unit/test_roles_provision.py.
+templates, pins, counters and decisions: tests/unit/roles/test_roles_provision.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What a rollout runs on the routers (gpufleet/rollout/router_control.py): the real ``router_admin.py``, run here as
 the node would run it, against a real HAProxy (Debian's ``haproxy``; tests/tools/router_admin_haproxy.py's). The rest of
-what a rollout runs on hosts: tests/unit/test_rollout_remote.py."""
+what a rollout runs on hosts: tests/unit/remote/test_commands.py."""
 
 from __future__ import annotations
 

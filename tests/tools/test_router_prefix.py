@@ -1,7 +1,7 @@
 """router_policy prefix, run by a real HAProxy (Debian's) on loopback with the configuration the router role renders
 for one model on three stand-in replicas (:class:`tests.tools.haproxy_run.FakeReplica`: ``/health``, and each
 completion answered with the replica's name). A chat client resends a conversation's history with every turn.
-The planner's rules and the rendered text: tests/unit/test_router_policy.py."""
+The planner's rules and the rendered text: tests/unit/plan/test_router_policy.py."""
 
 from __future__ import annotations
 

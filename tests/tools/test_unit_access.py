@@ -1,6 +1,6 @@
 """How exposed each unit gpufleet writes is: every unit template, rendered as the roles render it, rated by
 ``systemd-analyze security --offline`` on this machine (``bench/unit_security.py --offline``; systemd 252 on Debian 12,
-as on the nodes). Who may connect to the units: tests/unit/test_unit_access.py.
+as on the nodes). Who may connect to the units: tests/unit/plan/test_unit_access.py.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The vllm role's unit environment against this machine's systemd (``systemd-path``): the PATH a toolkit's bin/
-is put before is systemd's own. The rest of the role: tests/unit/test_vllm_role.py.
+is put before is systemd's own. The rest of the role: tests/unit/roles/test_vllm_role.py.
 """
 
 from __future__ import annotations

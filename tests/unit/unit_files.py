@@ -25,7 +25,7 @@ from gpufleet.plan import access
 from gpufleet.plan.commands import ray_start_argv
 from gpufleet.templates import render
 from gpufleet.units import escape as systemd_text
-from roles.vllm import files as vf
+from roles.vllm import replica_files as vf
 from tests.unit.configs import host_config
 
 UNIT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"  # systemd's, for a unit that sets none

@@ -12,7 +12,7 @@ from gpufleet.inventory.load import load_fleet
 from gpufleet.plan import access
 from gpufleet.plan.planner import Replica, plan_fleet
 from gpufleet.run.context import DeployContext
-from roles.vllm import files as vf
+from roles.vllm import replica_files as vf
 from tests.conftest import DATA
 from tests.recorded_ops import Recorder
 

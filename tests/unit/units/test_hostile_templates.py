@@ -31,7 +31,7 @@ from gpufleet.config.problems import ConfigError
 from gpufleet.node import vllm_ready
 from gpufleet.plan.commands import serve_flags, serve_process
 from gpufleet.units import escape as systemd_text
-from roles.vllm import files as vf
+from roles.vllm import replica_files as vf
 from tests.conftest import ROOT
 from tests.unit.configs import host_config
 from tests.unit.unit_files import HOSTILE, exec_argv

@@ -8,7 +8,7 @@ make of the rendered files: tests/tools/test_monitoring_role.py.
 
 After a deliberate change, rewrite the expected files and review their diff::
 
-    GPUFLEET_REGOLD=1 .venv/bin/pytest -q tests/unit/test_monitoring_role.py
+    GPUFLEET_REGOLD=1 .venv/bin/pytest -q tests/unit/roles/test_monitoring_role.py
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from gpufleet_lab.cli import lab_group
 from gpufleet_lab.errors import LabError
 from gpufleet_lab.state import CACHE_DIR_ENV, LabState, NodeRecord, ProcessRecord, load_state, save_state
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_addresses_start_at_dot_11_after_the_bridge() -> None:

@@ -79,7 +79,7 @@ from tests.conftest import DATA
 from tests.unit import tls_files
 from tests.unit.pyinfra_cli_modules import pyinfra_cli_modules
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 CORPUS_DIR = DATA / "corpus"
 BIN = Path(sys.executable).parent
 BASE_ALL = {

@@ -18,8 +18,8 @@ REPORT = """<?xml version="1.0" encoding="utf-8"?>
   <failure message="AssertionError: [{'status': 502}]&#10;assert 1 == 0">long traceback</failure></testcase>
 <testcase classname="tests.lab.test_upgrade" name="test_down" time="1.0">
   <error message="">setup broke</error></testcase>
-<testcase classname="tests.unit.test_plan" name="test_ok" time="0.2"/>
-<testcase classname="tests.unit.test_plan" name="test_skip" time="0.0"><skipped message="no promtool"/></testcase>
+<testcase classname="tests.unit.plan.test_plan" name="test_ok" time="0.2"/>
+<testcase classname="tests.unit.plan.test_plan" name="test_skip" time="0.0"><skipped message="no promtool"/></testcase>
 </testsuite></testsuites>
 """
 
@@ -41,13 +41,13 @@ def test_each_case_has_its_outcome_time_and_why(run_tiers: ModuleType, tmp_path:
     assert {name: (case.outcome, case.seconds) for name, case in found.items()} == {
         "tests.lab.test_upgrade::test_up": ("failed", 312.5),
         "tests.lab.test_upgrade::test_down": ("failed", 1.0),
-        "tests.unit.test_plan::test_ok": ("passed", 0.2),
-        "tests.unit.test_plan::test_skip": ("skipped", 0.0),
+        "tests.unit.plan.test_plan::test_ok": ("passed", 0.2),
+        "tests.unit.plan.test_plan::test_skip": ("skipped", 0.0),
     }
     assert found["tests.lab.test_upgrade::test_up"].why.splitlines() == ["AssertionError: [{'status': 502}]",
                                                                          "assert 1 == 0"]
     assert found["tests.lab.test_upgrade::test_down"].why == "setup broke"  # no message: the element's text
-    assert found["tests.unit.test_plan::test_ok"].why == ""
+    assert found["tests.unit.plan.test_plan::test_ok"].why == ""
 
 
 def test_a_missing_report_has_no_cases(run_tiers: ModuleType, tmp_path: Path) -> None:

@@ -24,8 +24,8 @@ from gpufleet.plan.commands import NodeRole, ray_start_argv
 from gpufleet.plan.planner import Replica
 from gpufleet.run.context import DeployContext
 from gpufleet.units.escape import exec_line
-from roles.vllm import files as vf
 from roles.vllm import ray_drop_in
+from roles.vllm import replica_files as vf
 from tests.conftest import DATA
 from tests.recorded_ops import Recorder
 from tests.unit.unit_files import exec_argv, unit_settings

@@ -24,7 +24,7 @@ from gpufleet.facts.vllm import ReplicaStack
 from gpufleet.operations import vllm as vllm_ops
 from gpufleet.plan.commands import NodeRole, Process
 from gpufleet.run.context import DeployContext
-from roles.vllm import files as vf
+from roles.vllm import replica_files as vf
 from tests.unit.configs import host_config
 from tests.unit.fake_hosts import FakeHost, FakeState
 

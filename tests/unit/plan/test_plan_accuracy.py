@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 _SPEC = importlib.util.spec_from_file_location("bench_plan_accuracy",
-                                               Path(__file__).parents[2] / "bench" / "plan_accuracy.py")
+                                               Path(__file__).parents[3] / "bench" / "plan_accuracy.py")
 assert _SPEC is not None and _SPEC.loader is not None
 accuracy = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(accuracy)

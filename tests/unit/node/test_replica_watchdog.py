@@ -28,7 +28,7 @@ from gpufleet.config.validate import validate_host
 from gpufleet.node import replica_watchdog as wd
 from gpufleet.plan import access
 from gpufleet.plan.commands import secret_env_names
-from roles.vllm import files as vf
+from roles.vllm import replica_files as vf
 from tests.conftest import DATA, ROOT
 from tests.loopback_http import QuietHandler, loopback_server
 from tests.unit.configs import https_host_config

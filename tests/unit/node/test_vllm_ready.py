@@ -21,7 +21,7 @@ import pytest
 from tests.conftest import DATA
 from tests.loopback_http import QuietHandler, loopback_server
 
-TOOL = Path(__file__).resolve().parents[2] / "gpufleet" / "node" / "vllm_ready.py"
+TOOL = Path(__file__).resolve().parents[3] / "gpufleet" / "node" / "vllm_ready.py"
 UNIT = "vllm@pool-0.service"
 
 JOURNALS = DATA / "vllm_ready"

@@ -21,7 +21,7 @@ import pytest
 
 from tests.loopback_http import free_port
 
-TOOL = Path(__file__).resolve().parents[2] / "gpufleet" / "node" / "replica_rank.py"
+TOOL = Path(__file__).resolve().parents[3] / "gpufleet" / "node" / "replica_rank.py"
 FAKE_VLLM = "import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(600)"
 PEER_LOST = 75
 SECRET_ENV = "GPUFLEET_RANK_SECRET"

@@ -8,7 +8,7 @@ code.
 
 After a deliberate change, rewrite the expected files and review their diff::
 
-    GPUFLEET_REGOLD=1 .venv/bin/pytest -q tests/unit/test_golden_plans.py
+    GPUFLEET_REGOLD=1 .venv/bin/pytest -q tests/unit/plan/test_golden_plans.py
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from gpufleet.config.schema import SECRET_KEYS
 from gpufleet.inventory.load import load_fleet
 from gpufleet.plan.planner import plan_fleet
 from gpufleet.units.escape import env_file
-from roles.vllm import files as vf
+from roles.vllm import replica_files as vf
 from tests.conftest import DATA, ROOT
 
 PLANS = DATA / "plans"

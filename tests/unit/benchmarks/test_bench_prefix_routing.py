@@ -16,7 +16,7 @@ import pytest
 from tests.loopback_http import QuietHandler, loopback_server
 
 _SPEC = importlib.util.spec_from_file_location("bench_prefix_routing",
-                                               Path(__file__).parents[2] / "bench" / "prefix_routing.py")
+                                               Path(__file__).parents[3] / "bench" / "prefix_routing.py")
 assert _SPEC is not None and _SPEC.loader is not None
 bench = importlib.util.module_from_spec(_SPEC)
 sys.modules[_SPEC.name] = bench  # its dataclasses look their module up

@@ -6,7 +6,7 @@ import importlib.util
 import json
 from pathlib import Path
 
-_SPEC = importlib.util.spec_from_file_location("bench_converge", Path(__file__).parents[2] / "bench" / "converge.py")
+_SPEC = importlib.util.spec_from_file_location("bench_converge", Path(__file__).parents[3] / "bench" / "converge.py")
 assert _SPEC is not None and _SPEC.loader is not None
 converge = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(converge)

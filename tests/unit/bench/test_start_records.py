@@ -1,7 +1,7 @@
 """Each replica's start and each release's start record (gpufleet.bench.starts), and how the roles carry them: the
-readiness wait on a replica's first node times its start (tests/unit/test_vllm_ready.py), the vllm role reads it back
-into the deploy's context, and the monitoring hosts keep the fastest of each release on each shape, last in the site
-sequence. The operations themselves are data: tests/data/operations/vllm.start_seen/ and vllm.start_records/."""
+readiness wait on a replica's first node times its start (tests/unit/node/test_vllm_ready.py), the vllm role reads it
+back into the deploy's context, and the monitoring hosts keep the fastest of each release on each shape, last in the
+site sequence. The operations themselves are data: tests/data/operations/vllm.start_seen/ and vllm.start_records/."""
 
 from __future__ import annotations
 

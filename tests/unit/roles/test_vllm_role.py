@@ -52,7 +52,7 @@ from gpufleet.plan.commands import (
 )
 from gpufleet.plan.planner import plan_fleet
 from gpufleet.run.context import DeployContext
-from roles.vllm import files as vf
+from roles.vllm import replica_files as vf
 from tests.conftest import ROOT
 from tests.loopback_http import QuietHandler, loopback_server
 from tests.recorded_ops import Recorder
