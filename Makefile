@@ -40,11 +40,13 @@ test-fast: $(LAB_STAMP)
 	$(BIN)/python scripts/run_tiers.py --fast --workers auto
 
 # The main job on the embedded default fleet: a 3-node lab on this machine (booted unless one is up),
-# then the full stack deployed to it. Needs root (the lab's containers and network).
+# then the full stack deployed to it, and how to send it a first request. Needs root (the lab's containers and
+# network).
 lab: $(LAB_STAMP) deps
 	@if $(BIN)/gpufleet lab status | grep -q "no lab is up"; then $(BIN)/gpufleet lab up --nodes 3; fi
 	$(BIN)/gpufleet lab status
 	$(BIN)/pyinfra -y inventories/lab.py deploys/vllm.py
+	$(BIN)/gpufleet lab client
 
 lab-down: $(LAB_STAMP)
 	$(BIN)/gpufleet lab down

@@ -14,6 +14,7 @@ import click
 
 from gpufleet_lab import network, nodes
 from gpufleet_lab.errors import LabError
+from gpufleet_lab.first_request import first_request
 
 T = TypeVar("T")
 
@@ -76,6 +77,18 @@ def status_command(as_json: bool) -> None:
     for node in lab.nodes:
         state = "up" if node.up else ("no ssh" if node.process_alive else "down")
         click.echo(f"{node.name:<7}{node.address:<16}{node.profile:<20}{state}")
+
+
+@lab_group.command("client")
+@click.option("--inventory", default="inventories/lab.py", show_default=True, help="The lab's inventory file.")
+@click.option("--client", "client_name", default="lab", show_default=True,
+              help="The router client (a key of router_clients) whose key the request carries.")
+def client_command(inventory: str, client_name: str) -> None:
+    """Print the routers' endpoint, the CA that signs their certificate, the client's key file, and a curl line that
+    gets a completion through the virtual address (curl reads the key from a 0600 header file beside the key's)."""
+    found = _run(lambda: first_request(inventory, client_name))
+    for line in found.lines():
+        click.echo(line)
 
 
 @lab_group.command("down")

@@ -6,11 +6,16 @@ tests/lab/test_upgrade.py's: they run them as the README writes them, adding onl
 from __future__ import annotations
 
 import json
+import re
+import stat
+import subprocess
+from pathlib import Path
 
 import pytest
 
+from tests.lab.fleet import served_name
 from tests.lab.harness import Completed, Lab
-from tests.lab.readme_tour import run, shows, tour
+from tests.lab.readme_tour import run, shows, starting, tour
 
 pytestmark = pytest.mark.filterwarnings("ignore:Unknown ssh-ed25519 host key:UserWarning")
 
@@ -38,3 +43,20 @@ def test_the_tours_commands_work_as_written_on_the_lab(lab: Lab, faults: Complet
     elsewhere = sorted(c.argv[1] for c in tour() if c.line.startswith(RUN_ELSEWHERE))
     assert elsewhere == ["bench", "rollback", "upgrade"], elsewhere
     print(json.dumps({"readme_tour": figures}))
+
+
+def test_the_first_request_is_one_copy_away(lab: Lab, faults: Completed | None) -> None:
+    """The curl line ``gpufleet lab client`` prints gets a completion through the virtual address, run as printed;
+    its key is read from a 0600 header file, on no command line and in no output."""
+    shown = run(lab, starting("gpufleet lab client"), COMMAND_TIMEOUT_S)
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    curl = shown.stdout.strip().splitlines()[-1]
+    assert curl.startswith("curl ") and "Authorization" not in curl, curl
+    headers = Path(re.findall(r" -H @(\S+) ", curl)[0])
+    assert stat.S_IMODE(headers.stat().st_mode) == 0o600
+    key = headers.read_text().split("Bearer ", 1)[1].strip()
+    assert key and key not in shown.stdout + shown.stderr and key not in curl
+    answered = subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=120)
+    assert answered.returncode == 0, (answered.stdout[-2000:], answered.stderr[-2000:])
+    completion = json.loads(answered.stdout)
+    assert completion["model"] == served_name("lab") and completion["choices"][0]["text"], completion
