@@ -22,11 +22,19 @@ from pathlib import Path
 
 import pytest
 
+from gpufleet.config import secrets
+
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data"  # the tests' inputs and expected outputs, by subject
 GPUFLEET = [sys.executable, "-m", "gpufleet.cli.main"]
 TIERS = ("unit", "tools", "lab")
 REQUIRED_ENV = "GPUFLEET_TESTS_REQUIRED"
+
+
+@pytest.fixture(autouse=True)
+def _secrets_read_afresh() -> None:
+    """Each test reads its secrets afresh: gpufleet reads each once per process, as one run."""
+    secrets.forget()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

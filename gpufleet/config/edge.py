@@ -294,11 +294,19 @@ def _past_the_client_keys(hosts: dict[str, HostLayers], serving: list[str], conf
                                 " with it; a replica without one answers whoever reaches it), found null",
                                 tuple(keyless)))
     replica_keys: dict[str, str] = {}
+    keys_of: dict[str, dict[str, list[str]]] = {}  # by served model: its replicas' keys, each with its hosts
     for host in serving:
         ref = configs[host].vllm_api_key if host in configs else None
         value = _read(ref, "vllm_api_key", cache) if ref is not None else None
         if isinstance(value, str):
             replica_keys.setdefault(value.strip(), configs[host].served_model_name())
+            keys_of.setdefault(configs[host].served_model_name(), {}).setdefault(value.strip(), []).append(host)
+    for served_model, keys in keys_of.items():
+        if len(keys) > 1:
+            named = tuple(host for members in keys.values() for host in members)
+            problems.append(Problem(source(named[0], "vllm_api_key"), "vllm_api_key",
+                                    f"expected one key for every replica of {show(served_model)} with router_clients"
+                                    f" (the routers pass its requests on with one), found {len(keys)}", named))
     in_clear = {value.strip(): (host, name) for host, cfg in configs.items() for name, value in cfg.vllm_env.items()}
     router = configs[edge[0]]
     for name, client in router.router_clients.items():

@@ -1,10 +1,17 @@
-"""Secrets read on the controller from their references (``{env: NAME}`` or ``{file: PATH}``), never shown."""
+"""Secrets read on the controller from their references (``{env: NAME}`` or ``{file: PATH}``), never shown.
+
+Each secret is read once per process: one pyinfra run (a deploy, each wave of a rollout) or one ``gpufleet`` command.
+The inventory's checks, every role and every replica of the run get that one value, so a key rotated while a deploy
+runs reaches the replicas and the routers as the same key, and the next run reads the new one. :data:`READS` counts
+the reads by source; :func:`forget` starts over (a process that runs several deploys, and the tests).
+"""
 
 from __future__ import annotations
 
 import os
 import stat
 import unicodedata
+from collections import Counter
 from pathlib import Path
 
 from gpufleet.config.problems import ConfigError, Problem
@@ -22,9 +29,29 @@ def _where(ref: SecretRef) -> str:
     return f"environment variable {ref.env}" if ref.env is not None else f"{Path(os.path.expanduser(str(ref.file)))}"
 
 
+READS: Counter[str] = Counter()
+"""How many times each source (an environment variable's name, a file's path) was read by this process."""
+
+_KEPT: dict[str, str] = {}
+
+
+def forget() -> None:
+    """Forget what was read: the next read of each secret reads its source again."""
+    _KEPT.clear()
+    READS.clear()
+
+
 def _read(ref: SecretRef, key: str) -> str:
-    """The referenced text, stripped; ConfigError naming ``key`` (never the value) when unset, unreadable or
-    empty."""
+    """The referenced text, stripped, as first read by this process; ConfigError naming ``key`` (never the value)
+    when unset, unreadable or empty (read again next time)."""
+    source = _where(ref)
+    if source not in _KEPT:
+        _KEPT[source] = _read_source(ref, key)
+        READS[source] += 1
+    return _KEPT[source]
+
+
+def _read_source(ref: SecretRef, key: str) -> str:
     if ref.env is not None:
         value = (os.environ.get(ref.env) or "").strip()
         if not value:

@@ -65,7 +65,7 @@ from pyinfra.operations.util import any_changed
 from gpufleet import templates
 from gpufleet.config import edge
 from gpufleet.config.inventory_shape import ROUTERS_GROUP
-from gpufleet.config.problems import ConfigError, Problem, exit_with
+from gpufleet.config.problems import ConfigError, exit_with
 from gpufleet.config.schema import HostConfig, RouterClient
 from gpufleet.netaddr import host_port
 from gpufleet.node import router_health
@@ -241,16 +241,13 @@ def edge_maps(clients: Mapping[str, RouterClient], keys: Mapping[str, str], foun
 
 
 def upstream_keys(replicas: Iterable[Replica], configs: Mapping[str, HostConfig]) -> dict[str, str | None]:
-    """Each served model's replicas' API key (read on the controller; None: they take none). ConfigError when the
-    replicas of one model take different keys: the router sends every one of them the same."""
+    """Each served model's replicas' API key (read on the controller; None: they take none): its first replica's,
+    which every other one takes (the inventory's checks refuse a model whose replicas take several with
+    router_clients: gpufleet.config.edge)."""
     found: dict[str, str | None] = {}
     for replica in replicas:
         replica_cfg = configs[replica.roles[0].host]
-        model, key = replica_cfg.served_model_name(), vf.api_key(replica_cfg)
-        if model in found and found[model] != key:
-            raise ConfigError([Problem("controller", "vllm_api_key", "expected one key for every replica of a"
-                                       f" served model with router_clients, found several for {model!r}")])
-        found[model] = key
+        found.setdefault(replica_cfg.served_model_name(), vf.api_key(replica_cfg))
     return found
 
 

@@ -26,9 +26,10 @@ def planned_shape(shape: str) -> tuple[Fleet, list[Replica]]:
 
 
 def run_vllm_role(monkeypatch: pytest.MonkeyPatch, shape: str, host: str, ctx: DeployContext | None = None,
-                  **values: object) -> tuple[Recorder, DeployContext]:
+                  read_secrets: bool = False, **values: object) -> tuple[Recorder, DeployContext]:
     """``vllm_install`` then ``vllm_serve`` of one host of a shape (its config updated with ``values``), every
-    operation recorded instead of run."""
+    operation recorded instead of run; each secret a fixed text unless ``read_secrets`` (then read as a deploy
+    reads it)."""
     fleet, replicas = planned_shape(shape)
     ctx = ctx or DeployContext(fleet=fleet)
     recorder = Recorder()
@@ -40,7 +41,8 @@ def run_vllm_role(monkeypatch: pytest.MonkeyPatch, shape: str, host: str, ctx: D
     monkeypatch.setattr(vllm_role, "assignments",
                         lambda *_: [(r, role) for r in replicas for role in r.roles if role.host == host])
     monkeypatch.setattr(access, "deploy_group", lambda group="monitoring": [])
-    monkeypatch.setattr(vf, "_read_secret", lambda ref, key: f"{key} value")
+    if not read_secrets:
+        monkeypatch.setattr(vf, "_read_secret", lambda ref, key: f"{key} value")
     vllm_role.vllm_install.__wrapped__()  # type: ignore[attr-defined]
     vllm_role.vllm_serve.__wrapped__()  # type: ignore[attr-defined]
     return recorder, ctx
