@@ -28,6 +28,7 @@ import pytest
 from gpufleet_lab.tls import ensure_lab_tls, make_lab_tls
 
 import roles.router as router_role
+from gpufleet.config import secrets
 from gpufleet.node import router_admin
 from gpufleet.plan import backends as plan_backends
 from tests.conftest import host_tool
@@ -274,6 +275,7 @@ def test_a_key_rotated_by_a_reload_keeps_the_request_in_flight_and_the_old_key_g
         in_flight = pool.submit(edge.post, KEYS["alice"], OPEN, "sleep:3")
         wait(lambda: len(edge.replicas[OPEN].authorizations) == 1, "the request in flight at the replica")
         monkeypatch.setenv("EDGE_ALICE_KEY", new_key)
+        secrets.forget()  # the deploy after the rotation (a run reads each secret once)
         cfg = host_config(router_clients=CLIENTS)
         plan_models = {OPEN: REPLICA_KEY, CLOSED: REPLICA_KEY}
         found = [plan_backends.Backend(f"model-{m}", m, ()) for m in sorted(plan_models)]
