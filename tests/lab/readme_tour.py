@@ -48,7 +48,7 @@ def tour(readme: Path = ROOT / "README.md") -> list[TourCommand]:
 
 def starting(words: str) -> TourCommand:
     """The tour's one command that starts with ``words``."""
-    matching = [command for command in tour() if command.line.startswith(words + " ")]
+    matching = [command for command in tour() if command.line == words or command.line.startswith(words + " ")]
     assert len(matching) == 1, (words, [c.line for c in tour()])
     return matching[0]
 
