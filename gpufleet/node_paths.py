@@ -71,7 +71,7 @@ ROUTER_SERVICE = "haproxy.service"  # role router
 
 # exporters
 TEXTFILE_DIR = "/var/lib/node_exporter/textfile_collector"  # node_exporter's textfile collector
-# on a monitoring host: the start record of each release on each shape (gpufleet.bench.starts), for the alert
+# on a monitoring host: the start record of each release on each shape (gpufleet.measure.starts), for the alert
 START_RECORDS_TEXTFILE = f"{TEXTFILE_DIR}/gpufleet-start-records.prom"
 NODE_EXPORTER_CACHE = "/var/cache/gpufleet/node_exporter"  # the checked release tarball, pushed
 DCGM_EXPORTER_COUNTERS = "/etc/dcgm-exporter/gpufleet-counters.csv"

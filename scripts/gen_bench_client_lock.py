@@ -3,7 +3,7 @@
 
 Usage: python scripts/gen_bench_client_lock.py [--find-links DIR|URL]... [--extra-index-url URL]... [--keep DIR]
 
-guidellm at ``gpufleet.bench.guidellm_client.VERSION`` and the lab's torch (its CPU build, ``torch==...+cpu`` of
+guidellm at ``gpufleet.measure.guidellm_client.VERSION`` and the lab's torch (its CPU build, ``torch==...+cpu`` of
 ``gpufleet_lab.wheelhouse.EXTRA_REQUIREMENTS``, which PyPI lacks: name where it is with ``--find-links`` or
 ``--extra-index-url``, e.g. https://download.pytorch.org/whl/cpu) are resolved by pip for the lab's target
 (CPython 3.11, glibc 2.36, x86_64: Debian 12, the controller's and the nodes'), from PyPI and those sources alone
@@ -26,9 +26,9 @@ from pathlib import Path
 from gpufleet_lab.wheelhouse import ABI, EXTRA_REQUIREMENTS, PLATFORMS
 from packaging.utils import canonicalize_name, parse_wheel_filename
 
-from gpufleet.bench.client_env import lock_path, target_args
-from gpufleet.bench.guidellm_client import VERSION
 from gpufleet.digest import file_sha256
+from gpufleet.measure.client_env import lock_path, target_args
+from gpufleet.measure.guidellm_client import VERSION
 
 #: Only files uploaded before this instant are candidates (move it on deliberately, with VERSION or the torch pin).
 UPLOADED_PRIOR_TO = "2026-11-26T00:00:00Z"

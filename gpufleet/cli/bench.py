@@ -12,13 +12,22 @@ from pathlib import Path
 
 import click
 
-from gpufleet.bench import guidellm_client as client
-from gpufleet.bench.dataset import DatasetError, load_dataset, write_for_client
-from gpufleet.bench.early_stop import DRAINED_WITHIN_S, MissWatch, stopped_step
-from gpufleet.bench.engine_histograms import Reading, mean_between, quantile_between, read
-from gpufleet.bench.engine_metrics import with_engine_metrics
-from gpufleet.bench.plot import render_svg
-from gpufleet.bench.ramp import (
+from gpufleet.cli.inputs import DATA_OPTION, Number, cli_fleet, fail_lines, fleet_facts, group_hosts
+from gpufleet.config.edge import ca_path, ca_problem
+from gpufleet.config.fleet import Fleet
+from gpufleet.config.inventory_shape import MONITORING_GROUP, ROUTERS_GROUP
+from gpufleet.config.problems import ConfigError
+from gpufleet.config.schema import RouterClient
+from gpufleet.config.secrets import read_secret
+from gpufleet.input_files import output_file_problem
+from gpufleet.inventory.load import parse_data_args
+from gpufleet.measure import guidellm_client as client
+from gpufleet.measure.dataset import DatasetError, load_dataset, write_for_client
+from gpufleet.measure.early_stop import DRAINED_WITHIN_S, MissWatch, stopped_step
+from gpufleet.measure.engine_histograms import Reading, mean_between, quantile_between, read
+from gpufleet.measure.engine_metrics import with_engine_metrics
+from gpufleet.measure.plot import render_svg
+from gpufleet.measure.ramp import (
     MAX_DOUBLINGS,
     RAMP_TOP_RPS,
     REFINE_STEPS,
@@ -30,16 +39,7 @@ from gpufleet.bench.ramp import (
     parse_slo,
     step_problem,
 )
-from gpufleet.bench.records import RECORDS_DIR, Record, RecordKey, layout_name
-from gpufleet.cli.inputs import DATA_OPTION, Number, cli_fleet, fail_lines, fleet_facts, group_hosts
-from gpufleet.config.edge import ca_path, ca_problem
-from gpufleet.config.fleet import Fleet
-from gpufleet.config.inventory_shape import MONITORING_GROUP, ROUTERS_GROUP
-from gpufleet.config.problems import ConfigError
-from gpufleet.config.schema import RouterClient
-from gpufleet.config.secrets import read_secret
-from gpufleet.input_files import output_file_problem
-from gpufleet.inventory.load import parse_data_args
+from gpufleet.measure.records import RECORDS_DIR, Record, RecordKey, layout_name
 from gpufleet.netaddr import host_port
 from gpufleet.plan import virtual_address
 from gpufleet.plan.planner import Replica, plan_fleet

@@ -1,5 +1,5 @@
 """``gpufleet bench-client``: install the bench's client (guidellm) on this machine from the hash-pinned lock gpufleet
-ships, or download the lock's wheels for an air-gapped controller (:mod:`gpufleet.bench.client_env`)."""
+ships, or download the lock's wheels for an air-gapped controller (:mod:`gpufleet.measure.client_env`)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
-from gpufleet.bench import client_env
-from gpufleet.bench import guidellm_client as client
 from gpufleet.cli.inputs import fail_lines
+from gpufleet.measure import client_env
+from gpufleet.measure import guidellm_client as client
 
 EXIT_FAILED = 1
 

@@ -15,7 +15,6 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from gpufleet.bench.ramp import MAX_RATE
 from gpufleet.cli.inputs import DATA_OPTION, Number, cli_fleet, declared_plan, fail_lines, fleet_facts, group_hosts
 from gpufleet.config.fleet import Fleet
 from gpufleet.config.grammar import decimal
@@ -25,6 +24,7 @@ from gpufleet.inventory.load import (
     loaded_inventory,
     parse_data_args,
 )
+from gpufleet.measure.ramp import MAX_RATE
 from gpufleet.node.vllm_ready import kv_summary
 from gpufleet.plan import virtual_address
 from gpufleet.plan.model_arch import ModelConfigError, load_arch
@@ -202,7 +202,7 @@ def _print_ceilings(inventory: str, data: tuple[str, ...], fleet: Fleet, plan: F
     """Each model's measured ceiling over its planned replicas (each shape's per replica where they differ; and the
     replicas ``target_rps`` needs), from the bench records on the monitoring hosts; the lines of what could not be
     read."""
-    from gpufleet.bench.capacity import model_capacities  # pyinfra's SSH stack: loaded only when asked
+    from gpufleet.measure.capacity import model_capacities  # pyinfra's SSH stack: loaded only when asked
     from gpufleet.remote.bench_store import read_records
     from gpufleet.remote.gpu_probe import load_inventory
 

@@ -22,13 +22,13 @@ import click
 from click.core import ParameterSource
 from pyinfra.api.inventory import Inventory
 
-from gpufleet.bench.guidellm_client import ClientError, Target, client_path, workload_for
 from gpufleet.cli.inputs import DATA_OPTION, cli_fleet, fail_lines, fleet_facts
 from gpufleet.config.fleet import Fleet
 from gpufleet.config.inventory_shape import MONITORING_GROUP, ROUTERS_GROUP
 from gpufleet.config.problems import ConfigError
 from gpufleet.config.secrets import read_secret
 from gpufleet.inventory.load import load_fleet, parse_data_args, set_data_override
+from gpufleet.measure.guidellm_client import ClientError, Target, client_path, workload_for
 from gpufleet.netaddr import host_port
 from gpufleet.plan import virtual_address
 from gpufleet.plan.backends import backends as plan_backends

@@ -7,7 +7,7 @@ from typing import Any
 
 from pyinfra.api.facts import FactBase
 
-from gpufleet.bench.records import RECORDS_DIR, parse_records
+from gpufleet.measure.records import RECORDS_DIR, parse_records
 
 
 class BenchRecords(FactBase[list[dict[str, Any]]]):

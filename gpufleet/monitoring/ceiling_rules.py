@@ -6,7 +6,7 @@ shape's ceiling per replica. The capacity alert compares the model's request rat
 (of a shape benched), drained or lost moves it without a new bench.
 
 The file is written by ``gpufleet bench`` on every monitoring host once its record is kept, from every record there
-and the plan of the time (:func:`gpufleet.bench.capacity.model_capacities`), checked with promtool, then put in
+and the plan of the time (:func:`gpufleet.measure.capacity.model_capacities`), checked with promtool, then put in
 place and Prometheus reloaded. It lives beside gpufleet's configuration, not in it (:data:`CEILINGS_DIR`): the
 monitoring role names it by a pattern (:data:`RULE_PATTERN`) that may match nothing, and never removes it. Which
 shape each replica has comes from the plan's figures, written on every deploy
@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from gpufleet.bench.capacity import ModelCapacity
+from gpufleet.measure.capacity import ModelCapacity
 
 CEILINGS_DIR = "/etc/prometheus/gpufleet-bench"
 CEILINGS_FILE = "ceilings.yml"

@@ -6,7 +6,7 @@
   ``ceil(alert_model_replicas_min_ratio x its planned replicas)``;
 - ``gpufleet:replica_ranks_expected{model, replica}``: the ranks (nodes) each replica runs on;
 - ``gpufleet:replica_shape{model, replica, layout, gpu_profile}``: 1 for each replica, with its shape (its layout and
-  its nodes' GPU profile, :func:`gpufleet.bench.capacity.replica_shape`): the capacity rule counts each replica in
+  its nodes' GPU profile, :func:`gpufleet.measure.capacity.replica_shape`): the capacity rule counts each replica in
   service at its shape's ceiling per replica (``gpufleet:replica_ceiling_rps``, from ``gpufleet bench``:
   :mod:`gpufleet.monitoring.ceiling_rules`);
 - ``gpufleet:model_prefix_routed{model}``: 1 for each served model whose pools route by prefix
@@ -28,8 +28,8 @@ from typing import Any
 
 import yaml
 
-from gpufleet.bench.capacity import replica_shape
 from gpufleet.config.schema import HostConfig
+from gpufleet.measure.capacity import replica_shape
 from gpufleet.plan.planner import Replica
 
 GROUP = "gpufleet-plan"

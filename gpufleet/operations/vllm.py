@@ -15,8 +15,8 @@ from pyinfra import logger
 from pyinfra.api.command import QuoteString, StringCommand
 from pyinfra.context import host, state
 
-from gpufleet.bench.starts import Start, StartKey, fastest, measured_start, read_record, record_text, records_textfile
 from gpufleet.facts.vllm import STACK_KEYS, ReplicaStack
+from gpufleet.measure.starts import Start, StartKey, fastest, measured_start, read_record, record_text, records_textfile
 from gpufleet.node.replica_rank import SECRET_ENV as RANK_SECRET_ENV
 from gpufleet.operations import files, node
 from gpufleet.operations.node import Commands, fail, gpufleet_operation, read_only
@@ -192,7 +192,7 @@ def start_seen(replica: str, observed: str, starts: dict[str, dict[str, Any]], f
 
     + replica: the replica's name
     + observed: its observed.json on this node (its first)
-    + starts: replica -> its start (:class:`~gpufleet.bench.starts.Start`'s JSON), shared by the run's hosts
+    + starts: replica -> its start (:class:`~gpufleet.measure.starts.Start`'s JSON), shared by the run's hosts
     + fresh: whether the readiness wait ran in this run (then the file is read again)
     """
     if not state.is_executing:  # pyinfra's look ahead when ops are added: the wait has not run yet
@@ -222,9 +222,9 @@ def start_records(directory: str, textfile: str, planned: list[dict[str, str]],
     ``textfile``, for node_exporter's textfile collector: what ReplicaStartSlow compares each start with. Nothing is
     written while no start beats its record.
 
-    + directory: where the records are kept (:data:`~gpufleet.bench.starts.START_RECORDS_DIR`)
+    + directory: where the records are kept (:data:`~gpufleet.measure.starts.START_RECORDS_DIR`)
     + textfile: the records for node_exporter
-    + planned: the keys the plan serves (:meth:`~gpufleet.bench.starts.StartKey.labels`)
+    + planned: the keys the plan serves (:meth:`~gpufleet.measure.starts.StartKey.labels`)
     + starts: each replica's last start, from :func:`start_seen` on its first node earlier in the run
     """
     if not state.is_executing:  # pyinfra's look ahead when ops are added: no start has been read yet

@@ -1,4 +1,4 @@
-"""Bench records on the monitoring hosts (:data:`gpufleet.bench.records.RECORDS_DIR`), written and read over
+"""Bench records on the monitoring hosts (:data:`gpufleet.measure.records.RECORDS_DIR`), written and read over
 pyinfra's connections as the inventory gives them."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from collections.abc import Mapping
 
 from pyinfra.api.inventory import Inventory
 
-from gpufleet.bench.capacity import model_capacities
-from gpufleet.bench.records import RECORDS_DIR, Record, parse_records
 from gpufleet.config.schema import HostConfig
+from gpufleet.measure.capacity import model_capacities
+from gpufleet.measure.records import RECORDS_DIR, Record, parse_records
 from gpufleet.monitoring.ceiling_rules import CEILINGS_DIR, CEILINGS_FILE, ceiling_rules
 from gpufleet.node_paths import PROMETHEUS_UNIT
 from gpufleet.plan.planner import Replica

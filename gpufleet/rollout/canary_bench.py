@@ -14,9 +14,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpufleet.bench.guidellm_client import ClientError, Target, Workload, run_step
-from gpufleet.bench.ramp import Step
-from gpufleet.bench.records import Record
+from gpufleet.measure.guidellm_client import ClientError, Target, Workload, run_step
+from gpufleet.measure.ramp import Step
+from gpufleet.measure.records import Record
 from gpufleet.rollout.latency import Percentiles, baseline_record, stored_percentiles
 
 BENCH_S = 20.0

@@ -34,8 +34,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from gpufleet.bench.engine_histograms import HISTOGRAMS
-from gpufleet.bench.records import Record, RecordKey, latest
+from gpufleet.measure.engine_histograms import HISTOGRAMS
+from gpufleet.measure.records import Record, RecordKey, latest
 from gpufleet.prometheus_api import SCRAPE_WAIT_S, query_value
 
 DEFAULT_MIN_REQUESTS = 20

@@ -17,8 +17,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
-from gpufleet.bench.records import layout_name
 from gpufleet.config.schema import HostConfig
+from gpufleet.measure.records import layout_name
 from gpufleet.plan.planner import Replica
 from gpufleet.rollout.batches import Unit
 from gpufleet.rollout.node_releases import NodeRecords
@@ -43,7 +43,7 @@ class Member:
     target: Release | None  # what the rollout gives it; None: left untouched
     recorded: frozenset[str] = frozenset()  # the nodes where its release.json exists
     model: str = ""  # its served model name
-    layout: str = ""  # tp<T>-pp<P>[-dp<D>] (gpufleet.bench.records.layout_name), and its nodes' GPU profile:
+    layout: str = ""  # tp<T>-pp<P>[-dp<D>] (gpufleet.measure.records.layout_name), and its nodes' GPU profile:
     profile: str = ""  # what its latency is compared across (a canary's peers, its bench record)
 
     def data(self, release: Release) -> Release:

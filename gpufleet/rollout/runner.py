@@ -30,8 +30,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from gpufleet.bench.guidellm_client import ClientError
-from gpufleet.bench.records import Record
+from gpufleet.measure.guidellm_client import ClientError
+from gpufleet.measure.records import Record
 from gpufleet.prometheus_api import PrometheusError
 from gpufleet.remote.commands import Remote
 from gpufleet.rollout import report as rp

@@ -64,7 +64,7 @@ class DeployContext:
     pending_restarts: set[str] = field(default_factory=set)
     # replica -> the readiness wait on its first node
     readiness: dict[str, OperationMeta] = field(default_factory=dict)
-    # replica -> its last start as its readiness wait timed it (gpufleet.bench.starts.Start's JSON), read on its first
+    # replica -> its last start as its readiness wait timed it (gpufleet.measure.starts.Start's JSON), read on its first
     # node: what the monitoring hosts keep each release's start record from
     starts: dict[str, dict[str, Any]] = field(default_factory=dict)
     # host -> the facts of its declared gpu_profile, planned with because its NVML could not answer yet (no

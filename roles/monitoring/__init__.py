@@ -35,7 +35,7 @@ A changed configuration or rule file is reloaded (SIGHUP: no restart, no gap in 
 restarts its service.
 
 ``start_records()``, last in the site sequence: on a monitoring host, the start record of each release on each shape
-(:mod:`gpufleet.bench.starts`), the fastest start of each the deploys have timed, one JSON file each in
+(:mod:`gpufleet.measure.starts`), the fastest start of each the deploys have timed, one JSON file each in
 ``/var/lib/gpufleet/starts/`` (root, 0644), replaced only by a faster start; the records of the releases and shapes
 the plan serves for node_exporter in ``/var/lib/node_exporter/textfile_collector/gpufleet-start-records.prom``
 (``gpufleet_replica_start_record_seconds``), what the alert ReplicaStartSlow compares each replica's start with.
@@ -58,9 +58,6 @@ from pyinfra.api.operation import OperationMeta
 from pyinfra.context import host
 
 from gpufleet import templates
-from gpufleet.bench.capacity import releases_without_bench
-from gpufleet.bench.records import Record
-from gpufleet.bench.starts import START_RECORDS_DIR, start_key
 from gpufleet.config.fleet import Fleet
 from gpufleet.config.inventory_shape import MONITORING_GROUP, ROUTERS_GROUP
 from gpufleet.config.problems import ConfigError, exit_with
@@ -69,6 +66,9 @@ from gpufleet.facts.bench import BenchRecords
 from gpufleet.gpu.profiles import profile_facts
 from gpufleet.gpu.report import NodeFacts
 from gpufleet.inventory.load import loaded_inventory
+from gpufleet.measure.capacity import releases_without_bench
+from gpufleet.measure.records import Record
+from gpufleet.measure.starts import START_RECORDS_DIR, start_key
 from gpufleet.monitoring import ceiling_rules, dashboards
 from gpufleet.monitoring.alert_rules import render_rules
 from gpufleet.monitoring.plan_rules import plan_rules

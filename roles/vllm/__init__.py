@@ -47,10 +47,10 @@ from pyinfra.api.deploy import deploy
 from pyinfra.api.operation import OperationMeta
 from pyinfra.context import host
 
-from gpufleet.bench.starts import start_key
 from gpufleet.config.inventory_shape import ROUTERS_GROUP
 from gpufleet.config.problems import ConfigError, Problem, exit_with
 from gpufleet.config.schema import HostConfig
+from gpufleet.measure.starts import start_key
 from gpufleet.netaddr import host_port
 from gpufleet.node.health_rules import policy_json
 from gpufleet.node_paths import (

@@ -19,7 +19,7 @@ from typing import Any
 
 from gpufleet_lab.mirror import bench_client_find_links
 
-from gpufleet.bench.records import RECORDS_DIR
+from gpufleet.measure.records import RECORDS_DIR
 from tests.lab.fleet import PIPELINE, single
 from tests.lab.harness import ROOT, Lab
 
@@ -28,7 +28,7 @@ SLO = "ttft_p99_s=2,itl_p99_s=0.5"
 # A rate every shape meets (the lab's TTFT p99 jumps to most of a second now and then on its two shared cores: the
 # objective leaves room for it), and one far past what two cores answer (about 50 of these requests a second: at 96
 # req/s the queue grows by over 40 requests a second, 20 s of TTFT by the step's end): the ceiling is what each
-# shape answered at 4 req/s. Steps of 20 s: the shortest a 2 s TTFT objective allows (gpufleet.bench.ramp). The
+# shape answered at 4 req/s. Steps of 20 s: the shortest a 2 s TTFT objective allows (gpufleet.measure.ramp). The
 # README's bench ramps the pipeline replica on the bench's own workload (outputs of about 32 tokens): 4 req/s, then
 # 192 (at 96 it answered all 1,920 requests within 2.7 s of the step, 85 a second, TTFT p99 0.9 s: no knee).
 RATES = "4,96"

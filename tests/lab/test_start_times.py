@@ -32,7 +32,7 @@ import yaml
 from gpufleet_lab.state import NodeRecord
 
 from gpufleet import node_paths
-from gpufleet.bench.starts import START_RECORDS_DIR
+from gpufleet.measure.starts import START_RECORDS_DIR
 from tests.lab.alerting import Expected, logged, wait_resolved, watch_fired
 from tests.lab.checks import assert_no_errors, main_pid
 from tests.lab.fleet import PIPELINE, deploy, record_figure, single, wait_serving

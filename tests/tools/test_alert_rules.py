@@ -26,8 +26,8 @@ import pytest
 import yaml
 from gpufleet_lab.double_programs.dcgm_exporter import read_counters
 
-from gpufleet.bench.capacity import ModelCapacity, ShapeCeiling
-from gpufleet.bench.engine_metrics import queries
+from gpufleet.measure.capacity import ModelCapacity, ShapeCeiling
+from gpufleet.measure.engine_metrics import queries
 from gpufleet.monitoring import ceiling_rules
 from gpufleet.monitoring.alert_rules import RULE_FILES, THRESHOLDS, render_rules
 from gpufleet.rollout.latency import PrometheusLatency
@@ -207,7 +207,7 @@ def test_the_ceiling_file_gpufleet_bench_writes_feeds_the_capacity_alert(tmp_pat
 
 
 def test_the_benchs_engine_queries_read_one_models_replicas_over_the_step(tmp_path: Path) -> None:
-    """gpufleet bench's PromQL (gpufleet.bench.engine_metrics) under promtool: the highest KV cache usage and the
+    """gpufleet bench's PromQL (gpufleet.measure.engine_metrics) under promtool: the highest KV cache usage and the
     preemptions of one model's replicas over a 2-minute step (not another model's, not before the step), and of
     one replica with --replica; a hostile model name is quoted."""
     model = 'chat $HOME 100% "x"'

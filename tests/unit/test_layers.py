@@ -30,7 +30,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # units' text, GPU documents and profiles: what every layer shares
     ("config", ("gpufleet/config",)),  # one host's settings: the schema, their layers and checks, the fleet they make
     ("plan", ("gpufleet/plan",)),  # replicas, memory, commands, the routers' backends, allow lists, virtual address
-    ("bench", ("gpufleet/bench",)),  # the measured ceiling: a ramp, its client, its records and the capacity they give
+    ("measure", ("gpufleet/measure",)),  # gpufleet bench: the ceiling's ramp, client, records, capacity; start times
     ("monitoring", ("gpufleet/monitoring",)),  # Prometheus's rules and scrape configuration, dashboards, from the plan
     ("inventory", ("gpufleet/inventory",)),  # an inventory file read as a fleet, checked by config's and plan's rules
     ("facts", ("gpufleet/facts",)),  # pyinfra facts: what a node has

@@ -20,12 +20,12 @@ from click.testing import CliRunner, Result
 from pyinfra.api.host import Host as PyinfraHost
 
 import gpufleet.inventory.load as gpufleet_inventory
-from gpufleet.bench.client_env import INSTALL_COMMAND
-from gpufleet.bench.guidellm_client import CLIENT_ENV, client_venv
 from gpufleet.cli import rollout as cli_rollout
 from gpufleet.cli.inputs import fleet_facts
 from gpufleet.cli.main import main
 from gpufleet.inventory.load import load_fleet
+from gpufleet.measure.client_env import INSTALL_COMMAND
+from gpufleet.measure.guidellm_client import CLIENT_ENV, client_venv
 from gpufleet.plan import backends as plan_backends
 from gpufleet.plan.planner import plan_fleet
 from gpufleet.remote.commands import RemoteResult

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import yaml
 
-from gpufleet.bench.ramp import Slo, Step
-from gpufleet.bench.records import Record, RecordKey
+from gpufleet.measure.ramp import Slo, Step
+from gpufleet.measure.records import Record, RecordKey
 from gpufleet.prometheus_api import SCRAPE_WAIT_S
 from gpufleet.rollout import latency as latency_module
 from gpufleet.rollout.canary_bench import bench_plan, stored_at

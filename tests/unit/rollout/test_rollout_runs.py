@@ -26,8 +26,8 @@ from typing import Any
 import pytest
 import yaml
 
-from gpufleet.bench.ramp import Slo, Step
-from gpufleet.bench.records import Record, RecordKey
+from gpufleet.measure.ramp import Slo, Step
+from gpufleet.measure.records import Record, RecordKey
 from gpufleet.rollout.batches import DEFAULT_BATCHES, Unit, plan_rollout
 from gpufleet.rollout.canary import DEFAULT_MAX_ERROR_RATIO, DEFAULT_MAX_LATENCY_RATIO, Thresholds
 from gpufleet.rollout.latency import DEFAULT_MIN_REQUESTS, Percentiles

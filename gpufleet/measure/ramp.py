@@ -1,14 +1,14 @@
 """The ramp: the request rates a bench steps through, what each step measured, and the ceiling they give.
 
 A step is judged as the alerts and the canary judge a replica: on vLLM's own histograms over the step (p99 time to
-first token per request, p99 inter-token latency per token; :mod:`gpufleet.bench.engine_histograms`), not on the
+first token per request, p99 inter-token latency per token; :mod:`gpufleet.measure.engine_histograms`), not on the
 client's figures (its inter-token latency is each request's mean, another quantity). A step passes when no request
 failed, the replicas answered at least :data:`ANSWERED_MIN` of the requests it offered within the step and its
 grace, and both p99s are within the objective; the ramp stops at the first step that does not. The **ceiling** is
 the answered rate (requests answered a second) of the highest offered rate whose step passed: what the replicas
 sustained, not what was sent. The limit that stopped the ramp is named (``ttft``, ``itl``, ``errors``,
 ``unanswered``, or ``none`` when every rate passed). A step certain to miss its TTFT objective before its end is
-stopped there (:mod:`gpufleet.bench.early_stop`). Without ``--rates`` the ramp doubles from :data:`FIRST_RATE`
+stopped there (:mod:`gpufleet.measure.early_stop`). Without ``--rates`` the ramp doubles from :data:`FIRST_RATE`
 and, once a step fails, tries rates between the highest that passed and the lowest that failed (halving the gap each
 time) until that gap is within :data:`REFINE_GAP` of the former (at most :data:`REFINE_STEPS` of them), so that the
 ceiling is known to within 5% rather than a factor of two, and two ramps of the same replicas agree as closely as
@@ -108,7 +108,7 @@ class Step:
     engine_itl_p95_s: float | None = None
     engine_ttft_mean_s: float | None = None  # vLLM's means (exact, where a p95 is estimated within a bucket)
     engine_itl_mean_s: float | None = None
-    unparsed: int = 0  # answers the client could not read (gpufleet.bench.guidellm_client.UNPARSED): not failed
+    unparsed: int = 0  # answers the client could not read (gpufleet.measure.guidellm_client.UNPARSED): not failed
     failure_reasons: list[str] = field(default_factory=list)  # the first distinct ones, no secret in them
 
     @property

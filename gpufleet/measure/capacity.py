@@ -20,8 +20,8 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from gpufleet.bench.records import Record, RecordKey, latest, layout_name
 from gpufleet.config.schema import HostConfig
+from gpufleet.measure.records import Record, RecordKey, latest, layout_name
 from gpufleet.plan.planner import Replica
 
 Shape = tuple[str, str]

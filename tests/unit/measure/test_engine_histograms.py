@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from gpufleet.bench.engine_histograms import (
+from gpufleet.measure.engine_histograms import (
     HISTOGRAMS,
     Reading,
     above_between,

@@ -3,7 +3,7 @@ from each replica's ``/metrics`` just before and just after the step, and the p9
 within a bucket as Prometheus's ``histogram_quantile`` does, so that a step is judged as the alerts judge a model and
 a record reads like the canary's watch) and its mean (exact: the histogram's sum over its count). The same pages give
 the requests answered and the output tokens, and the requests in the engines, for a step stopped before its end
-(:mod:`gpufleet.bench.early_stop`).
+(:mod:`gpufleet.measure.early_stop`).
 
 Read directly rather than from Prometheus: a step of a few seconds is shorter than a scrape interval, and the
 replica has counted every answer of the step once the client has it.

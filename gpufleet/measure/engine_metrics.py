@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
-from gpufleet.bench.ramp import Step
+from gpufleet.measure.ramp import Step
 from gpufleet.prometheus_api import SCRAPE_WAIT_S, query_value
 
 

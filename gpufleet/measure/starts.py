@@ -22,8 +22,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gpufleet.bench.records import layout_name
 from gpufleet.config.schema import HostConfig
+from gpufleet.measure.records import layout_name
 from gpufleet.node.vllm_ready import START_PHASES, prometheus_labels
 from gpufleet.plan.planner import Replica
 
@@ -150,7 +150,7 @@ def fastest(record: Start | None, seen: Iterable[Start]) -> Start | None:
 def records_textfile(records: Iterable[Start]) -> str:
     """The records (each phase known) for node_exporter's textfile collector, by key."""
     lines = [f"# HELP {RECORD_METRIC} The fastest start the deploys measured of each release on each shape: seconds"
-             " from its process start to each phase (gpufleet.bench.starts).", f"# TYPE {RECORD_METRIC} gauge"]
+             " from its process start to each phase (gpufleet.measure.starts).", f"# TYPE {RECORD_METRIC} gauge"]
     for record in sorted(records, key=lambda r: r.key):
         lines += [f"{RECORD_METRIC}{{{prometheus_labels({**record.key.labels(), 'phase': phase})}}} {value!r}"
                   for phase in START_PHASES if (value := record.phases.get(phase)) is not None]

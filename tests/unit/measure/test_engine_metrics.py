@@ -1,12 +1,12 @@
-"""The bench's read of vLLM's KV cache usage and preemptions from Prometheus (gpufleet/bench/engine_metrics.py): when
+"""The bench's read of vLLM's KV cache usage and preemptions from Prometheus (gpufleet/measure/engine_metrics.py): when
 it asks, and at what time and over what window each step is read, with Prometheus's API replaced by its answers."""
 
 from __future__ import annotations
 
 import pytest
 
-from gpufleet.bench import engine_metrics
-from gpufleet.bench.ramp import Step
+from gpufleet.measure import engine_metrics
+from gpufleet.measure.ramp import Step
 from gpufleet.prometheus_api import SCRAPE_WAIT_S
 
 

@@ -1,4 +1,4 @@
-"""``gpufleet bench`` (gpufleet/bench/, gpufleet/cli/bench.py): the ramp and its ceiling as data
+"""``gpufleet bench`` (gpufleet/measure/, gpufleet/cli/bench.py): the ramp and its ceiling as data
 (tests/data/bench/ramps.yaml), guidellm's report as it writes it (a real 0.8.1 report of a lab replica), the
 scenario a step runs, the refusals before any host is touched (tests/data/bench/options.yaml), and a whole ramp with
 the client replaced by a replica whose latency grows with the rate."""
@@ -20,17 +20,17 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from gpufleet.bench import guidellm_client as client
-from gpufleet.bench.capacity import model_capacities, releases_without_bench
-from gpufleet.bench.engine_histograms import Reading
-from gpufleet.bench.plot import render_svg
-from gpufleet.bench.ramp import Slo, Step, ceiling, next_rate, parse_rates
-from gpufleet.bench.records import Record, RecordKey, latest, parse_records
 from gpufleet.cli import bench as cli_bench
 from gpufleet.cli.inputs import fleet_facts
 from gpufleet.cli.main import main
 from gpufleet.config.schema import RouterClient, SecretRef
 from gpufleet.inventory.load import load_fleet
+from gpufleet.measure import guidellm_client as client
+from gpufleet.measure.capacity import model_capacities, releases_without_bench
+from gpufleet.measure.engine_histograms import Reading
+from gpufleet.measure.plot import render_svg
+from gpufleet.measure.ramp import Slo, Step, ceiling, next_rate, parse_rates
+from gpufleet.measure.records import Record, RecordKey, latest, parse_records
 from gpufleet.plan.planner import plan_fleet
 from tests.conftest import DATA
 from tests.unit import tls_files

@@ -1,4 +1,4 @@
-"""A model's measured ceiling per replica of each of its shapes (gpufleet/bench/capacity.py), the ceilings ``gpufleet
+"""A model's measured ceiling per replica of each of its shapes (gpufleet/measure/capacity.py), the ceilings ``gpufleet
 bench`` writes for Prometheus (gpufleet/monitoring/ceiling_rules.py) beside the shape the plan's figures give each
 replica (gpufleet/monitoring/plan_rules.py), and what ``gpufleet plan --observed`` prints of them.
 
@@ -20,11 +20,11 @@ from click.testing import CliRunner
 
 import gpufleet.remote.bench_store as store
 import gpufleet.remote.gpu_probe as live_probe
-from gpufleet.bench.capacity import ModelCapacity, ShapeCeiling, model_capacities
-from gpufleet.bench.records import Record, RecordKey
 from gpufleet.cli.inputs import fleet_facts
 from gpufleet.cli.main import main
 from gpufleet.inventory.load import load_fleet
+from gpufleet.measure.capacity import ModelCapacity, ShapeCeiling, model_capacities
+from gpufleet.measure.records import Record, RecordKey
 from gpufleet.monitoring import ceiling_rules
 from gpufleet.monitoring.plan_rules import plan_rules
 from gpufleet.plan.planner import Replica, plan_fleet

@@ -1,6 +1,6 @@
 """The benchmark client: guidellm (the vLLM project's LLM benchmark, pinned to :data:`VERSION`), run on the
 controller from a virtual environment of its own, installed from a hash-pinned lock by ``gpufleet bench-client``
-(:mod:`gpufleet.bench.client_env`), one run per step of the ramp.
+(:mod:`gpufleet.measure.client_env`), one run per step of the ramp.
 
 Each step is one ``guidellm run`` with a scenario file (mode 0600 in a private temporary directory, removed after)
 that holds the target, the key and the step: a constant rate for ``step_s`` seconds, bounded by ``rate x step_s``
@@ -8,7 +8,7 @@ requests and by a hard stop (:func:`step_bound_s`) for the requests still runnin
 line. Requests not answered at the hard stop are not answered (the step's ``offered`` less those answered and
 failed). The client's latencies come from guidellm's JSON report over the requests that succeeded: TTFT and
 end-to-end per request, ITL as each request's mean time between tokens (the step is judged on vLLM's own histograms
-instead: :mod:`gpufleet.bench.ramp`).
+instead: :mod:`gpufleet.measure.ramp`).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from gpufleet.bench import client_env
-from gpufleet.bench.ramp import Step
+from gpufleet.measure import client_env
+from gpufleet.measure.ramp import Step
 
 VERSION = "0.8.1"
 """The guidellm release gpufleet drives (its scenario schema and JSON report are version-specific)."""

@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpufleet.bench.ramp import Ceiling, Slo, Step, ceiling
+from gpufleet.measure.ramp import Ceiling, Slo, Step, ceiling
 
 RECORDS_DIR = "/var/lib/gpufleet/bench"
 """Where each monitoring host keeps the records (one line of JSON each, mode 0644: no secret is in one)."""

@@ -1,4 +1,4 @@
-"""Each replica's start and each release's start record (gpufleet.bench.starts), and how the roles carry them: the
+"""Each replica's start and each release's start record (gpufleet.measure.starts), and how the roles carry them: the
 readiness wait on a replica's first node times its start (tests/unit/node/test_vllm_ready.py), the vllm role reads it
 back into the deploy's context, and the monitoring hosts keep the fastest of each release on each shape, last in the
 site sequence. The operations themselves are data: tests/data/operations/vllm.start_seen/ and vllm.start_records/."""
@@ -14,7 +14,7 @@ import pytest
 import roles.monitoring as monitoring_role
 import roles.vllm as vllm_role
 from gpufleet import node_paths
-from gpufleet.bench.starts import (
+from gpufleet.measure.starts import (
     START_RECORDS_DIR,
     Start,
     StartKey,

@@ -19,8 +19,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gpufleet.bench.engine_histograms import Reading, above_between
-from gpufleet.bench.ramp import Step
+from gpufleet.measure.engine_histograms import Reading, above_between
+from gpufleet.measure.ramp import Step
 
 QUANTILE = 0.99
 """The quantile the TTFT objective is a bound of (``vllm_slo_ttft_p99_s``)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from html import escape
 
-from gpufleet.bench.records import Record
+from gpufleet.measure.records import Record
 
 WIDTH, PANEL_H, MARGIN = 720, 260, 60
 

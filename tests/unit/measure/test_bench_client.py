@@ -1,4 +1,4 @@
-"""The bench client's lock and install (gpufleet/bench/client_env.py, ``gpufleet bench-client``): locks as data
+"""The bench client's lock and install (gpufleet/measure/client_env.py, ``gpufleet bench-client``): locks as data
 (tests/data/bench_client/locks.yaml), the installed client as ``gpufleet bench`` finds it (stamps.yaml: each refusal
 is one line, exit 2, before any host), a client the operator names (given_clients.yaml), pip's failures in one line
 (pip_outputs.yaml), ``gpufleet bench-client``'s refusals of bad input (refusals.yaml) and its installs over a client
@@ -22,11 +22,11 @@ import yaml
 from click.testing import CliRunner
 from gpufleet_lab.wheelhouse import ABI, EXTRA_REQUIREMENTS, PLATFORMS
 
-from gpufleet.bench import client_env
-from gpufleet.bench import guidellm_client as client
 from gpufleet.cli import bench as cli_bench
 from gpufleet.cli.main import main
 from gpufleet.digest import file_sha256
+from gpufleet.measure import client_env
+from gpufleet.measure import guidellm_client as client
 from tests.conftest import DATA
 
 CASES = DATA / "bench_client"
