@@ -118,9 +118,6 @@ def _target(fleet: Fleet, chosen: Chosen, client_name: str | None, ca_file: str 
         if not routers:
             fail_lines(["gpufleet bench: the inventory has no routers group: bench one replica with --replica"])
         cfg = fleet.configs[routers[0]]
-        vip = virtual_address.group(routers, fleet.configs)
-        address = vip.address if vip is not None else (virtual_address.host_address(routers[0], cfg) or routers[0])
-        scheme = "https" if cfg.router_tls_certificate is not None else "http"
         trusted = ca_file or cfg.router_tls_ca
         ca_file = ca_path(trusted) if trusted else None
         allowed = [name for name, c in cfg.router_clients.items() if c.models is None or chosen.model in c.models]
@@ -135,7 +132,8 @@ def _target(fleet: Fleet, chosen: Chosen, client_name: str | None, ca_file: str 
                         " bench a client of its own without limits"])
         key = (read_secret(cfg.router_clients[name].api_key, f"router_clients.{name}.api_key")
                if name is not None else None)
-        return client.Target(f"{scheme}://{address}:{cfg.router_port}", chosen.model, key, ca_file, tokenizer)
+        return client.Target(virtual_address.routers_url(routers, fleet.configs), chosen.model, key, ca_file,
+                             tokenizer)
     except ConfigError as error:
         fail_lines([problem.line() for problem in error.problems])
 

@@ -113,6 +113,16 @@ def group(routers: Sequence[str], configs: Mapping[str, HostConfig]) -> VirtualA
                           first.router_virtual_router_id, tuple(own))
 
 
+def routers_url(routers: Sequence[str], configs: Mapping[str, HostConfig]) -> str:
+    """Where clients reach the routers (``routers``: the group, in its order, non-empty): the virtual address, else
+    the first router's own address, on ``router_port``; HTTPS when the routers serve TLS."""
+    first = configs[routers[0]]
+    vip = group(routers, configs)
+    address = vip.address if vip is not None else (host_address(routers[0], first) or routers[0])
+    scheme = "https" if first.router_tls_certificate is not None else "http"
+    return f"{scheme}://{address}:{first.router_port}"
+
+
 def endpoint_line(routers: Sequence[str], configs: Mapping[str, HostConfig]) -> str | None:
     """The fleet's endpoint as ``gpufleet plan`` and a rollout print it: the virtual address, and the routers that
     hold it one at a time (each also serves on its own address); None without a virtual address. HTTPS when the

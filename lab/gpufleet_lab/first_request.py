@@ -76,9 +76,6 @@ def first_request(inventory: str, client: str) -> FirstRequest:
     allowed = [name for name in served if models is None or name in models]
     if not allowed:
         raise LabError(f"router client {client} may ask for no model the inventory serves")
-    vip = virtual_address.group(routers, fleet.configs)
-    address = vip.address if vip is not None else (virtual_address.host_address(routers[0], cfg) or routers[0])
-    scheme = "https" if cfg.router_tls_certificate is not None else "http"
     key_file = Path(ca_path(ref.file))
     headers = key_file.with_name(f"client-{client}.headers")
     try:
@@ -86,7 +83,7 @@ def first_request(inventory: str, client: str) -> FirstRequest:
     except ConfigError as error:
         raise LabError("; ".join(problem.line() for problem in error.problems)) from None
     _write_private(headers, f"Authorization: Bearer {key}\n")
-    return FirstRequest(f"{scheme}://{address}:{cfg.router_port}", allowed[0], client,
+    return FirstRequest(virtual_address.routers_url(routers, fleet.configs), allowed[0], client,
                         ca_path(cfg.router_tls_ca) if cfg.router_tls_ca else None, str(key_file), headers)
 
 
