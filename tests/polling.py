@@ -1,5 +1,5 @@
 """Waiting in tests that run real processes, polled and bounded: for a condition (failing with what was awaited),
-or for a server to accept connections."""
+or for a server to accept connections (on a port, or on a Unix socket)."""
 
 from __future__ import annotations
 
@@ -33,3 +33,18 @@ def wait_for_port(port: int, timeout: float = 15.0) -> None:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.1)
+
+
+def wait_for_socket(path: str, timeout_s: float = 15.0) -> None:
+    """Wait until a server accepts connections on the Unix socket at ``path``. The file alone is not enough: HAProxy
+    binds (so the file appears) before it listens, and a connection in between is refused."""
+
+    def accepts() -> bool:
+        with socket.socket(socket.AF_UNIX) as probe:
+            try:
+                probe.connect(path)
+            except (FileNotFoundError, ConnectionRefusedError):
+                return False
+            return True
+
+    until(accepts, f"a server accepting connections on {path}", timeout_s=timeout_s)

@@ -22,7 +22,7 @@ from gpufleet.config.schema import HostConfig
 from tests.conftest import host_tool
 from tests.loopback_http import QuietHandler, free_port, loopback_server
 from tests.memory_rule import memory_rule
-from tests.polling import until
+from tests.polling import until, wait_for_socket
 from tests.unit.configs import host_config
 
 
@@ -118,7 +118,7 @@ def loopback_router_config(**values: object) -> HostConfig:
 def running_haproxy(values: dict[str, Any], workdir: Path) -> Iterator[Path]:
     """Debian's HAProxy running the role's configuration rendered from ``values`` (checked with ``haproxy -c``
     first), under its drop-in's memory rule (tests/memory_rule.py), its files in ``workdir``; yields its runtime
-    socket's path, and stops it after the block."""
+    socket's path once that socket accepts connections, and stops HAProxy after the block."""
     haproxy = host_tool("haproxy", "haproxy")
     config = workdir / "haproxy.cfg"
     config.write_text(router_role.render({**values, "admin_socket": str(workdir / "admin.sock")}))
@@ -130,6 +130,7 @@ def running_haproxy(values: dict[str, Any], workdir: Path) -> Iterator[Path]:
         proc = subprocess.Popen([haproxy, "-db", "-f", str(config)], stdout=log, stderr=subprocess.STDOUT,
                                 preexec_fn=as_its_unit)
     try:
+        wait_for_socket(str(workdir / "admin.sock"))
         yield workdir / "admin.sock"
     finally:
         proc.terminate()

@@ -106,7 +106,7 @@ def router(tmp_path: Path) -> Iterator[Router]:
                                            {REPLICA: 1})
         started = Router(cfg.router_port, stack.enter_context(running_haproxy(values, tmp_path)), backend.name,
                          replica)
-        wait(lambda: started.socket.exists() and started.status() == "UP", "the replica UP")
+        wait(lambda: started.status() == "UP", "the replica UP")
         yield started
 
 

@@ -34,6 +34,7 @@ from gpufleet.plan import backends as plan_backends
 from tests.conftest import host_tool
 from tests.loopback_http import ReplicaHandler, free_port, loopback_server
 from tests.memory_rule import deny_write_execute, memory_rule
+from tests.polling import wait_for_socket
 from tests.tools.haproxy_run import wait
 from tests.unit.configs import host_config
 
@@ -194,7 +195,8 @@ def _start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tls: bool, plain: bo
         started = Edge(cfg.router_port, plain_port, lab_tls, tmp_path / "admin.sock", master, proc, config,
                        edge_dir, replicas)
         runtime = router_admin.Runtime(str(started.socket))
-        wait(lambda: started.socket.exists() and {s.status for s in runtime.servers()} == {"UP"}, "replicas UP")
+        wait_for_socket(str(started.socket))
+        wait(lambda: {s.status for s in runtime.servers()} == {"UP"}, "replicas UP")
         yield started
 
 
