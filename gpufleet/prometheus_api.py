@@ -9,7 +9,7 @@ import urllib.parse
 import urllib.request
 
 SCRAPE_WAIT_S = 16.0
-"""How long after a moment its samples are in Prometheus (gpufleet's scrape interval is 15 s)."""
+"""How long after a moment its samples are in Prometheus (prometheus_scrape_interval_s is at most 15 s)."""
 
 
 class PrometheusError(RuntimeError):

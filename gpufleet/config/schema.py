@@ -459,6 +459,7 @@ class HostConfig(BaseModel):
 
     # monitoring: Prometheus and Alertmanager on the monitoring hosts
     prometheus_port: Port
+    prometheus_scrape_interval_s: Annotated[int, Field(ge=1, le=15)]
     prometheus_retention: _text(grammar.retention)  # type: ignore[valid-type]
     prometheus_allowed_from: Annotated[list[str], BeforeValidator(_each(grammar.ip_network))] | None
     alertmanager_listen_address: _text(grammar.ip_address)  # type: ignore[valid-type]

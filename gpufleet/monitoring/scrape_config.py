@@ -132,12 +132,14 @@ def scrape_configs(targets: Iterable[Target], models: list[tuple[str, str]]) -> 
     return jobs
 
 
-def prometheus_config(jobs: list[dict[str, Any]], alertmanager: str, rule_files: list[str],
-                      header: str) -> str:
-    """The whole ``prometheus.yml``: ``header`` (comment lines), the scrape and evaluation intervals, the
-    Alertmanager at ``alertmanager`` (``HOST:PORT``), ``rule_files`` (relative to the file) and ``jobs``."""
+def prometheus_config(jobs: list[dict[str, Any]], alertmanager: str, rule_files: list[str], header: str,
+                      interval_s: int) -> str:
+    """The whole ``prometheus.yml``: ``header`` (comment lines), the scrape and evaluation interval ``interval_s``
+    (a scrape gives up after that or 10 s, whichever is sooner), the Alertmanager at ``alertmanager``
+    (``HOST:PORT``), ``rule_files`` (relative to the file) and ``jobs``."""
     config = {
-        "global": {"scrape_interval": "15s", "scrape_timeout": "10s", "evaluation_interval": "15s"},
+        "global": {"scrape_interval": f"{interval_s}s", "scrape_timeout": f"{min(interval_s, 10)}s",
+                   "evaluation_interval": f"{interval_s}s"},
         "alerting": {"alertmanagers": [{"static_configs": [{"targets": [alertmanager]}]}]},
         "rule_files": rule_files,
         "scrape_configs": jobs,

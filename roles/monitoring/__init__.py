@@ -197,7 +197,8 @@ def prometheus_yml(cfg: HostConfig, view: FleetView, rules: Mapping[str, str]) -
               "# (with these rule files) before it replaced the one in use:\n" + digests +
               f"# and the models' measured ceilings, {ceiling_rules.RULE_PATTERN}, written by gpufleet bench\n")
     jobs = scrape_configs(targets(view), router_models(view.replicas, view.configs))
-    return prometheus_config(jobs, alertmanager_target(cfg), [*names, ceiling_rules.RULE_PATTERN], header)
+    return prometheus_config(jobs, alertmanager_target(cfg), [*names, ceiling_rules.RULE_PATTERN], header,
+                             cfg.prometheus_scrape_interval_s)
 
 
 def alert_log_url(cfg: HostConfig) -> str:

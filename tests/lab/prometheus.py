@@ -15,9 +15,10 @@ from gpufleet_lab.state import NodeRecord
 
 from gpufleet.monitoring import ceiling_rules
 from gpufleet.monitoring.dashboards import Query
+from tests.lab.harness import LAB_VARS
 
 PORT = 9090  # prometheus_port's default
-SCRAPE_INTERVAL_S = 15  # gpufleet.monitoring.scrape_config's global scrape_interval
+SCRAPE_INTERVAL_S: int = LAB_VARS["prometheus_scrape_interval_s"]  # how often the lab scrapes and evaluates
 T = TypeVar("T")
 
 

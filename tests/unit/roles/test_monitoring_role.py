@@ -236,6 +236,17 @@ def test_alertmanager_groups_and_repeats_as_its_variables_say(values: dict[str, 
     assert route["group_by"] == ["alertname", "model", "node"]
 
 
+@pytest.mark.parametrize(("values", "expected"), [
+    ({}, ("15s", "10s", "15s")),  # the defaults
+    ({"prometheus_scrape_interval_s": 5}, ("5s", "5s", "5s")),  # a scrape gives up within its interval
+])
+def test_prometheus_scrapes_and_evaluates_as_its_variable_says(values: dict[str, int],
+                                                               expected: tuple[str, str, str]) -> None:
+    _, files = monitoring_host_files(**values)
+    found = yaml.safe_load(files.configs[role.PROMETHEUS_YML])["global"]
+    assert (found["scrape_interval"], found["scrape_timeout"], found["evaluation_interval"]) == expected
+
+
 # --- the drop-ins' IP filter --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("allowed_from", [None, ["192.168.7.0/24"]])
