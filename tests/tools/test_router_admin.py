@@ -111,7 +111,11 @@ def test_show_counts_each_servers_requests_5xx_and_response_time(router: Router)
         [200, 500, 200, 500, 500, 200]
     shown = router.servers()
     assert (shown[FIRST]["req_tot"], shown[FIRST]["hrsp_5xx"]) == (6, 3)
-    assert shown[FIRST]["rtime"] >= SLOW_S * 1000 / 6  # an average over its requests, the slow one among them
+    # an average over its requests, the slow one among them: 50-51 ms on an idle machine (the slow one's 300 ms over
+    # six). HAProxy times with a clock of its own that advances by the poll's timeout alone when a poll returns later
+    # than that (a process starved of CPU, as beside the lab: 48 ms seen), so the bound is half, still far above the
+    # 0-1 ms of the fast requests alone
+    assert shown[FIRST]["rtime"] >= SLOW_S * 1000 / 6 / 2
     assert (shown[SECOND]["req_tot"], shown[SECOND]["hrsp_5xx"], shown[SECOND]["rtime"]) == (0, 0, 0)
     ok_json(router.tool("set-state", BACKEND, SECOND, "ready"))
     assert router.answered_by(4) == {FIRST, SECOND}
