@@ -42,7 +42,7 @@ from gpufleet.measure.ramp import (
 from gpufleet.measure.records import RECORDS_DIR, Record, RecordKey, layout_name
 from gpufleet.netaddr import host_port
 from gpufleet.plan import virtual_address
-from gpufleet.plan.planner import Replica, plan_fleet
+from gpufleet.plan.planner import FleetPlan, Replica, ServedModel, plan_fleet
 from gpufleet.prometheus_api import PrometheusError
 
 DEFAULT_STEP_S = 60.0
@@ -50,22 +50,22 @@ DEFAULT_STEP_S = 60.0
 
 @dataclass(frozen=True)
 class Chosen:
-    """What a bench measures: the model, the replicas behind the target, and the record's key."""
+    """What a bench measures: the served model, the replicas behind the target, and the record's key."""
 
-    model: str
+    model: ServedModel
     replicas: list[Replica]
     key: RecordKey
 
 
-def _choose(fleet: Fleet, replicas: list[Replica], model: str | None, replica: str | None) -> Chosen:
+def _choose(plan: FleetPlan, model: str | None, replica: str | None) -> Chosen:
     """The model and replicas ``--model`` / ``--replica`` name (one line, exit 2, when they cannot be used)."""
-    served = {fleet.configs[r.nodes[0]].served_model_name(): None for r in replicas}
+    replicas, served = plan.replicas, list(plan.models)
     if replica is not None:
         found = [r for r in replicas if r.name == replica]
         if not found:
             fail_lines([f"gpufleet bench: --replica: expected one of {', '.join(r.name for r in replicas)},"
                         f" found {replica!r}"])
-        name = fleet.configs[found[0].nodes[0]].served_model_name()
+        name = found[0].served
         if model is not None and model != name:
             fail_lines([f"gpufleet bench: --replica: {replica} serves {json.dumps(name)}, not --model"
                         f" {json.dumps(model)}"])
@@ -75,17 +75,16 @@ def _choose(fleet: Fleet, replicas: list[Replica], model: str | None, replica: s
             if len(served) != 1:
                 fail_lines([f"gpufleet bench: --model: expected one of {', '.join(map(json.dumps, served))}"
                             " (the fleet serves several), found none"])
-            model = next(iter(served))
+            model = served[0]
         if model not in served:
             fail_lines([f"gpufleet bench: --model: expected a model a pool serves"
                         f" ({', '.join(map(json.dumps, served))}), found {json.dumps(model)}"])
         scope = "routers"
-        chosen = [r for r in replicas if fleet.configs[r.nodes[0]].served_model_name() == model]
-    first = fleet.configs[chosen[0].nodes[0]]
+        chosen = [r for r in replicas if r.served == model]
     layouts = sorted({layout_name(r.tp, r.pp, r.dp) for r in chosen})
-    profiles = sorted({str(fleet.configs[n].gpu_profile or "probed") for r in chosen for n in r.nodes})
-    key = RecordKey(model, first.vllm_version, "+".join(layouts), "+".join(profiles), scope)
-    return Chosen(model, chosen, key)
+    profiles = sorted({profile for r in chosen for profile in r.gpu_profile.split("+")})
+    key = RecordKey(model, chosen[0].release, "+".join(layouts), "+".join(profiles), scope)
+    return Chosen(plan.models[model], chosen, key)
 
 
 def _limits_the_ramp(router_client: RouterClient, rates: list[float] | None) -> str | None:
@@ -106,23 +105,21 @@ def _target(fleet: Fleet, chosen: Chosen, client_name: str | None, ca_file: str 
     """Where the requests go, and with which key: the routers' endpoint, a router client's key (``--client``, else
     the first allowed the model whose limits let the ramp through) and the CA that signs the routers' certificate
     (``--ca-file``, else ``router_tls_ca``), or the one replica's own API and its ``vllm_api_key``."""
-    first_cfg = fleet.configs[chosen.replicas[0].nodes[0]]
-    tokenizer = str(first_cfg.vllm_model_config or first_cfg.vllm_model)
+    model, tokenizer = chosen.model.name, chosen.model.tokenizer
     try:
         if chosen.key.scope == "replica":
             replica = chosen.replicas[0]
-            address = virtual_address.host_address(replica.nodes[0], first_cfg) or replica.nodes[0]
-            key = read_secret(first_cfg.vllm_api_key, "vllm_api_key") if first_cfg.vllm_api_key else None
-            return client.Target(f"http://{host_port(address, replica.port)}", chosen.model, key, ca_file, tokenizer)
+            key = read_secret(replica.api_key, "vllm_api_key") if replica.api_key else None
+            return client.Target(replica.api_url, model, key, ca_file, tokenizer)
         routers = [r for r in group_hosts(fleet, ROUTERS_GROUP) if r in fleet.configs]
         if not routers:
             fail_lines(["gpufleet bench: the inventory has no routers group: bench one replica with --replica"])
         cfg = fleet.configs[routers[0]]
         trusted = ca_file or cfg.router_tls_ca
         ca_file = ca_path(trusted) if trusted else None
-        allowed = [name for name, c in cfg.router_clients.items() if c.models is None or chosen.model in c.models]
+        allowed = [name for name, c in cfg.router_clients.items() if c.models is None or model in c.models]
         if client_name is not None and client_name not in allowed:
-            fail_lines([f"gpufleet bench: --client: expected a router client allowed {json.dumps(chosen.model)}"
+            fail_lines([f"gpufleet bench: --client: expected a router client allowed {json.dumps(model)}"
                         f" ({', '.join(allowed) or 'none is'}), found {client_name!r}"])
         limited = {name: why for name in allowed if (why := _limits_the_ramp(cfg.router_clients[name], rates))}
         name = client_name or next((n for n in allowed if n not in limited), allowed[0] if allowed else None)
@@ -132,8 +129,7 @@ def _target(fleet: Fleet, chosen: Chosen, client_name: str | None, ca_file: str 
                         " bench a client of its own without limits"])
         key = (read_secret(cfg.router_clients[name].api_key, f"router_clients.{name}.api_key")
                if name is not None else None)
-        return client.Target(virtual_address.routers_url(routers, fleet.configs), chosen.model, key, ca_file,
-                             tokenizer)
+        return client.Target(virtual_address.routers_url(routers, fleet.configs), model, key, ca_file, tokenizer)
     except ConfigError as error:
         fail_lines([problem.line() for problem in error.problems])
 
@@ -175,14 +171,9 @@ def _progress(step: Step, slo: Slo) -> str:
             f" {'missed ' + '+'.join(missed) if missed else 'within the objective'}{reasons}")
 
 
-def _metrics_urls(fleet: Fleet, chosen: Chosen) -> list[str]:
+def _metrics_urls(chosen: Chosen) -> list[str]:
     """Each benched replica's ``/metrics`` (its first node's API port)."""
-    urls = []
-    for replica in chosen.replicas:
-        cfg = fleet.configs[replica.nodes[0]]
-        address = virtual_address.host_address(replica.nodes[0], cfg) or replica.nodes[0]
-        urls.append(f"http://{host_port(address, replica.port)}/metrics")
-    return urls
+    return [f"{replica.api_url}/metrics" for replica in chosen.replicas]
 
 
 def _reading(urls: list[str]) -> Reading | None:
@@ -223,7 +214,7 @@ def _engine_metrics(fleet: Fleet, chosen: Chosen, steps: list[Step]) -> tuple[li
     url = f"http://{host_port(address, cfg.prometheus_port)}"
     replica = chosen.replicas[0].name if chosen.key.scope == "replica" else None
     try:
-        return with_engine_metrics(steps, url, chosen.model, replica), []
+        return with_engine_metrics(steps, url, chosen.model.name, replica), []
     except PrometheusError as exc:
         note = f"KV cache usage and preemptions: {exc} (prometheus_allowed_from must let this host in)"
         click.echo(f"gpufleet bench: {note}", err=True)
@@ -239,8 +230,7 @@ def _store(inventory: str, data: tuple[str, ...], fleet: Fleet, record: Record, 
     hosts = group_hosts(fleet, MONITORING_GROUP)
     if not hosts:
         return ["no monitoring group: the record is only printed (and in --report)"]
-    return store_record(load_inventory(inventory, parse_data_args(list(data)) or None), hosts, record, replicas,
-                        fleet.configs)
+    return store_record(load_inventory(inventory, parse_data_args(list(data)) or None), hosts, record, replicas)
 
 
 @click.command("bench")
@@ -276,9 +266,8 @@ def bench_command(inventory: str, model: str | None, replica: str | None, slo_te
     plan = plan_fleet(fleet, fleet_facts(fleet, None))
     if plan.problems:
         fail_lines([problem.line() for problem in plan.problems])
-    chosen = _choose(fleet, plan.replicas, model, replica)
-    cfg = fleet.configs[chosen.replicas[0].nodes[0]]
-    default_slo = Slo(cfg.vllm_slo_ttft_p99_s, cfg.vllm_slo_itl_p99_s)
+    chosen = _choose(plan, model, replica)
+    default_slo = Slo(chosen.model.ttft_p99_s, chosen.model.itl_p99_s)
     try:
         slo = parse_slo(slo_text, default_slo) if slo_text is not None else default_slo
     except RampError as exc:
@@ -318,7 +307,7 @@ def bench_command(inventory: str, model: str | None, replica: str | None, slo_te
     except client.ClientError as exc:
         fail_lines([f"gpufleet bench: {exc}"])
     steps: list[Step] = []
-    metrics = _metrics_urls(fleet, chosen)
+    metrics = _metrics_urls(chosen)
     try:
         read(metrics)
     except OSError as exc:

@@ -211,9 +211,8 @@ def _print_ceilings(inventory: str, data: tuple[str, ...], fleet: Fleet, plan: F
         click.echo("ceilings: no monitoring group holds bench records")
         return []
     records, unread = read_records(load_inventory(inventory, parse_data_args(list(data)) or None), hosts)
-    found = model_capacities(plan.replicas, fleet.configs, records)
-    served = sorted({fleet.configs[r.nodes[0]].served_model_name() for r in plan.replicas})
-    for model in served:
+    found = model_capacities(plan.replicas, records)
+    for model in plan.models:
         cap = found.get(model)
         if cap is None:
             click.echo(f"ceiling of {json.dumps(model)}: not measured (gpufleet bench)")

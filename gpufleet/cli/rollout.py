@@ -31,8 +31,7 @@ from gpufleet.inventory.load import load_fleet, parse_data_args, set_data_overri
 from gpufleet.measure.guidellm_client import ClientError, Target, client_path, workload_for
 from gpufleet.netaddr import host_port
 from gpufleet.plan import virtual_address
-from gpufleet.plan.backends import backends as plan_backends
-from gpufleet.plan.planner import Replica, plan_fleet
+from gpufleet.plan.planner import FleetPlan, plan_fleet
 from gpufleet.remote.bench_store import read_records as read_bench_records
 from gpufleet.remote.commands import PyinfraRemote
 from gpufleet.remote.gpu_probe import load_inventory
@@ -116,7 +115,7 @@ def rollback_command(inventory: str, **options: Any) -> None:
     _roll(ROLLBACK, inventory, **options)
 
 
-def _canary_prerequisites(hosts: Inventory, fleet: Fleet, replicas: list[Replica],
+def _canary_prerequisites(hosts: Inventory, fleet: Fleet, plan: FleetPlan,
                           canary_bench: bool) -> tuple[list[str], GuidellmCanaryBench | None]:
     """The monitoring hosts (where the bench records are kept; none without a monitoring group) and, with
     ``canary_bench``, the client that benches each canary: checked before any host is contacted, one line and exit 2
@@ -127,7 +126,7 @@ def _canary_prerequisites(hosts: Inventory, fleet: Fleet, replicas: list[Replica
         if canary_bench:
             fail_lines(["--canary-bench: expected a monitoring group (where the bench records are kept), found none"])
         return [], None
-    return monitors, _canary_bench(fleet, replicas) if canary_bench else None
+    return monitors, _canary_bench(plan) if canary_bench else None
 
 
 def _latency_judge(inventory: str, override: dict[str, Any] | None, fleet: Fleet, monitors: list[str],
@@ -147,18 +146,16 @@ def _latency_judge(inventory: str, override: dict[str, Any] | None, fleet: Fleet
                         bench)
 
 
-def _canary_bench(fleet: Fleet, replicas: list[Replica]) -> GuidellmCanaryBench:
+def _canary_bench(plan: FleetPlan) -> GuidellmCanaryBench:
     """The client and each replica's own API, key and workload, for ``--canary-bench``."""
     targets, workloads = {}, {}
-    for replica in replicas:
-        cfg = fleet.configs[replica.nodes[0]]
-        address = virtual_address.host_address(replica.nodes[0], cfg) or replica.nodes[0]
+    for replica in plan.replicas:
         try:
-            key = read_secret(cfg.vllm_api_key, "vllm_api_key") if cfg.vllm_api_key else None
+            key = read_secret(replica.api_key, "vllm_api_key") if replica.api_key else None
         except ConfigError as error:
             fail_lines([problem.line() for problem in error.problems])
-        targets[replica.name] = Target(f"http://{host_port(address, replica.port)}", cfg.served_model_name(), key,
-                                       None, str(cfg.vllm_model_config or cfg.vllm_model))
+        targets[replica.name] = Target(replica.api_url, replica.served, key, None,
+                                       plan.model_of(replica).tokenizer)
         workloads[replica.name] = workload_for(replica.max_model_len)
     try:
         exe = client_path(lambda line: click.echo(f"gpufleet: {line}"))
@@ -225,9 +222,8 @@ def _roll(mode: str, inventory: str, batches: str, max_unavailable: str, min_ava
     program = pyinfra_program()
     if program is None or not (PROJECT_ROOT / DEPLOY).is_file():
         fail_lines([f"gpufleet {mode}: expected pyinfra beside {sys.executable} and {DEPLOY} in {PROJECT_ROOT}"])
-    monitors, bench = _canary_prerequisites(hosts, fleet, plan.replicas, canary_bench)
-    backends = {server: backend.name for backend in plan_backends(plan.replicas, fleet.configs)
-                for server, _ in backend.servers}
+    monitors, bench = _canary_prerequisites(hosts, fleet, plan, canary_bench)
+    backends = {replica.name: plan.model_of(replica).backend for replica in plan.replicas}
     remote = PyinfraRemote(hosts)
     try:
         router = RouterControl(remote, routers)

@@ -17,10 +17,8 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
-from collections.abc import Mapping
 from dataclasses import dataclass
 
-from gpufleet.config.schema import HostConfig
 from gpufleet.measure.records import Record, RecordKey, latest, layout_name
 from gpufleet.plan.planner import Replica
 
@@ -58,16 +56,15 @@ class ModelCapacity:
         return math.ceil(target_rps / per) if per > 0 else 0
 
 
-def replica_shape(replica: Replica, configs: Mapping[str, HostConfig]) -> Shape:
+def replica_shape(replica: Replica) -> Shape:
     """The replica's layout and the GPU profile of its nodes (``probed`` where none is declared; nodes of several
     profiles joined by ``+``): the key its records and its ceiling in Prometheus share."""
-    return layout_name(replica.tp, replica.pp, replica.dp), "+".join(
-        sorted({str(configs[n].gpu_profile or "probed") for n in replica.nodes}))
+    return layout_name(replica.tp, replica.pp, replica.dp), replica.gpu_profile
 
 
-def _for_release(model: str, release: str, replicas: list[Replica], configs: Mapping[str, HostConfig],
+def _for_release(model: str, release: str, replicas: list[Replica],
                  newest: dict[RecordKey, Record]) -> tuple[tuple[ShapeCeiling, ...], tuple[Record, ...]] | None:
-    counts = Counter(replica_shape(r, configs) for r in replicas)
+    counts = Counter(replica_shape(r) for r in replicas)
     singles = {shape: one for shape in counts
                if (one := newest.get(RecordKey(model, release, *shape, "replica"))) is not None
                and one.ceiling.rate}
@@ -92,24 +89,22 @@ def _version_key(version: str) -> list[int]:
     return [int(part) if part.isdigit() else 0 for part in version.split(".")]
 
 
-def model_capacities(replicas: list[Replica], configs: Mapping[str, HostConfig],
-                     records: list[Record]) -> dict[str, ModelCapacity]:
-    """Each served model's capacity, for the models some record covers."""
+def model_capacities(replicas: list[Replica], records: list[Record]) -> dict[str, ModelCapacity]:
+    """Each served model's capacity over ``replicas`` (those that start count), for the models some record covers."""
     newest = latest(records)
     by_model: dict[str, list[Replica]] = {}
     for replica in replicas:
-        cfg = configs[replica.nodes[0]]
-        if cfg.vllm_start:
-            by_model.setdefault(cfg.served_model_name(), []).append(replica)
+        if replica.starts:
+            by_model.setdefault(replica.served, []).append(replica)
     found: dict[str, ModelCapacity] = {}
     for model, served in sorted(by_model.items()):
-        release = configs[served[0].nodes[0]].vllm_version
-        if (now := _for_release(model, release, served, configs, newest)) is not None:
+        release = served[0].release
+        if (now := _for_release(model, release, served, newest)) is not None:
             found[model] = _capacity(model, release, now, True)
             continue
         older = {k.release for k in newest if k.model == model and k.release != release}
         for earlier in sorted(older, key=_version_key, reverse=True):
-            if (then := _for_release(model, earlier, served, configs, newest)) is not None:
+            if (then := _for_release(model, earlier, served, newest)) is not None:
                 found[model] = _capacity(model, earlier, then, False)
                 break
     return found
@@ -122,14 +117,12 @@ def _capacity(model: str, release: str, measured: tuple[tuple[ShapeCeiling, ...]
                          sum(s.per_replica_rps * s.replicas for s in shapes), sources, current, shapes)
 
 
-def releases_without_bench(replicas: list[Replica], configs: Mapping[str, HostConfig],
-                           records: list[Record]) -> list[str]:
+def releases_without_bench(replicas: list[Replica], records: list[Record]) -> list[str]:
     """A line for each served model whose planned release has no record while an earlier release has one."""
     lines = []
-    for model, cap in model_capacities(replicas, configs, records).items():
+    for model, cap in model_capacities(replicas, records).items():
         if not cap.current:
-            running = next(configs[r.nodes[0]].vllm_version for r in replicas
-                           if configs[r.nodes[0]].served_model_name() == model)
+            running = next(r.release for r in replicas if r.served == model)
             lines.append(f"{json.dumps(model)}: vLLM {cap.release} has a measured ceiling ({cap.ceiling_rps:g}"
                          f" req/s), its successor {running} none: run gpufleet bench")
     return lines

@@ -18,11 +18,10 @@ import hashlib
 import json
 import math
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from gpufleet.config.schema import HostConfig
 from gpufleet.measure.records import layout_name
 from gpufleet.node.vllm_ready import START_PHASES, prometheus_labels
 from gpufleet.plan.planner import Replica
@@ -55,12 +54,10 @@ class StartKey:
         return hashlib.sha256(json.dumps(self.labels(), sort_keys=True).encode()).hexdigest()[:20] + ".json"
 
 
-def start_key(replica: Replica, configs: Mapping[str, HostConfig]) -> StartKey:
-    """The key of ``replica``'s starts, from its nodes' configurations."""
-    first = configs[replica.nodes[0]]
-    profiles = "+".join(sorted({str(configs[n].gpu_profile or "probed") for n in replica.nodes}))
-    return StartKey(first.served_model_name(), first.vllm_version, layout_name(replica.tp, replica.pp, replica.dp),
-                    profiles)
+def start_key(replica: Replica) -> StartKey:
+    """The key of ``replica``'s starts: its model, release, layout and GPU profile."""
+    return StartKey(replica.served, replica.release, layout_name(replica.tp, replica.pp, replica.dp),
+                    replica.gpu_profile)
 
 
 def _seconds(value: Any) -> float | None:

@@ -22,15 +22,15 @@ whose ``vllm_start`` is false is not meant to serve: it counts for no model and 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from fractions import Fraction
 from typing import Any
 
 import yaml
 
-from gpufleet.config.schema import HostConfig
 from gpufleet.measure.capacity import replica_shape
-from gpufleet.plan.planner import Replica
+from gpufleet.plan.planner import FleetPlan, Replica
 
 GROUP = "gpufleet-plan"
 
@@ -40,62 +40,32 @@ def replicas_min(planned: int, ratio: float) -> int:
     return math.ceil(Fraction(repr(ratio)) * planned)
 
 
-def replica_config(replica: Replica, configs: Mapping[str, HostConfig]) -> HostConfig:
-    """The configuration of the pool that serves ``replica`` (its first node's)."""
-    return configs[replica.roles[0].host]
-
-
-def model_replicas(replicas: Iterable[Replica], configs: Mapping[str, HostConfig]) -> dict[str, int]:
+def model_replicas(replicas: Iterable[Replica]) -> dict[str, int]:
     """Planned replicas per served model name (pools serving one name count together)."""
-    found: dict[str, int] = {}
-    for replica in replicas:
-        model = replica_config(replica, configs).served_model_name()
-        found[model] = found.get(model, 0) + 1
-    return found
-
-
-def prefix_routed_models(replicas: Iterable[Replica], configs: Mapping[str, HostConfig]) -> list[str]:
-    """The served model names of the replicas whose pool routes by prefix (``router_policy: prefix``), sorted."""
-    return sorted({cfg.served_model_name() for cfg in (replica_config(r, configs) for r in replicas)
-                   if cfg.router_policy == "prefix"})
-
-
-def model_objectives(replicas: Iterable[Replica], configs: Mapping[str, HostConfig]) -> dict[str, HostConfig]:
-    """The configuration of each served model's first replica's pool, by model name: its objectives (pools serving
-    one name have the same, see ``gpufleet.plan.planner.MODEL_WIDE``)."""
-    found: dict[str, HostConfig] = {}
-    for replica in replicas:
-        cfg = replica_config(replica, configs)
-        found.setdefault(cfg.served_model_name(), cfg)
-    return found
+    return dict(Counter(replica.served for replica in replicas))
 
 
 def _fact(record: str, value: float, labels: dict[str, str]) -> dict[str, Any]:
     return {"record": record, "expr": f"vector({value!r})", "labels": labels}
 
 
-def _shape_fact(replica: Replica, configs: Mapping[str, HostConfig]) -> dict[str, Any]:
-    layout, profile = replica_shape(replica, configs)
-    return _fact("gpufleet:replica_shape", 1, {"model": replica_config(replica, configs).served_model_name(),
-                                               "replica": replica.name, "layout": layout, "gpu_profile": profile})
+def _shape_fact(replica: Replica) -> dict[str, Any]:
+    layout, profile = replica_shape(replica)
+    return _fact("gpufleet:replica_shape", 1, {"model": replica.served, "replica": replica.name, "layout": layout,
+                                               "gpu_profile": profile})
 
 
-def plan_rules(node_gpus: Mapping[str, int], replicas: list[Replica], configs: Mapping[str, HostConfig],
-               ratio: float, header: str) -> str:
+def plan_rules(node_gpus: Mapping[str, int], plan: FleetPlan, ratio: float, header: str) -> str:
     """The rule file's text: ``header`` (comment lines), then one rule per node, model and replica, sorted."""
-    replicas = [r for r in replicas if replica_config(r, configs).vllm_start]
+    replicas = sorted((r for r in plan.replicas if r.starts), key=lambda r: r.name)
+    models = [plan.models[name] for name in sorted({r.served for r in replicas})]
     rules = [_fact("gpufleet:node_gpus_expected", count, {"node": node}) for node, count in sorted(node_gpus.items())]
     rules += [_fact("gpufleet:model_replicas_min", replicas_min(planned, ratio), {"model": model})
-              for model, planned in sorted(model_replicas(replicas, configs).items())]
+              for model, planned in sorted(model_replicas(replicas).items())]
     rules += [_fact("gpufleet:replica_ranks_expected", len(replica.roles),
-                    {"model": replica_config(replica, configs).served_model_name(), "replica": replica.name})
-              for replica in sorted(replicas, key=lambda r: r.name)]
-    rules += [_shape_fact(replica, configs) for replica in sorted(replicas, key=lambda r: r.name)]
-    rules += [_fact("gpufleet:model_prefix_routed", 1, {"model": model})
-              for model in prefix_routed_models(replicas, configs)]
-    objectives = sorted(model_objectives(replicas, configs).items())
-    rules += [_fact("gpufleet:model_slo_ttft_p99_seconds", cfg.vllm_slo_ttft_p99_s, {"model": model})
-              for model, cfg in objectives]
-    rules += [_fact("gpufleet:model_slo_itl_p99_seconds", cfg.vllm_slo_itl_p99_s, {"model": model})
-              for model, cfg in objectives]
+                    {"model": replica.served, "replica": replica.name}) for replica in replicas]
+    rules += [_shape_fact(replica) for replica in replicas]
+    rules += [_fact("gpufleet:model_prefix_routed", 1, {"model": m.name}) for m in models if m.policy == "prefix"]
+    rules += [_fact("gpufleet:model_slo_ttft_p99_seconds", m.ttft_p99_s, {"model": m.name}) for m in models]
+    rules += [_fact("gpufleet:model_slo_itl_p99_seconds", m.itl_p99_s, {"model": m.name}) for m in models]
     return header + yaml.safe_dump({"groups": [{"name": GROUP, "rules": rules}]}, sort_keys=False, width=1000)

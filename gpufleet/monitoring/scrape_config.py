@@ -10,8 +10,8 @@ The jobs and the labels on their targets are those ``templates/monitoring/rules/
   ``head`` for Ray;
 - ``ray``: every node of a Ray replica, on Ray's metrics export port (``ray_port + 3``), role ``head`` or ``worker``;
 - ``router``: every router's HAProxy endpoint (``router_metrics_port``). Its series get a ``model`` label from their
-  ``proxy`` label, one exact match per backend, with the routers' own backend names
-  (:func:`gpufleet.plan.backends.backends`), so that a backend's series join its model's.
+  ``proxy`` label, one exact match per backend, with the routers' own backend names (each served model's,
+  :class:`gpufleet.plan.planner.ServedModel`), so that a backend's series join its model's.
 
 Every target is static (``static_configs``): nothing is discovered outside the inventory. A host is reached at its
 ``fleet_address``, else its inventory name, as every role reaches it.
@@ -28,8 +28,7 @@ import yaml
 
 from gpufleet.config.schema import HostConfig
 from gpufleet.netaddr import host_port
-from gpufleet.plan.backends import backends
-from gpufleet.plan.planner import Replica
+from gpufleet.plan.planner import FleetPlan, Replica
 
 JOB_LABELS: dict[str, tuple[str, ...]] = {
     "node": ("node", "pool"),
@@ -89,21 +88,19 @@ def replica_targets(replicas: Iterable[Replica], configs: Mapping[str, HostConfi
     false) and the ``ray`` targets of every node of a Ray replica (its Ray units run either way)."""
     found: list[Target] = []
     for replica in replicas:
-        first = configs[replica.roles[0].host]
-        model = first.served_model_name()
         for rank, role in enumerate(replica.roles):
-            labels = {"node": role.host, "pool": replica.pool, "model": model, "replica": replica.name,
+            labels = {"node": role.host, "pool": replica.pool, "model": replica.served, "replica": replica.name,
                       "role": _ROLES.get(role.role, f"rank{rank}"), "gpus": ",".join(str(g) for g in role.gpus)}
-            if rank == 0 and first.vllm_start:
+            if rank == 0 and replica.starts:
                 found.append(Target("vllm", role.address, replica.port, labels))
             if role.role in ("ray-head", "ray-worker"):
                 found.append(Target("ray", role.address, configs[role.host].ray_port + RAY_METRICS_OFFSET, labels))
     return found
 
 
-def router_models(replicas: Iterable[Replica], configs: Mapping[str, HostConfig]) -> list[tuple[str, str]]:
+def router_models(plan: FleetPlan) -> list[tuple[str, str]]:
     """(backend name, served model) of every backend the routers have: the name their series carry as ``proxy``."""
-    return [(backend.name, backend.model) for backend in backends(replicas, dict(configs))]
+    return [(model.backend, model.name) for model in plan.models.values()]
 
 
 def _model_relabelling(models: list[tuple[str, str]]) -> list[dict[str, Any]]:

@@ -8,16 +8,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
-from gpufleet.config.schema import HostConfig
-from gpufleet.netaddr import host_port
-from gpufleet.plan.planner import Replica
+from gpufleet.plan.planner import FleetPlan
 
-_IDENTIFIER_UNSAFE = re.compile(r"[^A-Za-z0-9_.:-]")  # what HAProxy's names may not hold
 # The POST routes of vLLM's OpenAI API that clients of a model's replicas may use, by the task the model is served
 # for (the plan sizes replicas for generation: every served model is a "generate" one). GET /v1/models and
 # GET /health are answered by the router; nothing else reaches a replica.
@@ -28,7 +23,7 @@ TASK_ROUTES: dict[str, tuple[str, ...]] = {"generate": ("/v1/completions", "/v1/
 class Backend:
     """One served model and the replicas that serve it."""
 
-    name: str  # HAProxy's backend name
+    name: str  # HAProxy's backend name (the served model's)
     model: str  # the served model name clients ask for
     servers: tuple[tuple[str, str], ...]  # (replica name, ADDRESS:PORT of its API)
     task: str = "generate"  # which of TASK_ROUTES its clients may use
@@ -56,25 +51,13 @@ class Backend:
         return json.dumps(self.model)
 
 
-def backends(replicas: Iterable[Replica], configs: dict[str, HostConfig]) -> list[Backend]:
-    """One backend per served model, in model order, each with its replicas' first nodes' APIs and the routing
-    policy of the first replica's first node (every pool of a model has the same: the planner checks it)."""
-    by_model: dict[str, list[tuple[str, str]]] = {}
-    routing: dict[str, HostConfig] = {}
-    for replica in replicas:
-        first = replica.roles[0]
-        model = configs[first.host].served_model_name()
-        routing.setdefault(model, configs[first.host])
-        by_model.setdefault(model, []).append((replica.name, host_port(first.address, replica.port)))
+def backends(plan: FleetPlan) -> list[Backend]:
+    """One backend per served model of ``plan``, in model order, with the API of every replica that serves it (its
+    first node's) and the model's routing."""
+    replicas = {replica.name: replica for replica in plan.replicas}
     found: list[Backend] = []
-    taken: set[str] = set()
-    for model in sorted(by_model):
-        name = base = "model-" + _IDENTIFIER_UNSAFE.sub("_", model)
-        suffix = 2
-        while name in taken:
-            name, suffix = f"{base}-{suffix}", suffix + 1
-        taken.add(name)
-        cfg = routing[model]
-        found.append(Backend(name, model, tuple(sorted(by_model[model])), policy=cfg.router_policy,
-                             prefix_balance=cfg.router_prefix_balance if cfg.router_policy == "prefix" else None))
+    for model in plan.models.values():
+        servers = sorted((name, replicas[name].api_address) for name in model.replicas)
+        found.append(Backend(model.backend, model.name, tuple(servers), policy=model.policy,
+                             prefix_balance=model.prefix_balance))
     return found

@@ -7,15 +7,18 @@ variables it names.
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from gpufleet.config.fleet import Fleet
 from gpufleet.config.problems import shown_key
-from gpufleet.config.schema import HostConfig
+from gpufleet.config.schema import HostConfig, SecretRef
 from gpufleet.config.vllm_flags import load_catalog
 from gpufleet.gpu.report import NodeFacts
+from gpufleet.netaddr import host_port
 from gpufleet.node_paths import replica_host_part
 from gpufleet.plan import layout, quantization
 from gpufleet.plan.admission import Admission, UnsupportedLimitError, admission
@@ -70,11 +73,25 @@ class Replica:
     roles: list[NodeRole]
     secret_env: list[str]
     admission: Admission
+    served: str  # the name clients ask for its model by: its pool's served model name (a ServedModel's)
+    release: str  # the vLLM release its pool runs (vllm_version)
+    starts: bool  # whether its units start (vllm_start of its first node, whose process serves its API)
+    gpu_profile: str  # its nodes' GPU profiles, "+"-joined and sorted ("probed" for a node that declares none)
+    api_key: SecretRef | None  # where the key its API takes is read (its first node's vllm_api_key)
     not_modelled: tuple[str, ...] = ()  # its flags that move memory the plan does not model (layout.NOT_MODELLED)
 
     @property
     def nodes(self) -> list[str]:
         return [r.host for r in self.roles]
+
+    @property
+    def api_address(self) -> str:
+        """Where its API listens: ``ADDRESS:PORT`` on its first node."""
+        return host_port(self.roles[0].address, self.port)
+
+    @property
+    def api_url(self) -> str:
+        return f"http://{self.api_address}"
 
     def to_json(self) -> dict[str, Any]:
         """The plan's JSON form (keys other tools rely on)."""
@@ -139,11 +156,32 @@ class PlanProblem:
         return self.host == host if self.host is not None else self.pool == pool
 
 
+_BACKEND_UNSAFE = re.compile(r"[^A-Za-z0-9_.:-]")  # what HAProxy's names may not hold
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """One name the fleet serves a model under, once: what every pool that serves it agrees on (:data:`MODEL_WIDE`,
+    checked by the planner): its routers' backend and policy, its objectives, its replicas' keys and its replicas."""
+
+    name: str  # what clients ask for
+    backend: str  # the routers' backend: the name made a HAProxy name, unique in the fleet
+    policy: Literal["leastconn", "prefix"]
+    prefix_balance: float | None  # with prefix: router_prefix_balance
+    ttft_p99_s: float  # the objective: vllm_slo_ttft_p99_s, vllm_slo_itl_p99_s
+    itl_p99_s: float
+    api_keys: tuple[SecretRef | None, ...]  # its replicas' keys (Replica.api_key), each once, the first replica's first
+    tokenizer: str  # what a client counts its tokens with: vllm_model_config, else vllm_model
+    pools: tuple[str, ...]
+    replicas: tuple[str, ...]  # in the plan's order
+
+
 @dataclass
 class FleetPlan:
-    """Replicas, warnings and problems for a whole fleet."""
+    """Served models, replicas, warnings and problems for a whole fleet."""
 
     replicas: list[Replica] = field(default_factory=list)
+    models: dict[str, ServedModel] = field(default_factory=dict)  # by name, sorted
     warnings: list[str] = field(default_factory=list)
     problems: list[PlanProblem] = field(default_factory=list)
     idle: list[str] = field(default_factory=list)
@@ -152,6 +190,10 @@ class FleetPlan:
     def problems_of(self, host: str, pool: str | None) -> list[PlanProblem]:
         """The problems that keep ``host`` (of ``pool``) from serving."""
         return [p for p in self.problems if p.stops(host, pool)]
+
+    def model_of(self, replica: Replica) -> ServedModel:
+        """The served model ``replica`` serves."""
+        return self.models[replica.served]
 
 
 class PoolError(Exception):
@@ -468,7 +510,9 @@ def _single_node_replicas(pool: str, hosts: list[str], fleet: Fleet, shapes: lis
                                   tp, pp, cfg.vllm_data_parallel_size, max_len, queued_reqs=admit.queued_reqs)
             plan.replicas.append(Replica(name, pool, cfg.checkpoint(), tp, pp, cfg.vllm_data_parallel_size,
                                          host_cfg.vllm_port + k, "single-node", max_len, per_token, b, roles,
-                                         secret_env_names(host_cfg), admit,
+                                         secret_env_names(host_cfg), admit, cfg.served_model_name(),
+                                         cfg.vllm_version, host_cfg.vllm_start, _gpu_profile([host_cfg]),
+                                         host_cfg.vllm_api_key,
                                          layout.not_modelled(cfg.vllm_extra_args)))
 
 
@@ -496,16 +540,23 @@ def _multi_node_replicas(pool: str, hosts: list[str], fleet: Fleet, shapes: list
                               tp, pp, 1, max_len, queued_reqs=admit.queued_reqs)
         plan.replicas.append(Replica(f"{pool}-{k}", pool, cfg.checkpoint(), tp, pp, 1, cfgs[0].vllm_port,
                                      cfg.vllm_distributed_backend, max_len, per_token, b, roles,
-                                     secret_env_names(cfgs[0]), admit, layout.not_modelled(cfg.vllm_extra_args)))
+                                     secret_env_names(cfgs[0]), admit, cfg.served_model_name(), cfg.vllm_version,
+                                     cfgs[0].vllm_start, _gpu_profile(cfgs), cfgs[0].vllm_api_key,
+                                     layout.not_modelled(cfg.vllm_extra_args)))
     spare = hosts[(len(hosts) // nodes) * nodes:]
     if spare:
         plan.idle += spare
         plan.warnings.append(f"pool {pool}: {', '.join(spare)} left idle: a replica needs {nodes} nodes")
 
 
+def _gpu_profile(cfgs: list[HostConfig]) -> str:
+    """The GPU profiles of a replica's nodes, as its records and start keys name them."""
+    return "+".join(sorted({str(cfg.gpu_profile or "probed") for cfg in cfgs}))
+
+
 def _check_flags(plan: FleetPlan, fleet: Fleet) -> None:
     for replica in plan.replicas:
-        version = fleet.configs[replica.nodes[0]].vllm_version
+        version = replica.release
         catalog = load_catalog(version)
         for role in replica.roles:
             for proc in role.processes:
@@ -574,6 +625,29 @@ def _prefix_caching_off(pool: str, cfg: HostConfig) -> PlanProblem | None:
     return PlanProblem(pool, f"{key}: {detail}", keys=(key, "router_policy"), detail=detail)
 
 
+def served_models(replicas: Iterable[Replica], configs: Mapping[str, HostConfig]) -> dict[str, ServedModel]:
+    """Each served model of ``replicas``, by name, sorted; its routing, objectives and tokenizer are its first
+    replica's first node's (every pool of the model has the same: :func:`_check_routing`), its keys its replicas'."""
+    by_name: dict[str, list[Replica]] = {}
+    for replica in replicas:
+        by_name.setdefault(replica.served, []).append(replica)
+    found: dict[str, ServedModel] = {}
+    taken: set[str] = set()
+    for name, served in sorted(by_name.items()):
+        backend = base = "model-" + _BACKEND_UNSAFE.sub("_", name)
+        suffix = 2
+        while backend in taken:
+            backend, suffix = f"{base}-{suffix}", suffix + 1
+        taken.add(backend)
+        cfg = configs[served[0].nodes[0]]
+        found[name] = ServedModel(
+            name, backend, cfg.router_policy, cfg.router_prefix_balance if cfg.router_policy == "prefix" else None,
+            cfg.vllm_slo_ttft_p99_s, cfg.vllm_slo_itl_p99_s, tuple(dict.fromkeys(r.api_key for r in served)),
+            str(cfg.vllm_model_config or cfg.vllm_model), tuple(dict.fromkeys(r.pool for r in served)),
+            tuple(r.name for r in served))
+    return found
+
+
 def plan_fleet(fleet: Fleet, facts: dict[str, NodeFacts]) -> FleetPlan:
     """Plan every pool; a pool that cannot be planned adds a problem and no replicas."""
     plan = FleetPlan()
@@ -589,4 +663,5 @@ def plan_fleet(fleet: Fleet, facts: dict[str, NodeFacts]) -> FleetPlan:
             plan.problems.append(PlanProblem(pool, str(exc)))
     _check_flags(plan, fleet)
     _check_routing(plan, fleet)
+    plan.models = served_models(plan.replicas, fleet.configs)
     return plan

@@ -4,11 +4,9 @@ pyinfra's connections as the inventory gives them."""
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
 
 from pyinfra.api.inventory import Inventory
 
-from gpufleet.config.schema import HostConfig
 from gpufleet.measure.capacity import model_capacities
 from gpufleet.measure.records import RECORDS_DIR, Record, parse_records
 from gpufleet.monitoring.ceiling_rules import CEILINGS_DIR, CEILINGS_FILE, ceiling_rules
@@ -22,10 +20,9 @@ HEADER = ("# Written by gpufleet bench from the bench records of this host (/var
 TIMEOUT_S = 60
 
 
-def store_record(inventory: Inventory, hosts: list[str], record: Record, replicas: list[Replica],
-                 configs: Mapping[str, HostConfig]) -> list[str]:
-    """Write ``record`` on each of ``hosts``, then each host's ceiling rules from its records and the plan
-    (``replicas``, ``configs``); a line for each host where either could not be."""
+def store_record(inventory: Inventory, hosts: list[str], record: Record, replicas: list[Replica]) -> list[str]:
+    """Write ``record`` on each of ``hosts``, then each host's ceiling rules from its records and the plan's
+    ``replicas``; a line for each host where either could not be."""
     remote = PyinfraRemote(inventory)
     path = f"{RECORDS_DIR}/{record.key.file_name()}"
     text = json.dumps(record.to_json(), sort_keys=True) + "\n"
@@ -36,7 +33,7 @@ def store_record(inventory: Inventory, hosts: list[str], record: Record, replica
             if not written.ok:
                 problems.append(f"{host}: the record was not written: {written.line()}")
                 continue
-            if problem := publish_ceilings(remote, host, replicas, configs):
+            if problem := publish_ceilings(remote, host, replicas):
                 problems.append(problem)
     finally:
         remote.close()
@@ -54,15 +51,14 @@ def _run(remote: Remote, host: str, words: list[str]) -> RemoteResult:
     return remote.run(host, words, timeout_s=TIMEOUT_S)
 
 
-def publish_ceilings(remote: PyinfraRemote, host: str, replicas: list[Replica],
-                     configs: Mapping[str, HostConfig]) -> str | None:
+def publish_ceilings(remote: PyinfraRemote, host: str, replicas: list[Replica]) -> str | None:
     """Write ``host``'s ceiling rules from every record it holds, check them with promtool, put them in place and
     reload Prometheus; why not, or None."""
     listed = remote.run(host, ["grep", "-r", "-h", "-e", ".", RECORDS_DIR], timeout_s=TIMEOUT_S, ok_status=(0, 1))
     if not listed.ok:
         return f"{host}: its bench records could not be read: {listed.line()}"
     records, _ = parse_records(listed.stdout)
-    text = ceiling_rules(model_capacities(replicas, configs, records), HEADER)
+    text = ceiling_rules(model_capacities(replicas, records), HEADER)
     final = f"{CEILINGS_DIR}/{CEILINGS_FILE}"
     candidate = f"{final}.new"  # not *.yml: Prometheus reads it only once checked and moved
     result = _write(remote, host, CEILINGS_DIR, candidate, text)

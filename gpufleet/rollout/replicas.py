@@ -144,10 +144,9 @@ def _member(replica: Replica, configs: Mapping[str, HostConfig], backends: Mappi
     target = inventory if mode == UPGRADE else (first.previous if first else None)
     recorded = frozenset(node for node in recorded_on
                          if (found := records.get(node, {}).get(replica.name)) and found.current is not None)
-    profile = "+".join(sorted({str(configs[n].gpu_profile or "probed") for n in replica.nodes}))
     return Member(replica.name, backends[replica.name], tuple(replica.nodes), recorded_on, cfg.vllm_ready_timeout,
                   cfg.vllm_shutdown_timeout_s + DRAIN_GRACE_S, inventory, before, target, recorded,
-                  cfg.served_model_name(), layout_name(replica.tp, replica.pp, replica.dp), profile)
+                  replica.served, layout_name(replica.tp, replica.pp, replica.dp), replica.gpu_profile)
 
 
 def _router_problems(member: Member, view: RouterView) -> list[str]:

@@ -92,7 +92,7 @@ from gpufleet.node_paths import (
 )
 from gpufleet.operations import apt, files, node, server, systemd, vllm
 from gpufleet.plan import access
-from gpufleet.plan.planner import Replica, plan_fleet
+from gpufleet.plan.planner import FleetPlan, plan_fleet
 from gpufleet.pyinfra_seam import current_state
 from gpufleet.run.context import DeployContext, context, fleet, host_config
 from gpufleet.units.escape import exec_line
@@ -151,32 +151,31 @@ class FleetView:
     pools: Mapping[str, str]  # each host's pool label: its serving pool, else its role group
     gpu_hosts: list[str]  # the hosts that serve (dcgm-exporter)
     routers: list[str]
-    replicas: list[Replica]
+    plan: FleetPlan  # the served models and their replicas
     node_gpus: Mapping[str, int]  # GPUs each host should report (0: a host that serves nothing)
 
 
-def fleet_view(fleet: Fleet, replicas: list[Replica], facts: Mapping[str, NodeFacts], routers: list[str]) -> FleetView:
-    """The view of ``fleet`` planned into ``replicas`` from ``facts``; a serving host without facts has no GPU
-    count."""
+def fleet_view(fleet: Fleet, plan: FleetPlan, facts: Mapping[str, NodeFacts], routers: list[str]) -> FleetView:
+    """The view of ``fleet`` planned into ``plan`` from ``facts``; a serving host without facts has no GPU count."""
     pools = {h: loaded.label_of(h) if (loaded := loaded_inventory(h)) is not None else "all" for h in fleet.hosts}
     serving = [h for h in fleet.hosts if fleet.serves(h)]
     node_gpus = {h: len(facts[h].gpus) if fleet.serves(h) else 0 for h in fleet.hosts
                  if h in facts or not fleet.serves(h)}
-    return FleetView(fleet.configs, pools, serving, routers, replicas, node_gpus)
+    return FleetView(fleet.configs, pools, serving, routers, plan, node_gpus)
 
 
 def targets(view: FleetView) -> list[Target]:
     """Every scrape target of the fleet."""
     return (host_targets(view.configs, view.pools, view.gpu_hosts, view.routers)
-            + replica_targets(view.replicas, view.configs))
+            + replica_targets(view.plan.replicas, view.configs))
 
 
 def rule_files(cfg: HostConfig, view: FleetView) -> dict[str, str]:
     """Every rule file's text by its name: gpufleet's rules with this host's thresholds, and the plan's figures."""
     header = ("# Written by gpufleet (role monitoring) from the plan (gpufleet.monitoring.plan_rules): the facts\n"
               "# gpufleet's rules compare with.\n")
-    return {**render_rules(cfg), PLAN_RULES: plan_rules(view.node_gpus, view.replicas, view.configs,
-                                                        cfg.alert_model_replicas_min_ratio, header)}
+    return {**render_rules(cfg), PLAN_RULES: plan_rules(view.node_gpus, view.plan, cfg.alert_model_replicas_min_ratio,
+                                                        header)}
 
 
 def alertmanager_target(cfg: HostConfig) -> str:
@@ -196,7 +195,7 @@ def prometheus_yml(cfg: HostConfig, view: FleetView, rules: Mapping[str, str]) -
     header = ("# Written by gpufleet (role monitoring) from the inventory and the plan, and checked with promtool\n"
               "# (with these rule files) before it replaced the one in use:\n" + digests +
               f"# and the models' measured ceilings, {ceiling_rules.RULE_PATTERN}, written by gpufleet bench\n")
-    jobs = scrape_configs(targets(view), router_models(view.replicas, view.configs))
+    jobs = scrape_configs(targets(view), router_models(view.plan))
     return prometheus_config(jobs, alertmanager_target(cfg), [*names, ceiling_rules.RULE_PATTERN], header,
                              cfg.prometheus_scrape_interval_s)
 
@@ -283,8 +282,8 @@ def monitoring_files(cfg: HostConfig, address: str, view: FleetView, group_hosts
 
 # --- the running deploy's view ---------------------------------------------------------------------------------
 
-def monitored_plan(ctx: DeployContext) -> tuple[list[Replica], dict[str, NodeFacts]]:
-    """The replicas Prometheus watches, and the facts they were planned with: the deploy's plan, in which a host
+def monitored_plan(ctx: DeployContext) -> tuple[FleetPlan, dict[str, NodeFacts]]:
+    """The plan Prometheus watches, and the facts it was made with: the deploy's plan, in which a host
     that failed its gate (or could not be probed) but declares a ``gpu_profile`` is planned from its profile, so that
     its replicas are still expected (and alerted on) while it is down. A host without either is left out, as the
     deploy leaves it out."""
@@ -292,12 +291,12 @@ def monitored_plan(ctx: DeployContext) -> tuple[list[Replica], dict[str, NodeFac
     declared = {h: profile_facts(str(ctx.fleet.configs[h].gpu_profile), h) for h in ctx.fleet.hosts
                 if ctx.fleet.serves(h) and h not in facts and ctx.fleet.configs[h].gpu_profile}
     if not declared:
-        return ctx.plan.replicas, facts
+        return ctx.plan, facts
     facts |= declared
     pools = {pool: kept for pool, hosts in ctx.fleet.pools.items() if (kept := [h for h in hosts if h in facts])}
     planned = Fleet(ctx.fleet.inventory, [h for h in ctx.fleet.hosts if h in facts],
                     {h: c for h, c in ctx.fleet.configs.items() if h in facts}, pools)
-    return plan_fleet(planned, facts).replicas, facts
+    return plan_fleet(planned, facts), facts
 
 
 def group_members(group: str) -> list[str]:
@@ -310,8 +309,8 @@ def group_members(group: str) -> list[str]:
 
 def deploy_files(cfg: HostConfig, address: str) -> MonitoringFiles:
     """:func:`monitoring_files` for the running deploy (it probes and plans the fleet once). Exits 2 on bad input."""
-    replicas, facts = monitored_plan(context())
-    view = fleet_view(fleet(), replicas, facts, group_members(ROUTERS_GROUP))
+    plan, facts = monitored_plan(context())
+    view = fleet_view(fleet(), plan, facts, group_members(ROUTERS_GROUP))
     try:
         return monitoring_files(cfg, address, view, access.deploy_group())
     except ConfigError as error:
@@ -371,7 +370,7 @@ def bench_notices() -> list[str]:
         return []
     records = [Record.from_json(doc) for doc in host.get_fact(BenchRecords)]
     ctx = context()
-    return releases_without_bench(ctx.plan.replicas, ctx.fleet.configs, records)
+    return releases_without_bench(ctx.plan.replicas, records)
 
 
 @deploy("Monitoring (Prometheus, Alertmanager)")
@@ -452,7 +451,7 @@ def start_records() -> None:
     the start records on the monitoring hosts and is skipped on every other host."""
     ctx = context()
     keeps = is_monitoring()
-    planned = sorted({start_key(replica, ctx.fleet.configs) for replica in ctx.plan.replicas})
+    planned = sorted({start_key(replica) for replica in ctx.plan.replicas})
     records = [f"{START_RECORDS_DIR}/{key.file_name()}" for key in planned]
     if keeps:
         node.observe(name="Read the start records of the releases served", paths=[*records, START_RECORDS_TEXTFILE],

@@ -75,8 +75,8 @@ from gpufleet.operations import apt, files, node, server, systemd
 from gpufleet.operations.server import checked_install  # shell text, not an operation
 from gpufleet.plan import access
 from gpufleet.plan.backends import Backend, backends
-from gpufleet.plan.planner import Replica
-from gpufleet.run.context import context, fleet, host_config
+from gpufleet.plan.planner import FleetPlan, Replica
+from gpufleet.run.context import context, host_config
 from gpufleet.units.escape import exec_line
 from roles.vllm import replica_files as vf
 
@@ -240,15 +240,11 @@ def edge_maps(clients: Mapping[str, RouterClient], keys: Mapping[str, str], foun
     return {name: "".join(lines) for name, lines in maps.items()}
 
 
-def upstream_keys(replicas: Iterable[Replica], configs: Mapping[str, HostConfig]) -> dict[str, str | None]:
+def upstream_keys(plan: FleetPlan) -> dict[str, str | None]:
     """Each served model's replicas' API key (read on the controller; None: they take none): its first replica's,
     which every other one takes (the inventory's checks refuse a model whose replicas take several with
     router_clients: gpufleet.config.edge)."""
-    found: dict[str, str | None] = {}
-    for replica in replicas:
-        replica_cfg = configs[replica.roles[0].host]
-        found.setdefault(replica_cfg.served_model_name(), vf.api_key(replica_cfg))
-    return found
+    return {model.name: vf.api_key(model.api_keys[0]) for model in plan.models.values()}
 
 
 def edge_files(cfg: HostConfig, found: list[Backend], upstream: Mapping[str, str | None]) -> dict[str, str]:
@@ -318,15 +314,12 @@ def fleet_values(cfg: HostConfig, address: str) -> dict[str, Any]:
     """:func:`config_values` for the running deploy: the plan's replicas, their API keys (read on the controller),
     the monitoring hosts. Exits 2 on bad input."""
     ctx = context()
-    configs = fleet().configs
     try:
-        found = backends(ctx.plan.replicas, configs)
+        found = backends(ctx.plan)
         by_key: dict[str | None, list[str]] = {}
-        for replica in ctx.plan.replicas:
-            replica_cfg = configs[replica.roles[0].host]
-            models = by_key.setdefault(key_sha256(vf.api_key(replica_cfg)), [])
-            if replica_cfg.served_model_name() not in models:
-                models.append(replica_cfg.served_model_name())
+        for model in ctx.plan.models.values():
+            for ref in model.api_keys:
+                by_key.setdefault(key_sha256(vf.api_key(ref)), []).append(model.name)
         metrics_allowed = access.exporter_sources(cfg, address, access.deploy_group())
     except ConfigError as error:
         exit_with(error)
@@ -336,10 +329,8 @@ def fleet_values(cfg: HostConfig, address: str) -> dict[str, Any]:
 def fleet_edge_files(cfg: HostConfig) -> dict[str, str]:
     """:func:`edge_files` for the running deploy (secrets read on the controller). Exits 2 on bad input."""
     ctx = context()
-    configs = fleet().configs
     try:
-        found = backends(ctx.plan.replicas, configs)
-        return edge_files(cfg, found, upstream_keys(ctx.plan.replicas, configs) if cfg.router_clients else {})
+        return edge_files(cfg, backends(ctx.plan), upstream_keys(ctx.plan) if cfg.router_clients else {})
     except ConfigError as error:
         exit_with(error)
 

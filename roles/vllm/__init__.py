@@ -51,7 +51,6 @@ from gpufleet.config.inventory_shape import ROUTERS_GROUP
 from gpufleet.config.problems import ConfigError, Problem, exit_with
 from gpufleet.config.schema import HostConfig
 from gpufleet.measure.starts import start_key
-from gpufleet.netaddr import host_port
 from gpufleet.node.health_rules import policy_json
 from gpufleet.node_paths import (
     GATE_POLICY,
@@ -125,11 +124,6 @@ def watchdog_unit_values(node_address: str) -> dict[str, object]:
             "ip_access": access.unit_lines(access.watchdog_sources(node_address))}
 
 
-def _api_url(replica: Replica, role: NodeRole) -> str:
-    """The replica's API on its first node."""
-    return f"http://{host_port(role.address, replica.port)}"
-
-
 def _watched(cfg: HostConfig, replica: Replica, role: NodeRole) -> bool:
     """Whether this node runs the replica's watchdog: its first node (the API), unless vllm_watchdog_stall_s is 0."""
     return cfg.vllm_watchdog_stall_s > 0 and role.host == replica.nodes[0]
@@ -140,7 +134,7 @@ def _watchdog_file(replica: Replica, role: NodeRole) -> OperationMeta:
     if not _watched(cfg, replica, role):
         return files.absent(name=f"{replica.name}: no watchdog file on this node", path=path)
     return files.file(name=f"{replica.name}: write watchdog.json (what its watchdog watches)", dest=path,
-                      content=vf.watchdog_json(cfg, replica.name, _api_url(replica, role)))
+                      content=vf.watchdog_json(cfg, replica.name, replica.api_url))
 
 
 def _run_watchdog(replica: Replica, role: NodeRole) -> None:
@@ -386,11 +380,11 @@ def vllm_serve() -> None:
         starts = ctx.replica_starts.setdefault(replica.name, [])
         starts.append(started)
         if role.host == replica.nodes[0]:  # the first node serves the API; the others are ranks or Ray workers
-            url = _api_url(replica, role)
+            url = replica.api_url
             kv = KvCheck(observed_file(replica.name), replica.budget.kv_tokens, replica.max_model_len,
                          cfg.vllm_plan_tolerance)
             timed = StartCheck(start_textfile(replica.name),
-                               {"replica": replica.name, **start_key(replica, ctx.fleet.configs).labels()})
+                               {"replica": replica.name, **start_key(replica).labels()})
             wait = ctx.readiness[replica.name] = server.script(
                 name=f"{replica.name}: wait for /health and one real completion on {url}",
                 script=ready_command(cfg.served_model_name(), url, unit, marker,

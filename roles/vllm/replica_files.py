@@ -20,7 +20,7 @@ import shlex
 from typing import Any
 from urllib.parse import quote, urlsplit, urlunsplit
 
-from gpufleet.config.schema import HostConfig
+from gpufleet.config.schema import HostConfig, SecretRef
 from gpufleet.config.secrets import read_secret as _read_secret
 from gpufleet.digest import file_sha256
 from gpufleet.node_paths import (
@@ -161,9 +161,10 @@ def watchdog_json(cfg: HostConfig, replica: str, url: str) -> str:
                        "grace_s": cfg.vllm_ready_timeout, "interval_s": WATCHDOG_INTERVAL_S}) + "\n"
 
 
-def api_key(cfg: HostConfig) -> str | None:
-    """The replicas' API key from the controller's reference (raises ConfigError naming the key); None without."""
-    return _read_secret(cfg.vllm_api_key, "vllm_api_key") if cfg.vllm_api_key else None
+def api_key(ref: SecretRef | None) -> str | None:
+    """The replicas' API key from the controller's reference ``ref`` (their ``vllm_api_key``; raises ConfigError
+    naming the key); None without one."""
+    return _read_secret(ref, "vllm_api_key") if ref is not None else None
 
 
 def hub_token(cfg: HostConfig) -> str | None:
@@ -177,7 +178,7 @@ def secret_env(cfg: HostConfig) -> dict[str, str]:
     RAY_AUTH_TOKEN, from the controller's references (raises ConfigError naming the key)."""
     found: dict[str, str] = {}
     if cfg.vllm_api_key:
-        found["VLLM_API_KEY"] = str(api_key(cfg))
+        found["VLLM_API_KEY"] = str(api_key(cfg.vllm_api_key))
     if (token := hub_token(cfg)) is not None and cfg.vllm_downloads():
         found["HF_TOKEN"] = token
     if cfg.vllm_distributed_backend == "ray" and cfg.ray_auth_token:

@@ -14,15 +14,16 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import roles.router as router_role
 from gpufleet.config.schema import HostConfig
+from gpufleet.plan.planner import FleetPlan
 from tests.conftest import host_tool
 from tests.loopback_http import QuietHandler, free_port, loopback_server
 from tests.memory_rule import memory_rule
 from tests.polling import until, wait_for_socket
+from tests.stand_in_plan import stand_in_plan
 from tests.unit.configs import host_config
 
 
@@ -102,10 +103,10 @@ def stand_ins(names: tuple[str, ...]) -> tuple[dict[str, FakeReplica], dict[str,
     return replicas, stops, ports
 
 
-def loopback_plan(ports: dict[str, int]) -> list[Any]:
-    """The plan's replicas as the router role reads them: each on a host of its own, at 127.0.0.1:its port."""
-    return [SimpleNamespace(name=name, port=port, roles=[SimpleNamespace(host=name, address="127.0.0.1")])
-            for name, port in ports.items()]
+def loopback_plan(ports: dict[str, int], configs: dict[str, HostConfig]) -> FleetPlan:
+    """The plan's replicas as the router role reads them: each on a host of its own (``configs``: by its name), at
+    127.0.0.1:its port."""
+    return stand_in_plan({name: ("127.0.0.1", port) for name, port in ports.items()}, configs)
 
 
 def loopback_router_config(**values: object) -> HostConfig:

@@ -27,7 +27,7 @@ import yaml
 import roles.monitoring as role
 from gpufleet import node_paths
 from gpufleet.monitoring.scrape_config import JOB_LABELS, RAY_METRICS_OFFSET
-from gpufleet.plan import backends as plan_backends
+from gpufleet.plan.planner import FleetPlan, served_models
 from gpufleet.units.escape import exec_line
 from gpufleet.units.security import EXPOSURE_BOUND, exposure_score
 from tests.conftest import ROOT, host_tool, skip_or_fail
@@ -179,23 +179,25 @@ def scraped(tmp_path: Path) -> Iterator[tuple[str, role.FleetView]]:
         def serve(body: str = "gpufleet_test_up 1\n") -> int:
             return int(stack.enter_context(loopback_server(_exporter(body))).rsplit(":", 1)[1])
 
-        replicas = [
-            SimpleNamespace(name="p-n1", pool="p", port=serve(), roles=[
+        served = {"served": HOSTILE, "starts": True, "api_key": None}
+        replicas: list[Any] = [
+            SimpleNamespace(name="p-n1", pool="p", port=serve(), nodes=["n1"], **served, roles=[
                 SimpleNamespace(host="n1", address="127.0.0.1", role="single", gpus=[0])]),
-            SimpleNamespace(name="q-0", pool="q", port=serve(), roles=[
+            SimpleNamespace(name="q-0", pool="q", port=serve(), nodes=["n1", "n2"], **served, roles=[
                 SimpleNamespace(host="n1", address="127.0.0.1", role="ray-head", gpus=[1]),
                 SimpleNamespace(host="n2", address="127.0.0.1", role="ray-worker", gpus=[0])]),
         ]
-        (backend,) = plan_backends.backends(replicas, {"n1": host_config(vllm_served_model_name=HOSTILE)})  # type: ignore[arg-type]
-        router_body = f'haproxy_backend_http_responses_total{{proxy="{backend.name}",code="2xx"}} 5\n'
+        plan = FleetPlan(replicas, served_models(replicas, {"n1": host_config(vllm_served_model_name=HOSTILE)}))
+        (model,) = plan.models.values()
+        router_body = f'haproxy_backend_http_responses_total{{proxy="{model.backend}",code="2xx"}} 5\n'
         hosts = {}
         for name in ("n1", "n2", "r1"):
             ray = serve()
             hosts[name] = host_config(fleet_address="127.0.0.1", node_exporter_port=serve(), dcgm_exporter_port=serve(),
                                       router_metrics_port=serve(router_body), ray_port=ray - RAY_METRICS_OFFSET,
                                       vllm_served_model_name=HOSTILE)
-        view = role.FleetView(hosts, {"n1": "p", "n2": "q", "r1": "routers"}, ["n1", "n2"], ["r1"],
-                              replicas, {"n1": 2, "n2": 1, "r1": 0})  # type: ignore[arg-type]
+        view = role.FleetView(hosts, {"n1": "p", "n2": "q", "r1": "routers"}, ["n1", "n2"], ["r1"], plan,
+                              {"n1": 2, "n2": 1, "r1": 0})
         config = yaml.safe_load(role.prometheus_yml(hosts["r1"], view, {}))
         config["global"] |= {"scrape_interval": "1s", "scrape_timeout": "1s"}
         (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
@@ -256,7 +258,7 @@ def _series(files: role.MonitoringFiles, view: role.FleetView, down: str | None)
     state of every replica's rank units on its nodes (node_exporter's systemd collector): ``vllm@`` on each node of
     an mp replica and on a Ray replica's head, ``gpufleet-ray-`` on each node of a Ray replica."""
     found = []
-    for replica in view.replicas:
+    for replica in view.plan.replicas:
         for rank, node_role in enumerate(replica.roles):
             units = [f"vllm@{replica.name}.service"] if rank == 0 or replica.backend == "mp" else []
             units += [f"gpufleet-ray-{replica.name}.service"] if replica.backend == "ray" else []
@@ -306,7 +308,7 @@ def test_the_series_of_a_healthy_fleets_targets_fire_no_alert(tmp_path: Path, sh
 
 def test_a_replica_whose_api_is_down_fires_its_alerts(tmp_path: Path) -> None:
     view, files = monitoring_host_files(ROOT / "tests" / "data" / "plans" / "a_single_node_70b" / "inventory.py")
-    replica = view.replicas[0]
+    replica = view.plan.replicas[0]
     (group,) = [g for j in yaml.safe_load(files.configs[role.PROMETHEUS_YML])["scrape_configs"]
                 if j["job_name"] == "vllm" for g in j["static_configs"] if g["labels"]["replica"] == replica.name]
     down = {"severity": "critical", "job": "vllm", "instance": group["targets"][0], **group["labels"]}

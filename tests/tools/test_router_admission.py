@@ -16,7 +16,6 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -25,6 +24,7 @@ import roles.router as router_role
 from gpufleet.node import router_admin
 from gpufleet.plan import backends as plan_backends
 from tests.loopback_http import ReplicaHandler, free_port, loopback_server
+from tests.stand_in_plan import stand_in_plan
 from tests.tools.haproxy_run import running_haproxy, wait
 from tests.unit.configs import host_config
 
@@ -98,10 +98,10 @@ def router(tmp_path: Path) -> Iterator[Router]:
     replica = SlowReplica()
     with ExitStack() as stack:
         port = int(stack.enter_context(loopback_server(replica.handler())).rsplit(":", 1)[1])
-        plan = [SimpleNamespace(name=REPLICA, port=port, roles=[SimpleNamespace(host="n1", address="127.0.0.1")])]
         cfg = host_config(router_port=free_port(), router_metrics_port=free_port(), router_check_interval_s=1,
                           router_check_fall=1, router_check_rise=1, router_queue_timeout_s=QUEUE_TIMEOUT_S)
-        (backend,) = plan_backends.backends(plan, {"n1": host_config(vllm_served_model_name=MODEL)})  # type: ignore[arg-type]
+        plan = stand_in_plan({REPLICA: ("127.0.0.1", port)}, {REPLICA: host_config(vllm_served_model_name=MODEL)})
+        (backend,) = plan_backends.backends(plan)
         values = router_role.config_values(cfg, "127.0.0.1", [backend], router_role.model_lists({None: [MODEL]}), [],
                                            {REPLICA: 1})
         started = Router(cfg.router_port, stack.enter_context(running_haproxy(values, tmp_path)), backend.name,

@@ -21,7 +21,6 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -35,6 +34,7 @@ from tests.conftest import host_tool
 from tests.loopback_http import ReplicaHandler, free_port, loopback_server
 from tests.memory_rule import deny_write_execute, memory_rule
 from tests.polling import wait_for_socket
+from tests.stand_in_plan import stand_in_plan
 from tests.tools.haproxy_run import wait
 from tests.unit.configs import host_config
 
@@ -167,17 +167,15 @@ def _start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tls: bool, plain: bo
                  for model in replicas}
         configs = {f"{m}-0": host_config(vllm_served_model_name=m, vllm_api_key={"env": "EDGE_REPLICA_KEY"})
                    for m in replicas}
-        plan = [SimpleNamespace(name=f"{m}-0", port=ports[m], roles=[SimpleNamespace(host=f"{m}-0",
-                                                                                        address="127.0.0.1")])
-                for m in replicas]
+        plan = stand_in_plan({f"{m}-0": ("127.0.0.1", ports[m]) for m in replicas}, configs)
         cfg = host_config(router_port=free_port(), router_metrics_port=free_port(), router_check_interval_s=1,
                           router_check_fall=1, router_check_rise=1, router_clients=CLIENTS,
                           router_plain_http_port=plain_port, **tls_values)
-        found = plan_backends.backends(plan, configs)  # type: ignore[arg-type]
-        upstream = router_role.upstream_keys(plan, configs)  # type: ignore[arg-type]
+        found = plan_backends.backends(plan)
+        upstream = router_role.upstream_keys(plan)
         edge_dir = tmp_path / "edge"
         _write_edge(edge_dir, router_role.edge_files(cfg, found, upstream))
-        values = router_role.config_values(cfg, "127.0.0.1", found, [], [], {r.name: 64 for r in plan},
+        values = router_role.config_values(cfg, "127.0.0.1", found, [], [], {r.name: 64 for r in plan.replicas},
                                            edge_dir=str(edge_dir))
         values["admin_socket"] = str(tmp_path / "admin.sock")
         config = tmp_path / "haproxy.cfg"

@@ -103,7 +103,7 @@ def _values(cfg: HostConfig, ports: dict[str, int], policy: str, balance: float 
     router_prefix_balance ``balance``."""
     configs = {name: host_config(vllm_served_model_name=MODEL, router_policy=policy, router_prefix_balance=balance)
                for name in NAMES}
-    found = plan_backends.backends(loopback_plan(ports), configs)  # type: ignore[arg-type]
+    found = plan_backends.backends(loopback_plan(ports, configs))
     return router_role.config_values(cfg, "127.0.0.1", found, router_role.model_lists({None: [MODEL]}), [],
                                      dict.fromkeys(NAMES, 8))
 

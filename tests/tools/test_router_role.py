@@ -82,7 +82,7 @@ def router(tmp_path: Path) -> Iterator[Router]:
     configs = {"pool_a-0": hostile, "pool_b-0": hostile, "plain-0": plain}
     cfg = loopback_router_config(router_max_request_bytes=16384)
     values = router_role.config_values(
-        cfg, "127.0.0.1", plan_backends.backends(loopback_plan(ports), configs),
+        cfg, "127.0.0.1", plan_backends.backends(loopback_plan(ports, configs)),
         router_role.model_lists({None: [HOSTILE], router_role.key_sha256(KEY): [PLAIN]}), [],
         dict.fromkeys(names, 64))
     started = Router(f"http://127.0.0.1:{cfg.router_port}", f"http://127.0.0.1:{cfg.router_metrics_port}/metrics",

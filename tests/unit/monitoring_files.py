@@ -30,7 +30,7 @@ def planned_view(inventory: Path, override: dict[str, Any] | None = None) -> tup
     facts = fleet_facts(fleet, None)
     plan = plan_fleet(fleet, {h: f for h, f in facts.items() if fleet.serves(h)})
     assert plan.problems == []
-    return fleet, role.fleet_view(fleet, plan.replicas, facts, group_hosts(fleet, "routers"))
+    return fleet, role.fleet_view(fleet, plan, facts, group_hosts(fleet, "routers"))
 
 
 def monitoring_host_files(inventory: Path = FLEET / "inventory.py",

@@ -54,7 +54,7 @@ def world(monkeypatch: pytest.MonkeyPatch) -> _Fleet:
     """The rollout fleet's replicas behind both routers, every node on vLLM 0.31.0; the inventory says 0.32.0."""
     fleet = load_fleet(FLEET)
     plan = plan_fleet(fleet, fleet_facts(fleet, None))
-    backends = {server: b.name for b in plan_backends.backends(plan.replicas, fleet.configs) for server, _ in b.servers}
+    backends = {server: b.name for b in plan_backends.backends(plan) for server, _ in b.servers}
     new = release_of(fleet.configs[A01])
     releases = {"old": {**new, "vllm_version": "0.31.0"}, "new": new, "bad": {**new, "vllm_version": "0.1"}}
     found = _Fleet(routers=list(ROUTERS), replicas={r.name: (backends[r.name], tuple(r.nodes)) for r in plan.replicas},

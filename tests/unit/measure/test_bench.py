@@ -31,7 +31,7 @@ from gpufleet.measure.engine_histograms import Reading
 from gpufleet.measure.plot import render_svg
 from gpufleet.measure.ramp import Slo, Step, ceiling, next_rate, parse_rates
 from gpufleet.measure.records import Record, RecordKey, latest, parse_records
-from gpufleet.plan.planner import plan_fleet
+from gpufleet.plan.planner import Replica, plan_fleet
 from tests.conftest import DATA
 from tests.unit import tls_files
 
@@ -370,9 +370,9 @@ def test_a_step_certain_to_miss_its_ttft_objective_is_stopped_and_recorded_from_
     assert step["engine_ttft_p99_s"] > 2.5 and step["started_at"] <= step["ended_at"], step
 
 
-def _planned() -> tuple[list[Any], dict[str, Any]]:
+def _planned() -> list[Replica]:
     fleet = load_fleet(FLEET)
-    return plan_fleet(fleet, fleet_facts(fleet, None)).replicas, dict(fleet.configs)
+    return plan_fleet(fleet, fleet_facts(fleet, None)).replicas
 
 
 def _record(release: str, scope: str, rates: list[float], replicas: int, date: str = "2026-11-20T00:00:00+00:00",
@@ -383,32 +383,32 @@ def _record(release: str, scope: str, rates: list[float], replicas: int, date: s
 
 
 def test_a_routers_record_gives_the_model_its_rate_per_replica_times_its_replicas() -> None:
-    replicas, configs = _planned()  # six replicas of tp4-pp1 on vLLM 0.32.0
-    found = model_capacities(replicas, configs, [_record("0.32.0", "routers", [1, 2, 3], replicas=3)])
+    replicas = _planned()  # six replicas of tp4-pp1 on vLLM 0.32.0
+    found = model_capacities(replicas, [_record("0.32.0", "routers", [1, 2, 3], replicas=3)])
     cap = found["llama-3.1-70b"]
     assert (cap.ceiling_rps, cap.replicas, cap.release, cap.current) == (6.0, 6, "0.32.0", True)
     assert cap.replicas_for(10.0) == 10 and cap.replicas_for(6.0) == 6
-    assert releases_without_bench(replicas, configs, [_record("0.32.0", "routers", [1], replicas=3)]) == []
+    assert releases_without_bench(replicas, [_record("0.32.0", "routers", [1], replicas=3)]) == []
 
 
 def test_without_a_routers_record_each_replica_takes_its_shapes_one_replica_ceiling() -> None:
-    replicas, configs = _planned()
-    found = model_capacities(replicas, configs, [_record("0.32.0", "replica", [0.5, 0.75], replicas=1),
+    replicas = _planned()
+    found = model_capacities(replicas, [_record("0.32.0", "replica", [0.5, 0.75], replicas=1),
                                                  _record("0.32.0", "replica", [9], replicas=1, layout="tp8-pp1")])
     assert found["llama-3.1-70b"].ceiling_rps == pytest.approx(4.5)
 
 
 def test_a_release_without_a_record_falls_back_to_the_newest_earlier_one_and_is_named() -> None:
-    replicas, configs = _planned()
+    replicas = _planned()
     records = [_record("0.30.0", "routers", [1], replicas=6), _record("0.31.0", "routers", [1, 2], replicas=6),
                _record("0.33.0", "routers", [4], replicas=6)]
-    cap = model_capacities(replicas, configs, records)["llama-3.1-70b"]
+    cap = model_capacities(replicas, records)["llama-3.1-70b"]
     assert (cap.release, cap.current, cap.ceiling_rps) == ("0.33.0", False, 4.0)
-    assert model_capacities(replicas, configs, records[:2])["llama-3.1-70b"].release == "0.31.0"
-    assert releases_without_bench(replicas, configs, records[:2]) == [
+    assert model_capacities(replicas, records[:2])["llama-3.1-70b"].release == "0.31.0"
+    assert releases_without_bench(replicas, records[:2]) == [
         '"llama-3.1-70b": vLLM 0.31.0 has a measured ceiling (2 req/s), its successor 0.32.0 none: run gpufleet'
         ' bench']
-    assert model_capacities(replicas, configs, []) == {}
+    assert model_capacities(replicas, []) == {}
 
 
 def test_the_client_never_runs_on_a_serving_node(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -449,12 +449,12 @@ def test_the_bench_trusts_the_inventorys_ca_for_the_routers(tmp_path: Path) -> N
            "router_tls_ca": str(ca)}
     for host, cfg in list(fleet.configs.items()):
         fleet.configs[host] = cfg.model_copy(update=tls)
-    replicas = plan_fleet(fleet, fleet_facts(fleet, None)).replicas
-    routed = cli_bench._target(fleet, cli_bench._choose(fleet, replicas, None, None), None, None, None)
+    plan = plan_fleet(fleet, fleet_facts(fleet, None))
+    routed = cli_bench._target(fleet, cli_bench._choose(plan, None, None), None, None, None)
     assert routed.base_url.startswith("https://") and routed.ca_file == str(ca)
-    other = cli_bench._target(fleet, cli_bench._choose(fleet, replicas, None, None), None, "/etc/other.pem", None)
+    other = cli_bench._target(fleet, cli_bench._choose(plan, None, None), None, "/etc/other.pem", None)
     assert other.ca_file == "/etc/other.pem"
-    alone = cli_bench._target(fleet, cli_bench._choose(fleet, replicas, None, replicas[0].name), None, None, None)
+    alone = cli_bench._target(fleet, cli_bench._choose(plan, None, plan.replicas[0].name), None, None, None)
     assert alone.base_url.startswith("http://") and alone.ca_file is None
 
 
@@ -470,7 +470,7 @@ def test_the_bench_takes_the_first_client_whose_limits_let_the_ramp_through(tmp_
     fleet = load_fleet(FLEET)
     for host, cfg in list(fleet.configs.items()):
         fleet.configs[host] = cfg.model_copy(update={"router_clients": clients})
-    chosen = cli_bench._choose(fleet, plan_fleet(fleet, fleet_facts(fleet, None)).replicas, None, None)
+    chosen = cli_bench._choose(plan_fleet(fleet, fleet_facts(fleet, None)), None, None)
     assert cli_bench._target(fleet, chosen, None, None, None).api_key == "open-key-0123456789abcdef"
     assert cli_bench._target(fleet, chosen, None, None, [1.0, 20.0]).api_key == "slow-key-0123456789abcdef"
     assert cli_bench._target(fleet, chosen, "slow", None, [1.0, 20.0]).api_key == "slow-key-0123456789abcdef"

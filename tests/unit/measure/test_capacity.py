@@ -27,7 +27,7 @@ from gpufleet.measure.capacity import ModelCapacity, ShapeCeiling, model_capacit
 from gpufleet.measure.records import Record, RecordKey
 from gpufleet.monitoring import ceiling_rules
 from gpufleet.monitoring.plan_rules import plan_rules
-from gpufleet.plan.planner import Replica, plan_fleet
+from gpufleet.plan.planner import FleetPlan, plan_fleet
 from gpufleet.remote import commands as remote_module
 from tests.conftest import DATA
 from tests.unit.node_files import NodeFiles
@@ -68,14 +68,13 @@ def _routers(rate: float, replicas: int = 3) -> Any:
     return _Measured(RecordKey(MODEL, "0.32.0", "tp8-pp1+tp8-pp2", PROFILE, "routers"), replicas, rate)
 
 
-def _planned() -> tuple[list[Replica], dict[str, Any]]:
+def _planned() -> FleetPlan:
     fleet = load_fleet(FLEET)
-    return plan_fleet(fleet, fleet_facts(fleet, None)).replicas, dict(fleet.configs)
+    return plan_fleet(fleet, fleet_facts(fleet, None))
 
 
 def _capacity(records: Sequence[Any]) -> ModelCapacity | None:
-    replicas, configs = _planned()
-    return model_capacities(replicas, configs, list(records)).get(MODEL)
+    return model_capacities(_planned().replicas, list(records)).get(MODEL)
 
 
 def test_each_shape_takes_its_one_replica_records_ceiling() -> None:
@@ -114,8 +113,8 @@ def test_an_earlier_releases_records_stand_in_and_say_so() -> None:
 def test_the_ceilings_name_each_shape_as_the_plans_figures_name_each_replicas() -> None:
     """Prometheus joins gpufleet:replica_shape (the plan, every deploy) with gpufleet:replica_ceiling_rps (the bench)
     on model, layout and GPU profile: every replica of the plan finds its shape's ceiling."""
-    replicas, configs = _planned()
-    found = model_capacities(replicas, configs, [_one("tp8-pp1", 10.0), _one("tp8-pp2", 16.0)])
+    plan = _planned()
+    found = model_capacities(plan.replicas, [_one("tp8-pp1", 10.0), _one("tp8-pp2", 16.0)])
     ceilings = yaml.safe_load(ceiling_rules.ceiling_rules(found, "# the test's\n"))["groups"][0]
     assert ceilings["name"] == ceiling_rules.GROUP
     assert ceilings["rules"] == [
@@ -123,7 +122,7 @@ def test_the_ceilings_name_each_shape_as_the_plans_figures_name_each_replicas() 
          "labels": {"model": MODEL, "release": "0.32.0", "layout": "tp8-pp1", "gpu_profile": PROFILE}},
         {"record": "gpufleet:replica_ceiling_rps", "expr": "vector(16.0)",
          "labels": {"model": MODEL, "release": "0.32.0", "layout": "tp8-pp2", "gpu_profile": PROFILE}}]
-    facts = yaml.safe_load(plan_rules({}, replicas, configs, 1.0, ""))["groups"][0]["rules"]
+    facts = yaml.safe_load(plan_rules({}, plan, 1.0, ""))["groups"][0]["rules"]
     shapes = [rule for rule in facts if rule["record"] == "gpufleet:replica_shape"]
     assert shapes == [
         {"record": "gpufleet:replica_shape", "expr": "vector(1)",

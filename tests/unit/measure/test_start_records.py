@@ -14,6 +14,8 @@ import pytest
 import roles.monitoring as monitoring_role
 import roles.vllm as vllm_role
 from gpufleet import node_paths
+from gpufleet.cli.inputs import fleet_facts
+from gpufleet.config.fleet import Fleet
 from gpufleet.measure.starts import (
     START_RECORDS_DIR,
     Start,
@@ -25,6 +27,7 @@ from gpufleet.measure.starts import (
     records_textfile,
     start_key,
 )
+from gpufleet.plan.planner import plan_fleet
 from gpufleet.run.context import DeployContext
 from tests.recorded_ops import Recorder
 from tests.unit.vllm_role_run import planned_shape, run_vllm_role
@@ -49,9 +52,11 @@ def _observed(start: dict[str, Any] | None) -> str:
 ])
 def test_a_start_is_keyed_by_model_release_layout_and_gpu_profile(shape: str, key: StartKey) -> None:
     fleet, replicas = planned_shape(shape)
-    assert {start_key(replica, fleet.configs) for replica in replicas} == {key}
-    undeclared = {host: cfg.model_copy(update={"gpu_profile": None}) for host, cfg in fleet.configs.items()}
-    assert start_key(replicas[0], undeclared).gpu_profile == "probed"
+    assert {start_key(replica) for replica in replicas} == {key}
+    undeclared = Fleet(fleet.inventory, fleet.hosts, {host: cfg.model_copy(update={"gpu_profile": None})
+                                                      for host, cfg in fleet.configs.items()}, fleet.pools)
+    probed = plan_fleet(undeclared, fleet_facts(fleet, None))  # the same GPUs, as the probe finds them
+    assert start_key(probed.replicas[0]).gpu_profile == "probed"
 
 
 def test_the_wait_s_start_is_read_from_observed_json_with_its_node() -> None:
@@ -155,7 +160,7 @@ def _records_role(monkeypatch: pytest.MonkeyPatch, monitoring_host: bool) -> tup
 
 def test_the_monitoring_hosts_keep_the_records_of_the_keys_the_plan_serves(monkeypatch: pytest.MonkeyPatch) -> None:
     ops, ctx = _records_role(monkeypatch, monitoring_host=True)
-    keys = sorted({start_key(r, ctx.fleet.configs) for r in ctx.plan.replicas})
+    keys = sorted({start_key(r) for r in ctx.plan.replicas})
     paths = [f"{START_RECORDS_DIR}/{k.file_name()}" for k in keys]
     (observed,) = ops.named("node.observe")
     assert observed.kwargs["texts"] == paths

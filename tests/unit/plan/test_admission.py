@@ -166,7 +166,7 @@ def _router_config(queue_timeout_s: float = 5) -> tuple[str, FleetPlan]:
     fleet = load_fleet(str(SHAPE_A))
     plan = plan_fleet(fleet, {h: profile_facts("8xH100-SXM", h) for h in fleet.hosts})
     cfg = host_config(router_queue_timeout_s=queue_timeout_s)
-    values = router_role.config_values(cfg, "10.40.0.5", plan_backends.backends(plan.replicas, fleet.configs),
+    values = router_role.config_values(cfg, "10.40.0.5", plan_backends.backends(plan),
                                        router_role.model_lists({None: ["llama-3.1-70b"]}), [],
                                        router_role.replica_maxconn(plan.replicas))
     return router_role.render(values), plan

@@ -5,7 +5,6 @@ tests/data/corpus/router_policy.yaml; HAProxy running the configuration: tests/t
 from __future__ import annotations
 
 import os
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -15,6 +14,7 @@ from gpufleet.config.vllm_flags import load_catalog
 from gpufleet.plan import backends as plan_backends
 from gpufleet.plan.planner import FleetPlan, PlanProblem
 from tests.conftest import DATA, Project
+from tests.stand_in_plan import stand_in_plan
 from tests.unit.configs import host_config
 from tests.unit.project_plans import fleet_plan
 
@@ -113,9 +113,8 @@ def _render(**chat: object) -> str:
     """The router's configuration for REPLICAS, the hosts that serve CHAT set with ``chat``."""
     configs = {name: host_config(vllm_served_model_name=model, **(chat if model == CHAT else {}))
                for name, (model, _, _) in REPLICAS.items()}
-    plan = [SimpleNamespace(name=name, port=port, roles=[SimpleNamespace(host=name, address=address)])
-            for name, (_, address, port) in REPLICAS.items()]
-    found = plan_backends.backends(plan, configs)  # type: ignore[arg-type]
+    plan = stand_in_plan({name: (address, port) for name, (_, address, port) in REPLICAS.items()}, configs)
+    found = plan_backends.backends(plan)
     values = router_role.config_values(host_config(), "10.0.0.9", found, router_role.model_lists({None: [CHAT, TINY]}),
                                        ["10.0.0.8"], dict.fromkeys(REPLICAS, 16))
     return router_role.render(values)

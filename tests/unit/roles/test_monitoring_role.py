@@ -13,6 +13,7 @@ After a deliberate change, rewrite the expected files and review their diff::
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import re
@@ -89,7 +90,7 @@ def test_every_target_carries_the_labels_the_rules_header_promises() -> None:
     assert {g["labels"]["node"] for g in jobs["dcgm"]["static_configs"]} == set(view.gpu_hosts)
     assert {g["labels"]["node"] for g in jobs["router"]["static_configs"]} == {"router-1.example.net",
                                                                                  "gpu-a01.example.net"}
-    assert {g["labels"]["replica"] for g in jobs["vllm"]["static_configs"]} == {r.name for r in view.replicas}
+    assert {g["labels"]["replica"] for g in jobs["vllm"]["static_configs"]} == {r.name for r in view.plan.replicas}
 
 
 def test_the_routers_series_get_their_models_name_from_the_router_roles_backends() -> None:
@@ -98,7 +99,7 @@ def test_the_routers_series_get_their_models_name_from_the_router_roles_backends
                  if j["job_name"] == "router"]
     found = [(r["source_labels"], r["regex"], r["target_label"], r["replacement"])
              for r in router["metric_relabel_configs"]]
-    backends = plan_backends.backends(view.replicas, dict(view.configs))
+    backends = plan_backends.backends(view.plan)
     assert found == [(["proxy"], re.escape(b.name), "model", b.model.replace("$", "$$")) for b in backends]
     assert {b.model for b in backends} == {"chat $HOME 100% 'q' \"x\"", "llama-8b"}
 
@@ -131,10 +132,9 @@ def test_a_replica_that_is_not_started_is_not_scraped_nor_expected() -> None:
 
 def _plan_facts(fleet: Fleet, view: role.FleetView, prefix_pools: set[str]) -> list[dict[str, Any]]:
     """The plan's figures of ``view`` with ``prefix_pools`` routed by prefix."""
-    prefix_hosts = {host for pool in prefix_pools for host in fleet.pools[pool]}
-    configs = {host: cfg.model_copy(update={"router_policy": "prefix"}) if host in prefix_hosts else cfg
-               for host, cfg in fleet.configs.items()}
-    text = plan_rules(view.node_gpus, view.replicas, configs, 1.0, "")
+    models = {name: dataclasses.replace(m, policy="prefix") if set(m.pools) & prefix_pools else m
+              for name, m in view.plan.models.items()}
+    text = plan_rules(view.node_gpus, dataclasses.replace(view.plan, models=models), 1.0, "")
     rules: list[dict[str, Any]] = yaml.safe_load(text)["groups"][0]["rules"]
     return rules
 
@@ -180,11 +180,12 @@ def test_a_host_that_failed_its_gate_is_still_expected_from_its_declared_profile
     ctx = DeployContext(fleet, facts=facts, gate_failures={failed: ["probe: the NVML probe failed"]},
                         plan=plan_fleet(kept, passing))
     assert "pipeline-0" not in {r.name for r in ctx.plan.replicas}  # the deploy leaves the replica out ...
-    replicas, used = role.monitored_plan(ctx)
-    assert {r.name for r in replicas} == {r.name for r in plan_fleet(fleet, facts).replicas}  # ... Prometheus not
+    watched, used = role.monitored_plan(ctx)
+    expected = {r.name for r in plan_fleet(fleet, facts).replicas}
+    assert {r.name for r in watched.replicas} == expected  # ... Prometheus does not
     assert len(used[failed].gpus) == 8
     ctx.gate_failures.clear()
-    assert role.monitored_plan(ctx)[0] is ctx.plan.replicas  # every host passed: the deploy's own plan
+    assert role.monitored_plan(ctx)[0] is ctx.plan  # every host passed: the deploy's own plan
 
 
 def _deploy_context(monkeypatch: pytest.MonkeyPatch, **values: Any) -> Fleet:
