@@ -45,7 +45,7 @@ test-fast: $(LAB_STAMP)
 lab: $(LAB_STAMP) deps
 	@if $(BIN)/gpufleet lab status | grep -q "no lab is up"; then $(BIN)/gpufleet lab up --nodes 3; fi
 	$(BIN)/gpufleet lab status
-	$(BIN)/pyinfra -y inventories/lab.py deploys/vllm.py
+	$(BIN)/pyinfra -y inventories/lab/inventory.py deploys/vllm.py
 	$(BIN)/gpufleet lab client
 
 lab-down: $(LAB_STAMP)

@@ -6,7 +6,7 @@
 
 Prints JSON. For each node count it boots its own lab (its own lab directory under a temp dir, its own bridge
 ``gflabb<k>`` and subnet ``10.213.<k>.0/24``, k the first free one in 150..199), runs
-``pyinfra -y -vv --json inventories/lab.py deploys/vllm.py`` against it: a first converge, then (once the
+``pyinfra -y -vv --json inventories/lab/inventory.py deploys/vllm.py`` against it: a first converge, then (once the
 machine's load has settled below its core count, at most 5 minutes) three reruns, reported by their median; and
 takes the lab down (always; ``--keep`` leaves it up). Per run: wall seconds, the controller's CPU seconds (the
 pyinfra process; the lab's nodes share this machine's cores with it), pyinfra's exit status, operations per host
@@ -49,7 +49,7 @@ from gpufleet_lab.state import LAB_DIR_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 PYINFRA = Path(sys.executable).parent / "pyinfra"
-INVENTORY = "inventories/lab.py"
+INVENTORY = "inventories/lab/inventory.py"
 DEPLOY = "deploys/vllm.py"
 PYINFRA_ARGS = ["-y", "-vv", "--json"]
 BRIDGE_PREFIX = "gflabb"

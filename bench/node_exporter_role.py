@@ -3,7 +3,7 @@
     python bench/node_exporter_role.py [--runs 5]
 
 Boots a private 1-node lab (as bench/converge.py does), converges node_exporter with the role, then times
-``pyinfra -y inventories/lab.py D`` for D = bench/deploys/node_exporter_role.py and
+``pyinfra -y inventories/lab/inventory.py D`` for D = bench/deploys/node_exporter_role.py and
 bench/deploys/node_exporter_plain.py, alternating, ``--runs`` times each, every run a no-change run (checked).
 Prints JSON: each run's seconds, the medians and their ratio (role / plain). Needs root.
 """
@@ -34,7 +34,7 @@ DEPLOYS = {"role": "bench/deploys/node_exporter_role.py", "plain": "bench/deploy
 def run(directory: Path, deploy: str) -> tuple[float, str]:
     env = {**os.environ, LAB_DIR_ENV: str(directory)}
     started = time.monotonic()
-    done = subprocess.run([str(PYINFRA), "-y", "inventories/lab.py", deploy], cwd=ROOT, env=env,
+    done = subprocess.run([str(PYINFRA), "-y", "inventories/lab/inventory.py", deploy], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     seconds = time.monotonic() - started
     if done.returncode != 0:

@@ -8,7 +8,7 @@ token and the spread of requests over the replicas, per routing policy and workl
     python bench/prefix_routing.py --repeat 3    # each row over three runs: steadier TTFT figures
 
 Needs the lab up (``$GPUFLEET_LAB_DIR`` picks another). Before each router policy's rows it deploys that policy with
-``pyinfra -y inventories/lab.py deploys/vllm.py --data router_policy=POLICY`` under ``GPUFLEET_LAB_LAYOUT``
+``pyinfra -y inventories/lab/inventory.py deploys/vllm.py --data router_policy=POLICY`` under ``GPUFLEET_LAB_LAYOUT``
 (default ``singles``: every node one replica of the same shape; only HAProxy reloads when the layout is in place).
 The replicas serve ``--model``: by default ``wide``, a wider random-weight model than the lab's (see
 ``gpufleet_lab.tiny_model.WIDE``), whose prefill takes time enough for a cached prefix to show in TTFT; the first
@@ -65,7 +65,7 @@ from gpufleet_lab.tiny_model import WIDE, make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 PYINFRA = Path(sys.executable).parent / "pyinfra"
-INVENTORY, DEPLOY = "inventories/lab.py", "deploys/vllm.py"
+INVENTORY, DEPLOY = "inventories/lab/inventory.py", "deploys/vllm.py"
 ROUTER_PORT, REPLICA_PORT = 8080, 8000  # roles/router/defaults.yml, the lab's replicas
 LOCAL_ROUTER_PORT = 30080  # the vLLM project's router, on loopback
 ROUTER_POLICIES = ("leastconn", "prefix")
@@ -77,7 +77,7 @@ WORDS = ("fleet", "node", "replica", "router", "cache", "prefix", "token", "mode
          "metric", "alert", "queue", "batch", "kernel", "tensor", "pipeline", "rank", "shard", "block", "memory",
          "latency", "budget", "window", "engine")
 DEPLOY_LIMIT_S = 1800
-NODE_MODELS = "/var/lib/gpufleet/models"  # where the replicas' model is pushed (group_vars/lab.yml's vllm_model)
+NODE_MODELS = "/var/lib/gpufleet/models"  # where the replicas' model is pushed (the lab's vllm_model)
 # --model: (the model's data for the deploys, or none: the lab's own; --max-model-len, --opening-words defaults)
 MODELS = {"tiny": (512, 40), "wide": (2048, 300)}
 
@@ -288,8 +288,9 @@ def model_data(model: str) -> list[str]:
 
 
 def served_model() -> str:
-    """The name the lab serves its model under (group_vars/lab.yml)."""
-    return str(yaml.safe_load((ROOT / "group_vars" / "lab.yml").read_text())["vllm_served_model_name"])
+    """The name the lab serves its model under (inventories/lab/group_vars/lab.yml)."""
+    lab_vars = yaml.safe_load((ROOT / "inventories" / "lab" / "group_vars" / "lab.yml").read_text())
+    return str(lab_vars["vllm_served_model_name"])
 
 
 def main() -> int:

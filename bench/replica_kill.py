@@ -141,7 +141,7 @@ def main() -> int:
     if args.node and chosen is None:
         parser.error(f"--node: no lab node {args.node!r}")
     edge = str(virtual_address(ipaddress.IPv4Network(state.subnet)))
-    lab_vars = yaml.safe_load((ROOT / "group_vars" / "lab.yml").read_text())
+    lab_vars = yaml.safe_load((ROOT / "inventories" / "lab" / "group_vars" / "lab.yml").read_text())
     model, key = lab_vars["vllm_served_model_name"], (directory / CLIENT_KEY_FILE).read_text().strip()
     runs = []
     for streams in (int(n) for n in args.streams.split(",")):

@@ -7,7 +7,8 @@ move every replica to another vLLM release and back.
 Needs the lab up and deployed (``make lab``; ``$GPUFLEET_LAB_DIR`` picks another lab) on the release it starts
 from. For each size (the number of client streams through the routers' virtual address, over TLS with the lab
 client's key, each a completion and a turn of its conversation in turn, one request a second) it runs
-``gpufleet upgrade inventories/lab.py --data vllm_version=TO``, then ``gpufleet rollback inventories/lab.py``,
+``gpufleet upgrade inventories/lab/inventory.py --data vllm_version=TO``, then
+``gpufleet rollback inventories/lab/inventory.py``,
 each under that load (``gpufleet_lab.request_load``, bounded by the rollout's own time limit). Prints JSON: per
 rollout its exit, wall seconds, requests sent and failed, latency median and 99th percentile, the requests the
 router retried or redispatched (its Prometheus counters), and each replica's outcome and step times from the
@@ -36,7 +37,7 @@ from gpufleet_lab.request_load import RequestLoad
 from gpufleet_lab.state import LAB_DIR_ENV, lab_dir, load_state
 
 ROOT = Path(__file__).resolve().parents[1]
-INVENTORY = "inventories/lab.py"
+INVENTORY = "inventories/lab/inventory.py"
 ROUTER_PORT, ROUTER_METRICS_PORT = 8080, 8405  # roles/router/defaults.yml
 ROLLOUT_LIMIT_S = 3600
 RETRY_COUNTERS = ("haproxy_backend_retry_warnings_total", "haproxy_backend_redispatch_warnings_total")
@@ -88,11 +89,11 @@ def main() -> int:
     if state is None or not state.nodes:
         print(f"bench/rolling_upgrade.py: no lab in {directory} (make lab)", file=sys.stderr)
         return 2
-    router = state.nodes[0].address  # inventories/lab.py: a router on lab1 (its metrics)
+    router = state.nodes[0].address  # inventories/lab/inventory.py: a router on lab1 (its metrics)
     # clients reach the routers through their virtual address (a lab of one node: lab1's own), over TLS, with
     # the key of the routers' client "lab"
     edge = (str(virtual_address(ipaddress.IPv4Network(state.subnet))) if len(state.nodes) > 1 else router)
-    lab_vars = yaml.safe_load((ROOT / "group_vars" / "lab.yml").read_text())
+    lab_vars = yaml.safe_load((ROOT / "inventories" / "lab" / "group_vars" / "lab.yml").read_text())
     model, key = lab_vars["vllm_served_model_name"], (directory / CLIENT_KEY_FILE).read_text().strip()
     rollout_args = ["--batches", args.batches, "--canary-s", args.canary_s]
     commands = [["upgrade", INVENTORY, *rollout_args, "--data", f"vllm_version={args.to}"],

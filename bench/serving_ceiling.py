@@ -5,7 +5,8 @@
 
 Needs the lab up and deployed (``make lab``; ``$GPUFLEET_LAB_DIR`` picks another lab). For each replica of the
 lab's default layout (lab1's one-node replica, the pipeline over lab2 and lab3) it runs ``gpufleet bench
-inventories/lab.py --replica NAME`` ``--runs`` times (the client on this machine; each run's record replaces the
+inventories/lab/inventory.py --replica NAME`` ``--runs`` times (the client on this machine; each run's record
+replaces the
 last on the monitoring host) and prints JSON: per shape each run's ceiling, what stopped it, its steps (rate, p99
 TTFT and ITL, failures, vLLM's KV cache usage and preemptions) and wall seconds, and the runs' spread (the largest
 ceiling over the smallest, less one).
@@ -28,7 +29,7 @@ from gpufleet_lab.nodes import TLS_DIR
 from gpufleet_lab.state import LAB_DIR_ENV, lab_dir, load_state
 
 ROOT = Path(__file__).resolve().parents[1]
-INVENTORY = "inventories/lab.py"
+INVENTORY = "inventories/lab/inventory.py"
 PIPELINE = "lab_pipeline-0"
 
 

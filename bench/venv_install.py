@@ -54,7 +54,8 @@ DISK_PER_NODE = 6 << 30  # the virtualenv (3.4 GB), pip's cache of the wheels (1
 
 
 def host_config(wheels_url: str, installer: str) -> HostConfig:
-    """A lab node's install settings (group_vars/lab.yml, inventories/lab.py) over the role defaults."""
+    """A lab node's install settings (the lab's group_vars/lab.yml and inventory.py, inventories/lab/) over the role
+    defaults."""
     layers, problems = role_default_layers()
     if problems:
         raise SystemExit(f"role defaults: {problems}")

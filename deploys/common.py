@@ -1,4 +1,4 @@
-"""Converge role ``common`` on every host: ``pyinfra inventories/lab.py deploys/common.py``."""
+"""Converge role ``common`` on every host: ``pyinfra inventories/lab/inventory.py deploys/common.py``."""
 
 from roles.common import common
 

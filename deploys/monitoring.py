@@ -1,4 +1,4 @@
-"""Converge the monitoring roles on every host: ``pyinfra inventories/lab.py deploys/monitoring.py``.
+"""Converge the monitoring roles on every host: ``pyinfra inventories/lab/inventory.py deploys/monitoring.py``.
 
 The base node (role common), then Prometheus node_exporter (host and systemd metrics, textfile collector),
 then NVIDIA's DCGM exporter (GPU metrics; it reads through DCGM's host engine and installs from NVIDIA's

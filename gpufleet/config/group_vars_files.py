@@ -2,9 +2,9 @@
 
 gpufleet reads ``group_vars/all.yml`` and ``group_vars/<group>.yml`` for the inventory's groups. A ``.yaml`` file
 would be skipped, and so would a file for a group no inventory has (a typo of the group's name): both are
-refused. One ``group_vars/`` may serve several inventories (``inventories/prod.py`` and ``inventories/lab.py``),
-so a file is for a group when this inventory file or one beside it binds that name (a group the file defines only
-sometimes, as the lab's pipeline pair, included).
+refused. One ``group_vars/`` may serve several inventory files beside one another, so a file is for a group when
+this inventory file or one beside it binds that name (a group the file defines only sometimes, as the lab's pipeline
+pair, included).
 """
 
 from __future__ import annotations

@@ -96,14 +96,19 @@ def _read_role_defaults(path: Path, shown: str, version: tuple[int, int, int]) -
 def role_default_layers() -> tuple[list[Layer], list[Problem]]:
     """One layer per role's defaults.yml, in role-name order (each caller gets values of its own to change)."""
     layers, problems = [], []
-    for path in sorted(ROLES_DIR.glob("*/defaults.yml")):
+    found_files = sorted(ROLES_DIR.glob("*/defaults.yml"))
+    if not found_files:  # gpufleet installed from its wheel: the library alone
+        return [], [Problem(str(ROLES_DIR), "", "expected the roles' defaults (roles/*/defaults.yml) of a"
+                            " gpufleet checkout, found none: gpufleet runs from its checkout (git clone); its wheel"
+                            " holds the library alone, not the roles, templates and deploys")]
+    for path in found_files:
         shown = display_path(path)
         try:
             stat = path.stat()
         except OSError:
-            values, found = read_yaml_mapping(path)  # gone since the glob: named as any unreadable file is
+            values, read = read_yaml_mapping(path)  # gone since the glob: named as any unreadable file is
         else:
-            values, found = _read_role_defaults(path, shown, (stat.st_ino, stat.st_size, stat.st_mtime_ns))
+            values, read = _read_role_defaults(path, shown, (stat.st_ino, stat.st_size, stat.st_mtime_ns))
         layers.append(Layer(shown, copy.deepcopy(values)))
-        problems += found
+        problems += read
     return layers, problems

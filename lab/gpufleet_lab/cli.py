@@ -57,7 +57,7 @@ def up_command(count: int, profiles: tuple[str, ...], subnet: str, bridge: str) 
                f" in {time.monotonic() - started:.1f} s")
     for node in state.nodes:
         click.echo(f"  {node.name}  {node.address}  {node.profile}")
-    click.echo(f"ssh -F {state.ssh_config} lab1   |   pyinfra inventories/lab.py deploys/common.py")
+    click.echo(f"ssh -F {state.ssh_config} lab1   |   pyinfra inventories/lab/inventory.py deploys/common.py")
 
 
 @lab_group.command("status")
@@ -80,7 +80,8 @@ def status_command(as_json: bool) -> None:
 
 
 @lab_group.command("client")
-@click.option("--inventory", default="inventories/lab.py", show_default=True, help="The lab's inventory file.")
+@click.option("--inventory", default="inventories/lab/inventory.py", show_default=True,
+              help="The lab's inventory file.")
 @click.option("--client", "client_name", default="lab", show_default=True,
               help="The router client (a key of router_clients) whose key the request carries.")
 def client_command(inventory: str, client_name: str) -> None:

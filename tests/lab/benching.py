@@ -57,14 +57,16 @@ def install_client() -> None:
 
 
 def bench_argv(lab: Lab, *args: str) -> tuple[list[str], dict[str, str]]:
-    """The command line and environment of ``gpufleet bench inventories/lab.py ARGS`` against the lab (the routers'
+    """The command line and environment of ``gpufleet bench inventories/lab/inventory.py ARGS`` against the lab (the
+    routers'
     CA from the inventory's router_tls_ca, as the README runs it)."""
     install_client()
-    return [*GPUFLEET, "bench", "inventories/lab.py", *args], lab.env
+    return [*GPUFLEET, "bench", "inventories/lab/inventory.py", *args], lab.env
 
 
 def run_bench(lab: Lab, folder: Path, name: str, args: list[str]) -> tuple[dict[str, Any], str]:
-    """``gpufleet bench inventories/lab.py ARGS --report folder/NAME.json --plot folder/NAME.svg``: the record and
+    """``gpufleet bench inventories/lab/inventory.py ARGS --report folder/NAME.json --plot folder/NAME.svg``: the record
+    and
     what the bench printed."""
     folder.mkdir(parents=True, exist_ok=True)
     report = folder / f"{name}.json"

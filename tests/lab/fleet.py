@@ -1,6 +1,6 @@
 """The lab fleet as the lab tests drive it: its deploys, its replicas and routers, requests, and fault figures.
 
-inventories/lab.py: lab1 (pool lab_single) serves the tiny model on its own and holds a router and Prometheus;
+inventories/lab/inventory.py: lab1 (pool lab_single) serves the tiny model on its own and holds a router and Prometheus;
 lab2 and lab3 (pool lab_pipeline) serve one replica with pipeline parallel 2 (lab2 is rank 0, the API); lab2 holds
 the other router. Clients reach the routers through their virtual address over HTTPS (the lab's CA) with the
 client key; the replicas' own key is for the routers, and for the tests that ask a replica directly.
@@ -31,9 +31,9 @@ from gpufleet_lab.request_load import RequestLoad
 from gpufleet_lab.state import NodeRecord
 
 from tests.lab.checks import main_pid, metrics
-from tests.lab.harness import PYINFRA, ROOT, Completed, Lab, run
+from tests.lab.harness import LAB_FLEET, PYINFRA, ROOT, Completed, Lab, run
 
-INVENTORY = "inventories/lab.py"
+INVENTORY = "inventories/lab/inventory.py"
 DEPLOY = "deploys/vllm.py"
 PROVISION = "deploys/provision.py"
 # A kernel module that does not match the driver package: a copy of the node's NVML simulator profile that reports
@@ -72,7 +72,7 @@ a dedicated router host, its replica retired)."""
 def served_name(group: str) -> str:
     """The model name a pool serves under, as its group_vars give it (lab_single's may be hostile text)."""
     for name in (group, "lab"):
-        data = yaml.safe_load((ROOT / "group_vars" / f"{name}.yml").read_text()) or {}
+        data = yaml.safe_load((LAB_FLEET / "group_vars" / f"{name}.yml").read_text()) or {}
         if data.get("vllm_served_model_name"):
             return str(data["vllm_served_model_name"])
     raise AssertionError(f"no vllm_served_model_name for {group}")
@@ -87,12 +87,12 @@ def deploy(lab: Lab, *options: str, playbook: str = DEPLOY, inventory: str = INV
 def lab_copy(directory: Path, extra: dict[str, str]) -> str:
     """The lab inventory and group_vars copied into ``directory``, each group file named in ``extra`` (by group)
     with that YAML text added; the copy's inventory path."""
-    shutil.copytree(ROOT / "inventories", directory / "inventories")  # group_vars name groups of each of them
-    shutil.copytree(ROOT / "group_vars", directory / "group_vars")
+    copy = directory / LAB_FLEET.name  # a fleet's directory works wherever it is: its group_vars are beside it
+    shutil.copytree(LAB_FLEET, copy)
     for group, text in extra.items():
-        with (directory / "group_vars" / f"{group}.yml").open("a") as handle:
+        with (copy / "group_vars" / f"{group}.yml").open("a") as handle:
             handle.write(text)
-    return str(directory / INVENTORY)
+    return str(copy / "inventory.py")
 
 
 def single(lab: Lab) -> str:
@@ -171,7 +171,7 @@ def completion_tokens(lab: Lab, node: NodeRecord) -> int:
 
 
 def router_completion_tokens(lab: Lab) -> int:
-    """One completion through the routers' virtual address (the ``routers`` group of inventories/lab.py)."""
+    """One completion through the routers' virtual address (the ``routers`` group of inventories/lab/inventory.py)."""
     status, body = http(f"{router_url(lab)}/v1/completions",
                         {"model": served_name("lab"), "prompt": "The fleet is", "max_tokens": 8,
                          "temperature": 0}, client_key(lab), context=tls(lab))

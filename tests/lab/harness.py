@@ -26,8 +26,9 @@ PYINFRA = Path(sys.executable).parent / "pyinfra"
 LAB_CLI = [sys.executable, "-m", "gpufleet_lab.cli"]
 LAB_NODES = 3
 LAB_PROFILES = ("8xH100NVL-PCIe", "8xH100-SXM", "8xH100-SXM")  # one per node
-# The values every lab node gets (group_vars/lab.yml): the lab's vLLM release, its alerts' short waits, ...
-LAB_VARS: dict[str, Any] = yaml.safe_load((ROOT / "group_vars" / "lab.yml").read_text())
+# The values every lab node gets (the lab's group_vars/lab.yml): its vLLM release, its alerts' short waits, ...
+LAB_FLEET = ROOT / "inventories" / "lab"  # the lab's fleet directory: its inventory and its group_vars
+LAB_VARS: dict[str, Any] = yaml.safe_load((LAB_FLEET / "group_vars" / "lab.yml").read_text())
 # The vLLM release the lab deploys: its virtualenv is /opt/vllm/<version> on every node.
 LAB_VLLM_VERSION: str = LAB_VARS["vllm_version"]
 LAB_VENV = f"/opt/vllm/{LAB_VLLM_VERSION}"

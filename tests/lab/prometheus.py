@@ -1,4 +1,5 @@
-"""The lab's Prometheus (inventories/lab.py: the monitoring group, lab1), read through its HTTP API from the bridge."""
+"""The lab's Prometheus (inventories/lab/inventory.py: the monitoring group, lab1), read through its HTTP API from the
+bridge."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ how confined every unit gpufleet writes is. Ray's reach is tests/lab/test_ray.py
 
 lab1 and lab2 run the routers (their requests reach the replicas' APIs); lab1 stands for any other machine on the
 fleet network, while the controller's side of the lab (the bridge address) is the monitoring host and API client
-(``monitoring_addresses``, ``vllm_api_allowed_from`` in inventories/lab.py).
+(``monitoring_addresses``, ``vllm_api_allowed_from`` in inventories/lab/inventory.py).
 """
 
 from __future__ import annotations

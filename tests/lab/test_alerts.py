@@ -2,7 +2,7 @@
 within the rule's wait plus two scrape intervals, seen in its ``/api/v1/alerts``, and resolve once cleared.
 
 Scenario ``faults``: the lab's default deployment (both replicas of the tiny model serving,
-the router and Prometheus on lab1), with the lab's short waits (group_vars/lab.yml). One round of faults that do
+the router and Prometheus on lab1), with the lab's short waits (its group_vars/lab.yml). One round of faults that do
 not hide one another, so that their waits overlap:
 
 - a GPU lost and a critical XID on lab1's simulated GPUs (its GPU watch stops its replica, and starts it again once

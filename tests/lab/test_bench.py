@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from tests.lab.benching import GPUFLEET, OFFERED_RPS, STEP_S, kept_records, ramp, run_bench
-from tests.lab.fleet import PIPELINE, served_name, single
+from tests.lab.fleet import INVENTORY, PIPELINE, served_name, single
 from tests.lab.harness import ROOT, Completed, Lab
 from tests.lab.prometheus import Prometheus, wait_for
 from tests.lab.readme_tour import starting
@@ -35,7 +35,7 @@ def _option(argv: list[str], name: str) -> str:
 def test_bench_finds_each_shapes_ceiling_and_keeps_it(
         lab: Lab, faults: Completed | None, tmp_path: Path) -> None:
     readme = starting("gpufleet bench").argv
-    assert readme[:3] == ["gpufleet", "bench", "inventories/lab.py"] and _option(readme, "--replica") == PIPELINE
+    assert readme[:3] == ["gpufleet", "bench", INVENTORY] and _option(readme, "--replica") == PIPELINE
     offered = {single(lab): OFFERED_RPS, PIPELINE: float(_option(readme, "--rates").split(",")[0])}
     step_s = {single(lab): float(STEP_S), PIPELINE: float(_option(readme, "--step-s"))}
     records: dict[str, dict[str, Any]] = {}
@@ -72,7 +72,7 @@ def test_bench_finds_each_shapes_ceiling_and_keeps_it(
     assert found[0]["metric"]["model"] == served_name("lab")
     assert float(found[0]["value"][1]) == pytest.approx(ceiling)
     target = 1.99 * ceiling  # four replicas' worth, whatever the last digit of the sums
-    planned = subprocess.run([*GPUFLEET, "plan", "inventories/lab.py", "--observed", "--target-rps",
+    planned = subprocess.run([*GPUFLEET, "plan", "inventories/lab/inventory.py", "--observed", "--target-rps",
                               repr(target)], cwd=ROOT, env=lab.env, capture_output=True, text=True, timeout=300)
     assert planned.returncode == 0, planned.stderr[-2000:]
     said = re.search(rf'ceiling of "{re.escape(served_name("lab"))}": ([0-9.]+) req/s over 2 replicas', planned.stdout)

@@ -450,7 +450,7 @@ def test_a_node_failing_the_gpu_gate_is_not_started_and_is_named(
 
 def test_a_dedicated_router_host_converges_next_to_the_serving_nodes(
         lab: Lab, changed: Completed | None, lab_states: LabStates) -> None:
-    """lab1 leaves every serving pool (inventories/lab.py with GPUFLEET_LAB_LAYOUT=dedicated): in ``routers`` and
+    """lab1 leaves every serving pool (the lab's inventory with GPUFLEET_LAB_LAYOUT=dedicated): in ``routers`` and
     ``monitoring`` only, with no model, one deploy converges it as a dedicated router host. Its replica (stopped by
     the GPU-gate test) is retired, the pipeline replica runs on untouched, lab1's router sends requests to it alone,
     and a second run changes nothing. The fleet is left so: the ray scenario deploys the pipeline pair only."""

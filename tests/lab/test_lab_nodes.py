@@ -94,7 +94,7 @@ def test_deploy_converges_and_a_second_run_changes_nothing(lab: Lab, bare: Compl
                                                           lab_states: LabStates) -> None:
     """deploys/common.py on the bare nodes (the lab is no longer as booted after it)."""
     lab_states.changed()
-    first = lab.pyinfra("inventories/lab.py", "deploys/common.py")
+    first = lab.pyinfra("inventories/lab/inventory.py", "deploys/common.py")
     assert first.rc == 0, first.output
     totals = results(first.output)["Grand total"]
     assert totals[1] == "-", first.output  # no errors
@@ -105,7 +105,7 @@ def test_deploy_converges_and_a_second_run_changes_nothing(lab: Lab, bare: Compl
         assert env_file.contains(f'^GPUFLEET_GPU_PROFILE="{node.profile}"$')
         assert lab.host(node).file("/etc/gpufleet").mode == 0o755
 
-    second = lab.pyinfra("inventories/lab.py", "deploys/common.py")
+    second = lab.pyinfra("inventories/lab/inventory.py", "deploys/common.py")
     assert second.rc == 0, second.output
     rows = results(second.output)
     assert rows["Grand total"][0] == "-" and rows["Grand total"][1] == "-", second.output

@@ -30,7 +30,7 @@ from tests.lab.harness import ROOT, Completed, Lab
 
 pytestmark = pytest.mark.filterwarnings("ignore:Unknown ssh-ed25519 host key:UserWarning")
 
-INVENTORY = "inventories/lab.py"
+INVENTORY = "inventories/lab/inventory.py"
 PROVISION = "deploys/provision.py"
 MONITORING = "deploys/monitoring.py"
 PORT = 9100

@@ -46,7 +46,7 @@ def test_provision_converges_every_node(lab: Lab, serving: Completed) -> None:
         init = host.run("python3 -c 'import ctypes; print(ctypes.CDLL(\"libnvidia-ml.so.1\").nvmlInit_v2())'")
         assert init.stdout.strip() == "0", init.stderr
 
-        # cuda_toolkit (group_vars/lab.yml): the toolkit's stand-in, where vLLM's CUDA_HOME points
+        # cuda_toolkit (inventories/lab/group_vars/lab.yml): the toolkit's stand-in, where vLLM's CUDA_HOME points
         assert host.package("cuda-toolkit-13-0").is_installed, node.name
         assert "release 13.0," in host.check_output("/usr/local/cuda-13.0/bin/nvcc --version"), node.name
 

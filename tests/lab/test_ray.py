@@ -4,7 +4,7 @@
 pipeline pool's Ray units running: the head on lab2, a worker on lab3, vLLM staged but not started (the CPU build
 refuses Ray's executor). lab1 is not deployed: it stands for any other machine on the fleet network, while the
 controller's side of the lab (the bridge address) is the monitoring host (``monitoring_addresses`` in
-inventories/lab.py).
+inventories/lab/inventory.py).
 """
 
 from __future__ import annotations

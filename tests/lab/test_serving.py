@@ -1,4 +1,5 @@
-"""The serving lab: ``pyinfra inventories/lab.py deploys/vllm.py`` brought it from provisioned nodes to serving
+"""The serving lab: ``pyinfra inventories/lab/inventory.py deploys/vllm.py`` brought it from provisioned nodes to
+serving
 (scenario ``serving``), and these tests only read it; the healthy watch (scenario ``watched``) closes them.
 
 lab1 (pool lab_single) serves the tiny model on its own; lab2 and lab3 (pool lab_pipeline) serve one
@@ -40,7 +41,7 @@ from tests.lab.fleet import (
     tls,
     vllm_child,
 )
-from tests.lab.harness import LAB_VARS, LAB_VENV, LAB_VLLM_VERSION, PYINFRA, ROOT, Completed, Lab, run
+from tests.lab.harness import LAB_FLEET, LAB_VARS, LAB_VENV, LAB_VLLM_VERSION, PYINFRA, Completed, Lab, run
 from tests.lab.prometheus import (
     SCRAPE_INTERVAL_S,
     Prometheus,
@@ -54,7 +55,8 @@ from tests.lab.scenarios import LabStates
 pytestmark = pytest.mark.filterwarnings("ignore:Unknown ssh-ed25519 host key:UserWarning")
 
 MODEL_DIR = "/var/lib/gpufleet/models/tiny-llama"
-# The healthy watch outlasts the lab's longest alert wait (group_vars/lab.yml: a stalled engine's window and its `for`)
+# The healthy watch outlasts the lab's longest alert wait (its group_vars/lab.yml: a stalled engine's window and its
+# `for`)
 # by two scrapes; an alert whose condition held at any evaluation within it is pending there, whatever its `for`.
 HEALTHY_WATCH_S = max(LAB_VARS["alert_engine_stall_s"] + LAB_VARS["alert_engine_stall_for_s"],
                       LAB_VARS["alert_replica_down_for_s"], LAB_VARS["alert_serving_for_s"],
@@ -303,7 +305,7 @@ def test_vllm_env_reaches_the_process_literally(lab: Lab, serving: Completed | N
     node = lab.nodes[0]
     wanted = {}
     for group in ("lab", "lab_single"):  # the later group's mapping replaces the earlier one
-        data = yaml.safe_load((ROOT / "group_vars" / f"{group}.yml").read_text()) or {}
+        data = yaml.safe_load((LAB_FLEET / "group_vars" / f"{group}.yml").read_text()) or {}
         wanted = data.get("vllm_env", wanted)
     assert wanted
     pid = main_pid(lab, node, f"vllm@{single(lab)}")
@@ -343,7 +345,7 @@ def test_the_vllm_unit_is_sandboxed(lab: Lab, serving: Completed | None) -> None
 def test_no_alert_fires_on_the_healthy_lab(lab: Lab, watched: Completed | None, lab_states: LabStates) -> None:
     """From the moment Prometheus saw every target of the serving lab up and the alerts of before the deploy
     resolved, through the serving scenario's tests (checks, requests), for at least HEALTHY_WATCH_S: no alert fired,
-    with the lab's short waits (group_vars/lab.yml), and none was even pending."""
+    with the lab's short waits (inventories/lab/group_vars/lab.yml), and none was even pending."""
     healthy_since = lab_states.healthy_since()
     prometheus = Prometheus(lab.nodes[0])
     time.sleep(max(0.0, healthy_since + HEALTHY_WATCH_S - time.monotonic()))

@@ -25,6 +25,7 @@ from gpufleet_lab.wheelhouse import LAB_VLLM_VERSIONS
 
 from tests.lab.benching import ensure_records
 from tests.lab.fleet import (
+    INVENTORY,
     PIPELINE,
     client_key,
     http,
@@ -85,7 +86,7 @@ def _busy_traffic(lab: Lab, streams: int = 4) -> RequestLoad:
 def _single_changed(tmp_path: Path, change: tuple[str, str]) -> str:
     """A copy of the lab's inventory whose lab_single pool runs ``change`` (old, new text of its group_vars)."""
     inventory = lab_copy(tmp_path / "copy", {})
-    pool = tmp_path / "copy" / "group_vars" / "lab_single.yml"
+    pool = Path(inventory).parent / "group_vars" / "lab_single.yml"
     text = pool.read_text()
     assert change[0] in text, text
     pool.write_text(text.replace(change[0], change[1]))
@@ -186,7 +187,7 @@ def test_a_good_release_judged_on_its_baseline_passes(
     started = time.monotonic()
     judged = {}
     for name, inventory in (("a good release judged on its baseline", _single_changed(tmp_path / "good", GOOD)),
-                            ("the lab's release back, judged on its baseline", "inventories/lab.py")):
+                            ("the lab's release back, judged on its baseline", "inventories/lab/inventory.py")):
         done, report, traffic = _rolled(lab, tmp_path, tmp_path_factory, name, "upgrade", inventory,
                                         "--batches", "1,100%", *LATENCY_WATCH, busy=1)
         assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
@@ -245,7 +246,7 @@ def test_a_release_that_does_not_start_is_rolled_back_at_the_canary(
     puts it back on the release it ran, stops, and says so; no request fails, and no other replica is touched."""
     before = _running(lab)
     done, report, traffic = _rolled(lab, tmp_path, tmp_path_factory, "a release that does not start",
-                                    "upgrade", "inventories/lab.py", "--batches", "1,100%", "--canary-s", "10",
+                                    "upgrade", INVENTORY, "--batches", "1,100%", "--canary-s", "10",
                                     "--data", f"vllm_version={OTHER_VERSION}",
                                     "--data", 'vllm_env={"VLLM_CPU_KVCACHE_SPACE": "4096"}')
     assert done.returncode == 1, done.stdout[-4000:] + done.stderr[-4000:]

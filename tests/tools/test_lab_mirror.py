@@ -565,7 +565,7 @@ def test_a_release_is_pinned_from_pips_report_and_an_excluded_package_refused() 
 
 
 def test_the_lab_runs_a_release_its_wheelhouse_holds() -> None:
-    lab = yaml.safe_load((ROOT / "group_vars" / "lab.yml").read_text())
+    lab = yaml.safe_load((ROOT / "inventories" / "lab" / "group_vars" / "lab.yml").read_text())
     assert lab["vllm_version"] in wheelhouse.LAB_VLLM_VERSIONS
     assert set(wheelhouse.LAB_VLLM_VERSIONS) <= set(SUPPORTED_VLLM_VERSIONS)
 

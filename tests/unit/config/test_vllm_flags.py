@@ -552,7 +552,7 @@ def test_config_lists_are_checked_item_by_item(cat: FlagCatalog) -> None:
 
 # -- nested config objects (--compilation-config and the like) ------------------------------
 
-LAB_COMPILATION = {"mode": 1, "backend": "eager"}  # group_vars/lab.yml, on vLLM 0.32.0
+LAB_COMPILATION = {"mode": 1, "backend": "eager"}  # inventories/lab/group_vars/lab.yml, on vLLM 0.32.0
 
 
 @pytest.mark.parametrize("version", SUPPORTED_VLLM_VERSIONS)

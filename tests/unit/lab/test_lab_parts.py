@@ -93,7 +93,7 @@ def test_lab_inventory_lists_the_running_nodes(tmp_path: Path, monkeypatch: pyte
     monkeypatch.setenv("GPUFLEET_LAB_DIR", str(tmp_path))
     monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "cache"))  # not this machine's lab cache (its key needs gpg)
     tiny_model.make_tiny_model(tmp_path / "cache" / "models" / "tiny-llama")  # the model the inventory names
-    inventory = runpy.run_path(str(ROOT / "inventories" / "lab.py"))
+    inventory = runpy.run_path(str(ROOT / "inventories" / "lab" / "inventory.py"))
     everyone, group_data = inventory["lab"]
     assert everyone == ["10.213.0.11", "10.213.0.12"]
     hosts, _ = inventory["lab_single"]  # two nodes: no pipeline pair
@@ -101,13 +101,13 @@ def test_lab_inventory_lists_the_running_nodes(tmp_path: Path, monkeypatch: pyte
     data = dict(hosts[1][1])
     assert data["ssh_user"] == "root" and data["ssh_key"].endswith("id_ed25519")
     assert data["ssh_known_hosts_file"].endswith("known_hosts") and data["gpu_profile"] == "8xH100NVL-PCIe"
-    assert group_data["fleet_interface"] == "host0"  # from group_vars/lab.yml
+    assert group_data["fleet_interface"] == "host0"  # from inventories/lab/group_vars/lab.yml
 
 
 def test_lab_inventory_without_a_lab_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GPUFLEET_LAB_DIR", str(tmp_path))
     with pytest.raises(SystemExit, match="no lab is up"):
-        runpy.run_path(str(ROOT / "inventories" / "lab.py"))
+        runpy.run_path(str(ROOT / "inventories" / "lab" / "inventory.py"))
 
 
 @pytest.mark.parametrize(

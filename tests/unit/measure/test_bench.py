@@ -440,7 +440,8 @@ def test_an_answer_the_client_could_not_read_is_not_a_failure() -> None:
 
 
 def test_the_bench_trusts_the_inventorys_ca_for_the_routers(tmp_path: Path) -> None:
-    """The README's ``gpufleet bench inventories/lab.py`` needs no --ca-file: the routers' TLS brings the CA clients
+    """The README's ``gpufleet bench inventories/lab/inventory.py`` needs no --ca-file: the routers' TLS brings the CA
+    clients
     trust (router_tls_ca); --ca-file still wins, and a replica reached on its own API needs none."""
     fleet = load_fleet(FLEET)
     ca = tmp_path / "ca.crt"

@@ -32,6 +32,7 @@ from roles.vllm import replica_files as vf
 from tests.conftest import DATA, ROOT
 
 PLANS = DATA / "plans"
+PROJECT_GROUP_VARS = (ROOT / "group_vars", ROOT / "inventories" / "lab" / "group_vars")  # the example's, the lab's
 SHAPES = sorted(path.parent.name for path in PLANS.glob("*/inventory.py"))
 REGOLD = os.environ.get("GPUFLEET_REGOLD") == "1"
 
@@ -94,10 +95,11 @@ def test_every_readme_shape_has_a_golden_plan() -> None:
 
 @pytest.mark.parametrize("shape", SHAPES)
 def test_golden_inputs_are_the_projects(shape: str) -> None:
-    """A group_vars file the project has is copied as is; secrets are references only."""
+    """A group_vars file the project has (the production example's, the lab's) is copied as is; secrets are
+    references only."""
     for path in sorted((PLANS / shape / "group_vars").glob("*.yml")):
-        project = ROOT / "group_vars" / path.name
-        if project.is_file():
+        project = next((d / path.name for d in PROJECT_GROUP_VARS if (d / path.name).is_file()), None)
+        if project is not None:
             assert path.read_text() == project.read_text(), f"copy {project} to {path} and regold"
         for key, value in (yaml.safe_load(path.read_text()) or {}).items():
             if key in SECRET_KEYS and value is not None:

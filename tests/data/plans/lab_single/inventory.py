@@ -1,4 +1,4 @@
-"""The lab's ``lab_single`` pool as inventories/lab.py lists it for the default lab of three nodes: its
+"""The lab's ``lab_single`` pool as inventories/lab/inventory.py lists it for the default lab of three nodes: its
 first node serves one replica on its own.
 
 The values that depend on a running lab are fixed here: the bridge 10.213.0.1 and its mirror, the lab

@@ -4,7 +4,7 @@ Hosts are the nodes' addresses on the lab bridge, reached as root with the lab's
 the host keys the lab generated (``<lab dir>/ssh/known_hosts``). Each node's hardware profile is its
 ``gpu_profile``: the simulated NVML on the node answers from the same profile.
 
-Groups: ``lab`` (every node; ``group_vars/lab.yml``), then the serving pools, whose values win:
+Groups: ``lab`` (every node; ``inventories/lab/group_vars/lab.yml``), then the serving pools, whose values win:
 ``lab_single`` serves one replica per node, and with three nodes or more the last two form
 ``lab_pipeline``, one replica with pipeline parallel 2 across both nodes (vLLM's mp backend). Both pools serve
 the tiny model under one name; ``routers`` puts the router (HAProxy) on lab1 and lab2, in front of both replicas,
@@ -49,9 +49,9 @@ from gpufleet.inventory.load import apply_group_vars
 try:
     _state = load_state()
 except LabError as _error:
-    sys.exit(f"inventories/lab.py: {_error}")
+    sys.exit(f"inventories/lab/inventory.py: {_error}")
 if _state is None or not _state.nodes:
-    sys.exit(f"inventories/lab.py: no lab is up in {lab_dir()}; run `gpufleet lab up` first")
+    sys.exit(f"inventories/lab/inventory.py: no lab is up in {lab_dir()}; run `gpufleet lab up` first")
 
 _mirror = mirror_base_url(_state.bridge_address)
 # the key the mirror signs with (None before the mirror is built: NVIDIA's default then stops every node)
@@ -61,16 +61,18 @@ _model = str(cache_dir() / "models" / "tiny-llama")
 _LAYOUTS = ("default", "dedicated", "singles")
 _layout = os.environ.get("GPUFLEET_LAB_LAYOUT") or "default"
 if _layout not in _LAYOUTS:
-    sys.exit(f"inventories/lab.py: GPUFLEET_LAB_LAYOUT: expected one of {', '.join(_LAYOUTS)}, found {_layout!r}")
+    sys.exit(f"inventories/lab/inventory.py: GPUFLEET_LAB_LAYOUT: expected one of {', '.join(_LAYOUTS)},"
+             f" found {_layout!r}")
 if _layout != "default" and len(_state.nodes) < 3:
-    sys.exit(f"inventories/lab.py: GPUFLEET_LAB_LAYOUT: expected a lab of three nodes or more for {_layout},"
+    sys.exit(f"inventories/lab/inventory.py: GPUFLEET_LAB_LAYOUT: expected a lab of three nodes or more for {_layout},"
              f" found {len(_state.nodes)}")
 _dedicated = _layout == "dedicated"  # lab1 serves nothing
 
 
 def _lab_values_less_the_model() -> dict[str, object]:
-    """group_vars/lab.yml's values without ``vllm_model``: a dedicated lab1's own (it is in no group lab.yml is for)."""
-    values = yaml.safe_load((Path(__file__).resolve().parent.parent / "group_vars" / "lab.yml").read_text())
+    """group_vars/lab.yml's values (beside this file) without ``vllm_model``: a dedicated lab1's own (it is in no
+    group lab.yml is for)."""
+    values = yaml.safe_load((Path(__file__).resolve().parent / "group_vars" / "lab.yml").read_text())
     values.pop("vllm_model")
     return dict(values)
 
@@ -79,7 +81,7 @@ _vip = str(virtual_address(ipaddress.ip_network(_state.subnet))) if len(_routers
 try:
     _tls = ensure_lab_tls(lab_dir() / TLS_DIR, [*([_vip] if _vip else []), *_routers])
 except LabError as _error:
-    sys.exit(f"inventories/lab.py: {_error}")
+    sys.exit(f"inventories/lab/inventory.py: {_error}")
 _edge = {
     # TLS on router_port with the lab CA's certificate; one client, with its own key (the replicas' key stays
     # between the routers and the replicas)
