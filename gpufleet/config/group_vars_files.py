@@ -10,11 +10,14 @@ pair, included).
 from __future__ import annotations
 
 import difflib
+import errno
+import os
 from pathlib import Path
 
 from gpufleet.config.inventory_shape import SourceLines
 from gpufleet.config.layers import display_path
 from gpufleet.config.problems import Problem
+from gpufleet.input_files import kind
 
 
 def _bound_names(inventory_file: Path) -> set[str]:
@@ -27,9 +30,17 @@ def _bound_names(inventory_file: Path) -> set[str]:
 
 
 def group_vars_file_problems(gv_dir: Path, inventory_file: Path, groups: list[str]) -> list[Problem]:
-    """A ``.yaml`` file, or a ``.yml`` file for a group neither this inventory nor one beside it has."""
-    if not gv_dir.is_dir():
+    """``group_vars`` that is not a directory; in it, anything but ``<group>.yml`` files (a ``.yaml`` file, another
+    suffix, a directory), or a ``.yml`` file for a group neither this inventory nor one beside it has. Hidden files
+    (an editor's, ``.gitkeep``) are left alone."""
+    if not os.path.lexists(gv_dir):
         return []
+    if not gv_dir.is_dir():
+        try:
+            found = kind(os.stat(gv_dir).st_mode)
+        except OSError as exc:
+            found = "a link loop" if exc.errno == errno.ELOOP else "a link to nothing"
+        return [Problem(display_path(gv_dir), "", f"expected a directory of <group>.yml files, found {found}")]
     problems: list[Problem] = []
     known = {"all", *groups}
     others: set[str] | None = None
@@ -41,7 +52,13 @@ def group_vars_file_problems(gv_dir: Path, inventory_file: Path, groups: list[st
             problems.append(Problem(shown, "", f"expected {path.stem}.yml (gpufleet reads group_vars/*.yml only),"
                                     " found a .yaml file"))
             continue
-        if path.suffix != ".yml" or path.stem in known:
+        if path.suffix != ".yml":  # a <group>.yml that is no file is named as such when it is read
+            what = ("a directory (gpufleet reads no group_vars/<group>/ directory)" if path.is_dir()
+                    else f"a {path.suffix} file" if path.suffix else "a file without .yml")
+            problems.append(Problem(shown, "", f"expected <group>.yml files only in group_vars (gpufleet reads"
+                                    f" nothing else there), found {what}"))
+            continue
+        if path.stem in known:
             continue
         if others is None:
             others = _bound_names(inventory_file)

@@ -51,8 +51,12 @@ class HostLayers:
 
 def display_path(path: Path) -> str:
     """A path relative to the working directory, or to the project, when it is below it."""
+    try:
+        target = path.resolve()
+    except (OSError, RuntimeError):  # a link loop: its own path only
+        target = Path(os.path.abspath(path))
     for base in (Path.cwd().resolve(), PROJECT_ROOT):
-        for candidate in (Path(os.path.abspath(path)), path.resolve()):  # a link's own path first, then its target's
+        for candidate in (Path(os.path.abspath(path)), target):  # a link's own path first, then its target's
             try:
                 return str(candidate.relative_to(base))
             except ValueError:

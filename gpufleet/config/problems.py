@@ -22,7 +22,13 @@ class Problem:
     def line(self) -> str:
         where = f"{self.source}: {self.key}: " if self.key else f"{self.source}: "
         suffix = f" (host{'s' if len(self.hosts) > 1 else ''} {', '.join(self.hosts)})" if self.hosts else ""
-        return f"{where}{self.message}{suffix}"
+        return one_line(f"{where}{self.message}{suffix}")
+
+
+def one_line(text: str) -> str:
+    """``text`` with every control character written as its escape (``\\n``, ``\\x1b``): a file or key name that
+    holds one can neither split a problem into two lines nor reach the terminal as a command."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 _PLAIN_KEY = re.compile(r"^[^\s'\"\\\[\]]+$")

@@ -117,7 +117,7 @@ def load_yaml(data: bytes) -> Any:
         return loader.construct_document(node)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
-        what = getattr(exc, "problem", None) or str(exc)
+        what = (getattr(exc, "problem", None) or str(exc)).splitlines()[0]  # not the parser's "in <unicode string>"
         raise YamlProblem(f"YAML syntax error: {what}", f":{mark.line + 1}:{mark.column + 1}" if mark else "") from None
     except RecursionError:
         raise YamlProblem("expected YAML nested at most a few hundred levels deep, found deeper") from None

@@ -9,8 +9,11 @@ pyinfra connects to any host. ``pyinfra --data`` still overrides everything: und
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import runpy
+import stat
 import sys
 import traceback
 from collections.abc import Callable, Mapping
@@ -44,7 +47,7 @@ from gpufleet.config.secrets import ENV_FILE_SECRETS, unfit_secret
 from gpufleet.config.validate import validate_host
 from gpufleet.config.yaml_strict import DECIMAL_INT
 from gpufleet.gpu.profiles import ProfileError, profile_facts
-from gpufleet.input_files import json_depth_problem
+from gpufleet.input_files import json_depth_problem, kind
 from gpufleet.node.health_rules import HealthPolicy
 from gpufleet.node_paths import replica_host_part
 from gpufleet.plan import virtual_address
@@ -89,9 +92,10 @@ _BY_FILE: dict[Path, InventoryLayers] = {}
 
 
 def group_vars_dir(inventory_file: Path) -> Path:
-    """``group_vars/`` beside the inventory file, else beside its folder (the project root)."""
+    """``group_vars/`` beside the inventory file (whatever it is: one that is not a directory is refused), else beside
+    its folder (for ``inventories/prod.py``, the checkout's top)."""
     beside = inventory_file.parent / "group_vars"
-    return beside if beside.is_dir() else inventory_file.parent.parent / "group_vars"
+    return beside if os.path.lexists(beside) else inventory_file.parent.parent / "group_vars"
 
 
 def collect_layers(namespace: dict[str, Any]) -> tuple[InventoryLayers, dict[str, Any], list[Problem]]:
@@ -503,12 +507,22 @@ def declared_plan_problems(loaded: InventoryLayers, configs: dict[str, HostConfi
     return [_plan_problem(problem, loaded, override, declared) for problem in plan.problems]
 
 
+def _not_a_file(path: str) -> str | None:
+    """What ``path`` is when it is not a regular file (links followed), as a message names it; None for a file."""
+    if not path:
+        return "an empty path"
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as exc:
+        return "a link loop" if exc.errno == errno.ELOOP else "no such file"
+    return None if stat.S_ISREG(mode) else kind(mode)
+
+
 def load_fleet(inventory_path: str, override: dict[str, Any] | None = None) -> Fleet:
     """Read an inventory file as pyinfra does; raises ConfigError (or exits 2 from the inventory)."""
+    if (found := _not_a_file(inventory_path)) is not None:
+        raise ConfigError([Problem(inventory_path or "''", "", f"expected an inventory file, found {found}")])
     path = Path(inventory_path)
-    if not path.is_file():
-        found = "a directory" if path.is_dir() else "no such file"
-        raise ConfigError([Problem(inventory_path, "", f"expected an inventory file, found {found}")])
     loaded = read_inventory(path)
     if loaded is None:
         raise ConfigError([Problem(inventory_path, "", "expected the inventory to end with"

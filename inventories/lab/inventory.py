@@ -44,14 +44,17 @@ from gpufleet_lab.nodes import (
 from gpufleet_lab.state import cache_dir, lab_dir, load_state
 from gpufleet_lab.tls import ensure_lab_tls
 
+from gpufleet.config.layers import display_path
 from gpufleet.inventory.load import apply_group_vars
+
+_HERE = display_path(Path(__file__))  # as a message names this file, wherever its directory was copied
 
 try:
     _state = load_state()
 except LabError as _error:
-    sys.exit(f"inventories/lab/inventory.py: {_error}")
+    sys.exit(f"{_HERE}: {_error}")
 if _state is None or not _state.nodes:
-    sys.exit(f"inventories/lab/inventory.py: no lab is up in {lab_dir()}; run `gpufleet lab up` first")
+    sys.exit(f"{_HERE}: no lab is up in {lab_dir()}; run `gpufleet lab up` first")
 
 _mirror = mirror_base_url(_state.bridge_address)
 # the key the mirror signs with (None before the mirror is built: NVIDIA's default then stops every node)
@@ -61,10 +64,10 @@ _model = str(cache_dir() / "models" / "tiny-llama")
 _LAYOUTS = ("default", "dedicated", "singles")
 _layout = os.environ.get("GPUFLEET_LAB_LAYOUT") or "default"
 if _layout not in _LAYOUTS:
-    sys.exit(f"inventories/lab/inventory.py: GPUFLEET_LAB_LAYOUT: expected one of {', '.join(_LAYOUTS)},"
+    sys.exit(f"{_HERE}: GPUFLEET_LAB_LAYOUT: expected one of {', '.join(_LAYOUTS)},"
              f" found {_layout!r}")
 if _layout != "default" and len(_state.nodes) < 3:
-    sys.exit(f"inventories/lab/inventory.py: GPUFLEET_LAB_LAYOUT: expected a lab of three nodes or more for {_layout},"
+    sys.exit(f"{_HERE}: GPUFLEET_LAB_LAYOUT: expected a lab of three nodes or more for {_layout},"
              f" found {len(_state.nodes)}")
 _dedicated = _layout == "dedicated"  # lab1 serves nothing
 
@@ -81,7 +84,7 @@ _vip = str(virtual_address(ipaddress.ip_network(_state.subnet))) if len(_routers
 try:
     _tls = ensure_lab_tls(lab_dir() / TLS_DIR, [*([_vip] if _vip else []), *_routers])
 except LabError as _error:
-    sys.exit(f"inventories/lab/inventory.py: {_error}")
+    sys.exit(f"{_HERE}: {_error}")
 _edge = {
     # TLS on router_port with the lab CA's certificate; one client, with its own key (the replicas' key stays
     # between the routers and the replicas)

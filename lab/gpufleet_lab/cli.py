@@ -12,24 +12,27 @@ from typing import NoReturn, TypeVar
 
 import click
 
+from gpufleet.config.problems import EXIT_BAD_INPUT, one_line
 from gpufleet_lab import network, nodes
-from gpufleet_lab.errors import LabError
+from gpufleet_lab.errors import LabError, LabInputError
 from gpufleet_lab.first_request import first_request
 
 T = TypeVar("T")
 
 
-def _fail(message: str) -> NoReturn:
-    click.echo(f"gpufleet lab: {message}", err=True)
-    sys.exit(1)
+def _fail(message: str, status: int = 1) -> NoReturn:
+    click.echo(f"gpufleet lab: {one_line(message)}", err=True)
+    sys.exit(status)
 
 
 def _run(action: Callable[[], T]) -> T:
-    """Run a lab action; any LabError becomes one line on stderr and exit status 1."""
+    """Run a lab action; any LabError becomes one line on stderr and exit status 1 (2 for bad input)."""
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     logging.getLogger("paramiko").setLevel(logging.WARNING)
     try:
         return action()
+    except LabInputError as exc:
+        _fail(str(exc), EXIT_BAD_INPUT)
     except LabError as exc:
         _fail(str(exc))
     except KeyboardInterrupt:

@@ -14,12 +14,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpufleet.config.edge import ca_path
+from gpufleet.config.grammar import show
 from gpufleet.config.inventory_shape import ROUTERS_GROUP
 from gpufleet.config.problems import ConfigError
+from gpufleet.config.schema import CLIENT_NAME
 from gpufleet.config.secrets import read_secret
 from gpufleet.inventory.load import load_fleet, loaded_inventory
 from gpufleet.plan import virtual_address
-from gpufleet_lab.errors import LabError
+from gpufleet_lab.errors import LabInputError
 
 PROMPT = "The fleet is"
 MAX_TOKENS = 16
@@ -53,35 +55,39 @@ class FirstRequest:
 
 def first_request(inventory: str, client: str) -> FirstRequest:
     """The way in for ``client`` (a key of ``router_clients``) to the routers of ``inventory``; writes its header
-    file. LabError when the inventory has no routers, or no such client, or the key is not in a file."""
+    file. LabInputError when the client's name cannot be one, the inventory cannot be read or has no routers, or no
+    such client, or the key is not in a file."""
+    if not CLIENT_NAME.match(client):
+        raise LabInputError(f"--client: expected a client name (1-63 of letters, digits, '_', '.', '-', starting with a"
+                            f" letter or digit), found {show(client)}")
     try:
         fleet = load_fleet(inventory)
     except ConfigError as error:
-        raise LabError("; ".join(problem.line() for problem in error.problems)) from None
+        raise LabInputError("; ".join(problem.line() for problem in error.problems)) from None
     loaded = loaded_inventory(fleet.hosts[0]) if fleet.hosts else None
     routers = next((list(m) for name, m in loaded.groups if name == ROUTERS_GROUP), []) if loaded else []
     if not routers:
-        raise LabError(f"{inventory}: expected a routers group, found none")
+        raise LabInputError(f"{inventory}: expected a routers group, found none")
     cfg = fleet.configs[routers[0]]
     known = sorted(cfg.router_clients)
     if client not in cfg.router_clients:
-        raise LabError(f"--client: expected a router client of {inventory} ({', '.join(known) or 'none'}),"
+        raise LabInputError(f"--client: expected a router client of {inventory} ({', '.join(known) or 'none'}),"
                        f" found {client!r}")
     ref = cfg.router_clients[client].api_key
     if ref.file is None:
-        raise LabError(f"router_clients.{client}.api_key: expected a file (curl reads the key from a file beside"
+        raise LabInputError(f"router_clients.{client}.api_key: expected a file (curl reads the key from a file beside"
                        " it), found an environment variable")
     served = [fleet.configs[hosts[0]].served_model_name() for hosts in fleet.pools.values() if hosts]
     models = cfg.router_clients[client].models  # None: every served model
     allowed = [name for name in served if models is None or name in models]
     if not allowed:
-        raise LabError(f"router client {client} may ask for no model the inventory serves")
+        raise LabInputError(f"router client {client} may ask for no model the inventory serves")
     key_file = Path(ca_path(ref.file))
     headers = key_file.with_name(f"client-{client}.headers")
     try:
         key = read_secret(ref, f"router_clients.{client}.api_key")
     except ConfigError as error:
-        raise LabError("; ".join(problem.line() for problem in error.problems)) from None
+        raise LabInputError("; ".join(problem.line() for problem in error.problems)) from None
     _write_private(headers, f"Authorization: Bearer {key}\n")
     return FirstRequest(virtual_address.routers_url(routers, fleet.configs), allowed[0], client,
                         ca_path(cfg.router_tls_ca) if cfg.router_tls_ca else None, str(key_file), headers)

@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from tests.conftest import ROOT
 
@@ -44,3 +48,37 @@ def test_the_readmes_fleet_directory_is_checked_from_its_own_group_vars(tmp_path
 def test_a_fleet_directory_inside_the_checkout_is_ignored_by_git() -> None:
     ignored = subprocess.run(["git", "check-ignore", "-q", "fleets/prod/inventory.py"], cwd=ROOT)
     assert ignored.returncode == 0, "fleets/ is not in .gitignore"
+
+
+def _example_fleet(directory: Path) -> Path:
+    """The production example copied into ``directory``; its inventory."""
+    directory.mkdir(parents=True)
+    shutil.copy(ROOT / "inventories" / "prod.py", directory / "inventory.py")
+    shutil.copytree(ROOT / "group_vars", directory / "group_vars")
+    return directory / "inventory.py"
+
+
+@pytest.mark.parametrize(("make", "found"), [
+    (lambda path: path.write_text("vllm_port: 8001\n"), "a regular file"),
+    (lambda path: path.symlink_to("nowhere"), "a link to nothing"),
+    (lambda path: path.symlink_to("/dev/zero"), "a device"),
+])
+def test_a_group_vars_that_is_no_directory_is_named_not_skipped(tmp_path: Path, make: Any, found: str) -> None:
+    inventory = _example_fleet(tmp_path / "fleet")
+    shutil.rmtree(inventory.parent / "group_vars")
+    make(inventory.parent / "group_vars")
+    done = _run(f"gpufleet check {inventory}", tmp_path)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.splitlines()[0] == f"{inventory.parent}/group_vars: expected a directory of <group>.yml files," \
+                                          f" found {found}", done.stderr
+
+
+@pytest.mark.parametrize(("argument", "found"), [("''", "an empty path"), ("pipe", "a named pipe"),
+                                                 ("/dev/null", "a device"), ("missing.py", "no such file")])
+def test_an_inventory_that_is_no_file_is_named_by_what_it_is(tmp_path: Path, argument: str, found: str) -> None:
+    os.mkfifo(tmp_path / "pipe")
+    done = subprocess.run(["bash", "-c", f"gpufleet check {argument}"], cwd=tmp_path, capture_output=True, text=True,
+                          env={**os.environ, "PATH": f"{ROOT / '.venv' / 'bin'}{os.pathsep}{os.environ['PATH']}"},
+                          timeout=60)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.strip().endswith(f"expected an inventory file, found {found}"), done.stderr

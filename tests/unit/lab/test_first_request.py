@@ -3,13 +3,17 @@ client's key file and a curl line, from an inventory with routers; the key only 
 
 from __future__ import annotations
 
+import os
 import shlex
 import stat
 from pathlib import Path
+from typing import Any
 
 import pytest
+from click.testing import CliRunner
 from gpufleet_lab import first_request as module
-from gpufleet_lab.errors import LabError
+from gpufleet_lab.cli import lab_group
+from gpufleet_lab.errors import LabError, LabInputError
 
 from gpufleet.config.schema import RouterClient, SecretRef
 from gpufleet.inventory.load import load_fleet
@@ -65,3 +69,37 @@ def test_a_client_it_cannot_serve_is_one_line(fleet_with_clients: Path, client: 
         module.first_request(FLEET, client)
     assert str(error.value) == expected.format(fleet=FLEET)
     assert not (fleet_with_clients / f"client-{client}.headers").exists()
+
+
+@pytest.mark.parametrize("client", ["", "lab\nFAKE: ok", "lab;$(touch x)`id`|&>x", "../../etc/passwd", "\x1b[2Jx",
+                                    "x" * 64])
+def test_a_name_no_client_can_have_is_refused_before_the_inventory_is_read(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch,
+                                                                           client: str) -> None:
+    monkeypatch.setattr(module, "load_fleet", lambda inventory: pytest.fail("the inventory was read"))
+    with pytest.raises(LabInputError) as error:
+        module.first_request(FLEET, client)
+    assert str(error.value).startswith("--client: expected a client name (1-63 of letters, digits, '_', '.', '-',")
+
+
+@pytest.mark.parametrize(("make", "found"), [
+    (lambda path: None, "no such file"),
+    (lambda path: path.mkdir(), "a directory"),
+    (lambda path: os.mkfifo(path), "a named pipe"),
+    (lambda path: path.symlink_to(path), "a link loop"),
+])
+def test_lab_client_on_an_inventory_that_is_no_file_exits_2_in_one_line(tmp_path: Path, make: Any,
+                                                                         found: str) -> None:
+    """The real command: bad input is one line and exit 2, as gpufleet's own commands (a lab failure is 1)."""
+    inventory = tmp_path / "inventory.py"
+    make(inventory)
+    done = CliRunner().invoke(lab_group, ["client", "--inventory", str(inventory)])
+    assert done.exit_code == 2, done.output
+    assert done.output == f"gpufleet lab: {inventory}: expected an inventory file, found {found}\n"
+
+
+def test_lab_client_writes_a_control_character_in_its_input_as_an_escape(tmp_path: Path) -> None:
+    inventory = tmp_path / "in\nventory\x1b.py"
+    done = CliRunner().invoke(lab_group, ["client", "--inventory", str(inventory)])
+    assert done.exit_code == 2 and done.output.count("\n") == 1, done.output
+    assert "in\\nventory\\x1b.py" in done.output and "\x1b" not in done.output
