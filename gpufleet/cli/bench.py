@@ -23,7 +23,7 @@ from gpufleet.input_files import output_file_problem
 from gpufleet.inventory.load import parse_data_args
 from gpufleet.measure import guidellm_client as client
 from gpufleet.measure.dataset import DatasetError, load_dataset, write_for_client
-from gpufleet.measure.early_stop import DRAINED_WITHIN_S, MissWatch, stopped_step
+from gpufleet.measure.early_stop import DRAINED_WITHIN_S, MissWatch, settled, stopped_step
 from gpufleet.measure.engine_histograms import Reading, mean_between, quantile_between, read
 from gpufleet.measure.engine_metrics import with_engine_metrics
 from gpufleet.measure.plot import render_svg
@@ -313,6 +313,10 @@ def bench_command(inventory: str, model: str | None, replica: str | None, slo_te
     except OSError as exc:
         fail_lines([f"gpufleet bench: vLLM's /metrics could not be read ({exc}): each step is judged on vLLM's own"
                     " latency histograms (vllm_api_allowed_from must let this host in)"])
+    if not settled(lambda: _reading(metrics)):
+        click.echo(f"gpufleet bench: the replicas did not settle within {DRAINED_WITHIN_S:g} s (requests in their"
+                   " engines, or /metrics answered late): another load shares them, and the first step measures"
+                   " beside it")
     with tempfile.TemporaryDirectory(prefix="gpufleet-bench-data-") as tmp:
         workload = (client.Workload(dataset=write_for_client(rows, Path(tmp) / "requests.jsonl"))
                     if rows is not None else client.workload_for(max_len))
@@ -331,7 +335,7 @@ def bench_command(inventory: str, model: str | None, replica: str | None, slo_te
             except client.StoppedEarly as stopped:
                 assert watch is not None
                 if not watch.drained():
-                    click.echo(f"gpufleet bench: step {rate:g} req/s: the replicas still held requests"
+                    click.echo(f"gpufleet bench: step {rate:g} req/s: the replicas had not settled"
                                f" {DRAINED_WITHIN_S:g} s after it was stopped")
                 step = stopped_step(rate, watch, stopped.reason, stopped.ended_at)
             after = _reading(metrics)

@@ -29,7 +29,29 @@ EVERY_S = 2.0
 """Seconds between two readings of the replicas' ``/metrics`` while a step runs."""
 
 DRAINED_WITHIN_S = 30.0
-"""How long a stopped step waits for the replicas' engines to drop its backlog before the next step starts."""
+"""How long a stopped step (and a run, before its first step) waits for the replicas to settle."""
+
+SETTLED_READ_S = 0.5
+"""A settled replica's ``/metrics`` answers within this. Its API server serves it on the loop that takes requests: one
+still busy with a stopped load (on the lab, writing the tracebacks of thousands of requests its full queue refused)
+answers it late, and would answer the next step's first requests late too (seen: 5% of a 4 req/s step's requests
+waited over 1 s for a first token, 11 s after the engines were empty)."""
+
+
+def settled(read: Callable[[], Reading | None], within_s: float = DRAINED_WITHIN_S, every_s: float = 0.5,
+            clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> bool:
+    """Whether the replicas settled within ``within_s``: two reads in a row (``read``: their ``/metrics``, summed)
+    each came within :data:`SETTLED_READ_S` and found no request in their engines."""
+    deadline, quiet = clock() + within_s, 0
+    while True:
+        began = clock()
+        now = read()
+        quiet = quiet + 1 if now is not None and now.in_flight == 0 and clock() - began <= SETTLED_READ_S else 0
+        if quiet >= 2:
+            return True
+        if clock() >= deadline:
+            return False
+        sleep(every_s)
 
 
 @dataclass
@@ -62,16 +84,9 @@ class MissWatch:
                 " missed whatever the rest did")
 
     def drained(self, within_s: float = DRAINED_WITHIN_S, every_s: float = 0.5) -> bool:
-        """Whether the replicas' engines held no request within ``within_s`` of the client's end (the next step must
-        not inherit this one's backlog)."""
-        deadline = time.monotonic() + within_s
-        while True:
-            now = self.read()
-            if now is not None and now.in_flight == 0:
-                return True
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(every_s)
+        """Whether the replicas settled within ``within_s`` of the client's end (the next step must not inherit this
+        one's backlog): :func:`settled`."""
+        return settled(self.read, within_s, every_s)
 
 
 def stopped_step(rate: float, watch: MissWatch, reason: str, ended_at: float) -> Step:

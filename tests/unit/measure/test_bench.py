@@ -192,7 +192,8 @@ def test_a_ramp_finds_the_ceiling_prints_a_line_per_step_and_keeps_the_record(
         "llama-3.1-70b", "0.32.0", "tp4-pp1", "8xH100-SXM")
     assert doc["slo"] == {"ttft_p99_s": 1.0, "itl_p99_s": 0.1}
     assert [s["rate"] for s in doc["steps"]] == [0.5, 1.0, 2.0, 3.0, 3.5, 3.75, 3.875, 4.0]
-    assert len(pages) == 17 and len(pages[0]) == 6  # once first, before and after each step, every replica's /metrics
+    # every replica's /metrics: once first, twice settling before the first step, then before and after each step
+    assert len(pages) == 19 and len(pages[0]) == 6
     judged = {s["rate"]: s["engine_ttft_p99_s"] for s in doc["steps"]}  # within the 50 ms bucket of vLLM's TTFT
     assert judged[3.75] == pytest.approx(0.9 + 0.05 * 0.99) and judged[3.875] == pytest.approx(1.05 + 0.05 * 0.99)
     assert all(s["engine_itl_p99_s"] == pytest.approx(0.0099) for s in doc["steps"])
