@@ -10,6 +10,7 @@ the work starts: somewhere a regular file can be written.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import tempfile
@@ -39,6 +40,17 @@ def kind(mode: int) -> str:
         if test(mode):
             return name
     return "a regular file"
+
+
+def found_at(path: str) -> str:
+    """What is at ``path``, links followed, as a message names it: :func:`kind`'s word, ``a link loop``, ``a link to
+    nothing`` or ``no such file``."""
+    try:
+        return kind(os.stat(path).st_mode)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return "a link loop"
+        return "a link to nothing" if os.path.lexists(path) else "no such file"
 
 
 def read_regular(path: Path, what: str = "a file", limit: int = MAX_FILE_BYTES) -> bytes:

@@ -10,14 +10,13 @@ pair, included).
 from __future__ import annotations
 
 import difflib
-import errno
 import os
 from pathlib import Path
 
 from gpufleet.config.inventory_shape import SourceLines
 from gpufleet.config.layers import display_path
 from gpufleet.config.problems import Problem
-from gpufleet.input_files import kind
+from gpufleet.input_files import found_at
 
 
 def _bound_names(inventory_file: Path) -> set[str]:
@@ -36,11 +35,8 @@ def group_vars_file_problems(gv_dir: Path, inventory_file: Path, groups: list[st
     if not os.path.lexists(gv_dir):
         return []
     if not gv_dir.is_dir():
-        try:
-            found = kind(os.stat(gv_dir).st_mode)
-        except OSError as exc:
-            found = "a link loop" if exc.errno == errno.ELOOP else "a link to nothing"
-        return [Problem(display_path(gv_dir), "", f"expected a directory of <group>.yml files, found {found}")]
+        return [Problem(display_path(gv_dir), "", "expected a directory of <group>.yml files, found"
+                        f" {found_at(str(gv_dir))}")]
     problems: list[Problem] = []
     known = {"all", *groups}
     others: set[str] | None = None

@@ -9,11 +9,9 @@ pyinfra connects to any host. ``pyinfra --data`` still overrides everything: und
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import runpy
-import stat
 import sys
 import traceback
 from collections.abc import Callable, Mapping
@@ -47,7 +45,7 @@ from gpufleet.config.secrets import ENV_FILE_SECRETS, unfit_secret
 from gpufleet.config.validate import validate_host
 from gpufleet.config.yaml_strict import DECIMAL_INT
 from gpufleet.gpu.profiles import ProfileError, profile_facts
-from gpufleet.input_files import json_depth_problem, kind
+from gpufleet.input_files import found_at, json_depth_problem
 from gpufleet.node.health_rules import HealthPolicy
 from gpufleet.node_paths import replica_host_part
 from gpufleet.plan import virtual_address
@@ -511,11 +509,8 @@ def _not_a_file(path: str) -> str | None:
     """What ``path`` is when it is not a regular file (links followed), as a message names it; None for a file."""
     if not path:
         return "an empty path"
-    try:
-        mode = os.stat(path).st_mode
-    except OSError as exc:
-        return "a link loop" if exc.errno == errno.ELOOP else "no such file"
-    return None if stat.S_ISREG(mode) else kind(mode)
+    found = found_at(path)
+    return None if found == "a regular file" else found
 
 
 def load_fleet(inventory_path: str, override: dict[str, Any] | None = None) -> Fleet:

@@ -83,11 +83,6 @@ class MissWatch:
                 f" {self.ttft_objective_s:g} s for a first token, more than {1 - QUANTILE:.0%}: its TTFT p99"
                 " missed whatever the rest did")
 
-    def drained(self, within_s: float = DRAINED_WITHIN_S, every_s: float = 0.5) -> bool:
-        """Whether the replicas settled within ``within_s`` of the client's end (the next step must not inherit this
-        one's backlog): :func:`settled`."""
-        return settled(self.read, within_s, every_s)
-
 
 def stopped_step(rate: float, watch: MissWatch, reason: str, ended_at: float) -> Step:
     """The record of a step stopped at ``ended_at`` (Unix time) for ``reason``: what vLLM counted from the reading
