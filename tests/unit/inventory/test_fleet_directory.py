@@ -24,10 +24,11 @@ def _commands() -> list[str]:
     return [line for line in block.splitlines() if line.strip()]
 
 
-def _run(line: str, home: Path) -> subprocess.CompletedProcess[str]:
-    """``line`` as a shell runs it from the checkout, with ``home`` as $HOME and the project's programs first."""
+def _run(line: str, home: Path, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    """``line`` as a shell runs it from ``cwd`` (the checkout), with ``home`` as $HOME and the project's programs
+    first."""
     env = {**os.environ, "HOME": str(home), "PATH": f"{ROOT / '.venv' / 'bin'}{os.pathsep}{os.environ['PATH']}"}
-    return subprocess.run(["bash", "-c", line], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run(["bash", "-c", line], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
 
 
 def test_the_readmes_fleet_directory_is_checked_from_its_own_group_vars(tmp_path: Path) -> None:
@@ -77,8 +78,6 @@ def test_a_group_vars_that_is_no_directory_is_named_not_skipped(tmp_path: Path, 
                                                  ("/dev/null", "a device"), ("missing.py", "no such file")])
 def test_an_inventory_that_is_no_file_is_named_by_what_it_is(tmp_path: Path, argument: str, found: str) -> None:
     os.mkfifo(tmp_path / "pipe")
-    done = subprocess.run(["bash", "-c", f"gpufleet check {argument}"], cwd=tmp_path, capture_output=True, text=True,
-                          env={**os.environ, "PATH": f"{ROOT / '.venv' / 'bin'}{os.pathsep}{os.environ['PATH']}"},
-                          timeout=60)
+    done = _run(f"gpufleet check {argument}", tmp_path, cwd=tmp_path)
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stderr.strip().endswith(f"expected an inventory file, found {found}"), done.stderr
