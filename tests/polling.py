@@ -3,9 +3,11 @@ or for a server to accept connections (on a port, or on a Unix socket)."""
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -48,3 +50,28 @@ def wait_for_socket(path: str, timeout_s: float = 15.0) -> None:
             return True
 
     until(accepts, f"a server accepting connections on {path}", timeout_s=timeout_s)
+
+
+def listening_inodes(ports: set[int]) -> set[str]:
+    """The socket inodes listening on any of ``ports`` (TCP, IPv4 or IPv6) in this network namespace."""
+    found: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) in ports:  # 0A: LISTEN
+                found.add(fields[9])
+    return found
+
+
+def holding_a_listener(pids: set[int], ports: set[int]) -> set[int]:
+    """The processes among ``pids`` that still hold a socket listening on one of ``ports`` (a HAProxy worker told to
+    stop lets go of its listeners before it finishes its requests; one gone holds none)."""
+    sockets = {f"socket:[{inode}]" for inode in listening_inodes(ports)}
+    holding = set()
+    for pid in pids:
+        try:
+            if any(os.readlink(f"/proc/{pid}/fd/{fd}") in sockets for fd in os.listdir(f"/proc/{pid}/fd")):
+                holding.add(pid)
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # the process, or one of its descriptors, is gone
+    return holding

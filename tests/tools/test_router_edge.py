@@ -33,7 +33,7 @@ from gpufleet.plan import backends as plan_backends
 from tests.conftest import host_tool
 from tests.loopback_http import ReplicaHandler, free_port, loopback_server
 from tests.memory_rule import deny_write_execute, memory_rule
-from tests.polling import wait_for_socket
+from tests.polling import holding_a_listener, wait_for_socket
 from tests.stand_in_plan import stand_in_plan
 from tests.tools.haproxy_run import wait
 from tests.unit.configs import host_config
@@ -126,6 +126,10 @@ class Edge:
         before = self.workers()
         self.proc.send_signal(signal.SIGUSR2)
         wait(lambda: self.workers() - before, "a new worker after the reload")
+        # The old workers let go of the listeners once the master tells them to stop, which a worker starved of CPU
+        # does later than the new one is listed: until then a new connection may still reach an old worker.
+        ports = {self.port, *([self.plain_port] if self.plain_port else [])}
+        wait(lambda: not holding_a_listener(before, ports), "the old workers letting go of the listeners")
 
     def workers(self) -> set[int]:
         """The worker processes' ids, from the master's CLI (none while the master re-executes itself)."""
