@@ -1,13 +1,15 @@
 #!/usr/bin/env python3
-"""Write the reference pages of docs/reference/ from the code: ``make docs``.
+"""Write the reference pages of docs/reference/ and the roles' defaults.yml from the code: ``make docs``.
 
-- ``variables.md``: every variable of ``roles/*/defaults.yml``: its meaning (the comment above it), its default, and
-  its type and range from the typed schema (:class:`gpufleet.config.schema.HostConfig`: annotations, constraints and
-  the docstrings of its validators);
+- ``roles/<role>/defaults.yml``: each variable's meaning and default, from its record in the role's settings
+  (``gpufleet/config/settings/<role>.py``, :mod:`gpufleet.config.settings`);
+- ``variables.md``: every variable: its meaning, its default, who must agree on it, and its type and range from the
+  typed schema (:class:`gpufleet.config.schema.HostConfig`: annotations, constraints and the docstrings of its
+  validators);
 - ``commands.md``: every ``gpufleet`` command's ``--help``, from the click commands themselves;
 - ``roles.md``: every role's module docstring (``roles/<role>/__init__.py``).
 
-The pages are never edited by hand. The output depends on the sources only (a fixed help width, sorted roles), and
+The files are never edited by hand. The output depends on the sources only (a fixed help width, sorted roles), and
 ``tests/unit/test_docs.py`` fails when a committed page differs from what this script writes.
 
 Usage: ``python scripts/gen_docs.py`` writes the pages; ``--check`` writes nothing and exits 1 when one is stale.
@@ -18,20 +20,28 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import importlib
+import inspect
 import json
+import pkgutil
 import re
 import sys
+import textwrap
 import types
 import typing
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Union
 
 import annotated_types
 import click
+import yaml
 from pydantic import AfterValidator, BaseModel, BeforeValidator
 from pydantic.fields import FieldInfo
+
+if TYPE_CHECKING:
+    from gpufleet.config.settings import Setting
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -39,8 +49,6 @@ if str(ROOT) not in sys.path:
 REFERENCE = Path("docs") / "reference"
 HELP_WIDTH = 100
 REGENERATE = "python scripts/gen_docs.py"
-_KEY = re.compile(r"^([a-z][a-z0-9_]*):(.*)$")
-_SECTION = re.compile(r"^-{3}\s*(.*?)\s*-*$")
 _RST_ROLE = re.compile(r":(?:mod|func|class|data|meth|attr):`~?([^`]+)`")
 _CODE_SPAN = re.compile(r"(`+)(.+?)\1", re.S)
 
@@ -111,68 +119,71 @@ def comment_markdown(lines: tuple[str, ...]) -> str:
     return "\n\n".join(blocks)
 
 
-# --- roles/*/defaults.yml -----------------------------------------------------------------------------------------
+# --- the roles' settings and their defaults.yml -------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class Variable:
-    """One variable of a role's defaults.yml: its comment (the lines above it, shared by the keys right below
-    them), its default as written, and the section (``# --- name ---``) it is in."""
-
-    name: str
-    role: str
-    comment: tuple[str, ...]
-    default: str
-    section: str
+COMMENT_WIDTH = 116
+"""A defaults.yml comment's text is wrapped to this width (``# `` and the text fit 118 columns)."""
 
 
-@dataclass(frozen=True)
-class RoleDefaults:
-    """A role's defaults.yml: its header comment and its variables, in file order."""
+def role_settings() -> dict[str, type[BaseModel]]:
+    """Every role's settings model, by role name (``gpufleet/config/settings/<role>.py``)."""
+    import gpufleet.config.settings as package
+    from gpufleet.config.settings import RoleSettings
 
-    role: str
-    header: tuple[str, ...]
-    variables: tuple[Variable, ...]
+    found: dict[str, type[BaseModel]] = {}
+    for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda info: info.name):
+        module = importlib.import_module(f"{package.__name__}.{info.name}")
+        (model,) = [value for value in vars(module).values() if isinstance(value, type)
+                    and issubclass(value, RoleSettings) and value is not RoleSettings
+                    and value.__module__ == module.__name__]
+        found[info.name] = model
+    return found
 
 
-def _comment_text(line: str) -> str:
-    return line[2:] if line.startswith("# ") else line[1:]
-
-
-def read_defaults(path: Path) -> RoleDefaults:
-    """A defaults.yml's variables. A comment belongs to the key right below it, and to the keys that follow that one
-    without a blank line; the comments before the first key that a blank line ends are the file's header."""
-    role = path.parent.name
-    header: list[str] = []
-    pending: list[str] = []
-    variables: list[Variable] = []
-    section = ""
-    shared: tuple[str, ...] = ()
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        if line.startswith("#"):
-            text = _comment_text(line)
-            if heading := _SECTION.match(text):
-                section = heading.group(1)
-            else:
-                pending.append(text)
-            shared = ()
-        elif not line.strip():
-            if pending and not variables:
-                header += [*([""] if header else []), *pending]
-            elif pending:
-                raise ValueError(f"{path}:{number}: a comment that belongs to no variable (a blank line follows it)")
-            pending, shared = [], ()
-        elif key := _KEY.match(line):
-            comment = tuple(pending) or shared
-            variables.append(Variable(key.group(1), role, comment, key.group(2).strip(), section))
-            pending, shared = [], comment
+def doc_lines(text: str) -> tuple[str, ...]:
+    """A record's meaning (or a role's docstring) as comment lines: prose wrapped, a line that starts with a blank
+    (a table, an example) kept as written, a blank line kept."""
+    lines: list[str] = []
+    for line in text.split("\n"):
+        if not line.strip() or line.startswith(" "):
+            lines.append(line.rstrip())
         else:
-            raise ValueError(f"{path}:{number}: expected a top-level key on one line, a comment or a blank line")
-    return RoleDefaults(role, tuple(header), tuple(variables))
+            lines += textwrap.wrap(line, COMMENT_WIDTH, break_long_words=False, break_on_hyphens=False)
+    return tuple(lines)
 
 
-def all_defaults(root: Path = ROOT) -> list[RoleDefaults]:
-    """Every role's defaults.yml, by role name."""
-    return [read_defaults(path) for path in sorted((root / "roles").glob("*/defaults.yml"))]
+def yaml_value(value: Any) -> str:
+    """A default as defaults.yml writes it: YAML on one line (``null``, ``auto``, ``'0.33.0'``, ``[1, 2]``)."""
+    text: str = yaml.safe_dump(value, default_flow_style=True, width=1 << 20, sort_keys=False)
+    return text.removesuffix("\n...\n").strip()
+
+
+def _comment(lines: tuple[str, ...]) -> list[str]:
+    return [f"# {line}".rstrip() for line in lines]
+
+
+def defaults_file(role: str, model: type[BaseModel]) -> str:
+    """``roles/<role>/defaults.yml``: the role's docstring, then each variable's meaning and default, in the order
+    of its settings' fields, under its section's heading."""
+    from gpufleet.config.settings import records
+
+    out = [f"# Written by `make docs` from gpufleet/config/settings/{role}.py, where each variable is one record.",
+           "#", *_comment(doc_lines(inspect.cleandoc(model.__doc__ or "")))]
+    section = ""
+    for record in records(model, role).values():
+        if record.section != section:
+            section = record.section
+            out += ["", f"# --- {section} ".ljust(COMMENT_WIDTH + 2, "-")]
+        else:
+            out.append("")
+        out += [*_comment(doc_lines(record.doc)), f"{record.name}: {yaml_value(record.default)}"]
+    return "\n".join(out).rstrip() + "\n"
+
+
+def defaults_files() -> dict[Path, str]:
+    """Every role's defaults.yml, by path relative to the project."""
+    return {Path("roles") / role / "defaults.yml": defaults_file(role, model)
+            for role, model in role_settings().items()}
 
 
 # --- the schema's types -------------------------------------------------------------------------------------------
@@ -316,44 +327,49 @@ def field_type(name: str) -> tuple[str, Words]:
 
 def variables_page(root: Path = ROOT) -> str:
     """docs/reference/variables.md: every variable, by role."""
-    roles = all_defaults(root)
-    out = [banner("roles/*/defaults.yml and gpufleet/config/schema.py"), "# Variables\n",
-           "Every variable a host's configuration holds, by the role whose `roles/<role>/defaults.yml` sets its"
-           " default (the fleet-wide ones: `roles/fleet/`). Its meaning is the comment above it there; its type and"
-           " range come from the typed schema, `gpufleet/config/schema.py`. Which source wins where several set a"
-           " variable: [the guide's Configuration](../guide/configuration.md#precedence).\n"]
-    for role in roles:
-        links = ", ".join(f"[`{v.name}`](#{v.name})" for v in role.variables)
-        out.append(f"- [{role.role}](#role-{role.role}): {links}")
+    from gpufleet.config.settings import records
+
+    roles = role_settings()
+    out = [banner("gpufleet/config/settings/*.py"), "# Variables\n",
+           "Every variable a host's configuration holds, by role (the fleet-wide ones: role `fleet`). Each is one"
+           " record, a field of its role's settings in `gpufleet/config/settings/<role>.py`: its type and range,"
+           " its default (also in `roles/<role>/defaults.yml`, written from the records), its meaning, and who must"
+           " agree on it. Which source wins where several set a variable: [the guide's"
+           " Configuration](../guide/configuration.md#precedence).\n"]
+    for role, model in roles.items():
+        links = ", ".join(f"[`{name}`](#{name})" for name in model.model_fields)
+        out.append(f"- [{role}](#role-{role}): {links}")
     out.append("")
-    for role in roles:
-        out.append(f"## Role {role.role}\n")
-        if role.header:
-            out.append(comment_markdown(role.header) + "\n")
+    for role, model in roles.items():
+        out.append(f"## Role {role}\n")
+        out.append(comment_markdown(doc_lines(inspect.cleandoc(model.__doc__ or ""))) + "\n")
         section = ""
-        first: Variable | None = None
-        for variable in role.variables:
-            if variable.section != section:
-                section = variable.section
+        for record in records(model, role).values():
+            if record.section != section:
+                section = record.section
                 out.append(f"### {escape(section)}\n")
-            shared = first is not None and variable.comment and variable.comment is first.comment
-            first = first if shared else variable
-            out.append(_variable(variable, first if shared else None))
+            out.append(_variable(record))
     return "\n".join(out).rstrip() + "\n"
 
 
-def _variable(variable: Variable, described_with: Variable | None) -> str:
-    """One variable's entry: its type and rules, its default, its meaning (or where that is, for a variable that
-    shares the comment of the one above it)."""
-    text, words = field_type(variable.name)
-    lines = [f"#### `{variable.name}`\n", f"- type: {escape(text)}"]
+SCOPES = {"pool": "every host of one pool (one model, one layout)", "routers": "every router (the edge)"}
+
+
+def _variable(record: Setting) -> str:
+    """One variable's entry: its type and rules, its default, who must agree on it, its meaning."""
+    text, words = field_type(record.name)
+    lines = [f"#### `{record.name}`\n", f"- type: {escape(text)}"]
     lines += [f"- rule: {one_line(rule)}" for rule in words.rules]
     lines += [f"- `{name}`: {one_line(keys)}" for name, keys in words.mappings.items()]
-    lines += [f"- default: `{variable.default}`", ""]
-    if described_with is not None:
-        lines.append(f"Described with [`{described_with.name}`](#{described_with.name}), above.\n")
-    elif variable.comment:
-        lines.append(comment_markdown(variable.comment) + "\n")
+    lines.append(f"- default: `{yaml_value(record.default)}`")
+    if record.scope in SCOPES:
+        lines.append(f"- the same on: {SCOPES[record.scope]}")
+    if record.model_wide:
+        lines.append(f"- the same for every pool that serves one model name {escape(record.model_wide)}")
+    if record.secret:
+        lines.append("- secret: a reference, never shown" if record.secret != "tree"
+                     else "- secret: holds secret references, never shown")
+    lines += ["", comment_markdown(doc_lines(record.doc)) + "\n"]
     return "\n".join(lines)
 
 
@@ -419,8 +435,9 @@ PAGES: dict[str, Callable[[Path], str]] = {
 
 
 def pages(root: Path = ROOT) -> dict[Path, str]:
-    """Every reference page's path (relative to the project) and text."""
-    return {REFERENCE / name: render(root) for name, render in PAGES.items()}
+    """Every written file's path (relative to the project) and text: the reference pages and the roles'
+    defaults.yml."""
+    return {**{REFERENCE / name: render(root) for name, render in PAGES.items()}, **defaults_files()}
 
 
 def stale(root: Path = ROOT) -> list[Path]:

@@ -16,9 +16,8 @@ from gpufleet.cli.inputs import DATA_OPTION, Number, cli_fleet, fail_lines, flee
 from gpufleet.config.edge import ca_path, ca_problem
 from gpufleet.config.fleet import Fleet
 from gpufleet.config.inventory_shape import MONITORING_GROUP, ROUTERS_GROUP
-from gpufleet.config.problems import ConfigError
-from gpufleet.config.schema import RouterClient
 from gpufleet.config.secrets import read_secret
+from gpufleet.config.settings.router import RouterClient
 from gpufleet.input_files import output_file_problem
 from gpufleet.inventory.load import parse_data_args
 from gpufleet.measure import guidellm_client as client
@@ -44,6 +43,7 @@ from gpufleet.netaddr import host_port
 from gpufleet.plan import virtual_address
 from gpufleet.plan.planner import FleetPlan, Replica, ServedModel, plan_fleet
 from gpufleet.prometheus_api import PrometheusError
+from gpufleet.values.problems import ConfigError
 
 DEFAULT_STEP_S = 60.0
 

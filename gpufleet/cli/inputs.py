@@ -9,14 +9,14 @@ from typing import Any, NoReturn
 import click
 
 from gpufleet.config.fleet import Fleet
-from gpufleet.config.grammar import decimal
 from gpufleet.config.layers import is_role_default
-from gpufleet.config.problems import EXIT_BAD_INPUT, ConfigError, exit_with
 from gpufleet.gpu.profiles import ProfileError, profile_facts
 from gpufleet.gpu.report import FactsError, NodeFacts, load_facts
 from gpufleet.inventory.load import cli_data_override as _data_override
 from gpufleet.inventory.load import load_fleet, loaded_inventory, parse_data_args, set_data_override
 from gpufleet.plan.planner import FleetPlan, plan_fleet
+from gpufleet.values.grammar import decimal
+from gpufleet.values.problems import EXIT_BAD_INPUT, ConfigError, exit_with
 
 
 def fail_lines(lines: list[str]) -> NoReturn:
@@ -37,7 +37,7 @@ def cli_fleet(inventory: str, data: tuple[str, ...] = ()) -> Fleet:
 
 
 class Number(click.ParamType[float | int, Any]):
-    """A number option read as every command reads numbers (:func:`gpufleet.config.grammar.decimal`: ASCII digits,
+    """A number option read as every command reads numbers (:func:`gpufleet.values.grammar.decimal`: ASCII digits,
     finite), from ``low`` to ``high``; ``whole``: digits only, an integer."""
 
     name = "number"

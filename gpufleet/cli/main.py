@@ -17,7 +17,6 @@ from rich.text import Text
 
 from gpufleet.cli.inputs import DATA_OPTION, Number, cli_fleet, declared_plan, fail_lines, fleet_facts, group_hosts
 from gpufleet.config.fleet import Fleet
-from gpufleet.config.grammar import decimal
 from gpufleet.config.inventory_shape import MONITORING_GROUP
 from gpufleet.inventory.load import (
     configured_health_policy,
@@ -30,6 +29,7 @@ from gpufleet.plan import virtual_address
 from gpufleet.plan.model_arch import ModelConfigError, load_arch
 from gpufleet.plan.model_memory import GIB, model_info
 from gpufleet.plan.planner import FleetPlan, Replica, plan_fleet
+from gpufleet.values.grammar import decimal
 
 EXIT_UNREAD = 1  # gpufleet plan --observed: a node whose observations could not be read
 

@@ -25,7 +25,6 @@ from pyinfra.api.inventory import Inventory
 from gpufleet.cli.inputs import DATA_OPTION, cli_fleet, fail_lines, fleet_facts
 from gpufleet.config.fleet import Fleet
 from gpufleet.config.inventory_shape import MONITORING_GROUP, ROUTERS_GROUP
-from gpufleet.config.problems import ConfigError
 from gpufleet.config.secrets import read_secret
 from gpufleet.inventory.load import load_fleet, parse_data_args, set_data_override
 from gpufleet.measure.guidellm_client import ClientError, Target, client_path, workload_for
@@ -47,6 +46,7 @@ from gpufleet.rollout.replicas import ROLLBACK, UPGRADE, Rollable, rollable
 from gpufleet.rollout.report import ROLLED
 from gpufleet.rollout.router_control import RouterControl, RouterFailure
 from gpufleet.rollout.runner import DEFAULT_CANARY_S, LatencyJudge, Options, Rollout
+from gpufleet.values.problems import ConfigError
 
 EXIT_FAILED = 1
 

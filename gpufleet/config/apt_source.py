@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import posixpath
 
-from gpufleet.config import grammar
+from gpufleet.values import grammar
 
 WEAKENING_OPTIONS = ("trusted", "allow-insecure", "allow-weak", "allow-downgrade-to-insecure")
 KEYRING_DIRS = ("/usr/share/keyrings", "/etc/apt/keyrings")

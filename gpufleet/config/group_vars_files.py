@@ -15,8 +15,8 @@ from pathlib import Path
 
 from gpufleet.config.inventory_shape import SourceLines
 from gpufleet.config.layers import display_path
-from gpufleet.config.problems import Problem
 from gpufleet.input_files import found_at
+from gpufleet.values.problems import Problem
 
 
 def _bound_names(inventory_file: Path) -> set[str]:

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpufleet.config import grammar
-from gpufleet.config.problems import Problem
+from gpufleet.values import grammar
+from gpufleet.values.problems import Problem
 
 ROUTERS_GROUP = "routers"  # the HAProxy routers (role router; keepalived where they share a virtual address)
 MONITORING_GROUP = "monitoring"  # the hosts that scrape metrics and alert (role monitoring)

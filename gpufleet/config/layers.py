@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpufleet.config.grammar import show
-from gpufleet.config.problems import Problem
 from gpufleet.config.yaml_strict import YamlProblem, load_yaml
 from gpufleet.input_files import InputFileError, read_regular
+from gpufleet.values.grammar import show
+from gpufleet.values.problems import Problem
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 ROLES_DIR = PROJECT_ROOT / "roles"

@@ -20,29 +20,22 @@ import ipaddress
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from gpufleet.config.grammar import show
 from gpufleet.config.layers import HostLayers, Layer, is_role_default
-from gpufleet.config.problems import Problem
-from gpufleet.config.schema import HostConfig
+from gpufleet.config.schema import RECORDS, HostConfig, keys
+from gpufleet.values.grammar import show
+from gpufleet.values.problems import Problem
 
-ROUTER_WIDE = ("router_port", "router_plain_http_port", "router_max_request_bytes", "router_clients",
-               "router_tls_certificate", "router_tls_key", "router_tls_ca")
+ROUTER_WIDE = keys(scope="routers")
 """What clients see of the edge: one value on every router."""
 
-EDGE_ONLY = ("router_clients", "router_tls_certificate", "router_tls_key", "router_tls_ca",
-             "router_plain_http_port", "router_listen_address", "router_metrics_port", "router_max_request_bytes",
-             "router_max_connections", "router_check_interval_s", "router_check_fall", "router_check_rise",
-             "router_timeout_s", "router_connect_timeout_s", "router_retries", "router_queue_timeout_s",
-             "router_virtual_address", "router_virtual_interface", "router_virtual_prefix", "router_virtual_router_id",
-             "router_vrrp_password")
-"""Settings only a router reads (a router-wide setting a serving host also reads, ``router_port``, is left out)."""
+EDGE_ONLY = keys(read_on="routers")
+"""Settings only a router reads (a router-wide setting a serving host also reads, ``router_port``, is not one)."""
 
-POOL_READ = ("router_policy", "router_prefix_balance", "router_server_maxconn", "vllm_api_key",
-             "vllm_api_allowed_from")
+POOL_READ = keys(read_on="pools")
 """Settings of the routing that are read from the serving pools' hosts (each backend's policy and admission, the
 replicas' key and filter), never from a router's own."""
 
-SECRET_HOLDING = frozenset({"router_clients", "router_tls_certificate", "router_tls_key"})
+SECRET_HOLDING = frozenset(name for name in ROUTER_WIDE if RECORDS[name].secret)
 
 WIDEST_PREFIX = {4: 16, 6: 48}
 """The widest network ``vllm_api_allowed_from`` may name beside client keys, by IP version: a site's hosts (the

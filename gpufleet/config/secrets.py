@@ -14,11 +14,12 @@ import unicodedata
 from collections import Counter
 from pathlib import Path
 
-from gpufleet.config.problems import ConfigError, Problem
-from gpufleet.config.schema import SecretRef
+from gpufleet.config.schema import keys
 from gpufleet.input_files import InputFileError, read_regular
+from gpufleet.values.problems import ConfigError, Problem
+from gpufleet.values.types import SecretRef
 
-ENV_FILE_SECRETS = ("vllm_api_key", "vllm_hf_token", "ray_auth_token", "vllm_pip_index_credentials")
+ENV_FILE_SECRETS = keys(secret="env_file")
 """Secrets that reach a node in a systemd EnvironmentFile (one ``NAME="value"`` line each)."""
 
 SECRET_MAX_BYTES = 1 << 20

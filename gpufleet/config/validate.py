@@ -8,11 +8,11 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from gpufleet.config import grammar, limits
 from gpufleet.config.layers import HostLayers, is_role_default
-from gpufleet.config.problems import KeyedError, Problem, shown_key
 from gpufleet.config.schema import SCHEMA_KEYS, SECRET_KEYS, SECRET_TREES, SHOWN_NUMBERS, HostConfig
 from gpufleet.pyinfra_seam import connector_data_keys, global_argument_names
+from gpufleet.values import grammar, limits
+from gpufleet.values.problems import KeyedError, Problem, shown_key
 
 
 @functools.cache

@@ -6,7 +6,7 @@ import shlex
 
 from pyinfra.api.facts import FactBase
 
-from gpufleet.config import grammar
+from gpufleet.values import grammar
 
 
 class AddressInterface(FactBase[str | None]):

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpufleet.config import grammar, limits
 from gpufleet.config.edge import edge_problems
 from gpufleet.config.fleet import Fleet
 from gpufleet.config.group_vars_files import group_vars_file_problems
@@ -39,9 +38,9 @@ from gpufleet.config.layers import (
     read_yaml_mapping,
     role_default_layers,
 )
-from gpufleet.config.problems import EXIT_BAD_INPUT, ConfigError, Problem, exit_with
-from gpufleet.config.schema import API_PORTS_WHEN_AUTO, HostConfig, SecretRef
+from gpufleet.config.schema import HostConfig
 from gpufleet.config.secrets import ENV_FILE_SECRETS, unfit_secret
+from gpufleet.config.settings.vllm import API_PORTS_WHEN_AUTO
 from gpufleet.config.validate import validate_host
 from gpufleet.config.yaml_strict import DECIMAL_INT
 from gpufleet.gpu.profiles import ProfileError, profile_facts
@@ -51,6 +50,9 @@ from gpufleet.node_paths import replica_host_part
 from gpufleet.plan import virtual_address
 from gpufleet.plan.planner import PlanProblem, plan_fleet
 from gpufleet.pyinfra_seam import cli_file_error, under_pyinfra_cli, wrap_inventory_exec
+from gpufleet.values import grammar, limits
+from gpufleet.values.problems import EXIT_BAD_INPUT, ConfigError, Problem, exit_with
+from gpufleet.values.types import SecretRef
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from gpufleet.config.grammar import decimal
+from gpufleet.values.grammar import decimal
 
 FIRST_RATE = 0.5
 """Requests per second of the first step of a ramp without ``--rates``."""

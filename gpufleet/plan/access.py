@@ -33,8 +33,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from gpufleet.config.inventory_shape import MONITORING_GROUP
-from gpufleet.config.problems import ConfigError, Problem
 from gpufleet.config.schema import HostConfig
+from gpufleet.values.problems import ConfigError, Problem
 
 
 def allow_list(*sources: Iterable[str]) -> list[str]:
@@ -139,7 +139,7 @@ def deploy_group(group: str = MONITORING_GROUP) -> list[str]:
     without an IP address): the monitoring hosts, or :data:`ROUTERS_GROUP`'s."""
     from pyinfra.context import state
 
-    from gpufleet.config.problems import exit_with
+    from gpufleet.values.problems import exit_with
 
     try:
         return group_addresses(state.inventory, group)

@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gpufleet.config.schema import HostConfig
-from gpufleet.config.vllm_flags import FlagCatalog
 from gpufleet.plan.model_memory import KvBudget
+from gpufleet.values.vllm_flags import FlagCatalog
 
 QUEUED_REQS_FLAG = "--max-num-queued-reqs"
 QUEUE_FACTOR = 2

@@ -19,7 +19,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gpufleet.config.vllm_flags import human_int
 from gpufleet.gpu.profiles import framework_memory_bytes
 from gpufleet.gpu.report import NodeFacts
 from gpufleet.gpu.topology import nvlink_islands
@@ -36,6 +35,7 @@ from gpufleet.plan.model_memory import (
 )
 from gpufleet.plan.quantization import capability
 from gpufleet.plan.vllm_memory import Accounting, accounting, batch_defaults, gpu_reserve
+from gpufleet.values.vllm_flags import human_int
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from gpufleet.config.fleet import Fleet
-from gpufleet.config.problems import shown_key
-from gpufleet.config.schema import HostConfig, SecretRef
-from gpufleet.config.vllm_flags import load_catalog
+from gpufleet.config.schema import RECORDS, HostConfig, keys
 from gpufleet.gpu.report import NodeFacts
 from gpufleet.netaddr import host_port
 from gpufleet.node_paths import replica_host_part
@@ -32,24 +30,15 @@ from gpufleet.plan.model_memory import (
     safetensors_total_size,
     weight_bytes,
 )
+from gpufleet.values.problems import shown_key
+from gpufleet.values.types import SecretRef
+from gpufleet.values.vllm_flags import load_catalog
 
-# Settings every host of one pool must share (one model, one layout).
-POOL_WIDE = (
-    "vllm_version", "vllm_model", "vllm_model_revision", "vllm_served_model_name", "vllm_model_config",
-    "vllm_dtype", "vllm_quantization", "vllm_max_model_len", "vllm_gpu_memory_utilization",
-    "vllm_kv_cache_dtype", "vllm_tensor_parallel_size", "vllm_pipeline_parallel_size",
-    "vllm_data_parallel_size", "vllm_nodes_per_replica", "vllm_distributed_backend", "vllm_extra_args",
-    "vllm_platform", "vllm_memory_reserve_gib", "vllm_max_num_queued_reqs", "router_server_maxconn",
-    "router_policy", "router_prefix_balance",
-)
-# Settings every pool that serves one model name must share: the router has one backend per served model.
-MODEL_WIDE = {
-    "router_policy": " (the router has one backend per served model)",
-    "router_prefix_balance": " (the router has one backend per served model)",
-    "vllm_slo_ttft_p99_s": " (one objective per served model: its alerts and its ceiling)",
-    "vllm_slo_itl_p99_s": " (one objective per served model: its alerts and its ceiling)",
-}
-"""Values every pool that serves one model name must share, each with why."""
+POOL_WIDE = keys(scope="pool")
+"""Settings every host of one pool must share (one model, one layout)."""
+MODEL_WIDE = {name: f" {record.model_wide}" for name, record in RECORDS.items() if record.model_wide}
+"""Values every pool that serves one model name must share, each with why (the router has one backend per served
+model)."""
 # vLLM's options that make a prefix's cache keys, which every replica of a model routed by prefix must share.
 CACHE_KEY_OPTIONS = {"--block-size": "block size", "--prefix-caching-hash-algo": "prefix caching hash algorithm"}
 PREFIX_CACHING = "--enable-prefix-caching"

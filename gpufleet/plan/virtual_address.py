@@ -26,12 +26,13 @@ import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from gpufleet.config import grammar
 from gpufleet.config.inventory_shape import ROUTERS_GROUP
 from gpufleet.config.layers import is_role_default
-from gpufleet.config.problems import ConfigError, Problem
-from gpufleet.config.schema import HostConfig, SecretRef
+from gpufleet.config.schema import HostConfig
 from gpufleet.config.secrets import read_secret
+from gpufleet.values import grammar
+from gpufleet.values.problems import ConfigError, Problem
+from gpufleet.values.types import SecretRef
 
 KEY = "router_virtual_address"
 PASSWORD_KEY = "router_vrrp_password"

@@ -14,10 +14,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpufleet.config.grammar import decimal
 from gpufleet.input_files import output_file_problem
 from gpufleet.rollout.batches import Limit, RolloutError, parse_batches, parse_limit
 from gpufleet.rollout.latency import DEFAULT_MIN_REQUESTS, MAX_WATCH_S
+from gpufleet.values.grammar import decimal
 
 CANARY_S = (0.0, MAX_WATCH_S)
 MAX_ERROR_RATIO = (0.0, 1.0)

@@ -15,17 +15,12 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from gpufleet.config.schema import HostConfig
+from gpufleet.config.schema import HostConfig, keys
 
 Release = dict[str, Any]
 """Release keys and their values, as JSON has them (lists, mappings, text, numbers, booleans, null)."""
 
-RELEASE_KEYS = (
-    "vllm_version", "vllm_package", "vllm_requirements_url", "vllm_wheelhouse_url", "ray_version",
-    "vllm_model", "vllm_model_revision", "vllm_served_model_name", "vllm_dtype", "vllm_quantization",
-    "vllm_kv_cache_dtype", "vllm_max_model_len", "vllm_gpu_memory_utilization", "vllm_trust_remote_code",
-    "vllm_extra_args", "vllm_env",
-)
+RELEASE_KEYS = keys(release=True)
 """What makes a release: the software (vLLM, its lock and wheels, Ray), the model and how it is served."""
 
 MAX_BYTES = 1 << 20  # a release record is a few hundred bytes; anything larger is not one

@@ -12,7 +12,7 @@ from typing import NoReturn, TypeVar
 
 import click
 
-from gpufleet.config.problems import EXIT_BAD_INPUT, one_line
+from gpufleet.values.problems import EXIT_BAD_INPUT, one_line
 from gpufleet_lab import network, nodes
 from gpufleet_lab.errors import LabError, LabInputError
 from gpufleet_lab.first_request import first_request

@@ -14,13 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpufleet.config.edge import ca_path
-from gpufleet.config.grammar import show
 from gpufleet.config.inventory_shape import ROUTERS_GROUP
-from gpufleet.config.problems import ConfigError
-from gpufleet.config.schema import CLIENT_NAME
 from gpufleet.config.secrets import read_secret
+from gpufleet.config.settings.router import CLIENT_NAME
 from gpufleet.inventory.load import load_fleet, loaded_inventory
 from gpufleet.plan import virtual_address
+from gpufleet.values.grammar import show
+from gpufleet.values.problems import ConfigError
 from gpufleet_lab.errors import LabInputError
 
 PROMPT = "The fleet is"

@@ -25,7 +25,6 @@ from pyinfra.api.deploy import deploy
 from pyinfra.context import host
 from pyinfra.operations.util import any_changed
 
-from gpufleet.config.problems import ConfigError, exit_with
 from gpufleet.gpu.report import NodeFacts
 from gpufleet.netaddr import bracketed
 from gpufleet.node_paths import DCGM_EXPORTER_COUNTERS, unit_path
@@ -35,6 +34,7 @@ from gpufleet.operations import apt, files, node, server, systemd
 from gpufleet.plan import access
 from gpufleet.run.context import gpu_facts, host_config
 from gpufleet.templates import render
+from gpufleet.values.problems import ConfigError, exit_with
 
 PACKAGE = "datacenter-gpu-manager-exporter"
 USER = "dcgm-exporter"

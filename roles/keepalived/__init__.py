@@ -36,7 +36,6 @@ from pyinfra.operations.util import any_changed
 
 from gpufleet import templates
 from gpufleet.config.inventory_shape import ROUTERS_GROUP
-from gpufleet.config.problems import ConfigError, Problem, exit_with
 from gpufleet.config.schema import HostConfig
 from gpufleet.facts.network import AddressInterface
 from gpufleet.netaddr import host_port
@@ -54,6 +53,7 @@ from gpufleet.plan import access
 from gpufleet.plan.virtual_address import PASSWORD_KEY, VirtualAddress, group, password_problem, read_password
 from gpufleet.run.context import fleet, host_config
 from gpufleet.units.escape import exec_line
+from gpufleet.values.problems import ConfigError, Problem, exit_with
 
 PACKAGE = "keepalived"
 SERVICE = "keepalived.service"

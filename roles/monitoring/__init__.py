@@ -60,7 +60,6 @@ from pyinfra.context import host
 from gpufleet import templates
 from gpufleet.config.fleet import Fleet
 from gpufleet.config.inventory_shape import MONITORING_GROUP, ROUTERS_GROUP
-from gpufleet.config.problems import ConfigError, exit_with
 from gpufleet.config.schema import HostConfig
 from gpufleet.facts.bench import BenchRecords
 from gpufleet.gpu.profiles import profile_facts
@@ -96,6 +95,7 @@ from gpufleet.plan.planner import FleetPlan, plan_fleet
 from gpufleet.pyinfra_seam import current_state
 from gpufleet.run.context import DeployContext, context, fleet, host_config
 from gpufleet.units.escape import exec_line
+from gpufleet.values.problems import ConfigError, exit_with
 from roles.common import NODE_SOURCES
 
 GRAFANA_UNIT = "grafana-server.service"  # Grafana's Debian package (Grafana's own repository)

@@ -41,7 +41,6 @@ from pyinfra.context import host
 from pyinfra.operations.util import any_changed
 
 from gpufleet import templates
-from gpufleet.config.problems import ConfigError, exit_with
 from gpufleet.config.schema import HostConfig
 from gpufleet.downloads import DownloadError, fetch_verified
 from gpufleet.netaddr import host_port
@@ -52,6 +51,7 @@ from gpufleet.operations import apt, files, node, server, systemd
 from gpufleet.plan import access
 from gpufleet.run.context import host_config
 from gpufleet.units.escape import exec_arg, unit_value
+from gpufleet.values.problems import ConfigError, exit_with
 
 USER = "node_exporter"
 # tarball

@@ -27,7 +27,6 @@ from pyinfra.api.operation import OperationMeta
 from pyinfra.context import host
 from pyinfra.operations.util import any_changed
 
-from gpufleet.config.problems import ConfigError, Problem, exit_with
 from gpufleet.netaddr import host_port
 from gpufleet.node_paths import (
     RAY_ENV_DIR,
@@ -46,6 +45,7 @@ from gpufleet.plan import access
 from gpufleet.run.context import assignments, context, host_config
 from gpufleet.templates import render
 from gpufleet.units.escape import env_file, exec_line
+from gpufleet.values.problems import ConfigError, Problem, exit_with
 from roles.vllm import replica_files as vf
 
 

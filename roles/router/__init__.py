@@ -65,8 +65,8 @@ from pyinfra.operations.util import any_changed
 from gpufleet import templates
 from gpufleet.config import edge
 from gpufleet.config.inventory_shape import ROUTERS_GROUP
-from gpufleet.config.problems import ConfigError, exit_with
-from gpufleet.config.schema import HostConfig, RouterClient
+from gpufleet.config.schema import HostConfig
+from gpufleet.config.settings.router import RouterClient
 from gpufleet.netaddr import host_port
 from gpufleet.node import router_health
 from gpufleet.node_paths import NODE_PYTHON, NODE_TOOLS_DIR, ROUTER_ADMIN_SOCKET, TEXTFILE_DIR, node_tool, unit_path
@@ -78,6 +78,7 @@ from gpufleet.plan.backends import Backend, backends
 from gpufleet.plan.planner import FleetPlan, Replica
 from gpufleet.run.context import context, host_config
 from gpufleet.units.escape import exec_line
+from gpufleet.values.problems import ConfigError, exit_with
 from roles.vllm import replica_files as vf
 
 PACKAGE = "haproxy"

@@ -48,7 +48,6 @@ from pyinfra.api.operation import OperationMeta
 from pyinfra.context import host
 
 from gpufleet.config.inventory_shape import ROUTERS_GROUP
-from gpufleet.config.problems import ConfigError, Problem, exit_with
 from gpufleet.config.schema import HostConfig
 from gpufleet.measure.starts import start_key
 from gpufleet.node.health_rules import policy_json
@@ -88,6 +87,7 @@ from gpufleet.rollout.release import release_json, release_of
 from gpufleet.run.context import DeployContext, assignments, context, host_config
 from gpufleet.templates import render
 from gpufleet.units.escape import env_file
+from gpufleet.values.problems import ConfigError, Problem, exit_with
 from roles.vllm import ray_drop_in
 from roles.vllm import replica_files as vf
 
@@ -213,9 +213,10 @@ def _stage_model() -> OperationMeta | None:
 
 @deploy("vLLM: install and configure the replicas")
 def vllm_install() -> None:
-    """Everything a replica needs on this node, without starting or restarting anything."""
+    """Everything a replica needs on this node, without starting or restarting anything, in phases: read the node,
+    install vLLM, stage the model, write the units, write each replica's files; then retire the replicas no longer
+    planned here and check that each multi-node replica's nodes agree."""
     cfg = host_config()
-    ctx = context()
     mine = [(replica, role, process) for replica, role in assignments()
             if (process := _vllm_process(role)) is not None]
     try:
@@ -228,6 +229,21 @@ def vllm_install() -> None:
                                       access.deploy_group(), access.deploy_group(ROUTERS_GROUP))
     except ConfigError as error:
         exit_with(error)
+    _read_node(cfg, [replica for replica, _, _ in mine])
+    venv = _install(cfg, pip_secret)
+    model = _stage(token)
+    unit, watchdog, gate = _units(cfg, allowed)
+    shared = [m for m in (venv, model, unit, gate) if m is not None]
+    drop_ins = _replica_files(cfg, mine, secrets, shared, watchdog)
+    retired = _retire_replicas(keep=[replica.name for replica, _, _ in mine])
+    systemd.daemon_reload(name="Reload systemd after the unit or a drop-in changed",
+                          _if=_changed([unit, watchdog, retired, *drop_ins]))
+    _nodes_agree()
+
+
+def _read_node(cfg: HostConfig, replicas: list[Replica]) -> None:
+    """Read, in one command, everything the phases compare: the account, packages, virtualenv, model, units and
+    each replica's files."""
     model_paths: list[str] = []
     model_listings: list[str] = []
     if cfg.vllm_model_source:
@@ -237,10 +253,15 @@ def vllm_install() -> None:
         users=["vllm"], groups=["vllm"], packages=cfg.vllm_system_packages,
         paths=[VLLM_ROOT, SECRETS_DIR, PIP_SECRET, HUB_SECRET, MODELS_DIR, str(Path(vf.model_dir(cfg)).parent),
                unit_path(VLLM_UNIT_TEMPLATE), unit_path(WATCHDOG_UNIT_TEMPLATE), GATE_POLICY, VLLM_ETC, *model_paths,
-               *(p for replica, _, _ in mine for p in _replica_paths(replica.name))],
+               *(p for replica in replicas for p in _replica_paths(replica.name))],
         texts=[f"{venv_dir(cfg.vllm_version)}/{INSTALLED_MARKER}", f"{vf.model_dir(cfg)}/{REVISION_MARKER}"],
         listings=[f"{VLLM_ETC}/*", *model_listings],
     )
+
+
+def _install(cfg: HostConfig, pip_secret: dict[str, str]) -> OperationMeta:
+    """The system packages, the vllm account, and vLLM's virtualenv for ``vllm_version`` (the pip index's
+    credentials in a 0600 file while it is set)."""
     apt.packages(name="Ensure the system packages vLLM needs", packages=cfg.vllm_system_packages)
     server.system_account(name="Create the system user and group vllm", user="vllm", home=VLLM_HOME)
     files.directory(name=f"Create {VLLM_ROOT}", path=VLLM_ROOT)
@@ -250,15 +271,23 @@ def vllm_install() -> None:
                           content=env_file(pip_secret, "pip index with credentials, read by the vLLM install"))
     else:
         files.absent(name="No pip index credentials", path=PIP_SECRET)
-    venv = server.script(name=f"Install vLLM {cfg.vllm_version} into {venv_dir(cfg.vllm_version)}",
+    return server.script(name=f"Install vLLM {cfg.vllm_version} into {venv_dir(cfg.vllm_version)}",
                          script=vf.install_script(cfg),
                          done_file=f"{venv_dir(cfg.vllm_version)}/{INSTALLED_MARKER}",
                          done_text=vf.install_marker(cfg))
+
+
+def _stage(token: str | None) -> OperationMeta | None:
+    """The model, staged before any replica starts (the hub token in a 0600 file for a hub model's download)."""
     if token is not None:
         files.secret_file(name="Write the hub token (0600)", dest=HUB_SECRET,
                           content=env_file({"HF_TOKEN": token}, "hub token for model downloads"))
     files.directory(name=f"Create {MODELS_DIR} (root only writes)", path=MODELS_DIR)
-    model = _stage_model()
+    return _stage_model()
+
+
+def _units(cfg: HostConfig, allowed: list[str] | None) -> tuple[OperationMeta, OperationMeta, OperationMeta]:
+    """The replicas' and their watchdogs' template units, and the GPU health gate's policy they start behind."""
     unit = files.file(name="Install the vllm@.service template unit", dest=unit_path(VLLM_UNIT_TEMPLATE),
                       content=render("vllm/vllm@.service.j2", **unit_values(allowed, vf.stop_timeout_s(cfg))))
     watchdog = files.file(name="Install the vllm-watchdog@.service template unit",
@@ -268,8 +297,14 @@ def vllm_install() -> None:
     gate = files.file(name=f"Write the GPU health gate policy {GATE_POLICY}", dest=GATE_POLICY,
                       content=policy_json(cfg.gpu_health))
     files.directory(name=f"Create {VLLM_ETC}", path=VLLM_ETC)
+    return unit, watchdog, gate
 
-    shared = [m for m in (venv, model, unit, gate) if m is not None]
+
+def _replica_files(cfg: HostConfig, mine: list[tuple[Replica, NodeRole, Process]], secrets: dict[str, str],
+                   shared: list[OperationMeta], watchdog: OperationMeta) -> list[OperationMeta]:
+    """Each replica's files on this node, and its restart record when any of them (or what it shares: vLLM, the
+    model, the unit, the gate) changed; the Ray drop-ins written, for the daemon reload."""
+    ctx = context()
     for replica, role, _ in mine:  # every node's, before any node's rank secret is decided
         if _bound(role):
             vllm.rank_secret_seen(name=f"{replica.name}: read its rank secret's digest",
@@ -307,10 +342,7 @@ def vllm_install() -> None:
         vllm.restart_record(name=f"{replica.name}: record that it must restart", marker=restart_marker(replica.name),
                             changed=_changed(changes),
                             pending=partial(ctx.pending_restarts.add, replica.name))
-    retired = _retire_replicas(keep=[replica.name for replica, _, _ in mine])
-    systemd.daemon_reload(name="Reload systemd after the unit or a drop-in changed",
-                          _if=_changed([unit, watchdog, retired, *drop_ins]))
-    _nodes_agree()
+    return drop_ins
 
 
 def _retire_replicas(keep: list[str]) -> OperationMeta:

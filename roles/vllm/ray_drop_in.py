@@ -12,7 +12,6 @@ again. Single-node and mp replicas get no drop-in: their unit is the template's 
 
 from __future__ import annotations
 
-from gpufleet.config.limits import SYSTEMD_DEFAULT_START_S
 from gpufleet.config.schema import HostConfig
 from gpufleet.netaddr import host_port
 from gpufleet.node_paths import node_tool, ray_unit, replica_dir
@@ -20,6 +19,7 @@ from gpufleet.plan.commands import NodeRole
 from gpufleet.plan.planner import Replica
 from gpufleet.templates import render
 from gpufleet.units.escape import exec_line, unit_value
+from gpufleet.values.limits import SYSTEMD_DEFAULT_START_S
 
 TEMPLATE = "vllm/ray.conf.j2"
 # vllm@.service allows 5 starts in 300 s (StartLimitBurst, StartLimitIntervalSec) and restarts 5 s after a

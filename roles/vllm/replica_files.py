@@ -20,7 +20,7 @@ import shlex
 from typing import Any
 from urllib.parse import quote, urlsplit, urlunsplit
 
-from gpufleet.config.schema import HostConfig, SecretRef
+from gpufleet.config.schema import HostConfig
 from gpufleet.config.secrets import read_secret as _read_secret
 from gpufleet.digest import file_sha256
 from gpufleet.node_paths import (
@@ -39,6 +39,7 @@ from gpufleet.node_paths import (
 )
 from gpufleet.operations.files import local_tree
 from gpufleet.units.escape import env_file  # noqa: F401  (re-exported: what roles write with vf.env_file)
+from gpufleet.values.types import SecretRef
 
 INSTALL_LOCK_TIMEOUT = 1800  # seconds a second install of one version waits for the first
 

@@ -30,8 +30,8 @@ from packaging.utils import parse_wheel_filename
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
-from gpufleet.config.vllm_flags import SUPPORTED_VLLM_VERSIONS
 from gpufleet.digest import file_sha256
+from gpufleet.values.vllm_flags import SUPPORTED_VLLM_VERSIONS
 from tests.conftest import DATA, ROOT, host_tool, skip_or_fail
 from tests.loopback_http import free_port, http_get
 from tests.polling import wait_for_port

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from gpufleet_lab.tls import LabTls, make_lab_tls
 
 from gpufleet.cli.main import main
-from gpufleet.config.grammar import show
+from gpufleet.values.grammar import show
 from tests.conftest import DATA
 
 ROUTERS = {"router1.dc1.example.net": "10.40.9.1", "router2.dc1.example.net": "10.40.9.2"}

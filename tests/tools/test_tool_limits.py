@@ -1,4 +1,4 @@
-"""The limits ``gpufleet check`` holds values to (:mod:`gpufleet.config.limits`) are the tools' own: systemd-analyze,
+"""The limits ``gpufleet check`` holds values to (:mod:`gpufleet.values.limits`) are the tools' own: systemd-analyze,
 promtool, amtool and haproxy accept a value at the limit and refuse one past it, and gpufleet agrees with them on names
 and zero intervals."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gpufleet.config import limits
+from gpufleet.values import limits
 from tests.conftest import host_tool
 
 

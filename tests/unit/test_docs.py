@@ -6,6 +6,8 @@ from __future__ import annotations
 import difflib
 import importlib.util
 import re
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -14,8 +16,8 @@ import pytest
 import yaml
 from gpufleet_lab.wheelhouse import LAB_VLLM_VERSIONS
 
-from gpufleet.config.schema import SCHEMA_KEYS
-from gpufleet.config.vllm_flags import DEFAULT_VLLM_VERSION, SUPPORTED_VLLM_VERSIONS
+from gpufleet.config.schema import RECORDS, SCHEMA_KEYS, SECRET_KEYS, SECRET_TREES, HostConfig
+from gpufleet.values.vllm_flags import DEFAULT_VLLM_VERSION, SUPPORTED_VLLM_VERSIONS
 from tests.conftest import ROOT
 
 README_MAX_LINES = 200
@@ -45,9 +47,9 @@ def pages() -> dict[Path, str]:
 
 # --- the reference pages are generated -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", sorted(GEN.PAGES))
-def test_reference_page_is_what_make_docs_writes(pages: dict[Path, str], name: str) -> None:
-    path = GEN.REFERENCE / name
+@pytest.mark.parametrize("path", sorted(GEN.pages(ROOT)), ids=str)
+def test_each_written_file_is_what_make_docs_writes(pages: dict[Path, str], path: Path) -> None:
+    """The reference pages and every role's defaults.yml."""
     committed = (ROOT / path).read_text() if (ROOT / path).is_file() else ""
     diff = list(difflib.unified_diff(committed.splitlines(), pages[path].splitlines(), "committed", "generated",
                                      lineterm="", n=1))
@@ -55,56 +57,81 @@ def test_reference_page_is_what_make_docs_writes(pages: dict[Path, str], name: s
                       " differences:\n" + "\n".join(diff[:20]))
 
 
-def test_a_changed_comment_makes_the_page_stale(tmp_path: Path) -> None:
-    """The staleness check sees a defaults.yml edit that the committed page lacks."""
-    for role in ("fleet", "vllm"):
-        (tmp_path / "roles" / role).mkdir(parents=True)
-        (tmp_path / "roles" / role / "defaults.yml").write_text((ROOT / "roles" / role / "defaults.yml").read_text())
-    written = GEN.variables_page(tmp_path)
-    defaults = tmp_path / "roles" / "vllm" / "defaults.yml"
-    defaults.write_text(defaults.read_text().replace("# Name clients use in requests", "# The name clients use"))
-    assert GEN.variables_page(tmp_path) != written
-    assert "The name clients use" in GEN.variables_page(tmp_path)
+# --- a variable is one record --------------------------------------------------------------------------------------
+
+def test_every_role_with_defaults_has_settings_and_every_variable_one_record() -> None:
+    roles = GEN.role_settings()
+    assert sorted(roles) == sorted(path.parent.name for path in (ROOT / "roles").glob("*/defaults.yml"))
+    owners: dict[str, list[str]] = {}
+    for role, model in roles.items():
+        for name in model.model_fields:
+            owners.setdefault(name, []).append(role)
+    assert {name: found for name, found in owners.items() if len(found) > 1} == {}
+    assert sorted(owners) == sorted(SCHEMA_KEYS)
+    assert {name: RECORDS[name].role for name in RECORDS} == {name: found[0] for name, found in owners.items()}
 
 
-# --- roles/*/defaults.yml and the schema ---------------------------------------------------------------------------
-
-def test_the_roles_defaults_set_every_schema_field_once() -> None:
-    roles_of: dict[str, list[str]] = {}
-    for role in GEN.all_defaults(ROOT):
-        for variable in role.variables:
-            roles_of.setdefault(variable.name, []).append(role.role)
-    assert {name: roles for name, roles in roles_of.items() if len(roles) > 1} == {}
-    assert sorted(set(roles_of) - SCHEMA_KEYS) == [], "in a defaults.yml but not in HostConfig"
-    assert sorted(SCHEMA_KEYS - set(roles_of)) == [], "in HostConfig but in no defaults.yml"
+@pytest.mark.parametrize("role", sorted(GEN.role_settings()))
+def test_a_roles_defaults_are_its_records_defaults(role: str) -> None:
+    """What the loader reads from roles/<role>/defaults.yml is each record's default, in the records' order."""
+    read = yaml.safe_load((ROOT / "roles" / role / "defaults.yml").read_text())
+    assert list(read) == [name for name, record in RECORDS.items() if record.role == role]
+    assert read == {name: record.default for name, record in RECORDS.items() if record.role == role}
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "roles").glob("*/defaults.yml")), ids=lambda p: p.parent.name)
-def test_the_generator_reads_the_keys_yaml_reads(path: Path) -> None:
-    assert [v.name for v in GEN.read_defaults(path).variables] == list(yaml.safe_load(path.read_text()) or {})
-
-
-def test_every_variable_is_documented(pages: dict[Path, str]) -> None:
-    """Each variable has a comment in its defaults.yml, and the variables reference has an entry for every field."""
-    assert [v.name for role in GEN.all_defaults(ROOT) for v in role.variables if not v.comment] == []
+def test_every_variable_has_a_meaning_and_an_entry(pages: dict[Path, str]) -> None:
+    assert [name for name, record in RECORDS.items() if not record.doc.strip()] == []
     entries = re.findall(r"^#### `([a-z][a-z0-9_]*)`$", pages[GEN.REFERENCE / "variables.md"], re.M)
     assert sorted(entries) == sorted(SCHEMA_KEYS)
 
 
-def test_comments_belong_to_the_keys_below_them(tmp_path: Path) -> None:
-    path = tmp_path / "roles" / "demo" / "defaults.yml"
-    path.parent.mkdir(parents=True)
-    path.write_text("# The demo role.\n\n# --- Ports ---\n# Its port and its twin's.\nport: 1\ntwin: 2\n"
-                    "# Off by default.\n#   indented: kept as code\nflag: false\n")
-    demo = GEN.read_defaults(path)
-    assert demo.header == ("The demo role.",)
-    port, twin, flag = demo.variables
-    assert port.comment == twin.comment == ("Its port and its twin's.",) and twin.section == "Ports"
-    assert flag.default == "false"
-    assert GEN.comment_markdown(flag.comment) == "Off by default.\n\n```\nindented: kept as code\n```"
-    path.write_text("port: 1\n\n# A comment no key follows.\n\nflag: false\n")
-    with pytest.raises(ValueError, match="belongs to no variable"):
-        GEN.read_defaults(path)
+def test_a_secret_is_typed_as_one_and_only_a_secret_is() -> None:
+    """A record marked secret holds secret references (its type says so), and a variable typed as a secret
+    reference is marked secret: the lists that hide values are derived from the marks."""
+    typed = {name for name, field in HostConfig.model_fields.items() if "SecretRef" in repr(field.annotation)
+             or "RouterClient" in repr(field.annotation)}
+    assert typed == SECRET_KEYS | SECRET_TREES
+    assert {name for name, record in RECORDS.items() if record.secret} == typed
+
+
+def test_a_record_is_written_as_its_role_file_says(tmp_path: Path) -> None:
+    """Comment lines: prose wrapped to the width, a line that starts with a blank kept, a section heading."""
+    assert GEN.doc_lines("word " * 40 + "end\n  kept:  as written") == (
+        ("word " * 23).strip(), ("word " * 17).strip() + " end", "  kept:  as written")
+    assert [GEN.yaml_value(v) for v in (None, "auto", "0.33.0", [1, 2], {}, False, 0.5)] == [
+        "null", "auto", "0.33.0", "[1, 2]", "{}", "false", "0.5"]
+    text = GEN.defaults_file("monitoring", GEN.role_settings()["monitoring"])
+    assert text.startswith("# Written by `make docs` from gpufleet/config/settings/monitoring.py")
+    assert "\n# --- GPU ---" in text and max(len(line) for line in text.splitlines() if line.startswith("#")) <= 118
+
+
+def test_a_new_variable_is_one_record_and_make_docs_writes_the_rest(tmp_path: Path) -> None:
+    """In a copy of the tree: a record added to a role's settings makes the check fail, naming its defaults.yml and
+    the reference, until `make docs` writes them; then both hold it."""
+    for part in ("gpufleet", "scripts", "roles", "docs"):
+        shutil.copytree(ROOT / part, tmp_path / part, ignore=shutil.ignore_patterns("__pycache__"))
+    settings = tmp_path / "gpufleet" / "config" / "settings" / "monitoring.py"
+    text = settings.read_text()
+    anchor = "    alert_unit_restarts_max:"
+    record = ('    alert_demo_for_s: Annotated[int, Field(ge=1, le=60)] = setting(\n'
+              '        7, "Seconds of a demo alert, added as one record.", section="Node",\n    )\n\n')
+    settings.write_text(text.replace(anchor, record + anchor, 1))
+
+    def generate(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "scripts/gen_docs.py", *args], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=120, check=False)
+
+    stale = generate("--check")
+    assert stale.returncode == 1, stale.stderr
+    assert sorted(re.findall(r"^(\S+) is stale", stale.stderr, re.M)) == [
+        "docs/reference/variables.md", "roles/monitoring/defaults.yml"]
+    assert generate().returncode == 0
+    assert generate("--check").returncode == 0
+    defaults = yaml.safe_load((tmp_path / "roles" / "monitoring" / "defaults.yml").read_text())
+    assert defaults["alert_demo_for_s"] == 7
+    page = (tmp_path / "docs" / "reference" / "variables.md").read_text()
+    assert "#### `alert_demo_for_s`\n\n- type: integer, 1 ≤ x ≤ 60\n" in page
+    assert "Seconds of a demo alert, added as one record." in page
 
 
 def test_types_come_from_the_schema() -> None:
@@ -128,9 +155,9 @@ def test_the_supported_vllm_versions_have_one_home() -> None:
     make_catalogs = re.search(r"gen_vllm_catalog\.py (.*)$", (ROOT / "Makefile").read_text(), re.M)
     assert make_catalogs is not None and make_catalogs.group(1).split() == supported
     assert set(LAB_VLLM_VERSIONS) <= set(supported)
-    (vllm_version,) = [v for role in GEN.all_defaults(ROOT) for v in role.variables if v.name == "vllm_version"]
-    assert yaml.safe_load(vllm_version.default) == DEFAULT_VLLM_VERSION in supported
-    assert _VERSION.findall(" ".join(vllm_version.comment)) == [], "the choices live in SUPPORTED_VLLM_VERSIONS"
+    vllm_version = RECORDS["vllm_version"]
+    assert vllm_version.default == DEFAULT_VLLM_VERSION in supported
+    assert _VERSION.findall(vllm_version.doc) == [], "the choices live in SUPPORTED_VLLM_VERSIONS"
 
 
 # --- the README and the links ---------------------------------------------------------------------------------------

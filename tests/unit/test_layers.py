@@ -28,7 +28,9 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("node", ("gpufleet/node",)),  # the node tools: shipped to the GPU nodes, run by their python3, stdlib only
     ("base", ("gpufleet", "gpufleet/units", "gpufleet/gpu")),  # paths and unit names on a node, addresses, files,
     # units' text, GPU documents and profiles: what every layer shares
-    ("config", ("gpufleet/config",)),  # one host's settings: the schema, their layers and checks, the fleet they make
+    ("values", ("gpufleet/values",)),  # what an input value may be: grammar, bounds, types, vLLM's flags, refusals
+    ("settings", ("gpufleet/config/settings",)),  # each role's settings: one record per variable
+    ("config", ("gpufleet/config",)),  # one host's settings composed (the schema), their layers and checks, the fleet
     ("plan", ("gpufleet/plan",)),  # replicas, memory, commands, the routers' backends, allow lists, virtual address
     ("measure", ("gpufleet/measure",)),  # gpufleet bench: the ceiling's ramp, client, records, capacity; start times
     ("monitoring", ("gpufleet/monitoring",)),  # Prometheus's rules and scrape configuration, dashboards, from the plan

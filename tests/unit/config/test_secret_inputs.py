@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from gpufleet.config import env_names, grammar
-from gpufleet.config.problems import ConfigError
-from gpufleet.config.schema import SecretRef
+from gpufleet.config import env_names
 from gpufleet.config.secrets import read_secret, unfit_secret
+from gpufleet.values import grammar
+from gpufleet.values.problems import ConfigError
+from gpufleet.values.types import SecretRef
 
 SECRET = "s3cr3t-VALUE"
 

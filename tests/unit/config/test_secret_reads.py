@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from gpufleet.config import secrets
-from gpufleet.config.schema import SecretRef
+from gpufleet.values.types import SecretRef
 from tests.unit.vllm_role_run import planned_shape, run_vllm_role
 
 

@@ -15,8 +15,9 @@ from gpufleet_lab import first_request as module
 from gpufleet_lab.cli import lab_group
 from gpufleet_lab.errors import LabError, LabInputError
 
-from gpufleet.config.schema import RouterClient, SecretRef
+from gpufleet.config.settings.router import RouterClient
 from gpufleet.inventory.load import load_fleet
+from gpufleet.values.types import SecretRef
 from tests.conftest import DATA
 
 FLEET = str(DATA / "rollout_fleet" / "inventory.py")

@@ -23,7 +23,7 @@ from click.testing import CliRunner
 from gpufleet.cli import bench as cli_bench
 from gpufleet.cli.inputs import fleet_facts
 from gpufleet.cli.main import main
-from gpufleet.config.schema import RouterClient, SecretRef
+from gpufleet.config.settings.router import RouterClient
 from gpufleet.inventory.load import load_fleet
 from gpufleet.measure import guidellm_client as client
 from gpufleet.measure.capacity import model_capacities, releases_without_bench
@@ -32,6 +32,7 @@ from gpufleet.measure.plot import render_svg
 from gpufleet.measure.ramp import Slo, Step, ceiling, next_rate, parse_rates
 from gpufleet.measure.records import Record, RecordKey, latest, parse_records
 from gpufleet.plan.planner import Replica, plan_fleet
+from gpufleet.values.types import SecretRef
 from tests.conftest import DATA
 from tests.unit import tls_files
 

@@ -13,7 +13,6 @@ from click.testing import CliRunner
 
 import roles.router as router_role
 from gpufleet.cli.main import main
-from gpufleet.config.vllm_flags import SUPPORTED_VLLM_VERSIONS, FlagCatalog, load_catalog
 from gpufleet.gpu.profiles import profile_facts
 from gpufleet.inventory.load import load_fleet
 from gpufleet.plan import backends as plan_backends
@@ -26,6 +25,7 @@ from gpufleet.plan.admission import (
 )
 from gpufleet.plan.model_memory import KvBudget, kv_space_budget
 from gpufleet.plan.planner import FleetPlan, plan_fleet
+from gpufleet.values.vllm_flags import SUPPORTED_VLLM_VERSIONS, FlagCatalog, load_catalog
 from tests.conftest import DATA, Project
 from tests.unit.configs import host_config
 

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 import roles.router as router_role
-from gpufleet.config.vllm_flags import load_catalog
 from gpufleet.plan import backends as plan_backends
 from gpufleet.plan.planner import FleetPlan, PlanProblem
+from gpufleet.values.vllm_flags import load_catalog
 from tests.conftest import DATA, Project
 from tests.stand_in_plan import stand_in_plan
 from tests.unit.configs import host_config

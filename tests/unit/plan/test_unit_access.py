@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from pyinfra.api import Inventory
 
-from gpufleet.config.problems import ConfigError
 from gpufleet.plan import access
+from gpufleet.values.problems import ConfigError
 from tests.unit.configs import https_host_config
 from tests.unit.unit_security_bench import bench
 

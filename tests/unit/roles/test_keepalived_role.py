@@ -22,12 +22,12 @@ import roles.keepalived as role
 import roles.router as router_role
 from gpufleet.cli.main import main
 from gpufleet.config.inventory_shape import ROUTERS_GROUP
-from gpufleet.config.problems import ConfigError
 from gpufleet.node import router_health
 from gpufleet.node_paths import ROUTER_HEALTH_STATE
 from gpufleet.plan import virtual_address
 from gpufleet.plan.virtual_address import VirtualAddress
 from gpufleet.units.escape import exec_line
+from gpufleet.values.problems import ConfigError
 from tests.conftest import DATA
 from tests.recorded_ops import Recorder
 from tests.unit.configs import host_config

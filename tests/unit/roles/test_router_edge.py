@@ -16,8 +16,8 @@ from gpufleet import node_paths, templates
 from gpufleet.config import secrets
 from gpufleet.config.edge import client_keys, edge_problems
 from gpufleet.config.layers import HostLayers, Layer
-from gpufleet.config.problems import ConfigError
 from gpufleet.plan import backends as plan_backends
+from gpufleet.values.problems import ConfigError
 from tests.recorded_ops import Recorder
 from tests.unit.configs import host_config
 from tests.unit.unit_files import unit_settings

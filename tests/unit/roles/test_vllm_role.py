@@ -30,10 +30,8 @@ from gpufleet import node_paths, templates
 from gpufleet.cli.inputs import fleet_facts
 from gpufleet.config.fleet import Fleet
 from gpufleet.config.layers import HostLayers, Layer, role_default_layers
-from gpufleet.config.problems import ConfigError
 from gpufleet.config.schema import HostConfig
 from gpufleet.config.validate import validate_host
-from gpufleet.config.vllm_flags import load_catalog
 from gpufleet.inventory.load import load_fleet
 from gpufleet.node import vllm_ready
 from gpufleet.operations import ray as ray_ops
@@ -52,6 +50,8 @@ from gpufleet.plan.commands import (
 )
 from gpufleet.plan.planner import plan_fleet
 from gpufleet.run.context import DeployContext
+from gpufleet.values.problems import ConfigError
+from gpufleet.values.vllm_flags import load_catalog
 from roles.vllm import replica_files as vf
 from tests.conftest import ROOT
 from tests.loopback_http import QuietHandler, loopback_server

@@ -27,10 +27,10 @@ import yaml
 import roles.common as common_role
 import roles.node_exporter as node_exporter_role
 from gpufleet import templates
-from gpufleet.config.problems import ConfigError
 from gpufleet.node import vllm_ready
 from gpufleet.plan.commands import serve_flags, serve_process
 from gpufleet.units import escape as systemd_text
+from gpufleet.values.problems import ConfigError
 from roles.vllm import replica_files as vf
 from tests.conftest import ROOT
 from tests.unit.configs import host_config

@@ -9,7 +9,7 @@ from importlib import resources
 import pytest
 
 from gpufleet.config.schema import OWNED_FLAGS
-from gpufleet.config.vllm_flags import (
+from gpufleet.values.vllm_flags import (
     DEFAULT_VLLM_VERSION,
     SUPPORTED_VLLM_VERSIONS,
     FlagCatalog,
