@@ -23,6 +23,7 @@ from tests.conftest import host_tool
 from tests.loopback_http import QuietHandler, free_port, loopback_server
 from tests.memory_rule import memory_rule
 from tests.polling import until, wait_for_socket
+from tests.service_priority import as_a_service
 from tests.stand_in_plan import stand_in_plan
 from tests.unit.configs import host_config
 
@@ -129,7 +130,7 @@ def running_haproxy(values: dict[str, Any], workdir: Path) -> Iterator[Path]:
     assert checked.returncode == 0, checked.stdout + checked.stderr
     with (workdir / "haproxy.log").open("w") as log:
         proc = subprocess.Popen([haproxy, "-db", "-f", str(config)], stdout=log, stderr=subprocess.STDOUT,
-                                preexec_fn=as_its_unit)
+                                start_new_session=True, preexec_fn=as_a_service(as_its_unit))
     try:
         wait_for_socket(str(workdir / "admin.sock"))
         yield workdir / "admin.sock"

@@ -23,6 +23,7 @@ import pytest
 from gpufleet.node import router_admin
 from tests.conftest import ROOT, host_tool
 from tests.loopback_http import QuietHandler, free_port, loopback_server
+from tests.service_priority import as_a_service
 
 TOOL = ROOT / "gpufleet" / "node" / "router_admin.py"
 BACKEND = "lab_single"
@@ -128,7 +129,8 @@ def running_router(tmp_path: Path) -> Iterator[Router]:
         config.write_text(_haproxy_config(port, admin, servers))
         log = tmp_path / "haproxy.log"
         with log.open("w") as out:
-            proc = subprocess.Popen([haproxy, "-db", "-f", str(config)], stdout=out, stderr=subprocess.STDOUT)
+            proc = subprocess.Popen([haproxy, "-db", "-f", str(config)], stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True, preexec_fn=as_a_service())
         stack.callback(_stop, proc, replicas.values())
         api, deadline = router_admin.Runtime(str(admin)), time.monotonic() + 10
         while True:

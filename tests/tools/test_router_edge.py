@@ -34,6 +34,7 @@ from tests.conftest import host_tool
 from tests.loopback_http import ReplicaHandler, free_port, loopback_server
 from tests.memory_rule import deny_write_execute, memory_rule
 from tests.polling import holding_a_listener, wait_for_socket
+from tests.service_priority import as_a_service
 from tests.stand_in_plan import stand_in_plan
 from tests.tools.haproxy_run import wait
 from tests.unit.configs import host_config
@@ -191,7 +192,8 @@ def _start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tls: bool, plain: bo
         master = tmp_path / "master.sock"
         with (tmp_path / "haproxy.log").open("w") as log:
             proc = subprocess.Popen([haproxy, "-W", "-db", "-S", str(master), "-f", str(config)], stdout=log,
-                                    stderr=subprocess.STDOUT, preexec_fn=as_its_unit)
+                                    stderr=subprocess.STDOUT, start_new_session=True,
+                                    preexec_fn=as_a_service(as_its_unit))
         stack.callback(proc.wait, 10)
         stack.callback(proc.terminate)
         started = Edge(cfg.router_port, plain_port, lab_tls, tmp_path / "admin.sock", master, proc, config,
