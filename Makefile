@@ -77,8 +77,8 @@ TORCH_FROM ?= --extra-index-url https://download.pytorch.org/whl/cpu
 bench-client-lock: $(LAB_STAMP)
 	$(BIN)/python scripts/gen_bench_client_lock.py $(TORCH_FROM)
 
-# The reference pages of docs/reference/ (variables, commands, roles), written from the code; never edit them by
-# hand: tests/unit/test_docs.py fails when one is stale.
+# The reference pages of docs/reference/ (variables, commands, roles) and every role's defaults.yml, written from
+# the code; never edit them by hand: tests/unit/test_docs.py fails when one is stale.
 docs: $(STAMP)
 	$(BIN)/python scripts/gen_docs.py
 

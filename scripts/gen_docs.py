@@ -29,7 +29,7 @@ import sys
 import textwrap
 import types
 import typing
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal, Union
@@ -153,7 +153,7 @@ def doc_lines(text: str) -> tuple[str, ...]:
 
 
 def yaml_value(value: Any) -> str:
-    """A default as defaults.yml writes it: YAML on one line (``null``, ``auto``, ``'0.33.0'``, ``[1, 2]``)."""
+    """A default as defaults.yml writes it: YAML on one line (``null``, ``auto``, ``0.33.0``, ``'4'``, ``[1, 2]``)."""
     text: str = yaml.safe_dump(value, default_flow_style=True, width=1 << 20, sort_keys=False)
     return text.removesuffix("\n...\n").strip()
 
@@ -170,7 +170,7 @@ def defaults_file(role: str, model: type[BaseModel]) -> str:
     out = [f"# Written by `make docs` from gpufleet/config/settings/{role}.py, where each variable is one record.",
            "#", *_comment(doc_lines(inspect.cleandoc(model.__doc__ or "")))]
     section = ""
-    for record in records(model, role).values():
+    for record in sectioned(records(model, role).values()):
         if record.section != section:
             section = record.section
             out += ["", f"# --- {section} ".ljust(COMMENT_WIDTH + 2, "-")]
@@ -178,6 +178,20 @@ def defaults_file(role: str, model: type[BaseModel]) -> str:
             out.append("")
         out += [*_comment(doc_lines(record.doc)), f"{record.name}: {yaml_value(record.default)}"]
     return "\n".join(out).rstrip() + "\n"
+
+
+def sectioned(found: Iterable[Setting]) -> list[Setting]:
+    """Records in order, their sections checked: each section one run of records, and none after a section left
+    unnamed (it would print an empty heading)."""
+    listed = list(found)
+    seen: list[str] = []
+    for record in listed:
+        if not seen or record.section != seen[-1]:
+            if record.section in seen or (seen and not record.section):
+                raise ValueError(f"{record.name}: expected its role's sections each in one run of records, found"
+                                 f" section {record.section!r} again")
+            seen.append(record.section)
+    return listed
 
 
 def defaults_files() -> dict[Path, str]:
@@ -344,7 +358,7 @@ def variables_page(root: Path = ROOT) -> str:
         out.append(f"## Role {role}\n")
         out.append(comment_markdown(doc_lines(inspect.cleandoc(model.__doc__ or ""))) + "\n")
         section = ""
-        for record in records(model, role).values():
+        for record in sectioned(records(model, role).values()):
             if record.section != section:
                 section = record.section
                 out.append(f"### {escape(section)}\n")
@@ -352,7 +366,8 @@ def variables_page(root: Path = ROOT) -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
-SCOPES = {"pool": "every host of one pool (one model, one layout)", "routers": "every router (the edge)"}
+SCOPES = {"pool": "every host of one pool (one model, one layout)", "routers": "every router (the edge)",
+          "vrrp": "every router of the VRRP group"}
 
 
 def _variable(record: Setting) -> str:
@@ -441,7 +456,7 @@ def pages(root: Path = ROOT) -> dict[Path, str]:
 
 
 def stale(root: Path = ROOT) -> list[Path]:
-    """The reference pages whose committed text is not what this script writes."""
+    """The written files (reference pages, defaults.yml) whose committed text is not what this script writes."""
     return [path for path, text in pages(root).items()
             if not (root / path).is_file() or (root / path).read_text() != text]
 

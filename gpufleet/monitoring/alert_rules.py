@@ -12,14 +12,14 @@ from pathlib import PurePosixPath
 from typing import Any
 
 from gpufleet import node_paths
-from gpufleet.config.schema import HostConfig
+from gpufleet.config.schema import HostConfig, keys
 from gpufleet.templates import render
 
 RULES_DIR = "monitoring/rules"
 RULE_FILES = ("recording.yml", "gpu.yml", "serving.yml", "node.yml")
 """The rule files, each rendered from ``templates/monitoring/rules/<name>.j2``."""
 
-THRESHOLDS = tuple(name for name in HostConfig.model_fields if name.startswith("alert_"))
+THRESHOLDS = tuple(name for name in keys(role="monitoring") if name.startswith("alert_"))
 """The variables the rules take, each under its own name."""
 
 GPUFLEET_UNITS = (

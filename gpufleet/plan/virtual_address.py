@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from gpufleet.config.inventory_shape import ROUTERS_GROUP
 from gpufleet.config.layers import is_role_default
-from gpufleet.config.schema import HostConfig
+from gpufleet.config.schema import HostConfig, keys
 from gpufleet.config.secrets import read_secret
 from gpufleet.values import grammar
 from gpufleet.values.problems import ConfigError, Problem
@@ -36,9 +36,10 @@ from gpufleet.values.types import SecretRef
 
 KEY = "router_virtual_address"
 PASSWORD_KEY = "router_vrrp_password"
-SHARED = (KEY, "router_virtual_prefix", "router_virtual_router_id", PASSWORD_KEY)  # the same on every router
+SHARED = keys(scope="vrrp")
+"""The VRRP group's settings: the same on every router."""
 KEEPALIVED_CONF = "keepalived's configuration"  # where the VRRP password goes
-VRRP_ONLY = ("router_virtual_prefix", "router_virtual_router_id", PASSWORD_KEY, "router_virtual_interface")
+VRRP_ONLY = tuple(name for name in keys(role="keepalived") if name != KEY)
 """keepalived's settings beside the virtual address, which nothing else reads."""
 TOP_PRIORITY = 250  # the first router's VRRP priority; each next one is one lower (255 is the address owner's)
 PASSWORD = re.compile(r"[A-Za-z0-9$%&()*+,./:;<=>?@\[\]^_`|~-]{1,8}")

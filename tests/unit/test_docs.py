@@ -16,7 +16,17 @@ import pytest
 import yaml
 from gpufleet_lab.wheelhouse import LAB_VLLM_VERSIONS
 
-from gpufleet.config.schema import RECORDS, SCHEMA_KEYS, SECRET_KEYS, SECRET_TREES, HostConfig
+from gpufleet.config.schema import (
+    GPUFLEET_ENV,
+    OWNED_ENV,
+    OWNED_FLAGS,
+    RECORDS,
+    SCHEMA_KEYS,
+    SECRET_KEYS,
+    SECRET_TREES,
+    HostConfig,
+)
+from gpufleet.config.settings import Setting
 from gpufleet.values.vllm_flags import DEFAULT_VLLM_VERSION, SUPPORTED_VLLM_VERSIONS
 from tests.conftest import ROOT
 
@@ -92,6 +102,23 @@ def test_a_secret_is_typed_as_one_and_only_a_secret_is() -> None:
              or "RouterClient" in repr(field.annotation)}
     assert typed == SECRET_KEYS | SECRET_TREES
     assert {name for name, record in RECORDS.items() if record.secret} == typed
+
+
+def test_a_flag_or_variable_gpufleet_writes_is_claimed_by_one_record() -> None:
+    """The owned flags and environment are derived from the records: two records never claim one, and the
+    environment gpufleet sets from no variable is claimed by none."""
+    flags = [flag for record in RECORDS.values() for flag in record.owned_flags]
+    env = [name for record in RECORDS.values() for name in record.owned_env]
+    assert sorted(flags) == sorted(set(flags)) and sorted(env) == sorted(set(env))
+    assert set(env).isdisjoint(GPUFLEET_ENV)
+    assert len(OWNED_FLAGS) == len(flags) and len(OWNED_ENV) == len(env) + len(GPUFLEET_ENV)
+
+
+def test_a_roles_sections_are_each_one_run() -> None:
+    demo = [Setting("a", "demo", 1, "A.", section="One"), Setting("b", "demo", 1, "B.", section="")]
+    with pytest.raises(ValueError, match="b: expected its role's sections each in one run"):
+        GEN.sectioned(demo)
+    assert GEN.sectioned(demo[1:] + demo[:1]) == demo[1:] + demo[:1]
 
 
 def test_a_record_is_written_as_its_role_file_says(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-Scope = Literal["host", "pool", "routers"]
+Scope = Literal["host", "pool", "routers", "vrrp"]
 ReadOn = Literal["any", "routers", "pools"]
 Secrecy = Literal["", "reference", "env_file", "tree"]
 
@@ -25,8 +25,8 @@ class Setting:
     - ``doc``: what it means, as its role's defaults.yml and the reference say it (a line that starts with a blank is
       kept as written: a table or an example);
     - ``section``: the heading it is listed under in its role's defaults.yml, if any;
-    - ``scope``: who must agree on it: each host alone, every host of one pool (one model, one layout), or every
-      router (what clients see of the edge);
+    - ``scope``: who must agree on it: each host alone, every host of one pool (one model, one layout), every
+      router (what clients see of the edge), or every router of the VRRP group (the virtual address's group);
     - ``model_wide``: why every pool that serves one model name must agree on it ("": they need not);
     - ``read_on``: where gpufleet reads it: any host, the routers only (set elsewhere it is refused), or the serving
       pools only (set only for routers that serve nothing it is refused);

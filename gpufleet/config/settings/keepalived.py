@@ -41,7 +41,7 @@ class KeepalivedSettings(RoleSettings):
         "addresses and router_virtual_prefix), and no host's own address. The same on every router. Needs two or "
         "more hosts in `routers` and router_vrrp_password. Held by one router at a time, it moves within seconds "
         "when that router or its HAProxy goes down; unset again, keepalived is stopped and disabled.",
-        read_on="routers",
+        scope="vrrp", read_on="routers",
     )
 
     router_virtual_interface: text(grammar.ifname) | None = setting(  # type: ignore[valid-type]
@@ -55,14 +55,14 @@ class KeepalivedSettings(RoleSettings):
         24,
         "Prefix length (8-30) of the routers' network: the virtual address is added as ADDRESS/PREFIX, and it and "
         "every router's own address must lie in one network of this length. The same on every router.",
-        read_on="routers",
+        scope="vrrp", read_on="routers",
     )
 
     router_virtual_router_id: Annotated[int, Field(ge=1, le=255)] = setting(
         51,
         "VRRP's virtual router id (1-255): unique among the VRRP groups on the routers' network segment (two "
         "groups with one id disturb each other). The same on every router.",
-        read_on="routers",
+        scope="vrrp", read_on="routers",
     )
 
     router_vrrp_password: OptionalSecret = setting(
@@ -73,5 +73,5 @@ class KeepalivedSettings(RoleSettings):
         "is written only to keepalived's configuration (root:keepalived, 0640). VRRP sends it in clear text: it "
         "keeps a misconfigured neighbour out, not an attacker; the routers accept VRRP from each other only "
         "(keepalived's unit filters by address).",
-        read_on="routers", secret="reference",
+        scope="vrrp", read_on="routers", secret="reference",
     )

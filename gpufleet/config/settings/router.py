@@ -185,8 +185,8 @@ class RouterSettings(RoleSettings):
 
     router_clients: Annotated[dict[str, RouterClient], BeforeValidator(_client_names)] = setting(
         {},
-        "The edge: client keys and limits, TLS. Clients of the routers, by name (1-63 of letters, digits, '_', "
-        "'.', '-'; the name is a label of their metrics):\n"
+        "Clients of the routers, by name (1-63 of letters, digits, '_', '.', '-'; the name is a label of their "
+        "metrics):\n"
         "  router_clients:\n"
         "    batch-jobs:\n"
         "      api_key: {env: BATCH_JOBS_KEY}      # a secret reference, never the key; one key per client, 16 to\n"
@@ -201,7 +201,7 @@ class RouterSettings(RoleSettings):
         "the SHA-256 of each key, in map files beside its configuration (root:haproxy, 0640); a deploy that adds, "
         "removes or rotates a key rewrites those files and reloads HAProxy (requests in flight finish). Empty: no "
         "check at the router, the replicas' key passed through (vLLM checks it).",
-        scope="routers", read_on="routers", secret="tree",
+        scope="routers", read_on="routers", secret="tree", section="The edge: client keys and limits, TLS",
     )
 
     router_tls_certificate: OptionalSecret = setting(
@@ -212,7 +212,7 @@ class RouterSettings(RoleSettings):
         "before any host: the certificate file holds certificates only (no key), the server's first, valid now, "
         "naming in its subjectAltName the routers' virtual address (or, without one, each router's address; a DNS "
         "name there is taken as given).",
-        scope="routers", read_on="routers", secret="reference",
+        scope="routers", read_on="routers", secret="reference", section="The edge: client keys and limits, TLS",
     )
 
     router_tls_key: OptionalSecret = setting(
@@ -220,7 +220,7 @@ class RouterSettings(RoleSettings):
         "The private key of router_tls_certificate, as a secret reference ({file: PATH} or {env: NAME}) read on "
         "the controller: the certificate's own key alone, unencrypted PEM (PKCS#1, PKCS#8 or SEC1), RSA of 2048 "
         "bits or more or ECDSA on P-256, P-384 or P-521. An SSH key, an encrypted key or a CA's key is refused.",
-        scope="routers", read_on="routers", secret="reference",
+        scope="routers", read_on="routers", secret="reference", section="The edge: client keys and limits, TLS",
     )
 
     router_tls_ca: text(grammar.controller_path) | None = setting(  # type: ignore[valid-type]
@@ -228,11 +228,11 @@ class RouterSettings(RoleSettings):
         "The CA certificate (PEM, a file on the controller; not a secret) that router_tls_certificate chains to: "
         "what gpufleet's own clients of the routers (gpufleet bench) trust; null: the controller's system CAs. "
         "Only with TLS.",
-        scope="routers", read_on="routers",
+        scope="routers", read_on="routers", section="The edge: client keys and limits, TLS",
     )
 
     router_plain_http_port: Port | None = setting(
         None,
         "With TLS, a second client port that serves plain HTTP (e.g. for clients inside the fleet); null: none.",
-        scope="routers", read_on="routers",
+        scope="routers", read_on="routers", section="The edge: client keys and limits, TLS",
     )

@@ -227,9 +227,9 @@ class VllmSettings(RoleSettings):
 
     vllm_system_packages: Annotated[list[str], BeforeValidator(each(grammar.deb_package))] = setting(
         ["python3-venv", "libnuma1"],
-        "Installation into /opt/vllm/<vllm_version>, a link to its build (one virtualenv per version, so an "
-        "upgrade can switch back; a new build is swapped in only once complete). Debian packages vLLM needs on the "
-        "node (venv creation; libnuma for vLLM's CPU kernels), installed before the virtualenv.",
+        "Debian packages vLLM needs on the node (venv creation; libnuma for vLLM's CPU kernels), installed before "
+        "vLLM's virtualenv. vLLM is installed into /opt/vllm/<vllm_version>, a link to its build (one virtualenv per "
+        "version, so an upgrade can switch back; a new build is swapped in only once complete).",
     )
 
     vllm_package: text(grammar.pip_name) = setting(  # type: ignore[valid-type]
