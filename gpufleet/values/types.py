@@ -30,7 +30,6 @@ def _unprivileged(port: int) -> int:
 
 
 Port = Annotated[int, Field(ge=1, le=65535), AfterValidator(_unprivileged)]
-PositiveInt = Annotated[int, Field(ge=1)]
 
 
 def limit(check: Callable[[int], str | None]) -> AfterValidator:
