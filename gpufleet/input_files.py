@@ -120,12 +120,18 @@ def tree_problem(root: Path) -> str | None:
     """Whether a directory to push holds anything but directories, regular files and links that stay inside it."""
     top = root.resolve()
     for folder, dirs, files in os.walk(top):
-        for name in [*dirs, *files]:
+        for name in sorted([*dirs, *files]):
             path = Path(folder) / name
             relative = path.relative_to(top)
-            mode = path.lstat().st_mode
+            try:
+                mode = path.lstat().st_mode
+            except FileNotFoundError:  # gone since the walk listed it: nothing of it would be pushed
+                continue
             if stat.S_ISLNK(mode):
-                target = path.resolve()
+                try:
+                    target = path.resolve(strict=False)
+                except (RuntimeError, OSError):  # a loop of links (RuntimeError up to Python 3.12, OSError since)
+                    return f"expected links that stay inside the directory, found {str(relative)!r} in a loop of links"
                 if target != top and top not in target.parents:
                     return f"expected links that stay inside the directory, found {str(relative)!r} pointing outside it"
                 mode = target.stat().st_mode if target.exists() else mode

@@ -22,7 +22,8 @@ RAY_ENV_DIR = f"{CONFIG_DIR}/ray"  # one environment file per Ray replica
 # gpufleet's node tools (standard library + pynvml only), copied from gpufleet/node/
 NODE_TOOLS_DIR = "/opt/gpufleet/node"
 NODE_TOOL_FILES = ("nvml_probe.py", "health_rules.py", "vllm_ready.py", "replica_rank.py", "ray_join_wait.py",
-                   "gpu_watch.py", "replica_watchdog.py", "router_admin.py", "alert_log.py", "router_health.py")
+                   "gpu_watch.py", "replica_watchdog.py", "router_admin.py", "alert_log.py", "router_health.py",
+                   "node_state.py", "findings.py", "node_watch.py", "burn_in.py", "fabric_check.py")
 NODE_PYTHON = "/usr/bin/python3"  # the node's own Python, which runs the node tools
 NODE_PYNVML = f"{NODE_TOOLS_DIR}/pynvml.py"  # the controller's nvidia-ml-py bindings, for a Python without them
 
@@ -32,6 +33,15 @@ GPU_WATCH_SERVICE = "gpufleet-gpu-watch.service"
 GPU_WATCH_TIMER = "gpufleet-gpu-watch.timer"
 RUN_DIR = "/run/gpufleet"  # the watch's RuntimeDirectory= (gone at reboot)
 GPU_WATCH_MARKER = f"{RUN_DIR}/gpu-gate-failed"  # while the node fails: the failed rules and the units stopped
+
+# the node lifecycle (role node_lifecycle): the node's record, kept by node_watch.py's unit, which also answers the
+# routers' agent checks; the burn-in's floors; what the node looked like each time it left
+NODE_WATCH_SERVICE = "gpufleet-node-watch.service"
+LIFECYCLE_CONFIG = f"{CONFIG_DIR}/lifecycle.json"  # policy, findings catalog, agent, kernel log, burn-in
+BURN_IN_FLOORS = f"{CONFIG_DIR}/burn-in.json"  # every bound of the burn-in (gpufleet.gpu.burn_in_floors)
+NODE_STATE_DIR = "/var/lib/gpufleet/node"  # the unit's StateDirectory=
+NODE_STATE_FILE = f"{NODE_STATE_DIR}/state.json"  # the node's record (gpufleet.node-state/1)
+EVIDENCE_DIR = f"{NODE_STATE_DIR}/evidence"  # one folder per departure, root 0700
 
 # the alert log (role monitoring): every alert Alertmanager sends, a line each in its journal (alert_log.py)
 ALERT_LOG_SERVICE = "gpufleet-alert-log.service"

@@ -20,6 +20,7 @@ from roles.gpu_watch import gpu_watch
 from roles.keepalived import keepalived
 from roles.monitoring import monitoring, start_records
 from roles.node_exporter import node_exporter
+from roles.node_lifecycle import node_lifecycle
 from roles.nvidia_driver import nvidia_driver
 from roles.ray import ray
 from roles.router import router
@@ -57,6 +58,7 @@ def site() -> None:
         node_exporter()
         dcgm_exporter()
         vllm_install()
+        node_lifecycle()
         ray()
         vllm_serve()
         gpu_watch()

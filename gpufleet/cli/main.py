@@ -50,6 +50,7 @@ class _Commands(click.Group):
         "probe": "gpufleet.cli.gpu:probe_command", "gate": "gpufleet.cli.gpu:make_gate_command",
         "upgrade": "gpufleet.cli.rollout:upgrade_command", "rollback": "gpufleet.cli.rollout:rollback_command",
         "bench": "gpufleet.cli.bench:bench_command", "bench-client": "gpufleet.cli.bench_client:bench_client_command",
+        "nodes": "gpufleet.cli.nodes:nodes_command",
     }
 
     def main(self, args: Sequence[str] | None = None, prog_name: str | None = None, complete_var: str | None = None,
@@ -159,8 +160,10 @@ def _print_table(plan: FleetPlan, observed: dict[str, tuple[dict[str, Any] | Non
               help="Directory of probed facts (<host>.json from `gpufleet probe`); default: declared gpu_profile.")
 @click.option("--json", "as_json", is_flag=True, help="Print the replicas as JSON.")
 @click.option("--observed", is_flag=True,
-              help="Also show the KV cache vLLM reported at each replica's last start, read from its first node, and"
-                   " each model's measured ceiling (gpufleet bench), read from the monitoring hosts.")
+              help="Plan without the nodes that are out of the fleet (quarantined, retired, being readmitted: their"
+                   " lifecycle records), and show the KV cache vLLM reported at each replica's last start, read from"
+                   " its first node, and each model's measured ceiling (gpufleet bench), read from the monitoring"
+                   " hosts.")
 @click.option("--target-rps", "target_text", metavar="RPS",
               help="With --observed: the replicas each model needs for this many requests per second.")
 @DATA_OPTION
@@ -173,12 +176,22 @@ def plan(inventory: str, facts_dir: Path | None, as_json: bool, observed: bool, 
         fail_lines([f"gpufleet plan: --target-rps: expected requests per second above 0, at most {MAX_RATE:g}, with"
                     f" --observed, found {target_text!r}{'' if observed else ' without --observed'}"])
     fleet = cli_fleet(inventory, data)
-    result = plan_fleet(fleet, fleet_facts(fleet, facts_dir))
+    facts = fleet_facts(fleet, facts_dir)
+    out: dict[str, str] = {}
+    unread: list[str] = []
+    if observed:
+        out, unread = _out_of_the_fleet(inventory, data, fleet)
+        fleet = fleet.only([h for h in fleet.hosts if h not in out])
+        facts = {h: f for h, f in facts.items() if h not in out}
+    result = plan_fleet(fleet, facts)
     for warning in result.warnings + result.context_warnings:
         click.echo(f"warning: {warning}", err=True)
     if result.problems:
         fail_lines([problem.line() for problem in result.problems])
-    seen, unread = _read_observed(inventory, data, result) if observed else (None, [])
+    for host, why in out.items():
+        click.echo(f"out of the fleet, not planned: {host}: {why}", err=True)
+    seen, unread_replicas = _read_observed(inventory, data, result) if observed else (None, [])
+    unread += unread_replicas
     if as_json:
         click.echo(json.dumps([{**r.to_json(), **({"observed": seen.get(r.name)} if seen is not None else {})}
                                for r in result.replicas], indent=2))
@@ -227,6 +240,23 @@ def _print_ceilings(inventory: str, data: tuple[str, ...], fleet: Fleet, plan: F
             line += f"; {target_rps:g} req/s needs {cap.replicas_for(target_rps)} replicas"
         click.echo(line)
     return unread
+
+
+def _out_of_the_fleet(inventory: str, data: tuple[str, ...], fleet: Fleet) -> tuple[dict[str, str], list[str]]:
+    """The serving hosts out of the fleet (gpufleet.node.node_state.out_of_service), from their lifecycle records."""
+    from gpufleet.node.node_state import out_of_service
+    from gpufleet.remote import node_records
+    from gpufleet.remote.commands import PyinfraRemote
+    from gpufleet.remote.gpu_probe import load_inventory  # pyinfra's SSH stack: loaded only when asked
+
+    remote = PyinfraRemote(load_inventory(inventory, parse_data_args(list(data)) or None))
+    try:
+        records = node_records.read(remote, [h for h in fleet.hosts if fleet.serves(h)],
+                                    group_hosts(fleet, MONITORING_GROUP))
+    finally:
+        remote.close()
+    out = {host: why for host, record in records.found.items() if (why := out_of_service(record)) is not None}
+    return out, records.problems
 
 
 def _read_observed(inventory: str, data: tuple[str, ...],

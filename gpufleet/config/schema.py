@@ -25,6 +25,7 @@ from gpufleet.config.settings.gpu_watch import GpuWatchSettings
 from gpufleet.config.settings.keepalived import KeepalivedSettings
 from gpufleet.config.settings.monitoring import MonitoringSettings
 from gpufleet.config.settings.node_exporter import NodeExporterSettings
+from gpufleet.config.settings.node_lifecycle import NodeLifecycleSettings
 from gpufleet.config.settings.nvidia_driver import NvidiaDriverSettings
 from gpufleet.config.settings.ray import RaySettings
 from gpufleet.config.settings.router import RouterSettings
@@ -73,7 +74,7 @@ def _secret_key_path(value: Any, depth: int = 0) -> str | None:
 
 class HostConfig(
     MonitoringSettings, KeepalivedSettings, RouterSettings, NodeExporterSettings, DcgmExporterSettings, DcgmSettings,
-    NvidiaDriverSettings, RaySettings, VllmSettings, GpuWatchSettings, FleetSettings,
+    NvidiaDriverSettings, RaySettings, VllmSettings, NodeLifecycleSettings, GpuWatchSettings, FleetSettings,
 ):
     """One host's merged configuration: role defaults < all.yml < group_vars < host data < --data. Its fields are
     the roles' settings (pydantic takes the last base's first: fleet, gpu_watch, vllm, ... monitoring)."""
@@ -186,6 +187,10 @@ class HostConfig(
             "router_port": (self.router_port,) * 2,
             "router_metrics_port": (self.router_metrics_port,) * 2,
         }
+        if self.node_lifecycle_enabled:
+            ranges["node_agent_port"] = (self.node_agent_port,) * 2
+            if self.node_fabric_check:
+                ranges["node_fabric_port"] = (self.node_fabric_port,) * 2
         if self.router_plain_http_port is not None:
             ranges["router_plain_http_port"] = (self.router_plain_http_port,) * 2
         why = {"vllm_port": f"one API port per replica, {api_ports} on this node",

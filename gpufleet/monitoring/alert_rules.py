@@ -24,8 +24,8 @@ THRESHOLDS = tuple(name for name in keys(role="monitoring") if name.startswith("
 
 GPUFLEET_UNITS = (
     node_paths.VLLM_UNIT_TEMPLATE, node_paths.watchdog_unit(""), f"{node_paths.RAY_UNIT_PREFIX}.service",
-    node_paths.GPU_WATCH_SERVICE, node_paths.DCGM_EXPORTER_SERVICE, node_paths.NODE_EXPORTER_UNIT,
-    node_paths.NODE_EXPORTER_PACKAGE_UNIT, node_paths.ROUTER_SERVICE,
+    node_paths.GPU_WATCH_SERVICE, node_paths.NODE_WATCH_SERVICE, node_paths.DCGM_EXPORTER_SERVICE,
+    node_paths.NODE_EXPORTER_UNIT, node_paths.NODE_EXPORTER_PACKAGE_UNIT, node_paths.ROUTER_SERVICE,
 )
 """Units gpufleet runs; a template unit (``vllm@.service``) or a prefix stands for every instance."""
 

@@ -22,6 +22,13 @@ follower. A crash of any rank therefore restarts the whole replica once, and no 
 belongs to a generation that is gone. SIGTERM (systemctl stop) stops vLLM, which drains its in-flight requests
 (``--shutdown-timeout``; it is killed after ``stop_grace_s``), and exits 0.
 
+With a ``fabric`` entry in ``RANKS_JSON`` (``{"port": 29589, "backend": "gloo", "iface": "eth0", "bytes": ...,
+"floor_gbps": ..., "timeout_s": 20}``, role node_lifecycle) the leader first asks every rank for the replica's fabric
+check (``fabric NONCE``): each runs ``fabric_check.py`` beside this file with this Python, an all-reduce over exactly
+the replica's ranks on the interface the units use. When the leader's verdict fails (a rank that does not join, a
+way out that stalls or is slower than the floor) it logs the nodes it names, tells the ranks to stop, and exits 75:
+no vLLM starts on that fabric, and systemd tries again, so a link that is mended lets the replica start.
+
 Standard library only; every line it logs goes to stderr (the journal).
 """
 
@@ -285,9 +292,54 @@ def join_leader(leader: str, port: int, rank: int, secret: bytes) -> tuple[Peer,
             peer.close()
             time.sleep(CONNECT_RETRY_S)
             continue
+        if word == "fabric" and generation:
+            verdict = fabric_check(FABRIC, rank, leader)
+            word, _, generation = peer.read_line(None).partition(" ")
+            if word == "stop":
+                raise FabricFailed(f"the leader stopped the replica: its fabric check failed"
+                                   f" ({describe_fabric(verdict)} here)")
         if word == "go" and generation:
             return peer, generation
         peer.close()
+
+
+class FabricFailed(Exception):
+    """The replica's fabric check failed: this generation does not start (systemd tries again)."""
+
+
+FABRIC: dict[str, Any] = {}  # ranks.json's "fabric": the check before each generation ({}: none)
+FABRIC_TOOL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fabric_check.py")
+
+
+def fabric_check(fabric: dict[str, Any], rank: int, leader: str) -> dict[str, Any]:
+    """This rank's part of the replica's fabric check (fabric_check.py beside this file, run by this Python: the
+    release's, with its torch); the leader's verdict names every node, a follower's its own failure."""
+    argv = [sys.executable, FABRIC_TOOL, "--rank", str(rank), "--world", str(fabric["world"]), "--leader",
+            f"{leader}:{fabric['port']}", "--backend", str(fabric["backend"]), "--iface", str(fabric.get("iface", "")),
+            "--bytes", str(fabric["bytes"]), "--floor-gbps", str(fabric["floor_gbps"]),
+            "--timeout", str(fabric["timeout_s"])]
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=3 * float(fabric["timeout_s"]) + 30)
+    except subprocess.TimeoutExpired:
+        return {"passed": False, "stage": "hung", "slow_nodes": [], "error": "the check itself did not end"}
+    try:
+        verdict = json.loads(done.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return {"passed": rank != 0 and done.returncode == 0, "stage": "no verdict",
+                "error": done.stderr.strip()[-300:]}
+    return verdict if isinstance(verdict, dict) else {"passed": False, "stage": "no verdict"}
+
+
+def describe_fabric(verdict: dict[str, Any]) -> str:
+    if verdict.get("passed"):
+        return f"passed, bus bandwidth {verdict.get('busbw_gbps')} GB/s in {verdict.get('seconds')} s"
+    if verdict.get("stage") == "join":
+        return f"ranks {verdict.get('missing_ranks')} did not join"
+    named = ", ".join(verdict.get("slow_nodes") or []) or "no node named"
+    how = "stalled" if verdict.get("stalled_nodes") else "too slow"
+    detail = f"; {verdict['error']}" if verdict.get("error") else ""
+    return (f"{how} at {verdict.get('stage')}: {named} (ways out to the leader in GB/s: {verdict.get('out_gbps')}, "
+            f"floor {verdict.get('floor_gbps')}){detail}")
 
 
 def _prove(peer: Peer, rank: int, secret: bytes) -> bool:
@@ -358,15 +410,33 @@ def run(config: dict[str, Any], argv: list[str]) -> int:
         log(f"rank {rank}: no rank secret in {SECRET_ENV} (the deploy writes it for the unit); not binding ranks")
         return 2
     port = int(config["port"])
+    FABRIC.clear()
+    FABRIC.update(config.get("fabric") or {})
+    if FABRIC:
+        FABRIC["world"] = nodes
     peers: list[Peer] = []
     child: subprocess.Popen[bytes] | None = None
     try:
         if rank == 0:
             followers = gather_followers(str(config["bind"]), port, nodes, secret)
             generation = secrets.token_hex(4)
-            for peer in followers.values():
-                peer.send(f"go {generation}")
             peers = list(followers.values())
+            if FABRIC:
+                for peer in peers:
+                    peer.send(f"fabric {generation}")
+                started = time.monotonic()
+                verdict = fabric_check(FABRIC, 0, str(config["bind"]))
+                log(f"rank 0: fabric check of generation {generation} "
+                    f"{describe_fabric(verdict)} ({time.monotonic() - started:.1f} s)")
+                if not verdict.get("passed"):
+                    for peer in peers:
+                        with contextlib.suppress(OSError):
+                            peer.send("stop")
+                    log(f"rank 0: the replica does not start: its fabric check failed on "
+                        f"{', '.join(verdict.get('slow_nodes') or []) or 'an unnamed node'}")
+                    return PEER_LOST
+            for peer in peers:
+                peer.send(f"go {generation}")
         else:
             leader, generation = join_leader(str(config["leader"]), port, rank, secret)
             peers = [leader]
@@ -375,6 +445,9 @@ def run(config: dict[str, Any], argv: list[str]) -> int:
         why = watch(child, peers)
         log(f"rank {rank}: {why}; stopping vLLM so the whole replica starts again")
         stop_vllm(child)
+        return PEER_LOST
+    except FabricFailed as failed:
+        log(f"rank {rank}: {failed}; the replica does not start")
         return PEER_LOST
     except Stopped as stop:
         log(f"rank {rank}: {stop}, stopping vLLM")

@@ -26,11 +26,12 @@ from pyinfra.context import host as current_host
 from gpufleet.config.fleet import Fleet
 from gpufleet.config.schema import HostConfig
 from gpufleet.facts.gpu import NvmlGpuFacts
+from gpufleet.facts.lifecycle import NodeRecord
 from gpufleet.facts.node import NodeStateValue, empty_node_state
 from gpufleet.gpu.profiles import profile_facts
 from gpufleet.gpu.report import FactsError, NodeFacts, parse_facts
 from gpufleet.inventory.load import fleet_from_state
-from gpufleet.node import health_rules
+from gpufleet.node import health_rules, node_state
 from gpufleet.plan.commands import NodeRole
 from gpufleet.plan.layout import NodeShape, node_shape
 from gpufleet.plan.planner import FleetPlan, Replica, plan_fleet
@@ -72,6 +73,10 @@ class DeployContext:
     provisional: dict[str, NodeFacts] = field(default_factory=dict)
     # host -> the driver role's operations whose change means: probe the node again before its gate
     driver_changes: dict[str, list[OperationMeta]] = field(default_factory=dict)
+    # host -> its lifecycle record when the deploy started (role node_lifecycle; absent: none)
+    records: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # host -> why it is left out of the plan: it left the fleet (quarantined, retired) or is being readmitted
+    out_of_service: dict[str, str] = field(default_factory=dict)
 
     def served(self, replica: str) -> bool:
         """Whether the replica's readiness wait ran in this deploy and succeeded."""
@@ -136,6 +141,14 @@ def host_config(host: Host | None = None) -> HostConfig:
     return fleet().configs[name]
 
 
+def _record(target: Host) -> dict[str, Any] | None:
+    """The host's lifecycle record, or None (none yet, or one that could not be read: its watch has the node)."""
+    try:
+        return target.get_fact(NodeRecord)
+    except Exception:  # noqa: BLE001 - an unreadable record leaves the node to its probe and its admission
+        return None
+
+
 def _probe(target: Host) -> tuple[dict[str, Any] | None, NodeFacts | None, str | None]:
     """The host's facts document as the probe printed it, the same parsed, or why there is none."""
     try:
@@ -173,7 +186,15 @@ def _build(st: State, read_only: bool) -> DeployContext:
     lost_nodes.watch(st)  # a node lost during the deploy fails its operation within a bound, and is named
     targets = [target for target in st.inventory if ctx.fleet.serves(target.name)]  # routers: no GPUs to probe
     probes = [gevent.spawn(_probe, target) for target in targets]  # every host at once
+    records = [gevent.spawn(_record, target) for target in targets]
     gevent.joinall(probes)
+    gevent.joinall(records)
+    for target, read in zip(targets, records, strict=True):
+        if read.successful() and read.value is not None:
+            ctx.records[target.name] = read.value
+            if (why := node_state.out_of_service(read.value)) is not None:
+                ctx.out_of_service[target.name] = why
+                print(f"gpufleet: {target.name}: no replica: {why}", file=sys.stderr)
     for target, probe in zip(targets, probes, strict=True):
         result = probe.value if probe.successful() else None
         doc, facts, error = result or (None, None, f"the NVML probe failed: {probe.exception}")
@@ -188,14 +209,9 @@ def _build(st: State, read_only: bool) -> DeployContext:
         failures = health_rules.evaluate(doc, ctx.fleet.configs[target.name].gpu_health)
         if failures:
             ctx.gate_failures[target.name] = [f.line() for f in failures]
-    passing = {h: ctx.provisional.get(h, f) for h, f in ctx.facts.items() if h not in ctx.gate_failures}
-    serving = Fleet(
-        ctx.fleet.inventory,
-        [h for h in ctx.fleet.hosts if h in passing],
-        {h: c for h, c in ctx.fleet.configs.items() if h in passing},
-        {pool: kept for pool, hosts in ctx.fleet.pools.items() if (kept := [h for h in hosts if h in passing])},
-    )
-    ctx.plan = plan_fleet(serving, passing)
+    passing = {h: ctx.provisional.get(h, f) for h, f in ctx.facts.items()
+               if h not in ctx.gate_failures and h not in ctx.out_of_service}
+    ctx.plan = plan_fleet(ctx.fleet.only(passing), passing)
     for problem in ctx.plan.problems:
         print(f"gpufleet: plan: {problem.line()}", file=sys.stderr)
     return ctx

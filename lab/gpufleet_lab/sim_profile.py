@@ -23,7 +23,10 @@ through dcgm-exporter; a third element of the fault, after the GPU, gives their 
 - ``xid``: the GPU reports an XID, e.g. ``("xid", 2, 79)`` (the XID is required); the profile keeps the
   GPU's XID history, and the simulator delivers the XIDs new to it as NVML XID events;
 - ``nvlink_errors``: each NVLink error counter (CRC flit, CRC data, replay, recovery) of each of the GPU's
-  active links counts ``NVLINK_ERRORS``, or the value given, e.g. ``("nvlink_errors", 1, 500)``.
+  active links counts ``NVLINK_ERRORS``, or the value given, e.g. ``("nvlink_errors", 1, 500)``;
+- ``dcgm_fail``, ``dcgm_warn``, ``dcgm_skip``: what the lab's ``dcgmi`` double reports for the GPU's memory test
+  (``double_programs/dcgmi.py``): failed or warned with the ``DCGM_FR`` error code given, e.g.
+  ``("dcgm_fail", 3, 50)``, or skipped.
 
 On a running node the simulator picks up a profile replaced at run time (write it beside, rename it over
 the old one; ``write_sim_profile`` does so): ``write_sim_profile(path, "8xH100-SXM", [("xid", 2, 79)])``
@@ -165,6 +168,7 @@ class GpuCounters:
 
     xids: list[int] = field(default_factory=list)
     nvlink_errors: dict[int, int] = field(default_factory=dict)  # link -> errors in each of its four counters
+    dcgm: tuple[str, int] | None = None  # what the dcgmi double reports for the GPU: (fail|skip|warn, code)
 
 
 def _xid(gpu: Doc, counters: GpuCounters, xid: int | None) -> None:
@@ -184,9 +188,22 @@ def _nvlink_errors(gpu: Doc, counters: GpuCounters, errors: int | None) -> None:
         counters.nvlink_errors[link] = counters.nvlink_errors.get(link, 0) + count
 
 
+def _dcgm(kind: str) -> Callable[[Doc, GpuCounters, int | None], None]:
+    def fault(gpu: Doc, counters: GpuCounters, code: int | None) -> None:
+        if kind != "skip" and (code is None or code <= 0):
+            raise FaultError(f"dcgm_{kind}: give the DCGM_FR error code after the GPU, e.g. ('dcgm_{kind}',"
+                             f" {gpu['index']}, 50); got {code}")
+        counters.dcgm = (kind, code or 0)
+
+    return fault
+
+
 COUNTER_FAULTS: dict[str, Callable[[Doc, GpuCounters, int | None], None]] = {
     "xid": _xid,
     "nvlink_errors": _nvlink_errors,
+    "dcgm_fail": _dcgm("fail"),
+    "dcgm_skip": _dcgm("skip"),
+    "dcgm_warn": _dcgm("warn"),
 }
 
 
@@ -245,6 +262,8 @@ def _gpu_lines(gpu: Doc, row: list[str], counters: GpuCounters) -> list[str]:
         lines.append(f"nvlink_errors {link} {errors} {errors} {errors} {errors}")
     if counters.xids:
         lines.append("xids " + " ".join(str(xid) for xid in counters.xids))
+    if counters.dcgm is not None:
+        lines.append(f"dcgm {counters.dcgm[0]} {counters.dcgm[1]}")
     if (fabric := gpu["fabric"]) is not None:
         if fabric["state"] == "completed":
             lines.append(f"fabric completed {fabric['status'] or 'success'} {fabric['clique_id'] or 0} "

@@ -136,7 +136,8 @@ def lab_doubles(driver_version: str = DRIVER_VERSION, branch: int = DRIVER_BRANC
             },
             units=("nvidia-persistenced.service",),
         ),
-        LabDouble("datacenter-gpu-manager-4-core", DCGM_VERSION, "NVIDIA DCGM 4 (core)"),
+        LabDouble("datacenter-gpu-manager-4-core", DCGM_VERSION, "NVIDIA DCGM 4 (core: dcgmi)",
+                  depends="python3", files={"/usr/bin/dcgmi": (_program("dcgmi.py"), 0o755)}),
         LabDouble(
             f"datacenter-gpu-manager-4-cuda{CUDA_MAJOR}", DCGM_VERSION,
             f"NVIDIA DCGM 4 for CUDA {CUDA_MAJOR} (host engine nv-hostengine)",

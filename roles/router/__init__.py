@@ -167,10 +167,20 @@ def retry_after_s(cfg: HostConfig) -> int:
     return max(1, math.ceil(cfg.router_queue_timeout_s))
 
 
+def replica_agents(plan: FleetPlan, configs: Mapping[str, HostConfig]) -> dict[str, int]:
+    """The port of the node watch's agent (role node_lifecycle) on each replica's first node, by the replica's name;
+    replicas whose first node runs no watch are left out."""
+    return {replica.name: configs[replica.nodes[0]].node_agent_port for replica in plan.replicas
+            if replica.nodes and configs[replica.nodes[0]].node_lifecycle_enabled}
+
+
 def config_values(cfg: HostConfig, address: str, found: list[Backend], lists: list[dict[str, str | None]],
-                  metrics_allowed: list[str], maxconn: Mapping[str, int], edge_dir: str = EDGE_DIR) -> dict[str, Any]:
+                  metrics_allowed: list[str], maxconn: Mapping[str, int], edge_dir: str = EDGE_DIR,
+                  agents: Mapping[str, int] | None = None) -> dict[str, Any]:
     """What templates/router/haproxy.cfg.j2 is rendered with; ``maxconn``: each replica's, by name
-    (:func:`replica_maxconn`); ``edge_dir``: where the edge's files are (:func:`edge_values`)."""
+    (:func:`replica_maxconn`); ``edge_dir``: where the edge's files are (:func:`edge_values`); ``agents``: the agent
+    port of each replica's node watch, by name (:func:`replica_agents`)."""
+    agents = agents or {}
     listen_address = cfg.router_listen_address or address
     return {
         **edge_values(cfg, listen_address, edge_dir),
@@ -202,7 +212,8 @@ def config_values(cfg: HostConfig, address: str, found: list[Backend], lists: li
         "escaped_ascii": ESCAPED_ASCII,
         "backends": [{"name": b.name, "comment": b.comment, "model_sha256": b.model_sha256, "routes": b.routes,
                       "policy": b.policy, "bound_percent": b.bound_percent,
-                      "servers": [{"name": n, "address": a, "maxconn": maxconn[n]} for n, a in b.servers]}
+                      "servers": [{"name": n, "address": a, "maxconn": maxconn[n], "agent_port": agents.get(n)}
+                                  for n, a in b.servers]}
                      for b in found],
     }
 
@@ -324,7 +335,8 @@ def fleet_values(cfg: HostConfig, address: str) -> dict[str, Any]:
         metrics_allowed = access.exporter_sources(cfg, address, access.deploy_group())
     except ConfigError as error:
         exit_with(error)
-    return config_values(cfg, address, found, model_lists(by_key), metrics_allowed, replica_maxconn(ctx.plan.replicas))
+    return config_values(cfg, address, found, model_lists(by_key), metrics_allowed, replica_maxconn(ctx.plan.replicas),
+                         agents=replica_agents(ctx.plan, ctx.fleet.configs))
 
 
 def fleet_edge_files(cfg: HostConfig) -> dict[str, str]:

@@ -173,7 +173,7 @@ def _ranks_json(replica: Replica, role: NodeRole, cfg: HostConfig) -> str:
         return vf.ranks_json(0, [role.address], cfg.vllm_rank_port)
     addresses = [r.address for r in replica.roles]
     return vf.ranks_json(addresses.index(role.address), addresses, cfg.vllm_rank_port,
-                         vf.stop_timeout_s(cfg) - 15)
+                         vf.stop_timeout_s(cfg) - 15, vf.fabric_check(cfg))
 
 
 def _bound(role: NodeRole) -> bool:

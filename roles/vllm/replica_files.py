@@ -140,14 +140,32 @@ def stop_timeout_s(cfg: HostConfig) -> int:
     return cfg.vllm_shutdown_timeout_s + STOP_MARGIN_S
 
 
-def ranks_json(rank: int, addresses: list[str], port: int, stop_grace_s: int = STOP_MARGIN_S - 15) -> str:
+def ranks_json(rank: int, addresses: list[str], port: int, stop_grace_s: int = STOP_MARGIN_S - 15,
+               fabric: dict[str, object] | None = None) -> str:
     """``ranks.json`` of a replica's rank on the node at ``addresses[rank]`` (the replica's nodes in rank order),
     what replica_rank.py reads: one node runs vLLM alone; several are bound together through rank 0 at
-    ``port``, and a stopped rank gives vLLM ``stop_grace_s`` to drain before it kills it."""
+    ``port``, and a stopped rank gives vLLM ``stop_grace_s`` to drain before it kills it; with ``fabric``
+    (:func:`fabric_check`), the replica's fabric check runs before each generation."""
     if len(addresses) == 1:
         return json.dumps({"rank": 0, "nodes": 1}) + "\n"
-    return json.dumps({"rank": rank, "nodes": len(addresses), "leader": addresses[0], "port": port,
-                       "bind": addresses[rank], "stop_grace_s": stop_grace_s}) + "\n"
+    found: dict[str, object] = {"rank": rank, "nodes": len(addresses), "leader": addresses[0], "port": port,
+                                "bind": addresses[rank], "stop_grace_s": stop_grace_s}
+    if fabric:
+        found["fabric"] = fabric
+    return json.dumps(found) + "\n"
+
+
+FABRIC_BYTES = 8 * 1024**2  # each way out, and each all-reduce: enough to time a link, little to wait for
+
+
+def fabric_check(cfg: HostConfig) -> dict[str, object] | None:
+    """The fabric check of a multi-node replica's ranks (``node_fabric_*``), None when it is off: gloo on the CPU
+    build, NCCL on GPUs, on ``fleet_interface``."""
+    if not (cfg.node_lifecycle_enabled and cfg.node_fabric_check):
+        return None
+    return {"port": cfg.node_fabric_port, "backend": "gloo" if cfg.vllm_platform == "cpu" else "nccl",
+            "iface": cfg.fleet_interface or "", "bytes": FABRIC_BYTES, "floor_gbps": cfg.node_fabric_floor_gbps,
+            "timeout_s": cfg.node_fabric_timeout_s}
 
 
 WATCHDOG_INTERVAL_S = 5  # how often the watchdog looks at /health and /metrics

@@ -50,6 +50,7 @@ from tests.lab.scenarios import GROUP_CHANGED, LabStates
 
 pytestmark = pytest.mark.filterwarnings("ignore:Unknown ssh-ed25519 host key:UserWarning")
 
+LAB_IFACE = "host0"  # a lab node's interface on the lab bridge (fleet_interface)
 DRIVER_PACKAGES = "nvidia-driver-580-open libnvidia-compute-580 nvidia-persistenced"
 NVML_INIT = "python3 -c 'import ctypes; print(ctypes.CDLL(\"libnvidia-ml.so.1\").nvmlInit_v2())'"
 
@@ -143,25 +144,42 @@ def test_kill_9_of_vllm_is_restarted_and_serves_again(
 def test_kill_9_of_any_rank_restarts_the_whole_pipeline_replica_once(lab: Lab, faults: Completed | None, rank: int,
                                                                      tmp_path_factory: pytest.TempPathFactory) -> None:
     """Killing either rank's vLLM stops the other rank too; both start again as one new generation and the
-    replica serves, without an operator; lab1's replica answers throughout."""
+    replica serves, without an operator; lab1's replica answers throughout. With rank 1 killed, lab3's link is
+    impaired first (netem: loss and delay on its interface): the new generation's fabric check fails within 60 s and
+    names lab3, and no vLLM starts on either rank until the link is mended; then it starts."""
     unit = f"vllm@{PIPELINE}"
     ranks = lab.nodes[1:]  # lab2 is rank 0 (the API), lab3 rank 1
     wait_serving(lab, ranks[0])
     before = {n.name: vllm_child(lab, n, unit) for n in ranks}
     assert all(before.values()), before
     since = lab.host(ranks[0]).check_output("date +%s").strip()
+    impaired = ranks[1] if rank == 1 else None
     loop = requests_to(lab, lab.nodes[0])
     loop.start()
     try:
+        if impaired is not None:
+            lab.host(impaired).check_output(f"tc qdisc add dev {LAB_IFACE} root netem loss 30% delay 200ms")
         killed = time.monotonic()
         lab.host(ranks[rank]).check_output(f"kill -{int(signal.SIGKILL)} {before[ranks[rank].name]}")
         # rank 0 may answer a moment longer (through the killed rank's engine processes, until its unit's cgroup is
         # stopped): serving again counts once rank 0's vLLM was replaced too
         wait_for(f"{unit}'s rank 0 stopped with the killed rank", lambda: True if vllm_child(
             lab, ranks[0], unit) != before[ranks[0].name] else None, timeout=120, every=1)
+        if impaired is not None:
+            named, _ = wait_for("the fabric check to name the impaired node", lambda: re.search(
+                r"the replica does not start: its fabric check failed on (\S+)", lab.host(ranks[0]).check_output(
+                    f"journalctl -q -o cat --since=@{since} -u {unit}")), timeout=90, every=1)
+            failed_after = time.monotonic() - killed
+            assert named.group(1) == impaired.name, named.group(0)
+            assert failed_after <= 60 + 5, f"the fabric check named {impaired.name} {failed_after:.0f} s after the kill"
+            assert [vllm_child(lab, n, unit) for n in ranks] == [0, 0]  # the replica did not start on it
+            lab.host(impaired).check_output(f"tc qdisc del dev {LAB_IFACE} root")
+            impaired = None
         wait_serving(lab, ranks[0], timeout=600)
         recovered = time.monotonic() - killed
     finally:
+        if impaired is not None:
+            lab.host(impaired).run(f"tc qdisc del dev {LAB_IFACE} root")
         loop.stop()
     after = {n.name: vllm_child(lab, n, unit) for n in ranks}
     assert all(after.values()) and set(after.values()).isdisjoint(before.values()), (before, after)
@@ -174,8 +192,10 @@ def test_kill_9_of_any_rank_restarts_the_whole_pipeline_replica_once(lab: Lab, f
     assert [len(g) for g in started.values()] == [1, 1] and len(generations) == 1, started
     assert loop.sent > 0 and loop.failures == [], loop.failures[:3]
     record_figure(tmp_path_factory, {
-        "fault": f"kill -9 of rank {rank}'s vLLM", "replica": PIPELINE, "serving_again_s": round(recovered, 1),
-        "other_replica_requests": loop.sent, "other_replica_failures": 0})
+        "fault": f"kill -9 of rank {rank}'s vLLM" + (", lab3's link impaired until the fabric check named it"
+                                                     if rank == 1 else ""),
+        "replica": PIPELINE, "serving_again_s": round(recovered, 1), "other_replica_requests": loop.sent,
+        "other_replica_failures": 0, **({"fabric_check_named_s": round(failed_after, 1)} if rank == 1 else {})})
 
 
 def test_one_deploy_heals_a_node_without_a_driver_and_a_follower_systemd_gave_up_on(

@@ -17,6 +17,7 @@ import roles.gpu_watch as gpu_watch_role
 import roles.keepalived as keepalived_role
 import roles.monitoring as monitoring_role
 import roles.node_exporter as node_exporter_role
+import roles.node_lifecycle as node_lifecycle_role
 import roles.ray as ray_role
 import roles.router as router_role
 import roles.vllm as vllm_role
@@ -188,6 +189,16 @@ def _gpu_watch(_: str) -> Unit:
                 [node_paths.NODE_PYTHON], argv, extra={node_paths.GPU_WATCH_TIMER: timer})
 
 
+def _node_watch(address: str) -> Unit:
+    """The node lifecycle's watch, answering the routers' agent checks on a node at ``address``."""
+    cfg = host_config()
+    values = node_lifecycle_role.service_values(cfg, access.allow_list([address], ["10.0.0.0/24"]))
+    argv = [node_paths.NODE_PYTHON, node_paths.node_tool("node_watch.py"), "watch", "--config",
+            node_paths.LIFECYCLE_CONFIG]
+    return Unit(node_paths.NODE_WATCH_SERVICE, render("node_lifecycle/gpufleet-node-watch.service.j2", **values),
+                [node_paths.NODE_PYTHON], argv)
+
+
 def _router_clients(_: str) -> Unit:
     """The router's clients' counters, and beside it the timer that starts it (verified with it)."""
     argv = [node_paths.NODE_PYTHON, "-I", node_paths.node_tool("router_admin.py"), "client-metrics", "--textfile",
@@ -245,6 +256,7 @@ UNIT_CASES: list[tuple[str, Callable[[str], Unit]]] = [
     ("vllm-watchdog@.service", _vllm_watchdog),
     ("dcgm-exporter.service", _dcgm_exporter),
     ("gpufleet-gpu-watch.service and its timer", _gpu_watch),
+    ("gpufleet-node-watch.service", _node_watch),
     ("gpufleet-router-clients.service and its timer", _router_clients),
     ("ray unit of a head", ray_head_unit),
     ("gpufleet-alert-log.service", _alert_log),

@@ -17,6 +17,7 @@
  *   nvlink LINK ACTIVE gpu|switch|ibmnpu|unknown|- BUS|-
  *   nvlink_errors LINK CRC_FLIT CRC_DATA REPLAY RECOVERY   (error counters of a link declared above; default 0)
  *   xids XID...           (the XIDs the GPU reported, oldest first: its history on the node)
+ *   dcgm fail|skip|warn CODE  (read by the lab's dcgmi double; NVML ignores it)
  *   fabric STATE [STATUS CLIQUE CLUSTER-UUID]   (STATE: not_supported not_started in_progress completed)
  *   topology L0 L1 ...   (PCIe common ancestor per device: X PIX PXB PHB NODE SYS)
  *   unsupported FIELD...  (answer NOT_SUPPORTED: ecc ecc_errors remapped_rows mig nvlinks fabric pcie
@@ -234,6 +235,7 @@ static int parse_device_line(struct nvmlDevice_st *d, const char *key, char *res
         errors[NVML_NVLINK_ERROR_DL_RECOVERY] = recovery;
         return 0;
     }
+    if (strcmp(key, "dcgm") == 0) return 0; /* read by the lab's dcgmi double, not NVML */
     if (strcmp(key, "xids") == 0) {
         d->xid_count = 0;
         for (char *tok = strtok(rest, " \t"); tok; tok = strtok(NULL, " \t")) {

@@ -65,8 +65,12 @@ def test_json_shows_each_replicas_observation_beside_its_plan(monkeypatch: pytes
     assert replicas["llama_70b-gpu-a01-1"]["observed"]["ratio"] == 0.9
     assert {name for name, r in replicas.items() if r["observed"] is None} == {
         name for name in replicas if "gpu-a01" not in name}
-    # one command per first node, reading all of its replicas' files; every connection closed
-    assert sorted(host for host, _ in nodes.commands) == sorted({r["nodes"][0] for r in replicas.values()})
+    # one command per first node, reading all of its replicas' files; each node's lifecycle record read once; every
+    # connection closed
+    heads = [host for host, words in nodes.commands if words[:3] == ["env", "LC_ALL=C", "head"]]
+    assert sorted(heads) == sorted({r["nodes"][0] for r in replicas.values()})
+    shows = [host for host, words in nodes.commands if "show" in words]
+    assert sorted(shows) == sorted({n for r in replicas.values() for n in r["nodes"]})
     assert nodes.closed
 
 
@@ -87,6 +91,7 @@ def test_a_node_that_cannot_be_read_is_named_and_the_rest_shown(monkeypatch: pyt
     assert done.exit_code == 1
     assert all(r["observed"] is None for r in json.loads(done.stdout))
     assert done.stderr.splitlines() == [
+        f"gpufleet plan: {A01}: its record could not be read: {A01}: cannot connect: timed out",
         f"gpufleet plan: node {A01}: cannot read the KV cache vLLM reported: {A01}: cannot connect: timed out"]
 
 
@@ -150,3 +155,21 @@ def test_the_deploys_line_says_what_vllm_reports_of_prefix_caching(reported: dic
 def test_a_prefix_caching_record_of_another_type_is_named(key: str, value: object) -> None:
     assert observed_line(1000, json.dumps({"kv_cache_tokens": 1000, key: value}), 0.05) == (
         True, f"KV cache planned 1,000 tokens; observed.json holds {key} {value!r}")
+
+
+def test_a_node_out_of_the_fleet_is_left_out_of_the_plan(monkeypatch: pytest.MonkeyPatch, nodes: NodeFiles) -> None:
+    """gpu-a02 is quarantined (its lifecycle record): the plan holds the other nodes' replicas, and says why."""
+    from datetime import UTC, datetime
+
+    from gpufleet.node import node_state
+
+    now = datetime(2026, 11, 27, 12, 0, tzinfo=UTC)
+    record = node_state.move(node_state.new_record(A02, now), "burn-in", "first seen", now)
+    nodes.records[A02] = node_state.quarantine(record, "Xid 79 on 0000:3b:00", now, node_state.Policy())
+    done = _plan(monkeypatch, nodes, "--json", "--observed")
+    assert done.exit_code == 0, done.stderr
+    everyone = {n for r in json.loads(_plan(monkeypatch, nodes, "--json").stdout) for n in r["nodes"]}
+    assert A02 in everyone
+    assert {n for r in json.loads(done.stdout) for n in r["nodes"]} == everyone - {A02}
+    assert ("out of the fleet, not planned: gpu-a02.dc1.example.net: the node is quarantined since"
+            " 2026-11-27T12:00:00Z: Xid 79 on 0000:3b:00") in done.stderr

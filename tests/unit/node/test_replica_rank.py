@@ -49,8 +49,8 @@ def _wait_for(path: Path, timeout: float = 15) -> int:
 class Replica:
     """Two ranks of one replica on loopback, each a replica_rank.py process running the stand-in."""
 
-    def __init__(self, tmp: Path) -> None:
-        self.tmp = tmp
+    def __init__(self, tmp: Path, tool: Path = TOOL) -> None:
+        self.tmp, self.tool = tmp, tool
         port = free_port()
         self.ranks: dict[int, subprocess.Popen[bytes]] = {}
         self.read: dict[int, str] = {}  # what wait_logged read of each rank's log
@@ -65,7 +65,7 @@ class Replica:
         if secret is not None:
             env[SECRET_ENV] = secret
         self.ranks[key] = subprocess.Popen(
-            [sys.executable, str(TOOL), str(config), "--", sys.executable, "-c", FAKE_VLLM,
+            [sys.executable, str(self.tool), str(config), "--", sys.executable, "-c", FAKE_VLLM,
              str(self.pidfile(key))], stderr=subprocess.PIPE, env=env)
 
     def pidfile(self, rank: int) -> Path:
@@ -285,3 +285,55 @@ def test_a_rank_without_its_secret_does_not_start(replica: Replica) -> None:
     assert replica.exit_status(1) == 2
     assert f"no rank secret in {SECRET_ENV}" in replica.log(1)
     assert not replica.pidfile(1).exists()
+
+
+# fabric_check.py's stand-in: the torch part is the lab's (tests/lab/test_faults.py); here each rank prints the
+# verdict its environment gives it, as the real one does on rank 0.
+FAKE_FABRIC = """import json, os, sys
+rank = int(sys.argv[sys.argv.index("--rank") + 1])
+open(os.environ["FABRIC_LOG"] + str(rank), "w").write(" ".join(sys.argv[1:]))
+print(os.environ["FABRIC_VERDICT"] if rank == 0 else json.dumps({"passed": True}))
+"""
+
+
+@pytest.fixture
+def checked(tmp_path: Path) -> Iterator[Replica]:
+    """A replica whose ranks.json asks for the fabric check, run by a stand-in beside a copy of replica_rank.py."""
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    (tools / "replica_rank.py").write_bytes(TOOL.read_bytes())
+    (tools / "fabric_check.py").write_text(FAKE_FABRIC)
+    found = Replica(tmp_path, tools / "replica_rank.py")
+    found.config["fabric"] = {"port": 29589, "backend": "gloo", "iface": "lo", "bytes": 1024, "floor_gbps": 0.5,
+                              "timeout_s": 5}
+    yield found
+    found.stop()
+
+
+def test_a_failed_fabric_check_names_the_node_and_starts_no_vllm(checked: Replica, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FABRIC_LOG", str(tmp_path / "fabric-argv-"))
+    monkeypatch.setenv("FABRIC_VERDICT", json.dumps({
+        "passed": False, "stage": "out", "slow_nodes": ["lab3"], "stalled_nodes": ["lab3"],
+        "out_gbps": {}, "floor_gbps": 0.5, "error": "Timed out waiting 5000ms for recv operation"}))
+    checked.start(0)
+    checked.start(1)
+    assert checked.exit_status(0) == PEER_LOST and checked.exit_status(1) == PEER_LOST
+    leader, follower = checked.log(0), checked.log(1)
+    assert "rank 0: the replica does not start: its fabric check failed on lab3" in leader
+    assert "stalled at out: lab3" in leader
+    assert "the leader stopped the replica: its fabric check failed" in follower
+    assert not checked.pidfile(0).exists() and not checked.pidfile(1).exists()  # no vLLM on that fabric
+    argv = (tmp_path / "fabric-argv-1").read_text().split()
+    assert argv[argv.index("--leader") + 1] == "127.0.0.1:29589" and argv[argv.index("--world") + 1] == "2"
+    assert argv[argv.index("--iface") + 1] == "lo" and argv[argv.index("--timeout") + 1] == "5"
+
+
+def test_a_passed_fabric_check_starts_the_generation(checked: Replica, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FABRIC_LOG", str(tmp_path / "fabric-argv-"))
+    monkeypatch.setenv("FABRIC_VERDICT", json.dumps({"passed": True, "busbw_gbps": 3.2, "seconds": 2.5}))
+    checked.start(0)
+    checked.start(1)
+    assert _alive(_wait_for(checked.pidfile(0))) and _alive(_wait_for(checked.pidfile(1)))
+    checked.wait_logged(0, r"fabric check of generation \w+ passed, bus bandwidth 3.2 GB/s")

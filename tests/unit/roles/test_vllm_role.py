@@ -1326,8 +1326,8 @@ def test_mp_backend_replica_argv_passes_the_0_33_0_catalog() -> None:
 
 
 def test_ranks_json_binds_the_mp_ranks_through_rank_0() -> None:
-    """Each node of an mp replica gets its rank, the leader's address and the rank port; single-node and Ray
-    replicas run vLLM alone."""
+    """Each node of an mp replica gets its rank, the leader's address, the rank port and the fabric check (NCCL on
+    fleet_interface; none with node_fabric_check false); single-node and Ray replicas run vLLM alone."""
     cfg = host_config(fleet_interface="bond0")
     ranks = replica_roles([cfg, cfg], ["c1", "c2"], ["10.0.0.5", "10.0.0.6"],
                           [list(range(8)), list(range(8))], 8000, 8, 2, 1, 16384)
@@ -1335,7 +1335,11 @@ def test_ranks_json_binds_the_mp_ranks_through_rank_0() -> None:
     for rank, role in enumerate(ranks):
         assert json.loads(vllm_role._ranks_json(replica, role, cfg)) == {  # type: ignore[arg-type]
             "rank": rank, "nodes": 2, "leader": "10.0.0.5", "port": 29590, "bind": role.address,
-            "stop_grace_s": cfg.vllm_shutdown_timeout_s + 30}
+            "stop_grace_s": cfg.vllm_shutdown_timeout_s + 30,
+            "fabric": {"port": 29589, "backend": "nccl", "iface": "bond0", "bytes": 8 * 1024**2, "floor_gbps": 1.0,
+                       "timeout_s": 20.0}}
+    unchecked = host_config(fleet_interface="bond0", node_fabric_check=False)
+    assert "fabric" not in json.loads(vllm_role._ranks_json(replica, ranks[0], unchecked))  # type: ignore[arg-type]
     ray_cfg = host_config(fleet_interface="bond0", vllm_distributed_backend="ray",
                           ray_auth_token={"env": "GPUFLEET_TEST_RAY"})
     head, worker = replica_roles([ray_cfg, ray_cfg], ["b1", "b2"], ["10.0.0.5", "10.0.0.6"],

@@ -60,6 +60,7 @@ def test_the_units_are_found() -> None:
                           "dcgm_exporter/dcgm-exporter.service.j2",
                           "node_exporter/node_exporter.service.j2", "node_exporter/package-override.conf.j2",
                           "gpu_watch/gpufleet-gpu-watch.service.j2", "router/haproxy-override.conf.j2",
+                          "node_lifecycle/gpufleet-node-watch.service.j2",
                           "monitoring/override.conf.j2", "monitoring/gpufleet-alert-log.service.j2",
                           "router/gpufleet-router-clients.service.j2",
                           "keepalived/keepalived-override.conf.j2", "keepalived/gpufleet-router-health.service.j2"}
@@ -102,6 +103,11 @@ VALUES: dict[str, dict[str, object]] = {
         "node_tools": "/opt/gpufleet/node", "marker": "/run/gpufleet/gpu-gate-failed",
         "node_env": "/etc/gpufleet/node.env", "exec_start": "/usr/bin/python3 /opt/gpufleet/node/gpu_watch.py",
         "timeout": 300, "run_dir": "gpufleet"},
+    "node_lifecycle/gpufleet-node-watch.service.j2": {
+        "service": "gpufleet-node-watch.service", "node_tools": "/opt/gpufleet/node",
+        "exec_start": "/usr/bin/python3 /opt/gpufleet/node/node_watch.py watch --config /etc/gpufleet/lifecycle.json",
+        "state_dir": "gpufleet/node", "textfile_dir": "-/var/lib/node_exporter/textfile_collector",
+        "kernel_log": "/dev/kmsg", "gpu": "compute", "state_file": "/var/lib/gpufleet/node/state.json"},
     "router/haproxy-override.conf.j2": {"open_files": 9216, "restart_after_s": 2.0},
     "router/gpufleet-router-clients.service.j2": {
         "timer": "gpufleet-router-clients.timer", "node_tools": "/opt/gpufleet/node",
@@ -173,6 +179,11 @@ EXPECTED = {
         "UMask=0077", "ProtectHome=yes", "ProtectClock=yes", "ProtectProc=invisible", "MemoryDenyWriteExecute=yes",
         "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6", f"{DENY} @resources", "SystemCallErrorNumber=EPERM",
         "DeviceAllow=char-nvidia-frontend rw", "DeviceAllow=char-nvidia-caps r"},
+    # root with CAP_SYSLOG only, for systemctl and the kernel log (read-only); the burn-in's torch on the GPUs (JIT,
+    # its own affinity and limits, NCCL's netlink), node_exporter's textfile
+    "node_lifecycle/gpufleet-node-watch.service.j2": (BASE - {"CapabilityBoundingSet=", "ProtectKernelLogs=yes"}) | {
+        "CapabilityBoundingSet=CAP_SYSLOG", "DeviceAllow=/dev/kmsg r",
+        "ReadWritePaths=-/var/lib/node_exporter/textfile_collector"} | (GPU_COMPUTE - {"UMask=0027"}) | {"UMask=0077"},
     # HAProxy as its own account: no device, no @resources (EPERM: its limits come from the unit), no netlink;
     # Debian's bind mount of /dev/log dropped; memory it may make executable (PCRE2's JIT compiles its regexes)
     "router/haproxy-override.conf.j2": BASE | {

@@ -1,0 +1,195 @@
+"""The node lifecycle's settings: burn-in, findings, quarantine and readmission.
+
+Each field is one variable's record (:mod:`gpufleet.config.settings`); ``roles/node_lifecycle/defaults.yml`` is
+written from them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+from pydantic import field_validator
+
+from gpufleet.config.settings import RoleSettings, setting
+from gpufleet.node.findings import catalog_problems
+from gpufleet.values import grammar
+from gpufleet.values.problems import KeyedError
+from gpufleet.values.types import Port
+
+
+def _shown(bound: float) -> str:
+    return f"{bound:g}" if abs(bound) < 1e6 else f"{bound:.0f}"
+
+
+def _positive(value: Any, low: float, high: float, what: str = "seconds") -> Any:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not low <= value <= high:
+        shown = grammar.show(int(value) if isinstance(value, float) and value.is_integer() else value)
+        raise ValueError(f"expected {what} from {_shown(low)} to {_shown(high)}, found {shown}")
+    return value
+
+
+class NodeLifecycleSettings(RoleSettings):
+    """A node earns its place: a new node passes the quick burn-in before a replica lands on it; a finding (an Xid
+    from the kernel log, the GPU watch's failed gate) moves it as the findings catalog says; a quarantined node
+    leaves every router first (HAProxy's agent check on node_agent_port), then stops, keeps its evidence and runs the
+    full burn-in; clean passes after a growing cool-off bring it back, and repeated quarantines retire it.
+    """
+
+    node_lifecycle_enabled: bool = setting(
+        True,
+        "Keep a state per node (burn-in, quarantine, readmission) and run its watch; false turns it all off.",
+    )
+    node_agent_port: Port = setting(
+        9311,
+        "TCP port of the node watch's agent, which every router's HAProxy asks each second whether the node's"
+        " replicas may take requests.",
+    )
+    node_kernel_log: str = setting(
+        "/dev/kmsg",
+        "Where the node watch reads the kernel log for Xids: /dev/kmsg, or a file the kernel's messages are"
+        " appended to.",
+    )
+    node_findings: dict[str, Any] = setting(
+        {},
+        "Entries that replace the findings catalog's (gpufleet/data/findings.yml): xid: {CODE: {action: ...}},"
+        " checks: {NAME: {action: ...}}; action quarantine, suspect or record.",
+    )
+    node_xid_burst_quiet_s: float = setting(
+        180,
+        "Seconds without another line of the same Xid on the same GPU that close a burst (a burst counts once).",
+    )
+    node_readmit_passes: int = setting(
+        2,
+        "Clean full burn-in passes a quarantined node needs before it serves again (1 to 10).",
+    )
+    node_cool_off_s: float = setting(
+        600,
+        "Seconds a quarantined node rests before its readmission burn-in; doubled for each earlier quarantine in"
+        " the retire window.",
+    )
+    node_retire_after: int = setting(
+        3,
+        "Quarantines within node_retire_window_s that retire the node, with a note for the vendor (2 to 20).",
+    )
+    node_retire_window_s: float = setting(
+        7 * 86400,
+        "The window, in seconds, in which node_retire_after quarantines retire a node.",
+    )
+    node_drain_timeout_s: float = setting(
+        60,
+        "Seconds a leaving node's replicas get to finish the requests they run, once no router sends them more.",
+    )
+    burn_in_device: Literal["cuda", "cpu"] = setting(
+        "cuda",
+        "Where the burn-in's kernels run: cuda (the GPUs), or cpu where the host's CPU stands in (a lab double).",
+    )
+    burn_in_floors: dict[str, float] = setting(
+        {},
+        "Floors that replace the GPU profile's: matmul_tflops, copy_gbps, allreduce_busbw_gbps (positive).",
+    )
+    burn_in_seconds: float = setting(
+        10,
+        "Seconds of matrix products per GPU in the quick burn-in (the copy runs a third of it).",
+    )
+    burn_in_matmul_n: int = setting(
+        8192,
+        "The size of the burn-in's square matrices (256 to 32768).",
+    )
+
+    node_fabric_check: bool = setting(
+        True,
+        "Before each generation of a multi-node replica (mp backend) starts, check the fabric between its nodes:"
+        " an all-reduce over exactly its ranks, on fleet_interface, that must finish within node_fabric_timeout_s"
+        " and reach node_fabric_floor_gbps; a node that fails it is named and the replica does not start.",
+        scope="pool",
+    )
+    node_fabric_port: Port = setting(
+        29589,
+        "Port on which rank 0 of a multi-node replica gathers the fabric check's ranks.",
+        scope="pool",
+    )
+    node_fabric_floor_gbps: float = setting(
+        1.0,
+        "The fabric check's floor, in GB/s: each node's way out to the replica's first node, and the all-reduce's bus"
+        " bandwidth (NCCL on GPUs; gloo on the CPU build).",
+        scope="pool",
+    )
+    node_fabric_timeout_s: float = setting(
+        20,
+        "Seconds the fabric check waits for every rank to join, and for each transfer (5 to 300): a rank that stalls"
+        " longer is named.",
+        scope="pool",
+    )
+
+    @field_validator("node_kernel_log")
+    @classmethod
+    def _kernel_log(cls, value: str) -> str:
+        problem = grammar.node_dir(value)
+        if problem or value.endswith("/"):
+            raise ValueError(problem or f"expected a file, found {grammar.show(value)}")
+        return value
+
+    @field_validator("node_findings")
+    @classmethod
+    def _findings(cls, value: dict[str, Any]) -> dict[str, Any]:
+        problems = catalog_problems(value, "node_findings")
+        if problems:
+            path, _, message = problems[0].partition(": ")
+            key = path.removeprefix("node_findings").lstrip(".")
+            raise KeyedError(key, message) if key else ValueError(message)
+        return value
+
+    @field_validator("node_xid_burst_quiet_s", "node_cool_off_s", "node_drain_timeout_s")
+    @classmethod
+    def _seconds(cls, value: float) -> float:
+        return float(_positive(value, 1, 86400))
+
+    @field_validator("node_retire_window_s")
+    @classmethod
+    def _window(cls, value: float) -> float:
+        return float(_positive(value, 3600, 365 * 86400))
+
+    @field_validator("node_fabric_floor_gbps")
+    @classmethod
+    def _fabric_floor(cls, value: float) -> float:
+        return float(_positive(value, 1e-6, 1e4, "GB/s"))
+
+    @field_validator("node_fabric_timeout_s")
+    @classmethod
+    def _fabric_timeout(cls, value: float) -> float:
+        return float(_positive(value, 5, 300))
+
+    @field_validator("node_readmit_passes")
+    @classmethod
+    def _passes(cls, value: int) -> int:
+        return int(_positive(value, 1, 10, "a count"))
+
+    @field_validator("node_retire_after")
+    @classmethod
+    def _retire_after(cls, value: int) -> int:
+        return int(_positive(value, 2, 20, "a count"))
+
+    @field_validator("burn_in_floors")
+    @classmethod
+    def _floors(cls, value: dict[str, float]) -> dict[str, float]:
+        for key, floor in value.items():
+            if key not in ("matmul_tflops", "copy_gbps", "allreduce_busbw_gbps"):
+                raise ValueError(f"unknown floor {grammar.show(key)} (expected matmul_tflops, copy_gbps,"
+                                 " allreduce_busbw_gbps)")
+            try:
+                _positive(floor, 1e-6, 1e6, "a positive rate")
+            except ValueError as bad:
+                raise KeyedError(key, str(bad)) from None
+        return value
+
+    @field_validator("burn_in_seconds")
+    @classmethod
+    def _burn_seconds(cls, value: float) -> float:
+        return float(_positive(value, 0.5, 3600))
+
+    @field_validator("burn_in_matmul_n")
+    @classmethod
+    def _matmul_n(cls, value: int) -> int:
+        return int(_positive(value, 256, 32768, "a size"))

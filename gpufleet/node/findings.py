@@ -1,0 +1,128 @@
+"""Findings about a node and what each one does (a node tool, standard library only; the controller checks the
+catalog with the same rules).
+
+The catalog (``gpufleet/data/findings.yml``, rendered to JSON on each node) maps every Xid code and every check of
+gpufleet's own to an action: ``quarantine``, ``suspect`` or ``record``. Xids are read from the kernel log as the
+driver writes them::
+
+    NVRM: Xid (PCI:0000:3b:00): 79, pid=1234, name=python3, GPU has fallen off the bus.
+
+and grouped into bursts: the lines of one code on one GPU count once until ``quiet_s`` seconds pass without another,
+as NVIDIA's fleet tooling groups them. A burst acts on its first line (a quarantine must not wait for the silence);
+its later lines only add to its count.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+ACTIONS = ("quarantine", "suspect", "record")
+SEVERITY = {"record": 0, "suspect": 1, "quarantine": 2}
+XID_LINE = re.compile(r"NVRM: Xid \(PCI:(?P<pci>[0-9A-Fa-f]{4}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}(?:\.[0-7])?)\): "
+                      r"(?P<code>\d{1,4}),\s*(?P<text>.*)$")
+BURST_QUIET_S = 180.0
+
+
+def catalog_problems(doc: Any, where: str = "findings") -> list[str]:
+    """Every problem of a catalog (or of a ``node_findings`` override): one line each, naming the entry."""
+    if not isinstance(doc, dict):
+        return [f"{where}: expected a mapping with xid and checks, found {type(doc).__name__}"]
+    problems = [f"{where}: unknown key {key!r} (expected source, xid, checks)"
+                for key in doc if key not in ("source", "xid", "checks")]
+    for part in ("xid", "checks"):
+        entries = doc.get(part, {})
+        if not isinstance(entries, dict):
+            problems.append(f"{where}.{part}: expected a mapping, found {type(entries).__name__}")
+            continue
+        for key, entry in entries.items():
+            name = f"{where}.{part}.{key}"
+            code = str(key) if isinstance(key, int) and not isinstance(key, bool) else key
+            if part == "xid" and not (isinstance(code, str) and code.isdigit() and 0 < int(code) < 10000):
+                problems.append(f"{name}: expected an Xid code (1 to 9999), found {key!r}")
+            if not isinstance(entry, dict) or "action" not in entry:
+                problems.append(f"{name}: expected a mapping with an action")
+                continue
+            if entry["action"] not in ACTIONS:
+                problems.append(f"{name}.action: expected one of {', '.join(ACTIONS)}, found {entry['action']!r}")
+            extra = sorted(set(entry) - {"name", "bucket", "action"})
+            if extra:
+                problems.append(f"{name}: unknown key {extra[0]!r} (expected name, bucket, action)")
+    return problems
+
+
+def merged(catalog: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """The catalog with an override's entries in place of its own (an override entry replaces one whole)."""
+    out = {"source": catalog.get("source", ""), "xid": dict(catalog.get("xid", {})),
+           "checks": dict(catalog.get("checks", {}))}
+    for part in ("xid", "checks"):
+        out[part].update(override.get(part, {}))
+    return out
+
+
+@dataclass(frozen=True)
+class Xid:
+    """One Xid line: the GPU's PCI address, the code and the driver's words."""
+
+    pci: str
+    code: int
+    text: str
+
+
+def parse_xid(line: str) -> Xid | None:
+    match = XID_LINE.search(line)
+    if match is None:
+        return None
+    return Xid(match["pci"].lower(), int(match["code"]), match["text"].strip()[:300])
+
+
+@dataclass(frozen=True)
+class Finding:
+    """What was found, on which GPU, what the catalog says to do, and the evidence."""
+
+    kind: str  # "xid" or a check's name
+    action: str
+    gpu: str | None  # the PCI address, where the finding names one GPU
+    code: int | None = None
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+
+def action_of(catalog: dict[str, Any], kind: str, code: int | None = None) -> str:
+    """The catalog's action for a finding; an Xid the catalog does not list is recorded."""
+    if kind == "xid":
+        entry = catalog.get("xid", {}).get(code) or catalog.get("xid", {}).get(str(code))
+    else:
+        entry = catalog.get("checks", {}).get(kind)
+    return str(entry["action"]) if entry else "record"
+
+
+@dataclass
+class Bursts:
+    """Xid lines grouped into bursts, per GPU and code: each burst yields one finding, on its first line."""
+
+    catalog: dict[str, Any]
+    quiet_s: float = BURST_QUIET_S
+    open: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)
+
+    def see(self, xid: Xid, at: float) -> Finding | None:
+        """The finding this line starts, or None when it continues a burst (whose count it raises)."""
+        key = (xid.pci, xid.code)
+        burst = self.open.get(key)
+        if burst is not None and at - burst["last"] < self.quiet_s:
+            burst["last"] = at
+            burst["lines"] += 1
+            return None
+        self.open[key] = {"first": at, "last": at, "lines": 1}
+        entry = self.catalog.get("xid", {}).get(xid.code) or self.catalog.get("xid", {}).get(str(xid.code)) or {}
+        evidence = {"line": xid.text, "name": entry.get("name", "not in the catalog"), "bucket": entry.get("bucket")}
+        return Finding("xid", action_of(self.catalog, "xid", xid.code), xid.pci, xid.code, evidence)
+
+    def lines_in(self, xid: Xid) -> int:
+        burst = self.open.get((xid.pci, xid.code))
+        return int(burst["lines"]) if burst else 0
+
+
+def worst(findings: list[Finding]) -> str:
+    """The strongest action among findings (``record`` when there are none)."""
+    return max((f.action for f in findings), key=SEVERITY.__getitem__, default="record")

@@ -1,0 +1,186 @@
+"""A node's place in the fleet: its state, the moves between states, and the history of every move (a node tool,
+standard library only: the node's own watch and the controller's commands move a node by the same rules).
+
+    new -> burn-in -> serving -> suspect -> quarantined -> (burn-in -> serving) | retired
+
+A node's record (``gpufleet.node-state/1``, one JSON file per node on the monitoring hosts) holds its state, the
+state of each GPU by serial, the clean burn-in passes since it last left ``serving``, its quarantines, and every move
+(when, from, to, why, by whom, the evidence). Every function here is pure: it takes a record and returns the next
+one, or refuses the move with one line. Replicas are placed only on ``serving`` nodes (:func:`places_replicas`).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any, Literal
+
+SCHEMA = "gpufleet.node-state/1"
+State = Literal["new", "burn-in", "serving", "suspect", "quarantined", "retired"]
+STATES: tuple[State, ...] = ("new", "burn-in", "serving", "suspect", "quarantined", "retired")
+# Who may move a node where: the automatic path and people's commands alike (retired -> burn-in needs force).
+MOVES: dict[State, tuple[State, ...]] = {
+    "new": ("burn-in", "quarantined", "retired"),
+    "burn-in": ("serving", "quarantined", "retired"),
+    "serving": ("suspect", "quarantined", "retired"),
+    "suspect": ("serving", "quarantined", "retired"),
+    "quarantined": ("burn-in", "retired"),
+    "retired": (),
+}
+FORCED_MOVES: dict[State, tuple[State, ...]] = {"retired": ("burn-in",)}
+IN_SERVICE: tuple[State, ...] = ("serving", "suspect")  # the node keeps (and a deploy places) replicas
+OUT_OF_SERVICE: tuple[State, ...] = ("quarantined", "retired")  # the node left: drained, its replicas stopped
+Record = dict[str, Any]
+
+
+class MoveRefused(Exception):
+    """The state machine does not allow this move; the message says which moves it does."""
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The bounds of the lifecycle (the ``node_lifecycle_`` settings)."""
+
+    readmit_passes: int = 2  # clean full passes a quarantined node needs before it serves again
+    cool_off_s: int = 600  # the first cool-off after a quarantine; it doubles with each quarantine in the window
+    retire_after: int = 3  # quarantines within retire_window_s that retire the node
+    retire_window_s: int = 7 * 86400
+
+
+def now_text(now: datetime) -> str:
+    return now.astimezone(UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+def parse_time(text: str) -> datetime:
+    return datetime.fromisoformat(text.replace("Z", "+00:00"))
+
+
+def new_record(host: str, now: datetime) -> Record:
+    """A node gpufleet has never seen: no GPU known yet, nothing in its history."""
+    return {"schema": SCHEMA, "host": host, "state": "new", "since": now_text(now), "gpus": {}, "clean_passes": 0,
+            "quarantines": [], "history": [], "last_burn_in": None}
+
+
+def places_replicas(record: Record | None) -> bool:
+    """Whether a deploy may place replicas on the node: only a serving one (a suspect node keeps what it runs)."""
+    return record is not None and record.get("state") in IN_SERVICE
+
+
+def out_of_service(record: Record | None) -> str | None:
+    """Why a node with this record gets no replica, or None: it left the fleet, or is being readmitted (its watch
+    brings it back). A node with no record, or a new one, is admitted by the deploy that places its replicas."""
+    if record is None or record.get("state") in IN_SERVICE or record.get("state") == "new" \
+            or (record.get("state") == "burn-in" and not record.get("quarantines")):
+        return None
+    last = (record.get("history") or [{}])[-1]
+    return f"the node is {record.get('state')} since {record.get('since')}: {last.get('why', 'no reason kept')}"
+
+
+def allowed(state: State, force: bool = False) -> tuple[State, ...]:
+    return MOVES[state] + (FORCED_MOVES.get(state, ()) if force else ())
+
+
+def move(record: Record, to: State, why: str, now: datetime, by: str = "gpufleet",
+         evidence: dict[str, Any] | None = None, force: bool = False) -> Record:
+    """The record after moving the node to ``to``; :class:`MoveRefused` when the state machine does not allow it."""
+    state: State = record["state"]
+    if to not in allowed(state, force):
+        choices = ", ".join(allowed(state)) or "none"
+        hint = " (with --force: burn-in)" if state in FORCED_MOVES and not force else ""
+        raise MoveRefused(f"{record['host']}: cannot move from {state} to {to}: from {state} the moves are "
+                          f"{choices}{hint}")
+    out = copy.deepcopy(record)
+    out["history"].append({"at": now_text(now), "from": state, "to": to, "why": why, "by": by,
+                           "evidence": evidence or {}})
+    out["state"], out["since"] = to, now_text(now)
+    if to == "quarantined":
+        out["quarantines"].append(now_text(now))
+    if to in ("quarantined", "suspect", "retired") or (to == "burn-in" and state == "retired"):
+        out["clean_passes"] = 0
+    return out
+
+
+def quarantines_in_window(record: Record, now: datetime, policy: Policy) -> int:
+    start = now - timedelta(seconds=policy.retire_window_s)
+    return sum(1 for at in record["quarantines"] if parse_time(at) > start)
+
+
+def cool_off(record: Record, now: datetime, policy: Policy) -> timedelta:
+    """How long a quarantined node rests before its readmission burn-in: doubled for each earlier quarantine in the
+    window."""
+    earlier = max(0, quarantines_in_window(record, now, policy) - 1)
+    return timedelta(seconds=policy.cool_off_s * 2**earlier)
+
+
+def readmission_due(record: Record, now: datetime, policy: Policy) -> bool:
+    """A quarantined node whose cool-off has passed is due its readmission burn-in."""
+    return record["state"] == "quarantined" and now >= parse_time(record["since"]) + cool_off(record, now, policy)
+
+
+def quarantine(record: Record, why: str, now: datetime, policy: Policy, by: str = "gpufleet",
+               evidence: dict[str, Any] | None = None) -> Record:
+    """Quarantine the node; the quarantine that makes ``retire_after`` in the window retires it instead, with a note
+    for the vendor."""
+    out = move(record, "quarantined", why, now, by, evidence)
+    if quarantines_in_window(out, now, policy) >= policy.retire_after:
+        note = vendor_note(out, now, policy)
+        out = move(out, "retired", f"{policy.retire_after} quarantines within "
+                   f"{policy.retire_window_s // 86400} days", now, by, {"vendor_note": note})
+    return out
+
+
+def after_burn_in(record: Record, verdict: dict[str, Any], now: datetime, policy: Policy) -> Record:
+    """The record after a burn-in verdict (``gpufleet.burn-in/1``): a failure quarantines the node with the failed
+    checks as evidence; a pass counts, and admits the node once enough have passed (one for a new node,
+    ``readmit_passes`` of the full tier after a quarantine)."""
+    out = copy.deepcopy(record)
+    summary = {"tier": verdict.get("tier"), "passed": bool(verdict.get("passed")), "at": now_text(now),
+               "seconds": verdict.get("seconds"),
+               "failed": [c for c in verdict.get("checks", []) if c.get("status") == "fail"],
+               "gpus": sorted({int(c["gpu"]) for c in verdict.get("checks", []) if c.get("gpu") is not None})}
+    out["last_burn_in"] = summary
+    _note_gpus(out, verdict)
+    if not summary["passed"]:
+        if out["state"] in ("quarantined", "retired"):
+            return out
+        return quarantine(out, f"burn-in {summary['tier']} failed", now, policy, evidence={"burn_in": summary})
+    if out["state"] == "new":
+        out = move(out, "burn-in", "first seen", now)
+    if out["state"] != "burn-in":
+        return out
+    readmission = bool(out["quarantines"])
+    if readmission and summary["tier"] != "full":
+        return out
+    out["clean_passes"] += 1
+    needed = policy.readmit_passes if readmission else 1
+    if out["clean_passes"] >= needed:
+        out = move(out, "serving", f"{out['clean_passes']} clean burn-in pass(es)", now,
+                   evidence={"burn_in": summary})
+    return out
+
+
+def _note_gpus(record: Record, verdict: dict[str, Any]) -> None:
+    """Each GPU's last result, by serial where the verdict names one (else by index)."""
+    for check in verdict.get("checks", []):
+        gpu = check.get("gpu")
+        if gpu is None:
+            continue
+        key = check.get("evidence", {}).get("serial") or f"index-{gpu}"
+        entry = record["gpus"].setdefault(key, {"index": gpu, "failed": []})
+        if check.get("status") == "fail":
+            entry["failed"].append({"check": check.get("check"), "evidence": check.get("evidence", {})})
+            entry["failed"] = entry["failed"][-10:]
+
+
+def vendor_note(record: Record, now: datetime, policy: Policy) -> str:
+    """What a vendor asks for when a node goes back: the GPUs' serials, the findings and their dates."""
+    start = now - timedelta(seconds=policy.retire_window_s)
+    lines = [f"Node {record['host']}: retired on {now_text(now)} after "
+             f"{quarantines_in_window(record, now, policy)} quarantines since {now_text(start)}."]
+    serials = sorted(k for k in record["gpus"] if not k.startswith("index-"))
+    lines.append(f"GPU serials: {', '.join(serials) if serials else 'not reported'}.")
+    for entry in record["history"]:
+        if entry["to"] == "quarantined" and parse_time(entry["at"]) > start:
+            lines.append(f"{entry['at']}: {entry['why']}")
+    return "\n".join(lines)

@@ -1,0 +1,525 @@
+#!/usr/bin/env python3
+"""Keep a node's place in the fleet (gpufleet node tool, run by gpufleet-node-watch.service; standard library only).
+
+    python3 node_watch.py watch --config /etc/gpufleet/lifecycle.json
+    python3 node_watch.py burn-in --config ... --tier quick|full     (the deploy's admission, people's readmission)
+    python3 node_watch.py move --config ... --to quarantined --why TEXT [--by NAME] [--force]
+    python3 node_watch.py show --config ...
+
+The node's record (``gpufleet/node/node_state.py``) lives in the config's ``state_file``; every writer (this watch,
+a deploy, ``gpufleet nodes``) changes it through this tool, under one lock. ``watch``:
+
+- **tells the routers** whether the node's replicas may take requests: HAProxy's agent check asks the config's
+  ``agent`` port each second, and hears ``up`` while the node is serving or suspect (``up 100%`` in the first
+  seconds, restoring the weight), ``0% down`` otherwise: no new request reaches a replica of a node that left;
+- **reads the kernel log** (``kernel_log``: ``/dev/kmsg`` on a real node) for Xids, grouped into bursts, and the GPU
+  watch's marker (its gate failed) as findings, each acted on as the catalog says (``gpufleet/node/findings.py``);
+- **acts on the state**, whoever set it: a node that left (quarantined, retired) is drained (the agent already
+  answers down; in-flight requests get up to ``drain_timeout_s`` to finish), evidence is kept, its replica units
+  stop, and a quarantined node runs the ``full`` burn-in while idle; once its cool-off has passed it moves to
+  burn-in, and ``readmit_passes`` clean full passes bring it back to serving, its units started again;
+- **exports** the state for Prometheus (node_exporter's textfile collector).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import importlib.util
+import json
+import os
+import re
+import socketserver
+import stat
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections import deque
+from datetime import UTC, datetime
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Iterator
+
+HERE = Path(__file__).resolve().parent
+RESTORE_WEIGHT_S = 10.0  # after a node comes back, the agent restores the routers' weight this long
+POLL_S = 0.2
+_UNIT = re.compile(r"^vllm@[A-Za-z0-9_.:-]+\.service$")
+_WHY = re.compile(r"^[^\x00-\x1f\x7f]{1,200}$")
+
+
+def _sibling(name: str) -> ModuleType:
+    """``<name>.py`` from this file's directory (node code has no package to import from)."""
+    qualified = f"gpufleet_node_{name}"
+    if qualified in sys.modules:
+        return sys.modules[qualified]
+    spec = importlib.util.spec_from_file_location(qualified, HERE / f"{name}.py")
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {name}.py beside {__file__}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[qualified] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+findings, node_state = _sibling("findings"), _sibling("node_state")
+
+
+def log(line: str) -> None:
+    print(line, flush=True)
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class Config:
+    """The node's lifecycle configuration (``/etc/gpufleet/lifecycle.json``, written by the deploy)."""
+
+    def __init__(self, doc: dict[str, Any]) -> None:
+        self.doc = doc
+        self.node: str = doc["node"]
+        self.policy = node_state.Policy(**doc["policy"])
+        self.catalog: dict[str, Any] = doc["catalog"]
+        self.burst_quiet_s = float(doc.get("burst_quiet_s", findings.BURST_QUIET_S))
+        self.kernel_log = Path(doc.get("kernel_log", "/dev/kmsg"))
+        self.gate_marker = Path(doc.get("gate_marker", "/run/gpufleet/gpu-gate-failed"))
+        self.agent: dict[str, Any] = doc.get("agent") or {}
+        self.drain_timeout_s = float(doc.get("drain_timeout_s", 60))
+        self.burn_in: dict[str, str] = doc["burn_in"]
+        self.state_file = Path(doc.get("state_file", "/var/lib/gpufleet/node-state.json"))
+        self.evidence_dir = Path(doc.get("evidence_dir", "/var/lib/gpufleet/evidence"))
+        self.textfile = Path(doc["textfile"]) if doc.get("textfile") else None
+        self.replica_metrics: list[str] = list(doc.get("replica_metrics", []))
+
+    @classmethod
+    def load(cls, path: Path) -> Config:
+        doc = json.loads(path.read_text())
+        problems = findings.catalog_problems(doc.get("catalog"), "catalog")
+        if problems:
+            raise ValueError(problems[0])
+        return cls(doc)
+
+
+# --- the record, under one lock ------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def locked(config: Config) -> Iterator[dict[str, Any]]:
+    """The node's record, read and written back under an exclusive lock (a new record when there is none)."""
+    config.state_file.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+    lock_path = config.state_file.with_name(f".{config.state_file.name}.lock")
+    with open(lock_path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        record = read_record(config)
+        before = json.dumps(record, sort_keys=True)
+        yield record
+        if json.dumps(record, sort_keys=True) != before:
+            write_record(config.state_file, record)
+
+
+def read_record(config: Config) -> dict[str, Any]:
+    try:
+        record = json.loads(config.state_file.read_text())
+    except FileNotFoundError:
+        return node_state.new_record(config.node, utcnow())
+    if not isinstance(record, dict) or record.get("schema") != node_state.SCHEMA:
+        raise ValueError(f"{config.state_file}: not a {node_state.SCHEMA} record")
+    return record
+
+
+def write_record(path: Path, record: dict[str, Any]) -> None:
+    """Replace the record in one rename, root 0644 (no secret in it)."""
+    temporary = path.with_name(f".{path.name}.tmp")
+    temporary.write_text(json.dumps(record, indent=1) + "\n")
+    os.chmod(temporary, 0o644)
+    os.replace(temporary, path)
+
+
+def replace(record: dict[str, Any], new: dict[str, Any]) -> None:
+    record.clear()
+    record.update(new)
+
+
+# --- the routers' agent check --------------------------------------------------------------------------------------
+
+
+def agent_reply(record: dict[str, Any] | None, now: datetime) -> str:
+    """What HAProxy's agent check hears about the node's replicas."""
+    if record is None or record.get("state") not in node_state.IN_SERVICE:
+        return "0% down\n"
+    since = node_state.parse_time(record["since"])
+    return "up 100%\n" if (now - since).total_seconds() < RESTORE_WEIGHT_S else "up\n"
+
+
+class Agent:
+    """A TCP server answering each connection with :func:`agent_reply` for the current record."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.record: dict[str, Any] | None = None
+        self.lock = threading.Lock()
+        watch = self
+
+        class Handler(socketserver.BaseRequestHandler):
+            def handle(self) -> None:
+                with watch.lock:
+                    reply = agent_reply(watch.record, utcnow())
+                with contextlib.suppress(OSError):
+                    self.request.sendall(reply.encode())
+
+        socketserver.ThreadingTCPServer.allow_reuse_address = True
+        self.server = socketserver.ThreadingTCPServer((config.agent["address"], int(config.agent["port"])), Handler)
+        self.server.daemon_threads = True
+
+    def set(self, record: dict[str, Any]) -> None:
+        with self.lock:
+            self.record = json.loads(json.dumps(record))
+
+    def start(self) -> None:
+        threading.Thread(target=self.server.serve_forever, name="agent", daemon=True).start()
+
+
+# --- the kernel log ------------------------------------------------------------------------------------------------
+
+
+class KernelLog:
+    """New lines of the kernel log from now on: ``/dev/kmsg`` (one record a read) or a file that grows."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.recent: deque[str] = deque(maxlen=200)
+        self.fd: int | None = None
+        self.device = False
+        self.buffer = b""
+        self.offset = 0
+        self.missing = False  # it was not there when the watch looked first: once it is, all of it is new
+
+    def _open(self) -> None:
+        if self.fd is not None:
+            return
+        try:
+            self.fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
+        except OSError:
+            self.missing = True
+            return
+        self.device = stat.S_ISCHR(os.fstat(self.fd).st_mode)
+        self.offset = os.lseek(self.fd, 0, os.SEEK_SET if self.missing and not self.device else os.SEEK_END)
+
+    def lines(self) -> list[str]:
+        self._open()
+        if self.fd is None:
+            return []
+        out: list[str] = []
+        while True:
+            try:
+                chunk = os.read(self.fd, 8192)
+            except BlockingIOError:
+                break
+            except OSError as exc:  # /dev/kmsg: EPIPE when records were overwritten; read on
+                if exc.errno == 32:
+                    continue
+                break
+            if not chunk:
+                if not self.device and os.fstat(self.fd).st_size < self.offset:  # truncated: start over
+                    self.offset = os.lseek(self.fd, 0, os.SEEK_SET)
+                    continue
+                break
+            self.offset += len(chunk)
+            if self.device:
+                out.append(chunk.decode(errors="replace").split(";", 1)[-1].rstrip("\n"))
+                continue
+            self.buffer += chunk
+            *complete, self.buffer = self.buffer.split(b"\n")
+            out += [c.decode(errors="replace") for c in complete]
+        self.recent.extend(out)
+        return out
+
+
+# --- acting -------------------------------------------------------------------------------------------------------
+
+
+def _run(argv: list[str], timeout: float) -> tuple[int, str, str]:
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
+    except FileNotFoundError:
+        return 127, "", f"{argv[0]}: not found"
+    except subprocess.TimeoutExpired:
+        return 124, "", f"no answer within {timeout:g} s"
+    return done.returncode, done.stdout, done.stderr
+
+
+def replica_units() -> list[str]:
+    """The replica units systemd runs or is starting on this node."""
+    status, out, _ = _run(["systemctl", "list-units", "--plain", "--no-legend", "--no-pager", "--type=service",
+                           "--state=active,activating,reloading", "vllm@*.service"], 30)
+    if status != 0:
+        return []
+    return sorted({w for line in out.splitlines() for w in line.split()[:2] if _UNIT.match(w)})
+
+
+def requests_running(urls: list[str]) -> float:
+    """The requests the node's replicas still run (vLLM's ``vllm:num_requests_running``); 0 where none answers."""
+    total = 0.0
+    for url in urls:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                text = response.read().decode(errors="replace")
+        except OSError:
+            continue
+        for line in text.splitlines():
+            if line.startswith("vllm:num_requests_running"):
+                with contextlib.suppress(ValueError):
+                    total += float(line.rsplit(None, 1)[-1])
+    return total
+
+
+def keep_evidence(config: Config, record: dict[str, Any], why: str, kernel: KernelLog | None) -> str:
+    """A folder of what the node looked like when it left: the record, the kernel log's last lines, the GPUs'
+    facts, the replica units' state and journal. Root 0700: journals can name paths and models."""
+    stamp = utcnow().strftime("%Y%m%dT%H%M%SZ")
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", why)[:40].strip("-") or "left"
+    folder = config.evidence_dir / f"{stamp}-{slug}"
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    (folder / "record.json").write_text(json.dumps(record, indent=1) + "\n")
+    (folder / "kernel.log").write_text("\n".join(kernel.recent if kernel else []) + "\n")
+    for name, argv in (("gpus.json", [sys.executable, str(HERE / "nvml_probe.py")]),
+                       ("units.txt", ["systemctl", "status", "--no-pager", "--lines=0", "vllm@*.service"]),
+                       ("journal.txt", ["journalctl", "--no-pager", "--lines=300", "--unit=vllm@*.service"])):
+        status, out, err = _run(argv, 20)
+        (folder / name).write_text(out if out else f"(exit {status}) {err.strip()[-500:]}\n")
+    return str(folder)
+
+
+def stop_units(config: Config, record: dict[str, Any], kernel: KernelLog | None) -> None:
+    """Drain, keep the evidence, stop the replica units (recorded, so that readmission starts them again)."""
+    units = replica_units()
+    deadline = time.monotonic() + config.drain_timeout_s
+    while units and time.monotonic() < deadline and requests_running(config.replica_metrics) > 0:
+        time.sleep(0.5)
+    folder = keep_evidence(config, record, record["history"][-1]["why"] if record["history"] else "left", kernel)
+    record["evidence"] = [*(record.get("evidence") or [])[-9:], folder]
+    if units:
+        _run(["systemctl", "stop", "--no-block", "--", *units], 30)
+        log(f"{config.node}: {record['state']}: stopped {', '.join(units)}; evidence in {folder}")
+    record["stopped_units"] = sorted(set(record.get("stopped_units") or []) | set(units))
+
+
+def run_burn_in(config: Config, tier: str) -> dict[str, Any]:
+    """One burn-in with the release's Python: its verdict, or a failed one saying why there is none."""
+    argv = [config.burn_in["python"], str(HERE / "burn_in.py"), "--tier", tier, "--floors", config.burn_in["floors"],
+            "--json"]
+    if config.burn_in.get("dcgmi"):
+        argv += ["--dcgmi", config.burn_in["dcgmi"]]
+    status, out, err = _run(argv, float(config.burn_in.get("timeout_s", 3600)))
+    try:
+        verdict = json.loads(out)
+        if isinstance(verdict, dict) and "passed" in verdict:
+            return verdict
+    except ValueError:
+        pass
+    return {"schema": "gpufleet.burn-in/1", "tier": tier, "passed": False, "seconds": None,
+            "checks": [{"check": "burn-in", "status": "fail", "gpu": None,
+                        "evidence": {"exit_status": status, "stderr": err.strip()[-300:]}}]}
+
+
+def burn_in(config: Config, tier: str) -> dict[str, Any]:
+    """Run a tier and fold its verdict into the record; the record after."""
+    verdict = run_burn_in(config, tier)
+    with locked(config) as record:
+        replace(record, node_state.after_burn_in(record, verdict, utcnow(), config.policy))
+        log(f"{config.node}: burn-in {tier} {'passed' if verdict['passed'] else 'failed'} in {verdict.get('seconds')}"
+            f" s; the node is {record['state']}")
+        after: dict[str, Any] = json.loads(json.dumps(record))
+        return after
+
+
+def apply_finding(config: Config, finding: Any) -> None:
+    """Record a finding and move the node as its action says."""
+    now = utcnow()
+    what = f"Xid {finding.code} on {finding.gpu}" if finding.kind == "xid" else finding.kind
+    with locked(config) as record:
+        seen = {"at": node_state.now_text(now), "kind": finding.kind, "code": finding.code, "gpu": finding.gpu,
+                "action": finding.action, "evidence": finding.evidence}
+        record["findings"] = [*(record.get("findings") or [])[-49:], seen]
+        state = record["state"]
+        if finding.action == "quarantine" and state not in node_state.OUT_OF_SERVICE:
+            replace(record, node_state.quarantine(record, what, now, config.policy, evidence=finding.evidence))
+            log(f"{config.node}: {what} ({finding.evidence.get('name')}): {record['state']}")
+        elif finding.action == "suspect" and state == "serving":
+            replace(record, node_state.move(record, "suspect", what, now, evidence=finding.evidence))
+            log(f"{config.node}: {what}: suspect (still serving)")
+        else:
+            log(f"{config.node}: {what}: recorded")
+
+
+def reconcile(config: Config, kernel: KernelLog | None) -> None:
+    """Bring the node to what its state says (see the module docstring)."""
+    with locked(config) as record:
+        state = record["state"]
+        if state in node_state.OUT_OF_SERVICE and replica_units():
+            stop_units(config, record, kernel)
+        if state == "quarantined" and node_state.readmission_due(record, utcnow(), config.policy):
+            replace(record, node_state.move(record, "burn-in", "cool-off over: readmission burn-in", utcnow()))
+            state = "burn-in"
+        # a quarantined node runs the full tier once while idle; one being readmitted, until it serves again
+        quarantined_idle = state == "quarantined" and not _full_since_quarantine(record)
+        tier = "full" if quarantined_idle or (state == "burn-in" and record["quarantines"]) else ""
+        if state in node_state.IN_SERVICE and record.get("stopped_units"):
+            units = [u for u in record["stopped_units"] if _UNIT.match(u)]
+            if units:
+                _run(["systemctl", "start", "--no-block", "--", *units], 30)
+                log(f"{config.node}: {state} again; starting {', '.join(units)}")
+            record["stopped_units"] = []
+    if tier:
+        burn_in(config, tier)
+
+
+def _full_since_quarantine(record: dict[str, Any]) -> bool:
+    last = record.get("last_burn_in") or {}
+    return bool(last.get("tier") == "full" and record["quarantines"]
+                and last.get("at", "") >= record["quarantines"][-1])
+
+
+def export(config: Config, record: dict[str, Any]) -> None:
+    """The node's state for Prometheus (node_exporter's textfile collector; the scrape adds the node's labels): one
+    series per state (1 for the current one), when it entered it, its quarantines kept, and its last burn-in: passed or
+    not, and each failed check by GPU."""
+    if config.textfile is None:
+        return
+    lines = ["# HELP gpufleet_node_state The node's lifecycle state (1 for the current one).",
+             "# TYPE gpufleet_node_state gauge"]
+    lines += [f'gpufleet_node_state{{state="{s}"}} {int(record["state"] == s)}' for s in node_state.STATES]
+    since = node_state.parse_time(record["since"]).timestamp()
+    lines += ["# HELP gpufleet_node_state_since_seconds When the node entered its state.",
+              "# TYPE gpufleet_node_state_since_seconds gauge",
+              f"gpufleet_node_state_since_seconds {since:.0f}",
+              "# HELP gpufleet_node_quarantines The quarantines the node's record keeps.",
+              "# TYPE gpufleet_node_quarantines gauge",
+              f'gpufleet_node_quarantines {len(record["quarantines"])}']
+    last = record.get("last_burn_in") or {}
+    if last:
+        tier = "full" if last.get("tier") == "full" else "quick"
+        failed = last.get("failed") or []
+        lines += ["# HELP gpufleet_burn_in_passed Whether the node's last burn-in passed.",
+                  "# TYPE gpufleet_burn_in_passed gauge",
+                  f'gpufleet_burn_in_passed{{tier="{tier}"}} {int(bool(last.get("passed")))}',
+                  "# HELP gpufleet_burn_in_gpu_passed Whether each GPU passed every check of the node's last burn-in.",
+                  "# TYPE gpufleet_burn_in_gpu_passed gauge"]
+        for gpu in last.get("gpus") or []:
+            passed = not any(f.get("gpu") == gpu for f in failed)
+            lines.append(f'gpufleet_burn_in_gpu_passed{{gpu="{int(gpu)}"}} {int(passed)}')
+        lines += ["# HELP gpufleet_burn_in_failed_check A check the node's last burn-in failed, by GPU.",
+                  "# TYPE gpufleet_burn_in_failed_check gauge"]
+        for check_failed in failed:
+            check = re.sub(r"[^A-Za-z0-9_.-]", "_", str(check_failed.get("check")))[:40]
+            gpu = "" if check_failed.get("gpu") is None else str(int(check_failed["gpu"]))
+            lines.append(f'gpufleet_burn_in_failed_check{{check="{check}",gpu="{gpu}"}} 1')
+    text = "\n".join(lines) + "\n"
+    config.textfile.parent.mkdir(parents=True, exist_ok=True)
+    temporary = config.textfile.with_name(f".{config.textfile.name}.tmp")
+    temporary.write_text(text)
+    os.chmod(temporary, 0o644)
+    os.replace(temporary, config.textfile)
+
+
+def watch(config: Config) -> int:
+    agent = Agent(config) if config.agent else None
+    with locked(config) as record:
+        snapshot = json.loads(json.dumps(record))
+    if agent is not None:
+        agent.set(snapshot)
+        agent.start()
+    kernel = KernelLog(config.kernel_log)
+    kernel.lines()  # open at the end: what was logged before the watch started was acted on then
+    bursts = findings.Bursts(config.catalog, config.burst_quiet_s)
+    gate_failed = config.gate_marker.exists()
+    log(f"{config.node}: watching {config.kernel_log}; the node is {snapshot['state']}")
+    next_reconcile = 0.0
+    while True:
+        for line in kernel.lines():
+            xid = findings.parse_xid(line)
+            if xid is not None and (finding := bursts.see(xid, time.monotonic())) is not None:
+                apply_finding(config, finding)
+                next_reconcile = 0.0
+        failing = config.gate_marker.exists()
+        if failing and not gate_failed:
+            apply_finding(config, findings.Finding("gate_failed", findings.action_of(config.catalog, "gate_failed"),
+                                                   None, None, {"marker": config.gate_marker.read_text()[:2000]}))
+            next_reconcile = 0.0
+        gate_failed = failing
+        record = read_record(config)
+        if agent is not None:
+            agent.set(record)
+        if time.monotonic() >= next_reconcile:
+            reconcile(config, kernel)
+            record = read_record(config)
+            if agent is not None:
+                agent.set(record)
+            export(config, record)
+            next_reconcile = time.monotonic() + 2.0
+        time.sleep(POLL_S)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="node_watch.py", description="Keep this node's place in the fleet.")
+    parser.add_argument("verb", choices=("watch", "burn-in", "move", "show"))
+    parser.add_argument("--config", type=Path, required=True)
+    parser.add_argument("--tier", choices=("quick", "full"))
+    parser.add_argument("--to", choices=node_state.STATES)
+    parser.add_argument("--why", default="")
+    parser.add_argument("--by", default="gpufleet")
+    parser.add_argument("--why-hex", default="", help="--why as hexadecimal UTF-8 (a controller's plain words)")
+    parser.add_argument("--by-hex", default="", help="--by as hexadecimal UTF-8")
+    parser.add_argument("--force", action="store_true")
+    args = parser.parse_args(argv)
+    try:
+        args.why = bytes.fromhex(args.why_hex).decode() if args.why_hex else args.why
+        args.by = bytes.fromhex(args.by_hex).decode() if args.by_hex else args.by
+    except ValueError:
+        print("node watch: --why-hex and --by-hex take hexadecimal UTF-8", file=sys.stderr)
+        return 2
+    try:
+        config = Config.load(args.config)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        print(f"node watch: {args.config}: {type(exc).__name__}: {str(exc)[:300]}", file=sys.stderr)
+        return 2
+    if args.verb == "watch":
+        return watch(config)
+    if args.verb == "show":
+        print(json.dumps(read_record(config), indent=1))
+        return 0
+    if args.verb == "burn-in":
+        if args.tier is None:
+            parser.error("burn-in needs --tier")
+        record = burn_in(config, args.tier)
+        if record["state"] in node_state.IN_SERVICE:
+            return 0
+        for check in (record.get("last_burn_in") or {}).get("failed") or []:
+            where = "the node" if check.get("gpu") is None else f"GPU {check['gpu']}"
+            print(f"{config.node}: burn-in {args.tier}: {check.get('check')} failed on {where}: "
+                  f"{json.dumps(check.get('evidence'))[:300]}", file=sys.stderr)
+        print(f"{config.node}: the node is {record['state']}", file=sys.stderr)
+        return 1
+    if args.to is None or not _WHY.match(args.why) or not _WHY.match(args.by):
+        print("node watch: move needs --to and a --why (and --by) of 1 to 200 printable characters", file=sys.stderr)
+        return 2
+    try:
+        with locked(config) as record:
+            now = utcnow()
+            if args.to == "quarantined":
+                new = node_state.quarantine(record, args.why, now, config.policy, by=args.by)
+            else:
+                new = node_state.move(record, args.to, args.why, now, by=args.by, force=args.force)
+            replace(record, new)
+    except node_state.MoveRefused as refused:
+        print(f"node watch: {refused}", file=sys.stderr)
+        return 2
+    print(json.dumps(record, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,46 @@
+"""The node lifecycle's operations: a node's admission (role node_lifecycle)."""
+
+from __future__ import annotations
+
+import json
+
+from pyinfra.api.command import QuoteString, StringCommand
+from pyinfra.context import host
+
+from gpufleet.node.node_state import IN_SERVICE
+from gpufleet.node_paths import NODE_PYTHON, node_tool
+from gpufleet.operations import node
+from gpufleet.operations.node import Commands, gpufleet_operation
+
+
+def needs_admission(record_text: str | None) -> bool:
+    """Whether a node must pass the quick burn-in before a replica lands on it: it has no record, or its record
+    has never let it serve (new, or in its first burn-in). A node that left (quarantined, retired) or is being
+    readmitted is its watch's to bring back; one that serves has passed."""
+    if record_text is None or not record_text.strip():
+        return True
+    try:
+        record = json.loads(record_text)
+    except ValueError:
+        return True
+    state = record.get("state") if isinstance(record, dict) else None
+    return state == "new" or (state == "burn-in" and not record.get("quarantines"))
+
+
+@gpufleet_operation()
+def admission(config: str, state_file: str) -> Commands:
+    """
+    Run the quick burn-in on a node that has not passed its admission, and fail the host unless it passed (its
+    record then says why, and the node is quarantined); no change on a node that has.
+
+    + config: the node lifecycle's configuration (``/etc/gpufleet/lifecycle.json``)
+    + state_file: the node's record
+    """
+    found = node.text(state_file)
+    if not needs_admission(found):
+        state = json.loads(found or "{}").get("state")
+        host.noop(f"the node is {state}: {'it passed its admission' if state in IN_SERVICE else 'its watch has it'}")
+        return
+    node.forget("texts", state_file)
+    yield StringCommand(QuoteString(NODE_PYTHON), QuoteString(node_tool("node_watch.py")), "burn-in", "--config",
+                        QuoteString(config), "--tier", "quick", ">", "/dev/null")

@@ -1,0 +1,158 @@
+"""Role ``node_lifecycle``: a node earns its place by burn-in and leaves it by quarantine.
+
+After it, a serving node has ``/etc/gpufleet/burn-in.json`` (every bound of the burn-in: the floors of its GPU model,
+gpufleet.gpu.burn_in_floors, or ``burn_in_floors``), ``/etc/gpufleet/lifecycle.json`` (the lifecycle's policy, the
+findings catalog with ``node_findings`` in it, the agent's address and port, the kernel log, the burn-in's Python:
+the release's own), and ``gpufleet-node-watch.service`` enabled and running: root runs role common's node tool
+``/opt/gpufleet/node/node_watch.py``, which keeps the node's record in ``/var/lib/gpufleet/node/state.json``,
+answers the routers' agent checks on ``node_agent_port`` (from the routers only), reads the kernel log for Xids
+and moves the node as the catalog says (gpufleet/node/node_watch.py says how).
+
+A node with no record, or one that has not yet passed its admission, runs the quick burn-in here, before role ray
+and role vllm start anything: one that fails it is quarantined and this deploy stops on it (its evidence is in its
+record). A node that is quarantined or retired when the deploy starts is left out of the plan (run context).
+A changed unit reloads systemd; a changed unit, configuration or node tool restarts the watch. With
+``node_lifecycle_enabled: false`` the watch is stopped, disabled and removed. Variables:
+roles/node_lifecycle/defaults.yml.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pyinfra.api.deploy import deploy
+from pyinfra.context import host
+from pyinfra.operations.util import any_changed
+
+from gpufleet.config.inventory_shape import ROUTERS_GROUP
+from gpufleet.config.schema import HostConfig
+from gpufleet.gpu.burn_in_floors import burn_in_floors
+from gpufleet.gpu.profiles import GPU_MODELS
+from gpufleet.node.findings import merged
+from gpufleet.node_paths import (
+    BURN_IN_FLOORS,
+    EVIDENCE_DIR,
+    GATE_POLICY,
+    GPU_WATCH_MARKER,
+    LIFECYCLE_CONFIG,
+    NODE_PYTHON,
+    NODE_STATE_DIR,
+    NODE_STATE_FILE,
+    NODE_TOOLS_DIR,
+    NODE_WATCH_SERVICE,
+    TEXTFILE_DIR,
+    node_tool,
+    unit_path,
+    venv_bin,
+)
+from gpufleet.operations import files, lifecycle, node, systemd
+from gpufleet.plan import access
+from gpufleet.run.context import assignments, gpu_facts, host_config
+from gpufleet.templates import render
+from gpufleet.units.escape import exec_line
+from gpufleet.values.problems import ConfigError, Problem, exit_with
+
+SERVICE_FILE = unit_path(NODE_WATCH_SERVICE)
+NODE_TEXTFILE = f"{TEXTFILE_DIR}/gpufleet-node.prom"
+CATALOG = "data/findings.yml"
+GIB = 1024**3
+
+
+def catalog(override: dict[str, Any]) -> dict[str, Any]:
+    """The findings catalog of the repository with ``node_findings`` in it, with JSON's string keys."""
+    from importlib.resources import files as package_files
+
+    import yaml
+
+    base = yaml.safe_load(package_files("gpufleet").joinpath(CATALOG).read_text())
+    out = merged(base, override)
+    return {"source": out["source"], "xid": {str(k): v for k, v in sorted(out["xid"].items(), key=lambda i: int(i[0]))},
+            "checks": dict(sorted(out["checks"].items()))}
+
+
+def floors_values(cfg: HostConfig, gpu_name: str | None) -> dict[str, Any]:
+    """Every bound of the node's burn-in: its GPU model's floors, ``burn_in_floors`` over them."""
+    model = next((m.key for m in GPU_MODELS.values() if m.nvml_name == gpu_name), None)
+    wanted = ("matmul_tflops", "copy_gbps", "allreduce_busbw_gbps")
+    if model is None and set(cfg.burn_in_floors) != set(wanted):
+        raise ConfigError([Problem(host.name, "burn_in_floors", f"expected every floor ({', '.join(wanted)}) for a"
+                                   f" GPU gpufleet has no floors for, found {sorted(cfg.burn_in_floors) or 'none'}"
+                                   f" (GPU {gpu_name!r})")])
+    base = burn_in_floors(model) if model is not None else None
+    floors = {k: float(cfg.burn_in_floors.get(k, getattr(base, k, 0.0))) for k in wanted}
+    cpu = cfg.burn_in_device == "cpu"
+    return {"device": cfg.burn_in_device, "dtype": "float32" if cpu else "bfloat16",
+            "matmul_n": cfg.burn_in_matmul_n, "matmul_seconds": cfg.burn_in_seconds,
+            "matmul_tflops": floors["matmul_tflops"], "copy_bytes": (64 if cpu else 1024) * 1024**2,
+            "copy_seconds": round(cfg.burn_in_seconds / 3, 3), "copy_gbps": floors["copy_gbps"],
+            "allreduce_bytes": 256 * 1024**2, "allreduce_busbw_gbps": floors["allreduce_busbw_gbps"],
+            "gate_policy": GATE_POLICY}
+
+
+def config_values(cfg: HostConfig, name: str, address: str, metrics: list[str]) -> dict[str, Any]:
+    """What the node watch reads (``/etc/gpufleet/lifecycle.json``)."""
+    return {
+        "node": name,
+        "policy": {"readmit_passes": cfg.node_readmit_passes, "cool_off_s": int(cfg.node_cool_off_s),
+                   "retire_after": cfg.node_retire_after, "retire_window_s": int(cfg.node_retire_window_s)},
+        "catalog": catalog(cfg.node_findings),
+        "burst_quiet_s": cfg.node_xid_burst_quiet_s,
+        "kernel_log": cfg.node_kernel_log,
+        "gate_marker": GPU_WATCH_MARKER,
+        "agent": {"address": address, "port": cfg.node_agent_port},
+        "drain_timeout_s": cfg.node_drain_timeout_s,
+        "burn_in": {"python": venv_bin(cfg.vllm_version, "python"), "floors": BURN_IN_FLOORS,
+                    "timeout_s": str(max(600, int(cfg.burn_in_seconds * 10)))},
+        "state_file": NODE_STATE_FILE,
+        "evidence_dir": EVIDENCE_DIR,
+        "textfile": NODE_TEXTFILE,
+        "replica_metrics": metrics,
+    }
+
+
+def service_values(cfg: HostConfig, allowed: list[str]) -> dict[str, object]:
+    """What templates/node_lifecycle/gpufleet-node-watch.service.j2 is rendered with."""
+    argv = [NODE_PYTHON, node_tool("node_watch.py"), "watch", "--config", LIFECYCLE_CONFIG]
+    return {"service": NODE_WATCH_SERVICE, "node_tools": NODE_TOOLS_DIR, "exec_start": exec_line(argv),
+            "state_dir": NODE_STATE_DIR.removeprefix("/var/lib/"), "textfile_dir": f"-{TEXTFILE_DIR}",
+            "kernel_log": cfg.node_kernel_log, "gpu": "nvml" if cfg.burn_in_device == "cpu" else "compute",
+            "ip_access": access.unit_lines(allowed), "state_file": NODE_STATE_FILE}
+
+
+@deploy("Node lifecycle")
+def node_lifecycle() -> None:
+    """The node's watch and its configuration; the admission burn-in of a node that has not passed it."""
+    cfg = host_config()
+    paths = [SERVICE_FILE, LIFECYCLE_CONFIG, BURN_IN_FLOORS, NODE_STATE_FILE]
+    node.observe(name="Read the node lifecycle's unit, configuration and record", units=[NODE_WATCH_SERVICE],
+                 paths=paths, texts=[NODE_STATE_FILE])
+    if not cfg.node_lifecycle_enabled:
+        systemd.service(name=f"Stop and disable {NODE_WATCH_SERVICE} (node_lifecycle_enabled false)",
+                        unit=NODE_WATCH_SERVICE, running=False, enabled=False)
+        unit = files.absent(name=f"Remove {SERVICE_FILE}", path=SERVICE_FILE)
+        systemd.daemon_reload(name="Reload systemd: the node watch's unit went", _if=unit.did_change)
+        return
+    address = cfg.fleet_address or host.name
+    facts = gpu_facts()
+    try:
+        floors = floors_values(cfg, facts.gpus[0].name if facts is not None and facts.gpus else None)
+        routers = access.deploy_group(ROUTERS_GROUP)
+        allowed = access.allow_list([address], routers)
+    except ConfigError as error:
+        exit_with(error)
+    metrics = sorted({f"http://{replica.api_address}/metrics" for replica, role in assignments()
+                      if replica.nodes and replica.nodes[0] == host.name})
+    floors_file = files.file(name=f"Write the burn-in's floors {BURN_IN_FLOORS}", dest=BURN_IN_FLOORS,
+                             content=json.dumps(floors, indent=1, sort_keys=True) + "\n")
+    config = files.file(name=f"Write the node lifecycle's configuration {LIFECYCLE_CONFIG}", dest=LIFECYCLE_CONFIG,
+                        content=json.dumps(config_values(cfg, host.name, address, metrics), indent=1) + "\n")
+    unit = files.file(name=f"Write the node watch's unit {SERVICE_FILE}", dest=SERVICE_FILE,
+                      content=render("node_lifecycle/gpufleet-node-watch.service.j2", **service_values(cfg, allowed)))
+    systemd.daemon_reload(name="Reload systemd: the node watch's unit changed", _if=unit.did_change)
+    lifecycle.admission(name="Admit the node: the quick burn-in before a replica lands on it",
+                        config=LIFECYCLE_CONFIG, state_file=NODE_STATE_FILE)
+    systemd.restart(name=f"Restart {NODE_WATCH_SERVICE}: its unit, configuration or floors changed",
+                    unit=NODE_WATCH_SERVICE, _if=any_changed(unit, config, floors_file))
+    systemd.service(name=f"Enable and start {NODE_WATCH_SERVICE}", unit=NODE_WATCH_SERVICE, running=True,
+                    enabled=True)

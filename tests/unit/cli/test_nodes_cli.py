@@ -1,0 +1,130 @@
+"""``gpufleet nodes`` (gpufleet/cli/nodes.py) on a real inventory (tests/data/rollout_fleet), with the nodes and the
+monitoring hosts replaced by recorded answers: bad input refused with one line before any node changes, a move made
+through the node's own tool; the monitoring hosts' copies (gpufleet/remote/node_records.py). On the lab's nodes:
+tests/lab/test_lifecycle.py."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Collection, Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from gpufleet.cli import nodes as cli_nodes
+from gpufleet.cli.main import main
+from gpufleet.node import node_state
+from gpufleet.remote.commands import RemoteResult
+from tests.conftest import DATA
+
+FLEET = str(DATA / "rollout_fleet" / "inventory.py")
+A01 = "gpu-a01.dc1.example.net"
+NOW = datetime(2026, 11, 27, 12, 0, tzinfo=UTC)
+
+
+class Nodes:
+    """Each node's record as its tool shows it, and every command and file the CLI sent."""
+
+    def __init__(self, states: dict[str, str]) -> None:
+        self.records: dict[str, dict[str, Any]] = {}
+        for host, state in states.items():
+            record = node_state.move(node_state.new_record(host, NOW), "burn-in", "first seen", NOW)
+            record = node_state.move(record, "serving", "passed", NOW)
+            if state != "serving":
+                record = node_state.move(record, state, "by hand", NOW)  # type: ignore[arg-type]
+            self.records[host] = record
+        self.commands: list[tuple[str, list[str]]] = []
+        self.written: dict[tuple[str, str], str] = {}
+
+    def run(self, host: str, words: Sequence[str], *, timeout_s: float,
+            ok_status: Collection[int] = (0,)) -> RemoteResult:
+        self.commands.append((host, list(words)))
+        if "show" in words:
+            return RemoteResult(True, json.dumps(self.records[host]), "")
+        if "move" in words:
+            to = words[words.index("--to") + 1]
+            why = bytes.fromhex(words[words.index("--why-hex") + 1]).decode()
+            by = bytes.fromhex(words[words.index("--by-hex") + 1]).decode()
+            self.records[host] = node_state.move(self.records[host], to, why, NOW, by, force="--force" in words)
+            return RemoteResult(True, json.dumps(self.records[host]), "")
+        return RemoteResult(True, "", "")
+
+    def put_text(self, host: str, path: str, text: str) -> RemoteResult:
+        self.written[(host, path)] = text
+        return RemoteResult(True, "", "")
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def nodes(monkeypatch: pytest.MonkeyPatch) -> Nodes:
+    found = Nodes({A01: "serving", "gpu-a02.dc1.example.net": "retired", "gpu-a03.dc1.example.net": "suspect"})
+    monkeypatch.setattr(cli_nodes, "PyinfraRemote", lambda inventory: found)
+    return found
+
+
+@pytest.mark.parametrize(("args", "line"), [
+    (["quarantine", "gpu-z99", "--why", "x"], f"{FLEET}: gpu-z99: expected a host of the inventory ("),
+    (["quarantine", "router1.dc1.example.net", "--why", "x"],
+     f"{FLEET}: router1.dc1.example.net: expected a host of a serving pool, found one in no pool"),
+    (["quarantine", A01], "gpufleet nodes quarantine: --why: expected 1 to 200 printable characters, found nothing"),
+    (["quarantine", A01, "--why", "line\nbreak"], "gpufleet nodes quarantine: --why: expected 1 to 200 printable"),
+    (["quarantine", A01, "--why", " "], "gpufleet nodes quarantine: --why: expected 1 to 200 printable"),
+    (["readmit", "gpu-a02.dc1.example.net", "--why", "repaired"],
+     "gpufleet nodes readmit: gpu-a02.dc1.example.net: cannot move from retired to burn-in: from retired the moves"
+     " are none (with --force: burn-in)"),
+    (["readmit", A01, "--why", "x"], f"gpufleet nodes readmit: {A01}: cannot move from serving to burn-in"),
+    (["--why", "x"], "nodes: give an action (quarantine, readmit or retire) with HOST, --why and --force"),
+    ([A01], "nodes: invalid value for '[quarantine|readmit|retire]': 'gpu-a01.dc1.example.net' is not one of"),
+])
+def test_bad_input_is_one_line_and_changes_nothing(nodes: Nodes, args: list[str], line: str) -> None:
+    result = CliRunner().invoke(main, ["nodes", FLEET, *args])
+    assert result.exit_code == 2, result.output
+    assert len(result.output.splitlines()) == 1 and line in result.output, result.output
+    assert not [c for c in nodes.commands if "move" in c[1]] and not nodes.written
+
+
+def test_a_move_goes_through_the_nodes_own_tool(nodes: Nodes) -> None:
+    result = CliRunner().invoke(main, ["nodes", FLEET, "quarantine", A01, "--why", "fans: loud \"rattle\""])
+    assert result.exit_code == 0, result.output
+    moved = [words for host, words in nodes.commands if host == A01 and "move" in words]
+    assert len(moved) == 1 and moved[0][:3] == ["/usr/bin/python3", "/opt/gpufleet/node/node_watch.py", "move"]
+    assert bytes.fromhex(moved[0][moved[0].index("--why-hex") + 1]).decode() == "fans: loud \"rattle\""
+    assert nodes.records[A01]["state"] == "quarantined"
+    assert result.output.startswith(f"{A01}: quarantined since 2026-11-27T12:00:00Z; 1 quarantine(s)")
+
+
+def test_readmitting_a_suspect_node_clears_it_and_a_retired_one_needs_force(nodes: Nodes) -> None:
+    a03, a02 = "gpu-a03.dc1.example.net", "gpu-a02.dc1.example.net"
+    assert CliRunner().invoke(main, ["nodes", FLEET, "readmit", a03, "--why", "checked"]).exit_code == 0
+    assert nodes.records[a03]["state"] == "serving"
+    assert CliRunner().invoke(main, ["nodes", FLEET, "readmit", a02, "--why", "repaired", "--force"]).exit_code == 0
+    assert nodes.records[a02]["state"] == "burn-in"
+
+
+def test_the_list_names_every_serving_node(nodes: Nodes) -> None:
+    result = CliRunner().invoke(main, ["nodes", FLEET, "--json"])
+    assert result.exit_code == 0, result.output
+    shown = json.loads(result.output)
+    assert {h: r["state"] for h, r in shown.items()} == {A01: "serving", "gpu-a02.dc1.example.net": "retired",
+                                                         "gpu-a03.dc1.example.net": "suspect"}
+
+
+def test_the_longer_history_wins_and_is_kept_on_every_monitoring_host(nodes: Nodes) -> None:
+    from gpufleet.remote import node_records
+
+    own = nodes.records[A01]
+    longer = node_state.move(own, "suspect", "Xid 92", NOW)
+    nodes.records["monitor1"] = {}  # a host with no node tool: only its copies are read
+    assert node_records.newer(own, longer) is longer and node_records.newer(None, own) is own
+    assert node_records.newer(own, None) is own
+    problems = node_records.keep(nodes, ["monitor1", "monitor2"], longer)
+    assert problems == []
+    for host in ("monitor1", "monitor2"):
+        text = nodes.written[(host, f"{node_records.NODES_DIR}/{A01}.json.new")]
+        assert json.loads(text) == longer and text.count("\n") == 1
+        final = f"{node_records.NODES_DIR}/{A01}.json"
+        assert (host, ["mv", "-f", f"{final}.new", final]) in nodes.commands

@@ -1,0 +1,59 @@
+"""Findings (``gpufleet/node/findings.py``) as data: kernel logs read against the repository's catalog
+(``tests/data/findings/kernel_logs.yml``) and catalogs the rules refuse (``tests/data/findings/bad_catalogs.yml``)."""
+
+from __future__ import annotations
+
+from importlib.resources import files
+from typing import Any
+
+import pytest
+import yaml
+
+from gpufleet.node import findings
+from tests.conftest import DATA
+
+CATALOG: dict[str, Any] = yaml.safe_load(files("gpufleet").joinpath("data/findings.yml").read_text())
+LOGS: dict[str, dict[str, Any]] = yaml.safe_load((DATA / "findings" / "kernel_logs.yml").read_text())
+BAD: list[dict[str, Any]] = yaml.safe_load((DATA / "findings" / "bad_catalogs.yml").read_text())
+
+
+def test_the_repository_catalog_is_sound_and_names_its_source() -> None:
+    assert findings.catalog_problems(CATALOG) == []
+    assert CATALOG["source"].startswith("NVIDIA Xid catalog")
+    for code in (48, 63, 64, 74, 79, 94, 95, 119, 120):  # the codes a serving node must never keep running on
+        assert CATALOG["xid"][code]["action"] == "quarantine", code
+
+
+@pytest.mark.parametrize("name", sorted(LOGS))
+def test_a_kernel_log(name: str) -> None:
+    case = LOGS[name]
+    bursts = findings.Bursts(CATALOG)
+    found = []
+    for at, line in case["log"]:
+        xid = findings.parse_xid(line)
+        if xid is not None and (finding := bursts.see(xid, float(at))) is not None:
+            found.append([finding.action, finding.code, finding.gpu])
+    assert found == case["findings"]
+    for gpu, code, lines in case.get("lines", []):
+        assert bursts.lines_in(findings.Xid(gpu, code, "")) == lines
+
+
+def test_a_finding_carries_the_drivers_words_and_the_catalogs_name() -> None:
+    xid = findings.parse_xid("NVRM: Xid (PCI:0000:3b:00): 79, pid=1912, name=python3, GPU has fallen off the bus.")
+    assert xid == findings.Xid("0000:3b:00", 79, "pid=1912, name=python3, GPU has fallen off the bus.")
+    finding = findings.Bursts(CATALOG).see(xid, 0.0)
+    assert finding is not None and finding.evidence == {"line": xid.text, "name": "GPU has fallen off the bus",
+                                                        "bucket": "RESTART_BM"}
+
+
+@pytest.mark.parametrize("case", BAD, ids=lambda c: c["problems"][0].split(":")[0])
+def test_a_bad_catalog_is_refused_line_by_line(case: dict[str, Any]) -> None:
+    assert findings.catalog_problems(case["doc"], "node_findings") == case["problems"]
+
+
+def test_an_override_replaces_whole_entries_and_keeps_the_rest() -> None:
+    out = findings.merged(CATALOG, {"xid": {13: {"action": "suspect"}}})
+    assert findings.action_of(out, "xid", 13) == "suspect" and findings.action_of(out, "xid", 79) == "quarantine"
+    assert findings.action_of(CATALOG, "xid", 13) == "record"  # the catalog itself is left alone
+    assert findings.action_of(out, "gate_failed") == "quarantine" and findings.action_of(out, "nothing") == "record"
+    assert findings.worst([]) == "record"

@@ -1,0 +1,137 @@
+"""The node watch (``gpufleet/node/node_watch.py``) without a node: the routers' agent answer, the kernel log read as
+it grows, findings moving the record, people's moves refused with one line, and what Prometheus is given. Its whole
+life on a node (drain, stop, evidence, burn-in, readmission): tests/lab/test_lifecycle.py."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime, timedelta
+from importlib.resources import files
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from gpufleet.node import findings, node_state, node_watch
+from gpufleet.operations.lifecycle import needs_admission
+
+CATALOG = yaml.safe_load(files("gpufleet").joinpath("data/findings.yml").read_text())
+NOW = datetime(2026, 11, 27, 12, 0, tzinfo=UTC)
+
+
+def _config(tmp_path: Path, **extra: Any) -> node_watch.Config:
+    doc = {"node": "gpu-a01", "policy": {"readmit_passes": 2, "cool_off_s": 20, "retire_after": 3,
+                                         "retire_window_s": 604800},
+           "catalog": json.loads(json.dumps(CATALOG)), "kernel_log": str(tmp_path / "kmsg"),
+           "gate_marker": str(tmp_path / "gate-failed"),
+           "burn_in": {"python": "/bin/false", "floors": str(tmp_path / "floors.json")},
+           "state_file": str(tmp_path / "state" / "state.json"), "evidence_dir": str(tmp_path / "evidence"),
+           "textfile": str(tmp_path / "textfile" / "gpufleet-node.prom"), **extra}
+    path = tmp_path / "lifecycle.json"
+    path.write_text(json.dumps(doc))
+    return node_watch.Config.load(path)
+
+
+def _serving(config: node_watch.Config) -> None:
+    with node_watch.locked(config) as record:
+        new = node_state.move(record, "burn-in", "first seen", NOW)
+        new = node_state.move(new, "serving", "1 clean burn-in pass(es)", NOW)
+        node_watch.replace(record, new)
+
+
+@pytest.mark.parametrize(("state", "age_s", "reply"), [
+    ("serving", 60, "up\n"), ("serving", 2, "up 100%\n"), ("suspect", 60, "up\n"), ("new", 60, "0% down\n"),
+    ("burn-in", 60, "0% down\n"), ("quarantined", 60, "0% down\n"), ("retired", 60, "0% down\n")])
+def test_the_agent_tells_the_routers_whether_the_node_takes_requests(state: str, age_s: int, reply: str) -> None:
+    record = {"state": state, "since": node_state.now_text(NOW - timedelta(seconds=age_s))}
+    assert node_watch.agent_reply(record, NOW) == reply
+    assert node_watch.agent_reply(None, NOW) == "0% down\n"
+
+
+def test_the_kernel_log_gives_only_new_whole_lines(tmp_path: Path) -> None:
+    log = tmp_path / "kmsg"
+    log.write_text("NVRM: Xid (PCI:0000:18:00): 79, old news\n")
+    kernel = node_watch.KernelLog(log)
+    assert kernel.lines() == []  # what was there before the watch started was acted on then
+    with log.open("a") as out:
+        out.write("NVRM: Xid (PCI:0000:18:00): 48, pid=1, DBE\nhalf a li")
+    assert kernel.lines() == ["NVRM: Xid (PCI:0000:18:00): 48, pid=1, DBE"]
+    with log.open("a") as out:
+        out.write("ne\n")
+    assert kernel.lines() == ["half a line"]
+    log.write_text("after a rotation\n")  # truncated: read from its start
+    assert kernel.lines() == ["after a rotation"]
+    assert list(kernel.recent)[-1] == "after a rotation"
+
+
+def test_a_kernel_log_that_appears_later_is_read_from_its_start(tmp_path: Path) -> None:
+    kernel = node_watch.KernelLog(tmp_path / "kmsg")
+    assert kernel.lines() == []
+    (tmp_path / "kmsg").write_text("NVRM: Xid (PCI:0000:18:00): 79, first\n")
+    assert kernel.lines() == ["NVRM: Xid (PCI:0000:18:00): 79, first"]
+
+
+def _finding(code: int) -> findings.Finding:
+    xid = findings.Xid("0000:18:00", code, "text")
+    found = findings.Bursts(CATALOG).see(xid, 0.0)
+    assert found is not None
+    return found
+
+
+def test_findings_move_the_record_as_the_catalog_says(tmp_path: Path) -> None:
+    config = _config(tmp_path)
+    _serving(config)
+    node_watch.apply_finding(config, _finding(13))  # recorded
+    assert node_watch.read_record(config)["state"] == "serving"
+    node_watch.apply_finding(config, _finding(92))  # suspect, still serving
+    assert node_watch.read_record(config)["state"] == "suspect"
+    node_watch.apply_finding(config, _finding(79))
+    record = node_watch.read_record(config)
+    assert record["state"] == "quarantined" and record["history"][-1]["why"] == "Xid 79 on 0000:18:00"
+    assert [f["code"] for f in record["findings"]] == [13, 92, 79]
+    node_watch.apply_finding(config, _finding(48))  # already out: kept, no second quarantine
+    assert len(node_watch.read_record(config)["quarantines"]) == 1
+    assert (tmp_path / "state" / "state.json").stat().st_mode & 0o777 == 0o644
+
+
+def test_people_move_the_node_through_the_same_rules(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = _config(tmp_path)
+    _serving(config)
+    args = ["--config", str(tmp_path / "lifecycle.json")]
+    why = b"fan noise".hex()
+    assert node_watch.main(["move", *args, "--to", "retired", "--why-hex", why, "--by", "ops"]) == 0
+    assert json.loads(capsys.readouterr().out)["history"][-1]["by"] == "ops"
+    assert node_watch.main(["move", *args, "--to", "burn-in", "--why", "repaired"]) == 2
+    assert capsys.readouterr().err == ("node watch: gpu-a01: cannot move from retired to burn-in: from retired the"
+                                       " moves are none (with --force: burn-in)\n")
+    assert node_watch.main(["move", *args, "--to", "burn-in", "--why", "repaired", "--force"]) == 0
+    capsys.readouterr()
+    assert node_watch.main(["move", *args, "--to", "serving", "--why", "a\nb"]) == 2
+    assert "1 to 200 printable characters" in capsys.readouterr().err
+    assert node_watch.main(["move", *args, "--to", "serving", "--why-hex", "zz"]) == 2
+
+
+def test_prometheus_gets_the_state_and_the_failed_checks(tmp_path: Path) -> None:
+    config = _config(tmp_path)
+    _serving(config)
+    verdict = {"tier": "quick", "passed": False, "seconds": 3.0,
+               "checks": [{"check": "dcgm-r2", "status": "fail", "gpu": 3, "evidence": {"test": "memory"}}]}
+    with node_watch.locked(config) as record:
+        node_watch.replace(record, node_state.after_burn_in(record, verdict, NOW, config.policy))
+    node_watch.export(config, node_watch.read_record(config))
+    text = (tmp_path / "textfile" / "gpufleet-node.prom").read_text()
+    assert 'gpufleet_node_state{state="quarantined"} 1\n' in text and 'gpufleet_node_state{state="serving"} 0\n' in text
+    assert 'gpufleet_burn_in_passed{tier="quick"} 0\n' in text
+    assert 'gpufleet_burn_in_failed_check{check="dcgm-r2",gpu="3"} 1\n' in text
+    assert "gpufleet_node_quarantines 1\n" in text
+
+
+@pytest.mark.parametrize(("text", "needed"), [
+    (None, True), ("", True), ("not json", True),
+    ('{"state": "new"}', True), ('{"state": "burn-in", "quarantines": []}', True),
+    ('{"state": "burn-in", "quarantines": ["2026-11-27T12:00:00Z"]}', False),
+    ('{"state": "serving"}', False), ('{"state": "suspect"}', False), ('{"state": "quarantined"}', False),
+    ('{"state": "retired"}', False)])
+def test_a_node_is_admitted_once_by_the_deploy(text: str | None, needed: bool) -> None:
+    assert needs_admission(text) is needed
