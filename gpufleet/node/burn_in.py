@@ -5,8 +5,8 @@
 
 Run with the release's own Python (its torch) while no replica runs on the node. The tiers:
 
-- ``quick``: the NVML gate (``nvml_probe.py --gate`` beside this file); ``dcgmi diag -r 1`` then ``-r 2``; per GPU a
-  matrix product with a checksum and a TFLOP/s floor, and a device copy with a bandwidth floor;
+- ``quick``: the NVML gate (``nvml_probe.py --gate`` beside this file); ``dcgmi diag -r 1`` then ``-r 2``; on every
+  GPU at once, a matrix product with a checksum and a TFLOP/s floor, then a device copy with a bandwidth floor;
 - ``full``: ``dcgmi diag -r 3``; an all-reduce over the node's GPUs (``fabric_check.py`` beside this file, one rank
   per GPU on loopback) with a bus-bandwidth floor.
 
@@ -29,6 +29,7 @@ import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable
@@ -289,11 +290,12 @@ def kernel_checks(floors: Floors, nvml: Any = None) -> list[Check]:
     count = torch.cuda.device_count()
     if count == 0:
         return [Check("torch", "fail", evidence={"error": "torch sees no CUDA device"})]
-    checks: list[Check] = []
-    for index in range(count):
-        checks.append(matmul_burn(torch, "cuda", index, floors, nvml))
-        checks.append(copy_burn(torch, "cuda", index, floors))
-    return checks
+
+    def one_gpu(index: int) -> list[Check]:
+        return [matmul_burn(torch, "cuda", index, floors, nvml), copy_burn(torch, "cuda", index, floors)]
+
+    with ThreadPoolExecutor(max_workers=count) as pool:  # every GPU at once: torch lets go of the GIL in CUDA calls
+        return [check for found in pool.map(one_gpu, range(count)) for check in found]
 
 
 # --- the gate and the node's all-reduce -----------------------------------------------------------------------------

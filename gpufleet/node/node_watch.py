@@ -124,7 +124,8 @@ def read_record(config: Config) -> dict[str, Any]:
     try:
         record = json.loads(config.state_file.read_text())
     except FileNotFoundError:
-        return node_state.new_record(config.node, utcnow())
+        fresh: dict[str, Any] = node_state.new_record(config.node, utcnow())
+        return fresh
     if not isinstance(record, dict) or record.get("schema") != node_state.SCHEMA:
         raise ValueError(f"{config.state_file}: not a {node_state.SCHEMA} record")
     return record

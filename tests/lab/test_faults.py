@@ -51,6 +51,7 @@ from tests.lab.scenarios import GROUP_CHANGED, LabStates
 pytestmark = pytest.mark.filterwarnings("ignore:Unknown ssh-ed25519 host key:UserWarning")
 
 LAB_IFACE = "host0"  # a lab node's interface on the lab bridge (fleet_interface)
+IMPAIRED_LINK = "tbf rate 1mbit burst 32kbit latency 100ms"  # a link that moves 8 MiB in about a minute
 DRIVER_PACKAGES = "nvidia-driver-580-open libnvidia-compute-580 nvidia-persistenced"
 NVML_INIT = "python3 -c 'import ctypes; print(ctypes.CDLL(\"libnvidia-ml.so.1\").nvmlInit_v2())'"
 
@@ -145,8 +146,9 @@ def test_kill_9_of_any_rank_restarts_the_whole_pipeline_replica_once(lab: Lab, f
                                                                      tmp_path_factory: pytest.TempPathFactory) -> None:
     """Killing either rank's vLLM stops the other rank too; both start again as one new generation and the
     replica serves, without an operator; lab1's replica answers throughout. With rank 1 killed, lab3's link is
-    impaired first (netem: loss and delay on its interface): the new generation's fabric check fails within 60 s and
-    names lab3, and no vLLM starts on either rank until the link is mended; then it starts."""
+    impaired first (its interface held to 1 Mbit/s by a token bucket that queues, then drops: delay and loss; this
+    kernel has no netem): the new generation's fabric check fails within 60 s and names lab3, and no vLLM starts on
+    either rank until the link is mended; then it starts."""
     unit = f"vllm@{PIPELINE}"
     ranks = lab.nodes[1:]  # lab2 is rank 0 (the API), lab3 rank 1
     wait_serving(lab, ranks[0])
@@ -158,7 +160,7 @@ def test_kill_9_of_any_rank_restarts_the_whole_pipeline_replica_once(lab: Lab, f
     loop.start()
     try:
         if impaired is not None:
-            lab.host(impaired).check_output(f"tc qdisc add dev {LAB_IFACE} root netem loss 30% delay 200ms")
+            lab.host(impaired).check_output(f"tc qdisc add dev {LAB_IFACE} root {IMPAIRED_LINK}")
         killed = time.monotonic()
         lab.host(ranks[rank]).check_output(f"kill -{int(signal.SIGKILL)} {before[ranks[rank].name]}")
         # rank 0 may answer a moment longer (through the killed rank's engine processes, until its unit's cgroup is

@@ -29,7 +29,7 @@ from tests.lab.fleet import (
     single,
     wait_serving,
 )
-from tests.lab.harness import PYINFRA, Completed, Lab, run
+from tests.lab.harness import LAB_VARS, PYINFRA, Completed, Lab, run
 from tests.lab.prometheus import Prometheus, wait_for
 
 pytestmark = pytest.mark.filterwarnings("ignore:Unknown ssh-ed25519 host key:UserWarning")
@@ -145,7 +145,7 @@ def test_an_xid_79_under_load_drains_quarantines_and_readmits_the_node(
     assert record["state"] == "quarantined"
 
     host.check_output(f"mv {SIM_PROFILE}.saved {SIM_PROFILE}")
-    readmitted_by = _at(record["since"]).timestamp() + 20 + 60
+    readmitted_by = _at(record["since"]).timestamp() + LAB_VARS["node_cool_off_s"] + 60
     while time.time() < readmitted_by and record["state"] != "serving":
         time.sleep(2)
         record = node_record(lab, node)
@@ -179,15 +179,15 @@ def test_three_quarantines_retire_a_node_and_a_suspect_last_replica_keeps_servin
             (("readmit", node.address, "--why", "fixed"), f"gpufleet nodes readmit: {node.address}: cannot move from"
                                                           " serving to burn-in")):
         refused = gpufleet_nodes(lab, *args)
-        assert (refused.rc, refused.stderr.splitlines()[-1][:len(line)]) == (2, line), refused.stderr
-        assert "Traceback" not in refused.stderr
+        assert (refused.rc, refused.err.splitlines()[-1][:len(line)]) == (2, line), refused.err
+        assert "Traceback" not in refused.err
     assert node_record(lab, node)["state"] == "serving"
     for turn in range(2):
         done = gpufleet_nodes(lab, "quarantine", node.address, "--why", f"fan noise {turn}")
-        assert done.rc == 0, done.stderr
+        assert done.rc == 0, done.err
         if turn == 0:
             done = gpufleet_nodes(lab, "readmit", node.address, "--why", "fan replaced")
-            assert done.rc == 0, done.stderr
+            assert done.rc == 0, done.err
             end = time.monotonic() + 60
             while node_record(lab, node)["state"] != "serving" and time.monotonic() < end:
                 time.sleep(1)
@@ -196,7 +196,7 @@ def test_three_quarantines_retire_a_node_and_a_suspect_last_replica_keeps_servin
     note = record["history"][-1]["evidence"]["vendor_note"]
     assert "after 3 quarantines" in note and "fan noise 1" in note and "Xid 79" in note, note
     listed = gpufleet_nodes(lab)
-    assert listed.rc == 0 and f"{node.address}: retired since" in listed.stdout, listed.stdout + listed.stderr
+    assert listed.rc == 0 and f"{node.address}: retired since" in listed.out, listed.out + listed.err
     kept = json.loads(lab.host(node).check_output(f"cat /var/lib/gpufleet/nodes/{node.address}.json"))
     assert kept["state"] == "retired" and kept["history"] == record["history"]  # the monitoring host's copy
 
@@ -215,11 +215,11 @@ def test_three_quarantines_retire_a_node_and_a_suspect_last_replica_keeps_servin
         load.stop()
     assert load.failures == [], load.failures[:3]
     done = gpufleet_nodes(lab, "readmit", leader.address, "--why", "ECC rate checked")  # suspect: cleared
-    assert done.rc == 0 and node_record(lab, leader)["state"] == "serving", done.stderr
+    assert done.rc == 0 and node_record(lab, leader)["state"] == "serving", done.err
     done = gpufleet_nodes(lab, "readmit", node.address, "--why", "repaired", "--force")
-    assert done.rc == 0, done.stderr
+    assert done.rc == 0, done.err
     end = time.monotonic() + 60
     while node_record(lab, node)["state"] != "serving" and time.monotonic() < end:
         time.sleep(1)
     assert node_record(lab, node)["state"] == "serving"
-    wait_serving(lab, node, timeout=300)
+    wait_serving(lab, node, timeout=300)  # the faults that follow start from a serving fleet
