@@ -41,6 +41,7 @@ LIFECYCLE_CONFIG = f"{CONFIG_DIR}/lifecycle.json"  # policy, findings catalog, a
 BURN_IN_FLOORS = f"{CONFIG_DIR}/burn-in.json"  # every bound of the burn-in (gpufleet.gpu.burn_in_floors)
 NODE_STATE_DIR = "/var/lib/gpufleet/node"  # the unit's StateDirectory=
 NODE_STATE_FILE = f"{NODE_STATE_DIR}/state.json"  # the node's record (gpufleet.node-state/1)
+NODE_STATE_SUMMARY = f"{NODE_STATE_DIR}/summary.json"  # its state and quarantines' count, small: what a deploy reads
 EVIDENCE_DIR = f"{NODE_STATE_DIR}/evidence"  # one folder per departure, root 0700
 
 # the alert log (role monitoring): every alert Alertmanager sends, a line each in its journal (alert_log.py)

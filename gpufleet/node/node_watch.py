@@ -132,11 +132,19 @@ def read_record(config: Config) -> dict[str, Any]:
 
 
 def write_record(path: Path, record: dict[str, Any]) -> None:
-    """Replace the record in one rename, root 0644 (no secret in it)."""
-    temporary = path.with_name(f".{path.name}.tmp")
-    temporary.write_text(json.dumps(record, indent=1) + "\n")
-    os.chmod(temporary, 0o644)
-    os.replace(temporary, path)
+    """Replace the record, then its summary (the state and the quarantines' count, which a deploy reads), each in one
+    rename, root 0644 (no secret in them)."""
+    summary = {"state": record["state"], "quarantines": len(record.get("quarantines") or [])}
+    for target, text in ((path, json.dumps(record, indent=1)), (summary_path(path), json.dumps(summary))):
+        temporary = target.with_name(f".{target.name}.tmp")
+        temporary.write_text(text + "\n")
+        os.chmod(temporary, 0o644)
+        os.replace(temporary, target)
+
+
+def summary_path(state_file: Path) -> Path:
+    """Where the record's summary sits beside it (node_paths.NODE_STATE_SUMMARY)."""
+    return state_file.with_name("summary.json")
 
 
 def replace(record: dict[str, Any], new: dict[str, Any]) -> None:

@@ -26,8 +26,9 @@ With a ``fabric`` entry in ``RANKS_JSON`` (``{"port": 29589, "backend": "gloo", 
 "floor_gbps": ..., "timeout_s": 20}``, role node_lifecycle) the leader first asks every rank for the replica's fabric
 check (``fabric NONCE``): each runs ``fabric_check.py`` beside this file with this Python, an all-reduce over exactly
 the replica's ranks on the interface the units use. When the leader's verdict fails (a rank that does not join, a
-way out that stalls or is slower than the floor) it logs the nodes it names, tells the ranks to stop, and exits 75:
-no vLLM starts on that fabric, and systemd tries again, so a link that is mended lets the replica start.
+way out that stalls or is slower than the floor) it logs the nodes it names and asks again after ``FABRIC_RETRY_S``:
+no vLLM starts on that fabric, no unit restarts (systemd's start limit is not spent on it), and a link that is
+mended lets the generation start at the next check.
 
 Standard library only; every line it logs goes to stderr (the journal).
 """
@@ -292,23 +293,17 @@ def join_leader(leader: str, port: int, rank: int, secret: bytes) -> tuple[Peer,
             peer.close()
             time.sleep(CONNECT_RETRY_S)
             continue
-        if word == "fabric" and generation:
-            verdict = fabric_check(FABRIC, rank, leader)
+        while word == "fabric" and generation:  # the leader asks again until the check passes
+            fabric_check(FABRIC, rank, leader)
             word, _, generation = peer.read_line(None).partition(" ")
-            if word == "stop":
-                raise FabricFailed(f"the leader stopped the replica: its fabric check failed"
-                                   f" ({describe_fabric(verdict)} here)")
         if word == "go" and generation:
             return peer, generation
         peer.close()
 
 
-class FabricFailed(Exception):
-    """The replica's fabric check failed: this generation does not start (systemd tries again)."""
-
-
 FABRIC: dict[str, Any] = {}  # ranks.json's "fabric": the check before each generation ({}: none)
 FABRIC_TOOL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fabric_check.py")
+FABRIC_RETRY_S = 10.0  # between two fabric checks of a generation that has not started
 
 
 def fabric_check(fabric: dict[str, Any], rank: int, leader: str) -> dict[str, Any]:
@@ -421,20 +416,19 @@ def run(config: dict[str, Any], argv: list[str]) -> int:
             followers = gather_followers(str(config["bind"]), port, nodes, secret)
             generation = secrets.token_hex(4)
             peers = list(followers.values())
-            if FABRIC:
+            while FABRIC:  # until the check passes: no vLLM starts on a fabric that fails it
                 for peer in peers:
                     peer.send(f"fabric {generation}")
                 started = time.monotonic()
                 verdict = fabric_check(FABRIC, 0, str(config["bind"]))
                 log(f"rank 0: fabric check of generation {generation} "
                     f"{describe_fabric(verdict)} ({time.monotonic() - started:.1f} s)")
-                if not verdict.get("passed"):
-                    for peer in peers:
-                        with contextlib.suppress(OSError):
-                            peer.send("stop")
-                    log(f"rank 0: the replica does not start: its fabric check failed on "
-                        f"{', '.join(verdict.get('slow_nodes') or []) or 'an unnamed node'}")
-                    return PEER_LOST
+                if verdict.get("passed"):
+                    break
+                log(f"rank 0: the replica does not start: its fabric check failed on "
+                    f"{', '.join(verdict.get('slow_nodes') or []) or 'an unnamed node'}; checking again in"
+                    f" {FABRIC_RETRY_S:g} s")
+                time.sleep(FABRIC_RETRY_S)
             for peer in peers:
                 peer.send(f"go {generation}")
         else:
@@ -445,9 +439,6 @@ def run(config: dict[str, Any], argv: list[str]) -> int:
         why = watch(child, peers)
         log(f"rank {rank}: {why}; stopping vLLM so the whole replica starts again")
         stop_vllm(child)
-        return PEER_LOST
-    except FabricFailed as failed:
-        log(f"rank {rank}: {failed}; the replica does not start")
         return PEER_LOST
     except Stopped as stop:
         log(f"rank {rank}: {stop}, stopping vLLM")

@@ -13,18 +13,19 @@ from gpufleet.operations import node
 from gpufleet.operations.node import Commands, gpufleet_operation
 
 
-def needs_admission(record_text: str | None) -> bool:
-    """Whether a node must pass the quick burn-in before a replica lands on it: it has no record, or its record
-    has never let it serve (new, or in its first burn-in). A node that left (quarantined, retired) or is being
-    readmitted is its watch's to bring back; one that serves has passed."""
-    if record_text is None or not record_text.strip():
+def needs_admission(summary_text: str | None) -> bool:
+    """Whether a node must pass the quick burn-in before a replica lands on it, from its record's summary
+    (``{"state": ..., "quarantines": N}``): it has none, or its record has never let it serve (new, or in its first
+    burn-in). A node that left (quarantined, retired) or is being readmitted is its watch's to bring back; one that
+    serves has passed. A summary that cannot be read admits nothing: the watch rewrites it with the record."""
+    if summary_text is None:
         return True
     try:
-        record = json.loads(record_text)
+        summary = json.loads(summary_text)
     except ValueError:
-        return True
-    state = record.get("state") if isinstance(record, dict) else None
-    return state == "new" or (state == "burn-in" and not record.get("quarantines"))
+        return False
+    state = summary.get("state") if isinstance(summary, dict) else None
+    return state == "new" or (state == "burn-in" and not summary.get("quarantines"))
 
 
 @gpufleet_operation()
@@ -34,11 +35,14 @@ def admission(config: str, state_file: str) -> Commands:
     record then says why, and the node is quarantined); no change on a node that has.
 
     + config: the node lifecycle's configuration (``/etc/gpufleet/lifecycle.json``)
-    + state_file: the node's record
+    + state_file: the node's record's summary (``node_paths.NODE_STATE_SUMMARY``)
     """
     found = node.text(state_file)
     if not needs_admission(found):
-        state = json.loads(found or "{}").get("state")
+        try:
+            state = str(json.loads(found or "{}").get("state"))
+        except (ValueError, AttributeError):
+            state = "of unknown state"
         host.noop(f"the node is {state}: {'it passed its admission' if state in IN_SERVICE else 'its watch has it'}")
         return
     node.forget("texts", state_file)

@@ -39,6 +39,7 @@ from gpufleet.node_paths import (
     NODE_PYTHON,
     NODE_STATE_DIR,
     NODE_STATE_FILE,
+    NODE_STATE_SUMMARY,
     NODE_TOOLS_DIR,
     NODE_WATCH_SERVICE,
     TEXTFILE_DIR,
@@ -124,9 +125,9 @@ def service_values(cfg: HostConfig, allowed: list[str]) -> dict[str, object]:
 def node_lifecycle() -> None:
     """The node's watch and its configuration; the admission burn-in of a node that has not passed it."""
     cfg = host_config()
-    paths = [SERVICE_FILE, LIFECYCLE_CONFIG, BURN_IN_FLOORS, NODE_STATE_FILE]
+    paths = [SERVICE_FILE, LIFECYCLE_CONFIG, BURN_IN_FLOORS]
     node.observe(name="Read the node lifecycle's unit, configuration and record", units=[NODE_WATCH_SERVICE],
-                 paths=paths, texts=[NODE_STATE_FILE])
+                 paths=paths, texts=[NODE_STATE_SUMMARY])
     if not cfg.node_lifecycle_enabled:
         systemd.service(name=f"Stop and disable {NODE_WATCH_SERVICE} (node_lifecycle_enabled false)",
                         unit=NODE_WATCH_SERVICE, running=False, enabled=False)
@@ -151,7 +152,7 @@ def node_lifecycle() -> None:
                       content=render("node_lifecycle/gpufleet-node-watch.service.j2", **service_values(cfg, allowed)))
     systemd.daemon_reload(name="Reload systemd: the node watch's unit changed", _if=unit.did_change)
     lifecycle.admission(name="Admit the node: the quick burn-in before a replica lands on it",
-                        config=LIFECYCLE_CONFIG, state_file=NODE_STATE_FILE)
+                        config=LIFECYCLE_CONFIG, state_file=NODE_STATE_SUMMARY)
     systemd.restart(name=f"Restart {NODE_WATCH_SERVICE}: its unit, configuration or floors changed",
                     unit=NODE_WATCH_SERVICE, _if=any_changed(unit, config, floors_file))
     systemd.service(name=f"Enable and start {NODE_WATCH_SERVICE}", unit=NODE_WATCH_SERVICE, running=True,
