@@ -185,9 +185,10 @@ def _build(st: State, read_only: bool) -> DeployContext:
         deploy_state(st).read_only = True
     lost_nodes.watch(st)  # a node lost during the deploy fails its operation within a bound, and is named
     targets = [target for target in st.inventory if ctx.fleet.serves(target.name)]  # routers: no GPUs to probe
-    probes = [gevent.spawn(_probe, target) for target in targets]  # every host at once
-    records = [gevent.spawn(_record, target) for target in targets]
+    # every host at once, one command at a time on each host's connection: its probe, then its lifecycle record
+    probes = [gevent.spawn(_probe, target) for target in targets]
     gevent.joinall(probes)
+    records = [gevent.spawn(_record, target) for target in targets]
     gevent.joinall(records)
     for target, read in zip(targets, records, strict=True):
         if read.successful() and read.value is not None:
