@@ -337,7 +337,8 @@ def allreduce_check(floors: Floors, runner: Runner, gpus: int) -> Check:
 # --- a run ----------------------------------------------------------------------------------------------------------
 
 
-def _run(argv: list[str], timeout: float) -> tuple[int, str, str]:
+def run_command(argv: list[str], timeout: float) -> tuple[int, str, str]:
+    """``argv`` with a time limit: (exit status, stdout, stderr); 127 when it is not there, 124 when it ran out."""
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
     except FileNotFoundError:
@@ -357,7 +358,7 @@ def _nvml() -> Any:
         return None
 
 
-def burn_in(tier: str, floors: Floors, runner: Runner = _run, dcgmi: str = "dcgmi") -> dict[str, Any]:
+def burn_in(tier: str, floors: Floors, runner: Runner = run_command, dcgmi: str = "dcgmi") -> dict[str, Any]:
     """One tier's run: every check, and the verdict (passed when no check failed)."""
     started = time.monotonic()
     checks: list[Check] = [gate_check(floors, runner)]

@@ -32,7 +32,6 @@ import os
 import re
 import socketserver
 import stat
-import subprocess
 import sys
 import threading
 import time
@@ -65,6 +64,7 @@ def _sibling(name: str) -> ModuleType:
 
 
 findings, node_state = _sibling("findings"), _sibling("node_state")
+_run = _sibling("burn_in").run_command  # the same time-limited runner as the burn-in's
 
 
 def log(line: str) -> None:
@@ -248,16 +248,6 @@ class KernelLog:
 
 
 # --- acting -------------------------------------------------------------------------------------------------------
-
-
-def _run(argv: list[str], timeout: float) -> tuple[int, str, str]:
-    try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
-    except FileNotFoundError:
-        return 127, "", f"{argv[0]}: not found"
-    except subprocess.TimeoutExpired:
-        return 124, "", f"no answer within {timeout:g} s"
-    return done.returncode, done.stdout, done.stderr
 
 
 def replica_units() -> list[str]:
