@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any, Literal
 
-from pydantic import field_validator
+from pydantic import ValidationInfo, field_validator
 
 from gpufleet.config.settings import RoleSettings, setting
 from gpufleet.node.findings import catalog_problems
@@ -28,6 +28,21 @@ def _positive(value: Any, low: float, high: float, what: str = "seconds") -> Any
         shown = grammar.show(int(value) if isinstance(value, float) and value.is_integer() else value)
         raise ValueError(f"expected {what} from {_shown(low)} to {_shown(high)}, found {shown}")
     return value
+
+
+# The bounds of each ranged variable: (low, high, what the line calls its value).
+RANGES: dict[str, tuple[float, float, str]] = {
+    "node_xid_burst_quiet_s": (1, 86400, "seconds"),
+    "node_cool_off_s": (1, 86400, "seconds"),
+    "node_drain_timeout_s": (1, 86400, "seconds"),
+    "node_retire_window_s": (3600, 365 * 86400, "seconds"),
+    "node_fabric_floor_gbps": (1e-6, 1e4, "GB/s"),
+    "node_fabric_timeout_s": (5, 300, "seconds"),
+    "node_readmit_passes": (1, 10, "a count"),
+    "node_retire_after": (2, 20, "a count"),
+    "burn_in_seconds": (0.5, 3600, "seconds"),
+    "burn_in_matmul_n": (256, 32768, "a size"),
+}
 
 
 class NodeLifecycleSettings(RoleSettings):
@@ -141,35 +156,13 @@ class NodeLifecycleSettings(RoleSettings):
             raise KeyedError(key, message) if key else ValueError(message)
         return value
 
-    @field_validator("node_xid_burst_quiet_s", "node_cool_off_s", "node_drain_timeout_s")
+    @field_validator(*RANGES)
     @classmethod
-    def _seconds(cls, value: float) -> float:
-        return float(_positive(value, 1, 86400))
-
-    @field_validator("node_retire_window_s")
-    @classmethod
-    def _window(cls, value: float) -> float:
-        return float(_positive(value, 3600, 365 * 86400))
-
-    @field_validator("node_fabric_floor_gbps")
-    @classmethod
-    def _fabric_floor(cls, value: float) -> float:
-        return float(_positive(value, 1e-6, 1e4, "GB/s"))
-
-    @field_validator("node_fabric_timeout_s")
-    @classmethod
-    def _fabric_timeout(cls, value: float) -> float:
-        return float(_positive(value, 5, 300))
-
-    @field_validator("node_readmit_passes")
-    @classmethod
-    def _passes(cls, value: int) -> int:
-        return int(_positive(value, 1, 10, "a count"))
-
-    @field_validator("node_retire_after")
-    @classmethod
-    def _retire_after(cls, value: int) -> int:
-        return int(_positive(value, 2, 20, "a count"))
+    def _in_range(cls, value: float, info: ValidationInfo) -> float:
+        """Each ranged variable within its bounds (:data:`RANGES`), as the type it is declared with."""
+        low, high, what = RANGES[str(info.field_name)]
+        found = _positive(value, low, high, what)
+        return int(found) if what in ("a count", "a size") else float(found)
 
     @field_validator("burn_in_floors")
     @classmethod
@@ -183,13 +176,3 @@ class NodeLifecycleSettings(RoleSettings):
             except ValueError as bad:
                 raise KeyedError(key, str(bad)) from None
         return value
-
-    @field_validator("burn_in_seconds")
-    @classmethod
-    def _burn_seconds(cls, value: float) -> float:
-        return float(_positive(value, 0.5, 3600))
-
-    @field_validator("burn_in_matmul_n")
-    @classmethod
-    def _matmul_n(cls, value: int) -> int:
-        return int(_positive(value, 256, 32768, "a size"))
