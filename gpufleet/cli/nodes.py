@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import getpass
 import json
-import re
 from datetime import UTC, datetime
 
 import click
@@ -27,10 +26,33 @@ from gpufleet.node import node_state
 from gpufleet.remote import node_records
 from gpufleet.remote.commands import PyinfraRemote
 from gpufleet.remote.gpu_probe import load_inventory
+from gpufleet.values import grammar
 
 ACTIONS = {"quarantine": "quarantined", "readmit": "burn-in", "retire": "retired"}
-_WHY = re.compile(r"^[^\x00-\x1f\x7f-\x9f]{1,200}$")
 EXIT_FAILED = 1
+
+
+def why_problem(why: str) -> str | None:
+    """What is wrong with a reason (kept in the node's history on the node and the monitoring hosts), without
+    showing it: it may hold what it must not."""
+    try:
+        why.encode()
+    except UnicodeEncodeError:
+        return "text that is not UTF-8"
+    if grammar.secret_like(why):
+        return "text that looks like a credential (not shown; it would be kept in the node's history)"
+    if (char := grammar.control_char(why)) is not None:
+        return f"a control, format or line-break character ({char})"
+    if not why.strip():
+        return "only blanks" if why else "nothing"
+    if len(why) > 200:
+        return f"{len(why)} characters"
+    return None
+
+
+def shown_host(host: str) -> str:
+    """A HOST argument as a message shows it: escaped, cut short, and not at all when it looks like a secret."""
+    return "a name that looks like a credential (not shown)" if grammar.secret_like(host) else grammar.show(host)
 
 
 def describe(host: str, record: node_records.Record | None) -> str:
@@ -52,11 +74,11 @@ def describe(host: str, record: node_records.Record | None) -> str:
 @click.argument("inventory")
 @click.argument("action", required=False, type=click.Choice(sorted(ACTIONS)))
 @click.argument("host", required=False)
-@click.option("--why", default=None, help="Why (kept in the node's history): 1 to 200 printable characters.")
+@click.option("--why", "whys", multiple=True, help="Why (kept in the node's history): 1 to 200 printable characters.")
 @click.option("--force", is_flag=True, help="Readmit a retired node.")
 @click.option("--json", "as_json", is_flag=True, help="Print the records as JSON.")
 @DATA_OPTION
-def nodes_command(inventory: str, action: str | None, host: str | None, why: str | None, force: bool,
+def nodes_command(inventory: str, action: str | None, host: str | None, whys: tuple[str, ...], force: bool,
                   as_json: bool, data: tuple[str, ...]) -> None:
     """List each node's lifecycle state, GPUs, last burn-in and history; or quarantine, readmit or retire a node.
 
@@ -64,20 +86,29 @@ def nodes_command(inventory: str, action: str | None, host: str | None, why: str
     """
     fleet = cli_fleet(inventory, data)
     nodes = [h for h in fleet.hosts if fleet.serves(h)]
-    if action is None and (host is not None or why is not None or force):
+    why = whys[-1] if whys else None
+    if action is None and (host is not None or whys or force):
         raise click.UsageError("give an action (quarantine, readmit or retire) with HOST, --why and --force")
     if action is not None:
         if host is None:
             raise click.UsageError(f"give the HOST to {action}")
         if host not in fleet.hosts:
-            fail_lines([f"{inventory}: {host}: expected a host of the inventory ({', '.join(fleet.hosts)}),"
-                        f" found {host!r}"])
+            fail_lines([f"{inventory}: HOST: expected a host of the inventory ({', '.join(fleet.hosts)}),"
+                        f" found {shown_host(host)}"])
         if host not in nodes:
             fail_lines([f"{inventory}: {host}: expected a host of a serving pool, found one in no pool (a router"
                         " or monitoring host has no lifecycle)"])
-        if why is None or not _WHY.match(why) or not why.strip():
-            fail_lines([f"gpufleet nodes {action}: --why: expected 1 to 200 printable characters, found "
-                        f"{'nothing' if why is None else repr(why[:40])}"])
+        if not fleet.configs[host].node_lifecycle_enabled:
+            fail_lines([f"{inventory}: {host}: node_lifecycle_enabled: expected true to {action} the node (its"
+                        " watch acts on the move), found false"])
+        if force and action != "readmit":
+            fail_lines([f"gpufleet nodes {action}: --force: expected only with readmit (a retired node back),"
+                        f" found it with {action}"])
+        if len(whys) > 1:
+            fail_lines([f"gpufleet nodes {action}: --why: expected once, found {len(whys)} times"])
+        problem = "nothing" if why is None else why_problem(why)
+        if problem is not None:
+            fail_lines([f"gpufleet nodes {action}: --why: expected 1 to 200 printable characters, found {problem}"])
     monitoring = group_hosts(fleet, MONITORING_GROUP)
     remote = PyinfraRemote(load_inventory(inventory, parse_data_args(list(data)) if data else None))
     try:
@@ -106,7 +137,8 @@ def nodes_command(inventory: str, action: str | None, host: str | None, why: str
         click.echo(json.dumps(records.found, indent=1))
     else:
         for name, record in records.found.items():
-            click.echo(describe(name, record))
+            click.echo(f"{name}: not known (its record could not be read, below)" if record is None
+                       and name in records.unread else describe(name, record))
     for line in problems:
         click.echo(line, err=True)
     if problems:

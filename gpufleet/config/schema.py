@@ -30,6 +30,7 @@ from gpufleet.config.settings.nvidia_driver import NvidiaDriverSettings
 from gpufleet.config.settings.ray import RaySettings
 from gpufleet.config.settings.router import RouterSettings
 from gpufleet.config.settings.vllm import CPU_KV_SPACE, VllmSettings
+from gpufleet.gpu.burn_in_floors import HEALTHY
 from gpufleet.gpu.profiles import parse_profile
 from gpufleet.values import grammar
 from gpufleet.values.problems import KeyedError, shown_key
@@ -166,6 +167,13 @@ class HostConfig(
                           f"expected gpu_health.expected_gpu_model to be a part of {profile.gpu.nvml_name!r}, the"
                           f" GPU of gpu_profile {self.gpu_profile} (the gate would never pass),"
                           f" found {grammar.show(model)}"))
+        healthy = HEALTHY.get(profile.gpu.key)
+        for key, floor in sorted(self.burn_in_floors.items()):
+            reached = getattr(healthy, key, None) if self.burn_in_device == "cuda" else None
+            if reached is not None and floor > reached:
+                found.append(((f"burn_in_floors.{key}", "gpu_profile"),
+                              f"expected a floor at most {reached:g}, what a healthy {profile.gpu.key} reaches"
+                              f" (every node would fail its burn-in), found {floor:g}"))
         return found
 
     def _port_problems(self, api_ports: int) -> list[tuple[tuple[str, ...], str]]:

@@ -25,39 +25,77 @@ XID_LINE = re.compile(r"NVRM: Xid \(PCI:(?P<pci>[0-9A-Fa-f]{4}:[0-9A-Fa-f]{2}:[0
 BURST_QUIET_S = 180.0
 
 
-def catalog_problems(doc: Any, where: str = "findings") -> list[str]:
-    """Every problem of a catalog (or of a ``node_findings`` override): one line each, naming the entry."""
+_BUCKET = re.compile(r"[A-Z][A-Z0-9_]{1,39}")  # NVIDIA's resolution buckets: RESET_GPU, RESTART_BM, ...
+_CHECK = re.compile(r"[a-z][a-z0-9_]{0,39}")
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _entry_problems(name: str, entry: Any) -> list[str]:
+    """The problems of one entry: an action of :data:`ACTIONS`, an optional name (printable text) and bucket."""
+    if not isinstance(entry, dict) or "action" not in entry:
+        return [f"{name}: expected a mapping with an action, found {_shown(entry)}"]
+    problems = []
+    if entry["action"] not in ACTIONS:
+        problems.append(f"{name}.action: expected one of {', '.join(ACTIONS)}, found {_shown(entry['action'])}")
+    if "name" in entry and not (isinstance(entry["name"], str) and 0 < len(entry["name"]) <= 200
+                                and entry["name"].isprintable()):
+        problems.append(f"{name}.name: expected 1 to 200 printable characters, found {_shown(entry['name'])}")
+    if "bucket" in entry and not (isinstance(entry["bucket"], str) and _BUCKET.fullmatch(entry["bucket"])):
+        problems.append(f"{name}.bucket: expected a resolution bucket of NVIDIA's Xid catalog (RESET_GPU,"
+                        f" RESTART_APP, ...), found {_shown(entry['bucket'])}")
+    extra = sorted(set(entry) - {"name", "bucket", "action"}, key=str)
+    if extra:
+        problems.append(f"{name}: expected the keys name, bucket, action, found {_shown(extra[0])}")
+    return problems
+
+
+def catalog_problems(doc: Any, where: str = "findings", checks: frozenset[str] | None = None) -> list[str]:
+    """Every problem of a catalog, one line each, naming the entry. With ``checks`` (the repository catalog's check
+    names) ``doc`` is an override (``node_findings``): no ``source``, and only checks gpufleet makes."""
+    keys = ("xid", "checks") if checks is not None else ("source", "xid", "checks")
     if not isinstance(doc, dict):
-        return [f"{where}: expected a mapping with xid and checks, found {type(doc).__name__}"]
-    problems = [f"{where}: unknown key {key!r} (expected source, xid, checks)"
-                for key in doc if key not in ("source", "xid", "checks")]
+        return [f"{where}: expected a mapping with {' and '.join(keys[-2:])}, found {_shown(doc)}"]
+    problems = [f"{where}: expected the keys {', '.join(keys)}, found {_shown(key)}" for key in doc if key not in keys]
+    if "source" in doc and not (isinstance(doc["source"], str) and doc["source"].isprintable()):
+        problems.append(f"{where}.source: expected printable text, found {_shown(doc['source'])}")
     for part in ("xid", "checks"):
         entries = doc.get(part, {})
         if not isinstance(entries, dict):
-            problems.append(f"{where}.{part}: expected a mapping, found {type(entries).__name__}")
+            problems.append(f"{where}.{part}: expected a mapping, found {_shown(entries)}")
             continue
+        codes: dict[int, Any] = {}
         for key, entry in entries.items():
             name = f"{where}.{part}.{key}"
-            code = str(key) if isinstance(key, int) and not isinstance(key, bool) else key
-            if part == "xid" and not (isinstance(code, str) and code.isdigit() and 0 < int(code) < 10000):
-                problems.append(f"{name}: expected an Xid code (1 to 9999), found {key!r}")
-            if not isinstance(entry, dict) or "action" not in entry:
-                problems.append(f"{name}: expected a mapping with an action")
+            if part == "xid":
+                code = str(key) if isinstance(key, int) and not isinstance(key, bool) else key
+                # one spelling per code: 79, not "079" beside 79
+                if not (isinstance(code, str) and code.isascii() and code.isdigit() and code == str(int(code))
+                        and 0 < int(code) < 10000):
+                    problems.append(f"{where}.{part}: expected Xid codes (1 to 9999), found {_shown(key)}")
+                    continue
+                if int(code) in codes:
+                    problems.append(f"{where}.{part}: expected each Xid code once, found {code} twice"
+                                    f" ({_shown(codes[int(code)])} and {_shown(key)})")
+                    continue
+                codes[int(code)] = key
+            elif not (isinstance(key, str) and _CHECK.fullmatch(key)) or (checks is not None and key not in checks):
+                known = f" ({', '.join(sorted(checks))})" if checks is not None else ""
+                problems.append(f"{where}.{part}: expected a check gpufleet makes{known}, found {_shown(key)}")
                 continue
-            if entry["action"] not in ACTIONS:
-                problems.append(f"{name}.action: expected one of {', '.join(ACTIONS)}, found {entry['action']!r}")
-            extra = sorted(set(entry) - {"name", "bucket", "action"})
-            if extra:
-                problems.append(f"{name}: unknown key {extra[0]!r} (expected name, bucket, action)")
+            problems += _entry_problems(name, entry)
     return problems
 
 
 def merged(catalog: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
     """The catalog with an override's entries in place of its own (an override entry replaces one whole)."""
-    out = {"source": catalog.get("source", ""), "xid": dict(catalog.get("xid", {})),
+    out = {"source": catalog.get("source", ""), "xid": {int(k): v for k, v in catalog.get("xid", {}).items()},
            "checks": dict(catalog.get("checks", {}))}
-    for part in ("xid", "checks"):
-        out[part].update(override.get(part, {}))
+    out["xid"].update({int(k): v for k, v in override.get("xid", {}).items()})  # 79 and "79" are one code
+    out["checks"].update(override.get("checks", {}))
     return out
 
 

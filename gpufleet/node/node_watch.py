@@ -502,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{json.dumps(check.get('evidence'))[:300]}", file=sys.stderr)
         print(f"{config.node}: the node is {record['state']}", file=sys.stderr)
         return 1
-    if args.to is None or not _WHY.match(args.why) or not _WHY.match(args.by):
+    if args.to is None or not _WHY.fullmatch(args.why) or not _WHY.fullmatch(args.by):
         print("node watch: move needs --to and a --why (and --by) of 1 to 200 printable characters", file=sys.stderr)
         return 2
     try:

@@ -25,11 +25,12 @@ Record = dict[str, Any]
 
 @dataclass
 class Records:
-    """Every node's record (None: the node has none yet), and a line for each copy that could not be read or
-    written."""
+    """Every node's record (None: the node has none yet, or it could not be read: ``unread``), and a line for each
+    copy that could not be read or written."""
 
     found: dict[str, Record | None] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
+    unread: set[str] = field(default_factory=set)
 
 
 def _parse(text: str) -> Record | None:
@@ -76,6 +77,7 @@ def read(remote: Remote, nodes: list[str], monitoring: list[str]) -> Records:
         own = _parse(shown.stdout) if shown.ok else None
         if not shown.ok:
             out.problems.append(f"{node}: its record could not be read: {shown.line()}")
+            out.unread.add(node)
         out.found[node] = newer(own, kept.get(node))
     return out
 

@@ -255,6 +255,19 @@ pip_version = _matching(PIP_VERSION, "a release version (e.g. 2.60.0)")
 env_name = _matching(ENV_NAME, "an environment variable name (letters, digits, '_')")
 
 
+_SECRET_TEXT = re.compile(
+    r"(?<![A-Za-z0-9])(hf_|ghp_|gho_|ghs_|ghu_|github_pat_|glpat-|sk-|xox[abpr]-|AKIA|ASIA)[A-Za-z0-9_-]{12,}"
+    r"|eyJ[A-Za-z0-9_-]{10,}\.[A-Za-z0-9_-]{10,}"  # a JWT
+    r"|-----BEGIN [A-Z ]*PRIVATE KEY-----")
+_SECRET_PAIR = re.compile(r"([A-Za-z_][A-Za-z0-9_.-]*)\s*[=:]\s*\S{8,}")
+
+
+def secret_like(text: str) -> bool:
+    """Whether free text (a reason, a host name) holds what looks like a credential: a token of a known issuer's
+    shape (hf_, ghp_, sk-, AKIA..., a JWT, a private key) or ``name=value`` whose name names a secret."""
+    return bool(_SECRET_TEXT.search(text)) or any(names_secret(m[1]) for m in _SECRET_PAIR.finditer(text))
+
+
 def looks_secret(name: str) -> bool:
     """Whether a variable or flag name says it holds a secret (``*_KEY``, ``*_TOKEN``, ``*PASSWORD*``…)."""
     return bool(SECRET_NAME.search(name.replace("-", "_")))

@@ -27,6 +27,7 @@ from pyinfra.operations.util import any_changed
 
 from gpufleet.config.inventory_shape import ROUTERS_GROUP
 from gpufleet.config.schema import HostConfig
+from gpufleet.config.settings.node_lifecycle import repository_catalog
 from gpufleet.gpu.burn_in_floors import burn_in_floors
 from gpufleet.gpu.profiles import GPU_MODELS
 from gpufleet.node.findings import merged
@@ -56,19 +57,13 @@ from gpufleet.values.problems import ConfigError, Problem, exit_with
 
 SERVICE_FILE = unit_path(NODE_WATCH_SERVICE)
 NODE_TEXTFILE = f"{TEXTFILE_DIR}/gpufleet-node.prom"
-CATALOG = "data/findings.yml"
 GIB = 1024**3
 
 
 def catalog(override: dict[str, Any]) -> dict[str, Any]:
     """The findings catalog of the repository with ``node_findings`` in it, with JSON's string keys."""
-    from importlib.resources import files as package_files
-
-    import yaml
-
-    base = yaml.safe_load(package_files("gpufleet").joinpath(CATALOG).read_text())
-    out = merged(base, override)
-    return {"source": out["source"], "xid": {str(k): v for k, v in sorted(out["xid"].items(), key=lambda i: int(i[0]))},
+    out = merged(repository_catalog(), override)
+    return {"source": out["source"], "xid": {str(k): v for k, v in sorted(out["xid"].items())},
             "checks": dict(sorted(out["checks"].items()))}
 
 

@@ -7,8 +7,12 @@ written from them.
 from __future__ import annotations
 
 import math
+import re
+from functools import cache
+from importlib.resources import files
 from typing import Any, Literal
 
+import yaml
 from pydantic import ValidationInfo, field_validator
 
 from gpufleet.config.settings import RoleSettings, setting
@@ -16,6 +20,17 @@ from gpufleet.node.findings import catalog_problems
 from gpufleet.values import grammar
 from gpufleet.values.problems import KeyedError
 from gpufleet.values.types import Port
+
+CATALOG = "data/findings.yml"
+KMSG = "/dev/kmsg"
+_LOG_PATH = re.compile(r"/[A-Za-z0-9._+/-]{1,1023}")
+
+
+@cache
+def repository_catalog() -> dict[str, Any]:
+    """The findings catalog kept in the repository (gpufleet/data/findings.yml), which node_findings overrides."""
+    doc: dict[str, Any] = yaml.safe_load(files("gpufleet").joinpath(CATALOG).read_text())
+    return doc
 
 
 def _shown(bound: float) -> str:
@@ -64,12 +79,13 @@ class NodeLifecycleSettings(RoleSettings):
     node_kernel_log: str = setting(
         "/dev/kmsg",
         "Where the node watch reads the kernel log for Xids: /dev/kmsg, or a file the kernel's messages are"
-        " appended to.",
+        " appended to (an absolute path of letters, digits, '.', '_', '-', '+'; not in /proc, /sys, /dev or /etc).",
     )
     node_findings: dict[str, Any] = setting(
         {},
         "Entries that replace the findings catalog's (gpufleet/data/findings.yml): xid: {CODE: {action: ...}},"
-        " checks: {NAME: {action: ...}}; action quarantine, suspect or record.",
+        " checks: {NAME: {action: ...}} for a check the catalog lists; action quarantine, suspect or record, with an"
+        " optional name and NVIDIA resolution bucket. Each Xid code once.",
     )
     node_xid_burst_quiet_s: float = setting(
         180,
@@ -141,15 +157,22 @@ class NodeLifecycleSettings(RoleSettings):
     @field_validator("node_kernel_log")
     @classmethod
     def _kernel_log(cls, value: str) -> str:
-        problem = grammar.node_dir(value)
-        if problem or value.endswith("/"):
-            raise ValueError(problem or f"expected a file, found {grammar.show(value)}")
+        """/dev/kmsg, or a log file: an absolute normalised path of plain characters (no shell, glob or systemd
+        specifier), not in a kernel file system or /etc, each name within what a file system allows."""
+        if value == KMSG:
+            return value
+        plain = _LOG_PATH.fullmatch(value) is not None and grammar.node_dir(value) is None
+        names = value.split("/")[1:]
+        if not plain or value.endswith("/") or any(len(name) > 255 for name in names) \
+                or value.startswith(("/proc/", "/sys/", "/dev/", "/etc/", "/run/credentials/")):
+            raise ValueError(f"expected {KMSG} or a log file's absolute path (letters, digits, '.', '_', '-', '+',"
+                             f" '/'; not in /proc, /sys, /dev or /etc), found {grammar.show(value)}")
         return value
 
     @field_validator("node_findings")
     @classmethod
     def _findings(cls, value: dict[str, Any]) -> dict[str, Any]:
-        problems = catalog_problems(value, "node_findings")
+        problems = catalog_problems(value, "node_findings", frozenset(repository_catalog()["checks"]))
         if problems:
             path, _, message = problems[0].partition(": ")
             key = path.removeprefix("node_findings").lstrip(".")
@@ -169,8 +192,8 @@ class NodeLifecycleSettings(RoleSettings):
     def _floors(cls, value: dict[str, float]) -> dict[str, float]:
         for key, floor in value.items():
             if key not in ("matmul_tflops", "copy_gbps", "allreduce_busbw_gbps"):
-                raise ValueError(f"unknown floor {grammar.show(key)} (expected matmul_tflops, copy_gbps,"
-                                 " allreduce_busbw_gbps)")
+                raise ValueError("expected the floors matmul_tflops, copy_gbps, allreduce_busbw_gbps, found"
+                                 f" {grammar.show(key)}")
             try:
                 _positive(floor, 1e-6, 1e6, "a positive rate")
             except ValueError as bad:

@@ -11,6 +11,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
+import yaml
 from click.testing import CliRunner
 
 from gpufleet.cli import nodes as cli_nodes
@@ -66,25 +67,27 @@ def nodes(monkeypatch: pytest.MonkeyPatch) -> Nodes:
     return found
 
 
-@pytest.mark.parametrize(("args", "line"), [
-    (["quarantine", "gpu-z99", "--why", "x"], f"{FLEET}: gpu-z99: expected a host of the inventory ("),
-    (["quarantine", "router1.dc1.example.net", "--why", "x"],
-     f"{FLEET}: router1.dc1.example.net: expected a host of a serving pool, found one in no pool"),
-    (["quarantine", A01], "gpufleet nodes quarantine: --why: expected 1 to 200 printable characters, found nothing"),
-    (["quarantine", A01, "--why", "line\nbreak"], "gpufleet nodes quarantine: --why: expected 1 to 200 printable"),
-    (["quarantine", A01, "--why", " "], "gpufleet nodes quarantine: --why: expected 1 to 200 printable"),
-    (["readmit", "gpu-a02.dc1.example.net", "--why", "repaired"],
-     "gpufleet nodes readmit: gpu-a02.dc1.example.net: cannot move from retired to burn-in: from retired the moves"
-     " are none (with --force: burn-in)"),
-    (["readmit", A01, "--why", "x"], f"gpufleet nodes readmit: {A01}: cannot move from serving to burn-in"),
-    (["--why", "x"], "nodes: give an action (quarantine, readmit or retire) with HOST, --why and --force"),
-    ([A01], "nodes: invalid value for '[quarantine|readmit|retire]': 'gpu-a01.dc1.example.net' is not one of"),
-])
-def test_bad_input_is_one_line_and_changes_nothing(nodes: Nodes, args: list[str], line: str) -> None:
-    result = CliRunner().invoke(main, ["nodes", FLEET, *args])
+def _arg(text: str) -> str:
+    """A case's argument: FLEET and A01 stand for the inventory and its first node; {'x' * N} for a long one."""
+    if text.startswith("{'") and text.endswith("}"):
+        char, _, count = text[2:-1].partition("' * ")
+        return char * int(count)
+    return {"FLEET": FLEET, "A01": A01}.get(text, text)
+
+
+BAD_INPUT: list[dict[str, Any]] = yaml.safe_load((DATA / "nodes_cli" / "bad_input.yml").read_text())
+
+
+@pytest.mark.parametrize("case", BAD_INPUT, ids=[case["id"] for case in BAD_INPUT])
+def test_bad_input_is_one_line_before_any_host(nodes: Nodes, case: dict[str, Any]) -> None:
+    result = CliRunner().invoke(main, ["nodes", FLEET, *map(_arg, case["args"])])
     assert result.exit_code == 2, result.output
+    line = case["line"].replace("FLEET", FLEET)
     assert len(result.output.splitlines()) == 1 and line in result.output, result.output
-    assert not [c for c in nodes.commands if "move" in c[1]] and not nodes.written
+    assert case.get("never_shown", "\0") not in result.output
+    asked = [words for _, words in nodes.commands]
+    assert (all("show" in words for words in asked) if case.get("reads_record") else asked == []), asked
+    assert not nodes.written
 
 
 def test_a_move_goes_through_the_nodes_own_tool(nodes: Nodes) -> None:

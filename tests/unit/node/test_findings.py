@@ -48,7 +48,7 @@ def test_a_finding_carries_the_drivers_words_and_the_catalogs_name() -> None:
 
 @pytest.mark.parametrize("case", BAD, ids=lambda c: c["problems"][0].split(":")[0])
 def test_a_bad_catalog_is_refused_line_by_line(case: dict[str, Any]) -> None:
-    assert findings.catalog_problems(case["doc"], "node_findings") == case["problems"]
+    assert findings.catalog_problems(case["doc"], "node_findings", frozenset(CATALOG["checks"])) == case["problems"]
 
 
 def test_an_override_replaces_whole_entries_and_keeps_the_rest() -> None:
@@ -57,3 +57,5 @@ def test_an_override_replaces_whole_entries_and_keeps_the_rest() -> None:
     assert findings.action_of(CATALOG, "xid", 13) == "record"  # the catalog itself is left alone
     assert findings.action_of(out, "gate_failed") == "quarantine" and findings.action_of(out, "nothing") == "record"
     assert findings.worst([]) == "record"
+    # one code however it is spelt: the override's "79" replaces the catalog's 79
+    assert findings.action_of(findings.merged(CATALOG, {"xid": {"79": {"action": "record"}}}), "xid", 79) == "record"
