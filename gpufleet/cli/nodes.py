@@ -1,14 +1,15 @@
 """``gpufleet nodes``: each node's place in the fleet, and people's moves through the same path as the automatic one.
 
     gpufleet nodes INVENTORY [--json]
-    gpufleet nodes INVENTORY quarantine|readmit|retire HOST --why TEXT [--force]
+    gpufleet nodes INVENTORY quarantine|readmit|retire|burn-in HOST --why TEXT [--force]
 
 The list reads every serving node's record (its own, or the monitoring hosts' copy where that holds more) and keeps
 each on the monitoring hosts. A move is judged first (an unknown host, one in no serving pool, a move the state
 machine does not allow, a missing or unprintable reason: one line, exit 2, before any node is changed), then made by
 the node's own tool, so that its watch acts on it as on a finding: a quarantine drains the node at every router
 before its replicas stop; a readmission runs the full burn-in until it has passed ``node_readmit_passes`` times (a
-suspect node, which still serves, is simply cleared).
+suspect node, which still serves, is simply cleared); ``burn-in`` runs the full burn-in on request: the node, in
+service, is drained and stopped as for a quarantine (none is counted), and one clean full pass brings it back.
 """
 
 from __future__ import annotations
@@ -28,7 +29,11 @@ from gpufleet.remote.commands import PyinfraRemote
 from gpufleet.remote.gpu_probe import load_inventory
 from gpufleet.values import grammar
 
-ACTIONS = {"quarantine": "quarantined", "readmit": "burn-in", "retire": "retired"}
+ACTIONS = {"quarantine": "quarantined", "readmit": "burn-in", "retire": "retired", "burn-in": "burn-in"}
+# the states each action starts from, beyond what the state machine allows (it lets a node in service go to burn-in:
+# that is the full burn-in on request, not a readmission)
+FROM: dict[str, tuple[str, ...]] = {"readmit": ("quarantined", "retired", "suspect"),
+                                    "burn-in": node_state.IN_SERVICE}
 EXIT_FAILED = 1
 
 
@@ -80,7 +85,8 @@ def describe(host: str, record: node_records.Record | None) -> str:
 @DATA_OPTION
 def nodes_command(inventory: str, action: str | None, host: str | None, whys: tuple[str, ...], force: bool,
                   as_json: bool, data: tuple[str, ...]) -> None:
-    """List each node's lifecycle state, GPUs, last burn-in and history; or quarantine, readmit or retire a node.
+    """List each node's lifecycle state, GPUs, last burn-in and history; or quarantine, readmit or retire a node, or
+    run the full burn-in on one in service (drained and stopped meanwhile).
 
     Exit 0 when every record was read (and the move made), 1 when one could not be, 2 on bad input.
     """
@@ -88,7 +94,7 @@ def nodes_command(inventory: str, action: str | None, host: str | None, whys: tu
     nodes = [h for h in fleet.hosts if fleet.serves(h)]
     why = whys[-1] if whys else None
     if action is None and (host is not None or whys or force):
-        raise click.UsageError("give an action (quarantine, readmit or retire) with HOST, --why and --force")
+        raise click.UsageError("give an action (quarantine, readmit, retire or burn-in) with HOST, --why and --force")
     if action is not None:
         if host is None:
             raise click.UsageError(f"give the HOST to {action}")
@@ -119,6 +125,9 @@ def nodes_command(inventory: str, action: str | None, host: str | None, whys: tu
             current = records.found.get(host) or node_state.new_record(host, datetime.now(UTC))
             # readmitting a suspect node clears it (it still serves); any other readmission starts with burn-in
             to = "serving" if action == "readmit" and current["state"] == "suspect" else ACTIONS[action]
+            if current["state"] not in FROM.get(action, node_state.STATES):
+                fail_lines([f"gpufleet nodes {action}: {host}: cannot {action} a node that is {current['state']}"
+                            f" (only one that is {', '.join(FROM[action])})"])
             try:  # judged here first, as the node's tool will judge it
                 node_state.move(current, to, why, datetime.now(UTC), force=force)  # type: ignore[arg-type]
             except node_state.MoveRefused as refused:

@@ -23,8 +23,8 @@ STATES: tuple[State, ...] = ("new", "burn-in", "serving", "suspect", "quarantine
 MOVES: dict[State, tuple[State, ...]] = {
     "new": ("burn-in", "quarantined", "retired"),
     "burn-in": ("serving", "quarantined", "retired"),
-    "serving": ("suspect", "quarantined", "retired"),
-    "suspect": ("serving", "quarantined", "retired"),
+    "serving": ("suspect", "burn-in", "quarantined", "retired"),
+    "suspect": ("serving", "burn-in", "quarantined", "retired"),
     "quarantined": ("burn-in", "retired"),
     "retired": (),
 }
@@ -71,10 +71,16 @@ def out_of_service(record: Record | None) -> str | None:
     """Why a node with this record gets no replica, or None: it left the fleet, or is being readmitted (its watch
     brings it back). A node with no record, or a new one, is admitted by the deploy that places its replicas."""
     if record is None or record.get("state") in IN_SERVICE or record.get("state") == "new" \
-            or (record.get("state") == "burn-in" and not record.get("quarantines")):
+            or (record.get("state") == "burn-in" and not full_burn_in_due(record)):
         return None
     last = (record.get("history") or [{}])[-1]
     return f"the node is {record.get('state')} since {record.get('since')}: {last.get('why', 'no reason kept')}"
+
+
+def full_burn_in_due(record: Record) -> bool:
+    """Whether a node in burn-in runs the full tier, its replicas stopped: one readmitted after a quarantine, or one
+    a person took out of service for it (``requested``); a new node's admission is the deploy's quick tier."""
+    return record.get("state") == "burn-in" and bool(record.get("quarantines") or record.get("requested"))
 
 
 def allowed(state: State, force: bool = False) -> tuple[State, ...]:
@@ -96,8 +102,10 @@ def move(record: Record, to: State, why: str, now: datetime, by: str = "gpufleet
     out["state"], out["since"] = to, now_text(now)
     if to == "quarantined":
         out["quarantines"].append(now_text(now))
-    if to in ("quarantined", "suspect", "retired") or (to == "burn-in" and state == "retired"):
+    if to in ("quarantined", "suspect", "retired") or (to == "burn-in" and state in ("retired", *IN_SERVICE)):
         out["clean_passes"] = 0
+    # a node in service sent to burn-in: a full burn-in on request, its replicas drained and stopped meanwhile
+    out["requested"] = to == "burn-in" and (state in IN_SERVICE or bool(record.get("requested")))
     return out
 
 
@@ -149,8 +157,9 @@ def after_burn_in(record: Record, verdict: dict[str, Any], now: datetime, policy
         out = move(out, "burn-in", "first seen", now)
     if out["state"] != "burn-in":
         return out
-    readmission = bool(out["quarantines"])
-    if readmission and summary["tier"] != "full":
+    requested = bool(out.get("requested"))
+    readmission = bool(out["quarantines"]) and not requested
+    if (readmission or requested) and summary["tier"] != "full":
         return out
     out["clean_passes"] += 1
     needed = policy.readmit_passes if readmission else 1

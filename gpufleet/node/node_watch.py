@@ -17,7 +17,9 @@ a deploy, ``gpufleet nodes``) changes it through this tool, under one lock. ``wa
 - **acts on the state**, whoever set it: a node that left (quarantined, retired) is drained (the agent already
   answers down; in-flight requests get up to ``drain_timeout_s`` to finish), evidence is kept, its replica units
   stop, and a quarantined node runs the ``full`` burn-in while idle; once its cool-off has passed it moves to
-  burn-in, and ``readmit_passes`` clean full passes bring it back to serving, its units started again;
+  burn-in, and ``readmit_passes`` clean full passes bring it back to serving, its units started again; a node in
+  service that a person sends to burn-in (a full burn-in on request) is drained and stopped the same way, and one
+  clean full pass brings it back;
 - **exports** the state for Prometheus (node_exporter's textfile collector).
 """
 
@@ -132,9 +134,10 @@ def read_record(config: Config) -> dict[str, Any]:
 
 
 def write_record(path: Path, record: dict[str, Any]) -> None:
-    """Replace the record, then its summary (the state and the quarantines' count, which a deploy reads), each in one
-    rename, root 0644 (no secret in them)."""
-    summary = {"state": record["state"], "quarantines": len(record.get("quarantines") or [])}
+    """Replace the record, then its summary (the state, the quarantines' count and whether a full burn-in was
+    requested: what a deploy reads), each in one rename, root 0644 (no secret in them)."""
+    summary = {"state": record["state"], "quarantines": len(record.get("quarantines") or []),
+               "requested": bool(record.get("requested"))}
     for target, text in ((path, json.dumps(record, indent=1)), (summary_path(path), json.dumps(summary))):
         temporary = target.with_name(f".{target.name}.tmp")
         temporary.write_text(text + "\n")
@@ -358,14 +361,14 @@ def reconcile(config: Config, kernel: KernelLog | None) -> None:
     """Bring the node to what its state says (see the module docstring)."""
     with locked(config) as record:
         state = record["state"]
-        if state in node_state.OUT_OF_SERVICE and replica_units():
+        if (state in node_state.OUT_OF_SERVICE or record.get("requested")) and replica_units():
             stop_units(config, record, kernel)
         if state == "quarantined" and node_state.readmission_due(record, utcnow(), config.policy):
             replace(record, node_state.move(record, "burn-in", "cool-off over: readmission burn-in", utcnow()))
             state = "burn-in"
         # a quarantined node runs the full tier once while idle; one being readmitted, until it serves again
         quarantined_idle = state == "quarantined" and not _full_since_quarantine(record)
-        tier = "full" if quarantined_idle or (state == "burn-in" and record["quarantines"]) else ""
+        tier = "full" if quarantined_idle or node_state.full_burn_in_due(record) else ""
         if state in node_state.IN_SERVICE and record.get("stopped_units"):
             units = [u for u in record["stopped_units"] if _UNIT.match(u)]
             if units:

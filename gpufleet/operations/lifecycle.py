@@ -15,9 +15,10 @@ from gpufleet.operations.node import Commands, gpufleet_operation
 
 def needs_admission(summary_text: str | None) -> bool:
     """Whether a node must pass the quick burn-in before a replica lands on it, from its record's summary
-    (``{"state": ..., "quarantines": N}``): it has none, or its record has never let it serve (new, or in its first
-    burn-in). A node that left (quarantined, retired) or is being readmitted is its watch's to bring back; one that
-    serves has passed. A summary that cannot be read admits nothing: the watch rewrites it with the record."""
+    (``{"state": ..., "quarantines": N, "requested": bool}``): it has none, or its record has never let it serve (new,
+    or in its first burn-in). A node that left (quarantined, retired), is being readmitted or runs a full burn-in a
+    person requested is its watch's to bring back; one that serves has passed. A summary that cannot be read admits
+    nothing: the watch rewrites it with the record."""
     if summary_text is None:
         return True
     try:
@@ -25,7 +26,7 @@ def needs_admission(summary_text: str | None) -> bool:
     except ValueError:
         return False
     state = summary.get("state") if isinstance(summary, dict) else None
-    return state == "new" or (state == "burn-in" and not summary.get("quarantines"))
+    return state == "new" or (state == "burn-in" and not summary.get("quarantines") and not summary.get("requested"))
 
 
 @gpufleet_operation()

@@ -108,6 +108,15 @@ def test_readmitting_a_suspect_node_clears_it_and_a_retired_one_needs_force(node
     assert nodes.records[a02]["state"] == "burn-in"
 
 
+def test_a_full_burn_in_on_request_sends_a_node_in_service_to_burn_in(nodes: Nodes) -> None:
+    result = CliRunner().invoke(main, ["nodes", FLEET, "burn-in", A01, "--why", "after the BMC firmware update"])
+    assert result.exit_code == 0, result.output
+    record = nodes.records[A01]
+    assert (record["state"], record["requested"], record["quarantines"]) == ("burn-in", True, [])
+    # out of service until its watch's full pass: a deploy places nothing on it, and does not admit it itself
+    assert node_state.out_of_service(record) is not None and node_state.full_burn_in_due(record)
+
+
 def test_the_list_names_every_serving_node(nodes: Nodes) -> None:
     result = CliRunner().invoke(main, ["nodes", FLEET, "--json"])
     assert result.exit_code == 0, result.output

@@ -93,7 +93,8 @@ def test_findings_move_the_record_as_the_catalog_says(tmp_path: Path) -> None:
     node_watch.apply_finding(config, _finding(48))  # already out: kept, no second quarantine
     assert len(node_watch.read_record(config)["quarantines"]) == 1
     assert (tmp_path / "state" / "state.json").stat().st_mode & 0o777 == 0o644
-    assert json.loads((tmp_path / "state" / "summary.json").read_text()) == {"state": "quarantined", "quarantines": 1}
+    assert json.loads((tmp_path / "state" / "summary.json").read_text()) == {"state": "quarantined", "quarantines": 1,
+                                                                                 "requested": False}
 
 
 def test_people_move_the_node_through_the_same_rules(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -111,6 +112,29 @@ def test_people_move_the_node_through_the_same_rules(tmp_path: Path, capsys: pyt
     assert node_watch.main(["move", *args, "--to", "serving", "--why", "a\nb"]) == 2
     assert "1 to 200 printable characters" in capsys.readouterr().err
     assert node_watch.main(["move", *args, "--to", "serving", "--why-hex", "zz"]) == 2
+
+
+def test_a_full_burn_in_on_request_stops_the_replicas_runs_full_and_brings_the_node_back(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = _config(tmp_path)
+    _serving(config)
+    ran: list[list[str]] = []
+    tiers: list[str] = []
+    monkeypatch.setattr(node_watch, "replica_units", lambda: ["vllm@lab_single-0.service"])
+    monkeypatch.setattr(node_watch, "requests_running", lambda urls: 0.0)
+    monkeypatch.setattr(node_watch, "_run", lambda argv, timeout: (ran.append(argv), (0, "", ""))[1])
+    monkeypatch.setattr(node_watch, "keep_evidence", lambda *args: str(tmp_path / "evidence" / "1"))
+    monkeypatch.setattr(node_watch, "run_burn_in", lambda config, tier: (
+        tiers.append(tier), {"tier": tier, "passed": True, "seconds": 1.0, "checks": []})[1])
+    assert node_watch.main(["move", "--config", str(tmp_path / "lifecycle.json"), "--to", "burn-in",
+                            "--why", "after the BMC update"]) == 0
+    assert node_watch.agent_reply(node_watch.read_record(config), NOW) == "0% down\n"
+    node_watch.reconcile(config, None)
+    assert ["systemctl", "stop", "--no-block", "--", "vllm@lab_single-0.service"] in ran and tiers == ["full"]
+    record = node_watch.read_record(config)
+    assert (record["state"], record["requested"], record["quarantines"]) == ("serving", False, [])
+    node_watch.reconcile(config, None)  # serving again: its units start, and no other burn-in runs
+    assert ["systemctl", "start", "--no-block", "--", "vllm@lab_single-0.service"] in ran and tiers == ["full"]
 
 
 def test_prometheus_gets_the_state_and_the_failed_checks(tmp_path: Path) -> None:
@@ -132,6 +156,7 @@ def test_prometheus_gets_the_state_and_the_failed_checks(tmp_path: Path) -> None
     (None, True), ("", False), ("not json", False),
     ('{"state": "new"}', True), ('{"state": "burn-in", "quarantines": []}', True),
     ('{"state": "burn-in", "quarantines": ["2026-11-27T12:00:00Z"]}', False),
+    ('{"state": "burn-in", "quarantines": 0, "requested": true}', False),
     ('{"state": "serving"}', False), ('{"state": "suspect"}', False), ('{"state": "quarantined"}', False),
     ('{"state": "retired"}', False)])
 def test_a_node_is_admitted_once_by_the_deploy(text: str | None, needed: bool) -> None:
