@@ -23,6 +23,10 @@ SEVERITY = {"record": 0, "suspect": 1, "quarantine": 2}
 XID_LINE = re.compile(r"NVRM: Xid \(PCI:(?P<pci>[0-9A-Fa-f]{4}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}(?:\.[0-7])?)\): "
                       r"(?P<code>\d{1,4}),\s*(?P<text>.*)$")
 BURST_QUIET_S = 180.0
+# Repeated watchdog stalls (decided: NVIDIA names no figure): a replica watchdog that restarts a wedged engine on the
+# node 3 times within an hour makes the node suspect; one stall is the process's, three point at the GPU or the host.
+STALL_LIMIT = 3
+STALL_WINDOW_S = 3600.0
 
 
 _BUCKET = re.compile(r"[A-Z][A-Z0-9_]{1,39}")  # NVIDIA's resolution buckets: RESET_GPU, RESTART_BM, ...
@@ -159,6 +163,27 @@ class Bursts:
     def lines_in(self, xid: Xid) -> int:
         burst = self.open.get((xid.pci, xid.code))
         return int(burst["lines"]) if burst else 0
+
+
+@dataclass
+class Stalls:
+    """The replica watchdogs' restarts on the node: ``limit`` of them within ``window_s`` are one finding,
+    ``watchdog_stalls``; restarts before a finding do not count towards the next."""
+
+    catalog: dict[str, Any]
+    limit: int = STALL_LIMIT
+    window_s: float = STALL_WINDOW_S
+    last: float | None = None
+
+    def see(self, restarts: list[tuple[float, str]], now: float) -> Finding | None:
+        """The finding the restarts seen so far make (each: when, Unix time, and the watchdog's line), or None."""
+        recent = [(at, line) for at, line in restarts
+                  if now - at <= self.window_s and (self.last is None or at > self.last)]
+        if len(recent) < self.limit:
+            return None
+        self.last = max(at for at, _ in recent)
+        return Finding("watchdog_stalls", action_of(self.catalog, "watchdog_stalls"), None, None,
+                       {"restarts": [line for _, line in recent[-self.limit:]], "window_s": self.window_s})
 
 
 def worst(findings: list[Finding]) -> str:

@@ -12,8 +12,9 @@ a deploy, ``gpufleet nodes``) changes it through this tool, under one lock. ``wa
 - **tells the routers** whether the node's replicas may take requests: HAProxy's agent check asks the config's
   ``agent`` port each second, and hears ``up`` while the node is serving or suspect (``up 100%`` in the first
   seconds, restoring the weight), ``0% down`` otherwise: no new request reaches a replica of a node that left;
-- **reads the kernel log** (``kernel_log``: ``/dev/kmsg`` on a real node) for Xids, grouped into bursts, and the GPU
-  watch's marker (its gate failed) as findings, each acted on as the catalog says (``gpufleet/node/findings.py``);
+- **reads the kernel log** (``kernel_log``: ``/dev/kmsg`` on a real node) for Xids, grouped into bursts, the GPU
+  watch's marker (its gate failed), and the journal for the replica watchdogs' restarts (repeated stalls), as
+  findings, each acted on as the catalog says (``gpufleet/node/findings.py``);
 - **acts on the state**, whoever set it: a node that left (quarantined, retired) is drained (the agent already
   answers down; in-flight requests get up to ``drain_timeout_s`` to finish), evidence is kept, its replica units
   stop, and a quarantined node runs the ``full`` burn-in while idle; once its cool-off has passed it moves to
@@ -47,6 +48,7 @@ from typing import Any, Iterator
 HERE = Path(__file__).resolve().parent
 RESTORE_WEIGHT_S = 10.0  # after a node comes back, the agent restores the routers' weight this long
 POLL_S = 0.2
+STALLS_EVERY_S = 30.0  # how often the journal is read for the replica watchdogs' restarts
 _UNIT = re.compile(r"^vllm@[A-Za-z0-9_.:-]+\.service$")
 _WHY = re.compile(r"^[^\x00-\x1f\x7f]{1,200}$")
 
@@ -338,6 +340,21 @@ def burn_in(config: Config, tier: str) -> dict[str, Any]:
         return after
 
 
+def watchdog_restarts(window_s: float) -> list[tuple[float, str]]:
+    """The replica watchdogs' restarts within the last ``window_s`` seconds, from the journal: when, and the line."""
+    since = time.time() - window_s
+    _, out, _ = _run(["journalctl", "--quiet", "--no-pager", "--output=short-unix", f"--since=@{since:.0f}",
+                      "--unit=vllm-watchdog@*", "--grep=restarting vllm@"], 20)
+    found = []
+    for line in out.splitlines():
+        stamp, _, text = line.partition(" ")
+        try:
+            found.append((float(stamp), text[-300:]))
+        except ValueError:
+            continue
+    return found
+
+
 def apply_finding(config: Config, finding: Any) -> None:
     """Record a finding and move the node as its action says."""
     now = utcnow()
@@ -438,8 +455,9 @@ def watch(config: Config) -> int:
     kernel.lines()  # open at the end: what was logged before the watch started was acted on then
     bursts = findings.Bursts(config.catalog, config.burst_quiet_s)
     gate_failed = config.gate_marker.exists()
+    stalls = findings.Stalls(config.catalog, last=time.time())  # restarts before this watch started were seen then
     log(f"{config.node}: watching {config.kernel_log}; the node is {snapshot['state']}")
-    next_reconcile = 0.0
+    next_reconcile = next_stalls = 0.0
     while True:
         for line in kernel.lines():
             xid = findings.parse_xid(line)
@@ -452,6 +470,11 @@ def watch(config: Config) -> int:
                                                    None, None, {"marker": config.gate_marker.read_text()[:2000]}))
             next_reconcile = 0.0
         gate_failed = failing
+        if time.monotonic() >= next_stalls:
+            if (finding := stalls.see(watchdog_restarts(stalls.window_s), time.time())) is not None:
+                apply_finding(config, finding)
+                next_reconcile = 0.0
+            next_stalls = time.monotonic() + STALLS_EVERY_S
         record = read_record(config)
         if agent is not None:
             agent.set(record)

@@ -59,3 +59,16 @@ def test_an_override_replaces_whole_entries_and_keeps_the_rest() -> None:
     assert findings.worst([]) == "record"
     # one code however it is spelt: the override's "79" replaces the catalog's 79
     assert findings.action_of(findings.merged(CATALOG, {"xid": {"79": {"action": "record"}}}), "xid", 79) == "record"
+
+
+def test_three_watchdog_restarts_within_the_window_are_one_finding_and_older_ones_do_not_count() -> None:
+    stalls = findings.Stalls(CATALOG)
+    restarts = [(1000.0, "restarting vllm@a.service: stalled"), (2000.0, "restarting vllm@a.service: stalled")]
+    assert stalls.see(restarts, 2100.0) is None  # two: the process's
+    restarts.append((3000.0, "restarting vllm@a.service: stalled"))
+    finding = stalls.see(restarts, 3100.0)
+    assert finding is not None and (finding.kind, finding.action) == ("watchdog_stalls", "suspect")
+    assert finding.evidence["restarts"] == [line for _, line in restarts]
+    assert stalls.see(restarts, 3200.0) is None  # once: those restarts made their finding
+    later = [*restarts, (5000.0, "x"), (5100.0, "y"), (9000.0, "z")]
+    assert stalls.see(later, 9100.0) is None  # 5000 and 5100 are older than the hour before 9100
