@@ -259,7 +259,9 @@ _SECRET_TEXT = re.compile(
     r"(?<![A-Za-z0-9])(hf_|ghp_|gho_|ghs_|ghu_|github_pat_|glpat-|sk-|xox[abpr]-|AKIA|ASIA)[A-Za-z0-9_-]{12,}"
     r"|eyJ[A-Za-z0-9_-]{10,}\.[A-Za-z0-9_-]{10,}"  # a JWT
     r"|-----BEGIN [A-Z ]*PRIVATE KEY-----")
-_SECRET_PAIR = re.compile(r"([A-Za-z_][A-Za-z0-9_.-]*)\s*[=:]\s*\S{8,}")
+# a name of at most 64 characters, where a word starts: linear in the text (an unbounded name backtracks over every
+# start of a long word)
+_SECRET_PAIR = re.compile(r"(?<![A-Za-z0-9_.-])([A-Za-z_][A-Za-z0-9_.-]{0,63})\s{0,8}[=:]\s{0,8}\S{8}")
 
 
 def secret_like(text: str) -> bool:
