@@ -49,6 +49,7 @@ HERE = Path(__file__).resolve().parent
 RESTORE_WEIGHT_S = 10.0  # after a node comes back, the agent restores the routers' weight this long
 POLL_S = 0.2
 STALLS_EVERY_S = 30.0  # how often the journal is read for the replica watchdogs' restarts
+STOP_WAIT_S = 300.0  # the longest the burn-in waits for the replica units it stopped to end
 _UNIT = re.compile(r"^vllm@[A-Za-z0-9_.:-]+\.service$")
 _WHY = re.compile(r"^[^\x00-\x1f\x7f]{1,200}$")
 
@@ -255,10 +256,10 @@ class KernelLog:
 # --- acting -------------------------------------------------------------------------------------------------------
 
 
-def replica_units() -> list[str]:
-    """The replica units systemd runs or is starting on this node."""
+def replica_units(states: str = "active,activating,reloading") -> list[str]:
+    """The replica units systemd runs or is starting on this node (or in any of ``states``)."""
     status, out, _ = _run(["systemctl", "list-units", "--plain", "--no-legend", "--no-pager", "--type=service",
-                           "--state=active,activating,reloading", "vllm@*.service"], 30)
+                           f"--state={states}", "vllm@*.service"], 30)
     if status != 0:
         return []
     return sorted({w for line in out.splitlines() for w in line.split()[:2] if _UNIT.match(w)})
@@ -393,6 +394,10 @@ def reconcile(config: Config, kernel: KernelLog | None) -> None:
                 log(f"{config.node}: {state} again; starting {', '.join(units)}")
             record["stopped_units"] = []
     if tier:
+        # the GPUs are the burn-in's alone: a replica still stopping (it drains for up to its stop timeout) holds them
+        settle = time.monotonic() + STOP_WAIT_S
+        while replica_units("active,activating,deactivating,reloading") and time.monotonic() < settle:
+            time.sleep(1.0)
         burn_in(config, tier)
 
 

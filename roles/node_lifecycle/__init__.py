@@ -18,6 +18,7 @@ roles/node_lifecycle/defaults.yml.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any
 
@@ -86,9 +87,24 @@ def floors_values(cfg: HostConfig, gpu_name: str | None) -> dict[str, Any]:
             "gate_policy": GATE_POLICY}
 
 
+# The node tools the watch's process loads: a change to one is a change to its configuration, which restarts it.
+WATCH_TOOLS = ("node_watch.py", "findings.py", "node_state.py", "burn_in.py")
+
+
+def tools_digest() -> str:
+    """The SHA-256 of the node tools the watch loads, as the controller installs them (role common)."""
+    from importlib.resources import files as package_files
+
+    digest = hashlib.sha256()
+    for tool in WATCH_TOOLS:
+        digest.update(package_files("gpufleet").joinpath("node", tool).read_bytes())
+    return digest.hexdigest()
+
+
 def config_values(cfg: HostConfig, name: str, address: str, metrics: list[str]) -> dict[str, Any]:
-    """What the node watch reads (``/etc/gpufleet/lifecycle.json``)."""
+    """What the node watch reads (``/etc/gpufleet/lifecycle.json``), and the digest of the tools it runs."""
     return {
+        "tools_sha256": tools_digest(),
         "node": name,
         "policy": {"readmit_passes": cfg.node_readmit_passes, "cool_off_s": int(cfg.node_cool_off_s),
                    "retire_after": cfg.node_retire_after, "retire_window_s": int(cfg.node_retire_window_s)},
@@ -148,7 +164,7 @@ def node_lifecycle() -> None:
     systemd.daemon_reload(name="Reload systemd: the node watch's unit changed", _if=unit.did_change)
     lifecycle.admission(name="Admit the node: the quick burn-in before a replica lands on it",
                         config=LIFECYCLE_CONFIG, state_file=NODE_STATE_SUMMARY)
-    systemd.restart(name=f"Restart {NODE_WATCH_SERVICE}: its unit, configuration or floors changed",
+    systemd.restart(name=f"Restart {NODE_WATCH_SERVICE}: its unit, configuration, floors or tools changed",
                     unit=NODE_WATCH_SERVICE, _if=any_changed(unit, config, floors_file))
     systemd.service(name=f"Enable and start {NODE_WATCH_SERVICE}", unit=NODE_WATCH_SERVICE, running=True,
                     enabled=True)

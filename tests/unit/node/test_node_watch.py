@@ -120,7 +120,15 @@ def test_a_full_burn_in_on_request_stops_the_replicas_runs_full_and_brings_the_n
     _serving(config)
     ran: list[list[str]] = []
     tiers: list[str] = []
-    monkeypatch.setattr(node_watch, "replica_units", lambda: ["vllm@lab_single-0.service"])
+    stopping = ["vllm@lab_single-0.service"]  # still deactivating once, when the burn-in is due
+
+    def units(states: str = "active") -> list[str]:
+        if "deactivating" in states:
+            return [stopping.pop()] if stopping else []
+        return ["vllm@lab_single-0.service"]
+
+    monkeypatch.setattr(node_watch, "replica_units", units)
+    monkeypatch.setattr(node_watch.time, "sleep", lambda s: None)
     monkeypatch.setattr(node_watch, "requests_running", lambda urls: 0.0)
     monkeypatch.setattr(node_watch, "_run", lambda argv, timeout: (ran.append(argv), (0, "", ""))[1])
     monkeypatch.setattr(node_watch, "keep_evidence", lambda *args: str(tmp_path / "evidence" / "1"))
@@ -131,6 +139,7 @@ def test_a_full_burn_in_on_request_stops_the_replicas_runs_full_and_brings_the_n
     assert node_watch.agent_reply(node_watch.read_record(config), NOW) == "0% down\n"
     node_watch.reconcile(config, None)
     assert ["systemctl", "stop", "--no-block", "--", "vllm@lab_single-0.service"] in ran and tiers == ["full"]
+    assert stopping == []  # the burn-in waited for the stopping unit to end
     record = node_watch.read_record(config)
     assert (record["state"], record["requested"], record["quarantines"]) == ("serving", False, [])
     node_watch.reconcile(config, None)  # serving again: its units start, and no other burn-in runs
