@@ -69,7 +69,7 @@ def rendered_units() -> dict[str, str]:
     from gpufleet.plan.commands import ray_start_argv
     from gpufleet.templates import render
     from gpufleet.units.escape import exec_line
-    from roles import dcgm_exporter, gpu_watch, monitoring, node_exporter, ray, vllm
+    from roles import dcgm_exporter, gpu_watch, monitoring, node_exporter, node_lifecycle, ray, vllm
 
     layers, _ = role_default_layers()
     cfg, problems = validate_host(HostLayers("10.0.0.5", [*layers, Layer("bench", {
@@ -102,6 +102,11 @@ def rendered_units() -> dict[str, str]:
     found[gpu_watch.SERVICE_FILE.lstrip("/")] = render("gpu_watch/gpufleet-gpu-watch.service.j2",
                                                        **gpu_watch.service_values())
     found[monitoring.ALERT_LOG_FILE.lstrip("/")] = monitoring.alert_log_unit(cfg)
+    found[node_lifecycle.SERVICE_FILE.lstrip("/")] = render(
+        "node_lifecycle/gpufleet-node-watch.service.j2", **node_lifecycle.service_values(cfg, ["10.0.0.7"]))
+    for tier, path in node_lifecycle.BURN_IN_FILES.items():
+        found[path.lstrip("/")] = render("node_lifecycle/gpufleet-burn-in.service.j2",
+                                         **node_lifecycle.burn_in_values(cfg, tier))
     return found
 
 

@@ -43,6 +43,15 @@ NODE_STATE_DIR = "/var/lib/gpufleet/node"  # the unit's StateDirectory=
 NODE_STATE_FILE = f"{NODE_STATE_DIR}/state.json"  # the node's record (gpufleet.node-state/1)
 NODE_STATE_SUMMARY = f"{NODE_STATE_DIR}/summary.json"  # its state and quarantines' count, small: what a deploy reads
 EVIDENCE_DIR = f"{NODE_STATE_DIR}/evidence"  # one folder per departure, root 0700
+# the burn-in runs as a unit of its own per tier (the GPUs, JIT-compiled kernels), started by the node watch; each run
+# writes its verdict (gpufleet.burn-in/1) to BURN_IN_DIR/<tier>.json
+BURN_IN_TIERS = ("quick", "full")
+BURN_IN_DIR = "/var/lib/gpufleet/burn-in"  # the units' StateDirectory=
+
+
+def burn_in_service(tier: str) -> str:
+    """The unit that runs one tier of the burn-in."""
+    return f"gpufleet-burn-in-{tier}.service"
 
 # the alert log (role monitoring): every alert Alertmanager sends, a line each in its journal (alert_log.py)
 ALERT_LOG_SERVICE = "gpufleet-alert-log.service"

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Burn a node's GPUs in, and judge the run from its results, never from an exit code (gpufleet node tool).
 
-    <release>/bin/python3 burn_in.py --tier quick --floors /etc/gpufleet/burn-in.json [--json]
+    <release>/bin/python3 burn_in.py --tier quick --floors /etc/gpufleet/burn-in.json [--json] [--out VERDICT.json]
 
 Run with the release's own Python (its torch) while no replica runs on the node. The tiers:
 
@@ -382,6 +382,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--floors", type=Path, required=True, metavar="FLOORS.json")
     parser.add_argument("--dcgmi", default=os.environ.get("GPUFLEET_DCGMI", "dcgmi"), help="the dcgmi to run")
     parser.add_argument("--json", action="store_true", help="print the verdict as JSON (else a line per failure)")
+    parser.add_argument("--out", type=Path, metavar="VERDICT.json",
+                        help="also write the verdict there (0644, replaced whole); exit 0 once it is written")
     args = parser.parse_args(argv)
     try:
         floors = load_floors(args.floors)
@@ -389,6 +391,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"burn-in: {exc}", file=sys.stderr)
         return 2
     verdict = burn_in(args.tier, floors, dcgmi=args.dcgmi)
+    if args.out is not None:
+        temporary = args.out.with_name(f".{args.out.name}.tmp")
+        temporary.write_text(json.dumps(verdict, indent=1) + "\n")
+        os.chmod(temporary, 0o644)
+        os.replace(temporary, args.out)
     if args.json:
         print(json.dumps(verdict, indent=1))
     else:
@@ -399,7 +406,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"{json.dumps(check['evidence'])[:400]}")
         print(f"burn-in {args.tier}: {verdict['node']}: {'passed' if verdict['passed'] else 'failed'} "
               f"in {verdict['seconds']} s")
-    return 0 if verdict["passed"] else 1
+    # with --out, a failed burn-in is a verdict written, not a failed run (its unit does not fail: the verdict alerts)
+    return 0 if verdict["passed"] or args.out is not None else 1
 
 
 if __name__ == "__main__":

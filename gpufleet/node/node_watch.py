@@ -93,7 +93,7 @@ class Config:
         self.gate_marker = Path(doc.get("gate_marker", "/run/gpufleet/gpu-gate-failed"))
         self.agent: dict[str, Any] = doc.get("agent") or {}
         self.drain_timeout_s = float(doc.get("drain_timeout_s", 60))
-        self.burn_in: dict[str, str] = doc["burn_in"]
+        self.burn_in: dict[str, Any] = doc["burn_in"]
         self.state_file = Path(doc.get("state_file", "/var/lib/gpufleet/node-state.json"))
         self.evidence_dir = Path(doc.get("evidence_dir", "/var/lib/gpufleet/evidence"))
         self.textfile = Path(doc["textfile"]) if doc.get("textfile") else None
@@ -313,21 +313,23 @@ def stop_units(config: Config, record: dict[str, Any], kernel: KernelLog | None)
 
 
 def run_burn_in(config: Config, tier: str) -> dict[str, Any]:
-    """One burn-in with the release's Python: its verdict, or a failed one saying why there is none."""
-    argv = [config.burn_in["python"], str(HERE / "burn_in.py"), "--tier", tier, "--floors", config.burn_in["floors"],
-            "--json"]
-    if config.burn_in.get("dcgmi"):
-        argv += ["--dcgmi", config.burn_in["dcgmi"]]
-    status, out, err = _run(argv, float(config.burn_in.get("timeout_s", 3600)))
+    """One burn-in, run by its unit (the GPUs and the release's torch are its own sandbox's): its verdict, or a failed
+    one saying why there is none."""
+    unit = str(config.burn_in["units"][tier])
+    verdict_file = Path(config.burn_in["verdicts"]) / f"{tier}.json"
+    verdict_file.unlink(missing_ok=True)  # never judge by the last run's verdict
+    status, _, err = _run(["systemctl", "start", "--", unit], float(config.burn_in.get("timeout_s", 3600)) + 60)
     try:
-        verdict = json.loads(out)
+        verdict = json.loads(verdict_file.read_text())
         if isinstance(verdict, dict) and "passed" in verdict:
             return verdict
-    except ValueError:
+    except (OSError, ValueError):
         pass
+    _, journal, _ = _run(["journalctl", "--quiet", "--no-pager", "--output=cat", "--lines=5", "--unit", unit], 20)
     return {"schema": "gpufleet.burn-in/1", "tier": tier, "passed": False, "seconds": None,
             "checks": [{"check": "burn-in", "status": "fail", "gpu": None,
-                        "evidence": {"exit_status": status, "stderr": err.strip()[-300:]}}]}
+                        "evidence": {"unit": unit, "exit_status": status, "stderr": err.strip()[-300:],
+                                     "journal": journal.strip()[-600:]}}]}
 
 
 def burn_in(config: Config, tier: str) -> dict[str, Any]:

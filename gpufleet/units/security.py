@@ -16,8 +16,9 @@ from dataclasses import dataclass
 
 # Every service gpufleet writes a unit (or drop-in) for: vLLM's instances, their watchdogs and the Ray head/worker
 # units of Ray replicas (patterns), node_exporter (tarball: our unit; package: Debian's unit with our drop-in), NVIDIA's
-# DCGM exporter, the GPU health watch, the routers' HAProxy, keepalived and its HAProxy check, and the monitoring
-# hosts' Prometheus and Alertmanager (Debian's units with our drop-ins). Each must rate at most EXPOSURE_BOUND.
+# DCGM exporter, the GPU health watch, the node lifecycle's watch and its burn-in units, the routers' HAProxy,
+# keepalived and its HAProxy check, and the monitoring hosts' Prometheus and Alertmanager (Debian's units with our
+# drop-ins). Each must rate at most EXPOSURE_BOUND.
 UNITS: tuple[str, ...] = (
     "vllm@*.service",
     "vllm-watchdog@*.service",
@@ -26,6 +27,9 @@ UNITS: tuple[str, ...] = (
     "prometheus-node-exporter.service",
     "dcgm-exporter.service",
     "gpufleet-gpu-watch.service",
+    "gpufleet-node-watch.service",
+    "gpufleet-burn-in-quick.service",
+    "gpufleet-burn-in-full.service",
     "haproxy.service",
     "keepalived.service",
     "gpufleet-router-health.service",

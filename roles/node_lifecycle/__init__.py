@@ -2,17 +2,20 @@
 
 After it, a serving node has ``/etc/gpufleet/burn-in.json`` (every bound of the burn-in: the floors of its GPU model,
 gpufleet.gpu.burn_in_floors, or ``burn_in_floors``), ``/etc/gpufleet/lifecycle.json`` (the lifecycle's policy, the
-findings catalog with ``node_findings`` in it, the agent's address and port, the kernel log, the burn-in's Python:
-the release's own), and ``gpufleet-node-watch.service`` enabled and running: root runs role common's node tool
+findings catalog with ``node_findings`` in it, the agent's address and port, the kernel log, the burn-in's units),
+``gpufleet-burn-in-quick.service`` and ``gpufleet-burn-in-full.service`` (one run of a tier each: role common's
+``burn_in.py`` with the release's own Python and torch, on the GPUs, its verdict in ``/var/lib/gpufleet/burn-in/``),
+and ``gpufleet-node-watch.service`` enabled and running: root runs role common's node tool
 ``/opt/gpufleet/node/node_watch.py``, which keeps the node's record in ``/var/lib/gpufleet/node/state.json``,
 answers the routers' agent checks on ``node_agent_port`` (from the routers only), reads the kernel log for Xids
-and moves the node as the catalog says (gpufleet/node/node_watch.py says how).
+and moves the node as the catalog says, and starts a burn-in unit when one is due (gpufleet/node/node_watch.py says
+how). The watch has no GPU of its own: the burn-in's units hold what it needs (devices, JIT-compiled kernels).
 
 A node with no record, or one that has not yet passed its admission, runs the quick burn-in here, before role ray
 and role vllm start anything: one that fails it is quarantined and this deploy stops on it (its evidence is in its
 record). A node that is quarantined or retired when the deploy starts is left out of the plan (run context).
 A changed unit reloads systemd; a changed unit, configuration or node tool restarts the watch. With
-``node_lifecycle_enabled: false`` the watch is stopped, disabled and removed. Variables:
+``node_lifecycle_enabled: false`` the watch is stopped, disabled and removed, and so are the burn-in's units. Variables:
 roles/node_lifecycle/defaults.yml.
 """
 
@@ -33,7 +36,9 @@ from gpufleet.gpu.burn_in_floors import burn_in_floors
 from gpufleet.gpu.profiles import GPU_MODELS
 from gpufleet.node.findings import merged
 from gpufleet.node_paths import (
+    BURN_IN_DIR,
     BURN_IN_FLOORS,
+    BURN_IN_TIERS,
     EVIDENCE_DIR,
     GATE_POLICY,
     GPU_WATCH_MARKER,
@@ -45,6 +50,7 @@ from gpufleet.node_paths import (
     NODE_TOOLS_DIR,
     NODE_WATCH_SERVICE,
     TEXTFILE_DIR,
+    burn_in_service,
     node_tool,
     unit_path,
     venv_bin,
@@ -57,6 +63,7 @@ from gpufleet.units.escape import exec_line
 from gpufleet.values.problems import ConfigError, Problem, exit_with
 
 SERVICE_FILE = unit_path(NODE_WATCH_SERVICE)
+BURN_IN_FILES = {tier: unit_path(burn_in_service(tier)) for tier in BURN_IN_TIERS}
 NODE_TEXTFILE = f"{TEXTFILE_DIR}/gpufleet-node.prom"
 GIB = 1024**3
 
@@ -114,8 +121,8 @@ def config_values(cfg: HostConfig, name: str, address: str, metrics: list[str]) 
         "gate_marker": GPU_WATCH_MARKER,
         "agent": {"address": address, "port": cfg.node_agent_port},
         "drain_timeout_s": cfg.node_drain_timeout_s,
-        "burn_in": {"python": venv_bin(cfg.vllm_version, "python"), "floors": BURN_IN_FLOORS,
-                    "timeout_s": str(max(600, int(cfg.burn_in_seconds * 10)))},
+        "burn_in": {"units": {tier: burn_in_service(tier) for tier in BURN_IN_TIERS}, "verdicts": BURN_IN_DIR,
+                    "timeout_s": str(burn_in_timeout_s(cfg))},
         "state_file": NODE_STATE_FILE,
         "evidence_dir": EVIDENCE_DIR,
         "textfile": NODE_TEXTFILE,
@@ -123,27 +130,43 @@ def config_values(cfg: HostConfig, name: str, address: str, metrics: list[str]) 
     }
 
 
+def burn_in_timeout_s(cfg: HostConfig) -> int:
+    """How long one burn-in may run: dcgmi's level 3 takes about half an hour on 8 GPUs."""
+    return max(3600, int(cfg.burn_in_seconds * 10))
+
+
+def burn_in_values(cfg: HostConfig, tier: str) -> dict[str, object]:
+    """What templates/node_lifecycle/gpufleet-burn-in.service.j2 is rendered with, for one tier."""
+    verdict = f"{BURN_IN_DIR}/{tier}.json"
+    argv = [venv_bin(cfg.vllm_version, "python"), node_tool("burn_in.py"), "--tier", tier, "--floors",
+            BURN_IN_FLOORS, "--json", "--out", verdict]
+    return {"service": burn_in_service(tier), "tier": tier, "node_tools": NODE_TOOLS_DIR, "verdict": verdict,
+            "exec_start": exec_line(argv), "timeout_s": burn_in_timeout_s(cfg),
+            "state_dir": BURN_IN_DIR.removeprefix("/var/lib/"),
+            "gpu": "nvml" if cfg.burn_in_device == "cpu" else "compute", "ip_access": access.unit_lines([])}
+
+
 def service_values(cfg: HostConfig, allowed: list[str]) -> dict[str, object]:
     """What templates/node_lifecycle/gpufleet-node-watch.service.j2 is rendered with."""
     argv = [NODE_PYTHON, node_tool("node_watch.py"), "watch", "--config", LIFECYCLE_CONFIG]
     return {"service": NODE_WATCH_SERVICE, "node_tools": NODE_TOOLS_DIR, "exec_start": exec_line(argv),
             "state_dir": NODE_STATE_DIR.removeprefix("/var/lib/"), "textfile_dir": f"-{TEXTFILE_DIR}",
-            "kernel_log": cfg.node_kernel_log, "gpu": "nvml" if cfg.burn_in_device == "cpu" else "compute",
-            "ip_access": access.unit_lines(allowed), "state_file": NODE_STATE_FILE}
+            "kernel_log": cfg.node_kernel_log, "ip_access": access.unit_lines(allowed), "state_file": NODE_STATE_FILE,
+            "burn_in_services": " ".join(burn_in_service(tier) for tier in BURN_IN_TIERS)}
 
 
 @deploy("Node lifecycle")
 def node_lifecycle() -> None:
     """The node's watch and its configuration; the admission burn-in of a node that has not passed it."""
     cfg = host_config()
-    paths = [SERVICE_FILE, LIFECYCLE_CONFIG, BURN_IN_FLOORS]
+    paths = [SERVICE_FILE, *BURN_IN_FILES.values(), LIFECYCLE_CONFIG, BURN_IN_FLOORS]
     node.observe(name="Read the node lifecycle's unit, configuration and record", units=[NODE_WATCH_SERVICE],
                  paths=paths, texts=[NODE_STATE_SUMMARY])
     if not cfg.node_lifecycle_enabled:
         systemd.service(name=f"Stop and disable {NODE_WATCH_SERVICE} (node_lifecycle_enabled false)",
                         unit=NODE_WATCH_SERVICE, running=False, enabled=False)
-        unit = files.absent(name=f"Remove {SERVICE_FILE}", path=SERVICE_FILE)
-        systemd.daemon_reload(name="Reload systemd: the node watch's unit went", _if=unit.did_change)
+        gone = [files.absent(name=f"Remove {path}", path=path) for path in (SERVICE_FILE, *BURN_IN_FILES.values())]
+        systemd.daemon_reload(name="Reload systemd: the node lifecycle's units went", _if=any_changed(*gone))
         return
     address = cfg.fleet_address or host.name
     facts = gpu_facts()
@@ -159,9 +182,14 @@ def node_lifecycle() -> None:
                              content=json.dumps(floors, indent=1, sort_keys=True) + "\n")
     config = files.file(name=f"Write the node lifecycle's configuration {LIFECYCLE_CONFIG}", dest=LIFECYCLE_CONFIG,
                         content=json.dumps(config_values(cfg, host.name, address, metrics), indent=1) + "\n")
+    burn_in_units = [
+        files.file(name=f"Write the {tier} burn-in's unit {path}", dest=path,
+                   content=render("node_lifecycle/gpufleet-burn-in.service.j2", **burn_in_values(cfg, tier)))
+        for tier, path in BURN_IN_FILES.items()]
     unit = files.file(name=f"Write the node watch's unit {SERVICE_FILE}", dest=SERVICE_FILE,
                       content=render("node_lifecycle/gpufleet-node-watch.service.j2", **service_values(cfg, allowed)))
-    systemd.daemon_reload(name="Reload systemd: the node watch's unit changed", _if=unit.did_change)
+    systemd.daemon_reload(name="Reload systemd: the node watch's or a burn-in's unit changed",
+                          _if=any_changed(unit, *burn_in_units))
     lifecycle.admission(name="Admit the node: the quick burn-in before a replica lands on it",
                         config=LIFECYCLE_CONFIG, state_file=NODE_STATE_SUMMARY)
     systemd.restart(name=f"Restart {NODE_WATCH_SERVICE}: its unit, configuration, floors or tools changed",

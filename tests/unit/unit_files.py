@@ -199,6 +199,18 @@ def _node_watch(address: str) -> Unit:
                 [node_paths.NODE_PYTHON], argv)
 
 
+def _burn_in(_: str) -> Unit:
+    """The full burn-in's unit (the quick one differs in its tier alone), run with the release's Python."""
+    cfg = host_config()
+    python = node_paths.venv_bin(cfg.vllm_version, "python")
+    verdict = f"{node_paths.BURN_IN_DIR}/full.json"
+    argv = [python, node_paths.node_tool("burn_in.py"), "--tier", "full", "--floors", node_paths.BURN_IN_FLOORS,
+            "--json", "--out", verdict]
+    return Unit(node_paths.burn_in_service("full"),
+                render("node_lifecycle/gpufleet-burn-in.service.j2", **node_lifecycle_role.burn_in_values(cfg, "full")),
+                [python], argv)
+
+
 def _router_clients(_: str) -> Unit:
     """The router's clients' counters, and beside it the timer that starts it (verified with it)."""
     argv = [node_paths.NODE_PYTHON, "-I", node_paths.node_tool("router_admin.py"), "client-metrics", "--textfile",
@@ -257,6 +269,7 @@ UNIT_CASES: list[tuple[str, Callable[[str], Unit]]] = [
     ("dcgm-exporter.service", _dcgm_exporter),
     ("gpufleet-gpu-watch.service and its timer", _gpu_watch),
     ("gpufleet-node-watch.service", _node_watch),
+    ("gpufleet-burn-in-full.service", _burn_in),
     ("gpufleet-router-clients.service and its timer", _router_clients),
     ("ray unit of a head", ray_head_unit),
     ("gpufleet-alert-log.service", _alert_log),

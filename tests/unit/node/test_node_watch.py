@@ -25,7 +25,8 @@ def _config(tmp_path: Path, **extra: Any) -> node_watch.Config:
                                          "retire_window_s": 604800},
            "catalog": json.loads(json.dumps(CATALOG)), "kernel_log": str(tmp_path / "kmsg"),
            "gate_marker": str(tmp_path / "gate-failed"),
-           "burn_in": {"python": "/bin/false", "floors": str(tmp_path / "floors.json")},
+           "burn_in": {"units": {"quick": "gpufleet-burn-in-quick.service", "full": "gpufleet-burn-in-full.service"},
+                       "verdicts": str(tmp_path / "burn-in")},
            "state_file": str(tmp_path / "state" / "state.json"), "evidence_dir": str(tmp_path / "evidence"),
            "textfile": str(tmp_path / "textfile" / "gpufleet-node.prom"), **extra}
     path = tmp_path / "lifecycle.json"
@@ -144,6 +145,32 @@ def test_a_full_burn_in_on_request_stops_the_replicas_runs_full_and_brings_the_n
     assert (record["state"], record["requested"], record["quarantines"]) == ("serving", False, [])
     node_watch.reconcile(config, None)  # serving again: its units start, and no other burn-in runs
     assert ["systemctl", "start", "--no-block", "--", "vllm@lab_single-0.service"] in ran and tiers == ["full"]
+
+
+def test_the_burn_in_runs_as_its_unit_and_is_judged_by_the_verdict_it_wrote(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = _config(tmp_path)
+    (tmp_path / "burn-in").mkdir()
+    stale = tmp_path / "burn-in" / "full.json"
+    stale.write_text(json.dumps({"tier": "full", "passed": True}))  # the last run's: never read again
+    started: list[list[str]] = []
+
+    def unit_writes(verdict: dict[str, Any] | None) -> Any:
+        def run(argv: list[str], timeout: float) -> tuple[int, str, str]:
+            started.append(argv)
+            if argv[:2] == ["systemctl", "start"] and verdict is not None:
+                stale.write_text(json.dumps(verdict))
+            return (0, "", "") if verdict is not None else (1, "", "Job failed. See journalctl -xeu ...")
+        return run
+
+    failed = {"tier": "full", "passed": False, "checks": [{"check": "dcgm-r3", "status": "fail", "gpu": 3}]}
+    monkeypatch.setattr(node_watch, "_run", unit_writes(failed))
+    assert node_watch.run_burn_in(config, "full") == failed
+    assert started[0] == ["systemctl", "start", "--", "gpufleet-burn-in-full.service"]
+    monkeypatch.setattr(node_watch, "_run", unit_writes(None))  # the unit wrote nothing: a failed verdict says so
+    verdict = node_watch.run_burn_in(config, "full")
+    assert verdict["passed"] is False and verdict["checks"][0]["evidence"]["unit"] == "gpufleet-burn-in-full.service"
+    assert not stale.exists()
 
 
 def test_prometheus_gets_the_state_and_the_failed_checks(tmp_path: Path) -> None:

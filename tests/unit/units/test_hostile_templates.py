@@ -60,7 +60,7 @@ COVERED = {"node_exporter/node_exporter.service.j2", "node_exporter/package-over
            "node_exporter/sandbox.conf.j2", "vllm/vllm@.service.j2", "dcgm_exporter/dcgm-exporter.service.j2",
            "vllm/vllm-watchdog@.service.j2", "ray/ray.service.j2", "common/node.env.j2",
            "gpu_watch/gpufleet-gpu-watch.service.j2", "gpu_watch/gpufleet-gpu-watch.timer.j2",
-           "node_lifecycle/gpufleet-node-watch.service.j2",
+           "node_lifecycle/gpufleet-node-watch.service.j2", "node_lifecycle/gpufleet-burn-in.service.j2",
            "router/gpufleet-router-clients.service.j2", "router/gpufleet-router-clients.timer.j2",
            "monitoring/gpufleet-alert-log.service.j2",
            "_sandbox.conf.j2",  # the sandbox: in every unit

@@ -61,6 +61,7 @@ def test_the_units_are_found() -> None:
                           "node_exporter/node_exporter.service.j2", "node_exporter/package-override.conf.j2",
                           "gpu_watch/gpufleet-gpu-watch.service.j2", "router/haproxy-override.conf.j2",
                           "node_lifecycle/gpufleet-node-watch.service.j2",
+                          "node_lifecycle/gpufleet-burn-in.service.j2",
                           "monitoring/override.conf.j2", "monitoring/gpufleet-alert-log.service.j2",
                           "router/gpufleet-router-clients.service.j2",
                           "keepalived/keepalived-override.conf.j2", "keepalived/gpufleet-router-health.service.j2"}
@@ -107,7 +108,14 @@ VALUES: dict[str, dict[str, object]] = {
         "service": "gpufleet-node-watch.service", "node_tools": "/opt/gpufleet/node",
         "exec_start": "/usr/bin/python3 /opt/gpufleet/node/node_watch.py watch --config /etc/gpufleet/lifecycle.json",
         "state_dir": "gpufleet/node", "textfile_dir": "-/var/lib/node_exporter/textfile_collector",
-        "kernel_log": "/dev/kmsg", "gpu": "compute", "state_file": "/var/lib/gpufleet/node/state.json"},
+        "kernel_log": "/dev/kmsg", "state_file": "/var/lib/gpufleet/node/state.json",
+        "burn_in_services": "gpufleet-burn-in-quick.service gpufleet-burn-in-full.service"},
+    "node_lifecycle/gpufleet-burn-in.service.j2": {
+        "service": "gpufleet-burn-in-full.service", "tier": "full", "node_tools": "/opt/gpufleet/node",
+        "verdict": "/var/lib/gpufleet/burn-in/full.json", "timeout_s": 3600, "state_dir": "gpufleet/burn-in",
+        "exec_start": "/opt/vllm/0.31.0/bin/python /opt/gpufleet/node/burn_in.py --tier full --floors"
+                      " /etc/gpufleet/burn-in.json --json --out /var/lib/gpufleet/burn-in/full.json",
+        "gpu": "compute"},
     "router/haproxy-override.conf.j2": {"open_files": 9216, "restart_after_s": 2.0},
     "router/gpufleet-router-clients.service.j2": {
         "timer": "gpufleet-router-clients.timer", "node_tools": "/opt/gpufleet/node",
@@ -179,11 +187,16 @@ EXPECTED = {
         "UMask=0077", "ProtectHome=yes", "ProtectClock=yes", "ProtectProc=invisible", "MemoryDenyWriteExecute=yes",
         "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6", f"{DENY} @resources", "SystemCallErrorNumber=EPERM",
         "DeviceAllow=char-nvidia-frontend rw", "DeviceAllow=char-nvidia-caps r"},
-    # root with CAP_SYSLOG only, for systemctl and the kernel log (read-only); the burn-in's torch on the GPUs (JIT,
-    # its own affinity and limits, NCCL's netlink), node_exporter's textfile
+    # root with CAP_SYSLOG only, for systemctl, the journal and the kernel log (read-only); node_exporter's textfile:
+    # no other device, W^X memory, no @resources (EPERM), no netlink
     "node_lifecycle/gpufleet-node-watch.service.j2": (BASE - {"CapabilityBoundingSet=", "ProtectKernelLogs=yes"}) | {
         "CapabilityBoundingSet=CAP_SYSLOG", "DeviceAllow=/dev/kmsg r",
-        "ReadWritePaths=-/var/lib/node_exporter/textfile_collector"} | (GPU_COMPUTE - {"UMask=0027"}) | {"UMask=0077"},
+        "ReadWritePaths=-/var/lib/node_exporter/textfile_collector", "UMask=0077", "ProtectHome=yes",
+        "ProtectClock=yes", "ProtectProc=invisible", "MemoryDenyWriteExecute=yes",
+        "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6", f"{DENY} @resources", "SystemCallErrorNumber=EPERM"},
+    # root with no capability: the burn-in's torch on the GPUs (JIT, its own affinity and limits, NCCL's netlink); its
+    # verdict readable by all (0644)
+    "node_lifecycle/gpufleet-burn-in.service.j2": BASE | (GPU_COMPUTE - {"UMask=0027"}) | {"UMask=0022"},
     # HAProxy as its own account: no device, no @resources (EPERM: its limits come from the unit), no netlink;
     # Debian's bind mount of /dev/log dropped; memory it may make executable (PCRE2's JIT compiles its regexes)
     "router/haproxy-override.conf.j2": BASE | {
