@@ -139,7 +139,7 @@ def burn_in_values(cfg: HostConfig, tier: str) -> dict[str, object]:
     """What templates/node_lifecycle/gpufleet-burn-in.service.j2 is rendered with, for one tier."""
     verdict = f"{BURN_IN_DIR}/{tier}.json"
     argv = [venv_bin(cfg.vllm_version, "python"), node_tool("burn_in.py"), "--tier", tier, "--floors",
-            BURN_IN_FLOORS, "--json", "--out", verdict]
+            BURN_IN_FLOORS, "--out", verdict]
     return {"service": burn_in_service(tier), "tier": tier, "node_tools": NODE_TOOLS_DIR, "verdict": verdict,
             "exec_start": exec_line(argv), "timeout_s": burn_in_timeout_s(cfg),
             "state_dir": BURN_IN_DIR.removeprefix("/var/lib/"),

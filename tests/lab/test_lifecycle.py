@@ -174,10 +174,10 @@ def test_three_quarantines_retire_a_node_and_a_suspect_last_replica_keeps_servin
     its first node makes that node suspect, and it keeps serving while NodeSuspect alerts. Both come back."""
     node, leader = lab.nodes[0], lab.nodes[1]
     for args, line in (
-            (("quarantine", "10.0.0.99", "--why", "x"), f"{INVENTORY}: 10.0.0.99: expected a host of the inventory"),
+            (("quarantine", "10.0.0.99", "--why", "x"), f"{INVENTORY}: HOST: expected a host of the inventory"),
             (("quarantine", node.address, "--why", "a\tb"), "gpufleet nodes quarantine: --why: expected 1 to 200"),
-            (("readmit", node.address, "--why", "fixed"), f"gpufleet nodes readmit: {node.address}: cannot move from"
-                                                          " serving to burn-in")):
+            (("readmit", node.address, "--why", "fixed"), f"gpufleet nodes readmit: {node.address}: cannot readmit a"
+                                                          " node that is serving")):
         refused = gpufleet_nodes(lab, *args)
         assert (refused.rc, refused.err.splitlines()[-1][:len(line)]) == (2, line), refused.err
         assert "Traceback" not in refused.err

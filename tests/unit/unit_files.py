@@ -205,7 +205,7 @@ def _burn_in(_: str) -> Unit:
     python = node_paths.venv_bin(cfg.vllm_version, "python")
     verdict = f"{node_paths.BURN_IN_DIR}/full.json"
     argv = [python, node_paths.node_tool("burn_in.py"), "--tier", "full", "--floors", node_paths.BURN_IN_FLOORS,
-            "--json", "--out", verdict]
+            "--out", verdict]
     return Unit(node_paths.burn_in_service("full"),
                 render("node_lifecycle/gpufleet-burn-in.service.j2", **node_lifecycle_role.burn_in_values(cfg, "full")),
                 [python], argv)

@@ -114,7 +114,7 @@ VALUES: dict[str, dict[str, object]] = {
         "service": "gpufleet-burn-in-full.service", "tier": "full", "node_tools": "/opt/gpufleet/node",
         "verdict": "/var/lib/gpufleet/burn-in/full.json", "timeout_s": 3600, "state_dir": "gpufleet/burn-in",
         "exec_start": "/opt/vllm/0.31.0/bin/python /opt/gpufleet/node/burn_in.py --tier full --floors"
-                      " /etc/gpufleet/burn-in.json --json --out /var/lib/gpufleet/burn-in/full.json",
+                      " /etc/gpufleet/burn-in.json --out /var/lib/gpufleet/burn-in/full.json",
         "gpu": "compute"},
     "router/haproxy-override.conf.j2": {"open_files": 9216, "restart_after_s": 2.0},
     "router/gpufleet-router-clients.service.j2": {
