@@ -24,20 +24,25 @@ from tests.lab.fleet import PIPELINE, single
 from tests.lab.harness import ROOT, Lab
 
 GPUFLEET = [sys.executable, "-m", "gpufleet.cli.main"]
-SLO = "ttft_p99_s=2,itl_p99_s=0.5"
+# Objectives on bounds of vLLM's histogram buckets (TTFT ... 1.0, 2.5, 5.0 ...; ITL ... 0.4, 0.5, 0.75 ...): a step
+# is judged on vLLM's histograms, whose p99 within a bucket is interpolated, so an objective inside one is met or
+# missed by where a single slow request falls in it (seen: 80 requests at 4 req/s, the client's TTFT p99 1.36 s, one
+# request over 1 s, vLLM's p99 interpolated to 2.1 s in the 1-2.5 s bucket: a 2 s objective missed). On a bound,
+# p99 <= objective holds exactly when 99% of the requests met it.
+SLO = "ttft_p99_s=2.5,itl_p99_s=0.5"
 # A rate every shape meets (the lab's TTFT p99 jumps to most of a second now and then on its two shared cores: the
 # objective leaves room for it), and one far past what two cores answer: the ceiling is what each shape answered at
 # 4 req/s. Outputs of 160 to 192 tokens: with 96 to 112, the single replica answered 57 to 64 of them a second, about
 # what the client on the same two cores sends, and the step at 96 req/s missed its TTFT objective by 19% in one run
 # (p99 2.38 s) and met it in the next. With longer answers the replica answers fewer (47.5 a second, TTFT p99 2.46 s,
 # its queue full: errors and unanswered too) while the client sends as many.
-# Steps of 20 s: the shortest a 2 s TTFT objective allows (gpufleet.measure.ramp). The
+# Steps of 25 s: the shortest a 2.5 s TTFT objective allows (gpufleet.measure.ramp). The
 # README's bench ramps the pipeline replica on the bench's own workload (outputs of about 32 tokens): 4 req/s, then
 # 192 (at 96 it answered all 1,920 requests within 2.7 s of the step, 85 a second, TTFT p99 0.9 s: no knee).
 RATES = "4,96"
 OFFERED_RPS = 4.0
-STEP_S = "20"
-ROWS = 2000  # the step at 96 req/s sends 1,920: each request its own prompt (gpufleet bench refuses fewer)
+STEP_S = "25"
+ROWS = 2500  # the step at 96 req/s sends 2,400: each request its own prompt (gpufleet bench refuses fewer)
 
 
 def dataset(path: Path, rows: int, words: tuple[int, int], output_tokens: tuple[int, int]) -> Path:
