@@ -390,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     except FloorsError as exc:
         print(f"burn-in: {exc}", file=sys.stderr)
         return 2
+    if args.out is not None:
+        args.out.unlink(missing_ok=True)  # no verdict but this run's
     verdict = burn_in(args.tier, floors, dcgmi=args.dcgmi)
     if args.out is not None:
         temporary = args.out.with_name(f".{args.out.name}.tmp")

@@ -316,13 +316,14 @@ def run_burn_in(config: Config, tier: str) -> dict[str, Any]:
     """One burn-in, run by its unit (the GPUs and the release's torch are its own sandbox's): its verdict, or a failed
     one saying why there is none."""
     unit = str(config.burn_in["units"][tier])
-    verdict_file = Path(config.burn_in["verdicts"]) / f"{tier}.json"
-    verdict_file.unlink(missing_ok=True)  # never judge by the last run's verdict
+    verdict_file = Path(config.burn_in["verdicts"]) / f"{tier}.json"  # the unit's to write: read-only here
+    started = time.time()
     status, _, err = _run(["systemctl", "start", "--", unit], float(config.burn_in.get("timeout_s", 3600)) + 60)
     try:
-        verdict = json.loads(verdict_file.read_text())
-        if isinstance(verdict, dict) and "passed" in verdict:
-            return verdict
+        if verdict_file.stat().st_mtime >= started - 1.0:  # never judge by the last run's verdict
+            verdict = json.loads(verdict_file.read_text())
+            if isinstance(verdict, dict) and "passed" in verdict:
+                return verdict
     except (OSError, ValueError):
         pass
     _, journal, _ = _run(["journalctl", "--quiet", "--no-pager", "--output=cat", "--lines=5", "--unit", unit], 20)
