@@ -3,16 +3,16 @@
 
 from __future__ import annotations
 
-from importlib.resources import files
 from typing import Any
 
 import pytest
 import yaml
 
+from gpufleet.config.settings.node_lifecycle import repository_catalog
 from gpufleet.node import findings
 from tests.conftest import DATA
 
-CATALOG: dict[str, Any] = yaml.safe_load(files("gpufleet").joinpath("data/findings.yml").read_text())
+CATALOG: dict[str, Any] = repository_catalog()
 LOGS: dict[str, dict[str, Any]] = yaml.safe_load((DATA / "findings" / "kernel_logs.yml").read_text())
 BAD: list[dict[str, Any]] = yaml.safe_load((DATA / "findings" / "bad_catalogs.yml").read_text())
 

@@ -7,17 +7,16 @@ from __future__ import annotations
 import json
 import os
 from datetime import UTC, datetime, timedelta
-from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
+from gpufleet.config.settings.node_lifecycle import repository_catalog
 from gpufleet.node import findings, node_state, node_watch
 from gpufleet.operations.lifecycle import needs_admission
 
-CATALOG = yaml.safe_load(files("gpufleet").joinpath("data/findings.yml").read_text())
+CATALOG = repository_catalog()
 NOW = datetime(2026, 11, 27, 12, 0, tzinfo=UTC)
 
 
