@@ -50,6 +50,9 @@ RESTORE_WEIGHT_S = 10.0  # after a node comes back, the agent restores the route
 POLL_S = 0.2
 STALLS_EVERY_S = 30.0  # how often the journal is read for the replica watchdogs' restarts
 STOP_WAIT_S = 300.0  # the longest the burn-in waits for the replica units it stopped to end
+HEARD_WAIT_S = 5.0  # the longest a drain waits for every router that asks the agent to have heard "down"
+ASKING_S = 10.0  # a router that asked the agent this recently is one that must hear "down"
+SETTLED_READS = 3  # a drain ends after this many reads in a row, 0.5 s apart, find no request in the engines
 _UNIT = re.compile(r"^vllm@[A-Za-z0-9_.:-]+\.service$")
 _WHY = re.compile(r"^[^\x00-\x1f\x7f]{1,200}$")
 
@@ -170,18 +173,24 @@ def agent_reply(record: dict[str, Any] | None, now: datetime) -> str:
 
 
 class Agent:
-    """A TCP server answering each connection with :func:`agent_reply` for the current record."""
+    """A TCP server answering each connection with :func:`agent_reply` for the current record. It remembers when each
+    router last asked and last heard "down", so that a drain can wait until every router has heard it."""
 
     def __init__(self, config: Config) -> None:
         self.config = config
         self.record: dict[str, Any] | None = None
         self.lock = threading.Lock()
+        self.down_since: float | None = None  # when the replies turned "down" (monotonic)
+        self.asked: dict[str, float] = {}
+        self.heard_down: dict[str, float] = {}
         watch = self
 
         class Handler(socketserver.BaseRequestHandler):
             def handle(self) -> None:
+                peer = str(self.client_address[0])
                 with watch.lock:
                     reply = agent_reply(watch.record, utcnow())
+                    watch.answered(peer, reply, time.monotonic())
                 with contextlib.suppress(OSError):
                     self.request.sendall(reply.encode())
 
@@ -191,7 +200,27 @@ class Agent:
 
     def set(self, record: dict[str, Any]) -> None:
         with self.lock:
+            down = agent_reply(record, utcnow()).endswith("down\n")
+            if down and self.down_since is None:
+                self.down_since = time.monotonic()
+            elif not down:
+                self.down_since = None
             self.record = json.loads(json.dumps(record))
+
+    def answered(self, peer: str, reply: str, now: float) -> None:
+        """Note one reply (the lock held)."""
+        self.asked[peer] = now
+        if reply.endswith("down\n"):
+            self.heard_down[peer] = now
+
+    def all_heard_down(self) -> bool:
+        """Whether every router that asked lately has heard "down" since the replies turned so."""
+        with self.lock:
+            since = self.down_since
+            if since is None:
+                return False
+            asking = [peer for peer, at in self.asked.items() if at >= since - ASKING_S]
+            return all(self.heard_down.get(peer, -1.0) >= since for peer in asking)
 
     def start(self) -> None:
         threading.Thread(target=self.server.serve_forever, name="agent", daemon=True).start()
@@ -266,7 +295,8 @@ def replica_units(states: str = "active,activating,reloading") -> list[str]:
 
 
 def requests_running(urls: list[str]) -> float:
-    """The requests the node's replicas still run (vLLM's ``vllm:num_requests_running``); 0 where none answers."""
+    """The requests the node's replicas' engines hold (vLLM's ``vllm:num_requests_running`` and ``_waiting``); 0
+    where none answers."""
     total = 0.0
     for url in urls:
         try:
@@ -275,7 +305,7 @@ def requests_running(urls: list[str]) -> float:
         except OSError:
             continue
         for line in text.splitlines():
-            if line.startswith("vllm:num_requests_running"):
+            if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")):
                 with contextlib.suppress(ValueError):
                     total += float(line.rsplit(None, 1)[-1])
     return total
@@ -298,12 +328,27 @@ def keep_evidence(config: Config, record: dict[str, Any], why: str, kernel: Kern
     return str(folder)
 
 
-def stop_units(config: Config, record: dict[str, Any], kernel: KernelLog | None) -> None:
+def drain(config: Config, agent: Agent | None) -> None:
+    """Wait until the routers send the replicas nothing more and the engines hold no request, ``drain_timeout_s`` at
+    most. A router hears "down" at its next agent check (1 s): until every router that asks has heard it, a request
+    may still arrive. One that arrived is in the API server before the engine counts it, so the engines must read
+    empty several times in a row."""
+    deadline = time.monotonic() + config.drain_timeout_s
+    heard = time.monotonic() + HEARD_WAIT_S
+    while agent is not None and not agent.all_heard_down() and time.monotonic() < heard:
+        time.sleep(0.2)
+    empty = 0
+    while empty < SETTLED_READS and time.monotonic() < deadline:
+        empty = empty + 1 if requests_running(config.replica_metrics) == 0 else 0
+        if empty < SETTLED_READS:
+            time.sleep(0.5)
+
+
+def stop_units(config: Config, record: dict[str, Any], kernel: KernelLog | None, agent: Agent | None = None) -> None:
     """Drain, keep the evidence, stop the replica units (recorded, so that readmission starts them again)."""
     units = replica_units()
-    deadline = time.monotonic() + config.drain_timeout_s
-    while units and time.monotonic() < deadline and requests_running(config.replica_metrics) > 0:
-        time.sleep(0.5)
+    if units:
+        drain(config, agent)
     folder = keep_evidence(config, record, record["history"][-1]["why"] if record["history"] else "left", kernel)
     record["evidence"] = [*(record.get("evidence") or [])[-9:], folder]
     if units:
@@ -378,12 +423,14 @@ def apply_finding(config: Config, finding: Any) -> None:
             log(f"{config.node}: {what}: recorded")
 
 
-def reconcile(config: Config, kernel: KernelLog | None) -> None:
+def reconcile(config: Config, kernel: KernelLog | None, agent: Agent | None = None) -> None:
     """Bring the node to what its state says (see the module docstring)."""
     with locked(config) as record:
         state = record["state"]
         if (state in node_state.OUT_OF_SERVICE or record.get("requested")) and replica_units():
-            stop_units(config, record, kernel)
+            if agent is not None:
+                agent.set(record)  # "down" from now on: the drain waits for the routers to hear it
+            stop_units(config, record, kernel, agent)
         if state == "quarantined" and node_state.readmission_due(record, utcnow(), config.policy):
             replace(record, node_state.move(record, "burn-in", "cool-off over: readmission burn-in", utcnow()))
             state = "burn-in"
@@ -487,7 +534,7 @@ def watch(config: Config) -> int:
         if agent is not None:
             agent.set(record)
         if time.monotonic() >= next_reconcile:
-            reconcile(config, kernel)
+            reconcile(config, kernel, agent)
             record = read_record(config)
             if agent is not None:
                 agent.set(record)

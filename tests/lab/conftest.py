@@ -19,7 +19,7 @@ from gpufleet_lab.state import LAB_DIR_ENV, NodeRecord, load_state
 from tests.conftest import skip_or_fail
 from tests.lab.fleet import OLD_MODULE, SIM_PROFILE
 from tests.lab.harness import LAB_CLI, LAB_NODES, LAB_PROFILES, Completed, Lab, cannot_run_lab, run
-from tests.lab.scenarios import BY_NAME, RANK, LabStates, scenario_of
+from tests.lab.scenarios import AFTER_FAILURE, BY_NAME, RANK, LabStates, scenario_of
 
 LAB_TEARDOWN_TESTS = {"test_down_leaves_nothing_behind"}
 # Start limits and restart counters of gpufleet's replica units, zero again.
@@ -72,7 +72,7 @@ def pytest_runtest_makereport(item: pytest.Item,
     lab = funcargs.get("lab")
     states = funcargs.get("lab_states")
     if report.failed and isinstance(states, LabStates) and states.current != "bare":  # setup and teardown too
-        states.changed("after a failed test")
+        states.changed(AFTER_FAILURE)
     if report.failed and isinstance(lab, Lab):
         for node in lab.nodes:
             try:

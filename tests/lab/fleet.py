@@ -47,6 +47,8 @@ PIPELINE = "lab_pipeline-0"
 ROUTER_PORT = 8080
 ROUTER_METRICS_PORT = 8405
 ROUTER_ADMIN = "python3 /opt/gpufleet/node/router_admin.py"
+NODE_WATCH = "python3 /opt/gpufleet/node/node_watch.py"
+LIFECYCLE_CONFIG = "/etc/gpufleet/lifecycle.json"
 RAY_PORT, NODE_EXPORTER, DCGM_EXPORTER, RENDEZVOUS = 6379, 9100, 9400, 29501
 CONNECT_TIMEOUT = 3.0
 # Every target at once from one node: "address:port" -> whether a TCP connection was accepted.
@@ -220,6 +222,39 @@ def wait_serving(lab: Lab, node: NodeRecord, timeout: float = 600) -> None:
             last = str(exc)
         time.sleep(3)
     pytest.fail(f"{node.name} did not serve again within {timeout} s: {last}")
+
+
+def node_record(lab: Lab, node: NodeRecord) -> dict[str, Any]:
+    """``node``'s lifecycle record, as its watch keeps it."""
+    return dict(json.loads(lab.host(node).check_output(f"{NODE_WATCH} show --config {LIFECYCLE_CONFIG}")))
+
+
+def restore_nodes(lab: Lab, timeout: float = 300) -> None:
+    """After a failed test: every node's NVML simulator profile as booted (a lifecycle test saves it as ``.saved``)
+    and every node back in service the way a person brings it back: a suspect one cleared, one out of service sent
+    to burn-in with --force, whose clean passes readmit it. A deploy leaves a node's state alone, so a test that
+    failed with lab1 quarantined would otherwise leave NodeQuarantined firing for every later test."""
+    why = "--why 'lab: after a failed test'"
+    for node in lab.nodes:
+        host = lab.host(node)
+        host.run(f"test -e {SIM_PROFILE}.saved && mv -- {SIM_PROFILE}.saved {SIM_PROFILE}")
+        shown = host.run(f"{NODE_WATCH} show --config {LIFECYCLE_CONFIG}")
+        if shown.rc != 0:
+            continue  # no lifecycle on the node (not deployed yet)
+        state = json.loads(shown.stdout)["state"]
+        if state == "suspect":
+            host.check_output(f"{NODE_WATCH} move --config {LIFECYCLE_CONFIG} --to serving {why}")
+        elif state in ("quarantined", "retired"):
+            host.check_output(f"{NODE_WATCH} move --config {LIFECYCLE_CONFIG} --to burn-in --force {why}")
+    end = time.monotonic() + timeout
+    left = [n.name for n in lab.nodes]
+    while left and time.monotonic() < end:
+        left = [n.name for n in lab.nodes
+                if lab.host(n).run(f"{NODE_WATCH} show --config {LIFECYCLE_CONFIG}").rc == 0
+                and node_record(lab, n)["state"] not in ("serving", "new")]
+        if left:
+            time.sleep(2)
+    assert not left, f"not back in service {timeout} s after a failed test: {left}"
 
 
 def vllm_child(lab: Lab, node: NodeRecord, unit: str) -> int:

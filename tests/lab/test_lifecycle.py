@@ -17,13 +17,13 @@ from typing import Any
 import pytest
 from gpufleet_lab.kernel_log import append_command, xid_line
 from gpufleet_lab.sim_profile import write_sim_profile
-from gpufleet_lab.state import NodeRecord
 
 from tests.lab.fleet import (
     INVENTORY,
     PIPELINE,
     ROUTER_ADMIN,
     SIM_PROFILE,
+    node_record,
     record_figure,
     requests_to,
     single,
@@ -34,13 +34,7 @@ from tests.lab.prometheus import Prometheus, wait_for
 
 pytestmark = pytest.mark.filterwarnings("ignore:Unknown ssh-ed25519 host key:UserWarning")
 
-WATCH = "python3 /opt/gpufleet/node/node_watch.py"
-CONFIG = "/etc/gpufleet/lifecycle.json"
 DRAINED_WITHIN_S = 5.0  # the bound: from the finding to no new request at any router
-
-
-def node_record(lab: Lab, node: NodeRecord) -> dict[str, Any]:
-    return json.loads(lab.host(node).check_output(f"{WATCH} show --config {CONFIG}"))
 
 
 def _at(text: str) -> datetime:

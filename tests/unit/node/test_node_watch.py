@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,47 @@ def test_the_agent_tells_the_routers_whether_the_node_takes_requests(state: str,
     record = {"state": state, "since": node_state.now_text(NOW - timedelta(seconds=age_s))}
     assert node_watch.agent_reply(record, NOW) == reply
     assert node_watch.agent_reply(None, NOW) == "0% down\n"
+
+
+def _ask(agent: node_watch.Agent, router: str) -> str:
+    """One agent check, as HAProxy makes it, from the router's own address."""
+    port = agent.server.server_address[1]
+    with socket.create_connection(("127.0.0.1", port), timeout=5, source_address=(router, 0)) as conn:
+        return conn.recv(64).decode()
+
+
+def test_a_drain_waits_for_every_asking_router_to_hear_down_then_for_empty_engines(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request was lost when the replica stopped while a router, not yet told "down", sent it one more."""
+    config = _config(tmp_path, agent={"address": "127.0.0.1", "port": 0}, drain_timeout_s=30)
+    _serving(config)
+    agent = node_watch.Agent(config)
+    agent.start()
+    try:
+        agent.set(node_watch.read_record(config))
+        assert [_ask(agent, r) for r in ("127.0.0.2", "127.0.0.3")] == ["up\n", "up\n"]
+        assert not agent.all_heard_down()  # it serves: nothing to hear
+        with node_watch.locked(config) as record:
+            node_watch.replace(record, node_state.quarantine(record, "Xid 79 on 3", NOW, config.policy))
+        agent.set(node_watch.read_record(config))
+        assert _ask(agent, "127.0.0.2") == "0% down\n" and not agent.all_heard_down()  # .3 has not heard it
+        engines = iter([2.0, 0.0, 1.0, 0.0, 0.0, 0.0, 9.0])  # a request the engine counts late resets the count
+        reads: list[float] = []
+        monkeypatch.setattr(node_watch, "requests_running", lambda urls: reads.append(next(engines)) or reads[-1])
+        waits: list[float] = []
+
+        def sleep(seconds: float) -> None:
+            waits.append(seconds)
+            if len(waits) == 3:
+                _ask(agent, "127.0.0.3")  # the other router's next check
+
+        monkeypatch.setattr(node_watch.time, "sleep", sleep)
+        node_watch.drain(config, agent)
+        assert agent.all_heard_down() and waits[:3] == [0.2, 0.2, 0.2]  # waited for .3's check, and no longer
+        assert reads == [2.0, 0.0, 1.0, 0.0, 0.0, 0.0]  # then three empty reads in a row
+    finally:
+        agent.server.shutdown()
+        agent.server.server_close()
 
 
 def test_the_kernel_log_gives_only_new_whole_lines(tmp_path: Path) -> None:
