@@ -306,28 +306,47 @@ FABRIC_TOOL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fabric_c
 FABRIC_RETRY_S = 10.0  # between two fabric checks of a generation that has not started
 
 
-def fabric_check(fabric: dict[str, Any], rank: int, leader: str) -> dict[str, Any]:
-    """This rank's part of the replica's fabric check (fabric_check.py beside this file, run by this Python: the
-    release's, with its torch); the leader's verdict names every node, a follower's its own failure."""
-    argv = [sys.executable, FABRIC_TOOL, "--rank", str(rank), "--world", str(fabric["world"]), "--leader",
+def fabric_argv(python: str, tool: str, fabric: dict[str, Any], rank: int, leader: str) -> list[str]:
+    """The command line of one rank of the fabric check (``fabric``: ranks.json's entry, with ``world``)."""
+    return [python, tool, "--rank", str(rank), "--world", str(fabric["world"]), "--leader",
             f"{leader}:{fabric['port']}", "--backend", str(fabric["backend"]), "--iface", str(fabric.get("iface", "")),
             "--bytes", str(fabric["bytes"]), "--floor-gbps", str(fabric["floor_gbps"]),
             "--timeout", str(fabric["timeout_s"])]
+
+
+def fabric_timeout(fabric: dict[str, Any]) -> float:
+    """How long one rank of the check may run before it counts as hung."""
+    return 3 * float(fabric["timeout_s"]) + 30
+
+
+HUNG = {"passed": False, "stage": "hung", "slow_nodes": [], "error": "the check itself did not end"}
+
+
+def read_verdict(rank: int, status: int, stdout: str, stderr: str) -> dict[str, Any]:
+    """One rank's verdict from what fabric_check.py printed: the leader's names every node, a follower prints only
+    its own failure."""
     try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=3 * float(fabric["timeout_s"]) + 30)
-    except subprocess.TimeoutExpired:
-        return {"passed": False, "stage": "hung", "slow_nodes": [], "error": "the check itself did not end"}
-    try:
-        verdict = json.loads(done.stdout.strip().splitlines()[-1])
+        verdict = json.loads(stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):
-        return {"passed": rank != 0 and done.returncode == 0, "stage": "no verdict",
-                "error": done.stderr.strip()[-300:]}
+        return {"passed": rank != 0 and status == 0, "stage": "no verdict", "error": stderr.strip()[-300:]}
     return verdict if isinstance(verdict, dict) else {"passed": False, "stage": "no verdict"}
+
+
+def fabric_check(fabric: dict[str, Any], rank: int, leader: str) -> dict[str, Any]:
+    """This rank's part of the replica's fabric check (fabric_check.py beside this file, run by this Python: the
+    release's, with its torch)."""
+    argv = fabric_argv(sys.executable, FABRIC_TOOL, fabric, rank, leader)
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=fabric_timeout(fabric))
+    except subprocess.TimeoutExpired:
+        return dict(HUNG)
+    return read_verdict(rank, done.returncode, done.stdout, done.stderr)
 
 
 def describe_fabric(verdict: dict[str, Any]) -> str:
     if verdict.get("passed"):
-        return f"passed, bus bandwidth {verdict.get('busbw_gbps')} GB/s in {verdict.get('seconds')} s"
+        over = f" over {', '.join(verdict['nodes'])}" if verdict.get("nodes") else ""
+        return f"passed, bus bandwidth {verdict.get('busbw_gbps')} GB/s in {verdict.get('seconds')} s{over}"
     if verdict.get("stage") == "join":
         return f"ranks {verdict.get('missing_ranks')} did not join"
     named = ", ".join(verdict.get("slow_nodes") or []) or "no node named"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import re
 import shlex
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -25,7 +26,7 @@ from gpufleet.units.security import EXPOSURE_BOUND
 from roles import ray as ray_role
 from tests.lab.checks import assert_no_errors, metrics
 from tests.lab.fleet import DCGM_EXPORTER, NODE_EXPORTER, PIPELINE, RAY_PORT, exposures, reach
-from tests.lab.harness import LAB_VENV, Completed, Lab
+from tests.lab.harness import LAB_VARS, LAB_VENV, Completed, Lab
 
 pytestmark = pytest.mark.filterwarnings("ignore:Unknown ssh-ed25519 host key:UserWarning")
 
@@ -170,7 +171,8 @@ def _ray_nodes(lab: Lab, head: NodeRecord) -> int:
 def test_after_a_reboot_of_every_node_the_ray_cluster_forms_and_vllms_join_wait_passes(
         lab: Lab, ray_cluster: tuple[NodeRecord, ...], tmp_path_factory: pytest.TempPathFactory) -> None:
     """Both nodes of the Ray replica reboot at once, no deploy: the head comes up, the worker's unit retries until
-    it joins, and the head's vLLM unit, ordered after the Ray head, passes its join wait (ExecStartPre)."""
+    it joins, and the head's vLLM unit, ordered after the Ray head, passes its join wait (ExecStartPre) and the
+    replica's fabric check that follows it, run through Ray on both nodes."""
     head, worker = ray_cluster
     drop_in = lab.host(head).file(node_paths.vllm_ray_drop_in(PIPELINE)).content_string
     assert f"Requires={ray_role.unit_name(PIPELINE)}" in drop_in and f"After={ray_role.unit_name(PIPELINE)}" in drop_in
@@ -190,8 +192,14 @@ def test_after_a_reboot_of_every_node_the_ray_cluster_forms_and_vllms_join_wait_
     done = lab.host(head).run(f"set -a; . {env}; . {node_paths.replica_secrets(PIPELINE)}; set +a;"
                               f" cd /tmp && runuser -u vllm -- {wait}")
     assert done.rc == 0, done.stdout + done.stderr
+    # then the replica's fabric check, one rank in a Ray task on each node, the head leading: it passed, over both
+    checked = re.search(r"fabric check passed, bus bandwidth ([\d.]+) GB/s in ([\d.]+) s over (\S+), (\S+) \(",
+                        done.stderr)
+    assert checked is not None and {checked[3], checked[4]} == {head.name, worker.name}, done.stderr
+    assert float(checked[1]) >= LAB_VARS["node_fabric_floor_gbps"]
     figure = {"fault": "reboot of every node of a Ray replica (vLLM staged: the CPU build refuses Ray)",
-              "replica": PIPELINE, "cluster_formed_again_s": round(formed, 1), "join_wait": "passed"}
+              "replica": PIPELINE, "cluster_formed_again_s": round(formed, 1), "join_wait": "passed",
+              "fabric_check_s": float(checked[2]), "fabric_busbw_gbps": float(checked[1])}
     with (tmp_path_factory.getbasetemp() / "lab-fault-figures.jsonl").open("a") as figures:
         figures.write(json.dumps(figure) + "\n")
 

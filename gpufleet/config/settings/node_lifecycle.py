@@ -131,9 +131,10 @@ class NodeLifecycleSettings(RoleSettings):
 
     node_fabric_check: bool = setting(
         True,
-        "Before each generation of a multi-node replica (mp backend) starts, check the fabric between its nodes:"
-        " an all-reduce over exactly its ranks, on fleet_interface, that must finish within node_fabric_timeout_s"
-        " and reach node_fabric_floor_gbps; a node that fails it is named and the replica does not start.",
+        "Before each generation of a multi-node replica starts (mp: its ranks; Ray: the head's join wait, once every"
+        " node joined), check the fabric between its nodes: an all-reduce over exactly its nodes, on"
+        " fleet_interface, that must finish within node_fabric_timeout_s and reach node_fabric_floor_gbps; a node"
+        " that fails it is named and the replica does not start.",
         scope="pool",
     )
     node_fabric_port: Port = setting(

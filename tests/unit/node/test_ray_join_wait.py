@@ -1,9 +1,11 @@
 """ray_join_wait.py, the vLLM unit's wait on a Ray head until every node of the replica has joined.
 
 ``tests/data/ray_join_wait/<case>.json``: ``nodes`` and ``timeout`` (the tool's arguments), ``answers`` (what
-``ray status`` prints at each poll, a list of lines, or null when it fails; the last one repeats), and what must
-come of it: the ``exit`` status, how many ``polls``, and the ``log`` lines (after the tool's prefix). Time is a
-fake clock that each sleep moves on. The command line itself runs once against a stand-in ``ray`` program.
+``ray status`` prints at each poll, a list of lines, or null when it fails; the last one repeats), with ``fabric``
+the verdicts of the fabric check in turn (the last one repeats; the check itself runs in tests/lab/test_ray.py), and
+what must come of it: the ``exit`` status, how many ``polls`` and ``fabric_checks``, and the ``log`` lines (after
+the tool's prefix). Time is a fake clock that each sleep moves on. The command line itself runs once against a
+stand-in ``ray`` program.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 from typing import Any
 
@@ -42,14 +45,27 @@ class FakeRay:
         self.now += seconds
 
 
+FABRIC_ARGS = ["--fabric-port", "29589", "--fabric-backend", "gloo", "--fabric-iface", "host0", "--fabric-bytes",
+               "1024", "--fabric-floor-gbps", "0.02", "--fabric-timeout", "10"]
+
+
 @pytest.mark.parametrize("path", CASES, ids=[p.stem for p in CASES])
 def test_case(path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     case: dict[str, Any] = json.loads(path.read_text())
     ray = FakeRay(case["answers"])
     argv = ["--ray", "/etc/gpufleet/vllm/r/venv/bin/ray", "--address", ADDRESS, "--nodes", str(case["nodes"]),
-            "--timeout", str(case["timeout"])]
-    assert ray_join_wait.main(argv, count=ray.count, clock=lambda: ray.now, sleep=ray.sleep) == case["exit"]
-    assert len(ray.calls) == case["polls"]
+            "--timeout", str(case["timeout"]), *(FABRIC_ARGS if "fabric" in case else [])]
+    checked: list[tuple[str, dict[str, Any]]] = []
+
+    def fabric(address: str, settings: dict[str, Any]) -> dict[str, Any]:
+        checked.append((address, settings))
+        return dict(case["fabric"][min(len(checked), len(case["fabric"])) - 1])
+
+    assert ray_join_wait.main(argv, count=ray.count, clock=lambda: ray.now, sleep=ray.sleep,
+                              fabric=fabric) == case["exit"]
+    assert len(ray.calls) == case["polls"] and len(checked) == case.get("fabric_checks", 0)
+    assert all(c == (ADDRESS, {"port": 29589, "backend": "gloo", "iface": "host0", "bytes": 1024, "floor_gbps": 0.02,
+                                "timeout_s": 10.0}) for c in checked)
     assert set(ray.calls) == {("/etc/gpufleet/vllm/r/venv/bin/ray", ADDRESS)}
     prefix = f"ray_join_wait: Ray at {ADDRESS}: "
     logged = capsys.readouterr().err.splitlines()
@@ -107,3 +123,43 @@ def test_a_ray_status_that_fails_or_is_missing_is_no_answer(tmp_path: Path) -> N
     failing.chmod(0o755)
     assert ray_join_wait.ray_status(str(failing), ADDRESS) is None
     assert ray_join_wait.ray_status(str(tmp_path / "absent"), ADDRESS) is None
+
+
+class _Remote:
+    """Ray's remote function as ray_fabric uses it, run in this process, each call on the node it is pinned to."""
+
+    def __init__(self, calls: list[tuple[str, list[str]]], function: Any) -> None:
+        self.calls, self.function, self.node = calls, function, ""
+
+    def options(self, scheduling_strategy: Any) -> _Remote:
+        self.node = scheduling_strategy.node_id
+        return self
+
+    def remote(self, argv: list[str], timeout: float) -> Any:
+        self.calls.append((self.node, argv))
+        rank = int(argv[argv.index("--rank") + 1])
+        return (0, json.dumps({"passed": True, "busbw_gbps": 0.4, "seconds": 2.0}) if rank == 0 else "", "")
+
+
+def test_the_ray_check_runs_one_rank_on_each_live_node_the_head_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[str, list[str]]] = []
+    fake = types.ModuleType("ray")
+    fake.is_initialized = lambda: True  # type: ignore[attr-defined]
+    fake.nodes = lambda: [{"NodeID": "w", "NodeManagerAddress": "fd00::6", "Alive": True},  # type: ignore[attr-defined]
+                          {"NodeID": "gone", "NodeManagerAddress": "fd00::7", "Alive": False},
+                          {"NodeID": "h", "NodeManagerAddress": "fd00::5", "Alive": True}]
+    fake.remote = lambda num_cpus: lambda function: _Remote(calls, function)  # type: ignore[attr-defined]
+    fake.get = lambda refs, timeout: refs  # type: ignore[attr-defined]
+    strategies = types.ModuleType("ray.util.scheduling_strategies")
+    strategies.NodeAffinitySchedulingStrategy = lambda node_id, soft: types.SimpleNamespace(  # type: ignore[attr-defined]
+        node_id=node_id, soft=soft)
+    monkeypatch.setitem(sys.modules, "ray", fake)
+    monkeypatch.setitem(sys.modules, "ray.util", types.ModuleType("ray.util"))
+    monkeypatch.setitem(sys.modules, "ray.util.scheduling_strategies", strategies)
+    settings = {"port": 29589, "backend": "gloo", "iface": "host0", "bytes": 1024, "floor_gbps": 0.02, "timeout_s": 10}
+    verdict = ray_join_wait.ray_fabric("[fd00::5]:6379", settings)
+    assert verdict == {"passed": True, "busbw_gbps": 0.4, "seconds": 2.0}
+    assert [(node, argv[argv.index("--rank") + 1], argv[argv.index("--world") + 1]) for node, argv in calls] == [
+        ("h", "0", "2"), ("w", "1", "2")]  # the head leads; the dead node is no rank
+    assert {argv[argv.index("--leader") + 1] for _, argv in calls} == {"fd00::5:29589"}
+    assert all(argv[1] == ray_join_wait.FABRIC_TOOL for _, argv in calls)

@@ -66,9 +66,15 @@ def test_only_a_ray_head_gets_the_drop_in(shape: str) -> None:
             assert ("Unit", "BindsTo") not in settings
             (pre,) = settings[("Service", "ExecStartPre")]
             venv = f"{node_paths.replica_dir(replica.name)}/venv/bin"
+            fabric = ["--fabric-port", str(cfg.node_fabric_port), "--fabric-backend",
+                      "gloo" if cfg.vllm_platform == "cpu" else "nccl", "--fabric-bytes", str(vf.FABRIC_BYTES),
+                      "--fabric-floor-gbps", str(cfg.node_fabric_floor_gbps), "--fabric-timeout",
+                      str(cfg.node_fabric_timeout_s), *(["--fabric-iface", cfg.fleet_interface]
+                                                        if cfg.fleet_interface else [])]
             assert exec_argv(pre) == [f"{venv}/python", node_paths.node_tool("ray_join_wait.py"), "--ray",
                                       f"{venv}/ray", "--address", f"{role.address}:{cfg.ray_port}",
-                                      "--nodes", str(len(replica.roles)), "--timeout", str(cfg.ray_ready_timeout)]
+                                      "--nodes", str(len(replica.roles)), "--timeout", str(cfg.ray_ready_timeout),
+                                      *(fabric if cfg.node_lifecycle_enabled and cfg.node_fabric_check else [])]
             assert settings[("Service", "TimeoutStartSec")] == [str(cfg.ray_ready_timeout + ray_drop_in.GATE_S)]
             assert set(settings) == {("Unit", "After"), ("Unit", "Requires"), ("Service", "ExecStartPre"),
                                      ("Service", "TimeoutStartSec")}
