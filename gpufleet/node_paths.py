@@ -33,6 +33,7 @@ GPU_WATCH_SERVICE = "gpufleet-gpu-watch.service"
 GPU_WATCH_TIMER = "gpufleet-gpu-watch.timer"
 RUN_DIR = "/run/gpufleet"  # the watch's RuntimeDirectory= (gone at reboot)
 GPU_WATCH_MARKER = f"{RUN_DIR}/gpu-gate-failed"  # while the node fails: the failed rules and the units stopped
+GPU_SAMPLES = f"{RUN_DIR}/gpu-samples.json"  # the GPU watch's last samples: the node watch's trends
 
 # the node lifecycle (role node_lifecycle): the node's record, kept by node_watch.py's unit, which also answers the
 # routers' agent checks; the burn-in's floors; what the node looked like each time it left

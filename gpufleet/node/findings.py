@@ -29,6 +29,16 @@ STALL_LIMIT = 3
 STALL_WINDOW_S = 3600.0
 
 
+# Trends over the GPU watch's samples (decided: NVIDIA names no figure): a condition a GPU shows in at least half of
+# the samples of the last 10 minutes, and at least 5 samples (the watch samples every 30 s), is one finding, once,
+# until it no longer holds. Power capping (sw_power_cap) is a GPU at its power limit, as it is under full load: not a
+# fault; the slowdowns below are.
+TREND_WINDOW_S = 600.0
+TREND_SHARE = 0.5
+TREND_MIN_SAMPLES = 5
+THROTTLE_EVENTS = frozenset({"hw_slowdown", "sw_thermal_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown"})
+
+
 _BUCKET = re.compile(r"[A-Z][A-Z0-9_]{1,39}")  # NVIDIA's resolution buckets: RESET_GPU, RESTART_BM, ...
 _CHECK = re.compile(r"[a-z][a-z0-9_]{0,39}")
 
@@ -184,6 +194,62 @@ class Stalls:
         self.last = max(at for at, _ in recent)
         return Finding("watchdog_stalls", action_of(self.catalog, "watchdog_stalls"), None, None,
                        {"restarts": [line for _, line in recent[-self.limit:]], "window_s": self.window_s})
+
+
+def sample_conditions(gpu: dict[str, Any]) -> set[str]:
+    """The trend findings one GPU's sample shows (health_rules.link_sample): ``throttle_trend`` (busy, its clocks
+    held down by a thermal or power slowdown), ``pcie_downgrade`` (its link below its maximum width, or below its
+    maximum generation while busy: an idle GPU lowers it to save power), ``nvlink_down`` (an NVLink inactive)."""
+    events = gpu.get("events")
+    busy = isinstance(events, list) and "gpu_idle" not in events
+    found = set()
+    if busy and THROTTLE_EVENTS & set(events or []):
+        found.add("throttle_trend")
+    pcie = gpu.get("pcie") if isinstance(gpu.get("pcie"), dict) else {}
+    try:
+        if pcie and (int(pcie["width_current"]) < int(pcie["width_max"])
+                     or (busy and int(pcie["gen_current"]) < int(pcie["gen_max"]))):
+            found.add("pcie_downgrade")
+    except (KeyError, TypeError, ValueError):
+        pass
+    if isinstance(gpu.get("nvlinks_down"), int) and gpu["nvlinks_down"] > 0:
+        found.add("nvlink_down")
+    return found
+
+
+@dataclass
+class Trends:
+    """The GPU watch's samples on the node: a condition of :func:`sample_conditions` that a GPU shows in ``share``
+    of the samples within ``window_s`` (``min_samples`` at least) is one finding, until it no longer holds."""
+
+    catalog: dict[str, Any]
+    window_s: float = TREND_WINDOW_S
+    share: float = TREND_SHARE
+    min_samples: int = TREND_MIN_SAMPLES
+    holding: set[tuple[str, str]] = field(default_factory=set)  # (kind, GPU) found and holding since
+
+    def see(self, samples: list[Any], now: float) -> list[Finding]:
+        """The new findings the samples make (each: ``{"at": Unix time, "gpus": [...]}``)."""
+        taken: dict[str, int] = {}
+        shown: dict[tuple[str, str], int] = {}
+        for sample in samples:
+            if not isinstance(sample, dict) or not isinstance(sample.get("at"), (int, float)) \
+                    or not 0 <= now - sample["at"] <= self.window_s:
+                continue
+            for gpu in sample.get("gpus") or []:
+                if not isinstance(gpu, dict):
+                    continue
+                name = str(gpu.get("pci") or gpu.get("gpu"))
+                taken[name] = taken.get(name, 0) + 1
+                for kind in sample_conditions(gpu):
+                    shown[(kind, name)] = shown.get((kind, name), 0) + 1
+        holding = {key for key, count in shown.items()
+                   if taken[key[1]] >= self.min_samples and count >= self.share * taken[key[1]]}
+        found = [Finding(kind, action_of(self.catalog, kind), gpu, None,
+                         {"samples": taken[gpu], "showing": shown[(kind, gpu)], "window_s": self.window_s})
+                 for kind, gpu in sorted(holding - self.holding)]
+        self.holding = holding
+        return found
 
 
 def worst(findings: list[Finding]) -> str:

@@ -31,6 +31,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Tuple
@@ -42,6 +43,7 @@ STOPPABLE = ("active", "activating", "reloading")  # running, starting or waitin
 MEANT_TO_RUN = (*STOPPABLE, "deactivating", "failed")
 ENABLED = ("enabled", "enabled-runtime")
 PROBE_TIMEOUT_S = 60.0
+SAMPLES_KEPT = 120  # an hour of samples at the timer's 30 s
 
 Failure = Dict[str, Any]  # {"rule": ..., "gpu": int or None, "evidence": ...}, as the gate's verdict has them
 Runner = Callable[[List[str]], Tuple[int, str, str]]  # argv -> (exit status, stdout, stderr)
@@ -108,14 +110,17 @@ def decide(node: str, failures: list[Failure], units: list[Unit], marker: dict[s
     return plan
 
 
-def judge(policy: str, timeout: float = PROBE_TIMEOUT_S, probe: Path = PROBE) -> tuple[str | None, list[Failure]]:
-    """The gate's verdict on this node: (hostname, failures), failures empty when it passes."""
+def judge(policy: str, timeout: float = PROBE_TIMEOUT_S, probe: Path = PROBE) -> tuple[str | None, list[Failure],
+                                                                                   list[dict[str, Any]]]:
+    """The gate's verdict on this node: (hostname, failures, the GPUs' sample), failures empty when it passes; the
+    sample (health_rules.link_sample) is what the node watch follows over time."""
     argv = [sys.executable, str(probe), "--gate", policy, "--json"]
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return None, [{"rule": "probe", "gpu": None,
-                       "evidence": f"the GPU probe gave no verdict within {timeout:g} s (NVML can hang on a lost GPU)"}]
+                       "evidence": f"the GPU probe gave no verdict within {timeout:g} s (NVML can hang on a lost GPU)"}
+                      ], []
     if done.returncode not in (0, 1):
         raise Unjudged(2 if done.returncode == 2 else 1, f"the GPU gate gave no verdict (exit {done.returncode}): "
                                                          f"{_tail(done.stderr)}")
@@ -126,7 +131,19 @@ def judge(policy: str, timeout: float = PROBE_TIMEOUT_S, probe: Path = PROBE) ->
         raise Unjudged(1, f"the GPU gate printed no verdict: {_tail(done.stdout + done.stderr)}") from None
     if bool(failures) != (done.returncode == 1):
         raise Unjudged(1, f"the GPU gate's exit status {done.returncode} contradicts its verdict")
-    return verdict.get("hostname"), failures
+    sample = verdict.get("sample")
+    return verdict.get("hostname"), failures, sample if isinstance(sample, list) else []
+
+
+def keep_sample(path: Path, sample: list[dict[str, Any]], now: float, kept: int = SAMPLES_KEPT) -> None:
+    """Add this run's sample to the last ``kept`` (a JSON list, replaced in one rename, root 0644): the node watch
+    reads them for its trends (findings.Trends). One that cannot be read starts a new list."""
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, ValueError):
+        found = []
+    samples = [s for s in found if isinstance(s, dict)] if isinstance(found, list) else []
+    write_marker(path, [*samples[-(kept - 1):], {"at": round(now, 1), "gpus": sample}])
 
 
 def _tail(text: str) -> str:
@@ -185,8 +202,8 @@ def read_marker(path: Path) -> dict[str, Any] | None:
     return found if isinstance(found, dict) else {"stopped": []}
 
 
-def write_marker(path: Path, record: dict[str, Any]) -> None:
-    """Replace the marker in one rename, root 0644 (no secret in it)."""
+def write_marker(path: Path, record: Any) -> None:
+    """Replace the marker (or the samples) in one rename, root 0644 (no secret in it)."""
     path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
     temporary = path.with_name(f".{path.name}.tmp")
     temporary.write_text(json.dumps(record, indent=2) + "\n")
@@ -220,9 +237,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--policy", required=True, help="the gpu_health policy JSON the units' gate reads")
     parser.add_argument("--marker", required=True, help="present while the node fails: the rules, the units stopped")
     parser.add_argument("--probe-timeout", type=float, default=PROBE_TIMEOUT_S, help="seconds the probe may take")
+    parser.add_argument("--samples", help="where the last GPU samples are kept for the node watch's trends")
     args = parser.parse_args(argv)
     try:
-        hostname, failures = judge(args.policy, args.probe_timeout)
+        hostname, failures, sample = judge(args.policy, args.probe_timeout)
+        if args.samples and sample:
+            keep_sample(Path(args.samples), sample, time.time())
         node = os.environ.get("GPUFLEET_NODE") or hostname or socket.gethostname()
         return apply(node, failures, Systemctl(), Path(args.marker))
     except Unjudged as exc:

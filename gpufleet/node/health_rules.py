@@ -213,6 +213,18 @@ def evaluate(facts: Facts, policy: HealthPolicy) -> list[Failure]:
     return failures
 
 
+def link_sample(facts: Facts) -> list[dict[str, Any]]:
+    """What the node watch follows over time whatever the policy (its throttle and link trends): per GPU, its PCI
+    address, the clock event reasons, the PCIe link, and how many NVLinks it has and how many are inactive."""
+    out = []
+    for gpu in facts.get("gpus") or []:
+        links = gpu.get("nvlinks") or []
+        out.append({"gpu": gpu.get("index"), "pci": gpu.get("pci_bus_id"),
+                    "events": (gpu.get("clock_event_reasons") or {}).get("active"), "pcie": gpu.get("pcie"),
+                    "nvlinks": len(links), "nvlinks_down": sum(1 for link in links if not link.get("active"))})
+    return out
+
+
 def verdict(facts: Facts, failures: list[Failure], host: str | None = None) -> dict[str, Any]:
     """The gate's answer for one node, as JSON-ready data; ``host`` is the name the caller knows the
     node by (default: the hostname in its facts)."""
@@ -220,7 +232,7 @@ def verdict(facts: Facts, failures: list[Failure], host: str | None = None) -> d
     names = sorted({g["name"] for g in gpus})
     return {"host": host or facts.get("hostname"), "hostname": facts.get("hostname"), "passed": not failures,
             "gpus": len(gpus), "gpu_names": names, "driver_version": facts.get("driver_version"),
-            "failures": [asdict(f) for f in failures]}
+            "failures": [asdict(f) for f in failures], "sample": link_sample(facts)}
 
 
 def format_verdict(result: dict[str, Any]) -> str:

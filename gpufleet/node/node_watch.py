@@ -13,8 +13,9 @@ a deploy, ``gpufleet nodes``) changes it through this tool, under one lock. ``wa
   ``agent`` port each second, and hears ``up`` while the node is serving or suspect (``up 100%`` in the first
   seconds, restoring the weight), ``0% down`` otherwise: no new request reaches a replica of a node that left;
 - **reads the kernel log** (``kernel_log``: ``/dev/kmsg`` on a real node) for Xids, grouped into bursts, the GPU
-  watch's marker (its gate failed), and the journal for the replica watchdogs' restarts (repeated stalls), as
-  findings, each acted on as the catalog says (``gpufleet/node/findings.py``);
+  watch's marker (its gate failed), its samples (``gpu_samples``: trends of throttling, PCIe downgrades and
+  NVLinks down, whatever the gate's policy), and the journal for the replica watchdogs' restarts (repeated stalls),
+  as findings, each acted on as the catalog says (``gpufleet/node/findings.py``);
 - **acts on the state**, whoever set it: a node that left (quarantined, retired) is drained (the agent already
   answers down; in-flight requests get up to ``drain_timeout_s`` to finish), evidence is kept, its replica units
   stop, and a quarantined node runs the ``full`` burn-in while idle; once its cool-off has passed it moves to
@@ -48,7 +49,7 @@ from typing import Any, Iterator
 HERE = Path(__file__).resolve().parent
 RESTORE_WEIGHT_S = 10.0  # after a node comes back, the agent restores the routers' weight this long
 POLL_S = 0.2
-STALLS_EVERY_S = 30.0  # how often the journal is read for the replica watchdogs' restarts
+STALLS_EVERY_S = 30.0  # how often the journal (watchdog restarts) and the GPU watch's samples are read
 STOP_WAIT_S = 300.0  # the longest the burn-in waits for the replica units it stopped to end
 HEARD_WAIT_S = 5.0  # the longest a drain waits for every router that asks the agent to have heard "down"
 ASKING_S = 10.0  # a router that asked the agent this recently is one that must hear "down"
@@ -94,6 +95,7 @@ class Config:
         self.burst_quiet_s = float(doc.get("burst_quiet_s", findings.BURST_QUIET_S))
         self.kernel_log = Path(doc.get("kernel_log", "/dev/kmsg"))
         self.gate_marker = Path(doc.get("gate_marker", "/run/gpufleet/gpu-gate-failed"))
+        self.gpu_samples = Path(doc.get("gpu_samples", "/run/gpufleet/gpu-samples.json"))
         self.agent: dict[str, Any] = doc.get("agent") or {}
         self.drain_timeout_s = float(doc.get("drain_timeout_s", 60))
         self.burn_in: dict[str, Any] = doc["burn_in"]
@@ -311,6 +313,15 @@ def requests_running(urls: list[str]) -> float:
     return total
 
 
+def gpu_samples(config: Config) -> list[Any]:
+    """The GPU watch's last samples (gpu_watch.py --samples); none while it keeps none."""
+    try:
+        found = json.loads(config.gpu_samples.read_text())
+    except (OSError, ValueError):
+        return []
+    return found if isinstance(found, list) else []
+
+
 def keep_evidence(config: Config, record: dict[str, Any], why: str, kernel: KernelLog | None) -> str:
     """A folder of what the node looked like when it left: the record, the kernel log's last lines, the GPUs'
     facts, the replica units' state and journal. Root 0700: journals can name paths and models."""
@@ -407,7 +418,8 @@ def watchdog_restarts(window_s: float) -> list[tuple[float, str]]:
 def apply_finding(config: Config, finding: Any) -> None:
     """Record a finding and move the node as its action says."""
     now = utcnow()
-    what = f"Xid {finding.code} on {finding.gpu}" if finding.kind == "xid" else finding.kind
+    what = f"Xid {finding.code} on {finding.gpu}" if finding.kind == "xid" else \
+        f"{finding.kind} on {finding.gpu}" if finding.gpu else finding.kind
     with locked(config) as record:
         seen = {"at": node_state.now_text(now), "kind": finding.kind, "code": finding.code, "gpu": finding.gpu,
                 "action": finding.action, "evidence": finding.evidence}
@@ -511,6 +523,7 @@ def watch(config: Config) -> int:
     bursts = findings.Bursts(config.catalog, config.burst_quiet_s)
     gate_failed = config.gate_marker.exists()
     stalls = findings.Stalls(config.catalog, last=time.time())  # restarts before this watch started were seen then
+    trends = findings.Trends(config.catalog)
     log(f"{config.node}: watching {config.kernel_log}; the node is {snapshot['state']}")
     next_reconcile = next_stalls = 0.0
     while True:
@@ -527,6 +540,9 @@ def watch(config: Config) -> int:
         gate_failed = failing
         if time.monotonic() >= next_stalls:
             if (finding := stalls.see(watchdog_restarts(stalls.window_s), time.time())) is not None:
+                apply_finding(config, finding)
+                next_reconcile = 0.0
+            for finding in trends.see(gpu_samples(config), time.time()):
                 apply_finding(config, finding)
                 next_reconcile = 0.0
             next_stalls = time.monotonic() + STALLS_EVERY_S

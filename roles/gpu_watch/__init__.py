@@ -6,9 +6,11 @@ node tool ``/opt/gpufleet/node/gpu_watch.py`` (sandboxed: NVML's devices, no net
 judges the node with the gate of the replicas' units (``nvml_probe.py --gate``, role vllm's policy
 ``/etc/gpufleet/gpu-health.json``, written before this role runs). While the node fails it, every ``vllm@``
 unit that runs is stopped and ``/run/gpufleet/gpu-gate-failed`` (root, 0644) holds the failed rules and the units
-stopped; once it passes, the recorded units that are still enabled start again and the file goes.
+stopped; once it passes, the recorded units that are still enabled start again and the file goes. Each run also adds
+its sample of every GPU (clock event reasons, PCIe link, NVLinks) to ``/run/gpufleet/gpu-samples.json`` (root,
+0644, the last 120): the node watch's trends (role node_lifecycle).
 
-With ``gpu_watch_interval_s: 0`` the timer is stopped, disabled and removed, and so is that file. A changed unit
+With ``gpu_watch_interval_s: 0`` the timer is stopped, disabled and removed, and so are those files. A changed unit
 file reloads systemd and a changed timer restarts the timer; nothing else restarts. Variables:
 roles/gpu_watch/defaults.yml.
 """
@@ -20,6 +22,7 @@ from pyinfra.operations.util import any_changed
 
 from gpufleet.node_paths import (
     GATE_POLICY,
+    GPU_SAMPLES,
     GPU_WATCH_MARKER,
     GPU_WATCH_SERVICE,
     GPU_WATCH_TIMER,
@@ -44,7 +47,8 @@ TIMEOUT_S = 300  # the whole run: the probe (60 s at most), then queued stops or
 def service_values() -> dict[str, object]:
     """What templates/gpu_watch/gpufleet-gpu-watch.service.j2 is rendered with (the same on every node)."""
     # the node's own Python: the probe imports role common's pynvml.py beside it when it has none
-    argv = [NODE_PYTHON, node_tool("gpu_watch.py"), "--policy", GATE_POLICY, "--marker", GPU_WATCH_MARKER]
+    argv = [NODE_PYTHON, node_tool("gpu_watch.py"), "--policy", GATE_POLICY, "--marker", GPU_WATCH_MARKER,
+            "--samples", GPU_SAMPLES]
     return {"service": GPU_WATCH_SERVICE, "timer": GPU_WATCH_TIMER, "node_tools": NODE_TOOLS_DIR,
             "marker": GPU_WATCH_MARKER, "node_env": NODE_ENV, "exec_start": exec_line(argv),
             "timeout": TIMEOUT_S, "run_dir": RUN_DIR.removeprefix("/run/"),
@@ -77,4 +81,5 @@ def gpu_watch() -> None:
                     running=False, enabled=False)
     timer = files.absent(name=f"Remove {TIMER_FILE} (gpu_watch_interval_s 0)", path=TIMER_FILE)
     files.absent(name=f"Remove the watch's marker {GPU_WATCH_MARKER}: it is off", path=GPU_WATCH_MARKER)
+    files.absent(name=f"Remove the watch's samples {GPU_SAMPLES}: it is off", path=GPU_SAMPLES)
     systemd.daemon_reload(name="Reload systemd: the GPU health watch's units changed", _if=any_changed(service, timer))

@@ -6,9 +6,9 @@ otherwise enforces: vLLM starts after the head's unit (``After=``) and restarts 
 restart of the head, or its automatic one after a crash, restarts vLLM too, whereas ``BindsTo=`` would stop vLLM
 as the crashed head goes down, and a vLLM stopped by systemd is not started again), and its ``ExecStartPre``
 (``ray_join_wait.py``) waits until every node of the replica has joined, then runs the replica's fabric check over
-them (role node_lifecycle's ``node_fabric_*``, as an mp replica's ranks do) until it passes. The workers join by themselves: their
-unit starts after the network and, while the head does not answer, ``ray start`` fails and ``Restart=`` tries
-again. Single-node and mp replicas get no drop-in: their unit is the template's alone.
+them (role node_lifecycle's ``node_fabric_*``, as an mp replica's ranks do) until it passes. The workers join by
+themselves: their unit starts after the network and, while the head does not answer, ``ray start`` fails and
+``Restart=`` tries again. Single-node and mp replicas get no drop-in: their unit is the template's alone.
 """
 
 from __future__ import annotations

@@ -72,3 +72,25 @@ def test_three_watchdog_restarts_within_the_window_are_one_finding_and_older_one
     assert stalls.see(restarts, 3200.0) is None  # once: those restarts made their finding
     later = [*restarts, (5000.0, "x"), (5100.0, "y"), (9000.0, "z")]
     assert stalls.see(later, 9100.0) is None  # 5000 and 5100 are older than the hour before 9100
+
+
+TRENDS: dict[str, Any] = yaml.safe_load((DATA / "findings" / "gpu_trends.yml").read_text())
+
+
+@pytest.mark.parametrize("name", sorted(TRENDS["cases"]))
+def test_gpu_trends(name: str) -> None:
+    case = TRENDS["cases"][name]
+    samples = [{"at": float(at), "gpus": [{"gpu": i, "pci": pci, **TRENDS["shapes"][shape]} for i, (pci, shape)
+                                          in enumerate((case["gpus"] if run == "all" else run).items())]}
+               for at, run in case["runs"]]
+    trends = findings.Trends(CATALOG)
+    for at, expected in case["reads"]:
+        seen = [s for s in samples if s["at"] <= at]
+        assert [[f.kind, f.action, f.gpu] for f in trends.see(seen, float(at))] == expected, at
+
+
+def test_trends_read_past_what_is_not_a_sample() -> None:
+    trends = findings.Trends(CATALOG, min_samples=1)
+    junk: list[Any] = ["x", {"at": "now"}, {"at": 5.0, "gpus": ["x", {"pci": "a", "events": "hw_slowdown"}]},
+                       {"at": 5.0, "gpus": [{"pci": "b", "events": [], "pcie": {"gen_current": "x"}}]}]
+    assert trends.see(junk, 10.0) == []

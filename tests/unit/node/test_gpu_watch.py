@@ -18,7 +18,15 @@ from typing import Any
 import pytest
 
 from gpufleet.node import gpu_watch
-from gpufleet.node_paths import GATE_POLICY, GPU_WATCH_MARKER, GPU_WATCH_SERVICE, GPU_WATCH_TIMER, NODE_ENV, node_tool
+from gpufleet.node_paths import (
+    GATE_POLICY,
+    GPU_SAMPLES,
+    GPU_WATCH_MARKER,
+    GPU_WATCH_SERVICE,
+    GPU_WATCH_TIMER,
+    NODE_ENV,
+    node_tool,
+)
 from gpufleet.operations import files, node, systemd
 from gpufleet.templates import render
 from roles import gpu_watch as role
@@ -63,7 +71,24 @@ def test_a_probe_that_hangs_fails_the_node(tmp_path: Path) -> None:
     hung.write_text("import time\ntime.sleep(30)\n")
     assert gpu_watch.judge("policy.json", timeout=0.5, probe=hung) == (None, [
         {"rule": "probe", "gpu": None,
-         "evidence": "the GPU probe gave no verdict within 0.5 s (NVML can hang on a lost GPU)"}])
+         "evidence": "the GPU probe gave no verdict within 0.5 s (NVML can hang on a lost GPU)"}], [])
+
+
+def test_each_run_keeps_its_sample_and_only_the_last_ones(tmp_path: Path) -> None:
+    """The gate's sample (health_rules.link_sample) goes to the samples the node watch's trends read."""
+    probe = tmp_path / "nvml_probe.py"
+    sample = [{"gpu": 0, "pci": "00000000:18:00.0", "events": ["sw_thermal_slowdown"], "pcie": None, "nvlinks": 0,
+               "nvlinks_down": 0}]
+    verdict = {"hostname": "gpu-a01", "failures": [], "sample": sample}
+    probe.write_text(f"import json\nprint(json.dumps({verdict!r}))\n")
+    assert gpu_watch.judge("policy.json", probe=probe) == ("gpu-a01", [], sample)
+    kept = tmp_path / "run" / "gpu-samples.json"
+    kept.parent.mkdir()
+    kept.write_text("{not json")  # unreadable: a new list
+    for at in range(5):
+        gpu_watch.keep_sample(kept, sample, 1000.0 + at, kept=3)
+    assert [s["at"] for s in json.loads(kept.read_text())] == [1002.0, 1003.0, 1004.0]
+    assert json.loads(kept.read_text())[-1]["gpus"] == sample and stat.S_IMODE(kept.stat().st_mode) == 0o644
 
 
 @pytest.mark.parametrize(("script", "status", "message"), [
@@ -88,13 +113,14 @@ def _directives(text: str) -> list[str]:
 
 def test_the_service_runs_the_watch_as_root_once_per_timer_tick() -> None:
     lines = _directives(render("gpu_watch/gpufleet-gpu-watch.service.j2", **role.service_values()))
-    start = f"/usr/bin/python3 {node_tool('gpu_watch.py')} --policy {GATE_POLICY} --marker {GPU_WATCH_MARKER}"
+    start = (f"/usr/bin/python3 {node_tool('gpu_watch.py')} --policy {GATE_POLICY} --marker {GPU_WATCH_MARKER}"
+             f" --samples {GPU_SAMPLES}")
     assert f"ExecStart={start}" in lines
     for wanted in ("Type=oneshot", f"EnvironmentFile=-{NODE_ENV}",
                    "RuntimeDirectory=gpufleet", "RuntimeDirectoryMode=0755", "RuntimeDirectoryPreserve=yes",
                    "IPAddressDeny=any", "IPAddressAllow=localhost", "DeviceAllow=char-nvidia-frontend rw"):
         assert wanted in lines, wanted
-    assert GPU_WATCH_MARKER == "/run/gpufleet/gpu-gate-failed"  # inside its RuntimeDirectory=
+    assert GPU_WATCH_MARKER == "/run/gpufleet/gpu-gate-failed" and GPU_SAMPLES == "/run/gpufleet/gpu-samples.json"
     assert not any(line.startswith(("User=", "Restart=", "WantedBy=", "[Install]")) for line in lines)
 
 
@@ -115,7 +141,8 @@ class _Meta:
     (30, [("files.file", role.SERVICE_FILE), ("files.file", role.TIMER_FILE), ("systemd.daemon_reload", None),
           ("systemd.restart", GPU_WATCH_TIMER), ("systemd.service", (GPU_WATCH_TIMER, True, True))]),
     (0, [("files.file", role.SERVICE_FILE), ("systemd.service", (GPU_WATCH_TIMER, False, False)),
-         ("files.absent", role.TIMER_FILE), ("files.absent", GPU_WATCH_MARKER), ("systemd.daemon_reload", None)]),
+         ("files.absent", role.TIMER_FILE), ("files.absent", GPU_WATCH_MARKER), ("files.absent", GPU_SAMPLES),
+         ("systemd.daemon_reload", None)]),
 ])
 def test_the_role_turns_the_timer_on_or_off(monkeypatch: pytest.MonkeyPatch, interval: int,
                                             expected: list[tuple[str, object]]) -> None:

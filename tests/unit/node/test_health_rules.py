@@ -19,6 +19,7 @@ from gpufleet.node.health_rules import (
     HealthPolicy,
     PolicyError,
     evaluate,
+    link_sample,
     load_policy,
     policy_from_dict,
     policy_json,
@@ -43,6 +44,18 @@ def rules(failures: list[Failure]) -> list[tuple[str, int | None]]:
 ])
 def test_healthy_profiles_pass_the_strictest_policy(name: str, count: int, model: str) -> None:
     assert evaluate(facts(name), HealthPolicy(expected_gpu_count=count, expected_gpu_model=model)) == []
+
+
+def test_the_sample_the_node_watch_follows_reads_every_gpu_whatever_the_policy() -> None:
+    found = facts()
+    found["gpus"][3]["nvlinks"][5]["active"] = False
+    found["gpus"][3]["clock_event_reasons"] = {"mask": 0x24, "active": ["sw_power_cap", "sw_thermal_slowdown"]}
+    sample = link_sample(found)
+    assert [s["gpu"] for s in sample] == list(range(8))
+    assert [s["pci"] for s in sample] == [g["pci_bus_id"] for g in found["gpus"]]
+    assert sample[3]["events"] == ["sw_power_cap", "sw_thermal_slowdown"] and sample[3]["nvlinks_down"] == 1
+    assert sample[3]["nvlinks"] == len(found["gpus"][3]["nvlinks"]) > 1 and sample[0]["nvlinks_down"] == 0
+    assert sample[0]["pcie"] == found["gpus"][0]["pcie"]
 
 
 def test_no_nvml_fails_with_its_reason() -> None:

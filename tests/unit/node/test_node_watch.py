@@ -241,3 +241,21 @@ def test_prometheus_gets_the_state_and_the_failed_checks(tmp_path: Path) -> None
 def test_a_node_is_admitted_once_by_the_deploy(text: str | None, needed: bool) -> None:
     """From the record's summary, which stays small (the record itself grows past what a deploy reads of a file)."""
     assert needs_admission(text) is needed
+
+
+def test_the_gpu_watchs_samples_make_a_throttled_gpu_suspect(tmp_path: Path) -> None:
+    """The samples gpu_watch.py keeps (``gpu_samples``), read as the watch reads them every 30 s: the finding names the
+    GPU, and the node stays in service (suspect); a node with no samples yet finds nothing."""
+    config = _config(tmp_path, gpu_samples=str(tmp_path / "run" / "gpu-samples.json"))
+    _serving(config)
+    trends = findings.Trends(config.catalog)
+    assert node_watch.gpu_samples(config) == [] and trends.see(node_watch.gpu_samples(config), 1000.0) == []
+    throttled = {"gpu": 2, "pci": "00000000:2A:00.0", "events": ["hw_thermal_slowdown"], "pcie": None, "nvlinks": 0,
+                 "nvlinks_down": 0}
+    config.gpu_samples.parent.mkdir()
+    config.gpu_samples.write_text(json.dumps([{"at": 1000.0 + 30 * i, "gpus": [throttled]} for i in range(5)]))
+    for finding in trends.see(node_watch.gpu_samples(config), 1130.0):
+        node_watch.apply_finding(config, finding)
+    record = node_watch.read_record(config)
+    assert record["state"] == "suspect" and record["history"][-1]["why"] == "throttle_trend on 00000000:2A:00.0"
+    assert record["findings"][-1]["evidence"] == {"samples": 5, "showing": 5, "window_s": 600.0}
