@@ -439,7 +439,10 @@ def reconcile(config: Config, kernel: KernelLog | None, agent: Agent | None = No
     """Bring the node to what its state says (see the module docstring)."""
     with locked(config) as record:
         state = record["state"]
-        if (state in node_state.OUT_OF_SERVICE or record.get("requested")) and replica_units():
+        # out of service, or in a burn-in that needs the GPUs (a readmission, or a full burn-in on request): a person
+        # may quarantine and readmit faster than this loop looks, so burn-in is reached with the replicas running
+        if (state in node_state.OUT_OF_SERVICE or node_state.full_burn_in_due(record) or record.get("requested")) \
+                and replica_units():
             if agent is not None:
                 agent.set(record)  # "down" from now on: the drain waits for the routers to hear it
             stop_units(config, record, kernel, agent)

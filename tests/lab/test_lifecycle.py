@@ -185,6 +185,7 @@ def test_three_quarantines_retire_a_node_and_a_suspect_last_replica_keeps_servin
             end = time.monotonic() + 60
             while node_record(lab, node)["state"] != "serving" and time.monotonic() < end:
                 time.sleep(1)
+            assert node_record(lab, node)["state"] == "serving", "not readmitted within 60 s"
     record = node_record(lab, node)
     assert record["state"] == "retired", [(h["to"], h["why"]) for h in record["history"]]
     note = record["history"][-1]["evidence"]["vendor_note"]

@@ -259,3 +259,35 @@ def test_the_gpu_watchs_samples_make_a_throttled_gpu_suspect(tmp_path: Path) -> 
     record = node_watch.read_record(config)
     assert record["state"] == "suspect" and record["history"][-1]["why"] == "throttle_trend on 00000000:2A:00.0"
     assert record["findings"][-1]["evidence"] == {"samples": 5, "showing": 5, "window_s": 600.0}
+
+
+def test_a_quarantine_and_readmission_faster_than_the_watch_still_stops_the_replicas_before_the_burn_in(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Seen on the lab: ``gpufleet nodes quarantine`` then ``readmit`` within a second, the watch first saw the node in
+    burn-in with its replica running; it waited for the unit to stop, and nobody stopped it."""
+    config = _config(tmp_path)
+    _serving(config)
+    running = ["vllm@lab_single-0.service"]
+    ran: list[list[str]] = []
+    tiers: list[str] = []
+
+    def run(argv: list[str], timeout: float) -> tuple[int, str, str]:
+        ran.append(argv)
+        if argv[:2] == ["systemctl", "stop"]:
+            running.clear()
+        return 0, "", ""
+
+    monkeypatch.setattr(node_watch, "replica_units", lambda states="active": list(running))
+    monkeypatch.setattr(node_watch, "STOP_WAIT_S", 0.0)  # the burn-in's wait for the units to end: not here
+    monkeypatch.setattr(node_watch.time, "sleep", lambda s: None)
+    monkeypatch.setattr(node_watch, "requests_running", lambda urls: 0.0)
+    monkeypatch.setattr(node_watch, "_run", run)
+    monkeypatch.setattr(node_watch, "keep_evidence", lambda *args: str(tmp_path / "evidence" / "1"))
+    monkeypatch.setattr(node_watch, "run_burn_in", lambda config, tier: (
+        tiers.append(tier), {"tier": tier, "passed": True, "seconds": 1.0, "checks": []})[1])
+    args = ["--config", str(tmp_path / "lifecycle.json")]
+    assert node_watch.main(["move", *args, "--to", "quarantined", "--why", "fans"]) == 0
+    assert node_watch.main(["move", *args, "--to", "burn-in", "--why", "fans replaced"]) == 0
+    node_watch.reconcile(config, None)
+    assert ["systemctl", "stop", "--no-block", "--", "vllm@lab_single-0.service"] in ran and tiers == ["full"]
+    assert node_watch.read_record(config)["stopped_units"] == ["vllm@lab_single-0.service"]
