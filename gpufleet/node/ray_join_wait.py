@@ -23,18 +23,31 @@ does (exit 1 when the timeout passes first). Ray itself is imported only then, f
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import os
 import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
-try:
-    from gpufleet.node import replica_rank  # the repository's copy
-except ImportError:  # on a node: the tool beside this file (its directory is the script's)
-    import replica_rank  # type: ignore[no-redef,import-not-found]
+
+def _replica_rank() -> ModuleType:
+    """replica_rank.py beside this file (node code has no package to import from): the fabric check's command line,
+    verdict and description, as an mp replica's ranks run it."""
+    spec = importlib.util.spec_from_file_location("gpufleet_node_replica_rank", Path(__file__).with_name(
+        "replica_rank.py"))
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load replica_rank.py beside {__file__}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+replica_rank = _replica_rank()
 
 POLL_S = 2.0
 STATUS_TIMEOUT_S = 30.0  # one ``ray status`` that hangs counts as no answer

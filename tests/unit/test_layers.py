@@ -50,8 +50,10 @@ ENTRY_LAYERS = {"cli", "lab"}  # only their own layer imports them
 LAYER_NAMES = tuple(name for name, _ in LAYERS)
 FOLDER_LAYER = {folder: name for name, folders in LAYERS for folder in folders}
 NODE_THIRD_PARTY = {"pynvml"}  # the node tools' one import beyond the standard library (the node's NVML bindings)
-# the node tools run with a release's own Python (its vLLM virtualenv), which may import its torch
-RELEASE_TOOLS = {"gpufleet.node.burn_in", "gpufleet.node.fabric_check"}
+# the node tools run with a release's own Python (its vLLM virtualenv), which may import its torch (and a Ray
+# replica's, its Ray)
+RELEASE_TOOLS = {"gpufleet.node.burn_in": {"torch"}, "gpufleet.node.fabric_check": {"torch"},
+                 "gpufleet.node.ray_join_wait": {"ray"}}
 
 ROOT = Path(os.environ.get("GPUFLEET_LAYERS_ROOT", Path(__file__).resolve().parents[2]))
 SOURCES = {"gpufleet": "gpufleet", "gpufleet_lab": "lab/gpufleet_lab", "roles": "roles", "deploys": "deploys"}
@@ -265,5 +267,5 @@ def test_the_node_tools_import_the_standard_library_only() -> None:
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
             found += [f"{path.relative_to(ROOT)}:{node.lineno}: {module} imports {name}" for name in names
                       if name.split(".")[0] not in {*sys.stdlib_module_names, *NODE_THIRD_PARTY}
-                      and not (module in RELEASE_TOOLS and name.split(".")[0] == "torch")]
+                      and name.split(".")[0] not in RELEASE_TOOLS.get(module, set())]
     assert not found, "\n".join(found)
