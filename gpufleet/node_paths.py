@@ -43,6 +43,7 @@ BURN_IN_FLOORS = f"{CONFIG_DIR}/burn-in.json"  # every bound of the burn-in (gpu
 NODE_STATE_DIR = "/var/lib/gpufleet/node"  # the unit's StateDirectory=
 NODE_STATE_FILE = f"{NODE_STATE_DIR}/state.json"  # the node's record (gpufleet.node-state/1)
 NODE_STATE_SUMMARY = f"{NODE_STATE_DIR}/summary.json"  # its state and quarantines' count, small: what a deploy reads
+NODES_DIR = "/var/lib/gpufleet/nodes"  # on each monitoring host: <host>.json, the fleet's copy of each node's record
 EVIDENCE_DIR = f"{NODE_STATE_DIR}/evidence"  # one folder per departure, root 0700
 # the burn-in runs as a unit of its own per tier (the GPUs, JIT-compiled kernels), started by the node watch; each run
 # writes its verdict (gpufleet.burn-in/1) to BURN_IN_DIR/<tier>.json

@@ -18,7 +18,7 @@ from roles.dcgm import dcgm
 from roles.dcgm_exporter import dcgm_exporter
 from roles.gpu_watch import gpu_watch
 from roles.keepalived import keepalived
-from roles.monitoring import monitoring, start_records
+from roles.monitoring import monitoring, node_records, start_records
 from roles.node_exporter import node_exporter
 from roles.node_lifecycle import node_lifecycle
 from roles.nvidia_driver import nvidia_driver
@@ -65,6 +65,7 @@ def site() -> None:
         router()
         keepalived()
         monitoring()
-    # Every host, from this one line: its operations then follow every host's earlier ones, the serving nodes'
-    # readiness waits among them, also on a dedicated monitoring host.
+    # Every host, from these lines: their operations then follow every host's earlier ones, the serving nodes'
+    # readiness waits and admissions among them, also on a dedicated monitoring host.
     start_records()
+    node_records()

@@ -8,8 +8,8 @@ from typing import Any
 from pyinfra.api.command import QuoteString, StringCommand
 from pyinfra.api.facts import FactBase
 
-from gpufleet.node.node_state import SCHEMA
-from gpufleet.node_paths import NODE_STATE_FILE
+from gpufleet.node.node_state import SCHEMA, newer
+from gpufleet.node_paths import NODE_STATE_FILE, NODES_DIR
 
 
 class NodeRecord(FactBase[dict[str, Any] | None]):
@@ -31,3 +31,34 @@ class NodeRecord(FactBase[dict[str, Any] | None]):
         except ValueError:
             return None
         return found if isinstance(found, dict) and found.get("schema") == SCHEMA else None
+
+
+class FleetNodeRecords(FactBase[dict[str, dict[str, Any]]]):
+    """
+    On a monitoring host, the fleet's copy of every node's record (one line of JSON per file in ``NODES_DIR``,
+    written by ``gpufleet nodes`` and by each deploy), by host; the longer history where a host has two:
+
+    .. code:: python
+
+        {"gpu-a01": {"schema": "gpufleet.node-state/1", "host": "gpu-a01", "state": "retired", ...}}
+    """
+
+    @staticmethod
+    def default() -> dict[str, dict[str, Any]]:
+        return {}
+
+    def command(self) -> StringCommand:
+        return StringCommand("grep", "-r", "-h", "-e", ".", QuoteString(NODES_DIR), "2>/dev/null", "||", "true")
+
+    def process(self, output: list[str]) -> dict[str, dict[str, Any]]:
+        found: dict[str, dict[str, Any]] = {}
+        for line in output:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and record.get("schema") == SCHEMA and isinstance(record.get("host"), str):
+                kept = newer(found.get(record["host"]), record)
+                if kept is not None:
+                    found[record["host"]] = kept
+        return found

@@ -62,6 +62,18 @@ def new_record(host: str, now: datetime) -> Record:
             "quarantines": [], "history": [], "last_burn_in": None}
 
 
+def newer(a: Record | None, b: Record | None) -> Record | None:
+    """Of two copies of one node's record, the one with the longer history (the later last move on a tie); either
+    when the other is None."""
+    if a is None or b is None:
+        return a or b
+
+    def key(r: Record) -> tuple[int, str]:
+        return len(r.get("history") or []), str((r.get("history") or [{}])[-1].get("at", ""))
+
+    return a if key(a) >= key(b) else b
+
+
 def places_replicas(record: Record | None) -> bool:
     """Whether a deploy may place replicas on the node: only a serving one (a suspect node keeps what it runs)."""
     return record is not None and record.get("state") in IN_SERVICE

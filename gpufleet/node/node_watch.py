@@ -5,6 +5,7 @@
     python3 node_watch.py burn-in --config ... --tier quick|full     (the deploy's admission, people's readmission)
     python3 node_watch.py move --config ... --to quarantined --why TEXT [--by NAME] [--force]
     python3 node_watch.py show --config ...
+    python3 node_watch.py restore --config ... --record-hex HEX   (a deploy: the fleet's copy of a record the node lost)
 
 The node's record (``gpufleet/node/node_state.py``) lives in the config's ``state_file``; every writer (this watch,
 a deploy, ``gpufleet nodes``) changes it through this tool, under one lock. ``watch``:
@@ -562,9 +563,29 @@ def watch(config: Config) -> int:
         time.sleep(POLL_S)
 
 
+def restore(config: Config, record_hex: str) -> int:
+    """Make the fleet's copy of this node's record its own where it holds more (a node that lost its disk, or was
+    reinstalled, is what the fleet knew of it, not a new one); the record after, or one line and exit 2."""
+    try:
+        given = json.loads(bytes.fromhex(record_hex).decode())
+    except ValueError:
+        given = None
+    if not (isinstance(given, dict) and given.get("schema") == node_state.SCHEMA and given.get("host") == config.node
+            and given.get("state") in node_state.STATES and isinstance(given.get("history"), list)):
+        print(f"node watch: restore: expected a record of {config.node} ({node_state.SCHEMA}) as hexadecimal JSON",
+              file=sys.stderr)
+        return 2
+    with locked(config) as record:
+        if node_state.newer(record, given) is given and record.get("history") != given["history"]:
+            replace(record, given)
+            log(f"{config.node}: restored from the fleet's copy: {given['state']}")
+    print(json.dumps(read_record(config), indent=1))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="node_watch.py", description="Keep this node's place in the fleet.")
-    parser.add_argument("verb", choices=("watch", "burn-in", "move", "show"))
+    parser.add_argument("verb", choices=("watch", "burn-in", "move", "show", "restore"))
     parser.add_argument("--config", type=Path, required=True)
     parser.add_argument("--tier", choices=("quick", "full"))
     parser.add_argument("--to", choices=node_state.STATES)
@@ -573,6 +594,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--why-hex", default="", help="--why as hexadecimal UTF-8 (a controller's plain words)")
     parser.add_argument("--by-hex", default="", help="--by as hexadecimal UTF-8")
     parser.add_argument("--force", action="store_true")
+    parser.add_argument("--record-hex", default="", help="restore: the record, as hexadecimal UTF-8 JSON")
     args = parser.parse_args(argv)
     try:
         args.why = bytes.fromhex(args.why_hex).decode() if args.why_hex else args.why
@@ -590,6 +612,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.verb == "show":
         print(json.dumps(read_record(config), indent=1))
         return 0
+    if args.verb == "restore":
+        return restore(config, args.record_hex)
     if args.verb == "burn-in":
         if args.tier is None:
             parser.error("burn-in needs --tier")

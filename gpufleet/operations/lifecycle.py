@@ -1,15 +1,17 @@
-"""The node lifecycle's operations: a node's admission (role node_lifecycle)."""
+"""The node lifecycle's operations: a node's admission, and its record kept on the monitoring hosts."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from typing import Any
 
 from pyinfra.api.command import QuoteString, StringCommand
-from pyinfra.context import host
+from pyinfra.context import host, state
 
-from gpufleet.node.node_state import IN_SERVICE
+from gpufleet.node.node_state import IN_SERVICE, SCHEMA, newer
 from gpufleet.node_paths import NODE_PYTHON, node_tool
-from gpufleet.operations import node
+from gpufleet.operations import files, node
 from gpufleet.operations.node import Commands, gpufleet_operation
 
 
@@ -30,16 +32,26 @@ def needs_admission(summary_text: str | None) -> bool:
 
 
 @gpufleet_operation()
-def admission(config: str, state_file: str) -> Commands:
+def admission(config: str, state_file: str, lost: dict[str, Any] | None = None) -> Commands:
     """
     Run the quick burn-in on a node that has not passed its admission, and fail the host unless it passed (its
-    record then says why, and the node is quarantined); no change on a node that has.
+    record then says why, and the node is quarantined); no change on a node that has. A node with no record of its
+    own that the monitoring hosts know (``lost``: it lost its disk, or was reinstalled) gets that record back first;
+    then one that left stays its watch's, and one in service runs the quick burn-in again (new disks, new checks).
 
     + config: the node lifecycle's configuration (``/etc/gpufleet/lifecycle.json``)
     + state_file: the node's record's summary (``node_paths.NODE_STATE_SUMMARY``)
+    + lost: the monitoring hosts' copy of the record of a node that has none
     """
     found = node.text(state_file)
-    if not needs_admission(found):
+    if found is None and lost is not None:
+        node.forget("texts", state_file)
+        yield StringCommand(QuoteString(NODE_PYTHON), QuoteString(node_tool("node_watch.py")), "restore", "--config",
+                            QuoteString(config), "--record-hex", QuoteString(json.dumps(lost).encode().hex()), ">",
+                            "/dev/null")
+        if lost.get("state") not in IN_SERVICE:
+            return
+    elif not needs_admission(found):
         try:
             state = str(json.loads(found or "{}").get("state"))
         except (ValueError, AttributeError):
@@ -49,3 +61,57 @@ def admission(config: str, state_file: str) -> Commands:
     node.forget("texts", state_file)
     yield StringCommand(QuoteString(NODE_PYTHON), QuoteString(node_tool("node_watch.py")), "burn-in", "--config",
                         QuoteString(config), "--tier", "quick", ">", "/dev/null")
+
+
+@gpufleet_operation()
+def record_seen(state_file: str, seen: dict[str, dict[str, Any]], fresh: Callable[[], bool]) -> Commands:
+    """
+    Keep in ``seen`` the node's record as it is when the run gets here (after its admission), for the monitoring
+    hosts' copy (:func:`keep_records`). Changes nothing, and is never drift.
+
+    + state_file: the node's record (``node_paths.NODE_STATE_FILE``)
+    + seen: host -> its record, shared by the run's hosts
+    + fresh: whether the admission ran in this run (then the record is read again)
+    """
+    if not state.is_executing:  # pyinfra's look ahead when ops are added: the admission has not run yet
+        host.noop("read when the run gets here")
+        return
+    if fresh():
+        node.forget("texts", state_file)
+    try:
+        record = json.loads(node.text(state_file) or "null")
+    except ValueError:
+        record = None
+    if isinstance(record, dict) and record.get("schema") == SCHEMA:
+        seen[host.name] = record
+    host.noop(f"the node is {record.get('state') if isinstance(record, dict) else 'without a record'}")
+    yield from ()
+
+
+@gpufleet_operation()
+def keep_records(directory: str, seen: dict[str, dict[str, Any]]) -> Commands:
+    """
+    On a monitoring host, keep the fleet's copy of each node's record this run read (``<directory>/<host>.json``,
+    one line of JSON, root 0644), where it holds more than the copy there: what ``gpufleet nodes`` and the next
+    deploys read, which outlives a node that loses its disk.
+
+    + directory: :data:`~gpufleet.node_paths.NODES_DIR`
+    + seen: host -> its record (:func:`record_seen`)
+    """
+    if not state.is_executing:  # pyinfra's look ahead when ops are added: no record has been read yet
+        host.noop("kept when the run gets here, once every node's record has been read")
+        return
+    changes: list[Any] = []
+    for name, record in sorted(seen.items()):
+        path = f"{directory}/{name}.json"
+        try:
+            kept = json.loads(node.text(path) or "null")
+        except ValueError:
+            kept = None
+        kept = kept if isinstance(kept, dict) and kept.get("schema") == SCHEMA else None
+        if newer(record, kept) is record and record != kept:
+            changes += files.file_commands(path, json.dumps(record, sort_keys=True) + "\n")
+    if not changes:
+        host.noop(f"{len(seen)} node record(s) kept as read")
+        return
+    yield from changes

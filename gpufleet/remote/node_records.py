@@ -13,11 +13,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpufleet.node.node_state import SCHEMA
-from gpufleet.node_paths import LIFECYCLE_CONFIG, NODE_PYTHON, node_tool
+from gpufleet.node.node_state import SCHEMA, newer
+from gpufleet.node_paths import LIFECYCLE_CONFIG, NODE_PYTHON, NODES_DIR, node_tool
 from gpufleet.remote.commands import Remote, RemoteResult
 
-NODES_DIR = "/var/lib/gpufleet/nodes"  # on each monitoring host: <host>.json, the fleet's copy of each record
 TIMEOUT_S = 60
 MOVE_TIMEOUT_S = 120
 Record = dict[str, Any]
@@ -33,23 +32,12 @@ class Records:
     unread: set[str] = field(default_factory=set)
 
 
-def _parse(text: str) -> Record | None:
+def parse(text: str) -> Record | None:
     try:
         doc = json.loads(text)
     except ValueError:
         return None
     return doc if isinstance(doc, dict) and doc.get("schema") == SCHEMA else None
-
-
-def newer(a: Record | None, b: Record | None) -> Record | None:
-    """The record with the longer history (the later last move on a tie); either when the other is None."""
-    if a is None or b is None:
-        return a or b
-
-    def key(r: Record) -> tuple[int, str]:
-        return len(r.get("history") or []), str((r.get("history") or [{}])[-1].get("at", ""))
-
-    return a if key(a) >= key(b) else b
 
 
 def watch_words(verb: str, *extra: str) -> list[str]:
@@ -67,14 +55,14 @@ def read(remote: Remote, nodes: list[str], monitoring: list[str]) -> Records:
             out.problems.append(f"{host}: the fleet's node records could not be read: {listed.line()}")
             continue
         for line in listed.stdout.splitlines():
-            record = _parse(line)
+            record = parse(line)
             if record is not None and record.get("host") in nodes:
                 kept[record["host"]] = newer(kept.get(record["host"]), record)
     for node in nodes:
         # exit 2: the node has no node lifecycle (no tool, no configuration: node_lifecycle_enabled false, or never
         # deployed), so no record of its own
         shown = remote.run(node, watch_words("show"), timeout_s=TIMEOUT_S, ok_status=(0, 2))
-        own = _parse(shown.stdout) if shown.ok else None
+        own = parse(shown.stdout) if shown.ok else None
         if not shown.ok:
             out.problems.append(f"{node}: its record could not be read: {shown.line()}")
             out.unread.add(node)
@@ -101,4 +89,4 @@ def move(remote: Remote, node: str, to: str, why: str, by: str, force: bool = Fa
     moved)."""
     words = watch_words("move", "--to", to, "--why-hex", why.encode().hex(), "--by-hex", by.encode().hex())
     done = remote.run(node, [*words, *(["--force"] if force else [])], timeout_s=MOVE_TIMEOUT_S)
-    return (_parse(done.stdout), "") if done.ok else (None, done.line())
+    return (parse(done.stdout), "") if done.ok else (None, done.line())

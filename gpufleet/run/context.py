@@ -24,9 +24,10 @@ from pyinfra.api.state import State
 from pyinfra.context import host as current_host
 
 from gpufleet.config.fleet import Fleet
+from gpufleet.config.inventory_shape import MONITORING_GROUP
 from gpufleet.config.schema import HostConfig
 from gpufleet.facts.gpu import NvmlGpuFacts
-from gpufleet.facts.lifecycle import NodeRecord
+from gpufleet.facts.lifecycle import FleetNodeRecords, NodeRecord
 from gpufleet.facts.node import NodeStateValue, empty_node_state
 from gpufleet.gpu.profiles import profile_facts
 from gpufleet.gpu.report import FactsError, NodeFacts, parse_facts
@@ -73,8 +74,13 @@ class DeployContext:
     provisional: dict[str, NodeFacts] = field(default_factory=dict)
     # host -> the driver role's operations whose change means: probe the node again before its gate
     driver_changes: dict[str, list[OperationMeta]] = field(default_factory=dict)
-    # host -> its lifecycle record when the deploy started (role node_lifecycle; absent: none)
+    # host -> its lifecycle record when the deploy started (role node_lifecycle; absent: none): its own, or the
+    # monitoring hosts' copy where that holds more (a node that lost its disk is what the fleet knew of it)
     records: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # host -> the monitoring hosts' copy of its record where the node has none of its own (its admission restores it)
+    lost_records: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # host -> its record as this run left it, read after its admission: what the monitoring hosts keep
+    records_seen: dict[str, dict[str, Any]] = field(default_factory=dict)
     # host -> why it is left out of the plan: it left the fleet (quarantined, retired) or is being readmitted
     out_of_service: dict[str, str] = field(default_factory=dict)
 
@@ -149,6 +155,26 @@ def _record(target: Host) -> dict[str, Any] | None:
         return None
 
 
+def _fleet_copies(st: State) -> dict[str, dict[str, Any]]:
+    """The monitoring hosts' copies of the nodes' records (the longer history of each), from every host of the
+    inventory group ``monitoring`` that answers; none without one."""
+    try:
+        monitors = list(st.inventory.get_group(MONITORING_GROUP))
+    except Exception:  # noqa: BLE001 - pyinfra raises NoGroupError for a group the inventory does not define
+        return {}
+    found: dict[str, dict[str, Any]] = {}
+    for monitor in monitors:
+        try:
+            copies = monitor.get_fact(FleetNodeRecords)
+        except Exception:  # noqa: BLE001 - a monitoring host that cannot be read leaves each node to its own record
+            continue
+        for name, record in (copies or {}).items():
+            kept = node_state.newer(found.get(name), record)
+            if kept is not None:
+                found[name] = kept
+    return found
+
+
 def _probe(target: Host) -> tuple[dict[str, Any] | None, NodeFacts | None, str | None]:
     """The host's facts document as the probe printed it, the same parsed, or why there is none."""
     try:
@@ -190,10 +216,16 @@ def _build(st: State, read_only: bool) -> DeployContext:
     gevent.joinall(probes)
     records = [gevent.spawn(_record, target) for target in targets]
     gevent.joinall(records)
+    copies = _fleet_copies(st)
     for target, read in zip(targets, records, strict=True):
-        if read.successful() and read.value is not None:
-            ctx.records[target.name] = read.value
-            if (why := node_state.out_of_service(read.value)) is not None:
+        own = read.value if read.successful() else None
+        copy = copies.get(target.name)
+        if own is None and copy is not None and read.successful():
+            ctx.lost_records[target.name] = copy
+        record = node_state.newer(own, copy)
+        if record is not None:
+            ctx.records[target.name] = record
+            if (why := node_state.out_of_service(record)) is not None:
                 ctx.out_of_service[target.name] = why
                 print(f"gpufleet: {target.name}: no replica: {why}", file=sys.stderr)
     for target, probe in zip(targets, probes, strict=True):

@@ -84,12 +84,13 @@ from gpufleet.node_paths import (
     ALERT_LOG_SERVICE,
     NODE_PYTHON,
     NODE_TOOLS_DIR,
+    NODES_DIR,
     PROMETHEUS_UNIT,
     START_RECORDS_TEXTFILE,
     node_tool,
     unit_path,
 )
-from gpufleet.operations import apt, files, node, server, systemd, vllm
+from gpufleet.operations import apt, files, lifecycle, node, server, systemd, vllm
 from gpufleet.plan import access
 from gpufleet.plan.planner import FleetPlan, plan_fleet
 from gpufleet.pyinfra_seam import current_state
@@ -441,6 +442,19 @@ def monitoring() -> None:
         systemd.service(name=f"Ensure {service.unit} runs and starts at boot", unit=service.unit, running=True,
                         enabled=True)
     grafana_dashboards()
+
+
+@deploy("Monitoring: keep the nodes' records")
+def node_records() -> None:
+    """Every host adds it, from one line of the site sequence after every role, as :func:`start_records`: pyinfra runs
+    it once every node's admission and the reading of its record have run. It keeps the fleet's copy of each node's
+    record on the monitoring hosts (``/var/lib/gpufleet/nodes/<host>.json``) and is skipped on every other host."""
+    ctx = context()
+    if is_monitoring():
+        copies = [f"{NODES_DIR}/{name}.json" for name in ctx.facts]  # every node probed: those that serve
+        node.observe(name="Read the fleet's copies of the nodes' records", paths=copies, texts=copies)
+    lifecycle.keep_records(name="Keep the fleet's copy of each node's record", directory=NODES_DIR,
+                           seen=ctx.records_seen, _if=is_monitoring)
 
 
 @deploy("Monitoring: keep each release's start record")

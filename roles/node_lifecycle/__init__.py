@@ -13,8 +13,12 @@ how). The watch has no GPU of its own: the burn-in's units hold what it needs (d
 
 A node with no record, or one that has not yet passed its admission, runs the quick burn-in here, before role ray
 and role vllm start anything: one that fails it is quarantined and this deploy stops on it (its evidence is in its
-record). A node that is quarantined or retired when the deploy starts is left out of the plan (run context).
-A changed unit reloads systemd; a changed unit, configuration or node tool restarts the watch. With
+record). A node with no record of its own that the monitoring hosts' copy knows (it lost its disk, or was
+reinstalled) gets that record back first: one that had left stays out, one in service runs the quick burn-in again.
+Each node's record as the admission left it goes to the monitoring hosts' copy (role monitoring's
+``node_records``), which ``gpufleet nodes`` and the next deploys read. A node that is quarantined or retired when
+the deploy starts (by its own record, or the monitoring hosts' copy where that holds more) is left out of the plan
+(run context). A changed unit reloads systemd; a changed unit, configuration or node tool restarts the watch. With
 ``node_lifecycle_enabled: false`` the watch is stopped, disabled and removed, and so are the burn-in's units. Variables:
 roles/node_lifecycle/defaults.yml.
 """
@@ -58,7 +62,7 @@ from gpufleet.node_paths import (
 )
 from gpufleet.operations import files, lifecycle, node, systemd
 from gpufleet.plan import access
-from gpufleet.run.context import assignments, gpu_facts, host_config
+from gpufleet.run.context import assignments, context, gpu_facts, host_config
 from gpufleet.templates import render
 from gpufleet.units.escape import exec_line
 from gpufleet.values.problems import ConfigError, Problem, exit_with
@@ -163,7 +167,7 @@ def node_lifecycle() -> None:
     cfg = host_config()
     paths = [SERVICE_FILE, *BURN_IN_FILES.values(), LIFECYCLE_CONFIG, BURN_IN_FLOORS]
     node.observe(name="Read the node lifecycle's unit, configuration and record", units=[NODE_WATCH_SERVICE],
-                 paths=paths, texts=[NODE_STATE_SUMMARY])
+                 paths=paths, texts=[NODE_STATE_SUMMARY, NODE_STATE_FILE])
     if not cfg.node_lifecycle_enabled:
         systemd.service(name=f"Stop and disable {NODE_WATCH_SERVICE} (node_lifecycle_enabled false)",
                         unit=NODE_WATCH_SERVICE, running=False, enabled=False)
@@ -192,8 +196,12 @@ def node_lifecycle() -> None:
                       content=render("node_lifecycle/gpufleet-node-watch.service.j2", **service_values(cfg, allowed)))
     systemd.daemon_reload(name="Reload systemd: the node watch's or a burn-in's unit changed",
                           _if=any_changed(unit, *burn_in_units))
-    lifecycle.admission(name="Admit the node: the quick burn-in before a replica lands on it",
-                        config=LIFECYCLE_CONFIG, state_file=NODE_STATE_SUMMARY)
+    admitted = lifecycle.admission(name="Admit the node: the quick burn-in before a replica lands on it",
+                                   config=LIFECYCLE_CONFIG, state_file=NODE_STATE_SUMMARY,
+                                   lost=context().lost_records.get(host.name))
+    lifecycle.record_seen(name="Read the node's record for the monitoring hosts' copy", state_file=NODE_STATE_FILE,
+                          seen=context().records_seen,
+                          fresh=lambda: admitted.is_complete() and admitted.did_change())
     systemd.restart(name=f"Restart {NODE_WATCH_SERVICE}: its unit, configuration, floors or tools changed",
                     unit=NODE_WATCH_SERVICE, _if=any_changed(unit, config, floors_file))
     systemd.service(name=f"Enable and start {NODE_WATCH_SERVICE}", unit=NODE_WATCH_SERVICE, running=True,

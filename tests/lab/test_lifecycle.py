@@ -49,9 +49,13 @@ def test_every_node_passed_the_quick_burn_in_before_a_replica_landed_on_it(
     output = serving.output
     admitted = output.index("Admit the node: the quick burn-in before a replica lands on it")
     assert admitted < output.index(f"start vllm@{single(lab)}") and admitted < output.index(f"start vllm@{PIPELINE}")
+    monitoring = lab.host(lab.nodes[0])  # the inventory's monitoring group
     for node in lab.nodes:
         record = node_record(lab, node)
         assert record["state"] == "serving", record
+        # the deploy kept each node's record, as its admission left it, on the monitoring hosts
+        kept = json.loads(monitoring.check_output(f"cat /var/lib/gpufleet/nodes/{node.address}.json"))
+        assert kept["state"] == "serving" and kept["history"] == record["history"], kept
         moves = [(h["from"], h["to"]) for h in record["history"]]
         assert moves == [("new", "burn-in"), ("burn-in", "serving")], moves
         last = record["last_burn_in"]

@@ -291,3 +291,25 @@ def test_a_quarantine_and_readmission_faster_than_the_watch_still_stops_the_repl
     node_watch.reconcile(config, None)
     assert ["systemctl", "stop", "--no-block", "--", "vllm@lab_single-0.service"] in ran and tiers == ["full"]
     assert node_watch.read_record(config)["stopped_units"] == ["vllm@lab_single-0.service"]
+
+
+def test_a_node_that_lost_its_record_gets_the_fleets_copy_back_and_never_a_shorter_one(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = _config(tmp_path)
+    kept = node_state.move(node_state.new_record("gpu-a01", NOW), "burn-in", "first seen", NOW)
+    kept = node_state.quarantine(node_state.move(kept, "serving", "passed", NOW), "Xid 79 on 3b:00", NOW,
+                                 config.policy)
+    args = ["restore", "--config", str(tmp_path / "lifecycle.json"), "--record-hex"]
+    for bad, line in ((b"{not json", "expected a record of gpu-a01"),
+                      (json.dumps({**kept, "host": "gpu-a02"}).encode(), "expected a record of gpu-a01"),
+                      (json.dumps({**kept, "state": "lost"}).encode(), "expected a record of gpu-a01")):
+        assert node_watch.main([*args, bad.hex()]) == 2
+        assert line in capsys.readouterr().err
+    assert node_watch.main([*args, "zz"]) == 2 and node_watch.read_record(config)["state"] == "new"
+    capsys.readouterr()
+    assert node_watch.main([*args, json.dumps(kept).encode().hex()]) == 0
+    assert node_watch.read_record(config) == kept and "restored from the fleet's copy: quarantined" in \
+        capsys.readouterr().out
+    shorter = node_state.move(node_state.new_record("gpu-a01", NOW), "burn-in", "first seen", NOW)
+    assert node_watch.main([*args, json.dumps(shorter).encode().hex()]) == 0
+    assert node_watch.read_record(config) == kept  # the node's own holds more: kept

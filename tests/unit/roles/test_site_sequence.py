@@ -51,9 +51,9 @@ def test_a_host_in_no_pool_gets_the_edge_and_monitoring_and_loses_what_it_served
     with pytest.MonkeyPatch.context() as monkeypatch:
         dedicated = _called_roles(monkeypatch, serves=False)
     assert dedicated == ["common", "node_exporter", "vllm_retire", "ray", "router", "keepalived", "monitoring",
-                         "start_records"]
+                         "start_records", "node_records"]
     with pytest.MonkeyPatch.context() as monkeypatch:
         serving = _called_roles(monkeypatch, serves=True)
     assert serving == ["common", "nvidia_driver", "dcgm", "gpu_gate", "node_exporter", "dcgm_exporter",
                        "vllm_install", "node_lifecycle", "ray", "vllm_serve", "gpu_watch", "router", "keepalived",
-                       "monitoring", "start_records"]
+                       "monitoring", "start_records", "node_records"]
