@@ -314,18 +314,26 @@ def gate_check(floors: Floors, runner: Runner) -> Check:
                  evidence={"failures": verdict.get("failures", [])})
 
 
+CPU_RANKS = 2  # the CPU build's all-reduce (the lab's double): two gloo ranks on loopback, the code path GPUs take
+
+
 def allreduce_check(floors: Floors, runner: Runner, gpus: int) -> Check:
-    """An all-reduce over the node's GPUs, one ``fabric_check.py`` rank per GPU on loopback (NCCL)."""
-    if floors.device == "cpu" or gpus < 2:
-        return Check("allreduce", "skip", evidence={"why": "fewer than two GPUs" if gpus < 2 else "no GPU"})
+    """An all-reduce over the node's GPUs, one ``fabric_check.py`` rank per GPU on loopback (NCCL); on the CPU build,
+    :data:`CPU_RANKS` gloo ranks, held to the floors' own bound."""
+    cpu = floors.device == "cpu"
+    ranks = CPU_RANKS if cpu else gpus
+    if ranks < 2:
+        return Check("allreduce", "skip", evidence={"why": "fewer than two GPUs"})
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [subprocess.Popen([sys.executable, str(HERE / "fabric_check.py"), "--rank", str(r), "--world", str(gpus),
-                               "--leader", f"127.0.0.1:{port}", "--backend", "nccl", "--local-gpu", str(r),
-                               "--bytes", str(floors.allreduce_bytes), "--floor-gbps",
+    procs = [subprocess.Popen([sys.executable, str(HERE / "fabric_check.py"), "--rank", str(r), "--world", str(ranks),
+                               "--leader", f"127.0.0.1:{port}", "--backend", "gloo" if cpu else "nccl",
+                               "--iface", "lo",  # the unit reaches localhost only: the collective's sockets too
+                               *([] if cpu else ["--local-gpu", str(r)]), "--bytes", str(floors.allreduce_bytes),
+                               "--floor-gbps",
                                str(floors.allreduce_busbw_gbps), "--timeout", "120"],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(gpus)]
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(ranks)]
     outs = [p.communicate(timeout=180) for p in procs]
     leader = _json_in(outs[0][0])
     if not isinstance(leader, dict):

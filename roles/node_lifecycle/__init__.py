@@ -95,7 +95,7 @@ def floors_values(cfg: HostConfig, gpu_name: str | None) -> dict[str, Any]:
             "matmul_n": cfg.burn_in_matmul_n, "matmul_seconds": cfg.burn_in_seconds,
             "matmul_tflops": floors["matmul_tflops"], "copy_bytes": (64 if cpu else 1024) * 1024**2,
             "copy_seconds": round(cfg.burn_in_seconds / 3, 3), "copy_gbps": floors["copy_gbps"],
-            "allreduce_bytes": 256 * 1024**2, "allreduce_busbw_gbps": floors["allreduce_busbw_gbps"],
+            "allreduce_bytes": (16 if cpu else 256) * 1024**2, "allreduce_busbw_gbps": floors["allreduce_busbw_gbps"],
             "gate_policy": GATE_POLICY}
 
 

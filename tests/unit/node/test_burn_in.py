@@ -108,9 +108,29 @@ def test_without_torch_the_kernels_fail_rather_than_pass(tmp_path: Path, monkeyp
     assert "no torch" in checks[0].evidence["error"]
 
 
-def test_the_full_tier_skips_the_all_reduce_on_one_gpu_or_the_cpu(tmp_path: Path) -> None:
-    floors = burn_in.load_floors(_floors(tmp_path, {"device": "cpu"}))
-    check = burn_in.allreduce_check(floors, _runner(0, ""), 8)
-    assert (check.status, check.evidence) == ("skip", {"why": "no GPU"})
+# fabric_check.py's stand-in: each rank records its argv; the leader prints a verdict at the floor it was given
+FAKE_FABRIC = """import json, os, sys
+args = sys.argv[1:]
+rank = args[args.index("--rank") + 1]
+open(os.environ["FABRIC_LOG"] + rank, "w").write(" ".join(args))
+if rank == "0":
+    print(json.dumps({"passed": True, "busbw_gbps": 0.4, "world": int(args[args.index("--world") + 1])}))
+"""
+
+
+def test_the_full_tiers_all_reduce_runs_a_rank_per_gpu_and_two_gloo_ranks_on_the_cpu(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     check = burn_in.allreduce_check(burn_in.load_floors(_floors(tmp_path)), _runner(0, ""), 1)
     assert (check.status, check.evidence) == ("skip", {"why": "fewer than two GPUs"})
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    (tools / "fabric_check.py").write_text(FAKE_FABRIC)
+    monkeypatch.setattr(burn_in, "HERE", tools)
+    monkeypatch.setenv("FABRIC_LOG", str(tmp_path / "rank-"))
+    for device, gpus, ranks, backend in (("cpu", 0, 2, "gloo"), ("cuda", 4, 4, "nccl")):
+        floors = burn_in.load_floors(_floors(tmp_path, {"device": device}))
+        check = burn_in.allreduce_check(floors, _runner(0, ""), gpus)
+        assert (check.status, check.value, check.evidence["world"]) == ("pass", 0.4, ranks)
+        argv = [(tmp_path / f"rank-{r}").read_text().split() for r in range(ranks)]
+        assert {(a[a.index("--backend") + 1], a[a.index("--iface") + 1]) for a in argv} == {(backend, "lo")}
+        assert [("--local-gpu" in a) for a in argv] == [device == "cuda"] * ranks
