@@ -196,23 +196,31 @@ class Stalls:
                        {"restarts": [line for _, line in recent[-self.limit:]], "window_s": self.window_s})
 
 
+def _count(value: Any) -> int | None:
+    """A whole number as NVML gives it (not a bool, not a float), or None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and -1 < value < 2**31 else None
+
+
 def sample_conditions(gpu: dict[str, Any]) -> set[str]:
     """The trend findings one GPU's sample shows (health_rules.link_sample): ``throttle_trend`` (busy, its clocks
     held down by a thermal or power slowdown), ``pcie_downgrade`` (its link below its maximum width, or below its
-    maximum generation while busy: an idle GPU lowers it to save power), ``nvlink_down`` (an NVLink inactive)."""
-    events = gpu.get("events")
-    busy = isinstance(events, list) and "gpu_idle" not in events
+    maximum generation while busy: an idle GPU lowers it to save power), ``nvlink_down`` (an NVLink inactive). What
+    is not as NVML gives it shows nothing."""
+    raw = gpu.get("events")
+    events: list[str] | None = raw if isinstance(raw, list) and all(isinstance(e, str) for e in raw) else None
+    busy = events is not None and "gpu_idle" not in events
     found = set()
-    if busy and THROTTLE_EVENTS & set(events or []):
+    if events is not None and busy and THROTTLE_EVENTS & set(events):
         found.add("throttle_trend")
-    pcie = gpu.get("pcie") if isinstance(gpu.get("pcie"), dict) else {}
-    try:
-        if pcie and (int(pcie["width_current"]) < int(pcie["width_max"])
-                     or (busy and int(pcie["gen_current"]) < int(pcie["gen_max"]))):
-            found.add("pcie_downgrade")
-    except (KeyError, TypeError, ValueError):
-        pass
-    if isinstance(gpu.get("nvlinks_down"), int) and gpu["nvlinks_down"] > 0:
+    link = gpu.get("pcie")
+    pcie: dict[str, Any] = link if isinstance(link, dict) else {}
+    width, width_max, gen, gen_max = (_count(pcie.get(k)) for k in ("width_current", "width_max", "gen_current",
+                                                                      "gen_max"))
+    if (width is not None and width_max is not None and width < width_max) or (
+            busy and gen is not None and gen_max is not None and gen < gen_max):
+        found.add("pcie_downgrade")
+    down = _count(gpu.get("nvlinks_down"))
+    if down is not None and down > 0:
         found.add("nvlink_down")
     return found
 
@@ -232,14 +240,17 @@ class Trends:
         """The new findings the samples make (each: ``{"at": Unix time, "gpus": [...]}``)."""
         taken: dict[str, int] = {}
         shown: dict[tuple[str, str], int] = {}
-        for sample in samples:
-            if not isinstance(sample, dict) or not isinstance(sample.get("at"), (int, float)) \
-                    or not 0 <= now - sample["at"] <= self.window_s:
+        seen: set[tuple[float, str]] = set()  # a GPU counts once per sample time: a repeated reading is one
+        for sample in samples if isinstance(samples, list) else []:
+            at = sample.get("at") if isinstance(sample, dict) else None
+            if not isinstance(at, (int, float)) or isinstance(at, bool) or not -1e12 < at < 1e12 \
+                    or not 0 <= now - at <= self.window_s or not isinstance(sample.get("gpus"), list):
                 continue
-            for gpu in sample.get("gpus") or []:
-                if not isinstance(gpu, dict):
+            for gpu in sample["gpus"]:
+                name = gpu.get("pci") if isinstance(gpu, dict) else None
+                if not isinstance(name, str) or not 0 < len(name) <= 40 or (at, name) in seen:
                     continue
-                name = str(gpu.get("pci") or gpu.get("gpu"))
+                seen.add((at, name))
                 taken[name] = taken.get(name, 0) + 1
                 for kind in sample_conditions(gpu):
                     shown[(kind, name)] = shown.get((kind, name), 0) + 1

@@ -62,6 +62,49 @@ def new_record(host: str, now: datetime) -> Record:
             "quarantines": [], "history": [], "last_burn_in": None}
 
 
+MAX_HISTORY = 10000  # moves a record may hold: a node's whole life, far short of what would burden its disk
+
+
+def _time_text(value: Any) -> bool:
+    try:
+        return isinstance(value, str) and len(value) <= 40 and bool(parse_time(value))
+    except ValueError:
+        return False
+
+
+def _text(value: Any, longest: int = 2000) -> bool:
+    return isinstance(value, str) and len(value) <= longest and value.isprintable()
+
+
+def record_problem(record: Any, host: str) -> str | None:
+    """Why ``record`` is not a record of ``host`` this tool can keep (the right fields, each of its type: times that
+    parse, states it knows, printable words, at most :data:`MAX_HISTORY` moves), or None."""
+    if not isinstance(record, dict) or record.get("schema") != SCHEMA:
+        return f"expected a {SCHEMA} record"
+    if record.get("host") != host:
+        return f"expected a record of {host}"
+    if record.get("state") not in STATES or not _time_text(record.get("since")):
+        return "expected a known state and the time it began"
+    passes = record.get("clean_passes")
+    if not isinstance(passes, int) or isinstance(passes, bool) or not 0 <= passes <= MAX_HISTORY:
+        return "expected clean_passes, a count"
+    if not isinstance(record.get("gpus"), dict) or not (record.get("last_burn_in") is None
+                                                        or isinstance(record.get("last_burn_in"), dict)):
+        return "expected gpus and last_burn_in as mappings"
+    quarantines, history = record.get("quarantines"), record.get("history")
+    if not isinstance(quarantines, list) or not all(_time_text(q) for q in quarantines):
+        return "expected quarantines, a list of times"
+    if not isinstance(history, list) or len(history) > MAX_HISTORY:
+        return f"expected a history of at most {MAX_HISTORY} moves"
+    for move in history:
+        if not (isinstance(move, dict) and _time_text(move.get("at")) and move.get("from") in STATES
+                and move.get("to") in STATES and _text(move.get("why"), 1000)
+                and _text(move.get("by", "gpufleet"), 200)
+                and isinstance(move.get("evidence", {}), dict)):
+            return "expected each move of the history with its time, states and printable words"
+    return None
+
+
 def newer(a: Record | None, b: Record | None) -> Record | None:
     """Of two copies of one node's record, the one with the longer history (the later last move on a tie); either
     when the other is None."""

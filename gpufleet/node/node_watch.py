@@ -5,7 +5,7 @@
     python3 node_watch.py burn-in --config ... --tier quick|full     (the deploy's admission, people's readmission)
     python3 node_watch.py move --config ... --to quarantined --why TEXT [--by NAME] [--force]
     python3 node_watch.py show --config ...
-    python3 node_watch.py restore --config ... --record-hex HEX   (a deploy: the fleet's copy of a record the node lost)
+    python3 node_watch.py restore --config ... --record-file PATH   (a deploy: the fleet's copy of a lost record)
 
 The node's record (``gpufleet/node/node_state.py``) lives in the config's ``state_file``; every writer (this watch,
 a deploy, ``gpufleet nodes``) changes it through this tool, under one lock. ``watch``:
@@ -56,7 +56,7 @@ HEARD_WAIT_S = 5.0  # the longest a drain waits for every router that asks the a
 ASKING_S = 10.0  # a router that asked the agent this recently is one that must hear "down"
 SETTLED_READS = 3  # a drain ends after this many reads in a row, 0.5 s apart, find no request in the engines
 _UNIT = re.compile(r"^vllm@[A-Za-z0-9_.:-]+\.service$")
-_WHY = re.compile(r"^[^\x00-\x1f\x7f]{1,200}$")
+_WHY = re.compile(r"^(?=.*\S).{1,200}$", re.DOTALL)  # and printable: see _why_ok
 
 
 def _sibling(name: str) -> ModuleType:
@@ -107,7 +107,11 @@ class Config:
 
     @classmethod
     def load(cls, path: Path) -> Config:
-        doc = json.loads(path.read_text())
+        doc = read_json(path)
+        if not isinstance(doc, dict) or not isinstance(doc.get("node"), str) or not isinstance(doc.get("policy"), dict):
+            raise ValueError("expected a mapping with the node's name and its policy")
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in doc["policy"].values()):
+            raise ValueError("expected the policy's counts and seconds as positive whole numbers")
         problems = findings.catalog_problems(doc.get("catalog"), "catalog")
         if problems:
             raise ValueError(problems[0])
@@ -131,9 +135,34 @@ def locked(config: Config) -> Iterator[dict[str, Any]]:
             write_record(config.state_file, record)
 
 
+MAX_JSON_BYTES = 8 * 1024**2  # the most a record or the GPU watch's samples may take
+
+
+def read_json(path: Path) -> Any:
+    """A JSON file of this node's own (a record, samples): FileNotFoundError without one; ValueError for one that is
+    not a regular file, too large, or not plain JSON (NaN, nesting beyond the parser's depth)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO must not block the watch
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_JSON_BYTES:
+            raise ValueError(f"{path}: expected a regular file of at most {MAX_JSON_BYTES} bytes")
+        with os.fdopen(os.dup(fd), "rb") as file:
+            data = file.read(MAX_JSON_BYTES + 1)
+    finally:
+        os.close(fd)
+
+    def plain(constant: str) -> Any:
+        raise ValueError(f"{path}: expected plain JSON, found {constant}")
+
+    try:
+        return json.loads(data.decode(), parse_constant=plain)
+    except (UnicodeDecodeError, RecursionError) as exc:
+        raise ValueError(f"{path}: expected JSON text ({type(exc).__name__})") from None
+
+
 def read_record(config: Config) -> dict[str, Any]:
     try:
-        record = json.loads(config.state_file.read_text())
+        record = read_json(config.state_file)
     except FileNotFoundError:
         fresh: dict[str, Any] = node_state.new_record(config.node, utcnow())
         return fresh
@@ -157,6 +186,12 @@ def write_record(path: Path, record: dict[str, Any]) -> None:
 def summary_path(state_file: Path) -> Path:
     """Where the record's summary sits beside it (node_paths.NODE_STATE_SUMMARY)."""
     return state_file.with_name("summary.json")
+
+
+def _why_ok(text: str) -> bool:
+    """1 to 200 printable characters, not all blank (no control, line or paragraph separators, no format characters
+    such as a right-to-left override)."""
+    return bool(_WHY.fullmatch(text)) and text.isprintable()
 
 
 def replace(record: dict[str, Any], new: dict[str, Any]) -> None:
@@ -317,7 +352,7 @@ def requests_running(urls: list[str]) -> float:
 def gpu_samples(config: Config) -> list[Any]:
     """The GPU watch's last samples (gpu_watch.py --samples); none while it keeps none."""
     try:
-        found = json.loads(config.gpu_samples.read_text())
+        found = read_json(config.gpu_samples)
     except (OSError, ValueError):
         return []
     return found if isinstance(found, list) else []
@@ -546,7 +581,12 @@ def watch(config: Config) -> int:
             if (finding := stalls.see(watchdog_restarts(stalls.window_s), time.time())) is not None:
                 apply_finding(config, finding)
                 next_reconcile = 0.0
-            for finding in trends.see(gpu_samples(config), time.time()):
+            try:
+                trending = trends.see(gpu_samples(config), time.time())
+            except (ArithmeticError, TypeError, ValueError) as exc:  # samples no GPU watch wrote: nothing found
+                log(f"{config.node}: the GPU watch's samples cannot be read: {type(exc).__name__}")
+                trending = []
+            for finding in trending:
                 apply_finding(config, finding)
                 next_reconcile = 0.0
             next_stalls = time.monotonic() + STALLS_EVERY_S
@@ -563,20 +603,30 @@ def watch(config: Config) -> int:
         time.sleep(POLL_S)
 
 
-def restore(config: Config, record_hex: str) -> int:
-    """Make the fleet's copy of this node's record its own where it holds more (a node that lost its disk, or was
-    reinstalled, is what the fleet knew of it, not a new one); the record after, or one line and exit 2."""
+def restore(config: Config, record_file: Path) -> int:
+    """Make the fleet's copy of this node's record (``record_file``, which the deploy uploads, root 0600; removed
+    here) its own where it holds a longer history, or where the node's own cannot be read (kept beside it as
+    ``.corrupt``): a node that lost its disk, or was reinstalled, is what the fleet knew of it, not a new one. The
+    record after, or one line and exit 2."""
     try:
-        given = json.loads(bytes.fromhex(record_hex).decode())
-    except ValueError:
-        given = None
-    if not (isinstance(given, dict) and given.get("schema") == node_state.SCHEMA and given.get("host") == config.node
-            and given.get("state") in node_state.STATES and isinstance(given.get("history"), list)):
-        print(f"node watch: restore: expected a record of {config.node} ({node_state.SCHEMA}) as hexadecimal JSON",
-              file=sys.stderr)
+        given = read_json(record_file)
+        problem = node_state.record_problem(given, config.node)
+    except (OSError, ValueError) as exc:
+        given, problem = None, str(exc)[:300]
+    finally:
+        with contextlib.suppress(OSError):
+            if stat.S_ISREG(os.lstat(record_file).st_mode):
+                record_file.unlink()
+    if problem is not None:
+        print(f"node watch: restore: {problem}", file=sys.stderr)
         return 2
+    try:
+        read_record(config)
+    except (OSError, ValueError) as exc:
+        log(f"{config.node}: its own record cannot be read ({str(exc)[:200]}); kept as .corrupt")
+        os.replace(config.state_file, config.state_file.with_name(f"{config.state_file.name}.corrupt"))
     with locked(config) as record:
-        if node_state.newer(record, given) is given and record.get("history") != given["history"]:
+        if len(given["history"]) > len(record.get("history") or []):
             replace(record, given)
             log(f"{config.node}: restored from the fleet's copy: {given['state']}")
     print(json.dumps(read_record(config), indent=1))
@@ -594,7 +644,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--why-hex", default="", help="--why as hexadecimal UTF-8 (a controller's plain words)")
     parser.add_argument("--by-hex", default="", help="--by as hexadecimal UTF-8")
     parser.add_argument("--force", action="store_true")
-    parser.add_argument("--record-hex", default="", help="restore: the record, as hexadecimal UTF-8 JSON")
+    parser.add_argument("--record-file", type=Path, help="restore: the fleet's copy of the record (removed after)")
     args = parser.parse_args(argv)
     try:
         args.why = bytes.fromhex(args.why_hex).decode() if args.why_hex else args.why
@@ -604,16 +654,27 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         config = Config.load(args.config)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         print(f"node watch: {args.config}: {type(exc).__name__}: {str(exc)[:300]}", file=sys.stderr)
         return 2
     if args.verb == "watch":
         return watch(config)
+    try:
+        return _act(config, args, parser)
+    except (OSError, ValueError) as exc:  # the record or its lock unreadable: one line, nothing changed
+        print(f"node watch: {str(exc)[:300]}", file=sys.stderr)
+        return 2
+
+
+def _act(config: Config, args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """``show``, ``restore``, ``burn-in`` and ``move``."""
     if args.verb == "show":
         print(json.dumps(read_record(config), indent=1))
         return 0
     if args.verb == "restore":
-        return restore(config, args.record_hex)
+        if args.record_file is None:
+            parser.error("restore needs --record-file")
+        return restore(config, args.record_file)
     if args.verb == "burn-in":
         if args.tier is None:
             parser.error("burn-in needs --tier")
@@ -626,7 +687,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{json.dumps(check.get('evidence'))[:300]}", file=sys.stderr)
         print(f"{config.node}: the node is {record['state']}", file=sys.stderr)
         return 1
-    if args.to is None or not _WHY.fullmatch(args.why) or not _WHY.fullmatch(args.by):
+    if args.to is None or not _why_ok(args.why) or not _why_ok(args.by):
         print("node watch: move needs --to and a --why (and --by) of 1 to 200 printable characters", file=sys.stderr)
         return 2
     try:

@@ -26,6 +26,7 @@ import argparse
 import importlib.util
 import logging
 import os
+import re
 import subprocess
 import sys
 import time
@@ -166,6 +167,27 @@ def check_fabric(check: Callable[[], dict[str, Any]], deadline: float, clock: Ca
         sleep(replica_rank.FABRIC_RETRY_S)
 
 
+_IFACE = re.compile(r"[A-Za-z0-9_.:-]{1,15}")  # a Linux interface name
+
+
+def _wrong(args: argparse.Namespace) -> str | None:
+    """The first argument out of its bounds, as ``--NAME: expected ..., found ...``; None when all are in them."""
+    bounds = [("--nodes", args.nodes, 1 <= args.nodes <= 4096, "1 to 4096 nodes"),
+              ("--timeout", args.timeout, 0 <= args.timeout <= 86400, "0 to 86400 seconds")]
+    if args.fabric_port is not None:
+        bounds += [("--fabric-port", args.fabric_port, 0 < args.fabric_port < 65536, "a port 1 to 65535"),
+                   ("--fabric-bytes", args.fabric_bytes, 4 <= args.fabric_bytes <= 2**34, "4 bytes to 16 GiB"),
+                   ("--fabric-floor-gbps", args.fabric_floor_gbps, 0 < args.fabric_floor_gbps <= 1e6,
+                    "a floor above 0 GB/s"),
+                   ("--fabric-timeout", args.fabric_timeout, 0 < args.fabric_timeout <= 3600, "0 to 3600 seconds"),
+                   ("--fabric-iface", args.fabric_iface, args.fabric_iface == "" or bool(_IFACE.fullmatch(
+                       args.fabric_iface)), "an interface name")]
+    for name, value, ok, expected in bounds:
+        if not ok:
+            return f"{name}: expected {expected}, found {str(value)[:40]!r}"
+    return None
+
+
 def main(argv: list[str] | None = None, count: Callable[[str, str], int | None] = ray_status,
          clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
          fabric: Callable[[str, dict[str, Any]], dict[str, Any]] = ray_fabric) -> int:
@@ -182,6 +204,8 @@ def main(argv: list[str] | None = None, count: Callable[[str, str], int | None] 
     parser.add_argument("--fabric-floor-gbps", type=float, default=1.0)
     parser.add_argument("--fabric-timeout", type=float, default=20.0)
     args = parser.parse_args(argv)
+    if (wrong := _wrong(args)) is not None:
+        parser.error(wrong)
     settings = fabric_settings(args)
 
     def log(message: str) -> None:

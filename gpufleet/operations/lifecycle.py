@@ -10,7 +10,7 @@ from pyinfra.api.command import QuoteString, StringCommand
 from pyinfra.context import host, state
 
 from gpufleet.node.node_state import IN_SERVICE, SCHEMA, newer
-from gpufleet.node_paths import NODE_PYTHON, node_tool
+from gpufleet.node_paths import NODE_PYTHON, NODE_STATE_DIR, node_tool
 from gpufleet.operations import files, node
 from gpufleet.operations.node import Commands, gpufleet_operation
 
@@ -31,6 +31,9 @@ def needs_admission(summary_text: str | None) -> bool:
     return state == "new" or (state == "burn-in" and not summary.get("quarantines") and not summary.get("requested"))
 
 
+RESTORE_FILE = f"{NODE_STATE_DIR}/restore.json"  # the fleet's copy of a lost record, until the node tool takes it
+
+
 @gpufleet_operation()
 def admission(config: str, state_file: str, lost: dict[str, Any] | None = None) -> Commands:
     """
@@ -46,9 +49,9 @@ def admission(config: str, state_file: str, lost: dict[str, Any] | None = None) 
     found = node.text(state_file)
     if found is None and lost is not None:
         node.forget("texts", state_file)
+        yield from files.file_commands(RESTORE_FILE, json.dumps(lost, sort_keys=True) + "\n", mode="0600")
         yield StringCommand(QuoteString(NODE_PYTHON), QuoteString(node_tool("node_watch.py")), "restore", "--config",
-                            QuoteString(config), "--record-hex", QuoteString(json.dumps(lost).encode().hex()), ">",
-                            "/dev/null")
+                            QuoteString(config), "--record-file", QuoteString(RESTORE_FILE), ">", "/dev/null")
         if lost.get("state") not in IN_SERVICE:
             return
     elif not needs_admission(found):

@@ -39,9 +39,11 @@ SECRET_NAME = re.compile(r"(_KEY|_TOKEN|_SECRET)$|PASSWORD|PASSWD|CREDENTIAL", r
 
 
 def show(value: Any, limit: int = 60) -> str:
-    """A value as a message shows it: ``repr``, cut short."""
+    """A value as a message shows it: ``repr``, cut short; never text that looks like a credential."""
     if value is None:
         return "null"
+    if isinstance(value, str) and secret_like(value):
+        return "a value that looks like a credential (not shown)"
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
@@ -261,7 +263,7 @@ _SECRET_TEXT = re.compile(
     r"|-----BEGIN [A-Z ]*PRIVATE KEY-----")
 # a name of at most 64 characters, where a word starts: linear in the text (an unbounded name backtracks over every
 # start of a long word)
-_SECRET_PAIR = re.compile(r"(?<![A-Za-z0-9_.-])([A-Za-z_][A-Za-z0-9_.-]{0,63})\s{0,8}[=:]\s{0,8}\S{8}")
+_SECRET_PAIR = re.compile(r"(?<![A-Za-z0-9_.-])([A-Za-z_][A-Za-z0-9_.-]{0,63})\s{0,8}[=:]\s{0,8}\S")
 
 
 def secret_like(text: str) -> bool:

@@ -42,6 +42,7 @@ from tests.lab.fleet import (
 from tests.lab.harness import LAB_VLLM_VERSION, ROOT, Completed, Lab
 from tests.lab.prometheus import Prometheus
 from tests.lab.readme_tour import starting
+from tests.lab.scenarios import LabStates
 
 pytestmark = pytest.mark.filterwarnings("ignore:Unknown ssh-ed25519 host key:UserWarning")
 
@@ -259,7 +260,8 @@ def test_a_release_that_does_not_start_is_rolled_back_at_the_canary(
 
 
 def test_rollback_returns_the_fleet_to_the_previous_release(
-        lab: Lab, faults: Completed | None, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+        lab: Lab, faults: Completed | None, lab_states: LabStates, tmp_path: Path,
+        tmp_path_factory: pytest.TempPathFactory) -> None:
     """The README's rollback, as written: the release before the good upgrade (the broken one, rolled back, did not
     become "previous"). The canary's
     5 s watch sees about 1.5 of the 5 requests it needs under _traffic: it is watched on until it has them, and
@@ -275,3 +277,7 @@ def test_rollback_returns_the_fleet_to_the_previous_release(
     assert _releases(lab) == {single(lab): START_VERSION, PIPELINE: START_VERSION}
     assert set(_running(lab).values()) == {START_VERSION}, _running(lab)
     assert _served_versions(lab) == {START_VERSION}
+    # the previous release is the one before the README's upgrade: lab1's replica runs the good release's
+    # environment again, not the lab's inventory: the next scenario deploys the inventory first (seen: the edge
+    # test's deploy restarted lab1's replica, which it must not)
+    lab_states.changed("the previous release")

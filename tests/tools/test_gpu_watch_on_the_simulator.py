@@ -35,7 +35,9 @@ def sim_node(sim_lib: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
 
 def test_judge_sees_a_gpu_lost_at_run_time_and_its_return(sim_node: tuple[Path, Path]) -> None:
     profile, policy = sim_node
-    assert gpu_watch.judge(str(policy)) == (socket.gethostname(), [])  # the probe reports the machine's name
+    hostname, failures, sample = gpu_watch.judge(str(policy))
+    assert (hostname, failures) == (socket.gethostname(), [])  # the probe reports the machine's name
+    assert len(sample) == 8 and all(s["events"] is not None and s["pcie"] for s in sample)  # the trends' sample
     write_sim_profile(profile, "8xH100-SXM", [("gpu_lost", 3)], hostname="gpu-a01")  # each run probes afresh
     assert gpu_watch.judge(str(policy))[1] == [
         {"rule": "nvml_errors", "gpu": 3, "evidence": "nvmlDeviceGetHandleByIndex failed: GPU is lost"},

@@ -20,6 +20,7 @@ from gpufleet.inventory.load import load_fleet
 from gpufleet.plan.planner import plan_fleet
 from gpufleet.units import escape as systemd_text
 from roles.vllm import ray_drop_in
+from roles.vllm.replica_files import fabric_check
 from tests.conftest import ROOT, host_tool
 from tests.tools.systemd_verify import stub_root, verify_unit
 from tests.unit.configs import host_config
@@ -76,7 +77,7 @@ def test_the_ray_drop_in_passes_systemd_analyze_with_its_units_and_runs_the_lite
     verify_unit(tmp_path, f"vllm@{replica.name}.service")
     (wait,) = [value for _, key, value in unit_settings(text) if key == "ExecStartPre"]
     assert exec_argv(wait, replica.name) == ray_drop_in.join_wait_argv(replica, head, cfg.ray_port,
-                                                                       cfg.ray_ready_timeout)
+                                                                       cfg.ray_ready_timeout, fabric_check(cfg))
 
 
 def test_hostile_words_pass_systemd_analyze_and_read_back_literally(tmp_path: Path) -> None:

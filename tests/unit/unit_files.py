@@ -183,7 +183,7 @@ def _gpu_watch(_: str) -> Unit:
     """The watch's service, and beside it the timer that starts it (verified with it)."""
     values = gpu_watch_role.service_values()
     argv = [node_paths.NODE_PYTHON, node_paths.node_tool("gpu_watch.py"), "--policy", node_paths.GATE_POLICY,
-            "--marker", node_paths.GPU_WATCH_MARKER]
+            "--marker", node_paths.GPU_WATCH_MARKER, "--samples", node_paths.GPU_SAMPLES]
     timer = render("gpu_watch/gpufleet-gpu-watch.timer.j2", **gpu_watch_role.timer_values(30))
     return Unit(node_paths.GPU_WATCH_SERVICE, render("gpu_watch/gpufleet-gpu-watch.service.j2", **values),
                 [node_paths.NODE_PYTHON], argv, extra={node_paths.GPU_WATCH_TIMER: timer})

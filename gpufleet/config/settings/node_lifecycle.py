@@ -164,10 +164,13 @@ class NodeLifecycleSettings(RoleSettings):
             return value
         plain = _LOG_PATH.fullmatch(value) is not None and grammar.node_dir(value) is None
         names = value.split("/")[1:]
+        kernel = ("/proc", "/sys", "/dev", "/etc", "/run/credentials")
+        gpufleets = ("/var/lib/gpufleet", "/run/gpufleet", "/etc/gpufleet", "/opt/gpufleet")  # its own files
         if not plain or value.endswith("/") or any(len(name) > 255 for name in names) \
-                or value.startswith(("/proc/", "/sys/", "/dev/", "/etc/", "/run/credentials/")):
+                or any(value == top or value.startswith(f"{top}/") for top in (*kernel, *gpufleets)):
             raise ValueError(f"expected {KMSG} or a log file's absolute path (letters, digits, '.', '_', '-', '+',"
-                             f" '/'; not in /proc, /sys, /dev or /etc), found {grammar.show(value)}")
+                             f" '/', at most 1024 characters; not in /proc, /sys, /dev, /etc or gpufleet's own"
+                             f" folders), found {grammar.show(value)}")
         return value
 
     @field_validator("node_findings")

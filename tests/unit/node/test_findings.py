@@ -90,7 +90,21 @@ def test_gpu_trends(name: str) -> None:
 
 
 def test_trends_read_past_what_is_not_a_sample() -> None:
+    """Samples no GPU watch wrote (the review's cases): nothing raises, and nothing is found from them."""
     trends = findings.Trends(CATALOG, min_samples=1)
-    junk: list[Any] = ["x", {"at": "now"}, {"at": 5.0, "gpus": ["x", {"pci": "a", "events": "hw_slowdown"}]},
-                       {"at": 5.0, "gpus": [{"pci": "b", "events": [], "pcie": {"gen_current": "x"}}]}]
-    assert trends.see(junk, 10.0) == []
+    link = {"gen_current": 5, "gen_max": 5, "width_max": 16}
+    junk: list[Any] = ["x", {"at": "now"}, {"at": 5.0, "gpus": 5}, {"at": 10**400, "gpus": []},
+                       {"at": True, "gpus": []},
+                       {"at": 5.0, "gpus": ["x", {"pci": "a", "events": "hw_slowdown"}, {"pci": "b", "events": [["x"]]},
+                                              {"pci": "c", "events": [{}]}, {"pci": ["x"], "events": ["hw_slowdown"]},
+                                              {"pci": "d", "events": [], "pcie": {**link, "width_current": -1}},
+                                              {"pci": "e", "events": [], "pcie": {**link, "width_current": True}},
+                                              {"pci": "f", "events": [], "pcie": {**link, "width_current": 15.9}},
+                                              {"pci": "g", "events": [], "pcie": {**link, "width_current": "1"}},
+                                              {"pci": "h", "events": [], "pcie": {**link,
+                                                                                  "width_current": float("inf")}},
+                                              {"pci": "i", "events": [], "nvlinks_down": True}]}]
+    assert trends.see(junk, 10.0) == [] and trends.see("not a list", 10.0) == []  # type: ignore[arg-type]
+    once = {"pci": "0000:18:00.0", "events": ["hw_slowdown"]}
+    repeated = [{"at": 5.0, "gpus": [once] * 5}] * 5  # one reading, listed many times: one sample
+    assert findings.Trends(CATALOG).see(repeated, 10.0) == []

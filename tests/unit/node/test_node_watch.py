@@ -295,21 +295,39 @@ def test_a_quarantine_and_readmission_faster_than_the_watch_still_stops_the_repl
 
 def test_a_node_that_lost_its_record_gets_the_fleets_copy_back_and_never_a_shorter_one(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``restore`` takes only a whole, well-typed record of this node (one line and exit 2 otherwise, the record
+    unchanged), replaces only a shorter history or one that cannot be read, and removes the file it was given."""
     config = _config(tmp_path)
     kept = node_state.move(node_state.new_record("gpu-a01", NOW), "burn-in", "first seen", NOW)
     kept = node_state.quarantine(node_state.move(kept, "serving", "passed", NOW), "Xid 79 on 3b:00", NOW,
                                  config.policy)
-    args = ["restore", "--config", str(tmp_path / "lifecycle.json"), "--record-hex"]
-    for bad, line in ((b"{not json", "expected a record of gpu-a01"),
-                      (json.dumps({**kept, "host": "gpu-a02"}).encode(), "expected a record of gpu-a01"),
-                      (json.dumps({**kept, "state": "lost"}).encode(), "expected a record of gpu-a01")):
-        assert node_watch.main([*args, bad.hex()]) == 2
-        assert line in capsys.readouterr().err
-    assert node_watch.main([*args, "zz"]) == 2 and node_watch.read_record(config)["state"] == "new"
-    capsys.readouterr()
-    assert node_watch.main([*args, json.dumps(kept).encode().hex()]) == 0
+    given = tmp_path / "restore.json"
+    args = ["restore", "--config", str(tmp_path / "lifecycle.json"), "--record-file", str(given)]
+    last = kept["history"][-1]
+    for bad in ("{not json", "[" * 100000 + "]" * 100000, json.dumps({**kept, "host": "gpu-a02"}),
+                json.dumps({**kept, "state": "lost"}), json.dumps({**kept, "since": "not-a-time"}),
+                json.dumps({**kept, "quarantines": "abc"}), json.dumps({**kept, "clean_passes": True}),
+                json.dumps({**kept, "history": [1, 2, 3, 4]}), json.dumps({**kept, "gpus": "x"}),
+                json.dumps({**kept, "history": [*kept["history"], {**last, "why": "a\u202eb"}]}),
+                json.dumps({**kept, "history": [*kept["history"], {**last, "at": "~~~~"}]}),
+                json.dumps(kept).replace('"clean_passes": 0', '"clean_passes": NaN')):
+        given.write_text(bad)
+        assert node_watch.main(args) == 2, bad[:80]
+        assert capsys.readouterr().err.startswith("node watch: ") and not given.exists()
+        assert node_watch.read_record(config)["state"] == "new"
+    os.mkfifo(given)
+    assert node_watch.main(args) == 2 and "expected a regular file" in capsys.readouterr().err
+    given.unlink()  # a FIFO is never removed by the tool: only the regular file it was given
+    given.write_text(json.dumps(kept))
+    assert node_watch.main(args) == 0 and not given.exists()
     assert node_watch.read_record(config) == kept and "restored from the fleet's copy: quarantined" in \
         capsys.readouterr().out
     shorter = node_state.move(node_state.new_record("gpu-a01", NOW), "burn-in", "first seen", NOW)
-    assert node_watch.main([*args, json.dumps(shorter).encode().hex()]) == 0
+    given.write_text(json.dumps(shorter))
+    assert node_watch.main(args) == 0
     assert node_watch.read_record(config) == kept  # the node's own holds more: kept
+    config.state_file.write_text("{torn")  # its own cannot be read: the copy replaces it, the torn one kept aside
+    assert node_watch.main(["show", *args[1:3]]) == 2 and "node watch: " in capsys.readouterr().err
+    given.write_text(json.dumps(kept))
+    assert node_watch.main(args) == 0 and node_watch.read_record(config) == kept
+    assert config.state_file.with_name("state.json.corrupt").read_text() == "{torn"

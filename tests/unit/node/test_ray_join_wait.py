@@ -163,3 +163,24 @@ def test_the_ray_check_runs_one_rank_on_each_live_node_the_head_first(monkeypatc
         ("h", "0", "2"), ("w", "1", "2")]  # the head leads; the dead node is no rank
     assert {argv[argv.index("--leader") + 1] for _, argv in calls} == {"fd00::5:29589"}
     assert all(argv[1] == ray_join_wait.FABRIC_TOOL for _, argv in calls)
+
+
+@pytest.mark.parametrize(("bad", "line"), [
+    (["--fabric-port", "0"], "--fabric-port: expected a port 1 to 65535, found '0'"),
+    (["--fabric-port", "70000"], "--fabric-port: expected a port 1 to 65535, found '70000'"),
+    (["--fabric-port", "29589", "--fabric-bytes", "2"], "--fabric-bytes: expected 4 bytes to 16 GiB, found '2'"),
+    (["--fabric-port", "29589", "--fabric-floor-gbps", "-1"], "--fabric-floor-gbps: expected a floor above 0 GB/s"),
+    (["--fabric-port", "29589", "--fabric-floor-gbps", "nan"], "--fabric-floor-gbps: expected a floor above 0 GB/s"),
+    (["--fabric-port", "29589", "--fabric-floor-gbps", "inf"], "--fabric-floor-gbps: expected a floor above 0 GB/s"),
+    (["--fabric-port", "29589", "--fabric-timeout", "0"], "--fabric-timeout: expected 0 to 3600 seconds"),
+    (["--fabric-port", "29589", "--fabric-iface", "eth0;rm -rf /"], "--fabric-iface: expected an interface name"),
+    (["--nodes", "0"], "--nodes: expected 1 to 4096 nodes, found '0'"),
+    (["--timeout", "nan"], "--timeout: expected 0 to 86400 seconds, found 'nan'"),
+])
+def test_bad_arguments_are_refused_before_any_wait(bad: list[str], line: str,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    ray = FakeRay([[]])
+    with pytest.raises(SystemExit) as exited:
+        ray_join_wait.main(["--ray", "ray", "--address", ADDRESS, "--nodes", "2", *bad], count=ray.count)
+    assert exited.value.code == 2 and ray.calls == []
+    assert line in capsys.readouterr().err
