@@ -56,8 +56,9 @@ def _entry_problems(name: str, entry: Any) -> list[str]:
     if entry["action"] not in ACTIONS:
         problems.append(f"{name}.action: expected one of {', '.join(ACTIONS)}, found {_shown(entry['action'])}")
     if "name" in entry and not (isinstance(entry["name"], str) and 0 < len(entry["name"]) <= 200
-                                and entry["name"].isprintable()):
-        problems.append(f"{name}.name: expected 1 to 200 printable characters, found {_shown(entry['name'])}")
+                                and entry["name"].isprintable() and entry["name"].strip()):
+        problems.append(f"{name}.name: expected 1 to 200 printable characters, not all blank, found"
+                        f" {_shown(entry['name'])}")
     if "bucket" in entry and not (isinstance(entry["bucket"], str) and _BUCKET.fullmatch(entry["bucket"])):
         problems.append(f"{name}.bucket: expected a resolution bucket of NVIDIA's Xid catalog (RESET_GPU,"
                         f" RESTART_APP, ...), found {_shown(entry['bucket'])}")

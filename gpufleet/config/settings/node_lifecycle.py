@@ -177,6 +177,11 @@ class NodeLifecycleSettings(RoleSettings):
     @classmethod
     def _findings(cls, value: dict[str, Any]) -> dict[str, Any]:
         problems = catalog_problems(value, "node_findings", frozenset(repository_catalog()["checks"]))
+        problems += [f"node_findings.{part}.{key}.name: expected a finding's name, found text that looks like a"
+                     " credential (not shown)" for part in ("xid", "checks")
+                     for key, entry in (value.get(part) or {}).items() if isinstance(value.get(part), dict)
+                     and isinstance(entry, dict) and isinstance(entry.get("name"), str)
+                     and grammar.secret_like(entry["name"])]
         if problems:
             path, _, message = problems[0].partition(": ")
             key = path.removeprefix("node_findings").lstrip(".")
