@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from pyinfra.api.command import QuoteString, StringCommand
 from pyinfra.api.facts import FactBase
 
-from gpufleet.node.node_state import SCHEMA, newer
+from gpufleet.node.node_state import newer, parse_record
 from gpufleet.node_paths import NODE_STATE_FILE, NODES_DIR
 
 
@@ -26,11 +25,7 @@ class NodeRecord(FactBase[dict[str, Any] | None]):
         return StringCommand("cat", QuoteString(NODE_STATE_FILE), "2>/dev/null", "||", "true")
 
     def process(self, output: list[str]) -> dict[str, Any] | None:
-        try:
-            found = json.loads("\n".join(output))
-        except ValueError:
-            return None
-        return found if isinstance(found, dict) and found.get("schema") == SCHEMA else None
+        return parse_record("\n".join(output))
 
 
 class FleetNodeRecords(FactBase[dict[str, dict[str, Any]]]):
@@ -53,11 +48,8 @@ class FleetNodeRecords(FactBase[dict[str, dict[str, Any]]]):
     def process(self, output: list[str]) -> dict[str, dict[str, Any]]:
         found: dict[str, dict[str, Any]] = {}
         for line in output:
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(record, dict) and record.get("schema") == SCHEMA and isinstance(record.get("host"), str):
+            record = parse_record(line)
+            if record is not None and isinstance(record.get("host"), str):
                 kept = newer(found.get(record["host"]), record)
                 if kept is not None:
                     found[record["host"]] = kept

@@ -12,6 +12,7 @@ one, or refuses the move with one line. Replicas are placed only on ``serving`` 
 from __future__ import annotations
 
 import copy
+import json
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
@@ -103,6 +104,15 @@ def record_problem(record: Any, host: str) -> str | None:
                 and isinstance(move.get("evidence", {}), dict)):
             return "expected each move of the history with its time, states and printable words"
     return None
+
+
+def parse_record(text: str | None) -> Record | None:
+    """A record from its JSON text; None for none, or for text that is not a record."""
+    try:
+        doc = json.loads(text or "null")
+    except ValueError:
+        return None
+    return doc if isinstance(doc, dict) and doc.get("schema") == SCHEMA else None
 
 
 def newer(a: Record | None, b: Record | None) -> Record | None:

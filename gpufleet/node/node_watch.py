@@ -141,15 +141,11 @@ MAX_JSON_BYTES = 8 * 1024**2  # the most a record or the GPU watch's samples may
 def read_json(path: Path) -> Any:
     """A JSON file of this node's own (a record, samples): FileNotFoundError without one; ValueError for one that is
     not a regular file, too large, or not plain JSON (NaN, nesting beyond the parser's depth)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO must not block the watch
-    try:
-        info = os.fstat(fd)
+    with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as file:  # a FIFO must not block the watch
+        info = os.fstat(file.fileno())
         if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_JSON_BYTES:
             raise ValueError(f"{path}: expected a regular file of at most {MAX_JSON_BYTES} bytes")
-        with os.fdopen(os.dup(fd), "rb") as file:
-            data = file.read(MAX_JSON_BYTES + 1)
-    finally:
-        os.close(fd)
+        data = file.read(MAX_JSON_BYTES + 1)
 
     def plain(constant: str) -> Any:
         raise ValueError(f"{path}: expected plain JSON, found {constant}")
@@ -477,8 +473,7 @@ def reconcile(config: Config, kernel: KernelLog | None, agent: Agent | None = No
         state = record["state"]
         # out of service, or in a burn-in that needs the GPUs (a readmission, or a full burn-in on request): a person
         # may quarantine and readmit faster than this loop looks, so burn-in is reached with the replicas running
-        if (state in node_state.OUT_OF_SERVICE or node_state.full_burn_in_due(record) or record.get("requested")) \
-                and replica_units():
+        if (state in node_state.OUT_OF_SERVICE or node_state.full_burn_in_due(record)) and replica_units():
             if agent is not None:
                 agent.set(record)  # "down" from now on: the drain waits for the routers to hear it
             stop_units(config, record, kernel, agent)

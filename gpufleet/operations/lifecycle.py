@@ -9,7 +9,7 @@ from typing import Any
 from pyinfra.api.command import QuoteString, StringCommand
 from pyinfra.context import host, state
 
-from gpufleet.node.node_state import IN_SERVICE, SCHEMA, newer
+from gpufleet.node.node_state import IN_SERVICE, newer, parse_record
 from gpufleet.node_paths import NODE_PYTHON, NODE_STATE_DIR, node_tool
 from gpufleet.operations import files, node
 from gpufleet.operations.node import Commands, gpufleet_operation
@@ -81,18 +81,15 @@ def record_seen(state_file: str, seen: dict[str, dict[str, Any]], fresh: Callabl
         return
     if fresh():
         node.forget("texts", state_file)
-    try:
-        record = json.loads(node.text(state_file) or "null")
-    except ValueError:
-        record = None
-    if isinstance(record, dict) and record.get("schema") == SCHEMA:
+    record = parse_record(node.text(state_file))
+    if record is not None:
         seen[host.name] = record
-    host.noop(f"the node is {record.get('state') if isinstance(record, dict) else 'without a record'}")
+    host.noop(f"the node is {record.get('state') if record is not None else 'without a record'}")
     yield from ()
 
 
 @gpufleet_operation()
-def keep_records(directory: str, seen: dict[str, dict[str, Any]]) -> Commands:
+def keep_records(directory: str, seen: dict[str, dict[str, Any]], kept: dict[str, dict[str, Any]]) -> Commands:
     """
     On a monitoring host, keep the fleet's copy of each node's record this run read (``<directory>/<host>.json``,
     one line of JSON, root 0644), where it holds more than the copy there: what ``gpufleet nodes`` and the next
@@ -100,6 +97,7 @@ def keep_records(directory: str, seen: dict[str, dict[str, Any]]) -> Commands:
 
     + directory: :data:`~gpufleet.node_paths.NODES_DIR`
     + seen: host -> its record (:func:`record_seen`)
+    + kept: host -> this monitoring host's copy, as the run read it before it planned (none where it has none)
     """
     if not state.is_executing:  # pyinfra's look ahead when ops are added: no record has been read yet
         host.noop("kept when the run gets here, once every node's record has been read")
@@ -107,12 +105,7 @@ def keep_records(directory: str, seen: dict[str, dict[str, Any]]) -> Commands:
     changes: list[Any] = []
     for name, record in sorted(seen.items()):
         path = f"{directory}/{name}.json"
-        try:
-            kept = json.loads(node.text(path) or "null")
-        except ValueError:
-            kept = None
-        kept = kept if isinstance(kept, dict) and kept.get("schema") == SCHEMA else None
-        if newer(record, kept) is record and record != kept:
+        if newer(record, kept.get(name)) is record and record != kept.get(name):
             changes += files.file_commands(path, json.dumps(record, sort_keys=True) + "\n")
     if not changes:
         host.noop(f"{len(seen)} node record(s) kept as read")

@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpufleet.node.node_state import SCHEMA, newer
+from gpufleet.node.node_state import newer, parse_record
 from gpufleet.node_paths import LIFECYCLE_CONFIG, NODE_PYTHON, NODES_DIR, node_tool
 from gpufleet.remote.commands import Remote, RemoteResult
 
@@ -32,14 +32,6 @@ class Records:
     unread: set[str] = field(default_factory=set)
 
 
-def parse(text: str) -> Record | None:
-    try:
-        doc = json.loads(text)
-    except ValueError:
-        return None
-    return doc if isinstance(doc, dict) and doc.get("schema") == SCHEMA else None
-
-
 def watch_words(verb: str, *extra: str) -> list[str]:
     return [NODE_PYTHON, node_tool("node_watch.py"), verb, "--config", LIFECYCLE_CONFIG, *extra]
 
@@ -55,14 +47,14 @@ def read(remote: Remote, nodes: list[str], monitoring: list[str]) -> Records:
             out.problems.append(f"{host}: the fleet's node records could not be read: {listed.line()}")
             continue
         for line in listed.stdout.splitlines():
-            record = parse(line)
+            record = parse_record(line)
             if record is not None and record.get("host") in nodes:
                 kept[record["host"]] = newer(kept.get(record["host"]), record)
     for node in nodes:
         # exit 2: the node has no node lifecycle (no tool, no configuration: node_lifecycle_enabled false, or never
         # deployed), so no record of its own
         shown = remote.run(node, watch_words("show"), timeout_s=TIMEOUT_S, ok_status=(0, 2))
-        own = parse(shown.stdout) if shown.ok else None
+        own = parse_record(shown.stdout) if shown.ok else None
         if not shown.ok:
             out.problems.append(f"{node}: its record could not be read: {shown.line()}")
             out.unread.add(node)
@@ -89,4 +81,4 @@ def move(remote: Remote, node: str, to: str, why: str, by: str, force: bool = Fa
     moved)."""
     words = watch_words("move", "--to", to, "--why-hex", why.encode().hex(), "--by-hex", by.encode().hex())
     done = remote.run(node, [*words, *(["--force"] if force else [])], timeout_s=MOVE_TIMEOUT_S)
-    return (parse(done.stdout), "") if done.ok else (None, done.line())
+    return (parse_record(done.stdout), "") if done.ok else (None, done.line())

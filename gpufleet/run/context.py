@@ -77,6 +77,8 @@ class DeployContext:
     # host -> its lifecycle record when the deploy started (role node_lifecycle; absent: none): its own, or the
     # monitoring hosts' copy where that holds more (a node that lost its disk is what the fleet knew of it)
     records: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # monitoring host -> its copies of the nodes' records (host -> record), read before the plan
+    fleet_copies: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
     # host -> the monitoring hosts' copy of its record where the node has none of its own (its admission restores it)
     lost_records: dict[str, dict[str, Any]] = field(default_factory=dict)
     # host -> its record as this run left it, read after its admission: what the monitoring hosts keep
@@ -155,23 +157,28 @@ def _record(target: Host) -> dict[str, Any] | None:
         return None
 
 
-def _fleet_copies(st: State) -> dict[str, dict[str, Any]]:
-    """The monitoring hosts' copies of the nodes' records (the longer history of each), from every host of the
-    inventory group ``monitoring`` that answers; none without one."""
+def _fleet_copies(st: State) -> dict[str, dict[str, dict[str, Any]]]:
+    """Each monitoring host's copies of the nodes' records (the inventory group ``monitoring``'s hosts that answer);
+    none without one."""
     try:
         monitors = list(st.inventory.get_group(MONITORING_GROUP))
     except Exception:  # noqa: BLE001 - pyinfra raises NoGroupError for a group the inventory does not define
         return {}
-    found: dict[str, dict[str, Any]] = {}
+    found: dict[str, dict[str, dict[str, Any]]] = {}
     for monitor in monitors:
         try:
-            copies = monitor.get_fact(FleetNodeRecords)
+            copies: dict[str, dict[str, Any]] = monitor.get_fact(FleetNodeRecords)
+            found[monitor.name] = copies or {}
         except Exception:  # noqa: BLE001 - a monitoring host that cannot be read leaves each node to its own record
             continue
-        for name, record in (copies or {}).items():
-            kept = node_state.newer(found.get(name), record)
-            if kept is not None:
-                found[name] = kept
+    return found
+
+
+def newest_copy(fleet_copies: dict[str, dict[str, dict[str, Any]]], host: str) -> dict[str, Any] | None:
+    """Of every monitoring host's copy of ``host``'s record, the one with the longer history; None without one."""
+    found: dict[str, Any] | None = None
+    for copies in fleet_copies.values():
+        found = node_state.newer(found, copies.get(host))
     return found
 
 
@@ -216,10 +223,10 @@ def _build(st: State, read_only: bool) -> DeployContext:
     gevent.joinall(probes)
     records = [gevent.spawn(_record, target) for target in targets]
     gevent.joinall(records)
-    copies = _fleet_copies(st)
+    ctx.fleet_copies = _fleet_copies(st)
     for target, read in zip(targets, records, strict=True):
         own = read.value if read.successful() else None
-        copy = copies.get(target.name)
+        copy = newest_copy(ctx.fleet_copies, target.name)
         if own is None and copy is not None and read.successful():
             ctx.lost_records[target.name] = copy
         record = node_state.newer(own, copy)

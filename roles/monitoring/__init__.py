@@ -450,11 +450,8 @@ def node_records() -> None:
     it once every node's admission and the reading of its record have run. It keeps the fleet's copy of each node's
     record on the monitoring hosts (``/var/lib/gpufleet/nodes/<host>.json``) and is skipped on every other host."""
     ctx = context()
-    if is_monitoring():
-        copies = [f"{NODES_DIR}/{name}.json" for name in ctx.facts]  # every node probed: those that serve
-        node.observe(name="Read the fleet's copies of the nodes' records", paths=copies, texts=copies)
     lifecycle.keep_records(name="Keep the fleet's copy of each node's record", directory=NODES_DIR,
-                           seen=ctx.records_seen, _if=is_monitoring)
+                           seen=ctx.records_seen, kept=ctx.fleet_copies.get(host.name, {}), _if=is_monitoring)
 
 
 @deploy("Monitoring: keep each release's start record")

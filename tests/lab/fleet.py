@@ -246,12 +246,14 @@ def restore_nodes(lab: Lab, timeout: float = 300) -> None:
             host.check_output(f"{NODE_WATCH} move --config {LIFECYCLE_CONFIG} --to serving {why}")
         elif state in ("quarantined", "retired"):
             host.check_output(f"{NODE_WATCH} move --config {LIFECYCLE_CONFIG} --to burn-in --force {why}")
+    def out(node: NodeRecord) -> bool:
+        shown = lab.host(node).run(f"{NODE_WATCH} show --config {LIFECYCLE_CONFIG}")
+        return shown.rc == 0 and json.loads(shown.stdout)["state"] not in ("serving", "new")
+
     end = time.monotonic() + timeout
     left = [n.name for n in lab.nodes]
     while left and time.monotonic() < end:
-        left = [n.name for n in lab.nodes
-                if lab.host(n).run(f"{NODE_WATCH} show --config {LIFECYCLE_CONFIG}").rc == 0
-                and node_record(lab, n)["state"] not in ("serving", "new")]
+        left = [n.name for n in lab.nodes if out(n)]
         if left:
             time.sleep(2)
     assert not left, f"not back in service {timeout} s after a failed test: {left}"

@@ -17,16 +17,8 @@ from typing import Any
 
 import pytest
 
+from gpufleet import node_paths as paths
 from gpufleet.node import gpu_watch
-from gpufleet.node_paths import (
-    GATE_POLICY,
-    GPU_SAMPLES,
-    GPU_WATCH_MARKER,
-    GPU_WATCH_SERVICE,
-    GPU_WATCH_TIMER,
-    NODE_ENV,
-    node_tool,
-)
 from gpufleet.operations import files, node, systemd
 from gpufleet.templates import render
 from roles import gpu_watch as role
@@ -113,14 +105,15 @@ def _directives(text: str) -> list[str]:
 
 def test_the_service_runs_the_watch_as_root_once_per_timer_tick() -> None:
     lines = _directives(render("gpu_watch/gpufleet-gpu-watch.service.j2", **role.service_values()))
-    start = (f"/usr/bin/python3 {node_tool('gpu_watch.py')} --policy {GATE_POLICY} --marker {GPU_WATCH_MARKER}"
-             f" --samples {GPU_SAMPLES}")
+    start = (f"/usr/bin/python3 {paths.node_tool('gpu_watch.py')} --policy {paths.GATE_POLICY}"
+             f" --marker {paths.GPU_WATCH_MARKER} --samples {paths.GPU_SAMPLES}")
     assert f"ExecStart={start}" in lines
-    for wanted in ("Type=oneshot", f"EnvironmentFile=-{NODE_ENV}",
+    for wanted in ("Type=oneshot", f"EnvironmentFile=-{paths.NODE_ENV}",
                    "RuntimeDirectory=gpufleet", "RuntimeDirectoryMode=0755", "RuntimeDirectoryPreserve=yes",
                    "IPAddressDeny=any", "IPAddressAllow=localhost", "DeviceAllow=char-nvidia-frontend rw"):
         assert wanted in lines, wanted
-    assert GPU_WATCH_MARKER == "/run/gpufleet/gpu-gate-failed" and GPU_SAMPLES == "/run/gpufleet/gpu-samples.json"
+    assert paths.GPU_WATCH_MARKER == "/run/gpufleet/gpu-gate-failed"  # inside its RuntimeDirectory=, as are
+    assert paths.GPU_SAMPLES == "/run/gpufleet/gpu-samples.json"  # its samples
     assert not any(line.startswith(("User=", "Restart=", "WantedBy=", "[Install]")) for line in lines)
 
 
@@ -128,7 +121,7 @@ def test_the_service_runs_the_watch_as_root_once_per_timer_tick() -> None:
 def test_the_timer_fires_every_interval(interval: int) -> None:
     lines = _directives(render("gpu_watch/gpufleet-gpu-watch.timer.j2", **role.timer_values(interval)))
     assert lines[lines.index("[Timer]"):] == [
-        "[Timer]", f"Unit={GPU_WATCH_SERVICE}", f"OnActiveSec={interval}s", f"OnUnitActiveSec={interval}s",
+        "[Timer]", f"Unit={paths.GPU_WATCH_SERVICE}", f"OnActiveSec={interval}s", f"OnUnitActiveSec={interval}s",
         "AccuracySec=1s", "[Install]", "WantedBy=timers.target"]
 
 
@@ -139,10 +132,10 @@ class _Meta:
 
 @pytest.mark.parametrize(("interval", "expected"), [
     (30, [("files.file", role.SERVICE_FILE), ("files.file", role.TIMER_FILE), ("systemd.daemon_reload", None),
-          ("systemd.restart", GPU_WATCH_TIMER), ("systemd.service", (GPU_WATCH_TIMER, True, True))]),
-    (0, [("files.file", role.SERVICE_FILE), ("systemd.service", (GPU_WATCH_TIMER, False, False)),
-         ("files.absent", role.TIMER_FILE), ("files.absent", GPU_WATCH_MARKER), ("files.absent", GPU_SAMPLES),
-         ("systemd.daemon_reload", None)]),
+          ("systemd.restart", paths.GPU_WATCH_TIMER), ("systemd.service", (paths.GPU_WATCH_TIMER, True, True))]),
+    (0, [("files.file", role.SERVICE_FILE), ("systemd.service", (paths.GPU_WATCH_TIMER, False, False)),
+         ("files.absent", role.TIMER_FILE), ("files.absent", paths.GPU_WATCH_MARKER),
+         ("files.absent", paths.GPU_SAMPLES), ("systemd.daemon_reload", None)]),
 ])
 def test_the_role_turns_the_timer_on_or_off(monkeypatch: pytest.MonkeyPatch, interval: int,
                                             expected: list[tuple[str, object]]) -> None:

@@ -40,7 +40,11 @@ class _Inventory:
 
 def test_the_longer_history_of_each_node_over_the_monitoring_hosts_that_answer() -> None:
     a_long, a_short, b = _record("gpu-a01", 3), _record("gpu-a01", 1), _record("gpu-a02", 2)
-    st = SimpleNamespace(inventory=_Inventory([_Monitor({"gpu-a01": a_short}), _Monitor(None),
-                                               _Monitor({"gpu-a01": a_long, "gpu-a02": b})]))
-    assert context._fleet_copies(st) == {"gpu-a01": a_long, "gpu-a02": b}  # type: ignore[arg-type]
+    monitors = [_Monitor({"gpu-a01": a_short}), _Monitor(None), _Monitor({"gpu-a01": a_long, "gpu-a02": b})]
+    for i, monitor in enumerate(monitors):
+        monitor.name = f"monitor{i}"  # type: ignore[attr-defined]
+    st = SimpleNamespace(inventory=_Inventory(monitors))
+    copies = context._fleet_copies(st)  # type: ignore[arg-type]
+    assert copies == {"monitor0": {"gpu-a01": a_short}, "monitor2": {"gpu-a01": a_long, "gpu-a02": b}}
+    assert [context.newest_copy(copies, h) for h in ("gpu-a01", "gpu-a02", "gpu-a03")] == [a_long, b, None]
     assert context._fleet_copies(SimpleNamespace(inventory=_Inventory(None))) == {}  # type: ignore[arg-type]
