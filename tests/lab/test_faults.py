@@ -1,7 +1,8 @@
 """Faults on the serving lab (scenario ``faults``): each heals, by itself or with one deploy, while the other
 replica answers; then (scenario ``changed``) tests that leave the fleet changed for the next scenario's deploy.
 
-Every fault's figures go to the session's lab-fault-figures.jsonl, beside its temporary files.
+Every fault's figures go to the session's lab-fault-figures.jsonl, beside its temporary files. An interrupted restart
+(drift for the check, performed by the next deploy) is the heal of tests/lab/test_start_times.py's slowed start.
 """
 
 from __future__ import annotations
@@ -402,26 +403,6 @@ def test_a_deploy_interrupted_halfway_converges_on_rerun(lab: Lab, faults: Compl
     assert sorted(host.check_output(f"ls -d {builds}").split()) == sorted([rebuilt, working])
     assert host.file(marker).content_string.strip() != "stale"
     wait_serving(lab, node)
-
-
-def test_an_interrupted_restart_is_drift_and_the_next_run_performs_it(lab: Lab, faults: Completed | None) -> None:
-    """A restart a deploy decided on and did not perform (its record left on the node) is drift for
-    deploys/check.py, and the next deploy performs it and clears the record once the replica serves."""
-    node = lab.nodes[0]
-    host, replica = lab.host(node), single(lab)
-    pending = f"/etc/gpufleet/vllm/{replica}/restart-pending"
-    before = main_pid(lab, node, f"vllm@{replica}")
-    host.check_output(f"touch {pending}")  # what a run interrupted between deciding and restarting leaves
-    checked = run([str(PYINFRA), INVENTORY, "deploys/check.py", "-y"], lab.env, 600)
-    assert checked.rc != 0
-    assert f"[{node.address}] gate: pass; drift: 1 operation(s)" in checked.output, checked.output[-4000:]
-    assert f"{replica}: record that it must restart" in checked.output
-    assert_no_errors(deploy(lab))
-    assert main_pid(lab, node, f"vllm@{replica}") != before
-    assert not host.file(pending).exists
-    wait_serving(lab, node)
-    clean = run([str(PYINFRA), INVENTORY, "deploys/check.py", "-y"], lab.env, 600)
-    assert clean.rc == 0, clean.output[-4000:]
 
 
 def test_changing_one_groups_setting_restarts_only_that_groups_replicas(

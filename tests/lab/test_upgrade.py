@@ -4,16 +4,19 @@ client's key) the whole time.
 
 Scenario ``faults``: the lab's default deployment, both replicas of the tiny model (lab1's, and
 lab2+lab3's pipeline replica) serve vLLM 0.31.0 behind the routers, benched (tests/lab/test_bench.py). The tests
-first roll a good release to lab1's replica (judged on latency against its bench record, and rolled), then a release
-slower per token (caught at the canary on the same record, and rolled back to the good one). The mirror also holds
-0.32.0: the tests upgrade the fleet to it, try a broken release on top of it (caught at the canary), then roll the
-fleet back to 0.31.0.
+first roll a release slower per token to lab1's replica (caught at the canary on its bench record, and rolled back),
+then a good release to it, the mirror's other vLLM release, 0.32.0 (judged on the same record, and rolled). The
+README's upgrade then brings the pipeline replica to 0.32.0 too (lab1's already runs it: unchanged), a broken
+release on top of it is caught at the canary, and the README's rollback returns both replicas to the lab's
+inventory as deployed: each one's previous release. Each replica is rolled once under load, and the fleet ends as
+the scenario found it (no deploy after these tests restarts a replica).
 Each rollout's figures go to the session's lab-fault-figures.jsonl.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -39,10 +42,9 @@ from tests.lab.fleet import (
     single,
     tls,
 )
-from tests.lab.harness import LAB_VLLM_VERSION, ROOT, Completed, Lab
+from tests.lab.harness import LAB_VLLM_VERSION, PYINFRA, ROOT, Completed, Lab, run
 from tests.lab.prometheus import Prometheus
 from tests.lab.readme_tour import starting
-from tests.lab.scenarios import LabStates
 
 pytestmark = pytest.mark.filterwarnings("ignore:Unknown ssh-ed25519 host key:UserWarning")
 
@@ -61,7 +63,7 @@ ROLLOUT_TIMEOUT_S = 2400
 #   about 17 s, well within 60; the default 20 would add about a minute to each of these rollouts.
 
 # The releases judged on latency change lab1's replica alone (a copy of the lab's inventory where lab_single's
-# vllm_env differs): it is the canary, and its bench record (tests/lab/test_bench.py) is the stored baseline of
+# group_vars differ): it is the canary, and its bench record (tests/lab/test_bench.py) is the stored baseline of
 # the release it runs. The pipeline replica is left out on purpose: on the lab's two shared cores its inter-token
 # latency depends on what the other replica serves at the time (vLLM's p95: 16 ms benched alone, 76 to 89 ms beside
 # this traffic), while lab1's holds (10 ms both ways).
@@ -69,8 +71,8 @@ ROLLOUT_TIMEOUT_S = 2400
 # threads spin against each other). Measured: vLLM's inter-token p95 on lab1's replica, tests/lab/test_bench.py's
 # workload at 2 req/s, 10 ms with one thread.
 SLOW = ('  OMP_NUM_THREADS: "1"\n', '  OMP_NUM_THREADS: "8"\n')
-# The good release: the same engine, with one more variable in its environment.
-GOOD = ('  OMP_NUM_THREADS: "1"\n', '  OMP_NUM_THREADS: "1"\n  GPUFLEET_LAB_RELEASE: good\n')
+# The good release: the mirror's other vLLM release, on lab1's replica alone (its pool's group_vars name it).
+GOOD = ("vllm_nodes_per_replica: 1\n", f"vllm_nodes_per_replica: 1\nvllm_version: \"{OTHER_VERSION}\"\n")
 # A watch that judges latency: lab1's replica serves --canary-min-requests within it under _busy_traffic (extended
 # until it has). The good release runs under one stream, the slower one under four (a slow canary answers few): the
 # bench record is lab1's replica alone, and on the lab's two cores the pipeline replica's answers slow it per token
@@ -175,19 +177,37 @@ def _judged(report: dict[str, Any], replica: str) -> str:
     return str(notes[0])
 
 
+def test_a_release_slower_per_token_is_rolled_back_at_the_canary(
+        lab: Lab, faults: Completed | None, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """lab1's replica has no other replica of its shape: vLLM's inter-token p95 over the watch is compared with its
+    release's bench record, and the slower release fails the watch; it is rolled back, no request fails."""
+    ensure_records(lab, tmp_path, START_VERSION)
+    assert _releases(lab) == {single(lab): START_VERSION, PIPELINE: START_VERSION}
+    before = _running(lab)
+    done, report, traffic = _rolled(lab, tmp_path, tmp_path_factory, "a release slower per token",
+                                    "upgrade", _single_changed(tmp_path, SLOW), "--batches", "1,100%",
+                                    *LATENCY_WATCH, busy=4)
+    assert done.returncode == 1, done.stdout[-4000:] + done.stderr[-4000:]
+    assert _states(report).get(single(lab)) == "rolled back", done.stdout[-4000:]
+    assert "canary: inter-token latency p95" in report["failure"], report["failure"]
+    assert "times the stored baseline" in report["failure"], report["failure"]
+    print(json.dumps({"slow_release_canary": _judged(report, single(lab)), "failure": report["failure"]}))
+    assert traffic.figures()["requests"] > 0 and traffic.failures == [], traffic.failures[:5]
+    assert _running(lab) == before
+
+
 def test_a_good_release_judged_on_its_baseline_passes(
         lab: Lab, faults: Completed | None, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
-    """The same engine with one more environment variable: judged on the same record, within 1.5 times, rolled.
-    lab1's replica stays on it until the README's upgrade below rolls it to the lab's inventory (a rollout back to
-    it would only repeat this one: 85 s). The traffic stays below 80% of the model's measured ceiling all along:
-    the capacity alert never goes pending (tests/lab/test_capacity.py saw it fire above). One stream: while the
-    canary is drained the model's capacity is the pipeline's alone (about 4 req/s), and two streams peaked at
-    2.9 req/s, within a tenth of its 80%; the watch is extended until the canary served its requests. First of the
-    rollouts: none before it has left a load in the routers' one-minute rate."""
+    """The mirror's other vLLM release on lab1's replica alone: judged on the bench record of the release it replaces,
+    within 1.5 times, and rolled. lab1's replica stays on it: the README's upgrade below brings the pipeline replica
+    to it, and the README's rollback returns both. The traffic stays below 80% of the model's measured ceiling all
+    along: the capacity alert never goes pending (tests/lab/test_capacity.py saw it fire above). One stream: while
+    the canary is drained the model's capacity is the pipeline's alone (about 4 req/s), and two streams peaked at
+    2.9 req/s, within a tenth of its 80%; the watch is extended until the canary served its requests."""
     ensure_records(lab, tmp_path, START_VERSION)
     prometheus = Prometheus(lab.nodes[0])
     started = time.monotonic()
-    name = "a good release judged on its baseline"
+    name = f"a good release judged on its baseline (lab1's replica, {START_VERSION} -> {OTHER_VERSION})"
     done, report, traffic = _rolled(lab, tmp_path, tmp_path_factory, name, "upgrade",
                                     _single_changed(tmp_path / "good", GOOD), "--batches", "1,100%",
                                     *LATENCY_WATCH, busy=1)
@@ -202,39 +222,23 @@ def test_a_good_release_judged_on_its_baseline_passes(
     peak = float(prometheus.query(f"max_over_time(model:router_requests:rate1m[{span}])")[0]["value"][1])
     assert 0 < peak < 0.8 * ceiling, (peak, ceiling)
     assert prometheus.query(f'max_over_time(ALERTS{{alertname="ModelNearItsCeiling"}}[{span}])') == []
-    assert _releases(lab) == {single(lab): START_VERSION, PIPELINE: START_VERSION}
+    assert _releases(lab) == {single(lab): OTHER_VERSION, PIPELINE: START_VERSION}
     print(json.dumps({"good_release_canaries": judged, "load_peak_rps": peak, "ceiling_rps": ceiling}))
 
 
-def test_a_release_slower_per_token_is_rolled_back_at_the_canary(
+def test_the_readmes_upgrade_under_load_rolls_the_replicas_left_and_loses_no_request(
         lab: Lab, faults: Completed | None, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
-    """lab1's replica has no other replica of its shape: vLLM's inter-token p95 over the watch is compared with its
-    release's bench record, and the slower release fails the watch; it is rolled back, no request fails."""
-    ensure_records(lab, tmp_path, START_VERSION)
-    before = _running(lab)
-    done, report, traffic = _rolled(lab, tmp_path, tmp_path_factory, "a release slower per token",
-                                    "upgrade", _single_changed(tmp_path, SLOW), "--batches", "1,100%",
-                                    *LATENCY_WATCH, busy=4)
-    assert done.returncode == 1, done.stdout[-4000:] + done.stderr[-4000:]
-    assert _states(report).get(single(lab)) == "rolled back", done.stdout[-4000:]
-    assert "canary: inter-token latency p95" in report["failure"], report["failure"]
-    assert "times the stored baseline" in report["failure"], report["failure"]
-    print(json.dumps({"slow_release_canary": _judged(report, single(lab)), "failure": report["failure"]}))
-    assert traffic.figures()["requests"] > 0 and traffic.failures == [], traffic.failures[:5]
-    assert _running(lab) == before
-
-
-def test_an_upgrade_under_load_rolls_both_replicas_and_loses_no_request(
-        lab: Lab, faults: Completed | None, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
-    """The README's upgrade, as written (its report also written, to read each replica's state)."""
-    assert _releases(lab) == {single(lab): START_VERSION, PIPELINE: START_VERSION}
-    assert _served_versions(lab) == {START_VERSION}
+    """The README's upgrade, as written (its report also written, to read each replica's state): the pipeline
+    replica over lab2 and lab3 is rolled, both its nodes at once; lab1's, on the release already, is unchanged."""
+    assert _releases(lab) == {single(lab): OTHER_VERSION, PIPELINE: START_VERSION}
     readme = starting("gpufleet upgrade").argv
     assert f"vllm_version={OTHER_VERSION}" in readme, readme
     done, report, traffic = _rolled(lab, tmp_path, tmp_path_factory, f"upgrade {START_VERSION} -> {OTHER_VERSION}",
                                     *readme[1:])
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert _states(report) == {single(lab): "rolled", PIPELINE: "rolled"}, done.stdout[-4000:]
+    changes = _changes(report)
+    assert changes[single(lab)] == "unchanged" and changes[PIPELINE] != "unchanged", changes
     assert traffic.figures()["requests"] > 0 and traffic.failures == [], traffic.failures[:5]
     assert _releases(lab) == {single(lab): OTHER_VERSION, PIPELINE: OTHER_VERSION}
     assert set(_running(lab).values()) == {OTHER_VERSION}, _running(lab)
@@ -260,12 +264,12 @@ def test_a_release_that_does_not_start_is_rolled_back_at_the_canary(
 
 
 def test_rollback_returns_the_fleet_to_the_previous_release(
-        lab: Lab, faults: Completed | None, lab_states: LabStates, tmp_path: Path,
-        tmp_path_factory: pytest.TempPathFactory) -> None:
-    """The README's rollback, as written: the release before the good upgrade (the broken one, rolled back, did not
-    become "previous"). The canary's
-    5 s watch sees about 1.5 of the 5 requests it needs under _traffic: it is watched on until it has them, and
-    judged then, never passed unjudged."""
+        lab: Lab, faults: Completed | None, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The README's rollback, as written: each replica's release before its upgrade (the broken one, rolled back,
+    did not become "previous"), the lab's inventory as deployed for both. The canary's 5 s watch sees about 1.5 of
+    the 5 requests it needs under _traffic: it is watched on until it has them, and judged then, never passed
+    unjudged. The fleet is then what the inventory deploys: the check finds no drift on any node, and the scenarios
+    after these deploy no change to the replicas."""
     done, report, traffic = _rolled(lab, tmp_path, tmp_path_factory, f"rollback {OTHER_VERSION} -> {START_VERSION}",
                                     *starting("gpufleet rollback").argv[1:])
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
@@ -277,7 +281,12 @@ def test_rollback_returns_the_fleet_to_the_previous_release(
     assert _releases(lab) == {single(lab): START_VERSION, PIPELINE: START_VERSION}
     assert set(_running(lab).values()) == {START_VERSION}, _running(lab)
     assert _served_versions(lab) == {START_VERSION}
-    # the previous release is the one before the README's upgrade: lab1's replica runs the good release's
-    # environment again, not the lab's inventory: the next scenario deploys the inventory first (seen: the edge
-    # test's deploy restarted lab1's replica, which it must not)
-    lab_states.changed("the previous release")
+    # the replicas are as the inventory deploys them: the check finds no drift in what vLLM runs on any node (the
+    # monitoring hosts' records of the releases served may have moved on: bookkeeping the next deploy writes)
+    checked = run([str(PYINFRA), INVENTORY, "deploys/check.py", "-y"], lab.env, 600)
+    drift = [name for name in re.findall(r"drift: (.+)$", checked.output, re.M)
+             if not re.fullmatch(r"\d+ operation\(s\)", name)]
+    assert all(f"[{node.address}] gate: pass" in checked.output for node in lab.nodes), checked.output[-4000:]
+    assert (checked.rc == 0) == (drift == []) and not [name for name in drift if name.startswith("vLLM")], (
+        drift, checked.output[-4000:])
+    print(json.dumps({"drift_after_the_rollback": drift}))
