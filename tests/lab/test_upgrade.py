@@ -4,12 +4,11 @@ client's key) the whole time.
 
 Scenario ``faults``: the lab's default deployment, both replicas of the tiny model (lab1's, and
 lab2+lab3's pipeline replica) serve vLLM 0.31.0 behind the routers, benched (tests/lab/test_bench.py). The tests
-first roll a release slower per token to lab1's replica (caught at the canary on its bench record, and rolled back),
-then a good release to it, the mirror's other vLLM release, 0.32.0 (judged on the same record, and rolled). The
-README's upgrade then brings the pipeline replica to 0.32.0 too (lab1's already runs it: unchanged), a broken
-release on top of it is caught at the canary, and the README's rollback returns both replicas to the lab's
-inventory as deployed: each one's previous release. Each replica is rolled once under load, and the fleet ends as
-the scenario found it (no deploy after these tests restarts a replica).
+first roll a release slower per token to lab1's replica (caught at the canary on its bench record, and rolled back).
+The README's upgrade then brings the fleet to the mirror's other vLLM release, 0.32.0: its canary, lab1's replica,
+is a good release judged on the same record, and passes. A broken release on top of it is caught at the canary, and
+the README's rollback returns both replicas to the lab's inventory as deployed, each one's previous release: the
+fleet ends as the scenario found it (no deploy after these tests restarts a replica).
 Each rollout's figures go to the session's lab-fault-figures.jsonl.
 """
 
@@ -43,7 +42,7 @@ from tests.lab.fleet import (
     tls,
 )
 from tests.lab.harness import LAB_VLLM_VERSION, PYINFRA, ROOT, Completed, Lab, run
-from tests.lab.prometheus import Prometheus
+from tests.lab.prometheus import Prometheus, wait_for
 from tests.lab.readme_tour import starting
 
 pytestmark = pytest.mark.filterwarnings("ignore:Unknown ssh-ed25519 host key:UserWarning")
@@ -53,31 +52,27 @@ START_VERSION = LAB_VLLM_VERSION
 OTHER_VERSION = max(set(LAB_VLLM_VERSIONS) - {START_VERSION})  # the release the fleet is upgraded to
 ROLLOUT_TIMEOUT_S = 2400
 # The README's upgrade and rollback (tests/lab/readme_tour.py), as the lab runs them under _traffic:
-# - --max-latency-ratio 10: a CPU replica's first requests after its start answer several times slower than before
-#   (lab, a good release: the canary's mean 883 ms after a 20 s watch of 8 requests, the replica not rolled 281 ms),
-#   more so while the unit tiers share the two cores: the default 1.5 can stop a good release. The bounds that judge
-#   a slow release are tests/data/rollout_runs' (canary_latency_*, canary_p95_*, canary_bench_*) and the slower
-#   release's below; these tests are about rolling with no request lost.
+# - --max-latency-ratio 3: the lab's canaries are judged on their release's bench record (lab1's replica benched
+#   alone) while the lab's two cores also carry the other replica's traffic and a replica just started answers its
+#   first requests slowly: a good release measured 1.1 to 1.3 times the record's inter-token latency (p95, mean)
+#   under one stream and twice its mean under four; a release slower per token, 15 to 33 times. The default 1.5
+#   could stop a good release here. The slower release is judged with the same ratio (LATENCY_WATCH); the bounds
+#   that judge finer are tests/data/rollout_runs' (canary_latency_*, canary_p95_*, canary_bench_*).
 # - --canary-min-requests 5 --canary-max-s 60: a canary is judged once it served that many, its watch extended until
 #   it has, and fails when it has not by then. Under _traffic each replica gets about 0.3 requests a second: 5 take
 #   about 17 s, well within 60; the default 20 would add about a minute to each of these rollouts.
-
-# The releases judged on latency change lab1's replica alone (a copy of the lab's inventory where lab_single's
-# group_vars differ): it is the canary, and its bench record (tests/lab/test_bench.py) is the stored baseline of
-# the release it runs. The pipeline replica is left out on purpose: on the lab's two shared cores its inter-token
-# latency depends on what the other replica serves at the time (vLLM's p95: 16 ms benched alone, 76 to 89 ms beside
-# this traffic), while lab1's holds (10 ms both ways).
-# The slower release: eight OpenMP threads per engine where the lab gives one (three engines on two cores: their
-# threads spin against each other). Measured: vLLM's inter-token p95 on lab1's replica, tests/lab/test_bench.py's
-# workload at 2 req/s, 10 ms with one thread.
+# The README's upgrade rolls lab1's replica first (a canary that changes its release, on the fewest nodes), judged
+# on its bench record; the pipeline replica after it, unwatched (the first batch is the canary). The pipeline is
+# never the judged canary on purpose: on the lab's two shared cores its inter-token latency depends on what the
+# other replica serves at the time (vLLM's p95: 16 ms benched alone, 76 to 89 ms beside this traffic), while lab1's
+# holds (10 ms both ways).
+# The slower release (a copy of the lab's inventory where lab_single's group_vars differ): eight OpenMP threads per
+# engine where the lab gives one (three engines on two cores: their threads spin against each other). Measured:
+# vLLM's inter-token p95 on lab1's replica, tests/lab/test_bench.py's workload at 2 req/s, 10 ms with one thread.
 SLOW = ('  OMP_NUM_THREADS: "1"\n', '  OMP_NUM_THREADS: "8"\n')
-# The good release: the mirror's other vLLM release, on lab1's replica alone (its pool's group_vars name it).
-GOOD = ("vllm_nodes_per_replica: 1\n", f"vllm_nodes_per_replica: 1\nvllm_version: \"{OTHER_VERSION}\"\n")
-# A watch that judges latency: lab1's replica serves --canary-min-requests within it under _busy_traffic (extended
-# until it has). The good release runs under one stream, the slower one under four (a slow canary answers few): the
-# bench record is lab1's replica alone, and on the lab's two cores the pipeline replica's answers slow it per token
-# (a good canary under four streams: vLLM's mean inter-token latency 4 ms against the record's 2 ms, twice it).
-LATENCY_WATCH = ("--canary-s", "20", "--canary-min-requests", "10")
+# A watch that judges latency as the README's does: lab1's replica serves --canary-min-requests within it under
+# _busy_traffic (extended until it has); four streams, as a slow canary answers few.
+LATENCY_WATCH = ("--canary-s", "20", "--canary-min-requests", "10", "--max-latency-ratio", "3")
 
 
 def _busy_traffic(lab: Lab, streams: int = 4) -> RequestLoad:
@@ -162,12 +157,14 @@ def _rolled(lab: Lab, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, 
     return done, json.loads(report.read_text()), traffic
 
 
+def _router_rate(prometheus: Prometheus) -> float:
+    """The model's requests a second through the routers, over the last minute (0 before any)."""
+    found = prometheus.query("model:router_requests:rate1m")
+    return float(found[0]["value"][1]) if found else 0.0
+
+
 def _states(report: dict[str, Any]) -> dict[str, str]:
     return {entry["replica"]: entry["state"] for entry in report["replicas"]}
-
-
-def _changes(report: dict[str, Any]) -> dict[str, str]:
-    return {entry["replica"]: entry["change"] for entry in report["replicas"]}
 
 
 def _judged(report: dict[str, Any], replica: str) -> str:
@@ -196,50 +193,38 @@ def test_a_release_slower_per_token_is_rolled_back_at_the_canary(
     assert _running(lab) == before
 
 
-def test_a_good_release_judged_on_its_baseline_passes(
+def test_the_readmes_upgrade_passes_a_good_release_judged_on_its_baseline_and_loses_no_request(
         lab: Lab, faults: Completed | None, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
-    """The mirror's other vLLM release on lab1's replica alone: judged on the bench record of the release it replaces,
-    within 1.5 times, and rolled. lab1's replica stays on it: the README's upgrade below brings the pipeline replica
-    to it, and the README's rollback returns both. The traffic stays below 80% of the model's measured ceiling all
-    along: the capacity alert never goes pending (tests/lab/test_capacity.py saw it fire above). One stream: while
-    the canary is drained the model's capacity is the pipeline's alone (about 4 req/s), and two streams peaked at
-    2.9 req/s, within a tenth of its 80%; the watch is extended until the canary served its requests."""
+    """The README's upgrade, as written (its report also written, to read each replica's state): lab1's replica, the
+    canary, runs the mirror's other vLLM release, judged on the bench record of the release it replaces, and passes;
+    the pipeline replica over lab2 and lab3 follows, both its nodes at once. The traffic stays below 80% of the
+    model's capacity all along, also while the canary is drained and the capacity is the pipeline's ceiling alone
+    (about 4 req/s): the capacity alert never goes pending (tests/lab/test_capacity.py saw it fire above)."""
     ensure_records(lab, tmp_path, START_VERSION)
+    assert _releases(lab) == {single(lab): START_VERSION, PIPELINE: START_VERSION}
+    assert _served_versions(lab) == {START_VERSION}
+    readme = starting("gpufleet upgrade").argv
+    assert f"vllm_version={OTHER_VERSION}" in readme, readme
     prometheus = Prometheus(lab.nodes[0])
+    alone = {r["metric"]["layout"]: float(r["value"][1])
+             for r in prometheus.query("gpufleet:replica_ceiling_rps")}["tp1-pp2"]  # the pipeline's, per replica
+    # the slower release's four streams leave the routers' one-minute rate first (about 20 s): with this test's
+    # traffic on top (under 1 req/s), the rate then stays below 80% of the pipeline's ceiling alone, the model's
+    # capacity while the canary is drained
+    wait_for("the last rollout's load out of the routers' one-minute rate",
+             lambda: True if _router_rate(prometheus) < 0.8 * alone - 1.0 else None, timeout=90, every=2)
     started = time.monotonic()
-    name = f"a good release judged on its baseline (lab1's replica, {START_VERSION} -> {OTHER_VERSION})"
-    done, report, traffic = _rolled(lab, tmp_path, tmp_path_factory, name, "upgrade",
-                                    _single_changed(tmp_path / "good", GOOD), "--batches", "1,100%",
-                                    *LATENCY_WATCH, busy=1)
+    name = f"upgrade {START_VERSION} -> {OTHER_VERSION}"
+    done, report, traffic = _rolled(lab, tmp_path, tmp_path_factory, name, *readme[1:])
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    # the pipeline's release does not change: its batch deploys it to what it runs, with no restart
     assert _states(report) == {single(lab): "rolled", PIPELINE: "rolled"}, done.stdout[-4000:]
-    assert _changes(report)[PIPELINE] == "unchanged", done.stdout[-4000:]
     assert traffic.figures()["requests"] > 0 and traffic.failures == [], traffic.failures[:5]
     judged = {name: _judged(report, single(lab))}
     span = f"{round(time.monotonic() - started)}s"
-    ceiling = float(prometheus.query("gpufleet:model_ceiling_rps")[0]["value"][1])
     peak = float(prometheus.query(f"max_over_time(model:router_requests:rate1m[{span}])")[0]["value"][1])
-    assert 0 < peak < 0.8 * ceiling, (peak, ceiling)
+    assert 0 < peak < 0.8 * alone, (peak, alone)
     assert prometheus.query(f'max_over_time(ALERTS{{alertname="ModelNearItsCeiling"}}[{span}])') == []
-    assert _releases(lab) == {single(lab): OTHER_VERSION, PIPELINE: START_VERSION}
-    print(json.dumps({"good_release_canaries": judged, "load_peak_rps": peak, "ceiling_rps": ceiling}))
-
-
-def test_the_readmes_upgrade_under_load_rolls_the_replicas_left_and_loses_no_request(
-        lab: Lab, faults: Completed | None, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
-    """The README's upgrade, as written (its report also written, to read each replica's state): the pipeline
-    replica over lab2 and lab3 is rolled, both its nodes at once; lab1's, on the release already, is unchanged."""
-    assert _releases(lab) == {single(lab): OTHER_VERSION, PIPELINE: START_VERSION}
-    readme = starting("gpufleet upgrade").argv
-    assert f"vllm_version={OTHER_VERSION}" in readme, readme
-    done, report, traffic = _rolled(lab, tmp_path, tmp_path_factory, f"upgrade {START_VERSION} -> {OTHER_VERSION}",
-                                    *readme[1:])
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    assert _states(report) == {single(lab): "rolled", PIPELINE: "rolled"}, done.stdout[-4000:]
-    changes = _changes(report)
-    assert changes[single(lab)] == "unchanged" and changes[PIPELINE] != "unchanged", changes
-    assert traffic.figures()["requests"] > 0 and traffic.failures == [], traffic.failures[:5]
+    print(json.dumps({"good_release_canaries": judged, "load_peak_rps": peak, "pipeline_ceiling_rps": alone}))
     assert _releases(lab) == {single(lab): OTHER_VERSION, PIPELINE: OTHER_VERSION}
     assert set(_running(lab).values()) == {OTHER_VERSION}, _running(lab)
     assert _served_versions(lab) == {OTHER_VERSION}
@@ -265,8 +250,8 @@ def test_a_release_that_does_not_start_is_rolled_back_at_the_canary(
 
 def test_rollback_returns_the_fleet_to_the_previous_release(
         lab: Lab, faults: Completed | None, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
-    """The README's rollback, as written: each replica's release before its upgrade (the broken one, rolled back,
-    did not become "previous"), the lab's inventory as deployed for both. The canary's 5 s watch sees about 1.5 of
+    """The README's rollback, as written: each replica's release before the README's upgrade (the broken one, rolled
+    back, did not become "previous"), the lab's inventory as deployed for both. The canary's 5 s watch sees about 1.5 of
     the 5 requests it needs under _traffic: it is watched on until it has them, and judged then, never passed
     unjudged. The fleet is then what the inventory deploys: the check finds no drift on any node, and the scenarios
     after these deploy no change to the replicas."""

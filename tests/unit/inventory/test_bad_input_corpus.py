@@ -45,7 +45,10 @@ The host is 127.0.0.1 with ``ssh_port`` on a loopback listener the test opens: a
 connect to it under the real ``pyinfra`` (in this process, ``make_inventory`` would return: exit status 0).
 "Fast" is the CPU time of each entry point on each case: under MAX_SECONDS in this process; a subprocess also pays
 its interpreter's start and imports (1.3 s for pyinfra on a quiet machine, 2.0 s seen while the lab tier used both
-cores), so its bound is MAX_SUBPROCESS_SECONDS. A hung subprocess is killed after HANG_SECONDS.
+cores), so its bound is MAX_SUBPROCESS_SECONDS. A hung subprocess is killed after HANG_SECONDS of wall time: a
+bound on hangs, not on speed (the CPU time is that), so it leaves room for the share of the cores the unit tier gets
+beside the lab (scripts/run_tiers.py: a quarter of each core a busy vLLM holds). Seen under CI at 30 s: a case killed
+after it had printed its line, on its way out.
 """
 
 from __future__ import annotations
@@ -88,7 +91,7 @@ BASE_ALL = {
     "vllm_max_model_len": 8192,
 }
 HOST = "127.0.0.1"
-HANG_SECONDS = 30
+HANG_SECONDS = 120
 MAX_SECONDS = 2.0
 MAX_SUBPROCESS_SECONDS = 4.0
 INVENTORY = "inventories/fleet.py"
