@@ -47,10 +47,13 @@ def test_bench_finds_each_shapes_ceiling_and_keeps_it(
         assert (record["ceiling_offered_rps"], record["scope"]) == (offered[replica], "replica"), steps
         # the passing step answered 95% of what it offered, none failed, and the ceiling is what it answered over
         # the step's span, first request to last answer: the offered rate less the last answer's latency (lab: 100
-        # answered in 26.5 s, 24.75 s of sending and 1.7 s for the last answer, 3.78 a second at 4 offered)
+        # answered in 26.5 s, 24.75 s of sending and 1.7 s for the last answer, 3.78 a second at 4 offered). An answer
+        # the client could not read (a streamed character it takes for a line break) was answered all the same (seen:
+        # one of 100, the ceiling 3.976 where the answers read gave 3.936)
         passed = steps[0]
         assert passed["succeeded"] >= 0.95 * passed["offered"] and passed["failed"] == 0, steps
-        assert record["ceiling_rps"] == pytest.approx(passed["succeeded"] / passed["seconds"]), steps
+        answered = passed["succeeded"] + passed["unparsed"]
+        assert record["ceiling_rps"] == pytest.approx(answered / passed["seconds"]), steps
         assert record["ceiling_rps"] <= 1.05 * offered[replica], steps
         assert record["stopped_by"] != "none" and len(steps) == 2, steps
         assert all(s["offered"] == s["rate"] * step_s[replica] for s in steps), steps
