@@ -132,3 +132,9 @@ def health_story(prometheus: Prometheus, seconds: int) -> dict[str, dict[str, st
         story[name] = {",".join(str(r["metric"][k]) for k in ("instance", "name", "replica", "model")
                                 if r["metric"].get(k)): r["value"][1] for r in found}
     return story
+
+
+def router_rate(prometheus: Prometheus) -> float:
+    """The model's requests a second through the routers, over the last minute (0 before any)."""
+    found = prometheus.query("model:router_requests:rate1m")
+    return float(found[0]["value"][1]) if found else 0.0

@@ -26,7 +26,14 @@ from gpufleet.monitoring import dashboards
 from tests.lab.benching import ensure_records, steady_load
 from tests.lab.fleet import PIPELINE, ROUTER_ADMIN, router_servers, served_name, single, wait_router_status
 from tests.lab.harness import LAB_VARS, LAB_VLLM_VERSION, Completed, Lab
-from tests.lab.prometheus import SCRAPE_INTERVAL_S, Prometheus, needs_a_bench, queries_without_data, wait_for
+from tests.lab.prometheus import (
+    SCRAPE_INTERVAL_S,
+    Prometheus,
+    needs_a_bench,
+    queries_without_data,
+    router_rate,
+    wait_for,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore:Unknown ssh-ed25519 host key:UserWarning")
 
@@ -81,10 +88,6 @@ def _active_now(prometheus: Prometheus) -> bool:
     return any(a["labels"]["alertname"] == "ModelNearItsCeiling" for a in prometheus.alerts())
 
 
-def _rate(prometheus: Prometheus) -> float:
-    return float(prometheus.query("model:router_requests:rate1m")[0]["value"][1])
-
-
 def test_the_capacity_alert_follows_the_replicas_in_service_under_one_load(
         lab: Lab, faults: Completed | None, tmp_path: Path) -> None:
     ensure_records(lab, tmp_path, LAB_VLLM_VERSION)
@@ -98,7 +101,7 @@ def test_the_capacity_alert_follows_the_replicas_in_service_under_one_load(
     with steady_load(lab, tmp_path, load, LOAD_S) as sending:
         def rate_above(share: float) -> float | None:
             sending()
-            rate = _rate(prometheus) if prometheus.query("model:router_requests:rate1m") else 0.0
+            rate = router_rate(prometheus)
             return rate if rate > share * load else None
 
         # both in service: the load is in (over the drained line), and for the alert's `for` and two evaluations
@@ -106,7 +109,7 @@ def test_the_capacity_alert_follows_the_replicas_in_service_under_one_load(
         wait_for("the load in the routers' one-minute rate", lambda: rate_above(0.8 / LOAD_SHARE), timeout=RATE_IN_S)
         time.sleep(QUIET_S)
         sending()
-        quiet_rate = _rate(prometheus)
+        quiet_rate = router_rate(prometheus)
         assert 0.8 * shapes["tp1-pp2"] < quiet_rate < 0.8 * both, (quiet_rate, shapes)
         assert _alert_active(prometheus, QUIET_S) == [], "ModelNearItsCeiling went pending below 80% of the ceiling"
         with _drained(lab, single(lab)):
@@ -122,7 +125,7 @@ def test_the_capacity_alert_follows_the_replicas_in_service_under_one_load(
 
             fired, fired_after = wait_for("ModelNearItsCeiling firing", firing, timeout=FIRE_S, every=5)
             assert fired[0]["model"] == served_name("lab"), fired
-            drained_rate = _rate(prometheus)
+            drained_rate = router_rate(prometheus)
             assert 0.8 * shapes["tp1-pp2"] < drained_rate < 0.8 * both, (drained_rate, shapes)
             benched = [q for q in dashboards.panel_queries() if needs_a_bench(q)]
             assert benched and queries_without_data(prometheus, benched, {"model": served_name("lab")}) == {}

