@@ -1,12 +1,19 @@
 """A step of the ramp stopped once its verdict is certain, rather than at its bound.
 
 A step offers ``rate x step`` requests. When more than 1% of them have already waited longer than the TTFT objective
-for their first token (by vLLM's histogram: above the smallest bucket bound at or over the objective), the step's
-TTFT p99 misses the objective whatever the rest do: the requests answered can only be fewer than those offered, and
-no observation leaves a histogram. An overloaded step then stops there, its client ended and its backlog dropped,
-instead of holding the replicas at full load until its bound (the step and the client's grace, 80 s for a 20 s
-step). On the lab, the pipeline replica's step at 192 req/s was decided 22 s after it began, 1,707 first tokens in
-and 200 of them late (vLLM counts a wait once its first token comes).
+for their first token (by vLLM's histogram: above the smallest bucket bound at or over the objective, the *edge*),
+the step's TTFT p99 misses the objective whatever the rest do: the requests answered can only be fewer than those
+offered, and no observation leaves a histogram. An overloaded step then stops there, its client ended and its
+backlog dropped, instead of holding the replicas at full load until its bound (the step and the client's grace, 80 s
+for a 20 s step).
+
+Two kinds of requests count as late. Those whose first token came above the edge (vLLM's histogram). And those still
+without one that have waited past it: a request in an engine's waiting queue at one reading that has no first token
+an edge later has waited over it. Of ``W`` requests waiting at a reading, at most as many as the first tokens counted
+since can have had theirs, so at least ``W`` less those first tokens are still waiting (less the preemptions since the
+step began: a preempted request waits again after its first token). vLLM counts a wait only once its first token
+comes: on the lab, the pipeline replica's step at 192 req/s was decided 22 s after it began by the first kind alone,
+1,707 first tokens in and 200 of them late, its backlog then thousands of requests that took a further 20 s to drop.
 
 The stopped step is recorded from vLLM's own counters over its span (requests answered, output tokens), the client's
 figures left empty, and the reason among its failure reasons; it misses ``ttft`` (and, as a rule, ``unanswered``).
@@ -17,9 +24,9 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from gpufleet.measure.engine_histograms import Reading, above_between
+from gpufleet.measure.engine_histograms import Reading, above_between, bound_over
 from gpufleet.measure.ramp import Step
 
 QUANTILE = 0.99
@@ -67,21 +74,30 @@ class MissWatch:
     clock: Callable[[], float] = time.time
     first_seen: float | None = None
     last: Reading | None = None
+    queued: list[tuple[float, float, float]] = field(default_factory=list)
+    """Per reading: when, the requests waiting less the step's preemptions so far, and the step's first tokens."""
 
     def __call__(self) -> str | None:
+        began = self.clock()  # the pages were read between these two: a wait is counted from the last to the first
         now = self.read()
         if now is None:
             return None
+        at = self.clock()
         self.last = now
         arrived = now.buckets["ttft"].get(math.inf, 0.0) - self.before.buckets["ttft"].get(math.inf, 0.0)
         if arrived > 0 and self.first_seen is None:
-            self.first_seen = self.clock()
-        late = above_between("ttft", self.ttft_objective_s, self.before.buckets, now.buckets)
+            self.first_seen = at
+        seen = above_between("ttft", self.ttft_objective_s, self.before.buckets, now.buckets)
+        edge = bound_over(now.buckets["ttft"], self.ttft_objective_s)
+        self.queued.append((at, now.waiting - (now.preemptions - self.before.preemptions), arrived))
+        waiting = max((queued - (arrived - then_arrived) for when, queued, then_arrived in self.queued
+                       if began - when >= edge), default=0.0)
+        late = seen + max(waiting, 0.0)
         if late <= (1 - QUANTILE) * self.offered:
             return None
         return (f"stopped early: {late:,.0f} of its {self.offered:,} requests had waited over"
-                f" {self.ttft_objective_s:g} s for a first token, more than {1 - QUANTILE:.0%}: its TTFT p99"
-                " missed whatever the rest did")
+                f" {self.ttft_objective_s:g} s for a first token ({seen:,.0f} answered late, {max(waiting, 0.0):,.0f}"
+                f" still waiting), more than {1 - QUANTILE:.0%}: its TTFT p99 missed whatever the rest did")
 
 
 def stopped_step(rate: float, watch: MissWatch, reason: str, ended_at: float) -> Step:

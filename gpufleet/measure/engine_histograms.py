@@ -21,7 +21,8 @@ HISTOGRAMS = {"ttft": "vllm:time_to_first_token_seconds", "itl": "vllm:inter_tok
 """vLLM's latency histograms, by the short name of the figure."""
 
 COUNTERS = {"answered": "vllm:request_success_total", "output_tokens": "vllm:generation_tokens_total",
-            "in_flight": "vllm:num_requests_running", "waiting": "vllm:num_requests_waiting"}
+            "in_flight": "vllm:num_requests_running", "waiting": "vllm:num_requests_waiting",
+            "preemptions": "vllm:num_preemptions_total"}
 """The counters and gauges read beside the histograms, by their short name (``answered`` leaves out the requests
 that finished for :data:`NOT_ANSWERED`; ``in_flight`` adds the waiting to the running)."""
 
@@ -41,13 +42,16 @@ Buckets = dict[str, dict[float, float]]
 @dataclass(frozen=True)
 class Reading:
     """The histograms of one or more ``/metrics`` pages: cumulative buckets, and each figure's sum of seconds; the
-    requests answered and output tokens so far (counters), and the requests in the engines now."""
+    requests answered, output tokens and preemptions so far (counters), and the requests in the engines now, those
+    not yet scheduled among them (``waiting``)."""
 
     buckets: Buckets
     sums: dict[str, float]
     answered: float = 0.0
     output_tokens: float = 0.0
     in_flight: float = 0.0
+    waiting: float = 0.0
+    preemptions: float = 0.0
 
 
 def parse(text: str) -> Reading:
@@ -70,14 +74,14 @@ def parse(text: str) -> Reading:
         elif (match := _SUM.match(line)) is not None and match["name"] in by_name:
             sums[by_name[match["name"]]] += float(match["value"])
     return Reading(found, sums, counted["answered"], counted["output_tokens"],
-                   counted["in_flight"] + counted["waiting"])
+                   counted["in_flight"] + counted["waiting"], counted["waiting"], counted["preemptions"])
 
 
 def read(urls: Sequence[str]) -> Reading:
     """The sum of the histograms of the ``/metrics`` pages at ``urls`` (OSError when one cannot be read)."""
     total: Buckets = {key: {} for key in HISTOGRAMS}
     sums = dict.fromkeys(HISTOGRAMS, 0.0)
-    answered = output_tokens = in_flight = 0.0
+    counted = dict.fromkeys(("answered", "output_tokens", "in_flight", "waiting", "preemptions"), 0.0)
     for url in urls:
         with urllib.request.urlopen(url, timeout=TIMEOUT_S) as answer:
             page = parse(answer.read().decode("utf-8", "replace"))
@@ -85,9 +89,9 @@ def read(urls: Sequence[str]) -> Reading:
             for bound, count in counts.items():
                 total[key][bound] = total[key].get(bound, 0.0) + count
             sums[key] += page.sums[key]
-        answered, output_tokens, in_flight = (answered + page.answered, output_tokens + page.output_tokens,
-                                              in_flight + page.in_flight)
-    return Reading(total, sums, answered, output_tokens, in_flight)
+        for name in counted:
+            counted[name] += getattr(page, name)
+    return Reading(total, sums, **counted)
 
 
 def quantile(q: float, cumulative: Mapping[float, float]) -> float | None:
@@ -124,11 +128,16 @@ def mean_between(before: Reading, after: Reading) -> dict[str, float | None]:
     return found
 
 
+def bound_over(counts: Mapping[float, float], bound: float) -> float:
+    """The smallest bucket bound at or over ``bound`` seconds (``+Inf`` when none is)."""
+    return min((le for le in counts if le >= bound), default=math.inf)
+
+
 def above_between(figure: str, bound: float, before: Buckets, after: Buckets) -> float:
     """How many of ``figure``'s observations between two readings were certainly above ``bound`` seconds: those
     above the smallest bucket bound at or over it (0 when that is ``+Inf``)."""
     counts = after[figure]
-    edge = min((le for le in counts if le >= bound), default=math.inf)
+    edge = bound_over(counts, bound)
     if math.isinf(edge):
         return 0.0
     total = counts.get(math.inf, 0.0) - before[figure].get(math.inf, 0.0)

@@ -162,9 +162,9 @@ def check_fabric(check: Callable[[], dict[str, Any]], deadline: float, clock: Ca
         if clock() >= deadline:
             log(f"vLLM does not start: its fabric check failed on {named}; systemd tries again")
             return False
-        log(f"vLLM does not start: its fabric check failed on {named}; checking again in"
-            f" {replica_rank.FABRIC_RETRY_S:g} s")
-        sleep(replica_rank.FABRIC_RETRY_S)
+        pause = replica_rank.retry_pause(started, clock())
+        log(f"vLLM does not start: its fabric check failed on {named}; {replica_rank.checking_again(pause)}")
+        sleep(pause)
 
 
 _IFACE = re.compile(r"[A-Za-z0-9_.:-]{1,15}")  # a Linux interface name

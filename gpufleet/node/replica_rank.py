@@ -294,7 +294,12 @@ def join_leader(leader: str, port: int, rank: int, secret: bytes) -> tuple[Peer,
             time.sleep(CONNECT_RETRY_S)
             continue
         while word == "fabric" and generation:  # the leader asks again until the check passes
-            fabric_check(FABRIC, rank, leader)
+            started = time.monotonic()
+            verdict = fabric_check(FABRIC, rank, leader)
+            if not verdict.get("passed"):  # the leader names the node; what this rank saw is only here
+                log(f"rank {rank}: its part of the fabric check of generation {generation} failed at"
+                    f" {verdict.get('stage')}: {verdict.get('error') or 'no reason printed'}"
+                    f" ({time.monotonic() - started:.1f} s)")
             word, _, generation = peer.read_line(None).partition(" ")
         if word == "go" and generation:
             return peer, generation
@@ -303,7 +308,17 @@ def join_leader(leader: str, port: int, rank: int, secret: bytes) -> tuple[Peer,
 
 FABRIC: dict[str, Any] = {}  # ranks.json's "fabric": the check before each generation ({}: none)
 FABRIC_TOOL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fabric_check.py")
-FABRIC_RETRY_S = 10.0  # between two fabric checks of a generation that has not started
+FABRIC_RETRY_S = 10.0  # from one fabric check's start to the next's, for a generation that has not started
+
+
+def retry_pause(started: float, now: float) -> float:
+    """Seconds until the next fabric check of a generation whose check, begun at ``started``, failed: checks begin
+    :data:`FABRIC_RETRY_S` apart (one that stalled has already waited out its timeout)."""
+    return max(0.0, FABRIC_RETRY_S - (now - started))
+
+
+def checking_again(pause: float) -> str:
+    return f"checking again in {pause:.0f} s" if pause >= 0.5 else "checking again now"
 
 
 def fabric_argv(python: str, tool: str, fabric: dict[str, Any], rank: int, leader: str) -> list[str]:
@@ -444,10 +459,10 @@ def run(config: dict[str, Any], argv: list[str]) -> int:
                     f"{describe_fabric(verdict)} ({time.monotonic() - started:.1f} s)")
                 if verdict.get("passed"):
                     break
+                pause = retry_pause(started, time.monotonic())
                 log(f"rank 0: the replica does not start: its fabric check failed on "
-                    f"{', '.join(verdict.get('slow_nodes') or []) or 'an unnamed node'}; checking again in"
-                    f" {FABRIC_RETRY_S:g} s")
-                time.sleep(FABRIC_RETRY_S)
+                    f"{', '.join(verdict.get('slow_nodes') or []) or 'an unnamed node'}; {checking_again(pause)}")
+                time.sleep(pause)
             for peer in peers:
                 peer.send(f"go {generation}")
         else:

@@ -364,8 +364,8 @@ def test_a_step_certain_to_miss_its_ttft_objective_is_stopped_and_recorded_from_
     assert replica.asked == [2, 4]
     stopped = [line for line in result.output.splitlines() if line.startswith("step 4 req/s")]
     assert len(stopped) == 1 and "missed ttft+unanswered" in stopped[0], result.output
-    assert ("stopped early: 25 of its 400 requests had waited over 2 s for a first token, more than 1%: its TTFT p99"
-            " missed whatever the rest did") in stopped[0], stopped[0]
+    assert ("stopped early: 25 of its 400 requests had waited over 2 s for a first token (25 answered late, 0 still"
+            " waiting), more than 1%: its TTFT p99 missed whatever the rest did") in stopped[0], stopped[0]
     assert "ceiling: " in result.output and "stopped by ttft+unanswered" in result.output, result.output
     step = json.loads(report.read_text())["steps"][1]  # vLLM's counts from before the step to the deciding reading
     assert (step["offered"], step["succeeded"], step["failed"], step["ttft_p99_s"]) == (400, 2, 0, None), step

@@ -15,8 +15,10 @@ from gpufleet.measure.engine_histograms import (
     parse,
     quantile,
     quantile_between,
+    read,
 )
 from tests.conftest import DATA
+from tests.loopback_http import QuietHandler, loopback_server
 
 PAGE = (DATA / "engine_histograms" / "lab-single-before.txt").read_text()
 
@@ -88,10 +90,12 @@ def test_the_counters_leave_out_the_requests_ended_unanswered_and_add_the_waitin
         'vllm:generation_tokens_total{engine="0",model_name="m"} 640.0',
         'vllm:num_requests_running{engine="0",model_name="m"} 3.0',
         'vllm:num_requests_waiting{engine="0",model_name="m"} 40.0',
+        'vllm:num_preemptions_total{engine="0",model_name="m"} 4.0',
         "# a comment names vllm:request_success_total 99",
     ])
     reading = parse(PAGE + "\n" + page)
     assert (reading.answered, reading.output_tokens, reading.in_flight) == (12.0, 640.0, 43.0)
+    assert (reading.waiting, reading.preemptions) == (40.0, 4.0)
     assert reading.buckets == parse(PAGE).buckets
 
 
@@ -105,3 +109,20 @@ def test_the_observations_certainly_above_a_bound(bound: float, expected: float)
     before = {"ttft": {1.0: 5.0, 2.5: 10.0, 10.0: 10.0, math.inf: 10.0}, "itl": {}}
     after = {"ttft": {1.0: 10.0, 2.5: 25.0, 10.0: 45.0, math.inf: 50.0}, "itl": {}}
     assert above_between("ttft", bound, before, after) == expected
+
+
+class _Page(QuietHandler):
+    """A replica's ``/metrics``: the lab's page with its engines' queue and preemptions."""
+
+    def do_GET(self) -> None:
+        self.answer(200, (PAGE + "\nvllm:num_requests_running 2.0\nvllm:num_requests_waiting 5.0\n"
+                          "vllm:num_preemptions_total 1.0\n").encode())
+
+
+def test_read_sums_the_pages_of_every_replica() -> None:
+    one = parse(PAGE)
+    with loopback_server(_Page) as first, loopback_server(_Page) as second:
+        both = read([f"{first}/metrics", f"{second}/metrics"])
+    assert (both.answered, both.output_tokens) == (2 * one.answered, 2 * one.output_tokens)
+    assert (both.in_flight, both.waiting, both.preemptions) == (14.0, 10.0, 2.0)
+    assert both.buckets["ttft"] == {le: 2 * count for le, count in one.buckets["ttft"].items()}

@@ -288,14 +288,16 @@ def test_a_rank_without_its_secret_does_not_start(replica: Replica) -> None:
 
 
 # fabric_check.py's stand-in: the torch part is the lab's (tests/lab/test_faults.py); here each rank prints the
-# verdict its environment gives it, as the real one does on rank 0.
+# verdict its environment gives it (a follower: passed unless given one), as the real one does.
 FAKE_FABRIC = """import json, os, sys
 rank = int(sys.argv[sys.argv.index("--rank") + 1])
 open(os.environ["FABRIC_LOG"] + str(rank), "w").write(" ".join(sys.argv[1:]))
-print(open(os.environ["FABRIC_VERDICT"]).read() if rank == 0 else json.dumps({"passed": True}))
+mine = os.environ["FABRIC_VERDICT"] if rank == 0 else os.environ.get("FABRIC_FOLLOWER_VERDICT", "")
+print(open(mine).read() if mine else json.dumps({"passed": True}))
 """
 FAILED_FABRIC = {"passed": False, "stage": "out", "slow_nodes": ["lab3"], "stalled_nodes": ["lab3"], "out_gbps": {},
                  "floor_gbps": 0.5, "error": "Timed out waiting 5000ms for recv operation"}
+FOLLOWER_FAILED = {"passed": False, "stage": "out", "error": "Connection reset by peer"}
 
 
 @pytest.fixture
@@ -316,14 +318,21 @@ def test_a_failed_fabric_check_names_the_node_and_starts_no_vllm_until_it_passes
         checked: Replica, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The leader names the node and asks again, no rank exits (no unit restart is spent on it), no vLLM starts;
     once the link is mended the same generation starts on both ranks."""
-    verdict = tmp_path / "verdict.json"
+    verdict, followers = tmp_path / "verdict.json", tmp_path / "follower-verdict.json"
     verdict.write_text(json.dumps(FAILED_FABRIC))
+    followers.write_text(json.dumps(FOLLOWER_FAILED))
     monkeypatch.setenv("FABRIC_LOG", str(tmp_path / "fabric-argv-"))
     monkeypatch.setenv("FABRIC_VERDICT", str(verdict))
+    monkeypatch.setenv("FABRIC_FOLLOWER_VERDICT", str(followers))
     checked.start(0)
     checked.start(1)
     checked.wait_logged(0, r"fabric check of generation \w+ stalled at out: lab3 .*Timed out waiting")
-    checked.wait_logged(0, r"rank 0: the replica does not start: its fabric check failed on lab3; checking again")
+    # the next check starts FABRIC_RETRY_S (10 s) after this one did: the stand-in's took well under a second
+    checked.wait_logged(0, r"rank 0: the replica does not start: its fabric check failed on lab3; checking again"
+                           r" in (9|10) s")
+    # what the follower saw is in its own log: the leader's verdict cannot carry it
+    checked.wait_logged(1, r"rank 1: its part of the fabric check of generation \w+ failed at out: Connection"
+                           r" reset by peer \(\d+\.\d s\)")
     time.sleep(1)
     assert checked.ranks[0].poll() is None and checked.ranks[1].poll() is None  # waiting, not restarting
     assert not checked.pidfile(0).exists() and not checked.pidfile(1).exists()  # no vLLM on that fabric
