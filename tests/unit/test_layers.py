@@ -41,6 +41,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("remote", ("gpufleet/remote",)),  # the controller on inventory hosts outside a deploy: commands, the GPU probe,
     # the bench records' store
     ("rollout", ("gpufleet/rollout",)),  # a rolling upgrade or rollback: batches, routers, the canary
+    ("diag", ("gpufleet/diag",)),  # gpufleet diag: the failure-signature catalog and what it finds
     ("cli", ("gpufleet/cli",)),  # the gpufleet command: an entry point, imported by no other layer
     ("lab", ("lab/gpufleet_lab",)),  # gpufleet_lab, its own distribution: imports the product, imported by none of it
     ("roles", ("roles",)),  # roles/<role>/: each role's operations, settings and helpers; roles/site.py, their order
