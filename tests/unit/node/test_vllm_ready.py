@@ -279,22 +279,25 @@ def test_the_textfile_holds_the_phases_known_and_escapes_the_labels() -> None:
 
 
 def _timing_stand_ins(tmp_path: Path, ago: float) -> Path:
-    """A ``systemctl`` whose unit runs, its main process started ``ago`` seconds ago, and a ``journalctl`` that
-    gives the one-node start's journal (``-o json``) moved to that start; the directory to put first on PATH."""
+    """A ``systemctl`` whose unit runs, its main process started ``ago`` seconds before this call, and a
+    ``journalctl`` that gives the one-node start's journal (``-o json``) moved to that start; the directory to put
+    first on PATH. Both stand-ins hold the same start, taken here: each computing its own when it runs would move
+    the journal by the time between their two runs (seen: 2.3 s with the cores busy)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
+    started_monotonic, shift = time.monotonic() - ago, time.time() - ago - STARTED
     (bin_dir / "systemctl").write_text(
-        f"#!{sys.executable}\nimport sys, time\n"
+        f"#!{sys.executable}\nimport sys\n"
         f"if sys.argv[1:] == ['show', '--property=ExecMainStartTimestampMonotonic', {UNIT!r}]:\n"
-        f"    print(f'ExecMainStartTimestampMonotonic={{int((time.monotonic() - {ago}) * 1e6)}}')\n"
+        f"    print('ExecMainStartTimestampMonotonic={int(started_monotonic * 1e6)}')\n"
         f"elif sys.argv[1:] == ['show', '--property=ActiveState,NRestarts', {UNIT!r}]:\n"
         "    print('ActiveState=active\\nNRestarts=0')\n"
         "else:\n    sys.exit(9)\n")
     (bin_dir / "journalctl").write_text(
-        f"#!{sys.executable}\nimport json, sys, time\n"
+        f"#!{sys.executable}\nimport json, sys\n"
         f"if sys.argv[1:5] != ['-q', '-o', 'json', '--output-fields=MESSAGE'] or sys.argv[-2:] != ['-u', {UNIT!r}]:\n"
         "    sys.exit(0)\n"
-        f"shift = time.time() - {ago} - {STARTED!r}\n"
+        f"shift = {shift!r}\n"
         f"for line in open({str(JOURNALS / 'start_one_node.journal.json')!r}):\n"
         "    entry = json.loads(line)\n"
         "    entry['__REALTIME_TIMESTAMP'] = str(int(int(entry['__REALTIME_TIMESTAMP']) + shift * 1e6))\n"
@@ -321,7 +324,7 @@ def test_the_wait_times_the_start_it_saw_through(tmp_path: Path) -> None:
     assert start == json.loads(observed.read_text())["start"]
     assert start["labels"] == labels and abs(start["started"] + 60 - time.time()) < 10
     phases = start["phases"]
-    # the journal's lines, 23.36 and 40.13 s after the start (as far as the stand-ins' clocks agree); the wait saw
+    # the journal's lines, 23.36 and 40.13 s after the start (both stand-ins hold the same start); the wait saw
     # /health and the completion at once, 60 s after it
     assert phases["weights_loaded"] == pytest.approx(23.36, abs=2)
     assert phases["kv_cache_sized"] == pytest.approx(40.13, abs=2)
