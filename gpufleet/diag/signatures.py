@@ -111,11 +111,10 @@ def _stamp(line: str) -> str | None:
     return match.group(0) if match else None
 
 
-def scan(node: str, unit: str, lines: Iterable[str],
-         signatures: tuple[Signature, ...] | None = None) -> list[Finding]:
+def scan(node: str, unit: str, lines: Iterable[str]) -> list[Finding]:
     """The findings in ``unit``'s journal (or the kernel log, :data:`KERNEL`) of ``node``, in catalog order; Xid
     findings after them, in the order their codes first appeared."""
-    chosen = [s for s in (catalog() if signatures is None else signatures) if s.reads(unit)]
+    chosen = [s for s in catalog() if s.reads(unit)]
     first: dict[str, str] = {}
     counts: dict[str, int] = {}
     xids: dict[tuple[int, str], list[str]] = {}

@@ -90,13 +90,13 @@ class MissWatch:
         seen = above_between("ttft", self.ttft_objective_s, self.before.buckets, now.buckets)
         edge = bound_over(now.buckets["ttft"], self.ttft_objective_s)
         self.queued.append((at, now.waiting - (now.preemptions - self.before.preemptions), arrived))
-        waiting = max((queued - (arrived - then_arrived) for when, queued, then_arrived in self.queued
-                       if began - when >= edge), default=0.0)
-        late = seen + max(waiting, 0.0)
+        waiting = max([0.0, *(queued - (arrived - then_arrived) for when, queued, then_arrived in self.queued
+                              if began - when >= edge)])
+        late = seen + waiting
         if late <= (1 - QUANTILE) * self.offered:
             return None
         return (f"stopped early: {late:,.0f} of its {self.offered:,} requests had waited over"
-                f" {self.ttft_objective_s:g} s for a first token ({seen:,.0f} answered late, {max(waiting, 0.0):,.0f}"
+                f" {self.ttft_objective_s:g} s for a first token ({seen:,.0f} answered late, {waiting:,.0f}"
                 f" still waiting), more than {1 - QUANTILE:.0%}: its TTFT p99 missed whatever the rest did")
 
 

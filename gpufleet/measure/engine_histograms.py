@@ -81,7 +81,7 @@ def read(urls: Sequence[str]) -> Reading:
     """The sum of the histograms of the ``/metrics`` pages at ``urls`` (OSError when one cannot be read)."""
     total: Buckets = {key: {} for key in HISTOGRAMS}
     sums = dict.fromkeys(HISTOGRAMS, 0.0)
-    counted = dict.fromkeys(("answered", "output_tokens", "in_flight", "waiting", "preemptions"), 0.0)
+    counted = dict.fromkeys(COUNTERS, 0.0)  # Reading's fields of the same names
     for url in urls:
         with urllib.request.urlopen(url, timeout=TIMEOUT_S) as answer:
             page = parse(answer.read().decode("utf-8", "replace"))
