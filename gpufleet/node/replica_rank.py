@@ -52,7 +52,10 @@ from typing import Any, Callable
 HEARTBEAT_S = 2.0
 SILENT_LIMIT_S = 15.0  # a peer silent this long is gone
 CONNECT_RETRY_S = 1.0
-STOP_GRACE_S = 20.0  # SIGTERM, then SIGKILL, when the replica ends: nothing left to drain
+# SIGTERM, then SIGKILL after this long, when the replica ends (a rank lost, or an error): nothing is left to drain,
+# since no request finishes without every rank, and a vLLM whose peer is gone may hang on its way out (lab: a rank
+# whose leader was killed took 8.6 s to exit on SIGTERM, the whole replica's restart waiting on it)
+STOP_GRACE_S = 2.0
 REPORT_EVERY_S = 30.0
 PEER_LOST = 75  # the exit status that asks systemd for a restart (Restart=on-failure)
 SECRET_ENV = "GPUFLEET_RANK_SECRET"  # the replica's rank secret, the same on each of its nodes

@@ -23,6 +23,8 @@ from tests.loopback_http import free_port
 
 TOOL = Path(__file__).resolve().parents[3] / "gpufleet" / "node" / "replica_rank.py"
 FAKE_VLLM = "import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(600)"
+# a vLLM slow to stop: SIGTERM does nothing (as a drain, or a hang on a lost peer, would keep it)
+DEAF_VLLM = f"import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN); {FAKE_VLLM}"
 PEER_LOST = 75
 SECRET_ENV = "GPUFLEET_RANK_SECRET"
 SECRET = "5ec7e7" * 10
@@ -49,8 +51,8 @@ def _wait_for(path: Path, timeout: float = 15) -> int:
 class Replica:
     """Two ranks of one replica on loopback, each a replica_rank.py process running the stand-in."""
 
-    def __init__(self, tmp: Path, tool: Path = TOOL) -> None:
-        self.tmp, self.tool = tmp, tool
+    def __init__(self, tmp: Path, tool: Path = TOOL, fake_vllm: str = FAKE_VLLM) -> None:
+        self.tmp, self.tool, self.fake_vllm = tmp, tool, fake_vllm
         port = free_port()
         self.ranks: dict[int, subprocess.Popen[bytes]] = {}
         self.read: dict[int, str] = {}  # what wait_logged read of each rank's log
@@ -65,7 +67,7 @@ class Replica:
         if secret is not None:
             env[SECRET_ENV] = secret
         self.ranks[key] = subprocess.Popen(
-            [sys.executable, str(self.tool), str(config), "--", sys.executable, "-c", FAKE_VLLM,
+            [sys.executable, str(self.tool), str(config), "--", sys.executable, "-c", self.fake_vllm,
              str(self.pidfile(key))], stderr=subprocess.PIPE, env=env)
 
     def pidfile(self, rank: int) -> Path:
@@ -139,6 +141,24 @@ def test_a_killed_rank_stops_every_rank(replica: Replica, killed: int) -> None:
     assert not any(_alive(pid) for pid in pids.values())
     assert "vLLM exited with status -9" in replica.log(killed)
     assert "connection ended" in replica.log(1 - killed)
+
+
+def test_a_rank_whose_peer_is_lost_kills_a_vllm_slow_to_stop(tmp_path: Path) -> None:
+    """A replica that lost a rank has nothing to drain: the other rank's vLLM, deaf to SIGTERM here, is killed
+    within the tool's short grace (2 s), not the drain a stop on purpose allows; that rank exits for its restart."""
+    replica = Replica(tmp_path, fake_vllm=DEAF_VLLM)
+    try:
+        replica.start(0)
+        replica.start(1)
+        pids = {rank: _wait_for(replica.pidfile(rank)) for rank in (0, 1)}
+        killed = time.monotonic()
+        os.kill(pids[0], signal.SIGKILL)
+        assert replica.exit_status(1) == PEER_LOST
+        assert time.monotonic() - killed < 10, "the follower's vLLM was given more than the short grace"
+        time.sleep(0.2)
+        assert not _alive(pids[1])
+    finally:
+        replica.stop()
 
 
 def test_stopping_the_leader_stops_the_follower_for_a_restart(replica: Replica) -> None:
