@@ -23,7 +23,8 @@ RAY_ENV_DIR = f"{CONFIG_DIR}/ray"  # one environment file per Ray replica
 NODE_TOOLS_DIR = "/opt/gpufleet/node"
 NODE_TOOL_FILES = ("nvml_probe.py", "health_rules.py", "vllm_ready.py", "replica_rank.py", "ray_join_wait.py",
                    "gpu_watch.py", "replica_watchdog.py", "router_admin.py", "alert_log.py", "router_health.py",
-                   "node_state.py", "findings.py", "node_watch.py", "burn_in.py", "fabric_check.py")
+                   "node_state.py", "findings.py", "node_watch.py", "burn_in.py", "fabric_check.py",
+                   "diag_collect.py")
 NODE_PYTHON = "/usr/bin/python3"  # the node's own Python, which runs the node tools
 NODE_PYNVML = f"{NODE_TOOLS_DIR}/pynvml.py"  # the controller's nvidia-ml-py bindings, for a Python without them
 

@@ -15,6 +15,7 @@ from gpufleet.gpu.report import FactsError, NodeFacts, load_facts
 from gpufleet.inventory.load import cli_data_override as _data_override
 from gpufleet.inventory.load import load_fleet, loaded_inventory, parse_data_args, set_data_override
 from gpufleet.plan.planner import FleetPlan, plan_fleet
+from gpufleet.values import grammar
 from gpufleet.values.grammar import decimal
 from gpufleet.values.problems import EXIT_BAD_INPUT, ConfigError, exit_with
 
@@ -56,6 +57,11 @@ class Number(click.ParamType[float | int, Any]):
             kind = "a whole number" if self.whole else self.what
             self.fail(f"expected {kind} from {self.low:g} to {self.high:g}, found {str(value)!r}", param, ctx)
         return int(number) if self.whole else number
+
+
+def shown_host(host: str) -> str:
+    """A host argument as a message shows it: escaped, cut short, and not at all when it looks like a secret."""
+    return "a name that looks like a credential (not shown)" if grammar.secret_like(host) else grammar.show(host)
 
 
 DATA_OPTION = click.option("--data", "data", multiple=True, metavar="KEY=VALUE",

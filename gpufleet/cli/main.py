@@ -50,7 +50,7 @@ class _Commands(click.Group):
         "probe": "gpufleet.cli.gpu:probe_command", "gate": "gpufleet.cli.gpu:make_gate_command",
         "upgrade": "gpufleet.cli.rollout:upgrade_command", "rollback": "gpufleet.cli.rollout:rollback_command",
         "bench": "gpufleet.cli.bench:bench_command", "bench-client": "gpufleet.cli.bench_client:bench_client_command",
-        "nodes": "gpufleet.cli.nodes:nodes_command",
+        "nodes": "gpufleet.cli.nodes:nodes_command", "diag": "gpufleet.cli.diag:diag_command",
     }
 
     def main(self, args: Sequence[str] | None = None, prog_name: str | None = None, complete_var: str | None = None,

@@ -20,7 +20,7 @@ from datetime import UTC, datetime
 
 import click
 
-from gpufleet.cli.inputs import DATA_OPTION, cli_fleet, fail_lines, group_hosts
+from gpufleet.cli.inputs import DATA_OPTION, cli_fleet, fail_lines, group_hosts, shown_host
 from gpufleet.config.inventory_shape import MONITORING_GROUP
 from gpufleet.inventory.load import parse_data_args
 from gpufleet.node import node_state
@@ -53,11 +53,6 @@ def why_problem(why: str) -> str | None:
     if len(why) > 200:
         return f"{len(why)} characters"
     return None
-
-
-def shown_host(host: str) -> str:
-    """A HOST argument as a message shows it: escaped, cut short, and not at all when it looks like a secret."""
-    return "a name that looks like a credential (not shown)" if grammar.secret_like(host) else grammar.show(host)
 
 
 def describe(host: str, record: node_records.Record | None) -> str:

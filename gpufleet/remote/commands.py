@@ -119,6 +119,23 @@ class PyinfraRemote:
             return RemoteResult(False, "", f"{host}: {type(exc).__name__}: {' '.join(str(exc).split())}")
         return RemoteResult(bool(ok), "", "" if ok else f"{host}: could not write {path}")
 
+    def get_bytes(self, host: str, path: str, max_bytes: int) -> tuple[RemoteResult, bytes]:
+        """The bytes of ``path`` on ``host``, read by the connection's own user (never through ``_sudo``, whose
+        download goes through a world-readable copy): at most ``max_bytes``, else a failure."""
+        sink = io.BytesIO()
+        try:
+            target = self._host(host)
+            connector = connector_arguments(self.state, target, {"_timeout": 60, "_sudo": False, "_su_user": None})
+            ok = target.get_file(path, sink, **connector)
+        except ConnectError as exc:
+            return RemoteResult(False, "", f"{host}: cannot connect: {' '.join(str(exc).split())}"), b""
+        except (OSError, EOFError, SSHException, TimeoutError) as exc:
+            return RemoteResult(False, "", f"{host}: {type(exc).__name__}: {' '.join(str(exc).split())}"), b""
+        data = sink.getvalue()
+        if ok and len(data) > max_bytes:
+            return RemoteResult(False, "", f"{host}: {path} holds {len(data):,} bytes, over {max_bytes:,}"), b""
+        return RemoteResult(bool(ok), "", "" if ok else f"{host}: could not read {path}"), data if ok else b""
+
     def close(self) -> None:
         """Close every connection made."""
         for found in self.state.inventory:

@@ -49,6 +49,16 @@ def test_an_unreachable_host_is_a_failure_with_a_line() -> None:
     assert not done.ok and done.line().startswith("nohost.invalid: cannot connect")
 
 
+def test_a_files_bytes_are_fetched_whole_within_a_bound(local: PyinfraRemote, tmp_path: Path) -> None:
+    path = tmp_path / "node.tar.gz"
+    path.write_bytes(b"\x1f\x8b\x00binary\nbytes")
+    assert local.get_bytes("@local", str(path), 100) == (RemoteResult(True, "", ""), path.read_bytes())
+    over, data = local.get_bytes("@local", str(path), 5)
+    assert not over.ok and data == b"" and over.line().endswith("holds 15 bytes, over 5")
+    missing, data = local.get_bytes("@local", str(tmp_path / "none"), 100)
+    assert not missing.ok and data == b"" and missing.line().startswith("@local: ")
+
+
 # --- release records on a node ---------------------------------------------------------------------------------
 
 @pytest.fixture

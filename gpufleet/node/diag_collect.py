@@ -1,0 +1,402 @@
+#!/usr/bin/env python3
+"""Gather what one node kept of a window, for ``gpufleet diag`` (gpufleet node tool; standard library only).
+
+    diag_collect.py collect --since-s SECONDS --max-bytes N --budget-s SECONDS [--collect-env]
+    diag_collect.py remove DIR
+
+``collect`` reads, within ``--budget-s`` seconds and ``--max-bytes`` bytes of members (what does not fit is cut,
+its index entry says so), and writes into one tar.gz, readable by root alone (or by the user that ran it through
+sudo, so that it can be fetched without a world-readable copy):
+
+- ``units.json``: each of gpufleet's units (:data:`UNIT_PATTERNS`, and the units of each replica directory) as
+  ``systemctl show`` gives its state, result, restart count and ``ExecStart``;
+- ``journal/<unit>.log``: its journal over the window (``journalctl -o short-iso``), the newest lines kept;
+- ``kernel.log``: the kernel log's ``NVRM`` and ``Xid`` lines over the window;
+- ``replicas/<replica>/``: the files of :data:`REPLICA_FILES` (none holds a secret: the secrets are in
+  ``/etc/gpufleet/secrets``, which is never read), and with ``--collect-env`` ``vllm collect-env`` from the
+  replica's release venv;
+- ``nvml_probe.json`` (the NVML probe beside this file), ``node/`` (the lifecycle record, its summary and the
+  evidence folders of the window), ``burn-in/`` (each tier's last verdict), ``gpu-watch/`` (the GPU watch's marker
+  and samples), ``router/`` (HAProxy's servers as ``router_admin.py show`` reads them, the router health's state);
+- ``index.json``: every member with its size and source, and what could not be read and why.
+
+Every member's text goes through :func:`redact_names` (a second line of defence: the values of secrets named in it,
+a bearer token, a URL's credentials, a private key block). ``remove`` deletes what ``collect`` wrote once it has
+been fetched. ``collect`` prints one line of JSON: the archive's path and size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import io
+import json
+import os
+import re
+import shutil
+import socket
+import stat
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Sequence
+
+HERE = Path(__file__).resolve().parent
+SCHEMA = "gpufleet.diag-node/1"
+# every unit gpufleet installs or configures, by node_paths' names (tests/unit/node/test_diag_collect.py holds them
+# to it): the replicas and their ranks, their watchdogs, Ray, the GPU watch, node watch, burn-in, router health and
+# alert log (gpufleet-*), the exporters, DCGM, the NVIDIA services, HAProxy, keepalived, Prometheus and Alertmanager
+UNIT_PATTERNS = ("vllm@*.service", "vllm-watchdog@*.service", "gpufleet-*.service", "ray*.service",
+                 "node_exporter.service", "prometheus-node-exporter.service", "dcgm-exporter.service",
+                 "nvidia-dcgm.service", "nvidia-fabricmanager.service", "nvidia-persistenced.service",
+                 "haproxy.service", "keepalived.service", "prometheus.service", "prometheus-alertmanager.service")
+UNIT_PROPERTIES = ("Id", "LoadState", "ActiveState", "SubState", "Result", "NRestarts", "ExecMainStatus",
+                   "ExecMainStartTimestamp", "StateChangeTimestamp", "FragmentPath", "ExecStart")
+VLLM_ETC = "/etc/gpufleet/vllm"  # node_paths.VLLM_ETC
+SECRETS_DIR = "/etc/gpufleet/secrets"  # node_paths.SECRETS_DIR: never read
+REPLICA_FILES = ("config.yaml", "vllm.env", "ranks.json", "release.json", "release.previous.json", "watchdog.json",
+                 "observed.json")
+NODE_STATE_DIR = "/var/lib/gpufleet/node"  # node_paths.NODE_STATE_DIR
+NODE_FILES = ("state.json", "summary.json")
+EVIDENCE_DIR = NODE_STATE_DIR + "/evidence"  # node_paths.EVIDENCE_DIR
+BURN_IN_DIR = "/var/lib/gpufleet/burn-in"  # node_paths.BURN_IN_DIR
+GPU_WATCH_FILES = ("/run/gpufleet/gpu-gate-failed", "/run/gpufleet/gpu-samples.json")  # node_paths.GPU_WATCH_MARKER...
+ROUTER_SOCKET = "/run/haproxy/gpufleet-runtime.sock"  # node_paths.ROUTER_ADMIN_SOCKET
+ROUTER_HEALTH_STATE = "/run/gpufleet-router-health/healthy"  # node_paths.ROUTER_HEALTH_STATE
+UNIT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"  # node_paths.UNIT_DEFAULT_PATH
+OUT_PREFIX = "gpufleet-diag-"
+OUT_NAME = "node.tar.gz"
+OUT_DIR = re.compile(r"/var/tmp/" + OUT_PREFIX + r"[A-Za-z0-9_]{1,64}")
+FILE_MAX_BYTES = 4 << 20  # one file read whole (a record, a config, a verdict)
+COMMAND_S = 20.0  # one command, at most (less when the budget has less left)
+COLLECT_ENV_S = 30.0
+JOURNAL_LINES = 200000  # the newest lines of a unit's journal read at most (journalctl reads them from the end)
+MAX_SINCE_S = 30 * 86400
+MAX_BYTES = 1 << 30
+_REPLICA = re.compile(r"[A-Za-z0-9_.@-]{1,200}")
+_UNIT = re.compile(r"[A-Za-z0-9_.@:\\-]{1,255}")
+
+REDACTED = "[redacted]"
+SECRET_ENV_NAMES = ("VLLM_API_KEY", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "RAY_AUTH_TOKEN", "GPUFLEET_RANK_SECRET",
+                    "PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "UV_INDEX_URL", "UV_EXTRA_INDEX_URL")
+_NAMED = re.compile(r"\b(" + "|".join(SECRET_ENV_NAMES) + r")(\"?\s*[=:]\s*)(\"[^\"]*\"|'[^']*'|[^\s\"',;]+)")
+_FLAG = re.compile(r"(--api-key|--hf-token|--auth-token|--auth_pass|auth_pass)([= ]+)(\"[^\"]*\"|'[^']*'|\S+)")
+_BEARER = re.compile(r"(?i)\b(bearer\s+)[^\s\"',;]+")
+_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/\s@:\"']+:[^/\s@\"']+@")
+_PRIVATE_KEY = re.compile(r"-----BEGIN ([A-Z ]*)PRIVATE KEY-----.*?(?:-----END [A-Z ]*PRIVATE KEY-----|\Z)", re.S)
+
+
+def redact_names(text: str) -> tuple[str, int]:
+    """``text`` with what is secret by its place replaced by :data:`REDACTED`: the value after a secret's
+    environment name or a secret flag, a bearer token, a URL's user and password, a private key block; and how many
+    were replaced."""
+    count = 0
+    for pattern, keep in ((_PRIVATE_KEY, ""), (_NAMED, r"\1\2"), (_FLAG, r"\1\2"), (_BEARER, r"\1"),
+                          (_USERINFO, r"\1")):
+        text, found = pattern.subn(keep + REDACTED + ("@" if pattern is _USERINFO else ""), text)
+        count += found
+    return text, count
+
+
+class Collection:
+    """The members gathered so far, within the byte and time bounds, and what could not be read."""
+
+    def __init__(self, root: str, since: float, max_bytes: int, budget_s: float) -> None:
+        self.root = root.rstrip("/")
+        self.since = since
+        self.max_bytes = max_bytes
+        self.started = time.monotonic()
+        self.deadline = self.started + budget_s
+        self.budget_s = budget_s
+        self.members: dict[str, bytes] = {}
+        self.entries: list[dict[str, Any]] = []
+        self.unread: list[dict[str, str]] = []
+        self.venvs: dict[str, str] = {}  # replica -> its venv link's target (the release it runs)
+        self.redacted = 0
+
+    @property
+    def room(self) -> int:
+        return self.max_bytes - sum(len(data) for data in self.members.values())
+
+    def left_s(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def path(self, node_path: str) -> Path:
+        """Where a node path is (below ``--root``: the tests' fake node)."""
+        return Path(self.root + node_path)
+
+    def miss(self, what: str, why: str) -> None:
+        self.unread.append({"what": what, "why": " ".join(why.split())[:500]})
+
+    def add(self, name: str, data: bytes, source: str, keep_tail: bool = False, room: int | None = None) -> None:
+        """A member, redacted, cut to the room left (its newest bytes with ``keep_tail``)."""
+        text, count = redact_names(data.decode("utf-8", "replace"))
+        self.redacted += count
+        data = text.encode()
+        limit = max(0, min(self.room, room if room is not None else self.room))
+        entry: dict[str, Any] = {"name": name, "bytes": len(data), "source": source}
+        if len(data) > limit:
+            entry["cut_from"] = len(data)
+            data = data[len(data) - limit:] if keep_tail else data[:limit]
+            entry["bytes"] = len(data)
+            entry["cut"] = (f"{'oldest' if keep_tail else 'last'} bytes left out: the node's cap of"
+                            f" {self.max_bytes} bytes")
+        self.members[name] = data
+        self.entries.append(entry)
+
+    def run(self, argv: Sequence[str], what: str, limit_s: float = COMMAND_S,
+            env: dict[str, str] | None = None) -> bytes | None:
+        """A command's output; None (and why, in the index) when the budget is spent, it fails or it hangs."""
+        left = min(limit_s, self.left_s())
+        if left <= 0.5:
+            self.miss(what, f"not read: the node's bound of {self.budget_s:g} s ran out")
+            return None
+        try:
+            done = subprocess.run(list(argv), capture_output=True, timeout=left,
+                                  env=env, check=False)
+        except subprocess.TimeoutExpired:
+            self.miss(what, f"{argv[0]} did not end within {left:.0f} s")
+            return None
+        except OSError as exc:
+            self.miss(what, f"{argv[0]}: {exc.strerror or exc}")
+            return None
+        if done.returncode != 0:
+            err = done.stderr.decode("utf-8", "replace").strip().splitlines()
+            self.miss(what, f"{Path(argv[0]).name} exited {done.returncode}: {err[-1] if err else 'no output'}")
+            return None
+        return done.stdout
+
+    def read_file(self, node_path: str, name: str) -> None:
+        """A regular file (not a link: nothing points the collection elsewhere, into the secrets) as a member; a
+        missing one is left out."""
+        path = self.path(node_path)
+        if _under(node_path, SECRETS_DIR):
+            self.miss(node_path, "never read: it holds secrets")
+            return
+        try:
+            fd = os.open(str(path), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            self.miss(node_path, "a link (never followed)" if os.path.islink(str(path)) else str(exc.strerror))
+            return
+        with os.fdopen(fd, "rb") as opened:
+            info = os.fstat(opened.fileno())
+            if not stat.S_ISREG(info.st_mode):
+                self.miss(node_path, "not a regular file")
+                return
+            data = opened.read(FILE_MAX_BYTES + 1)
+        if len(data) > FILE_MAX_BYTES:
+            self.miss(node_path, f"larger than {FILE_MAX_BYTES} bytes")
+            return
+        self.add(name, data, node_path)
+
+
+def _under(path: str, directory: str) -> bool:
+    real = os.path.normpath(path)
+    return real == directory or real.startswith(directory + "/")
+
+
+def units(c: Collection, replicas: list[str]) -> list[str]:
+    """gpufleet's units on this node: those systemd knows by :data:`UNIT_PATTERNS`, and each replica's own."""
+    listed = c.run(["systemctl", "list-units", "--all", "--plain", "--no-legend", "--no-pager", "--full", "--",
+                    *UNIT_PATTERNS], "the list of units")
+    found = [line.split()[0] for line in (listed or b"").decode("utf-8", "replace").splitlines() if line.split()]
+    for replica in replicas:
+        found += [f"vllm@{replica}.service", f"vllm-watchdog@{replica}.service"]
+    return sorted({u for u in found if _UNIT.fullmatch(u) and any(fnmatch.fnmatch(u, p) for p in UNIT_PATTERNS)})
+
+
+def unit_states(c: Collection, names: list[str]) -> None:
+    """``units.json``: each unit's properties of :data:`UNIT_PROPERTIES`, as ``systemctl show`` gives them."""
+    if not names:
+        return
+    shown = c.run(["systemctl", "show", "--no-pager", f"--property={','.join(UNIT_PROPERTIES)}", "--", *names],
+                  "the units' states")
+    if shown is None:
+        return
+    doc: dict[str, dict[str, str]] = {}
+    for block in shown.decode("utf-8", "replace").split("\n\n"):
+        props = dict(line.split("=", 1) for line in block.splitlines() if "=" in line)
+        if props.get("Id"):
+            doc[props["Id"]] = props
+    c.add("units.json", (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode(), "systemctl show")
+
+
+def journals(c: Collection, names: list[str]) -> None:
+    """Each unit's journal over the window, the room left shared among the journals still to read."""
+    for n, unit in enumerate(names):
+        out = c.run(["journalctl", "--quiet", "--no-pager", "--output=short-iso", f"--since=@{c.since:.0f}",
+                     f"--lines={JOURNAL_LINES}", "--unit", unit], f"the journal of {unit}")
+        if out:
+            c.add(f"journal/{unit}.log", out, f"journalctl --unit {unit}", keep_tail=True,
+                  room=c.room // (len(names) - n))
+
+
+def kernel(c: Collection) -> None:
+    """The kernel log's NVRM and Xid lines over the window."""
+    out = c.run(["journalctl", "--quiet", "--no-pager", "--output=short-iso", "--dmesg", f"--since=@{c.since:.0f}"],
+                "the kernel log")
+    if out is not None:
+        lines = [line for line in out.decode("utf-8", "replace").splitlines(True) if "NVRM" in line or "Xid" in line]
+        c.add("kernel.log", "".join(lines).encode(), "journalctl --dmesg (NVRM and Xid lines)", keep_tail=True)
+
+
+def replica_names(c: Collection) -> list[str]:
+    try:
+        return sorted(p.name for p in c.path(VLLM_ETC).iterdir() if p.is_dir() and _REPLICA.fullmatch(p.name))
+    except OSError:
+        return []
+
+
+def replica_files(c: Collection, replicas: list[str]) -> None:
+    """Each replica's files, and its venv's target (the release it runs)."""
+    for replica in replicas:
+        directory = f"{VLLM_ETC}/{replica}"
+        for name in REPLICA_FILES:
+            c.read_file(f"{directory}/{name}", f"replicas/{replica}/{name}")
+        venv = c.path(f"{directory}/venv")
+        if venv.is_symlink():
+            c.venvs[replica] = os.readlink(str(venv))
+
+
+def collect_envs(c: Collection, replicas: list[str]) -> None:
+    """vLLM's own report of each replica's environment, from its venv, run with nothing of the units' environment."""
+    for replica in replicas:
+        vllm = f"{VLLM_ETC}/{replica}/venv/bin/vllm"
+        out = c.run([str(c.path(vllm)), "collect-env"], f"vllm collect-env of {replica}", COLLECT_ENV_S,
+                    env={"PATH": UNIT_PATH, "HOME": "/nonexistent", "LANG": "C.UTF-8"})
+        if out is not None:
+            c.add(f"replicas/{replica}/collect-env.txt", out, f"{vllm} collect-env")
+
+
+def node_records(c: Collection) -> None:
+    """The lifecycle record and summary, the evidence folders changed within the window, the burn-in verdicts, the
+    GPU watch's marker and samples."""
+    for name in NODE_FILES:
+        c.read_file(f"{NODE_STATE_DIR}/{name}", f"node/{name}")
+    try:
+        folders = sorted(p for p in c.path(EVIDENCE_DIR).iterdir() if p.is_dir() and not p.is_symlink()
+                         and p.stat().st_mtime >= c.since)
+    except OSError:
+        folders = []
+    for folder in folders:
+        for item in sorted(folder.iterdir()):
+            c.read_file(f"{EVIDENCE_DIR}/{folder.name}/{item.name}", f"node/evidence/{folder.name}/{item.name}")
+    try:
+        verdicts = sorted(p.name for p in c.path(BURN_IN_DIR).iterdir() if p.name.endswith(".json"))
+    except OSError:
+        verdicts = []
+    for name in verdicts:
+        c.read_file(f"{BURN_IN_DIR}/{name}", f"burn-in/{name}")
+    for path in GPU_WATCH_FILES:
+        c.read_file(path, f"gpu-watch/{Path(path).name}")
+
+
+def probe_and_router(c: Collection) -> None:
+    """The NVML probe's report, and on a router HAProxy's servers and the router health's state."""
+    probe = HERE / "nvml_probe.py"
+    if probe.is_file():
+        out = c.run([sys.executable, str(probe)], "the NVML probe")
+        if out is not None:
+            c.add("nvml_probe.json", out, "nvml_probe.py")
+    else:
+        c.miss("the NVML probe", f"{probe} is not on this node")
+    sock = c.path(ROUTER_SOCKET)
+    if sock.is_socket():
+        out = c.run([sys.executable, "-I", str(HERE / "router_admin.py"), "show", "--socket", str(sock)],
+                    "HAProxy's servers")
+        if out is not None:
+            c.add("router/servers.json", out, "router_admin.py show")
+    c.read_file(ROUTER_HEALTH_STATE, "router/healthy")
+
+
+def collect(root: str, since_s: float, max_bytes: int, budget_s: float, collect_env: bool) -> Collection:
+    """Everything, in the order it matters when the bounds cut it short."""
+    c = Collection(root, time.time() - since_s, max_bytes, budget_s)
+    replicas = replica_names(c)
+    names = units(c, replicas)
+    unit_states(c, names)
+    replica_files(c, replicas)
+    node_records(c)
+    kernel(c)
+    journals(c, names)
+    probe_and_router(c)
+    if collect_env:
+        collect_envs(c, replicas)
+    return c
+
+
+def index(c: Collection, since_s: float) -> dict[str, Any]:
+    return {"schema": SCHEMA, "node": socket.gethostname(), "since_s": since_s,
+            "since": datetime.fromtimestamp(c.since, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "max_bytes": c.max_bytes, "budget_s": c.budget_s, "seconds": round(time.monotonic() - c.started, 3),
+            "bytes": sum(len(d) for d in c.members.values()),
+            "members": c.entries, "venvs": c.venvs,
+            "unread": c.unread, "redacted": c.redacted}
+
+
+def write_archive(c: Collection, doc: dict[str, Any], out_dir: str) -> Path:
+    """The tar.gz in a new folder of ``out_dir``, both root's alone (or the sudo user's, who fetches it)."""
+    folder = Path(tempfile.mkdtemp(prefix=OUT_PREFIX, dir=out_dir))
+    path = folder / OUT_NAME
+    fd = os.open(str(path), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as raw, tarfile.open(fileobj=raw, mode="w:gz") as tar:
+        for name, data in [("index.json", (json.dumps(doc, indent=1) + "\n").encode()), *c.members.items()]:
+            info = tarfile.TarInfo(name)
+            info.size, info.mode, info.mtime = len(data), 0o600, int(time.time())
+            tar.addfile(info, io.BytesIO(data))
+    uid, gid = os.environ.get("SUDO_UID", ""), os.environ.get("SUDO_GID", "")
+    if os.geteuid() == 0 and uid.isdigit() and gid.isdigit():
+        for owned in (folder, path):
+            os.chown(str(owned), int(uid), int(gid))
+    return path
+
+
+def remove(directory: str) -> None:
+    """Delete a folder ``collect`` made (and nothing else)."""
+    if not OUT_DIR.fullmatch(directory):
+        raise SystemExit(f"diag_collect: refusing to remove {directory!r}: not a folder this tool made")
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def _bounded(low: float, high: float, whole: bool = False) -> Any:
+    def parse(text: str) -> float:
+        try:
+            value = int(text) if whole else float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, found {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"expected {low:g} to {high:g}, found {text!r}")
+        return value
+    return parse
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="diag_collect.py", description=__doc__.splitlines()[1])
+    commands = parser.add_subparsers(dest="command", required=True)
+    gather = commands.add_parser("collect", help="gather the node's evidence into a tar.gz")
+    gather.add_argument("--since-s", required=True, type=_bounded(1, MAX_SINCE_S))
+    gather.add_argument("--max-bytes", required=True, type=_bounded(1, MAX_BYTES, whole=True))
+    gather.add_argument("--budget-s", required=True, type=_bounded(1, 3600))
+    gather.add_argument("--collect-env", action="store_true", help="also run vllm collect-env in each replica's venv")
+    gather.add_argument("--root", default="/", help="read the node's files below this folder (tests)")
+    gather.add_argument("--out-dir", default="/var/tmp", help="where the archive's folder is made")
+    gone = commands.add_parser("remove", help="delete the folder collect made, once fetched")
+    gone.add_argument("directory")
+    args = parser.parse_args(argv)
+    if args.command == "remove":
+        remove(args.directory)
+        return 0
+    c = collect(args.root, args.since_s, args.max_bytes, args.budget_s, args.collect_env)
+    path = write_archive(c, index(c, args.since_s), args.out_dir)
+    print(json.dumps({"archive": str(path), "bytes": path.stat().st_size}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
