@@ -24,12 +24,13 @@ from typing import Any
 
 from gpufleet.diag.collect import NodeRun
 from gpufleet.diag.redact import Secrets, redact
-from gpufleet.diag.signatures import KERNEL, Finding, scan
+from gpufleet.diag.signatures import BOOTS, KERNEL, Finding, scan
 
 SCHEMA = "gpufleet.diag/1"
 MAX_MEMBERS = 20000
 _NAME = re.compile(r"[A-Za-z0-9_.@:+-]+(?:/[A-Za-z0-9_.@:+-]+)*")
 _JOURNAL = re.compile(r"journal/(?P<unit>[^/]+)\.log")
+LOGS = {"kernel.log": KERNEL, "boots.log": BOOTS}  # a node's members read as a log of their own, not a unit's
 _GZIP_MAGIC = b"\x1f\x8b"
 
 
@@ -101,7 +102,7 @@ def _gunzip(data: bytes, limit: int) -> bytes:
 def _findings(host: str, members: list[tuple[str, bytes]]) -> list[Finding]:
     found: list[Finding] = []
     for name, data in members:
-        unit = KERNEL if name == "kernel.log" else (m["unit"] if (m := _JOURNAL.fullmatch(name)) else None)
+        unit = LOGS.get(name) or (m["unit"] if (m := _JOURNAL.fullmatch(name)) else None)
         if unit is not None:
             found += scan(host, unit, data.decode("utf-8", "replace").splitlines())
     return found

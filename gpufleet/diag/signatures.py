@@ -25,6 +25,8 @@ from gpufleet.node.findings import XID_LINE
 CATALOG = "data/failure_signatures.yml"
 KERNEL = "kernel"
 """The name a signature's ``units`` gives the kernel log."""
+BOOTS = "boots"
+"""The name a signature's ``units`` gives the node's boots (each boot of the window, and how the one before ended)."""
 XID_RUNBOOK = "xid"
 """The runbook section of every Xid finding."""
 RUNBOOK = "docs/guide/when-things-fail.md"
@@ -49,7 +51,7 @@ class Signature:
 
     def reads(self, unit: str) -> bool:
         """Whether this signature is read in ``unit``'s journal (a unit name, or :data:`KERNEL`)."""
-        return any(unit == prefix if prefix == KERNEL else unit.startswith(prefix) for prefix in self.units)
+        return any(unit == prefix if prefix in (KERNEL, BOOTS) else unit.startswith(prefix) for prefix in self.units)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,9 @@ sudo, so that it can be fetched without a world-readable copy):
 - ``units.json``: each of gpufleet's units (:data:`UNIT_PATTERNS`, and the units of each replica directory) as
   ``systemctl show`` gives its state, result, restart count and ``ExecStart``;
 - ``journal/<unit>.log``: its journal over the window (``journalctl -o short-iso``), the newest lines kept;
-- ``kernel.log``: the kernel log's ``NVRM`` and ``Xid`` lines over the window;
+- ``kernel.log``: the kernel log's ``NVRM`` and ``Xid`` lines over the window (or the newest of the file the node
+  watch reads in its place);
+- ``boots.log``: each boot that began in the window, and whether the boot before it ended with a shutdown;
 - ``replicas/<replica>/``: the files of :data:`REPLICA_FILES` (none holds a secret: the secrets are in
   ``/etc/gpufleet/secrets``, which is never read), and with ``--collect-env`` ``vllm collect-env`` from the
   replica's release venv;
@@ -64,6 +66,8 @@ NODE_STATE_DIR = "/var/lib/gpufleet/node"  # node_paths.NODE_STATE_DIR
 NODE_FILES = ("state.json", "summary.json")
 EVIDENCE_DIR = NODE_STATE_DIR + "/evidence"  # node_paths.EVIDENCE_DIR
 BURN_IN_DIR = "/var/lib/gpufleet/burn-in"  # node_paths.BURN_IN_DIR
+LIFECYCLE_CONFIG = "/etc/gpufleet/lifecycle.json"  # node_paths.LIFECYCLE_CONFIG: where the node watch reads its log
+KMSG = "/dev/kmsg"
 GPU_WATCH_FILES = ("/run/gpufleet/gpu-gate-failed", "/run/gpufleet/gpu-samples.json")  # node_paths.GPU_WATCH_MARKER...
 ROUTER_SOCKET = "/run/haproxy/gpufleet-runtime.sock"  # node_paths.ROUTER_ADMIN_SOCKET
 ROUTER_HEALTH_STATE = "/run/gpufleet-router-health/healthy"  # node_paths.ROUTER_HEALTH_STATE
@@ -79,6 +83,10 @@ MAX_SINCE_S = 30 * 86400
 MAX_BYTES = 1 << 30
 _REPLICA = re.compile(r"[A-Za-z0-9_.@-]{1,200}")
 _UNIT = re.compile(r"[A-Za-z0-9_.@:\\-]{1,255}")
+_ID = re.compile(r"[0-9a-f]{32}")  # a boot id
+# what the journal of a boot ends with when systemd shut it down (power off, reboot, halt, kexec)
+SHUTDOWN_MARKS = ("Reached target shutdown.target", "System is powering down", "System is rebooting",
+                  "Reached target System Power Off", "Reached target System Reboot", "Reached target System Halt")
 
 REDACTED = "[redacted]"
 SECRET_ENV_NAMES = ("VLLM_API_KEY", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "RAY_AUTH_TOKEN", "GPUFLEET_RANK_SECRET",
@@ -237,13 +245,74 @@ def journals(c: Collection, names: list[str]) -> None:
                   room=c.room // (len(names) - n))
 
 
+def kernel_log_file(c: Collection) -> str | None:
+    """The file the node watch reads as the kernel log (``kernel_log`` of its configuration), when it is not the
+    kernel's own (``/dev/kmsg``, which the journal keeps with its times)."""
+    try:
+        doc = json.loads(c.path(LIFECYCLE_CONFIG).read_text())
+    except (OSError, ValueError):
+        return None
+    found = doc.get("kernel_log") if isinstance(doc, dict) else None
+    return found if isinstance(found, str) and found.startswith("/") and found != KMSG else None
+
+
 def kernel(c: Collection) -> None:
-    """The kernel log's NVRM and Xid lines over the window."""
-    out = c.run(["journalctl", "--quiet", "--no-pager", "--output=short-iso", "--dmesg", f"--since=@{c.since:.0f}"],
-                "the kernel log")
+    """The kernel log's NVRM and Xid lines: over the window from the journal, or the newest of the file the node
+    watch reads in its place (a file has no times to window by)."""
+    source = kernel_log_file(c)
+    if source is not None:
+        path = c.path(source)
+        try:
+            fd = os.open(str(path), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except FileNotFoundError:  # nothing written to it yet
+            c.add("kernel.log", b"", f"{source} (NVRM and Xid lines)")
+            return
+        except OSError as exc:
+            c.miss(source, str(exc.strerror))
+            return
+        with os.fdopen(fd, "rb") as opened:
+            if not stat.S_ISREG(os.fstat(opened.fileno()).st_mode):
+                c.miss(source, "not a regular file")
+                return
+            opened.seek(max(0, os.fstat(opened.fileno()).st_size - FILE_MAX_BYTES))
+            out: bytes | None = opened.read(FILE_MAX_BYTES)
+        what = f"{source} (NVRM and Xid lines)"
+    else:
+        out = c.run(["journalctl", "--quiet", "--no-pager", "--output=short-iso", "--dmesg",
+                     f"--since=@{c.since:.0f}"], "the kernel log")
+        what = "journalctl --dmesg (NVRM and Xid lines)"
     if out is not None:
         lines = [line for line in out.decode("utf-8", "replace").splitlines(True) if "NVRM" in line or "Xid" in line]
-        c.add("kernel.log", "".join(lines).encode(), "journalctl --dmesg (NVRM and Xid lines)", keep_tail=True)
+        c.add("kernel.log", "".join(lines).encode(), what, keep_tail=True)
+
+
+def _iso(usec: int) -> str:
+    return datetime.fromtimestamp(usec / 1e6, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S+0000")
+
+
+def boots(c: Collection) -> None:
+    """``boots.log``: each boot that began in the window, and how the boot before it ended: after a shutdown, or
+    without one (power lost, a hard reset, a kernel that stopped), as its journal's last lines say."""
+    out = c.run(["journalctl", "--list-boots", "--no-pager", "--output=json"], "the node's boots")
+    if out is None:
+        return
+    try:
+        listed = sorted((b for b in json.loads(out) if isinstance(b, dict)), key=lambda b: int(b["index"]))
+        found = [(str(b["boot_id"]), int(b["first_entry"]), int(b["last_entry"])) for b in listed]
+    except (ValueError, KeyError, TypeError):
+        c.miss("the node's boots", "journalctl --list-boots printed no list of boots")
+        return
+    lines = []
+    for (before, _, ended), (boot, began, _) in zip(found, found[1:]):
+        if began < c.since * 1e6 or not _ID.fullmatch(before):
+            continue
+        tail = c.run(["journalctl", "--quiet", "--no-pager", "--output=cat", "--lines=200", f"--boot={before}"],
+                     f"the end of boot {before}")
+        clean = tail is not None and any(mark in tail.decode("utf-8", "replace") for mark in SHUTDOWN_MARKS)
+        how = "after a shutdown" if clean else "without a shutdown (power lost, a hard reset or a kernel that stopped)"
+        lines.append(f"{_iso(began)} boot {boot[:12]} began; the boot before it ({before[:12]}) ended at"
+                     f" {_iso(ended)} {how}\n")
+    c.add("boots.log", "".join(lines).encode(), "journalctl --list-boots, and the end of each boot before one")
 
 
 def replica_names(c: Collection) -> list[str]:
@@ -324,6 +393,7 @@ def collect(root: str, since_s: float, max_bytes: int, budget_s: float, collect_
     replica_files(c, replicas)
     node_records(c)
     kernel(c)
+    boots(c)
     journals(c, names)
     probe_and_router(c)
     if collect_env:

@@ -18,10 +18,13 @@ ROOT = Path(__file__).resolve().parents[2]
 NODE_TOOL = ROOT / "gpufleet" / "node" / "diag_collect.py"
 
 _JOURNALCTL = """#!/bin/sh
-# the case's journals: --dmesg prints kernel.log, --unit U prints U.log; HANG makes it never end
+# the case's journals: --dmesg prints kernel.log, --unit U prints U.log, --list-boots boots.json, --boot=ID
+# boot-ID.log; HANG makes it never end
 [ -e {journals}/HANG ] && exec sleep 300
 case " $* " in
   *" --dmesg "*) exec cat {journals}/kernel.log 2>/dev/null ;;
+  *" --list-boots "*) exec cat {journals}/boots.json 2>/dev/null ;;
+  *" --boot="*) for a in "$@"; do case "$a" in --boot=*) exec cat "{journals}/boot-${{a#--boot=}}.log" ;; esac; done ;;
 esac
 while [ $# -gt 0 ]; do [ "$1" = --unit ] && exec cat "{journals}/$2.log" 2>/dev/null; shift; done
 """

@@ -18,6 +18,7 @@ import yaml
 
 from gpufleet import node_paths
 from gpufleet.config.schema import RECORDS
+from gpufleet.config.settings.node_lifecycle import KMSG
 from gpufleet.node import diag_collect
 from gpufleet.node.replica_rank import SECRET_ENV
 from tests.conftest import DATA
@@ -73,6 +74,35 @@ def test_a_node_gives_its_units_journals_files_and_kernel_lines(node: FakeNode, 
     assert index["venvs"] == {REPLICA: "/opt/vllm/0.32.0"}
     assert {m["name"] for m in index["members"]} == set(members) - {"index.json"}
     assert archive.stat().st_mode & 0o777 == 0o600 and archive.parent.stat().st_mode & 0o777 == 0o700
+
+
+def test_the_kernel_log_is_the_file_the_node_watch_reads_when_it_is_one(node: FakeNode, tmp_path: Path) -> None:
+    """A node whose watch reads a file in place of /dev/kmsg (node_kernel_log): its Xid lines come from that file."""
+    log = "/var/log/kernel-double/kmsg"
+    node.file(node_paths.LIFECYCLE_CONFIG, json.dumps({"kernel_log": log}))
+    node.file(log, "NVRM: Xid (PCI:0000:1b:00): 48, pid=4242, name=python3, DBE\nother line\n")
+    index, members, _ = _collect(node, tmp_path)
+    assert members["kernel.log"] == b"NVRM: Xid (PCI:0000:1b:00): 48, pid=4242, name=python3, DBE\n"
+    assert [m["source"] for m in index["members"] if m["name"] == "kernel.log"] == [f"{log} (NVRM and Xid lines)"]
+
+
+def test_boots_of_the_window_say_how_the_boot_before_each_ended(node: FakeNode, tmp_path: Path) -> None:
+    """A boot that began in the window is listed with how the one before it ended: after systemd's shutdown, or
+    without one (its journal just stops); a boot before the window is left out."""
+    now = int(time.time() * 1e6)
+    ids = [f"{n:x}" * 32 for n in range(10, 14)]
+    node.journals.joinpath("boots.json").write_text(json.dumps([
+        {"index": -3, "boot_id": ids[0], "first_entry": now - 9000 * 10**6, "last_entry": now - 8000 * 10**6},
+        {"index": -2, "boot_id": ids[1], "first_entry": now - 7200 * 10**6, "last_entry": now - 1200 * 10**6},
+        {"index": -1, "boot_id": ids[2], "first_entry": now - 1100 * 10**6, "last_entry": now - 600 * 10**6},
+        {"index": 0, "boot_id": ids[3], "first_entry": now - 500 * 10**6, "last_entry": now}]))
+    node.journals.joinpath(f"boot-{ids[1]}.log").write_text("vllm: serving\nhost0: Link DOWN\n")
+    node.journals.joinpath(f"boot-{ids[2]}.log").write_text("Reached target shutdown.target - System Shutdown.\n")
+    _, members, _ = _collect(node, tmp_path)
+    lines = members["boots.log"].decode().splitlines()
+    assert [line.split(" boot ")[1][:12] for line in lines] == [ids[2][:12], ids[3][:12]], lines
+    assert lines[0].endswith("without a shutdown (power lost, a hard reset or a kernel that stopped)")
+    assert lines[1].endswith("after a shutdown")
 
 
 def test_the_secrets_are_never_read_and_a_named_one_is_redacted(node: FakeNode, tmp_path: Path) -> None:
@@ -151,6 +181,7 @@ def test_the_node_tool_agrees_with_the_controllers_names() -> None:
         node_paths.BURN_IN_DIR, node_paths.ROUTER_ADMIN_SOCKET, node_paths.ROUTER_HEALTH_STATE,
         node_paths.UNIT_DEFAULT_PATH)
     assert tool.GPU_WATCH_FILES == (node_paths.GPU_WATCH_MARKER, node_paths.GPU_SAMPLES)
+    assert (tool.LIFECYCLE_CONFIG, tool.KMSG) == (node_paths.LIFECYCLE_CONFIG, KMSG)
     assert Path(node_paths.NODE_STATE_FILE).name in tool.NODE_FILES
     assert Path(node_paths.NODE_STATE_SUMMARY).name in tool.NODE_FILES
     units = [node_paths.DCGM_HOSTENGINE, node_paths.DCGM_EXPORTER_SERVICE, node_paths.NODE_EXPORTER_UNIT,
