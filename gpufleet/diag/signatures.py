@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 
 from gpufleet.config.settings.node_lifecycle import repository_catalog
+from gpufleet.monitoring.alert_rules import RUNBOOK
 from gpufleet.node.findings import XID_LINE
 
 CATALOG = "data/failure_signatures.yml"
@@ -29,7 +30,6 @@ BOOTS = "boots"
 """The name a signature's ``units`` gives the node's boots (each boot of the window, and how the one before ended)."""
 XID_RUNBOOK = "xid"
 """The runbook section of every Xid finding."""
-RUNBOOK = "docs/guide/when-things-fail.md"
 _KEYS = {"finding", "units", "patterns", "source"}
 _ID = re.compile(r"[a-z][a-z0-9_]{0,47}")
 _STAMP = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:[.,]\d+)?(?:[+-]\d\d:?\d\d|Z)?")

@@ -41,6 +41,10 @@ PREFIX_BASELINE = "6h"
 START_ALERT_WINDOW_S = 3600
 """How long after a replica's start ReplicaStartSlow judges it (seconds): a slow start is news for an hour."""
 
+RUNBOOK = "docs/guide/when-things-fail.md"
+"""The guide's page of runbooks: a section per alert (its ``runbook`` annotation: this page, ``#`` the alert's name in
+lower case) and per failure signature (``gpufleet diag``'s findings)."""
+
 GPU_SERVICES = (node_paths.DCGM_HOSTENGINE, f"{node_paths.FABRICMANAGER}.service")
 """Services the GPUs need: DCGM's host engine and, on NVSwitch systems, the fabric manager."""
 
@@ -73,6 +77,7 @@ def rule_values(cfg: HostConfig) -> dict[str, Any]:
         "prefix_collapse_for": PREFIX_COLLAPSE_FOR,
         "prefix_baseline": PREFIX_BASELINE,
         "start_alert_window_s": START_ALERT_WINDOW_S,
+        "runbook": RUNBOOK,
     }
 
 

@@ -37,12 +37,12 @@ from gpufleet_lab.nodes import (
 )
 
 from gpufleet import node_paths
+from gpufleet.monitoring.alert_rules import RUNBOOK
 from tests.lab.fleet import INVENTORY, PIPELINE, record_figure
 from tests.lab.harness import ROOT, Completed, Lab
 
 pytestmark = pytest.mark.filterwarnings("ignore:Unknown ssh-ed25519 host key:UserWarning")
 
-RUNBOOK = "docs/guide/when-things-fail.md"
 FINDING = re.compile(r"^  (?P<host>\S+): (?P<text>.*); read " + re.escape(RUNBOOK) + r"#(?P<runbook>\w+)$", re.M)
 NODE_LINE = re.compile(r"^(?P<host>\S+): (?P<seconds>[\d.]+) s, (?P<bytes>[\d,]+) bytes", re.M)
 # (node index, runbook section, text the finding holds): what each fault of the scenario leaves, and its test

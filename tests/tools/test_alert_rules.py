@@ -153,10 +153,10 @@ def test_each_threshold_reaches_its_rules_and_no_other(default_rules: dict[str, 
 
 # --- what every rule carries ------------------------------------------------------------------------------------
 
-def test_every_alert_has_a_severity_a_summary_and_a_description(default_rules: dict[str, str]) -> None:
+def test_every_alert_has_a_severity_a_summary_a_description_and_a_runbook(default_rules: dict[str, str]) -> None:
     for name, rule in _alerts(default_rules).items():
         assert rule["labels"]["severity"] in SEVERITIES, name
-        assert set(rule["annotations"]) == {"summary", "description"}, name
+        assert set(rule["annotations"]) == {"summary", "description", "runbook"}, name
         assert all(text.strip() for text in rule["annotations"].values()), name
         assert len(rule["annotations"]["summary"]) < len(rule["annotations"]["description"]), name
 

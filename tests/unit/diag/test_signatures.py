@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 import yaml
 
-from gpufleet.diag.signatures import RUNBOOK, XID_RUNBOOK, CatalogError, catalog, parse_catalog, scan
+from gpufleet.diag.signatures import XID_RUNBOOK, CatalogError, catalog, parse_catalog, scan
+from gpufleet.monitoring.alert_rules import RUNBOOK
 from tests.conftest import DATA, ROOT
 
 CASES = sorted((DATA / "failure_signatures").glob("*.yml"))
