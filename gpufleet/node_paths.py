@@ -56,6 +56,10 @@ def burn_in_service(tier: str) -> str:
     """The unit that runs one tier of the burn-in."""
     return f"gpufleet-burn-in-{tier}.service"
 
+# gpufleet diag's captures (an archive taken when a canary failed), on each monitoring host, root 0700; the newest are
+# kept (gpufleet.diag.captures)
+DIAG_CAPTURES_DIR = "/var/lib/gpufleet/diag"
+
 # the alert log (role monitoring): every alert Alertmanager sends, a line each in its journal (alert_log.py)
 ALERT_LOG_SERVICE = "gpufleet-alert-log.service"
 

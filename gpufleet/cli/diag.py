@@ -12,17 +12,23 @@ Exit 0 when every node gave its archive, 1 when one did not.
 
 from __future__ import annotations
 
+import tempfile
+from collections.abc import Sequence
 from datetime import UTC, datetime
+from pathlib import Path
 
 import click
 
-from gpufleet.cli.inputs import DATA_OPTION, Number, cli_fleet, declared_plan, fail_lines, shown_host
+from gpufleet.cli.inputs import DATA_OPTION, Number, cli_fleet, declared_plan, fail_lines, group_hosts, shown_host
 from gpufleet.config.fleet import Fleet
+from gpufleet.config.inventory_shape import MONITORING_GROUP
 from gpufleet.diag.archive import Written, write_archive
+from gpufleet.diag.captures import listed, take
 from gpufleet.diag.collect import NODE_BOUND_S, NodeRemote, collect
 from gpufleet.diag.options import DEFAULT_SINCE, OptionError, out_path, since_seconds
 from gpufleet.diag.redact import fleet_secrets
 from gpufleet.inventory.load import parse_data_args
+from gpufleet.node_paths import DIAG_CAPTURES_DIR
 from gpufleet.remote.commands import PyinfraRemote
 from gpufleet.remote.gpu_probe import load_inventory
 
@@ -56,6 +62,52 @@ def _report(written: Written, since: str, max_mib: int) -> None:
                    + (f"; {node['problem']}" if node["problem"] else ""))
 
 
+def _monitoring(fleet: Fleet, inventory: str) -> list[str]:
+    hosts = group_hosts(fleet, MONITORING_GROUP)
+    if not hosts:
+        fail_lines([f"gpufleet diag: {inventory} has no `{MONITORING_GROUP}` group: captures are kept on its hosts"])
+    return hosts
+
+
+def capture(inventory: str, data: tuple[str, ...], fleet: Fleet, nodes: Sequence[str], reason: str) -> None:
+    """Take a capture of ``nodes`` (:mod:`gpufleet.diag.captures`) and keep it on the monitoring hosts, saying where;
+    nothing when the inventory has no monitoring host."""
+    monitoring = group_hosts(fleet, MONITORING_GROUP)
+    if not monitoring:
+        return
+    override = parse_data_args(list(data)) or None
+    store = PyinfraRemote(load_inventory(inventory, override))
+    try:
+        with tempfile.TemporaryDirectory(prefix="gpufleet-capture-") as work:
+            name, problems = take(nodes, lambda host: PyinfraRemote(load_inventory(inventory, override)), store,
+                                  monitoring, fleet_secrets(fleet.configs.values()), reason, datetime.now(UTC),
+                                  Path(work))
+    finally:
+        store.close()
+    click.echo(f"gpufleet diag: captured {', '.join(nodes)} ({reason}) as {DIAG_CAPTURES_DIR}/{name} on"
+               f" {', '.join(monitoring)}; gpufleet diag {inventory} --list")
+    for line in problems:
+        click.echo(f"gpufleet diag: capture: {line}", err=True)
+
+
+def _list(inventory: str, data: tuple[str, ...]) -> None:
+    """Every capture kept on the monitoring hosts, newest first."""
+    fleet = cli_fleet(inventory, data)
+    monitoring = _monitoring(fleet, inventory)
+    store = PyinfraRemote(load_inventory(inventory, parse_data_args(list(data)) or None))
+    try:
+        found, problems = listed(store, monitoring)
+    finally:
+        store.close()
+    click.echo(f"captures: {len(found)}" + ("" if found else f" (none kept in {DIAG_CAPTURES_DIR})"))
+    for kept in found:
+        click.echo(f"  {kept.line()}")
+    for line in problems:
+        click.echo(line, err=True)
+    if problems:
+        raise SystemExit(EXIT_FAILED)
+
+
 @click.command("diag")
 @click.argument("inventory")
 @click.option("--host", "hosts", multiple=True, metavar="HOST",
@@ -68,9 +120,11 @@ def _report(written: Written, since: str, max_mib: int) -> None:
               help="The most each node sends, in MiB (the newest journal lines are kept).")
 @click.option("--collect-env", is_flag=True,
               help="Also run `vllm collect-env` in each replica's release venv (slower: it imports torch).")
+@click.option("--list", "list_only", is_flag=True,
+              help="List the captures kept on the monitoring hosts (taken when a canary failed); collect nothing.")
 @DATA_OPTION
 def diag_command(inventory: str, hosts: tuple[str, ...], since: str, out_text: str | None, max_mib: int,
-                 collect_env: bool, data: tuple[str, ...]) -> None:
+                 collect_env: bool, list_only: bool, data: tuple[str, ...]) -> None:
     """Collect from each node, in parallel and within 60 s and --max-mib each, the journals, states
     and restart counts of gpufleet's units, each replica's config, release and ExecStart, the NVML probe, the kernel
     log's Xid and NVRM lines, the lifecycle record and burn-in verdicts, and the routers' servers, into one archive
@@ -78,6 +132,12 @@ def diag_command(inventory: str, hosts: tuple[str, ...], since: str, out_text: s
 
     Exit 0 when every node gave its archive, 1 when one did not, 2 on bad input.
     """
+    if list_only:
+        given = [name for name, on in (("--host", hosts), ("--out", out_text), ("--collect-env", collect_env)) if on]
+        if given:
+            fail_lines([f"gpufleet diag: --list collects nothing: expected no {', '.join(given)} with it"])
+        _list(inventory, data)
+        return
     try:
         since_s = since_seconds(since)
     except OptionError as exc:

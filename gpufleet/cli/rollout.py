@@ -22,6 +22,7 @@ import click
 from click.core import ParameterSource
 from pyinfra.api.inventory import Inventory
 
+from gpufleet.cli.diag import capture
 from gpufleet.cli.inputs import DATA_OPTION, cli_fleet, fail_lines, fleet_facts
 from gpufleet.config.fleet import Fleet
 from gpufleet.config.inventory_shape import MONITORING_GROUP, ROUTERS_GROUP
@@ -43,7 +44,7 @@ from gpufleet.rollout.options import check_options
 from gpufleet.rollout.pyinfra_run import DEPLOY, PROJECT_ROOT, PyinfraDeploy, pyinfra_program
 from gpufleet.rollout.release import changes
 from gpufleet.rollout.replicas import ROLLBACK, UPGRADE, Rollable, rollable
-from gpufleet.rollout.report import ROLLED
+from gpufleet.rollout.report import ROLLED, ROLLED_BACK
 from gpufleet.rollout.router_control import RouterControl, RouterFailure
 from gpufleet.rollout.runner import DEFAULT_CANARY_S, LatencyJudge, Options, Rollout
 from gpufleet.values.problems import ConfigError
@@ -270,6 +271,11 @@ def _roll(mode: str, inventory: str, batches: str, max_unavailable: str, min_ava
     finally:
         remote.close()
     click.echo(report.text())
+    rolled_back = [m for members in found.members.values() for m in members
+                   if report.outcomes[m.name].state == ROLLED_BACK]
+    if rolled_back:  # the evidence of what failed, kept before anyone looks (gpufleet diag --list)
+        capture(inventory, data, fleet, list(dict.fromkeys(n for m in rolled_back for n in m.nodes)),
+                f"{mode} rolled back {' '.join(m.name for m in rolled_back)}")
     if report_path is not None:
         report_path.write_text(json.dumps(report.to_json(), indent=2) + "\n")
     moved = [m for members in found.members.values() for m in members if report.outcomes[m.name].state == ROLLED]

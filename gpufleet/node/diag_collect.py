@@ -72,6 +72,8 @@ GPU_WATCH_FILES = ("/run/gpufleet/gpu-gate-failed", "/run/gpufleet/gpu-samples.j
 ROUTER_SOCKET = "/run/haproxy/gpufleet-runtime.sock"  # node_paths.ROUTER_ADMIN_SOCKET
 ROUTER_HEALTH_STATE = "/run/gpufleet-router-health/healthy"  # node_paths.ROUTER_HEALTH_STATE
 UNIT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"  # node_paths.UNIT_DEFAULT_PATH
+CAPTURES_DIR = "/var/lib/gpufleet/diag"  # node_paths.DIAG_CAPTURES_DIR: on the monitoring hosts, root's alone
+CAPTURE_NAME = re.compile(r"\d{8}T\d{6}Z-[a-z0-9-]{1,64}\.tar\.gz")  # gpufleet.diag.captures.capture_name
 OUT_PREFIX = "gpufleet-diag-"
 OUT_NAME = "node.tar.gz"
 OUT_DIR = re.compile(r"/var/tmp/" + OUT_PREFIX + r"[A-Za-z0-9_]{1,64}")
@@ -434,6 +436,24 @@ def remove(directory: str) -> None:
     shutil.rmtree(directory, ignore_errors=True)
 
 
+def captures(root: str, keep: int | None) -> list[dict[str, Any]]:
+    """The captures kept in :data:`CAPTURES_DIR` (below ``root``), newest first: name, bytes, time; with ``keep``,
+    those past the newest ``keep`` are removed first."""
+    folder = Path(root + CAPTURES_DIR)
+    try:
+        found = [(p.name, p.lstat()) for p in folder.iterdir() if CAPTURE_NAME.fullmatch(p.name)]
+    except FileNotFoundError:
+        return []
+    found = sorted((f for f in found if stat.S_ISREG(f[1].st_mode)), key=lambda f: f[0], reverse=True)
+    if keep is not None:
+        for name, _ in found[keep:]:
+            (folder / name).unlink(missing_ok=True)
+        found = found[:keep]
+    return [{"name": name, "bytes": info.st_size,
+             "time": datetime.fromtimestamp(info.st_mtime, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
+            for name, info in found]
+
+
 def _bounded(low: float, high: float, whole: bool = False) -> Any:
     def parse(text: str) -> float:
         try:
@@ -458,9 +478,15 @@ def main(argv: list[str] | None = None) -> int:
     gather.add_argument("--out-dir", default="/var/tmp", help="where the archive's folder is made")
     gone = commands.add_parser("remove", help="delete the folder collect made, once fetched")
     gone.add_argument("directory")
+    kept = commands.add_parser("captures", help=f"list the captures in {CAPTURES_DIR}, newest first (JSON)")
+    kept.add_argument("--keep", type=_bounded(1, 10000, whole=True), help="first remove all but the newest KEEP")
+    kept.add_argument("--root", default="/", help="the folder the node's files are below (tests)")
     args = parser.parse_args(argv)
     if args.command == "remove":
         remove(args.directory)
+        return 0
+    if args.command == "captures":
+        print(json.dumps(captures(args.root, args.keep)))
         return 0
     c = collect(args.root, args.since_s, args.max_bytes, args.budget_s, args.collect_env)
     path = write_archive(c, index(c, args.since_s), args.out_dir)

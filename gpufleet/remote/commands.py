@@ -109,10 +109,14 @@ class PyinfraRemote:
 
     def put_text(self, host: str, path: str, text: str) -> RemoteResult:
         """Write ``text`` to ``path`` on ``host`` (a file the connection's user, or its ``_sudo``, may write)."""
+        return self.put_bytes(host, path, text.encode())
+
+    def put_bytes(self, host: str, path: str, data: bytes) -> RemoteResult:
+        """Write ``data`` to ``path`` on ``host`` (a file the connection's user, or its ``_sudo``, may write)."""
         try:
             target = self._host(host)
             connector = connector_arguments(self.state, target, {"_timeout": 60})
-            ok = target.put_file(io.BytesIO(text.encode()), path, **connector)
+            ok = target.put_file(io.BytesIO(data), path, **connector)
         except ConnectError as exc:
             return RemoteResult(False, "", f"{host}: cannot connect: {' '.join(str(exc).split())}")
         except (OSError, EOFError, SSHException, TimeoutError) as exc:

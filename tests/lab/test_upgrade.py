@@ -185,6 +185,13 @@ def test_a_release_slower_per_token_is_rolled_back_at_the_canary(
     print(json.dumps({"slow_release_canary": _judged(report, single(lab)), "failure": report["failure"]}))
     assert traffic.figures()["requests"] > 0 and traffic.failures == [], traffic.failures[:5]
     assert _running(lab) == before
+    # the failed canary's evidence is kept on the monitoring host (lab1), and gpufleet diag --list shows it
+    captured = re.search(r"^gpufleet diag: captured (.+?) \(upgrade rolled back (\S+)\) as \S+/(\S+) on ",
+                         done.stdout, re.M)
+    assert captured and captured[1] == lab.nodes[0].address and captured[2] == single(lab), done.stdout[-3000:]
+    kept = _rollout(lab, "diag", INVENTORY, "--list", timeout=120)
+    assert kept.returncode == 0 and f"{lab.nodes[0].address}: " in kept.stdout and captured[3] in kept.stdout, (
+        kept.stdout + kept.stderr)
 
 
 def test_the_readmes_upgrade_passes_a_good_release_judged_on_its_baseline_and_loses_no_request(

@@ -10,6 +10,7 @@ import json
 import shutil
 import tarfile
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ import yaml
 from gpufleet import node_paths
 from gpufleet.config.schema import RECORDS
 from gpufleet.config.settings.node_lifecycle import KMSG
+from gpufleet.diag.captures import capture_name
 from gpufleet.node import diag_collect
 from gpufleet.node.replica_rank import SECRET_ENV
 from tests.conftest import DATA
@@ -182,6 +184,8 @@ def test_the_node_tool_agrees_with_the_controllers_names() -> None:
         node_paths.UNIT_DEFAULT_PATH)
     assert tool.GPU_WATCH_FILES == (node_paths.GPU_WATCH_MARKER, node_paths.GPU_SAMPLES)
     assert (tool.LIFECYCLE_CONFIG, tool.KMSG) == (node_paths.LIFECYCLE_CONFIG, KMSG)
+    assert tool.CAPTURES_DIR == node_paths.DIAG_CAPTURES_DIR
+    assert tool.CAPTURE_NAME.fullmatch(capture_name(datetime(2026, 11, 28, tzinfo=UTC), "upgrade rolled back a_b-0"))
     assert Path(node_paths.NODE_STATE_FILE).name in tool.NODE_FILES
     assert Path(node_paths.NODE_STATE_SUMMARY).name in tool.NODE_FILES
     units = [node_paths.DCGM_HOSTENGINE, node_paths.DCGM_EXPORTER_SERVICE, node_paths.NODE_EXPORTER_UNIT,
