@@ -25,7 +25,7 @@ from gpufleet.config.inventory_shape import MONITORING_GROUP
 from gpufleet.diag.archive import Written, write_archive
 from gpufleet.diag.captures import listed, take
 from gpufleet.diag.collect import NODE_BOUND_S, NodeRemote, collect
-from gpufleet.diag.options import DEFAULT_SINCE, OptionError, out_path, since_seconds
+from gpufleet.diag.options import DEFAULT_SINCE, OptionError, OutReplaced, out_path, since_seconds
 from gpufleet.diag.redact import fleet_secrets
 from gpufleet.inventory.load import parse_data_args
 from gpufleet.node_paths import DIAG_CAPTURES_DIR
@@ -117,7 +117,7 @@ def _list(inventory: str, data: tuple[str, ...]) -> None:
 @click.option("--out", "out_text", metavar="FILE",
               help="The archive to write (a new file, 0600); default: gpufleet-diag-<UTC time>.tar.gz here.")
 @click.option("--max-mib", type=Number(1, 1024, whole=True), default=DEFAULT_MAX_MIB, show_default=True,
-              help="The most each node sends, in MiB (the newest journal lines are kept).")
+              help="The most each node sends, in MiB, 1 to 1024 (the newest journal lines are kept).")
 @click.option("--collect-env", is_flag=True,
               help="Also run `vllm collect-env` in each replica's release venv (slower: it imports torch).")
 @click.option("--list", "list_only", is_flag=True,
@@ -133,7 +133,8 @@ def diag_command(inventory: str, hosts: tuple[str, ...], since: str, out_text: s
     Exit 0 when every node gave its archive, 1 when one did not, 2 on bad input.
     """
     if list_only:
-        given = [name for name, on in (("--host", hosts), ("--out", out_text), ("--collect-env", collect_env)) if on]
+        given = [name for name, on in (("--host", hosts), ("--out", out_text is not None),
+                                       ("--collect-env", collect_env)) if on]
         if given:
             fail_lines([f"gpufleet diag: --list collects nothing: expected no {', '.join(given)} with it"])
         _list(inventory, data)
@@ -148,7 +149,8 @@ def diag_command(inventory: str, hosts: tuple[str, ...], since: str, out_text: s
             fail_lines([f"gpufleet diag: --host: expected a host of {inventory} ({', '.join(fleet.hosts)}), found"
                         f" {shown_host(host)}"])
     try:  # last: the file it makes is the one refusal that leaves something behind to remove
-        out = out_path(out_text or f"gpufleet-diag-{datetime.now(UTC).strftime('%Y%m%dT%H%M%SZ')}.tar.gz")
+        out = out_path(out_text if out_text is not None
+                       else f"gpufleet-diag-{datetime.now(UTC).strftime('%Y%m%dT%H%M%SZ')}.tar.gz")
     except OptionError as exc:
         fail_lines([f"gpufleet diag: {exc}"])
     chosen = list(dict.fromkeys(hosts)) or fleet.hosts
@@ -167,8 +169,11 @@ def diag_command(inventory: str, hosts: tuple[str, ...], since: str, out_text: s
         header = {"inventory": inventory, "hosts": chosen, "since": since, "since_s": since_s,
                   "bound_s": NODE_BOUND_S, "max_bytes_per_node": max_mib * MIB, "collect_env": collect_env}
         written = write_archive(out, runs, secrets, header, max_mib * MIB, _plan(fleet))
+    except OutReplaced as exc:
+        click.echo(f"gpufleet diag: --out {exc}: nothing written", err=True)
+        raise SystemExit(EXIT_FAILED) from None
     except BaseException:
-        out.unlink(missing_ok=True)  # the file made to prove --out, empty or cut short
+        out.remove()  # the file made to prove --out, empty or cut short
         raise
     _report(written, since, max_mib)
     if any(run.problem is not None and not run.archive for run in runs.values()):

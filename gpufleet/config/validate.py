@@ -174,6 +174,23 @@ def unknown_key_problems(values: dict[str, Any], sources: dict[str, str], host: 
     return problems
 
 
+def connector_value_problems(values: dict[str, Any], sources: dict[str, str], host: str) -> list[Problem]:
+    """pyinfra's connector data that pyinfra would take or refuse only once it connects: a port (``ssh_port``...)
+    must be a whole number from 1 to 65535, a count of tries (``ssh_connect_retries``) a whole number from 0."""
+    problems = []
+    for key, value in values.items():
+        if key not in pyinfra_keys() or key.startswith("_"):
+            continue
+        whole = isinstance(value, int) and not isinstance(value, bool)
+        if key.endswith("_port") and value is not None and not (whole and 1 <= value <= 65535):
+            problems.append(Problem(sources[key], key, f"expected a port from 1 to 65535, found {_found(value)}",
+                                    (host,)))
+        elif key.endswith("_retries") and value is not None and not (whole and value >= 0):
+            problems.append(Problem(sources[key], key, f"expected a whole number from 0, found {_found(value)}",
+                                    (host,)))
+    return problems
+
+
 def validate_host(layers: HostLayers, fallback_source: str, api_ports: int | None = None,
                   serving: bool = True) -> tuple[HostConfig | None, list[Problem]]:
     """Validate one host; problems name the file each bad value came from.
@@ -183,7 +200,7 @@ def validate_host(layers: HostLayers, fallback_source: str, api_ports: int | Non
     """
     values, sources = layers.merged()
     host = layers.name
-    problems = unknown_key_problems(values, sources, host)
+    problems = unknown_key_problems(values, sources, host) + connector_value_problems(values, sources, host)
     known = {k: v for k, v in values.items() if k in SCHEMA_KEYS}
     control = [Problem(sources[key], path, message, (host,))
                for key, value in known.items() for path, message in _control_problems(key, value)]

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from gpufleet.diag.collect import NodeRun
+from gpufleet.diag.options import OutFile
 from gpufleet.diag.redact import Secrets, redact
 from gpufleet.diag.signatures import BOOTS, KERNEL, Finding, scan
 
@@ -114,9 +115,10 @@ def _tar_add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
     tar.addfile(info, io.BytesIO(data))
 
 
-def write_archive(out: Path, runs: dict[str, NodeRun], secrets: Secrets, header: dict[str, Any],
+def write_archive(out: OutFile, runs: dict[str, NodeRun], secrets: Secrets, header: dict[str, Any],
                   max_bytes: int, plan: dict[str, Any] | None = None) -> Written:
-    """Write into ``out`` (made empty, 0600, by :func:`gpufleet.diag.options.out_path`; truncated here): every node's
+    """Write into ``out`` (made empty, 0600, by :func:`gpufleet.diag.options.out_path`; :class:`OutReplaced` when
+    another file took its place since): every node's
     members redacted, the findings, the plan and the index."""
     counts: Counter[str] = Counter()
     findings: list[Finding] = []
@@ -149,8 +151,7 @@ def write_archive(out: Path, runs: dict[str, NodeRun], secrets: Secrets, header:
     extra = [("findings.txt", "".join(f"{f.line()}\n" for f in findings).encode())]
     if plan is not None:
         extra.append(("plan.json", (json.dumps(plan, indent=1) + "\n").encode()))
-    fd = os.open(out, os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW)
-    os.fchmod(fd, 0o600)
+    fd = out.open()
     try:
         with os.fdopen(fd, "wb") as raw, tarfile.open(fileobj=raw, mode="w:gz") as tar:
             for name, data in [("index.json", (json.dumps(index, indent=1) + "\n").encode()), *extra]:
@@ -158,9 +159,9 @@ def write_archive(out: Path, runs: dict[str, NodeRun], secrets: Secrets, header:
             for name, data in kept:
                 _tar_add(tar, name, data)
     except BaseException:
-        out.unlink(missing_ok=True)
+        out.remove()
         raise
-    return Written(out, out.stat().st_size, findings, index)
+    return Written(out.path, out.path.stat().st_size, findings, index)
 
 
 def _json(data: bytes) -> dict[str, Any]:

@@ -10,7 +10,6 @@ is stored.
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from typing import Protocol
 
 from gpufleet.diag.archive import write_archive
 from gpufleet.diag.collect import TOOL, NodeRemote, collect
+from gpufleet.diag.options import out_path
 from gpufleet.diag.redact import Secrets
 from gpufleet.node_paths import DIAG_CAPTURES_DIR
 from gpufleet.remote.commands import Remote, RemoteResult
@@ -67,12 +67,13 @@ def take(nodes: Sequence[str], remote_for: Callable[[str], NodeRemote], store: S
     host where something failed."""
     runs = collect(list(nodes), remote_for, SINCE_S, MAX_BYTES)
     name = capture_name(when, reason)
-    local = work_dir / name
-    os.close(os.open(local, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    local = out_path(str(work_dir / name))
     header = {"capture": reason, "hosts": list(nodes), "since_s": SINCE_S, "max_bytes_per_node": MAX_BYTES}
-    write_archive(local, runs, secrets, header, MAX_BYTES, {})
-    data = local.read_bytes()
-    local.unlink()
+    try:
+        write_archive(local, runs, secrets, header, MAX_BYTES, {})
+        data = local.path.read_bytes()
+    finally:
+        local.remove()
     problems = [f"{host}: {run.problem}" for host, run in runs.items() if run.problem]
     path = f"{DIAG_CAPTURES_DIR}/{name}"
     for host in monitoring:

@@ -24,7 +24,7 @@ from gpufleet.config.schema import SECRET_KEYS, SECRET_TREES
 from gpufleet.config.settings.router import RouterClient
 from gpufleet.diag.archive import write_archive
 from gpufleet.diag.collect import NodeRun, collect
-from gpufleet.diag.options import out_path
+from gpufleet.diag.options import OutReplaced, out_path
 from gpufleet.diag.redact import fleet_secrets
 from gpufleet.node.replica_rank import SECRET_ENV
 from gpufleet.values.types import SecretRef
@@ -208,3 +208,19 @@ def test_a_node_archive_over_its_cap_is_cut_and_said(tmp_path: Path) -> None:
     written = write_archive(out, {HOST: NodeRun(HOST, 1, archive)}, fleet_secrets([]), {}, 1000)
     assert set(_members(written.path)) == {"index.json", "findings.txt", f"nodes/{HOST}/a.log"}
     assert written.index["nodes"][HOST]["unread"] == [{"what": "b.log", "why": "over the node's cap of 1,000 bytes"}]
+
+
+@pytest.mark.parametrize("swap", ["another file", "a link"])
+def test_an_out_file_replaced_during_the_run_is_neither_written_nor_removed(tmp_path: Path, swap: str) -> None:
+    """The archive goes into the file --out made, and only that one: a file or link put in its place while the
+    nodes were read is left as it is, and the run says so."""
+    out = out_path(str(tmp_path / "d.tar.gz"))
+    out.path.unlink()
+    if swap == "a link":
+        out.path.symlink_to(tmp_path / "target")
+    else:
+        out.path.write_text("someone else's\n")
+    with pytest.raises(OutReplaced):
+        write_archive(out, {HOST: NodeRun(HOST, 1, problem="no answer")}, fleet_secrets([]), {}, 1000)
+    assert out.path.is_symlink() if swap == "a link" else out.path.read_text() == "someone else's\n"
+    assert not (tmp_path / "target").exists()
