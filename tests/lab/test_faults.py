@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from gpufleet_lab.nodes import power_off
 from gpufleet_lab.sim_profile import write_sim_profile
 from gpufleet_lab.state import NodeRecord
 
+from gpufleet import node_paths
 from tests.lab.checks import assert_no_errors, assert_nothing_changed, main_pid
 from tests.lab.fleet import (
     DEPLOY,
@@ -45,7 +47,7 @@ from tests.lab.fleet import (
     wait_router_status,
     wait_serving,
 )
-from tests.lab.harness import LAB_VENV, LAB_VLLM_VERSION, PYINFRA, ROOT, Completed, Lab, run
+from tests.lab.harness import LAB_VARS, LAB_VENV, LAB_VLLM_VERSION, PYINFRA, ROOT, Completed, Lab, run
 from tests.lab.prometheus import wait_for
 from tests.lab.scenarios import GROUP_CHANGED, LabStates
 
@@ -140,6 +142,64 @@ def test_kill_9_of_vllm_is_restarted_and_serves_again(
         "fault": "kill -9 of a replica behind the router", "replica": single(lab), **figures,
         "retried": router_retries(lab) - retried_before, "taken_out_s": round(taken_out, 1),
         "back_in_router_s": round(back, 1)})
+
+
+# What keeps lab1's replica from starting, one fault at a time: (what gpufleet diag names it, how it is injected, how
+# mended, what vLLM's journal says). A flag the release removed (vLLM 0.31 has no --disable-log-requests) written
+# into the replica's config.yaml by hand, as a deploy would refuse it; the model's files moved away; the replica's
+# port taken by another process before it starts.
+_CONFIG_SAVED = "/run/gpufleet-lab-config.yaml"
+_PORT_TAKER = "gpufleet-lab-port-taker"
+_TAKE_PORT = ("import socket, sys, time; s = socket.socket(); s.bind((sys.argv[1], int(sys.argv[2]))); s.listen();"
+              " time.sleep(600)")
+
+
+def _start_faults(lab: Lab) -> list[tuple[str, str, str, str]]:
+    config = f"{node_paths.replica_dir(single(lab))}/config.yaml"
+    model = str(LAB_VARS["vllm_model"])
+    return [
+        ("flag_removed", f"cp {config} {_CONFIG_SAVED} && printf '\\ndisable-log-requests: true\\n' >> {config}",
+         f"cp {_CONFIG_SAVED} {config}", "unrecognized arguments: --disable-log-requests"),
+        ("model_missing", f"mv {model} {model}.away", f"mv {model}.away {model}",
+         "Invalid repository ID or local directory specified"),
+        ("port_taken", f"systemd-run --quiet --collect --unit={_PORT_TAKER} python3 -c '{_TAKE_PORT}'"
+                       f" {lab.nodes[0].address} {PORT} && sleep 1",
+         f"systemctl stop {_PORT_TAKER}", "[Errno 98]"),
+    ]
+
+
+def _journal_says(lab: Lab, node: NodeRecord, unit: str, since: str, said: str) -> Callable[[], str | None]:
+    """A probe for wait_for: the first line of ``unit``'s journal since ``since`` (Unix time) holding ``said``."""
+    def probe() -> str | None:
+        lines = lab.host(node).check_output(f"journalctl -q -o cat --since=@{since} -u {unit}").splitlines()
+        return next((line for line in lines if said in line), None)
+    return probe
+
+
+def test_a_replica_that_cannot_start_says_why_and_starts_once_mended(
+        lab: Lab, faults: Completed | None, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Three faults that keep lab1's replica from starting, one start each, each in its journal in the words
+    gpufleet diag's catalog reads (tests/lab/test_when_things_fail.py names them on lab1): a flag the release
+    removed, the model's files gone, its port taken. Each start fails within seconds, with the other replica
+    serving; once the last is mended the next start serves, with no deploy."""
+    node, unit = lab.nodes[0], f"vllm@{single(lab)}"
+    host = lab.host(node)
+    seen, started = {}, time.monotonic()
+    for name, inject, mend, said in _start_faults(lab):
+        since = host.check_output("date +%s").strip()
+        host.check_output(f"systemctl stop {unit} && {inject} && systemctl start --no-block {unit}")
+        try:
+            failed = time.monotonic()
+            wait_for(f"{unit} to fail on {name}", _journal_says(lab, node, unit, since, said), timeout=120, every=1)
+            seen[name] = round(time.monotonic() - failed, 1)
+        finally:
+            host.check_output(f"systemctl stop {unit}; {mend}")
+    host.check_output(f"systemctl reset-failed {unit}; systemctl start --no-block {unit}")
+    wait_serving(lab, node)
+    wait_router_status(lab, single(lab), "UP", timeout=60)
+    record_figure(tmp_path_factory, {"fault": "three starts that fail (a removed flag, the model's files gone, the"
+                                              " port taken), one after another", "replica": single(lab),
+                                     "failed_after_s": seen, "serving_again_s": round(time.monotonic() - started, 1)})
 
 
 @pytest.mark.parametrize("rank", [0, 1])

@@ -7,7 +7,9 @@ node it happened on, with its runbook section (docs/guide/when-things-fail.md):
 - a GPU lost on lab1 (tests/lab/test_alerts.py): ``gpu_gate_failed`` on lab1;
 - an Xid 79 written to lab1's kernel log (tests/lab/test_lifecycle.py): ``xid`` (code 79) and ``node_quarantined``;
 - lab2 powered off halfway through a deploy (test_faults.py): ``unclean_restart`` on lab2, and on no other node
-  (lab3 was rebooted by a provision, with a shutdown).
+  (lab3 was rebooted by a provision, with a shutdown);
+- lab1's replica kept from starting by a flag its release removed, its model's files gone and its port taken
+  (test_faults.py): ``flag_removed``, ``model_missing`` and ``port_taken`` on lab1.
 
 Run alone, the test finds none of them and fails naming the test that injects each. The same archive, of a lab whose
 secrets are all set but the hub token (the lab has none), holds none of them: each is searched in every byte of the
@@ -54,6 +56,9 @@ EXPECTED = (
     (0, "xid", "Xid 79 ", "test_lifecycle.py::test_an_xid_79_under_load_drains_quarantines_and_readmits_the_node"),
     (0, "node_quarantined", "", "test_lifecycle.py::test_an_xid_79_under_load_drains_quarantines_and_readmits_..."),
     (1, "unclean_restart", "", "test_faults.py::test_a_router_node_lost_halfway_through_a_deploy_moves_the_..."),
+    (0, "flag_removed", "", "test_faults.py::test_a_replica_that_cannot_start_says_why_and_starts_once_mended"),
+    (0, "model_missing", "", "test_faults.py::test_a_replica_that_cannot_start_says_why_and_starts_once_mended"),
+    (0, "port_taken", "", "test_faults.py::test_a_replica_that_cannot_start_says_why_and_starts_once_mended"),
 )
 
 
