@@ -150,8 +150,9 @@ def test_kill_9_of_vllm_is_restarted_and_serves_again(
 # port taken by another process before it starts.
 _CONFIG_SAVED = "/run/gpufleet-lab-config.yaml"
 _PORT_TAKER = "gpufleet-lab-port-taker"
-_TAKE_PORT = ("import socket, sys, time; s = socket.socket(); s.bind((sys.argv[1], int(sys.argv[2]))); s.listen();"
-              " time.sleep(600)")
+# the port is bound as vLLM binds it (SO_REUSEADDR: the stopped replica's connections may still be in TIME_WAIT)
+_TAKE_PORT = ("import socket, sys, time; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1);"
+              " s.bind((sys.argv[1], int(sys.argv[2]))); s.listen(); time.sleep(600)")
 
 
 def _start_faults(lab: Lab) -> list[tuple[str, str, str, str]]:
@@ -161,9 +162,9 @@ def _start_faults(lab: Lab) -> list[tuple[str, str, str, str]]:
         ("flag_removed", f"cp {config} {_CONFIG_SAVED} && printf '\\ndisable-log-requests: true\\n' >> {config}",
          f"cp {_CONFIG_SAVED} {config}", "unrecognized arguments: --disable-log-requests"),
         ("model_missing", f"mv {model} {model}.away", f"mv {model}.away {model}",
-         "Invalid repository ID or local directory specified"),
+         "HFValidationError: Repo id must be in the form"),
         ("port_taken", f"systemd-run --quiet --collect --unit={_PORT_TAKER} python3 -c '{_TAKE_PORT}'"
-                       f" {lab.nodes[0].address} {PORT} && sleep 1",
+                       f" {lab.nodes[0].address} {PORT} && sleep 1 && systemctl is-active --quiet {_PORT_TAKER}",
          f"systemctl stop {_PORT_TAKER}", "[Errno 98]"),
     ]
 
@@ -194,7 +195,9 @@ def test_a_replica_that_cannot_start_says_why_and_starts_once_mended(
             seen[name] = round(time.monotonic() - failed, 1)
         finally:
             host.check_output(f"systemctl stop {unit}; {mend}")
-    host.check_output(f"systemctl reset-failed {unit}; systemctl start --no-block {unit}")
+    # four starts in a few minutes: systemd's start limit (5 in 300 s) counts them, the watchdog's too
+    host.check_output(f"systemctl reset-failed {unit} {unit.replace('vllm@', 'vllm-watchdog@')};"
+                      f" systemctl start --no-block {unit}")
     wait_serving(lab, node)
     wait_router_status(lab, single(lab), "UP", timeout=60)
     record_figure(tmp_path_factory, {"fault": "three starts that fail (a removed flag, the model's files gone, the"
