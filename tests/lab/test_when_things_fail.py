@@ -29,14 +29,7 @@ import time
 from pathlib import Path
 
 import pytest
-from gpufleet_lab.nodes import (
-    API_KEY_FILE,
-    BENCH_KEY_FILE,
-    CLIENT_KEY_FILE,
-    RAY_TOKEN_FILE,
-    TLS_DIR,
-    VRRP_PASSWORD_FILE,
-)
+from gpufleet_lab import nodes as lab_files
 
 from gpufleet import node_paths
 from gpufleet.monitoring.alert_rules import RUNBOOK
@@ -66,10 +59,12 @@ def _secrets(lab: Lab) -> dict[str, list[str]]:
     """Every secret the lab set, by name: the controller's files, and the pipeline's rank secret (on its nodes only);
     a PEM key by each line of its body (what a copy cut to lines would still show)."""
     found = {name: [(lab.directory / name).read_text().strip()]
-             for name in (API_KEY_FILE, CLIENT_KEY_FILE, BENCH_KEY_FILE, RAY_TOKEN_FILE, VRRP_PASSWORD_FILE)}
+             for name in (lab_files.API_KEY_FILE, lab_files.CLIENT_KEY_FILE, lab_files.BENCH_KEY_FILE,
+                          lab_files.RAY_TOKEN_FILE, lab_files.VRRP_PASSWORD_FILE)}
     for key in ("ca.key", "router.key"):
-        body = [line for line in (lab.directory / TLS_DIR / key).read_text().splitlines() if "-----" not in line]
-        found[f"{TLS_DIR}/{key}"] = [line for line in body if len(line) >= 16]
+        body = [line for line in (lab.directory / lab_files.TLS_DIR / key).read_text().splitlines()
+                if "-----" not in line]
+        found[f"{lab_files.TLS_DIR}/{key}"] = [line for line in body if len(line) >= 16]
     rank = lab.host(lab.nodes[1]).check_output(f"cat {node_paths.rank_secret_file(PIPELINE)}")
     found["the rank secret"] = re.findall(r"^GPUFLEET_RANK_SECRET=\"?([^\"\n]+)", rank, re.M)
     assert all(values and all(values) for values in found.values()), found.keys()
