@@ -11,10 +11,9 @@ times").
   as drift, the deploy performs it and clears the record, and the check then finds none; that start is timed, the
   slowed one's reference. Then lab1's model reads slowed (a drop-in gives its unit a ``sitecustomize`` that holds
   every ``safetensors.safe_open`` of the model's files for a while, as a throttled model disk would) and the replica
-  restarted by the deploy (its restart record), which also deploys the role's default alert_start_time_ratio: the
-  start's weights phase grows by the hold, its whole start passes that ratio times the record, the record stays,
-  ReplicaStartSlow fires and reaches the alert log; without the drop-in, the next deploy (the lab's own ratio again)
-  times the restart again and the alert resolves.
+  restarted by the deploy (its restart record): the start's weights phase grows by the hold, its whole start passes
+  alert_start_time_ratio times the record, the record stays, ReplicaStartSlow fires and reaches the alert log;
+  without the drop-in, the next deploy's restart is timed again and the alert resolves.
 
 The lab's CPU build loads 876 KB of weights, from the page cache: a read throttle on the model's disk (systemd's
 IOReadBandwidthMax=, which needs the io controller in the nodes' cgroups and a block device under the bind-mounted
@@ -46,14 +45,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:Unknown ssh-ed25519 host key:Use
 
 PHASES = ("weights_loaded", "kv_cache_sized", "ready", "first_completion")
 KEY = ("model", "release", "layout", "gpu_profile")
-DEFAULT_RATIO: float = yaml.safe_load(
-    (ROOT / "roles" / "monitoring" / "defaults.yml").read_text())["alert_start_time_ratio"]
-RATIO: float = LAB_VARS.get("alert_start_time_ratio", DEFAULT_RATIO)
-# The slowed start is judged at the role's default ratio, deployed with it (a reload of the monitoring hosts'
-# rules): the lab's own ratio is higher because its starts vary with what its two cores carry (one start beside
-# the other replicas' traffic took twice as long as one alone), and a hold of the lab's ratio times the record would
-# add that much to the test.
-SLOW_DATA = ("--data", f"alert_start_time_ratio={DEFAULT_RATIO:g}")
+RATIO: float = LAB_VARS.get("alert_start_time_ratio", yaml.safe_load(
+    (ROOT / "roles" / "monitoring" / "defaults.yml").read_text())["alert_start_time_ratio"])
 SLOW_DIR = "/run/gpufleet-lab-slow-model-reads"
 SLOW_DROP_IN = "zz-lab-slow-model-reads.conf"
 # Loaded by every Python process of the unit (PYTHONPATH): vLLM's loader opens the model's safetensors files with
@@ -176,12 +169,11 @@ def _normal_model_reads(lab: Lab, node: NodeRecord, replica: str) -> None:
                        " && systemctl daemon-reload")
 
 
-def _restart_by_the_deploy(lab: Lab, node: NodeRecord, replica: str, checked: bool = False,
-                           options: tuple[str, ...] = ()) -> float:
+def _restart_by_the_deploy(lab: Lab, node: NodeRecord, replica: str, checked: bool = False) -> float:
     """Leave the replica's restart record (what a run interrupted between deciding on a restart and performing it
-    leaves) and deploy (with ``options``): the deploy restarts it and waits for it, which times the start; when the
-    deploy ended. With ``checked``, deploys/check.py first finds the record as drift on the node (one operation),
-    and finds none once the deploy performed it."""
+    leaves) and deploy: the deploy restarts it and waits for it, which times the start; when the deploy ended. With
+    ``checked``, deploys/check.py first finds the record as drift on the node (one operation), and finds none once
+    the deploy performed it."""
     before = main_pid(lab, node, f"vllm@{replica}")
     marker = node_paths.restart_marker(replica)
     lab.host(node).check_output(f"touch {marker}")
@@ -190,7 +182,7 @@ def _restart_by_the_deploy(lab: Lab, node: NodeRecord, replica: str, checked: bo
         assert drift.rc != 0, drift.output[-4000:]
         assert f"[{node.address}] gate: pass; drift: 1 operation(s)" in drift.output, drift.output[-4000:]
         assert f"{replica}: record that it must restart" in drift.output, drift.output[-4000:]
-    assert_no_errors(deploy(lab, *options))
+    assert_no_errors(deploy(lab))
     ended = time.time()
     assert main_pid(lab, node, f"vllm@{replica}") != before
     assert not lab.host(node).file(marker).exists
@@ -213,20 +205,20 @@ def test_a_start_slowed_by_the_models_reads_raises_replica_start_slow_and_heals(
     # held for the ratio times the record by itself: the start's own work before and after the model's files open
     # (lab: 17 s at the least before its weights load) takes it past (a first run held (ratio - 1) times the record
     # plus 30 s, 202 s, the record then 86 s, and the start took 2.8 times it: short of 3)
-    hold = math.ceil(DEFAULT_RATIO * record["first_completion"])
+    hold = math.ceil(RATIO * record["first_completion"])
     expected = [Expected("ReplicaStartSlow", {"replica": replica, "layout": key["layout"]},
                          SCRAPE_INTERVAL_S)]  # no `for`: the first evaluation that sees the scraped textfile
     wait_resolved(prometheus, expected, time.monotonic())  # not active before the fault
     began = time.time()
     try:
         _slow_model_reads(lab, node, replica, hold)
-        _restart_by_the_deploy(lab, node, replica, options=SLOW_DATA)
+        _restart_by_the_deploy(lab, node, replica)
         _, slow_started, slow = _timed(lab, node, replica)
         assert slow_started > began
         assert list(slow) == list(PHASES), slow
         # the hold shows where a slow disk shows: in the weights, and every phase after them
         assert slow["weights_loaded"] >= hold, (normal, slow)
-        assert slow["first_completion"] > DEFAULT_RATIO * record["first_completion"], (record, slow)
+        assert slow["first_completion"] > RATIO * record["first_completion"], (record, slow)
         assert _records(lab)[tuple(key[k] for k in KEY)] == record  # a slower start is not a record
         written = float(host.check_output(f"stat -c %Y {node_paths.start_textfile(replica)}"))
         watch_fired(prometheus, expected, written)
@@ -242,5 +234,5 @@ def test_a_start_slowed_by_the_models_reads_raises_replica_start_slow_and_heals(
     wait_serving(lab, node)
     record_figure(tmp_path_factory, {
         "fault": f"lab1's model reads held {hold} s (safetensors.safe_open), its replica restarted by the deploy",
-        "record": record, "normal": normal, "slow": slow, "healed": healed, "ratio": DEFAULT_RATIO,
+        "record": record, "normal": normal, "slow": slow, "healed": healed, "ratio": RATIO,
         "fired_after_s": round(expected[0].fired_s or -1, 1), "resolved_after_s": round(resolved, 1)})
