@@ -180,30 +180,39 @@ class Collection:
             return None
         return done.stdout
 
-    def read_file(self, node_path: str, name: str) -> None:
-        """A regular file (not a link: nothing points the collection elsewhere, into the secrets) as a member; a
-        missing one is left out."""
+    def read_bytes(self, node_path: str, tail: bool = False, missing: bytes | None = None) -> bytes | None:
+        """A regular file's bytes (not a link: nothing points the collection elsewhere, into the secrets): whole, or
+        with ``tail`` its newest :data:`FILE_MAX_BYTES`; None (and why, in the index) when it cannot be read,
+        ``missing`` when it does not exist."""
         path = self.path(node_path)
         if _under(node_path, SECRETS_DIR):
             self.miss(node_path, "never read: it holds secrets")
-            return
+            return None
         try:
             fd = os.open(str(path), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except FileNotFoundError:
-            return
+            return missing
         except OSError as exc:
             self.miss(node_path, "a link (never followed)" if os.path.islink(str(path)) else str(exc.strerror))
-            return
+            return None
         with os.fdopen(fd, "rb") as opened:
             info = os.fstat(opened.fileno())
             if not stat.S_ISREG(info.st_mode):
                 self.miss(node_path, "not a regular file")
-                return
+                return None
+            if tail:
+                opened.seek(max(0, info.st_size - FILE_MAX_BYTES))
             data = opened.read(FILE_MAX_BYTES + 1)
         if len(data) > FILE_MAX_BYTES:
             self.miss(node_path, f"larger than {FILE_MAX_BYTES} bytes")
-            return
-        self.add(name, data, node_path)
+            return None
+        return data
+
+    def read_file(self, node_path: str, name: str) -> None:
+        """A regular file as a member (:meth:`read_bytes`); a missing one is left out."""
+        data = self.read_bytes(node_path)
+        if data is not None:
+            self.add(name, data, node_path)
 
 
 def _under(path: str, directory: str) -> bool:
@@ -263,21 +272,7 @@ def kernel(c: Collection) -> None:
     watch reads in its place (a file has no times to window by)."""
     source = kernel_log_file(c)
     if source is not None:
-        path = c.path(source)
-        try:
-            fd = os.open(str(path), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except FileNotFoundError:  # nothing written to it yet
-            c.add("kernel.log", b"", f"{source} (NVRM and Xid lines)")
-            return
-        except OSError as exc:
-            c.miss(source, str(exc.strerror))
-            return
-        with os.fdopen(fd, "rb") as opened:
-            if not stat.S_ISREG(os.fstat(opened.fileno()).st_mode):
-                c.miss(source, "not a regular file")
-                return
-            opened.seek(max(0, os.fstat(opened.fileno()).st_size - FILE_MAX_BYTES))
-            out: bytes | None = opened.read(FILE_MAX_BYTES)
+        out = c.read_bytes(source, tail=True, missing=b"")  # missing: nothing written to it yet
         what = f"{source} (NVRM and Xid lines)"
     else:
         out = c.run(["journalctl", "--quiet", "--no-pager", "--output=short-iso", "--dmesg",
