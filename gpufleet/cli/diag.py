@@ -13,9 +13,10 @@ Exit 0 when every node gave its archive, 1 when one did not.
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -62,11 +63,10 @@ def _report(written: Written, since: str, max_mib: int) -> None:
                    + (f"; {node['problem']}" if node["problem"] else ""))
 
 
-def _monitoring(fleet: Fleet, inventory: str) -> list[str]:
-    hosts = group_hosts(fleet, MONITORING_GROUP)
-    if not hosts:
-        fail_lines([f"gpufleet diag: {inventory} has no `{MONITORING_GROUP}` group: captures are kept on its hosts"])
-    return hosts
+def _connections(inventory: str, override: dict[str, Any] | None) -> Callable[[str], NodeRemote]:
+    """A node's own connection, over an inventory of its own (one per node: pyinfra's states are not shared between
+    the threads that collect)."""
+    return lambda host: PyinfraRemote(load_inventory(inventory, override))
 
 
 def capture(inventory: str, data: tuple[str, ...], fleet: Fleet, nodes: Sequence[str], reason: str) -> None:
@@ -79,9 +79,8 @@ def capture(inventory: str, data: tuple[str, ...], fleet: Fleet, nodes: Sequence
     store = PyinfraRemote(load_inventory(inventory, override))
     try:
         with tempfile.TemporaryDirectory(prefix="gpufleet-capture-") as work:
-            name, problems = take(nodes, lambda host: PyinfraRemote(load_inventory(inventory, override)), store,
-                                  monitoring, fleet_secrets(fleet.configs.values()), reason, datetime.now(UTC),
-                                  Path(work))
+            name, problems = take(nodes, _connections(inventory, override), store, monitoring,
+                                  fleet_secrets(fleet.configs.values()), reason, datetime.now(UTC), Path(work))
     finally:
         store.close()
     click.echo(f"gpufleet diag: captured {', '.join(nodes)} ({reason}) as {DIAG_CAPTURES_DIR}/{name} on"
@@ -92,8 +91,9 @@ def capture(inventory: str, data: tuple[str, ...], fleet: Fleet, nodes: Sequence
 
 def _list(inventory: str, data: tuple[str, ...]) -> None:
     """Every capture kept on the monitoring hosts, newest first."""
-    fleet = cli_fleet(inventory, data)
-    monitoring = _monitoring(fleet, inventory)
+    monitoring = group_hosts(cli_fleet(inventory, data), MONITORING_GROUP)
+    if not monitoring:
+        fail_lines([f"gpufleet diag: {inventory} has no `{MONITORING_GROUP}` group: captures are kept on its hosts"])
     store = PyinfraRemote(load_inventory(inventory, parse_data_args(list(data)) or None))
     try:
         found, problems = listed(store, monitoring)
@@ -159,13 +159,10 @@ def diag_command(inventory: str, hosts: tuple[str, ...], since: str, out_text: s
         click.echo(f"warning: not sought by value in what is collected (redacted by name only): {line}", err=True)
     override = parse_data_args(list(data)) or None
 
-    def remote_for(host: str) -> NodeRemote:
-        return PyinfraRemote(load_inventory(inventory, override))
-
     click.echo(f"gpufleet diag: {len(chosen)} nodes, the last {since}, at most {NODE_BOUND_S:g} s and {max_mib} MiB"
                " each", err=True)
     try:
-        runs = collect(chosen, remote_for, since_s, max_mib * MIB, collect_env)
+        runs = collect(chosen, _connections(inventory, override), since_s, max_mib * MIB, collect_env)
         header = {"inventory": inventory, "hosts": chosen, "since": since, "since_s": since_s,
                   "bound_s": NODE_BOUND_S, "max_bytes_per_node": max_mib * MIB, "collect_env": collect_env}
         written = write_archive(out, runs, secrets, header, max_mib * MIB, _plan(fleet))
