@@ -12,7 +12,15 @@ from pathlib import Path
 
 import click
 
-from gpufleet.cli.inputs import DATA_OPTION, Number, cli_fleet, fail_lines, fleet_facts, group_hosts
+from gpufleet.cli.inputs import (
+    DATA_OPTION,
+    Number,
+    cli_fleet,
+    fail_lines,
+    fleet_facts,
+    group_hosts,
+    prometheus_url,
+)
 from gpufleet.config.edge import ca_path, ca_problem
 from gpufleet.config.fleet import Fleet
 from gpufleet.config.inventory_shape import MONITORING_GROUP, ROUTERS_GROUP
@@ -39,7 +47,6 @@ from gpufleet.measure.ramp import (
     step_problem,
 )
 from gpufleet.measure.records import RECORDS_DIR, Record, RecordKey, layout_name
-from gpufleet.netaddr import host_port
 from gpufleet.plan import virtual_address
 from gpufleet.plan.planner import FleetPlan, Replica, ServedModel, plan_fleet
 from gpufleet.prometheus_api import PrometheusError
@@ -209,9 +216,7 @@ def _engine_metrics(fleet: Fleet, chosen: Chosen, steps: list[Step]) -> tuple[li
     hosts = group_hosts(fleet, MONITORING_GROUP)
     if not hosts or hosts[0] not in fleet.configs:
         return steps, ["KV cache usage and preemptions: no monitoring host"]
-    cfg = fleet.configs[hosts[0]]
-    address = virtual_address.host_address(hosts[0], cfg) or hosts[0]
-    url = f"http://{host_port(address, cfg.prometheus_port)}"
+    url = prometheus_url(fleet, hosts[0])
     replica = chosen.replicas[0].name if chosen.key.scope == "replica" else None
     try:
         return with_engine_metrics(steps, url, chosen.model.name, replica), []

@@ -3,7 +3,8 @@
     gpufleet diag INVENTORY [--host H ...] [--since 6h] [--out FILE] [--max-mib 64] [--collect-env]
 
 Before any host is contacted, the options are judged and the inventory validated (one line, exit 2). Then every node
-asked runs the node tool ``diag_collect.py`` at once, each within 60 s and its byte cap (:mod:`gpufleet.diag.collect`);
+asked runs the node tool ``diag_collect.py`` at once, each within 60 s and its byte cap (:mod:`gpufleet.diag.collect`),
+and the monitoring hosts' Prometheus gives each node's series over the window (:mod:`gpufleet.diag.series`);
 their archives are read, every secret the controller can read from the inventory replaced (:mod:`gpufleet.diag.redact`),
 and written as one tar.gz, 0600, with its index (:mod:`gpufleet.diag.archive`). It prints the failure signatures found
 in the journals and kernel logs first, then the archive, then each node's time, bytes and what could not be read.
@@ -13,6 +14,7 @@ Exit 0 when every node gave its archive, 1 when one did not.
 from __future__ import annotations
 
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
@@ -20,7 +22,16 @@ from typing import Any
 
 import click
 
-from gpufleet.cli.inputs import DATA_OPTION, Number, cli_fleet, declared_plan, fail_lines, group_hosts, shown_host
+from gpufleet.cli.inputs import (
+    DATA_OPTION,
+    Number,
+    cli_fleet,
+    declared_plan,
+    fail_lines,
+    group_hosts,
+    prometheus_url,
+    shown_host,
+)
 from gpufleet.config.fleet import Fleet
 from gpufleet.config.inventory_shape import MONITORING_GROUP
 from gpufleet.diag.archive import Written, write_archive
@@ -28,6 +39,7 @@ from gpufleet.diag.captures import listed, take
 from gpufleet.diag.collect import NODE_BOUND_S, NodeRemote, collect
 from gpufleet.diag.options import DEFAULT_SINCE, OptionError, OutReplaced, out_path, since_seconds
 from gpufleet.diag.redact import fleet_secrets
+from gpufleet.diag.series import snapshots
 from gpufleet.inventory.load import parse_data_args
 from gpufleet.node_paths import DIAG_CAPTURES_DIR
 from gpufleet.remote.commands import PyinfraRemote
@@ -63,6 +75,11 @@ def _report(written: Written, since: str, max_mib: int) -> None:
                    + (f"; {node['problem']}" if node["problem"] else ""))
 
 
+def _prometheus(fleet: Fleet) -> list[str]:
+    """The monitoring hosts' Prometheus, in the group's order."""
+    return [prometheus_url(fleet, host) for host in group_hosts(fleet, MONITORING_GROUP) if host in fleet.configs]
+
+
 def _connections(inventory: str, override: dict[str, Any] | None) -> Callable[[str], NodeRemote]:
     """A node's own connection, over an inventory of its own (one per node: pyinfra's states are not shared between
     the threads that collect)."""
@@ -79,7 +96,7 @@ def capture(inventory: str, data: tuple[str, ...], fleet: Fleet, nodes: Sequence
     store = PyinfraRemote(load_inventory(inventory, override))
     try:
         with tempfile.TemporaryDirectory(prefix="gpufleet-capture-") as work:
-            name, problems = take(nodes, _connections(inventory, override), store, monitoring,
+            name, problems = take(nodes, _connections(inventory, override), store, monitoring, _prometheus(fleet),
                                   fleet_secrets(fleet.configs.values()), reason, datetime.now(UTC), Path(work))
     finally:
         store.close()
@@ -127,8 +144,9 @@ def diag_command(inventory: str, hosts: tuple[str, ...], since: str, out_text: s
                  collect_env: bool, list_only: bool, data: tuple[str, ...]) -> None:
     """Collect from each node, in parallel and within 60 s and --max-mib each, the journals, states
     and restart counts of gpufleet's units, each replica's config, release and ExecStart, the NVML probe, the kernel
-    log's Xid and NVRM lines, the lifecycle record and burn-in verdicts, and the routers' servers, into one archive
-    with an index and no secret; print the failure signatures found first.
+    log's Xid and NVRM lines, the lifecycle record and burn-in verdicts, and the routers' servers, and its series
+    in the monitoring hosts' Prometheus, into one archive with an index and no secret; print the failure signatures
+    found first.
 
     Exit 0 when every node gave its archive, 1 when one did not, 2 on bad input.
     """
@@ -163,9 +181,10 @@ def diag_command(inventory: str, hosts: tuple[str, ...], since: str, out_text: s
                " each", err=True)
     try:
         runs = collect(chosen, _connections(inventory, override), since_s, max_mib * MIB, collect_env)
+        series = snapshots(_prometheus(fleet), chosen, since_s, time.time(), max_mib * MIB)
         header = {"inventory": inventory, "hosts": chosen, "since": since, "since_s": since_s,
                   "bound_s": NODE_BOUND_S, "max_bytes_per_node": max_mib * MIB, "collect_env": collect_env}
-        written = write_archive(out, runs, secrets, header, max_mib * MIB, _plan(fleet))
+        written = write_archive(out, runs, secrets, header, max_mib * MIB, _plan(fleet), series)
     except OutReplaced as exc:
         click.echo(f"gpufleet diag: --out {exc}: nothing written", err=True)
         raise SystemExit(EXIT_FAILED) from None

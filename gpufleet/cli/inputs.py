@@ -14,6 +14,8 @@ from gpufleet.gpu.profiles import ProfileError, profile_facts
 from gpufleet.gpu.report import FactsError, NodeFacts, load_facts
 from gpufleet.inventory.load import cli_data_override as _data_override
 from gpufleet.inventory.load import load_fleet, loaded_inventory, parse_data_args, set_data_override
+from gpufleet.netaddr import host_port
+from gpufleet.plan import virtual_address
 from gpufleet.plan.planner import FleetPlan, plan_fleet
 from gpufleet.values import grammar
 from gpufleet.values.grammar import decimal
@@ -72,6 +74,12 @@ def group_hosts(fleet: Fleet, group: str) -> list[str]:
     """The hosts of the inventory group ``group`` (the routers, the monitoring hosts), in its order; [] without one."""
     loaded = loaded_inventory(fleet.hosts[0]) if fleet.hosts else None
     return next((list(members) for name, members in loaded.groups if name == group), []) if loaded else []
+
+
+def prometheus_url(fleet: Fleet, host: str) -> str:
+    """The HTTP API of the Prometheus on monitoring host ``host``, as the controller reaches it."""
+    cfg = fleet.configs[host]
+    return f"http://{host_port(virtual_address.host_address(host, cfg) or host, cfg.prometheus_port)}"
 
 
 def _source_of(fleet: Fleet, host: str, key: str) -> str:

@@ -23,13 +23,12 @@ from click.core import ParameterSource
 from pyinfra.api.inventory import Inventory
 
 from gpufleet.cli.diag import capture
-from gpufleet.cli.inputs import DATA_OPTION, cli_fleet, fail_lines, fleet_facts
+from gpufleet.cli.inputs import DATA_OPTION, cli_fleet, fail_lines, fleet_facts, prometheus_url
 from gpufleet.config.fleet import Fleet
 from gpufleet.config.inventory_shape import MONITORING_GROUP, ROUTERS_GROUP
 from gpufleet.config.secrets import read_secret
 from gpufleet.inventory.load import load_fleet, parse_data_args, set_data_override
 from gpufleet.measure.guidellm_client import ClientError, Target, client_path, workload_for
-from gpufleet.netaddr import host_port
 from gpufleet.plan import virtual_address
 from gpufleet.plan.planner import FleetPlan, plan_fleet
 from gpufleet.remote.bench_store import read_records as read_bench_records
@@ -138,13 +137,10 @@ def _latency_judge(inventory: str, override: dict[str, Any] | None, fleet: Fleet
     states do not share one)."""
     if not monitors:
         return None
-    cfg = fleet.configs[monitors[0]]
-    address = virtual_address.host_address(monitors[0], cfg) or monitors[0]
     records, unread = read_bench_records(load_inventory(inventory, override), monitors)
     for line in unread:
         click.echo(f"warning: {line}: canaries are compared with their peers only", err=True)
-    return LatencyJudge(PrometheusLatency(f"http://{host_port(address, cfg.prometheus_port)}"), records, max_ratio,
-                        bench)
+    return LatencyJudge(PrometheusLatency(prometheus_url(fleet, monitors[0])), records, max_ratio, bench)
 
 
 def _canary_bench(plan: FleetPlan) -> GuidellmCanaryBench:

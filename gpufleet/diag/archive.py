@@ -1,5 +1,6 @@
 """The one archive ``gpufleet diag`` writes: each node's members, redacted (:mod:`gpufleet.diag.redact`), under
-``nodes/<host>/``; what the failure-signature scan found in them (``findings.txt``); the plan; and ``index.json``,
+``nodes/<host>/``, and its series in Prometheus (:mod:`gpufleet.diag.series`) as ``series/<host>.json``; what the
+failure-signature scan found in them (``findings.txt``); the plan; and ``index.json``,
 which lists every member, what could not be read on each node and why, and how many secrets were replaced.
 
 A node's archive is read as untrusted: regular files only, plain relative names, within its byte cap; a compressed
@@ -25,6 +26,7 @@ from typing import Any
 from gpufleet.diag.collect import NodeRun
 from gpufleet.diag.options import OutFile
 from gpufleet.diag.redact import Secrets, redact
+from gpufleet.diag.series import Snapshot
 from gpufleet.diag.signatures import BOOTS, KERNEL, Finding, scan
 
 SCHEMA = "gpufleet.diag/1"
@@ -116,10 +118,11 @@ def _tar_add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
 
 
 def write_archive(out: OutFile, runs: dict[str, NodeRun], secrets: Secrets, header: dict[str, Any],
-                  max_bytes: int, plan: dict[str, Any] | None = None) -> Written:
+                  max_bytes: int, plan: dict[str, Any] | None = None,
+                  series: dict[str, Snapshot] | None = None) -> Written:
     """Write into ``out`` (made empty, 0600, by :func:`gpufleet.diag.options.out_path`; :class:`OutReplaced` when
-    another file took its place since): every node's
-    members redacted, the findings, the plan and the index."""
+    another file took its place since): every node's members and series redacted, the findings, the plan and the
+    index."""
     counts: Counter[str] = Counter()
     findings: list[Finding] = []
     nodes: dict[str, NodeEntry] = {}
@@ -142,6 +145,16 @@ def write_archive(out: OutFile, runs: dict[str, NodeRun], secrets: Secrets, head
             entry.members.append({"name": f"nodes/{host}/{name}", "bytes": len(data)})
         kept += [(f"nodes/{host}/{name}", data) for name, data in clean]
         findings += _findings(host, clean)
+    for host, snap in (series or {}).items():
+        entry = nodes.setdefault(host, NodeEntry(0.0, 0))
+        redacted, found = redact(snap.data, secrets) if snap.data is not None else (None, Counter())
+        counts.update(found)
+        if redacted is None:
+            why = snap.problem or "left out: a secret remained after redaction"
+            entry.unread.append({"what": "its series in Prometheus", "why": why})
+            continue
+        entry.members.append({"name": f"series/{host}.json", "bytes": len(redacted)})
+        kept.append((f"series/{host}.json", redacted))
     index = {"schema": SCHEMA, "created": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"), **header,
              "findings": [asdict(f) for f in findings], "redacted": dict(sorted(counts.items())),
              "secrets_not_read": secrets.unread,

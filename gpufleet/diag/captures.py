@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -21,6 +22,7 @@ from gpufleet.diag.archive import write_archive
 from gpufleet.diag.collect import TOOL, NodeRemote, collect
 from gpufleet.diag.options import out_path
 from gpufleet.diag.redact import Secrets
+from gpufleet.diag.series import snapshots
 from gpufleet.node_paths import DIAG_CAPTURES_DIR
 from gpufleet.remote.commands import Remote, RemoteResult
 
@@ -60,17 +62,18 @@ def capture_name(when: datetime, reason: str) -> str:
 
 
 def take(nodes: Sequence[str], remote_for: Callable[[str], NodeRemote], store: StoreRemote,
-         monitoring: Sequence[str], secrets: Secrets, reason: str, when: datetime,
+         monitoring: Sequence[str], prometheus: Sequence[str], secrets: Secrets, reason: str, when: datetime,
          work_dir: Path) -> tuple[str, list[str]]:
-    """Collect ``nodes`` (the last :data:`SINCE_S`, :data:`MAX_BYTES` each) into one archive and keep it on each of
-    ``monitoring``, removing their captures past the newest :data:`KEEP`; its name, and a line for each node or
-    host where something failed."""
+    """Collect ``nodes`` (the last :data:`SINCE_S`, :data:`MAX_BYTES` each, and their series from ``prometheus``,
+    base URLs) into one archive and keep it on each of ``monitoring``, removing their captures past the newest
+    :data:`KEEP`; its name, and a line for each node or host where something failed."""
     runs = collect(list(nodes), remote_for, SINCE_S, MAX_BYTES)
+    series = snapshots(prometheus, list(nodes), SINCE_S, time.time(), MAX_BYTES)
     name = capture_name(when, reason)
     local = out_path(str(work_dir / name))
     header = {"capture": reason, "hosts": list(nodes), "since_s": SINCE_S, "max_bytes_per_node": MAX_BYTES}
     try:
-        write_archive(local, runs, secrets, header, MAX_BYTES, {})
+        write_archive(local, runs, secrets, header, MAX_BYTES, {}, series)
         data = local.path.read_bytes()
     finally:
         local.remove()

@@ -11,6 +11,9 @@ node it happened on, with its runbook section (docs/guide/when-things-fail.md):
 - lab1's replica kept from starting by a flag its release removed, its model's files gone and its port taken
   (test_faults.py): ``flag_removed``, ``model_missing`` and ``port_taken`` on lab1.
 
+The archive also holds each node's series from lab1's Prometheus over the window: among lab1's, the alert the
+critical Xid of tests/lab/test_alerts.py raised.
+
 Run alone, the test finds none of them and fails naming the test that injects each. The same archive, of a lab whose
 secrets are all set but the hub token (the lab has none), holds none of them: each is searched in every byte of the
 archive, of its decompressed tar stream, and of each member. Its figures (time and size per node, and for the lab)
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import gzip
 import io
+import json
 import re
 import subprocess
 import sys
@@ -107,10 +111,18 @@ def test_diag_names_each_fault_of_the_scenario_on_its_node_and_keeps_no_secret(
     assert set(nodes) == set(by_address) and all(0 < s <= 60 and b > 0 for s, b in nodes.values()), nodes
     assert out.stat().st_mode & 0o777 == 0o600
     archive = out.read_bytes()
-    leaks = [f"{name} in {where}" for name, values in _secrets(lab).items() for where, data in _layers(archive).items()
+    # each node's series from lab1's Prometheus over the window: its scrape health, and on lab1 the critical Xid
+    # tests/lab/test_alerts.py injected (an alert of the window, resolved since)
+    layers = _layers(archive)
+    series = {node.name: json.loads(layers[f"series/{node.address}.json"])["series"] for node in lab.nodes}
+    assert all(any(s["metric"]["__name__"] == "up" for s in found) for found in series.values()), series.keys()
+    alerts = {s["metric"].get("alertname") for s in series[lab.nodes[0].name] if s["metric"]["__name__"] == "ALERTS"}
+    assert "GpuCriticalXid" in alerts, alerts
+    leaks = [f"{name} in {where}" for name, values in _secrets(lab).items() for where, data in layers.items()
              for value in values if value.encode() in data]
     assert not leaks, leaks
     record_figure(tmp_path_factory, {
         "figure": "gpufleet diag of the lab after the faults scenario", "seconds": round(took, 1),
         "archive_bytes": len(archive), "findings": len(found),
+        "series_bytes": {node.name: len(layers[f"series/{node.address}.json"]) for node in lab.nodes},
         "nodes": {by_address[host]: {"seconds": s, "bytes": b} for host, (s, b) in nodes.items()}})

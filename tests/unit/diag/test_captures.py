@@ -53,7 +53,7 @@ def fleet(tmp_path: Path) -> dict[str, FakeNode]:
 
 def _take(fleet: dict[str, FakeNode], tmp_path: Path, when: datetime = WHEN) -> tuple[str, list[str]]:
     nodes = LocalNodes(fleet)
-    return captures.take([NODE], lambda host: nodes, Store(fleet), [MONITOR], Secrets(),
+    return captures.take([NODE], lambda host: nodes, Store(fleet), [MONITOR], [], Secrets(),
                          "upgrade rolled back llama_70b-0", when, tmp_path)
 
 
@@ -82,8 +82,8 @@ def test_only_the_newest_captures_are_kept(fleet: dict[str, FakeNode], tmp_path:
 
 def test_a_monitoring_host_that_cannot_keep_it_is_named(fleet: dict[str, FakeNode], tmp_path: Path) -> None:
     nodes = LocalNodes(fleet)
-    _, problems = captures.take([NODE], lambda host: nodes, LocalNodes(fleet), [MONITOR], Secrets(), "x", WHEN,
-                                tmp_path)  # plain LocalNodes: runs the node tool only, so `install` fails
+    _, problems = captures.take([NODE], lambda host: nodes, LocalNodes(fleet), [MONITOR], [], Secrets(), "x",
+                                WHEN, tmp_path)  # plain LocalNodes: runs the node tool only, so `install` fails
     assert [p.split(":")[0] for p in problems] == [MONITOR], problems
 
 
