@@ -37,9 +37,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    """A test marked ``waits`` mostly waits on timers (the alert rounds): the lab's CPUs are free. The healthy watch
-    is not one: with the unit tiers started beside it, a scrape of a replica came late enough for
-    ModelReplicasBelowMinimum to be pending (seen on this machine), and the watch asks for none."""
+    """A test marked ``waits`` mostly waits on timers: the lab's CPUs are free from it on. It is the wedged engine's
+    (the watchdog's stall wait, a node's reboot): the tests before it keep both cores busy (the alert round, the
+    bench, the capacity load, the first restarts: 0 to 3% idle, with the unit and tools tiers beside them), the
+    tests from it on leave 46% of them idle, about 1,170 CPU-seconds over 1,280 s (a run of ``.ci/run``, sampled
+    every 5 s). The healthy watch is not one: with the unit tiers started beside it, a scrape
+    of a replica came late enough for ModelReplicasBelowMinimum to be pending (seen on this machine), and the watch
+    asks for none."""
     signal = item.config.getoption("--waits-signal", default=None)
     if signal and item.get_closest_marker("waits"):
         Path(signal).touch()

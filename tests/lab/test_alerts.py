@@ -112,7 +112,6 @@ def _stall(lab: Lab, node: NodeRecord, outcomes: list[str], streams: list[thread
     pytest.fail("every request ended before the engine stopped")
 
 
-@pytest.mark.waits
 def test_gpu_faults_a_stalled_engine_and_a_silent_exporter_fire_and_resolve(
         lab: Lab, faults: Completed | None, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     """One round of faults that do not hide one another, on all three nodes:

@@ -309,6 +309,7 @@ def test_one_deploy_heals_a_node_without_a_driver_and_a_follower_systemd_gave_up
         "serving_after_s": round(healed, 1)})
 
 
+@pytest.mark.waits
 def test_a_wedged_engine_is_restarted_by_the_watchdog_while_a_provision_reboots_the_followers_node(
         lab: Lab, faults: Completed | None, old_module_loaded: NodeRecord,
         tmp_path_factory: pytest.TempPathFactory) -> None:
