@@ -56,9 +56,20 @@ def burn_in_service(tier: str) -> str:
     """The unit that runs one tier of the burn-in."""
     return f"gpufleet-burn-in-{tier}.service"
 
-# gpufleet diag's captures (an archive taken when a canary failed), on each monitoring host, root 0700; the newest are
-# kept (gpufleet.diag.captures)
+# gpufleet diag's captures, root 0700, the newest kept: on each monitoring host, the archives a rollout took when it
+# rolled a replica back (gpufleet.diag.captures); on each node, what it collected of itself when a replica's unit
+# ended a restart loop or the node was quarantined (diag_collect.py capture, run by the capture unit)
 DIAG_CAPTURES_DIR = "/var/lib/gpufleet/diag"
+CAPTURE_UNIT_TEMPLATE = "gpufleet-capture@.service"  # diag_collect.py capture --reason <instance>, root, oneshot
+RESTART_LOOP_CAPTURE = "gpufleet-capture@restart-loop-%p-%i.service"  # a replica unit's OnFailure= (specifiers)
+
+
+def capture_unit(reason: str) -> str:
+    """The capture unit taken for ``reason`` (a unit instance name: letters, digits, ``-``, ``_``, ``.``)."""
+    return CAPTURE_UNIT_TEMPLATE.replace("@", f"@{reason}")
+
+
+QUARANTINE_CAPTURE = capture_unit("node-quarantined")  # started by the node watch when it quarantines the node
 
 # the alert log (role monitoring): every alert Alertmanager sends, a line each in its journal (alert_log.py)
 ALERT_LOG_SERVICE = "gpufleet-alert-log.service"

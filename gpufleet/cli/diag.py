@@ -107,13 +107,12 @@ def capture(inventory: str, data: tuple[str, ...], fleet: Fleet, nodes: Sequence
 
 
 def _list(inventory: str, data: tuple[str, ...]) -> None:
-    """Every capture kept on the monitoring hosts, newest first."""
-    monitoring = group_hosts(cli_fleet(inventory, data), MONITORING_GROUP)
-    if not monitoring:
-        fail_lines([f"gpufleet diag: {inventory} has no `{MONITORING_GROUP}` group: captures are kept on its hosts"])
+    """Every capture kept on the inventory's hosts (a rollout's on the monitoring hosts, a node's own on it), newest
+    first on each."""
+    fleet = cli_fleet(inventory, data)
     store = PyinfraRemote(load_inventory(inventory, parse_data_args(list(data)) or None))
     try:
-        found, problems = listed(store, monitoring)
+        found, problems = listed(store, fleet.hosts)
     finally:
         store.close()
     click.echo(f"captures: {len(found)}" + ("" if found else f" (none kept in {DIAG_CAPTURES_DIR})"))
@@ -138,7 +137,8 @@ def _list(inventory: str, data: tuple[str, ...]) -> None:
 @click.option("--collect-env", is_flag=True,
               help="Also run `vllm collect-env` in each replica's release venv (slower: it imports torch).")
 @click.option("--list", "list_only", is_flag=True,
-              help="List the captures kept on the monitoring hosts (taken when a canary failed); collect nothing.")
+              help="List the captures kept on every host: a rollout's on the monitoring hosts (a replica rolled back),"
+                   " a node's own (a restart loop, a quarantine); collect nothing.")
 @DATA_OPTION
 def diag_command(inventory: str, hosts: tuple[str, ...], since: str, out_text: str | None, max_mib: int,
                  collect_env: bool, list_only: bool, data: tuple[str, ...]) -> None:

@@ -10,7 +10,6 @@ is stored.
 from __future__ import annotations
 
 import json
-import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from gpufleet.diag.collect import TOOL, NodeRemote, collect
 from gpufleet.diag.options import out_path
 from gpufleet.diag.redact import Secrets
 from gpufleet.diag.series import snapshots
+from gpufleet.node.diag_collect import capture_name
 from gpufleet.node_paths import DIAG_CAPTURES_DIR
 from gpufleet.remote.commands import Remote, RemoteResult
 
@@ -33,7 +33,6 @@ SINCE_S = 3600
 MAX_BYTES = 16 << 20
 """What each node gives a capture, at most."""
 COMMAND_S = 60.0
-_SLUG = re.compile(r"[^a-z0-9]+")
 
 
 class StoreRemote(Remote, Protocol):
@@ -53,12 +52,6 @@ class Capture:
 
     def line(self) -> str:
         return f"{self.host}: {DIAG_CAPTURES_DIR}/{self.name} ({self.bytes:,} bytes, {self.time})"
-
-
-def capture_name(when: datetime, reason: str) -> str:
-    """The file a capture is kept in: its UTC time, then ``reason`` in lower-case words joined by ``-``."""
-    slug = _SLUG.sub("-", reason.lower()).strip("-")[:64].strip("-") or "capture"
-    return f"{when:%Y%m%dT%H%M%SZ}-{slug}.tar.gz"
 
 
 def take(nodes: Sequence[str], remote_for: Callable[[str], NodeRemote], store: StoreRemote,

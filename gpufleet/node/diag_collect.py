@@ -3,6 +3,8 @@
 
     diag_collect.py collect --since-s SECONDS --max-bytes N --budget-s SECONDS [--collect-env]
     diag_collect.py remove DIR
+    diag_collect.py capture --reason WORDS [--keep N]
+    diag_collect.py captures [--keep N]
 
 ``collect`` reads, within ``--budget-s`` seconds and ``--max-bytes`` bytes of members (what does not fit is cut,
 its index entry says so), and writes into one tar.gz, readable by root alone (or by the user that ran it through
@@ -25,6 +27,13 @@ sudo, so that it can be fetched without a world-readable copy):
 Every member's text goes through :func:`redact_names` (a second line of defence: the values of secrets named in it,
 a bearer token, a URL's credentials, a private key block). ``remove`` deletes what ``collect`` wrote once it has
 been fetched. ``collect`` prints one line of JSON: the archive's path and size.
+
+``capture`` is ``collect`` of the last hour (:data:`CAPTURE_SINCE_S`, :data:`CAPTURE_MAX_BYTES`), kept on the node
+itself when something failed with no controller there: ``gpufleet-capture@REASON.service`` runs it when a replica's
+unit ends a restart loop (systemd gave up restarting it: the unit's ``OnFailure=``) or the node watch quarantines
+the node. The archive goes into :data:`CAPTURES_DIR` (0700) as ``<UTC time>-<reason>.tar.gz`` (0600), and the
+captures past the newest ``--keep`` are removed; ``captures`` lists them, newest first, as JSON (``gpufleet diag
+--list`` reads every host's).
 """
 
 from __future__ import annotations
@@ -72,8 +81,13 @@ GPU_WATCH_FILES = ("/run/gpufleet/gpu-gate-failed", "/run/gpufleet/gpu-samples.j
 ROUTER_SOCKET = "/run/haproxy/gpufleet-runtime.sock"  # node_paths.ROUTER_ADMIN_SOCKET
 ROUTER_HEALTH_STATE = "/run/gpufleet-router-health/healthy"  # node_paths.ROUTER_HEALTH_STATE
 UNIT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"  # node_paths.UNIT_DEFAULT_PATH
-CAPTURES_DIR = "/var/lib/gpufleet/diag"  # node_paths.DIAG_CAPTURES_DIR: on the monitoring hosts, root's alone
-CAPTURE_NAME = re.compile(r"\d{8}T\d{6}Z-[a-z0-9-]{1,64}\.tar\.gz")  # gpufleet.diag.captures.capture_name
+CAPTURES_DIR = "/var/lib/gpufleet/diag"  # node_paths.DIAG_CAPTURES_DIR: root's alone
+CAPTURE_NAME = re.compile(r"\d{8}T\d{6}Z-[a-z0-9-]{1,64}\.tar\.gz")  # what capture_name makes
+CAPTURE_SINCE_S = 3600  # gpufleet.diag.captures.SINCE_S
+CAPTURE_MAX_BYTES = 16 << 20  # gpufleet.diag.captures.MAX_BYTES
+CAPTURE_BUDGET_S = 60.0
+CAPTURE_KEEP = 20  # gpufleet.diag.captures.KEEP
+_SLUG = re.compile(r"[^a-z0-9]+")
 OUT_PREFIX = "gpufleet-diag-"
 OUT_NAME = "node.tar.gz"
 OUT_DIR = re.compile(r"/var/tmp/" + OUT_PREFIX + r"[A-Za-z0-9_]{1,64}")
@@ -449,6 +463,28 @@ def captures(root: str, keep: int | None) -> list[dict[str, Any]]:
             for name, info in found]
 
 
+def capture_name(when: datetime, reason: str) -> str:
+    """A capture's file name, on a node or a monitoring host: its UTC time, then ``reason`` in lower-case words joined
+    by ``-``."""
+    slug = _SLUG.sub("-", reason.lower()).strip("-")[:64].strip("-") or "capture"
+    return f"{when:%Y%m%dT%H%M%SZ}-{slug}.tar.gz"
+
+
+def capture(root: str, reason: str, keep: int) -> Path:
+    """Collect the last :data:`CAPTURE_SINCE_S` into :data:`CAPTURES_DIR` (below ``root``) as a capture named by now
+    and ``reason``, then remove those past the newest ``keep``; where it is."""
+    folder = Path(root + CAPTURES_DIR)
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(folder, 0o700)
+    c = collect(root, CAPTURE_SINCE_S, CAPTURE_MAX_BYTES, CAPTURE_BUDGET_S, False)
+    made = write_archive(c, {**index(c, CAPTURE_SINCE_S), "capture": reason}, str(folder))
+    path = folder / capture_name(datetime.now(timezone.utc), reason)
+    os.replace(made, path)  # the same file system: whole or not there
+    os.rmdir(made.parent)
+    captures(root, keep)
+    return path
+
+
 def _bounded(low: float, high: float, whole: bool = False) -> Any:
     def parse(text: str) -> float:
         try:
@@ -459,6 +495,12 @@ def _bounded(low: float, high: float, whole: bool = False) -> Any:
             raise argparse.ArgumentTypeError(f"expected {low:g} to {high:g}, found {text!r}")
         return value
     return parse
+
+
+def _reason(text: str) -> str:
+    if not 1 <= len(text) <= 200 or not text.isprintable():
+        raise argparse.ArgumentTypeError("expected 1 to 200 printable characters")
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -473,6 +515,11 @@ def main(argv: list[str] | None = None) -> int:
     gather.add_argument("--out-dir", default="/var/tmp", help="where the archive's folder is made")
     gone = commands.add_parser("remove", help="delete the folder collect made, once fetched")
     gone.add_argument("directory")
+    taken = commands.add_parser("capture", help=f"collect the last hour into a capture in {CAPTURES_DIR}")
+    taken.add_argument("--reason", required=True, type=_reason, help="what failed, in words (the capture's name)")
+    taken.add_argument("--keep", type=_bounded(1, 10000, whole=True), default=CAPTURE_KEEP,
+                       help="then remove all but the newest KEEP captures")
+    taken.add_argument("--root", default="/", help="read the node's files below this folder (tests)")
     kept = commands.add_parser("captures", help=f"list the captures in {CAPTURES_DIR}, newest first (JSON)")
     kept.add_argument("--keep", type=_bounded(1, 10000, whole=True), help="first remove all but the newest KEEP")
     kept.add_argument("--root", default="/", help="the folder the node's files are below (tests)")
@@ -482,6 +529,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "captures":
         print(json.dumps(captures(args.root, args.keep)))
+        return 0
+    if args.command == "capture":
+        path = capture(args.root, args.reason, args.keep)
+        print(json.dumps({"capture": str(path), "bytes": path.stat().st_size}))
         return 0
     c = collect(args.root, args.since_s, args.max_bytes, args.budget_s, args.collect_env)
     path = write_archive(c, index(c, args.since_s), args.out_dir)

@@ -18,7 +18,8 @@ a deploy, ``gpufleet nodes``) changes it through this tool, under one lock. ``wa
   NVLinks down, whatever the gate's policy), and the journal for the replica watchdogs' restarts (repeated stalls),
   as findings, each acted on as the catalog says (``gpufleet/node/findings.py``);
 - **acts on the state**, whoever set it: a node that left (quarantined, retired) is drained (the agent already
-  answers down; in-flight requests get up to ``drain_timeout_s`` to finish), evidence is kept, its replica units
+  answers down; in-flight requests get up to ``drain_timeout_s`` to finish), evidence is kept (a quarantined node
+  also starts its capture unit: the node tool's archive of the last hour, kept on the node), its replica units
   stop, and a quarantined node runs the ``full`` burn-in while idle; once its cool-off has passed it moves to
   burn-in, and ``readmit_passes`` clean full passes bring it back to serving, its units started again; a node in
   service that a person sends to burn-in (a full burn-in on request) is drained and stopped the same way, and one
@@ -56,6 +57,7 @@ HEARD_WAIT_S = 5.0  # the longest a drain waits for every router that asks the a
 ASKING_S = 10.0  # a router that asked the agent this recently is one that must hear "down"
 SETTLED_READS = 3  # a drain ends after this many reads in a row, 0.5 s apart, find no request in the engines
 _UNIT = re.compile(r"^vllm@[A-Za-z0-9_.:-]+\.service$")
+_CAPTURE = re.compile(r"^gpufleet-capture@[A-Za-z0-9_.-]+\.service$")  # node_paths.capture_unit's
 _WHY = re.compile(r"^(?=.*\S).{1,200}$", re.DOTALL)  # and printable: see _why_ok
 
 
@@ -104,6 +106,7 @@ class Config:
         self.evidence_dir = Path(doc.get("evidence_dir", "/var/lib/gpufleet/evidence"))
         self.textfile = Path(doc["textfile"]) if doc.get("textfile") else None
         self.replica_metrics: list[str] = list(doc.get("replica_metrics", []))
+        self.capture_unit: str | None = doc.get("capture_unit")  # started when the node is quarantined
 
     @classmethod
     def load(cls, path: Path) -> Config:
@@ -394,6 +397,8 @@ def stop_units(config: Config, record: dict[str, Any], kernel: KernelLog | None,
         drain(config, agent)
     folder = keep_evidence(config, record, record["history"][-1]["why"] if record["history"] else "left", kernel)
     record["evidence"] = [*(record.get("evidence") or [])[-9:], folder]
+    if record["state"] == "quarantined" and config.capture_unit and _CAPTURE.match(config.capture_unit):
+        _run(["systemctl", "start", "--no-block", "--", config.capture_unit], 30)  # the last hour, kept on the node
     if units:
         _run(["systemctl", "stop", "--no-block", "--", *units], 30)
         log(f"{config.node}: {record['state']}: stopped {', '.join(units)}; evidence in {folder}")

@@ -54,6 +54,7 @@ from gpufleet.node_paths import (
     NODE_STATE_SUMMARY,
     NODE_TOOLS_DIR,
     NODE_WATCH_SERVICE,
+    QUARANTINE_CAPTURE,
     TEXTFILE_DIR,
     burn_in_service,
     node_tool,
@@ -133,6 +134,7 @@ def config_values(cfg: HostConfig, name: str, address: str, metrics: list[str]) 
         "evidence_dir": EVIDENCE_DIR,
         "textfile": NODE_TEXTFILE,
         "replica_metrics": metrics,
+        "capture_unit": QUARANTINE_CAPTURE,
     }
 
 

@@ -57,6 +57,7 @@ from gpufleet.node_paths import (
     MODELS_DIR,
     NODE_TOOLS_DIR,
     PIP_SECRET,
+    RESTART_LOOP_CAPTURE,
     REVISION_MARKER,
     SECRETS_DIR,
     VLLM_ETC,
@@ -114,7 +115,8 @@ def unit_values(allowed: list[str] | None = None, stop_timeout_s: int = vf.STOP_
     """What templates/vllm/vllm@.service.j2 is rendered with: fixed paths, who may connect (``allowed``, from
     :func:`gpufleet.plan.access.vllm_sources`; None: anyone) and how long a stop may take (drain included)."""
     return {"etc": VLLM_ETC, "node_tools": NODE_TOOLS_DIR, "gate_policy": GATE_POLICY, "home": VLLM_HOME,
-            "secrets_dir": SECRETS_DIR, "ip_access": access.unit_lines(allowed), "stop_timeout_s": stop_timeout_s}
+            "secrets_dir": SECRETS_DIR, "ip_access": access.unit_lines(allowed), "stop_timeout_s": stop_timeout_s,
+            "on_failure": RESTART_LOOP_CAPTURE}
 
 
 def watchdog_unit_values(node_address: str) -> dict[str, object]:

@@ -48,6 +48,7 @@ ROUTER_PORT = 8080
 ROUTER_METRICS_PORT = 8405
 ROUTER_ADMIN = "python3 /opt/gpufleet/node/router_admin.py"
 NODE_WATCH = "python3 /opt/gpufleet/node/node_watch.py"
+DIAG_COLLECT = "python3 -I /opt/gpufleet/node/diag_collect.py"
 LIFECYCLE_CONFIG = "/etc/gpufleet/lifecycle.json"
 RAY_PORT, NODE_EXPORTER, DCGM_EXPORTER, RENDEZVOUS = 6379, 9100, 9400, 29501
 CONNECT_TIMEOUT = 3.0
@@ -227,6 +228,25 @@ def wait_serving(lab: Lab, node: NodeRecord, timeout: float = 600) -> None:
 def node_record(lab: Lab, node: NodeRecord) -> dict[str, Any]:
     """``node``'s lifecycle record, as its watch keeps it."""
     return dict(json.loads(lab.host(node).check_output(f"{NODE_WATCH} show --config {LIFECYCLE_CONFIG}")))
+
+
+def node_captures(lab: Lab, node: NodeRecord) -> list[str]:
+    """The captures kept on ``node`` (its own, or a rollout's on a monitoring host), newest first."""
+    return [c["name"] for c in json.loads(lab.host(node).check_output(f"{DIAG_COLLECT} captures"))]
+
+
+def wait_capture(lab: Lab, node: NodeRecord, reason: str, before: list[str], timeout: float = 90) -> str:
+    """The capture for ``reason`` (its name's words) that ``node`` kept after ``before`` (its captures then), once
+    there."""
+    suffix = f"-{reason}.tar.gz"
+    end = time.monotonic() + timeout
+    while True:
+        new = [name for name in node_captures(lab, node) if name not in before and name.endswith(suffix)]
+        if new or time.monotonic() > end:
+            break
+        time.sleep(2)
+    assert new, f"no capture *{suffix} on {node.name} within {timeout:g} s: {node_captures(lab, node)}"
+    return new[0]
 
 
 def restore_nodes(lab: Lab, timeout: float = 300) -> None:

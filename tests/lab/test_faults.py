@@ -7,6 +7,7 @@ Every fault's figures go to the session's lab-fault-figures.jsonl, beside its te
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import subprocess
@@ -36,6 +37,7 @@ from tests.lab.fleet import (
     holds_address,
     http,
     lab_copy,
+    node_captures,
     record_figure,
     requests_to,
     router_retries,
@@ -44,6 +46,7 @@ from tests.lab.fleet import (
     single,
     tls,
     vllm_child,
+    wait_capture,
     wait_router_status,
     wait_serving,
 )
@@ -278,6 +281,7 @@ def test_one_deploy_heals_a_node_without_a_driver_and_a_follower_systemd_gave_up
     pipeline, leader, follower = f"vllm@{PIPELINE}", lab.nodes[1], lab.nodes[2]
     failing = lab.host(follower)
     drop_in = f"/run/systemd/system/{pipeline}.service.d"
+    captures = node_captures(lab, follower)
     # each start fails at once and the next follows 0.2 s later (the unit's own RestartSec is 5 s): systemd gives up
     # after its StartLimitBurst in a second or two instead of half a minute
     failing.check_output(f"mkdir -p {drop_in} && printf '[Service]\\nExecStartPre=/bin/false\\nRestartSec=200ms\\n'"
@@ -293,6 +297,10 @@ def test_one_deploy_heals_a_node_without_a_driver_and_a_follower_systemd_gave_up
     while time.monotonic() < end and show("ActiveState") != "failed":
         time.sleep(3)
     assert show("ActiveState") == "failed" and int(show("NRestarts")) >= 4  # systemd gave up on it
+    # its OnFailure= kept the last hour on lab3, the unit failed in it
+    captured = wait_capture(lab, follower, f"restart-loop-vllm-{PIPELINE.replace('_', '-')}", captures)
+    units = json.loads(failing.check_output(f"tar -xzOf {node_paths.DIAG_CAPTURES_DIR}/{captured} units.json"))
+    assert units[pipeline]["ActiveState"] == "failed", units.get(pipeline)
     failing.check_output(f"rm -r {drop_in} && systemctl daemon-reload")
     started = time.monotonic()
     done = deploy(lab)

@@ -18,15 +18,18 @@ import pytest
 from gpufleet_lab.kernel_log import append_command, xid_line
 from gpufleet_lab.sim_profile import write_sim_profile
 
+from gpufleet import node_paths
 from tests.lab.fleet import (
     INVENTORY,
     PIPELINE,
     ROUTER_ADMIN,
     SIM_PROFILE,
+    node_captures,
     node_record,
     record_figure,
     requests_to,
     single,
+    wait_capture,
     wait_serving,
 )
 from tests.lab.harness import LAB_VARS, PYINFRA, Completed, Lab, run
@@ -89,6 +92,7 @@ def test_an_xid_79_under_load_drains_quarantines_and_readmits_the_node(
     node, server = lab.nodes[0], single(lab)
     host = lab.host(node)
     assert node_record(lab, node)["state"] == "serving"
+    captures = node_captures(lab, node)
     gpu = json.loads(host.check_output("python3 /opt/gpufleet/node/nvml_probe.py"))["gpus"][3]
     profile = tmp_path / "profile"
     write_sim_profile(profile, node.profile, [("dcgm_fail", 3, 50)], hostname=node.name)
@@ -136,6 +140,9 @@ def test_an_xid_79_under_load_drains_quarantines_and_readmits_the_node(
     listed = host.check_output(f"ls {evidence}").split()
     assert {"record.json", "kernel.log", "gpus.json", "units.txt", "journal.txt"} <= set(listed), listed
     assert line in host.check_output(f"cat {evidence}/kernel.log")
+    # and the last hour kept as a capture on lab1 itself (the node watch started its capture unit): Xid 79's line
+    captured = wait_capture(lab, node, "node-quarantined", captures)
+    assert "Xid" in host.check_output(f"tar -xzOf {node_paths.DIAG_CAPTURES_DIR}/{captured} kernel.log")
     assert not host.service(f"vllm@{server}").is_running
     failed = record["last_burn_in"]["failed"]  # dcgmi said Fail for GPU 3's memory test and exited 0
     assert [(c["check"], c["gpu"], c["evidence"]["test"], c["evidence"]["exit_status"]) for c in failed] == [

@@ -68,7 +68,7 @@ class FakeNode:
 
     def run(self, args: Sequence[str], timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
         """The node tool with ``args`` (after ``collect``: the root below the folder), its stand-ins first on PATH."""
-        extra = ["--root", str(self.root)] if args and args[0] in ("collect", "captures") else []
+        extra = ["--root", str(self.root)] if args and args[0] in ("collect", "captures", "capture") else []
         return subprocess.run([sys.executable, "-I", str(NODE_TOOL), *args, *extra], capture_output=True, text=True,
                               timeout=timeout_s, env={"PATH": f"{self.bin}:/usr/bin:/bin"}, check=False)
 

@@ -12,6 +12,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import roles.common as common_role
 import roles.dcgm_exporter as dcgm_exporter_role
 import roles.gpu_watch as gpu_watch_role
 import roles.keepalived as keepalived_role
@@ -211,6 +212,16 @@ def _burn_in(_: str) -> Unit:
                 [python], argv)
 
 
+def _capture(_: str) -> Unit:
+    """A node's capture of itself, the instance its reason (a restart loop's, as a replica unit's OnFailure= names
+    it)."""
+    argv = [node_paths.NODE_PYTHON, "-I", node_paths.node_tool("diag_collect.py"), "capture", "--reason",
+            "restart-loop-vllm-lab_single-0"]
+    return Unit(node_paths.CAPTURE_UNIT_TEMPLATE,
+                render("common/gpufleet-capture@.service.j2", **common_role.capture_values()),
+                [node_paths.NODE_PYTHON], argv, instance="restart-loop-vllm-lab_single-0")
+
+
 def _router_clients(_: str) -> Unit:
     """The router's clients' counters, and beside it the timer that starts it (verified with it)."""
     argv = [node_paths.NODE_PYTHON, "-I", node_paths.node_tool("router_admin.py"), "client-metrics", "--textfile",
@@ -270,6 +281,7 @@ UNIT_CASES: list[tuple[str, Callable[[str], Unit]]] = [
     ("gpufleet-gpu-watch.service and its timer", _gpu_watch),
     ("gpufleet-node-watch.service", _node_watch),
     ("gpufleet-burn-in-full.service", _burn_in),
+    ("gpufleet-capture@.service", _capture),
     ("gpufleet-router-clients.service and its timer", _router_clients),
     ("ray unit of a head", ray_head_unit),
     ("gpufleet-alert-log.service", _alert_log),

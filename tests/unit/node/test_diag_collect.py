@@ -226,3 +226,30 @@ def test_an_archive_holds_only_plain_members() -> None:
                                                                   ("units.json", True, 0o600)]
     finally:
         shutil.rmtree(out.parent)
+
+
+def test_a_capture_is_kept_on_the_node_newest_first_and_bounded(node: FakeNode) -> None:
+    """What a restart loop or a quarantine leaves with no controller there: the last hour's collection in the
+    captures' folder (0700), 0600, named by its time and reason; the oldest past --keep removed."""
+    folder = node.root / node_paths.DIAG_CAPTURES_DIR.lstrip("/")
+    made = []
+    for turn in range(3):
+        done = node.run(["capture", "--reason", f"restart-loop-vllm-{REPLICA} {turn}", "--keep", "2"])
+        assert done.returncode == 0, done.stderr
+        made.append(Path(json.loads(done.stdout)["capture"]))
+        time.sleep(1.01)  # a name per second
+    assert folder.stat().st_mode & 0o777 == 0o700 and sorted(folder.iterdir()) == made[1:]
+    assert all(diag_collect.CAPTURE_NAME.fullmatch(p.name) and p.stat().st_mode & 0o777 == 0o600 for p in made[1:])
+    assert made[2].name.endswith(f"-restart-loop-vllm-{REPLICA.replace('_', '-')}-2.tar.gz")
+    with tarfile.open(made[2]) as tar:
+        index = json.loads(tar.extractfile("index.json").read())  # type: ignore[union-attr]
+        assert f"journal/vllm@{REPLICA}.service.log" in tar.getnames()
+    assert index["capture"] == f"restart-loop-vllm-{REPLICA} 2" and index["since_s"] == diag_collect.CAPTURE_SINCE_S
+    listed = node.run(["captures"])
+    assert [c["name"] for c in json.loads(listed.stdout)] == [p.name for p in reversed(made[1:])]
+
+
+@pytest.mark.parametrize("reason", ["", "a\nb", "x" * 201])
+def test_a_capture_reason_is_printable_words(node: FakeNode, reason: str) -> None:
+    done = node.run(["capture", "--reason", reason])
+    assert done.returncode == 2 and "expected 1 to 200 printable characters" in done.stderr

@@ -15,6 +15,7 @@ import pytest
 
 from gpufleet.config.settings.node_lifecycle import repository_catalog
 from gpufleet.node import findings, node_state, node_watch
+from gpufleet.node_paths import QUARANTINE_CAPTURE
 from gpufleet.operations.lifecycle import needs_admission
 
 CATALOG = repository_catalog()
@@ -187,6 +188,49 @@ def test_a_full_burn_in_on_request_stops_the_replicas_runs_full_and_brings_the_n
     assert (record["state"], record["requested"], record["quarantines"]) == ("serving", False, [])
     node_watch.reconcile(config, None)  # serving again: its units start, and no other burn-in runs
     assert ["systemctl", "start", "--no-block", "--", "vllm@lab_single-0.service"] in ran and tiers == ["full"]
+    assert not [argv for argv in ran if "gpufleet-capture@node-quarantined.service" in argv]  # not a quarantine
+
+
+def _stand_ins(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, passed: bool) -> tuple[list[list[str]], list[str]]:
+    """systemctl as the watch runs it (a stop stops the one replica unit), no drain wait, evidence kept in one
+    folder, and each burn-in's verdict ``passed``: the commands run, and the tiers burnt in."""
+    running = ["vllm@lab_single-0.service"]
+    ran: list[list[str]] = []
+    tiers: list[str] = []
+
+    def run(argv: list[str], timeout: float) -> tuple[int, str, str]:
+        ran.append(argv)
+        if argv[:2] == ["systemctl", "stop"]:
+            running.clear()
+        return 0, "", ""
+
+    monkeypatch.setattr(node_watch, "replica_units", lambda states="active": list(running))
+    monkeypatch.setattr(node_watch, "STOP_WAIT_S", 0.0)  # the burn-in's wait for the units to end: not here
+    monkeypatch.setattr(node_watch.time, "sleep", lambda s: None)
+    monkeypatch.setattr(node_watch, "requests_running", lambda urls: 0.0)
+    monkeypatch.setattr(node_watch, "_run", run)
+    monkeypatch.setattr(node_watch, "keep_evidence", lambda *args: str(tmp_path / "evidence" / "1"))
+    monkeypatch.setattr(node_watch, "run_burn_in", lambda config, tier: (
+        tiers.append(tier), {"tier": tier, "passed": passed, "seconds": 1.0, "checks": []})[1])
+    return ran, tiers
+
+
+@pytest.mark.parametrize(("unit", "started"), [(QUARANTINE_CAPTURE, True), ("vllm@x.service; reboot", False),
+                                               (None, False)])
+def test_a_quarantined_node_starts_its_capture_with_its_evidence(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, unit: str | None, started: bool) -> None:
+    """What the node logged over the last hour is kept on it when it is quarantined (the capture unit, a node
+    tool's archive), beside the evidence folder; a configured name that is not a capture unit is never started."""
+    config = _config(tmp_path, capture_unit=unit)
+    _serving(config)
+    ran, _ = _stand_ins(monkeypatch, tmp_path, passed=False)
+    assert node_watch.main(["move", "--config", str(tmp_path / "lifecycle.json"), "--to", "quarantined",
+                            "--why", "fans"]) == 0
+    node_watch.reconcile(config, None)
+    captured = ["systemctl", "start", "--no-block", "--", QUARANTINE_CAPTURE]
+    assert (captured in ran) == started, ran
+    if started:
+        assert ran.index(captured) < ran.index(["systemctl", "stop", "--no-block", "--", "vllm@lab_single-0.service"])
 
 
 def test_the_burn_in_runs_as_its_unit_and_is_judged_by_the_verdict_it_wrote(
@@ -267,24 +311,7 @@ def test_a_quarantine_and_readmission_faster_than_the_watch_still_stops_the_repl
     burn-in with its replica running; it waited for the unit to stop, and nobody stopped it."""
     config = _config(tmp_path)
     _serving(config)
-    running = ["vllm@lab_single-0.service"]
-    ran: list[list[str]] = []
-    tiers: list[str] = []
-
-    def run(argv: list[str], timeout: float) -> tuple[int, str, str]:
-        ran.append(argv)
-        if argv[:2] == ["systemctl", "stop"]:
-            running.clear()
-        return 0, "", ""
-
-    monkeypatch.setattr(node_watch, "replica_units", lambda states="active": list(running))
-    monkeypatch.setattr(node_watch, "STOP_WAIT_S", 0.0)  # the burn-in's wait for the units to end: not here
-    monkeypatch.setattr(node_watch.time, "sleep", lambda s: None)
-    monkeypatch.setattr(node_watch, "requests_running", lambda urls: 0.0)
-    monkeypatch.setattr(node_watch, "_run", run)
-    monkeypatch.setattr(node_watch, "keep_evidence", lambda *args: str(tmp_path / "evidence" / "1"))
-    monkeypatch.setattr(node_watch, "run_burn_in", lambda config, tier: (
-        tiers.append(tier), {"tier": tier, "passed": True, "seconds": 1.0, "checks": []})[1])
+    ran, tiers = _stand_ins(monkeypatch, tmp_path, passed=True)
     args = ["--config", str(tmp_path / "lifecycle.json")]
     assert node_watch.main(["move", *args, "--to", "quarantined", "--why", "fans"]) == 0
     assert node_watch.main(["move", *args, "--to", "burn-in", "--why", "fans replaced"]) == 0

@@ -62,7 +62,7 @@ COVERED = {"node_exporter/node_exporter.service.j2", "node_exporter/package-over
            "gpu_watch/gpufleet-gpu-watch.service.j2", "gpu_watch/gpufleet-gpu-watch.timer.j2",
            "node_lifecycle/gpufleet-node-watch.service.j2", "node_lifecycle/gpufleet-burn-in.service.j2",
            "router/gpufleet-router-clients.service.j2", "router/gpufleet-router-clients.timer.j2",
-           "monitoring/gpufleet-alert-log.service.j2",
+           "monitoring/gpufleet-alert-log.service.j2", "common/gpufleet-capture@.service.j2",
            "_sandbox.conf.j2",  # the sandbox: in every unit
            "vllm/ray.conf.j2",  # with vllm@.service and the Ray unit: tests/tools/test_units_pass_systemd_analyze.py
            "router/haproxy-override.conf.j2",  # with Debian's haproxy.service: the same

@@ -64,7 +64,8 @@ def test_the_units_are_found() -> None:
                           "node_lifecycle/gpufleet-burn-in.service.j2",
                           "monitoring/override.conf.j2", "monitoring/gpufleet-alert-log.service.j2",
                           "router/gpufleet-router-clients.service.j2",
-                          "keepalived/keepalived-override.conf.j2", "keepalived/gpufleet-router-health.service.j2"}
+                          "keepalived/keepalived-override.conf.j2", "keepalived/gpufleet-router-health.service.j2",
+                          "common/gpufleet-capture@.service.j2"}
 
 
 @pytest.mark.parametrize("name", UNITS)
@@ -87,7 +88,8 @@ _NODE_EXPORTER = {"account": "node_exporter", "version": "1.9.1", "binary": "/us
 VALUES: dict[str, dict[str, object]] = {
     "vllm/vllm@.service.j2": {"etc": "/etc/gpufleet/vllm", "node_tools": "/opt/gpufleet/node",
                               "gate_policy": "/etc/gpufleet/gpu-health.json", "home": "/var/lib/vllm",
-                              "secrets_dir": "/etc/gpufleet/secrets", "stop_timeout_s": 105},
+                              "secrets_dir": "/etc/gpufleet/secrets", "stop_timeout_s": 105,
+                              "on_failure": "gpufleet-capture@restart-loop-%p-%i.service"},
     "vllm/vllm-watchdog@.service.j2": {"etc": "/etc/gpufleet/vllm", "node_tools": "/opt/gpufleet/node",
                                        "secrets_dir": "/etc/gpufleet/secrets"},
     "ray/ray.service.j2": {"kind": "head", "replica": "pool-0", "env_file": "/etc/gpufleet/ray/pool-0.env",
@@ -133,6 +135,9 @@ VALUES: dict[str, dict[str, object]] = {
     "keepalived/keepalived-override.conf.j2": {"account": "keepalived",
                                                "health_service": "gpufleet-router-health.service",
                                                "exec_start": "/usr/sbin/keepalived --dont-fork --vrrp"},
+    "common/gpufleet-capture@.service.j2": {
+        "node_tools": "/opt/gpufleet/node", "captures_dir": "/var/lib/gpufleet/diag", "keep": 20, "timeout_s": 120,
+        "state_dir": "gpufleet/diag", "exec_start": "/usr/bin/python3 -I /opt/gpufleet/node/diag_collect.py capture"},
     "keepalived/gpufleet-router-health.service.j2": {"account": "gpufleet-router-health",
                                                      "state": "/run/gpufleet-router-health/healthy",
                                                      "exec_start": "/usr/bin/python3 -I router_health.py",
@@ -194,6 +199,14 @@ EXPECTED = {
         "ReadWritePaths=-/var/lib/node_exporter/textfile_collector", "UMask=0077", "ProtectHome=yes",
         "ProtectClock=yes", "ProtectProc=invisible", "MemoryDenyWriteExecute=yes",
         "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6", f"{DENY} @resources", "SystemCallErrorNumber=EPERM"},
+    # root reading what root's units keep: the journal and the kernel log (CAP_SYSLOG, /dev/kmsg read-only), files of
+    # other accounts (CAP_DAC_READ_SEARCH), the GPUs through NVML and other processes' /proc (the probe); it writes
+    # its state folder alone: W^X memory, no @resources (EPERM), no netlink
+    "common/gpufleet-capture@.service.j2": (BASE - {"CapabilityBoundingSet=", "ProtectKernelLogs=yes"}) | {
+        "CapabilityBoundingSet=CAP_DAC_READ_SEARCH CAP_SYSLOG", "DeviceAllow=/dev/kmsg r", "UMask=0077",
+        "ProtectHome=yes", "ProtectClock=yes", "MemoryDenyWriteExecute=yes",
+        "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6", f"{DENY} @resources", "SystemCallErrorNumber=EPERM",
+        "DeviceAllow=char-nvidia-frontend rw", "DeviceAllow=char-nvidia-caps r"},
     # root with no capability: the burn-in's torch on the GPUs (JIT, its own affinity and limits, NCCL's netlink); its
     # verdict readable by all (0644)
     "node_lifecycle/gpufleet-burn-in.service.j2": BASE | (GPU_COMPUTE - {"UMask=0027"}) | {"UMask=0022"},
