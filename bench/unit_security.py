@@ -64,12 +64,12 @@ def rendered_units() -> dict[str, str]:
     for a sample node 10.0.0.5 of a Ray replica with 10.0.0.6, monitored from 10.0.9.0/24."""
     from gpufleet.config.layers import HostLayers, Layer, role_default_layers
     from gpufleet.config.validate import validate_host
-    from gpufleet.node_paths import ray_env_file, ray_token_file
+    from gpufleet.node_paths import capture_unit, ray_env_file, ray_token_file
     from gpufleet.plan import access
     from gpufleet.plan.commands import ray_start_argv
     from gpufleet.templates import render
     from gpufleet.units.escape import exec_line
-    from roles import dcgm_exporter, gpu_watch, monitoring, node_exporter, node_lifecycle, ray, vllm
+    from roles import common, dcgm_exporter, gpu_watch, monitoring, node_exporter, node_lifecycle, ray, vllm
 
     layers, _ = role_default_layers()
     cfg, problems = validate_host(HostLayers("10.0.0.5", [*layers, Layer("bench", {
@@ -107,6 +107,8 @@ def rendered_units() -> dict[str, str]:
     for tier, path in node_lifecycle.BURN_IN_FILES.items():
         found[path.lstrip("/")] = render("node_lifecycle/gpufleet-burn-in.service.j2",
                                          **node_lifecycle.burn_in_values(cfg, tier))
+    found[f"{system}/{capture_unit('node-quarantined')}"] = render("common/gpufleet-capture@.service.j2",
+                                                                   **common.capture_values())
     return found
 
 
@@ -164,7 +166,8 @@ def summary(report: list[dict[str, Any]]) -> dict[str, Any]:
         for unit, rated in node["units"].items():
             if "exposure" in rated:
                 # instances of one template or pattern are one unit file: vllm@<replica>, gpufleet-ray-<replica>
-                name = re.sub(r"^(vllm@|vllm-watchdog@|gpufleet-ray-).+\.service$", r"\1*.service", unit)
+                name = re.sub(r"^(vllm@|vllm-watchdog@|gpufleet-ray-|gpufleet-capture@).+\.service$", r"\1*.service",
+                              unit)
                 worst[name] = max(worst.get(name, 0.0), float(rated["exposure"]))
             elif rated.get("present"):
                 worst[unit] = 10.0  # present but not rated: count it as exposed

@@ -30,6 +30,7 @@ UNITS: tuple[str, ...] = (
     "gpufleet-node-watch.service",
     "gpufleet-burn-in-quick.service",
     "gpufleet-burn-in-full.service",
+    "gpufleet-capture@*.service",
     "haproxy.service",
     "keepalived.service",
     "gpufleet-router-health.service",

@@ -199,12 +199,11 @@ EXPECTED = {
         "ReadWritePaths=-/var/lib/node_exporter/textfile_collector", "UMask=0077", "ProtectHome=yes",
         "ProtectClock=yes", "ProtectProc=invisible", "MemoryDenyWriteExecute=yes",
         "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6", f"{DENY} @resources", "SystemCallErrorNumber=EPERM"},
-    # root reading what root's units keep: the journal and the kernel log (CAP_SYSLOG, /dev/kmsg read-only), files of
-    # other accounts (CAP_DAC_READ_SEARCH), the GPUs through NVML and other processes' /proc (the probe); it writes
-    # its state folder alone: W^X memory, no @resources (EPERM), no netlink
+    # root with CAP_SYSLOG only, reading what root's units keep: the journal and the kernel log (read-only), the GPUs
+    # through NVML (the probe); it writes its state folder alone: W^X memory, no @resources (EPERM), no netlink
     "common/gpufleet-capture@.service.j2": (BASE - {"CapabilityBoundingSet=", "ProtectKernelLogs=yes"}) | {
-        "CapabilityBoundingSet=CAP_DAC_READ_SEARCH CAP_SYSLOG", "DeviceAllow=/dev/kmsg r", "UMask=0077",
-        "ProtectHome=yes", "ProtectClock=yes", "MemoryDenyWriteExecute=yes",
+        "CapabilityBoundingSet=CAP_SYSLOG", "DeviceAllow=/dev/kmsg r", "UMask=0077",
+        "ProtectHome=yes", "ProtectClock=yes", "ProtectProc=invisible", "MemoryDenyWriteExecute=yes",
         "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6", f"{DENY} @resources", "SystemCallErrorNumber=EPERM",
         "DeviceAllow=char-nvidia-frontend rw", "DeviceAllow=char-nvidia-caps r"},
     # root with no capability: the burn-in's torch on the GPUs (JIT, its own affinity and limits, NCCL's netlink); its
