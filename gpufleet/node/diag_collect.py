@@ -473,7 +473,7 @@ def capture_name(when: datetime, reason: str) -> str:
 def capture(root: str, reason: str, keep: int) -> Path:
     """Collect the last :data:`CAPTURE_SINCE_S` into :data:`CAPTURES_DIR` (below ``root``) as a capture named by now
     and ``reason``, then remove those past the newest ``keep``; where it is."""
-    folder = Path(root + CAPTURES_DIR)
+    folder = Path(root, CAPTURES_DIR.lstrip("/"))
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     os.chmod(folder, 0o700)
     c = collect(root, CAPTURE_SINCE_S, CAPTURE_MAX_BYTES, CAPTURE_BUDGET_S, False)
