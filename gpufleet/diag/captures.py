@@ -1,6 +1,7 @@
 """Captures: ``gpufleet diag``'s archive taken when something failed (a canary rolled back), without an operator,
 and kept on every monitoring host in :data:`gpufleet.node_paths.DIAG_CAPTURES_DIR` (root's alone), the newest
-:data:`KEEP` of them; ``gpufleet diag --list`` lists them.
+:data:`KEEP` of them. A node keeps its own in the same folder (``diag_collect.py capture``: a restart loop, a
+quarantine); ``gpufleet diag --list`` lists every host's.
 
 A capture is named by when it was taken and why (``20261128T101500Z-canary-llama-70b-0.tar.gz``). The node tool
 ``diag_collect.py captures`` lists a host's captures, and removes those past the newest :data:`KEEP` once a new one
@@ -92,10 +93,10 @@ def _keep(store: StoreRemote, host: str, path: str, data: bytes) -> RemoteResult
     return done
 
 
-def listed(store: Remote, monitoring: Sequence[str]) -> tuple[list[Capture], list[str]]:
-    """Every capture kept on ``monitoring``, newest first on each host; a line for each host that could not say."""
+def listed(store: Remote, hosts: Sequence[str]) -> tuple[list[Capture], list[str]]:
+    """Every capture kept on ``hosts``, newest first on each; a line for each host that could not say."""
     found, problems = [], []
-    for host in monitoring:
+    for host in hosts:
         done = store.run(host, [*TOOL, "captures"], timeout_s=COMMAND_S)
         try:
             entries = json.loads(done.stdout) if done.ok else None
