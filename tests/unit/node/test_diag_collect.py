@@ -253,3 +253,20 @@ def test_a_capture_is_kept_on_the_node_newest_first_and_bounded(node: FakeNode) 
 def test_a_capture_reason_is_printable_words(node: FakeNode, reason: str) -> None:
     done = node.run(["capture", "--reason", reason])
     assert done.returncode == 2 and "expected 1 to 200 printable characters" in done.stderr
+
+
+def test_a_router_socket_it_may_not_look_at_is_said_not_fatal(node: FakeNode, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Seen on a lab router: the capture unit's sandbox may not look into HAProxy's run folder (EACCES on the
+    socket's stat); the collection says so and goes on."""
+    real = Path.is_socket
+
+    def refused(path: Path) -> bool:
+        if str(path).endswith(node_paths.ROUTER_ADMIN_SOCKET):
+            raise PermissionError(13, "Permission denied")
+        return real(path)
+
+    monkeypatch.setattr(Path, "is_socket", refused)
+    c = diag_collect.collect(str(node.root), 3600, 1 << 20, 30, False)
+    assert {"what": "HAProxy's servers", "why": f"{node_paths.ROUTER_ADMIN_SOCKET}: Permission denied"} in c.unread
+    assert "node/state.json" in c.members  # and the rest was collected
