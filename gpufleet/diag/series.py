@@ -31,7 +31,7 @@ Fetch = Callable[[str, float, int], bytes]
 
 @dataclass(frozen=True)
 class Snapshot:
-    """One node's series (the JSON of :data:`MEMBER`), or why there are none."""
+    """One node's series (the JSON of ``series/<host>.json``), or why there are none."""
 
     data: bytes | None
     problem: str | None = None
