@@ -18,7 +18,8 @@ pool): it takes ``group_vars/lab.yml``'s values as its host data, less the model
 ``singles``: no pipeline pair: every node serves one replica of its own (``lab_single``), replicas of one shape
 routed by ``router_policy: prefix`` (what bench/prefix_routing.py compares routing policies on).
 Values that depend on the running lab (its mirror's address and signing key, its cache, its API key, client key,
-Ray token, VRRP password and CA, its bridge address as the monitoring host and API client) are host data.
+hub token (a stand-in), Ray token, VRRP password and CA, its bridge address as the monitoring host and API client)
+are host data.
 ``GPUFLEET_LAB_DIR`` selects a lab other than the default one.
 """
 
@@ -36,6 +37,7 @@ from gpufleet_lab.nodes import (
     API_KEY_FILE,
     BENCH_KEY_FILE,
     CLIENT_KEY_FILE,
+    HUB_TOKEN_FILE,
     RAY_TOKEN_FILE,
     TLS_DIR,
     VRRP_PASSWORD_FILE,
@@ -126,6 +128,8 @@ _hosts = [
                if not (_dedicated and node is _state.nodes[0]) else _lab_values_less_the_model()),
             "vllm_api_key": {"file": str(lab_dir() / API_KEY_FILE)},
             "ray_auth_token": {"file": str(_ray_token)},
+            # a stand-in hub token: the model is pushed, so nothing downloads with it (every secret set)
+            "vllm_hf_token": {"file": str(ensure_api_key(lab_dir(), HUB_TOKEN_FILE))},
             # the controller's side of the lab (the bridge) scrapes the exporters and calls the APIs, as do the
             # monitoring group's hosts (lab1); any other address, a lab node outside a replica included, is
             # refused by the units' IP filters

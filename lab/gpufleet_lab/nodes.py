@@ -78,6 +78,9 @@ RAY_TOKEN_FILE = "ray-auth-token"
 CLIENT_KEY_FILE = "router-client-key"  # the key of the routers' client "lab" (router_clients)
 BENCH_KEY_FILE = "router-bench-key"  # the key of the routers' client "bench", without limits (gpufleet bench's)
 VRRP_PASSWORD_FILE = "vrrp-password"  # the routers' VRRP group (router_vrrp_password: at most 8 characters)
+# a stand-in hub token (vllm_hf_token): the lab's model is pushed, so no node downloads with it and it goes nowhere;
+# set so that the lab holds every secret a fleet can (gpufleet diag's archive is searched for each)
+HUB_TOKEN_FILE = "hub-token"
 TLS_DIR = "tls"  # the lab CA and the routers' certificate (gpufleet_lab.tls)
 
 

@@ -15,9 +15,9 @@ The archive also holds each node's series from lab1's Prometheus over the window
 critical Xid of tests/lab/test_alerts.py raised.
 
 Run alone, the test finds none of them and fails naming the test that injects each. The same archive, of a lab whose
-secrets are all set but the hub token (the lab has none), holds none of them: each is searched in every byte of the
-archive, of its decompressed tar stream, and of each member. Its figures (time and size per node, and for the lab)
-go to the session's lab-fault-figures.jsonl.
+secrets are all set (its hub token a stand-in: the lab's model is pushed), holds none of them: each is searched in
+every byte of the archive, of its decompressed tar stream, and of each member. Its figures (time and size per node,
+and for the lab) go to the session's lab-fault-figures.jsonl.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def _secrets(lab: Lab) -> dict[str, list[str]]:
     a PEM key by each line of its body (what a copy cut to lines would still show)."""
     found = {name: [(lab.directory / name).read_text().strip()]
              for name in (lab_files.API_KEY_FILE, lab_files.CLIENT_KEY_FILE, lab_files.BENCH_KEY_FILE,
-                          lab_files.RAY_TOKEN_FILE, lab_files.VRRP_PASSWORD_FILE)}
+                          lab_files.HUB_TOKEN_FILE, lab_files.RAY_TOKEN_FILE, lab_files.VRRP_PASSWORD_FILE)}
     for key in ("ca.key", "router.key"):
         body = [line for line in (lab.directory / lab_files.TLS_DIR / key).read_text().splitlines()
                 if "-----" not in line]
