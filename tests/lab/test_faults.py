@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import signal
 import subprocess
 import time
@@ -17,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from gpufleet_lab.nodes import power_off
+from gpufleet_lab.nodes import VRRP_PASSWORD_FILE, power_off
 from gpufleet_lab.sim_profile import write_sim_profile
 from gpufleet_lab.state import NodeRecord
 
@@ -40,6 +41,7 @@ from tests.lab.fleet import (
     node_captures,
     record_figure,
     requests_to,
+    router_address,
     router_retries,
     router_servers,
     served_name,
@@ -96,6 +98,50 @@ def test_kill_9_of_haproxy_moves_the_virtual_address_to_the_other_router(
         "fault": "kill -9 of HAProxy on the router holding the virtual address", "router": holder.name,
         "address_moved_s": round(moved_s, 1), **load.figures(),
         "failed_before_the_move": len(load.failures), "sent_after_the_move": len(after_the_move)})
+
+
+# A VRRP 2 advertisement (RFC 3768) as a node that is no router sends it to a router's own address: the group's id,
+# priority 255 (the owner's: a master that accepts it gives the address up), the virtual address and the group's
+# password, in clear as on the wire, with TTL 255 as VRRP requires. Run with the node's Python, as root (a raw socket).
+_FORGED_ADVERT = """import socket, struct, sys, time
+vrid, address, target, password, count = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
+body = struct.pack("!BBBBBBH4s8s", 0x21, vrid, 255, 1, 1, 1, 0, socket.inet_aton(address), password.encode())
+total = sum(struct.unpack("!%dH" % (len(body) // 2), body))
+total = (total & 0xFFFF) + (total >> 16)
+checksum = ~((total & 0xFFFF) + (total >> 16)) & 0xFFFF
+packet = body[:6] + struct.pack("!H", checksum) + body[8:]
+s = socket.socket(socket.AF_INET, socket.SOCK_RAW, 112)
+s.setsockopt(socket.IPPROTO_IP, socket.IP_TTL, 255)
+for _ in range(count):
+    s.sendto(packet, (target, 0))
+    time.sleep(1)
+"""
+
+
+def test_vrrp_from_an_address_that_is_no_routers_is_dropped(lab: Lab, faults: Completed | None) -> None:
+    """lab3, a node but no router, sends the routers' VRRP group a higher priority's advertisements with the right
+    group id and password (the password travels in clear: anyone on the segment can read it): keepalived's IP
+    filter admits VRRP from the other routers only, so the router holding the address keeps it, and neither
+    router's keepalived logs the advertisement. (The address still moves between the routers: the failover tests
+    beside this one.)"""
+    holder = address_holder(lab)
+    assert holder is not None, "no router holds the virtual address"
+    config = lab.host(holder).check_output("cat /etc/keepalived/keepalived.conf")
+    found = re.search(r"^\s*virtual_router_id (\d+)$", config, re.M)
+    assert found, config
+    password = (lab.directory / VRRP_PASSWORD_FILE).read_text().strip()[:8]
+    assert f"auth_pass {password}" in config  # the group's own password: only the sender's address is wrong
+    began = int(lab.host(holder).check_output("date +%s"))
+    forger, count = lab.nodes[2], 6  # over twice keepalived's master-down interval (3 adverts and its skew)
+    argv = [node_paths.NODE_PYTHON, "-c", _FORGED_ADVERT, found[1], router_address(lab), holder.address, password,
+            str(count)]
+    forged = lab.host(forger).run(" ".join(shlex.quote(a) for a in argv))
+    assert forged.rc == 0, forged.stderr
+    time.sleep(1)  # the last advertisement's master-down interval has begun
+    assert address_holder(lab) == holder, "a VRRP advertisement from a node that is no router moved the address"
+    for router in lab.nodes[:2]:
+        journal = lab.host(router).check_output(f"journalctl -q -o cat -u keepalived --since=@{began}")
+        assert forger.address not in journal and "higher prio" not in journal.lower(), journal[-2000:]
 
 
 def _wait_for_holder(lab: Lab, router: NodeRecord, timeout: float = 30) -> float | None:
