@@ -1,5 +1,6 @@
 """A plan of stand-in replicas, made without the planner: each replica on a host of its own named after it, at the
-address and port given, serving what that host's configuration says; its served models as the planner makes them."""
+address and port given, serving what that host's configuration says (scheduled by priority as the planner decides);
+its served models as the planner makes them."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 from gpufleet.config.schema import HostConfig
 from gpufleet.netaddr import host_port
 from gpufleet.plan.planner import FleetPlan, served_models
+from gpufleet.plan.priority import schedules_by_priority
 
 
 def stand_in_plan(replicas: Mapping[str, tuple[str, int]], configs: Mapping[str, HostConfig]) -> FleetPlan:
@@ -21,5 +23,6 @@ def stand_in_plan(replicas: Mapping[str, tuple[str, int]], configs: Mapping[str,
             name=name, pool=name, port=port, nodes=[name], roles=[SimpleNamespace(host=name, address=address)],
             served=cfg.served_model_name(), release=cfg.vllm_version, starts=cfg.vllm_start,
             gpu_profile=str(cfg.gpu_profile or "probed"), api_key=cfg.vllm_api_key,
-            api_address=host_port(address, port), api_url=f"http://{host_port(address, port)}"))
+            api_address=host_port(address, port), api_url=f"http://{host_port(address, port)}",
+            admission=SimpleNamespace(priority=schedules_by_priority(cfg.served_model_name(), configs.values()))))
     return FleetPlan(replicas=found, models=served_models(found, configs))

@@ -38,11 +38,12 @@ class Admission:
     planned: int  # requests at once, from the plan (see planned_concurrency)
     maxconn: int  # the router's maxconn for the replica: router_server_maxconn, else planned
     queued_reqs: int | None  # vLLM's --max-num-queued-reqs; None: its release has no such flag
+    priority: bool = False  # vLLM schedules the waiting requests by priority (gpufleet.plan.priority), not by arrival
 
     def cell(self) -> str:
         """The figures as ``gpufleet plan``'s table shows them, one a line."""
         queued = "unlimited" if self.queued_reqs is None else f"{self.queued_reqs:,}"
-        return f"maxconn {self.maxconn:,}\nqueued {queued}"
+        return f"maxconn {self.maxconn:,}\nqueued {queued}" + ("\nby priority" if self.priority else "")
 
 
 def planned_concurrency(budget: KvBudget, max_num_seqs: int, dp: int) -> int:

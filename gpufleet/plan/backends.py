@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import zlib
 from dataclasses import dataclass
 from typing import Literal
 
@@ -17,6 +18,7 @@ from gpufleet.plan.planner import FleetPlan
 # for (the plan sizes replicas for generation: every served model is a "generate" one). GET /v1/models and
 # GET /health are answered by the router; nothing else reaches a replica.
 TASK_ROUTES: dict[str, tuple[str, ...]] = {"generate": ("/v1/completions", "/v1/chat/completions")}
+SERVER_ID_SPAN = 2**31 - 1  # HAProxy's server ids: positive, at most 2^31 - 1 (a C int)
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,7 @@ class Backend:
     task: str = "generate"  # which of TASK_ROUTES its clients may use
     policy: Literal["leastconn", "prefix"] = "leastconn"  # router_policy of the pools that serve it (they agree)
     prefix_balance: float | None = None  # with prefix, their router_prefix_balance
+    priority: bool = False  # its replicas schedule by the priority the router sets from the client's class
 
     @property
     def routes(self) -> tuple[str, ...]:
@@ -39,6 +42,20 @@ class Backend:
         """prefix's bound in whole percent, at least 101 (a replica may always hold its share); None with
         leastconn."""
         return None if self.prefix_balance is None else max(101, round(self.prefix_balance * 100))
+
+    @property
+    def server_ids(self) -> dict[str, int]:
+        """HAProxy's id of each replica's server, by replica name: from the name alone (its CRC-32, 1 to 2^31 - 1),
+        so that a replica added or removed changes no other replica's id, and the prefix policy's table, which
+        stores ids, keeps every other replica's keys. A clash (about one in two billion for a pair) takes the next
+        free id, in name order."""
+        found: dict[str, int] = {}
+        for name, _ in sorted(self.servers):
+            server_id = zlib.crc32(name.encode()) % SERVER_ID_SPAN + 1
+            while server_id in found.values():
+                server_id = server_id % SERVER_ID_SPAN + 1
+            found[name] = server_id
+        return found
 
     @property
     def model_sha256(self) -> str:
@@ -59,5 +76,5 @@ def backends(plan: FleetPlan) -> list[Backend]:
     for model in plan.models.values():
         servers = sorted((name, replicas[name].api_address) for name in model.replicas)
         found.append(Backend(model.backend, model.name, tuple(servers), policy=model.policy,
-                             prefix_balance=model.prefix_balance))
+                             prefix_balance=model.prefix_balance, priority=model.priority))
     return found

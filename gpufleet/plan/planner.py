@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -30,6 +30,7 @@ from gpufleet.plan.model_memory import (
     safetensors_total_size,
     weight_bytes,
 )
+from gpufleet.plan.priority import SCHEDULING_FLAG, schedules_by_priority
 from gpufleet.values.problems import shown_key
 from gpufleet.values.types import SecretRef
 from gpufleet.values.vllm_flags import load_catalog
@@ -163,6 +164,7 @@ class ServedModel:
     tokenizer: str  # what a client counts its tokens with: vllm_model_config, else vllm_model
     pools: tuple[str, ...]
     replicas: tuple[str, ...]  # in the plan's order
+    priority: bool = False  # its replicas schedule by the priority the routers set (gpufleet.plan.priority)
 
 
 @dataclass
@@ -355,7 +357,7 @@ def _plan_pool(pool: str, hosts: list[str], fleet: Fleet, facts: dict[str, NodeF
             raise PoolError(f"TP {tp} x PP {pp} x DP {dp} = {tp * pp * dp} GPUs > {smallest.count} GPUs on"
                             f" {smallest.host}; for more, set vllm_nodes_per_replica",
                             (_TP, _PP, _DP, "vllm_nodes_per_replica"))
-        admit = _admission(pool, cfg, b, layout.max_num_seqs(s, smallest.memory_bytes, tp, pp), dp, plan)
+        admit = _admission(pool, cfg, b, layout.max_num_seqs(s, smallest.memory_bytes, tp, pp), dp, plan, fleet)
         _single_node_replicas(pool, hosts, fleet, shapes, cfg, tp, pp, b, per_token, max_len, admit, plan)
         return arch
     if npr == 1 or (npr == "auto" and len(hosts) == 1):
@@ -366,7 +368,8 @@ def _plan_pool(pool: str, hosts: list[str], fleet: Fleet, facts: dict[str, NodeF
     for nodes in counts:
         b, per_token = layout.budget(s, smallest.memory_bytes, tp, nodes)
         if b.fits:
-            admit = _admission(pool, cfg, b, layout.max_num_seqs(s, smallest.memory_bytes, tp, nodes), 1, plan)
+            admit = _admission(pool, cfg, b, layout.max_num_seqs(s, smallest.memory_bytes, tp, nodes), 1, plan,
+                               fleet)
             _multi_node_replicas(pool, hosts, fleet, shapes, cfg, (tp, nodes, nodes, tp), b, per_token, max_len,
                                  admit, plan)
             return arch
@@ -455,18 +458,26 @@ def _tp_across_nodes(pool: str, hosts: list[str], fleet: Fleet, shapes: list[lay
         f"pool {pool}: TP {tp} spans {tp // per_node} nodes of {_gpus(per_node)}: every layer's all-reduce crosses"
         f" the network between them ({cfg.fleet_interface}), many times slower than NVLink; only worth it with"
         " RDMA (InfiniBand, RoCE) between the nodes; PP across nodes (TP up to one node's GPUs) needs far less")
-    admit = _admission(pool, cfg, b, layout.max_num_seqs(s, smallest.memory_bytes, tp, pp), 1, plan)
+    admit = _admission(pool, cfg, b, layout.max_num_seqs(s, smallest.memory_bytes, tp, pp), 1, plan, fleet)
     _multi_node_replicas(pool, hosts, fleet, shapes, cfg, (tp, pp, nodes, per_node), b, per_token, s.max_model_len,
                          admit, plan)
 
 
-def _admission(pool: str, cfg: HostConfig, b: KvBudget, max_num_seqs: int, dp: int, plan: FleetPlan) -> Admission:
-    """The admission figures of a pool's replicas (they share one budget); warned when vLLM's limit is below the
-    router's maxconn."""
+def _admission(pool: str, cfg: HostConfig, b: KvBudget, max_num_seqs: int, dp: int, plan: FleetPlan,
+               fleet: Fleet) -> Admission:
+    """The admission figures of a pool's replicas (they share one budget), and whether vLLM schedules them by
+    priority; warned when vLLM's limit is below the router's maxconn."""
+    catalog = load_catalog(cfg.vllm_version)
     try:
-        found = admission(cfg, b, max_num_seqs, dp, load_catalog(cfg.vllm_version))
+        found = admission(cfg, b, max_num_seqs, dp, catalog)
     except UnsupportedLimitError as exc:
         raise _about("vllm_max_num_queued_reqs", ": ", str(exc)) from None
+    if schedules_by_priority(cfg.served_model_name(), fleet.configs.values()):
+        if not catalog.has(SCHEDULING_FLAG):
+            raise _about("router_clients", ": ", f"expected a vLLM release that schedules by priority for"
+                         f" {cfg.served_model_name()!r}, which a client with a priority class may use; vLLM"
+                         f" {cfg.vllm_version} has no {SCHEDULING_FLAG}")
+        found = replace(found, priority=True)
     if found.queued_reqs is not None and found.queued_reqs < found.maxconn:
         plan.warnings.append(
             f"pool {pool}: vllm_max_num_queued_reqs {found.queued_reqs} is below the router's maxconn {found.maxconn}"
@@ -496,7 +507,8 @@ def _single_node_replicas(pool: str, hosts: list[str], fleet: Fleet, shapes: lis
             short = replica_host_part(shape.host)
             name = f"{pool}-{short}-{k}" if len(sets) > 1 else f"{pool}-{short}"
             roles = replica_roles([host_cfg], [shape.host], [address], [gpus], host_cfg.vllm_port + k,
-                                  tp, pp, cfg.vllm_data_parallel_size, max_len, queued_reqs=admit.queued_reqs)
+                                  tp, pp, cfg.vllm_data_parallel_size, max_len, queued_reqs=admit.queued_reqs,
+                                  priority=admit.priority)
             plan.replicas.append(Replica(name, pool, cfg.checkpoint(), tp, pp, cfg.vllm_data_parallel_size,
                                          host_cfg.vllm_port + k, "single-node", max_len, per_token, b, roles,
                                          secret_env_names(host_cfg), admit, cfg.served_model_name(),
@@ -526,7 +538,8 @@ def _multi_node_replicas(pool: str, hosts: list[str], fleet: Fleet, shapes: list
             gpus.append(sets[0])
         addresses = [c.fleet_address or g.host for c, g in zip(cfgs, group, strict=True)]
         roles = replica_roles(cfgs, [g.host for g in group], addresses, gpus, cfgs[0].vllm_port,
-                              tp, pp, 1, max_len, queued_reqs=admit.queued_reqs)
+                              tp, pp, 1, max_len, queued_reqs=admit.queued_reqs,
+                              priority=admit.priority)
         plan.replicas.append(Replica(f"{pool}-{k}", pool, cfg.checkpoint(), tp, pp, 1, cfgs[0].vllm_port,
                                      cfg.vllm_distributed_backend, max_len, per_token, b, roles,
                                      secret_env_names(cfgs[0]), admit, cfg.served_model_name(), cfg.vllm_version,
@@ -633,7 +646,7 @@ def served_models(replicas: Iterable[Replica], configs: Mapping[str, HostConfig]
             name, backend, cfg.router_policy, cfg.router_prefix_balance if cfg.router_policy == "prefix" else None,
             cfg.vllm_slo_ttft_p99_s, cfg.vllm_slo_itl_p99_s, tuple(dict.fromkeys(r.api_key for r in served)),
             str(cfg.vllm_model_config or cfg.vllm_model), tuple(dict.fromkeys(r.pool for r in served)),
-            tuple(r.name for r in served))
+            tuple(r.name for r in served), any(r.admission.priority for r in served))
     return found
 
 

@@ -36,10 +36,13 @@ After it, a router host has:
   - the edge (:func:`edge_files`, :func:`edge_values`): with ``router_clients``, the clients' keys checked by the
     router (401 without a known one, 403 for a model not allowed, 429 with ``Retry-After`` over a limit) from map
     files in ``EDGE_DIR`` (root:haproxy, 0640; the keys as SHA-256 only, the replicas' own key in ``upstream.map``,
-    which replaces the client's on the way to a replica), the clients' counters in the stick table
+    which replaces the client's on the way to a replica; in ``priorities.map`` the priority of each client's class),
+    the clients' counters in the stick table
     ``gpufleet-clients``, written for node_exporter by ``gpufleet-router-clients.timer``
     (``router_admin.py client-metrics``); with ``router_tls_certificate`` and ``router_tls_key``, HTTPS on
     ``router_port`` from ``EDGE_DIR/router.pem`` (0640), plain HTTP only on ``router_plain_http_port`` when set.
+  - each request's ``X-Vllm-Priority``, set by the router and never the client's (gpufleet.plan.priority): its
+    client's class's where its model is scheduled by priority, else 0.
 
 The configuration and the edge's files are written as candidates (:data:`CANDIDATE`, :data:`EDGE_CANDIDATE_DIR`),
 checked together with ``haproxy -c`` and only then put in place (:func:`edge_install`): a file HAProxy refuses never
@@ -76,6 +79,7 @@ from gpufleet.operations.server import checked_install  # shell text, not an ope
 from gpufleet.plan import access
 from gpufleet.plan.backends import Backend, backends
 from gpufleet.plan.planner import FleetPlan, Replica
+from gpufleet.plan.priority import DEFAULT_PRIORITY, PRIORITY_HEADER, client_priority
 from gpufleet.run.context import context, host_config
 from gpufleet.units.escape import exec_line
 from gpufleet.values.problems import ConfigError, exit_with
@@ -96,7 +100,8 @@ TLS13_SUITES = ("TLS_AES_128_GCM_SHA256", "TLS_AES_256_GCM_SHA384", "TLS_CHACHA2
 # The edge (router_clients, TLS): files the deploy writes from the controller's secrets, read by HAProxy only.
 EDGE_DIR = "/etc/haproxy/gpufleet-edge"  # root:haproxy 0750
 EDGE_CANDIDATE_DIR = "/etc/haproxy/gpufleet-edge-candidate"  # the edge's files as written, checked before EDGE_DIR's
-EDGE_MAPS = ("clients", "grants", "models", "rates", "concurrency", "upstream")  # <EDGE_DIR>/<name>.map, 0640
+# <EDGE_DIR>/<name>.map, 0640
+EDGE_MAPS = ("clients", "grants", "models", "rates", "concurrency", "priorities", "upstream")
 TLS_PEM = "router.pem"  # <EDGE_DIR>/router.pem: the certificate, its chain and its key, 0640
 CLIENT_TABLE = "gpufleet-clients"  # the stick table of the clients' counters (gpufleet/node/router_admin.py reads it)
 CLIENT_TABLE_SIZE = 10000
@@ -204,6 +209,8 @@ def config_values(cfg: HostConfig, address: str, found: list[Backend], lists: li
         "check_fall": cfg.router_check_fall,
         "check_rise": cfg.router_check_rise,
         "model_lists": lists,
+        "priority_header": PRIORITY_HEADER,
+        "default_priority": DEFAULT_PRIORITY,
         "prefix_table_size": PREFIX_TABLE_SIZE,
         "prefix_table_expire": PREFIX_TABLE_EXPIRE,
         "not_found": NOT_FOUND,
@@ -211,9 +218,9 @@ def config_values(cfg: HostConfig, address: str, found: list[Backend], lists: li
         "model_twice": MODEL_TWICE,
         "escaped_ascii": ESCAPED_ASCII,
         "backends": [{"name": b.name, "comment": b.comment, "model_sha256": b.model_sha256, "routes": b.routes,
-                      "policy": b.policy, "bound_percent": b.bound_percent,
-                      "servers": [{"name": n, "address": a, "maxconn": maxconn[n], "agent_port": agents.get(n)}
-                                  for n, a in b.servers]}
+                      "policy": b.policy, "bound_percent": b.bound_percent, "priority": b.priority,
+                      "servers": [{"name": n, "address": a, "maxconn": maxconn[n], "agent_port": agents.get(n),
+                                   "id": b.server_ids[n]} for n, a in b.servers]}
                      for b in found],
     }
 
@@ -231,7 +238,9 @@ def edge_maps(clients: Mapping[str, RouterClient], keys: Mapping[str, str], foun
     """The edge's map files by name (:data:`EDGE_MAPS`): ``clients`` (the SHA-256 of each client's Authorization
     header -> client), ``grants`` (``client/<model's SHA-256>`` -> 1 for each served model the client may use),
     ``models`` (client -> its ``GET /v1/models`` answer), ``rates`` and ``concurrency`` (client -> its limit, where it
-    has one), ``upstream`` (model's SHA-256 -> the Authorization header its replicas take, where they have a key).
+    has one), ``priorities`` (client -> the priority vLLM schedules its requests by where its model is scheduled by
+    priority: gpufleet.plan.priority), ``upstream`` (model's SHA-256 -> the Authorization header its replicas take,
+    where they have a key).
     ``keys``: each client's key by name; ``upstream``: each served model's replicas' key (None: none)."""
     header = "# Written by gpufleet (role router) from router_clients: read by HAProxy only.\n"
     maps = {name: [header] for name in EDGE_MAPS}
@@ -246,6 +255,7 @@ def edge_maps(clients: Mapping[str, RouterClient], keys: Mapping[str, str], foun
             maps["rates"].append(f"{name} {client.requests_per_s}\n")
         if client.concurrent_requests is not None:
             maps["concurrency"].append(f"{name} {client.concurrent_requests}\n")
+        maps["priorities"].append(f"{name} {client_priority(client)}\n")
     for backend in found:
         if key := upstream.get(backend.model):
             maps["upstream"].append(f"{backend.model_sha256} Bearer {key}\n")

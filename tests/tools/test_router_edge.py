@@ -30,6 +30,7 @@ import roles.router as router_role
 from gpufleet.config import secrets
 from gpufleet.node import router_admin
 from gpufleet.plan import backends as plan_backends
+from gpufleet.plan.priority import PRIORITY_CLASSES
 from tests.conftest import host_tool
 from tests.loopback_http import ReplicaHandler, free_port, loopback_server
 from tests.memory_rule import deny_write_execute, memory_rule
@@ -45,7 +46,7 @@ KEYS = {"alice": "alice-key-0123456789abcdef", "bob": "bob-key-0123456789abcdef"
         "carol": "carol-key-0123456789abcdef", "dave": "dave-key-0123456789abcdef"}
 CLIENTS = {
     "alice": {"api_key": {"env": "EDGE_ALICE_KEY"}},  # every model, no limit
-    "bob": {"api_key": {"env": "EDGE_BOB_KEY"}, "models": [OPEN]},
+    "bob": {"api_key": {"env": "EDGE_BOB_KEY"}, "models": [OPEN], "priority": "batch"},  # OPEN: by priority
     "carol": {"api_key": {"env": "EDGE_CAROL_KEY"}, "requests_per_s": 3},
     "dave": {"api_key": {"env": "EDGE_DAVE_KEY"}, "concurrent_requests": 1},
 }
@@ -58,6 +59,7 @@ class KeyedReplica:
     def __init__(self, name: str) -> None:
         self.name = name
         self.authorizations: list[str | None] = []  # the Authorization header of every completion it got
+        self.priorities: list[str | None] = []  # and its X-Vllm-Priority header
         self.lock = threading.Lock()
 
     def handler(self) -> type[BaseHTTPRequestHandler]:
@@ -67,6 +69,7 @@ class KeyedReplica:
             def complete(self, request: dict[str, Any]) -> tuple[int, bytes]:
                 with replica.lock:
                     replica.authorizations.append(self.headers.get("Authorization"))
+                    replica.priorities.append(self.headers.get("X-Vllm-Priority"))
                 if self.headers.get("Authorization") != f"Bearer {REPLICA_KEY}":
                     return 401, b'{"error":"replica: wrong key"}'
                 prompt = str(request.get("prompt", ""))
@@ -100,11 +103,16 @@ class Edge:
         return ssl.create_default_context(cafile=str(self.tls.ca_certificate)) if self.tls else None
 
     def request(self, method: str, path: str, key: str | None = None, model: str = OPEN, prompt: str = "hi",
-                port: int | None = None, tls: bool | None = None) -> Answer:
+                port: int | None = None, tls: bool | None = None, priority: int | None = None) -> Answer:
+        """``priority``: the client's own, in the X-Vllm-Priority header and the body's ``priority``."""
         headers = {"Content-Type": "application/json"}
         if key is not None:
             headers["Authorization"] = f"Bearer {key}"
-        body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 1}).encode() if method == "POST" else None
+        fields = {"model": model, "prompt": prompt, "max_tokens": 1}
+        if priority is not None:
+            headers["X-Vllm-Priority"] = str(priority)
+            fields["priority"] = priority
+        body = json.dumps(fields).encode() if method == "POST" else None
         use_tls = self.tls is not None if tls is None else tls
         connection: http.client.HTTPConnection = (
             http.client.HTTPSConnection("127.0.0.1", port or self.port, timeout=20, context=self.context())
@@ -118,8 +126,8 @@ class Edge:
         finally:
             connection.close()
 
-    def post(self, key: str | None, model: str = OPEN, prompt: str = "hi") -> Answer:
-        return self.request("POST", "/v1/completions", key, model, prompt)
+    def post(self, key: str | None, model: str = OPEN, prompt: str = "hi", priority: int | None = None) -> Answer:
+        return self.request("POST", "/v1/completions", key, model, prompt, priority=priority)
 
     def reload(self) -> None:
         """What ``systemctl reload haproxy`` does: SIGUSR2 to the master, which starts new workers that read the
@@ -172,10 +180,10 @@ def _start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tls: bool, plain: bo
                  for model in replicas}
         configs = {f"{m}-0": host_config(vllm_served_model_name=m, vllm_api_key={"env": "EDGE_REPLICA_KEY"})
                    for m in replicas}
-        plan = stand_in_plan({f"{m}-0": ("127.0.0.1", ports[m]) for m in replicas}, configs)
         cfg = host_config(router_port=free_port(), router_metrics_port=free_port(), router_check_interval_s=1,
                           router_check_fall=1, router_check_rise=1, router_clients=CLIENTS,
                           router_plain_http_port=plain_port, **tls_values)
+        plan = stand_in_plan({f"{m}-0": ("127.0.0.1", ports[m]) for m in replicas}, {**configs, "router": cfg})
         found = plan_backends.backends(plan)
         upstream = router_role.upstream_keys(plan)
         edge_dir = tmp_path / "edge"
@@ -249,6 +257,17 @@ def test_a_model_the_client_may_not_use_gets_403_and_its_model_list_leaves_it_ou
 
     assert ids(KEYS["bob"]) == [OPEN]
     assert ids(KEYS["alice"]) == sorted([OPEN, CLOSED])
+
+
+def test_the_replica_gets_the_priority_of_the_clients_class_never_the_clients_own(edge: Edge) -> None:
+    """OPEN is scheduled by priority (bob, batch, may use it): bob's requests carry batch's priority, alice's (no
+    class) standard's; CLOSED, which no client with a class may use, gets 0. What the client sent never passes
+    (vLLM reads the header before the body's field)."""
+    sent = [("bob", OPEN), ("alice", OPEN), ("alice", CLOSED)]
+    for name, model in sent:
+        assert edge.post(KEYS[name], model, priority=-7).status == 200
+    got = edge.replicas[OPEN].priorities + edge.replicas[CLOSED].priorities
+    assert got == [str(PRIORITY_CLASSES["batch"]), str(PRIORITY_CLASSES["standard"]), "0"], got
 
 
 def test_over_the_rate_limit_gets_429_with_retry_after(edge: Edge) -> None:

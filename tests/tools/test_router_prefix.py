@@ -230,7 +230,9 @@ def test_with_leastconn_the_configuration_is_what_it_was(tmp_path: Path) -> None
     assert [line[2:].strip() for line in changed if line.startswith("- ")] == [
         "balance leastconn", *(f"{server} maxconn 8" for server in servers)]
     added = [line[2:].strip() for line in changed if line.startswith("+ ") and not line[2:].strip().startswith("#")]
-    assert added[-4:] == ["balance roundrobin", *(f"{server} id {n} maxconn 8" for n, server in enumerate(servers, 1))]
+    ids = plan_backends.Backend("m", "m", tuple((name, "") for name in NAMES)).server_ids  # by name alone
+    assert added[-4:] == ["balance roundrobin", *(f"{server} id {ids[name]} maxconn 8"
+                                                  for name, server in zip(NAMES, servers, strict=True))]
     words = [line.split(" ")[0] for line in added[:-4]]
     assert words == (["stick-table"] + ["http-request"] * 6 + ["acl", "acl"] * len(NAMES)
                      + ["use-server"] * 2 * len(NAMES) + ["http-response"] * 2), added

@@ -42,8 +42,14 @@ def _client_models(value: Any) -> Any:
     return value
 
 
+PRIORITY_CLASSES: dict[str, int] = {"interactive": 0, "standard": 1, "batch": 2}
+"""A client's priority class -> the priority vLLM schedules its requests by (lower first; vLLM's own default is 0)."""
+DEFAULT_PRIORITY_CLASS = "standard"  # a client without a class
+
+
 class RouterClient(BaseModel):
-    """One client of the routers: its key, the served models it may use, its limits (None: no limit)."""
+    """One client of the routers: its key, the served models it may use, its limits (None: no limit), its priority
+    class (None: standard)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
@@ -51,6 +57,7 @@ class RouterClient(BaseModel):
     models: Annotated[list[str], BeforeValidator(each(served_name))] | None = None  # None: every served model
     requests_per_s: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
     concurrent_requests: Annotated[int, Field(ge=1, le=100_000)] | None = None
+    priority: Literal["interactive", "standard", "batch"] | None = None
 
     _check_secret = field_validator("api_key", mode="before")(secret_ref)
     _check_models = field_validator("models", mode="before")(_client_models)
@@ -195,13 +202,19 @@ class RouterSettings(RoleSettings):
         "                                          # null or [] is refused, never read as every model)\n"
         "      requests_per_s: 20                  # requests per second (left out: no limit)\n"
         "      concurrent_requests: 8              # requests at once (left out: no limit)\n"
+        "      priority: batch                     # interactive, standard or batch (left out: standard)\n"
         "With clients, the router checks each request's \"Authorization: Bearer <key>\": none or an unknown key gets "
         "401, a model the client may not use 403, a request over a limit 429 with Retry-After; the replicas get "
         "the request with their own key (vllm_api_key) instead, which clients never need. The router holds only "
         "the SHA-256 of each key, in map files beside its configuration (root:haproxy, 0640); a deploy that adds, "
         "removes or rotates a key rewrites those files and reloads HAProxy (requests in flight finish). Empty: no "
-        "check at the router, the replicas' key passed through (vLLM checks it).",
+        "check at the router, the replicas' key passed through (vLLM checks it). A model that a client with a "
+        "priority may use is served with --scheduling-policy priority: the router sets each of its requests' "
+        "X-Vllm-Priority from the client's class (interactive 0, standard 1, batch 2; vLLM serves the lowest "
+        "first and may preempt a running request for a lower one); every other model's requests get 0. Either way a "
+        "priority the client sent (header or body) is never what vLLM reads.",
         scope="routers", read_on="routers", secret="tree", section="The edge: client keys and limits, TLS",
+        owned_flags=("--scheduling-policy",),
     )
 
     router_tls_certificate: OptionalSecret = setting(

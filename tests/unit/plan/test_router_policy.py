@@ -153,3 +153,25 @@ def test_a_backend_takes_the_policy_of_its_models_first_replica() -> None:
                                                                                     "model-tiny_llama__HOME_100_"))
     assert ",mul(200),add(txn.prefix_slots)," in chat and "    balance roundrobin\n" in chat
     assert "balance leastconn" not in chat and "prefix" not in tiny and "    balance leastconn\n" in tiny
+
+
+def _servers(*names: str) -> plan_backends.Backend:
+    return plan_backends.Backend("m", "m", tuple((n, f"10.0.0.{i}:8000") for i, n in enumerate(names, 1)),
+                                 policy="prefix", prefix_balance=1.5)
+
+
+def test_a_servers_id_comes_from_its_replicas_name_alone() -> None:
+    """A replica added or removed changes no other replica's id (the prefix table stores ids, not positions)."""
+    two, three = _servers("pool-a", "pool-b"), _servers("pool-0", "pool-a", "pool-b")
+    assert {n: three.server_ids[n] for n in ("pool-a", "pool-b")} == two.server_ids
+    assert len(set(three.server_ids.values())) == 3
+    assert all(1 <= i <= 2**31 - 1 for i in three.server_ids.values())
+    text = _render(router_policy="prefix", router_prefix_balance=2)  # CHAT's replicas a-h1 and a-h2
+    server_id = _servers("a-h1").server_ids["a-h1"]
+    assert f"server a-h1 10.0.0.1:8000 id {server_id} " in text and f"sc_get_gpt(0,1) eq {server_id} }}" in text
+
+
+def test_ids_that_clash_take_the_next_free_one_in_name_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(plan_backends, "SERVER_ID_SPAN", 3)  # three ids for three servers: some must clash
+    ids = _servers("c", "a", "b").server_ids
+    assert sorted(ids.values()) == [1, 2, 3] and list(ids) == ["a", "b", "c"]

@@ -1,0 +1,36 @@
+"""Priority classes: which served models vLLM schedules by the priority the routers set from each client's class.
+
+A client of the routers may have a class (``router_clients.<name>.priority``). A served model that such a client
+may use is served with ``--scheduling-policy priority``, and the router sets each of its requests'
+``X-Vllm-Priority`` header from the client's class (:data:`PRIORITY_CLASSES`; a client without one is standard).
+Every other model's requests get priority 0: vLLM's first-come-first-served scheduling refuses any other. vLLM
+reads the header before the body's ``priority`` field, and the router replaces any header the client sent, so a
+client never chooses its own priority.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from gpufleet.config.schema import HostConfig
+from gpufleet.config.settings.router import DEFAULT_PRIORITY_CLASS, PRIORITY_CLASSES, RouterClient
+
+__all__ = ["DEFAULT_PRIORITY", "PRIORITY_CLASSES", "PRIORITY_HEADER", "SCHEDULING_FLAG", "client_priority",
+           "schedules_by_priority"]
+
+PRIORITY_HEADER = "X-Vllm-Priority"  # what vLLM 0.31 and later read a request's priority from first
+SCHEDULING_FLAG = "--scheduling-policy"
+DEFAULT_PRIORITY = PRIORITY_CLASSES[DEFAULT_PRIORITY_CLASS]
+
+
+def client_priority(client: RouterClient) -> int:
+    """The priority vLLM schedules ``client``'s requests by."""
+    return PRIORITY_CLASSES[client.priority or DEFAULT_PRIORITY_CLASS]
+
+
+def schedules_by_priority(model: str, configs: Iterable[HostConfig]) -> bool:
+    """Whether the served ``model`` is scheduled by priority: a client of the routers (every router has the same,
+    and only routers have clients) with a class may use it."""
+    clients = next((cfg.router_clients for cfg in configs if cfg.router_clients), {})
+    return any(client.priority is not None and (client.models is None or model in client.models)
+               for client in clients.values())
