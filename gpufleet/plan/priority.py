@@ -3,9 +3,9 @@
 A client of the routers may have a class (``router_clients.<name>.priority``). A served model that such a client
 may use is served with ``--scheduling-policy priority``, and the router sets each of its requests'
 ``X-Vllm-Priority`` header from the client's class (:data:`PRIORITY_CLASSES`; a client without one is standard).
-Every other model's requests get priority 0: vLLM's first-come-first-served scheduling refuses any other. vLLM
-reads the header before the body's ``priority`` field, and the router replaces any header the client sent, so a
-client never chooses its own priority.
+Every other model's requests get priority 0, what a first-come-first-served vLLM expects (0.31 and 0.32 ignore
+any other there; their API documents a refusal). vLLM reads the header before the body's ``priority`` field, and
+the router replaces any header the client sent, so a client never chooses its own priority.
 """
 
 from __future__ import annotations
