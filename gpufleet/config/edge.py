@@ -18,15 +18,12 @@ from typing import Any
 
 from gpufleet.config.layers import HostLayers, Layer, is_role_default
 from gpufleet.config.router_wide import address_problems, pool_read_problems, router_wide_problems, wide_networks
-from gpufleet.config.schema import HostConfig
+from gpufleet.config.schema import MIN_KEY_CHARS, HostConfig
 from gpufleet.config.secrets import read_secret
 from gpufleet.config.tls_pair import is_ip_address, pair_problems
 from gpufleet.values.grammar import show
 from gpufleet.values.problems import ConfigError, Problem
 from gpufleet.values.types import SecretRef
-
-MIN_KEY_CHARS = 16
-"""The shortest client key: a key is all that stands between a client and the fleet's GPUs."""
 
 MAX_KEY_CHARS = 4096
 """The longest client key: its ``Authorization`` header shares the 32 KiB the routers' buffer keeps for a request's

@@ -20,10 +20,13 @@ import ipaddress
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from pydantic import BaseModel
+
 from gpufleet.config.layers import HostLayers, Layer, is_role_default
-from gpufleet.config.schema import RECORDS, HostConfig, keys
+from gpufleet.config.schema import RECORDS, HostConfig, keys, shown_in_tree
 from gpufleet.values.grammar import show
-from gpufleet.values.problems import Problem
+from gpufleet.values.problems import Problem, shown_key
+from gpufleet.values.types import SecretRef
 
 ROUTER_WIDE = keys(scope="routers")
 """What clients see of the edge: one value on every router."""
@@ -123,13 +126,31 @@ def _differences(routers: Sequence[str], configs: dict[str, HostConfig],
         if other is None:
             continue
         first = routers[0]
-        shown = (f"another value on {other} than on {first} (not shown: it holds secrets)" if key in SECRET_HOLDING
-                 else f"{first}: {_shown(values[first])}, {other}: {_shown(values[other])}")
+        path, mine, theirs = _diverging(key, values[first], values[other])
+        if (mine is None or theirs is None) and key in SECRET_HOLDING:
+            shown = f"it on {other if mine is None else first} only"
+        elif key in SECRET_HOLDING and not (shown_in_tree(path.rsplit(".", 1)[-1], mine)
+                                            and shown_in_tree(path.rsplit(".", 1)[-1], theirs)):
+            shown = f"another value on {other} than on {first} (not shown: it holds secrets)"
+        else:
+            shown = f"{first}: {_shown(mine)}, {other}: {_shown(theirs)}"
         where = source(other, key)
         where = source(first, key) if is_role_default(where) else where  # the file that set a value
-        found.append(Problem(where, key, f"expected one value on every router (clients reach any of them), found"
-                                         f" {shown}", tuple(routers)))
+        found.append(Problem(where, path, f"expected one value on every router (clients reach any of them), found"
+                                          f" {shown}", tuple(routers)))
     return found
+
+
+def _diverging(path: str, mine: Any, theirs: Any) -> tuple[str, Any, Any]:
+    """The deepest key path where two values of a router-wide setting differ (``router_clients.alice.priority``),
+    with the two values there (a secret reference is one value)."""
+    if isinstance(mine, BaseModel) and type(mine) is type(theirs) and not isinstance(mine, SecretRef):
+        mine, theirs = dict(mine), dict(theirs)
+    if isinstance(mine, dict) and isinstance(theirs, dict):
+        for key in sorted(mine.keys() | theirs.keys(), key=str):
+            if mine.get(key) != theirs.get(key):
+                return _diverging(f"{path}.{shown_key(str(key))}", mine.get(key), theirs.get(key))
+    return path, mine, theirs
 
 
 def _shown(value: object) -> str:

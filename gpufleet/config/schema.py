@@ -44,8 +44,18 @@ REFUSED_SWITCHES = {
 NODE_PATH_SOURCES = frozenset({"vllm_wheelhouse_url", "vllm_requirements_url"})
 """Install sources that may be a URL or an absolute path on the nodes (pip and uv read either)."""
 
-SHOWN_NUMBERS = frozenset({"requests_per_s", "concurrent_requests"})
-"""A client's limits: a number found under a secret tree is shown (a key is text of at least 16 characters)."""
+MIN_KEY_CHARS = 16
+"""The shortest client key: a key is all that stands between a client and the fleet's GPUs."""
+
+SHOWN_FIELDS = frozenset({"requests_per_s", "concurrent_requests", "priority"})
+"""A client's limits and class: a number, or text shorter than any key, found there under a secret tree is shown."""
+
+
+def shown_in_tree(field: str, value: Any) -> bool:
+    """Whether ``value``, found at ``field`` under a secret tree, is shown: it is no key (:data:`SHOWN_FIELDS`)."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    word = isinstance(value, str) and len(value) < MIN_KEY_CHARS
+    return (number or word) and field in SHOWN_FIELDS
 
 GPUFLEET_ENV = {
     "CUDA_VISIBLE_DEVICES": "the plan's GPU sets", "HOME": "nothing (gpufleet's)",
@@ -305,7 +315,7 @@ SECRET_KEYS = frozenset(keys(secret="reference") + keys(secret="env_file"))
 """Variables whose values are secret references; a value found there is never shown."""
 SECRET_TREES = frozenset(keys(secret="tree"))
 """Variables that hold secret references among other values: no value under them is ever shown (a client written
-``name: <key>``, a key under ``token:``, a list of keys), but a number among :data:`SHOWN_NUMBERS`."""
+``name: <key>``, a key under ``token:``, a list of keys), but what :data:`SHOWN_FIELDS` hold."""
 OWNED_FLAGS = {flag: name for name, record in RECORDS.items() for flag in record.owned_flags}
 """vllm_extra_args flags whose value gpufleet writes itself, each with the variable that sets it."""
 OWNED_ENV = {env: name for name, record in RECORDS.items() for env in record.owned_env} | GPUFLEET_ENV

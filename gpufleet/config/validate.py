@@ -9,7 +9,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from gpufleet.config.layers import HostLayers, is_role_default
-from gpufleet.config.schema import SCHEMA_KEYS, SECRET_KEYS, SECRET_TREES, SHOWN_NUMBERS, HostConfig
+from gpufleet.config.schema import SCHEMA_KEYS, SECRET_KEYS, SECRET_TREES, HostConfig, shown_in_tree
 from gpufleet.pyinfra_seam import connector_data_keys, global_argument_names
 from gpufleet.values import grammar, limits
 from gpufleet.values.problems import KeyedError, Problem, shown_key
@@ -42,12 +42,11 @@ def _found(value: Any) -> str:
 
 def is_secret_path(key: str, value: Any = None) -> bool:
     """Whether ``value``, found at a key path, may be a secret, and must never be shown: a secret variable's, any
-    under :data:`SECRET_TREES` (a number among :data:`SHOWN_NUMBERS` aside), or one whose key names a secret
+    under :data:`SECRET_TREES` (but what :func:`shown_in_tree` shows), or one whose key names a secret
     (``*_TOKEN``, or a bare ``key``, ``token``, ``secret``)."""
     parts = key.replace("[", ".").split(".")
     if parts[0] in SECRET_TREES:
-        number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        return not (number and parts[-1] in SHOWN_NUMBERS)
+        return not shown_in_tree(parts[-1], value)
     return parts[0] in SECRET_KEYS or any(grammar.names_secret(p) for p in parts[1:])
 
 

@@ -475,7 +475,7 @@ def _admission(pool: str, cfg: HostConfig, b: KvBudget, max_num_seqs: int, dp: i
     if schedules_by_priority(cfg.served_model_name(), fleet.configs.values()):
         if not catalog.has(SCHEDULING_FLAG):
             raise _about("router_clients", ": ", f"expected a vLLM release that schedules by priority for"
-                         f" {cfg.served_model_name()!r}, which a client with a priority class may use; vLLM"
+                         f" {cfg.served_model_name()!r}, which a client of the class interactive or batch may use; vLLM"
                          f" {cfg.vllm_version} has no {SCHEDULING_FLAG}")
         found = replace(found, priority=True)
     if found.queued_reqs is not None and found.queued_reqs < found.maxconn:

@@ -208,9 +208,9 @@ class RouterSettings(RoleSettings):
         "the request with their own key (vllm_api_key) instead, which clients never need. The router holds only "
         "the SHA-256 of each key, in map files beside its configuration (root:haproxy, 0640); a deploy that adds, "
         "removes or rotates a key rewrites those files and reloads HAProxy (requests in flight finish). Empty: no "
-        "check at the router, the replicas' key passed through (vLLM checks it). A model that a client with a "
-        "priority may use is served with --scheduling-policy priority: the router sets each of its requests' "
-        "X-Vllm-Priority from the client's class (interactive 0, standard 1, batch 2; vLLM serves the lowest "
+        "check at the router, the replicas' key passed through (vLLM checks it). A model that a client of a "
+        "class beside standard may use is served with --scheduling-policy priority: the router sets each of its "
+        "requests' X-Vllm-Priority from the client's class (interactive 0, standard 1, batch 2; vLLM serves the lowest "
         "first and may preempt a running request for a lower one); every other model's requests get 0. Either way a "
         "priority the client sent (header or body) is never what vLLM reads.",
         scope="routers", read_on="routers", secret="tree", section="The edge: client keys and limits, TLS",

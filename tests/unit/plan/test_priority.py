@@ -1,4 +1,4 @@
-"""Priority classes (gpufleet.plan.priority): the models a client with a class may use are served with
+"""Priority classes (gpufleet.plan.priority): the models a client of a class beside standard may use are served with
 ``--scheduling-policy priority``, shown in the plan, and the router sets each request's X-Vllm-Priority from its
 client's class there, 0 elsewhere, never the client's. The refusals as users see them: tests/data/corpus/edge.yaml
 (a class that is none), extra_args.yaml (the flag is gpufleet's). vLLM reading the header: its release's source
@@ -35,14 +35,16 @@ SCHEDULED = [
     ({}, CHAT, False),
     (_clients(alice=None), CHAT, False),
     (_clients(alice=None, batch="batch"), CHAT, True),
-    (_clients(alice="standard"), CHAT, True),  # a class given, even the default one
+    (_clients(alice="standard"), CHAT, False),  # written or left out, standard is one class
+    (_clients(alice="standard", bob=None), CHAT, False),
+    (_clients(alice="interactive"), CHAT, True),
     ({"batch": {"api_key": {"env": "K"}, "priority": "batch", "models": [CODE]}}, CHAT, False),  # not its model
     ({"batch": {"api_key": {"env": "K"}, "priority": "batch", "models": [CODE]}}, CODE, True),
 ]
 
 
 @pytest.mark.parametrize(("clients", "model", "expected"), SCHEDULED)
-def test_a_model_is_scheduled_by_priority_when_a_client_with_a_class_may_use_it(
+def test_a_model_is_scheduled_by_priority_when_a_client_of_a_class_beside_standard_may_use_it(
         clients: dict[str, Any], model: str, expected: bool) -> None:
     configs = [host_config(vllm_served_model_name=CHAT), host_config(router_clients=clients)]
     assert schedules_by_priority(model, configs) is expected
