@@ -1,12 +1,10 @@
 """vLLM replicas: the restart record that makes an interrupted restart happen on the next run, the check that
 the nodes of a multi-node replica run the same vLLM, torch, Python, Ray and model before any of them starts it, the
-rank secret its nodes share, the report of the KV cache vLLM reports beside the plan's, and each replica's start as
+report of the KV cache vLLM reports beside the plan's, and each replica's start as
 the readiness wait timed it, kept on the monitoring hosts as each release's start record."""
 
 from __future__ import annotations
 
-import hashlib
-import secrets
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -17,17 +15,14 @@ from pyinfra.context import host, state
 
 from gpufleet.facts.vllm import STACK_KEYS, ReplicaStack
 from gpufleet.measure.starts import Start, StartKey, fastest, measured_start, read_record, record_text, records_textfile
-from gpufleet.node.replica_rank import SECRET_ENV as RANK_SECRET_ENV
 from gpufleet.operations import files, node
 from gpufleet.operations.node import Commands, fail, gpufleet_operation, read_only
 from gpufleet.plan.kv_observed import observed_line
 from gpufleet.pyinfra_seam import current_host
 from gpufleet.run.lost_nodes import connection_lost
-from gpufleet.units.escape import env_file
 
 NodeStack = dict[str, str | None]  # vllm, torch, python, ray, model -> its value on one node (None: none there)
 AGREE_KEYS = (*STACK_KEYS, "model")
-_EMPTY = hashlib.sha256(b"").hexdigest()  # a secret file left empty by an interrupted write holds no secret
 
 
 @gpufleet_operation()
@@ -105,55 +100,6 @@ def nodes_agree(replica: str, nodes: list[str], stacks: dict[str, NodeStack]) ->
     if read_only():
         print(f"[{host.name}] {message}", file=sys.stderr)
     yield fail(message)
-
-
-@gpufleet_operation(counts_as_drift=False, runs_when_read_only=True)
-def rank_secret_seen(path: str, seen: dict[str, str | None]) -> Commands:
-    """
-    Record the digest of this node's rank secret file in ``seen`` under the host's name (None: no file, or an
-    empty one), for :func:`rank_secret`; changes nothing.
-
-    + path: the replica's rank secret file
-    + seen: the replica's record, node -> digest
-    """
-    if not state.is_executing:  # pyinfra's look ahead when ops are added
-        host.noop("read when the run gets here")
-        return
-    found = node.path(path)
-    digest = found.get("sha256") if found["type"] == "file" else None
-    seen[host.name] = None if digest in (None, _EMPTY) else digest
-    host.noop("a rank secret is there" if seen[host.name] else "no rank secret yet")
-    yield from ()
-
-
-@gpufleet_operation()
-def rank_secret(replica: str, path: str, nodes: list[str], seen: dict[str, str | None],
-                chosen: dict[str, str]) -> Commands:
-    """
-    Keep the rank secret of this node's multi-node replica: the one its nodes hold when all of them in this run
-    (:func:`rank_secret_seen`) hold the same; else a new one, drawn once on the controller for the replica and
-    written on each of its nodes (root 0600, never shown), which restarts the replica. A new one is due only with
-    every node of the replica in the run: else this node fails, rather than disagree with the others.
-
-    + replica: the replica's name
-    + path: its rank secret file
-    + nodes: its nodes
-    + seen: what :func:`rank_secret_seen` recorded on each
-    + chosen: replica -> the secret drawn in this run (shared by its nodes' operations)
-    """
-    if not state.is_executing:  # pyinfra's look ahead when ops are added: nothing is recorded yet
-        host.noop("decided when the run gets here, once every node of the replica has been read")
-        return
-    digests = {seen[name] for name in nodes if name in seen}
-    if len(digests) == 1 and None not in digests:
-        yield from files.owner_and_mode(path, "root", "root", "0600", f"{path} holds the replica's rank secret")
-        return
-    if missing := [name for name in nodes if name not in seen]:
-        yield fail(f"replica {replica}: its nodes need a new rank secret, written on all of them in one run:"
-                   f" deploy {', '.join(missing)} too")
-        return
-    secret = chosen.setdefault(replica, secrets.token_hex(32))
-    yield from files.secret_commands(path, env_file({RANK_SECRET_ENV: secret}, f"rank secret of replica {replica}"))
 
 
 @gpufleet_operation(counts_as_drift=False, runs_when_read_only=True)

@@ -58,10 +58,11 @@ class DeployContext:
     replica_starts: dict[str, list[OperationMeta]] = field(default_factory=dict)
     # multi-node replica -> node -> the vLLM, torch, Python and Ray versions and the model it runs the replica with
     replica_stacks: dict[str, dict[str, dict[str, str | None]]] = field(default_factory=dict)
-    # multi-node mp replica -> node -> the digest of its rank secret file (None: none); the secret drawn in this run
-    # for a replica whose nodes hold none or different ones (in memory only, never in a repr)
-    rank_secrets_seen: dict[str, dict[str, str | None]] = field(default_factory=dict)
-    rank_secrets: dict[str, str] = field(default_factory=dict, repr=False)
+    # a secret several nodes share (gpufleet.operations.shared_secrets: a multi-node mp replica's rank secret, the
+    # routers' peer certificate), by its file -> node -> the file's digest (None: none); the secret drawn in this run,
+    # by what it is, where its holders hold none or different ones (in memory only, never in a repr)
+    shared_secrets_seen: dict[str, dict[str, str | None]] = field(default_factory=dict)
+    shared_secrets: dict[str, str] = field(default_factory=dict, repr=False)
     # replicas with a restart record left by an earlier, interrupted run on any of their nodes
     pending_restarts: set[str] = field(default_factory=set)
     # replica -> the readiness wait on its first node

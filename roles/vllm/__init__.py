@@ -42,6 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from secrets import token_hex
 
 from pyinfra.api.deploy import deploy
 from pyinfra.api.operation import OperationMeta
@@ -51,6 +52,7 @@ from gpufleet.config.inventory_shape import ROUTERS_GROUP
 from gpufleet.config.schema import HostConfig
 from gpufleet.measure.starts import start_key
 from gpufleet.node.health_rules import policy_json
+from gpufleet.node.replica_rank import SECRET_ENV as RANK_SECRET_ENV
 from gpufleet.node_paths import (
     GATE_POLICY,
     INSTALLED_MARKER,
@@ -80,7 +82,7 @@ from gpufleet.node_paths import (
     watchdog_enabled_link,
     watchdog_unit,
 )
-from gpufleet.operations import apt, files, node, server, systemd, vllm
+from gpufleet.operations import apt, files, node, server, shared_secrets, systemd, vllm
 from gpufleet.plan import access
 from gpufleet.plan.commands import NodeRole, Process
 from gpufleet.plan.planner import Replica
@@ -183,15 +185,26 @@ def _bound(role: NodeRole) -> bool:
     return role.role.startswith("mp-rank-")
 
 
+def rank_secret_what(replica: str) -> str:
+    """A replica's rank secret, as messages name it."""
+    return f"the rank secret of replica {replica}"
+
+
+def draw_rank_secret(replica: str) -> str:
+    """A new rank secret for ``replica``, as its file holds it: 32 random bytes in hex."""
+    return env_file({RANK_SECRET_ENV: token_hex(32)}, f"rank secret of replica {replica}")
+
+
 def _rank_secret(replica: Replica, role: NodeRole) -> OperationMeta:
     """On a multi-node mp replica's node, its rank secret (the same on all its nodes); else none."""
     path = rank_secret_file(replica.name)
     if not _bound(role):
         return files.absent(name=f"{replica.name}: no rank secret on this node", path=path)
     ctx = context()
-    return vllm.rank_secret(name=f"{replica.name}: keep its rank secret (0600, the same on all its nodes)",
-                            replica=replica.name, path=path, nodes=replica.nodes,
-                            seen=ctx.rank_secrets_seen.setdefault(replica.name, {}), chosen=ctx.rank_secrets)
+    return shared_secrets.kept(name=f"{replica.name}: keep its rank secret (0600, the same on all its nodes)",
+                               what=rank_secret_what(replica.name), path=path, holders=replica.nodes,
+                               found=ctx.shared_secrets_seen.setdefault(path, {}), chosen=ctx.shared_secrets,
+                               draw=partial(draw_rank_secret, replica.name))
 
 
 def _stage_model() -> OperationMeta | None:
@@ -309,9 +322,9 @@ def _replica_files(cfg: HostConfig, mine: list[tuple[Replica, NodeRole, Process]
     ctx = context()
     for replica, role, _ in mine:  # every node's, before any node's rank secret is decided
         if _bound(role):
-            vllm.rank_secret_seen(name=f"{replica.name}: read its rank secret's digest",
-                                  path=rank_secret_file(replica.name),
-                                  seen=ctx.rank_secrets_seen.setdefault(replica.name, {}))
+            path = rank_secret_file(replica.name)
+            shared_secrets.seen(name=f"{replica.name}: read its rank secret's digest", path=path,
+                                found=ctx.shared_secrets_seen.setdefault(path, {}), what=rank_secret_what(replica.name))
     drop_ins: list[OperationMeta] = []
     for replica, role, process in mine:
         directory = replica_dir(replica.name)

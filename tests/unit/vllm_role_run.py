@@ -33,7 +33,7 @@ def run_vllm_role(monkeypatch: pytest.MonkeyPatch, shape: str, host: str, ctx: D
     fleet, replicas = planned_shape(shape)
     ctx = ctx or DeployContext(fleet=fleet)
     recorder = Recorder()
-    for name in ("apt", "files", "node", "server", "systemd", "vllm"):
+    for name in ("apt", "files", "node", "server", "shared_secrets", "systemd", "vllm"):
         monkeypatch.setattr(vllm_role, name, recorder.module(name))
     cfg = fleet.configs[host].model_copy(update=values)
     monkeypatch.setattr(vllm_role, "host_config", lambda *_: cfg)

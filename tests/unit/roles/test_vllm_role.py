@@ -16,6 +16,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -949,19 +950,20 @@ def test_each_node_of_an_mp_replica_keeps_the_rank_secret_decided_for_all(monkey
     ctx = None
     for host in replica.nodes:
         ops, ctx = run_vllm_role(monkeypatch, "b_two_nodes_mp", host, ctx)
-        (seen,) = ops.named("vllm.rank_secret_seen", path=path)
-        (kept,) = ops.named("vllm.rank_secret", path=path)
+        (seen,) = ops.named("shared_secrets.seen", path=path)
+        (kept,) = ops.named("shared_secrets.kept", path=path)
         assert ops.calls.index(seen) < ops.calls.index(kept)
-        assert kept.kwargs["seen"] is seen.kwargs["seen"] is ctx.rank_secrets_seen[replica.name]
-        assert (kept.kwargs["replica"], kept.kwargs["nodes"]) == (replica.name, replica.nodes)
-        assert kept.kwargs["chosen"] is ctx.rank_secrets
+        assert kept.kwargs["found"] is seen.kwargs["found"] is ctx.shared_secrets_seen[path]
+        assert kept.kwargs["holders"] == replica.nodes and replica.name in kept.kwargs["what"]
+        assert "group" not in kept.kwargs and "mode" not in kept.kwargs  # root's, 0600
+        assert kept.kwargs["chosen"] is ctx.shared_secrets
         assert any(op is kept for op in ctx.replica_changes[replica.name])
         assert any(path in o.kwargs.get("paths", []) for o in ops.named("node.observe"))
         (retired,) = ops.named("systemd.retired")
         assert node_paths.rank_secret_file("{name}") in retired.kwargs["paths"]
     _, (single, *_) = planned_shape("a_single_node_70b")
     ops, _ = run_vllm_role(monkeypatch, "a_single_node_70b", single.nodes[0])
-    assert not ops.named("vllm.rank_secret") and not ops.named("vllm.rank_secret_seen")
+    assert not ops.named("shared_secrets.kept") and not ops.named("shared_secrets.seen")
     assert ops.named("files.absent", path=node_paths.rank_secret_file(single.name))
 
 
@@ -993,7 +995,8 @@ def test_a_rank_secret_is_drawn_once_per_replica_and_only_uploaded() -> None:
     from pyinfra.api import FileUploadCommand
     from pyinfra.context import ctx_host, ctx_state
 
-    from gpufleet.operations import vllm as vllm_ops
+    from gpufleet.operations import shared_secrets
+    from roles.vllm import draw_rank_secret
 
     chosen: dict[str, str] = {}
     written: dict[tuple[str, str], str] = {}
@@ -1003,8 +1006,9 @@ def test_a_rank_secret_is_drawn_once_per_replica_and_only_uploaded() -> None:
             fake = FakeHost({"NodeState": {"paths": {path: {"type": "missing"}}}})
             fake.name = name
             with ctx_host.use(fake), ctx_state.use(FakeState()):
-                commands = list(vllm_ops.rank_secret._inner(replica=replica, path=path, nodes=["lab2", "lab3"],
-                                                            seen={"lab2": None, "lab3": None}, chosen=chosen))
+                commands = list(shared_secrets.kept._inner(what=replica, path=path, holders=["lab2", "lab3"],
+                                                           found={"lab2": None, "lab3": None}, chosen=chosen,
+                                                           draw=partial(draw_rank_secret, replica)))
             (upload,) = [c for c in commands if isinstance(c, FileUploadCommand)]
             written[(replica, name)] = upload.src.read().decode()
             assert not any(chosen[replica] in str(c) for c in commands if c is not upload)
