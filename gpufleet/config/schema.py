@@ -204,6 +204,7 @@ class HostConfig(
             "alertmanager_log_port": (self.alertmanager_log_port,) * 2,
             "router_port": (self.router_port,) * 2,
             "router_metrics_port": (self.router_metrics_port,) * 2,
+            "router_peer_port": (self.router_peer_port,) * 2,
         }
         if self.node_lifecycle_enabled:
             ranges["node_agent_port"] = (self.node_agent_port,) * 2

@@ -43,6 +43,9 @@ After it, a router host has:
     ``router_port`` from ``EDGE_DIR/router.pem`` (0640), plain HTTP only on ``router_plain_http_port`` when set.
   - each request's ``X-Vllm-Priority``, set by the router and never the client's (gpufleet.plan.priority): its
     client's class's where its model is scheduled by priority, else 0.
+  - the routers' peers (:mod:`roles.router.peers`): every stick table shared with the other routers over TLS on
+    ``router_peer_port`` and handed to the next process at a reload, with the routers' peer certificate in
+    ``/etc/haproxy/gpufleet-peers.pem`` (root:haproxy, 0640; drawn by the deploy, the same on every router).
 
 The configuration and the edge's files are written as candidates (:data:`CANDIDATE`, :data:`EDGE_CANDIDATE_DIR`),
 checked together with ``haproxy -c`` and only then put in place (:func:`edge_install`): a file HAProxy refuses never
@@ -62,7 +65,8 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from pyinfra.api.deploy import deploy
-from pyinfra.context import host
+from pyinfra.api.operation import OperationMeta
+from pyinfra.context import host, state
 from pyinfra.operations.util import any_changed
 
 from gpufleet import templates
@@ -74,7 +78,7 @@ from gpufleet.netaddr import host_port
 from gpufleet.node import router_health
 from gpufleet.node_paths import NODE_PYTHON, NODE_TOOLS_DIR, ROUTER_ADMIN_SOCKET, TEXTFILE_DIR, node_tool, unit_path
 from gpufleet.node_paths import ROUTER_SERVICE as SERVICE
-from gpufleet.operations import apt, files, node, server, systemd
+from gpufleet.operations import apt, files, node, server, shared_secrets, systemd
 from gpufleet.operations.server import checked_install  # shell text, not an operation
 from gpufleet.plan import access
 from gpufleet.plan.backends import Backend, backends
@@ -83,6 +87,8 @@ from gpufleet.plan.priority import DEFAULT_PRIORITY, PRIORITY_HEADER, client_pri
 from gpufleet.run.context import context, host_config
 from gpufleet.units.escape import exec_line
 from gpufleet.values.problems import ConfigError, exit_with
+from roles.router import peers
+from roles.router.peers import Peers
 from roles.vllm import replica_files as vf
 
 PACKAGE = "haproxy"
@@ -181,10 +187,11 @@ def replica_agents(plan: FleetPlan, configs: Mapping[str, HostConfig]) -> dict[s
 
 def config_values(cfg: HostConfig, address: str, found: list[Backend], lists: list[dict[str, str | None]],
                   metrics_allowed: list[str], maxconn: Mapping[str, int], edge_dir: str = EDGE_DIR,
-                  agents: Mapping[str, int] | None = None) -> dict[str, Any]:
+                  agents: Mapping[str, int] | None = None, peers: Peers | None = None) -> dict[str, Any]:
     """What templates/router/haproxy.cfg.j2 is rendered with; ``maxconn``: each replica's, by name
     (:func:`replica_maxconn`); ``edge_dir``: where the edge's files are (:func:`edge_values`); ``agents``: the agent
-    port of each replica's node watch, by name (:func:`replica_agents`)."""
+    port of each replica's node watch, by name (:func:`replica_agents`); ``peers``: the routers' peers section
+    (:mod:`roles.router.peers`; None: tables of this process alone)."""
     agents = agents or {}
     listen_address = cfg.router_listen_address or address
     return {
@@ -209,6 +216,7 @@ def config_values(cfg: HostConfig, address: str, found: list[Backend], lists: li
         "check_fall": cfg.router_check_fall,
         "check_rise": cfg.router_check_rise,
         "model_lists": lists,
+        "peers": peers,
         "priority_header": PRIORITY_HEADER,
         "default_priority": DEFAULT_PRIORITY,
         "prefix_table_size": PREFIX_TABLE_SIZE,
@@ -346,7 +354,8 @@ def fleet_values(cfg: HostConfig, address: str) -> dict[str, Any]:
     except ConfigError as error:
         exit_with(error)
     return config_values(cfg, address, found, model_lists(by_key), metrics_allowed, replica_maxconn(ctx.plan.replicas),
-                         agents=replica_agents(ctx.plan, ctx.fleet.configs))
+                         agents=replica_agents(ctx.plan, ctx.fleet.configs),
+                         peers=peers.peers(host.name, fleet_routers(), ctx.fleet.configs))
 
 
 def fleet_edge_files(cfg: HostConfig) -> dict[str, str]:
@@ -403,6 +412,11 @@ def is_router() -> bool:
     return ROUTERS_GROUP in host.groups
 
 
+def fleet_routers() -> list[str]:
+    """The hosts of the inventory group ``routers``, in its order."""
+    return [member.name for member in state.inventory.get_group(ROUTERS_GROUP)]
+
+
 @deploy("Router (HAProxy)")
 def router() -> None:
     """Converge HAProxy on a router host: the package, the sandboxed unit, the configuration from the plan, the
@@ -417,9 +431,9 @@ def router() -> None:
     clients_service, clients_timer = unit_path(CLIENTS_SERVICE), unit_path(CLIENTS_TIMER)
     node.observe(name="Read the router's package, unit, configuration and edge files", packages=[PACKAGE],
                  units=[SERVICE, CLIENTS_TIMER],
-                 paths=[CONFIG, CANDIDATE, DROP_IN_DIR, DROP_IN, EDGE_DIR, EDGE_CANDIDATE_DIR, clients_service,
-                        clients_timer, *(f"{folder}/{name}" for folder in (EDGE_DIR, EDGE_CANDIDATE_DIR)
-                                         for name in edge_wanted)],
+                 paths=[CONFIG, CANDIDATE, DROP_IN_DIR, DROP_IN, EDGE_DIR, EDGE_CANDIDATE_DIR, peers.PEM,
+                        clients_service, clients_timer,
+                        *(f"{folder}/{name}" for folder in (EDGE_DIR, EDGE_CANDIDATE_DIR) for name in edge_wanted)],
                  listings=[f"{EDGE_DIR}/*", f"{EDGE_CANDIDATE_DIR}/*"])
     apt.packages(name="Install HAProxy (the distribution's package)", packages=[PACKAGE], update_first=True)
     files.directory(name=f"Create {DROP_IN_DIR}", path=DROP_IN_DIR)
@@ -436,6 +450,7 @@ def router() -> None:
                      pattern=f"{EDGE_CANDIDATE_DIR}/*", keep=[f"{EDGE_CANDIDATE_DIR}/{n}" for n in edge_wanted])
     else:
         files.absent(name=f"Remove {EDGE_CANDIDATE_DIR}: no clients, no TLS", path=EDGE_CANDIDATE_DIR)
+    pem = _peer_pem()
     files.file(name=f"Write the router's configuration to check ({CANDIDATE})", dest=CANDIDATE, content=text,
                group="haproxy", mode="0640")
     config = server.script(
@@ -445,10 +460,21 @@ def router() -> None:
         done_file=CONFIG, done_sha256=wanted, pending=not _edge_in_place(edge_wanted),
     )
     systemd.restart(name=f"Restart {SERVICE}: its drop-in changed", unit=SERVICE, _if=unit.did_change)
-    systemd.reload(name=f"Reload {SERVICE}: its configuration or edge files changed (requests in flight finish)",
-                   unit=SERVICE, _if=config.did_change)
+    systemd.reload(name=f"Reload {SERVICE}: its configuration, edge files or peer certificate changed (requests in"
+                        " flight finish)", unit=SERVICE, _if=any_changed(config, pem))
     systemd.service(name=f"Ensure {SERVICE} runs and starts at boot", unit=SERVICE, running=True, enabled=True)
     _clients_counters(bool(cfg.router_clients), clients_service, clients_timer)
+
+
+def _peer_pem() -> OperationMeta:
+    """The routers' peer certificate and key (:mod:`roles.router.peers`): read on every router, then kept while they
+    agree, else drawn once and written on all of them (a new one reloads HAProxy)."""
+    ctx = context()
+    found = ctx.shared_secrets_seen.setdefault(peers.PEM, {})
+    shared_secrets.seen(name=f"Read {peers.WHAT}'s digest", path=peers.PEM, found=found, what=peers.WHAT)
+    return shared_secrets.kept(name=f"Keep {peers.WHAT} ({peers.PEM}, root:haproxy 0640, the same on every router)",
+                               what=peers.WHAT, path=peers.PEM, holders=fleet_routers(), found=found,
+                               draw=peers.draw_pem, chosen=ctx.shared_secrets, group="haproxy", mode="0640")
 
 
 def _clients_counters(wanted: bool, service_file: str, timer_file: str) -> None:

@@ -17,7 +17,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
@@ -31,6 +31,8 @@ from gpufleet.config import secrets
 from gpufleet.node import router_admin
 from gpufleet.plan import backends as plan_backends
 from gpufleet.plan.priority import PRIORITY_CLASSES
+from roles.router import peers
+from roles.router.peers import Peers
 from tests.conftest import host_tool
 from tests.loopback_http import ReplicaHandler, free_port, loopback_server
 from tests.memory_rule import deny_write_execute, memory_rule
@@ -165,8 +167,11 @@ def _write_edge(edge_dir: Path, written: dict[str, str]) -> None:
         path.write_text(text)
 
 
-def _start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tls: bool, plain: bool = False) -> Iterator[Edge]:
+def _start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tls: bool, plain: bool = False,
+           peers: Peers | None = None) -> Iterator[Edge]:
+    """An edge in ``tmp_path``; ``peers``: the router's peers section (its PEM written already)."""
     haproxy = host_tool("haproxy", "haproxy")
+    tmp_path.mkdir(exist_ok=True)
     for name, key in KEYS.items():
         monkeypatch.setenv(f"EDGE_{name.upper()}_KEY", key)
     monkeypatch.setenv("EDGE_REPLICA_KEY", REPLICA_KEY)
@@ -189,7 +194,7 @@ def _start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tls: bool, plain: bo
         edge_dir = tmp_path / "edge"
         _write_edge(edge_dir, router_role.edge_files(cfg, found, upstream))
         values = router_role.config_values(cfg, "127.0.0.1", found, [], [], {r.name: 64 for r in plan.replicas},
-                                           edge_dir=str(edge_dir))
+                                           edge_dir=str(edge_dir), peers=peers)
         values["admin_socket"] = str(tmp_path / "admin.sock")
         config = tmp_path / "haproxy.cfg"
         config.write_text(router_role.render(values))
@@ -220,6 +225,78 @@ def edge(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Edge]:
 @pytest.fixture
 def tls_edge(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Edge]:
     yield from _start(tmp_path, monkeypatch, tls=True, plain=True)
+
+
+@pytest.fixture
+def edge_pair(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Edge, Edge, Path]]:
+    """Two routers of one fleet (a and b), peers of each other on loopback with one certificate drawn as the deploy
+    draws it; and that certificate's file."""
+    pem = tmp_path / "peers.pem"
+    pem.touch(mode=0o600)
+    pem.write_text(peers.draw_pem())
+    ports = {"a": free_port(), "b": free_port()}
+    servers = {name: tuple((other, None if other == name else f"127.0.0.1:{ports[other]}") for other in ports)
+               for name in ports}
+    with ExitStack() as stack:
+        a, b = (stack.enter_context(contextmanager(_start)(
+                    tmp_path / name, monkeypatch, tls=False,
+                    peers=Peers(f"127.0.0.1:{ports[name]}", name, servers[name], pem=str(pem))))
+                for name in ports)
+        yield a, b, pem
+
+
+def _clients_table(edge: Edge) -> dict[str, dict[str, int]]:
+    return router_admin.parse_table(router_admin.Runtime(str(edge.socket)).ask("show", "table",
+                                                                               router_role.CLIENT_TABLE))
+
+
+def test_the_routers_share_the_clients_counters_and_a_reload_keeps_them_with_no_other_router_up(
+        edge_pair: tuple[Edge, Edge, Path]) -> None:
+    """What a client did at one router is in the other's table as it happens (peers), and a reload hands the table
+    to the new process (the local peer), also when the other router is down and cannot give it back."""
+    a, b, _ = edge_pair
+    for _ in range(3):
+        assert a.post(KEYS["alice"]).status == 200
+    wait(lambda: _clients_table(b).get("alice", {}).get("gpc1") == 3, "alice's 3 requests in b's table")
+    b.proc.terminate()
+    b.proc.wait(10)
+    # A process hands its tables on at a reload once its own start's resync is over (HAProxy gives it 5 s when no
+    # peer teaches it sooner): routers reload minutes apart; this one started a moment ago.
+    wait(lambda: "resync_timeout=<PAST>" in router_admin.Runtime(str(a.socket)).ask("show", "peers"),
+         "a's resync at its start over")
+    a.reload()
+    wait(lambda: _clients_table(a).get("alice", {}).get("gpc1") == 3, "alice's 3 requests in the new process's table")
+    assert a.post(KEYS["alice"]).status == 200
+    assert _clients_table(a)["alice"]["gpc1"] == 4
+
+
+def test_a_peer_connection_without_the_routers_certificate_is_refused(
+        edge_pair: tuple[Edge, Edge, Path], tmp_path: Path) -> None:
+    """The peer port speaks TLS only and asks for the routers' own certificate: a client with none, or with another
+    one drawn the same way, is refused in the handshake; with the routers' own, the peers protocol answers."""
+    a, _, pem = edge_pair
+    port = int(a.config.read_text().split("peers gpufleet-routers\n    bind 127.0.0.1:", 1)[1].split()[0])
+    other = tmp_path / "other.pem"
+    other.write_text(peers.draw_pem())
+
+    def hello(certificate: Path | None) -> bytes | None:
+        """The peer's answer to a peer's hello (router b's, to router a) over TLS with ``certificate``; None when
+        the TLS handshake fails (TLS 1.3 tells a client its certificate was refused at its first read)."""
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+        if certificate is not None:
+            context.load_cert_chain(certificate)
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:
+            try:
+                with context.wrap_socket(raw) as conn:
+                    conn.sendall(b"HAProxyS 2.1\na\nb 1 1\n")
+                    return conn.recv(64)
+            except (ssl.SSLError, ConnectionResetError):
+                return None
+
+    assert hello(None) is None
+    assert hello(other) is None
+    assert (hello(pem) or b"").startswith(b"200")  # the peers protocol's "welcome"
 
 
 def test_the_config_and_its_files_hold_no_key_and_the_files_are_not_world_readable(edge: Edge) -> None:

@@ -91,6 +91,14 @@ class RouterSettings(RoleSettings):
         read_on="routers",
     )
 
+    router_peer_port: Port = setting(
+        8406,
+        "Port on the fleet address where the routers keep their tables alike (HAProxy's peers: the clients' "
+        "counters, the prefix policy's conversations), TLS only, each side showing the routers' own certificate "
+        "(drawn by the deploy; anything else is refused before it reaches a table). The same on every router.",
+        scope="routers",
+    )
+
     router_check_interval_s: Annotated[int, Field(ge=1, le=3600)] = setting(
         2,
         "Seconds between two health checks of a replica by each router (GET /health).",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from gpufleet_lab.errors import LabError
@@ -18,11 +19,13 @@ from gpufleet.config.edge import client_keys, edge_problems
 from gpufleet.config.layers import HostLayers, Layer
 from gpufleet.plan import backends as plan_backends
 from gpufleet.values.problems import ConfigError
+from roles.router import peers
 from tests.recorded_ops import Recorder
 from tests.unit.configs import host_config
 from tests.unit.unit_files import unit_settings
 
 OPEN, CLOSED = "model open", "model-closed"
+ROUTERS = ("10.0.0.5", "10.0.0.6")
 FOUND = [plan_backends.Backend("model-a", OPEN, ()), plan_backends.Backend("model-b", CLOSED, ())]
 
 
@@ -132,9 +135,12 @@ def _run_role(monkeypatch: pytest.MonkeyPatch, cfg: object, written: dict[str, s
     """The role's operations for ``cfg`` with the edge files ``written``; ``in_place``: whether the node's edge
     directory held them already as the deploy began."""
     recorder = Recorder()
-    for name in ("apt", "files", "node", "server", "systemd"):
+    for name in ("apt", "files", "node", "server", "shared_secrets", "systemd"):
         monkeypatch.setattr(router_role, name, recorder.module(name))
     monkeypatch.setattr(router_role, "is_router", lambda: True)
+    monkeypatch.setattr(router_role, "fleet_routers", lambda: list(ROUTERS))
+    shared = SimpleNamespace(shared_secrets_seen={}, shared_secrets={})
+    monkeypatch.setattr(router_role, "context", lambda: shared)
     monkeypatch.setattr(router_role, "host_config", lambda *_: cfg)
     monkeypatch.setattr(router_role, "fleet_values",
                         lambda c, a: router_role.config_values(c, a, FOUND, [], [], {}))
@@ -172,6 +178,25 @@ def test_the_deploy_writes_the_edge_files_as_candidates_checks_them_with_the_con
     assert (timer.kwargs["running"], timer.kwargs["enabled"]) == (True, True)
     (rotated,) = _run_role(monkeypatch, cfg, written, in_place=False).named("server.script")
     assert rotated.kwargs["pending"]  # the edge directory differs: installed though the configuration did not
+
+
+def test_every_router_reads_the_peer_certificate_before_any_keeps_it_and_a_new_one_reloads(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The routers' peer certificate (roles.router.peers): its digest read, then kept or drawn for every router of
+    the group (root:haproxy, 0640, drawn by the peers module), both before the configuration that names it is
+    checked; a new one reloads HAProxy, as a new configuration does."""
+    ops = _run_role(monkeypatch, host_config(fleet_address="10.0.0.5"), {})
+    position = {id(c): i for i, c in enumerate(ops.calls)}
+    (seen,) = ops.named("shared_secrets.seen", path=peers.PEM)
+    (kept,) = ops.named("shared_secrets.kept", path=peers.PEM)
+    (install,) = ops.named("server.script")
+    assert position[id(seen)] < position[id(kept)] < position[id(install)]
+    assert kept.kwargs["found"] is seen.kwargs["found"] and kept.kwargs["holders"] == list(ROUTERS)
+    assert (kept.kwargs["group"], kept.kwargs["mode"], kept.kwargs["draw"]) == ("haproxy", "0640", peers.draw_pem)
+    (reload,) = ops.named("systemd.reload", unit=router_role.SERVICE)
+    assert not reload.kwargs["_if"]()
+    kept.changed = True
+    assert reload.kwargs["_if"]()
 
 
 def test_without_clients_or_tls_the_deploy_removes_the_edge_and_its_counters(
