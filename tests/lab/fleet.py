@@ -30,6 +30,7 @@ from gpufleet_lab.nodes import API_KEY_FILE, CLIENT_KEY_FILE, TLS_DIR
 from gpufleet_lab.request_load import RequestLoad
 from gpufleet_lab.state import NodeRecord
 
+from gpufleet.node.router_admin import parse_table
 from tests.lab.checks import main_pid, metrics
 from tests.lab.harness import LAB_FLEET, PYINFRA, ROOT, Completed, Lab, run
 
@@ -51,6 +52,9 @@ NODE_WATCH = "python3 /opt/gpufleet/node/node_watch.py"
 DIAG_COLLECT = "python3 -I /opt/gpufleet/node/diag_collect.py"
 LIFECYCLE_CONFIG = "/etc/gpufleet/lifecycle.json"
 RAY_PORT, NODE_EXPORTER, DCGM_EXPORTER, RENDEZVOUS = 6379, 9100, 9400, 29501
+# ``show table <name>`` on a router's runtime API, with the node tool's own client
+SHOW_TABLE = ("import sys; sys.path.insert(0, '/opt/gpufleet/node'); from router_admin import DEFAULT_SOCKET, Runtime;"
+              " print(Runtime(DEFAULT_SOCKET).ask('show', 'table', sys.argv[1]), end='')")
 CONNECT_TIMEOUT = 3.0
 # Every target at once from one node: "address:port" -> whether a TCP connection was accepted.
 PROBE = """
@@ -186,6 +190,12 @@ def router_servers(lab: Lab) -> dict[str, dict[str, object]]:
     """The router's servers (replicas) as its runtime API shows them, read on lab1 with router_admin.py."""
     shown = json.loads(lab.host(lab.nodes[0]).check_output(f"{ROUTER_ADMIN} show"))
     return {entry["server"]: entry for entry in shown["servers"]}
+
+
+def router_table(lab: Lab, router: NodeRecord, table: str) -> dict[str, dict[str, int]]:
+    """One of ``router``'s stick tables as its runtime API shows it: each entry's data by its key."""
+    shown = lab.host(router).check_output(f"python3 -I -c {shlex.quote(SHOW_TABLE)} {shlex.quote(table)}")
+    return parse_table(shown)
 
 
 def wait_router_status(lab: Lab, server: str, status: str, timeout: float) -> None:

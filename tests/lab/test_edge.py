@@ -9,6 +9,7 @@ inventory's edge back; the rotated key stays the lab's).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -22,10 +23,11 @@ from gpufleet_lab.nodes import BENCH_KEY_FILE, CLIENT_KEY_FILE
 from gpufleet_lab.request_load import Answer, burst
 from gpufleet_lab.state import NodeRecord
 
+from gpufleet.plan.backends import Backend
+from roles.router import CLIENT_TABLE
 from tests.lab.checks import assert_no_errors, main_pid, metrics
 from tests.lab.fleet import (
     PIPELINE,
-    ROUTER_PORT,
     address_holder,
     client_key,
     deploy,
@@ -35,6 +37,7 @@ from tests.lab.fleet import (
     record_figure,
     requests_to,
     router_servers,
+    router_table,
     router_url,
     served_name,
     single,
@@ -84,6 +87,11 @@ def _replica_pids(lab: Lab) -> dict[str, int]:
             for node in lab.nodes}
 
 
+def _client_requests(lab: Lab, router: NodeRecord) -> int:
+    """The lab client's requests as ``router``'s table counts them (both routers count alike: peers)."""
+    return router_table(lab, router, CLIENT_TABLE).get("lab", {}).get("http_req_cnt", 0)
+
+
 def _p99(answers: list[Answer]) -> float:
     return _p99_of([a.took_s for a in answers])
 
@@ -98,7 +106,8 @@ def test_the_edge_rotates_a_key_under_load_limits_a_client_and_sheds_a_burst_fas
         tmp_path_factory: pytest.TempPathFactory) -> None:
     """One deploy, under load through the virtual address with the client's old key, rotates that key, adds a client
     ``capped`` (1 request/s, 1 at once) and sets the routers' admission small: both routers reload (same main
-    process), no replica restarts, and no request fails but the old key's 401s once the routers have the new one.
+    process), no replica restarts, no request fails but the old key's 401s once the routers have the new one, and
+    the client's counters go on through the reload (peers: the new process gets the old one's tables).
     Then: the new key is served and the old one gets 401; ``capped`` over its rate gets 429s, and its counter
     reaches Prometheus; a burst of ten times what the replicas take at once gets its excess refused (429 over the
     client's concurrency, 503 past the router's queue) within 1 s, each with Retry-After, while the admitted
@@ -122,10 +131,14 @@ def test_the_edge_rotates_a_key_under_load_limits_a_client_and_sheds_a_burst_fas
     load = requests_to(lab, None, streams=2, pause_s=0.5, chat=True, timeout_s=60).start()
     try:
         time.sleep(2)
+        counted = {router.name: _client_requests(lab, router) for router in routers}
         _write_secret(key_file, secrets.token_urlsafe(32))
         assert_no_errors(deploy(lab, *options, inventory=inventory))
     finally:
         load.stop()
+    # the client's counters went on through the reload (the old key's requests after it are no client's)
+    kept = {router.name: _client_requests(lab, router) for router in routers}
+    assert all(kept[name] >= counted[name] > 0 for name in kept), (counted, kept)
     new_key = client_key(lab)
     assert new_key != old_key
     for node in routers:  # the keys are nowhere a process list, the journal or the configuration shows them
@@ -237,31 +250,72 @@ def _prefix_hits(lab: Lab) -> dict[str, float]:
     return found
 
 
-def test_prefix_routing_keeps_each_conversation_on_the_replica_that_caches_it(
-        lab: Lab, changed: Completed | None, lab_states: LabStates) -> None:
+def test_prefix_routing_keeps_each_conversation_home_across_a_reload_and_a_move_of_the_address(
+        lab: Lab, changed: Completed | None, lab_states: LabStates, tmp_path_factory: pytest.TempPathFactory) -> None:
     """router_policy prefix, deployed over the edge's settings (only HAProxy reloads, no replica restarts): four
-    conversations of three turns, each turn resending the history, through lab1's router; each conversation's
-    turns all reach one replica, whose vLLM counts prefix cache hits, and the conversations spread over both."""
+    conversations of three turns, each turn resending the history, through the virtual address. Both routers reload
+    between the first turns and the second (what a rotated key does), and the address moves to the other router
+    between the second and the third: the reloaded router and then the other one hold every conversation with its
+    home (peers), each conversation's turns all reach its home, whose vLLM counts prefix cache hits, the
+    conversations spread over both replicas, and the client's counters go on from where they were."""
     replicas = _replica_pids(lab)
     lab_states.changed(EDGE_CHANGED)
     assert_no_errors(deploy(lab, "--data", "router_policy=prefix"))
     assert _replica_pids(lab) == replicas
-    url = f"https://{lab.nodes[0].address}:{ROUTER_PORT}/v1/chat/completions"
-    hits, homes = _prefix_hits(lab), []
+    url = f"{router_url(lab)}/v1/chat/completions"
+    backend = str(router_servers(lab)[single(lab)]["backend"])
+    ids = Backend(backend, "", tuple((name, "") for name in (single(lab), PIPELINE))).server_ids
+    names = {server_id: name for name, server_id in ids.items()}
+    hits = _prefix_hits(lab)
     # an opening of about 155 tokens (of the 256 the lab serves): the CPU build caches whole blocks of 128
-    for number in range(4):
-        messages = [{"role": "user", "content": f"Conversation {number}: " + "tell me about the fleet, " * 14}]
-        before = {name: server["req_tot"] for name, server in router_servers(lab).items()}
-        for turn in range(3):
-            status, text = http(url, {"model": served_name("lab"), "messages": messages, "max_tokens": 4},
+    chats = [[{"role": "user", "content": f"Conversation {number}: " + "tell me about the fleet, " * 14}]
+             for number in range(4)]
+    keys = [hashlib.sha1(chat[0]["content"].encode()).hexdigest().upper() for chat in chats]  # the table's keys
+
+    def held(router: NodeRecord) -> list[tuple[str, str]] | None:
+        """Each conversation's home and the replica of its last turn in ``router``'s table; None if one is missing."""
+        table = router_table(lab, router, backend)
+        if not all(key in table for key in keys):
+            return None
+        return [(names[table[key]["gpt0"]], names[table[key]["gpt1"]]) for key in keys]
+
+    def turns(router: NodeRecord) -> list[tuple[str, str]]:
+        """Each conversation's next turn through the virtual address, which ``router`` holds."""
+        for chat in chats:
+            status, text = http(url, {"model": served_name("lab"), "messages": chat, "max_tokens": 4},
                                 client_key(lab), context=tls(lab))
             assert status == 200, text
             answer = json.loads(text)["choices"][0]["message"]["content"]
-            messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": f"And {turn}?"}]
-        counted = {name: int(str(server["req_tot"])) - int(str(before[name]))
-                   for name, server in router_servers(lab).items()}
-        assert sorted(counted.values()) == [0, 3], counted
-        homes.append(max(counted, key=lambda name: counted[name]))
-    assert set(homes) == {single(lab), PIPELINE}, homes  # new conversations go round robin
+            chat += [{"role": "assistant", "content": answer}, {"role": "user", "content": f"And {len(chat)}?"}]
+        found = held(router)
+        assert found is not None, f"a conversation missing from {router.name}'s table after its turn"
+        return found
+
+    holder = address_holder(lab)
+    assert holder is not None
+    first = turns(holder)
+    homes = [home for home, _ in first]
+    assert [last for _, last in first] == homes and set(homes) == {single(lab), PIPELINE}, first  # round robin
+    counted = _client_requests(lab, holder)
+    for router in lab.nodes[:2]:  # as a rotated key does
+        lab.host(router).check_output("systemctl reload haproxy")
+    reloaded, reloaded_after_s = wait_for("every conversation in the reloaded router's table", lambda: held(holder),
+                                          timeout=15, every=0.5)
+    assert reloaded == first and _client_requests(lab, holder) >= counted
+    assert turns(holder) == [(home, home) for home in homes]
+    other = next(router for router in lab.nodes[:2] if router != holder)
+    counted = _client_requests(lab, holder)
+    lab.host(holder).check_output("systemctl stop keepalived")  # it gives the address up at once (priority 0)
+    try:
+        wait_for("the address on the other router", lambda: address_holder(lab) == other or None, timeout=15,
+                 every=0.2)
+    finally:
+        lab.host(holder).check_output("systemctl start keepalived")  # back as a backup: the address stays
+    assert held(other) == [(home, home) for home in homes] and _client_requests(lab, other) >= counted
+    assert turns(other) == [(home, home) for home in homes]
     gained = {replica: count - hits[replica] for replica, count in _prefix_hits(lab).items()}
     assert all(gained[replica] >= 128 for replica in set(homes)), gained
+    record_figure(tmp_path_factory, {
+        "fault": "prefix routing: the routers reloaded between two turns, then the address moved",
+        "turns_at_home_after_the_reload_and_the_move": 8, "table_back_after_the_reload_s": round(reloaded_after_s, 1),
+        "prefix_cache_hit_tokens_gained": gained})
