@@ -347,6 +347,13 @@ class KvBudget:
         """Sequences at full length that fit at once."""
         return math.floor(self.max_concurrency)
 
+    def sequences_at(self, tokens: int) -> int:
+        """Sequences of ``tokens`` tokens each (prompt and answer) that fit at once, in whole blocks as vLLM
+        allocates them (at ``tokens_per_sequence``: :attr:`full_sequences`)."""
+        if self.kv_tokens <= 0 or tokens < 1:
+            return 0
+        return (self.kv_tokens // self.block_size) // math.ceil(tokens / self.block_size)
+
     @property
     def fits(self) -> bool:
         """At least one sequence at full length fits."""

@@ -19,7 +19,7 @@ from gpufleet.gpu.report import NodeFacts
 from gpufleet.netaddr import host_port
 from gpufleet.node_paths import replica_host_part
 from gpufleet.plan import layout, quantization
-from gpufleet.plan.admission import Admission, UnsupportedLimitError, admission
+from gpufleet.plan.admission import Admission, TypicalLengthError, UnsupportedLimitError, admission
 from gpufleet.plan.commands import NodeRole, Process, extra_flags, replica_roles, secret_env_names
 from gpufleet.plan.model_arch import ModelArch, ModelConfigError, load_arch
 from gpufleet.plan.model_memory import (
@@ -98,6 +98,7 @@ class Replica:
             "kv_tokens_per_gpu": self.budget.kv_tokens,
             "max_concurrency": round(self.budget.max_concurrency * self.dp, 2),
             "router_maxconn": self.admission.maxconn,
+            "router_maxconn_basis": self.admission.basis,
             "max_num_queued_reqs": self.admission.queued_reqs,
             "argv": {h: p.argv for h, p in main.items()},
             "env": {h: p.env for h, p in main.items()},
@@ -472,6 +473,8 @@ def _admission(pool: str, cfg: HostConfig, b: KvBudget, max_num_seqs: int, dp: i
         found = admission(cfg, b, max_num_seqs, dp, catalog)
     except UnsupportedLimitError as exc:
         raise _about("vllm_max_num_queued_reqs", ": ", str(exc)) from None
+    except TypicalLengthError as exc:
+        raise _about("router_typical_request_tokens", ": ", str(exc)) from None
     if schedules_by_priority(cfg.served_model_name(), fleet.configs.values()):
         if not catalog.has(SCHEDULING_FLAG):
             raise _about("router_clients", ": ", f"expected a vLLM release that schedules by priority for"

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
 from gpufleet.config.settings import RoleSettings, setting
-from gpufleet.values import grammar
+from gpufleet.values import grammar, limits
 from gpufleet.values.problems import KeyedError
 from gpufleet.values.types import OptionalSecret, Port, SecretRef, each, secret_ref, served_name, text
 
@@ -164,6 +164,17 @@ class RouterSettings(RoleSettings):
         "(one router server stands for the whole replica: its API server spreads requests over its ranks). The "
         "planner reads it from the replica's hosts, as the vllm_* layout variables: set it in a pool's group_vars "
         "for that pool's replicas, in all.yml for every pool. vllm_max_num_queued_reqs follows it.",
+        scope="pool", read_on="pools",
+    )
+
+    router_typical_request_tokens: Annotated[int, Field(ge=1, le=limits.MAX_TOKENS)] | None = setting(
+        None,
+        "Admission sized for the pool's typical request: its prompt and answer tokens together (at most "
+        "max_model_len). The plan's maxconn then counts the sequences of this length each replica's KV cache holds, "
+        "not sequences at max_model_len (a 70B model at 32k holds 13 of those; most requests are far shorter): a "
+        "replica takes more requests at once, and one much longer than this may be preempted for lack of cache, "
+        "as vLLM does under load. `gpufleet plan` shows which length each replica's maxconn is sized at. null: "
+        "max_model_len. router_server_maxconn, where set, wins.",
         scope="pool", read_on="pools",
     )
 

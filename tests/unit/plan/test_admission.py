@@ -19,6 +19,7 @@ from gpufleet.plan import backends as plan_backends
 from gpufleet.plan.admission import (
     QUEUED_REQS_FLAG,
     Admission,
+    TypicalLengthError,
     UnsupportedLimitError,
     admission,
     planned_concurrency,
@@ -54,19 +55,37 @@ def test_planned_concurrency(given: tuple[float, int, int], expected: int) -> No
     assert planned_concurrency(_budget(sequences), seqs, dp) == expected
 
 
-# (variables, planned maxconn) -> (router maxconn, vLLM's --max-num-queued-reqs); the budget: 13.57 sequences
+def test_sequences_of_a_typical_length_are_counted_in_whole_blocks() -> None:
+    budget = _budget(13.57)  # 1,357 tokens, sequences of 100 at most
+    assert [budget.sequences_at(tokens) for tokens in (100, 25, 1, 1357, 0)] == [13, 54, 1357, 1, 0]
+    blocks = kv_space_budget(1600, 0, 1, 100, block_size=16)  # 100 blocks of 16 tokens
+    assert [blocks.sequences_at(tokens) for tokens in (16, 17, 100)] == [100, 50, 14]
+    assert blocks.sequences_at(blocks.tokens_per_sequence) == blocks.full_sequences
+
+
+# (variables) -> (planned, router maxconn, vLLM's --max-num-queued-reqs, what maxconn is from); the budget: 13.57
+# sequences at max_model_len (100 tokens)
 ADMISSION = [
-    ({}, (13, 26)),
-    ({"router_server_maxconn": 4}, (4, 8)),  # vLLM's limit follows the router's maxconn
-    ({"vllm_max_num_queued_reqs": 100}, (13, 100)),
-    ({"router_server_maxconn": 40, "vllm_max_num_queued_reqs": 50}, (40, 50)),
+    ({}, (13, 13, 26, "at max_model_len")),
+    ({"router_server_maxconn": 4}, (13, 4, 8, "set (router_server_maxconn)")),  # vLLM's limit follows maxconn
+    ({"vllm_max_num_queued_reqs": 100}, (13, 13, 100, "at max_model_len")),
+    ({"router_server_maxconn": 40, "vllm_max_num_queued_reqs": 50}, (13, 40, 50, "set (router_server_maxconn)")),
+    ({"router_typical_request_tokens": 25}, (54, 54, 108, "at 25 tokens")),  # four times as many at a quarter
+    ({"router_typical_request_tokens": 1}, (256, 256, 512, "at 1 tokens")),  # vLLM's batch bounds it still
+    ({"router_typical_request_tokens": 25, "router_server_maxconn": 4}, (54, 4, 8, "set (router_server_maxconn)")),
 ]
 
 
 @pytest.mark.parametrize(("values", "expected"), ADMISSION)
-def test_admission_from_the_plan_and_its_variables(values: dict[str, Any], expected: tuple[int, int]) -> None:
+def test_admission_from_the_plan_and_its_variables(values: dict[str, Any],
+                                                   expected: tuple[int, int, int, str]) -> None:
     found = admission(host_config(**values), _budget(13.57), 256, 1, load_catalog("0.33.0"))
-    assert found == Admission(13, *expected)
+    assert (found.planned, found.maxconn, found.queued_reqs, found.basis) == expected
+
+
+def test_a_typical_request_longer_than_max_model_len_is_refused() -> None:
+    with pytest.raises(TypicalLengthError, match=r"^expected at most max_model_len, 100 tokens, found 101$"):
+        admission(host_config(router_typical_request_tokens=101), _budget(13.57), 256, 1, load_catalog("0.33.0"))
 
 
 def _without_the_flag() -> FlagCatalog:
@@ -136,6 +155,15 @@ def test_max_num_seqs_bounds_the_maxconn(project: Project) -> None:
     assert _queued_flag(plan) == {8}
 
 
+def test_a_pools_typical_request_sizes_its_replicas_admission(project: Project) -> None:
+    full = _fleet_plan(project, "")
+    typical = _fleet_plan(project, "router_typical_request_tokens: 2048\n")
+    one, short = full.replicas[0], typical.replicas[0]
+    assert short.admission.maxconn == min(short.budget.sequences_at(2048), 1024) > one.admission.maxconn
+    assert short.admission.sized_at == 2048 and "at 2,048 tokens" in short.admission.cell()
+    assert _queued_flag(typical) == {2 * short.admission.maxconn}
+
+
 def test_the_variables_replace_the_planned_figures(project: Project) -> None:
     plan = _fleet_plan(project, "router_server_maxconn: 3\n")
     assert {(r.admission.maxconn, r.admission.queued_reqs) for r in plan.replicas} == {(3, 6)}
@@ -156,8 +184,8 @@ def test_gpufleet_plan_shows_the_figures_of_every_replica() -> None:
     assert {(r["router_maxconn"], r["max_num_queued_reqs"]) for r in replicas} == {(13, 26)}
     table = CliRunner().invoke(main, ["plan", str(SHAPE_A)], catch_exceptions=False)
     assert table.exit_code == 0, table.output
-    cells = re.findall(r"│ (maxconn \d+|queued \d+) +│$", table.stdout, re.M)  # the last column's extra lines
-    assert cells == ["maxconn 13", "queued 26"] * len(replicas)
+    cells = re.findall(r"│ (maxconn \d+|at max_model_len|queued \d+) +│$", table.stdout, re.M)  # the last column
+    assert cells == ["maxconn 13", "at max_model_len", "queued 26"] * len(replicas)
 
 
 # --- the router's configuration ----------------------------------------------------------------------------------
