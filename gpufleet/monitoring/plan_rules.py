@@ -11,6 +11,9 @@
   :mod:`gpufleet.monitoring.ceiling_rules`);
 - ``gpufleet:model_prefix_routed{model}``: 1 for each served model whose pools route by prefix
   (``router_policy: prefix``), none for the others: only those alert when their prefix cache hit ratio collapses;
+- ``gpufleet:replica_gpu_hour_cost{model, replica}``: what each replica's GPUs cost an hour (``gpu_hour_cost`` of
+  its nodes' profile times its GPUs), for replicas whose profile has a cost: the cost of a million tokens is
+  computed from it (``model:gpu_cost_per_million_tokens:5m``);
 - ``gpufleet:model_slo_ttft_p99_seconds{model}`` and ``gpufleet:model_slo_itl_p99_seconds{model}``: each served
   model's objective (its pools' ``vllm_slo_ttft_p99_s`` and ``vllm_slo_itl_p99_s``, which the plan makes agree):
   the latency alerts compare its p99 with them.
@@ -55,8 +58,17 @@ def _shape_fact(replica: Replica) -> dict[str, Any]:
                                                "gpu_profile": profile})
 
 
-def plan_rules(node_gpus: Mapping[str, int], plan: FleetPlan, ratio: float, header: str) -> str:
-    """The rule file's text: ``header`` (comment lines), then one rule per node, model and replica, sorted."""
+def hour_cost(replica: Replica, gpu_hour_cost: Mapping[str, float]) -> float | None:
+    """What ``replica``'s GPUs cost an hour: its GPUs times its profile's cost of one (None: its profile has none,
+    or its nodes have several)."""
+    cost = gpu_hour_cost.get(replica.gpu_profile)
+    return None if cost is None else cost * replica.tp * replica.pp * replica.dp
+
+
+def plan_rules(node_gpus: Mapping[str, int], plan: FleetPlan, ratio: float, header: str,
+               gpu_hour_cost: Mapping[str, float] | None = None) -> str:
+    """The rule file's text: ``header`` (comment lines), then one rule per node, model and replica, sorted;
+    ``gpu_hour_cost``: one GPU's cost an hour, by GPU profile."""
     replicas = sorted((r for r in plan.replicas if r.starts), key=lambda r: r.name)
     models = [plan.models[name] for name in sorted({r.served for r in replicas})]
     rules = [_fact("gpufleet:node_gpus_expected", count, {"node": node}) for node, count in sorted(node_gpus.items())]
@@ -65,6 +77,8 @@ def plan_rules(node_gpus: Mapping[str, int], plan: FleetPlan, ratio: float, head
     rules += [_fact("gpufleet:replica_ranks_expected", len(replica.roles),
                     {"model": replica.served, "replica": replica.name}) for replica in replicas]
     rules += [_shape_fact(replica) for replica in replicas]
+    rules += [_fact("gpufleet:replica_gpu_hour_cost", cost, {"model": replica.served, "replica": replica.name})
+              for replica in replicas if (cost := hour_cost(replica, gpu_hour_cost or {})) is not None]
     rules += [_fact("gpufleet:model_prefix_routed", 1, {"model": m.name}) for m in models if m.policy == "prefix"]
     rules += [_fact("gpufleet:model_slo_ttft_p99_seconds", m.ttft_p99_s, {"model": m.name}) for m in models]
     rules += [_fact("gpufleet:model_slo_itl_p99_seconds", m.itl_p99_s, {"model": m.name}) for m in models]

@@ -176,7 +176,7 @@ def rule_files(cfg: HostConfig, view: FleetView) -> dict[str, str]:
     header = ("# Written by gpufleet (role monitoring) from the plan (gpufleet.monitoring.plan_rules): the facts\n"
               "# gpufleet's rules compare with.\n")
     return {**render_rules(cfg), PLAN_RULES: plan_rules(view.node_gpus, view.plan, cfg.alert_model_replicas_min_ratio,
-                                                        header)}
+                                                        header, cfg.gpu_hour_cost)}
 
 
 def alertmanager_target(cfg: HostConfig) -> str:

@@ -174,7 +174,7 @@ def test_rule_files_name_the_plan_figures_they_read(default_rules: dict[str, str
     assert read == {"gpufleet:node_gpus_expected", "gpufleet:model_replicas_min", "gpufleet:replica_ranks_expected",
                     "gpufleet:model_prefix_routed", "gpufleet:model_slo_ttft_p99_seconds",
                     "gpufleet:model_slo_itl_p99_seconds", "gpufleet:model_ceiling_rps", "gpufleet:replica_shape",
-                    "gpufleet:replica_ceiling_rps"}
+                    "gpufleet:replica_ceiling_rps", "gpufleet:replica_gpu_hour_cost"}
     for text in default_rules.values():
         header = text.split("\ngroups:", 1)[0]
         assert all(fact + "{" in header for fact in read)

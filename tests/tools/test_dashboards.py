@@ -34,6 +34,7 @@ EXPECTED_VARIABLES = {"gpufleet-fleet.json": [], "gpufleet-model.json": ["model"
 """Every dashboard shipped, and its variables besides the datasource."""
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 PLAN_FIGURES = {"gpufleet:node_gpus_expected", "gpufleet:model_replicas_min", "gpufleet:replica_ranks_expected",
+                "gpufleet:replica_gpu_hour_cost",
                 ceiling_rules.RECORD}  # the last from gpufleet bench (gpufleet.monitoring.ceiling_rules)
 
 

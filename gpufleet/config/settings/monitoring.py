@@ -6,13 +6,36 @@ from them.
 
 from __future__ import annotations
 
-from typing import Annotated
+import math
+from typing import Annotated, Any
 
 from pydantic import BeforeValidator, Field, field_validator
 
 from gpufleet.config.settings import RoleSettings, setting
+from gpufleet.gpu.profiles import ProfileError, parse_profile
 from gpufleet.values import grammar, limits
+from gpufleet.values.problems import KeyedError
 from gpufleet.values.types import Port, each, limit, text
+
+MAX_HOUR_COST = 1_000_000.0  # a GPU hour's cost above this is a typo (cents for units, or a year's price)
+
+
+def _hour_costs(value: Any) -> Any:
+    """gpu_hour_cost: GPU profiles (:mod:`gpufleet.gpu.profiles`) to a number above 0 (``true`` is no number)."""
+    if not isinstance(value, dict):
+        return value  # pydantic says a mapping was expected
+    for key, cost in value.items():
+        try:
+            parse_profile(str(key))
+        except ProfileError as exc:
+            raise KeyedError(str(key), f"{exc} as the key") from None
+        number = isinstance(cost, (int, float)) and not isinstance(cost, bool)
+        if not number or not math.isfinite(cost) or not 0 < cost <= MAX_HOUR_COST:
+            shown = grammar.show(cost) if isinstance(cost, str) else str(cost).lower() if isinstance(cost, bool) \
+                else repr(cost)
+            raise KeyedError(str(key), f"expected a number > 0 and at most {MAX_HOUR_COST:,.0f} (one GPU's cost for"
+                                       f" an hour), found {shown}")
+    return value
 
 
 class MonitoringSettings(RoleSettings):
@@ -159,6 +182,17 @@ class MonitoringSettings(RoleSettings):
         3,
         "Automatic restarts of one gpufleet unit in an hour above which it alerts.",
         section="Node",
+    )
+
+    gpu_hour_cost: Annotated[dict[str, float], BeforeValidator(_hour_costs)] = setting(
+        {},
+        "What one GPU costs an hour, by GPU profile (its gpu_profile: 8xH100-SXM, ...), in any one currency: "
+        "{8xH100-SXM: 2.49, 8xL40S-PCIe: 0.86}. Each replica whose nodes declare a profile listed here costs its "
+        "GPUs (tensor x pipeline x data parallel) times its profile's (gpufleet:replica_gpu_hour_cost), and each "
+        "model's cost of a million tokens, prompt and answer together, at the load it serves "
+        "(model:gpu_cost_per_million_tokens:5m) is on the model dashboard. A replica of a profile not listed, or "
+        "of probed GPUs only, counts nothing. Read on the monitoring hosts: set it in all.yml.",
+        section="The plan's figures",
     )
 
     alert_model_replicas_min_ratio: Annotated[float, Field(gt=0, le=1)] = setting(

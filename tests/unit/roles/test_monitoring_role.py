@@ -152,6 +152,24 @@ def test_only_the_models_routed_by_prefix_are_marked_for_the_prefix_cache_alert(
         {"record": "gpufleet:model_prefix_routed", "expr": "vector(1)", "labels": {"model": model}} for model in marked]
 
 
+def test_each_replica_of_a_priced_profile_costs_its_gpus_an_hour() -> None:
+    """gpufleet:replica_gpu_hour_cost: a replica's GPUs (tp x pp x dp) times its profile's gpu_hour_cost; a replica
+    whose profile has none is left out (its model gets no cost of a million tokens)."""
+    _, view = planned_view(FLEET / "inventory.py")
+    replicas = [r for r in view.plan.replicas if r.starts]
+    profiles = sorted({r.gpu_profile for r in replicas})
+    priced = {profiles[0]: 2.5}
+    text = plan_rules(view.node_gpus, view.plan, 1.0, "", priced)
+    costs = {rule["labels"]["replica"]: rule for rule in yaml.safe_load(text)["groups"][0]["rules"]
+             if rule["record"] == "gpufleet:replica_gpu_hour_cost"}
+    expected = {r.name: r for r in replicas if r.gpu_profile == profiles[0]}
+    assert sorted(costs) == sorted(expected) and expected
+    for name, replica in expected.items():
+        assert costs[name]["expr"] == f"vector({2.5 * replica.tp * replica.pp * replica.dp!r})"
+        assert costs[name]["labels"]["model"] == replica.served
+    assert "replica_gpu_hour_cost" not in plan_rules(view.node_gpus, view.plan, 1.0, "")
+
+
 @pytest.mark.parametrize(("value", "problem"), [(0, "a number > 0, found 0"), (1, "a number < 1, found 1"),
                                               ("half", "a number, found 'half'")])
 def test_the_prefix_hit_ratio_drop_is_a_fraction_between_0_and_1(value: object, problem: str) -> None:
