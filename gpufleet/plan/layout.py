@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -25,12 +26,16 @@ from gpufleet.gpu.topology import nvlink_islands
 from gpufleet.plan.model_arch import ModelArch
 from gpufleet.plan.model_memory import (
     GIB,
+    LORA_PART,
     KvBudget,
+    bytes_per_param,
     kv_budget,
     kv_bytes_per_token,
     kv_fixed_budget,
     kv_space_budget,
     kv_tokens_per_sequence,
+    lora_modelled,
+    lora_slot_bytes,
     stage_weights_per_gpu,
 )
 from gpufleet.plan.quantization import capability
@@ -107,22 +112,36 @@ class Sizing:
     kv_space_bytes: int | None = None
     kv_cache_bytes: int | None = None
     cpu_offload_bytes: int = 0
+    lora: tuple[int, int] | None = None  # --enable-lora's slots: (max loras, max rank); None: no LoRA
 
 
-NOT_MODELLED = ("--speculative-config", "--enable-lora", "--max-loras", "--max-lora-rank", "--max-cpu-loras",
-                "--lora-modules", "--kv-offloading-size", "--kv-transfer-config", "--num-gpu-blocks-override",
-                "--offload-group-size", "--offload-num-in-group", "--offload-prefetch-step", "--offload-params",
-                "--cpu-offload-params")
+NOT_MODELLED = ("--speculative-config", "--max-cpu-loras", "--lora-modules", "--kv-offloading-size",
+                "--kv-transfer-config", "--num-gpu-blocks-override", "--offload-group-size", "--offload-num-in-group",
+                "--offload-prefetch-step", "--offload-params", "--cpu-offload-params")
 """``vllm serve`` flags that move GPU memory and that the plan's memory does not model: a draft model and its KV
-cache, LoRA adapters' slots, KV offloading and transfer buffers, a forced block count, layer prefetch offloading."""
+cache, LoRA adapters kept in host memory and loaded at start, KV offloading and transfer buffers, a forced block
+count, layer prefetch offloading."""
+LORA_SLOT_FLAGS = ("--enable-lora", "--max-loras", "--max-lora-rank")
+"""The LoRA slots' flags: modelled for dense attention models (model_memory.lora_slot_bytes), not for the others."""
+LORA_DEFAULTS = (1, 16)  # vLLM's --max-loras and --max-lora-rank (0.31 to 0.33)
 
 
-def not_modelled(flags: Mapping[str, Any]) -> tuple[str, ...]:
-    """The `NOT_MODELLED` flags among ``flags`` (names without dashes), in their order; a switch set false or a null
+def not_modelled(flags: Mapping[str, Any], lora_counted: bool = False) -> tuple[str, ...]:
+    """The `NOT_MODELLED` flags among ``flags`` (names without dashes), in their order, and the LoRA slots' flags
+    unless the budget counted the slots (``lora_counted``: a dense model on GPUs); a switch set false or a null
     value is no flag."""
+    unmodelled = NOT_MODELLED + (() if lora_counted else LORA_SLOT_FLAGS)
     found = ["--" + name.partition(".")[0].replace("_", "-") for name, value in flags.items()
              if value is not False and value is not None]
-    return tuple(dict.fromkeys(flag for flag in found if flag in NOT_MODELLED))
+    return tuple(dict.fromkeys(flag for flag in found if flag in unmodelled))
+
+
+def lora_slots(flags: Mapping[str, Any]) -> tuple[int, int] | None:
+    """``--enable-lora``'s (max loras, max rank) among ``flags`` (names with dashes), vLLM's defaults where left
+    out; None without LoRA."""
+    if flags.get("enable-lora") is not True:
+        return None
+    return (_int_flag(flags, "max-loras") or LORA_DEFAULTS[0], _int_flag(flags, "max-lora-rank") or LORA_DEFAULTS[1])
 
 
 def _int_flag(flags: Mapping[str, Any], name: str) -> int | None:
@@ -157,7 +176,7 @@ def sizing(arch: ModelArch, weights_total: int, *, dtype: str, kv_dtype: str, ut
         chunked_prefill=named.get("enable-chunked-prefill") is not False, block_size=_int_flag(named, "block-size"),
         reserve_bytes=reserve_bytes, kv_space_bytes=kv_space_bytes,
         kv_cache_bytes=kv_cache if kv_cache is not None and kv_cache > 0 else None,
-        cpu_offload_bytes=max(0, int(offload_gib * GIB)))
+        cpu_offload_bytes=max(0, int(offload_gib * GIB)), lora=lora_slots(named) if lora_modelled(arch) else None)
 
 
 def _stage_budget(s: Sizing, memory_bytes: int, tp: int, pp: int, stage: int, weights: int) -> KvBudget:
@@ -174,6 +193,10 @@ def _stage_budget(s: Sizing, memory_bytes: int, tp: int, pp: int, stage: int, we
     reserve = gpu_reserve(s.arch, stage=stage, stages=pp, tp=tp, batched_tokens=s.batched_tokens or tokens,
                           max_num_seqs=s.max_num_seqs or seqs, enforce_eager=s.enforce_eager, rules=s.rules)
     size, parts = (reserve.total, reserve.parts()) if s.reserve_bytes is None else (s.reserve_bytes, ())
+    if s.lora is not None:
+        slots = lora_slot_bytes(s.arch, max_loras=s.lora[0], rank=s.lora[1], tp=tp, pp=pp, stage=stage,
+                                dtype_bytes=math.ceil(bytes_per_param(s.model_dtype, None)))
+        size, parts = size + slots, (*parts, (LORA_PART, slots))
     if s.kv_cache_bytes is not None:
         return kv_fixed_budget(memory_bytes, s.kv_cache_bytes, weights, size, per_token, per_sequence,
                                block_size=s.block_size or s.rules.gpu_block_size, reserve_parts=parts, stage=stage,

@@ -252,6 +252,40 @@ def stage_weights_per_gpu(arch: ModelArch, total_weight_bytes: int, tp: int, pp:
     return out
 
 
+# -- LoRA slots -----------------------------------------------------------------------------------
+
+LORA_PART = "LoRA slots"  # the reserve's part that holds them (KvBudget.reserve_parts)
+
+
+def lora_modelled(arch: ModelArch) -> bool:
+    """Whether :func:`lora_slot_bytes` models this architecture's LoRA slots: dense attention models (an MoE's
+    experts and MLA's latent projections get slots of their own shapes, not modelled)."""
+    return not arch.is_moe and not arch.is_mla
+
+
+def lora_slot_bytes(arch: ModelArch, *, max_loras: int, rank: int, dtype_bytes: int, tp: int = 1, pp: int = 1,
+                    stage: int = 0) -> int:
+    """What ``--enable-lora`` allocates on one GPU of pipeline stage ``stage``, before the KV cache is sized: for
+    each of ``max_loras`` slots, an A (``rank`` x in) and a B (out x ``rank``) matrix of every linear layer of the
+    stage's decoder layers, in the model's dtype: q/k/v and gate/up (column parallel: an A per part, whole; B
+    split over ``tp``), o and down (row parallel: A split, B whole); and on the first stage the input embedding's,
+    on the last the LM head's (the whole vocabulary). vLLM 0.31's LoRA layers (``create_lora_weights``)."""
+    _check_parallel(tp, pp)
+    if max_loras < 1 or rank < 1:
+        raise ValueError(f"max_loras and rank must be >= 1, got {max_loras} and {rank}")
+    h, inter = arch.hidden_size, arch.intermediate_size
+    q_out = arch.num_attention_heads * arch.head_dim
+    kv_out = max(1, arch.num_kv_heads // tp) * arch.head_dim  # per GPU: KV heads are copied below one a GPU
+    a = 3 * h + 2 * h + q_out // tp + inter // tp  # qkv, gate_up (whole), o, down (split)
+    b = q_out // tp + 2 * kv_out + 2 * inter // tp + h + h  # qkv, gate_up (split), o, down (whole)
+    elements = stage_layers(arch.num_layers, pp)[stage] * rank * (a + b)
+    if stage == 0:
+        elements += rank * (arch.vocab_size + h)  # the input embedding's
+    if stage == pp - 1:
+        elements += rank * (h + arch.vocab_size)  # the LM head's
+    return max_loras * elements * dtype_bytes
+
+
 # -- KV cache --------------------------------------------------------------------------------------
 
 
@@ -353,6 +387,11 @@ class KvBudget:
         if self.kv_tokens <= 0 or tokens < 1:
             return 0
         return (self.kv_tokens // self.block_size) // math.ceil(tokens / self.block_size)
+
+    @property
+    def lora_counted(self) -> bool:
+        """Whether the reserve counts LoRA slots (``--enable-lora`` on a dense model, on GPUs)."""
+        return any(name == LORA_PART for name, _ in self.reserve_parts)
 
     @property
     def fits(self) -> bool:

@@ -517,7 +517,7 @@ def _single_node_replicas(pool: str, hosts: list[str], fleet: Fleet, shapes: lis
                                          secret_env_names(host_cfg), admit, cfg.served_model_name(),
                                          cfg.vllm_version, host_cfg.vllm_start, _gpu_profile([host_cfg]),
                                          host_cfg.vllm_api_key,
-                                         layout.not_modelled(cfg.vllm_extra_args)))
+                                         layout.not_modelled(cfg.vllm_extra_args, b.lora_counted)))
 
 
 def _multi_node_replicas(pool: str, hosts: list[str], fleet: Fleet, shapes: list[layout.NodeShape],
@@ -547,7 +547,7 @@ def _multi_node_replicas(pool: str, hosts: list[str], fleet: Fleet, shapes: list
                                      cfg.vllm_distributed_backend, max_len, per_token, b, roles,
                                      secret_env_names(cfgs[0]), admit, cfg.served_model_name(), cfg.vllm_version,
                                      cfgs[0].vllm_start, _gpu_profile(cfgs), cfgs[0].vllm_api_key,
-                                     layout.not_modelled(cfg.vllm_extra_args)))
+                                     layout.not_modelled(cfg.vllm_extra_args, b.lora_counted)))
     spare = hosts[(len(hosts) // nodes) * nodes:]
     if spare:
         plan.idle += spare

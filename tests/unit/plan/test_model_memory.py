@@ -16,6 +16,8 @@ from gpufleet.plan.model_memory import (
     kv_bytes_per_token,
     kv_space_budget,
     kv_tokens_per_sequence,
+    lora_modelled,
+    lora_slot_bytes,
     model_info,
     param_count,
     safetensors_total_size,
@@ -412,3 +414,34 @@ def test_mla_without_q_lora_deepseek_v2_lite() -> None:
     arch = arch_from_config(cfg)
     assert abs(param_count(arch) - 15.7e9) / 15.7e9 < 0.03
     assert kv_bytes_per_token(arch) == 27 * (512 + 64) * 2
+
+
+# Llama-3.1-8B's LoRA elements per slot at rank 16 (create_lora_weights' shapes): per decoder layer, A's columns
+# and B's rows; and the input embedding's and LM head's (128,256 + 4,096 each)
+LORA_8B_LAYER_TP1 = 16 * ((5 * 4096 + 4096 + 14336) + (4096 + 2 * 1024 + 2 * 14336 + 2 * 4096))
+LORA_8B_LAYER_TP2 = 16 * ((5 * 4096 + 2048 + 7168) + (2048 + 2 * 512 + 2 * 7168 + 2 * 4096))  # split parts halve
+LORA_8B_TABLE = 16 * (128_256 + 4096)
+
+
+@pytest.mark.parametrize(("tp", "pp", "stage", "elements"), [
+    (1, 1, 0, 32 * LORA_8B_LAYER_TP1 + 2 * LORA_8B_TABLE),
+    (2, 1, 0, 32 * LORA_8B_LAYER_TP2 + 2 * LORA_8B_TABLE),
+    (1, 2, 0, 16 * LORA_8B_LAYER_TP1 + LORA_8B_TABLE),  # the embedding on the first stage
+    (1, 2, 1, 16 * LORA_8B_LAYER_TP1 + LORA_8B_TABLE),  # the LM head on the last
+])
+def test_lora_slots_follow_the_layers_shapes_and_shards(tp: int, pp: int, stage: int, elements: int) -> None:
+    arch = load_arch("meta-llama/Llama-3.1-8B-Instruct")
+    assert lora_modelled(arch)
+    assert lora_slot_bytes(arch, max_loras=3, rank=16, dtype_bytes=2, tp=tp, pp=pp, stage=stage) == 3 * 2 * elements
+
+
+def test_lora_slots_of_kv_heads_fewer_than_the_gpus_are_copied_and_moe_is_not_modelled() -> None:
+    arch = load_arch("meta-llama/Llama-3.1-8B-Instruct")  # 8 KV heads of 128
+    at_16 = lora_slot_bytes(arch, max_loras=1, rank=8, dtype_bytes=2, tp=16)
+    at_8 = lora_slot_bytes(arch, max_loras=1, rank=8, dtype_bytes=2, tp=8)
+    # from TP 8 to 16 every split part halves but k and v, one head a GPU either way
+    split_8 = 8 * (4096 // 8 + 14336 // 8 + 4096 // 8 + 2 * 14336 // 8)
+    assert at_8 - at_16 == 2 * 32 * split_8 // 2
+    assert not lora_modelled(load_arch("mistralai/Mixtral-8x7B-v0.1"))
+    with pytest.raises(ValueError):
+        lora_slot_bytes(arch, max_loras=0, rank=16, dtype_bytes=2)

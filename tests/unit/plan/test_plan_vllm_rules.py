@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from gpufleet.gpu.profiles import profile_facts
-from gpufleet.plan import quantization
+from gpufleet.plan import layout, quantization
 from tests.conftest import Project, Result, run_cli
 
 
@@ -132,13 +132,31 @@ def test_cpu_offload_lowers_the_weights_on_each_gpu(project: Project) -> None:
 
 
 def test_flags_not_modelled_are_named(project: Project) -> None:
-    (replica,), text, _ = _json_plan(project, '{"enable-lora": true, "max-loras": 4, "speculative-config":'
-                                              ' {"method": "ngram", "num_speculative_tokens": 3}}')
-    assert replica["not_modelled"] == ["--enable-lora", "--max-loras", "--speculative-config"]
-    assert ("pool pool: not modelled in the plan's memory: --enable-lora, --max-loras, --speculative-config"
+    (replica,), text, _ = _json_plan(project, '{"enable-lora": true, "max-loras": 4, "max-cpu-loras": 8, '
+                                              '"speculative-config": {"method": "ngram", "num_speculative_tokens": 3}}')
+    assert replica["not_modelled"] == ["--max-cpu-loras", "--speculative-config"]  # the LoRA slots are modelled
+    assert ("pool pool: not modelled in the plan's memory: --max-cpu-loras, --speculative-config"
             " (vLLM's KV pool may be smaller than planned)") in text
     (off,), text, _ = _json_plan(project, '{"enable-lora": false}')
     assert "not_modelled" not in off and "not modelled" not in text
+    # an architecture or platform whose slots the budget does not count names them
+    assert layout.not_modelled({"enable-lora": True, "max-loras": 4}) == ("--enable-lora", "--max-loras")
+
+
+# Llama-3.1-8B's LoRA slots on one GPU (TP 1), by vLLM 0.31's create_lora_weights: per layer and slot, A's
+# columns (q, k, v and gate, up whole: 5 x 4,096; o 4,096; down 14,336) and B's rows (q 4,096, k and v 1,024
+# each, gate and up 14,336 each, o and down 4,096 each) at rank 16 over 32 layers; the embedding's and the LM
+# head's 128,256 + 4,096 each; 4 slots of bfloat16
+LLAMA_8B_LORA_4_SLOTS = 4 * 2 * (16 * (38_912 + 43_008) * 32 + 2 * 16 * (128_256 + 4_096))
+
+
+def test_lora_slots_are_counted_beside_the_weights(project: Project) -> None:
+    (plain,), _, _ = _json_plan(project, "{}")
+    (lora,), _, _ = _json_plan(project, '{"enable-lora": true, "max-loras": 4}')
+    assert lora["kv_pool_bytes_per_gpu"] == plain["kv_pool_bytes_per_gpu"] - LLAMA_8B_LORA_4_SLOTS
+    assert f"LoRA slots {LLAMA_8B_LORA_4_SLOTS / 2**30:,.2f}" in "\n".join(lora["budget"])
+    (defaults,), _, _ = _json_plan(project, '{"enable-lora": true}')  # vLLM's: one slot of rank 16
+    assert defaults["kv_pool_bytes_per_gpu"] == plain["kv_pool_bytes_per_gpu"] - LLAMA_8B_LORA_4_SLOTS // 4
 
 
 def _long_context(project: Project, model: str, max_len: str = "") -> tuple[str, str]:
