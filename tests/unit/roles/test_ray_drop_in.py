@@ -173,7 +173,7 @@ def _run_vllm_install(monkeypatch: pytest.MonkeyPatch, shape: str, host: str) ->
     fleet, replicas = planned_shape(shape)
     ctx = DeployContext(fleet=fleet)
     recorder = Recorder()
-    for name in ("apt", "files", "node", "server", "systemd", "vllm"):
+    for name in ("apt", "files", "node", "server", "shared_secrets", "systemd", "vllm"):
         monkeypatch.setattr(vllm_role, name, recorder.module(name))
     monkeypatch.setattr(vllm_role, "host_config", lambda *_: fleet.configs[host])
     monkeypatch.setattr(vllm_role, "context", lambda *_: ctx)
