@@ -127,10 +127,10 @@ def _differences(routers: Sequence[str], configs: dict[str, HostConfig],
             continue
         first = routers[0]
         path, mine, theirs = _diverging(key, values[first], values[other])
-        if (mine is None or theirs is None) and key in SECRET_HOLDING:
+        field, hidden = path.rsplit(".", 1)[-1], key in SECRET_HOLDING
+        if hidden and (mine is None or theirs is None):
             shown = f"it on {other if mine is None else first} only"
-        elif key in SECRET_HOLDING and not (shown_in_tree(path.rsplit(".", 1)[-1], mine)
-                                            and shown_in_tree(path.rsplit(".", 1)[-1], theirs)):
+        elif hidden and not (shown_in_tree(field, mine) and shown_in_tree(field, theirs)):
             shown = f"another value on {other} than on {first} (not shown: it holds secrets)"
         else:
             shown = f"{first}: {_shown(mine)}, {other}: {_shown(theirs)}"

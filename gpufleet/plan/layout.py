@@ -40,7 +40,13 @@ from gpufleet.plan.model_memory import (
 )
 from gpufleet.plan.quantization import capability
 from gpufleet.plan.vllm_memory import Accounting, accounting, batch_defaults, gpu_reserve
-from gpufleet.values.vllm_flags import human_int
+from gpufleet.values.vllm_flags import (
+    DEFAULT_VLLM_VERSION,
+    SUPPORTED_VLLM_VERSIONS,
+    FlagCatalog,
+    human_int,
+    load_catalog,
+)
 
 
 @dataclass(frozen=True)
@@ -123,7 +129,6 @@ cache, LoRA adapters kept in host memory and loaded at start, KV offloading and 
 count, layer prefetch offloading."""
 LORA_SLOT_FLAGS = ("--enable-lora", "--max-loras", "--max-lora-rank")
 """The LoRA slots' flags: modelled for dense attention models (model_memory.lora_slot_bytes), not for the others."""
-LORA_DEFAULTS = (1, 16)  # vLLM's --max-loras and --max-lora-rank (0.31 to 0.33)
 
 
 def not_modelled(flags: Mapping[str, Any], lora_counted: bool = False) -> tuple[str, ...]:
@@ -136,12 +141,19 @@ def not_modelled(flags: Mapping[str, Any], lora_counted: bool = False) -> tuple[
     return tuple(dict.fromkeys(flag for flag in found if flag in unmodelled))
 
 
-def lora_slots(flags: Mapping[str, Any]) -> tuple[int, int] | None:
-    """``--enable-lora``'s (max loras, max rank) among ``flags`` (names with dashes), vLLM's defaults where left
-    out; None without LoRA."""
-    if flags.get("enable-lora") is not True:
+def lora_slots(flags: Mapping[str, Any], catalog: FlagCatalog) -> tuple[int, int] | None:
+    """``--enable-lora``'s (max loras, max rank) as ``flags`` (``vllm_extra_args``) set them, the release's defaults
+    (``catalog``) where left out; None without LoRA."""
+    enabled = catalog.given(flags, "--enable-lora")
+    if enabled is None or enabled[1] is not True:
         return None
-    return (_int_flag(flags, "max-loras") or LORA_DEFAULTS[0], _int_flag(flags, "max-lora-rank") or LORA_DEFAULTS[1])
+
+    def value(flag: str) -> int:
+        given = catalog.given(flags, flag)
+        spec = catalog.spec(flag)
+        return (_int_flag({"": given[1]}, "") if given else None) or int(spec.default if spec else 1)
+
+    return value("--max-loras"), value("--max-lora-rank")
 
 
 def _int_flag(flags: Mapping[str, Any], name: str) -> int | None:
@@ -176,7 +188,14 @@ def sizing(arch: ModelArch, weights_total: int, *, dtype: str, kv_dtype: str, ut
         chunked_prefill=named.get("enable-chunked-prefill") is not False, block_size=_int_flag(named, "block-size"),
         reserve_bytes=reserve_bytes, kv_space_bytes=kv_space_bytes,
         kv_cache_bytes=kv_cache if kv_cache is not None and kv_cache > 0 else None,
-        cpu_offload_bytes=max(0, int(offload_gib * GIB)), lora=lora_slots(named) if lora_modelled(arch) else None)
+        cpu_offload_bytes=max(0, int(offload_gib * GIB)),
+        lora=lora_slots(flags, _catalog(version)) if lora_modelled(arch) else None)
+
+
+def _catalog(version: str) -> FlagCatalog:
+    """The release's flag catalog; the newest one for a release gpufleet does not deploy (the accounting of older
+    releases is kept for the plan's accuracy records)."""
+    return load_catalog(version if version in SUPPORTED_VLLM_VERSIONS else DEFAULT_VLLM_VERSION)
 
 
 def _stage_budget(s: Sizing, memory_bytes: int, tp: int, pp: int, stage: int, weights: int) -> KvBudget:
