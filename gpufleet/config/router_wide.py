@@ -117,6 +117,10 @@ def address_problems(configs: dict[str, HostConfig], routers: Sequence[str], ser
     return found
 
 
+ONE_VALUE_WHY = {"router_peer_port": "each router connects to the others' peer port"}
+"""Why a router-wide variable holds one value, where that is not that clients reach any router."""
+
+
 def _differences(routers: Sequence[str], configs: dict[str, HostConfig],
                  source: Callable[[str, str], str]) -> list[Problem]:
     found = []
@@ -136,8 +140,9 @@ def _differences(routers: Sequence[str], configs: dict[str, HostConfig],
             shown = f"{first}: {_shown(mine)}, {other}: {_shown(theirs)}"
         where = source(other, key)
         where = source(first, key) if is_role_default(where) else where  # the file that set a value
-        found.append(Problem(where, path, f"expected one value on every router (clients reach any of them), found"
-                                          f" {shown}", tuple(routers)))
+        why = ONE_VALUE_WHY.get(key, "clients reach any of them")
+        found.append(Problem(where, path, f"expected one value on every router ({why}), found {shown}",
+                             tuple(routers)))
     return found
 
 

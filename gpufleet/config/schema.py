@@ -34,7 +34,7 @@ from gpufleet.gpu.burn_in_floors import HEALTHY
 from gpufleet.gpu.profiles import parse_profile
 from gpufleet.values import grammar
 from gpufleet.values.problems import KeyedError, shown_key
-from gpufleet.values.vllm_flags import load_catalog
+from gpufleet.values.vllm_flags import FlagCatalog, load_catalog
 
 # vllm_extra_args switches gpufleet needs off, and why.
 REFUSED_SWITCHES = {
@@ -56,6 +56,10 @@ def shown_in_tree(field: str, value: Any) -> bool:
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
     word = isinstance(value, str) and len(value) < MIN_KEY_CHARS
     return (number or word) and field in SHOWN_FIELDS
+
+LORA_FLAGS = ("--max-loras", "--max-lora-rank", "--max-cpu-loras", "--fully-sharded-loras", "--lora-dtype",
+              "--lora-modules", "--lora-target-modules", "--max-lora-cls-labels")
+"""LoRA's own flags: read by vLLM only with --enable-lora."""
 
 GPUFLEET_ENV = {
     "CUDA_VISIBLE_DEVICES": "the plan's GPU sets", "HOME": "nothing (gpufleet's)",
@@ -267,6 +271,26 @@ class HostConfig(
             found.append((("node_exporter_apt_source",), problem))
         return found
 
+    def _lora_problems(self, catalog: FlagCatalog) -> list[tuple[tuple[str, ...], str]]:
+        """LoRA flags that vLLM would ignore (set without ``--enable-lora``) or refuse (fewer CPU slots than GPU
+        slots: LoRAConfig's own rule)."""
+        args = self.vllm_extra_args
+        enabled = catalog.given(args, "--enable-lora")
+        given = {flag: found for flag in LORA_FLAGS if catalog.spec(flag) and (found := catalog.given(args, flag))}
+        if given and (enabled is None or enabled[1] is not True):
+            flag, (key, _) = next(iter(given.items()))
+            return [((f"vllm_extra_args.{shown_key(key)}",),
+                     f"expected enable-lora: true with {flag} (vLLM reads its LoRA flags only with it), found"
+                     f" {'enable-lora: false' if enabled else 'enable-lora left out'}")]
+        slots, cpu = given.get("--max-loras"), given.get("--max-cpu-loras")
+        spec = catalog.spec("--max-loras")
+        gpu_slots = slots[1] if slots else spec.default if spec else 1
+        if cpu and isinstance(cpu[1], int) and isinstance(gpu_slots, int) and cpu[1] < gpu_slots:
+            return [((f"vllm_extra_args.{shown_key(cpu[0])}",),
+                     f"expected at least max-loras ({gpu_slots}) adapters kept in CPU memory (vLLM's LoRAConfig"
+                     f" refuses fewer), found {cpu[1]}")]
+        return []
+
     def _extra_args_problems(self) -> list[tuple[tuple[str, ...], str]]:
         found: list[tuple[tuple[str, ...], str]] = []
         catalog = load_catalog(self.vllm_version)
@@ -298,7 +322,7 @@ class HostConfig(
                     message = problem.message.replace("expects ", "expected ", 1).replace(", got ", ", found ", 1)
                     at = (f"{where[0]}.{problem.subkey}",) if problem.subkey else where
                     found.append((at, f"vLLM {self.vllm_version}: {message}"))
-        return found
+        return found or self._lora_problems(catalog)
 
 
 RECORDS: dict[str, Setting] = records(HostConfig)

@@ -9,10 +9,11 @@ lets a few lines of anchors expand into billions of values when anything walks t
 from __future__ import annotations
 
 import re
+import sys
 from typing import Any
 
 import yaml
-from yaml.nodes import MappingNode, Node, SequenceNode
+from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 MAX_VALUES = 10_000
 """The most values (scalars, lists, mappings) a file may hold once its aliases are expanded."""
@@ -88,10 +89,19 @@ class _StrictLoader(yaml.SafeLoader):
             seen[key] = line
         return super().construct_mapping(node, deep=deep)
 
+    def construct_yaml_int(self, node: ScalarNode) -> int:
+        """An integer, or one line where it has more digits than Python converts (its ``int`` raises ValueError)."""
+        digits = len(str(node.value).lstrip("+-"))
+        if digits > sys.get_int_max_str_digits():
+            raise YamlProblem(f"expected a number, found an integer of {digits:,} digits",
+                              f":{node.start_mark.line + 1}:{node.start_mark.column + 1}")
+        return int(yaml.SafeLoader.construct_yaml_int(self, node))
+
 
 _StrictLoader.yaml_implicit_resolvers = {  # SafeLoader's, less YAML 1.1's numbers: decimal ones only
     first: [(tag, regexp) for tag, regexp in resolvers if tag not in (_INT_TAG, _FLOAT_TAG)]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_StrictLoader.add_constructor(_INT_TAG, _StrictLoader.construct_yaml_int)
 _StrictLoader.add_implicit_resolver(_INT_TAG, DECIMAL_INT, list("-+0123456789"))
 _StrictLoader.add_implicit_resolver(_FLOAT_TAG, _DECIMAL_FLOAT, list("-+0123456789."))
 

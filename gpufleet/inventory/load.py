@@ -51,7 +51,7 @@ from gpufleet.plan import virtual_address
 from gpufleet.plan.planner import PlanProblem, plan_fleet
 from gpufleet.pyinfra_seam import cli_file_error, under_pyinfra_cli, wrap_inventory_exec
 from gpufleet.values import grammar, limits
-from gpufleet.values.problems import EXIT_BAD_INPUT, ConfigError, Problem, exit_with
+from gpufleet.values.problems import EXIT_BAD_INPUT, ConfigError, Problem, exit_with, shown_key
 from gpufleet.values.types import SecretRef
 
 
@@ -262,9 +262,24 @@ def data_value(text: str) -> Any:
                              f" {text!r}")
         return number
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=_once_each)
+    except _DuplicateKey as exc:
+        raise ValueError(f"expected each key once in the JSON value, found {exc.args[0]} again") from None
     except ValueError:
         return text
+
+
+class _DuplicateKey(Exception):
+    """A JSON object that names a key twice (``json`` keeps the last silently; YAML's reader refuses it)."""
+
+
+def _once_each(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    found: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in found:
+            raise _DuplicateKey(shown_key(key))
+        found[key] = value
+    return found
 
 
 def parse_data_args(items: list[str]) -> dict[str, Any]:

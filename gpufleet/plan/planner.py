@@ -24,6 +24,7 @@ from gpufleet.plan.commands import NodeRole, Process, extra_flags, replica_roles
 from gpufleet.plan.model_arch import ModelArch, ModelConfigError, load_arch
 from gpufleet.plan.model_memory import (
     GIB,
+    LORA_PART,
     KvBudget,
     bytes_per_param,
     kv_tokens_per_sequence,
@@ -284,7 +285,9 @@ def _fit_single_node(cfg: HostConfig, s: layout.Sizing, node: layout.NodeShape,
     return None
 
 
-def _no_fit_message(cfg: HostConfig, s: layout.Sizing, node: layout.NodeShape, how: str) -> str:
+def _no_fit(cfg: HostConfig, s: layout.Sizing, node: layout.NodeShape, how: str) -> PoolError:
+    """Why no replica fits one node, with the arithmetic; blamed on the LoRA slots' count when they alone make
+    the difference (the reserve fits without them)."""
     tp = cfg.vllm_tensor_parallel_size if cfg.vllm_tensor_parallel_size != "auto" else max(
         layout.tp_candidates(s.arch, node.count) or [1])
     pp = 1 if cfg.vllm_pipeline_parallel_size == "auto" else cfg.vllm_pipeline_parallel_size
@@ -292,10 +295,15 @@ def _no_fit_message(cfg: HostConfig, s: layout.Sizing, node: layout.NodeShape, h
     where = f"on stage {b.stage + 1} of {pp}" if pp > 1 else "per GPU"
     head = (f"{s.arch.name}: weights {_gib(s.weights_total)} ({how}) at TP {tp} x PP {pp}:"
             f" {_gib(b.weights_bytes_per_gpu)} {where}; ")
-    if b.kv_pool_bytes <= 0:
-        return head + "weights and reserve do not fit: " + "; ".join(b.lines())
-    return (head + f"the KV pool cannot hold one sequence of {s.max_model_len:,} tokens (max_model_len): "
-            + "; ".join(b.lines()))
+    if b.kv_pool_bytes > 0:
+        return PoolError(head + f"the KV pool cannot hold one sequence of {s.max_model_len:,} tokens"
+                         " (max_model_len): " + "; ".join(b.lines()), (_TP, _PP))
+    lora = sum(size for name, size in b.reserve_parts if name == LORA_PART)
+    given = load_catalog(cfg.vllm_version).given(cfg.vllm_extra_args, "--max-loras")
+    if lora and given and b.kv_pool_bytes + lora > 0:
+        return _about(f"vllm_extra_args.{shown_key(given[0])}", ": ", f"expected LoRA slots that leave room for the"
+                      f" KV pool, found {given[1]} slots that do not fit: " + "; ".join(b.lines()))
+    return PoolError(head + "weights and reserve do not fit: " + "; ".join(b.lines()), (_TP, _PP))
 
 
 LONG_DEFAULT_CONTEXT = 32768
@@ -362,7 +370,7 @@ def _plan_pool(pool: str, hosts: list[str], fleet: Fleet, facts: dict[str, NodeF
         _single_node_replicas(pool, hosts, fleet, shapes, cfg, tp, pp, b, per_token, max_len, admit, plan)
         return arch
     if npr == 1 or (npr == "auto" and len(hosts) == 1):
-        raise PoolError(_no_fit_message(cfg, s, smallest, how), (_TP, _PP))
+        raise _no_fit(cfg, s, smallest, how)
     _check_same_gpus(shapes)
     tp = tp_fixed if tp_fixed != "auto" else max(layout.tp_candidates(arch, smallest.largest_island or 1))
     counts = [npr] if npr != "auto" else list(range(2, len(hosts) + 1))

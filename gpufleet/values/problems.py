@@ -7,6 +7,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import NoReturn
 
+from gpufleet.values.grammar import secret_like
+
 EXIT_BAD_INPUT = 2
 
 
@@ -34,9 +36,16 @@ def one_line(text: str) -> str:
 _PLAIN_KEY = re.compile(r"^[^\s'\"\\\[\]]+$")
 
 
+HIDDEN_KEY = "<a key that looks like a credential>"
+"""What a message shows for a key that looks like a credential (a token pasted where a name was meant)."""
+
+
 def shown_key(name: str) -> str:
-    """One key of a key path as a message names it: as written, or quoted when it holds a blank, a quote, a
-    bracket or another character that would blur where the path's parts begin and end (``vllm_env.'A B'``)."""
+    """One key of a key path as a message names it: as written, quoted when it holds a blank, a quote, a bracket
+    or another character that would blur where the path's parts begin and end (``vllm_env.'A B'``), and
+    :data:`HIDDEN_KEY` when it looks like a credential."""
+    if secret_like(name):
+        return HIDDEN_KEY
     return name if _PLAIN_KEY.match(name) and name.isprintable() else repr(name)
 
 

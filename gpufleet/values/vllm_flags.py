@@ -188,10 +188,15 @@ def _expand_human_numbers(text: str) -> str:
     return "".join(parts)
 
 
+_ASCII_INT = re.compile(r"^-?[0-9]+$")
+
+
 def _convert(spec: FlagSpec, raw: str) -> Any:
     """Convert ``raw`` like the flag's argparse type; raise ValueError if vLLM would."""
     kind = spec.type
     if kind == "int":
+        if not _ASCII_INT.match(raw):  # int() also reads other scripts' digits, blanks and '1_0' (argv gets them)
+            raise ValueError(raw)
         return int(raw)
     if kind == "float":
         return float(raw)
@@ -407,7 +412,8 @@ class FlagCatalog:
             return next(iter(self.config_problems(flag, spec, value)), None)
         if (floor := FLAG_FLOORS.get(spec.name)) and isinstance(value, (int, float)) and value < floor[0]:
             detail = _TYPE_WORDS.get(spec.type, spec.type).split(" (")[0]
-            return FlagProblem(flag, f"expects {detail} >= {floor[0]} (vLLM's {floor[1]}), got {raw!r}")
+            shown = raw if _ASCII_INT.match(raw) else repr(raw)
+            return FlagProblem(flag, f"expects {detail} >= {floor[0]} (vLLM's {floor[1]}), got {shown}")
         if spec.choices is not None and value not in spec.choices:
             return FlagProblem(flag, self._choice_text(value, spec.choices, "invalid choice", ""))
         if (

@@ -28,7 +28,9 @@ def _hour_costs(value: Any) -> Any:
         try:
             parse_profile(str(key))
         except ProfileError as exc:
-            raise KeyedError(str(key), f"{exc} as the key") from None
+            found = "a key that looks like a credential (not shown)" if grammar.secret_like(str(key)) else None
+            raise KeyedError(str(key), f"expected a GPU profile like 8xH100-SXM, found {found}" if found
+                             else f"{exc} as the key") from None
         number = isinstance(cost, (int, float)) and not isinstance(cost, bool)
         if not number or not math.isfinite(cost) or not 0 < cost <= MAX_HOUR_COST:
             shown = grammar.show(cost) if isinstance(cost, str) else str(cost).lower() if isinstance(cost, bool) \

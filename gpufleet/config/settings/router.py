@@ -26,6 +26,9 @@ def _client_names(value: Any) -> Any:
     """Client names: 1-63 of letters, digits, ``_``, ``.``, ``-``, starting with a letter or digit."""
     if isinstance(value, dict):
         for name in value:
+            if isinstance(name, str) and grammar.secret_like(name):
+                raise KeyedError(name, "expected a client name (a label of its metrics, shown in messages), found a"
+                                       " name that looks like a credential (not shown)")
             if not isinstance(name, str) or not CLIENT_NAME.match(name):
                 raise KeyedError(str(name), "expected a client name (1-63 of letters, digits, '_', '.', '-', starting"
                                             f" with a letter or digit), found {grammar.show(name)}")
@@ -96,7 +99,7 @@ class RouterSettings(RoleSettings):
         "Port on the fleet address where the routers keep their tables alike (HAProxy's peers: the clients' "
         "counters, the prefix policy's conversations), TLS only, each side showing the routers' own certificate "
         "(drawn by the deploy; anything else is refused before it reaches a table). The same on every router.",
-        scope="routers",
+        scope="routers", read_on="routers",
     )
 
     router_check_interval_s: Annotated[int, Field(ge=1, le=3600)] = setting(
