@@ -1,0 +1,433 @@
+#!/usr/bin/env python3
+"""The routers' token ledger: every client's token budgets per model, one authority for all routers.
+
+Runs on each router as its own service (standard library only)::
+
+    token_ledger.py --budgets PATH --listen 127.0.0.1:PORT [--peer-listen ADDR:PORT --pem PATH
+                    --authority ADDR --peers ADDR,...]
+
+HAProxy asks the ledger on loopback, once when it admits a request and once when the answer has ended:
+
+- ``POST /reserve`` ``{"client", "model", "tokens"}``: the request's cost at most (its prompt's bytes, each at least
+  a token, times the prompt weight, and its ``max_tokens`` times the completion weight), held until it is settled.
+  Admitted while the cost fits what the client's budgets have left, counting what is held; the answer is
+  ``{"admitted", "id", "remaining", "reset_s", "retry_after_s"}``: the tokens left in the tightest window after
+  this request, the seconds until that window is whole again, and for a refusal the seconds until this cost fits.
+- ``POST /settle`` ``[{"id", "prompt", "completion"}, ...]``: the usage vLLM reported (or, with none reported,
+  nothing for an error answer and the reservation for any other); a reservation never settled is charged whole
+  when ``HOLD_S`` has passed (its router stopped).
+
+Budgets are sliding windows: a minute (``tokens_per_minute``) and a day (``tokens_per_day``), each the tokens
+charged in the last 60 s or 86,400 s. A client's budget applies to each model it uses, apart.
+
+One authority for all routers: the first router of ``--routers`` whose ledger answers. A ledger forwards each
+call to the routers listed before its own (``--self``) over TLS (``--pem``: the routers' own certificate, on both
+sides), the first that answers deciding, and decides itself when none does; a router that did not answer is
+passed over for ``DOWN_S``. Every change is sent to every other router's ledger (``POST /replicate``), and a ledger
+that starts takes the state of the first that answers (``GET /snapshot``): a failover, a restart or a router's
+return finds the budgets used.
+
+``GET /metrics`` (loopback): each client's prompt and completion tokens per model, settled, and what its budgets
+have left, in Prometheus' text format.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import ssl
+import sys
+import threading
+import time
+import urllib.request
+from collections import deque
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+MINUTE_S, DAY_S = 60.0, 86400.0
+DAY_BIN_S = 60.0  # the day's window counts in minutes
+HOLD_S = 3600.0  # a reservation unsettled this long is charged whole: its router is gone
+MAX_BODY = 1 << 20  # one call's JSON
+FORWARD_TIMEOUT_S = 1.0  # a call forwarded to a router listed earlier; past it, that router is passed over
+DOWN_S = 5.0  # how long a router whose ledger did not answer is passed over
+MAX_SNAPSHOT = 64 << 20  # a ledger's whole state, as another router sends it
+MAX_PENDING = 100_000  # changes kept for a router that does not answer
+REPLICATE_EVERY_S = 0.05
+SETTLE_WAIT_S = 1.0  # Retry-After when what the budget lacks is held by requests in flight
+
+
+@dataclass
+class Window:
+    """Tokens charged in a sliding window of ``span_s``, in bins of ``bin_s`` (0: each charge apart)."""
+
+    span_s: float
+    bin_s: float = 0.0
+    charges: deque[list[float]] = field(default_factory=deque)  # [time, tokens], oldest first
+    total: float = 0.0
+
+    def charge(self, now: float, tokens: float) -> None:
+        if self.bin_s and self.charges and now - self.charges[-1][0] < self.bin_s:
+            self.charges[-1][1] += tokens
+        else:
+            self.charges.append([now, tokens])
+        self.total += tokens
+
+    def used(self, now: float) -> float:
+        while self.charges and self.charges[0][0] <= now - self.span_s:
+            self.total -= self.charges.popleft()[1]
+        return max(self.total, 0.0)
+
+    def fits_after(self, now: float, room: float) -> float:
+        """Seconds until the window holds at most ``room`` tokens (charges leave it as they age); inf: never."""
+        used = self.used(now)
+        if used <= room:
+            return 0.0
+        for at, tokens in self.charges:
+            used -= tokens
+            if used <= room:
+                return max(at + self.span_s - now, 0.0)
+        return math.inf
+
+    def reset_s(self, now: float) -> float:
+        """Seconds until every charge has left the window."""
+        self.used(now)
+        return max(self.charges[-1][0] + self.span_s - now, 0.0) if self.charges else 0.0
+
+
+@dataclass
+class Account:
+    """One client's use of one model: its windows, what it holds, what it was charged."""
+
+    windows: list[tuple[float, Window]]  # (limit, window)
+    held: float = 0.0
+    prompt: int = 0
+    completion: int = 0
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A reservation's answer: ``retry_after_s`` is 0 when admitted, inf for a cost above a whole budget."""
+
+    admitted: bool
+    id: str
+    remaining: int  # -1: no budget
+    reset_s: float
+    retry_after_s: float
+
+    def line(self) -> str:
+        """``admitted id remaining reset_s retry_after_s`` (whole seconds, rounded up; ``-`` for no id, -1 for
+        never): what HAProxy's Lua reads, which has no JSON parser."""
+        retry = -1 if math.isinf(self.retry_after_s) else math.ceil(self.retry_after_s)
+        return f"{int(self.admitted)} {self.id or '-'} {self.remaining} {math.ceil(self.reset_s)} {retry}"
+
+
+class Ledger:
+    """Budgets by client (``{"clients": {name: {"tokens_per_minute", "tokens_per_day"}}, "weights": {"prompt",
+    "completion"}}``), reservations and charges. Thread-safe; every change is also a replication event."""
+
+    def __init__(self, budgets: dict[str, Any], origin: str = "local") -> None:
+        self.limits = {name: (c.get("tokens_per_minute"), c.get("tokens_per_day"))
+                       for name, c in budgets.get("clients", {}).items()}
+        weights = budgets.get("weights", {})
+        self.prompt_weight = float(weights.get("prompt", 1.0))
+        self.completion_weight = float(weights.get("completion", 1.0))
+        self.accounts: dict[tuple[str, str], Account] = {}
+        self.holds: dict[str, tuple[tuple[str, str], float, float]] = {}  # id -> (account, tokens, since)
+        self.lock = threading.Lock()
+        self.origin, self.serial = origin, 0
+        self.events: list[dict[str, Any]] = []  # changes not yet sent to the other routers
+
+    def _account(self, key: tuple[str, str]) -> Account:
+        if key not in self.accounts:
+            minute, day = self.limits.get(key[0], (None, None))
+            windows = [(float(limit), Window(span, bin_s)) for limit, span, bin_s
+                       in ((minute, MINUTE_S, 0.0), (day, DAY_S, DAY_BIN_S)) if limit]
+            self.accounts[key] = Account(windows)
+        return self.accounts[key]
+
+    def reserve(self, client: str, model: str, tokens: float, now: float) -> Answer:
+        with self.lock:
+            self._expire(now)
+            key = (client, model)
+            account = self._account(key)
+            cost = max(float(tokens), 0.0)
+            left = [limit - window.used(now) - account.held for limit, window in account.windows]
+            admitted = all(cost <= room for room in left)
+            ident = ""
+            if admitted:
+                self.serial += 1
+                ident = f"{self.origin}-{self.serial}"
+                self._hold(ident, key, cost, now)
+                self.events.append({"op": "hold", "id": ident, "client": client, "model": model, "tokens": cost,
+                                    "at": now})
+            retry = 0.0
+            if not admitted:
+                waits = [math.inf if cost > limit else window.fits_after(now, limit - account.held - cost)
+                         for limit, window in account.windows]
+                retry = max(waits)
+                if math.isinf(retry) and cost <= min(limit for limit, _ in account.windows):
+                    retry = SETTLE_WAIT_S  # what blocks it is held: it frees as requests end
+            remaining = min(left, default=math.inf) - (cost if admitted else 0.0)
+            reset = max((window.reset_s(now) for _, window in account.windows), default=0.0)
+            return Answer(admitted, ident, int(max(remaining, 0)) if math.isfinite(remaining) else -1, reset, retry)
+
+    def settle(self, ident: str, prompt: int | None, completion: int | None, now: float) -> None:
+        with self.lock:
+            self._settle(ident, prompt, completion, now)
+            self.events.append({"op": "settle", "id": ident, "prompt": prompt, "completion": completion, "at": now})
+
+    def apply(self, event: dict[str, Any]) -> None:
+        """A change another router's ledger made (``/replicate``)."""
+        with self.lock:
+            if event["op"] == "hold" and event["id"] not in self.holds:
+                self._hold(event["id"], (event["client"], event["model"]), float(event["tokens"]), event["at"])
+            elif event["op"] == "settle":
+                self._settle(event["id"], event["prompt"], event["completion"], event["at"])
+
+    def _hold(self, ident: str, key: tuple[str, str], tokens: float, now: float) -> None:
+        self.holds[ident] = (key, tokens, now)
+        self._account(key).held += tokens
+
+    def _settle(self, ident: str, prompt: int | None, completion: int | None, now: float) -> None:
+        hold = self.holds.pop(ident, None)
+        if hold is None:
+            return
+        key, tokens, _ = hold
+        account = self._account(key)
+        account.held -= tokens
+        if prompt is None or completion is None:
+            cost = tokens if prompt is None and completion is None else 0.0
+        else:
+            account.prompt += prompt
+            account.completion += completion
+            cost = prompt * self.prompt_weight + completion * self.completion_weight
+        for _, window in account.windows:
+            window.charge(now, cost)
+
+    def _expire(self, now: float) -> None:
+        for ident in [i for i, (_, _, since) in self.holds.items() if now - since > HOLD_S]:
+            self._settle(ident, None, None, now)
+
+    def metrics(self, now: float) -> str:
+        lines = ["# TYPE gpufleet_client_prompt_tokens_total counter",
+                 "# TYPE gpufleet_client_completion_tokens_total counter",
+                 "# TYPE gpufleet_client_tokens_remaining gauge"]
+        with self.lock:
+            for (client, model), account in sorted(self.accounts.items()):
+                labels = f'client="{client}",model="{_label(model)}"'
+                lines.append(f"gpufleet_client_prompt_tokens_total{{{labels}}} {account.prompt}")
+                lines.append(f"gpufleet_client_completion_tokens_total{{{labels}}} {account.completion}")
+                for (limit, window), name in zip(account.windows, ("minute", "day")):
+                    left = limit - window.used(now) - account.held
+                    lines.append(f'gpufleet_client_tokens_remaining{{{labels},window="{name}"}} {left:g}')
+        return "\n".join(lines) + "\n"
+
+    def snapshot(self) -> dict[str, Any]:
+        """The whole state, for a ledger that starts (:meth:`restore`)."""
+        with self.lock:
+            return {"accounts": [{"client": c, "model": m, "prompt": a.prompt, "completion": a.completion,
+                                  "windows": [list(map(list, w.charges)) for _, w in a.windows]}
+                                 for (c, m), a in self.accounts.items()],
+                    "holds": [{"id": i, "client": k[0], "model": k[1], "tokens": t, "at": at}
+                              for i, (k, t, at) in self.holds.items()]}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        with self.lock:
+            for entry in state.get("accounts", []):
+                account = self._account((entry["client"], entry["model"]))
+                account.prompt, account.completion = int(entry["prompt"]), int(entry["completion"])
+                for (_, window), charges in zip(account.windows, entry["windows"]):
+                    for at, tokens in charges:
+                        window.charges.append([float(at), float(tokens)])
+                        window.total += float(tokens)
+            for hold in state.get("holds", []):
+                self._hold(hold["id"], (hold["client"], hold["model"]), float(hold["tokens"]), float(hold["at"]))
+
+    def take_events(self) -> list[dict[str, Any]]:
+        with self.lock:
+            events, self.events = self.events, []
+        return events
+
+
+def _label(text: str) -> str:
+    return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _context(pem: str, server: bool) -> ssl.SSLContext:
+    """TLS between the routers' ledgers: the routers' own certificate on both sides, nothing else admitted."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if server else ssl.PROTOCOL_TLS_CLIENT)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(pem)
+    context.load_verify_locations(pem)
+    context.verify_mode = ssl.CERT_REQUIRED
+    if not server:
+        context.check_hostname = False  # one certificate for every router: its name is none of their addresses
+    return context
+
+
+class Service:
+    """The ledger behind its two listeners: HAProxy's calls (loopback) and the other routers' (TLS)."""
+
+    def __init__(self, ledger: Ledger, budgets: dict[str, Any], routers: tuple[str, ...] = (), me: int = 0,
+                 pem: str | None = None) -> None:
+        self.ledger, self.routers, self.me = ledger, routers, me
+        self.models: dict[str, str] = budgets.get("models", {})  # backend -> served model
+        self.max_tokens: dict[str, int] = budgets.get("max_tokens", {})  # backend -> its max_model_len
+        self.client_context = _context(pem, server=False) if pem else None
+        self.down_until = [0.0] * len(routers)
+        self.stopping = threading.Event()
+
+    def reserve(self, line: str, now: float) -> str:
+        """``client backend prompt_bytes max_tokens`` (max_tokens -1: none sent) -> ``admitted id remaining
+        reset_s retry_after_s`` (:meth:`Answer.line`), from the first router that answers."""
+        client, backend, prompt_bytes, max_tokens = _fields(line, 4)
+        if (answer := self._forward("/reserve", line, now)) is not None:
+            return answer
+        completion = int(max_tokens) if int(max_tokens) >= 0 else self.max_tokens.get(backend, 0)
+        cost = int(prompt_bytes) * self.ledger.prompt_weight + completion * self.ledger.completion_weight
+        return self.ledger.reserve(client, self.models.get(backend, backend), cost, now).line()
+
+    def settle(self, lines: str, now: float) -> str:
+        """``id prompt completion`` per line: vLLM's usage, ``- -`` where it reported none (the reservation is
+        charged), ``error error`` for an error answer (nothing is)."""
+        if self._forward("/settle", lines, now) is not None:
+            return "ok"
+        for line in lines.splitlines():
+            ident, prompt, completion = _fields(line, 3)
+            if prompt == "error":
+                self.ledger.settle(ident, 0, 0, now)
+            else:
+                self.ledger.settle(ident, None if prompt == "-" else int(prompt),
+                                   None if completion == "-" else int(completion), now)
+        return "ok"
+
+    def _forward(self, path: str, body: str, now: float) -> str | None:
+        """The answer of the first router listed before this one that answers; None: this one decides."""
+        for index in range(self.me):
+            if self.down_until[index] > now:
+                continue
+            answer = self._call(self.routers[index], path, body.encode())
+            if answer is not None:
+                return answer.decode()
+            self.down_until[index] = now + DOWN_S
+        return None
+
+    def _call(self, router: str, path: str, data: bytes | None = None) -> bytes | None:
+        if self.client_context is None:
+            return None
+        request = urllib.request.Request(f"https://{router}{path}", data=data, method="POST" if data else "GET")
+        try:
+            with urllib.request.urlopen(request, timeout=FORWARD_TIMEOUT_S, context=self.client_context) as answer:
+                return bytes(answer.read(MAX_SNAPSHOT))
+        except (OSError, ValueError):
+            return None
+
+    def catch_up(self) -> None:
+        """Take the state of the first other router that answers (a ledger that starts knows nothing)."""
+        for index, router in enumerate(self.routers):
+            if index != self.me and (state := self._call(router, "/snapshot")) is not None:
+                self.ledger.restore(json.loads(state))
+                return
+
+    def replicate_forever(self) -> None:
+        """Send this ledger's changes to every other router's ledger, a batch every ``REPLICATE_EVERY_S``."""
+        others = [router for index, router in enumerate(self.routers) if index != self.me]
+        pending: dict[str, list[dict[str, Any]]] = {router: [] for router in others}
+        while not self.stopping.wait(REPLICATE_EVERY_S):
+            events = self.ledger.take_events()
+            for router in others:
+                pending[router].extend(events)
+                if pending[router] and self._call(router, "/replicate", json.dumps(pending[router]).encode()):
+                    pending[router] = []
+                del pending[router][:-MAX_PENDING]  # a router away for long takes a snapshot when it returns
+
+
+def _fields(line: str, count: int) -> list[str]:
+    parts = line.split()
+    if len(parts) != count or any(len(p) > 255 for p in parts):
+        raise ValueError(f"expected {count} fields, found {len(parts)}")
+    return parts
+
+
+def _handler(service: Service, trusted_peer: bool) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def _answer(self, status: int, text: str, kind: str = "text/plain") -> None:
+            data = text.encode()
+            self.send_response(status)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:
+            if self.path == "/metrics" and not trusted_peer:
+                self._answer(200, service.ledger.metrics(time.time()), "text/plain; version=0.0.4")
+            elif self.path == "/snapshot" and trusted_peer:
+                self._answer(200, json.dumps(service.ledger.snapshot()), "application/json")
+            else:
+                self._answer(404, "not found\n")
+
+        def do_POST(self) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            if not 0 <= length <= MAX_BODY:
+                self._answer(413, "too large\n")
+                return
+            body = self.rfile.read(length).decode("utf-8", "replace")
+            now = time.time()
+            try:
+                if self.path == "/reserve":
+                    self._answer(200, service.reserve(body, now))
+                elif self.path == "/settle":
+                    self._answer(200, service.settle(body, now))
+                elif self.path == "/replicate" and trusted_peer:
+                    for event in json.loads(body):
+                        service.ledger.apply(event)
+                    self._answer(200, "ok")
+                else:
+                    self._answer(404, "not found\n")
+            except (ValueError, KeyError, TypeError) as exc:
+                self._answer(400, f"{type(exc).__name__}\n")
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    return Handler
+
+
+def _address(text: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--budgets", required=True, help="the budgets' JSON file")
+    parser.add_argument("--listen", required=True, type=_address, help="HAProxy's side: 127.0.0.1:PORT")
+    parser.add_argument("--routers", default="", help="every router's ledger, ADDR:PORT,... in the authority's order")
+    parser.add_argument("--self", dest="me", type=int, default=0, help="this router's place in --routers")
+    parser.add_argument("--pem", help="the routers' certificate and key (TLS between ledgers)")
+    args = parser.parse_args(argv)
+    with open(args.budgets, encoding="utf-8") as f:
+        budgets = json.load(f)
+    routers = tuple(r for r in args.routers.split(",") if r)
+    ledger = Ledger(budgets, origin=f"r{args.me}-{int(time.time())}")
+    service = Service(ledger, budgets, routers, args.me, args.pem)
+    servers = [ThreadingHTTPServer(args.listen, _handler(service, trusted_peer=False))]
+    if routers and args.pem:
+        peer_server = ThreadingHTTPServer(_address(routers[args.me]), _handler(service, trusted_peer=True))
+        peer_server.socket = _context(args.pem, server=True).wrap_socket(peer_server.socket, server_side=True)
+        servers.append(peer_server)
+        service.catch_up()
+    for server in servers:
+        server.daemon_threads = True
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    service.replicate_forever()  # until systemd stops the service
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
