@@ -25,7 +25,8 @@ def test_the_ledger_decides_each_step_as_written(case: dict[str, Any]) -> None:
             continue
         answer = ledger.reserve(*step["reserve"], now=step["at"])
         ids[f"id{number}"] = answer.id
-        fields = dict(zip(("admitted", "id", "remaining", "reset_s", "retry_after_s"), answer.line().split()))
+        names = ("admitted", "id", "remaining", "reset_s", "retry_after_s")
+        fields = dict(zip(names, answer.line().split(), strict=True))
         for name in ("admitted", "remaining", "reset_s", "retry_after_s"):
             if name in step:
                 assert int(fields[name]) == step[name], f"step {number}: {name}: {answer}"
