@@ -47,7 +47,7 @@ NODE_PATH_SOURCES = frozenset({"vllm_wheelhouse_url", "vllm_requirements_url"})
 MIN_KEY_CHARS = 16
 """The shortest client key: a key is all that stands between a client and the fleet's GPUs."""
 
-SHOWN_FIELDS = frozenset({"requests_per_s", "concurrent_requests", "priority"})
+SHOWN_FIELDS = frozenset({"requests_per_s", "concurrent_requests", "priority", "tokens_per_minute", "tokens_per_day"})
 """A client's limits and class: a number, or text shorter than any key, found there under a secret tree is shown."""
 
 
@@ -209,6 +209,7 @@ class HostConfig(
             "router_port": (self.router_port,) * 2,
             "router_metrics_port": (self.router_metrics_port,) * 2,
             "router_peer_port": (self.router_peer_port,) * 2,
+            "router_ledger_port": (self.router_ledger_port,) * 2,
         }
         if self.node_lifecycle_enabled:
             ranges["node_agent_port"] = (self.node_agent_port,) * 2

@@ -27,8 +27,8 @@ passed over for ``DOWN_S``. Every change is sent to every other router's ledger 
 that starts takes the state of the first that answers (``GET /snapshot``): a failover, a restart or a router's
 return finds the budgets used.
 
-``GET /metrics`` (loopback): each client's prompt and completion tokens per model, settled, and what its budgets
-have left, in Prometheus' text format.
+``GET /metrics`` (loopback): each client's prompt and completion tokens per model, settled, what it holds in
+reservations and what its budgets have left, in Prometheus' text format.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import signal
 import ssl
 import sys
 import threading
@@ -86,14 +87,14 @@ class Window:
             return 0.0
         for at, tokens in self.charges:
             used -= tokens
-            if used <= room:
-                return max(at + self.span_s - now, 0.0)
+            if used <= room:  # a charge made a moment after ``now`` (its call took the lock first) ages a span
+                return min(max(at + self.span_s - now, 0.0), self.span_s)
         return math.inf
 
     def reset_s(self, now: float) -> float:
         """Seconds until every charge has left the window."""
         self.used(now)
-        return max(self.charges[-1][0] + self.span_s - now, 0.0) if self.charges else 0.0
+        return min(max(self.charges[-1][0] + self.span_s - now, 0.0), self.span_s) if self.charges else 0.0
 
 
 @dataclass
@@ -128,22 +129,30 @@ class Ledger:
     "completion"}}``), reservations and charges. Thread-safe; every change is also a replication event."""
 
     def __init__(self, budgets: dict[str, Any], origin: str = "local") -> None:
-        self.limits = {name: (c.get("tokens_per_minute"), c.get("tokens_per_day"))
-                       for name, c in budgets.get("clients", {}).items()}
-        weights = budgets.get("weights", {})
-        self.prompt_weight = float(weights.get("prompt", 1.0))
-        self.completion_weight = float(weights.get("completion", 1.0))
         self.accounts: dict[tuple[str, str], Account] = {}
         self.holds: dict[str, tuple[tuple[str, str], float, float]] = {}  # id -> (account, tokens, since)
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # reentrant: a reload (SIGHUP) may land while the main thread holds it
         self.origin, self.serial = origin, 0
         self.events: list[dict[str, Any]] = []  # changes not yet sent to the other routers
+        self.set_budgets(budgets)
+
+    def set_budgets(self, budgets: dict[str, Any]) -> None:
+        """Take new budgets (a reload): each account's windows keep what they counted, under the new limits."""
+        with self.lock:
+            self.limits = {name: (c.get("tokens_per_minute"), c.get("tokens_per_day"))
+                           for name, c in budgets.get("clients", {}).items()}
+            weights = budgets.get("weights", {})
+            self.prompt_weight = float(weights.get("prompt", 1.0))
+            self.completion_weight = float(weights.get("completion", 1.0))
+            for (client, _), account in self.accounts.items():
+                kept = {window.span_s: window for _, window in account.windows}
+                account.windows = [(float(limit), kept.get(span) or Window(span, bin_s)) for limit, span, bin_s
+                                   in _spans(self.limits.get(client, (None, None))) if limit]
 
     def _account(self, key: tuple[str, str]) -> Account:
         if key not in self.accounts:
-            minute, day = self.limits.get(key[0], (None, None))
             windows = [(float(limit), Window(span, bin_s)) for limit, span, bin_s
-                       in ((minute, MINUTE_S, 0.0), (day, DAY_S, DAY_BIN_S)) if limit]
+                       in _spans(self.limits.get(key[0], (None, None))) if limit]
             self.accounts[key] = Account(windows)
         return self.accounts[key]
 
@@ -213,12 +222,14 @@ class Ledger:
     def metrics(self, now: float) -> str:
         lines = ["# TYPE gpufleet_client_prompt_tokens_total counter",
                  "# TYPE gpufleet_client_completion_tokens_total counter",
-                 "# TYPE gpufleet_client_tokens_remaining gauge"]
+                 "# TYPE gpufleet_client_tokens_remaining gauge",
+                 "# TYPE gpufleet_client_tokens_held gauge"]
         with self.lock:
             for (client, model), account in sorted(self.accounts.items()):
                 labels = f'client="{client}",model="{_label(model)}"'
                 lines.append(f"gpufleet_client_prompt_tokens_total{{{labels}}} {account.prompt}")
                 lines.append(f"gpufleet_client_completion_tokens_total{{{labels}}} {account.completion}")
+                lines.append(f"gpufleet_client_tokens_held{{{labels}}} {account.held:g}")
                 for (limit, window), name in zip(account.windows, ("minute", "day")):
                     left = limit - window.used(now) - account.held
                     lines.append(f'gpufleet_client_tokens_remaining{{{labels},window="{name}"}} {left:g}')
@@ -251,6 +262,11 @@ class Ledger:
         return events
 
 
+def _spans(limits: tuple[Any, Any]) -> tuple[tuple[Any, float, float], ...]:
+    """(limit, window span, bin) of a client's minute and day budgets."""
+    return (limits[0], MINUTE_S, 0.0), (limits[1], DAY_S, DAY_BIN_S)
+
+
 def _label(text: str) -> str:
     return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
@@ -273,11 +289,15 @@ class Service:
     def __init__(self, ledger: Ledger, budgets: dict[str, Any], routers: tuple[str, ...] = (), me: int = 0,
                  pem: str | None = None) -> None:
         self.ledger, self.routers, self.me = ledger, routers, me
-        self.models: dict[str, str] = budgets.get("models", {})  # backend -> served model
-        self.max_tokens: dict[str, int] = budgets.get("max_tokens", {})  # backend -> its max_model_len
+        self.set_budgets(budgets)
         self.client_context = _context(pem, server=False) if pem else None
         self.down_until = [0.0] * len(routers)
         self.stopping = threading.Event()
+
+    def set_budgets(self, budgets: dict[str, Any]) -> None:
+        self.models: dict[str, str] = budgets.get("models", {})  # backend -> served model
+        self.max_tokens: dict[str, int] = budgets.get("max_tokens", {})  # backend -> its max_model_len
+        self.ledger.set_budgets(budgets)
 
     def reserve(self, line: str, now: float) -> str:
         """``client backend prompt_bytes max_tokens`` (max_tokens -1: none sent) -> ``admitted id remaining
@@ -371,12 +391,28 @@ def _handler(service: Service, trusted_peer: bool) -> type[BaseHTTPRequestHandle
             else:
                 self._answer(404, "not found\n")
 
+        def _body(self) -> bytes | None:
+            """The request's body, with a length or chunked (HAProxy's HTTP client sends chunks); None: too large."""
+            if "chunked" not in self.headers.get("Transfer-Encoding", "").lower():
+                length = int(self.headers.get("Content-Length") or 0)
+                return self.rfile.read(length) if 0 <= length <= MAX_BODY else None
+            body = b""
+            while size := int(self.rfile.readline(64).split(b";")[0].strip() or b"0", 16):
+                if len(body) + size > MAX_BODY:
+                    return None
+                body += self.rfile.read(size)
+                self.rfile.readline(64)
+            while self.rfile.readline(1024).strip():  # the trailer, to its empty line
+                pass
+            return body
+
         def do_POST(self) -> None:
-            length = int(self.headers.get("Content-Length") or 0)
-            if not 0 <= length <= MAX_BODY:
+            data = self._body()
+            if data is None:
                 self._answer(413, "too large\n")
+                self.close_connection = True
                 return
-            body = self.rfile.read(length).decode("utf-8", "replace")
+            body = data.decode("utf-8", "replace")
             now = time.time()
             try:
                 if self.path == "/reserve":
@@ -398,6 +434,11 @@ def _handler(service: Service, trusted_peer: bool) -> type[BaseHTTPRequestHandle
     return Handler
 
 
+def _read(path: str) -> dict[str, Any]:
+    with open(path, encoding="utf-8") as f:
+        return dict(json.load(f))
+
+
 def _address(text: str) -> tuple[str, int]:
     host, _, port = text.rpartition(":")
     return host.strip("[]"), int(port)
@@ -411,8 +452,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--self", dest="me", type=int, default=0, help="this router's place in --routers")
     parser.add_argument("--pem", help="the routers' certificate and key (TLS between ledgers)")
     args = parser.parse_args(argv)
-    with open(args.budgets, encoding="utf-8") as f:
-        budgets = json.load(f)
+    budgets = _read(args.budgets)
     routers = tuple(r for r in args.routers.split(",") if r)
     ledger = Ledger(budgets, origin=f"r{args.me}-{int(time.time())}")
     service = Service(ledger, budgets, routers, args.me, args.pem)
@@ -422,6 +462,7 @@ def main(argv: list[str] | None = None) -> int:
         peer_server.socket = _context(args.pem, server=True).wrap_socket(peer_server.socket, server_side=True)
         servers.append(peer_server)
         service.catch_up()
+    signal.signal(signal.SIGHUP, lambda *_: service.set_budgets(_read(args.budgets)))  # systemctl reload
     for server in servers:
         server.daemon_threads = True
         threading.Thread(target=server.serve_forever, daemon=True).start()

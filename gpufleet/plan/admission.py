@@ -46,6 +46,7 @@ class Admission:
     maxconn: int  # the router's maxconn for the replica: router_server_maxconn, else planned
     queued_reqs: int | None  # vLLM's --max-num-queued-reqs; None: its release has no such flag
     priority: bool = False  # vLLM schedules the waiting requests by priority (gpufleet.plan.priority), not by arrival
+    usage: bool = False  # every answer reports its usage, streamed ones too (gpufleet.plan.token_budgets)
     sized_at: int | None = None  # the request length planned is sized for (router_typical_request_tokens); None: max
     fixed: bool = False  # maxconn is router_server_maxconn's
 

@@ -32,6 +32,8 @@ class Backend:
     policy: Literal["leastconn", "prefix"] = "leastconn"  # router_policy of the pools that serve it (they agree)
     prefix_balance: float | None = None  # with prefix, their router_prefix_balance
     priority: bool = False  # its replicas schedule by the priority the router sets from the client's class
+    metered: bool = False  # the token ledger meters its clients with budgets (gpufleet.plan.token_budgets)
+    max_model_len: int = 0  # what a metered request without max_tokens reserves
 
     @property
     def routes(self) -> tuple[str, ...]:
@@ -76,5 +78,6 @@ def backends(plan: FleetPlan) -> list[Backend]:
     for model in plan.models.values():
         servers = sorted((name, replicas[name].api_address) for name in model.replicas)
         found.append(Backend(model.backend, model.name, tuple(servers), policy=model.policy,
-                             prefix_balance=model.prefix_balance, priority=model.priority))
+                             prefix_balance=model.prefix_balance, priority=model.priority, metered=model.metered,
+                             max_model_len=model.max_model_len))
     return found

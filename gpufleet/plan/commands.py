@@ -113,12 +113,13 @@ def _utilization(value: float) -> int | float:
 
 
 def serve_flags(cfg: HostConfig, address: str, port: int, tp: int, pp: int, dp: int,
-                max_model_len: int, *, queued_reqs: int | None = None, priority: bool = False
-                ) -> dict[str, FlagValue]:
+                max_model_len: int, *, queued_reqs: int | None = None, priority: bool = False,
+                usage: bool = False) -> dict[str, FlagValue]:
     """``vllm serve``'s flags for one replica, without the multi-node ones. Secrets never appear here.
 
     ``queued_reqs``: the plan's ``--max-num-queued-reqs`` (gpufleet.plan.admission); None writes none.
-    ``priority``: ``--scheduling-policy priority`` (gpufleet.plan.priority)."""
+    ``priority``: ``--scheduling-policy priority`` (gpufleet.plan.priority).
+    ``usage``: ``--enable-force-include-usage`` (gpufleet.plan.token_budgets)."""
     flags: dict[str, FlagValue] = {
         "served-model-name": cfg.served_model_name(),
         "host": address, "port": port, "tensor-parallel-size": tp, "pipeline-parallel-size": pp,
@@ -143,6 +144,8 @@ def serve_flags(cfg: HostConfig, address: str, port: int, tp: int, pp: int, dp: 
         flags["max-num-queued-reqs"] = queued_reqs
     if priority:
         flags["scheduling-policy"] = "priority"
+    if usage:
+        flags["enable-force-include-usage"] = True
     return flags | extra_flags(cfg.vllm_extra_args)
 
 
@@ -254,24 +257,24 @@ def _mp_flags(cfg: HostConfig, nodes: int, rank: int, head: str) -> dict[str, Fl
 def replica_roles(
     cfgs: list[HostConfig], hosts: list[str], addresses: list[str], gpus: list[list[int]],
     port: int, tp: int, pp: int, dp: int, max_model_len: int, *, queued_reqs: int | None = None,
-    priority: bool = False,
+    priority: bool = False, usage: bool = False,
 ) -> list[NodeRole]:
     """Every node's role and processes for one replica (one node, or several with PP across them);
-    ``queued_reqs`` and ``priority`` as :func:`serve_flags` takes them."""
+    ``queued_reqs``, ``priority`` and ``usage`` as :func:`serve_flags` takes them."""
     if len(hosts) == 1:
         flags = serve_flags(cfgs[0], addresses[0], port, tp, pp, dp, max_model_len, queued_reqs=queued_reqs,
-                            priority=priority)
+                            priority=priority, usage=usage)
         vllm = serve_process(cfgs[0], flags, node_env(cfgs[0], addresses[0], gpus[0]))
         return [NodeRole(hosts[0], addresses[0], "single", gpus[0], [vllm])]
     if cfgs[0].vllm_distributed_backend == "ray":
         serve = serve_flags(cfgs[0], addresses[0], port, tp, pp, dp, max_model_len, queued_reqs=queued_reqs,
-                            priority=priority)
+                            priority=priority, usage=usage)
         return _ray_roles(cfgs, hosts, addresses, gpus, serve)
     roles = []
     for rank, (cfg, host, address, node_gpus) in enumerate(zip(cfgs, hosts, addresses, gpus, strict=True)):
         flags = serve_flags(cfg, address, port, tp, pp, dp, max_model_len,
-                            queued_reqs=queued_reqs, priority=priority) | _mp_flags(cfg, len(hosts), rank,
-                                                                                    addresses[0])
+                            queued_reqs=queued_reqs, priority=priority, usage=usage) | _mp_flags(
+                                cfg, len(hosts), rank, addresses[0])
         vllm = serve_process(cfg, flags, node_env(cfg, address, node_gpus))
         roles.append(NodeRole(host, address, f"mp-rank-{rank}", node_gpus, [vllm]))
     return roles

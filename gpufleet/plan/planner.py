@@ -32,6 +32,7 @@ from gpufleet.plan.model_memory import (
     weight_bytes,
 )
 from gpufleet.plan.priority import SCHEDULING_FLAG, schedules_by_priority
+from gpufleet.plan.token_budgets import USAGE_FLAG, meters_tokens
 from gpufleet.values.problems import shown_key
 from gpufleet.values.types import SecretRef
 from gpufleet.values.vllm_flags import load_catalog
@@ -167,6 +168,8 @@ class ServedModel:
     pools: tuple[str, ...]
     replicas: tuple[str, ...]  # in the plan's order
     priority: bool = False  # its replicas schedule by the priority the routers set (gpufleet.plan.priority)
+    metered: bool = False  # the routers' token ledger meters it (gpufleet.plan.token_budgets)
+    max_model_len: int = 0  # its replicas' (the first one's): a metered request without max_tokens reserves it
 
 
 @dataclass
@@ -489,6 +492,12 @@ def _admission(pool: str, cfg: HostConfig, b: KvBudget, max_num_seqs: int, dp: i
                          f" {cfg.served_model_name()!r}, which a client of the class interactive or batch may use; vLLM"
                          f" {cfg.vllm_version} has no {SCHEDULING_FLAG}")
         found = replace(found, priority=True)
+    if meters_tokens(cfg.served_model_name(), fleet.configs.values()):
+        if not catalog.has(USAGE_FLAG):
+            raise _about("router_clients", ": ", f"expected a vLLM release that reports the usage of streamed answers"
+                         f" for {cfg.served_model_name()!r}, which a client with a token budget may use; vLLM"
+                         f" {cfg.vllm_version} has no {USAGE_FLAG}")
+        found = replace(found, usage=True)
     if found.queued_reqs is not None and found.queued_reqs < found.maxconn:
         plan.warnings.append(
             f"pool {pool}: vllm_max_num_queued_reqs {found.queued_reqs} is below the router's maxconn {found.maxconn}"
@@ -519,7 +528,7 @@ def _single_node_replicas(pool: str, hosts: list[str], fleet: Fleet, shapes: lis
             name = f"{pool}-{short}-{k}" if len(sets) > 1 else f"{pool}-{short}"
             roles = replica_roles([host_cfg], [shape.host], [address], [gpus], host_cfg.vllm_port + k,
                                   tp, pp, cfg.vllm_data_parallel_size, max_len, queued_reqs=admit.queued_reqs,
-                                  priority=admit.priority)
+                                  priority=admit.priority, usage=admit.usage)
             plan.replicas.append(Replica(name, pool, cfg.checkpoint(), tp, pp, cfg.vllm_data_parallel_size,
                                          host_cfg.vllm_port + k, "single-node", max_len, per_token, b, roles,
                                          secret_env_names(host_cfg), admit, cfg.served_model_name(),
@@ -550,7 +559,7 @@ def _multi_node_replicas(pool: str, hosts: list[str], fleet: Fleet, shapes: list
         addresses = [c.fleet_address or g.host for c, g in zip(cfgs, group, strict=True)]
         roles = replica_roles(cfgs, [g.host for g in group], addresses, gpus, cfgs[0].vllm_port,
                               tp, pp, 1, max_len, queued_reqs=admit.queued_reqs,
-                              priority=admit.priority)
+                              priority=admit.priority, usage=admit.usage)
         plan.replicas.append(Replica(f"{pool}-{k}", pool, cfg.checkpoint(), tp, pp, 1, cfgs[0].vllm_port,
                                      cfg.vllm_distributed_backend, max_len, per_token, b, roles,
                                      secret_env_names(cfgs[0]), admit, cfg.served_model_name(), cfg.vllm_version,
@@ -657,7 +666,8 @@ def served_models(replicas: Iterable[Replica], configs: Mapping[str, HostConfig]
             name, backend, cfg.router_policy, cfg.router_prefix_balance if cfg.router_policy == "prefix" else None,
             cfg.vllm_slo_ttft_p99_s, cfg.vllm_slo_itl_p99_s, tuple(dict.fromkeys(r.api_key for r in served)),
             str(cfg.vllm_model_config or cfg.vllm_model), tuple(dict.fromkeys(r.pool for r in served)),
-            tuple(r.name for r in served), any(r.admission.priority for r in served))
+            tuple(r.name for r in served), any(r.admission.priority for r in served),
+            any(r.admission.usage for r in served), served[0].max_model_len)
     return found
 
 

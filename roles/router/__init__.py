@@ -87,7 +87,7 @@ from gpufleet.plan.priority import DEFAULT_PRIORITY, PRIORITY_HEADER, client_pri
 from gpufleet.run.context import context, host_config
 from gpufleet.units.escape import exec_line
 from gpufleet.values.problems import ConfigError, exit_with
-from roles.router import peers
+from roles.router import peers, token_ledger
 from roles.router.peers import Peers
 from roles.vllm import replica_files as vf
 
@@ -107,7 +107,7 @@ TLS13_SUITES = ("TLS_AES_128_GCM_SHA256", "TLS_AES_256_GCM_SHA384", "TLS_CHACHA2
 EDGE_DIR = "/etc/haproxy/gpufleet-edge"  # root:haproxy 0750
 EDGE_CANDIDATE_DIR = "/etc/haproxy/gpufleet-edge-candidate"  # the edge's files as written, checked before EDGE_DIR's
 # <EDGE_DIR>/<name>.map, 0640
-EDGE_MAPS = ("clients", "grants", "models", "rates", "concurrency", "priorities", "upstream")
+EDGE_MAPS = ("clients", "grants", "models", "rates", "concurrency", "priorities", "upstream", "budgets")
 TLS_PEM = "router.pem"  # <EDGE_DIR>/router.pem: the certificate, its chain and its key, 0640
 CLIENT_TABLE = "gpufleet-clients"  # the stick table of the clients' counters (gpufleet/node/router_admin.py reads it)
 CLIENT_TABLE_SIZE = 10000
@@ -217,6 +217,7 @@ def config_values(cfg: HostConfig, address: str, found: list[Backend], lists: li
         "check_rise": cfg.router_check_rise,
         "model_lists": lists,
         "peers": peers,
+        "tokens": token_ledger.config_values(cfg),
         "priority_header": PRIORITY_HEADER,
         "default_priority": DEFAULT_PRIORITY,
         "prefix_table_size": PREFIX_TABLE_SIZE,
@@ -227,6 +228,7 @@ def config_values(cfg: HostConfig, address: str, found: list[Backend], lists: li
         "escaped_ascii": ESCAPED_ASCII,
         "backends": [{"name": b.name, "comment": b.comment, "model_sha256": b.model_sha256, "routes": b.routes,
                       "policy": b.policy, "bound_percent": b.bound_percent, "priority": b.priority,
+                      "metered": b.metered,
                       "servers": [{"name": n, "address": a, "maxconn": maxconn[n], "agent_port": agents.get(n),
                                    "id": b.server_ids[n]} for n, a in b.servers]}
                      for b in found],
@@ -247,7 +249,8 @@ def edge_maps(clients: Mapping[str, RouterClient], keys: Mapping[str, str], foun
     header -> client), ``grants`` (``client/<model's SHA-256>`` -> 1 for each served model the client may use),
     ``models`` (client -> its ``GET /v1/models`` answer), ``rates`` and ``concurrency`` (client -> its limit, where it
     has one), ``priorities`` (client -> the priority vLLM schedules its requests by where its model is scheduled by
-    priority: gpufleet.plan.priority), ``upstream`` (model's SHA-256 -> the Authorization header its replicas take,
+    priority: gpufleet.plan.priority), ``budgets`` (client -> 1 where it has a token budget: roles.router.token_ledger),
+    ``upstream`` (model's SHA-256 -> the Authorization header its replicas take,
     where they have a key).
     ``keys``: each client's key by name; ``upstream``: each served model's replicas' key (None: none)."""
     header = "# Written by gpufleet (role router) from router_clients: read by HAProxy only.\n"
@@ -264,6 +267,8 @@ def edge_maps(clients: Mapping[str, RouterClient], keys: Mapping[str, str], foun
         if client.concurrent_requests is not None:
             maps["concurrency"].append(f"{name} {client.concurrent_requests}\n")
         maps["priorities"].append(f"{name} {client_priority(client)}\n")
+        if client.metered:
+            maps["budgets"].append(f"{name} 1\n")
     for backend in found:
         if key := upstream.get(backend.model):
             maps["upstream"].append(f"{backend.model_sha256} Bearer {key}\n")
@@ -451,6 +456,7 @@ def router() -> None:
     else:
         files.absent(name=f"Remove {EDGE_CANDIDATE_DIR}: no clients, no TLS", path=EDGE_CANDIDATE_DIR)
     pem = _peer_pem()
+    lua = _token_ledger(cfg)
     files.file(name=f"Write the router's configuration to check ({CANDIDATE})", dest=CANDIDATE, content=text,
                group="haproxy", mode="0640")
     config = server.script(
@@ -461,7 +467,7 @@ def router() -> None:
     )
     systemd.restart(name=f"Restart {SERVICE}: its drop-in changed", unit=SERVICE, _if=unit.did_change)
     systemd.reload(name=f"Reload {SERVICE}: its configuration, edge files or peer certificate changed (requests in"
-                        " flight finish)", unit=SERVICE, _if=any_changed(config, pem))
+                        " flight finish)", unit=SERVICE, _if=any_changed(config, pem, lua))
     systemd.service(name=f"Ensure {SERVICE} runs and starts at boot", unit=SERVICE, running=True, enabled=True)
     _clients_counters(bool(cfg.router_clients), clients_service, clients_timer)
 
@@ -475,6 +481,39 @@ def _peer_pem() -> OperationMeta:
     return shared_secrets.kept(name=f"Keep {peers.WHAT} ({peers.PEM}, root:haproxy 0640, the same on every router)",
                                what=peers.WHAT, path=peers.PEM, holders=fleet_routers(), found=found,
                                draw=peers.draw_pem, chosen=ctx.shared_secrets, group="haproxy", mode="0640")
+
+
+def _token_ledger(cfg: HostConfig) -> OperationMeta:
+    """The token ledger with a metered client (:mod:`roles.router.token_ledger`): its budgets, its unit, running,
+    and the Lua HAProxy loads to ask it; all gone without. Returns the Lua file's operation (a change reloads
+    HAProxy)."""
+    unit_file = unit_path(token_ledger.SERVICE)
+    node.observe(name="Read the token ledger's files and unit", units=[token_ledger.SERVICE],
+                 paths=[token_ledger.LUA, token_ledger.BUDGETS, unit_file])
+    if not token_ledger.metered(cfg):
+        systemd.service(name=f"Stop and disable {token_ledger.SERVICE} (no client has a token budget)",
+                        unit=token_ledger.SERVICE, running=False, enabled=False)
+        removed = [files.absent(name=f"Remove {path} (no client has a token budget)", path=path)
+                   for path in (unit_file, token_ledger.BUDGETS)]
+        systemd.daemon_reload(name="Reload systemd: the token ledger's unit is gone", _if=removed[0].did_change)
+        return files.absent(name=f"Remove {token_ledger.LUA} (no client has a token budget)", path=token_ledger.LUA)
+    ctx = context()
+    found = backends(ctx.plan)
+    budgets = files.file(name=f"Write the token budgets ({token_ledger.BUDGETS})", dest=token_ledger.BUDGETS,
+                         content=token_ledger.budgets(cfg, found), mode="0644")
+    unit = files.file(name=f"Write {unit_file} (the token ledger)", dest=unit_file,
+                      content=templates.render("router/gpufleet-token-ledger.service.j2",
+                                               **token_ledger.service_values(host.name, fleet_routers(),
+                                                                             ctx.fleet.configs)))
+    systemd.daemon_reload(name="Reload systemd: the token ledger's unit changed", _if=unit.did_change)
+    systemd.restart(name=f"Restart {token_ledger.SERVICE}: its unit changed (it takes the others' state back)",
+                    unit=token_ledger.SERVICE, _if=unit.did_change)
+    systemd.reload(name=f"Reload {token_ledger.SERVICE}: the budgets changed (what each client used is kept)",
+                   unit=token_ledger.SERVICE, _if=budgets.did_change)
+    systemd.service(name=f"Ensure {token_ledger.SERVICE} runs and starts at boot", unit=token_ledger.SERVICE,
+                    running=True, enabled=True)
+    return files.file(name=f"Write {token_ledger.LUA} (HAProxy asks the token ledger with it)", dest=token_ledger.LUA,
+                      content=token_ledger.lua(cfg), mode="0644")
 
 
 def _clients_counters(wanted: bool, service_file: str, timer_file: str) -> None:

@@ -179,7 +179,8 @@ def scraped(tmp_path: Path) -> Iterator[tuple[str, role.FleetView]]:
         def serve(body: str = "gpufleet_test_up 1\n") -> int:
             return int(stack.enter_context(loopback_server(_exporter(body))).rsplit(":", 1)[1])
 
-        served = {"served": HOSTILE, "starts": True, "api_key": None, "admission": SimpleNamespace(priority=False)}
+        served = {"served": HOSTILE, "starts": True, "api_key": None, "max_model_len": 4096,
+                  "admission": SimpleNamespace(priority=False, usage=False)}
         replicas: list[Any] = [
             SimpleNamespace(name="p-n1", pool="p", port=serve(), nodes=["n1"], **served, roles=[
                 SimpleNamespace(host="n1", address="127.0.0.1", role="single", gpus=[0])]),

@@ -8,20 +8,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import http.client
-import json
 import os
-import signal
 import socket
 import ssl
 import subprocess
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler
 from pathlib import Path
-from typing import Any
 
 import pytest
 from gpufleet_lab.tls import ensure_lab_tls, make_lab_tls
@@ -34,197 +28,21 @@ from gpufleet.plan.priority import PRIORITY_CLASSES
 from roles.router import peers
 from roles.router.peers import Peers
 from tests.conftest import host_tool
-from tests.loopback_http import ReplicaHandler, free_port, loopback_server
-from tests.memory_rule import deny_write_execute, memory_rule
-from tests.polling import holding_a_listener, wait_for_socket
-from tests.service_priority import as_a_service
-from tests.stand_in_plan import stand_in_plan
+from tests.loopback_http import free_port
+from tests.memory_rule import deny_write_execute
+from tests.tools.edge_run import CLIENTS, CLOSED, KEYS, OPEN, RATE, REPLICA_KEY, Edge, start_edge, write_edge
 from tests.tools.haproxy_run import wait
 from tests.unit.configs import host_config
-
-OPEN, CLOSED = "model-open", "model-closed"  # every client may use OPEN; CLOSED only those that name it
-REPLICA_KEY = "replica-internal-key-0123456789"
-KEYS = {"alice": "alice-key-0123456789abcdef", "bob": "bob-key-0123456789abcdef",
-        "carol": "carol-key-0123456789abcdef", "dave": "dave-key-0123456789abcdef"}
-CLIENTS = {
-    "alice": {"api_key": {"env": "EDGE_ALICE_KEY"}},  # every model, no limit
-    "bob": {"api_key": {"env": "EDGE_BOB_KEY"}, "models": [OPEN], "priority": "batch"},  # OPEN: by priority
-    "carol": {"api_key": {"env": "EDGE_CAROL_KEY"}, "requests_per_s": 3},
-    "dave": {"api_key": {"env": "EDGE_DAVE_KEY"}, "concurrent_requests": 1},
-}
-RATE = 3
-
-
-class KeyedReplica:
-    """A replica that answers only with the replicas' key; a prompt ``sleep:S`` answers after S seconds."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.authorizations: list[str | None] = []  # the Authorization header of every completion it got
-        self.priorities: list[str | None] = []  # and its X-Vllm-Priority header
-        self.lock = threading.Lock()
-
-    def handler(self) -> type[BaseHTTPRequestHandler]:
-        replica = self
-
-        class Handler(ReplicaHandler):
-            def complete(self, request: dict[str, Any]) -> tuple[int, bytes]:
-                with replica.lock:
-                    replica.authorizations.append(self.headers.get("Authorization"))
-                    replica.priorities.append(self.headers.get("X-Vllm-Priority"))
-                if self.headers.get("Authorization") != f"Bearer {REPLICA_KEY}":
-                    return 401, b'{"error":"replica: wrong key"}'
-                prompt = str(request.get("prompt", ""))
-                if prompt.startswith("sleep:"):
-                    time.sleep(float(prompt.removeprefix("sleep:")))
-                return 200, json.dumps({"replica": replica.name, "model": request["model"]}).encode()
-
-        return Handler
-
-
-@dataclass(frozen=True)
-class Answer:
-    status: int
-    headers: dict[str, str]
-    body: dict[str, Any]
-
-
-@dataclass
-class Edge:
-    port: int
-    plain_port: int | None
-    tls: Any  # LabTls or None
-    socket: Path
-    master: Path
-    proc: subprocess.Popen[bytes]
-    config: Path
-    edge_dir: Path
-    replicas: dict[str, KeyedReplica]
-
-    def context(self) -> ssl.SSLContext | None:
-        return ssl.create_default_context(cafile=str(self.tls.ca_certificate)) if self.tls else None
-
-    def request(self, method: str, path: str, key: str | None = None, model: str = OPEN, prompt: str = "hi",
-                port: int | None = None, tls: bool | None = None, priority: int | None = None) -> Answer:
-        """``priority``: the client's own, in the X-Vllm-Priority header and the body's ``priority``."""
-        headers = {"Content-Type": "application/json"}
-        if key is not None:
-            headers["Authorization"] = f"Bearer {key}"
-        fields = {"model": model, "prompt": prompt, "max_tokens": 1}
-        if priority is not None:
-            headers["X-Vllm-Priority"] = str(priority)
-            fields["priority"] = priority
-        body = json.dumps(fields).encode() if method == "POST" else None
-        use_tls = self.tls is not None if tls is None else tls
-        connection: http.client.HTTPConnection = (
-            http.client.HTTPSConnection("127.0.0.1", port or self.port, timeout=20, context=self.context())
-            if use_tls else http.client.HTTPConnection("127.0.0.1", port or self.port, timeout=20))
-        try:
-            connection.request(method, path, body=body, headers=headers)
-            response = connection.getresponse()
-            text = response.read()
-            return Answer(response.status, {k.lower(): v for k, v in response.getheaders()},
-                          json.loads(text) if text.startswith(b"{") else {})
-        finally:
-            connection.close()
-
-    def post(self, key: str | None, model: str = OPEN, prompt: str = "hi", priority: int | None = None) -> Answer:
-        return self.request("POST", "/v1/completions", key, model, prompt, priority=priority)
-
-    def reload(self) -> None:
-        """What ``systemctl reload haproxy`` does: SIGUSR2 to the master, which starts new workers that read the
-        configuration and the edge files again; the old workers finish what they hold."""
-        before = self.workers()
-        self.proc.send_signal(signal.SIGUSR2)
-        wait(lambda: self.workers() - before, "a new worker after the reload")
-        # The old workers let go of the listeners once the master tells them to stop, which a worker starved of CPU
-        # does later than the new one is listed: until then a new connection may still reach an old worker.
-        ports = {self.port, *([self.plain_port] if self.plain_port else [])}
-        wait(lambda: not holding_a_listener(before, ports), "the old workers letting go of the listeners")
-
-    def workers(self) -> set[int]:
-        """The worker processes' ids, from the master's CLI (none while the master re-executes itself)."""
-        text = b""
-        try:
-            with socket.socket(socket.AF_UNIX) as conn:
-                conn.settimeout(5)
-                conn.connect(str(self.master))
-                conn.sendall(b"show proc\n")
-                conn.shutdown(socket.SHUT_WR)
-                while chunk := conn.recv(65536):
-                    text += chunk
-        except OSError:
-            return set()
-        return {int(line.split()[0]) for line in text.decode().splitlines()
-                if line.split()[1:2] == ["worker"] and line.split()[0].isdigit()}
-
-
-def _write_edge(edge_dir: Path, written: dict[str, str]) -> None:
-    edge_dir.mkdir(mode=0o750, exist_ok=True)
-    for name, text in written.items():
-        path = edge_dir / name
-        path.touch(mode=0o640)
-        path.write_text(text)
-
-
-def _start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tls: bool, plain: bool = False,
-           peers: Peers | None = None) -> Iterator[Edge]:
-    """An edge in ``tmp_path``; ``peers``: the router's peers section (its PEM written already)."""
-    haproxy = host_tool("haproxy", "haproxy")
-    tmp_path.mkdir(exist_ok=True)
-    for name, key in KEYS.items():
-        monkeypatch.setenv(f"EDGE_{name.upper()}_KEY", key)
-    monkeypatch.setenv("EDGE_REPLICA_KEY", REPLICA_KEY)
-    lab_tls = make_lab_tls(tmp_path / "ca", ["127.0.0.1", "localhost"]) if tls else None
-    tls_values: dict[str, Any] = {"router_tls_certificate": {"file": str(lab_tls.certificate)},
-                                  "router_tls_key": {"file": str(lab_tls.key)}} if lab_tls else {}
-    plain_port = free_port() if plain else None
-    replicas = {model: KeyedReplica(f"{model}-0") for model in (OPEN, CLOSED)}
-    with ExitStack() as stack:
-        ports = {model: int(stack.enter_context(loopback_server(replicas[model].handler())).rsplit(":", 1)[1])
-                 for model in replicas}
-        configs = {f"{m}-0": host_config(vllm_served_model_name=m, vllm_api_key={"env": "EDGE_REPLICA_KEY"})
-                   for m in replicas}
-        cfg = host_config(router_port=free_port(), router_metrics_port=free_port(), router_check_interval_s=1,
-                          router_check_fall=1, router_check_rise=1, router_clients=CLIENTS,
-                          router_plain_http_port=plain_port, **tls_values)
-        plan = stand_in_plan({f"{m}-0": ("127.0.0.1", ports[m]) for m in replicas}, {**configs, "router": cfg})
-        found = plan_backends.backends(plan)
-        upstream = router_role.upstream_keys(plan)
-        edge_dir = tmp_path / "edge"
-        _write_edge(edge_dir, router_role.edge_files(cfg, found, upstream))
-        values = router_role.config_values(cfg, "127.0.0.1", found, [], [], {r.name: 64 for r in plan.replicas},
-                                           edge_dir=str(edge_dir), peers=peers)
-        values["admin_socket"] = str(tmp_path / "admin.sock")
-        config = tmp_path / "haproxy.cfg"
-        config.write_text(router_role.render(values))
-        as_its_unit = memory_rule(router_role.drop_in(cfg))  # the drop-in's memory rule, as on a router
-        checked = subprocess.run([haproxy, "-c", "-f", str(config)], capture_output=True, text=True,
-                                 preexec_fn=as_its_unit)
-        assert checked.returncode == 0, checked.stdout + checked.stderr
-        master = tmp_path / "master.sock"
-        with (tmp_path / "haproxy.log").open("w") as log:
-            proc = subprocess.Popen([haproxy, "-W", "-db", "-S", str(master), "-f", str(config)], stdout=log,
-                                    stderr=subprocess.STDOUT, start_new_session=True,
-                                    preexec_fn=as_a_service(as_its_unit))
-        stack.callback(proc.wait, 10)
-        stack.callback(proc.terminate)
-        started = Edge(cfg.router_port, plain_port, lab_tls, tmp_path / "admin.sock", master, proc, config,
-                       edge_dir, replicas)
-        runtime = router_admin.Runtime(str(started.socket))
-        wait_for_socket(str(started.socket))
-        wait(lambda: {s.status for s in runtime.servers()} == {"UP"}, "replicas UP")
-        yield started
 
 
 @pytest.fixture
 def edge(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Edge]:
-    yield from _start(tmp_path, monkeypatch, tls=False)
+    yield from start_edge(tmp_path, monkeypatch, tls=False)
 
 
 @pytest.fixture
 def tls_edge(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Edge]:
-    yield from _start(tmp_path, monkeypatch, tls=True, plain=True)
+    yield from start_edge(tmp_path, monkeypatch, tls=True, plain=True)
 
 
 @pytest.fixture
@@ -238,7 +56,7 @@ def edge_pair(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple
     servers = {name: tuple((other, None if other == name else f"127.0.0.1:{ports[other]}") for other in ports)
                for name in ports}
     with ExitStack() as stack:
-        a, b = (stack.enter_context(contextmanager(_start)(
+        a, b = (stack.enter_context(contextmanager(start_edge)(
                     tmp_path / name, monkeypatch, tls=False,
                     peers=Peers(f"127.0.0.1:{ports[name]}", name, servers[name], pem=str(pem))))
                 for name in ports)
@@ -315,7 +133,7 @@ def test_no_key_or_a_wrong_one_gets_401_and_a_known_one_reaches_the_replica_with
         assert answer.status == 401 and answer.headers.get("www-authenticate") == "Bearer", answer
     assert edge.request("GET", "/v1/models").status == 401
     assert edge.replicas[OPEN].authorizations == []  # none of them reached a replica
-    assert edge.post(KEYS["alice"]).body == {"replica": f"{OPEN}-0", "model": OPEN}
+    assert edge.post(KEYS["alice"]).body["replica"] == f"{OPEN}-0"
     assert edge.post(KEYS["alice"], CLOSED).status == 200
     assert edge.replicas[OPEN].authorizations == [f"Bearer {REPLICA_KEY}"]
     assert edge.request("GET", "/health").status == 200  # the routers' own check needs no key
@@ -384,7 +202,7 @@ def test_a_key_rotated_by_a_reload_keeps_the_request_in_flight_and_the_old_key_g
         written = router_role.edge_files(cfg, found, plan_models)
         changed = {name for name, text in written.items() if (edge.edge_dir / name).read_text() != text}
         assert changed == {"clients.map"}  # a rotation changes one map, not the configuration
-        _write_edge(edge.edge_dir, written)
+        write_edge(edge.edge_dir, written)
         edge.reload()
         assert edge.post(KEYS["alice"]).status == 401
         assert edge.post(new_key).status == 200
@@ -480,7 +298,7 @@ def test_a_renewed_certificate_is_served_after_a_reload_and_the_request_in_fligh
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         in_flight = pool.submit(tls_edge.post, KEYS["alice"], OPEN, "sleep:3")
         wait(lambda: len(tls_edge.replicas[OPEN].authorizations) == 1, "the request in flight at the replica")
-        _write_edge(tls_edge.edge_dir, written)
+        write_edge(tls_edge.edge_dir, written)
         tls_edge.reload()
         with pytest.raises(ssl.SSLCertVerificationError):  # the old CA no longer verifies the router
             tls_edge.post(KEYS["alice"])

@@ -23,10 +23,13 @@ import roles.ray as ray_role
 import roles.router as router_role
 import roles.vllm as vllm_role
 from gpufleet import node_paths
+from gpufleet.netaddr import host_port
 from gpufleet.plan import access
 from gpufleet.plan.commands import ray_start_argv
 from gpufleet.templates import render
 from gpufleet.units import escape as systemd_text
+from roles.router import peers as router_peers
+from roles.router import token_ledger
 from roles.vllm import replica_files as vf
 from tests.unit.configs import host_config
 
@@ -233,6 +236,17 @@ def _router_clients(_: str) -> Unit:
                 [node_paths.NODE_PYTHON], argv, extra={router_role.CLIENTS_TIMER: timer})
 
 
+def _token_ledger(address: str) -> Unit:
+    """The routers' token ledger on the first of two routers, this one at ``address``."""
+    configs = {"r1": host_config(fleet_address=address), "r2": host_config(fleet_address="10.0.0.6")}
+    values = token_ledger.service_values("r1", ["r1", "r2"], configs)
+    argv = [node_paths.NODE_PYTHON, "-I", node_paths.node_tool("token_ledger.py"), "--budgets", token_ledger.BUDGETS,
+            "--listen", "127.0.0.1:8407", "--routers", f"{host_port(address, 8407)},10.0.0.6:8407", "--self", "0",
+            "--pem", router_peers.PEM]
+    return Unit(token_ledger.SERVICE, render("router/gpufleet-token-ledger.service.j2", **values),
+                [node_paths.NODE_PYTHON, "/bin/kill"], argv)
+
+
 def _dcgm_exporter(address: str) -> Unit:
     """dcgm-exporter's unit, listening on ``address``."""
     values = dcgm_exporter_role.unit_values(9400, address, ["10.0.0.0/24"], 300)
@@ -283,6 +297,7 @@ UNIT_CASES: list[tuple[str, Callable[[str], Unit]]] = [
     ("gpufleet-burn-in-full.service", _burn_in),
     ("gpufleet-capture@.service", _capture),
     ("gpufleet-router-clients.service and its timer", _router_clients),
+    ("gpufleet-token-ledger.service", _token_ledger),
     ("ray unit of a head", ray_head_unit),
     ("gpufleet-alert-log.service", _alert_log),
     ("gpufleet-router-health.service", _router_health),

@@ -45,9 +45,20 @@ def _client_models(value: Any) -> Any:
     return value
 
 
+MAX_TOKEN_BUDGET = 10**12  # tokens a minute or a day: far above any fleet's, below a float's exact integers
+
 PRIORITY_CLASSES: dict[str, int] = {"interactive": 0, "standard": 1, "batch": 2}
 """A client's priority class -> the priority vLLM schedules its requests by (lower first; vLLM's own default is 0)."""
 DEFAULT_PRIORITY_CLASS = "standard"  # a client without a class
+
+
+class TokenWeights(BaseModel):
+    """What one prompt token and one completion token count against a token budget."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    prompt: Annotated[float, Field(gt=0, le=1000, allow_inf_nan=False)] = 1.0
+    completion: Annotated[float, Field(gt=0, le=1000, allow_inf_nan=False)] = 1.0
 
 
 class RouterClient(BaseModel):
@@ -61,6 +72,13 @@ class RouterClient(BaseModel):
     requests_per_s: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
     concurrent_requests: Annotated[int, Field(ge=1, le=100_000)] | None = None
     priority: Literal["interactive", "standard", "batch"] | None = None
+    tokens_per_minute: Annotated[int, Field(ge=1, le=MAX_TOKEN_BUDGET)] | None = None
+    tokens_per_day: Annotated[int, Field(ge=1, le=MAX_TOKEN_BUDGET)] | None = None
+
+    @property
+    def metered(self) -> bool:
+        """Whether the client has a token budget (the routers' token ledger admits its requests)."""
+        return self.tokens_per_minute is not None or self.tokens_per_day is not None
 
     _check_secret = field_validator("api_key", mode="before")(secret_ref)
     _check_models = field_validator("models", mode="before")(_client_models)
@@ -99,6 +117,23 @@ class RouterSettings(RoleSettings):
         "Port on the fleet address where the routers keep their tables alike (HAProxy's peers: the clients' "
         "counters, the prefix policy's conversations), TLS only, each side showing the routers' own certificate "
         "(drawn by the deploy; anything else is refused before it reaches a table). The same on every router.",
+        scope="routers", read_on="routers",
+    )
+
+    router_ledger_port: Port = setting(
+        8407,
+        "Port of the routers' token ledger (clients with tokens_per_minute or tokens_per_day): on loopback for this "
+        "router's HAProxy, and on the fleet address for the other routers' ledgers, TLS only with the routers' own "
+        "certificate (as router_peer_port). The first router of the group routers that answers decides for all; "
+        "every change reaches the others, so a failover finds each client's budget used. The same on every router.",
+        scope="routers", read_on="routers",
+    )
+
+    router_token_weights: TokenWeights = setting(
+        {"prompt": 1.0, "completion": 1.0},
+        "What a prompt token and a completion token count against a client's token budgets (numbers above 0, at "
+        "most 1,000): {prompt: 1, completion: 4} makes an answer's token cost four of a prompt's, as the decode "
+        "that makes it costs the GPUs more.",
         scope="routers", read_on="routers",
     )
 
@@ -225,6 +260,8 @@ class RouterSettings(RoleSettings):
         "      requests_per_s: 20                  # requests per second (left out: no limit)\n"
         "      concurrent_requests: 8              # requests at once (left out: no limit)\n"
         "      priority: batch                     # interactive, standard or batch (left out: standard)\n"
+        "      tokens_per_minute: 200000           # token budgets per model it uses, a sliding minute and a\n"
+        "      tokens_per_day: 50000000            # sliding day (left out: no budget); see router_token_weights\n"
         "With clients, the router checks each request's \"Authorization: Bearer <key>\": none or an unknown key gets "
         "401, a model the client may not use 403, a request over a limit 429 with Retry-After; the replicas get "
         "the request with their own key (vllm_api_key) instead, which clients never need. The router holds only "
@@ -234,9 +271,16 @@ class RouterSettings(RoleSettings):
         "class beside standard may use is served with --scheduling-policy priority: the router sets each of its "
         "requests' X-Vllm-Priority from the client's class (interactive 0, standard 1, batch 2; vLLM serves the lowest "
         "first and may preempt a running request for a lower one); every other model's requests get 0. Either way a "
-        "priority the client sent (header or body) is never what vLLM reads.",
+        "priority the client sent (header or body) is never what vLLM reads. A client with a token budget has each "
+        "request's cost (its prompt's bytes, each counted a token at most, and its max_tokens or "
+        "max_completion_tokens, else the model's max_model_len, each weighed by router_token_weights) reserved by "
+        "the routers' token "
+        "ledger before it is admitted and settled from the usage vLLM reports when it ends (its models are served "
+        "with --enable-force-include-usage, so streamed answers report it too); a cost the budgets' windows cannot "
+        "hold now gets 429 with Retry-After when it will, one above a whole budget 400, and every answer of the "
+        "client carries x-ratelimit-remaining-tokens and x-ratelimit-reset-tokens.",
         scope="routers", read_on="routers", secret="tree", section="The edge: client keys and limits, TLS",
-        owned_flags=("--scheduling-policy",),
+        owned_flags=("--scheduling-policy", "--enable-force-include-usage"),
     )
 
     router_tls_certificate: OptionalSecret = setting(

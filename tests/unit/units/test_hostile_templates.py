@@ -62,6 +62,8 @@ COVERED = {"node_exporter/node_exporter.service.j2", "node_exporter/package-over
            "gpu_watch/gpufleet-gpu-watch.service.j2", "gpu_watch/gpufleet-gpu-watch.timer.j2",
            "node_lifecycle/gpufleet-node-watch.service.j2", "node_lifecycle/gpufleet-burn-in.service.j2",
            "router/gpufleet-router-clients.service.j2", "router/gpufleet-router-clients.timer.j2",
+           "router/gpufleet-token-ledger.service.j2",
+           "router/gpufleet-tokens.lua.j2",  # HAProxy's Lua, not systemd's: tests/tools/test_router_tokens.py
            "monitoring/gpufleet-alert-log.service.j2", "common/gpufleet-capture@.service.j2",
            "_sandbox.conf.j2",  # the sandbox: in every unit
            "vllm/ray.conf.j2",  # with vllm@.service and the Ray unit: tests/tools/test_units_pass_systemd_analyze.py

@@ -63,7 +63,7 @@ def test_the_units_are_found() -> None:
                           "node_lifecycle/gpufleet-node-watch.service.j2",
                           "node_lifecycle/gpufleet-burn-in.service.j2",
                           "monitoring/override.conf.j2", "monitoring/gpufleet-alert-log.service.j2",
-                          "router/gpufleet-router-clients.service.j2",
+                          "router/gpufleet-router-clients.service.j2", "router/gpufleet-token-ledger.service.j2",
                           "keepalived/keepalived-override.conf.j2", "keepalived/gpufleet-router-health.service.j2",
                           "common/gpufleet-capture@.service.j2"}
 
@@ -124,6 +124,10 @@ VALUES: dict[str, dict[str, object]] = {
         "textfile": "/var/lib/node_exporter/textfile_collector/gpufleet_router_clients.prom",
         "textfile_dir": "-/var/lib/node_exporter/textfile_collector",
         "exec_start": "/usr/bin/python3 -I /opt/gpufleet/node/router_admin.py client-metrics"},
+    "router/gpufleet-token-ledger.service.j2": {
+        "node_tools": "/opt/gpufleet/node", "listen": "127.0.0.1:8407", "peer_listen": "10.0.0.5:8407",
+        "budgets": "/etc/gpufleet/token-budgets.json",
+        "exec_start": "/usr/bin/python3 -I /opt/gpufleet/node/token_ledger.py --listen 127.0.0.1:8407"},
     "monitoring/override.conf.j2": {"unit": "prometheus.service", "environment_file": "/etc/default/prometheus",
                                     "config": "/etc/prometheus/gpufleet/prometheus.yml",
                                     "exec_start": "/usr/bin/prometheus", "state_directory": "prometheus/metrics2"},
@@ -221,6 +225,12 @@ EXPECTED = {
         "UMask=0022", "ProtectHome=yes", "ProtectClock=yes", "ProtectProc=invisible", "MemoryDenyWriteExecute=yes",
         "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6", f"{DENY} @resources", "SystemCallErrorNumber=EPERM",
         "PrivateDevices=yes", "ReadWritePaths=-/var/lib/node_exporter/textfile_collector"},
+    # root with no capability, the routers' token ledger: writes nothing; no device, W^X memory, no @resources
+    # (EPERM), no netlink
+    "router/gpufleet-token-ledger.service.j2": BASE | {
+        "UMask=0077", "ProtectHome=yes", "ProtectClock=yes", "ProtectProc=invisible", "MemoryDenyWriteExecute=yes",
+        "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6", f"{DENY} @resources", "SystemCallErrorNumber=EPERM",
+        "PrivateDevices=yes"},
     # Prometheus and Alertmanager as their own account (Go binaries): no device, W^X memory, no @resources (EPERM),
     # no netlink, no other user visible
     "monitoring/override.conf.j2": BASE | {

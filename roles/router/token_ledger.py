@@ -1,0 +1,84 @@
+"""The routers' token ledger (gpufleet/node/token_ledger.py) on each router, where a client has a token budget:
+its budgets file, its unit, and the Lua HAProxy asks it with.
+
+The ledger listens on loopback for this router's HAProxy and on the fleet address for the other routers' ledgers
+(``router_ledger_port``, TLS with the routers' peer certificate: :mod:`roles.router.peers`). The group ``routers``
+in its order is the authority's order: the first router whose ledger answers decides for all.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from gpufleet import templates
+from gpufleet.config.router_wide import own_address
+from gpufleet.config.schema import HostConfig
+from gpufleet.netaddr import host_port
+from gpufleet.node_paths import CONFIG_DIR, NODE_PYTHON, NODE_TOOLS_DIR, node_tool
+from gpufleet.plan import access
+from gpufleet.plan.backends import Backend
+from gpufleet.units.escape import exec_line
+from roles.router.peers import PEM
+
+SERVICE = "gpufleet-token-ledger.service"
+BUDGETS = f"{CONFIG_DIR}/token-budgets.json"  # root 0644: client names and numbers, no key
+LUA = "/etc/haproxy/gpufleet-tokens.lua"  # root 0644
+CALL_TIMEOUT_MS = 2000  # HAProxy's call to the ledger; the ledger's own forward to another router takes 1 s at most
+FLUSH_MS = 20  # settlements are sent in a batch this often
+AWAY = ('{"error":{"message":"the token budgets cannot be checked now; retry in a second",'
+        '"type":"ServiceUnavailableError","code":503}}')
+NEVER = ('{"error":{"message":"this request may cost more tokens than the whole budget of this API key (lower'
+         ' max_tokens)","type":"BadRequestError","code":400}}')
+LIMITED = ('{"error":{"message":"over the token budget of this API key; retry after the seconds in Retry-After",'
+           '"type":"RateLimitError","code":429}}')
+
+
+def metered(cfg: HostConfig) -> bool:
+    """Whether any client of the routers has a token budget."""
+    return any(client.metered for client in cfg.router_clients.values())
+
+
+def budgets(cfg: HostConfig, found: Sequence[Backend]) -> str:
+    """The ledger's budgets file: each metered client's budgets, the token weights, and each metered backend's
+    served model (the ledger's metrics label) and max_model_len (what a request without max_tokens reserves)."""
+    document = {
+        "clients": {name: {"tokens_per_minute": c.tokens_per_minute, "tokens_per_day": c.tokens_per_day}
+                    for name, c in sorted(cfg.router_clients.items()) if c.metered},
+        "weights": {"prompt": cfg.router_token_weights.prompt, "completion": cfg.router_token_weights.completion},
+        "models": {b.name: b.model for b in found if b.metered},
+        "max_tokens": {b.name: b.max_model_len for b in found if b.metered},
+    }
+    return json.dumps(document, indent=1, sort_keys=True) + "\n"
+
+
+def ledger_address(router: str, cfg: HostConfig) -> str:
+    """Where the other routers' ledgers reach ``router``'s: its own IP address, else its fleet address or name."""
+    return host_port(own_address(router, cfg) or cfg.fleet_address or router, cfg.router_ledger_port)
+
+
+def service_values(router: str, routers: Sequence[str], configs: Mapping[str, HostConfig]) -> dict[str, Any]:
+    """What templates/router/gpufleet-token-ledger.service.j2 is rendered with, on ``router``."""
+    cfg = configs[router]
+    listen = host_port("127.0.0.1", cfg.router_ledger_port)
+    addresses = [ledger_address(name, configs[name]) for name in routers]
+    argv = [NODE_PYTHON, "-I", node_tool("token_ledger.py"), "--budgets", BUDGETS, "--listen", listen,
+            "--routers", ",".join(addresses), "--self", str(list(routers).index(router)), "--pem", PEM]
+    others = [own_address(name, configs[name]) or configs[name].fleet_address or name
+              for name in routers if name != router]
+    return {"node_tools": NODE_TOOLS_DIR, "listen": listen, "peer_listen": addresses[list(routers).index(router)],
+            "budgets": BUDGETS, "exec_start": exec_line(argv), "ip_access": access.unit_lines(others)}
+
+
+def lua(cfg: HostConfig) -> str:
+    """The Lua HAProxy loads to ask the ledger (templates/router/gpufleet-tokens.lua.j2)."""
+    return templates.render("router/gpufleet-tokens.lua.j2", ledger=host_port("127.0.0.1", cfg.router_ledger_port),
+                            timeout_ms=CALL_TIMEOUT_MS, flush_ms=FLUSH_MS)
+
+
+def config_values(cfg: HostConfig) -> dict[str, Any] | None:
+    """The router configuration's ``tokens`` values; None without a metered client."""
+    if not metered(cfg):
+        return None
+    return {"lua": LUA, "away": AWAY, "never": NEVER, "limited": LIMITED}
