@@ -74,7 +74,7 @@ def _expected(err: dict[str, Any]) -> str:
     kind, ctx = err["type"], err.get("ctx", {})
     simple = {
         "int_type": "an integer", "int_parsing": "an integer", "int_from_float": "an integer",
-        "float_type": "a number", "float_parsing": "a number",
+        "float_type": "a number", "float_parsing": "a number", "finite_number": "a finite number",
         "bool_type": "true or false", "bool_parsing": "true or false",
         "string_type": "text", "dict_type": "a mapping", "list_type": "a list",
         "model_type": "a mapping", "model_attributes_type": "a mapping", "tuple_type": "a list of two ports",
