@@ -15,7 +15,7 @@ HAProxy asks the ledger on loopback, once when it admits a request and once when
   this request, the seconds until that window is whole again, and for a refusal the seconds until this cost fits.
 - ``POST /settle`` ``[{"id", "prompt", "completion"}, ...]``: the usage vLLM reported (or, with none reported,
   nothing for an error answer and the reservation for any other); a reservation never settled is charged whole
-  when ``HOLD_S`` has passed (its router stopped).
+  when ``hold_s`` has passed (the router's timeout and a minute: its answer was lost).
 
 Budgets are sliding windows: a minute (``tokens_per_minute``) and a day (``tokens_per_day``), each the tokens
 charged in the last 60 s or 86,400 s. A client's budget applies to each model it uses, apart.
@@ -49,7 +49,7 @@ from typing import Any
 
 MINUTE_S, DAY_S = 60.0, 86400.0
 DAY_BIN_S = 60.0  # the day's window counts in minutes
-HOLD_S = 3600.0  # a reservation unsettled this long is charged whole: its router is gone
+HOLD_S = 3600.0  # a reservation unsettled this long is charged whole (its router is gone); budgets' hold_s sets it
 MAX_BODY = 1 << 20  # one call's JSON
 FORWARD_TIMEOUT_S = 1.0  # a call forwarded to a router listed earlier; past it, that router is passed over
 DOWN_S = 5.0  # how long a router whose ledger did not answer is passed over
@@ -144,6 +144,7 @@ class Ledger:
             weights = budgets.get("weights", {})
             self.prompt_weight = float(weights.get("prompt", 1.0))
             self.completion_weight = float(weights.get("completion", 1.0))
+            self.hold_s = float(budgets.get("hold_s", HOLD_S))
             for (client, _), account in self.accounts.items():
                 kept = {window.span_s: window for _, window in account.windows}
                 account.windows = [(float(limit), kept.get(span) or Window(span, bin_s)) for limit, span, bin_s
@@ -216,7 +217,7 @@ class Ledger:
             window.charge(now, cost)
 
     def _expire(self, now: float) -> None:
-        for ident in [i for i, (_, _, since) in self.holds.items() if now - since > HOLD_S]:
+        for ident in [i for i, (_, _, since) in self.holds.items() if now - since > self.hold_s]:
             self._settle(ident, None, None, now)
 
     def metrics(self, now: float) -> str:

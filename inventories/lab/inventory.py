@@ -38,6 +38,8 @@ from gpufleet_lab.nodes import (
     BENCH_KEY_FILE,
     CLIENT_KEY_FILE,
     HUB_TOKEN_FILE,
+    METERED_KEY_FILE,
+    METERED_TOKENS_PER_MINUTE,
     RAY_TOKEN_FILE,
     TLS_DIR,
     VRRP_PASSWORD_FILE,
@@ -97,7 +99,10 @@ _edge = {
                                # limits far above what the tests send (the route matrix: ~40 requests in a second)
                                "requests_per_s": 200, "concurrent_requests": 32},
                        # gpufleet bench's: a client limited below a ramp would have its 429s measured as the ceiling
-                       "bench": {"api_key": {"file": str(ensure_api_key(lab_dir(), BENCH_KEY_FILE))}}},
+                       "bench": {"api_key": {"file": str(ensure_api_key(lab_dir(), BENCH_KEY_FILE))}},
+                       # metered by the routers' token ledger: its served models report streamed usage too
+                       "metered": {"api_key": {"file": str(ensure_api_key(lab_dir(), METERED_KEY_FILE))},
+                                   "tokens_per_minute": METERED_TOKENS_PER_MINUTE}},
 }
 if _layout == "singles":  # three replicas of one shape, routed by their prompts' prefixes
     _edge["router_policy"] = "prefix"

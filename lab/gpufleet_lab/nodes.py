@@ -77,6 +77,8 @@ API_KEY_FILE = "vllm-api-key"
 RAY_TOKEN_FILE = "ray-auth-token"
 CLIENT_KEY_FILE = "router-client-key"  # the key of the routers' client "lab" (router_clients)
 BENCH_KEY_FILE = "router-bench-key"  # the key of the routers' client "bench", without limits (gpufleet bench's)
+METERED_KEY_FILE = "router-metered-key"  # the key of the routers' client "metered", with a token budget
+METERED_TOKENS_PER_MINUTE = 1000  # its budget
 VRRP_PASSWORD_FILE = "vrrp-password"  # the routers' VRRP group (router_vrrp_password: at most 8 characters)
 # a stand-in hub token (vllm_hf_token): the lab's model is pushed, so no node downloads with it and it goes nowhere;
 # set so that the lab holds every secret a fleet can (gpufleet diag's archive is searched for each)

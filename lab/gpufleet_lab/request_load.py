@@ -23,6 +23,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +42,8 @@ class Answer:
     status: int | None
     failure: str | None = None
     retry_after: str | None = None
+    tokens: int | None = None  # a 200's usage, prompt and completion (total_tokens), where its body says it
+    remaining_tokens: str | None = None  # its x-ratelimit-remaining-tokens header (a client with a token budget)
 
 
 class RequestLoad:
@@ -160,22 +163,32 @@ def streamed_text(stream: str) -> str:
     return "".join(parts)
 
 
-def burst(url: str, model: str, key: str | None, count: int, *, max_tokens: int = 8, timeout_s: float = 60.0,
-          ca_file: str | None = None) -> list[Answer]:
+def _total_tokens(text: str) -> int | None:
+    """The usage's total_tokens of an answer's JSON body; None where it has none."""
+    try:
+        return int(json.loads(text)["usage"]["total_tokens"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def burst(url: str | Sequence[str], model: str, key: str | None, count: int, *, max_tokens: int = 8,
+          timeout_s: float = 60.0, ca_file: str | None = None) -> list[Answer]:
     """``count`` completions (at most BURST_MAX) sent at one instant: each on a connection of its own, opened
-    beforehand (TLS included), so that all of them reach the server within a few milliseconds. Each answer is kept
-    as it came, a refusal included; the completions are ``max_tokens`` long whatever the model samples."""
+    beforehand (TLS included), so that all of them reach the server within a few milliseconds; with several
+    ``url`` (routers), the requests go to each in turn. Each answer is kept as it came, a refusal included; the
+    completions are ``max_tokens`` long whatever the model samples."""
     if not 0 < count <= BURST_MAX:
         raise ValueError(f"a burst sends 1 to {BURST_MAX} requests, not {count}")
-    parsed = urllib.parse.urlsplit(url.rstrip("/"))
-    host, port = parsed.hostname or "", parsed.port or (443 if parsed.scheme == "https" else 80)
-    tls = ssl.create_default_context(cafile=ca_file) if parsed.scheme == "https" else None
+    targets = [urllib.parse.urlsplit(one.rstrip("/")) for one in ([url] if isinstance(url, str) else url)]
+    tls = ssl.create_default_context(cafile=ca_file) if targets[0].scheme == "https" else None
     body = json.dumps({"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "ignore_eos": True}).encode()
     headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
     ready = threading.Barrier(count + 1, timeout=timeout_s)
     answers: list[Answer | None] = [None] * count
 
     def one(index: int) -> None:
+        parsed = targets[index % len(targets)]
+        host, port = parsed.hostname or "", parsed.port or (443 if parsed.scheme == "https" else 80)
         connection: http.client.HTTPConnection = (
             http.client.HTTPSConnection(host, port, timeout=timeout_s, context=tls) if tls is not None
             else http.client.HTTPConnection(host, port, timeout=timeout_s))
@@ -198,7 +211,8 @@ def burst(url: str, model: str, key: str | None, count: int, *, max_tokens: int 
             text = response.read().decode(errors="replace")
             answers[index] = Answer(sent, time.monotonic() - sent, response.status,
                                     None if response.status == 200 else f"HTTP {response.status}: {text[:200]}",
-                                    response.getheader("Retry-After"))
+                                    response.getheader("Retry-After"), _total_tokens(text),
+                                    response.getheader("x-ratelimit-remaining-tokens"))
         except (OSError, http.client.HTTPException) as exc:
             answers[index] = Answer(sent, time.monotonic() - sent, None, f"{type(exc).__name__}: {str(exc)[:200]}")
         finally:

@@ -27,6 +27,7 @@ BUDGETS = f"{CONFIG_DIR}/token-budgets.json"  # root 0644: client names and numb
 LUA = "/etc/haproxy/gpufleet-tokens.lua"  # root 0644
 CALL_TIMEOUT_MS = 2000  # HAProxy's call to the ledger; the ledger's own forward to another router takes 1 s at most
 FLUSH_MS = 20  # settlements are sent in a batch this often
+HOLD_MARGIN_S = 60  # a reservation unsettled for the router's timeout and this long is charged whole
 AWAY = ('{"error":{"message":"the token budgets cannot be checked now; retry in a second",'
         '"type":"ServiceUnavailableError","code":503}}')
 NEVER = ('{"error":{"message":"this request may cost more tokens than the whole budget of this API key (lower'
@@ -49,6 +50,7 @@ def budgets(cfg: HostConfig, found: Sequence[Backend]) -> str:
         "weights": {"prompt": cfg.router_token_weights.prompt, "completion": cfg.router_token_weights.completion},
         "models": {b.name: b.model for b in found if b.metered},
         "max_tokens": {b.name: b.max_model_len for b in found if b.metered},
+        "hold_s": cfg.router_timeout_s + HOLD_MARGIN_S,
     }
     return json.dumps(document, indent=1, sort_keys=True) + "\n"
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import pytest
-from gpufleet_lab.nodes import BENCH_KEY_FILE, CLIENT_KEY_FILE
+from gpufleet_lab.nodes import BENCH_KEY_FILE, CLIENT_KEY_FILE, METERED_KEY_FILE, METERED_TOKENS_PER_MINUTE
 from gpufleet_lab.request_load import Answer, burst
 from gpufleet_lab.state import NodeRecord
 
@@ -28,6 +28,7 @@ from roles.router import CLIENT_TABLE
 from tests.lab.checks import assert_no_errors, main_pid, metrics
 from tests.lab.fleet import (
     PIPELINE,
+    ROUTER_PORT,
     address_holder,
     client_key,
     deploy,
@@ -52,6 +53,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:Unknown ssh-ed25519 host key:Use
 MAXCONN = 2  # the routers' maxconn for each replica in this test
 QUEUE_S = 0.5  # how long a request waits in the router's queue before its 503
 BURST_FACTOR = 10
+METERED_MAX_TOKENS = 32  # each metered request's
+METERED_WAVES = 20  # at most, after the first 100
 # Each burst request's completion: long enough (seconds) that no request queued QUEUE_S gets a place. With one
 # OpenMP thread per engine the lab's replicas answer 32 tokens in about 0.45 s (CI, p99): a request queued 0.5 s
 # then got a place, and the admitted p99 took the queue's wait too (1.27 s against 2 x 0.45).
@@ -122,7 +125,9 @@ def test_the_edge_rotates_a_key_under_load_limits_a_client_and_sheds_a_burst_fas
     _write_secret(capped_file, capped_key)
     clients = {"lab": {"api_key": {"file": str(key_file)}, "requests_per_s": 200, "concurrent_requests": 32},
                "capped": {"api_key": {"file": str(capped_file)}, "requests_per_s": 1, "concurrent_requests": 1},
-               "bench": {"api_key": {"file": str(lab.directory / BENCH_KEY_FILE)}}}  # as the lab has it
+               "bench": {"api_key": {"file": str(lab.directory / BENCH_KEY_FILE)}},  # as the lab has it
+               "metered": {"api_key": {"file": str(lab.directory / METERED_KEY_FILE)},
+                           "tokens_per_minute": METERED_TOKENS_PER_MINUTE}}
     # each pool's routers' maxconn small, and vLLM's own limit kept at what its replica runs (no restart)
     inventory = lab_copy(tmp_path, {group: f"router_server_maxconn: {MAXCONN}\nvllm_max_num_queued_reqs: {queued}\n"
                                     for group, queued in _queued_reqs(lab).items()})
@@ -207,9 +212,11 @@ def test_the_edge_rotates_a_key_under_load_limits_a_client_and_sheds_a_burst_fas
     served = [(t.ta - t.tr - max(t.tw, 0)) / 1000 for t in logged[at_once:] if t.status == 200]
     alone = [(t.ta - t.tr) / 1000 for t in logged[:at_once]]
     assert len(served) == len(admitted) and _p99_of(served) <= 2 * _p99_of(alone), (served, alone)
+    metered = _spend_a_token_budget(lab, model)
     record_figure(tmp_path_factory, {
         "fault": "the edge changed by a deploy under load (key rotated, client added, admission set small), then a"
-                 " client over its rate and a burst", "load_through_the_deploy": load.figures(),
+                 " client over its rate and a burst",
+        "token_budget": METERED_TOKENS_PER_MINUTE, **metered, "load_through_the_deploy": load.figures(),
         "old_key_401s_after_the_reload": sum(1 for a in load.answers if a.status == 401),
         "capped_answers": limited, "capped_429s_in_prometheus_after_s": round(counted_after_s, 1),
         "capped_429s_counted": counted, "burst": len(answers), "admitted": len(admitted),
@@ -221,6 +228,29 @@ def test_the_edge_rotates_a_key_under_load_limits_a_client_and_sheds_a_burst_fas
         "admitted_served_p99_s": round(_p99_of(served), 3), "unloaded_p99_s": round(_p99_of(alone), 3),
         "admitted_p99_at_the_client_s": round(_p99(admitted), 3),
         "unloaded_p99_at_the_client_s": round(_p99(unloaded), 3)})
+
+
+def _spend_a_token_budget(lab: Lab, model: str) -> dict[str, object]:
+    """The client ``metered`` (a budget of METERED_TOKENS_PER_MINUTE tokens a minute) sends 100 requests at once,
+    every other one to each router's own address, then waves of ten until a wave is refused whole: what both
+    routers served in the minute (the usage of each answer) exceeds the budget by one request's max_tokens at most.
+    Routers that each counted alone would serve up to twice the budget."""
+    key = (lab.directory / METERED_KEY_FILE).read_text().strip()
+    urls = [f"https://{node.address}:{ROUTER_PORT}" for node in lab.nodes[:2]]
+    started = time.monotonic()
+    waves = [burst(urls, model, key, 100, max_tokens=METERED_MAX_TOKENS, ca_file=lab_ca(lab))]
+    while any(a.status == 200 for a in waves[-1]) and len(waves) < METERED_WAVES:
+        waves.append(burst(urls, model, key, 10, max_tokens=METERED_MAX_TOKENS, ca_file=lab_ca(lab)))
+    took_s = time.monotonic() - started
+    answers = [a for wave in waves for a in wave]
+    served = [a.tokens for a in answers if a.status == 200]
+    assert took_s < 60 and not any(a.status == 200 for a in waves[-1]), (took_s, len(waves))
+    assert None not in served and {a.status for a in answers} <= {200, 429, 503}, [a.failure for a in answers][:3]
+    assert 0 < sum(s or 0 for s in served) <= METERED_TOKENS_PER_MINUTE + METERED_MAX_TOKENS, served
+    assert all(a.retry_after and a.remaining_tokens for a in answers if a.status == 429)
+    return {"token_waves": len(waves), "token_requests": len(answers), "token_admitted": len(served),
+            "tokens_served_in_the_minute": sum(s or 0 for s in served), "token_waves_took_s": round(took_s, 1),
+            "token_429s": sum(1 for a in answers if a.status == 429)}
 
 
 class EdgeTimes(NamedTuple):

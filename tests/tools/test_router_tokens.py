@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from gpufleet.node import router_admin
 from gpufleet.node import token_ledger as ledger_tool
 from roles.router import peers
 from tests.loopback_http import free_port
@@ -148,3 +149,16 @@ def _settled(router: Router) -> bool:
 def _metrics(router: Router) -> dict[str, str]:
     return {line.rsplit(" ", 1)[0]: line.rsplit(" ", 1)[1] for line in router.metrics().splitlines()
             if not line.startswith("#")}
+
+
+def test_a_request_the_router_answers_itself_after_its_reservation_holds_nothing(
+        routers: tuple[Router, Router]) -> None:
+    a, _ = routers
+    runtime = router_admin.Runtime(str(a.edge.socket))
+    backend = next(s.backend for s in runtime.servers() if s.server == f"{OPEN}-0")
+    router_admin.set_state(runtime, backend, f"{OPEN}-0", "maint")
+    status, _, _ = a.post()
+    assert status == 503  # no replica: HAProxy's own answer, after the ledger reserved the request's cost
+    until(lambda: _settled(a), "the reservation released")
+    left = _metrics(a)[f'gpufleet_client_tokens_remaining{{client="erin",model="{OPEN}",window="minute"}}']
+    assert float(left) == BUDGET
