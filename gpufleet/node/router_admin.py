@@ -7,7 +7,7 @@ Runs on the router node as root (standard library only), over SSH from ``gpuflee
     router_admin.py set-state BACKEND SERVER ready|drain|maint [--socket PATH]
     router_admin.py wait-drained BACKEND SERVER --timeout S [--socket PATH]
     router_admin.py set-weight BACKEND SERVER WEIGHT [--socket PATH]
-    router_admin.py client-metrics --textfile PATH [--socket PATH] [--edge-dir PATH]
+    router_admin.py client-metrics --textfile PATH [--socket PATH] [--edge-dir PATH] [--ledger PORT]
 
 A backend is a served model, a server one of its replicas (named as the plan names it). ``show`` lists every
 server of every backend: its ``status`` as HAProxy's statistics say it (UP, DOWN, DRAIN, MAINT, ...), its
@@ -21,7 +21,9 @@ the server has nothing in flight and nothing queued; its ``--timeout`` is in sec
 
 ``client-metrics`` writes the counters of every client of the edge (``router_clients``: the stick table
 ``gpufleet-clients``, the limits from the edge's maps) as a node_exporter textfile (0644, replaced whole):
-requests, 4xx answers, 429s, admitted requests, requests in flight, and each client's limits.
+requests, 4xx answers, 429s, admitted requests, requests in flight, and each client's limits; with ``--ledger``,
+the token ledger's counters too (its ``GET /metrics`` on that loopback port: tokens per client and model, what its
+budgets have left), or none while it does not answer.
 
 Every argument is checked before anything reaches the socket: names in HAProxy's identifier characters
 (``A-Z a-z 0-9 _ . : -``), a state from the three above, a weight 0-256, a timeout 0-86400. Each command prints
@@ -40,6 +42,7 @@ import re
 import socket
 import sys
 import time
+import urllib.request
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import NoReturn
@@ -343,6 +346,15 @@ def client_metrics(api: Runtime, edge_dir: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def ledger_metrics(port: int) -> str:
+    """The token ledger's metrics (gpufleet/node/token_ledger.py) on loopback; "" while it does not answer."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=IO_TIMEOUT_S) as answer:
+            return str(answer.read(16 << 20).decode())
+    except (OSError, ValueError):
+        return ""
+
+
 def write_textfile(path: str, text: str) -> None:
     """Replace ``path`` with ``text`` in one rename (node_exporter never reads half a file), 0644."""
     staged = f"{path}.{os.getpid()}.tmp"
@@ -369,6 +381,7 @@ def _parser() -> argparse.ArgumentParser:
     metrics = commands.add_parser("client-metrics", help="the edge's clients' counters as a node_exporter textfile")
     metrics.add_argument("--textfile", required=True, help="the .prom file to write")
     metrics.add_argument("--edge-dir", default=DEFAULT_EDGE_DIR, help=f"the edge's maps ({DEFAULT_EDGE_DIR})")
+    metrics.add_argument("--ledger", type=int, help="the token ledger's loopback port (clients with token budgets)")
     for sub in (state, wait, weight):
         sub.add_argument("backend")
         sub.add_argument("server")
@@ -387,7 +400,7 @@ def run(argv: list[str] | None) -> dict[str, object]:
     if args.command == "show":
         return {"servers": [asdict(found) for found in api.servers()]}
     if args.command == "client-metrics":
-        text = client_metrics(api, args.edge_dir)
+        text = client_metrics(api, args.edge_dir) + (ledger_metrics(args.ledger) if args.ledger else "")
         write_textfile(args.textfile, text)
         return {"textfile": args.textfile, "clients": text.count("gpufleet_router_client_requests_total{")}
     backend, server = check_name("backend", args.backend), check_name("server", args.server)

@@ -56,6 +56,13 @@ DOWN_S = 5.0  # how long a router whose ledger did not answer is passed over
 MAX_SNAPSHOT = 64 << 20  # a ledger's whole state, as another router sends it
 MAX_PENDING = 100_000  # changes kept for a router that does not answer
 REPLICATE_EVERY_S = 0.05
+METRICS = (
+    ("prompt_tokens_total", "counter", "prompt tokens of its settled requests, by model (vLLM's usage)"),
+    ("completion_tokens_total", "counter", "completion tokens of its settled requests, by model (vLLM's usage)"),
+    ("tokens_held", "gauge", "tokens its requests in flight hold (their reservations, weighed)"),
+    ("tokens_remaining", "gauge", "tokens its budget's window has left, less what is held"),
+    ("token_budget", "gauge", "its budget per window (router_clients' tokens_per_minute, tokens_per_day)"),
+)
 SETTLE_WAIT_S = 1.0  # Retry-After when what the budget lacks is held by requests in flight
 
 
@@ -221,19 +228,20 @@ class Ledger:
             self._settle(ident, None, None, now)
 
     def metrics(self, now: float) -> str:
-        lines = ["# TYPE gpufleet_client_prompt_tokens_total counter",
-                 "# TYPE gpufleet_client_completion_tokens_total counter",
-                 "# TYPE gpufleet_client_tokens_remaining gauge",
-                 "# TYPE gpufleet_client_tokens_held gauge"]
+        """Each account's counters in Prometheus' text format (:data:`METRICS`)."""
+        lines = [f"# HELP gpufleet_router_client_{name} {about}\n# TYPE gpufleet_router_client_{name} {kind}"
+                 for name, kind, about in METRICS]
         with self.lock:
             for (client, model), account in sorted(self.accounts.items()):
                 labels = f'client="{client}",model="{_label(model)}"'
-                lines.append(f"gpufleet_client_prompt_tokens_total{{{labels}}} {account.prompt}")
-                lines.append(f"gpufleet_client_completion_tokens_total{{{labels}}} {account.completion}")
-                lines.append(f"gpufleet_client_tokens_held{{{labels}}} {account.held:g}")
-                for (limit, window), name in zip(account.windows, ("minute", "day")):
+                lines.append(f"gpufleet_router_client_prompt_tokens_total{{{labels}}} {account.prompt}")
+                lines.append(f"gpufleet_router_client_completion_tokens_total{{{labels}}} {account.completion}")
+                lines.append(f"gpufleet_router_client_tokens_held{{{labels}}} {account.held:g}")
+                for limit, window in account.windows:
+                    name = "minute" if window.span_s == MINUTE_S else "day"
                     left = limit - window.used(now) - account.held
-                    lines.append(f'gpufleet_client_tokens_remaining{{{labels},window="{name}"}} {left:g}')
+                    lines.append(f'gpufleet_router_client_tokens_remaining{{{labels},window="{name}"}} {left:g}')
+                    lines.append(f'gpufleet_router_client_token_budget{{{labels},window="{name}"}} {limit:g}')
         return "\n".join(lines) + "\n"
 
     def snapshot(self) -> dict[str, Any]:

@@ -332,10 +332,12 @@ def drop_in(cfg: HostConfig) -> str:
                             restart_after_s=restart_after_s(cfg))
 
 
-def clients_service_values() -> dict[str, object]:
-    """What templates/router/gpufleet-router-clients.service.j2 is rendered with (the same on every router)."""
+def clients_service_values(cfg: HostConfig) -> dict[str, object]:
+    """What templates/router/gpufleet-router-clients.service.j2 is rendered with (the same on every router): with a
+    metered client, the token ledger's counters too."""
     argv = [NODE_PYTHON, "-I", node_tool("router_admin.py"), "client-metrics", "--textfile", CLIENTS_TEXTFILE,
-            "--socket", ROUTER_ADMIN_SOCKET, "--edge-dir", EDGE_DIR]
+            "--socket", ROUTER_ADMIN_SOCKET, "--edge-dir", EDGE_DIR,
+            *(["--ledger", str(cfg.router_ledger_port)] if token_ledger.metered(cfg) else [])]
     return {"timer": CLIENTS_TIMER, "node_tools": NODE_TOOLS_DIR, "textfile": CLIENTS_TEXTFILE,
             "textfile_dir": f"-{TEXTFILE_DIR}",  # "-": no error where node_exporter is not installed
             "exec_start": exec_line(argv), "ip_access": access.unit_lines([])}  # localhost only: no network
@@ -469,7 +471,7 @@ def router() -> None:
     systemd.reload(name=f"Reload {SERVICE}: its configuration, edge files or peer certificate changed (requests in"
                         " flight finish)", unit=SERVICE, _if=any_changed(config, pem, lua))
     systemd.service(name=f"Ensure {SERVICE} runs and starts at boot", unit=SERVICE, running=True, enabled=True)
-    _clients_counters(bool(cfg.router_clients), clients_service, clients_timer)
+    _clients_counters(cfg, clients_service, clients_timer)
 
 
 def _peer_pem() -> OperationMeta:
@@ -516,12 +518,12 @@ def _token_ledger(cfg: HostConfig) -> OperationMeta:
                       content=token_ledger.lua(cfg), mode="0644")
 
 
-def _clients_counters(wanted: bool, service_file: str, timer_file: str) -> None:
+def _clients_counters(cfg: HostConfig, service_file: str, timer_file: str) -> None:
     """The timer that writes the clients' counters for node_exporter, with clients; gone without."""
-    if wanted:
+    if cfg.router_clients:
         service = files.file(name=f"Write {service_file} (the clients' counters)", dest=service_file,
                              content=templates.render("router/gpufleet-router-clients.service.j2",
-                                                      **clients_service_values()))
+                                                      **clients_service_values(cfg)))
         timer = files.file(name=f"Write {timer_file}: the counters every {CLIENTS_INTERVAL_S} s", dest=timer_file,
                            content=templates.render("router/gpufleet-router-clients.timer.j2",
                                                     **clients_timer_values()))

@@ -27,6 +27,7 @@ from tests.tools.edge_run import CLIENTS, OPEN, Edge, start_edge, usage
 KEY = "erin-key-0123456789abcdef"
 BUDGET = 1000  # tokens a minute
 MAX_TOKENS = 50
+REMAINING = "gpufleet_router_client_tokens_remaining"
 CLIENT = {"api_key": {"env": "EDGE_ERIN_KEY"}, "models": [OPEN], "tokens_per_minute": BUDGET}
 
 
@@ -116,14 +117,21 @@ def test_each_answer_says_the_budget_left_and_a_cost_above_the_whole_budget_gets
     assert status == 400 and "retry-after" not in headers
 
 
-def test_a_streamed_answers_usage_settles_its_reservation(routers: tuple[Router, Router]) -> None:
+def test_a_streamed_answers_usage_settles_its_reservation_and_reaches_the_clients_textfile(
+        routers: tuple[Router, Router], tmp_path: Path) -> None:
     a, _ = routers
     status, _, body = a.post(max_tokens=7, stream=True)
     assert status == 200 and b'"usage": {"prompt_tokens"' in body
     prompt, completion = usage({"prompt": "hello world!", "max_tokens": 7})
-    until(lambda: f'gpufleet_client_completion_tokens_total{{client="erin",model="{OPEN}"}} {completion}'
+    until(lambda: f'gpufleet_router_client_completion_tokens_total{{client="erin",model="{OPEN}"}} {completion}'
           in a.metrics(), "the streamed usage settled", timeout_s=10)
-    assert f'gpufleet_client_prompt_tokens_total{{client="erin",model="{OPEN}"}} {prompt}' in a.metrics()
+    assert f'gpufleet_router_client_prompt_tokens_total{{client="erin",model="{OPEN}"}} {prompt}' in a.metrics()
+    textfile = tmp_path / "clients.prom"
+    router_admin.run(["client-metrics", "--textfile", str(textfile), "--socket", str(a.edge.socket),
+                      "--edge-dir", str(a.edge.edge_dir), "--ledger", str(a.ledger_port)])
+    written = textfile.read_text()
+    assert 'gpufleet_router_client_requests_total{client="erin"}' in written
+    assert f'gpufleet_router_client_token_budget{{client="erin",model="{OPEN}",window="minute"}} {BUDGET}' in written
 
 
 def test_the_other_routers_ledger_holds_the_budget_used_when_the_first_is_gone(
@@ -132,7 +140,7 @@ def test_the_other_routers_ledger_holds_the_budget_used_when_the_first_is_gone(
     while a.post()[0] == 200:
         pass
     until(lambda: _settled(a) and a.metrics() == b.metrics(), "the used budget settled and replicated to router b")
-    left = int(float(_metrics(a)[f'gpufleet_client_tokens_remaining{{client="erin",model="{OPEN}",window="minute"}}']))
+    left = int(float(_metrics(a)[f'{REMAINING}{{client="erin",model="{OPEN}",window="minute"}}']))
     assert 0 <= left < BUDGET - 2 * MAX_TOKENS
     a.ledger.terminate()
     a.ledger.wait(10)
@@ -143,7 +151,7 @@ def test_the_other_routers_ledger_holds_the_budget_used_when_the_first_is_gone(
 
 
 def _settled(router: Router) -> bool:
-    return _metrics(router)[f'gpufleet_client_tokens_held{{client="erin",model="{OPEN}"}}'] == "0"
+    return _metrics(router)[f'gpufleet_router_client_tokens_held{{client="erin",model="{OPEN}"}}'] == "0"
 
 
 def _metrics(router: Router) -> dict[str, str]:
@@ -160,5 +168,5 @@ def test_a_request_the_router_answers_itself_after_its_reservation_holds_nothing
     status, _, _ = a.post()
     assert status == 503  # no replica: HAProxy's own answer, after the ledger reserved the request's cost
     until(lambda: _settled(a), "the reservation released")
-    left = _metrics(a)[f'gpufleet_client_tokens_remaining{{client="erin",model="{OPEN}",window="minute"}}']
+    left = _metrics(a)[f'{REMAINING}{{client="erin",model="{OPEN}",window="minute"}}']
     assert float(left) == BUDGET

@@ -230,9 +230,10 @@ def _router_clients(_: str) -> Unit:
     argv = [node_paths.NODE_PYTHON, "-I", node_paths.node_tool("router_admin.py"), "client-metrics", "--textfile",
             router_role.CLIENTS_TEXTFILE, "--socket", node_paths.ROUTER_ADMIN_SOCKET,
             "--edge-dir", router_role.EDGE_DIR]
+    cfg = host_config()
     timer = render("router/gpufleet-router-clients.timer.j2", **router_role.clients_timer_values())
     return Unit(router_role.CLIENTS_SERVICE,
-                render("router/gpufleet-router-clients.service.j2", **router_role.clients_service_values()),
+                render("router/gpufleet-router-clients.service.j2", **router_role.clients_service_values(cfg)),
                 [node_paths.NODE_PYTHON], argv, extra={router_role.CLIENTS_TIMER: timer})
 
 

@@ -56,4 +56,4 @@ def test_a_ledger_that_starts_takes_the_state_of_another() -> None:
     mine = second.reserve("alice", "m", 400, 3.0).line().split()
     theirs = first.reserve("alice", "m", 400, 3.0).line().split()
     assert mine[:1] + mine[2:] == theirs[:1] + theirs[2:] == ["1", "0", "86398", "0"]
-    assert 'gpufleet_client_prompt_tokens_total{client="alice",model="m"} 200' in second.metrics(3.0)
+    assert 'gpufleet_router_client_prompt_tokens_total{client="alice",model="m"} 200' in second.metrics(3.0)

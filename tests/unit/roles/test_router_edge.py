@@ -78,10 +78,18 @@ def test_the_clients_counters_reach_the_runtime_api_through_haproxys_group() -> 
     text = router_role.render(router_role.config_values(host_config(), "10.0.0.5", FOUND, [], [], {}))
     # no "group": HAProxy runs as its account, which may not chown, and the reload that asked it failed
     assert f"stats socket {node_paths.ROUTER_ADMIN_SOCKET} mode 660 level admin\n" in text
-    service = templates.render("router/gpufleet-router-clients.service.j2", **router_role.clients_service_values())
+    values = router_role.clients_service_values(host_config())
+    service = templates.render("router/gpufleet-router-clients.service.j2", **values)
     settings = [(key, value) for _, key, value in unit_settings(service)]
     assert ("SupplementaryGroups", "haproxy") in settings and ("CapabilityBoundingSet", "") in settings
     assert not any(key == "User" for key, _ in settings)
+
+
+def test_with_a_client_with_a_token_budget_the_counters_take_the_token_ledgers_too() -> None:
+    metered = {"api_key": {"env": "ALICE_KEY"}, "tokens_per_day": 10**6}
+    assert "--ledger" not in str(router_role.clients_service_values(host_config())["exec_start"])
+    values = router_role.clients_service_values(host_config(router_clients={"alice": metered}))
+    assert str(values["exec_start"]).endswith(" --ledger 8407")
 
 
 def test_two_clients_with_one_key_from_two_references_are_refused_without_showing_it(
