@@ -24,8 +24,8 @@ One authority for all routers: the first router of ``--routers`` whose ledger an
 call to the routers listed before its own (``--self``) over TLS (``--pem``: the routers' own certificate, on both
 sides), the first that answers deciding, and decides itself when none does; a router that did not answer is
 passed over for ``DOWN_S``. Every change is sent to every other router's ledger (``POST /replicate``), and a ledger
-that starts takes the state of the first that answers (``GET /snapshot``): a failover, a restart or a router's
-return finds the budgets used.
+that starts takes the state of the first that answers (``GET /snapshot``), else the one it saved when it stopped
+(``--state``: SIGTERM writes it): a failover, a restart or a router's return finds the budgets used.
 
 ``GET /metrics`` (loopback): each client's prompt and completion tokens per model, settled, what it holds in
 reservations and what its budgets have left, in Prometheus' text format.
@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import signal
 import ssl
 import sys
@@ -353,12 +354,14 @@ class Service:
         except (OSError, ValueError):
             return None
 
-    def catch_up(self) -> None:
-        """Take the state of the first other router that answers (a ledger that starts knows nothing)."""
+    def catch_up(self) -> bool:
+        """Take the state of the first other router that answers (a ledger that starts knows nothing); False: none
+        did."""
         for index, router in enumerate(self.routers):
             if index != self.me and (state := self._call(router, "/snapshot")) is not None:
                 self.ledger.restore(json.loads(state))
-                return
+                return True
+        return False
 
     def replicate_forever(self) -> None:
         """Send this ledger's changes to every other router's ledger, a batch every ``REPLICATE_EVERY_S``."""
@@ -443,6 +446,16 @@ def _handler(service: Service, trusted_peer: bool) -> type[BaseHTTPRequestHandle
     return Handler
 
 
+def _save_and_exit(ledger: Ledger, path: str) -> None:
+    """Write the state (one rename: a reader never sees half of it), then exit: what a restart starts from when no
+    other router's ledger answers."""
+    staged = f"{path}.tmp"
+    with open(staged, "w", encoding="utf-8") as out:
+        json.dump(ledger.snapshot(), out)
+    os.replace(staged, path)
+    sys.exit(0)
+
+
 def _read(path: str) -> dict[str, Any]:
     with open(path, encoding="utf-8") as f:
         return dict(json.load(f))
@@ -460,6 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--routers", default="", help="every router's ledger, ADDR:PORT,... in the authority's order")
     parser.add_argument("--self", dest="me", type=int, default=0, help="this router's place in --routers")
     parser.add_argument("--pem", help="the routers' certificate and key (TLS between ledgers)")
+    parser.add_argument("--state", help="where the state is saved when the ledger stops, and read when it starts")
     args = parser.parse_args(argv)
     budgets = _read(args.budgets)
     routers = tuple(r for r in args.routers.split(",") if r)
@@ -470,7 +484,10 @@ def main(argv: list[str] | None = None) -> int:
         peer_server = ThreadingHTTPServer(_address(routers[args.me]), _handler(service, trusted_peer=True))
         peer_server.socket = _context(args.pem, server=True).wrap_socket(peer_server.socket, server_side=True)
         servers.append(peer_server)
-        service.catch_up()
+    if not (routers and args.pem and service.catch_up()) and args.state and os.path.exists(args.state):
+        ledger.restore(_read(args.state))
+    if args.state:
+        signal.signal(signal.SIGTERM, lambda *_: _save_and_exit(ledger, args.state))
     signal.signal(signal.SIGHUP, lambda *_: service.set_budgets(_read(args.budgets)))  # systemctl reload
     for server in servers:
         server.daemon_threads = True

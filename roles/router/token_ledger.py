@@ -8,6 +8,7 @@ in its order is the authority's order: the first router whose ledger answers dec
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -20,11 +21,14 @@ from gpufleet.node_paths import CONFIG_DIR, NODE_PYTHON, NODE_TOOLS_DIR, node_to
 from gpufleet.plan import access
 from gpufleet.plan.backends import Backend
 from gpufleet.units.escape import exec_line
+from roles.common import NODE_SOURCES
 from roles.router.peers import PEM
 
 SERVICE = "gpufleet-token-ledger.service"
 BUDGETS = f"{CONFIG_DIR}/token-budgets.json"  # root 0644: client names and numbers, no key
 LUA = "/etc/haproxy/gpufleet-tokens.lua"  # root 0644
+STATE_DIR = "gpufleet-token-ledger"  # its StateDirectory=, below /var/lib
+STATE = f"/var/lib/{STATE_DIR}/state.json"  # what it saved when it stopped
 CALL_TIMEOUT_MS = 2000  # HAProxy's call to the ledger; the ledger's own forward to another router takes 1 s at most
 FLUSH_MS = 20  # settlements are sent in a batch this often
 HOLD_MARGIN_S = 60  # a reservation unsettled for the router's timeout and this long is charged whole
@@ -61,16 +65,20 @@ def ledger_address(router: str, cfg: HostConfig) -> str:
 
 
 def service_values(router: str, routers: Sequence[str], configs: Mapping[str, HostConfig]) -> dict[str, Any]:
-    """What templates/router/gpufleet-token-ledger.service.j2 is rendered with, on ``router``."""
+    """What templates/router/gpufleet-token-ledger.service.j2 is rendered with, on ``router``: it names the tool's
+    SHA-256, so that a new tool changes the unit, which restarts it (it takes the other routers' state back)."""
     cfg = configs[router]
     listen = host_port("127.0.0.1", cfg.router_ledger_port)
     addresses = [ledger_address(name, configs[name]) for name in routers]
     argv = [NODE_PYTHON, "-I", node_tool("token_ledger.py"), "--budgets", BUDGETS, "--listen", listen,
-            "--routers", ",".join(addresses), "--self", str(list(routers).index(router)), "--pem", PEM]
+            "--routers", ",".join(addresses), "--self", str(list(routers).index(router)), "--pem", PEM,
+            "--state", STATE]
     others = [own_address(name, configs[name]) or configs[name].fleet_address or name
               for name in routers if name != router]
+    tool = hashlib.sha256((NODE_SOURCES / "token_ledger.py").read_bytes()).hexdigest()
     return {"node_tools": NODE_TOOLS_DIR, "listen": listen, "peer_listen": addresses[list(routers).index(router)],
-            "budgets": BUDGETS, "exec_start": exec_line(argv), "ip_access": access.unit_lines(others)}
+            "budgets": BUDGETS, "exec_start": exec_line(argv), "ip_access": access.unit_lines(others),
+            "tool_sha256": tool, "state_dir": STATE_DIR}
 
 
 def lua(cfg: HostConfig) -> str:

@@ -10,7 +10,7 @@ import json
 import subprocess
 import sys
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -170,3 +170,32 @@ def test_a_request_the_router_answers_itself_after_its_reservation_holds_nothing
     until(lambda: _settled(a), "the reservation released")
     left = _metrics(a)[f'{REMAINING}{{client="erin",model="{OPEN}",window="minute"}}']
     assert float(left) == BUDGET
+
+
+def test_a_lone_ledger_saves_its_state_when_it_stops_and_starts_from_it(tmp_path: Path) -> None:
+    budgets = tmp_path / "budgets.json"
+    budgets.write_text(json.dumps({"clients": {"erin": {"tokens_per_minute": BUDGET}}}))
+    port, state = free_port(), tmp_path / "state.json"
+
+    def reserve(tokens: int) -> list[str]:
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/reserve", data=f"erin m {tokens} 0".encode())
+        with urllib.request.urlopen(request, timeout=5) as answer:
+            return str(answer.read().decode()).split()
+
+    for attempt in range(2):
+        ledger = subprocess.Popen([sys.executable, "-I", ledger_tool.__file__, "--budgets", str(budgets), "--listen",
+                                   f"127.0.0.1:{port}", "--state", str(state)])
+        try:
+            until(lambda: _reserving(reserve), "the ledger answers", timeout_s=10)
+            assert reserve(300)[2] == ("700" if attempt == 0 else "400")  # the first run's hold, still held
+        finally:
+            ledger.terminate()
+            assert ledger.wait(10) == 0
+        assert state.exists()
+
+
+def _reserving(reserve: Callable[[int], list[str]]) -> bool:
+    try:
+        return reserve(0)[0] == "1"
+    except OSError:
+        return False

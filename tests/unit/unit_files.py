@@ -243,7 +243,7 @@ def _token_ledger(address: str) -> Unit:
     values = token_ledger.service_values("r1", ["r1", "r2"], configs)
     argv = [node_paths.NODE_PYTHON, "-I", node_paths.node_tool("token_ledger.py"), "--budgets", token_ledger.BUDGETS,
             "--listen", "127.0.0.1:8407", "--routers", f"{host_port(address, 8407)},10.0.0.6:8407", "--self", "0",
-            "--pem", router_peers.PEM]
+            "--pem", router_peers.PEM, "--state", token_ledger.STATE]
     return Unit(token_ledger.SERVICE, render("router/gpufleet-token-ledger.service.j2", **values),
                 [node_paths.NODE_PYTHON, "/bin/kill"], argv)
 

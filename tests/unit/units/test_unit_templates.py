@@ -126,7 +126,7 @@ VALUES: dict[str, dict[str, object]] = {
         "exec_start": "/usr/bin/python3 -I /opt/gpufleet/node/router_admin.py client-metrics"},
     "router/gpufleet-token-ledger.service.j2": {
         "node_tools": "/opt/gpufleet/node", "listen": "127.0.0.1:8407", "peer_listen": "10.0.0.5:8407",
-        "budgets": "/etc/gpufleet/token-budgets.json",
+        "budgets": "/etc/gpufleet/token-budgets.json", "tool_sha256": "0" * 64, "state_dir": "gpufleet-token-ledger",
         "exec_start": "/usr/bin/python3 -I /opt/gpufleet/node/token_ledger.py --listen 127.0.0.1:8407"},
     "monitoring/override.conf.j2": {"unit": "prometheus.service", "environment_file": "/etc/default/prometheus",
                                     "config": "/etc/prometheus/gpufleet/prometheus.yml",
