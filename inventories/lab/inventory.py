@@ -37,6 +37,8 @@ from gpufleet_lab.nodes import (
     API_KEY_FILE,
     BENCH_KEY_FILE,
     CLIENT_KEY_FILE,
+    DAILY_KEY_FILE,
+    DAILY_TOKENS_PER_DAY,
     HUB_TOKEN_FILE,
     METERED_KEY_FILE,
     METERED_TOKENS_PER_MINUTE,
@@ -102,7 +104,9 @@ _edge = {
                        "bench": {"api_key": {"file": str(ensure_api_key(lab_dir(), BENCH_KEY_FILE))}},
                        # metered by the routers' token ledger: its served models report streamed usage too
                        "metered": {"api_key": {"file": str(ensure_api_key(lab_dir(), METERED_KEY_FILE))},
-                                   "tokens_per_minute": METERED_TOKENS_PER_MINUTE}},
+                                   "tokens_per_minute": METERED_TOKENS_PER_MINUTE},
+                       "daily": {"api_key": {"file": str(ensure_api_key(lab_dir(), DAILY_KEY_FILE))},
+                                 "tokens_per_day": DAILY_TOKENS_PER_DAY}},
 }
 if _layout == "singles":  # three replicas of one shape, routed by their prompts' prefixes
     _edge["router_policy"] = "prefix"

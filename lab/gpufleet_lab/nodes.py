@@ -79,6 +79,8 @@ CLIENT_KEY_FILE = "router-client-key"  # the key of the routers' client "lab" (r
 BENCH_KEY_FILE = "router-bench-key"  # the key of the routers' client "bench", without limits (gpufleet bench's)
 METERED_KEY_FILE = "router-metered-key"  # the key of the routers' client "metered", with a token budget
 METERED_TOKENS_PER_MINUTE = 1000  # its budget
+DAILY_KEY_FILE = "router-daily-key"  # the key of the routers' client "daily", with a day's token budget only
+DAILY_TOKENS_PER_DAY = 10_000_000  # its budget: far above what the tests send
 VRRP_PASSWORD_FILE = "vrrp-password"  # the routers' VRRP group (router_vrrp_password: at most 8 characters)
 # a stand-in hub token (vllm_hf_token): the lab's model is pushed, so no node downloads with it and it goes nowhere;
 # set so that the lab holds every secret a fleet can (gpufleet diag's archive is searched for each)

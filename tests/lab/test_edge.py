@@ -19,7 +19,14 @@ from pathlib import Path
 from typing import NamedTuple
 
 import pytest
-from gpufleet_lab.nodes import BENCH_KEY_FILE, CLIENT_KEY_FILE, METERED_KEY_FILE, METERED_TOKENS_PER_MINUTE
+from gpufleet_lab.nodes import (
+    BENCH_KEY_FILE,
+    CLIENT_KEY_FILE,
+    DAILY_KEY_FILE,
+    DAILY_TOKENS_PER_DAY,
+    METERED_KEY_FILE,
+    METERED_TOKENS_PER_MINUTE,
+)
 from gpufleet_lab.request_load import Answer, burst
 from gpufleet_lab.state import NodeRecord
 
@@ -53,6 +60,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:Unknown ssh-ed25519 host key:Use
 MAXCONN = 2  # the routers' maxconn for each replica in this test
 QUEUE_S = 0.5  # how long a request waits in the router's queue before its 503
 BURST_FACTOR = 10
+LEDGER_PORT = 8407  # the token ledger's (router_ledger_port), on each router's loopback
 METERED_MAX_TOKENS = 32  # each metered request's
 METERED_WAVES = 20  # at most, after the first 100
 # Each burst request's completion: long enough (seconds) that no request queued QUEUE_S gets a place. With one
@@ -127,7 +135,9 @@ def test_the_edge_rotates_a_key_under_load_limits_a_client_and_sheds_a_burst_fas
                "capped": {"api_key": {"file": str(capped_file)}, "requests_per_s": 1, "concurrent_requests": 1},
                "bench": {"api_key": {"file": str(lab.directory / BENCH_KEY_FILE)}},  # as the lab has it
                "metered": {"api_key": {"file": str(lab.directory / METERED_KEY_FILE)},
-                           "tokens_per_minute": METERED_TOKENS_PER_MINUTE}}
+                           "tokens_per_minute": METERED_TOKENS_PER_MINUTE},
+               "daily": {"api_key": {"file": str(lab.directory / DAILY_KEY_FILE)},
+                         "tokens_per_day": DAILY_TOKENS_PER_DAY}}
     # each pool's routers' maxconn small, and vLLM's own limit kept at what its replica runs (no restart)
     inventory = lab_copy(tmp_path, {group: f"router_server_maxconn: {MAXCONN}\nvllm_max_num_queued_reqs: {queued}\n"
                                     for group, queued in _queued_reqs(lab).items()})
@@ -253,6 +263,16 @@ def _spend_a_token_budget(lab: Lab, model: str) -> dict[str, object]:
             "token_429s": sum(1 for a in answers if a.status == 429)}
 
 
+def _ledger(lab: Lab, router: NodeRecord) -> dict[str, str]:
+    """The tokens ``router``'s token ledger counts the client ``daily`` served (prompt and completion, by model),
+    once it holds none; {} while it does. (What a window has left moves as the window does.)"""
+    text = lab.host(router).check_output(f"curl -sS http://127.0.0.1:{LEDGER_PORT}/metrics")
+    lines = dict(line.rsplit(" ", 1) for line in text.splitlines() if 'client="daily"' in line)
+    held = [value for name, value in lines.items() if "tokens_held" in name]
+    settled = {name: value for name, value in lines.items() if name.split("{")[0].endswith("_tokens_total")}
+    return settled if held and set(held) == {"0"} and settled else {}
+
+
 class EdgeTimes(NamedTuple):
     """One completion as the edge logged it: its status and HAProxy's timers in ms (Tw -1: refused before the
     queue)."""
@@ -335,6 +355,10 @@ def test_prefix_routing_keeps_each_conversation_home_across_a_reload_and_a_move_
     assert turns(holder) == [(home, home) for home in homes]
     other = next(router for router in lab.nodes[:2] if router != holder)
     counted = _client_requests(lab, holder)
+    daily = (lab.directory / DAILY_KEY_FILE).read_text().strip()  # a budget used just before the move
+    completion = {"model": served_name("lab"), "prompt": "The fleet is", "max_tokens": 4}
+    assert http(f"{router_url(lab)}/v1/completions", completion, daily, context=tls(lab))[0] == 200
+    used, _ = wait_for("the budget used, settled", lambda: _ledger(lab, holder) or None, timeout=15, every=0.5)
     lab.host(holder).check_output("systemctl stop keepalived")  # it gives the address up at once (priority 0)
     try:
         wait_for("the address on the other router", lambda: address_holder(lab) == other or None, timeout=15,
@@ -342,6 +366,7 @@ def test_prefix_routing_keeps_each_conversation_home_across_a_reload_and_a_move_
     finally:
         lab.host(holder).check_output("systemctl start keepalived")  # back as a backup: the address stays
     assert held(other) == [(home, home) for home in homes] and _client_requests(lab, other) >= counted
+    assert _ledger(lab, other) == used  # the budget the client used, on the router that took the address
     assert turns(other) == [(home, home) for home in homes]
     gained = {replica: count - hits[replica] for replica, count in _prefix_hits(lab).items()}
     assert all(gained[replica] >= 128 for replica in set(homes)), gained

@@ -64,8 +64,8 @@ def _secrets(lab: Lab) -> dict[str, list[str]]:
     a PEM key by each line of its body (what a copy cut to lines would still show)."""
     found = {name: [(lab.directory / name).read_text().strip()]
              for name in (lab_files.API_KEY_FILE, lab_files.CLIENT_KEY_FILE, lab_files.BENCH_KEY_FILE,
-                          lab_files.METERED_KEY_FILE, lab_files.HUB_TOKEN_FILE, lab_files.RAY_TOKEN_FILE,
-                          lab_files.VRRP_PASSWORD_FILE)}
+                          lab_files.METERED_KEY_FILE, lab_files.DAILY_KEY_FILE, lab_files.HUB_TOKEN_FILE,
+                          lab_files.RAY_TOKEN_FILE, lab_files.VRRP_PASSWORD_FILE)}
     for key in ("ca.key", "router.key"):
         body = [line for line in (lab.directory / lab_files.TLS_DIR / key).read_text().splitlines()
                 if "-----" not in line]
