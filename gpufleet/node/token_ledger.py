@@ -34,15 +34,16 @@ reservations and what its budgets have left, in Prometheus' text format.
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import math
 import os
 import signal
+import socket
 import ssl
 import sys
 import threading
 import time
-import urllib.request
 from collections import deque
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -302,6 +303,7 @@ class Service:
         self.set_budgets(budgets)
         self.client_context = _context(pem, server=False) if pem else None
         self.down_until = [0.0] * len(routers)
+        self.connections = threading.local()
         self.stopping = threading.Event()
 
     def set_budgets(self, budgets: dict[str, Any]) -> None:
@@ -345,14 +347,30 @@ class Service:
         return None
 
     def _call(self, router: str, path: str, data: bytes | None = None) -> bytes | None:
+        """One call to another router's ledger on this thread's kept connection to it (a TLS handshake per call
+        would cost more than the call); None when it does not answer."""
         if self.client_context is None:
             return None
-        request = urllib.request.Request(f"https://{router}{path}", data=data, method="POST" if data else "GET")
-        try:
-            with urllib.request.urlopen(request, timeout=FORWARD_TIMEOUT_S, context=self.client_context) as answer:
-                return bytes(answer.read(MAX_SNAPSHOT))
-        except (OSError, ValueError):
-            return None
+        kept: dict[str, http.client.HTTPSConnection] = self.connections.__dict__.setdefault("by_router", {})
+        for attempt in range(2):  # a kept connection the other side closed: once more on a new one
+            if router not in kept:
+                host, _, port = router.rpartition(":")
+                kept[router] = http.client.HTTPSConnection(host.strip("[]"), int(port), timeout=FORWARD_TIMEOUT_S,
+                                                           context=self.client_context)
+            connection = kept[router]
+            try:
+                connection.request("POST" if data is not None else "GET", path, body=data)
+                answer = connection.getresponse()
+                body = answer.read(MAX_SNAPSHOT)
+                if answer.status == 200:
+                    return bytes(body)
+                return None
+            except (OSError, http.client.HTTPException) as exc:
+                connection.close()
+                del kept[router]
+                if attempt or isinstance(exc, TimeoutError):  # a router that is slow to answer is not asked twice
+                    return None
+        return None
 
     def catch_up(self) -> bool:
         """Take the state of the first other router that answers (a ledger that starts knows nothing); False: none
@@ -387,13 +405,16 @@ def _handler(service: Service, trusted_peer: bool) -> type[BaseHTTPRequestHandle
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
+        def setup(self) -> None:
+            super().setup()
+            # an answer is one small write after another: without this, each waits for the peer's delayed ACK
+            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
         def _answer(self, status: int, text: str, kind: str = "text/plain") -> None:
             data = text.encode()
-            self.send_response(status)
-            self.send_header("Content-Type", kind)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            head = (f"HTTP/1.1 {status} {self.responses[status][0]}\r\nContent-Type: {kind}\r\n"
+                    f"Content-Length: {len(data)}\r\n\r\n")
+            self.wfile.write(head.encode() + data)  # one write: the head and the body
 
         def do_GET(self) -> None:
             if self.path == "/metrics" and not trusted_peer:
