@@ -486,18 +486,17 @@ def _admission(pool: str, cfg: HostConfig, b: KvBudget, max_num_seqs: int, dp: i
         raise _about("vllm_max_num_queued_reqs", ": ", str(exc)) from None
     except TypicalLengthError as exc:
         raise _about("router_typical_request_tokens", ": ", str(exc)) from None
-    if schedules_by_priority(cfg.served_model_name(), fleet.configs.values()):
-        if not catalog.has(SCHEDULING_FLAG):
-            raise _about("router_clients", ": ", f"expected a vLLM release that schedules by priority for"
-                         f" {cfg.served_model_name()!r}, which a client of the class interactive or batch may use; vLLM"
-                         f" {cfg.vllm_version} has no {SCHEDULING_FLAG}")
-        found = replace(found, priority=True)
-    if meters_tokens(cfg.served_model_name(), fleet.configs.values()):
-        if not catalog.has(USAGE_FLAG):
-            raise _about("router_clients", ": ", f"expected a vLLM release that reports the usage of streamed answers"
-                         f" for {cfg.served_model_name()!r}, which a client with a token budget may use; vLLM"
-                         f" {cfg.vllm_version} has no {USAGE_FLAG}")
-        found = replace(found, usage=True)
+    model, configs = cfg.served_model_name(), fleet.configs.values()
+    for switch, needed, flag, does, client in (
+            ("priority", schedules_by_priority(model, configs), SCHEDULING_FLAG, "schedules by priority",
+             "a client of the class interactive or batch"),
+            ("usage", meters_tokens(model, configs), USAGE_FLAG, "reports the usage of streamed answers",
+             "a client with a token budget")):
+        if needed and not catalog.has(flag):
+            raise _about("router_clients", ": ", f"expected a vLLM release that {does} for {model!r}, which {client}"
+                         f" may use; vLLM {cfg.vllm_version} has no {flag}")
+        if needed:
+            found = replace(found, **{switch: True})
     if found.queued_reqs is not None and found.queued_reqs < found.maxconn:
         plan.warnings.append(
             f"pool {pool}: vllm_max_num_queued_reqs {found.queued_reqs} is below the router's maxconn {found.maxconn}"
