@@ -37,9 +37,9 @@ gpufleet's per-process state (the inventories read, ``--data``) and ``sys.argv``
 they, pyinfra's compiled-file cache and its wrapped ``exec_file``, the working directory and ``sys.path`` are
 restored after each test.
 
-A sample, the first case of each corpus file, also runs as users run it: the real ``gpufleet check`` and
-the real ``pyinfra`` as subprocesses, each giving the same exit status and line as its in-process run, which shows
-that the in-process calls are the path those commands take.
+A sample that makes every kind of edit between its cases (:data:`EDITS`) also runs as users run it: the real
+``gpufleet check`` and the real ``pyinfra`` as subprocesses, each giving the same exit status and line as its
+in-process run, which shows that the in-process calls are the path those commands take.
 
 The host is 127.0.0.1 with ``ssh_port`` on a loopback listener the test opens: a case that slipped through would
 connect to it under the real ``pyinfra`` (in this process, ``make_inventory`` would return: exit status 0).
@@ -338,15 +338,33 @@ def assert_refused(case: dict[str, Any], check: Run, pyinfra: Run, accepted: int
 CASES = load_cases()
 REFUSED = [c for c in CASES if not c.get("accept")]
 ACCEPTED = [c for c in CASES if c.get("accept")]
-SAMPLE = [next(c for c in REFUSED if c["category"] == category)  # the first refusal of each file
-          for category in dict.fromkeys(c["category"] for c in CASES)]
+EDITS = ("set", "unset", "raw", "raw_b64", "mkdir", "fifo", "file", "host", "hosts", "groups", "after", "paths",
+         "data", "env")
+"""The edits a case can make: each is a way its input reaches the commands."""
+
+
+def _sample(refused: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Refusals that make every edit between them, in corpus order: each next one the case making the most edits
+    none before it made (a topic changes the rule that refuses, not the path the input takes to it)."""
+    chosen: list[dict[str, Any]] = []
+    made: set[str] = set()
+    while missing := {edit for case in refused for edit in EDITS if edit in case} - made:
+        best = max(refused, key=lambda case: len(missing & set(case)))
+        chosen.append(best)
+        made |= set(EDITS) & set(best)
+    return chosen
+
+
+SAMPLE = _sample(REFUSED)
 
 
 def test_corpus_is_large_and_ids_unique() -> None:
     ids = [case_id(c) for c in CASES]
     assert len(ids) >= 200 and len(set(ids)) == len(ids)
     assert all(bool(c.get("expect")) != bool(c.get("accept")) for c in CASES)
-    assert {c["category"] for c in SAMPLE} == {path.stem for path in CORPUS_DIR.glob("*.yaml")}
+    assert {c["category"] for c in REFUSED} == {path.stem for path in CORPUS_DIR.glob("*.yaml")}
+    made = {edit for c in CASES for edit in EDITS if edit in c}
+    assert {edit for c in SAMPLE for edit in EDITS if edit in c} == made and len(made) >= 12, made
 
 
 def test_base_project_is_valid_and_reaches_the_listener(tmp_path: Path) -> None:
