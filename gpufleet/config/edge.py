@@ -22,7 +22,7 @@ from gpufleet.config.schema import MIN_KEY_CHARS, HostConfig
 from gpufleet.config.secrets import read_secret
 from gpufleet.config.tls_pair import is_ip_address, pair_problems
 from gpufleet.values.grammar import show
-from gpufleet.values.problems import ConfigError, Problem
+from gpufleet.values.problems import HIDDEN_KEY, ConfigError, Problem
 from gpufleet.values.types import SecretRef
 
 MAX_KEY_CHARS = 4096
@@ -97,6 +97,11 @@ def _client_problems(cfg: HostConfig, sources: dict[str, str], cache: _Read) -> 
             yield source, key, f"expected a key of its own per client, found client {owner[value]}'s key (not shown)"
         else:
             owner[value] = name
+    for name in cfg.router_clients:
+        if name in owner:  # a name is shown everywhere (messages, a label of its metrics): never a key
+            yield source, f"router_clients.{HIDDEN_KEY}", ("expected a client name that is no key (a name is a label"
+                                                          " of its metrics), found a name that is a client's key"
+                                                          " (not shown)")
 
 
 def _tls_problems(cfg: HostConfig, sources: dict[str, str], cache: _Read,

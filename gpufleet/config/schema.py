@@ -44,6 +44,9 @@ REFUSED_SWITCHES = {
 NODE_PATH_SOURCES = frozenset({"vllm_wheelhouse_url", "vllm_requirements_url"})
 """Install sources that may be a URL or an absolute path on the nodes (pip and uv read either)."""
 
+ROUTER_PORTS = ("router_port", "router_metrics_port", "router_peer_port", "router_ledger_port")
+"""The ports a router listens on (and router_plain_http_port, when set): a host that routes nothing leaves them free."""
+
 MIN_KEY_CHARS = 16
 """The shortest client key: a key is all that stands between a client and the fleet's GPUs."""
 
@@ -112,10 +115,11 @@ class HostConfig(
                                        " (use a secret reference: vllm_api_key, vllm_hf_token)")
         return value
 
-    def contradictions(self, api_ports: int | None = None) -> list[tuple[tuple[str, ...], str]]:
+    def contradictions(self, api_ports: int | None = None, routes: bool = True) -> list[tuple[tuple[str, ...], str]]:
         """Values that each pass alone but not together: (keys involved, what is wrong).
 
-        ``api_ports``: the replicas the plan puts on this node, when known (else ``api_ports()``).
+        ``api_ports``: the replicas the plan puts on this node, when known (else ``api_ports()``); ``routes``:
+        whether the host is a router (the routers' ports are checked on routers only).
         """
         found: list[tuple[tuple[str, ...], str]] = []
         multi_node = self.vllm_nodes_per_replica != "auto" and self.vllm_nodes_per_replica > 1
@@ -142,7 +146,7 @@ class HostConfig(
                           "expected ray_auth_token ({env: NAME} or {file: PATH}) with vllm_distributed_backend ray"
                           " (Ray's cluster token), found null"))
         found += self._gate_problems()
-        found += self._port_problems(api_ports or self.api_ports())
+        found += self._port_problems(api_ports or self.api_ports(), routes)
         found += self._url_problems()
         found += self._extra_args_problems()
         return found
@@ -190,7 +194,7 @@ class HostConfig(
                               f" (every node would fail its burn-in), found {floor:g}"))
         return found
 
-    def _port_problems(self, api_ports: int) -> list[tuple[tuple[str, ...], str]]:
+    def _port_problems(self, api_ports: int, routes: bool) -> list[tuple[tuple[str, ...], str]]:
         found: list[tuple[tuple[str, ...], str]] = []
         first, last = self.ray_worker_ports
         if first > last:
@@ -206,16 +210,14 @@ class HostConfig(
             "prometheus_port": (self.prometheus_port,) * 2,
             "alertmanager_port": (self.alertmanager_port,) * 2,
             "alertmanager_log_port": (self.alertmanager_log_port,) * 2,
-            "router_port": (self.router_port,) * 2,
-            "router_metrics_port": (self.router_metrics_port,) * 2,
-            "router_peer_port": (self.router_peer_port,) * 2,
-            "router_ledger_port": (self.router_ledger_port,) * 2,
         }
+        if routes:  # nothing listens on the routers' ports elsewhere
+            ranges |= {key: (getattr(self, key),) * 2 for key in ROUTER_PORTS}
         if self.node_lifecycle_enabled:
             ranges["node_agent_port"] = (self.node_agent_port,) * 2
             if self.node_fabric_check:
                 ranges["node_fabric_port"] = (self.node_fabric_port,) * 2
-        if self.router_plain_http_port is not None:
+        if routes and self.router_plain_http_port is not None:
             ranges["router_plain_http_port"] = (self.router_plain_http_port,) * 2
         why = {"vllm_port": f"one API port per replica, {api_ports} on this node",
                "ray_port": "Ray listens on ray_port .. ray_port + 8"}

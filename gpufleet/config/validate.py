@@ -191,11 +191,12 @@ def connector_value_problems(values: dict[str, Any], sources: dict[str, str], ho
 
 
 def validate_host(layers: HostLayers, fallback_source: str, api_ports: int | None = None,
-                  serving: bool = True) -> tuple[HostConfig | None, list[Problem]]:
+                  serving: bool = True, routes: bool = True) -> tuple[HostConfig | None, list[Problem]]:
     """Validate one host; problems name the file each bad value came from.
 
     ``api_ports``: how many replicas the plan puts on the host, when it is known. ``serving``: whether the host is
-    in a serving pool (a dedicated router or monitoring host is not, and needs no ``vllm_model``).
+    in a serving pool (a dedicated router or monitoring host is not, and needs no ``vllm_model``). ``routes``:
+    whether it is a router (its ports clear of the routers' own; elsewhere nothing listens on those).
     """
     values, sources = layers.merged()
     host = layers.name
@@ -229,7 +230,7 @@ def validate_host(layers: HostLayers, fallback_source: str, api_ports: int | Non
         source = sources.get("vllm_model", fallback_source)
         problems.append(Problem(fallback_source if is_role_default(source) else source, "vllm_model",
                                 "expected a value, found nothing (required)", (host,)))
-    for keys, message in config.contradictions(api_ports):
+    for keys, message in config.contradictions(api_ports, routes):
         chosen = next((k for k in keys if not is_role_default(sources.get(_top(k), ""))), keys[0])
         problems.append(Problem(sources.get(_top(chosen), fallback_source), chosen, message, (host,)))
     return (config if not problems else None), problems

@@ -15,6 +15,8 @@ from typing import Any
 import yaml
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
+from gpufleet.values.grammar import secret_like
+
 MAX_VALUES = 10_000
 """The most values (scalars, lists, mappings) a file may hold once its aliases are expanded."""
 
@@ -63,7 +65,8 @@ def _expanded_size(node: Node, memo: dict[int, int]) -> int:
     return memo[id(node)]
 
 
-_INT_TAG, _FLOAT_TAG = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
+_YAML_TAGS = "tag:yaml.org,2002:"  # what !! stands for
+_INT_TAG, _FLOAT_TAG = f"{_YAML_TAGS}int", f"{_YAML_TAGS}float"
 DECIMAL_INT = re.compile(r"^[-+]?(?:0|[1-9][0-9]*)$")
 """An integer as every gpufleet input spells one: ASCII decimal digits, no leading zero (YAML 1.1 would read
 ``017`` as octal, ``0x1F``, ``0b101``, ``1_000`` and ``1:30`` as numbers too, where ``--data`` reads them otherwise)."""
@@ -106,6 +109,19 @@ _StrictLoader.add_implicit_resolver(_INT_TAG, DECIMAL_INT, list("-+0123456789"))
 _StrictLoader.add_implicit_resolver(_FLOAT_TAG, _DECIMAL_FLOAT, list("-+0123456789."))
 
 
+def _check_tags(text: str) -> None:
+    """No explicit tag (``!!int``, ``!!python/...``, ``!custom``): gpufleet's inputs are plain YAML, read one way, and
+    a tagged value would be converted before any check could name it (its text, a key or a token, in the error)."""
+    for event in yaml.parse(text, Loader=yaml.SafeLoader):
+        tag = getattr(event, "tag", None)
+        if tag is not None and tag != "!":  # "!": a quoted or non-specific scalar, plain text
+            mark = event.start_mark
+            short = "!!" + tag.removeprefix(_YAML_TAGS) if tag.startswith(_YAML_TAGS) else tag
+            shown = "a tag that looks like a credential (not shown)" if secret_like(tag) else f"the tag {short}"
+            where = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
+            raise YamlProblem(f"expected plain YAML without tags, found {shown}", where)
+
+
 def load_yaml(data: bytes) -> Any:
     """Parse one YAML document from raw bytes; raises YamlProblem with a line where there is one."""
     try:
@@ -117,6 +133,7 @@ def load_yaml(data: bytes) -> Any:
     loader = None
     try:
         _check_depth(text)
+        _check_tags(text)
         loader = _StrictLoader(text)
         node = loader.get_single_node()
         if node is None:

@@ -227,10 +227,12 @@ def validate_layers(loaded: InventoryLayers, override: dict[str, Any] | None = N
     """Validate every host; raises ConfigError with every problem found."""
     problems: list[Problem] = []
     configs: dict[str, HostConfig] = {}
+    routers = {host for group, members in loaded.groups if group == ROUTERS_GROUP for host in members}
     for name, layers in loaded.hosts.items():
         if override:
             layers = HostLayers(name, [*layers.layers, Layer("--data", override)])
-        config, found = validate_host(layers, loaded.path, serving=loaded.pool_of(name) is not None)
+        config, found = validate_host(layers, loaded.path, serving=loaded.pool_of(name) is not None,
+                                      routes=name in routers)
         problems += found
         if config is not None:
             configs[name] = config

@@ -28,9 +28,14 @@ def _hour_costs(value: Any) -> Any:
         try:
             parse_profile(str(key))
         except ProfileError as exc:
-            found = "a key that looks like a credential (not shown)" if grammar.secret_like(str(key)) else None
-            raise KeyedError(str(key), f"expected a GPU profile like 8xH100-SXM, found {found}" if found
-                             else f"{exc} as the key") from None
+            if grammar.secret_like(str(key)):
+                message = ("expected a GPU profile like 8xH100-SXM as the key, found a key that looks like a"
+                           " credential (not shown)")
+            elif str(exc).startswith("expected "):
+                message = f"{exc} as the key"
+            else:  # a GPU or a count that is none
+                message = f"expected a GPU profile like 8xH100-SXM as the key, found {grammar.show(str(key))} ({exc})"
+            raise KeyedError(str(key), message) from None
         number = isinstance(cost, (int, float)) and not isinstance(cost, bool)
         if not number or not math.isfinite(cost) or not 0 < cost <= MAX_HOUR_COST:
             shown = grammar.show(cost) if isinstance(cost, str) else str(cost).lower() if isinstance(cost, bool) \
@@ -193,7 +198,8 @@ class MonitoringSettings(RoleSettings):
         "GPUs (tensor x pipeline x data parallel) times its profile's (gpufleet:replica_gpu_hour_cost), and each "
         "model's cost of a million tokens, prompt and answer together, at the load it serves "
         "(model:gpu_cost_per_million_tokens:5m) is on the model dashboard. A replica of a profile not listed, or "
-        "of probed GPUs only, counts nothing. Read on the monitoring hosts: set it in all.yml.",
+        "of probed GPUs only, counts nothing. A price is above 0 and at most 1,000,000 (more is a typo: cents for "
+        "units, or a year's price). Read on the monitoring hosts: set it in all.yml.",
         section="The plan's figures",
     )
 
