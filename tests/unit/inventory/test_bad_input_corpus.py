@@ -16,7 +16,8 @@ relative path: ``dir/`` a directory, ``-> TARGET`` a link, ``|fifo`` a named pip
 for the run, ``|tls:KIND`` a TLS file made for the run (tests/unit/tls_files.py), else the file's text),
 ``data`` (``--data KEY=VALUE`` arguments), ``env`` (environment variables set for the commands, over :data:`ENV`,
 whose VRRP password the virtual address's cases name). ``expect`` is the exact first line on stderr (pyinfra's ``--> …``
-progress lines skipped); ``never_shown``, a secret the case plants, is on no line of it. The project holds
+progress lines skipped); ``never_shown``, a secret the case plants, is on no line of it. A credential-shaped text is
+written ``<token:KIND>`` (hf, sk, ghp, plain), drawn for each run (:data:`TOKENS`). The project holds
 gpufleet's ``config.py``, as a user's
 does: pyinfra runs it before the inventory, so an inventory file that does not compile or run is one line and exit 2
 there too.
@@ -58,6 +59,8 @@ import concurrent.futures
 import contextlib
 import io
 import os
+import re
+import secrets
 import shutil
 import socket
 import subprocess
@@ -107,12 +110,30 @@ class Run:
     seconds: float  # CPU time
 
 
+TOKENS = {"hf": f"hf_{secrets.token_hex(16)}", "sk": f"sk-{secrets.token_hex(16)}",
+          "ghp": f"ghp_{secrets.token_hex(16)}", "plain": secrets.token_hex(16)}
+"""What a case's ``<token:KIND>`` stands for: a token of that issuer's shape (``plain``: of none), drawn for this
+run, so that no credential-shaped text is kept in the corpus."""
+_TOKEN = re.compile(r"<token:(\w+)>")
+
+
+def _drawn(value: Any) -> Any:
+    """``value`` with every ``<token:KIND>`` in its text, keys included, replaced by its :data:`TOKENS`."""
+    if isinstance(value, str):
+        return _TOKEN.sub(lambda m: TOKENS[m[1]], value)
+    if isinstance(value, dict):
+        return {_drawn(k): _drawn(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_drawn(item) for item in value]
+    return value
+
+
 def load_cases() -> list[dict[str, Any]]:
-    """Every case of every corpus file, with its category (the file's stem)."""
+    """Every case of every corpus file, with its category (the file's stem) and its tokens drawn."""
     cases = []
     for path in sorted(CORPUS_DIR.glob("*.yaml")):
         for case in yaml.safe_load(path.read_text()):
-            cases.append({**case, "category": path.stem})
+            cases.append({**_drawn(case), "category": path.stem})
     return cases
 
 
