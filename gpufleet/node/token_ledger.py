@@ -155,15 +155,18 @@ class Ledger:
             self.completion_weight = float(weights.get("completion", 1.0))
             self.hold_s = float(budgets.get("hold_s", HOLD_S))
             for (client, _), account in self.accounts.items():
-                kept = {window.span_s: window for _, window in account.windows}
-                account.windows = [(float(limit), kept.get(span) or Window(span, bin_s)) for limit, span, bin_s
-                                   in _spans(self.limits.get(client, (None, None))) if limit]
+                account.windows = self._windows(client, {window.span_s: window for _, window in account.windows})
+
+    def _windows(self, client: str, kept: dict[float, Window]) -> list[tuple[float, Window]]:
+        """``client``'s budgets as (limit, window): a minute's, a day's, where it has one; a window ``kept`` by its
+        span goes on counting."""
+        minute, day = self.limits.get(client, (None, None))
+        return [(float(limit), kept.get(span) or Window(span, bin_s))
+                for limit, span, bin_s in ((minute, MINUTE_S, 0.0), (day, DAY_S, DAY_BIN_S)) if limit]
 
     def _account(self, key: tuple[str, str]) -> Account:
         if key not in self.accounts:
-            windows = [(float(limit), Window(span, bin_s)) for limit, span, bin_s
-                       in _spans(self.limits.get(key[0], (None, None))) if limit]
-            self.accounts[key] = Account(windows)
+            self.accounts[key] = Account(self._windows(key[0], {}))
         return self.accounts[key]
 
     def reserve(self, client: str, model: str, tokens: float, now: float) -> Answer:
@@ -273,11 +276,6 @@ class Ledger:
         return events
 
 
-def _spans(limits: tuple[Any, Any]) -> tuple[tuple[Any, float, float], ...]:
-    """(limit, window span, bin) of a client's minute and day budgets."""
-    return (limits[0], MINUTE_S, 0.0), (limits[1], DAY_S, DAY_BIN_S)
-
-
 def _label(text: str) -> str:
     return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
@@ -304,7 +302,6 @@ class Service:
         self.client_context = _context(pem, server=False) if pem else None
         self.down_until = [0.0] * len(routers)
         self.connections = threading.local()
-        self.stopping = threading.Event()
 
     def set_budgets(self, budgets: dict[str, Any]) -> None:
         self.models: dict[str, str] = budgets.get("models", {})  # backend -> served model
@@ -362,9 +359,7 @@ class Service:
                 connection.request("POST" if data is not None else "GET", path, body=data)
                 answer = connection.getresponse()
                 body = answer.read(MAX_SNAPSHOT)
-                if answer.status == 200:
-                    return bytes(body)
-                return None
+                return bytes(body) if answer.status == 200 else None
             except (OSError, http.client.HTTPException) as exc:
                 connection.close()
                 del kept[router]
@@ -385,7 +380,8 @@ class Service:
         """Send this ledger's changes to every other router's ledger, a batch every ``REPLICATE_EVERY_S``."""
         others = [router for index, router in enumerate(self.routers) if index != self.me]
         pending: dict[str, list[dict[str, Any]]] = {router: [] for router in others}
-        while not self.stopping.wait(REPLICATE_EVERY_S):
+        while True:
+            time.sleep(REPLICATE_EVERY_S)
             events = self.ledger.take_events()
             for router in others:
                 pending[router].extend(events)

@@ -436,10 +436,11 @@ def router() -> None:
     wanted = hashlib.sha256(text.encode()).hexdigest()
     edge_wanted = fleet_edge_files(cfg)
     clients_service, clients_timer = unit_path(CLIENTS_SERVICE), unit_path(CLIENTS_TIMER)
-    node.observe(name="Read the router's package, unit, configuration and edge files", packages=[PACKAGE],
-                 units=[SERVICE, CLIENTS_TIMER],
+    node.observe(name="Read the router's package, units, configuration, edge and token ledger files",
+                 packages=[PACKAGE], units=[SERVICE, CLIENTS_TIMER, token_ledger.SERVICE],
                  paths=[CONFIG, CANDIDATE, DROP_IN_DIR, DROP_IN, EDGE_DIR, EDGE_CANDIDATE_DIR, peers.PEM,
-                        clients_service, clients_timer,
+                        clients_service, clients_timer, token_ledger.LUA, token_ledger.BUDGETS,
+                        unit_path(token_ledger.SERVICE),
                         *(f"{folder}/{name}" for folder in (EDGE_DIR, EDGE_CANDIDATE_DIR) for name in edge_wanted)],
                  listings=[f"{EDGE_DIR}/*", f"{EDGE_CANDIDATE_DIR}/*"])
     apt.packages(name="Install HAProxy (the distribution's package)", packages=[PACKAGE], update_first=True)
@@ -489,9 +490,7 @@ def _token_ledger(cfg: HostConfig) -> OperationMeta:
     """The token ledger with a metered client (:mod:`roles.router.token_ledger`): its budgets, its unit, running,
     and the Lua HAProxy loads to ask it; all gone without. Returns the Lua file's operation (a change reloads
     HAProxy)."""
-    unit_file = unit_path(token_ledger.SERVICE)
-    node.observe(name="Read the token ledger's files and unit", units=[token_ledger.SERVICE],
-                 paths=[token_ledger.LUA, token_ledger.BUDGETS, unit_file])
+    unit_file = unit_path(token_ledger.SERVICE)  # read with the router's other files (router())
     if not token_ledger.metered(cfg):
         systemd.service(name=f"Stop and disable {token_ledger.SERVICE} (no client has a token budget)",
                         unit=token_ledger.SERVICE, running=False, enabled=False)

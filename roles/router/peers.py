@@ -42,9 +42,14 @@ class Peers:
     section: str = SECTION
 
 
+def router_host(router: str, cfg: HostConfig) -> str:
+    """Where the other routers reach ``router``: its own IP address, else its fleet address or name."""
+    return own_address(router, cfg) or cfg.fleet_address or router
+
+
 def peer_address(router: str, cfg: HostConfig) -> str:
-    """Where the other routers reach ``router``'s peer port: its own IP address, else its fleet address or name."""
-    return host_port(own_address(router, cfg) or cfg.fleet_address or router, cfg.router_peer_port)
+    """Where the other routers reach ``router``'s peer port."""
+    return host_port(router_host(router, cfg), cfg.router_peer_port)
 
 
 def peers(router: str, routers: Sequence[str], configs: Mapping[str, HostConfig]) -> Peers:

@@ -14,7 +14,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gpufleet import templates
-from gpufleet.config.router_wide import own_address
 from gpufleet.config.schema import HostConfig
 from gpufleet.netaddr import host_port
 from gpufleet.node_paths import CONFIG_DIR, NODE_PYTHON, NODE_TOOLS_DIR, node_tool
@@ -22,7 +21,7 @@ from gpufleet.plan import access
 from gpufleet.plan.backends import Backend
 from gpufleet.units.escape import exec_line
 from roles.common import NODE_SOURCES
-from roles.router.peers import PEM
+from roles.router.peers import PEM, router_host
 
 SERVICE = "gpufleet-token-ledger.service"
 BUDGETS = f"{CONFIG_DIR}/token-budgets.json"  # root 0644: client names and numbers, no key
@@ -60,8 +59,8 @@ def budgets(cfg: HostConfig, found: Sequence[Backend]) -> str:
 
 
 def ledger_address(router: str, cfg: HostConfig) -> str:
-    """Where the other routers' ledgers reach ``router``'s: its own IP address, else its fleet address or name."""
-    return host_port(own_address(router, cfg) or cfg.fleet_address or router, cfg.router_ledger_port)
+    """Where the other routers' ledgers reach ``router``'s."""
+    return host_port(router_host(router, cfg), cfg.router_ledger_port)
 
 
 def service_values(router: str, routers: Sequence[str], configs: Mapping[str, HostConfig]) -> dict[str, Any]:
@@ -73,8 +72,7 @@ def service_values(router: str, routers: Sequence[str], configs: Mapping[str, Ho
     argv = [NODE_PYTHON, "-I", node_tool("token_ledger.py"), "--budgets", BUDGETS, "--listen", listen,
             "--routers", ",".join(addresses), "--self", str(list(routers).index(router)), "--pem", PEM,
             "--state", STATE]
-    others = [own_address(name, configs[name]) or configs[name].fleet_address or name
-              for name in routers if name != router]
+    others = [router_host(name, configs[name]) for name in routers if name != router]
     tool = hashlib.sha256((NODE_SOURCES / "token_ledger.py").read_bytes()).hexdigest()
     return {"node_tools": NODE_TOOLS_DIR, "listen": listen, "peer_listen": addresses[list(routers).index(router)],
             "budgets": BUDGETS, "exec_start": exec_line(argv), "ip_access": access.unit_lines(others),
