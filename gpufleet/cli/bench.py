@@ -350,7 +350,8 @@ def bench_command(inventory: str, model: str | None, replica: str | None, slo_te
     steps, notes = _engine_metrics(fleet, chosen, steps)
     for step in steps if not notes else []:
         click.echo(f"vLLM at {step.rate:g} req/s: KV cache usage up to {_share(step.kv_usage_max)},"
-                   f" {_count(step.preemptions)} preemptions")
+                   f" {_count(step.preemptions)} preemptions, up to {_count(step.running_max)} requests running at"
+                   " once on a replica")
     shape = ({"dataset": str(dataset), "requests": len(rows)} if rows is not None else
              {"prompt_tokens": list(workload.prompt_tokens), "output_tokens": list(workload.output_tokens)})
     record = Record(chosen.key, len(chosen.replicas), slo, sorted(steps, key=lambda s: s.rate), shape,

@@ -23,7 +23,9 @@ from gpufleet.inventory.load import (
     loaded_inventory,
     parse_data_args,
 )
+from gpufleet.measure.capacity import measured_admission, model_capacities
 from gpufleet.measure.ramp import MAX_RATE
+from gpufleet.measure.records import Record
 from gpufleet.node.vllm_ready import kv_summary
 from gpufleet.plan import virtual_address
 from gpufleet.plan.model_arch import ModelConfigError, load_arch
@@ -184,6 +186,11 @@ def plan(inventory: str, facts_dir: Path | None, as_json: bool, observed: bool, 
         fleet = fleet.only([h for h in fleet.hosts if h not in out])
         facts = {h: f for h, f in facts.items() if h not in out}
     result = plan_fleet(fleet, facts)
+    records: list[Record] | None = None
+    if observed and not result.problems:
+        records, unread_records = _bench_records(inventory, data, fleet)
+        unread += unread_records
+        result = measured_admission(result, records)
     for warning in result.warnings + result.context_warnings:
         click.echo(f"warning: {warning}", err=True)
     if result.problems:
@@ -202,28 +209,31 @@ def plan(inventory: str, facts_dir: Path | None, as_json: bool, observed: bool, 
         routers = virtual_address.routers_of(loaded.groups) if loaded is not None else []
         if endpoint := virtual_address.endpoint_line(routers, fleet.configs):
             click.echo(endpoint)
-        if observed:
-            unread += _print_ceilings(inventory, data, fleet, result, target_rps)
+        if records is not None:
+            _print_ceilings(records, fleet, result, target_rps)
     for line in unread:
         click.echo(f"gpufleet plan: {line}", err=True)
     if unread:
         raise SystemExit(EXIT_UNREAD)
 
 
-def _print_ceilings(inventory: str, data: tuple[str, ...], fleet: Fleet, plan: FleetPlan,
-                    target_rps: float | None) -> list[str]:
-    """Each model's measured ceiling over its planned replicas (each shape's per replica where they differ; and the
-    replicas ``target_rps`` needs), from the bench records on the monitoring hosts; the lines of what could not be
-    read."""
-    from gpufleet.measure.capacity import model_capacities  # pyinfra's SSH stack: loaded only when asked
-    from gpufleet.remote.bench_store import read_records
+def _bench_records(inventory: str, data: tuple[str, ...], fleet: Fleet) -> tuple[list[Record], list[str]]:
+    """The bench records on the monitoring hosts (gpufleet bench), and the lines of what could not be read."""
+    from gpufleet.remote.bench_store import read_records  # pyinfra's SSH stack: loaded only when asked
     from gpufleet.remote.gpu_probe import load_inventory
 
     hosts = group_hosts(fleet, MONITORING_GROUP)
     if not hosts:
+        return [], []
+    return read_records(load_inventory(inventory, parse_data_args(list(data)) or None), hosts)
+
+
+def _print_ceilings(records: list[Record], fleet: Fleet, plan: FleetPlan, target_rps: float | None) -> None:
+    """Each model's measured ceiling over its planned replicas (each shape's per replica where they differ; and the
+    replicas ``target_rps`` needs), from the bench records on the monitoring hosts."""
+    if not group_hosts(fleet, MONITORING_GROUP):
         click.echo("ceilings: no monitoring group holds bench records")
-        return []
-    records, unread = read_records(load_inventory(inventory, parse_data_args(list(data)) or None), hosts)
+        return
     found = model_capacities(plan.replicas, records)
     for model in plan.models:
         cap = found.get(model)
@@ -239,7 +249,6 @@ def _print_ceilings(inventory: str, data: tuple[str, ...], fleet: Fleet, plan: F
         if target_rps is not None:
             line += f"; {target_rps:g} req/s needs {cap.replicas_for(target_rps)} replicas"
         click.echo(line)
-    return unread
 
 
 def _out_of_the_fleet(inventory: str, data: tuple[str, ...], fleet: Fleet) -> tuple[dict[str, str], list[str]]:

@@ -8,6 +8,9 @@ one-replica records where each has one, else the same for each; failing that, ea
 A model whose current release has none is given the newest record of an earlier release, named as such
 (``gpufleet bench`` again after an upgrade: ``deploys/check.py`` names the release that lacks one).
 
+A replica's router admission is sized from the record of its own release and shape where that record measured how
+many requests one replica ran at once at its ceiling (:func:`measured_admission`): the plan's figure otherwise.
+
 The rate per replica of each shape is what Prometheus multiplies by the replicas of that shape in service
 (:mod:`gpufleet.monitoring.ceiling_rules`): the model's capacity follows a replica added, drained or lost.
 """
@@ -17,10 +20,11 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from gpufleet.measure.records import Record, RecordKey, latest, layout_name
-from gpufleet.plan.planner import Replica
+from gpufleet.plan.admission import measured
+from gpufleet.plan.planner import FleetPlan, Replica
 
 Shape = tuple[str, str]
 """A replica's layout (``tp1-pp2``) and GPU profile: what a record's rate per replica is a rate of."""
@@ -126,3 +130,20 @@ def releases_without_bench(replicas: list[Replica], records: list[Record]) -> li
             lines.append(f"{json.dumps(model)}: vLLM {cap.release} has a measured ceiling ({cap.ceiling_rps:g}"
                          f" req/s), its successor {running} none: run gpufleet bench")
     return lines
+
+
+def measured_admission(plan: FleetPlan, records: list[Record]) -> FleetPlan:
+    """``plan`` with each replica's router admission from the newest record of its model, release and shape that
+    measured its concurrency at the ceiling (:meth:`Record.concurrency_at_ceiling`): one replica benched alone first,
+    else through the routers; a replica without one keeps the plan's."""
+    newest = latest(records)
+    replicas = []
+    for replica in plan.replicas:
+        for scope in ("replica", "routers"):
+            record = newest.get(RecordKey(replica.served, replica.release, *replica_shape(replica), scope))
+            if record is not None and (running := record.concurrency_at_ceiling()) is not None:
+                source = f"bench of {record.date[:10]}" + (" through the routers" if scope == "routers" else "")
+                replica = replace(replica, admission=measured(replica.admission, running, source))
+                break
+        replicas.append(replica)
+    return replace(plan, replicas=replicas)

@@ -1,5 +1,6 @@
-"""vLLM's own view of each step, from the fleet's Prometheus: the replicas' highest KV cache usage and their
-preemptions over the step's window (``vllm:kv_cache_usage_perc``, ``vllm:num_preemptions_total``).
+"""vLLM's own view of each step, from the fleet's Prometheus: the replicas' highest KV cache usage, their
+preemptions and the most requests one replica ran at once over the step's window (``vllm:kv_cache_usage_perc``,
+``vllm:num_preemptions_total``, ``vllm:num_requests_running`` summed over a replica's ranks).
 
 Read over Prometheus's HTTP API from the controller, once the ramp is over and every benched target has been scraped
 after it (at most :data:`gpufleet.prometheus_api.SCRAPE_WAIT_S`): the controller must be let in
@@ -25,10 +26,12 @@ def _selector(model: str, replica: str | None) -> str:
 
 
 def queries(model: str, replica: str | None, window_s: int) -> dict[str, str]:
-    """The two PromQL queries of a step ``window_s`` long, evaluated at its end."""
+    """The PromQL queries of a step ``window_s`` long, evaluated at its end, by the Step field each fills."""
     labels = _selector(model, replica)
     return {"kv_usage_max": f"max(max_over_time(vllm:kv_cache_usage_perc{{{labels}}}[{window_s}s]))",
-            "preemptions": f"sum(increase(vllm:num_preemptions_total{{{labels}}}[{window_s}s]))"}
+            "preemptions": f"sum(increase(vllm:num_preemptions_total{{{labels}}}[{window_s}s]))",
+            "running_max": f"max(max_over_time((sum by (replica) (vllm:num_requests_running{{{labels}}}))"
+                           f"[{window_s}s:]))"}
 
 
 def scraped_query(model: str, replica: str | None) -> str:
@@ -43,10 +46,10 @@ POLL_S = 1.0
 def with_engine_metrics(steps: list[Step], base_url: str, model: str, replica: str | None,
                         clock: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep,
                         ) -> list[Step]:
-    """``steps`` with their KV cache usage and preemptions from Prometheus (each step's window is its own, up to
-    :data:`SCRAPE_WAIT_S` past its end). The last step is read once every benched target was scraped after it ended
-    (each keeps its own offset in the scrape interval: about half an interval for one target, rather than a whole
-    one), at that scrape, and at most :data:`SCRAPE_WAIT_S` after its end."""
+    """``steps`` with their KV cache usage, preemptions and requests running at once from Prometheus (each step's
+    window is its own, up to :data:`SCRAPE_WAIT_S` past its end). The last step is read once every benched target was
+    scraped after it ended (each keeps its own offset in the scrape interval: about half an interval for one target,
+    rather than a whole one), at that scrape, and at most :data:`SCRAPE_WAIT_S` after its end."""
     if not steps:
         return steps
     last_end = max(s.ended_at for s in steps)
@@ -63,6 +66,7 @@ def with_engine_metrics(steps: list[Step], base_url: str, model: str, replica: s
         at = scraped if scraped is not None and step.ended_at == last_end else step.ended_at + SCRAPE_WAIT_S
         window = max(1, math.ceil(at - step.started_at))
         asked = queries(model, replica, window)
-        found.append(replace(step, kv_usage_max=query_value(base_url, asked["kv_usage_max"], at),
-                             preemptions=query_value(base_url, asked["preemptions"], at)))
+        read = {field: query_value(base_url, query, at) for field, query in asked.items()}
+        found.append(replace(step, kv_usage_max=read["kv_usage_max"], preemptions=read["preemptions"],
+                             running_max=read["running_max"]))
     return found

@@ -79,7 +79,8 @@ class Step:
     (requests answered a second over the step's duration, its tail included), the client's latency percentiles in
     seconds (TTFT per request; ITL as each request's mean time between tokens), output tokens a second, requests
     that succeeded, that failed (errored) and that were offered (rate x step: those never answered within the step's
-    time bound are the difference), and the replicas' KV cache usage (highest, 0 to 1), preemptions and TTFT and
+    time bound are the difference), and the replicas' KV cache usage (highest, 0 to 1), preemptions, requests
+    running at once (the busiest replica's highest count) and TTFT and
     ITL by vLLM's own histograms over the step (None where the metrics could not be read: then the step misses),
     the first reasons requests failed, and when the step began and ended (Unix time)."""
 
@@ -102,6 +103,7 @@ class Step:
     ended_at: float = 0.0
     kv_usage_max: float | None = None
     preemptions: float | None = None
+    running_max: float | None = None  # vLLM's requests running at once on the busiest replica (its ranks summed)
     engine_ttft_p99_s: float | None = None  # vLLM's: what the step is judged on (the alerts' quantities)
     engine_itl_p99_s: float | None = None
     engine_ttft_p95_s: float | None = None  # vLLM's: what a canary's watch is compared with
@@ -148,12 +150,17 @@ class Ceiling:
     stopped_by: str
 
 
-def ceiling(steps: list[Step], slo: Slo) -> Ceiling:
-    """The ceiling of ``steps`` (in the order they ran): the highest passing step below the lowest failing one."""
+def ceiling_steps(steps: list[Step], slo: Slo) -> tuple[Step | None, Step | None]:
+    """The highest passing step below the lowest failing one, and that failing one (None where there is none)."""
     failing = [step for step in steps if step.missed(slo)]
     lowest_fail = min(failing, key=lambda s: s.rate) if failing else None
     below = [s for s in steps if not s.missed(slo) and (lowest_fail is None or s.rate < lowest_fail.rate)]
-    best = max(below, key=lambda s: s.rate) if below else None
+    return (max(below, key=lambda s: s.rate) if below else None), lowest_fail
+
+
+def ceiling(steps: list[Step], slo: Slo) -> Ceiling:
+    """The ceiling of ``steps`` (in the order they ran): the highest passing step below the lowest failing one."""
+    best, lowest_fail = ceiling_steps(steps, slo)
     return Ceiling(best.achieved_rps if best is not None else None, best.rate if best is not None else None,
                    "+".join(lowest_fail.missed(slo)) if lowest_fail is not None else "none")
 

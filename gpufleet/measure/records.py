@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpufleet.measure.ramp import Ceiling, Slo, Step, ceiling
+from gpufleet.measure.ramp import Ceiling, Slo, Step, ceiling, ceiling_steps
 
 RECORDS_DIR = "/var/lib/gpufleet/bench"
 """Where each monitoring host keeps the records (one line of JSON each, mode 0644: no secret is in one)."""
@@ -67,6 +68,15 @@ class Record:
     @property
     def ceiling(self) -> Ceiling:
         return ceiling(self.steps, self.slo)
+
+    def concurrency_at_ceiling(self) -> int | None:
+        """The most requests one replica ran at once (vLLM's count) in the ceiling's step, where a failing step above
+        it bounds the ceiling; None where no step failed (the load offered, not the replicas, bounded the count) or the
+        count was not read."""
+        best, lowest_fail = ceiling_steps(self.steps, self.slo)
+        if best is None or lowest_fail is None or best.running_max is None or best.running_max < 1:
+            return None
+        return math.floor(best.running_max)
 
     def per_replica_rps(self) -> float | None:
         """The ceiling divided among the replicas that served it."""

@@ -9,17 +9,20 @@
   API server spreads requests over its ranks. With ``router_typical_request_tokens``, the sequences counted are
   of that length instead (most requests are far shorter than ``max_model_len``: a 70B model at 32k takes 13 at
   once at full length); a request longer than that may then be preempted for lack of cache, as vLLM does under
-  load. ``router_server_maxconn`` replaces it.
+  load. Where the model's bench record of the replica's release and shape (``gpufleet bench``) found a ceiling
+  bounded by a failing step, ``maxconn`` is the most requests vLLM ran at once on one replica in the ceiling's step
+  instead (:func:`measured`: what the replica served within the objective, at the lengths the bench sent), held to
+  vLLM's own valve below. ``router_server_maxconn`` replaces both.
 - vLLM's own valve, ``--max-num-queued-reqs``, counts the requests a replica holds, running and waiting, across
   its ranks, and answers 503 beyond it. By default it is ``QUEUE_FACTOR`` times the router's ``maxconn``: what
   one router admits and as much again (a second router sending at the same time, or clients that reach the
   replica directly). ``vllm_max_num_queued_reqs`` replaces it. A vLLM release whose catalog lacks the flag gets
-  none.
+  none. A bench record does not move it: it is an engine flag, and a new record must not restart every replica.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from gpufleet.config.schema import HostConfig
 from gpufleet.plan.model_memory import KvBudget
@@ -49,12 +52,15 @@ class Admission:
     usage: bool = False  # every answer reports its usage, streamed ones too (gpufleet.plan.token_budgets)
     sized_at: int | None = None  # the request length planned is sized for (router_typical_request_tokens); None: max
     fixed: bool = False  # maxconn is router_server_maxconn's
+    measured: str | None = None  # maxconn is a bench record's (measured): which, as the plan shows it
 
     @property
     def basis(self) -> str:
         """What maxconn comes from, as the plan shows it."""
         if self.fixed:
             return "set (router_server_maxconn)"
+        if self.measured is not None:
+            return self.measured
         return "at max_model_len" if self.sized_at is None else f"at {self.sized_at:,} tokens"
 
     def cell(self) -> str:
@@ -91,3 +97,14 @@ def admission(cfg: HostConfig, budget: KvBudget, max_num_seqs: int, dp: int, cat
         return Admission(planned, maxconn, None, sized_at=typical, fixed=fixed)
     return Admission(planned, maxconn, cfg.vllm_max_num_queued_reqs or QUEUE_FACTOR * maxconn, sized_at=typical,
                      fixed=fixed)
+
+
+def measured(found: Admission, running: int, source: str) -> Admission:
+    """``found`` with the router's maxconn from a bench: ``running`` requests at once on one replica at the ceiling
+    (``source``: the record, as the plan names it), at most vLLM's valve; ``found`` itself where maxconn is set."""
+    if found.fixed or running < 1:
+        return found
+    held = found.queued_reqs is not None and running > found.queued_reqs
+    maxconn = found.queued_reqs if held and found.queued_reqs is not None else running
+    return replace(found, maxconn=maxconn, measured=f"measured: {running:,} at the ceiling ({source})"
+                   + (f", held to vLLM's queue limit {maxconn:,}" if held else ""))

@@ -496,7 +496,8 @@ def _admission(pool: str, cfg: HostConfig, b: KvBudget, max_num_seqs: int, dp: i
             raise _about("router_clients", ": ", f"expected a vLLM release that {does} for {model!r}, which {client}"
                          f" may use; vLLM {cfg.vllm_version} has no {flag}")
         if needed:
-            found = replace(found, **{switch: True})
+            found = replace(found, priority=found.priority or switch == "priority",
+                            usage=found.usage or switch == "usage")
     if found.queued_reqs is not None and found.queued_reqs < found.maxconn:
         plan.warnings.append(
             f"pool {pool}: vllm_max_num_queued_reqs {found.queued_reqs} is below the router's maxconn {found.maxconn}"

@@ -4,7 +4,8 @@ operations tell each other across hosts.
 Every role reads its variables through :func:`host_config` and every node's part in the serving plan through
 :func:`assignments`. :func:`fleet` validates the whole fleet (exit 2 on bad input, before any operation runs);
 :func:`context` probes every host's GPUs once, all hosts at the same time, judges each with its ``gpu_health``
-policy and plans the fleet from the hosts that pass; all of it is kept for the rest of the deploy, in the one
+policy and plans the fleet from the hosts that pass (router admission from the monitoring hosts' bench records where
+they measured it); all of it is kept for the rest of the deploy, in the one
 :class:`DeployState` of its pyinfra state (:func:`deploy_state`), with what its operations know of each node.
 """
 
@@ -26,12 +27,15 @@ from pyinfra.context import host as current_host
 from gpufleet.config.fleet import Fleet
 from gpufleet.config.inventory_shape import MONITORING_GROUP
 from gpufleet.config.schema import HostConfig
+from gpufleet.facts.bench import BenchRecords
 from gpufleet.facts.gpu import NvmlGpuFacts
 from gpufleet.facts.lifecycle import FleetNodeRecords, NodeRecord
 from gpufleet.facts.node import NodeStateValue, empty_node_state
 from gpufleet.gpu.profiles import profile_facts
 from gpufleet.gpu.report import FactsError, NodeFacts, parse_facts
 from gpufleet.inventory.load import fleet_from_state
+from gpufleet.measure.capacity import measured_admission
+from gpufleet.measure.records import Record
 from gpufleet.node import health_rules, node_state
 from gpufleet.plan.commands import NodeRole
 from gpufleet.plan.layout import NodeShape, node_shape
@@ -158,15 +162,30 @@ def _record(target: Host) -> dict[str, Any] | None:
         return None
 
 
+def _monitors(st: State) -> list[Host]:
+    """The inventory group ``monitoring``'s hosts (none where it defines no such group)."""
+    try:
+        return list(st.inventory.get_group(MONITORING_GROUP))
+    except Exception:  # noqa: BLE001 - pyinfra raises NoGroupError for a group the inventory does not define
+        return []
+
+
+def _bench_records(st: State) -> list[Record]:
+    """The bench records of the first monitoring host that answers (none without one): what admission is sized
+    from (gpufleet.measure.capacity.measured_admission)."""
+    for monitor in _monitors(st):
+        try:
+            return [Record.from_json(doc) for doc in monitor.get_fact(BenchRecords)]
+        except Exception:  # noqa: BLE001 - a monitoring host that cannot be read leaves admission to the plan
+            continue
+    return []
+
+
 def _fleet_copies(st: State) -> dict[str, dict[str, dict[str, Any]]]:
     """Each monitoring host's copies of the nodes' records (the inventory group ``monitoring``'s hosts that answer);
     none without one."""
-    try:
-        monitors = list(st.inventory.get_group(MONITORING_GROUP))
-    except Exception:  # noqa: BLE001 - pyinfra raises NoGroupError for a group the inventory does not define
-        return {}
     found: dict[str, dict[str, dict[str, Any]]] = {}
-    for monitor in monitors:
+    for monitor in _monitors(st):
         try:
             copies: dict[str, dict[str, Any]] = monitor.get_fact(FleetNodeRecords)
             found[monitor.name] = copies or {}
@@ -252,7 +271,7 @@ def _build(st: State, read_only: bool) -> DeployContext:
             ctx.gate_failures[target.name] = [f.line() for f in failures]
     passing = {h: ctx.provisional.get(h, f) for h, f in ctx.facts.items()
                if h not in ctx.gate_failures and h not in ctx.out_of_service}
-    ctx.plan = plan_fleet(ctx.fleet.only(passing), passing)
+    ctx.plan = measured_admission(plan_fleet(ctx.fleet.only(passing), passing), _bench_records(st))
     for problem in ctx.plan.problems:
         print(f"gpufleet: plan: {problem.line()}", file=sys.stderr)
     return ctx

@@ -3,7 +3,8 @@ baseline their canaries are compared with): each replica shape's ceiling, lab1's
 on long answers (tests/lab/benching.py), the pipeline over lab2 and lab3 by the README's bench as written, then
 again at the rate of its ceiling (the two ceilings agree within 15%; the failing step again would add its bound,
 80 s, and nothing to the ceiling); the records on the monitoring host, the plot, the ceiling Prometheus reads and
-``gpufleet plan --observed``. The capacity alert on these records: tests/lab/test_capacity.py.
+``gpufleet plan --observed``, whose router admission is now each record's concurrency at the ceiling (the deploys
+after this test size the routers' maxconn from it). The capacity alert on these records: tests/lab/test_capacity.py.
 
 The client runs on the controller, the bridge side of the lab, on no lab node; each step is bounded (rate x step
 requests, a hard stop) and ends by itself.
@@ -85,3 +86,16 @@ def test_bench_finds_each_shapes_ceiling_and_keeps_it(
     said = re.search(rf'ceiling of "{re.escape(served_name("lab"))}": ([0-9.]+) req/s over 2 replicas', planned.stdout)
     assert said and float(said[1]) == pytest.approx(ceiling, rel=1e-3), planned.stdout
     assert f"; {target:g} req/s needs 4 replicas" in planned.stdout, planned.stdout
+    # each replica's router admission is now its record's: vLLM's most requests running at once in the ceiling's step
+    as_json = subprocess.run([*GPUFLEET, "plan", "inventories/lab/inventory.py", "--observed", "--json"], cwd=ROOT,
+                             env=lab.env, capture_output=True, text=True, timeout=300)
+    assert as_json.returncode == 0, as_json.stderr[-2000:]
+    admitted = {doc["name"]: (doc["router_maxconn"], doc["router_maxconn_basis"], doc["max_num_queued_reqs"])
+                for doc in json.loads(as_json.stdout)}
+    for replica, record in records.items():
+        running = record["steps"][0]["running_max"]
+        assert running is not None and running >= 1, record["steps"]
+        maxconn, basis, queued = admitted[replica]
+        assert maxconn == min(int(running), queued), (admitted[replica], running)
+        assert basis.startswith(f"measured: {int(running):,} at the ceiling (bench of {record['date'][:10]})"), basis
+    print(json.dumps({"measured_admission": {name: list(found) for name, found in admitted.items()}}))

@@ -207,9 +207,10 @@ def test_the_ceiling_file_gpufleet_bench_writes_feeds_the_capacity_alert(tmp_pat
 
 
 def test_the_benchs_engine_queries_read_one_models_replicas_over_the_step(tmp_path: Path) -> None:
-    """gpufleet bench's PromQL (gpufleet.measure.engine_metrics) under promtool: the highest KV cache usage and the
-    preemptions of one model's replicas over a 2-minute step (not another model's, not before the step), and of
-    one replica with --replica; a hostile model name is quoted."""
+    """gpufleet bench's PromQL (gpufleet.measure.engine_metrics) under promtool: the highest KV cache usage, the
+    preemptions and the most requests one replica ran at once (its two engines summed) of one model's replicas over a
+    2-minute step (not another model's, not before the step), and of one replica with --replica; a hostile model name
+    is quoted."""
     model = 'chat $HOME 100% "x"'
     labels = 'job="vllm", model="chat $HOME 100% \\"x\\"", replica="{replica}"'
     series = []
@@ -217,7 +218,11 @@ def test_the_benchs_engine_queries_read_one_models_replicas_over_the_step(tmp_pa
         series += [{"series": "vllm:kv_cache_usage_perc{" + labels.format(replica=replica) + "}", "values": kv},
                    {"series": "vllm:num_preemptions_total{" + labels.format(replica=replica) + "}",
                     "values": preempted}]
-    series.append({"series": 'vllm:kv_cache_usage_perc{job="vllm", model="other", replica="o0"}', "values": "1x10"})
+    running = (("r0", "0", "1x10"), ("r0", "1", "0x8 5 0"), ("r1", "0", "2x4 40 2x5"))  # r0 at 9m: 1 + 5
+    series += [{"series": "vllm:num_requests_running{" + labels.format(replica=replica) + f', engine="{engine}"' + "}",
+                "values": values} for replica, engine, values in running]
+    series += [{"series": 'vllm:kv_cache_usage_perc{job="vllm", model="other", replica="o0"}', "values": "1x10"},
+               {"series": 'vllm:num_requests_running{job="vllm", model="other", replica="o0"}', "values": "99x10"}]
     whole, one = queries(model, None, 120), queries(model, "r1", 120)
 
     def case(expr: str, value: float) -> dict[str, Any]:
@@ -226,7 +231,8 @@ def test_the_benchs_engine_queries_read_one_models_replicas_over_the_step(tmp_pa
     tests = {"rule_files": [], "evaluation_interval": "1m", "tests": [{
         "interval": "1m", "input_series": series,
         "promql_expr_test": [case(whole["kv_usage_max"], 0.5), case(whole["preemptions"], 4),
-                             case(one["kv_usage_max"], 0.3), case(one["preemptions"], 0)]}]}
+                             case(one["kv_usage_max"], 0.3), case(one["preemptions"], 0),
+                             case(whole["running_max"], 6), case(one["running_max"], 2)]}]}
     (tmp_path / "engine.test.yml").write_text(yaml.safe_dump(tests, sort_keys=False))
     promtool = host_tool("promtool", "prometheus")
     done = subprocess.run([promtool, "test", "rules", "engine.test.yml"], cwd=tmp_path, capture_output=True,

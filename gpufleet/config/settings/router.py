@@ -199,7 +199,9 @@ class RouterSettings(RoleSettings):
         "takes at once (HAProxy's server maxconn, 1 to 50000), the same on every host of a pool. null: from the "
         "plan (`gpufleet plan` shows it): the sequences at max_model_len its KV cache holds on each data-parallel "
         "rank, at most the sequences vLLM schedules at once (--max-num-seqs, else vLLM's default), times the ranks "
-        "(one router server stands for the whole replica: its API server spreads requests over its ranks). The "
+        "(one router server stands for the whole replica: its API server spreads requests over its ranks); where "
+        "a bench record of the replica's model, release and shape found a ceiling (gpufleet bench), the most "
+        "requests vLLM ran at once on one replica at that ceiling instead. The "
         "planner reads it from the replica's hosts, as the vllm_* layout variables: set it in a pool's group_vars "
         "for that pool's replicas, in all.yml for every pool. vllm_max_num_queued_reqs follows it.",
         scope="pool", read_on="pools",

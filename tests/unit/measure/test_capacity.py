@@ -59,6 +59,9 @@ class _Measured:
     def per_replica_rps(self) -> float | None:
         return None if self.rate is None else self.rate / max(1, self.replicas)
 
+    def concurrency_at_ceiling(self) -> int | None:  # not read: admission stays the plan's (test_measured_admission)
+        return None
+
 
 def _one(layout: str, rate: float | None, release: str = "0.32.0") -> Any:
     return _Measured(RecordKey(MODEL, release, layout, PROFILE, "replica"), 1, rate)

@@ -48,6 +48,7 @@ def test_the_last_step_is_read_at_the_first_scrape_of_every_target_after_it(
                                                sleep=prometheus.sleep)
     assert prometheus.now - 1000.0 == pytest.approx(waited)
     assert [s.kv_usage_max for s in found] == [960.0 + SCRAPE_WAIT_S, last_at]  # the time each was read at
-    windows = [expr for expr, _ in prometheus.asked if expr.startswith("max(max_over_time")]
+    assert [(s.preemptions, s.running_max) for s in found] == [(s.kv_usage_max, s.kv_usage_max) for s in found]
+    windows = [expr for expr, _ in prometheus.asked if expr.startswith("max(max_over_time(vllm:kv_cache")]
     assert windows[0].endswith(f"[{76}s]))") and windows[1].endswith(f"[{int(last_at - 970.0)}s]))"), windows
     assert all('replica="r-0"' in expr for expr, _ in prometheus.asked)
