@@ -50,7 +50,8 @@ ROUTER_PORTS = ("router_port", "router_metrics_port", "router_peer_port", "route
 MIN_KEY_CHARS = 16
 """The shortest client key: a key is all that stands between a client and the fleet's GPUs."""
 
-SHOWN_FIELDS = frozenset({"requests_per_s", "concurrent_requests", "priority", "tokens_per_minute", "tokens_per_day"})
+SHOWN_FIELDS = frozenset({"requests_per_s", "concurrent_requests", "priority", "tokens_per_minute", "tokens_per_day",
+                          "share"})
 """A client's limits and class: a number, or text shorter than any key, found there under a secret tree is shown."""
 
 

@@ -27,6 +27,16 @@ passed over for ``DOWN_S``. Every change is sent to every other router's ledger 
 that starts takes the state of the first that answers (``GET /snapshot``), else the one it saved when it stopped
 (``--state``: SIGTERM writes it): a failover, a restart or a router's return finds the budgets used.
 
+Fair share (``"slots"``: the backends shared fairly, each with the requests its replicas take at once): every
+client's request to such a backend asks the ledger, and the reservation's answer waits until the request's turn,
+at most ``"queue_s"`` (then ``2``: the router answers 503 as for its own queue). Each client has a counter per
+backend of the weighed tokens it was served, over its share (``"shares"``, 1 by default): the reservation's cost
+when its request is let through, corrected by the usage that settles it. When a request ends, the next let through
+is the oldest of the waiting client with the lowest counter (virtual token counters, Sheng et al., OSDI '24), and a
+client that starts waiting again gets no credit for the time it was away: its counter rises to the lowest of the
+clients waiting. So backlogged clients are served tokens in proportion to their shares, whatever each request
+costs. This queue is each router's own (the requests wait in its HAProxy); budgets stay the authority's.
+
 ``GET /metrics`` (loopback): each client's prompt and completion tokens per model, settled, what it holds in
 reservations and what its budgets have left, in Prometheus' text format.
 """
@@ -276,6 +286,102 @@ class Ledger:
         return events
 
 
+@dataclass
+class Ticket:
+    """One request of a fairly shared backend: its client, its cost over the client's share (charged when it is let
+    through), when it came, and the event its reservation waits on."""
+
+    backend: str
+    client: str
+    cost: float
+    since: float
+    event: threading.Event = field(default_factory=threading.Event)
+    through: bool = False
+
+
+class FairQueue:
+    """The requests waiting for a fairly shared backend, let through by their clients' virtual token counters (see
+    the module's docstring). Thread-safe."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.slots: dict[str, int] = {}  # backend -> requests let through at once
+        self.shares: dict[str, float] = {}
+        self.hold_s = HOLD_S
+        self.in_flight: dict[str, int] = {}
+        self.counters: dict[str, dict[str, float]] = {}  # backend -> client -> weighed tokens over its share
+        self.waiting: dict[str, dict[str, deque[str]]] = {}  # backend -> client -> its tickets, oldest first
+        self.tickets: dict[str, Ticket] = {}
+
+    def configure(self, slots: dict[str, int], shares: dict[str, float], hold_s: float) -> None:
+        with self.lock:
+            self.slots, self.shares, self.hold_s = dict(slots), dict(shares), hold_s
+            for backend in list(self.waiting):
+                self._let_through(backend)
+
+    def shared(self, backend: str) -> bool:
+        return backend in self.slots
+
+    def enter(self, ident: str, backend: str, client: str, tokens: float, now: float) -> Ticket:
+        """Queue a request (``tokens``: its reservation's cost); its ticket's event is set when it may go."""
+        ticket = Ticket(backend, client, tokens / self.shares.get(client, 1.0), now)
+        with self.lock:
+            self._expire(now)
+            self.tickets[ident] = ticket
+            queues = self.waiting.setdefault(backend, {})
+            counters = self.counters.setdefault(backend, {})
+            if not queues.get(client):  # it starts waiting: no credit for the time it was away
+                others = [counters.get(other, 0.0) for other, queue in queues.items() if queue and other != client]
+                counters[client] = max([counters.get(client, 0.0), *([min(others)] if others else [])])
+            queues.setdefault(client, deque()).append(ident)
+            self._let_through(backend)
+        return ticket
+
+    def wait(self, ident: str, ticket: Ticket, timeout_s: float) -> bool:
+        """Whether the request may go within ``timeout_s``; one that may not has left the queue."""
+        if ticket.event.wait(timeout_s):
+            return True
+        with self.lock:
+            if ticket.through:
+                return True
+            self.waiting[ticket.backend][ticket.client].remove(ident)
+            del self.tickets[ident]
+            return False
+
+    def release(self, ident: str, tokens: float | None) -> None:
+        """A request ended (``tokens``: what it cost, weighed; None: its reservation stands): the next may go."""
+        with self.lock:
+            ticket = self.tickets.get(ident)
+            if ticket is None or not ticket.through:
+                return
+            del self.tickets[ident]
+            self.in_flight[ticket.backend] -= 1
+            if tokens is not None:
+                counters = self.counters[ticket.backend]
+                counters[ticket.client] += tokens / self.shares.get(ticket.client, 1.0) - ticket.cost
+            self._let_through(ticket.backend)
+
+    def _let_through(self, backend: str) -> None:
+        queues, counters = self.waiting.get(backend, {}), self.counters.setdefault(backend, {})
+        while self.in_flight.get(backend, 0) < self.slots.get(backend, 0):
+            waiting = [client for client, queue in queues.items() if queue]
+            if not waiting:
+                return
+            client = min(waiting, key=lambda name: (counters.get(name, 0.0), name))
+            ticket = self.tickets[queues[client].popleft()]
+            ticket.through = True
+            counters[client] = counters.get(client, 0.0) + ticket.cost
+            self.in_flight[backend] = self.in_flight.get(backend, 0) + 1
+            ticket.event.set()
+
+    def _expire(self, now: float) -> None:
+        """Requests let through and never settled within ``hold_s`` (their answer was lost) free their place."""
+        for ident in [i for i, t in self.tickets.items() if t.through and now - t.since > self.hold_s]:
+            ticket = self.tickets.pop(ident)
+            self.in_flight[ticket.backend] -= 1
+            self._let_through(ticket.backend)
+
+
 def _label(text: str) -> str:
     return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
@@ -298,6 +404,7 @@ class Service:
     def __init__(self, ledger: Ledger, budgets: dict[str, Any], routers: tuple[str, ...] = (), me: int = 0,
                  pem: str | None = None) -> None:
         self.ledger, self.routers, self.me = ledger, routers, me
+        self.fair = FairQueue()
         self.set_budgets(budgets)
         self.client_context = _context(pem, server=False) if pem else None
         self.down_until = [0.0] * len(routers)
@@ -306,21 +413,40 @@ class Service:
     def set_budgets(self, budgets: dict[str, Any]) -> None:
         self.models: dict[str, str] = budgets.get("models", {})  # backend -> served model
         self.max_tokens: dict[str, int] = budgets.get("max_tokens", {})  # backend -> its max_model_len
+        self.queue_s = float(budgets.get("queue_s", 0.0))
+        self.fair.configure(budgets.get("slots", {}), budgets.get("shares", {}), float(budgets.get("hold_s", HOLD_S)))
         self.ledger.set_budgets(budgets)
 
     def reserve(self, line: str, now: float) -> str:
         """``client backend prompt_bytes max_tokens`` (max_tokens -1: none sent) -> ``admitted id remaining
-        reset_s retry_after_s`` (:meth:`Answer.line`), from the first router that answers."""
+        reset_s retry_after_s`` (:meth:`Answer.line`), from the first router that answers; for a fairly shared
+        backend, once the request's turn has come (``2 - 0 0 RETRY``: it did not come within ``queue_s``)."""
         client, backend, prompt_bytes, max_tokens = _fields(line, 4)
-        if (answer := self._forward("/reserve", line, now)) is not None:
-            return answer
         completion = int(max_tokens) if int(max_tokens) >= 0 else self.max_tokens.get(backend, 0)
         cost = int(prompt_bytes) * self.ledger.prompt_weight + completion * self.ledger.completion_weight
-        return self.ledger.reserve(client, self.models.get(backend, backend), cost, now).line()
+        answer = self._forward("/reserve", line, now)
+        if answer is None:
+            answer = self.ledger.reserve(client, self.models.get(backend, backend), cost, now).line()
+        admitted, ident, *_ = answer.split()
+        if admitted != "1" or not self.fair.shared(backend):
+            return answer
+        if self.fair.wait(ident, self.fair.enter(ident, backend, client, cost, now), self.queue_s):
+            return answer
+        self.settle(f"{ident} error error", time.time())  # it never went: nothing is charged
+        return f"2 - 0 0 {math.ceil(self.queue_s)}"
 
     def settle(self, lines: str, now: float) -> str:
         """``id prompt completion`` per line: vLLM's usage, ``- -`` where it reported none (the reservation is
-        charged), ``error error`` for an error answer (nothing is)."""
+        charged), ``error error`` for an error answer (nothing is). A fairly shared request's end lets the next go."""
+        for line in lines.splitlines():
+            ident, prompt, completion = _fields(line, 3)
+            if prompt == "error":
+                self.fair.release(ident, 0.0)
+            elif "-" not in (prompt, completion):
+                self.fair.release(ident, int(prompt) * self.ledger.prompt_weight
+                                  + int(completion) * self.ledger.completion_weight)
+            else:
+                self.fair.release(ident, None)
         if self._forward("/settle", lines, now) is not None:
             return "ok"
         for line in lines.splitlines():

@@ -34,6 +34,7 @@ class Backend:
     priority: bool = False  # its replicas schedule by the priority the router sets from the client's class
     metered: bool = False  # the token ledger meters its clients with budgets (gpufleet.plan.token_budgets)
     max_model_len: int = 0  # what a metered request without max_tokens reserves
+    fair: bool = False  # its clients share it fairly in tokens: every one's requests ask the ledger
 
     @property
     def routes(self) -> tuple[str, ...]:
@@ -79,5 +80,5 @@ def backends(plan: FleetPlan) -> list[Backend]:
         servers = sorted((name, replicas[name].api_address) for name in model.replicas)
         found.append(Backend(model.backend, model.name, tuple(servers), policy=model.policy,
                              prefix_balance=model.prefix_balance, priority=model.priority, metered=model.metered,
-                             max_model_len=model.max_model_len))
+                             max_model_len=model.max_model_len, fair=model.fair))
     return found

@@ -32,7 +32,7 @@ from gpufleet.plan.model_memory import (
     weight_bytes,
 )
 from gpufleet.plan.priority import SCHEDULING_FLAG, schedules_by_priority
-from gpufleet.plan.token_budgets import USAGE_FLAG, meters_tokens
+from gpufleet.plan.token_budgets import USAGE_FLAG, meters_tokens, shares_fairly
 from gpufleet.values.problems import shown_key
 from gpufleet.values.types import SecretRef
 from gpufleet.values.vllm_flags import load_catalog
@@ -169,6 +169,7 @@ class ServedModel:
     replicas: tuple[str, ...]  # in the plan's order
     priority: bool = False  # its replicas schedule by the priority the routers set (gpufleet.plan.priority)
     metered: bool = False  # the routers' token ledger meters it (gpufleet.plan.token_budgets)
+    fair: bool = False  # its clients share it fairly in tokens (gpufleet.plan.token_budgets)
     max_model_len: int = 0  # its replicas' (the first one's): a metered request without max_tokens reserves it
 
 
@@ -490,8 +491,8 @@ def _admission(pool: str, cfg: HostConfig, b: KvBudget, max_num_seqs: int, dp: i
     for switch, needed, flag, does, client in (
             ("priority", schedules_by_priority(model, configs), SCHEDULING_FLAG, "schedules by priority",
              "a client of the class interactive or batch"),
-            ("usage", meters_tokens(model, configs), USAGE_FLAG, "reports the usage of streamed answers",
-             "a client with a token budget")):
+            ("usage", meters_tokens(model, configs) or shares_fairly(model, configs), USAGE_FLAG,
+             "reports the usage of streamed answers", "a client with a token budget or a share")):
         if needed and not catalog.has(flag):
             raise _about("router_clients", ": ", f"expected a vLLM release that {does} for {model!r}, which {client}"
                          f" may use; vLLM {cfg.vllm_version} has no {flag}")
@@ -667,7 +668,8 @@ def served_models(replicas: Iterable[Replica], configs: Mapping[str, HostConfig]
             cfg.vllm_slo_ttft_p99_s, cfg.vllm_slo_itl_p99_s, tuple(dict.fromkeys(r.api_key for r in served)),
             str(cfg.vllm_model_config or cfg.vllm_model), tuple(dict.fromkeys(r.pool for r in served)),
             tuple(r.name for r in served), any(r.admission.priority for r in served),
-            any(r.admission.usage for r in served), served[0].max_model_len)
+            metered=meters_tokens(name, configs.values()), fair=shares_fairly(name, configs.values()),
+            max_model_len=served[0].max_model_len)
     return found
 
 

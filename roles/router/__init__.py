@@ -228,7 +228,7 @@ def config_values(cfg: HostConfig, address: str, found: list[Backend], lists: li
         "escaped_ascii": ESCAPED_ASCII,
         "backends": [{"name": b.name, "comment": b.comment, "model_sha256": b.model_sha256, "routes": b.routes,
                       "policy": b.policy, "bound_percent": b.bound_percent, "priority": b.priority,
-                      "metered": b.metered,
+                      "metered": b.metered, "fair": b.fair,
                       "servers": [{"name": n, "address": a, "maxconn": maxconn[n], "agent_port": agents.get(n),
                                    "id": b.server_ids[n]} for n, a in b.servers]}
                      for b in found],
@@ -337,7 +337,7 @@ def clients_service_values(cfg: HostConfig) -> dict[str, object]:
     metered client, the token ledger's counters too."""
     argv = [NODE_PYTHON, "-I", node_tool("router_admin.py"), "client-metrics", "--textfile", CLIENTS_TEXTFILE,
             "--socket", ROUTER_ADMIN_SOCKET, "--edge-dir", EDGE_DIR,
-            *(["--ledger", str(cfg.router_ledger_port)] if token_ledger.metered(cfg) else [])]
+            *(["--ledger", str(cfg.router_ledger_port)] if token_ledger.runs(cfg) else [])]
     return {"timer": CLIENTS_TIMER, "node_tools": NODE_TOOLS_DIR, "textfile": CLIENTS_TEXTFILE,
             "textfile_dir": f"-{TEXTFILE_DIR}",  # "-": no error where node_exporter is not installed
             "exec_start": exec_line(argv), "ip_access": access.unit_lines([])}  # localhost only: no network
@@ -487,21 +487,23 @@ def _peer_pem() -> OperationMeta:
 
 
 def _token_ledger(cfg: HostConfig) -> OperationMeta:
-    """The token ledger with a metered client (:mod:`roles.router.token_ledger`): its budgets, its unit, running,
-    and the Lua HAProxy loads to ask it; all gone without. Returns the Lua file's operation (a change reloads
+    """The token ledger with a metered or sharing client (:mod:`roles.router.token_ledger`): its budgets, its unit,
+    running, and the Lua HAProxy loads to ask it; all gone without. Returns the Lua file's operation (a change reloads
     HAProxy)."""
     unit_file = unit_path(token_ledger.SERVICE)  # read with the router's other files (router())
-    if not token_ledger.metered(cfg):
-        systemd.service(name=f"Stop and disable {token_ledger.SERVICE} (no client has a token budget)",
+    if not token_ledger.runs(cfg):
+        systemd.service(name=f"Stop and disable {token_ledger.SERVICE} (no client has a token budget or a share)",
                         unit=token_ledger.SERVICE, running=False, enabled=False)
-        removed = [files.absent(name=f"Remove {path} (no client has a token budget)", path=path)
+        removed = [files.absent(name=f"Remove {path} (no client has a token budget or a share)", path=path)
                    for path in (unit_file, token_ledger.BUDGETS)]
         systemd.daemon_reload(name="Reload systemd: the token ledger's unit is gone", _if=removed[0].did_change)
-        return files.absent(name=f"Remove {token_ledger.LUA} (no client has a token budget)", path=token_ledger.LUA)
+        return files.absent(name=f"Remove {token_ledger.LUA} (no client has a token budget or a share)",
+                            path=token_ledger.LUA)
     ctx = context()
     found = backends(ctx.plan)
     budgets = files.file(name=f"Write the token budgets ({token_ledger.BUDGETS})", dest=token_ledger.BUDGETS,
-                         content=token_ledger.budgets(cfg, found), mode="0644")
+                         content=token_ledger.budgets(cfg, found, replica_maxconn(ctx.plan.replicas)),
+                         mode="0644")
     unit = files.file(name=f"Write {unit_file} (the token ledger)", dest=unit_file,
                       content=templates.render("router/gpufleet-token-ledger.service.j2",
                                                **token_ledger.service_values(host.name, fleet_routers(),

@@ -1,5 +1,5 @@
-"""The routers' token ledger (gpufleet/node/token_ledger.py) on each router, where a client has a token budget:
-its budgets file, its unit, and the Lua HAProxy asks it with.
+"""The routers' token ledger (gpufleet/node/token_ledger.py) on each router, where a client has a token budget or a
+share: its budgets file, its unit, and the Lua HAProxy asks it with.
 
 The ledger listens on loopback for this router's HAProxy and on the fleet address for the other routers' ledgers
 (``router_ledger_port``, TLS with the routers' peer certificate: :mod:`roles.router.peers`). The group ``routers``
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -39,21 +40,27 @@ LIMITED = ('{"error":{"message":"over the token budget of this API key; retry af
            '"type":"RateLimitError","code":429}}')
 
 
-def metered(cfg: HostConfig) -> bool:
-    """Whether any client of the routers has a token budget."""
-    return any(client.metered for client in cfg.router_clients.values())
+def runs(cfg: HostConfig) -> bool:
+    """Whether the token ledger runs: a client of the routers has a token budget or a share."""
+    return any(client.metered or client.share is not None for client in cfg.router_clients.values())
 
 
-def budgets(cfg: HostConfig, found: Sequence[Backend]) -> str:
-    """The ledger's budgets file: each metered client's budgets, the token weights, and each metered backend's
-    served model (the ledger's metrics label) and max_model_len (what a request without max_tokens reserves)."""
+def budgets(cfg: HostConfig, found: Sequence[Backend], maxconn: Mapping[str, int]) -> str:
+    """The ledger's budgets file: each metered client's budgets, the token weights, each client's share, each
+    metered or shared backend's served model (the ledger's metrics label) and max_model_len (what a request without
+    max_tokens reserves), and each shared backend's slots (its replicas' maxconn, by name in ``maxconn``,
+    together: what the fair queue lets through at once) and how long a request waits in it at most (the router's
+    queue timeout)."""
     document = {
         "clients": {name: {"tokens_per_minute": c.tokens_per_minute, "tokens_per_day": c.tokens_per_day}
                     for name, c in sorted(cfg.router_clients.items()) if c.metered},
         "weights": {"prompt": cfg.router_token_weights.prompt, "completion": cfg.router_token_weights.completion},
-        "models": {b.name: b.model for b in found if b.metered},
-        "max_tokens": {b.name: b.max_model_len for b in found if b.metered},
+        "shares": {name: c.share for name, c in sorted(cfg.router_clients.items()) if c.share is not None},
+        "models": {b.name: b.model for b in found if b.metered or b.fair},
+        "max_tokens": {b.name: b.max_model_len for b in found if b.metered or b.fair},
         "hold_s": cfg.router_timeout_s + HOLD_MARGIN_S,
+        "slots": {b.name: sum(maxconn[name] for name, _ in b.servers) for b in found if b.fair},
+        "queue_s": cfg.router_queue_timeout_s,
     }
     return json.dumps(document, indent=1, sort_keys=True) + "\n"
 
@@ -80,13 +87,15 @@ def service_values(router: str, routers: Sequence[str], configs: Mapping[str, Ho
 
 
 def lua(cfg: HostConfig) -> str:
-    """The Lua HAProxy loads to ask the ledger (templates/router/gpufleet-tokens.lua.j2)."""
+    """The Lua HAProxy loads to ask the ledger (templates/router/gpufleet-tokens.lua.j2); a reservation's call may
+    wait for the request's turn in the fair queue, the router's queue timeout at most."""
     return templates.render("router/gpufleet-tokens.lua.j2", ledger=host_port("127.0.0.1", cfg.router_ledger_port),
-                            timeout_ms=CALL_TIMEOUT_MS, flush_ms=FLUSH_MS)
+                            timeout_ms=CALL_TIMEOUT_MS, flush_ms=FLUSH_MS,
+                            reserve_timeout_ms=CALL_TIMEOUT_MS + math.ceil(cfg.router_queue_timeout_s * 1000))
 
 
 def config_values(cfg: HostConfig) -> dict[str, Any] | None:
-    """The router configuration's ``tokens`` values; None without a metered client."""
-    if not metered(cfg):
+    """The router configuration's ``tokens`` values; None where the ledger does not run."""
+    if not runs(cfg):
         return None
     return {"lua": LUA, "away": AWAY, "never": NEVER, "limited": LIMITED}

@@ -181,9 +181,10 @@ def write_edge(edge_dir: Path, written: dict[str, str]) -> None:
 
 def start_edge(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tls: bool, plain: bool = False,
                peers: Peers | None = None, clients: dict[str, Any] | None = None,
-               ledger_port: int | None = None) -> Iterator[Edge]:
+               ledger_port: int | None = None, maxconn: int = 64) -> Iterator[Edge]:
     """An edge in ``tmp_path``; ``peers``: the router's peers section (its PEM written already); ``clients``:
-    router_clients (default :data:`CLIENTS`); ``ledger_port``: where its token ledger listens (on loopback)."""
+    router_clients (default :data:`CLIENTS`); ``ledger_port``: where its token ledger listens (on loopback);
+    ``maxconn``: each replica's."""
     haproxy = host_tool("haproxy", "haproxy")
     tmp_path.mkdir(exist_ok=True)
     for name, key in KEYS.items():
@@ -208,14 +209,15 @@ def start_edge(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tls: bool, plain
         upstream = router_role.upstream_keys(plan)
         edge_dir = tmp_path / "edge"
         write_edge(edge_dir, router_role.edge_files(cfg, found, upstream))
-        values = router_role.config_values(cfg, "127.0.0.1", found, [], [], {r.name: 64 for r in plan.replicas},
-                                           edge_dir=str(edge_dir), peers=peers)
+        maxconn_by_replica = {r.name: maxconn for r in plan.replicas}
+        values = router_role.config_values(cfg, "127.0.0.1", found, [], [], maxconn_by_replica, edge_dir=str(edge_dir),
+                                           peers=peers)
         values["admin_socket"] = str(tmp_path / "admin.sock")
         if values["tokens"]:
             lua = tmp_path / "tokens.lua"
             lua.write_text(token_ledger.lua(cfg))
             values["tokens"]["lua"] = str(lua)
-            (tmp_path / "token-budgets.json").write_text(token_ledger.budgets(cfg, found))
+            (tmp_path / "token-budgets.json").write_text(token_ledger.budgets(cfg, found, maxconn_by_replica))
         config = tmp_path / "haproxy.cfg"
         config.write_text(router_role.render(values))
         as_its_unit = memory_rule(router_role.drop_in(cfg))  # the drop-in's memory rule, as on a router

@@ -74,6 +74,7 @@ class RouterClient(BaseModel):
     priority: Literal["interactive", "standard", "batch"] | None = None
     tokens_per_minute: Annotated[int, Field(ge=1, le=MAX_TOKEN_BUDGET)] | None = None
     tokens_per_day: Annotated[int, Field(ge=1, le=MAX_TOKEN_BUDGET)] | None = None
+    share: Annotated[int, Field(ge=1, le=1000)] | None = None
 
     @property
     def metered(self) -> bool:
@@ -264,6 +265,7 @@ class RouterSettings(RoleSettings):
         "      priority: batch                     # interactive, standard or batch (left out: standard)\n"
         "      tokens_per_minute: 200000           # token budgets per model it uses, a sliding minute and a\n"
         "      tokens_per_day: 50000000            # sliding day (left out: no budget); see router_token_weights\n"
+        "      share: 3                            # its weight in a model's tokens when clients wait for it\n"
         "With clients, the router checks each request's \"Authorization: Bearer <key>\": none or an unknown key gets "
         "401, a model the client may not use 403, a request over a limit 429 with Retry-After; the replicas get "
         "the request with their own key (vllm_api_key) instead, which clients never need. The router holds only "
@@ -280,7 +282,13 @@ class RouterSettings(RoleSettings):
         "ledger before it is admitted and settled from the usage vLLM reports when it ends (its models are served "
         "with --enable-force-include-usage, so streamed answers report it too); a cost the budgets' windows cannot "
         "hold now gets 429 with Retry-After when it will, one above a whole budget 400, and every answer of the "
-        "client carries x-ratelimit-remaining-tokens and x-ratelimit-reset-tokens.",
+        "client carries x-ratelimit-remaining-tokens and x-ratelimit-reset-tokens. Where a client that may use a "
+        "model has a share (1 to 1000; without one, 1), the model's clients share it fairly in tokens: every "
+        "client's request to it waits in the router's token ledger until a place among its replicas' maxconn is "
+        "free (router_queue_timeout_s at most, then 503 as the router's own queue answers), and the next to go is "
+        "the oldest request of the waiting client that was served the fewest weighed tokens over its share "
+        "(virtual token counters; one that comes back from idle gets no credit for its absence): backlogged "
+        "clients get tokens in proportion to their shares, whatever each request asks for.",
         scope="routers", read_on="routers", secret="tree", section="The edge: client keys and limits, TLS",
         owned_flags=("--scheduling-policy", "--enable-force-include-usage"),
     )

@@ -3,13 +3,14 @@ state carried to another router's ledger by replication and by a snapshot."""
 
 from __future__ import annotations
 
+from collections import deque
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from gpufleet.node.token_ledger import Ledger
+from gpufleet.node.token_ledger import FairQueue, Ledger, Ticket
 
 CASES = yaml.safe_load((Path(__file__).parents[2] / "data" / "token_ledger" / "cases.yaml").read_text())
 
@@ -57,3 +58,65 @@ def test_a_ledger_that_starts_takes_the_state_of_another() -> None:
     theirs = first.reserve("alice", "m", 400, 3.0).line().split()
     assert mine[:1] + mine[2:] == theirs[:1] + theirs[2:] == ["1", "0", "86398", "0"]
     assert 'gpufleet_router_client_prompt_tokens_total{client="alice",model="m"} 200' in second.metrics(3.0)
+
+
+
+FAIR = yaml.safe_load((Path(__file__).parents[2] / "data" / "token_ledger" / "fair.yaml").read_text())
+
+
+def _ended(case: dict[str, Any]) -> list[tuple[str, float]]:
+    """The requests of ``case`` in the order they ended (the oldest let through first): (client, tokens charged)."""
+    queue = FairQueue()
+    clients = case["clients"]
+    queue.configure({"b": case["slots"]}, {name: c.get("share", 1) for name, c in clients.items()}, 3600.0)
+    waiting: dict[str, Ticket] = {}
+    going: deque[tuple[str, Ticket]] = deque()
+    ended: list[tuple[str, float]] = []
+
+    def through() -> None:  # each call lets one request through at most: their order is the order they went in
+        for ident in [i for i, ticket in waiting.items() if ticket.event.is_set()]:
+            going.append((ident, waiting.pop(ident)))
+
+    def arrive(name: str) -> None:
+        for n in range(clients[name]["backlog"]):
+            waiting[f"{name}-{n}"] = queue.enter(f"{name}-{n}", "b", name, clients[name]["reserve"], now=0.0)
+            through()
+
+    for name, client in clients.items():
+        if "after" not in client:
+            arrive(name)
+    while going:
+        ident, ticket = going.popleft()
+        charged = clients[ticket.client]["charged"]
+        queue.release(ident, charged)
+        ended.append((ticket.client, charged))
+        through()
+        for name, client in clients.items():
+            if client.get("after") == len(ended):
+                arrive(name)
+    return ended
+
+
+@pytest.mark.parametrize("case", FAIR, ids=[c["id"] for c in FAIR])
+def test_backlogged_clients_are_served_tokens_in_proportion_to_their_shares(case: dict[str, Any]) -> None:
+    ended = _ended(case)
+    assert len(ended) == sum(c["backlog"] for c in case["clients"].values())  # every request went, once
+    tokens = dict.fromkeys(case["clients"], 0.0)
+    for client, charged in ended[case["from"]:case["to"]]:
+        tokens[client] += charged
+    first = tokens[next(iter(case["clients"]))]
+    for name, ratio in case["expect"].items():
+        assert tokens[name] / first == pytest.approx(ratio, rel=0.10), tokens
+
+
+def test_a_request_that_waits_past_its_bound_leaves_the_queue_and_one_never_settled_frees_its_place() -> None:
+    queue = FairQueue()
+    queue.configure({"b": 1}, {}, 30.0)
+    first = queue.enter("1", "b", "a", 10, now=0.0)
+    second = queue.enter("2", "b", "a", 10, now=0.0)
+    assert queue.wait("1", first, 0.0) and not queue.wait("2", second, 0.01)
+    queue.release("2", 10)  # it left: no place to free, nothing let through
+    third = queue.enter("3", "b", "a", 10, now=10.0)
+    assert not third.event.is_set() and queue.in_flight["b"] == 1
+    fourth = queue.enter("4", "b", "a", 10, now=31.0)  # the first was never settled: its place is free again
+    assert third.event.is_set() and not fourth.event.is_set()

@@ -65,10 +65,11 @@ def test_only_a_metered_models_backend_asks_the_ledger_and_its_budgets_name_only
     assert "gpufleet_reserve" not in chat and "gpufleet_usage" not in chat
     maps = router_role.edge_maps(router.router_clients, {"batch": "b" * 20, "carol": "c" * 20}, found, {})
     assert [line for line in maps["budgets"].splitlines() if not line.startswith("#")] == ["batch 1"]
-    budgets = json.loads(token_ledger.budgets(router, found))
+    budgets = json.loads(token_ledger.budgets(router, found, dict.fromkeys(("h1", "h2"), 4)))
     assert budgets == {"clients": {"batch": {"tokens_per_minute": 5000, "tokens_per_day": None}},
                        "weights": {"prompt": 1.0, "completion": 4.0}, "models": {"model-code": CODE},
-                       "max_tokens": {"model-code": 4096}, "hold_s": router.router_timeout_s + 60}
+                       "max_tokens": {"model-code": 4096}, "hold_s": router.router_timeout_s + 60, "shares": {},
+                       "slots": {}, "queue_s": router.router_queue_timeout_s}
 
 
 def test_without_a_token_budget_the_router_loads_no_lua() -> None:
@@ -77,3 +78,29 @@ def test_without_a_token_budget_the_router_loads_no_lua() -> None:
                                                  {"h1": host_config(vllm_served_model_name=CHAT), "r1": router}))
     text = router_role.render(router_role.config_values(router, "10.0.0.9", found, [], [], {"h1": 4}))
     assert "lua" not in text and token_ledger.config_values(router) is None
+
+
+def test_a_model_a_client_with_a_share_may_use_is_shared_every_clients_request_asks_the_ledger(
+        project: Project, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KEY_REPLICAS", "replicas-key-0123456789")
+    monkeypatch.setenv("KEY_TEAM", "team-key-0123456789abcdef")
+    shared = {"api_key": {"env": "KEY_TEAM"}, "share": 3, "models": [CODE]}
+    project.group_vars("routers", f"router_clients: {{'team': {shared!r}}}\n")
+    plan = fleet_plan(project, "vllm_model: meta-llama/Llama-3.1-8B-Instruct\nvllm_max_model_len: 8192\n"
+                      "vllm_api_key: {env: KEY_REPLICAS}\n",
+                      f'chat = [("10.0.0.1", {{"vllm_served_model_name": "{CHAT}"}})]\n'
+                      f'code = [("10.0.0.2", {{"vllm_served_model_name": "{CODE}"}})]\nrouters = ["10.0.0.1"]\n')
+    assert plan.problems == []
+    argv = {r.served: r.roles[0].processes[-1].argv for r in plan.replicas}
+    assert "--enable-force-include-usage" in argv[CODE] and "--enable-force-include-usage" not in argv[CHAT]
+    assert {m.name: (m.metered, m.fair) for m in plan.models.values()} == {CHAT: (False, False), CODE: (False, True)}
+    router = host_config(router_clients={"team": shared, "carol": {"api_key": {"env": "C"}}})
+    found = plan_backends.backends(stand_in_plan({"h1": ("10.0.0.1", 8000), "h2": ("10.0.0.2", 8000)},
+                                                 {"h1": host_config(vllm_served_model_name=CHAT),
+                                                  "h2": host_config(vllm_served_model_name=CODE), "r1": router}))
+    text = router_role.render(router_role.config_values(router, "10.0.0.9", found, [], [], {"h1": 4, "h2": 6}))
+    chat, code = (text.split(f"backend model-{model}\n")[1].split("\n\n")[0] for model in (CHAT, CODE))
+    assert "http-request lua.gpufleet_reserve model-code if { var(txn.client) -m found }" in code  # every client
+    assert "gpufleet_reserve" not in chat
+    budgets = json.loads(token_ledger.budgets(router, found, {"h1": 4, "h2": 6}))
+    assert (budgets["shares"], budgets["slots"], budgets["clients"]) == ({"team": 3}, {"model-code": 6}, {})
