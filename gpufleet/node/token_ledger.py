@@ -304,7 +304,7 @@ class FairQueue:
     the module's docstring). Thread-safe."""
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # reentrant: a reload (SIGHUP) may land while the main thread holds it
         self.slots: dict[str, int] = {}  # backend -> requests let through at once
         self.shares: dict[str, float] = {}
         self.hold_s = HOLD_S
@@ -421,12 +421,8 @@ class Service:
         """``client backend prompt_bytes max_tokens`` (max_tokens -1: none sent) -> ``admitted id remaining
         reset_s retry_after_s`` (:meth:`Answer.line`), from the first router that answers; for a fairly shared
         backend, once the request's turn has come (``2 - 0 0 RETRY``: it did not come within ``queue_s``)."""
-        client, backend, prompt_bytes, max_tokens = _fields(line, 4)
-        completion = int(max_tokens) if int(max_tokens) >= 0 else self.max_tokens.get(backend, 0)
-        cost = int(prompt_bytes) * self.ledger.prompt_weight + completion * self.ledger.completion_weight
-        answer = self._forward("/reserve", line, now)
-        if answer is None:
-            answer = self.ledger.reserve(client, self.models.get(backend, backend), cost, now).line()
+        client, backend, cost = self._cost(line)
+        answer = self.decide(line, now)
         admitted, ident, *_ = answer.split()
         if admitted != "1" or not self.fair.shared(backend):
             return answer
@@ -434,6 +430,22 @@ class Service:
             return answer
         self.settle(f"{ident} error error", time.time())  # it never went: nothing is charged
         return f"2 - 0 0 {math.ceil(self.queue_s)}"
+
+    def decide(self, line: str, now: float) -> str:
+        """The budgets' answer to a reservation (:meth:`reserve`'s line), from the first router that answers: what
+        another router's ledger asks this one (its fair queue is its own)."""
+        client, backend, cost = self._cost(line)
+        if (answer := self._forward("/reserve", line, now)) is not None:
+            return answer
+        return self.ledger.reserve(client, self.models.get(backend, backend), cost, now).line()
+
+    def _cost(self, line: str) -> tuple[str, str, float]:
+        """A reservation's client, backend and cost: its prompt's bytes and its max_tokens (-1: the backend's
+        max_model_len), weighed."""
+        client, backend, prompt_bytes, max_tokens = _fields(line, 4)
+        completion = int(max_tokens) if int(max_tokens) >= 0 else self.max_tokens.get(backend, 0)
+        cost = int(prompt_bytes) * self.ledger.prompt_weight + completion * self.ledger.completion_weight
+        return client, backend, cost
 
     def settle(self, lines: str, now: float) -> str:
         """``id prompt completion`` per line: vLLM's usage, ``- -`` where it reported none (the reservation is
@@ -570,8 +582,8 @@ def _handler(service: Service, trusted_peer: bool) -> type[BaseHTTPRequestHandle
             body = data.decode("utf-8", "replace")
             now = time.time()
             try:
-                if self.path == "/reserve":
-                    self._answer(200, service.reserve(body, now))
+                if self.path == "/reserve":  # a peer's call is decided here; its request waits in its own queue
+                    self._answer(200, service.decide(body, now) if trusted_peer else service.reserve(body, now))
                 elif self.path == "/settle":
                     self._answer(200, service.settle(body, now))
                 elif self.path == "/replicate" and trusted_peer:
@@ -622,6 +634,7 @@ def main(argv: list[str] | None = None) -> int:
     routers = tuple(r for r in args.routers.split(",") if r)
     ledger = Ledger(budgets, origin=f"r{args.me}-{int(time.time())}")
     service = Service(ledger, budgets, routers, args.me, args.pem)
+    signal.signal(signal.SIGHUP, lambda *_: service.set_budgets(_read(args.budgets)))  # systemctl reload, from now
     servers = [ThreadingHTTPServer(args.listen, _handler(service, trusted_peer=False))]
     if routers and args.pem:
         peer_server = ThreadingHTTPServer(_address(routers[args.me]), _handler(service, trusted_peer=True))
@@ -631,7 +644,6 @@ def main(argv: list[str] | None = None) -> int:
         ledger.restore(_read(args.state))
     if args.state:
         signal.signal(signal.SIGTERM, lambda *_: _save_and_exit(ledger, args.state))
-    signal.signal(signal.SIGHUP, lambda *_: service.set_budgets(_read(args.budgets)))  # systemctl reload
     for server in servers:
         server.daemon_threads = True
         threading.Thread(target=server.serve_forever, daemon=True).start()

@@ -512,7 +512,7 @@ def _token_ledger(cfg: HostConfig) -> OperationMeta:
     systemd.restart(name=f"Restart {token_ledger.SERVICE}: its unit changed (it takes the others' state back)",
                     unit=token_ledger.SERVICE, _if=unit.did_change)
     systemd.reload(name=f"Reload {token_ledger.SERVICE}: the budgets changed (what each client used is kept)",
-                   unit=token_ledger.SERVICE, _if=budgets.did_change)
+                   unit=token_ledger.SERVICE, _if=lambda: budgets.did_change() and not unit.did_change())
     systemd.service(name=f"Ensure {token_ledger.SERVICE} runs and starts at boot", unit=token_ledger.SERVICE,
                     running=True, enabled=True)
     return files.file(name=f"Write {token_ledger.LUA} (HAProxy asks the token ledger with it)", dest=token_ledger.LUA,

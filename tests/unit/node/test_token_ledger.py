@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
-from gpufleet.node.token_ledger import FairQueue, Ledger, Ticket
+from gpufleet.node.token_ledger import FairQueue, Ledger, Service, Ticket
 
 CASES = yaml.safe_load((Path(__file__).parents[2] / "data" / "token_ledger" / "cases.yaml").read_text())
 
@@ -120,3 +120,14 @@ def test_a_request_that_waits_past_its_bound_leaves_the_queue_and_one_never_sett
     assert not third.event.is_set() and queue.in_flight["b"] == 1
     fourth = queue.enter("4", "b", "a", 10, now=31.0)  # the first was never settled: its place is free again
     assert third.event.is_set() and not fourth.event.is_set()
+
+
+def test_a_reservation_waits_for_its_turn_here_and_another_routers_is_only_decided() -> None:
+    budgets = {"clients": {}, "slots": {"b": 1}, "queue_s": 0.05}
+    service = Service(Ledger(budgets, "a"), budgets)
+    first = service.reserve("alice b 10 5", 0.0).split()
+    assert first[0] == "1"  # the one place
+    assert service.reserve("alice b 10 5", 0.0).split()[0] == "2"  # waited its bound: the router's own 503
+    assert service.decide("bob b 10 5", 0.0).split()[0] == "1"  # a peer's call: the budgets' answer, at once
+    service.settle(f"{first[1]} 3 5", 1.0)
+    assert service.reserve("bob b 10 5", 1.0).split()[0] == "1"  # the place is free again
