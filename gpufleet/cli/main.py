@@ -140,7 +140,7 @@ def _print_table(plan: FleetPlan, observed: dict[str, tuple[dict[str, Any] | Non
         nodes = "\n".join(f"{x.host} ({x.role}): {','.join(map(str, x.gpus))}" for x in r.roles)
         seqs, *tokens = [f"{r.budget.max_concurrency * r.dp:,.1f}"] if observed is None else _observed_cells(
             r, *observed[r.name])
-        seqs += f"\n{r.admission.cell()}"
+        seqs += f"\n{r.admission.cell()}" + ("\nfair share" if plan.model_of(r).fair else "")
         table.add_row(r.name, f"{r.model}\nmax_model_len {r.max_model_len:,}", nodes, str(r.tp), str(r.pp),
                       str(r.dp), str(r.port), f"{r.budget.weights_bytes_per_gpu / GIB:,.1f} GiB",
                       f"{r.budget.kv_pool_bytes / GIB:,.1f} GiB", f"{r.kv_bytes_per_token:,}", seqs, *tokens)

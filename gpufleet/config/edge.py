@@ -18,8 +18,9 @@ from typing import Any
 
 from gpufleet.config.layers import HostLayers, Layer, is_role_default
 from gpufleet.config.router_wide import address_problems, pool_read_problems, router_wide_problems, wide_networks
-from gpufleet.config.schema import MIN_KEY_CHARS, HostConfig
+from gpufleet.config.schema import HostConfig
 from gpufleet.config.secrets import read_secret
+from gpufleet.config.settings.router import MIN_KEY_CHARS
 from gpufleet.config.tls_pair import is_ip_address, pair_problems
 from gpufleet.values.grammar import show
 from gpufleet.values.problems import HIDDEN_KEY, ConfigError, Problem

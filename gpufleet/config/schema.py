@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import re
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -28,7 +29,7 @@ from gpufleet.config.settings.node_exporter import NodeExporterSettings
 from gpufleet.config.settings.node_lifecycle import NodeLifecycleSettings
 from gpufleet.config.settings.nvidia_driver import NvidiaDriverSettings
 from gpufleet.config.settings.ray import RaySettings
-from gpufleet.config.settings.router import RouterSettings
+from gpufleet.config.settings.router import MIN_KEY_CHARS, RouterSettings
 from gpufleet.config.settings.vllm import CPU_KV_SPACE, VllmSettings
 from gpufleet.gpu.burn_in_floors import HEALTHY
 from gpufleet.gpu.profiles import parse_profile
@@ -47,18 +48,19 @@ NODE_PATH_SOURCES = frozenset({"vllm_wheelhouse_url", "vllm_requirements_url"})
 ROUTER_PORTS = ("router_port", "router_metrics_port", "router_peer_port", "router_ledger_port")
 """The ports a router listens on (and router_plain_http_port, when set): a host that routes nothing leaves them free."""
 
-MIN_KEY_CHARS = 16
-"""The shortest client key: a key is all that stands between a client and the fleet's GPUs."""
-
 SHOWN_FIELDS = frozenset({"requests_per_s", "concurrent_requests", "priority", "tokens_per_minute", "tokens_per_day",
                           "share"})
-"""A client's limits and class: a number, or text shorter than any key, found there under a secret tree is shown."""
+"""A client's limits and class: a number found there under a secret tree is shown, and text shorter than any key
+that is a class's name mistyped (``priority``) or a number written as text (``10/s``, ``1_000``); other text (a
+word: ``hunter2``) may be a password pasted in the wrong place."""
+
+_WORD = re.compile(r"[A-Za-z]{3}")
 
 
 def shown_in_tree(field: str, value: Any) -> bool:
     """Whether ``value``, found at ``field`` under a secret tree, is shown: it is no key (:data:`SHOWN_FIELDS`)."""
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    word = isinstance(value, str) and len(value) < MIN_KEY_CHARS
+    word = isinstance(value, str) and len(value) < MIN_KEY_CHARS and (field == "priority" or not _WORD.search(value))
     return (number or word) and field in SHOWN_FIELDS
 
 LORA_FLAGS = ("--max-loras", "--max-lora-rank", "--max-cpu-loras", "--fully-sharded-loras", "--lora-dtype",

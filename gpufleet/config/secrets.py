@@ -16,6 +16,7 @@ from pathlib import Path
 
 from gpufleet.config.schema import keys
 from gpufleet.input_files import InputFileError, read_regular
+from gpufleet.values import grammar
 from gpufleet.values.problems import ConfigError, Problem
 from gpufleet.values.types import SecretRef
 
@@ -52,24 +53,31 @@ def _read(ref: SecretRef, key: str) -> str:
     return _KEPT[source]
 
 
+def _named(name: str) -> str:
+    """An environment variable's name or a file's path as a message shows it: never one that holds what looks like a
+    credential (a key pasted where its variable's name was meant)."""
+    return "(a name that looks like a credential, not shown)" if grammar.secret_like(name) else name
+
+
 def _read_source(ref: SecretRef, key: str) -> str:
     if ref.env is not None:
         value = (os.environ.get(ref.env) or "").strip()
         if not value:
-            raise ConfigError([Problem("controller", key, f"expected environment variable {ref.env} to be set,"
-                                                       " found it unset or empty")])
+            raise ConfigError([Problem("controller", key, f"expected environment variable {_named(ref.env)} to be"
+                                                       " set, found it unset or empty")])
         return value
     path = Path(os.path.expanduser(str(ref.file)))
     try:
         value = read_regular(path, "a regular file", SECRET_MAX_BYTES).decode().strip()
     except InputFileError as exc:
-        raise ConfigError([Problem("controller", key, f"expected a readable secret file {path},"
+        raise ConfigError([Problem("controller", key, f"expected a readable secret file {_named(str(path))},"
                                                    f" found: {exc.found}")]) from None
     except UnicodeDecodeError:
-        raise ConfigError([Problem("controller", key, f"expected a text secret in {path},"
+        raise ConfigError([Problem("controller", key, f"expected a text secret in {_named(str(path))},"
                                                    " found binary data")]) from None
     if not value:
-        raise ConfigError([Problem("controller", key, f"expected a secret in {path}, found an empty file")])
+        raise ConfigError([Problem("controller", key,
+                                   f"expected a secret in {_named(str(path))}, found an empty file")])
     return value
 
 

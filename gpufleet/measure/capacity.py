@@ -133,17 +133,25 @@ def releases_without_bench(replicas: list[Replica], records: list[Record]) -> li
 
 
 def measured_admission(plan: FleetPlan, records: list[Record]) -> FleetPlan:
-    """``plan`` with each replica's router admission from the newest record of its model, release and shape that
-    measured its concurrency at the ceiling (:meth:`Record.concurrency_at_ceiling`): one replica benched alone first,
-    else through the routers; a replica without one keeps the plan's."""
+    """``plan`` with each replica's router admission from the newest record of its model and shape that measured
+    its concurrency at the ceiling (:meth:`Record.concurrency_at_ceiling`): one replica benched alone first, else
+    through the routers; of its own release, else of the newest other release, named as such (an upgrade keeps the
+    figure the fleet was measured at until the new release is benched, rather than move every router's maxconn as
+    the replicas change release); a replica without one keeps the plan's."""
     newest = latest(records)
     replicas = []
     for replica in plan.replicas:
-        for scope in ("replica", "routers"):
-            record = newest.get(RecordKey(replica.served, replica.release, *replica_shape(replica), scope))
-            if record is not None and (running := record.concurrency_at_ceiling()) is not None:
-                source = f"bench of {record.date[:10]}" + (" through the routers" if scope == "routers" else "")
-                replica = replace(replica, admission=measured(replica.admission, running, source))
-                break
+        others = sorted({k.release for k in newest if k.model == replica.served and k.release != replica.release},
+                        key=_version_key, reverse=True)
+        found = next(((record, running, scope) for release in (replica.release, *others)
+                      for scope in ("replica", "routers")
+                      if (record := newest.get(RecordKey(replica.served, release, *replica_shape(replica), scope)))
+                      is not None and (running := record.concurrency_at_ceiling()) is not None), None)
+        if found is not None:
+            record, running, scope = found
+            source = (f"bench of {record.date[:10]}" + (" through the routers" if scope == "routers" else "")
+                      + ("" if record.key.release == replica.release else
+                         f" on vLLM {record.key.release}, not the release planned: bench again"))
+            replica = replace(replica, admission=measured(replica.admission, running, source))
         replicas.append(replica)
     return replace(plan, replicas=replicas)

@@ -9,8 +9,9 @@
   API server spreads requests over its ranks. With ``router_typical_request_tokens``, the sequences counted are
   of that length instead (most requests are far shorter than ``max_model_len``: a 70B model at 32k takes 13 at
   once at full length); a request longer than that may then be preempted for lack of cache, as vLLM does under
-  load. Where the model's bench record of the replica's release and shape (``gpufleet bench``) found a ceiling
-  bounded by a failing step, ``maxconn`` is the most requests vLLM ran at once on one replica in the ceiling's step
+  load. Where a bench record of the replica's model and shape (``gpufleet bench``; of its release, else of the
+  newest other, named as such) found a ceiling bounded by a failing step, ``maxconn`` is the most requests vLLM ran
+  at once on one replica in the ceiling's step
   instead (:func:`measured`: what the replica served within the objective, at the lengths the bench sent), held to
   vLLM's own valve below. ``router_server_maxconn`` replaces both.
 - vLLM's own valve, ``--max-num-queued-reqs``, counts the requests a replica holds, running and waiting, across

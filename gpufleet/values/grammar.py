@@ -258,7 +258,8 @@ env_name = _matching(ENV_NAME, "an environment variable name (letters, digits, '
 
 
 _SECRET_TEXT = re.compile(
-    r"(?<![A-Za-z0-9])(hf_|ghp_|gho_|ghs_|ghu_|github_pat_|glpat-|sk-|xox[abpr]-|AKIA|ASIA)[A-Za-z0-9_-]{12,}"
+    r"(?<![A-Za-z0-9])(hf_|ghp_|gho_|ghs_|ghu_|github_pat_|glpat-|sk-|sk_live_|sk_test_|rk_live_|xox[abpr]-|AKIA"
+    r"|ASIA)[A-Za-z0-9_-]{12,}"
     r"|eyJ[A-Za-z0-9_-]{10,}\.[A-Za-z0-9_-]{10,}"  # a JWT
     r"|-----BEGIN [A-Z ]*PRIVATE KEY-----")
 # a name of at most 64 characters, where a word starts: linear in the text (an unbounded name backtracks over every
@@ -270,6 +271,19 @@ def secret_like(text: str) -> bool:
     """Whether free text (a reason, a host name) holds what looks like a credential: a token of a known issuer's
     shape (hf_, ghp_, sk-, AKIA..., a JWT, a private key) or ``name=value`` whose name names a secret."""
     return bool(_SECRET_TEXT.search(text)) or any(names_secret(m[1]) for m in _SECRET_PAIR.finditer(text))
+
+
+_HEX_RUN = re.compile(r"[0-9a-fA-F]{32,}")
+_SEPARATORS = re.compile(r"[_.\-\s/]")
+
+
+def random_looking(name: str) -> bool:
+    """Whether a name looks drawn rather than chosen, as a key or a token is: a run of 32 hex digits or more, or 24
+    characters or more of upper and lower case letters and digits together with no separator between words."""
+    if _HEX_RUN.search(name):
+        return True
+    return (len(name) >= 24 and not _SEPARATORS.search(name) and any(c.isupper() for c in name)
+            and any(c.islower() for c in name) and any(c.isdigit() for c in name))
 
 
 def looks_secret(name: str) -> bool:

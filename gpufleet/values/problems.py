@@ -44,7 +44,7 @@ def shown_key(name: str) -> str:
     """One key of a key path as a message names it: as written, quoted when it holds a blank, a quote, a bracket
     or another character that would blur where the path's parts begin and end (``vllm_env.'A B'``), and
     :data:`HIDDEN_KEY` when it looks like a credential."""
-    if secret_like(name):
+    if name == HIDDEN_KEY or secret_like(name):
         return HIDDEN_KEY
     return name if _PLAIN_KEY.match(name) and name.isprintable() else repr(name)
 

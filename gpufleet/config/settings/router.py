@@ -9,14 +9,17 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
 
 from gpufleet.config.settings import RoleSettings, setting
 from gpufleet.values import grammar, limits
-from gpufleet.values.problems import KeyedError
+from gpufleet.values.problems import HIDDEN_KEY, KeyedError
 from gpufleet.values.types import OptionalSecret, Port, SecretRef, each, secret_ref, served_name, text
 
 # --- the router's edge: client keys and TLS (checked across the fleet, secrets read: gpufleet.config.edge) ---
+
+MIN_KEY_CHARS = 16
+"""The shortest client key: a key is all that stands between a client and the fleet's GPUs."""
 
 CLIENT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 """A client's name: a HAProxy map key and stick-table key (no blank, at most 63 bytes) and a Prometheus label."""
@@ -26,10 +29,14 @@ def _client_names(value: Any) -> Any:
     """Client names: 1-63 of letters, digits, ``_``, ``.``, ``-``, starting with a letter or digit."""
     if isinstance(value, dict):
         for name in value:
-            if isinstance(name, str) and grammar.secret_like(name):
-                raise KeyedError(name, "expected a client name (a label of its metrics, shown in messages), found a"
-                                       " name that looks like a credential (not shown)")
+            if isinstance(name, str) and (grammar.secret_like(name) or grammar.random_looking(name)):
+                raise KeyedError(HIDDEN_KEY, "expected a client name (a label of its metrics, shown in messages),"
+                                             " found a name that looks like a credential (not shown)")
             if not isinstance(name, str) or not CLIENT_NAME.match(name):
+                if len(str(name)) >= MIN_KEY_CHARS:  # as long as a key: it may be one, pasted as the name
+                    raise KeyedError(HIDDEN_KEY, f"expected a client name (1-63 of letters, digits, '_', '.', '-',"
+                                                 f" starting with a letter or digit), found {len(str(name))}"
+                                                 " characters that are not one (not shown: it may be a key)")
                 raise KeyedError(str(name), "expected a client name (1-63 of letters, digits, '_', '.', '-', starting"
                                             f" with a letter or digit), found {grammar.show(name)}")
     return value
@@ -84,6 +91,15 @@ class RouterClient(BaseModel):
     _check_secret = field_validator("api_key", mode="before")(secret_ref)
     _check_models = field_validator("models", mode="before")(_client_models)
 
+    @field_validator("tokens_per_day")
+    @classmethod
+    def _day_holds_a_minute(cls, day: int | None, info: ValidationInfo) -> int | None:
+        """A day's budget of less than a minute's makes the minute's a promise the day breaks."""
+        minute = info.data.get("tokens_per_minute")
+        if day is not None and minute is not None and day < minute:
+            raise ValueError(f"expected at least tokens_per_minute ({minute}), found {day}")
+        return day
+
 class RouterSettings(RoleSettings):
     """The router: HAProxy (the distribution's package) on the hosts of the inventory group `routers`, in front of
     every replica of the plan. Clients send OpenAI-style requests to one address; the router picks the backend of
@@ -123,10 +139,11 @@ class RouterSettings(RoleSettings):
 
     router_ledger_port: Port = setting(
         8407,
-        "Port of the routers' token ledger (clients with tokens_per_minute or tokens_per_day): on loopback for this "
-        "router's HAProxy, and on the fleet address for the other routers' ledgers, TLS only with the routers' own "
-        "certificate (as router_peer_port). The first router of the group routers that answers decides for all; "
-        "every change reaches the others, so a failover finds each client's budget used. The same on every router.",
+        "Port of the routers' token ledger (clients with tokens_per_minute, tokens_per_day or a share): on loopback "
+        "for this router's HAProxy, and on the fleet address for the other routers' ledgers, TLS only with the "
+        "routers' own certificate (as router_peer_port). The first router of the group routers that answers decides "
+        "budgets for all; every change reaches the others, so a failover finds each client's budget used. The fair "
+        "queue of a shared model is each router's own. The same on every router.",
         scope="routers", read_on="routers",
     )
 
@@ -201,7 +218,8 @@ class RouterSettings(RoleSettings):
         "plan (`gpufleet plan` shows it): the sequences at max_model_len its KV cache holds on each data-parallel "
         "rank, at most the sequences vLLM schedules at once (--max-num-seqs, else vLLM's default), times the ranks "
         "(one router server stands for the whole replica: its API server spreads requests over its ranks); where "
-        "a bench record of the replica's model, release and shape found a ceiling (gpufleet bench), the most "
+        "a bench record of the replica's model and shape found a ceiling (gpufleet bench; of its release, else of the "
+        "newest other), the most "
         "requests vLLM ran at once on one replica at that ceiling instead. The "
         "planner reads it from the replica's hosts, as the vllm_* layout variables: set it in a pool's group_vars "
         "for that pool's replicas, in all.yml for every pool. vllm_max_num_queued_reqs follows it.",
@@ -283,7 +301,7 @@ class RouterSettings(RoleSettings):
         "with --enable-force-include-usage, so streamed answers report it too); a cost the budgets' windows cannot "
         "hold now gets 429 with Retry-After when it will, one above a whole budget 400, and every answer of the "
         "client carries x-ratelimit-remaining-tokens and x-ratelimit-reset-tokens. Where a client that may use a "
-        "model has a share (1 to 1000; without one, 1), the model's clients share it fairly in tokens: every "
+        "model has a share (1 to 1000; left out or null: 1), the model's clients share it fairly in tokens: every "
         "client's request to it waits in the router's token ledger until a place among its replicas' maxconn is "
         "free (router_queue_timeout_s at most, then 503 as the router's own queue answers), and the next to go is "
         "the oldest request of the waiting client that was served the fewest weighed tokens over its share "

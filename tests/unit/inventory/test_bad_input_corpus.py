@@ -110,10 +110,13 @@ class Run:
     seconds: float  # CPU time
 
 
+WORDS = ("amber", "birch", "cedar", "delta", "ember", "fjord", "grove", "harbor")
 TOKENS = {"hf": f"hf_{secrets.token_hex(16)}", "sk": f"sk-{secrets.token_hex(16)}",
-          "ghp": f"ghp_{secrets.token_hex(16)}", "plain": secrets.token_hex(16)}
-"""What a case's ``<token:KIND>`` stands for: a token of that issuer's shape (``plain``: of none), drawn for this
-run, so that no credential-shaped text is kept in the corpus."""
+          "ghp": f"ghp_{secrets.token_hex(16)}", "plain": secrets.token_hex(16),
+          "words": "-".join(secrets.choice(WORDS) for _ in range(4))}
+"""What a case's ``<token:KIND>`` stands for: a token of that issuer's shape (``plain``: 32 hex digits of none;
+``words``: a key of words, shaped as no credential is), drawn for this run, so that no credential-shaped text is
+kept in the corpus."""
 _TOKEN = re.compile(r"<token:(\w+)>")
 
 

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 import roles.router as router_role
+from gpufleet.cli.main import _print_table as print_table
 from gpufleet.plan import backends as plan_backends
 from gpufleet.plan.token_budgets import meters_tokens
 from roles.router import token_ledger
@@ -81,7 +82,7 @@ def test_without_a_token_budget_the_router_loads_no_lua() -> None:
 
 
 def test_a_model_a_client_with_a_share_may_use_is_shared_every_clients_request_asks_the_ledger(
-        project: Project, monkeypatch: pytest.MonkeyPatch) -> None:
+        project: Project, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setenv("KEY_REPLICAS", "replicas-key-0123456789")
     monkeypatch.setenv("KEY_TEAM", "team-key-0123456789abcdef")
     shared = {"api_key": {"env": "KEY_TEAM"}, "share": 3, "models": [CODE]}
@@ -94,6 +95,8 @@ def test_a_model_a_client_with_a_share_may_use_is_shared_every_clients_request_a
     argv = {r.served: r.roles[0].processes[-1].argv for r in plan.replicas}
     assert "--enable-force-include-usage" in argv[CODE] and "--enable-force-include-usage" not in argv[CHAT]
     assert {m.name: (m.metered, m.fair) for m in plan.models.values()} == {CHAT: (False, False), CODE: (False, True)}
+    print_table(plan)  # gpufleet plan's table says which model is shared
+    assert capsys.readouterr().out.count("fair share") == sum(r.served == CODE for r in plan.replicas) > 0
     router = host_config(router_clients={"team": shared, "carol": {"api_key": {"env": "C"}}})
     found = plan_backends.backends(stand_in_plan({"h1": ("10.0.0.1", 8000), "h2": ("10.0.0.2", 8000)},
                                                  {"h1": host_config(vllm_served_model_name=CHAT),
