@@ -226,14 +226,18 @@ def test_the_deploy_runs_in_the_projects_root_and_returns_pyinfras_status(tmp_pa
 
 def test_an_interrupted_deploy_passes_the_interrupt_on_and_waits_for_pyinfra(tmp_path: Path) -> None:
     """The interrupt reaches a thread other than the one waiting on pyinfra, as the kernel may deliver a Ctrl-C to
-    any thread (paramiko's, say): the wait still sees it at once. (The stand-in ends by itself after 20 s, so a
-    wait that never sees the interrupt fails here instead of hanging.)"""
+    any thread (paramiko's, say): the wait still sees it at once. (The stand-in ends by itself after 60 s, so a
+    wait that never sees the interrupt fails here instead of hanging.) The interrupt is sent only once the stand-in
+    has set its trap: sent after a fixed wait, it once reached a stand-in not started yet on a loaded machine (the
+    CI's unit tier beside the lab), which then died of it without writing signal.txt."""
     program = _fake_pyinfra(tmp_path, f"trap 'echo stopped > {tmp_path}/signal.txt; exit 0' INT\n"
-                                      f"touch {tmp_path}/started\nfor i in $(seq 400); do sleep 0.05; done")
+                                      f"touch {tmp_path}/started\nfor i in $(seq 1200); do sleep 0.05; done")
 
     def interrupt_once_started() -> None:
-        deadline = time.monotonic() + 10
-        while not (tmp_path / "started").exists() and time.monotonic() < deadline:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "started").exists():
+            if time.monotonic() > deadline:
+                return  # never started: no interrupt, and the deploy's own end fails the test
             time.sleep(0.02)
         # Ctrl-C (the CLI's SIGTERM handler raises the same interrupt), received by this thread
         signal.pthread_kill(threading.get_ident(), signal.SIGINT)
