@@ -422,7 +422,7 @@ class Service:
         reset_s retry_after_s`` (:meth:`Answer.line`), from the first router that answers; for a fairly shared
         backend, once the request's turn has come (``2 - 0 0 RETRY``: it did not come within ``queue_s``)."""
         client, backend, cost = self._cost(line)
-        answer = self.decide(line, now)
+        answer = self._decide(line, client, backend, cost, now)
         admitted, ident, *_ = answer.split()
         if admitted != "1" or not self.fair.shared(backend):
             return answer
@@ -434,7 +434,9 @@ class Service:
     def decide(self, line: str, now: float) -> str:
         """The budgets' answer to a reservation (:meth:`reserve`'s line), from the first router that answers: what
         another router's ledger asks this one (its fair queue is its own)."""
-        client, backend, cost = self._cost(line)
+        return self._decide(line, *self._cost(line), now)
+
+    def _decide(self, line: str, client: str, backend: str, cost: float, now: float) -> str:
         if (answer := self._forward("/reserve", line, now)) is not None:
             return answer
         return self.ledger.reserve(client, self.models.get(backend, backend), cost, now).line()

@@ -13,6 +13,7 @@ import pytest
 import roles.router as router_role
 from gpufleet.cli.main import _print_table as print_table
 from gpufleet.plan import backends as plan_backends
+from gpufleet.plan.planner import FleetPlan
 from gpufleet.plan.token_budgets import meters_tokens
 from roles.router import token_ledger
 from tests.conftest import Project
@@ -36,11 +37,10 @@ def test_a_model_is_metered_when_a_client_with_a_token_budget_may_use_it(
     assert meters_tokens(model, [host_config(), host_config(router_clients=clients)]) is expected
 
 
-def test_the_planner_has_only_the_metered_models_report_streamed_usage(
-        project: Project, monkeypatch: pytest.MonkeyPatch) -> None:
+def _chat_and_code(project: Project, monkeypatch: pytest.MonkeyPatch) -> FleetPlan:
+    """The two models' pools planned with the routers' clients already written; only ``code`` reports streamed
+    usage (a client with a budget or a share may use only it)."""
     monkeypatch.setenv("KEY_REPLICAS", "replicas-key-0123456789")
-    monkeypatch.setenv("KEY_BATCH", "batch-key-0123456789abcdef")
-    project.group_vars("routers", f"router_clients: {{'batch': {BATCH!r}}}\n")
     plan = fleet_plan(project, "vllm_model: meta-llama/Llama-3.1-8B-Instruct\nvllm_max_model_len: 8192\n"
                       "vllm_api_key: {env: KEY_REPLICAS}\n",
                       f'chat = [("10.0.0.1", {{"vllm_served_model_name": "{CHAT}"}})]\n'
@@ -48,6 +48,14 @@ def test_the_planner_has_only_the_metered_models_report_streamed_usage(
     assert plan.problems == []
     argv = {r.served: r.roles[0].processes[-1].argv for r in plan.replicas}
     assert "--enable-force-include-usage" in argv[CODE] and "--enable-force-include-usage" not in argv[CHAT]
+    return plan
+
+
+def test_the_planner_has_only_the_metered_models_report_streamed_usage(
+        project: Project, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KEY_BATCH", "batch-key-0123456789abcdef")
+    project.group_vars("routers", f"router_clients: {{'batch': {BATCH!r}}}\n")
+    plan = _chat_and_code(project, monkeypatch)
     assert {m.name: (m.metered, m.max_model_len) for m in plan.models.values()} == {CHAT: (False, 8192),
                                                                                     CODE: (True, 8192)}
 
@@ -83,17 +91,10 @@ def test_without_a_token_budget_the_router_loads_no_lua() -> None:
 
 def test_a_model_a_client_with_a_share_may_use_is_shared_every_clients_request_asks_the_ledger(
         project: Project, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setenv("KEY_REPLICAS", "replicas-key-0123456789")
     monkeypatch.setenv("KEY_TEAM", "team-key-0123456789abcdef")
     shared = {"api_key": {"env": "KEY_TEAM"}, "share": 3, "models": [CODE]}
     project.group_vars("routers", f"router_clients: {{'team': {shared!r}}}\n")
-    plan = fleet_plan(project, "vllm_model: meta-llama/Llama-3.1-8B-Instruct\nvllm_max_model_len: 8192\n"
-                      "vllm_api_key: {env: KEY_REPLICAS}\n",
-                      f'chat = [("10.0.0.1", {{"vllm_served_model_name": "{CHAT}"}})]\n'
-                      f'code = [("10.0.0.2", {{"vllm_served_model_name": "{CODE}"}})]\nrouters = ["10.0.0.1"]\n')
-    assert plan.problems == []
-    argv = {r.served: r.roles[0].processes[-1].argv for r in plan.replicas}
-    assert "--enable-force-include-usage" in argv[CODE] and "--enable-force-include-usage" not in argv[CHAT]
+    plan = _chat_and_code(project, monkeypatch)
     assert {m.name: (m.metered, m.fair) for m in plan.models.values()} == {CHAT: (False, False), CODE: (False, True)}
     print_table(plan)  # gpufleet plan's table says which model is shared
     assert capsys.readouterr().out.count("fair share") == sum(r.served == CODE for r in plan.replicas) > 0
