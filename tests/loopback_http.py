@@ -46,9 +46,21 @@ class ReplicaHandler(QuietHandler):
         self.answer(200, b"{}")
 
     def do_POST(self) -> None:
-        self.answer(*self.complete(json.loads(self.rfile.read(int(self.headers["Content-Length"])))))
+        status, body = self.complete(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+        if isinstance(body, bytes):
+            self.answer(status, body)
+            return
+        self.send_response(status)  # streamed as vLLM streams: each part a chunk of its own, sent as it comes
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        for part in body:
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(part), part))
+            self.wfile.flush()
+        self.wfile.write(b"0\r\n\r\n")
 
-    def complete(self, request: dict[str, Any]) -> tuple[int, bytes]:
+    def complete(self, request: dict[str, Any]) -> tuple[int, bytes | list[bytes]]:
+        """The answer's status and body: whole (bytes), or streamed in chunks (a list of them)."""
         raise NotImplementedError
 
 

@@ -64,7 +64,7 @@ class KeyedReplica:
         replica = self
 
         class Handler(ReplicaHandler):
-            def complete(self, request: dict[str, Any]) -> tuple[int, bytes]:
+            def complete(self, request: dict[str, Any]) -> tuple[int, bytes | list[bytes]]:
                 with replica.lock:
                     replica.authorizations.append(self.headers.get("Authorization"))
                     replica.priorities.append(self.headers.get("X-Vllm-Priority"))
@@ -83,14 +83,15 @@ def usage(request: dict[str, Any]) -> tuple[int, int]:
     return max(1, len(str(request.get("prompt", ""))) // 4), int(request.get("max_tokens") or 16)
 
 
-def answer(replica: str, request: dict[str, Any]) -> bytes:
-    """A completion's answer as vLLM's ends: the usage last, streamed (server-sent events) or whole."""
+def answer(replica: str, request: dict[str, Any]) -> bytes | list[bytes]:
+    """A completion's answer as vLLM's ends: the usage last, streamed (server-sent events, each a chunk of its own,
+    as vLLM sends them) or whole."""
     prompt, completion = usage(request)
     counted = {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion}
     if request.get("stream"):
         events = [{"replica": replica, "choices": [{"text": "x"}], "usage": None},
                   {"replica": replica, "choices": [], "usage": counted}]
-        return "".join(f"data: {json.dumps(e)}\n\n" for e in events).encode() + b"data: [DONE]\n\n"
+        return [f"data: {json.dumps(e)}\n\n".encode() for e in events] + [b"data: [DONE]\n\n"]
     return json.dumps({"replica": replica, "model": request["model"], "usage": counted}).encode()
 
 

@@ -68,7 +68,7 @@ def test_only_a_metered_models_backend_asks_the_ledger_and_its_budgets_name_only
     found = plan_backends.backends(stand_in_plan({"h1": ("10.0.0.1", 8000), "h2": ("10.0.0.2", 8000)}, configs))
     text = router_role.render(router_role.config_values(router, "10.0.0.9", found, [], [],
                                                         dict.fromkeys(("h1", "h2"), 4)))
-    assert f"lua-load {token_ledger.LUA}\n" in text
+    assert f"lua-load-per-thread {token_ledger.LUA}\n" in text
     chat, code = (text.split(f"backend model-{model}\n")[1].split("\n\n")[0] for model in (CHAT, CODE))
     assert "lua.gpufleet_reserve model-code " in code and "filter lua.gpufleet_usage" in code
     assert "gpufleet_reserve" not in chat and "gpufleet_usage" not in chat
@@ -78,7 +78,7 @@ def test_only_a_metered_models_backend_asks_the_ledger_and_its_budgets_name_only
     assert budgets == {"clients": {"batch": {"tokens_per_minute": 5000, "tokens_per_day": None}},
                        "weights": {"prompt": 1.0, "completion": 4.0}, "models": {"model-code": CODE},
                        "max_tokens": {"model-code": 4096}, "hold_s": router.router_timeout_s + 60, "shares": {},
-                       "slots": {}, "queue_s": router.router_queue_timeout_s}
+                       "classes": {}, "slots": {}, "queue_s": router.router_queue_timeout_s}
 
 
 def test_without_a_token_budget_the_router_loads_no_lua() -> None:
@@ -92,7 +92,7 @@ def test_without_a_token_budget_the_router_loads_no_lua() -> None:
 def test_a_model_a_client_with_a_share_may_use_is_shared_every_clients_request_asks_the_ledger(
         project: Project, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setenv("KEY_TEAM", "team-key-0123456789abcdef")
-    shared = {"api_key": {"env": "KEY_TEAM"}, "share": 3, "models": [CODE]}
+    shared = {"api_key": {"env": "KEY_TEAM"}, "share": 3, "models": [CODE], "priority": "batch"}
     project.group_vars("routers", f"router_clients: {{'team': {shared!r}}}\n")
     plan = _chat_and_code(project, monkeypatch)
     assert {m.name: (m.metered, m.fair) for m in plan.models.values()} == {CHAT: (False, False), CODE: (False, True)}
@@ -108,3 +108,4 @@ def test_a_model_a_client_with_a_share_may_use_is_shared_every_clients_request_a
     assert "gpufleet_reserve" not in chat
     budgets = json.loads(token_ledger.budgets(router, found, {"h1": 4, "h2": 6}))
     assert (budgets["shares"], budgets["slots"], budgets["clients"]) == ({"team": 3}, {"model-code": 6}, {})
+    assert budgets["classes"] == {"team": 2, "carol": 1}  # the fair queue serves a class before the next one
