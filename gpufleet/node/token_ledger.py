@@ -35,7 +35,9 @@ when its request is let through, corrected by the usage that settles it. When a 
 is the oldest of the waiting client with the lowest counter (virtual token counters, Sheng et al., OSDI '24), and a
 client that starts waiting again gets no credit for the time it was away: its counter rises to the lowest of the
 clients waiting. So backlogged clients are served tokens in proportion to their shares, whatever each request
-costs. This queue is each router's own (the requests wait in its HAProxy); budgets stay the authority's.
+costs. Classes come before counters (``"classes"``: each client's priority, the one vLLM schedules it by, lowest
+first): a waiting request of an interactive client goes before any of a batch client's. This queue is each router's
+own (the requests wait in its HAProxy); budgets stay the authority's.
 
 ``GET /metrics`` (loopback): each client's prompt and completion tokens per model, settled, what it holds in
 reservations and what its budgets have left, in Prometheus' text format.
@@ -67,6 +69,8 @@ FORWARD_TIMEOUT_S = 1.0  # a call forwarded to a router listed earlier; past it,
 DOWN_S = 5.0  # how long a router whose ledger did not answer is passed over
 MAX_SNAPSHOT = 64 << 20  # a ledger's whole state, as another router sends it
 MAX_PENDING = 100_000  # changes kept for a router that does not answer
+LATE_S = 0.5  # a fair turn come this long past the queue's timeout gives its place back (HAProxy waits 2 s more)
+UNCLASSED = 1 << 30  # the class of a client the budgets give none: after every class
 REPLICATE_EVERY_S = 0.05
 METRICS = (
     ("prompt_tokens_total", "counter", "prompt tokens of its settled requests, by model (vLLM's usage)"),
@@ -307,15 +311,17 @@ class FairQueue:
         self.lock = threading.RLock()  # reentrant: a reload (SIGHUP) may land while the main thread holds it
         self.slots: dict[str, int] = {}  # backend -> requests let through at once
         self.shares: dict[str, float] = {}
+        self.classes: dict[str, int] = {}  # client -> its class's priority (lowest first)
         self.hold_s = HOLD_S
         self.in_flight: dict[str, int] = {}
         self.counters: dict[str, dict[str, float]] = {}  # backend -> client -> weighed tokens over its share
         self.waiting: dict[str, dict[str, deque[str]]] = {}  # backend -> client -> its tickets, oldest first
         self.tickets: dict[str, Ticket] = {}
 
-    def configure(self, slots: dict[str, int], shares: dict[str, float], hold_s: float) -> None:
+    def configure(self, slots: dict[str, int], shares: dict[str, float], classes: dict[str, int],
+                  hold_s: float) -> None:
         with self.lock:
-            self.slots, self.shares, self.hold_s = dict(slots), dict(shares), hold_s
+            self.slots, self.shares, self.classes, self.hold_s = dict(slots), dict(shares), dict(classes), hold_s
             for backend in list(self.waiting):
                 self._let_through(backend)
 
@@ -367,7 +373,7 @@ class FairQueue:
             waiting = [client for client, queue in queues.items() if queue]
             if not waiting:
                 return
-            client = min(waiting, key=lambda name: (counters.get(name, 0.0), name))
+            client = min(waiting, key=lambda name: (self.classes.get(name, UNCLASSED), counters.get(name, 0.0), name))
             ticket = self.tickets[queues[client].popleft()]
             ticket.through = True
             counters[client] = counters.get(client, 0.0) + ticket.cost
@@ -414,7 +420,8 @@ class Service:
         self.models: dict[str, str] = budgets.get("models", {})  # backend -> served model
         self.max_tokens: dict[str, int] = budgets.get("max_tokens", {})  # backend -> its max_model_len
         self.queue_s = float(budgets.get("queue_s", 0.0))
-        self.fair.configure(budgets.get("slots", {}), budgets.get("shares", {}), float(budgets.get("hold_s", HOLD_S)))
+        self.fair.configure(budgets.get("slots", {}), budgets.get("shares", {}), budgets.get("classes", {}),
+                            float(budgets.get("hold_s", HOLD_S)))
         self.ledger.set_budgets(budgets)
 
     def reserve(self, line: str, now: float) -> str:
@@ -426,9 +433,13 @@ class Service:
         admitted, ident, *_ = answer.split()
         if admitted != "1" or not self.fair.shared(backend):
             return answer
-        if self.fair.wait(ident, self.fair.enter(ident, backend, client, cost, now), self.queue_s):
+        started = time.monotonic()
+        if (self.fair.wait(ident, self.fair.enter(ident, backend, client, cost, now), self.queue_s)
+                and time.monotonic() - started <= self.queue_s + LATE_S):
             return answer
-        self.settle(f"{ident} error error", time.time())  # it never went: nothing is charged
+        # it never went, or its turn came too late for HAProxy, whose wait ends LATE_S after the queue's (a place
+        # given to a request the router no longer waits for would be held until hold_s): nothing is charged
+        self.settle(f"{ident} error error", time.time())
         return f"2 - 0 0 {math.ceil(self.queue_s)}"
 
     def decide(self, line: str, now: float) -> str:

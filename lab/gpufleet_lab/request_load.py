@@ -8,7 +8,9 @@ by itself after ``limit_s`` or ``limit`` requests, whichever comes first, or whe
 called. An answer counts as failed when it is not a 200, when a completion returns no token, or when a stream does
 not end with ``data: [DONE]``. Each answer keeps when it was sent and its status, so that a test can tell the
 requests sent before a fault from those sent after it. :func:`burst` sends many requests at one instant instead:
-what admission control must answer at once. Standard library only; the lab's tests and ``bench/`` drive it.
+what admission control must answer at once; :func:`backlog` keeps several clients' requests waiting for a while
+instead: what a fair edge must share; :func:`first_tokens` times one client's streamed answers to their first
+token. Standard library only; the lab's tests and ``bench/`` drive it.
 """
 
 from __future__ import annotations
@@ -23,12 +25,15 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 PROMPT = "The fleet is"
 BURST_MAX = 400  # requests one burst may send
+BACKLOG_MAX_STREAMS = 200  # request loops one backlog may run, all its clients together
+BACKLOG_MAX_S = 600.0  # how long one backlog may run
+PROBES_MAX = 400  # streamed requests one probe may send
 CONVERSATION_TURNS = 3  # chats of one conversation (the lab's max_model_len holds them)
 
 
@@ -226,3 +231,101 @@ def burst(url: str | Sequence[str], model: str, key: str | None, count: int, *, 
     for thread in threads:
         thread.join(timeout_s + 10)
     return [answer for answer in answers if answer is not None]
+
+
+@dataclass(frozen=True)
+class Backlogged:
+    """One client of a backlog: its key, each of its completions' length in tokens, and how many loops send them."""
+
+    key: str
+    max_tokens: int
+    streams: int
+
+
+def backlog(url: str, model: str, clients: Mapping[str, Backlogged], seconds: float, *,
+            timeout_s: float = 60.0, ca_file: str | None = None) -> dict[str, list[Answer]]:
+    """Each client's ``streams`` loops send completions back to back for ``seconds`` (at most BACKLOG_MAX_S; with
+    BACKLOG_MAX_STREAMS loops at most, all clients together), each loop on a connection of its own kept open
+    between its requests (a new one after a failure): so a client always has requests waiting, and the loops'
+    own work (TLS handshakes) stays out of what the server is measured on. Every answer is kept, by client, a
+    refusal included; an answer's ``sent`` plus its ``took_s`` is when it ended."""
+    streams = sum(client.streams for client in clients.values())
+    if not 0 < seconds <= BACKLOG_MAX_S or not 0 < streams <= BACKLOG_MAX_STREAMS:
+        raise ValueError(f"a backlog runs 1 to {BACKLOG_MAX_STREAMS} loops for at most {BACKLOG_MAX_S:.0f} s,"
+                         f" not {streams} for {seconds} s")
+    target = urllib.parse.urlsplit(url.rstrip("/"))
+    tls = ssl.create_default_context(cafile=ca_file) if target.scheme == "https" else None
+    host, port = target.hostname or "", target.port or (443 if target.scheme == "https" else 80)
+    end = time.monotonic() + seconds
+    answers: dict[str, list[Answer]] = {name: [] for name in clients}
+    lock = threading.Lock()
+
+    def connect() -> http.client.HTTPConnection:
+        return (http.client.HTTPSConnection(host, port, timeout=timeout_s, context=tls) if tls is not None
+                else http.client.HTTPConnection(host, port, timeout=timeout_s))
+
+    def loop(name: str, client: Backlogged) -> None:
+        body = json.dumps({"model": model, "prompt": PROMPT, "max_tokens": client.max_tokens,
+                           "ignore_eos": True}).encode()
+        headers = {"Content-Type": "application/json", "Authorization": f"Bearer {client.key}"}
+        connection = connect()
+        while time.monotonic() < end:
+            sent = time.monotonic()
+            try:
+                connection.request("POST", target.path + "/v1/completions", body, headers)
+                response = connection.getresponse()
+                text = response.read().decode(errors="replace")
+                answer = Answer(sent, time.monotonic() - sent, response.status,
+                                None if response.status == 200 else f"HTTP {response.status}: {text[:200]}",
+                                response.getheader("Retry-After"), _total_tokens(text))
+            except (OSError, http.client.HTTPException) as exc:
+                answer = Answer(sent, time.monotonic() - sent, None, f"{type(exc).__name__}: {str(exc)[:200]}")
+                connection.close()
+                connection = connect()
+            with lock:
+                answers[name].append(answer)
+            if answer.status != 200:
+                time.sleep(0.1)  # a refusal comes at once: its loop must not spin on it
+        connection.close()
+
+    threads = [threading.Thread(target=loop, args=(name, client), daemon=True)
+               for name, client in clients.items() for _ in range(client.streams)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(max(0.0, end - time.monotonic()) + timeout_s + 10)
+    return answers
+
+
+def first_tokens(url: str, model: str, key: str | None, count: int, *, prompt: str = PROMPT, pause_s: float = 0.2,
+                 timeout_s: float = 60.0, ca_file: str | None = None) -> list[float]:
+    """``count`` streamed completions (at most PROBES_MAX) one after another, ``pause_s`` apart, on one connection
+    kept open: the seconds from each request sent to the first chunk of its answer (its time to first token).
+    Raises on an answer that is not a 200 or a stream that does not end with ``data: [DONE]``."""
+    if not 0 < count <= PROBES_MAX:
+        raise ValueError(f"a probe sends 1 to {PROBES_MAX} requests, not {count}")
+    target = urllib.parse.urlsplit(url.rstrip("/"))
+    host, port = target.hostname or "", target.port or (443 if target.scheme == "https" else 80)
+    connection = (http.client.HTTPSConnection(host, port, timeout=timeout_s,
+                                              context=ssl.create_default_context(cafile=ca_file))
+                  if target.scheme == "https" else http.client.HTTPConnection(host, port, timeout=timeout_s))
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    found = []
+    try:
+        for n in range(count):
+            body = json.dumps({"model": model, "prompt": f"{n}: {prompt}", "max_tokens": 2, "stream": True})
+            sent = time.monotonic()
+            connection.request("POST", target.path + "/v1/completions", body.encode(), headers)
+            response = connection.getresponse()
+            first, last = None, b""
+            for line in iter(response.readline, b""):
+                if first is None and line.startswith(b"data: {"):
+                    first = time.monotonic() - sent
+                last = line.strip() or last
+            if response.status != 200 or first is None or last != b"data: [DONE]":
+                raise ValueError(f"probe {n}: HTTP {response.status}, the stream ended on {last[:200]!r}")
+            found.append(first)
+            time.sleep(pause_s)
+    finally:
+        connection.close()
+    return found

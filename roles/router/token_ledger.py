@@ -20,6 +20,7 @@ from gpufleet.netaddr import host_port
 from gpufleet.node_paths import CONFIG_DIR, NODE_PYTHON, NODE_TOOLS_DIR, node_tool
 from gpufleet.plan import access
 from gpufleet.plan.backends import Backend
+from gpufleet.plan.priority import client_priority
 from gpufleet.units.escape import exec_line
 from roles.common import NODE_SOURCES
 from roles.router.peers import PEM, router_host
@@ -46,16 +47,18 @@ def runs(cfg: HostConfig) -> bool:
 
 
 def budgets(cfg: HostConfig, found: Sequence[Backend], maxconn: Mapping[str, int]) -> str:
-    """The ledger's budgets file: each metered client's budgets, the token weights, each client's share, each
-    metered or shared backend's served model (the ledger's metrics label) and max_model_len (what a request without
-    max_tokens reserves), and each shared backend's slots (its replicas' maxconn, by name in ``maxconn``,
-    together: what the fair queue lets through at once) and how long a request waits in it at most (the router's
-    queue timeout)."""
+    """The ledger's budgets file: each metered client's budgets, the token weights, each client's share and class
+    (the priority vLLM schedules it by: the fair queue's order before counters), each metered or shared backend's
+    served model (the ledger's metrics label) and max_model_len (what a request without max_tokens reserves), and
+    each shared backend's slots (its replicas' maxconn, by name in ``maxconn``, together: what the fair queue lets
+    through at once) and how long a request waits in it at most (the router's queue timeout)."""
     document = {
         "clients": {name: {"tokens_per_minute": c.tokens_per_minute, "tokens_per_day": c.tokens_per_day}
                     for name, c in sorted(cfg.router_clients.items()) if c.metered},
         "weights": {"prompt": cfg.router_token_weights.prompt, "completion": cfg.router_token_weights.completion},
         "shares": {name: c.share for name, c in sorted(cfg.router_clients.items()) if c.share is not None},
+        "classes": {name: client_priority(c) for name, c in sorted(cfg.router_clients.items())
+                    if any(b.fair for b in found)},
         "models": {b.name: b.model for b in found if b.metered or b.fair},
         "max_tokens": {b.name: b.max_model_len for b in found if b.metered or b.fair},
         "hold_s": cfg.router_timeout_s + HOLD_MARGIN_S,

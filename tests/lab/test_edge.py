@@ -27,7 +27,7 @@ from gpufleet_lab.nodes import (
     METERED_KEY_FILE,
     METERED_TOKENS_PER_MINUTE,
 )
-from gpufleet_lab.request_load import Answer, burst
+from gpufleet_lab.request_load import Answer, Backlogged, backlog, burst, first_tokens
 from gpufleet_lab.state import NodeRecord
 
 from gpufleet.plan.backends import Backend
@@ -68,6 +68,13 @@ METERED_WAVES = 20  # at most, after the first 100
 # then got a place, and the admitted p99 took the queue's wait too (1.27 s against 2 x 0.45).
 TOKENS = 128
 CLIENTS_METRICS = "systemctl start gpufleet-router-clients.service"
+# Fair share: three clients of one model kept backlogged through the router's fair queue, which holds their waiting
+# requests up to FAIR_QUEUE_S; their service is weighed over one window of FAIR_WINDOW_S once the queue has filled.
+# fa and fb (share 1) differ fourfold in each request's tokens; fc (share 3) has three times their loops.
+FAIR = {"fa": (1, 16, 8), "fb": (1, 64, 8), "fc": (3, 16, 24)}  # client: its share, each request's tokens, its loops
+FAIR_QUEUE_S = 30.0
+FAIR_WARM_S = 5.0
+FAIR_WINDOW_S = 60.0
 REPLICA_PORT = 8000  # the lab's replicas' API
 # HAProxy's httplog line (templates/router/haproxy.cfg.j2: option httplog): its timers TR/Tw/Tc/Tr/Ta in ms, then
 # the status. Ta is the request's whole time at the edge, from its first byte to the response's last; TR the part of
@@ -239,6 +246,59 @@ def test_the_edge_rotates_a_key_under_load_limits_a_client_and_sheds_a_burst_fas
         "admitted_p99_at_the_client_s": round(_p99(admitted), 3),
         "unloaded_p99_at_the_client_s": round(_p99(unloaded), 3)})
 
+
+def _jain(values: list[float]) -> float:
+    """Jain's fairness index: 1 when every value is equal, 1/n when one takes everything."""
+    return sum(values) ** 2 / (len(values) * sum(v * v for v in values))
+
+
+def test_backlogged_clients_of_one_model_are_served_tokens_by_their_shares(
+        lab: Lab, changed: Completed | None, lab_states: LabStates, tmp_path: Path,
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Three clients with a share of the lab's model (fa and fb 1, fc 3) keep it backlogged through the virtual
+    address, the routers' admission small (MAXCONN each replica) and their queue long: only HAProxy reloads. Over a
+    window of FAIR_WINDOW_S, fa and fb are served tokens within 10% of each other (Jain's index at least 0.95),
+    though each of fb's requests asks four times fa's tokens (so fa is served more requests); fc is served within
+    10% of three times their mean."""
+    replicas = _replica_pids(lab)
+    clients: dict[str, object] = {
+        "lab": {"api_key": {"file": str(lab.directory / CLIENT_KEY_FILE)}},
+        "bench": {"api_key": {"file": str(lab.directory / BENCH_KEY_FILE)}},
+        "metered": {"api_key": {"file": str(lab.directory / METERED_KEY_FILE)},
+                    "tokens_per_minute": METERED_TOKENS_PER_MINUTE},
+        "daily": {"api_key": {"file": str(lab.directory / DAILY_KEY_FILE)}, "tokens_per_day": DAILY_TOKENS_PER_DAY}}
+    loads = {}
+    for name, (share, max_tokens, streams) in FAIR.items():
+        key_file, key = tmp_path / f"{name}-key", secrets.token_urlsafe(32)
+        _write_secret(key_file, key)
+        clients[name] = {"api_key": {"file": str(key_file)}, "share": share}
+        loads[name] = Backlogged(key, max_tokens, streams)
+    inventory = lab_copy(tmp_path, {group: f"router_server_maxconn: {MAXCONN}\nvllm_max_num_queued_reqs: {queued}\n"
+                                    for group, queued in _queued_reqs(lab).items()})
+    lab_states.changed(EDGE_CHANGED)
+    assert_no_errors(deploy(lab, "--data", f"router_clients={json.dumps(clients)}",
+                            "--data", f"router_queue_timeout_s={FAIR_QUEUE_S}", inventory=inventory))
+    assert _replica_pids(lab) == replicas
+    started = time.monotonic()
+    answers = backlog(router_url(lab), served_name("lab"), loads, FAIR_WARM_S + FAIR_WINDOW_S, ca_file=lab_ca(lab))
+    window = (started + FAIR_WARM_S, started + FAIR_WARM_S + FAIR_WINDOW_S)
+    served = {name: [a for a in found if a.status == 200 and window[0] <= a.sent + a.took_s <= window[1]]
+              for name, found in answers.items()}
+    tokens = {name: float(sum(a.tokens or 0 for a in found)) for name, found in served.items()}
+    refused = [a.failure for found in answers.values() for a in found if a.status != 200]
+    assert refused == [], refused[:3]
+    assert all(a.tokens for found in served.values() for a in found)
+    equal = [tokens["fa"], tokens["fb"]]
+    assert _jain(equal) >= 0.95 and min(equal) >= 0.9 * max(equal), tokens
+    assert len(served["fa"]) >= 2 * len(served["fb"]), {name: len(found) for name, found in served.items()}
+    assert 0.9 * 3 <= tokens["fc"] / (sum(equal) / 2) <= 1.1 * 3, tokens
+    # a streamed answer of a shared model (its usage read on the way, every client's: the lab's here) ends
+    streamed = first_tokens(router_url(lab), served_name("lab"), client_key(lab), 3, timeout_s=10, ca_file=lab_ca(lab))
+    record_figure(tmp_path_factory, {
+        "fault": "three clients (shares 1, 1 and 3) backlogged on one model through a fair edge",
+        "window_s": FAIR_WINDOW_S, "tokens": tokens, "requests": {name: len(found) for name, found in served.items()},
+        "jain_fa_fb": round(_jain(equal), 4), "fc_over_fa_fb": round(tokens["fc"] / (sum(equal) / 2), 3),
+        "streamed_first_token_s": [round(s, 3) for s in streamed]})
 
 def _spend_a_token_budget(lab: Lab, model: str) -> dict[str, object]:
     """The client ``metered`` (a budget of METERED_TOKENS_PER_MINUTE tokens a minute) sends 100 requests at once,

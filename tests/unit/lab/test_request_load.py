@@ -8,7 +8,18 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from gpufleet_lab.request_load import BURST_MAX, CONVERSATION_TURNS, RequestLoad, burst
+from gpufleet_lab.request_load import (
+    BACKLOG_MAX_S,
+    BACKLOG_MAX_STREAMS,
+    BURST_MAX,
+    CONVERSATION_TURNS,
+    PROBES_MAX,
+    Backlogged,
+    RequestLoad,
+    backlog,
+    burst,
+    first_tokens,
+)
 
 from tests.loopback_http import QuietHandler, loopback_server
 
@@ -154,3 +165,83 @@ def test_a_burst_is_bounded(count: int) -> None:
 def test_a_burst_without_a_server_says_why_each_request_was_not_sent() -> None:
     answers = burst("http://127.0.0.1:9", "m", None, 3, timeout_s=2)
     assert len(answers) == 3 and all(a.status is None and a.failure for a in answers)
+
+
+def test_a_backlog_keeps_each_clients_loops_sending_on_kept_connections_until_its_time() -> None:
+    """Each client's loops send back to back on connections kept open (one per loop), each answer kept by client
+    with its tokens, a refusal too; every loop stops by itself once the time is over."""
+    lock, seen = threading.Lock(), {"auth": [], "ports": set(), "bodies": []}
+
+    class Handler(QuietHandler):
+        protocol_version = "HTTP/1.1"  # connections kept open between requests
+
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            with lock:
+                seen["auth"].append(self.headers["Authorization"])
+                seen["ports"].add(self.client_address[1])
+                seen["bodies"].append(body)
+            time.sleep(0.02)
+            if self.headers["Authorization"] == "Bearer refused":
+                self.answer(503, b"{}")
+                return
+            usage = {"prompt_tokens": 3, "completion_tokens": body["max_tokens"],
+                     "total_tokens": 3 + body["max_tokens"]}
+            self.answer(200, json.dumps({"usage": usage}).encode())
+
+    clients = {"a": Backlogged("ka", 4, 2), "b": Backlogged("kb", 16, 1), "c": Backlogged("refused", 8, 1)}
+    with loopback_server(Handler) as url:
+        started = time.monotonic()
+        answers = backlog(url, "tiny llama $HOME 100%", clients, 1.0, timeout_s=5)
+        took = time.monotonic() - started
+    assert 1.0 <= took < 2.0
+    assert {a.tokens for a in answers["a"]} == {7} and {a.tokens for a in answers["b"]} == {19}
+    assert len(answers["a"]) > len(answers["b"]) >= 10 and all(a.status == 200 for a in answers["a"] + answers["b"])
+    assert answers["c"] and {a.status for a in answers["c"]} == {503} and len(answers["c"]) <= 11  # no spin
+    assert len(seen["ports"]) == 4  # one connection per loop, kept
+    assert seen["auth"].count("Bearer ka") == len(answers["a"])
+    assert {(b["model"], b["ignore_eos"]) for b in seen["bodies"]} == {("tiny llama $HOME 100%", True)}
+    assert max(a.sent + a.took_s for a in answers["a"]) <= started + 1.0 + 0.1
+
+
+@pytest.mark.parametrize(("streams", "seconds"), [(0, 1.0), (BACKLOG_MAX_STREAMS + 1, 1.0), (1, 0.0),
+                                                  (1, BACKLOG_MAX_S + 1)])
+def test_a_backlog_is_bounded(streams: int, seconds: float) -> None:
+    with pytest.raises(ValueError, match="a backlog runs"):
+        backlog("http://127.0.0.1:9", "m", {"a": Backlogged("k", 1, streams)}, seconds)
+
+
+def _streaming_handler(delay_s: float, done: bool) -> type[QuietHandler]:
+    class Handler(QuietHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            assert body["stream"] is True and body["max_tokens"] == 2
+            self.send_response(200)
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            for chunk in (b"data: {}\n\n", b"", b"data: [DONE]\n\n" if done else b"data: {}\n\n"):
+                if chunk:
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                    self.wfile.flush()
+                time.sleep(delay_s)
+            self.wfile.write(b"0\r\n\r\n")
+    return Handler
+
+
+def test_first_tokens_times_each_streamed_answer_to_its_first_chunk_not_its_end() -> None:
+    with loopback_server(_streaming_handler(0.2, done=True)) as url:
+        found = first_tokens(url, "m", KEY, 3, pause_s=0.0, timeout_s=5)
+    assert len(found) == 3 and all(seconds < 0.15 for seconds in found), found  # each answer takes 0.4 s
+
+
+def test_first_tokens_refuses_a_stream_that_never_ends() -> None:
+    with loopback_server(_streaming_handler(0.0, done=False)) as url, pytest.raises(ValueError, match="probe 0"):
+        first_tokens(url, "m", KEY, 1, timeout_s=5)
+
+
+@pytest.mark.parametrize("count", [0, PROBES_MAX + 1])
+def test_a_probe_is_bounded(count: int) -> None:
+    with pytest.raises(ValueError, match="a probe sends"):
+        first_tokens("http://127.0.0.1:9", "m", None, count)

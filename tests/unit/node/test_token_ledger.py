@@ -3,6 +3,8 @@ state carried to another router's ledger by replication and by a snapshot."""
 
 from __future__ import annotations
 
+import itertools
+import time
 from collections import deque
 from pathlib import Path
 from typing import Any
@@ -10,7 +12,8 @@ from typing import Any
 import pytest
 import yaml
 
-from gpufleet.node.token_ledger import FairQueue, Ledger, Service, Ticket
+from gpufleet.node import token_ledger as token_ledger_module
+from gpufleet.node.token_ledger import LATE_S, FairQueue, Ledger, Service, Ticket
 
 CASES = yaml.safe_load((Path(__file__).parents[2] / "data" / "token_ledger" / "cases.yaml").read_text())
 
@@ -68,7 +71,8 @@ def _ended(case: dict[str, Any]) -> list[tuple[str, float]]:
     """The requests of ``case`` in the order they ended (the oldest let through first): (client, tokens charged)."""
     queue = FairQueue()
     clients = case["clients"]
-    queue.configure({"b": case["slots"]}, {name: c.get("share", 1) for name, c in clients.items()}, 3600.0)
+    queue.configure({"b": case["slots"]}, {name: c.get("share", 1) for name, c in clients.items()},
+                    {name: c["class"] for name, c in clients.items() if "class" in c}, 3600.0)
     waiting: dict[str, Ticket] = {}
     going: deque[tuple[str, Ticket]] = deque()
     ended: list[tuple[str, float]] = []
@@ -111,7 +115,7 @@ def test_backlogged_clients_are_served_tokens_in_proportion_to_their_shares(case
 
 def test_a_request_that_waits_past_its_bound_leaves_the_queue_and_one_never_settled_frees_its_place() -> None:
     queue = FairQueue()
-    queue.configure({"b": 1}, {}, 30.0)
+    queue.configure({"b": 1}, {}, {}, 30.0)
     first = queue.enter("1", "b", "a", 10, now=0.0)
     second = queue.enter("2", "b", "a", 10, now=0.0)
     assert queue.wait("1", first, 0.0) and not queue.wait("2", second, 0.01)
@@ -131,3 +135,20 @@ def test_a_reservation_waits_for_its_turn_here_and_another_routers_is_only_decid
     assert service.decide("bob b 10 5", 0.0).split()[0] == "1"  # a peer's call: the budgets' answer, at once
     service.settle(f"{first[1]} 3 5", 1.0)
     assert service.reserve("bob b 10 5", 1.0).split()[0] == "1"  # the place is free again
+
+
+def test_a_turn_that_comes_too_late_for_the_router_gives_its_place_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reservation whose turn is answered past the queue's timeout and LATE_S (its thread woke late, the machine
+    busy) is answered busy and frees its place: HAProxy no longer waits for it, and would never settle it."""
+    budgets = {"clients": {}, "slots": {"b": 1}, "queue_s": 0.05}
+    service = Service(Ledger(budgets, "a"), budgets)
+    clock = itertools.chain([0.0, 0.05 + LATE_S + 0.1], itertools.repeat(10.0))
+
+    class Late:
+        monotonic = staticmethod(lambda: next(clock))
+        time = staticmethod(time.time)
+
+    monkeypatch.setattr(token_ledger_module, "time", Late)
+    assert service.reserve("alice b 10 5", 0.0).split()[0] == "2"  # let through, but too late: busy
+    assert service.fair.in_flight["b"] == 0
+    assert service.reserve("bob b 10 5", 1.0).split()[0] == "1"  # its place is free
