@@ -176,6 +176,15 @@ def _total_tokens(text: str) -> int | None:
         return None
 
 
+def _connection(target: urllib.parse.SplitResult, tls: ssl.SSLContext | None,
+                timeout_s: float) -> http.client.HTTPConnection:
+    """A connection (not opened yet) to ``target``'s host and port: TLS with ``tls``, else plain."""
+    host, port = target.hostname or "", target.port or (443 if target.scheme == "https" else 80)
+    if tls is not None:
+        return http.client.HTTPSConnection(host, port, timeout=timeout_s, context=tls)
+    return http.client.HTTPConnection(host, port, timeout=timeout_s)
+
+
 def burst(url: str | Sequence[str], model: str, key: str | None, count: int, *, max_tokens: int = 8,
           timeout_s: float = 60.0, ca_file: str | None = None) -> list[Answer]:
     """``count`` completions (at most BURST_MAX) sent at one instant: each on a connection of its own, opened
@@ -193,10 +202,7 @@ def burst(url: str | Sequence[str], model: str, key: str | None, count: int, *, 
 
     def one(index: int) -> None:
         parsed = targets[index % len(targets)]
-        host, port = parsed.hostname or "", parsed.port or (443 if parsed.scheme == "https" else 80)
-        connection: http.client.HTTPConnection = (
-            http.client.HTTPSConnection(host, port, timeout=timeout_s, context=tls) if tls is not None
-            else http.client.HTTPConnection(host, port, timeout=timeout_s))
+        connection = _connection(parsed, tls, timeout_s)
         failure = None
         try:
             connection.connect()
@@ -255,20 +261,15 @@ def backlog(url: str, model: str, clients: Mapping[str, Backlogged], seconds: fl
                          f" not {streams} for {seconds} s")
     target = urllib.parse.urlsplit(url.rstrip("/"))
     tls = ssl.create_default_context(cafile=ca_file) if target.scheme == "https" else None
-    host, port = target.hostname or "", target.port or (443 if target.scheme == "https" else 80)
     end = time.monotonic() + seconds
     answers: dict[str, list[Answer]] = {name: [] for name in clients}
     lock = threading.Lock()
-
-    def connect() -> http.client.HTTPConnection:
-        return (http.client.HTTPSConnection(host, port, timeout=timeout_s, context=tls) if tls is not None
-                else http.client.HTTPConnection(host, port, timeout=timeout_s))
 
     def loop(name: str, client: Backlogged) -> None:
         body = json.dumps({"model": model, "prompt": PROMPT, "max_tokens": client.max_tokens,
                            "ignore_eos": True}).encode()
         headers = {"Content-Type": "application/json", "Authorization": f"Bearer {client.key}"}
-        connection = connect()
+        connection = _connection(target, tls, timeout_s)
         while time.monotonic() < end:
             sent = time.monotonic()
             try:
@@ -281,7 +282,7 @@ def backlog(url: str, model: str, clients: Mapping[str, Backlogged], seconds: fl
             except (OSError, http.client.HTTPException) as exc:
                 answer = Answer(sent, time.monotonic() - sent, None, f"{type(exc).__name__}: {str(exc)[:200]}")
                 connection.close()
-                connection = connect()
+                connection = _connection(target, tls, timeout_s)
             with lock:
                 answers[name].append(answer)
             if answer.status != 200:
@@ -305,10 +306,8 @@ def first_tokens(url: str, model: str, key: str | None, count: int, *, prompt: s
     if not 0 < count <= PROBES_MAX:
         raise ValueError(f"a probe sends 1 to {PROBES_MAX} requests, not {count}")
     target = urllib.parse.urlsplit(url.rstrip("/"))
-    host, port = target.hostname or "", target.port or (443 if target.scheme == "https" else 80)
-    connection = (http.client.HTTPSConnection(host, port, timeout=timeout_s,
-                                              context=ssl.create_default_context(cafile=ca_file))
-                  if target.scheme == "https" else http.client.HTTPConnection(host, port, timeout=timeout_s))
+    tls = ssl.create_default_context(cafile=ca_file) if target.scheme == "https" else None
+    connection = _connection(target, tls, timeout_s)
     headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
     found = []
     try:

@@ -52,13 +52,13 @@ def budgets(cfg: HostConfig, found: Sequence[Backend], maxconn: Mapping[str, int
     served model (the ledger's metrics label) and max_model_len (what a request without max_tokens reserves), and
     each shared backend's slots (its replicas' maxconn, by name in ``maxconn``, together: what the fair queue lets
     through at once) and how long a request waits in it at most (the router's queue timeout)."""
+    shared = any(b.fair for b in found)
     document = {
         "clients": {name: {"tokens_per_minute": c.tokens_per_minute, "tokens_per_day": c.tokens_per_day}
                     for name, c in sorted(cfg.router_clients.items()) if c.metered},
         "weights": {"prompt": cfg.router_token_weights.prompt, "completion": cfg.router_token_weights.completion},
         "shares": {name: c.share for name, c in sorted(cfg.router_clients.items()) if c.share is not None},
-        "classes": {name: client_priority(c) for name, c in sorted(cfg.router_clients.items())
-                    if any(b.fair for b in found)},
+        "classes": {name: client_priority(c) for name, c in sorted(cfg.router_clients.items()) if shared},
         "models": {b.name: b.model for b in found if b.metered or b.fair},
         "max_tokens": {b.name: b.max_model_len for b in found if b.metered or b.fair},
         "hold_s": cfg.router_timeout_s + HOLD_MARGIN_S,

@@ -90,6 +90,15 @@ def _write_secret(path: Path, text: str) -> None:
         handle.write(text + "\n")
 
 
+def _kept_clients(lab: Lab) -> dict[str, object]:
+    """The lab's clients ``bench``, ``metered`` and ``daily`` as its inventory has them: a deploy of this file that
+    sets router_clients keeps them."""
+    return {"bench": {"api_key": {"file": str(lab.directory / BENCH_KEY_FILE)}},
+            "metered": {"api_key": {"file": str(lab.directory / METERED_KEY_FILE)},
+                        "tokens_per_minute": METERED_TOKENS_PER_MINUTE},
+            "daily": {"api_key": {"file": str(lab.directory / DAILY_KEY_FILE)}, "tokens_per_day": DAILY_TOKENS_PER_DAY}}
+
+
 def _queued_reqs(lab: Lab) -> dict[str, int]:
     """vLLM's --max-num-queued-reqs as each pool's replica runs it now (from the plan: they differ)."""
     found = {}
@@ -140,11 +149,7 @@ def test_the_edge_rotates_a_key_under_load_limits_a_client_and_sheds_a_burst_fas
     _write_secret(capped_file, capped_key)
     clients = {"lab": {"api_key": {"file": str(key_file)}, "requests_per_s": 200, "concurrent_requests": 32},
                "capped": {"api_key": {"file": str(capped_file)}, "requests_per_s": 1, "concurrent_requests": 1},
-               "bench": {"api_key": {"file": str(lab.directory / BENCH_KEY_FILE)}},  # as the lab has it
-               "metered": {"api_key": {"file": str(lab.directory / METERED_KEY_FILE)},
-                           "tokens_per_minute": METERED_TOKENS_PER_MINUTE},
-               "daily": {"api_key": {"file": str(lab.directory / DAILY_KEY_FILE)},
-                         "tokens_per_day": DAILY_TOKENS_PER_DAY}}
+               **_kept_clients(lab)}
     # each pool's routers' maxconn small, and vLLM's own limit kept at what its replica runs (no restart)
     inventory = lab_copy(tmp_path, {group: f"router_server_maxconn: {MAXCONN}\nvllm_max_num_queued_reqs: {queued}\n"
                                     for group, queued in _queued_reqs(lab).items()})
@@ -261,12 +266,8 @@ def test_backlogged_clients_of_one_model_are_served_tokens_by_their_shares(
     though each of fb's requests asks four times fa's tokens (so fa is served more requests); fc is served within
     10% of three times their mean."""
     replicas = _replica_pids(lab)
-    clients: dict[str, object] = {
-        "lab": {"api_key": {"file": str(lab.directory / CLIENT_KEY_FILE)}},
-        "bench": {"api_key": {"file": str(lab.directory / BENCH_KEY_FILE)}},
-        "metered": {"api_key": {"file": str(lab.directory / METERED_KEY_FILE)},
-                    "tokens_per_minute": METERED_TOKENS_PER_MINUTE},
-        "daily": {"api_key": {"file": str(lab.directory / DAILY_KEY_FILE)}, "tokens_per_day": DAILY_TOKENS_PER_DAY}}
+    clients: dict[str, object] = {"lab": {"api_key": {"file": str(lab.directory / CLIENT_KEY_FILE)}},
+                                  **_kept_clients(lab)}
     loads = {}
     for name, (share, max_tokens, streams) in FAIR.items():
         key_file, key = tmp_path / f"{name}-key", secrets.token_urlsafe(32)

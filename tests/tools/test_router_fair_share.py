@@ -63,9 +63,10 @@ def test_backlogged_clients_get_tokens_in_proportion_to_their_shares(tmp_path: P
     port = free_port()
     with contextmanager(start_edge)(tmp_path, monkeypatch, tls=False, clients=clients, ledger_port=port,
                                     maxconn=2) as edge:
-        ledger = subprocess.Popen([sys.executable, "-I", ledger_tool.__file__, "--budgets",
-                                   str(tmp_path / "token-budgets.json"), "--listen", f"127.0.0.1:{port}"],
-                                  stdout=subprocess.DEVNULL, stderr=(tmp_path / "ledger.err").open("wb"))
+        with (tmp_path / "ledger.err").open("wb") as errors:  # the child keeps its own copy of the descriptor
+            ledger = subprocess.Popen([sys.executable, "-I", ledger_tool.__file__, "--budgets",
+                                       str(tmp_path / "token-budgets.json"), "--listen", f"127.0.0.1:{port}"],
+                                      stdout=subprocess.DEVNULL, stderr=errors)
         try:
             until(lambda: _answers(port), "the ledger answers", timeout_s=10)
             answered: list[tuple[str, int]] = []  # (client, tokens), in the order the answers came
