@@ -90,6 +90,7 @@ PYCACHE_DIR = f"{VLLM_HOME}/pycache"  # bytecode the vllm user's processes compi
 VLLM_CACHE_DIR = f"{VLLM_HOME}/vllm-cache"  # vLLM's own caches, one directory per release (VLLM_CACHE_ROOT)
 RAY_TEMP_DIR = f"{VLLM_HOME}/ray"  # outside vLLM's PrivateTmp, so vLLM's driver reaches the local raylet
 MODELS_DIR = "/var/lib/gpufleet/models"  # root-owned: hub ids are downloaded to <MODELS_DIR>/<org>--<name>
+ADAPTERS_DIR = "/var/lib/gpufleet/adapters"  # root:vllm 0750: LoRA adapters by their weights' digest, as declared
 VLLM_UNIT_TEMPLATE = "vllm@.service"
 WATCHDOG_UNIT_TEMPLATE = "vllm-watchdog@.service"  # on a replica's first node: restarts it when it is wedged
 INSTALLED_MARKER = ".gpufleet-installed"  # in a virtualenv: what its install was asked for
@@ -124,6 +125,16 @@ UNIT_DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bi
 def replica_dir(replica: str) -> str:
     """``/etc/gpufleet/vllm/<replica>``: the replica's config.yaml, vllm.env and venv link."""
     return f"{VLLM_ETC}/{replica}"
+
+
+def adapter_store(sha256: str) -> str:
+    """One LoRA adapter's revision as declared (its ``adapter_config.json`` and weights), by its weights' digest."""
+    return f"{ADAPTERS_DIR}/{sha256[:16]}"
+
+
+def resolver_dir(replica: str) -> str:
+    """The adapters ``replica`` serves, one directory per name (vLLM's filesystem resolver reads it)."""
+    return f"{replica_dir(replica)}/adapters"
 
 
 def restart_marker(replica: str) -> str:

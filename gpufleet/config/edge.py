@@ -235,7 +235,9 @@ def chain_problem(ca: str, certificate_pem: str, key_pem: str) -> str | None:
 
 
 def _served_models(configs: dict[str, HostConfig], serving: list[str]) -> set[str]:
-    return {configs[host].served_model_name() for host in serving if host in configs}
+    """Every name a client may ask for: the served models, and their LoRA adapters."""
+    return {name for host in serving if host in configs
+            for name in (configs[host].served_model_name(), *configs[host].vllm_lora_adapters)}
 
 
 def edge_problems(hosts: dict[str, HostLayers], serving: list[str], configs: dict[str, HostConfig],

@@ -18,13 +18,14 @@ from pydantic import field_validator
 
 from gpufleet.config import env_names
 from gpufleet.config.apt_source import apt_source
+from gpufleet.config.lora_files import adapter_problems
 from gpufleet.config.settings import Setting, records
 from gpufleet.config.settings.dcgm import DcgmSettings
 from gpufleet.config.settings.dcgm_exporter import DcgmExporterSettings
 from gpufleet.config.settings.fleet import FleetSettings
 from gpufleet.config.settings.gpu_watch import GpuWatchSettings
 from gpufleet.config.settings.keepalived import KeepalivedSettings
-from gpufleet.config.settings.monitoring import MonitoringSettings
+from gpufleet.config.settings.monitoring import STALL_SCRAPES, MonitoringSettings
 from gpufleet.config.settings.node_exporter import NodeExporterSettings
 from gpufleet.config.settings.node_lifecycle import NodeLifecycleSettings
 from gpufleet.config.settings.nvidia_driver import NvidiaDriverSettings
@@ -118,6 +119,14 @@ class HostConfig(
                                        " (use a secret reference: vllm_api_key, vllm_hf_token)")
         return value
 
+    def serving_args(self) -> dict[str, Any]:
+        """``vllm_extra_args`` as the replicas run with them: with ``enable-lora`` on where the pool declares LoRA
+        adapters and leaves it out."""
+        if self.vllm_lora_adapters and not any(k.lstrip("-").replace("_", "-") == "enable-lora"
+                                                for k in self.vllm_extra_args):
+            return {**self.vllm_extra_args, "enable-lora": True}
+        return self.vllm_extra_args
+
     def contradictions(self, api_ports: int | None = None, routes: bool = True) -> list[tuple[tuple[str, ...], str]]:
         """Values that each pass alone but not together: (keys involved, what is wrong).
 
@@ -149,9 +158,17 @@ class HostConfig(
                           "expected ray_auth_token ({env: NAME} or {file: PATH}) with vllm_distributed_backend ray"
                           " (Ray's cluster token), found null"))
         found += self._gate_problems()
+        if self.alert_engine_stall_s < STALL_SCRAPES * self.prometheus_scrape_interval_s:
+            found.append((("alert_engine_stall_s", "prometheus_scrape_interval_s"),
+                          f"expected a window of at least {STALL_SCRAPES} scrapes"
+                          f" ({STALL_SCRAPES * self.prometheus_scrape_interval_s} s at a scrape every"
+                          f" {self.prometheus_scrape_interval_s} s), found {self.alert_engine_stall_s}"))
         found += self._port_problems(api_ports or self.api_ports(), routes)
         found += self._url_problems()
         found += self._extra_args_problems()
+        if self.vllm_lora_adapters and self.vllm_model is not None:
+            found += adapter_problems(self.vllm_lora_adapters, self.served_model_name(), self.vllm_model,
+                                      self.vllm_version, self.vllm_extra_args)
         return found
 
     def _cpu_kv_space_problems(self) -> list[tuple[tuple[str, ...], str]]:
@@ -280,7 +297,7 @@ class HostConfig(
     def _lora_problems(self, catalog: FlagCatalog) -> list[tuple[tuple[str, ...], str]]:
         """LoRA flags that vLLM would ignore (set without ``--enable-lora``) or refuse (fewer CPU slots than GPU
         slots: LoRAConfig's own rule)."""
-        args = self.vllm_extra_args
+        args = self.serving_args()
         enabled = catalog.given(args, "--enable-lora")
         given = {flag: found for flag in LORA_FLAGS if catalog.spec(flag) and (found := catalog.given(args, flag))}
         if given and (enabled is None or enabled[1] is not True):

@@ -21,6 +21,11 @@ TASK_ROUTES: dict[str, tuple[str, ...]] = {"generate": ("/v1/completions", "/v1/
 SERVER_ID_SPAN = 2**31 - 1  # HAProxy's server ids: positive, at most 2^31 - 1 (a C int)
 
 
+def name_sha256(name: str) -> str:
+    """A model's or adapter's name as the routers' configuration and maps hold it: its SHA-256, in hex."""
+    return hashlib.sha256(name.encode()).hexdigest()
+
+
 @dataclass(frozen=True)
 class Backend:
     """One served model and the replicas that serve it."""
@@ -35,6 +40,8 @@ class Backend:
     metered: bool = False  # the token ledger meters its clients with budgets (gpufleet.plan.token_budgets)
     max_model_len: int = 0  # what a metered request without max_tokens reserves
     fair: bool = False  # its clients share it fairly in tokens: every one's requests ask the ledger
+    # its LoRA adapters, each with the replicas that serve it (ServedModel.adapters): routed here, to those only
+    adapters: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     @property
     def routes(self) -> tuple[str, ...]:
@@ -63,7 +70,24 @@ class Backend:
     @property
     def model_sha256(self) -> str:
         """What the configuration matches a request's model with: any served name, quoted by nothing."""
-        return hashlib.sha256(self.model.encode()).hexdigest()
+        return name_sha256(self.model)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """What clients may ask it for: the model, then its adapters."""
+        return (self.model, *(name for name, _ in self.adapters))
+
+    @property
+    def adapter_sha256s(self) -> tuple[str, ...]:
+        """Its adapters' names as the configuration matches them (:meth:`model_sha256`)."""
+        return tuple(name_sha256(name) for name, _ in self.adapters)
+
+    def adapter_order(self, adapter: str) -> tuple[str, ...]:
+        """The replicas that serve ``adapter``, in the order its requests try them (each while within the bound):
+        by the SHA-256 of the adapter's and the replica's names (rendezvous hashing), so that the model's adapters
+        spread over its replicas and a replica added or removed moves only the adapters it is first for."""
+        holders = dict(self.adapters)[adapter]
+        return tuple(sorted(holders, key=lambda replica: name_sha256(f"{adapter}/{replica}")))
 
     @property
     def comment(self) -> str:
@@ -80,5 +104,5 @@ def backends(plan: FleetPlan) -> list[Backend]:
         servers = sorted((name, replicas[name].api_address) for name in model.replicas)
         found.append(Backend(model.backend, model.name, tuple(servers), policy=model.policy,
                              prefix_balance=model.prefix_balance, priority=model.priority, metered=model.metered,
-                             max_model_len=model.max_model_len, fair=model.fair))
+                             max_model_len=model.max_model_len, fair=model.fair, adapters=model.adapters))
     return found

@@ -146,7 +146,7 @@ def serve_flags(cfg: HostConfig, address: str, port: int, tp: int, pp: int, dp: 
         flags["scheduling-policy"] = "priority"
     if usage:
         flags["enable-force-include-usage"] = True
-    return flags | extra_flags(cfg.vllm_extra_args)
+    return flags | extra_flags(cfg.serving_args())
 
 
 def serve_process(cfg: HostConfig, flags: dict[str, FlagValue], env: dict[str, str]) -> Process:

@@ -171,6 +171,13 @@ class ServedModel:
     metered: bool = False  # the routers' token ledger meters it (gpufleet.plan.token_budgets)
     fair: bool = False  # its clients share it fairly in tokens (gpufleet.plan.token_budgets)
     max_model_len: int = 0  # its replicas' (the first one's): a metered request without max_tokens reserves it
+    # its LoRA adapters (vllm_lora_adapters of its pools), sorted by name, each with the replicas that serve it
+    adapters: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """What clients may ask its replicas for: the model, then its adapters."""
+        return (self.name, *(name for name, _ in self.adapters))
 
 
 @dataclass
@@ -435,7 +442,7 @@ def _sizing(cfg: HostConfig, cfgs: list[HostConfig], arch: ModelArch, weights_to
     return layout.sizing(
         arch, weights_total, dtype=cfg.vllm_dtype, kv_dtype=cfg.vllm_kv_cache_dtype,
         utilization=cfg.vllm_gpu_memory_utilization, max_model_len=max_len, version=cfg.vllm_version,
-        flags=extra_flags(cfg.vllm_extra_args), platform=cfg.vllm_platform, gpu_name=smallest.gpu_names[0],
+        flags=extra_flags(cfg.serving_args()), platform=cfg.vllm_platform, gpu_name=smallest.gpu_names[0],
         reserve_bytes=None if cfg.vllm_memory_reserve_gib is None else int(cfg.vllm_memory_reserve_gib * GIB),
         kv_space_bytes=kv_space)
 
@@ -535,7 +542,7 @@ def _single_node_replicas(pool: str, hosts: list[str], fleet: Fleet, shapes: lis
                                          secret_env_names(host_cfg), admit, cfg.served_model_name(),
                                          cfg.vllm_version, host_cfg.vllm_start, _gpu_profile([host_cfg]),
                                          host_cfg.vllm_api_key,
-                                         layout.not_modelled(cfg.vllm_extra_args, b.lora_counted)))
+                                         layout.not_modelled(cfg.serving_args(), b.lora_counted)))
 
 
 def _multi_node_replicas(pool: str, hosts: list[str], fleet: Fleet, shapes: list[layout.NodeShape],
@@ -565,7 +572,7 @@ def _multi_node_replicas(pool: str, hosts: list[str], fleet: Fleet, shapes: list
                                      cfg.vllm_distributed_backend, max_len, per_token, b, roles,
                                      secret_env_names(cfgs[0]), admit, cfg.served_model_name(), cfg.vllm_version,
                                      cfgs[0].vllm_start, _gpu_profile(cfgs), cfgs[0].vllm_api_key,
-                                     layout.not_modelled(cfg.vllm_extra_args, b.lora_counted)))
+                                     layout.not_modelled(cfg.serving_args(), b.lora_counted)))
     spare = hosts[(len(hosts) // nodes) * nodes:]
     if spare:
         plan.idle += spare
@@ -600,6 +607,22 @@ def _check_routing(plan: FleetPlan, fleet: Fleet) -> None:
         by_model.setdefault(cfg.served_model_name(), []).append((pool, cfg))
     for model, pools in by_model.items():
         plan.problems += _routing_problems(json.dumps(model), pools)
+    plan.problems += _adapter_name_problems(by_model)
+
+
+def _adapter_name_problems(by_model: dict[str, list[tuple[str, HostConfig]]]) -> list[PlanProblem]:
+    """An adapter named as another served model, or as another model's adapter: the routers route by name."""
+    owner: dict[str, str] = {}
+    found = []
+    for model, pools in sorted(by_model.items()):
+        for pool, name in sorted({(pool, name) for pool, cfg in pools for name in cfg.vllm_lora_adapters}):
+            taken = owner.setdefault(name, model)
+            if taken != model or name in by_model:
+                what = "a served model's name" if name in by_model else f"an adapter of {json.dumps(taken)} too"
+                detail = f"expected a name no other model or adapter has (the routers route by name), found {what}"
+                found.append(PlanProblem(pool, f"vllm_lora_adapters.{name}: {detail}",
+                                         keys=(f"vllm_lora_adapters.{name}",), detail=detail))
+    return found
 
 
 def _routing_problems(model: str, pools: list[tuple[str, HostConfig]]) -> list[PlanProblem]:
@@ -664,13 +687,24 @@ def served_models(replicas: Iterable[Replica], configs: Mapping[str, HostConfig]
         taken.add(backend)
         cfg = configs[served[0].nodes[0]]
         found[name] = ServedModel(
-            name, backend, cfg.router_policy, cfg.router_prefix_balance if cfg.router_policy == "prefix" else None,
+            name, backend, cfg.router_policy,
+            cfg.router_prefix_balance if cfg.router_policy == "prefix" or _adapters(served, configs) else None,
             cfg.vllm_slo_ttft_p99_s, cfg.vllm_slo_itl_p99_s, tuple(dict.fromkeys(r.api_key for r in served)),
             str(cfg.vllm_model_config or cfg.vllm_model), tuple(dict.fromkeys(r.pool for r in served)),
             tuple(r.name for r in served), any(r.admission.priority for r in served),
             metered=meters_tokens(name, configs.values()), fair=shares_fairly(name, configs.values()),
-            max_model_len=served[0].max_model_len)
+            max_model_len=served[0].max_model_len, adapters=_adapters(served, configs))
     return found
+
+
+def _adapters(served: list[Replica], configs: Mapping[str, HostConfig]) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """Each adapter of one model's replicas (their pools' vllm_lora_adapters), by name, with the replicas that
+    serve it."""
+    holders: dict[str, list[str]] = {}
+    for replica in served:
+        for name in configs[replica.nodes[0]].vllm_lora_adapters:
+            holders.setdefault(name, []).append(replica.name)
+    return tuple((name, tuple(holders[name])) for name in sorted(holders))
 
 
 def plan_fleet(fleet: Fleet, facts: dict[str, NodeFacts]) -> FleetPlan:

@@ -32,8 +32,8 @@ class ReleaseError(ValueError):
 
 def release_of(cfg: HostConfig) -> Release:
     """The release a host's configuration gives its replicas, normalised as JSON reads it back."""
-    values = {key: getattr(cfg, key) for key in RELEASE_KEYS}
-    loaded: Release = json.loads(json.dumps(values))
+    values = cfg.model_dump(mode="json", include=set(RELEASE_KEYS), exclude_none=False)
+    loaded: Release = json.loads(json.dumps({key: values[key] for key in RELEASE_KEYS}))
     return loaded
 
 

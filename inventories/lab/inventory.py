@@ -31,7 +31,7 @@ from pathlib import Path
 import yaml
 from gpufleet_lab.errors import LabError
 from gpufleet_lab.hooks import mirror_base_url
-from gpufleet_lab.mirror import MirrorUrls, keyring_fingerprint, node_exporter_sources
+from gpufleet_lab.mirror import MirrorUrls, adapter_sources, keyring_fingerprint, node_exporter_sources
 from gpufleet_lab.network import virtual_address
 from gpufleet_lab.nodes import (
     API_KEY_FILE,
@@ -162,6 +162,11 @@ _pipeline = _hosts[-2:] if len(_hosts) >= 3 and _layout != "singles" else []
 _single = [h for h in _serving if h not in _pipeline]
 if _single:
     lab_single = _single
+    # the tiny model's LoRA adapters the mirror made, pinned by their digests, on the single-node pool only: with
+    # LoRA on, vLLM's CPU build turns its graph compilation off and with it the warm-up run that gives a pipeline
+    # rank after the first its buffers (the rank fails its first step), so the pipeline pool serves none
+    for _address, _data in _single:
+        _data.update(adapter_sources())
 if _pipeline:
     lab_pipeline = _pipeline
 

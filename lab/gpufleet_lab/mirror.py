@@ -7,6 +7,7 @@ uses (repository URL, keyring, pip find-links are configuration). Layout of the 
     gnupg/                    the lab's signing key (private: never served, never committed)
     mirror/ADDR_PORT.json     a running server's PID, address and port; ADDR_PORT.log its log
     models/tiny-llama/        the tiny model (pushed to nodes by the deployment, not served)
+    adapters/<name>/          its LoRA adapters, and adapters/sha256sums.txt (pushed by the deployment)
     www/                      the only directory served:
       apt/                    flat repository: Packages, Release, InRelease, Release.gpg, pool/*.deb
       debian/                 flat repository of Debian's packages the nodes need (prometheus-node-exporter, haproxy,
@@ -48,10 +49,12 @@ from gpufleet_lab.debian_extras import (
 )
 from gpufleet_lab.errors import LabError
 from gpufleet_lab.standin_debs import build_debs
+from gpufleet_lab.tiny_adapters import declared, make_lab_adapters
 from gpufleet_lab.tiny_model import make_tiny_model
 from gpufleet_lab.wheelhouse import build_wheelhouse, lock_name
 
 WWW = "www"
+ADAPTERS_DIR = "adapters"  # the tiny model's LoRA adapters (gpufleet_lab.tiny_adapters), pushed by the deployment
 KEYRING_NAME = "gpufleet-lab.gpg"
 KEY_UID = "gpufleet lab package mirror <lab-mirror@gpufleet.invalid>"
 RELEASE_FIELDS = {
@@ -164,6 +167,7 @@ def prepare(
     house = (build_wheelhouse(www / "wheels", find_links=find_links, extra_index_urls=extra_index_urls)
              if wheels else None)
     model = make_tiny_model(cache / "models" / "tiny-llama")
+    make_lab_adapters(cache / ADAPTERS_DIR)
     return MirrorContents(cache, www, repo, house.path if house else None, house.locks if house else {}, model,
                           debian_repo, tarball)
 
@@ -177,6 +181,13 @@ def _build_debian(cache: Path) -> tuple[AptRepo, Tarball]:
                           release_fields=DEBIAN_RELEASE_FIELDS)
     exporter = next(d for d in debs if d.name.startswith(f"{NODE_EXPORTER_PACKAGE}_"))
     return repo, build_node_exporter_tarball(exporter, cache / WWW / NODE_EXPORTER_DIR)
+
+
+def adapter_sources(cache_dir: Path | str | None = None) -> dict[str, object]:
+    """The lab's ``vllm_lora_adapters``, for its inventory: the adapters the mirror made for the tiny model, each
+    pushed from its directory here and pinned by its weights' digest (none before :func:`prepare` made them)."""
+    found = declared(_cache(cache_dir) / ADAPTERS_DIR)
+    return {"vllm_lora_adapters": found} if found else {}
 
 
 def node_exporter_sources(base_url: str, cache_dir: Path | str | None = None) -> dict[str, str]:

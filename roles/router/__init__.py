@@ -81,7 +81,7 @@ from gpufleet.node_paths import ROUTER_SERVICE as SERVICE
 from gpufleet.operations import apt, files, node, server, shared_secrets, systemd
 from gpufleet.operations.server import checked_install  # shell text, not an operation
 from gpufleet.plan import access
-from gpufleet.plan.backends import Backend, backends
+from gpufleet.plan.backends import Backend, backends, name_sha256
 from gpufleet.plan.planner import FleetPlan, Replica
 from gpufleet.plan.priority import DEFAULT_PRIORITY, PRIORITY_HEADER, client_priority
 from gpufleet.run.context import context, host_config
@@ -227,6 +227,8 @@ def config_values(cfg: HostConfig, address: str, found: list[Backend], lists: li
         "model_twice": MODEL_TWICE,
         "escaped_ascii": ESCAPED_ASCII,
         "backends": [{"name": b.name, "comment": b.comment, "model_sha256": b.model_sha256, "routes": b.routes,
+                      "adapters": [{"sha256": sha, "order": b.adapter_order(name)}
+                                   for (name, _), sha in zip(b.adapters, b.adapter_sha256s, strict=True)],
                       "policy": b.policy, "bound_percent": b.bound_percent, "priority": b.priority,
                       "metered": b.metered, "fair": b.fair,
                       "servers": [{"name": n, "address": a, "maxconn": maxconn[n], "agent_port": agents.get(n),
@@ -255,12 +257,12 @@ def edge_maps(clients: Mapping[str, RouterClient], keys: Mapping[str, str], foun
     ``keys``: each client's key by name; ``upstream``: each served model's replicas' key (None: none)."""
     header = "# Written by gpufleet (role router) from router_clients: read by HAProxy only.\n"
     maps = {name: [header] for name in EDGE_MAPS}
-    served = {backend.model: backend for backend in found}
+    served = {name: backend for backend in found for name in backend.names}
     for name in sorted(clients):
         client = clients[name]
         models = sorted(served if client.models is None else set(client.models) & set(served))
         maps["clients"].append(f"{key_sha256(keys[name])} {name}\n")
-        maps["grants"] += [f"{name}/{served[model].model_sha256} 1\n" for model in models]
+        maps["grants"] += [f"{name}/{name_sha256(model)} 1\n" for model in models]
         maps["models"].append(f"{name} {_models_body(models)}\n")
         if client.requests_per_s is not None:
             maps["rates"].append(f"{name} {client.requests_per_s}\n")
@@ -271,7 +273,7 @@ def edge_maps(clients: Mapping[str, RouterClient], keys: Mapping[str, str], foun
             maps["budgets"].append(f"{name} 1\n")
     for backend in found:
         if key := upstream.get(backend.model):
-            maps["upstream"].append(f"{backend.model_sha256} Bearer {key}\n")
+            maps["upstream"] += [f"{name_sha256(each)} Bearer {key}\n" for each in backend.names]
     return {name: "".join(lines) for name, lines in maps.items()}
 
 
@@ -356,7 +358,7 @@ def fleet_values(cfg: HostConfig, address: str) -> dict[str, Any]:
         by_key: dict[str | None, list[str]] = {}
         for model in ctx.plan.models.values():
             for ref in model.api_keys:
-                by_key.setdefault(key_sha256(vf.api_key(ref)), []).append(model.name)
+                by_key.setdefault(key_sha256(vf.api_key(ref)), []).extend(model.names)
         metrics_allowed = access.exporter_sources(cfg, address, access.deploy_group())
     except ConfigError as error:
         exit_with(error)

@@ -48,12 +48,14 @@ from pyinfra.api.deploy import deploy
 from pyinfra.api.operation import OperationMeta
 from pyinfra.context import host
 
+from gpufleet.config import lora_files
 from gpufleet.config.inventory_shape import ROUTERS_GROUP
 from gpufleet.config.schema import HostConfig
 from gpufleet.measure.starts import start_key
 from gpufleet.node.health_rules import policy_json
 from gpufleet.node.replica_rank import SECRET_ENV as RANK_SECRET_ENV
 from gpufleet.node_paths import (
+    ADAPTERS_DIR,
     GATE_POLICY,
     INSTALLED_MARKER,
     MODELS_DIR,
@@ -67,12 +69,14 @@ from gpufleet.node_paths import (
     VLLM_ROOT,
     VLLM_UNIT_TEMPLATE,
     WATCHDOG_UNIT_TEMPLATE,
+    adapter_store,
     node_tool,
     observed_file,
     rank_secret_file,
     release_file,
     replica_dir,
     replica_secrets,
+    resolver_dir,
     restart_marker,
     start_textfile,
     unit_path,
@@ -247,6 +251,7 @@ def vllm_install() -> None:
     _read_node(cfg, [replica for replica, _, _ in mine])
     venv = _install(cfg, pip_secret)
     model = _stage(token)
+    _stage_adapters(cfg)
     unit, watchdog, gate = _units(cfg, allowed)
     shared = [m for m in (venv, model, unit, gate) if m is not None]
     drop_ins = _replica_files(cfg, mine, secrets, shared, watchdog)
@@ -263,14 +268,15 @@ def _read_node(cfg: HostConfig, replicas: list[Replica]) -> None:
     model_listings: list[str] = []
     if cfg.vllm_model_source:
         model_paths, model_listings = files.tree_paths(cfg.vllm_model_source, vf.model_dir(cfg))
+    adapter_paths, adapter_listings = _adapter_paths(cfg, replicas)
     node.observe(
-        name="Read vLLM's account, packages, virtualenv, model and replica files",
+        name="Read vLLM's account, packages, virtualenv, model, adapters and replica files",
         users=["vllm"], groups=["vllm"], packages=cfg.vllm_system_packages,
         paths=[VLLM_ROOT, SECRETS_DIR, PIP_SECRET, HUB_SECRET, MODELS_DIR, str(Path(vf.model_dir(cfg)).parent),
                unit_path(VLLM_UNIT_TEMPLATE), unit_path(WATCHDOG_UNIT_TEMPLATE), GATE_POLICY, VLLM_ETC, *model_paths,
-               *(p for replica in replicas for p in _replica_paths(replica.name))],
+               *(p for replica in replicas for p in _replica_paths(replica.name)), *adapter_paths],
         texts=[f"{venv_dir(cfg.vllm_version)}/{INSTALLED_MARKER}", f"{vf.model_dir(cfg)}/{REVISION_MARKER}"],
-        listings=[f"{VLLM_ETC}/*", *model_listings],
+        listings=[f"{VLLM_ETC}/*", *model_listings, *adapter_listings],
     )
 
 
@@ -299,6 +305,63 @@ def _stage(token: str | None) -> OperationMeta | None:
                           content=env_file({"HF_TOKEN": token}, "hub token for model downloads"))
     files.directory(name=f"Create {MODELS_DIR} (root only writes)", path=MODELS_DIR)
     return _stage_model()
+
+
+def _adapter_paths(cfg: HostConfig, replicas: list[Replica]) -> tuple[list[str], list[str]]:
+    """What the adapters' phases compare: every staged and resolver path, and the listings pruned."""
+    paths, listings = [ADAPTERS_DIR], [f"{ADAPTERS_DIR}/*"]
+    for adapter in cfg.vllm_lora_adapters.values():
+        store = adapter_store(adapter.sha256)
+        paths += [store, f"{store}/{lora_files.CONFIG_FILE}", f"{store}/{lora_files.WEIGHTS_FILE}"]
+    for replica in replicas:
+        resolver = resolver_dir(replica.name)
+        paths.append(resolver)
+        listings.append(f"{resolver}/*")
+        for name in cfg.vllm_lora_adapters:
+            paths += [f"{resolver}/{name}", f"{resolver}/{name}/{lora_files.CONFIG_FILE}",
+                      f"{resolver}/{name}/{lora_files.WEIGHTS_FILE}"]
+    return paths, listings
+
+
+def _stage_adapters(cfg: HostConfig) -> None:
+    """Each declared LoRA adapter's revision, pushed from the controller into its own directory named by its
+    weights' digest (root:vllm, 0750 and 0640: readable by the replicas' account only), each file kept equal to the
+    controller's by its SHA-256 (the weights' was checked against the inventory's before any host); revisions
+    this node's pool no longer declares removed."""
+    files.directory(name=f"Create {ADAPTERS_DIR} (read by the vllm group only)", path=ADAPTERS_DIR, group="vllm",
+                    mode="0750")
+    kept = []
+    for name, adapter in sorted(cfg.vllm_lora_adapters.items()):
+        store = adapter_store(adapter.sha256)
+        kept.append(store)
+        files.directory(name=f"Adapter {name}: create {store}", path=store, group="vllm", mode="0750")
+        for staged in (lora_files.CONFIG_FILE, lora_files.WEIGHTS_FILE):
+            files.file(name=f"Adapter {name}: stage {staged}", dest=f"{store}/{staged}",
+                       src=str(Path(adapter.source).expanduser() / staged), group="vllm", mode="0640")
+    files.pruned(name="Remove adapter revisions this node's pool no longer declares", pattern=f"{ADAPTERS_DIR}/*",
+                 keep=kept)
+
+
+def _resolver_files(cfg: HostConfig, replica: str) -> None:
+    """The adapters ``replica`` serves, as vLLM's filesystem resolver reads them: per name, its
+    ``adapter_config.json`` naming the replica's model and a link to its staged weights; none without adapters.
+    Not one of the replica's changes: an adapter added is resolved by the running engine, no restart."""
+    resolver = resolver_dir(replica)
+    if not cfg.vllm_lora_adapters:
+        files.absent(name=f"{replica}: no adapters", path=resolver)
+        return
+    files.directory(name=f"{replica}: create {resolver}", path=resolver, group="vllm", mode="0750")
+    for name, adapter in sorted(cfg.vllm_lora_adapters.items()):
+        folder = f"{resolver}/{name}"
+        files.directory(name=f"{replica}: adapter {name}", path=folder, group="vllm", mode="0750")
+        config = lora_files.resolver_config(lora_files.read_adapter(adapter.source), cfg.checkpoint())
+        files.file(name=f"{replica}: adapter {name}'s config for the resolver",
+                   dest=f"{folder}/{lora_files.CONFIG_FILE}", content=config, group="vllm", mode="0640")
+        files.link(name=f"{replica}: adapter {name}'s weights ({adapter.sha256[:16]})",
+                   path=f"{folder}/{lora_files.WEIGHTS_FILE}",
+                   target=f"{adapter_store(adapter.sha256)}/{lora_files.WEIGHTS_FILE}")
+    files.pruned(name=f"{replica}: remove adapters no longer declared", pattern=f"{resolver}/*",
+                 keep=[f"{resolver}/{name}" for name in cfg.vllm_lora_adapters])
 
 
 def _units(cfg: HostConfig, allowed: list[str] | None) -> tuple[OperationMeta, OperationMeta, OperationMeta]:
@@ -333,7 +396,7 @@ def _replica_files(cfg: HostConfig, mine: list[tuple[Replica, NodeRole, Process]
             files.file(name=f"{replica.name}: write config.yaml", dest=f"{directory}/config.yaml",
                        content=process.config_yaml()),
             files.file(name=f"{replica.name}: write vllm.env", dest=f"{directory}/vllm.env",
-                       content=env_file(vf.replica_env(cfg, process.env),
+                       content=env_file(vf.replica_env(cfg, process.env, resolver_dir(replica.name)),
                                         f"Written by gpufleet: environment of replica {replica.name} (no secrets)")),
             files.file(name=f"{replica.name}: write ranks.json (how its ranks find each other)",
                        dest=f"{directory}/ranks.json", content=_ranks_json(replica, role, cfg)),
@@ -347,6 +410,7 @@ def _replica_files(cfg: HostConfig, mine: list[tuple[Replica, NodeRole, Process]
         ]
         ops.append(_ray_drop_in(replica, role))
         drop_ins.append(ops[-1])
+        _resolver_files(cfg, replica.name)
         # What it runs, for gpufleet upgrade and rollback: not one of its changes (writing it restarts nothing).
         files.file(name=f"{replica.name}: write release.json (what it runs)", dest=release_file(replica.name),
                    content=release_json(release_of(cfg)))

@@ -20,6 +20,7 @@ import shlex
 from typing import Any
 from urllib.parse import quote, urlsplit, urlunsplit
 
+from gpufleet.config.lora_files import adapter_env
 from gpufleet.config.schema import HostConfig
 from gpufleet.config.secrets import read_secret as _read_secret
 from gpufleet.digest import file_sha256
@@ -120,11 +121,14 @@ def process_env(cfg: HostConfig) -> dict[str, str]:
     return env
 
 
-def replica_env(cfg: HostConfig, plan_env: dict[str, str]) -> dict[str, str]:
-    """The plain environment of a replica's vLLM process on one node."""
+def replica_env(cfg: HostConfig, plan_env: dict[str, str], adapters: str | None = None) -> dict[str, str]:
+    """The plain environment of a replica's vLLM process on one node; ``adapters``: the directory its LoRA adapters
+    are resolved from, when the pool declares some."""
     env = {"VLLM_MODEL": model_dir(cfg), **process_env(cfg), "HF_HOME": f"{VLLM_HOME}/hf"}
     if not cfg.vllm_downloads():
         env["HF_HUB_OFFLINE"] = "1"  # staged weights (pushed, downloaded by the deploy, or the site's path)
+    if adapters is not None and cfg.vllm_lora_adapters:
+        env.update(adapter_env(adapters))
     env.update(cfg.vllm_env)
     env.update(plan_env)  # the plan's GPU set, address and interfaces are not the operator's to override
     return env

@@ -45,6 +45,10 @@ def _hour_costs(value: Any) -> Any:
     return value
 
 
+STALL_SCRAPES = 4
+"""The fewest scrapes a stalled engine's window holds: a token counter that grew between two of them is not a stall."""
+
+
 class MonitoringSettings(RoleSettings):
     """Role monitoring: Prometheus and Alertmanager on the hosts of the inventory group `monitoring`
     (docs/guide/monitoring.md), and the alert thresholds gpufleet's alert rules (templates/monitoring/rules/) are
@@ -104,9 +108,10 @@ class MonitoringSettings(RoleSettings):
         section="Serving",
     )
 
-    alert_engine_stall_s: Annotated[int, Field(ge=60, le=86400)] = setting(
+    alert_engine_stall_s: Annotated[int, Field(ge=STALL_SCRAPES, le=86400)] = setting(
         300,
-        "An engine is stalled when requests run or wait and no token came out for this long (60 to 86400).",
+        "An engine is stalled when requests run or wait and no token came out for this long: at least four "
+        "scrapes (prometheus_scrape_interval_s), at most 86400.",
         section="Serving",
     )
 

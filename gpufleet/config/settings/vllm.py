@@ -7,14 +7,16 @@ from them.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
 from gpufleet.config.settings import RoleSettings, setting
 from gpufleet.input_files import tree_problem
 from gpufleet.values import grammar, limits
+from gpufleet.values.problems import KeyedError
 from gpufleet.values.types import Auto, OptionalSecret, Port, RanksInt, SystemdSeconds, each, served_name, text
 from gpufleet.values.vllm_flags import SUPPORTED_VLLM_VERSIONS
 
@@ -40,6 +42,31 @@ def _controller_dir(value: str) -> str | None:
     if grammar.controller_path(value) or not Path(value).expanduser().is_dir():
         return f"expected an existing directory on the controller, found {grammar.show(value)}"
     return tree_problem(Path(value).expanduser())
+
+ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+"""A LoRA adapter's name: what clients ask for, and its directory's name on the nodes."""
+
+
+def _adapter_names(value: Any) -> Any:
+    """Adapter names: 1-64 of letters, digits, ``_``, ``.``, ``-``, starting with a letter or digit."""
+    if isinstance(value, dict):
+        for name in value:
+            if not isinstance(name, str) or not ADAPTER_NAME.match(name):
+                raise KeyedError(str(name), "expected an adapter name (1-64 of letters, digits, '_', '.', '-',"
+                                            f" starting with a letter or digit), found {grammar.show(name)}")
+    return value
+
+
+class LoraAdapter(BaseModel):
+    """One LoRA adapter a pool serves: the directory the controller reads it from (``adapter_config.json`` and
+    ``adapter_model.safetensors``), a label of its revision, and the SHA-256 its weights must have."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    source: text(_controller_dir)  # type: ignore[valid-type]
+    sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+    revision: text(grammar.hf_revision) | None = None  # type: ignore[valid-type]
+
 
 class VllmSettings(RoleSettings):
     """vLLM serving: what each replica serves and how it is laid out on the GPUs.
@@ -297,6 +324,25 @@ class VllmSettings(RoleSettings):
         "Hugging Face id: the node downloads it at vllm_model_revision with vllm_hf_token into "
         "/var/lib/gpufleet/models/<org>--<name> (root-owned).",
         owned_env=("HF_HUB_OFFLINE",),
+    )
+
+    vllm_lora_adapters: Annotated[dict[str, LoraAdapter], BeforeValidator(_adapter_names)] = setting(
+        {},
+        "LoRA adapters the pool's replicas serve besides the model, by the name clients ask for:\n"
+        "  vllm_lora_adapters:\n"
+        "    support-bot:\n"
+        "      source: /srv/adapters/support-bot   # a directory on the controller: adapter_config.json and\n"
+        "                                         # adapter_model.safetensors (PEFT's layout)\n"
+        "      sha256: 4b1f...                     # of adapter_model.safetensors: checked on the controller and\n"
+        "                                         # on every node before any replica may load it\n"
+        "      revision: v3                        # a label of this revision (optional)\n"
+        "Each is staged on every node of the pool's replicas, readable by the vllm user only, and served with "
+        "--enable-lora through vLLM's filesystem resolver: an adapter added later is servable without a restart "
+        "(the load endpoint vLLM then has is never routed). Its rank must fit max-lora-rank, its base model be "
+        "vllm_model (adapter_config.json's base_model_name_or_path). Slots: vllm_extra_args max-loras, "
+        "max-lora-rank, max-cpu-loras. Pools that serve one model may declare different adapters: the routers send "
+        "an adapter's requests to the replicas of the pools that declare it only.",
+        scope="pool", release=True, owned_env=("VLLM_LORA_RESOLVER_CACHE_DIR",),
     )
 
     vllm_start: bool = setting(
