@@ -107,6 +107,16 @@ def completion(url: str, model: str, key: str | None, max_tokens: int = 4,
     return status, tokens, f"/v1/completions returned {tokens} tokens"
 
 
+def _unserved_adapters(url: str, adapters: list[str], key: str | None) -> str:
+    """What the first of ``adapters`` that answers no completion answered (vLLM loads each on its first request);
+    empty when all did."""
+    for adapter in adapters:
+        status, tokens, seen = completion(url, adapter, key)
+        if status != 200 or tokens < 1:
+            return f"LoRA adapter {adapter}: {seen}"
+    return ""
+
+
 def check_once(url: str, model: str, key: str | None, seen_at: dict[str, float] | None = None) -> tuple[bool, str]:
     """One readiness attempt: (ready, what was seen). ``seen_at`` gets the time (Unix) ``ready`` since which
     ``/health`` has answered 200 without a break, and ``first_completion`` once a completion returned tokens."""
@@ -462,6 +472,8 @@ def main(argv: list[str] | None = None) -> int:
                         " node_exporter's textfile collector")
     parser.add_argument("--start-labels", type=_labels, default={},
                         help="the labels of the start's series, as a JSON object")
+    parser.add_argument("--adapter", action="append", default=[],
+                        help="once ready, a LoRA adapter that must answer a completion too (repeatable)")
     args = parser.parse_args(argv)
     key = read_env_file(args.env_file).get("VLLM_API_KEY") if args.env_file else None
     started, since = time.monotonic(), time.time()
@@ -472,6 +484,10 @@ def main(argv: list[str] | None = None) -> int:
     while True:
         ready, seen = check_once(args.url.rstrip("/"), args.model, key, seen_at)
         waited = round(time.monotonic() - started, 1)
+        if ready and (unserved := _unserved_adapters(args.url.rstrip("/"), args.adapter, key)):
+            print(json.dumps({"ready": False, "url": args.url, "seconds": round(time.monotonic() - started, 1),
+                              "seen": unserved}))
+            return 1
         if ready:
             timed = _record_start(args, seen_at) if args.start_textfile else {}
             observed = _record(args, since, timed.get("start")) if args.observed else {}

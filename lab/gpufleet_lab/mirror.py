@@ -49,7 +49,7 @@ from gpufleet_lab.debian_extras import (
 )
 from gpufleet_lab.errors import LabError
 from gpufleet_lab.standin_debs import build_debs
-from gpufleet_lab.tiny_adapters import declared, make_lab_adapters
+from gpufleet_lab.tiny_adapters import LAB_ADAPTERS, LATER_ADAPTER, declared, make_lab_adapters
 from gpufleet_lab.tiny_model import make_tiny_model
 from gpufleet_lab.wheelhouse import build_wheelhouse, lock_name
 
@@ -183,10 +183,13 @@ def _build_debian(cache: Path) -> tuple[AptRepo, Tarball]:
     return repo, build_node_exporter_tarball(exporter, cache / WWW / NODE_EXPORTER_DIR)
 
 
-def adapter_sources(cache_dir: Path | str | None = None) -> dict[str, object]:
+def adapter_sources(more: str = "", cache_dir: Path | str | None = None) -> dict[str, object]:
     """The lab's ``vllm_lora_adapters``, for its inventory: the adapters the mirror made for the tiny model, each
-    pushed from its directory here and pinned by its weights' digest (none before :func:`prepare` made them)."""
-    found = declared(_cache(cache_dir) / ADAPTERS_DIR)
+    pushed from its directory here and pinned by its weights' digest (none before :func:`prepare` made them);
+    ``more``: the names, comma-separated, of those it made besides that are declared too (LATER_ADAPTER's)."""
+    wanted = {name for name in more.split(",") if name}
+    found = declared(_cache(cache_dir) / ADAPTERS_DIR,
+                     (*LAB_ADAPTERS, *(a for a in (LATER_ADAPTER,) if a.name in wanted)))
     return {"vllm_lora_adapters": found} if found else {}
 
 

@@ -500,7 +500,7 @@ def vllm_serve() -> None:
                 name=f"{replica.name}: wait for /health and one real completion on {url}",
                 script=ready_command(cfg.served_model_name(), url, unit, marker,
                                      replica_secrets(replica.name) if replica.secret_env else None,
-                                     cfg.vllm_ready_timeout, kv, timed),
+                                     cfg.vllm_ready_timeout, kv, timed, sorted(cfg.vllm_lora_adapters)),
                 _if=_changed(starts),  # a rank (re)started on any of its nodes
             )
             vllm.kv_report(name=f"{replica.name}: show the KV cache vLLM reports beside the plan's",
@@ -539,14 +539,17 @@ class StartCheck:
 
 
 def ready_command(served: str, url: str, unit: str, record: str, secrets: str | None, timeout: int,
-                  kv: KvCheck | None = None, timed: StartCheck | None = None) -> str:
+                  kv: KvCheck | None = None, timed: StartCheck | None = None, adapters: list[str] | None = None) -> str:
     """The readiness check's shell line on the first node, every argument quoted for the shell; with ``kv``, it
-    then records the KV cache vLLM reports beside the plan's, and with ``timed`` the start's phases.
+    then records the KV cache vLLM reports beside the plan's, with ``timed`` the start's phases, and with
+    ``adapters`` it asks each LoRA adapter for a completion too (vLLM loads each then, and lists it).
     ``record``: the replica's restart record, which the deploy touches before it stops the replica (a start refused
     before the wait began then counts)."""
     argv = ["python3", node_tool("vllm_ready.py"), "--url", url, "--model", served, "--unit", unit,
             "--restart-record", record]
     if secrets:
         argv += ["--env-file", secrets]
+    for adapter in adapters or []:
+        argv += ["--adapter", adapter]
     return shlex.join([*argv, *(timed.argv() if timed else []), "--timeout", str(timeout),
                        *(kv.argv() if kv else [])])

@@ -40,13 +40,15 @@ AFTER_FAILURE = "after a failed test"
 GROUP_CHANGED = "serving, a group's settings changed"
 # What tests/lab/test_edge.py leaves: the routers on other clients and admission, every replica as deployed.
 EDGE_CHANGED = "serving, the routers' settings changed"
+# What tests/lab/test_lora.py leaves: lab_single serving one LoRA adapter more, every replica as deployed.
+ADAPTER_ADDED = "serving, one adapter more"
 SCENARIOS = (
     Scenario("bare", "bare", "the lab as booted: nothing deployed"),
     Scenario("serving", "serving", "deploys/vllm.py from bare nodes, the lab's default: read-only checks"),
     Scenario("watched", "serving", "the same fleet, untouched: no alert fired since it was healthy"),
     Scenario("faults", "serving", "the same fleet: faults that heal, alerts, upgrades and rollbacks"),
     Scenario("changed", "serving", "the same fleet: tests that leave it changed for the next deploy to replace",
-             accepts=(EDGE_CHANGED, GROUP_CHANGED)),
+             accepts=(EDGE_CHANGED, GROUP_CHANGED, ADAPTER_ADDED)),
     Scenario("ray", "ray", "deploys/vllm.py with the pipeline pool on Ray"),
 )
 FAILED_TAIL = 4000  # characters of a failed deploy's output a test shows

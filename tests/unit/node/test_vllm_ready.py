@@ -346,3 +346,34 @@ def test_a_start_that_cannot_be_written_is_a_warning_and_without_a_start_nothing
     assert verdict["start"] == {"labels": {}, "started": None, "phases": dict.fromkeys(
         ("weights_loaded", "kv_cache_sized", "ready", "first_completion"))}
     assert verdict["warning"].startswith(f"cannot write {tmp_path / 'gone' / 'start.prom'}: ")
+
+
+def _serving_adapters(served: set[str]) -> type[QuietHandler]:
+    """A ready replica that answers a completion for the models in ``served`` and 404, as vLLM does, otherwise."""
+    class Handler(QuietHandler):
+        def do_GET(self) -> None:
+            self.answer(200, b"")
+
+        def do_POST(self) -> None:
+            model = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["model"]
+            if model in served:
+                self.answer(200, json.dumps({"usage": {"completion_tokens": 1}}).encode())
+            else:
+                self.answer(404, json.dumps({"error": {"message": f"The model `{model}` does not exist."}}).encode())
+
+    return Handler
+
+
+@pytest.mark.parametrize(("served", "code", "seen"), [
+    ({"tiny", "poet", "chef"}, 0, "/v1/completions returned 1 tokens"),
+    ({"tiny", "poet"}, 1, "LoRA adapter chef: /v1/completions answered 404"),
+])
+def test_each_adapter_must_answer_once_the_replica_is_ready(served: set[str], code: int, seen: str) -> None:
+    """With --adapter, the wait asks each adapter for a completion once the model answers (vLLM loads it then):
+    one that does not answer fails the wait and is named."""
+    with loopback_server(_serving_adapters(served)) as url:
+        done = subprocess.run([sys.executable, "-I", str(TOOL), "--url", url, "--model", "tiny", "--adapter", "poet",
+                               "--adapter", "chef", "--timeout", "5"], capture_output=True, text=True, timeout=60)
+    verdict = json.loads(done.stdout)
+    assert (done.returncode, verdict["ready"]) == (code, code == 0), done.stderr
+    assert verdict["seen"].startswith(seen), verdict
