@@ -29,7 +29,7 @@ from gpufleet.measure.records import Record
 from gpufleet.node.vllm_ready import kv_summary
 from gpufleet.plan import virtual_address
 from gpufleet.plan.model_arch import ModelConfigError, load_arch
-from gpufleet.plan.model_memory import GIB, model_info
+from gpufleet.plan.model_memory import GIB, LORA_PART, model_info
 from gpufleet.plan.planner import FleetPlan, Replica, plan_fleet
 from gpufleet.values.grammar import decimal
 
@@ -126,6 +126,19 @@ def _observed_cells(r: Replica, doc: dict[str, Any] | None, tolerance: float) ->
                   + (f"\n> {tolerance * 100:g}% off" if off else ""))
 
 
+def _adapter_lines(plan: FleetPlan) -> list[str]:
+    """One line per LoRA adapter of each model: the replicas that serve it, and their slots' memory per GPU where
+    the plan counts it."""
+    slots = {r.name: sum(size for part, size in r.budget.reserve_parts if part == LORA_PART) for r in plan.replicas}
+    lines = []
+    for model in plan.models.values():
+        for adapter, holders in model.adapters:
+            counted = ", ".join(f"{name} {slots[name] / GIB:,.2f} GiB/GPU" if slots.get(name) else
+                                f"{name} (slots not counted)" for name in holders)
+            lines.append(f"model {json.dumps(model.name)}: LoRA adapter {adapter} on {counted}")
+    return lines
+
+
 def _print_table(plan: FleetPlan, observed: dict[str, tuple[dict[str, Any] | None, float]] | None = None) -> None:
     """The plan as a table; with ``observed`` (replica -> what vLLM reported, vllm_plan_tolerance), its KV cache
     tokens and sequences as planned and as vLLM reported them."""
@@ -148,6 +161,8 @@ def _print_table(plan: FleetPlan, observed: dict[str, tuple[dict[str, Any] | Non
     for pool, flags in dict.fromkeys((r.pool, r.not_modelled) for r in plan.replicas if r.not_modelled):
         console.print(f"pool {pool}: not modelled in the plan's memory: {', '.join(flags)} (vLLM's KV pool may be"
                       " smaller than planned)", soft_wrap=True, highlight=False, markup=False)
+    for adapter_line in _adapter_lines(plan):
+        console.print(adapter_line, soft_wrap=True, highlight=False, markup=False)
     for r in plan.replicas:
         for role in r.roles:
             for proc in role.processes:
