@@ -17,12 +17,14 @@ from typing import Any
 
 from gpufleet.config.settings.vllm import LoraAdapter
 from gpufleet.digest import file_sha256
-from gpufleet.input_files import InputFileError, found_at, json_depth_problem, read_regular
+from gpufleet.input_files import MAX_FILE_BYTES, InputFileError, found_at, json_depth_problem, read_regular
 from gpufleet.values import grammar
 from gpufleet.values.vllm_flags import load_catalog
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
+JSON_KINDS = {list: "a list", str: "a string", int: "a number", float: "a number", bool: "true or false",
+              type(None): "null"}
 RESOLVER_PLUGIN = "lora_filesystem_resolver"
 """vLLM's plugin that loads an adapter a request names from a directory (``VLLM_LORA_RESOLVER_CACHE_DIR``)."""
 
@@ -43,7 +45,8 @@ def read_adapter(source: str) -> AdapterFiles:
     try:
         text = read_regular(root / CONFIG_FILE, CONFIG_FILE).decode()
     except InputFileError as error:
-        raise ValueError(f"expected {CONFIG_FILE} in {grammar.show(source)}, {error.found or error.message}") from None
+        raise ValueError(f"expected a readable {CONFIG_FILE} of at most {MAX_FILE_BYTES:,} bytes in"
+                         f" {grammar.show(source)}, found {error.found or 'none'}") from None
     except (OSError, UnicodeDecodeError) as error:
         raise ValueError(f"expected a readable {CONFIG_FILE} in {grammar.show(source)},"
                          f" found {type(error).__name__}") from None
@@ -53,9 +56,11 @@ def read_adapter(source: str) -> AdapterFiles:
         config = json.loads(text)
     except json.JSONDecodeError as error:
         raise ValueError(f"expected JSON in {CONFIG_FILE}, found an error at line {error.lineno}") from None
-    if not isinstance(config, dict) or config.get("peft_type") != "LORA":
-        found = config.get("peft_type") if isinstance(config, dict) else type(config).__name__
-        raise ValueError(f"expected a LoRA adapter ({CONFIG_FILE} with peft_type LORA), found {grammar.show(found)}")
+    if not isinstance(config, dict):
+        raise ValueError(f"expected a JSON object in {CONFIG_FILE}, found {JSON_KINDS.get(type(config), 'a value')}")
+    if config.get("peft_type") != "LORA":
+        raise ValueError(f"expected a LoRA adapter ({CONFIG_FILE} with peft_type LORA), found peft_type"
+                         f" {grammar.show(config.get('peft_type'))}")
     rank = config.get("r")
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
         raise ValueError(f"expected a whole rank r >= 1 in {CONFIG_FILE}, found {grammar.show(rank)}")

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from pydantic import BaseModel
+
 from gpufleet.config.fleet import Fleet
 from gpufleet.config.schema import RECORDS, HostConfig, keys
 from gpufleet.gpu.report import NodeFacts
@@ -33,6 +35,7 @@ from gpufleet.plan.model_memory import (
 )
 from gpufleet.plan.priority import SCHEDULING_FLAG, schedules_by_priority
 from gpufleet.plan.token_budgets import USAGE_FLAG, meters_tokens, shares_fairly
+from gpufleet.values import grammar
 from gpufleet.values.problems import shown_key
 from gpufleet.values.types import SecretRef
 from gpufleet.values.vllm_flags import load_catalog
@@ -248,12 +251,24 @@ def _arch_and_weights(cfg: HostConfig) -> tuple[ModelArch, int, str]:
     return arch, total, how
 
 
+def _pool_value(value: object) -> str:
+    """A pool-wide value as a disagreement shows it: a plain value as Python writes it; a mapping or list (the
+    adapters) as compact JSON cut to a line, or "a value that looks like a credential (not shown)"."""
+    if not isinstance(value, (dict, list, BaseModel)):
+        return repr(value)
+    try:
+        text = json.dumps(value, sort_keys=True, separators=(",", ":"), default=lambda v: v.model_dump(mode="json"))
+    except (TypeError, ValueError, AttributeError):
+        text = repr(value)
+    return "a value that looks like a credential (not shown)" if grammar.secret_like(text) else grammar.show(text)
+
+
 def _pool_config(pool: str, hosts: list[str], configs: dict[str, HostConfig]) -> HostConfig:
     first = configs[hosts[0]]
     for key in POOL_WIDE:
         values = {h: getattr(configs[h], key) for h in hosts}
         if len({repr(v) for v in values.values()}) > 1:
-            shown = ", ".join(f"{h}={v!r}" for h, v in values.items())
+            shown = ", ".join(f"{h}={_pool_value(v)}" for h, v in values.items())
             raise _about(key, " ", f"differs across the hosts of one pool: {shown}")
     return first
 

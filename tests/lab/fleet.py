@@ -25,10 +25,12 @@ from typing import Any
 import pytest
 import yaml
 from gpufleet_lab.hooks import SIM_PROFILE_PATH
+from gpufleet_lab.mirror import ADAPTERS_DIR
 from gpufleet_lab.network import virtual_address
 from gpufleet_lab.nodes import API_KEY_FILE, CLIENT_KEY_FILE, TLS_DIR
 from gpufleet_lab.request_load import RequestLoad
-from gpufleet_lab.state import NodeRecord
+from gpufleet_lab.state import NodeRecord, cache_dir
+from gpufleet_lab.tiny_adapters import LAB_ADAPTERS, TinyAdapter, declared
 
 from gpufleet.node.router_admin import parse_table
 from tests.lab.checks import main_pid, metrics
@@ -100,6 +102,12 @@ def lab_copy(directory: Path, extra: dict[str, str]) -> str:
         with (copy / "group_vars" / f"{group}.yml").open("a") as handle:
             handle.write(text)
     return str(copy / "inventory.py")
+
+
+def lab_adapters(more: tuple[TinyAdapter, ...] = ()) -> dict[str, dict[str, str]]:
+    """The LoRA adapters lab_single declares (inventories/lab/inventory.py), and ``more`` of those the lab's mirror
+    made: ``vllm_lora_adapters`` as the inventory declares them."""
+    return declared(cache_dir() / ADAPTERS_DIR, (*LAB_ADAPTERS, *more))
 
 
 def single(lab: Lab) -> str:

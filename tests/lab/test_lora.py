@@ -12,9 +12,7 @@ import json
 import time
 
 import pytest
-from gpufleet_lab.mirror import ADAPTERS_DIR
-from gpufleet_lab.state import cache_dir
-from gpufleet_lab.tiny_adapters import LAB_ADAPTERS, LATER_ADAPTER, WEIGHTS_FILE, TinyAdapter, declared
+from gpufleet_lab.tiny_adapters import LAB_ADAPTERS, LATER_ADAPTER, WEIGHTS_FILE
 
 from gpufleet import node_paths
 from tests.lab.checks import main_pid
@@ -24,6 +22,7 @@ from tests.lab.fleet import (
     api_key,
     client_key,
     http,
+    lab_adapters,
     record_figure,
     router_url,
     served_name,
@@ -37,11 +36,6 @@ pytestmark = pytest.mark.filterwarnings("ignore:Unknown ssh-ed25519 host key:Use
 
 PROMPT = {"prompt": "The fleet serves", "max_tokens": 8, "temperature": 0, "seed": 1}
 SERVABLE_WITHIN_S = 30
-
-
-def _adapters(more: tuple[TinyAdapter, ...] = ()) -> dict[str, dict[str, str]]:
-    """The adapters the lab's inventory declares (and ``more`` of those the mirror made), as it declares them."""
-    return declared(cache_dir() / ADAPTERS_DIR, (*LAB_ADAPTERS, *more))
 
 
 def _through_routers(lab: Lab, model: str) -> tuple[int, str]:
@@ -61,7 +55,7 @@ def test_each_declared_adapter_is_staged_by_its_hash_answers_by_name_and_is_list
     """Three adapters declared: each staged on lab1 with the declared SHA-256, readable by the vllm user only; each
     answers through the routers (three times each: never from the pipeline replica, which serves none) otherwise
     than the model for the same prompt and seed; the replica lists them, the pipeline replica none of them."""
-    adapters = _adapters()
+    adapters = lab_adapters()
     assert sorted(adapters) == sorted(a.name for a in LAB_ADAPTERS)
     host = lab.host(lab.nodes[0])
     for name, adapter in adapters.items():
@@ -99,7 +93,7 @@ def test_an_adapter_added_serves_without_a_restart_and_a_corrupted_one_is_found_
     the new one answers through the routers within 30 s of the deploy's end, with no engine restarted."""
     node, replica = lab.nodes[0], single(lab)
     host = lab.host(node)
-    poet = _adapters()[LAB_ADAPTERS[0].name]
+    poet = lab_adapters()[LAB_ADAPTERS[0].name]
     host.check_output(f"printf x >> {_staged(lab, poet['sha256'])}")
     drift = lab.pyinfra(INVENTORY, "deploys/check.py", timeout=600)
     assert drift.rc != 0, drift.output[-4000:]
@@ -122,7 +116,7 @@ def test_an_adapter_added_serves_without_a_restart_and_a_corrupted_one_is_found_
     assert status == 200, body
     assert main_pid(lab, node, f"vllm@{replica}") == engine  # no restart: the resolver loaded it
     assert host.check_output(f"sha256sum {_staged(lab, poet['sha256'])}").split()[0] == poet["sha256"]
-    later = _adapters((LATER_ADAPTER,))[LATER_ADAPTER.name]
+    later = lab_adapters((LATER_ADAPTER,))[LATER_ADAPTER.name]
     assert host.check_output(f"sha256sum {_staged(lab, later['sha256'])}").split()[0] == later["sha256"]
     record_figure(tmp_path_factory, {"figure": "an adapter added to a running pool", "deploy_s":
                                      round(deployed - began, 1), "servable_after_deploy_s": round(servable, 1),

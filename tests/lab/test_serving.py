@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from gpufleet.monitoring import dashboards
+from gpufleet.node_paths import ADAPTERS_DIR
 from gpufleet.units.security import EXPOSURE_BOUND, exposure_score
 from tests.lab.checks import assert_no_errors, main_pid, metrics
 from tests.lab.fleet import (
@@ -31,6 +32,7 @@ from tests.lab.fleet import (
     completion_tokens,
     deploy,
     http,
+    lab_adapters,
     model_of,
     router_completion_tokens,
     router_counter,
@@ -201,7 +203,9 @@ def test_the_router_spreads_one_models_requests_over_both_replicas(lab: Lab, ser
     assert {name: entry["status"] for name, entry in servers.items()} == {single(lab): "UP", PIPELINE: "UP"}
     url, context, key = router_url(lab), tls(lab), client_key(lab)
     status, body = http(f"{url}/v1/models", key=key, context=context)
-    assert status == 200 and [m["id"] for m in json.loads(body)["data"]] == [served_name("lab")], body
+    # the model, and the LoRA adapters lab_single declares (tests/lab/test_lora.py): the routers list names sorted
+    assert status == 200 and [m["id"] for m in json.loads(body)["data"]] == sorted(
+        [served_name("lab"), *lab_adapters()]), body
     assert http(f"{url}/v1/models", context=context)[0] == 401
     assert http(f"{url}/v1/models", key=api_key(lab), context=context)[0] == 401
     assert http(f"{url}/v1/completions", {"model": "another", "prompt": "x"}, key, context=context)[0] == 403
@@ -292,11 +296,13 @@ def test_the_pipeline_ranks_share_a_rank_secret_that_vllm_never_sees(lab: Lab, s
 
 
 def test_the_served_model_name_is_served_literally(lab: Lab, serving: Completed | None) -> None:
-    """lab_single's served name may hold spaces, ``$`` and ``%``: vLLM lists it and answers under it verbatim."""
+    """lab_single's served name may hold spaces, ``$`` and ``%``: vLLM lists it and answers under it verbatim (first,
+    then the LoRA adapters its pool declares, which the deploy's readiness wait asked for once)."""
     node = lab.nodes[0]
     status, body = http(f"http://{node.address}:{PORT}/v1/models", key=api_key(lab))
     assert status == 200, body
-    assert [m["id"] for m in json.loads(body)["data"]] == [model_of(lab, node)]
+    listed = [m["id"] for m in json.loads(body)["data"]]
+    assert listed[0] == model_of(lab, node) and sorted(listed[1:]) == sorted(lab_adapters()), listed
     assert completion_tokens(lab, node) > 0
 
 
@@ -315,14 +321,15 @@ def test_vllm_env_reaches_the_process_literally(lab: Lab, serving: Completed | N
 
 
 def test_the_vllm_user_can_write_nothing_root_runs_or_trusts(lab: Lab, serving: Completed | None) -> None:
-    """Models, gpufleet's configuration and the virtualenvs are root's: the vllm user writes only its home."""
+    """Models, gpufleet's configuration and the virtualenvs are root's: the vllm user writes only its home (it reads
+    the LoRA adapters through their group, vllm, which may not write them)."""
     for node in lab.nodes:
         host = lab.host(node)
         probe = host.run("runuser -u vllm -- touch /var/lib/vllm/.gpufleet-probe && rm /var/lib/vllm/.gpufleet-probe")
         assert probe.rc == 0, probe.stderr  # the check below can fail: vllm can write where it should
         venv = host.check_output(f"readlink -f {LAB_VENV}").strip()
         assert venv.startswith(f"/opt/vllm/.build-{LAB_VLLM_VERSION}-"), venv
-        for directory in (MODEL_DIR, "/var/lib/gpufleet/models", "/etc/gpufleet", "/etc/gpufleet/vllm",
+        for directory in (MODEL_DIR, "/var/lib/gpufleet/models", ADAPTERS_DIR, "/etc/gpufleet", "/etc/gpufleet/vllm",
                           "/opt/vllm", venv, f"{venv}/bin", "/opt/gpufleet/node"):
             target = f"{directory}/.written-by-vllm"
             done = host.run(f"runuser -u vllm -- touch {target}")
@@ -330,7 +337,11 @@ def test_the_vllm_user_can_write_nothing_root_runs_or_trusts(lab: Lab, serving: 
         for existing in (f"{MODEL_DIR}/config.json", "/etc/gpufleet/gpu-health.json", f"{venv}/bin/vllm"):
             assert host.run(f"runuser -u vllm -- sh -c ': >> {existing}'").rc != 0, f"{node.name}: {existing}"
         owned = host.run("find /var/lib/gpufleet /etc/gpufleet /opt/vllm /opt/gpufleet"
-                         " \\( -user vllm -o -group vllm -o \\( -perm -o+w ! -type l \\) \\) -print")
+                         " \\( -user vllm -o \\( -group vllm -perm -g+w ! -type l \\)"
+                         " -o \\( -perm -o+w ! -type l \\) \\) -print")
+        # and what it reads through its group is there: the staged adapters, on the node whose pool declares them
+        readable = host.run(f"find {ADAPTERS_DIR} -group vllm -type f").stdout.split()
+        assert len(readable) == (2 * len(lab_adapters()) if node == lab.nodes[0] else 0), readable
         assert owned.stdout.strip() == "", f"{node.name}: {owned.stdout[:2000]}"
 
 

@@ -16,7 +16,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_valida
 from gpufleet.config.settings import RoleSettings, setting
 from gpufleet.input_files import tree_problem
 from gpufleet.values import grammar, limits
-from gpufleet.values.problems import KeyedError
+from gpufleet.values.problems import HIDDEN_KEY, KeyedError
 from gpufleet.values.types import Auto, OptionalSecret, Port, RanksInt, SystemdSeconds, each, served_name, text
 from gpufleet.values.vllm_flags import SUPPORTED_VLLM_VERSIONS
 
@@ -48,9 +48,13 @@ ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
 def _adapter_names(value: Any) -> Any:
-    """Adapter names: 1-64 of letters, digits, ``_``, ``.``, ``-``, starting with a letter or digit."""
+    """Adapter names: 1-64 of letters, digits, ``_``, ``.``, ``-``, starting with a letter or digit, none that looks
+    like a credential (a name is shown in messages, metrics and model lists)."""
     if isinstance(value, dict):
         for name in value:
+            if isinstance(name, str) and (grammar.secret_like(name) or grammar.random_looking(name)):
+                raise KeyedError(HIDDEN_KEY, "expected an adapter name (clients ask for it, lists show it), found a"
+                                             " name that looks like a credential (not shown)")
             if not isinstance(name, str) or not ADAPTER_NAME.match(name):
                 raise KeyedError(str(name), "expected an adapter name (1-64 of letters, digits, '_', '.', '-',"
                                             f" starting with a letter or digit), found {grammar.show(name)}")
