@@ -165,7 +165,7 @@ if _single:
     # the tiny model's LoRA adapters the mirror made, pinned by their digests, on the single-node pool only: with
     # LoRA on, vLLM's CPU build turns its graph compilation off and with it the warm-up run that gives a pipeline
     # rank after the first its buffers (the rank fails its first step), so the pipeline pool serves none
-    # (GPUFLEET_LAB_ADAPTERS=tiny-critic declares the one more the mirror made: tests/lab/test_lora.py adds it)
+    # (GPUFLEET_LAB_ADAPTERS=tiny-critic declares the one more the mirror made: tests/lab/test_adapters.py adds it)
     for _address, _data in _single:
         _data.update(adapter_sources(os.environ.get("GPUFLEET_LAB_ADAPTERS", "")))
 if _pipeline:

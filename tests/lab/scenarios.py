@@ -40,7 +40,7 @@ AFTER_FAILURE = "after a failed test"
 GROUP_CHANGED = "serving, a group's settings changed"
 # What tests/lab/test_edge.py leaves: the routers on other clients and admission, every replica as deployed.
 EDGE_CHANGED = "serving, the routers' settings changed"
-# What tests/lab/test_lora.py leaves: lab_single serving one LoRA adapter more, every replica as deployed.
+# What tests/lab/test_adapters.py leaves: lab_single serving one LoRA adapter more, every replica as deployed.
 ADAPTER_ADDED = "serving, one adapter more"
 SCENARIOS = (
     Scenario("bare", "bare", "the lab as booted: nothing deployed"),

@@ -203,7 +203,7 @@ def test_the_router_spreads_one_models_requests_over_both_replicas(lab: Lab, ser
     assert {name: entry["status"] for name, entry in servers.items()} == {single(lab): "UP", PIPELINE: "UP"}
     url, context, key = router_url(lab), tls(lab), client_key(lab)
     status, body = http(f"{url}/v1/models", key=key, context=context)
-    # the model, and the LoRA adapters lab_single declares (tests/lab/test_lora.py): the routers list names sorted
+    # the model, and the LoRA adapters lab_single declares (tests/lab/test_adapters.py): the routers list names sorted
     assert status == 200 and [m["id"] for m in json.loads(body)["data"]] == sorted(
         [served_name("lab"), *lab_adapters()]), body
     assert http(f"{url}/v1/models", context=context)[0] == 401

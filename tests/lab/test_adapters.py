@@ -3,7 +3,9 @@ the lab's mirror made, pinned by their weights' digests), staged by their hashes
 one added to the running pool without a restart, and a corrupted one found and put back.
 
 The pipeline pool declares none: vLLM's CPU build fails a pipeline rank after the first with LoRA on (the lab's
-inventory says why), so an adapter's requests must never reach the pipeline replica.
+inventory says why), so an adapter's requests must never reach the pipeline replica. The file sorts first among the
+lab's tests: in the ``changed`` scenario, the deploy that adds an adapter is the first change, made on the fleet as
+the faults left it, with no deploy before it.
 """
 
 from __future__ import annotations
