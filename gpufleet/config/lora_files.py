@@ -79,8 +79,16 @@ def max_rank(version: str, args: Mapping[str, Any]) -> int:
     catalog = load_catalog(version)
     given = catalog.given(args, "--max-lora-rank")
     spec = catalog.spec("--max-lora-rank")
-    value = given[1] if given else (spec.default if spec else None)
-    return int(value) if isinstance(value, int | str) and str(value).isdigit() else 16
+    return whole_number(given[1] if given else (spec.default if spec else None)) or 16
+
+
+def whole_number(value: object) -> int | None:
+    """A LoRA flag's whole number as vLLM reads it: an integer, or its digits written as text (argparse's int())."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    return int(value) if isinstance(value, str) and value.isdigit() else None
 
 
 def adapter_problems(adapters: Mapping[str, LoraAdapter], served: str, model: str, version: str,

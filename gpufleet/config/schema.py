@@ -18,7 +18,7 @@ from pydantic import field_validator
 
 from gpufleet.config import env_names
 from gpufleet.config.apt_source import apt_source
-from gpufleet.config.lora_files import adapter_problems
+from gpufleet.config.lora_files import adapter_problems, whole_number
 from gpufleet.config.settings import Setting, records
 from gpufleet.config.settings.dcgm import DcgmSettings
 from gpufleet.config.settings.dcgm_exporter import DcgmExporterSettings
@@ -307,8 +307,8 @@ class HostConfig(
                      f" {'enable-lora: false' if enabled else 'enable-lora left out'}")]
         slots, cpu = given.get("--max-loras"), given.get("--max-cpu-loras")
         spec = catalog.spec("--max-loras")
-        gpu_slots = _whole(slots[1] if slots else spec.default if spec else 1)
-        cpu_slots = _whole(cpu[1]) if cpu else None
+        gpu_slots = whole_number(slots[1] if slots else spec.default if spec else 1)
+        cpu_slots = whole_number(cpu[1]) if cpu else None
         if cpu and cpu_slots is not None and gpu_slots is not None and cpu_slots < gpu_slots:
             return [((f"vllm_extra_args.{shown_key(cpu[0])}",),
                      f"expected at least max-loras ({gpu_slots}) adapters kept in CPU memory (vLLM's LoRAConfig"
@@ -347,15 +347,6 @@ class HostConfig(
                     at = (f"{where[0]}.{problem.subkey}",) if problem.subkey else where
                     found.append((at, f"vLLM {self.vllm_version}: {message}"))
         return found or self._lora_problems(catalog)
-
-
-def _whole(value: object) -> int | None:
-    """A whole number as vLLM's flags read one: an integer, or its digits written as text (argparse's int())."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return value
-    return int(value) if isinstance(value, str) and value.isdigit() else None
 
 
 RECORDS: dict[str, Setting] = records(HostConfig)

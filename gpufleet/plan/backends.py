@@ -77,11 +77,6 @@ class Backend:
         """What clients may ask it for: the model, then its adapters."""
         return (self.model, *(name for name, _ in self.adapters))
 
-    @property
-    def adapter_sha256s(self) -> tuple[str, ...]:
-        """Its adapters' names as the configuration matches them (:meth:`model_sha256`)."""
-        return tuple(name_sha256(name) for name, _ in self.adapters)
-
     def adapter_order(self, adapter: str) -> tuple[str, ...]:
         """The replicas that serve ``adapter``, in the order its requests try them (each while within the bound):
         by the SHA-256 of the adapter's and the replica's names (rendezvous hashing), so that the model's adapters

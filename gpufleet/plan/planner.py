@@ -701,14 +701,15 @@ def served_models(replicas: Iterable[Replica], configs: Mapping[str, HostConfig]
             backend, suffix = f"{base}-{suffix}", suffix + 1
         taken.add(backend)
         cfg = configs[served[0].nodes[0]]
+        adapters = _adapters(served, configs)
         found[name] = ServedModel(
             name, backend, cfg.router_policy,
-            cfg.router_prefix_balance if cfg.router_policy == "prefix" or _adapters(served, configs) else None,
+            cfg.router_prefix_balance if cfg.router_policy == "prefix" or adapters else None,
             cfg.vllm_slo_ttft_p99_s, cfg.vllm_slo_itl_p99_s, tuple(dict.fromkeys(r.api_key for r in served)),
             str(cfg.vllm_model_config or cfg.vllm_model), tuple(dict.fromkeys(r.pool for r in served)),
             tuple(r.name for r in served), any(r.admission.priority for r in served),
             metered=meters_tokens(name, configs.values()), fair=shares_fairly(name, configs.values()),
-            max_model_len=served[0].max_model_len, adapters=_adapters(served, configs))
+            max_model_len=served[0].max_model_len, adapters=adapters)
     return found
 
 

@@ -227,8 +227,8 @@ def config_values(cfg: HostConfig, address: str, found: list[Backend], lists: li
         "model_twice": MODEL_TWICE,
         "escaped_ascii": ESCAPED_ASCII,
         "backends": [{"name": b.name, "comment": b.comment, "model_sha256": b.model_sha256, "routes": b.routes,
-                      "adapters": [{"sha256": sha, "order": b.adapter_order(name)}
-                                   for (name, _), sha in zip(b.adapters, b.adapter_sha256s, strict=True)],
+                      "adapters": [{"sha256": name_sha256(name), "order": b.adapter_order(name)}
+                                   for name, _ in b.adapters],
                       "policy": b.policy, "bound_percent": b.bound_percent, "priority": b.priority,
                       "metered": b.metered, "fair": b.fair,
                       "servers": [{"name": n, "address": a, "maxconn": maxconn[n], "agent_port": agents.get(n),
