@@ -24,7 +24,7 @@ NODE_TOOLS_DIR = "/opt/gpufleet/node"
 NODE_TOOL_FILES = ("nvml_probe.py", "health_rules.py", "vllm_ready.py", "replica_rank.py", "ray_join_wait.py",
                    "gpu_watch.py", "replica_watchdog.py", "router_admin.py", "alert_log.py", "router_health.py",
                    "node_state.py", "findings.py", "node_watch.py", "burn_in.py", "fabric_check.py",
-                   "diag_collect.py", "token_ledger.py")
+                   "diag_collect.py", "token_ledger.py", "staged_adapters.py")
 NODE_PYTHON = "/usr/bin/python3"  # the node's own Python, which runs the node tools
 NODE_PYNVML = f"{NODE_TOOLS_DIR}/pynvml.py"  # the controller's nvidia-ml-py bindings, for a Python without them
 

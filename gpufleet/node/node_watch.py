@@ -24,7 +24,8 @@ a deploy, ``gpufleet nodes``) changes it through this tool, under one lock. ``wa
   burn-in, and ``readmit_passes`` clean full passes bring it back to serving, its units started again; a node in
   service that a person sends to burn-in (a full burn-in on request) is drained and stopped the same way, and one
   clean full pass brings it back;
-- **exports** the state for Prometheus (node_exporter's textfile collector).
+- **exports** the state for Prometheus (node_exporter's textfile collector), and whether each LoRA adapter of the
+  node's replicas is staged as declared (``staged_adapters.py``: its weights' digest, looked at every 10 s).
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ def _sibling(name: str) -> ModuleType:
 
 
 findings, node_state = _sibling("findings"), _sibling("node_state")
+staged_adapters = _sibling("staged_adapters")
 _run = _sibling("burn_in").run_command  # the same time-limited runner as the burn-in's
 
 
@@ -107,6 +109,7 @@ class Config:
         self.textfile = Path(doc["textfile"]) if doc.get("textfile") else None
         self.replica_metrics: list[str] = list(doc.get("replica_metrics", []))
         self.capture_unit: str | None = doc.get("capture_unit")  # started when the node is quarantined
+        self.adapters: list[Any] = staged_adapters.declared(doc.get("adapters", []))  # its replicas' LoRA adapters
 
     @classmethod
     def load(cls, path: Path) -> Config:
@@ -508,10 +511,11 @@ def _full_since_quarantine(record: dict[str, Any]) -> bool:
                 and last.get("at", "") >= record["quarantines"][-1])
 
 
-def export(config: Config, record: dict[str, Any]) -> None:
+def export(config: Config, record: dict[str, Any], adapters: list[Any] | None = None) -> None:
     """The node's state for Prometheus (node_exporter's textfile collector; the scrape adds the node's labels): one
     series per state (1 for the current one), when it entered it, its quarantines kept, and its last burn-in: passed or
-    not, and each failed check by GPU."""
+    not, and each failed check by GPU; and whether each LoRA adapter of its replicas is staged as declared
+    (``adapters``: the last look's verdicts)."""
     if config.textfile is None:
         return
     lines = ["# HELP gpufleet_node_state The node's lifecycle state (1 for the current one).",
@@ -542,6 +546,7 @@ def export(config: Config, record: dict[str, Any]) -> None:
             check = re.sub(r"[^A-Za-z0-9_.-]", "_", str(check_failed.get("check")))[:40]
             gpu = "" if check_failed.get("gpu") is None else str(int(check_failed["gpu"]))
             lines.append(f'gpufleet_burn_in_failed_check{{check="{check}",gpu="{gpu}"}} 1')
+    lines += staged_adapters.textfile_lines(adapters or [])
     text = "\n".join(lines) + "\n"
     config.textfile.parent.mkdir(parents=True, exist_ok=True)
     temporary = config.textfile.with_name(f".{config.textfile.name}.tmp")
@@ -564,7 +569,8 @@ def watch(config: Config) -> int:
     stalls = findings.Stalls(config.catalog, last=time.time())  # restarts before this watch started were seen then
     trends = findings.Trends(config.catalog)
     log(f"{config.node}: watching {config.kernel_log}; the node is {snapshot['state']}")
-    next_reconcile = next_stalls = 0.0
+    next_reconcile = next_stalls = next_adapters = 0.0
+    digests, adapters = staged_adapters.Digests(), []
     while True:
         for line in kernel.lines():
             xid = findings.parse_xid(line)
@@ -590,6 +596,9 @@ def watch(config: Config) -> int:
                 apply_finding(config, finding)
                 next_reconcile = 0.0
             next_stalls = time.monotonic() + STALLS_EVERY_S
+        if config.adapters and time.monotonic() >= next_adapters:
+            adapters = staged_adapters.verdicts(config.adapters, digests)
+            next_adapters = time.monotonic() + staged_adapters.CHECK_EVERY_S
         record = read_record(config)
         if agent is not None:
             agent.set(record)
@@ -598,7 +607,7 @@ def watch(config: Config) -> int:
             record = read_record(config)
             if agent is not None:
                 agent.set(record)
-            export(config, record)
+            export(config, record, adapters)
             next_reconcile = time.monotonic() + 2.0
         time.sleep(POLL_S)
 

@@ -33,6 +33,7 @@ from pyinfra.api.deploy import deploy
 from pyinfra.context import host
 from pyinfra.operations.util import any_changed
 
+from gpufleet.config import lora_files
 from gpufleet.config.inventory_shape import ROUTERS_GROUP
 from gpufleet.config.schema import HostConfig
 from gpufleet.config.settings.node_lifecycle import repository_catalog
@@ -58,6 +59,7 @@ from gpufleet.node_paths import (
     TEXTFILE_DIR,
     burn_in_service,
     node_tool,
+    resolver_dir,
     unit_path,
     venv_bin,
 )
@@ -101,7 +103,7 @@ def floors_values(cfg: HostConfig, gpu_name: str | None) -> dict[str, Any]:
 
 
 # The node tools the watch's process loads: a change to one is a change to its configuration, which restarts it.
-WATCH_TOOLS = ("node_watch.py", "findings.py", "node_state.py", "burn_in.py")
+WATCH_TOOLS = ("node_watch.py", "findings.py", "node_state.py", "burn_in.py", "staged_adapters.py")
 
 
 def tools_digest() -> str:
@@ -114,7 +116,16 @@ def tools_digest() -> str:
     return digest.hexdigest()
 
 
-def config_values(cfg: HostConfig, name: str, address: str, metrics: list[str]) -> dict[str, Any]:
+def staged_adapters(cfg: HostConfig, replicas: list[str]) -> list[dict[str, str]]:
+    """The LoRA adapters the node watch checks (``gpufleet/node/staged_adapters.py``): each of the pool's, for each
+    replica on this node, by the weights file its resolver folder links to and their declared digest."""
+    return [{"replica": replica, "name": name, "path": f"{resolver_dir(replica)}/{name}/{lora_files.WEIGHTS_FILE}",
+             "sha256": adapter.sha256}
+            for replica in sorted(replicas) for name, adapter in sorted(cfg.vllm_lora_adapters.items())]
+
+
+def config_values(cfg: HostConfig, name: str, address: str, metrics: list[str],
+                  adapters: list[dict[str, str]] | None = None) -> dict[str, Any]:
     """What the node watch reads (``/etc/gpufleet/lifecycle.json``), and the digest of the tools it runs."""
     return {
         "tools_sha256": tools_digest(),
@@ -135,6 +146,7 @@ def config_values(cfg: HostConfig, name: str, address: str, metrics: list[str]) 
         "textfile": NODE_TEXTFILE,
         "replica_metrics": metrics,
         "capture_unit": QUARANTINE_CAPTURE,
+        "adapters": adapters or [],
     }
 
 
@@ -186,10 +198,11 @@ def node_lifecycle() -> None:
         exit_with(error)
     metrics = sorted({f"http://{replica.api_address}/metrics" for replica, role in assignments()
                       if replica.nodes and replica.nodes[0] == host.name})
+    adapters = staged_adapters(cfg, [replica.name for replica, _ in assignments()])
     floors_file = files.file(name=f"Write the burn-in's floors {BURN_IN_FLOORS}", dest=BURN_IN_FLOORS,
                              content=json.dumps(floors, indent=1, sort_keys=True) + "\n")
     config = files.file(name=f"Write the node lifecycle's configuration {LIFECYCLE_CONFIG}", dest=LIFECYCLE_CONFIG,
-                        content=json.dumps(config_values(cfg, host.name, address, metrics), indent=1) + "\n")
+                        content=json.dumps(config_values(cfg, host.name, address, metrics, adapters), indent=1) + "\n")
     burn_in_units = [
         files.file(name=f"Write the {tier} burn-in's unit {path}", dest=path,
                    content=render("node_lifecycle/gpufleet-burn-in.service.j2", **burn_in_values(cfg, tier)))

@@ -11,12 +11,15 @@ the faults left it, with no deploy before it.
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
+from gpufleet_lab.state import NodeRecord
 from gpufleet_lab.tiny_adapters import LAB_ADAPTERS, LATER_ADAPTER, WEIGHTS_FILE
 
 from gpufleet import node_paths
+from roles.node_lifecycle import NODE_TEXTFILE
 from tests.lab.checks import main_pid
 from tests.lab.fleet import (
     INVENTORY,
@@ -32,6 +35,7 @@ from tests.lab.fleet import (
     tls,
 )
 from tests.lab.harness import PYINFRA, Completed, Lab, run
+from tests.lab.prometheus import wait_for
 from tests.lab.scenarios import ADAPTER_ADDED, LabStates
 
 pytestmark = pytest.mark.filterwarnings("ignore:Unknown ssh-ed25519 host key:UserWarning")
@@ -46,6 +50,13 @@ def _through_routers(lab: Lab, model: str) -> tuple[int, str]:
 
 def _text(body: str) -> str:
     return str(json.loads(body)["choices"][0]["text"])
+
+
+def _watch_verdicts(lab: Lab, node: NodeRecord) -> dict[str, int]:
+    """Each adapter of lab1's replica as ``node``'s watch last judged it (its textfile): 1 staged as declared."""
+    text = lab.host(node).check_output(f"cat {NODE_TEXTFILE}")
+    return {match[1]: int(match[2]) for match in re.finditer(
+        rf'^gpufleet_replica_adapter_staged{{replica="{single(lab)}",adapter="([^"]+)"}} ([01])$', text, re.M)}
 
 
 def _staged(lab: Lab, sha256: str) -> str:
@@ -90,16 +101,23 @@ def test_each_declared_adapter_is_staged_by_its_hash_answers_by_name_and_is_list
 def test_an_adapter_added_serves_without_a_restart_and_a_corrupted_one_is_found_and_put_back(
         lab: Lab, changed: Completed | None, lab_states: LabStates,
         tmp_path_factory: pytest.TempPathFactory) -> None:
-    """lab1's staged copy of one adapter is corrupted: deploys/check.py names it as drift. The deploy that declares
-    one adapter more (GPUFLEET_LAB_ADAPTERS) puts the corrupted one back by its hash and stages the new one, and
-    the new one answers through the routers within 30 s of the deploy's end, with no engine restarted."""
+    """lab1's staged copy of one adapter is corrupted: deploys/check.py names it as drift, and lab1's node watch
+    exports it as not staged as declared (the series ReplicaAdapterNotAsDeclared reads; the rule itself:
+    tests/data/alert_rules/serving.test.yml). The deploy that declares one adapter more
+    (GPUFLEET_LAB_ADAPTERS) puts the corrupted one back by its hash and stages the new one, both then staged as
+    declared, and the new one answers through the routers within 30 s of the deploy's end, with no engine
+    restarted."""
     node, replica = lab.nodes[0], single(lab)
     host = lab.host(node)
     poet = lab_adapters()[LAB_ADAPTERS[0].name]
+    verdicts = _watch_verdicts(lab, node)
+    assert verdicts == dict.fromkeys(lab_adapters(), 1), verdicts
     host.check_output(f"printf x >> {_staged(lab, poet['sha256'])}")
     drift = lab.pyinfra(INVENTORY, "deploys/check.py", timeout=600)
     assert drift.rc != 0, drift.output[-4000:]
     assert f"Adapter {LAB_ADAPTERS[0].name}: stage {WEIGHTS_FILE}" in drift.output, drift.output[-4000:]
+    wait_for("the node watch's verdict on the corrupted copy", lambda: True if _watch_verdicts(lab, node).get(
+        LAB_ADAPTERS[0].name) == 0 else None, timeout=60, every=1)  # it looks every 10 s
     status, body = _through_routers(lab, LATER_ADAPTER.name)
     assert status in (403, 404), body  # not declared yet: no client may use it
     engine = main_pid(lab, node, f"vllm@{replica}")
@@ -120,6 +138,9 @@ def test_an_adapter_added_serves_without_a_restart_and_a_corrupted_one_is_found_
     assert host.check_output(f"sha256sum {_staged(lab, poet['sha256'])}").split()[0] == poet["sha256"]
     later = lab_adapters((LATER_ADAPTER,))[LATER_ADAPTER.name]
     assert host.check_output(f"sha256sum {_staged(lab, later['sha256'])}").split()[0] == later["sha256"]
+    every = dict.fromkeys([a.name for a in (*LAB_ADAPTERS, LATER_ADAPTER)], 1)
+    wait_for("every adapter staged as declared again", lambda: True if _watch_verdicts(lab, node) == every else None,
+             timeout=60, every=1)
     record_figure(tmp_path_factory, {"figure": "an adapter added to a running pool", "deploy_s":
                                      round(deployed - began, 1), "servable_after_deploy_s": round(servable, 1),
                                      "restarted": False})

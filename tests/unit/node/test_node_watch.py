@@ -17,23 +17,10 @@ from gpufleet.config.settings.node_lifecycle import repository_catalog
 from gpufleet.node import findings, node_state, node_watch
 from gpufleet.node_paths import QUARANTINE_CAPTURE
 from gpufleet.operations.lifecycle import needs_admission
+from tests.unit.lifecycle_configs import node_watch_config as _config
 
 CATALOG = repository_catalog()
 NOW = datetime(2026, 11, 27, 12, 0, tzinfo=UTC)
-
-
-def _config(tmp_path: Path, **extra: Any) -> node_watch.Config:
-    doc = {"node": "gpu-a01", "policy": {"readmit_passes": 2, "cool_off_s": 20, "retire_after": 3,
-                                         "retire_window_s": 604800},
-           "catalog": json.loads(json.dumps(CATALOG)), "kernel_log": str(tmp_path / "kmsg"),
-           "gate_marker": str(tmp_path / "gate-failed"),
-           "burn_in": {"units": {"quick": "gpufleet-burn-in-quick.service", "full": "gpufleet-burn-in-full.service"},
-                       "verdicts": str(tmp_path / "burn-in")},
-           "state_file": str(tmp_path / "state" / "state.json"), "evidence_dir": str(tmp_path / "evidence"),
-           "textfile": str(tmp_path / "textfile" / "gpufleet-node.prom"), **extra}
-    path = tmp_path / "lifecycle.json"
-    path.write_text(json.dumps(doc))
-    return node_watch.Config.load(path)
 
 
 def _serving(config: node_watch.Config) -> None:
