@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from gpufleet_lab.tiny_adapters import CONFIG_FILE, WEIGHTS_FILE, TinyAdapter, make_tiny_adapter
 
 from gpufleet.config import lora_files
@@ -37,3 +38,20 @@ def test_a_replicas_adapters_are_resolved_from_its_own_directory() -> None:
     assert lora_files.adapter_env("/etc/gpufleet/vllm/r/adapters") == {
         "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1", "VLLM_PLUGINS": "lora_filesystem_resolver",
         "VLLM_LORA_RESOLVER_CACHE_DIR": "/etc/gpufleet/vllm/r/adapters"}
+
+
+def test_adapters_on_a_release_without_lora_are_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every release gpufleet catalogs (0.31 to 0.33) has --enable-lora; a catalog without it refuses the adapters
+    before any other check."""
+    folder = make_tiny_adapter(tmp_path / "poet", TinyAdapter("poet", 8, 1), base="org/model")
+    adapters = {"poet": LoraAdapter(source=str(folder), sha256=file_sha256(folder / WEIGHTS_FILE))}
+    real = lora_files.load_catalog("0.31.0")
+
+    class WithoutLora:
+        def spec(self, flag: str) -> object:
+            return None if flag == "--enable-lora" else real.spec(flag)
+
+    monkeypatch.setattr(lora_files, "load_catalog", lambda version: WithoutLora())
+    assert lora_files.adapter_problems(adapters, "org/model", "org/model", "0.31.0", {}) == [
+        (("vllm_lora_adapters", "vllm_version"), "expected a vLLM release with LoRA support, found 0.31.0 without"
+                                                 " --enable-lora")]
