@@ -53,17 +53,22 @@ def test_a_node_that_hangs_is_reported_after_the_bound_while_the_others_complete
 
 
 def test_the_nodes_are_collected_at_once(nodes: LocalNodes, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Three nodes that each take 2 s take about 2 s together, not 6."""
+    """Three nodes that each wait 2 s wait at once: every node's wait began before any ended (judged by when each
+    began and ended, not by the run's length: the collection's own work is slower on a busy machine; seen: 5.06 s
+    for the three, beside the lab tier)."""
     real = diag_collect.collect_node
+    waits: list[tuple[float, float]] = []
 
     def slow(*args: object, **kwargs: object) -> NodeRun:
+        began = time.monotonic()
         time.sleep(2)
+        waits.append((began, time.monotonic()))
         return real(*args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(diag_collect, "collect_node", slow)
-    started = time.monotonic()
     runs = collect(HOSTS, lambda host: nodes, 3600, 100000, bound_s=30)
-    assert time.monotonic() - started < 5 and all(run.archive for run in runs.values())
+    assert len(waits) == len(HOSTS) and all(run.archive for run in runs.values())
+    assert max(began for began, _ in waits) < min(ended for _, ended in waits), waits
 
 
 def test_a_host_of_a_local_connector_is_collected_in_the_main_thread(nodes: LocalNodes,
