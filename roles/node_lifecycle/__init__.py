@@ -196,9 +196,10 @@ def node_lifecycle() -> None:
         allowed = access.allow_list([address], routers)
     except ConfigError as error:
         exit_with(error)
-    metrics = sorted({f"http://{replica.api_address}/metrics" for replica, role in assignments()
+    replicas = [replica for replica, _ in assignments()]  # the replicas with a rank on this node
+    metrics = sorted({f"http://{replica.api_address}/metrics" for replica in replicas
                       if replica.nodes and replica.nodes[0] == host.name})
-    adapters = staged_adapters(cfg, [replica.name for replica, _ in assignments()])
+    adapters = staged_adapters(cfg, [replica.name for replica in replicas])
     floors_file = files.file(name=f"Write the burn-in's floors {BURN_IN_FLOORS}", dest=BURN_IN_FLOORS,
                              content=json.dumps(floors, indent=1, sort_keys=True) + "\n")
     config = files.file(name=f"Write the node lifecycle's configuration {LIFECYCLE_CONFIG}", dest=LIFECYCLE_CONFIG,
