@@ -235,6 +235,10 @@ def _ray_roles(cfgs: list[HostConfig], hosts: list[str], addresses: list[str], g
         env = node_env(cfg, address, node_gpus) | {
             "RAY_ADDRESS": host_port(head, cfg.ray_port),
             "RAY_AUTH_MODE": "token",  # the token itself: RAY_AUTH_TOKEN from a 0600 EnvironmentFile
+            # A Ray node stops at once: its own drain on SIGTERM (for Ray Serve) asks the GCS, which the unit's
+            # `ray stop` has already ended, and waited out its 30 s on every stop and reboot (lab: 35 s, exit 1).
+            # vLLM, stopped first (its unit is ordered after the Ray node's), drains its own requests.
+            "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
         }
         if rank == 0:
             vllm = serve_process(cfg, serve | {"distributed-executor-backend": "ray"}, env)
