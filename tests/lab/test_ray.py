@@ -76,12 +76,15 @@ def test_ray_units_form_a_cluster_across_two_nodes(lab: Lab, ray: Completed | No
 def test_ray_refuses_a_driver_and_a_node_without_the_token(lab: Lab, ray_cluster: tuple[NodeRecord, ...]) -> None:
     head, worker = ray_cluster
     gcs = f"{head.address}:{RAY_PORT}"
-    driver = _as_vllm(f"import ray; ray.init(address={gcs!r}); print('JOINED')", with_token=False)
+    # Ray retries a refused connection once a second, 20 times unless RAY_gcs_server_port_wait_time_s says how many
+    # (its node.py): each refused party here tries 3 times (4 to 6 s, not 20); a refusal is one either way
+    retries = "export RAY_gcs_server_port_wait_time_s=3; "
+    driver = retries + _as_vllm(f"import ray; ray.init(address={gcs!r}); print('JOINED')", with_token=False)
     # a second Ray node on the worker's machine (a member's address: the IP filter lets it through)
-    join = (f"cd /tmp && timeout 90 {LAB_VENV}/bin/ray start --address={gcs} --node-ip-address={worker.address}"
-            " --temp-dir=/tmp/gpufleet-no-token --disable-usage-stats --block 2>&1; echo rc=$?;"
-            " rm -rf /tmp/gpufleet-no-token")
-    with ThreadPoolExecutor(2) as pool:  # each is refused after Ray's own retries (about 20 s): at once
+    join = (f"{retries}cd /tmp && timeout 90 {LAB_VENV}/bin/ray start --address={gcs}"
+            f" --node-ip-address={worker.address} --temp-dir=/tmp/gpufleet-no-token --disable-usage-stats --block 2>&1;"
+            " echo rc=$?; rm -rf /tmp/gpufleet-no-token")
+    with ThreadPoolExecutor(2) as pool:  # each is refused after its retries: at once
         refused_driver = pool.submit(lab.host(head).run, driver)
         refused_node = pool.submit(lab.host(worker).run, join)
         driven, joined = refused_driver.result(), refused_node.result()
