@@ -4,11 +4,12 @@ client's key) the whole time.
 
 Scenario ``faults``: the lab's default deployment, both replicas of the tiny model (lab1's, and
 lab2+lab3's pipeline replica) serve vLLM 0.31.0 behind the routers, benched (tests/lab/test_bench.py). The tests
-first roll a release slower per token to lab1's replica (caught at the canary on its bench record, and rolled back).
-The README's upgrade then brings the fleet to the mirror's other vLLM release, 0.32.0: its canary, lab1's replica,
-is a good release judged on the same record, and passes. A broken release on top of it is caught at the canary, and
-the README's rollback returns both replicas to the lab's inventory as deployed, each one's previous release: the
-fleet ends as the scenario found it (no deploy after these tests restarts a replica).
+first roll a release slower per token to lab1's replica (caught at the canary on its bench record, and rolled back),
+then the mirror's other vLLM release, 0.32.0, with a KV cache no node has room for (it never starts: rolled back at
+the canary). The README's upgrade then brings the fleet to 0.32.0 as it should run: its canary, lab1's replica, is a
+good release judged on the same record, and passes, right after a rolled-back upgrade to the same release. The
+README's rollback returns both replicas to the lab's inventory as deployed, each one's previous release: the fleet
+ends as the scenario found it (no deploy after these tests restarts a replica).
 Each rollout's figures go to the session's lab-fault-figures.jsonl.
 """
 
@@ -194,6 +195,24 @@ def test_a_release_slower_per_token_is_rolled_back_at_the_canary(
         kept.stdout + kept.stderr)
 
 
+def test_a_release_that_does_not_start_is_rolled_back_at_the_canary(
+        lab: Lab, faults: Completed | None, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """vLLM refuses to start with a KV cache larger than the node's memory: the canary never serves, the rollout
+    puts it back on the release it ran, stops, and says so; no request fails, and no other replica is touched."""
+    before = _running(lab)
+    done, report, traffic = _rolled(lab, tmp_path, tmp_path_factory, "a release that does not start",
+                                    "upgrade", INVENTORY, "--batches", "1,100%", "--canary-s", "10",
+                                    "--data", f"vllm_version={OTHER_VERSION}",
+                                    "--data", 'vllm_env={"VLLM_CPU_KVCACHE_SPACE": "4096"}')
+    assert done.returncode == 1, done.stdout[-4000:] + done.stderr[-4000:]
+    assert sorted(_states(report).values()) == ["rolled back", "untouched"], done.stdout[-4000:]
+    assert "gpufleet upgrade: stopped: " in done.stdout, done.stdout[-4000:]
+    assert traffic.figures()["requests"] > 0 and traffic.failures == [], traffic.failures[:5]
+    assert _running(lab) == before
+    assert _releases(lab) == {single(lab): START_VERSION, PIPELINE: START_VERSION}
+    assert _served_versions(lab) == {START_VERSION}
+
+
 def test_the_readmes_upgrade_passes_a_good_release_judged_on_its_baseline_and_loses_no_request(
         lab: Lab, faults: Completed | None, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     """The README's upgrade, as written (its report also written, to read each replica's state): lab1's replica, the
@@ -209,9 +228,9 @@ def test_the_readmes_upgrade_passes_a_good_release_judged_on_its_baseline_and_lo
     prometheus = Prometheus(lab.nodes[0])
     alone = {r["metric"]["layout"]: float(r["value"][1])
              for r in prometheus.query("gpufleet:replica_ceiling_rps")}["tp1-pp2"]  # the pipeline's, per replica
-    # the slower release's four streams leave the routers' one-minute rate first (about 20 s): with this test's
-    # traffic on top (under 1 req/s), the rate then stays below 80% of the pipeline's ceiling alone, the model's
-    # capacity while the canary is drained
+    # the slower release's four streams leave the routers' one-minute rate first (while the broken release is rolled
+    # out and back): with this test's traffic on top (under 1 req/s), the rate then stays below 80% of the pipeline's
+    # ceiling alone, the model's capacity while the canary is drained
     wait_for("the last rollout's load out of the routers' one-minute rate",
              lambda: True if router_rate(prometheus) < 0.8 * alone - 1.0 else None, timeout=90, every=2)
     started = time.monotonic()
@@ -228,24 +247,6 @@ def test_the_readmes_upgrade_passes_a_good_release_judged_on_its_baseline_and_lo
     print(json.dumps({"good_release_canaries": judged, "load_peak_rps": peak, "pipeline_ceiling_rps": alone}))
     assert _releases(lab) == {single(lab): OTHER_VERSION, PIPELINE: OTHER_VERSION}
     assert set(_running(lab).values()) == {OTHER_VERSION}, _running(lab)
-    assert _served_versions(lab) == {OTHER_VERSION}
-
-
-def test_a_release_that_does_not_start_is_rolled_back_at_the_canary(
-        lab: Lab, faults: Completed | None, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
-    """vLLM refuses to start with a KV cache larger than the node's memory: the canary never serves, the rollout
-    puts it back on the release it ran, stops, and says so; no request fails, and no other replica is touched."""
-    before = _running(lab)
-    done, report, traffic = _rolled(lab, tmp_path, tmp_path_factory, "a release that does not start",
-                                    "upgrade", INVENTORY, "--batches", "1,100%", "--canary-s", "10",
-                                    "--data", f"vllm_version={OTHER_VERSION}",
-                                    "--data", 'vllm_env={"VLLM_CPU_KVCACHE_SPACE": "4096"}')
-    assert done.returncode == 1, done.stdout[-4000:] + done.stderr[-4000:]
-    assert sorted(_states(report).values()) == ["rolled back", "untouched"], done.stdout[-4000:]
-    assert "gpufleet upgrade: stopped: " in done.stdout, done.stdout[-4000:]
-    assert traffic.figures()["requests"] > 0 and traffic.failures == [], traffic.failures[:5]
-    assert _running(lab) == before
-    assert _releases(lab) == {single(lab): OTHER_VERSION, PIPELINE: OTHER_VERSION}
     assert _served_versions(lab) == {OTHER_VERSION}
 
 
