@@ -7,6 +7,7 @@ models."""
 from __future__ import annotations
 
 import json
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -100,3 +101,29 @@ def test_a_client_sees_the_adapters_as_models(router: dict[str, Any]) -> None:
         f"http://127.0.0.1:{router['port']}/v1/completions", method="POST",
         data=json.dumps({"model": "team-none", "prompt": "hi"}).encode(), headers={"Content-Type": "application/json"}))
     assert status == 404, answer
+
+
+def test_an_adapter_whose_replicas_are_all_out_is_a_503_with_retry_after_never_another_replica(
+        router: dict[str, Any]) -> None:
+    """Both replicas that serve the adapters drained (as a rollout drains one, or a restart takes it down): an
+    adapter's request is the router's 503 with Retry-After, never the replica that serves none (its 404 would say the
+    adapter does not exist); the model's own requests go on to that replica."""
+    for holder in HOLDERS:
+        router_admin.set_state(router["runtime"], router["backend"], holder, "drain")
+    try:
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{router['port']}/v1/completions", method="POST",
+            data=json.dumps({"model": ADAPTERS[0], "prompt": "hi", "max_tokens": 1}).encode(),
+            headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=10) as answer:
+                status, headers, body = answer.status, answer.headers, answer.read()
+        except urllib.error.HTTPError as refused:
+            status, headers, body = refused.code, refused.headers, refused.read()
+        assert status == 503 and int(headers["Retry-After"]) >= 1, (status, body)
+        assert "replica" not in json.loads(body), body  # the router's answer, not a stand-in's
+        assert _ask(router["port"], MODEL) == "r-2"
+    finally:
+        for holder in HOLDERS:
+            router_admin.set_state(router["runtime"], router["backend"], holder, "ready")
+    assert _ask(router["port"], ADAPTERS[0]) in HOLDERS
