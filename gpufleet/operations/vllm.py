@@ -1,10 +1,12 @@
-"""vLLM replicas: the restart record that makes an interrupted restart happen on the next run, the check that
+"""vLLM replicas: the restart record that makes an interrupted restart happen on the next run, the LoRA adapters a
+deploy gives new weights (the replica restarts for them), the check that
 the nodes of a multi-node replica run the same vLLM, torch, Python, Ray and model before any of them starts it, the
 report of the KV cache vLLM reports beside the plan's, and each replica's start as
 the readiness wait timed it, kept on the monitoring hosts as each release's start record."""
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -44,6 +46,38 @@ def restart_record(marker: str, changed: Callable[[], bool], pending: Callable[[
         return
     node.forget("paths", marker)
     yield StringCommand("touch", QuoteString(marker))
+
+
+@gpufleet_operation(counts_as_drift=False, runs_when_read_only=True)
+def adapters_replaced(release: str, adapters: dict[str, str], replaced: Callable[[], None]) -> Commands:
+    """
+    Tell ``replaced`` when a LoRA adapter the replica's recorded release serves is declared again with other weights:
+    vLLM keeps an adapter it has loaded under its name, and keys its prefix cache by that name, so only an engine
+    started after the change serves the new revision. An adapter added or removed replaces nothing; changes nothing.
+
+    + release: the replica's ``release.json`` on this node (what its last deploy recorded)
+    + adapters: the adapters it serves from now on, name -> its weights' SHA-256
+    + replaced: called when one of them had other weights in the recorded release
+    """
+    if not state.is_executing:  # pyinfra's look ahead when ops are added: the record is read when the run gets here
+        host.noop("read when the run gets here")
+        return
+    before = recorded_adapters(node.text(release))
+    names = sorted(name for name, sha256 in adapters.items() if before.get(name, sha256) != sha256)
+    if names:
+        replaced()
+    host.noop(f"new weights for {', '.join(names)}: the replica restarts" if names else "no adapter's weights replaced")
+    yield from ()
+
+
+def recorded_adapters(text: str | None) -> dict[str, str]:
+    """Each LoRA adapter a ``release.json`` records, name -> its weights' SHA-256; none when there is no readable
+    record (a replica deployed for the first time starts anyway)."""
+    try:
+        recorded = json.loads(text or "{}").get("vllm_lora_adapters") or {}
+        return {str(name): str(adapter["sha256"]) for name, adapter in recorded.items()}
+    except (ValueError, AttributeError, KeyError, TypeError):
+        return {}
 
 
 @gpufleet_operation(counts_as_drift=False, runs_when_read_only=True)

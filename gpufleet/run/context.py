@@ -69,6 +69,8 @@ class DeployContext:
     shared_secrets: dict[str, str] = field(default_factory=dict, repr=False)
     # replicas with a restart record left by an earlier, interrupted run on any of their nodes
     pending_restarts: set[str] = field(default_factory=set)
+    # replicas one of whose LoRA adapters gets new weights in this run, on any of their nodes (they restart)
+    adapters_replaced: set[str] = field(default_factory=set)
     # replica -> the readiness wait on its first node
     readiness: dict[str, OperationMeta] = field(default_factory=dict)
     # replica -> its last start as its readiness wait timed it (gpufleet.measure.starts.Start's JSON), read on its first

@@ -185,11 +185,15 @@ def _build_debian(cache: Path) -> tuple[AptRepo, Tarball]:
 
 def adapter_sources(more: str = "", cache_dir: Path | str | None = None) -> dict[str, object]:
     """The lab's ``vllm_lora_adapters``, for its inventory: the adapters the mirror made for the tiny model, each
-    pushed from its directory here and pinned by its weights' digest (none before :func:`prepare` made them);
-    ``more``: the names, comma-separated, of those it made besides that are declared too (LATER_ADAPTER's)."""
-    wanted = {name for name in more.split(",") if name}
-    found = declared(_cache(cache_dir) / ADAPTERS_DIR,
-                     (*LAB_ADAPTERS, *(a for a in (LATER_ADAPTER,) if a.name in wanted)))
+    pushed from its directory here and pinned by its weights' digest (none before :func:`prepare` made them).
+    ``more``, comma-separated: the name of one it made besides that is declared too (LATER_ADAPTER's), or
+    ``NAME=MADE``: adapter NAME declared with the files made for MADE (a new revision of NAME)."""
+    items = [item for item in more.split(",") if item]
+    revised = dict(item.split("=", 1) for item in items if "=" in item)
+    made = declared(_cache(cache_dir) / ADAPTERS_DIR, (*LAB_ADAPTERS, LATER_ADAPTER))
+    found = {a.name: made[a.name] for a in (*LAB_ADAPTERS, LATER_ADAPTER)
+             if a.name in made and (a in LAB_ADAPTERS or a.name in items)}
+    found |= {name: made[files] for name, files in revised.items() if name in found and files in made}
     return {"vllm_lora_adapters": found} if found else {}
 
 

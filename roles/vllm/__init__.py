@@ -112,6 +112,12 @@ def _changed(metas: list[OperationMeta]) -> Callable[[], bool]:
     return check
 
 
+def _replica_changed(ctx: DeployContext, replica: str) -> Callable[[], bool]:
+    """Whether a replica's files changed on any of its nodes in this run, or one of its adapters got new weights."""
+    files_changed = _changed(ctx.replica_changes.setdefault(replica, []))
+    return lambda: files_changed() or replica in ctx.adapters_replaced
+
+
 def _restart_due(ctx: DeployContext, replica: str, changed: Callable[[], bool]) -> bool:
     """Whether a replica restarts: a restart record an interrupted run left, or its files changed in this one."""
     return replica in ctx.pending_restarts or changed()
@@ -345,7 +351,8 @@ def _stage_adapters(cfg: HostConfig) -> None:
 def _resolver_files(cfg: HostConfig, replica: str) -> None:
     """The adapters ``replica`` serves, as vLLM's filesystem resolver reads them: per name, its
     ``adapter_config.json`` naming the replica's model and a link to its staged weights; none without adapters.
-    Not one of the replica's changes: an adapter added is resolved by the running engine, no restart."""
+    Not one of the replica's changes: an adapter added is resolved by the running engine, no restart. An adapter
+    declared again with other weights restarts it (:func:`gpufleet.operations.vllm.adapters_replaced`)."""
     resolver = resolver_dir(replica)
     if not cfg.vllm_lora_adapters:
         files.absent(name=f"{replica}: no adapters", path=resolver)
@@ -411,6 +418,11 @@ def _replica_files(cfg: HostConfig, mine: list[tuple[Replica, NodeRole, Process]
         ops.append(_ray_drop_in(replica, role))
         drop_ins.append(ops[-1])
         _resolver_files(cfg, replica.name)
+        # Read before release.json is written again: an adapter declared with other weights restarts the replica.
+        vllm.adapters_replaced(name=f"{replica.name}: read which adapters get new weights (it restarts for them)",
+                               release=release_file(replica.name),
+                               adapters={name: a.sha256 for name, a in cfg.vllm_lora_adapters.items()},
+                               replaced=partial(ctx.adapters_replaced.add, replica.name))
         # What it runs, for gpufleet upgrade and rollback: not one of its changes (writing it restarts nothing).
         files.file(name=f"{replica.name}: write release.json (what it runs)", dest=release_file(replica.name),
                    content=release_json(release_of(cfg)))
@@ -419,7 +431,7 @@ def _replica_files(cfg: HostConfig, mine: list[tuple[Replica, NodeRole, Process]
         changes.extend(ops + shared)
         # Recorded before any node stops it: a run interrupted from here on still restarts it next time.
         vllm.restart_record(name=f"{replica.name}: record that it must restart", marker=restart_marker(replica.name),
-                            changed=_changed(changes),
+                            changed=_replica_changed(ctx, replica.name),
                             pending=partial(ctx.pending_restarts.add, replica.name))
     return drop_ins
 
@@ -482,11 +494,11 @@ def vllm_serve() -> None:
             files.absent(name=f"{replica.name}: stopped, so no restart is due", path=marker)
             _run_watchdog(replica, role)
             continue
-        changed = _changed(ctx.replica_changes.get(replica.name, []))
+        changed = _replica_changed(ctx, replica.name)
         # Stop every node's process of a changed replica before any starts again: an mp rank that
         # joined the old rank 0 would wait for it forever. Operations run on all hosts before the next.
-        systemd.stop(name=f"{replica.name}: stop {unit} (its configuration changed on one of its nodes)", unit=unit,
-                     _if=partial(_restart_due, ctx, replica.name, changed))
+        systemd.stop(name=f"{replica.name}: stop {unit} (its configuration or an adapter's weights changed on one of"
+                          " its nodes)", unit=unit, _if=partial(_restart_due, ctx, replica.name, changed))
         started = systemd.service(name=f"{replica.name}: start {unit}", unit=unit, running=True, enabled=True)
         starts = ctx.replica_starts.setdefault(replica.name, [])
         starts.append(started)

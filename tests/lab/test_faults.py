@@ -21,6 +21,7 @@ import pytest
 from gpufleet_lab.nodes import VRRP_PASSWORD_FILE, power_off
 from gpufleet_lab.sim_profile import write_sim_profile
 from gpufleet_lab.state import NodeRecord
+from gpufleet_lab.tiny_adapters import LAB_ADAPTERS, LATER_ADAPTER
 
 from gpufleet import node_paths
 from tests.lab.checks import assert_no_errors, assert_nothing_changed, main_pid
@@ -44,6 +45,7 @@ from tests.lab.fleet import (
     router_address,
     router_retries,
     router_servers,
+    router_url,
     served_name,
     single,
     tls,
@@ -525,19 +527,42 @@ def test_a_deploy_interrupted_halfway_converges_on_rerun(lab: Lab, faults: Compl
     wait_serving(lab, node)
 
 
+def _adapter_text(lab: Lab, adapter: str) -> str:
+    """What an adapter answers through the routers to one prompt, greedy and seeded: the same weights, the same text.
+    A replica just restarted is the routers' 503 until their health checks see it up (a few seconds)."""
+    end = time.monotonic() + 60
+    while True:
+        status, body = http(f"{router_url(lab)}/v1/completions", {"model": adapter, "prompt": "The fleet serves",
+                                                                  "max_tokens": 8, "temperature": 0, "seed": 1},
+                            client_key(lab), context=tls(lab))
+        if status != 503 or time.monotonic() > end:
+            break
+        time.sleep(1)
+    assert status == 200, body
+    return str(json.loads(body)["choices"][0]["text"])
+
+
 def test_changing_one_groups_setting_restarts_only_that_groups_replicas(
         lab: Lab, changed: Completed | None, lab_states: LabStates, tmp_path: Path) -> None:
-    """lab_single's group_vars change: the deploy restarts lab1's replica only (the fleet is left so: the next
-    scenario's deploy puts the repository's values back)."""
+    """lab_single's group_vars change, and one of its adapters, loaded in lab1's engine, is declared with other weights
+    (a new revision of tiny-poet: the files made for tiny-critic, declared beside it): the deploy restarts lab1's
+    replica only, which then answers for tiny-poet what tiny-critic answers (the fleet is left so: the next
+    scenario's deploy puts the repository's values back). That the new weights alone restart a replica:
+    tests/data/operations/vllm.adapters_replaced."""
     pipeline = {n.name: main_pid(lab, n, f"vllm@{PIPELINE}") for n in lab.nodes[1:]}
     single_pid = main_pid(lab, lab.nodes[0], f"vllm@{single(lab)}")
+    poet, critic = LAB_ADAPTERS[0].name, LATER_ADAPTER.name
+    before = _adapter_text(lab, poet)  # loaded in lab1's engine, if it was not
     inventory = lab_copy(tmp_path, {"lab_single": "vllm_extra_args:\n  enforce-eager: true\n  max-num-seqs: 16\n"})
     lab_states.changed(GROUP_CHANGED)
-    assert_no_errors(deploy(lab, inventory=inventory))
+    assert_no_errors(run([str(PYINFRA), inventory, DEPLOY, "-y"],
+                         {**lab.env, "GPUFLEET_LAB_ADAPTERS": f"{critic},{poet}={critic}"}, 1800))
     assert main_pid(lab, lab.nodes[0], f"vllm@{single(lab)}") != single_pid
     assert {n.name: main_pid(lab, n, f"vllm@{PIPELINE}") for n in lab.nodes[1:]} == pipeline
     config = lab.host(lab.nodes[0]).file(f"/etc/gpufleet/vllm/{single(lab)}/config.yaml").content_string
     assert "max-num-seqs: 16" in config
+    after = _adapter_text(lab, poet)
+    assert after == _adapter_text(lab, critic) and after != before, (before, after)
 
 
 def test_a_node_failing_the_gpu_gate_is_not_started_and_is_named(

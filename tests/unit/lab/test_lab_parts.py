@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from gpufleet_lab import network, nodes, preflight, rootfs, supervise, tiny_model
+from gpufleet_lab import mirror, network, nodes, preflight, rootfs, supervise, tiny_model
 from gpufleet_lab.cli import lab_group
 from gpufleet_lab.errors import LabError
 from gpufleet_lab.state import CACHE_DIR_ENV, LabState, NodeRecord, ProcessRecord, load_state, save_state
+from gpufleet_lab.tiny_adapters import LAB_ADAPTERS, LATER_ADAPTER, SUMS_FILE, WEIGHTS_FILE
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -174,3 +175,22 @@ def test_a_nodes_cgroup_tree_is_removed_deepest_first(tmp_path: Path) -> None:
     (top / "busy").mkdir(parents=True)
     (top / "busy" / "cgroup.procs").write_text("1\n")  # a cgroup that still has processes is not removed
     assert not supervise.remove_tree(top, wait_s=0.3) and (top / "busy").is_dir()
+
+
+def test_the_lab_inventory_declares_one_adapter_more_or_a_new_revision_by_name(tmp_path: Path) -> None:
+    """GPUFLEET_LAB_ADAPTERS's items: a name the mirror made besides the declared ones, or NAME=MADE (NAME declared
+    with MADE's files, a new revision of NAME: tests/lab/test_faults.py's group change)."""
+    root = tmp_path / mirror.ADAPTERS_DIR
+    root.mkdir()
+    made = [a.name for a in (*LAB_ADAPTERS, LATER_ADAPTER)]
+    (root / SUMS_FILE).write_text("".join(f"{str(i) * 64}  {name}/{WEIGHTS_FILE}\n" for i, name in enumerate(made)))
+    plain = mirror.adapter_sources("", tmp_path)["vllm_lora_adapters"]
+    assert isinstance(plain, dict) and sorted(plain) == sorted(a.name for a in LAB_ADAPTERS)
+    revised = mirror.adapter_sources(f"{LATER_ADAPTER.name},tiny-poet={LATER_ADAPTER.name}", tmp_path)
+    adapters = revised["vllm_lora_adapters"]
+    assert isinstance(adapters, dict) and sorted(adapters) == sorted(made)
+    assert adapters["tiny-poet"] == adapters[LATER_ADAPTER.name] == {
+        "source": str(root / LATER_ADAPTER.name), "sha256": str(made.index(LATER_ADAPTER.name)) * 64}
+    assert adapters["tiny-coder"] == plain["tiny-coder"]
+    # a revision of an adapter the pool does not declare declares nothing
+    assert "tiny-nobody" not in mirror.adapter_sources("tiny-nobody=tiny-chef", tmp_path)["vllm_lora_adapters"]

@@ -14,8 +14,9 @@ is its text, or ``{"command": text, "_sudo": ...}`` when it sets connector argum
 recorded as drift). Operations run in the case's folder: a controller path among the arguments (``src``) is relative
 to it.
 
-Arguments that are not JSON: ``{"$returns": X}`` is a callable returning X; ``{"$meta": {"changed": B}}`` an
-earlier operation's outcome; ``{"$loaded": {"version": V, "why_unknown": W}}`` a loaded kernel module.
+Arguments that are not JSON: ``{"$returns": X}`` is a callable returning X (``calls``, when the case has it, says how
+many times each such argument was called); ``{"$meta": {"changed": B}}`` an earlier operation's outcome;
+``{"$loaded": {"version": V, "why_unknown": W}}`` a loaded kernel module.
 """
 
 from __future__ import annotations
@@ -90,11 +91,22 @@ class _Meta:
         return self.changed
 
 
+class _Returns:
+    """A callable argument: returns its value, and counts its calls."""
+
+    def __init__(self, value: Any) -> None:
+        self.value, self.calls = value, 0
+
+    def __call__(self) -> Any:
+        self.calls += 1
+        return self.value
+
+
 def _argument(value: Any) -> Any:
     if isinstance(value, dict) and len(value) == 1:
         (key, inner), = value.items()
         if key == "$returns":
-            return lambda: inner
+            return _Returns(inner)
         if key == "$meta":
             return _Meta(**inner)
         if key == "$loaded":
@@ -133,6 +145,8 @@ def test_operation(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         with ctx_state.use(fake_state):
             assert bool(node.drift(fake)) is case["drift"]  # type: ignore[arg-type]
         return
+    if "calls" in case:
+        assert {key: arguments[key].calls for key in case["calls"]} == case["calls"]
     assert commands == case.get("commands", [])
     assert fake.logged == case.get("log", [])
     if "noop" in case:
