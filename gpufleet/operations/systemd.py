@@ -65,14 +65,18 @@ def reload(unit: str) -> Commands:
 
 
 @gpufleet_operation(idempotent=False, counts_as_drift=False)
-def stop(unit: str) -> Commands:
+def stop(unit: str, fresh_start_limit: bool = False) -> Commands:
     """
     Stop a unit now (it stays enabled); give it an ``_if`` saying why.
 
     + unit: the unit's full name
+    + fresh_start_limit: also clear its start limit's count (``reset-failed``): the start that follows is a new
+      attempt, not one more of a loop (systemd counts every start, the deploy's too, against ``StartLimitBurst``)
     """
     node.forget("units", unit)
     yield StringCommand("systemctl", "stop", QuoteString(unit))
+    if fresh_start_limit:
+        yield StringCommand("systemctl", "reset-failed", QuoteString(unit))
 
 
 @gpufleet_operation(idempotent=False)

@@ -497,8 +497,10 @@ def vllm_serve() -> None:
         changed = _replica_changed(ctx, replica.name)
         # Stop every node's process of a changed replica before any starts again: an mp rank that
         # joined the old rank 0 would wait for it forever. Operations run on all hosts before the next.
+        # Its start limit counts afresh: five deploys in five minutes that each restart it are no restart loop.
         systemd.stop(name=f"{replica.name}: stop {unit} (its configuration or an adapter's weights changed on one of"
-                          " its nodes)", unit=unit, _if=partial(_restart_due, ctx, replica.name, changed))
+                          " its nodes)", unit=unit, fresh_start_limit=True,
+                     _if=partial(_restart_due, ctx, replica.name, changed))
         started = systemd.service(name=f"{replica.name}: start {unit}", unit=unit, running=True, enabled=True)
         starts = ctx.replica_starts.setdefault(replica.name, [])
         starts.append(started)
