@@ -71,11 +71,13 @@ def stop(unit: str, fresh_start_limit: bool = False) -> Commands:
 
     + unit: the unit's full name
     + fresh_start_limit: also clear its start limit's count (``reset-failed``): the start that follows is a new
-      attempt, not one more of a loop (systemd counts every start, the deploy's too, against ``StartLimitBurst``)
+      attempt, not one more of a loop (systemd counts every start, the deploy's too, against ``StartLimitBurst``).
+      Only a unit that was not inactive: one never started is not loaded, has no count, and reset-failed refuses it
     """
+    loaded = fresh_start_limit and node.unit(unit)["active"] != "inactive"
     node.forget("units", unit)
     yield StringCommand("systemctl", "stop", QuoteString(unit))
-    if fresh_start_limit:
+    if loaded:
         yield StringCommand("systemctl", "reset-failed", QuoteString(unit))
 
 
