@@ -119,7 +119,8 @@ def _replica_changed(ctx: DeployContext, replica: str) -> Callable[[], bool]:
 
 
 def _restart_due(ctx: DeployContext, replica: str, changed: Callable[[], bool]) -> bool:
-    """Whether a replica restarts: a restart record an interrupted run left, or its files changed in this one."""
+    """Whether a replica restarts: a restart record an interrupted run left, or ``changed`` (its files or an
+    adapter's weights, in this run)."""
     return replica in ctx.pending_restarts or changed()
 
 

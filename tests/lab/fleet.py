@@ -343,3 +343,18 @@ def exposures(lab: Lab) -> dict[str, float]:
     print(done.stdout)  # the measured scores, for the record (pytest -s)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr
     return json.loads(done.stdout)["worst"]
+
+
+# One prompt, greedy and seeded: the same weights give the same text (tests/lab/test_adapters.py, test_faults.py).
+SEEDED_PROMPT = {"prompt": "The fleet serves", "max_tokens": 8, "temperature": 0, "seed": 1}
+
+
+def seeded_completion(lab: Lab, model: str) -> tuple[int, str]:
+    """The status and body of SEEDED_PROMPT's completion for ``model`` (a model or an adapter) through the routers."""
+    return http(f"{router_url(lab)}/v1/completions", {"model": model, **SEEDED_PROMPT}, client_key(lab),
+                context=tls(lab))
+
+
+def completion_text(body: str) -> str:
+    """The text of a completion's first choice."""
+    return str(json.loads(body)["choices"][0]["text"])

@@ -26,10 +26,12 @@ from tests.lab.fleet import (
     PORT,
     api_key,
     client_key,
+    completion_text,
     http,
     lab_adapters,
     record_figure,
     router_url,
+    seeded_completion,
     served_name,
     single,
     tls,
@@ -40,16 +42,7 @@ from tests.lab.scenarios import ADAPTER_ADDED, LabStates
 
 pytestmark = pytest.mark.filterwarnings("ignore:Unknown ssh-ed25519 host key:UserWarning")
 
-PROMPT = {"prompt": "The fleet serves", "max_tokens": 8, "temperature": 0, "seed": 1}
 SERVABLE_WITHIN_S = 30
-
-
-def _through_routers(lab: Lab, model: str) -> tuple[int, str]:
-    return http(f"{router_url(lab)}/v1/completions", {"model": model, **PROMPT}, client_key(lab), context=tls(lab))
-
-
-def _text(body: str) -> str:
-    return str(json.loads(body)["choices"][0]["text"])
 
 
 def _watch_verdicts(lab: Lab, node: NodeRecord) -> dict[str, int]:
@@ -78,15 +71,15 @@ def test_each_declared_adapter_is_staged_by_its_hash_answers_by_name_and_is_list
         assert host.run(f"runuser -u nobody -- cat {_staged(lab, adapter['sha256'])}").rc != 0
         link = host.file(f"{node_paths.resolver_dir(single(lab))}/{name}/{WEIGHTS_FILE}")
         assert link.is_symlink and link.linked_to == _staged(lab, adapter["sha256"])
-    status, body = _through_routers(lab, served_name("lab"))
+    status, body = seeded_completion(lab, served_name("lab"))
     assert status == 200, body
-    model_text = _text(body)
+    model_text = completion_text(body)
     answers: dict[str, set[str]] = {}
     for name in adapters:
         for _ in range(3):
-            status, body = _through_routers(lab, name)
+            status, body = seeded_completion(lab, name)
             assert status == 200, (name, body)
-            answers.setdefault(name, set()).add(_text(body))
+            answers.setdefault(name, set()).add(completion_text(body))
     assert all(len(texts) == 1 and model_text not in texts for texts in answers.values()), (model_text, answers)
     listed = {single(lab): set(adapters), "pipeline": set()}
     for node, expected in zip(lab.nodes[:2], listed.values(), strict=True):
@@ -118,7 +111,7 @@ def test_an_adapter_added_serves_without_a_restart_and_a_corrupted_one_is_found_
     assert f"Adapter {LAB_ADAPTERS[0].name}: stage {WEIGHTS_FILE}" in drift.output, drift.output[-4000:]
     wait_for("the node watch's verdict on the corrupted copy", lambda: True if _watch_verdicts(lab, node).get(
         LAB_ADAPTERS[0].name) == 0 else None, timeout=60, every=1)  # it looks every 10 s
-    status, body = _through_routers(lab, LATER_ADAPTER.name)
+    status, body = seeded_completion(lab, LATER_ADAPTER.name)
     assert status in (403, 404), body  # not declared yet: no client may use it
     engine = main_pid(lab, node, f"vllm@{replica}")
     began = time.monotonic()
@@ -128,7 +121,7 @@ def test_an_adapter_added_serves_without_a_restart_and_a_corrupted_one_is_found_
     assert done.rc == 0, done.output[-4000:]
     deployed = time.monotonic()
     while True:
-        status, body = _through_routers(lab, LATER_ADAPTER.name)
+        status, body = seeded_completion(lab, LATER_ADAPTER.name)
         if status == 200 or time.monotonic() - deployed > SERVABLE_WITHIN_S:
             break
         time.sleep(1)

@@ -35,6 +35,7 @@ from tests.lab.fleet import (
     SIM_PROFILE,
     address_holder,
     client_key,
+    completion_text,
     deploy,
     holds_address,
     http,
@@ -45,7 +46,7 @@ from tests.lab.fleet import (
     router_address,
     router_retries,
     router_servers,
-    router_url,
+    seeded_completion,
     served_name,
     single,
     tls,
@@ -532,14 +533,12 @@ def _adapter_text(lab: Lab, adapter: str) -> str:
     A replica just restarted is the routers' 503 until their health checks see it up (a few seconds)."""
     end = time.monotonic() + 60
     while True:
-        status, body = http(f"{router_url(lab)}/v1/completions", {"model": adapter, "prompt": "The fleet serves",
-                                                                  "max_tokens": 8, "temperature": 0, "seed": 1},
-                            client_key(lab), context=tls(lab))
+        status, body = seeded_completion(lab, adapter)
         if status != 503 or time.monotonic() > end:
             break
         time.sleep(1)
     assert status == 200, body
-    return str(json.loads(body)["choices"][0]["text"])
+    return completion_text(body)
 
 
 def test_changing_one_groups_setting_restarts_only_that_groups_replicas(
